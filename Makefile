@@ -1,0 +1,31 @@
+# The two commands from the README: `make demo` (main job) and `make test` (test suite).
+# Each creates or reuses .venv and installs what it needs (CPU torch 2.13.0; see README for GPU).
+PY ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: demo test test-slow lint bench-all clean-venv
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q torch==2.13.0
+	$(BIN)/python -m pip install -q -e '.[dev]'
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(BIN)/python scripts/demo.py
+
+test: $(STAMP)
+	$(BIN)/ruff check protein_performer tests scripts
+	$(BIN)/python -m pytest -q; rc=$$?; if [ $$rc -eq 5 ]; then echo "no tests collected"; exit 0; fi; exit $$rc
+
+test-slow: $(STAMP)
+	$(BIN)/python -m pytest -q -m slow; rc=$$?; if [ $$rc -eq 5 ]; then exit 0; fi; exit $$rc
+
+lint: $(STAMP)
+	$(BIN)/ruff check protein_performer tests scripts
+
+clean-venv:
+	rm -rf $(VENV)

@@ -1,0 +1,59 @@
+"""The one console script, ``protein-performer``, with one subcommand per job.
+
+Each subcommand lives in its own module exposing ``add_parser(subparsers)`` (which registers the
+parser and sets ``func``) so ``--help`` stays cheap: heavy imports happen inside ``func``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+import sys
+from collections.abc import Sequence
+
+from protein_performer import __version__
+from protein_performer.errors import UserError
+
+#: Subcommand modules under ``protein_performer.cli``, in the order ``--help`` lists them.
+SUBCOMMAND_MODULES: tuple[str, ...] = ("preprocess", "stats")
+
+log = logging.getLogger("protein_performer")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="protein-performer",
+        description="Performer (FAVOR+) protein language models for long sequences.",
+    )
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
+    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    for name in SUBCOMMAND_MODULES:
+        importlib.import_module(f"protein_performer.cli.{name}").add_parser(subparsers)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run a subcommand; user errors become one ``error:`` line and exit status 2."""
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    if extra and not getattr(args, "accepts_overrides", False):
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    args.overrides = extra
+    logging.basicConfig(
+        level=logging.DEBUG if args.verbose else logging.INFO,
+        format="%(levelname)s %(name)s: %(message)s",
+    )
+    try:
+        return int(args.func(args) or 0)
+    except UserError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())
