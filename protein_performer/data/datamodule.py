@@ -1,0 +1,251 @@
+"""LightningDataModule: a store or FASTA path in, length-bucketed token-budget loaders out.
+
+Configured from Hydra (``conf/data/*.yaml``). The train loader's sampler gets ``set_epoch`` from
+Lightning at every epoch start (the trainer runs with ``use_distributed_sampler=False`` so
+Lightning keeps our sampler) and tags indices with the epoch, so crops, masks and batch order are
+functions of ``(seed, epoch, index)``: a resumed run sees the same data as an uninterrupted one,
+with or without persistent workers. Validation and test items always use epoch 0 (fixed crops
+and masks), so their losses are comparable between epochs and runs.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytorch_lightning as pl
+from torch.utils.data import DataLoader
+
+from protein_performer.data.dataset import (
+    SPLITS,
+    ProteinCollator,
+    ProteinDataset,
+    RecordSource,
+    StoreSubset,
+    fasta_splits,
+)
+from protein_performer.data.sampler import TokenBudgetBatchSampler
+from protein_performer.data.tokenizer import Alphabet
+from protein_performer.errors import UserError
+
+log = logging.getLogger(__name__)
+
+_FRACTION_FOR = {"valid": "valid_frac", "test": "test_frac"}
+
+
+def _as_paths(path: str | Path | Sequence[str | Path]) -> list[Path]:
+    """Accept one path or a list (Hydra gives ``ListConfig``), expand ``~``."""
+    items = [path] if isinstance(path, (str, Path)) else list(path)
+    if not items:
+        raise UserError("data.path is empty: give a preprocessed store directory or FASTA file(s)")
+    return [Path(str(p)).expanduser() for p in items]
+
+
+class ProteinDataModule(pl.LightningDataModule):
+    """Train/valid/test loaders over a preprocessed store (``path`` is a directory) or FASTA.
+
+    A store carries its own split (chosen at ``preprocess`` time); ``valid_frac``/``test_frac``
+    only apply when reading FASTA, with the same hashing rule, so both routes agree.
+    ``max_len`` counts ``<cls>``/``<eos>``; ``max_tokens`` is the padded-token budget per batch
+    (per device); ``limit_records`` keeps the first N records of the input (quick runs).
+    """
+
+    def __init__(
+        self,
+        path: str | Sequence[str],
+        objective: str = "mlm",
+        max_len: int = 1024,
+        max_tokens: int = 16384,
+        max_batch_size: int | None = None,
+        mlm_prob: float = 0.15,
+        valid_frac: float = 0.02,
+        test_frac: float = 0.02,
+        num_workers: int = 0,
+        seed: int | None = 0,
+        on_invalid: str = "error",
+        pin_memory: bool = False,
+        limit_records: int | None = None,
+        split_by: str = "auto",
+    ) -> None:
+        super().__init__()
+        self.paths = _as_paths(path)
+        path = [str(p) for p in self.paths]  # plain strings in the checkpoint, not ListConfig
+        self.save_hyperparameters()
+        if objective not in ("mlm", "clm"):
+            raise UserError(f"data.objective must be mlm or clm, got {objective!r}")
+        if on_invalid not in ("error", "skip"):
+            raise UserError(f"data.on_invalid must be error or skip, got {on_invalid!r}")
+        if max_tokens < max_len:
+            log.warning(
+                "data.max_tokens=%d < data.max_len=%d: the longest records get a batch of "
+                "their own and exceed the budget",
+                max_tokens,
+                max_len,
+            )
+        self.objective = objective
+        self.max_len = max_len
+        self.max_tokens = max_tokens
+        self.max_batch_size = max_batch_size
+        self.mlm_prob = mlm_prob
+        self.valid_frac = valid_frac
+        self.test_frac = test_frac
+        self.num_workers = num_workers
+        self.seed = 0 if seed is None else int(seed)  # a run with seed=null still needs one
+        self.on_invalid = on_invalid
+        self.pin_memory = pin_memory
+        self.limit_records = limit_records
+        self.split_by = split_by
+        self.alphabet = Alphabet()
+        self.collator = ProteinCollator(self.alphabet)
+        self.sources: dict[str, RecordSource] | None = None
+        self.datasets: dict[str, ProteinDataset] = {}
+
+    # ---- loading -----------------------------------------------------------------------------
+    def _load_sources(self) -> dict[str, RecordSource]:
+        missing = [p for p in self.paths if not p.exists()]
+        if missing:
+            raise UserError(
+                f"data.path {str(missing[0])!r} does not exist: give a store directory made by "
+                "`protein-performer preprocess` or FASTA file(s)"
+            )
+        if len(self.paths) == 1 and self.paths[0].is_dir():
+            return self._store_sources(self.paths[0])
+        dirs = [p for p in self.paths if p.is_dir()]
+        if dirs:
+            raise UserError(
+                f"data.path mixes a directory ({dirs[0]}) with other paths: give one store "
+                "directory, or only FASTA files"
+            )
+        return fasta_splits(
+            self.paths,
+            self.valid_frac,
+            self.test_frac,
+            on_invalid=self.on_invalid,
+            limit_records=self.limit_records,
+            split_by=self.split_by,
+            alphabet=self.alphabet,
+        )
+
+    def _store_sources(self, directory: Path) -> dict[str, RecordSource]:
+        from protein_performer.data.store import TokenStore
+
+        store = TokenStore(directory)
+        split_meta = (getattr(store, "meta", None) or {}).get("split", {})
+        for key in ("valid_frac", "test_frac"):
+            if key in split_meta and split_meta[key] != getattr(self, key):
+                log.info(
+                    "store %s was split with %s=%s at preprocess time; data.%s=%s does not "
+                    "apply to stores",
+                    directory,
+                    key,
+                    split_meta[key],
+                    key,
+                    getattr(self, key),
+                )
+        out: dict[str, RecordSource] = {}
+        for split in SPLITS:
+            idx = np.asarray(store.indices(split), dtype=np.int64)
+            if self.limit_records is not None:
+                idx = idx[idx < self.limit_records]
+            out[split] = StoreSubset(store, idx)
+        return out
+
+    def _check_nonempty(self, split: str) -> None:
+        assert self.sources is not None
+        if len(self.sources[split]):
+            return
+        total = sum(len(s) for s in self.sources.values())
+        where = ", ".join(str(p) for p in self.paths)
+        if split == "train":
+            hint = "lower data.valid_frac / data.test_frac, or give more records"
+        else:
+            frac = _FRACTION_FOR[split]
+            hint = (
+                f"raise data.{frac} (now {getattr(self, frac)}) so at least one of the "
+                f"{total} records lands there, or give more records"
+            )
+        if self.limit_records is not None:
+            hint += f" (data.limit_records={self.limit_records} also limits the input)"
+        raise UserError(f"the {split} split of {where} is empty: {hint}")
+
+    def setup(self, stage: str | None = None) -> None:
+        if self.sources is None:
+            self.sources = self._load_sources()
+        needed = {
+            "fit": ("train", "valid"),
+            "validate": ("valid",),
+            "test": ("test",),
+            None: ("train", "valid"),
+        }.get(stage, ())
+        for split in needed:
+            self._check_nonempty(split)
+        for split in SPLITS:
+            if split not in self.datasets and len(self.sources[split]):
+                self.datasets[split] = ProteinDataset(
+                    self.sources[split],
+                    objective=self.objective,  # type: ignore[arg-type]
+                    max_len=self.max_len,
+                    crop="random" if split == "train" else "fixed",
+                    mlm_prob=self.mlm_prob,
+                    seed=self.seed,
+                    alphabet=self.alphabet,
+                )
+
+    # ---- loaders -----------------------------------------------------------------------------
+    def _replicas(self) -> tuple[int, int]:
+        trainer = getattr(self, "trainer", None)
+        if trainer is None:
+            return 1, 0
+        return int(trainer.world_size), int(trainer.global_rank)
+
+    def batch_sampler(self, split: str) -> TokenBudgetBatchSampler:
+        """The sampler a loader uses; public so scripts and tests can inspect batches."""
+        if split not in self.datasets:
+            self.setup("test" if split == "test" else "fit")
+            self._check_nonempty(split)
+        num_replicas, rank = self._replicas()
+        train = split == "train"
+        return TokenBudgetBatchSampler(
+            self.datasets[split].model_lengths(),
+            self.max_tokens,
+            max_batch_size=self.max_batch_size,
+            shuffle=train,
+            seed=self.seed,
+            num_replicas=num_replicas,
+            rank=rank,
+            drop_last=False,
+            tag_epoch=train,
+        )
+
+    def _loader(self, split: str) -> DataLoader:
+        sampler = self.batch_sampler(split)
+        return DataLoader(
+            self.datasets[split],
+            batch_sampler=sampler,
+            collate_fn=self.collator,
+            num_workers=self.num_workers,
+            pin_memory=self.pin_memory,
+            persistent_workers=self.num_workers > 0,
+        )
+
+    def train_dataloader(self) -> DataLoader:
+        return self._loader("train")
+
+    def val_dataloader(self) -> DataLoader:
+        return self._loader("valid")
+
+    def test_dataloader(self) -> DataLoader:
+        return self._loader("test")
+
+    def summary(self) -> dict[str, Any]:
+        """Record and residue counts per split, for logs and the CLI."""
+        if self.sources is None:
+            self.setup("fit")
+        assert self.sources is not None
+        return {
+            split: {"records": len(src), "residues": int(np.sum(src.lengths))}
+            for split, src in self.sources.items()
+        }

@@ -1,0 +1,536 @@
+"""The tokenized, memory-mapped record store that training reads.
+
+Layout of a store directory (all binaries raw little-endian, N = number of records)::
+
+    tokens.bin           uint8   (total residues,)  token ids, records back to back, no BOS/EOS
+    offsets.bin          <i8     (N + 1,)           record i is tokens[offsets[i]:offsets[i+1]]
+    lengths.bin          <i4     (N,)               residues per record (= offsets diff)
+    split.bin            uint8   (N,)               0 train, 1 valid, 2 test
+    ids.bin              bytes                      record ids, UTF-8, back to back
+    ids.offsets.bin      <i8     (N + 1,)
+    descriptions.txt     bytes                      the header line after the id, UTF-8,
+                                                    one per record, each ending in '\n'
+    descriptions.offsets.bin <i8 (N + 1,)
+    meta.json                                       format version, counts, vocabulary, inputs
+
+Headers are kept raw (id + description = the header line) and parsed on access
+(``TokenStore.header``): lossless, and it keeps the per-record cost of writing at a few list
+appends (JSON-encoding every header would cost more than parsing the FASTA does).
+
+Why this shape: nanoGPT-style flat binaries are readable with ``np.memmap`` from any process
+(DataLoader workers included) with no per-record Python objects, so a UniRef50-sized corpus
+costs constant RAM; offsets give O(1) random access; everything is written in one streaming pass.
+
+The writer builds the store in a temporary sibling directory and renames it into place only when
+complete, so a crash never leaves a half-written store under the requested name. Output is a pure
+function of the input: no timestamps, no temporary paths, sorted JSON keys.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import tempfile
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any, BinaryIO
+
+import numpy as np
+
+from protein_performer.data.split import SPLIT_CODES, SPLIT_NAMES
+from protein_performer.data.tokenizer import Alphabet
+from protein_performer.errors import UserError
+
+log = logging.getLogger(__name__)
+
+FORMAT_NAME = "protein_performer.token_store"
+FORMAT_VERSION = 1
+
+TOKENS = "tokens.bin"
+OFFSETS = "offsets.bin"
+LENGTHS = "lengths.bin"
+SPLIT = "split.bin"
+IDS = "ids.bin"
+ID_OFFSETS = "ids.offsets.bin"
+HEADERS = "descriptions.txt"
+HEADER_OFFSETS = "descriptions.offsets.bin"
+META = "meta.json"
+
+#: File -> numpy dtype string; stored in meta so other tools can read the store without us.
+DTYPES: dict[str, str] = {
+    TOKENS: "|u1",
+    OFFSETS: "<i8",
+    LENGTHS: "<i4",
+    SPLIT: "|u1",
+    ID_OFFSETS: "<i8",
+    HEADER_OFFSETS: "<i8",
+}
+
+_BUFFER = 1 << 20  # bytes of OS-level write buffering per output file
+
+
+def _bad_letter(alphabet: Alphabet, seq: str) -> None:
+    """Raise the tokenizer's ValueError naming the first non-vocabulary character."""
+    alphabet.encode(seq)
+    raise ValueError("sequence holds a character outside the vocabulary")
+
+
+def _translate_table(alphabet: Alphabet) -> bytes:
+    """``bytes.translate`` table: letter byte -> token id, 255 for anything else."""
+    table = bytearray(b"\xff" * 256)
+    for token, idx in alphabet.tok_to_idx.items():
+        if len(token) == 1:
+            table[ord(token)] = idx
+    return bytes(table)
+
+
+def _pack(strings: Sequence[str], terminator: str) -> tuple[bytes, np.ndarray]:
+    """Concatenate strings (each followed by ``terminator``) as UTF-8, with per-string byte
+    lengths (n,) int64; ASCII chunks (the usual case) skip the per-string encode."""
+    blob = terminator.join(strings) + (terminator if strings else "")
+    extra = len(terminator)
+    if blob.isascii():
+        lens = np.fromiter(map(len, strings), dtype=np.int64, count=len(strings)) + extra
+        return blob.encode("ascii"), lens
+    parts = [s.encode("utf-8") for s in strings]
+    lens = np.fromiter(map(len, parts), dtype=np.int64, count=len(parts)) + extra
+    return blob.encode("utf-8"), lens
+
+
+def _multiline(headers: Sequence[str]) -> bool:
+    """A description with a line break would shift every later line; FASTA cannot produce one, but
+    a programmatic caller could."""
+    joined = "\n".join(headers)
+    return joined.count("\n") != max(len(headers) - 1, 0) or "\r" in joined
+
+
+def _one_line(header: str) -> str:
+    return header.replace("\r", " ").replace("\n", " ")
+
+
+def _dump_json(obj: Any) -> str:
+    """Canonical JSON so identical inputs give identical bytes."""
+    return json.dumps(obj, sort_keys=True, indent=2, ensure_ascii=False) + "\n"
+
+
+class StoreWriter:
+    """Stream records into a new store directory, in bounded memory.
+
+    Records are buffered in chunks of at most ``chunk_records`` records / ``chunk_residues``
+    residues, then tokenized in one vectorised call and appended to the open files; only the
+    running totals survive a flush. Use as a context manager: leaving the block by an exception
+    removes the temporary directory; call :meth:`commit` to publish the store.
+    """
+
+    def __init__(
+        self,
+        out: str | os.PathLike[str],
+        *,
+        overwrite: bool = False,
+        alphabet: Alphabet | None = None,
+        chunk_records: int = 1 << 15,
+        chunk_residues: int = 1 << 24,
+    ) -> None:
+        self.out = Path(out)
+        self.overwrite = overwrite
+        self.alphabet = alphabet or Alphabet()
+        self._table = _translate_table(self.alphabet)
+        self.chunk_records = chunk_records
+        self.chunk_residues = chunk_residues
+        check_output_dir(self.out, overwrite)
+        self.out.parent.mkdir(parents=True, exist_ok=True)
+        self.tmp = Path(tempfile.mkdtemp(prefix=f".{self.out.name}.tmp-", dir=self.out.parent))
+        self._files: dict[str, BinaryIO] = {
+            name: open(self.tmp / name, "wb", buffering=_BUFFER)  # noqa: SIM115
+            for name in (TOKENS, OFFSETS, LENGTHS, SPLIT, IDS, ID_OFFSETS, HEADERS, HEADER_OFFSETS)
+        }
+        zero = np.zeros(1, dtype="<i8").tobytes()
+        for name in (OFFSETS, ID_OFFSETS, HEADER_OFFSETS):
+            self._files[name].write(zero)
+        # Running totals (the only state that grows with the corpus is a few integers).
+        self.num_records = 0
+        self.split_records = np.zeros(len(SPLIT_NAMES), dtype=np.int64)
+        self.split_residues = np.zeros(len(SPLIT_NAMES), dtype=np.int64)
+        self.max_length = 0
+        self._tok_end = 0
+        self._id_end = 0
+        self._hdr_end = 0
+        self._reset_chunk()
+        self._closed = False
+
+    def _reset_chunk(self) -> None:
+        self._ids: list[str] = []
+        self._seqs: list[str] = []
+        self._splits: list[int] = []
+        self._headers: list[str] = []
+        self._chunk_residues = 0
+
+    def add(self, record_id: str, sequence: str, split: int, description: str = "") -> None:
+        """Queue one record. ``sequence`` must hold vocabulary letters only (validated upstream,
+        where the file and line are known); ``description`` is the header line after the id."""
+        self._ids.append(record_id)
+        self._seqs.append(sequence)
+        self._splits.append(split)
+        self._headers.append(description)
+        self._chunk_residues += len(sequence)
+        if len(self._ids) >= self.chunk_records or self._chunk_residues >= self.chunk_residues:
+            self.flush()
+
+    def flush(self) -> None:
+        """Write the records queued by :meth:`add`."""
+        if self._ids:
+            ids, seqs, splits, headers = self._ids, self._seqs, self._splits, self._headers
+            self._reset_chunk()
+            self.write_chunk(ids, seqs, splits, headers)
+
+    def write_chunk(
+        self,
+        ids: Sequence[str],
+        seqs: Sequence[str],
+        splits: Sequence[int],
+        descriptions: Sequence[str],
+    ) -> None:
+        """Tokenize a chunk of records and append it to every file.
+
+        The fast path for bulk producers: all per-record work happens in C (one join, one LUT
+        pass, one cumsum per file), so the caller's loop only appends to four lists.
+        """
+        n = len(ids)
+        if n == 0:
+            return
+        headers = descriptions
+        if not (len(seqs) == len(splits) == len(headers) == n):
+            raise ValueError("ids, seqs, splits and descriptions must have the same length")
+        self.flush()  # keep record order if add() and write_chunk() are mixed
+        f = self._files
+        lengths = np.fromiter(map(len, seqs), dtype=np.int64, count=n)  # (n,)
+        # One bytes.translate over the whole chunk (same mapping as Alphabet.encode, ~10x faster
+        # than n small numpy calls); 255 marks a letter outside the vocabulary.
+        joined = "".join(seqs)
+        if not joined.isascii():
+            _bad_letter(self.alphabet, joined)
+        tokens = joined.encode("ascii").translate(self._table)  # (sum(lengths),) uint8 ids
+        if b"\xff" in tokens:
+            _bad_letter(self.alphabet, joined)
+        f[TOKENS].write(tokens)
+        f[OFFSETS].write((np.cumsum(lengths) + self._tok_end).astype("<i8").tobytes())
+        f[LENGTHS].write(lengths.astype("<i4").tobytes())
+        split_arr = np.asarray(splits, dtype=np.uint8)  # (n,)
+        if split_arr.size and int(split_arr.max()) >= len(SPLIT_NAMES):
+            raise ValueError(f"split codes must be 0..{len(SPLIT_NAMES) - 1}")
+        f[SPLIT].write(split_arr.tobytes())
+
+        id_blob, id_len = _pack(ids, "")
+        f[IDS].write(id_blob)
+        f[ID_OFFSETS].write((np.cumsum(id_len) + self._id_end).astype("<i8").tobytes())
+        hdr_blob, hdr_len = _pack(
+            [_one_line(h) for h in headers] if _multiline(headers) else headers, "\n"
+        )
+        f[HEADERS].write(hdr_blob)
+        f[HEADER_OFFSETS].write((np.cumsum(hdr_len) + self._hdr_end).astype("<i8").tobytes())
+
+        self._tok_end += int(lengths.sum())
+        self._id_end += int(id_len.sum())
+        self._hdr_end += int(hdr_len.sum())
+        self.num_records += n
+        k = len(SPLIT_NAMES)
+        self.split_records += np.bincount(split_arr, minlength=k)
+        self.split_residues += np.bincount(split_arr, weights=lengths, minlength=k).astype(
+            np.int64
+        )
+        self.max_length = max(self.max_length, int(lengths.max()))
+
+    def _close_files(self) -> None:
+        if not self._closed:
+            for fh in self._files.values():
+                fh.close()
+            self._closed = True
+
+    def commit(self, extra_meta: dict[str, Any] | None = None) -> Path:
+        """Finish the files, write ``meta.json`` and atomically move the store into place."""
+        self.flush()
+        self._close_files()
+        meta: dict[str, Any] = {
+            "format": FORMAT_NAME,
+            "format_version": FORMAT_VERSION,
+            "num_records": self.num_records,
+            "num_residues": self._tok_end,
+            "max_length": self.max_length,
+            "splits": {
+                name: {
+                    "records": int(self.split_records[code]),
+                    "residues": int(self.split_residues[code]),
+                }
+                for code, name in enumerate(SPLIT_NAMES)
+            },
+            "split_codes": dict(SPLIT_CODES),
+            "vocab": list(self.alphabet.tokens),
+            "dtypes": dict(DTYPES),
+            "files": {
+                TOKENS: self._tok_end,
+                IDS: self._id_end,
+                HEADERS: self._hdr_end,
+            },
+        }
+        if extra_meta:
+            clash = set(meta) & set(extra_meta)
+            if clash:
+                raise ValueError(f"extra_meta may not override {sorted(clash)}")
+            meta.update(extra_meta)
+        (self.tmp / META).write_text(_dump_json(meta), encoding="utf-8")
+        _replace_dir(self.tmp, self.out, self.overwrite)
+        log.debug("committed store %s (%d records)", self.out, self.num_records)
+        return self.out
+
+    def abort(self) -> None:
+        """Drop everything written so far."""
+        self._close_files()
+        shutil.rmtree(self.tmp, ignore_errors=True)
+
+    def __enter__(self) -> StoreWriter:
+        return self
+
+    def __exit__(self, exc_type: object, exc: object, tb: object) -> None:
+        if exc_type is not None or self.tmp.exists():
+            # Either an error, or the block ended without commit(): nothing is published.
+            self.abort()
+
+
+def is_store(path: str | os.PathLike[str]) -> bool:
+    """True when ``path`` looks like a token store (a directory holding our ``meta.json``)."""
+    meta = Path(path) / META
+    if not meta.is_file():
+        return False
+    try:
+        return json.loads(meta.read_text(encoding="utf-8")).get("format") == FORMAT_NAME
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
+def check_output_dir(out: Path, overwrite: bool) -> None:
+    """Refuse early (before any work) to clobber something the user did not ask to replace."""
+    if not out.exists() and not out.is_symlink():
+        return
+    if not out.is_dir():
+        raise UserError(f"{out} exists and is not a directory: choose another --out")
+    if not overwrite:
+        raise UserError(
+            f"{out} already exists: pass --overwrite to replace it, or choose another --out"
+        )
+    if not is_store(out) and any(out.iterdir()):
+        raise UserError(
+            f"{out} exists and is not a preprocessed store: refusing to replace it even with "
+            "--overwrite; choose another --out or remove it yourself"
+        )
+
+
+def _replace_dir(src: Path, dst: Path, overwrite: bool) -> None:
+    """Move ``src`` to ``dst``; an old ``dst`` is swapped aside first and deleted afterwards, so
+    at every moment ``dst`` is the complete old store or the complete new one (or absent)."""
+    trash: Path | None = None
+    if dst.exists():
+        check_output_dir(dst, overwrite)
+        trash = Path(tempfile.mkdtemp(prefix=f".{dst.name}.old-", dir=dst.parent))
+        os.rmdir(trash)
+        os.replace(dst, trash)
+    try:
+        os.replace(src, dst)
+    except OSError:
+        if trash is not None:
+            os.replace(trash, dst)
+        raise
+    if trash is not None:
+        shutil.rmtree(trash, ignore_errors=True)
+
+
+class TokenStore:
+    """Read-only view of a store: O(1) random access through memory-mapped offsets.
+
+    Memory maps are opened lazily and dropped on pickling, so a store handed to DataLoader
+    workers reopens its files in each process instead of sharing (or copying) mappings.
+    """
+
+    def __init__(self, path: str | os.PathLike[str]) -> None:
+        self.path = Path(path)
+        self.meta: dict[str, Any] = _read_meta(self.path)
+        self._num = int(self.meta["num_records"])
+        self._check_sizes()
+        self._mm: dict[str, np.ndarray] | None = None
+        self._indices: dict[str, np.ndarray] = {}
+
+    # -- opening -----------------------------------------------------------------------------
+
+    def _check_sizes(self) -> None:
+        """Catch truncated or mixed-up files now, with a clear message, not as garbage later."""
+        n = self._num
+        files = self.meta.get("files", {})
+        expected = {
+            TOKENS: int(self.meta["num_residues"]),
+            OFFSETS: 8 * (n + 1),
+            LENGTHS: 4 * n,
+            SPLIT: n,
+            IDS: int(files.get(IDS, -1)),
+            ID_OFFSETS: 8 * (n + 1),
+            HEADERS: int(files.get(HEADERS, -1)),
+            HEADER_OFFSETS: 8 * (n + 1),
+        }
+        for name, size in expected.items():
+            p = self.path / name
+            if not p.is_file():
+                raise UserError(
+                    f"{self.path} is not a complete store: {name} is missing; re-run "
+                    "`protein-performer preprocess`"
+                )
+            actual = p.stat().st_size
+            if actual != size:
+                raise UserError(
+                    f"{self.path} is corrupt: {name} has {actual} bytes, meta.json expects "
+                    f"{size}; re-run `protein-performer preprocess --overwrite`"
+                )
+
+    def _open(self) -> dict[str, np.ndarray]:
+        if self._mm is None:
+            mm: dict[str, np.ndarray] = {}
+            for name in (
+                TOKENS,
+                OFFSETS,
+                LENGTHS,
+                SPLIT,
+                IDS,
+                ID_OFFSETS,
+                HEADERS,
+                HEADER_OFFSETS,
+            ):
+                dtype = np.dtype(DTYPES.get(name, "|u1"))
+                p = self.path / name
+                if p.stat().st_size == 0:  # mmap cannot map an empty file
+                    mm[name] = np.zeros(0, dtype=dtype)
+                else:
+                    mm[name] = np.memmap(p, dtype=dtype, mode="r")
+            self._mm = mm
+        return self._mm
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        state["_mm"] = None
+        state["_indices"] = {}
+        return state
+
+    # -- access ------------------------------------------------------------------------------
+
+    def __len__(self) -> int:
+        return self._num
+
+    def _index(self, i: int) -> int:
+        i = int(i)
+        if i < 0:
+            i += self._num
+        if not 0 <= i < self._num:
+            raise IndexError(f"record index {i} out of range for a store of {self._num}")
+        return i
+
+    def tokens(self, i: int) -> np.ndarray:
+        """Token ids of record ``i``: (length,) uint8, a private copy (safe to modify/torch)."""
+        i = self._index(i)
+        mm = self._open()
+        a, b = mm[OFFSETS][i], mm[OFFSETS][i + 1]
+        return np.array(mm[TOKENS][a:b])
+
+    def length(self, i: int) -> int:
+        return int(self._open()[LENGTHS][self._index(i)])
+
+    @property
+    def lengths(self) -> np.ndarray:
+        """(N,) int32 memmap: lengths for length-bucketed batching without touching tokens."""
+        return self._open()[LENGTHS]
+
+    @property
+    def offsets(self) -> np.ndarray:
+        """(N + 1,) int64 memmap."""
+        return self._open()[OFFSETS]
+
+    @property
+    def split(self) -> np.ndarray:
+        """(N,) uint8 memmap of split codes (0 train, 1 valid, 2 test)."""
+        return self._open()[SPLIT]
+
+    def id(self, i: int) -> str:
+        i = self._index(i)
+        mm = self._open()
+        a, b = mm[ID_OFFSETS][i], mm[ID_OFFSETS][i + 1]
+        return mm[IDS][a:b].tobytes().decode("utf-8")
+
+    def description(self, i: int) -> str:
+        """The header line of record ``i`` after its id ("" when there is none)."""
+        i = self._index(i)
+        mm = self._open()
+        a, b = mm[HEADER_OFFSETS][i], mm[HEADER_OFFSETS][i + 1]
+        return mm[HEADERS][a : b - 1].tobytes().decode("utf-8")
+
+    def header_line(self, i: int) -> str:
+        """The FASTA header line of record ``i``, without '>'."""
+        rid, desc = self.id(i), self.description(i)
+        return f"{rid} {desc}" if desc else rid
+
+    def header(self, i: int) -> dict[str, Any]:
+        """Structured header fields of record ``i`` (UniProt/UniRef), parsed on access."""
+        from protein_performer.data.headers import parse_header
+
+        return parse_header(self.header_line(i)).to_dict()
+
+    def sequence(self, i: int) -> str:
+        """Record ``i`` decoded back to letters with the store's own vocabulary."""
+        vocab: Sequence[str] = self.meta["vocab"]
+        return "".join(vocab[t] for t in self.tokens(i).tolist())
+
+    def indices(self, split: str = "all") -> np.ndarray:
+        """(n,) int64 record indices of one split (``train``/``valid``/``test``) or ``all``."""
+        name = {"val": "valid", "validation": "valid"}.get(split, split)
+        if name not in self._indices:
+            if name == "all":
+                idx = np.arange(self._num, dtype=np.int64)
+            elif name in SPLIT_CODES:
+                idx = np.flatnonzero(np.asarray(self.split) == SPLIT_CODES[name]).astype(np.int64)
+            else:
+                raise ValueError(f"unknown split {split!r}: use train, valid, test or all")
+            self._indices[name] = idx
+        return self._indices[name]
+
+    def __repr__(self) -> str:
+        counts = {k: v["records"] for k, v in self.meta.get("splits", {}).items()}
+        return f"TokenStore({str(self.path)!r}, records={self._num}, splits={counts})"
+
+
+def _read_meta(path: Path) -> dict[str, Any]:
+    if not path.exists():
+        raise UserError(
+            f"{path} does not exist: run `protein-performer preprocess ... --out {path}`"
+        )
+    if not path.is_dir():
+        raise UserError(f"{path} is not a directory, so not a preprocessed store")
+    meta_path = path / META
+    if not meta_path.is_file():
+        raise UserError(
+            f"{path} is not a preprocessed store (no {META}): run "
+            f"`protein-performer preprocess ... --out {path}`"
+        )
+    try:
+        meta = json.loads(meta_path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError) as exc:
+        raise UserError(
+            f"{meta_path} is unreadable or not JSON ({exc}); re-run preprocess"
+        ) from exc
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT_NAME:
+        raise UserError(f"{meta_path} does not describe a protein_performer token store")
+    version = meta.get("format_version")
+    if version != FORMAT_VERSION:
+        raise UserError(
+            f"{path} has store format version {version!r}, this protein_performer reads version "
+            f"{FORMAT_VERSION}: re-run `protein-performer preprocess` with this version"
+        )
+    for key in ("num_records", "num_residues", "vocab"):
+        if key not in meta:
+            raise UserError(f"{meta_path} lacks {key!r}: the store is corrupt; re-run preprocess")
+    return meta

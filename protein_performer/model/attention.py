@@ -1,0 +1,90 @@
+"""Multi-head self-attention: projections, heads and rotary around the attention core.
+
+The math (FAVOR+ or exact softmax) lives in ``favor.py``; this module only owns the projections
+(named like ESM-2's ``q_proj k_proj v_proj out_proj`` so its weights load by renaming) and, for
+FAVOR+, the random-feature buffer inside ``self.favor``.
+
+ESM-2 scales q by ``head_dim ** -0.5`` before rotary; rotary is linear, so rotating the unscaled
+q and letting the attention core apply ``1/sqrt(d)`` gives the same scores.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import nn
+
+from protein_performer.model.config import PerformerConfig
+from protein_performer.model.favor import FavorAttention, exact_attention, exact_attention_map
+from protein_performer.model.rotary import RotaryEmbedding
+
+
+class MultiHeadSelfAttention(nn.Module):
+    """Self-attention with rotary q/k; FAVOR+ or exact softmax by ``config.attention``."""
+
+    def __init__(self, config: PerformerConfig) -> None:
+        super().__init__()
+        self.heads = config.heads
+        self.head_dim = config.head_dim
+        self.causal = config.causal
+        dim = config.dim
+        self.q_proj = nn.Linear(dim, dim)
+        self.k_proj = nn.Linear(dim, dim)
+        self.v_proj = nn.Linear(dim, dim)
+        self.out_proj = nn.Linear(dim, dim)
+        self.rot_emb = RotaryEmbedding(self.head_dim, base=config.rotary_base)
+        self.favor: FavorAttention | None = None
+        if config.attention == "favor":
+            kwargs = {}
+            if config.favor_chunk_size is not None:
+                kwargs["chunk_size"] = config.favor_chunk_size
+            self.favor = FavorAttention(
+                dim_head=self.head_dim,
+                nb_features=config.nb_features,
+                causal=self.causal,
+                kernel=config.kernel,
+                **kwargs,
+            )
+
+    def _split_heads(self, x: torch.Tensor) -> torch.Tensor:
+        B, L, _ = x.shape
+        return x.view(B, L, self.heads, self.head_dim).transpose(1, 2)  # (B, H, L, d)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        padding_mask: torch.Tensor | None = None,
+        need_weights: bool = False,
+        heads: Sequence[int] | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``x`` (B, L, D), ``padding_mask`` (B, L) True = pad -> output (B, L, D) and, if
+        ``need_weights``, the attention map (B, H', L, L) of ``heads`` (all heads if None).
+
+        The FAVOR+ map is the one the model implicitly uses (normalized feature products), never
+        materialized in the forward pass itself.
+        """
+        B, L, D = x.shape
+        q = self._split_heads(self.q_proj(x))
+        k = self._split_heads(self.k_proj(x))
+        v = self._split_heads(self.v_proj(x))
+        q, k = self.rot_emb(q, k)
+        if self.favor is not None:
+            out = self.favor(q, k, v, key_padding_mask=padding_mask)
+        else:
+            out = exact_attention(q, k, v, causal=self.causal, key_padding_mask=padding_mask)
+        out = out.transpose(1, 2).reshape(B, L, D)  # (B, H, L, d) -> (B, L, D)
+        out = self.out_proj(out)
+
+        weights = None
+        if need_weights:
+            if heads is not None:
+                index = torch.as_tensor(list(heads), device=q.device, dtype=torch.long)
+                q, k = q.index_select(1, index), k.index_select(1, index)  # (B, H', L, d)
+            if self.favor is not None:
+                weights = self.favor.attention_map(q, k, key_padding_mask=padding_mask)
+            else:
+                weights = exact_attention_map(
+                    q, k, causal=self.causal, key_padding_mask=padding_mask
+                )
+        return out, weights

@@ -1,0 +1,141 @@
+"""The architecture as one dataclass, so a checkpoint can rebuild its model without Hydra.
+
+Defaults describe ESM-2 8M (``esm2_t6_8M_UR50D``): 6 layers, dim 320, 20 heads, ffn 1280, the
+ESM-2 vocabulary. Field names follow what a user tunes, not ESM's constructor arguments.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+from protein_performer.errors import UserError
+
+OBJECTIVES = ("mlm", "clm")
+ATTENTIONS = ("favor", "exact")
+KERNELS = ("softmax", "softmax_hyp", "trig", "relu", "softmax_opt")
+
+
+@dataclass
+class PerformerConfig:
+    """Everything needed to rebuild a ``PerformerLM``; stored verbatim in checkpoints."""
+
+    # Vocabulary size; 33 is ESM-2's alphabet (protein_performer.data.tokenizer.ESM2_TOKENS).
+    vocab_size: int = 33
+    # Index of <pad>: its embedding row is zero and padded positions are ignored by attention.
+    pad_idx: int = 1
+    # Index of <cls>, prepended to every sequence (ESM-2's BOS).
+    cls_idx: int = 0
+    # Index of <eos>, appended to every sequence.
+    eos_idx: int = 2
+    # Index of <mask>; used by token dropout (its embedding is zeroed when token_dropout is on).
+    mask_idx: int = 32
+    # Model width (embedding and residual stream size).
+    dim: int = 320
+    # Number of transformer blocks.
+    depth: int = 6
+    # Attention heads per block; dim // heads is the head size (must be even for rotary).
+    heads: int = 20
+    # Hidden size of the feed-forward network (ESM-2 uses 4 * dim).
+    ff_dim: int = 1280
+    # Dropout on the attention and feed-forward outputs before each residual add (ESM-2: 0).
+    dropout: float = 0.0
+    # "mlm" (bidirectional, masked LM) or "clm" (causal attention, next-token LM).
+    objective: str = "mlm"
+    # "favor" (FAVOR+ linear attention) or "exact" (softmax via SDPA: baselines, ESM-2 import).
+    attention: str = "favor"
+    # FAVOR+ feature map: softmax, softmax_hyp, trig, relu or softmax_opt (ignored for exact).
+    kernel: str = "softmax"
+    # Number of random features m per head (the paper's default: 256 at head size 64).
+    nb_features: int = 256
+    # Redraw the random features every N optimizer steps during training (0 = never). Read by the
+    # training hook; stored here so a checkpoint records how its features were trained.
+    feature_redraw_interval: int = 1000
+    # Block size of the chunked causal FAVOR+ scan (None = the attention core's default).
+    favor_chunk_size: int | None = None
+    # Base of the rotary position embedding frequencies (ESM-2: 10000).
+    rotary_base: float = 10000.0
+    # LayerNorm epsilon (ESM-2 uses torch's default, 1e-5).
+    layer_norm_eps: float = 1e-5
+    # ESM-2's token dropout: zero <mask> embeddings and rescale by the observed mask ratio.
+    # Must be True to reproduce pretrained ESM-2 outputs; False for models trained here.
+    token_dropout: bool = False
+    # Recompute each block's activations in backward (less memory, ~30% more compute).
+    gradient_checkpointing: bool = False
+
+    @property
+    def head_dim(self) -> int:
+        """Size of one attention head."""
+        return self.dim // self.heads
+
+    @property
+    def causal(self) -> bool:
+        """Causal attention comes from the objective, not from a second switch."""
+        return self.objective == "clm"
+
+    def validate(self) -> PerformerConfig:
+        """Raise ``UserError`` on the first inconsistent field; returns self for chaining."""
+
+        def fail(msg: str) -> None:
+            raise UserError(f"invalid model config: {msg}")
+
+        for name in ("vocab_size", "dim", "depth", "heads", "ff_dim", "nb_features"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                fail(f"{name} must be a positive integer, got {value!r}")
+        for name in ("pad_idx", "cls_idx", "eos_idx", "mask_idx"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or not 0 <= value < self.vocab_size:
+                fail(f"{name}={value!r} is outside the vocabulary (size {self.vocab_size})")
+        if self.dim % self.heads:
+            fail(f"dim={self.dim} is not divisible by heads={self.heads}")
+        if self.head_dim % 2:
+            fail(
+                f"head size dim/heads={self.head_dim} must be even for rotary embeddings; "
+                "change dim or heads"
+            )
+        if self.objective not in OBJECTIVES:
+            fail(f"unknown objective {self.objective!r}; choose one of {', '.join(OBJECTIVES)}")
+        if self.attention not in ATTENTIONS:
+            fail(f"unknown attention {self.attention!r}; choose one of {', '.join(ATTENTIONS)}")
+        if self.kernel not in KERNELS:
+            fail(f"unknown kernel {self.kernel!r}; choose one of {', '.join(KERNELS)}")
+        if not 0.0 <= self.dropout < 1.0:
+            fail(f"dropout must be in [0, 1), got {self.dropout!r}")
+        if not isinstance(self.feature_redraw_interval, int) or self.feature_redraw_interval < 0:
+            fail(
+                "feature_redraw_interval must be a non-negative integer (0 = never), "
+                f"got {self.feature_redraw_interval!r}"
+            )
+        if self.favor_chunk_size is not None and (
+            not isinstance(self.favor_chunk_size, int) or self.favor_chunk_size <= 0
+        ):
+            fail(
+                "favor_chunk_size must be a positive integer or null, "
+                f"got {self.favor_chunk_size!r}"
+            )
+        if not self.rotary_base > 0:
+            fail(f"rotary_base must be positive, got {self.rotary_base!r}")
+        if not self.layer_norm_eps > 0:
+            fail(f"layer_norm_eps must be positive, got {self.layer_norm_eps!r}")
+        return self
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain dict of builtins (JSON/YAML-safe), the form checkpoints store."""
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> PerformerConfig:
+        """Build and validate; unknown keys are an error so a typo never falls back to a default.
+
+        Missing keys take their defaults, so checkpoints written before a field existed still load.
+        """
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise UserError(
+                f"unknown model config key(s): {', '.join(unknown)}; "
+                f"valid keys are: {', '.join(sorted(known))}"
+            )
+        return cls(**dict(data)).validate()

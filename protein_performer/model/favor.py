@@ -1,0 +1,634 @@
+"""FAVOR+ attention core: random features, linear and chunked causal attention, exact reference.
+
+Math: ../shared/FAVOR.md (Choromanski et al., ICLR 2021) and, for ``softmax_opt``, FAVOR++
+(Likhosherstov et al., "Chefs' Random Tables", NeurIPS 2022). Everything here is a pure function
+of tensors except :class:`FavorAttention`, which only owns the random matrix omega (a persistent
+buffer, so checkpoints reproduce) and, for causal ``softmax_opt``, a running data statistic.
+
+Conventions: q, k, v are (B, H, L, d) and *unscaled*: the kernel approximates
+softmax(q k^T / sqrt(d)). Internally x = q d^-1/4, y = k d^-1/4 so the kernel is exp(x^T y).
+``key_padding_mask`` is (B, L) bool, True = pad; padded keys get zero features, so they add
+nothing to the numerator or the normalizer. Features are always computed in float32 (float64 when
+the inputs are float64), also under bf16/fp16 autocast; the output is cast back to q's dtype.
+
+Feature dimension M: m (= nb_features) for softmax, softmax_opt and relu; 2m for softmax_hyp and
+trig (each omega row gives a +/- or sin/cos pair).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from protein_performer.model.favor_causal import causal_linear_attention, safe_denominator
+
+__all__ = [
+    "KERNELS",
+    "FavorAttention",
+    "FavorState",
+    "causal_linear_attention",
+    "draw_omega",
+    "exact_attention",
+    "exact_attention_map",
+    "favor_attention",
+    "favor_attention_map",
+    "oprf_coefficients",
+    "oprf_rho",
+    "random_features",
+]
+
+KERNELS = ("softmax", "softmax_hyp", "softmax_opt", "trig", "relu")
+_EXP_KERNELS = ("softmax", "softmax_hyp", "softmax_opt")
+_NEG = -1e30  # finite stand-in for -inf in stabilizers, so that (-inf) - (-inf) never appears
+
+
+# --------------------------------------------------------------------------- random matrices
+
+
+def draw_omega(
+    nb_features: int,
+    dim: int,
+    *,
+    orthogonal: bool = True,
+    norm: str = "chi",
+    generator: torch.Generator | None = None,
+    dtype: torch.dtype = torch.float32,
+) -> Tensor:
+    """Random projection omega (m, d) whose rows are marginally N(0, I_d).
+
+    orthogonal: rows within each block of d are exactly orthogonal (Haar QR, sign-corrected),
+    which lowers the estimator's variance at no cost (FAVOR.md, ORF). norm="chi" gives each row
+    the norm of an independent Gaussian vector, keeping each row N(0, I) and the kernel unbiased;
+    norm="fixed" sets every norm to sqrt(d) (the biased "regularized" variant, opt-in only).
+    Drawn on the generator's device (CPU by default).
+    """
+    if norm not in ("chi", "fixed"):
+        raise ValueError(f"norm must be 'chi' or 'fixed', got {norm!r}")
+    device = generator.device if generator is not None else torch.device("cpu")
+    if not orthogonal:
+        return torch.randn(nb_features, dim, generator=generator, device=device).to(dtype)
+    nb_blocks = math.ceil(nb_features / dim)
+    gauss = torch.randn(nb_blocks, dim, dim, generator=generator, device=device)
+    qmat, rmat = torch.linalg.qr(gauss.double())  # (n, d, d)
+    qmat = qmat * torch.sign(torch.diagonal(rmat, dim1=-2, dim2=-1))[:, None, :]  # Haar
+    rows = qmat.transpose(1, 2).reshape(nb_blocks * dim, dim)[:nb_features]  # (m, d)
+    if norm == "chi":
+        norms = torch.randn(nb_features, dim, generator=generator, device=device).double()
+        norms = norms.norm(dim=1)
+    else:
+        norms = torch.full((nb_features,), math.sqrt(dim), dtype=torch.float64, device=device)
+    return (rows * norms[:, None]).to(dtype)
+
+
+# --------------------------------------------------------------------------- FAVOR++ (OPRF)
+
+
+def oprf_rho(x: Tensor, y: Tensor, x_keep: Tensor | None = None, y_keep: Tensor | None = None):
+    """Data statistic rho = mean_{i,j} ||x_i + y_j||^2 / d over real tokens. (..., L, d) -> (...).
+
+    The mean over all pairs factorizes: E|x|^2 + E|y|^2 + 2 E[x]^T E[y], so this is O(L d).
+    """
+
+    def moments(z: Tensor, keep: Tensor | None) -> tuple[Tensor, Tensor]:
+        if keep is None:
+            return z.pow(2).sum(-1).mean(-1), z.mean(-2)
+        w = keep.to(z.dtype)  # (..., L)
+        cnt = w.sum(-1).clamp_min(1.0)
+        sq = (z.pow(2).sum(-1) * w).sum(-1) / cnt
+        mean = (z * w[..., None]).sum(-2) / cnt[..., None]
+        return sq, mean
+
+    sx, mx = moments(x, x_keep)
+    sy, my = moments(y, y_keep)
+    return (sx + sy + 2 * (mx * my).sum(-1)) / x.shape[-1]
+
+
+def oprf_coefficients(rho: Tensor, dim: int) -> tuple[Tensor, Tensor, Tensor]:
+    """(A, B, log D) of the optimal positive random features for statistic rho.
+
+    f(w, x) = D exp(A|w|^2 + B w^T x - |x|^2 / 2), w ~ N(0, I_d). With B^2 = 1 - 4A and
+    D = (1 - 4A)^(d/4), E[f(w,x) f(w,y)] = exp(x^T y) for any A < 1/8. The log second moment,
+    averaged over pairs, is d log(1-4A) - d/2 log(1-8A) + 2 (1-4A)/(1-8A) rho d + const; its
+    minimiser in u = 1 - 8A solves u^2 - (1 + 2 rho) u - 2 rho = 0, i.e.
+    A = (1 - 2 rho - sqrt((2 rho + 1)^2 + 8 rho)) / 16 <= 0 (A = 0 is plain FAVOR+ at rho = 0).
+    """
+    rho = torch.as_tensor(rho).clamp_min(0.0)
+    u = ((1 + 2 * rho) + torch.sqrt((1 + 2 * rho) ** 2 + 8 * rho)) / 2
+    a = (1 - u) / 8
+    return a, torch.sqrt(1 - 4 * a), (dim / 4) * torch.log1p(-4 * a)
+
+
+# --------------------------------------------------------------------------- feature maps
+
+
+def _exp_logits(x: Tensor, omega: Tensor, kernel: str, rho: Tensor | None) -> Tensor:
+    """log phi(x) for the exp kernels. x: (..., L, d) -> (..., L, M)."""
+    m, d = omega.shape
+    proj = x @ omega.T  # (..., L, m)
+    half_sq = x.pow(2).sum(-1, keepdim=True) / 2  # (..., L, 1)
+    if kernel == "softmax":
+        return proj - (half_sq + 0.5 * math.log(m))
+    if kernel == "softmax_hyp":
+        return torch.cat([proj, -proj], dim=-1) - (half_sq + 0.5 * math.log(2 * m))
+    if rho is None:
+        raise ValueError("softmax_opt needs the data statistic rho")
+    a, b, log_d = oprf_coefficients(rho.to(x.dtype), d)
+    a, b, log_d = (t.reshape(t.shape + (1, 1)) for t in (a, b, log_d))  # (..., 1, 1)
+    bias = a * omega.pow(2).sum(-1) + log_d - 0.5 * math.log(m)  # (..., 1, m)
+    return b * proj + bias - half_sq
+
+
+def random_features(
+    x: Tensor,
+    omega: Tensor,
+    kernel: str = "softmax",
+    *,
+    rho: Tensor | float | None = None,
+    relu_eps: float = 1e-3,
+) -> Tensor:
+    """Unstabilized phi(x), (..., L, d) -> (..., L, M), for x already scaled by d^-1/4.
+
+    For the softmax kernels phi(x)^T phi(y) is an unbiased estimate of exp(x^T y). Meant for
+    analysis and tests; the attention functions use stabilized versions of the same maps.
+    """
+    _check_kernel(kernel)
+    if kernel in _EXP_KERNELS:
+        r = None if rho is None else torch.as_tensor(rho, dtype=x.dtype, device=x.device)
+        return torch.exp(_exp_logits(x, omega, kernel, r))
+    proj = x @ omega.T
+    if kernel == "relu":
+        return F.relu(proj) + relu_eps
+    h = torch.exp(x.pow(2).sum(-1, keepdim=True) / 2) / math.sqrt(omega.shape[0])
+    return torch.cat([proj.sin(), proj.cos()], dim=-1) * h
+
+
+def _check_kernel(kernel: str) -> None:
+    if kernel not in KERNELS:
+        raise ValueError(f"unknown kernel {kernel!r}; expected one of {KERNELS}")
+
+
+def _key_parts(
+    y: Tensor, omega: Tensor, kernel: str, rho: Tensor | None, eps: float
+) -> tuple[Tensor | None, Tensor | None]:
+    """Key feature = exp(logit - stabilizer) * base, as (logit, base).
+
+    exp kernels: logit (..., L, M), base None. trig: logit = |y|^2/2 (..., L, 1), base sin/cos.
+    relu: no exponent (logit None), base = ReLU + eps.
+    """
+    if kernel in _EXP_KERNELS:
+        return _exp_logits(y, omega, kernel, rho), None
+    proj = y @ omega.T  # (..., L, m)
+    if kernel == "relu":
+        return None, F.relu(proj) + eps
+    return y.pow(2).sum(-1, keepdim=True) / 2, torch.cat([proj.sin(), proj.cos()], dim=-1)
+
+
+def _query_features(
+    x: Tensor,
+    omega: Tensor,
+    kernel: str,
+    rho: Tensor | None,
+    eps: float,
+    col_offset: Tensor | None = None,
+) -> Tensor:
+    """Query features up to a per-row factor (it cancels between numerator and normalizer).
+
+    col_offset: per-feature log scale moved over from the keys (bidirectional stabilizer).
+    """
+    if kernel in _EXP_KERNELS:
+        a = _exp_logits(x, omega, kernel, rho)  # (..., L, M)
+        if col_offset is not None:
+            a = a + col_offset
+        return torch.exp(a - a.detach().amax(-1, keepdim=True))
+    proj = x @ omega.T
+    if kernel == "relu":
+        return F.relu(proj) + eps
+    return torch.cat([proj.sin(), proj.cos()], dim=-1)
+
+
+def _causal_key_features(
+    logit: Tensor | None, base: Tensor | None, keep: Tensor | None
+) -> tuple[Tensor, Tensor | None]:
+    """Causally stabilized key features and the running max mu (BH, L) they are relative to."""
+    if logit is None:  # relu: bounded, no stabilizer needed
+        assert base is not None
+        return (base if keep is None else base * keep[..., None]), None
+    if keep is not None:
+        logit = logit.masked_fill(~keep[..., None], float("-inf"))
+    mu = logit.detach().amax(-1).clamp_min(_NEG).cummax(dim=-1).values  # (BH, L), keys <= j only
+    kf = torch.exp(logit - mu[..., None])
+    return (kf if base is None else kf * base), mu
+
+
+# --------------------------------------------------------------------------- attention
+
+
+def _flatten_inputs(q: Tensor, k: Tensor, v: Tensor, key_padding_mask: Tensor | None):
+    """Scale, upcast and flatten heads: (B, H, L, d) -> (BH, L, d); mask -> keep (BH, L)."""
+    B, H, L, d = q.shape
+    dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
+    scale = d**-0.25
+    x = (q.to(dtype) * scale).reshape(B * H, L, d)
+    y = (k.to(dtype) * scale).reshape(B * H, L, d)
+    vv = v.to(dtype).reshape(B * H, L, v.shape[-1])
+    keep = None
+    if key_padding_mask is not None:
+        keep = (~key_padding_mask.bool())[:, None, :].expand(B, H, L).reshape(B * H, L)
+    return x, y, vv, keep
+
+
+def _resolve_rho(
+    kernel: str, causal: bool, rho: Tensor | float | None, x: Tensor, y: Tensor, keep, B: int
+):
+    """OPRF statistic per (B*H): from the data (bidirectional) or given (causal: no leaks)."""
+    if kernel != "softmax_opt":
+        return None
+    if rho is None:
+        if causal:
+            raise ValueError(
+                "causal softmax_opt needs a fixed oprf_rho: a statistic of the whole sequence "
+                "would leak future tokens into past outputs"
+            )
+        return oprf_rho(x, y, keep, keep).detach()  # (BH,)
+    return torch.as_tensor(rho, dtype=x.dtype, device=x.device).expand(x.shape[0])
+
+
+def _bidirectional(
+    x: Tensor,
+    y: Tensor,
+    v: Tensor,
+    keep: Tensor | None,
+    omega: Tensor,
+    kernel: str,
+    rho: Tensor | None,
+    eps: float,
+    block: int,
+) -> Tensor:
+    """D^-1 Q'((K')^T [V|1]) with keys and queries in blocks; never forms L x L.
+
+    Key stabilizer: per feature column, an online max over key blocks (the accumulated state is
+    rescaled when it grows); the column offsets move to the query side, where a per-row max
+    cancels. Then every normalizer is >= 1 for a query that sees any real key.
+    """
+    BH, L, _ = x.shape
+    dv = v.shape[-1]
+    vx = torch.cat([v, v.new_ones(BH, L, 1)], dim=-1)  # (BH, L, dv+1)
+    kv: Tensor | None = None
+    col: Tensor | None = None  # (BH, 1, M) or (BH, 1, 1): running key max per column
+    for s in range(0, L, block):
+        logit, base = _key_parts(y[:, s : s + block], omega, kernel, rho, eps)
+        kb = None if keep is None else keep[:, s : s + block, None]  # (BH, l, 1)
+        if logit is None:
+            kf = base if kb is None else base * kb
+        else:
+            if kb is not None:
+                logit = logit.masked_fill(~kb, float("-inf"))
+            bmax = logit.detach().amax(-2, keepdim=True).clamp_min(_NEG)  # (BH, 1, M|1)
+            if col is not None:
+                new = torch.maximum(col, bmax)
+                kv = kv * torch.exp(col - new).transpose(1, 2)  # rescale rows of the state
+                col = new
+            else:
+                col = bmax
+            kf = torch.exp(logit - col)  # (BH, l, M|1)
+            if base is not None:
+                kf = kf * base
+        upd = kf.transpose(1, 2) @ vx[:, s : s + block]  # (BH, M, dv+1)
+        kv = upd if kv is None else kv + upd
+    offset = col if kernel in _EXP_KERNELS else None
+    outs = []
+    for s in range(0, L, block):
+        qf = _query_features(x[:, s : s + block], omega, kernel, rho, eps, offset)  # (BH, l, M)
+        yq = qf @ kv  # (BH, l, dv+1)
+        outs.append(yq[..., :dv] / safe_denominator(yq[..., dv:]))
+    return outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
+
+
+def favor_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    omega: Tensor,
+    *,
+    kernel: str = "softmax",
+    causal: bool = False,
+    key_padding_mask: Tensor | None = None,
+    oprf_rho: Tensor | float | None = None,
+    chunk_size: int = 128,
+    block_size: int = 2048,
+    relu_eps: float = 1e-3,
+) -> Tensor:
+    """FAVOR attention, (B, H, L, d) -> (B, H, L, dv), linear in L in time and memory.
+
+    Causal mode uses the chunked scan of :mod:`favor_causal` (O(L) memory also in backward).
+    oprf_rho: the FAVOR++ statistic; computed from the (non-pad) data when None (bidirectional
+    only). Features in float32 even under autocast; output in q's dtype.
+    """
+    _check_kernel(kernel)
+    B, H, L, _ = q.shape
+    out_dtype = q.dtype
+    with torch.autocast(device_type=q.device.type, enabled=False):
+        x, y, vv, keep = _flatten_inputs(q, k, v, key_padding_mask)
+        om = omega.to(device=x.device, dtype=x.dtype)
+        rho = _resolve_rho(kernel, causal, oprf_rho, x, y, keep, B)
+        if causal:
+            qf = _query_features(x, om, kernel, rho, relu_eps)  # (BH, L, M)
+            logit, base = _key_parts(y, om, kernel, rho, relu_eps)
+            kf, mu = _causal_key_features(logit, base, keep)  # (BH, L, M), (BH, L)
+            out = causal_linear_attention(qf, kf, vv, mu, chunk_size)
+        else:
+            out = _bidirectional(x, y, vv, keep, om, kernel, rho, relu_eps, block_size)
+    return out.reshape(B, H, L, -1).to(out_dtype)  # (B, H, L, dv)
+
+
+def favor_attention_map(
+    q: Tensor,
+    k: Tensor,
+    omega: Tensor,
+    *,
+    kernel: str = "softmax",
+    causal: bool = False,
+    key_padding_mask: Tensor | None = None,
+    query_slice: slice | None = None,
+    oprf_rho: Tensor | float | None = None,
+    relu_eps: float = 1e-3,
+) -> Tensor:
+    """Implied attention rows (B, H, W, L) for the queries in query_slice.
+
+    Same features and stabilizers as :func:`favor_attention`, so map @ V equals its output;
+    memory O(W L + L M).
+    """
+    _check_kernel(kernel)
+    B, H, L, _ = q.shape
+    sl = query_slice if query_slice is not None else slice(0, L)
+    pos = torch.arange(L, device=q.device)[sl]  # (W,)
+    with torch.autocast(device_type=q.device.type, enabled=False):
+        x, y, _, keep = _flatten_inputs(q, k, k[..., :1], key_padding_mask)
+        om = omega.to(device=x.device, dtype=x.dtype)
+        rho = _resolve_rho(kernel, causal, oprf_rho, x, y, keep, B)
+        logit, base = _key_parts(y, om, kernel, rho, relu_eps)
+        if causal:
+            kf, mu = _causal_key_features(logit, base, keep)
+            qf = _query_features(x[:, sl], om, kernel, rho, relu_eps)  # (BH, W, M)
+            w = qf @ kf.transpose(1, 2)  # (BH, W, L)
+            allowed = pos[:, None] >= torch.arange(L, device=q.device)[None, :]  # (W, L)
+            if mu is not None:
+                decay = (mu[:, None, :] - mu[:, sl, None]).masked_fill(~allowed, float("-inf"))
+                w = w * decay.exp()
+            else:
+                w = w * allowed
+        else:
+            offset = None
+            if logit is None:
+                kf = base
+            else:
+                if keep is not None:
+                    logit = logit.masked_fill(~keep[..., None], float("-inf"))
+                col = logit.detach().amax(-2, keepdim=True).clamp_min(_NEG)  # (BH, 1, M|1)
+                kf = torch.exp(logit - col) if base is None else torch.exp(logit - col) * base
+                offset = col if kernel in _EXP_KERNELS else None
+            if keep is not None:
+                kf = kf * keep[..., None]
+            qf = _query_features(x[:, sl], om, kernel, rho, relu_eps, offset)
+            w = qf @ kf.transpose(1, 2)  # (BH, W, L)
+        w = w / safe_denominator(w.sum(-1, keepdim=True))
+    return w.reshape(B, H, w.shape[1], L)
+
+
+def exact_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    causal: bool = False,
+    key_padding_mask: Tensor | None = None,
+) -> Tensor:
+    """softmax(q k^T / sqrt(d)) v via torch SDPA: the reference and the speed baseline.
+
+    A query that sees no real key (possible with left padding in causal mode) outputs 0.
+    """
+    if key_padding_mask is None:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+    mask = _exact_mask(q.shape[-2], key_padding_mask, causal, q.device)  # (B, 1, L, L)
+    empty = ~mask.any(-1, keepdim=True)  # (B, 1, L, 1): rows with nothing to attend to
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask | empty)
+    return out.masked_fill(empty, 0.0)
+
+
+def _exact_mask(L: int, key_padding_mask: Tensor, causal: bool, device) -> Tensor:
+    allowed = (~key_padding_mask.bool())[:, None, None, :]  # (B, 1, 1, L)
+    if causal:
+        allowed = allowed & torch.ones(L, L, dtype=torch.bool, device=device).tril()
+    return allowed.expand(-1, 1, L, L)
+
+
+def exact_attention_map(
+    q: Tensor,
+    k: Tensor,
+    causal: bool = False,
+    key_padding_mask: Tensor | None = None,
+    query_slice: slice | None = None,
+) -> Tensor:
+    """Exact softmax attention rows (B, H, W, L) for the queries in query_slice, O(W L)."""
+    L, d = q.shape[-2], q.shape[-1]
+    sl = query_slice if query_slice is not None else slice(0, L)
+    pos = torch.arange(L, device=q.device)
+    logits = (q[..., sl, :].float() @ k.float().transpose(-1, -2)) / math.sqrt(d)  # (B,H,W,L)
+    allowed = torch.ones_like(logits, dtype=torch.bool)
+    if causal:
+        allowed = allowed & (pos[sl][:, None] >= pos[None, :])
+    if key_padding_mask is not None:
+        allowed = allowed & ~key_padding_mask.bool()[:, None, None, :]
+    w = torch.softmax(logits.masked_fill(~allowed, float("-inf")), dim=-1)
+    return torch.nan_to_num(w, nan=0.0)
+
+
+# --------------------------------------------------------------------------- module
+
+
+class FavorState(NamedTuple):
+    """RNN-mode state of causal FAVOR attention.
+
+    kv: (B, H, M, dv+1) sum over seen keys of phi(k_j)[v_j | 1]^T, scaled by exp(-mu);
+    mu: (B, H) running key stabilizer (max log-feature so far; 0 for relu).
+    """
+
+    kv: Tensor
+    mu: Tensor
+
+
+class FavorAttention(nn.Module):
+    """FAVOR attention with its random matrix omega as a persistent buffer.
+
+    omega is redrawn only by an explicit :meth:`redraw` call (a training hook decides when;
+    data-parallel ranks must pass identically seeded generators so all hold the same omega).
+    For causal ``softmax_opt`` a running statistic ``oprf_rho`` (EMA of batch statistics,
+    updated in training mode after each forward) fixes the feature map, because a statistic of
+    the current sequence would leak future tokens; bidirectional mode uses each sequence's own.
+    """
+
+    def __init__(
+        self,
+        dim_head: int,
+        nb_features: int = 256,
+        causal: bool = False,
+        kernel: str = "softmax",
+        *,
+        orthogonal: bool = True,
+        norm: str = "chi",
+        chunk_size: int = 128,
+        block_size: int = 2048,
+        relu_eps: float = 1e-3,
+        oprf_momentum: float = 0.05,
+        generator: torch.Generator | None = None,
+    ) -> None:
+        super().__init__()
+        _check_kernel(kernel)
+        self.dim_head = dim_head
+        self.nb_features = nb_features
+        self.causal = causal
+        self.kernel = kernel
+        self.orthogonal = orthogonal
+        self.norm = norm
+        self.chunk_size = chunk_size
+        self.block_size = block_size
+        self.relu_eps = relu_eps
+        self.oprf_momentum = oprf_momentum
+        self.register_buffer("omega", self._draw(generator), persistent=True)
+        if kernel == "softmax_opt":
+            self.register_buffer("oprf_rho", torch.zeros(()), persistent=True)
+
+    def _draw(self, generator: torch.Generator | None) -> Tensor:
+        return draw_omega(
+            self.nb_features,
+            self.dim_head,
+            orthogonal=self.orthogonal,
+            norm=self.norm,
+            generator=generator,
+        )
+
+    @torch.no_grad()
+    def redraw(self, generator: torch.Generator | None = None) -> None:
+        """Draw a new omega in place (same device and dtype as the buffer)."""
+        self.omega.copy_(self._draw(generator).to(self.omega))
+
+    @property
+    def feature_dim(self) -> int:
+        """M: the width of phi(x)."""
+        return 2 * self.nb_features if self.kernel in ("softmax_hyp", "trig") else self.nb_features
+
+    def _rho(self) -> Tensor | None:
+        return self.oprf_rho if (self.kernel == "softmax_opt" and self.causal) else None
+
+    def forward(
+        self, q: Tensor, k: Tensor, v: Tensor, key_padding_mask: Tensor | None = None
+    ) -> Tensor:
+        """(B, H, L, d) x3 -> (B, H, L, dv); key_padding_mask (B, L), True = pad."""
+        out = favor_attention(
+            q,
+            k,
+            v,
+            self.omega,
+            kernel=self.kernel,
+            causal=self.causal,
+            key_padding_mask=key_padding_mask,
+            oprf_rho=self._rho(),
+            chunk_size=self.chunk_size,
+            block_size=self.block_size,
+            relu_eps=self.relu_eps,
+        )
+        if self.training and self._rho() is not None:
+            self._update_rho(q, k, key_padding_mask)
+        return out
+
+    @torch.no_grad()
+    def _update_rho(self, q: Tensor, k: Tensor, key_padding_mask: Tensor | None) -> None:
+        x, y, _, keep = _flatten_inputs(q, k, k[..., :1], key_padding_mask)
+        batch_rho = oprf_rho(x, y, keep, keep).mean().to(self.oprf_rho)
+        self.oprf_rho.lerp_(batch_rho, self.oprf_momentum)
+
+    def attention_map(
+        self,
+        q: Tensor,
+        k: Tensor,
+        key_padding_mask: Tensor | None = None,
+        query_slice: slice | None = None,
+    ) -> Tensor:
+        """Implied attention rows (B, H, W, L) (rows sum to 1, causal-masked when causal)."""
+        return favor_attention_map(
+            q,
+            k,
+            self.omega,
+            kernel=self.kernel,
+            causal=self.causal,
+            key_padding_mask=key_padding_mask,
+            query_slice=query_slice,
+            oprf_rho=self._rho(),
+            relu_eps=self.relu_eps,
+        )
+
+    @torch.no_grad()
+    def step(
+        self,
+        state: FavorState | None,
+        q_t: Tensor,
+        k_t: Tensor,
+        v_t: Tensor,
+        key_padding_mask: Tensor | None = None,
+    ) -> tuple[FavorState, Tensor]:
+        """One causal step: q_t, k_t, v_t (B, H, d) -> (new state, out_t (B, H, dv)).
+
+        state=None starts fresh; key_padding_mask (B,) True = this token is a pad (the state is
+        left unchanged). Matches the parallel causal forward (same stabilizer, same omega).
+        """
+        if not self.causal:
+            raise RuntimeError("step() is RNN mode and needs causal=True")
+        out_dtype = q_t.dtype
+        with torch.autocast(device_type=q_t.device.type, enabled=False):
+            x, y, vv, keep = _flatten_inputs(
+                q_t[:, :, None], k_t[:, :, None], v_t[:, :, None], None
+            )  # (BH, 1, d)
+            B, H = q_t.shape[:2]
+            om = self.omega.to(device=x.device, dtype=x.dtype)
+            rho = None
+            if self.kernel == "softmax_opt":
+                rho = self.oprf_rho.to(x).expand(x.shape[0])
+            logit, base = _key_parts(y, om, self.kernel, rho, self.relu_eps)  # (BH, 1, ·)
+            pad = None
+            if key_padding_mask is not None:
+                pad = key_padding_mask.bool()[:, None].expand(B, H).reshape(B * H)  # (BH,)
+            if logit is None:
+                mu = x.new_zeros(B * H)
+                kf = base[:, 0]  # (BH, M)
+            else:
+                lmax = logit[:, 0].amax(-1)  # (BH,)
+                if pad is not None:
+                    lmax = lmax.masked_fill(pad, _NEG)
+                mu = lmax.clamp_min(_NEG)
+                if state is not None:
+                    mu = torch.maximum(state.mu.reshape(-1).to(x), mu)
+                kf = torch.exp(logit[:, 0] - mu[:, None])
+                if base is not None:
+                    kf = kf * base[:, 0]
+            if pad is not None:
+                kf = kf.masked_fill(pad[:, None], 0.0)
+            vx = torch.cat([vv[:, 0], vv.new_ones(B * H, 1)], dim=-1)  # (BH, dv+1)
+            kv = kf[:, :, None] * vx[:, None, :]  # (BH, M, dv+1)
+            if state is not None:
+                old = state.kv.reshape(kv.shape).to(x)
+                kv = kv + old * torch.exp(state.mu.reshape(-1).to(x) - mu)[:, None, None]
+            qf = _query_features(x, om, self.kernel, rho, self.relu_eps)[:, 0]  # (BH, M)
+            yq = (qf[:, None, :] @ kv)[:, 0]  # (BH, dv+1)
+            out = yq[:, :-1] / safe_denominator(yq[:, -1:])
+        new_state = FavorState(kv.reshape(B, H, *kv.shape[1:]), mu.reshape(B, H))
+        return new_state, out.reshape(B, H, -1).to(out_dtype)
+
+    def extra_repr(self) -> str:
+        return (
+            f"dim_head={self.dim_head}, nb_features={self.nb_features}, causal={self.causal}, "
+            f"kernel={self.kernel!r}, orthogonal={self.orthogonal}, norm={self.norm!r}, "
+            f"chunk_size={self.chunk_size}"
+        )

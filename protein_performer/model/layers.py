@@ -1,0 +1,66 @@
+"""The pre-LayerNorm transformer block, laid out and named like ESM-2's ``TransformerLayer``.
+
+Same names (``self_attn_layer_norm self_attn final_layer_norm fc1 fc2``) so ESM-2 weights load
+by renaming; same order of operations so the exact-attention twin reproduces ESM-2's outputs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from protein_performer.model.attention import MultiHeadSelfAttention
+from protein_performer.model.config import PerformerConfig
+
+
+class TransformerLayer(nn.Module):
+    """x + Attn(LN(x)), then x + FFN(LN(x)) with an erf GELU (ESM-2's ``gelu``)."""
+
+    def __init__(self, config: PerformerConfig) -> None:
+        super().__init__()
+        self.self_attn_layer_norm = nn.LayerNorm(config.dim, eps=config.layer_norm_eps)
+        self.self_attn = MultiHeadSelfAttention(config)
+        self.final_layer_norm = nn.LayerNorm(config.dim, eps=config.layer_norm_eps)
+        self.fc1 = nn.Linear(config.dim, config.ff_dim)
+        self.fc2 = nn.Linear(config.ff_dim, config.dim)
+        # Residual-branch dropout (fairseq's placement); ESM-2 trains with 0.
+        self.dropout = nn.Dropout(config.dropout)
+        self.gradient_checkpointing = config.gradient_checkpointing
+
+    def _block(
+        self,
+        x: torch.Tensor,
+        padding_mask: torch.Tensor | None,
+        need_weights: bool,
+        heads: Sequence[int] | None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        attn_out, weights = self.self_attn(
+            self.self_attn_layer_norm(x), padding_mask, need_weights=need_weights, heads=heads
+        )
+        x = x + self.dropout(attn_out)
+        h = F.gelu(self.fc1(self.final_layer_norm(x)))  # exact (erf) GELU, as ESM-2
+        x = x + self.dropout(self.fc2(h))
+        return x, weights
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        padding_mask: torch.Tensor | None = None,
+        need_weights: bool = False,
+        heads: Sequence[int] | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``x`` (B, L, D) -> (B, L, D) and the attention map (B, H', L, L) if ``need_weights``.
+
+        With ``gradient_checkpointing`` (and only when a backward pass can follow) the block's
+        activations are recomputed in backward; non-reentrant checkpointing replays dropout with
+        the saved RNG state, so gradients equal the unchecked ones.
+        """
+        if self.gradient_checkpointing and self.training and torch.is_grad_enabled():
+            return checkpoint(
+                self._block, x, padding_mask, need_weights, heads, use_reentrant=False
+            )
+        return self._block(x, padding_mask, need_weights, heads)

@@ -1,0 +1,188 @@
+"""The Performer protein LM: ESM-2's architecture with a swappable attention core.
+
+With ``attention="exact"`` this is ESM-2 (same module names, same order of operations, same
+token-dropout and padding handling), so ESM-2 weights load by renaming alone; with
+``attention="favor"`` the same weights run in linear time.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from protein_performer.errors import UserError
+from protein_performer.model.config import PerformerConfig
+from protein_performer.model.heads import LMHead
+from protein_performer.model.layers import TransformerLayer
+
+#: ESM-2's training mask rate times its <mask> share (15% selected, 80% of them -> <mask>).
+_MASK_RATIO_TRAIN = 0.15 * 0.8
+
+
+@dataclass
+class PerformerOutput:
+    """What ``PerformerLM.forward`` returns.
+
+    ``hidden_states`` follows ESM's ``representations``: key 0 is the embedding output, key i the
+    output of block i, and the last block's entry is taken after the final LayerNorm.
+    ``attentions`` maps a block number (1-based, as in ``hidden_states``) to (B, H', T, T), rows
+    and columns of padded positions zeroed as ESM-2 does; None when no layer was requested.
+    """
+
+    logits: torch.Tensor  # (B, T, V)
+    hidden_states: dict[int, torch.Tensor]  # layer -> (B, T, D)
+    attentions: dict[int, torch.Tensor] | None = None  # layer -> (B, H', T, T)
+
+
+class PerformerLM(nn.Module):
+    """Token embedding, rotary pre-LN blocks, final norm, tied LM head."""
+
+    def __init__(self, config: PerformerConfig) -> None:
+        super().__init__()
+        config.validate()
+        self.config = config
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.dim, padding_idx=config.pad_idx)
+        self.layers = nn.ModuleList(TransformerLayer(config) for _ in range(config.depth))
+        self.emb_layer_norm_after = nn.LayerNorm(config.dim, eps=config.layer_norm_eps)
+        self.lm_head = LMHead(
+            config.dim, config.vocab_size, self.embed_tokens.weight, eps=config.layer_norm_eps
+        )
+        self.apply(self._init_weights)
+
+    @staticmethod
+    def _init_weights(module: nn.Module) -> None:
+        """BERT/HF-ESM init (N(0, 0.02), zero biases): with tied weights, N(0, 1) embeddings would
+        start the logits at a huge scale."""
+        if isinstance(module, nn.Linear):
+            nn.init.normal_(module.weight, std=0.02)
+            if module.bias is not None:
+                nn.init.zeros_(module.bias)
+        elif isinstance(module, nn.Embedding):
+            nn.init.normal_(module.weight, std=0.02)
+            if module.padding_idx is not None:
+                with torch.no_grad():
+                    module.weight[module.padding_idx].zero_()
+        elif isinstance(module, nn.LayerNorm):
+            nn.init.ones_(module.weight)
+            nn.init.zeros_(module.bias)
+
+    def _resolve_layers(self, layers: Sequence[int], lowest: int, what: str) -> set[int]:
+        """Map ESM-style indices (negative from the end, -1 = last block) to block numbers."""
+        depth = self.config.depth
+        resolved = set()
+        for i in layers:
+            j = i + depth + 1 if i < 0 else i
+            if not lowest <= j <= depth:
+                raise UserError(
+                    f"{what} {i} is out of range for a {depth}-layer model "
+                    f"(valid: {lowest}..{depth} or {-(depth + 1 - lowest)}..-1)"
+                )
+            resolved.add(j)
+        return resolved
+
+    def embed(self, tokens: torch.Tensor, padding_mask: torch.Tensor) -> torch.Tensor:
+        """Token embeddings with ESM-2's token dropout and zeroed padding, (B, T) -> (B, T, D)."""
+        x = self.embed_tokens(tokens)
+        if self.config.token_dropout:
+            is_mask = (tokens == self.config.mask_idx).unsqueeze(-1)  # (B, T, 1)
+            x = x.masked_fill(is_mask, 0.0)
+            src_lengths = (~padding_mask).sum(-1)
+            mask_ratio_observed = is_mask.squeeze(-1).sum(-1).to(x.dtype) / src_lengths
+            x = x * (1 - _MASK_RATIO_TRAIN) / (1 - mask_ratio_observed)[:, None, None]
+        return x * (1 - padding_mask.unsqueeze(-1).type_as(x))
+
+    def forward(
+        self,
+        tokens: torch.Tensor,
+        padding_mask: torch.Tensor | None = None,
+        repr_layers: Sequence[int] = (),
+        attention_layers: Sequence[int] = (),
+        attention_heads: Sequence[int] | None = None,
+    ) -> PerformerOutput:
+        """``tokens`` (B, T) -> logits (B, T, V) plus the requested hidden states and maps.
+
+        ``padding_mask`` (B, T) True = pad; derived from ``tokens == pad_idx`` when None.
+        ``repr_layers`` take 0..depth (0 = embeddings) or negative indices (-1 = last);
+        ``attention_layers`` take 1..depth or negative indices; ``attention_heads`` selects heads
+        (all when None).
+        """
+        if tokens.ndim != 2:
+            raise ValueError(f"tokens must be (batch, length), got shape {tuple(tokens.shape)}")
+        if padding_mask is None:
+            padding_mask = tokens.eq(self.config.pad_idx)
+        padding_mask = padding_mask.to(device=tokens.device, dtype=torch.bool)
+        want_hidden = self._resolve_layers(repr_layers, 0, "repr layer")
+        want_attn = self._resolve_layers(attention_layers, 1, "attention layer")
+        if attention_heads is not None:
+            bad = [h for h in attention_heads if not 0 <= h < self.config.heads]
+            if bad:
+                raise UserError(
+                    f"attention head(s) {bad} out of range for {self.config.heads} heads "
+                    f"(valid: 0..{self.config.heads - 1})"
+                )
+
+        x = self.embed(tokens, padding_mask)  # (B, T, D)
+        hidden: dict[int, torch.Tensor] = {}
+        if 0 in want_hidden:
+            hidden[0] = x
+        # As ESM-2: an all-False mask is dropped so the attention core can take its fast path.
+        attn_mask = padding_mask if padding_mask.any() else None
+        maps: dict[int, torch.Tensor] = {}
+        depth = len(self.layers)
+        for i, layer in enumerate(self.layers, start=1):
+            x, weights = layer(x, attn_mask, need_weights=i in want_attn, heads=attention_heads)
+            if weights is not None:
+                maps[i] = weights
+            if i in want_hidden and i != depth:
+                hidden[i] = x
+        x = self.emb_layer_norm_after(x)
+        if depth in want_hidden:
+            hidden[depth] = x
+        logits = self.lm_head(x)
+
+        attentions = None
+        if want_attn:
+            keep = (~padding_mask).to(logits.dtype)  # (B, T)
+            outer = (keep[:, :, None] * keep[:, None, :])[:, None]  # (B, 1, T, T)
+            attentions = {i: maps[i] * outer.to(maps[i].dtype) for i in sorted(maps)}
+        return PerformerOutput(logits=logits, hidden_states=hidden, attentions=attentions)
+
+    @torch.no_grad()
+    def redraw_features(self, generator: torch.Generator | None = None) -> None:
+        """Redraw every FAVOR+ layer's random features, layer by layer from one generator.
+
+        Seeding the generator identically on every rank gives every rank the same features
+        without a broadcast. A no-op for exact attention.
+        """
+        for layer in self.layers:
+            favor = layer.self_attn.favor
+            if favor is not None:
+                favor.redraw(generator=generator)
+
+    def num_parameters(self, trainable_only: bool = False) -> int:
+        """Parameter count, the tied embedding/decoder matrix counted once."""
+        return sum(p.numel() for p in self.parameters() if p.requires_grad or not trainable_only)
+
+    def param_groups(self, weight_decay: float) -> list[dict[str, Any]]:
+        """AdamW groups: decay only on matrix weights of Linear layers; norms, biases and the
+        (tied) embedding are excluded, since shrinking them towards 0 only hurts."""
+        no_decay_ids: set[int] = set()
+        for module in self.modules():
+            if isinstance(module, (nn.LayerNorm, nn.Embedding)):
+                no_decay_ids.update(id(p) for p in module.parameters(recurse=False))
+        decay, no_decay = [], []
+        for name, p in self.named_parameters():
+            if not p.requires_grad:
+                continue
+            if id(p) in no_decay_ids or name.endswith("bias") or p.ndim < 2:
+                no_decay.append(p)
+            else:
+                decay.append(p)
+        return [
+            {"params": decay, "weight_decay": weight_decay},
+            {"params": no_decay, "weight_decay": 0.0},
+        ]

@@ -1,0 +1,186 @@
+"""Training callbacks: FAVOR+ feature redraws and the training-curve figure.
+
+Both live outside the LightningModule because they are about *when* things happen during a run
+(optimizer-step boundaries, end of fit), not about the loss.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytorch_lightning as pl
+import torch
+from pytorch_lightning.callbacks import Callback
+
+log = logging.getLogger(__name__)
+
+
+def redraw_generator(seed: int, step: int) -> torch.Generator:
+    """A CPU generator that depends only on (seed, step).
+
+    Every data-parallel rank builds the same generator at the same step, so all ranks draw the
+    same ω without a broadcast, and a resumed run redraws exactly what an unbroken run would.
+    SeedSequence mixes the pair so nearby (seed, step) pairs give unrelated streams.
+    """
+    state = np.random.SeedSequence([int(seed), int(step)]).generate_state(2, dtype=np.uint32)
+    generator = torch.Generator(device="cpu")
+    generator.manual_seed(int(state[0]) << 32 | int(state[1]))
+    return generator
+
+
+class FeatureRedraw(Callback):
+    """Redraw the FAVOR+ random features every ``interval`` optimizer steps (and at step 0).
+
+    Runs in ``on_train_batch_start`` so the redraw precedes the forward pass of the step it
+    belongs to; with gradient accumulation the micro-batches of one optimizer step share one ω.
+    The generator is seeded from (seed, global_step), which keeps DDP ranks identical with no
+    communication and uses none of the global RNG (so dropout streams are unaffected). A resumed
+    run does not redraw on resume: ω comes back from the checkpoint (it is a buffer).
+
+    Args:
+        interval: optimizer steps between redraws; ``None`` reads the model config's
+            ``feature_redraw_interval``; 0 disables redraws.
+        seed: base seed of the redraw stream.
+    """
+
+    def __init__(self, interval: int | None = None, seed: int = 0) -> None:
+        super().__init__()
+        if interval is not None and interval < 0:
+            raise ValueError(f"interval must be >= 0 or None, got {interval}")
+        self.interval = interval
+        self.seed = seed
+        self._last_step: int | None = None
+
+    def _interval(self, pl_module: pl.LightningModule) -> int:
+        if self.interval is not None:
+            return self.interval
+        config = getattr(pl_module, "performer_config", None)
+        return int(getattr(config, "feature_redraw_interval", 0) or 0)
+
+    def on_train_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
+        interval = self._interval(pl_module)
+        step = trainer.global_step
+        if interval <= 0 or step == self._last_step or step % interval:
+            return
+        self._last_step = step
+        pl_module.model.redraw_features(generator=redraw_generator(self.seed, step))
+        log.debug("redrew FAVOR+ features at step %d", step)
+
+
+class TrainingCurvePlot(Callback):
+    """Write ``training_curve.png`` (and the numbers as JSON) at the end of fit.
+
+    The metrics are collected here as they are logged instead of read back from a logger, so the
+    figure works with any logger (or none).
+
+    Args:
+        dirpath: where to write; defaults to the trainer's ``default_root_dir``.
+        filename: stem of the PNG and JSON files.
+    """
+
+    def __init__(self, dirpath: str | None = None, filename: str = "training_curve") -> None:
+        super().__init__()
+        self.dirpath = dirpath
+        self.filename = filename
+        self.train: list[tuple[int, float]] = []
+        self.val: dict[str, list[tuple[int, float]]] = {"val/loss": [], "val/ppl": []}
+        self.path: Path | None = None
+        self._last_step = -1
+
+    def on_train_batch_end(
+        self,
+        trainer: pl.Trainer,
+        pl_module: pl.LightningModule,
+        outputs: Any,
+        batch: Any,
+        batch_idx: int,
+    ) -> None:
+        step = trainer.global_step
+        value = trainer.callback_metrics.get("train/loss")
+        # One point per optimizer step (micro-batches of an accumulated step share a step).
+        if value is not None and step != self._last_step:
+            self._last_step = step
+            self.train.append((step, float(value)))
+
+    def on_validation_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if trainer.sanity_checking:
+            return
+        for key, points in self.val.items():
+            value = trainer.callback_metrics.get(key)
+            if value is not None:
+                points.append((trainer.global_step, float(value)))
+
+    def state_dict(self) -> dict[str, Any]:
+        # Saved in checkpoints so a resumed run's figure covers the whole run.
+        return {"train": self.train, "val": self.val}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.train = [tuple(p) for p in state_dict.get("train", [])]
+        self.val = {k: [tuple(p) for p in v] for k, v in state_dict.get("val", self.val).items()}
+
+    def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if not trainer.is_global_zero or not self.train:
+            return
+        out_dir = Path(self.dirpath or trainer.default_root_dir)
+        out_dir.mkdir(parents=True, exist_ok=True)
+        self.path = out_dir / f"{self.filename}.png"
+        with open(out_dir / f"{self.filename}.json", "w") as fh:
+            json.dump({"train/loss": self.train, **self.val}, fh)
+        plot_training_curve(self.train, self.val, self.path)
+        log.info("training curve: %s", self.path)
+
+
+def _smooth(values: np.ndarray, window: int) -> np.ndarray:
+    """Trailing moving average, so the first points are not biased towards zero."""
+    if window <= 1 or len(values) < 2:
+        return values
+    cumsum = np.cumsum(np.insert(values, 0, 0.0))
+    out = np.empty_like(values)
+    for i in range(len(values)):
+        lo = max(0, i + 1 - window)
+        out[i] = (cumsum[i + 1] - cumsum[lo]) / (i + 1 - lo)
+    return out
+
+
+def plot_training_curve(
+    train: list[tuple[int, float]],
+    val: dict[str, list[tuple[int, float]]],
+    path: Path,
+) -> None:
+    """Two panels: train/val loss vs step (raw train faint, smoothed solid) and val/ppl vs step."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax_loss, ax_ppl) = plt.subplots(1, 2, figsize=(10, 4))
+    steps = np.array([s for s, _ in train])
+    losses = np.array([v for _, v in train])
+    ax_loss.plot(steps, losses, color="tab:blue", alpha=0.25, lw=0.8)
+    window = max(1, len(losses) // 20)
+    ax_loss.plot(steps, _smooth(losses, window), color="tab:blue", label="train/loss")
+    if val["val/loss"]:
+        vs, vl = zip(*val["val/loss"], strict=True)
+        ax_loss.plot(vs, vl, "o-", color="tab:orange", label="val/loss")
+    ax_loss.set(xlabel="optimizer step", ylabel="cross-entropy (nats/token)", title="loss")
+    ax_loss.legend()
+    ax_loss.grid(alpha=0.3)
+    if val["val/ppl"]:
+        ps, pv = zip(*val["val/ppl"], strict=True)
+        ax_ppl.plot(ps, pv, "o-", color="tab:orange", label="val/ppl")
+        # Uniform over the 20 standard amino acids: the floor a model must beat to learn anything.
+        ax_ppl.axhline(20.0, color="grey", ls="--", lw=0.8, label="uniform over 20 aa")
+        ax_ppl.legend()
+    else:
+        ax_ppl.text(0.5, 0.5, "no validation run", ha="center", va="center")
+    ax_ppl.set(xlabel="optimizer step", ylabel="perplexity", title="validation perplexity")
+    ax_ppl.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

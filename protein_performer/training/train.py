@@ -1,0 +1,246 @@
+"""Training entry points: a pure ``train(cfg)`` and a thin Hydra wrapper around it.
+
+``train(cfg)`` takes a composed config and returns numbers and paths, so tests and scripts call
+it directly with a config from Hydra's compose API; ``main()`` / ``run_hydra()`` add Hydra's
+command line, run directory and log file (``protein-performer train`` goes through them).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from protein_performer.errors import UserError
+
+if TYPE_CHECKING:
+    from omegaconf import DictConfig
+
+log = logging.getLogger(__name__)
+
+#: Environment variable naming another config directory (a copy of ``conf/`` to customise).
+CONF_DIR_ENV = "PROTEIN_PERFORMER_CONF_DIR"
+
+
+def conf_dir() -> Path:
+    """The config directory: ``$PROTEIN_PERFORMER_CONF_DIR``, else the repository's ``conf/``.
+
+    ``conf/`` sits next to the package in the repository (it is not packaged), so it is found
+    relative to this file; an installed copy elsewhere points the variable at its configs.
+    """
+    env = os.environ.get(CONF_DIR_ENV)
+    path = Path(env).expanduser() if env else Path(__file__).resolve().parents[2] / "conf"
+    if not (path / "train.yaml").is_file():
+        where = f"${CONF_DIR_ENV}={env}" if env else "the repository"
+        raise UserError(
+            f"no Hydra config train.yaml in {path} (from {where}): set {CONF_DIR_ENV} to a "
+            "directory holding the project's conf/ files"
+        )
+    return path.resolve()
+
+
+def list_choices(group: str) -> list[str]:
+    """Config names of a group (``experiment``, ``trainer``, ...), for help texts."""
+    directory = conf_dir() / group
+    return sorted(p.stem for p in directory.glob("*.yaml")) if directory.is_dir() else []
+
+
+def compose_config(
+    overrides: Sequence[str] = (), output_dir: str | Path | None = None
+) -> DictConfig:
+    """Compose ``train.yaml`` with overrides via Hydra's compose API, composition errors as
+    ``UserError`` (unknown group option, bad key, bad override syntax).
+
+    With ``output_dir`` the config is made runnable outside ``@hydra.main`` (tests, notebooks):
+    the run directory is set and the config registered as the current Hydra config, so
+    ``${hydra:...}`` interpolations resolve.
+    """
+    from hydra import compose, initialize_config_dir
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.errors import HydraException
+    from omegaconf import open_dict
+    from omegaconf.errors import OmegaConfBaseException
+
+    try:
+        with initialize_config_dir(str(conf_dir()), version_base="1.3"):
+            cfg = compose("train", overrides=list(overrides), return_hydra_config=True)
+    except (HydraException, OmegaConfBaseException) as exc:
+        raise UserError(_composition_message(exc, overrides)) from None
+    if output_dir is not None:
+        with open_dict(cfg):
+            cfg.hydra.runtime.output_dir = str(output_dir)
+            cfg.paths.output_dir = str(output_dir)
+        HydraConfig.instance().set_config(cfg)
+    return cfg
+
+
+def _composition_message(exc: BaseException, overrides: Sequence[str]) -> str:
+    text = str(exc).strip()
+    cause = exc.__cause__
+    if cause is not None and str(cause).strip() and str(cause).strip() not in text:
+        text = f"{text}: {str(cause).strip()}"
+    given = " ".join(overrides) or "(none)"
+    return (
+        f"bad training config: {text}\n"
+        f"  overrides: {given}\n"
+        "  use key=value to change a key, +key=value to add one, group=option to pick a config "
+        "(see `protein-performer train --help`)"
+    )
+
+
+def _instantiate(node: Any, key: str, **kwargs: Any) -> Any:
+    """``hydra.utils.instantiate`` whose failures name the config key; a ``UserError`` raised by
+    our own constructors (e.g. a missing data file) passes through with its own message."""
+    import hydra
+    from hydra.errors import InstantiationException
+    from omegaconf.errors import OmegaConfBaseException
+
+    try:
+        return hydra.utils.instantiate(node, **kwargs)
+    except UserError:
+        raise
+    except InstantiationException as exc:
+        cause = exc.__cause__
+        while cause is not None:
+            if isinstance(cause, UserError):
+                raise cause from None
+            cause = cause.__cause__
+        raise UserError(f"cannot build `{key}` from the config: {exc}") from None
+    except OmegaConfBaseException as exc:
+        raise UserError(f"bad value under `{key}` in the config: {exc}") from None
+
+
+def _instantiate_dict(cfg: DictConfig, group: str) -> list[Any]:
+    """Instantiate every entry with a ``_target_`` of a group (callbacks, logger)."""
+    from omegaconf import DictConfig
+    node = cfg.get(group)
+    if not node:
+        return []
+    if not isinstance(node, DictConfig):
+        raise UserError(f"`{group}` must be a mapping of name -> config, got {node!r}")
+    return [
+        _instantiate(sub, f"{group}.{name}")
+        for name, sub in node.items()
+        if isinstance(sub, DictConfig) and "_target_" in sub
+    ]
+
+
+def _scalar(value: Any) -> float | Any:
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        return value
+
+
+def _existing(path: str | None) -> str | None:
+    return path if path and Path(path).is_file() else None
+
+
+def train(cfg: DictConfig) -> dict[str, Any]:
+    """Fit (and optionally test) the model described by ``cfg``.
+
+    Returns ``metrics`` (final logged values, plus ``test/*`` when ``cfg.test``),
+    ``best_checkpoint``, ``last_checkpoint``, ``curve`` (PNG path or None) and ``output_dir``.
+    """
+    import pytorch_lightning as pl
+
+    from protein_performer.training.callbacks import TrainingCurvePlot
+
+    if cfg.get("seed") is not None:
+        pl.seed_everything(int(cfg.seed), workers=True)
+    ckpt_path = cfg.get("ckpt_path")
+    if ckpt_path is not None and not Path(ckpt_path).is_file():
+        raise UserError(
+            f"ckpt_path={ckpt_path} is not a file: give the last.ckpt (or another .ckpt) of the "
+            "run to resume, e.g. outputs/<task>/<run>/checkpoints/last.ckpt"
+        )
+
+    datamodule = _instantiate(cfg.data, "data")
+    module = _instantiate(cfg.model, "model")
+    callbacks = _instantiate_dict(cfg, "callbacks")
+    loggers = _instantiate_dict(cfg, "logger")
+    trainer: pl.Trainer = _instantiate(
+        cfg.trainer, "trainer", callbacks=callbacks, logger=loggers or False
+    )
+    if trainer.is_global_zero:
+        log.info(
+            "model: %s parameters, %s attention (%s)",
+            f"{module.model.num_parameters():,}",
+            module.performer_config.attention,
+            module.performer_config.objective,
+        )
+
+    trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt_path)
+    metrics = {k: _scalar(v) for k, v in trainer.callback_metrics.items()}
+
+    checkpoint = trainer.checkpoint_callback
+    # fast_dev_run and runs without validation leave these empty (or naming unwritten files).
+    best = _existing(getattr(checkpoint, "best_model_path", None))
+    last = _existing(getattr(checkpoint, "last_model_path", None))
+    if cfg.get("test"):
+        # The best checkpoint when one was written; else the weights in memory (fast_dev_run).
+        results = trainer.test(module, datamodule=datamodule, ckpt_path=best)
+        for row in results:
+            metrics.update({k: _scalar(v) for k, v in row.items()})
+
+    curve = next((c.path for c in callbacks if isinstance(c, TrainingCurvePlot)), None)
+    return {
+        "metrics": metrics,
+        "best_checkpoint": best,
+        "last_checkpoint": last,
+        "curve": str(curve) if curve else None,
+        "output_dir": str(trainer.default_root_dir),
+    }
+
+
+def run_hydra(overrides: Sequence[str], prog: str = "protein-performer train") -> dict[str, Any]:
+    """Run ``train`` under ``@hydra.main`` (run directory, log file, saved ``.hydra/`` configs).
+
+    Overrides are composed once with the compose API first, so a bad one becomes a ``UserError``
+    instead of Hydra's exit status 1; Hydra's own flags (``--cfg job``, ``-m``, ...) skip that
+    check and are left to Hydra. A ``UserError`` inside the run is carried out of Hydra's
+    error handling and raised here, so the CLI reports it as ``error: ...`` with status 2.
+    """
+    import hydra
+
+    overrides = list(overrides)
+    if not any(arg.startswith("-") for arg in overrides):
+        compose_config(overrides)
+    outcome: dict[str, Any] = {}
+
+    @hydra.main(version_base="1.3", config_path=str(conf_dir()), config_name="train")
+    def _task(cfg: DictConfig) -> None:
+        try:
+            outcome["result"] = train(cfg)
+        except UserError as exc:
+            outcome["error"] = exc
+
+    saved_argv = sys.argv
+    sys.argv = [prog, *overrides]
+    try:
+        _task()
+    finally:
+        sys.argv = saved_argv
+    if "error" in outcome:
+        raise outcome["error"]
+    return outcome.get("result", {})
+
+
+def main() -> None:
+    """``python -m protein_performer.training.train [overrides]`` (the torchrun entry point)."""
+    try:
+        result = run_hydra(sys.argv[1:], prog=sys.argv[0])
+    except UserError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        sys.exit(2)
+    if result:
+        from omegaconf import OmegaConf
+
+        log.info("result: %s", OmegaConf.to_yaml(OmegaConf.create(result)).strip())
+
+
+if __name__ == "__main__":
+    main()

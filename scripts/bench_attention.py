@@ -1,0 +1,598 @@
+#!/usr/bin/env python
+"""Speed and memory of FAVOR+ attention against exact SDPA and performer-pytorch.
+
+Why this shape: peak memory is only meaningful in a fresh process (allocator caches, earlier
+cases and the import of torch all pollute it), and a quadratic baseline at L=65,536 must not hang
+the run. So the orchestrator re-invokes this script with ``--case JSON`` once per
+(implementation, causal, L); the child measures the forward (no grad, inference) and then
+forward+backward, prints one ``RESULT {...}`` line per mode and exits. A case that exceeds
+``--timeout`` or ``--mem-limit-gib`` is recorded as ``timeout``/``oom`` and the larger L of the
+same series are recorded as ``skipped``. A large square matmul (``--matmul-n``) is timed in its own
+fresh process in the same run, giving the machine's achievable matmul rate.
+
+Peak memory: on CPU the peak RSS during a phase minus the RSS just before it (inputs, module and
+the imported libraries are excluded; gradients of q, k, v count in fwd+bwd). The peak comes from
+``ru_maxrss`` when the phase raised it (exact), otherwise from a 1 ms psutil sampler. On CUDA it is
+``torch.cuda.max_memory_allocated`` minus the allocation before the phase.
+
+Useful matmul FLOPs (per batch element and head; L tokens, head dim d, m features, e = d + 1 for
+the value columns plus the normalizer column, c = the causal chunk size):
+
+- linear attention (ours, performer-pytorch), forward:
+  projections Q·Ωᵀ and K·Ωᵀ: 4·L·d·m; K'ᵀ[V|1] and Q'·S: 4·L·m·e;
+  causal only, in-chunk products Q'_c·K'_cᵀ and A_c·[V|1] over the lower triangle
+  (c(c+1)/2 entries per chunk, masked half not counted): L·(c+1)·(m+e).
+- backward: every matmul costs twice its forward (gradient for both operands), except the
+  projections (Ω is a buffer: only dQ, dK): +4·L·d·m + 8·L·m·e (+ 2·L·(c+1)·(m+e) causal).
+- exact attention (SDPA): forward 4·L²·d (QKᵀ and AV), backward 8·L²·d (dV, dP, dQ, dK; the
+  flash-style recomputation is not counted); causal counts L(L+1)/2 instead of L².
+
+The useful fraction is useful FLOPs / measured time / the same run's matmul rate. It says how
+close the implementation gets to pure-matmul speed; exp, masking and memory traffic are overhead.
+For performer-pytorch causal the same formula with our chunk size is used (the work the algorithm
+needs, not what that port does).
+
+Examples::
+
+    python scripts/bench_attention.py --help
+    python scripts/bench_attention.py --quick                 # tiny, seconds
+    python scripts/bench_attention.py --max-len 16384 --timeout 300
+    python scripts/bench_attention.py --device cuda --dtype bfloat16 --out .bench/gpu
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import gc
+import json
+import logging
+import math
+import os
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger("bench_attention")
+
+RESULT_MARK = "RESULT "
+IMPLS = ("ours", "sdpa", "performer")
+MODES = ("bidirectional", "causal")
+DEFAULT_CHUNK = 128  # used for the FLOP count when FavorAttention does not expose its chunk size
+CSV_FIELDS = (
+    "impl", "causal", "L", "B", "H", "d", "m", "dtype", "device", "mode", "status",
+    "time_s", "time_min_s", "repeats", "peak_mem_mib", "useful_gflop", "achieved_gflops",
+    "useful_frac", "matmul_gflops", "chunk_size", "note",
+)
+
+
+# --------------------------------------------------------------------------------------------
+# Child side: one case in a fresh process
+# --------------------------------------------------------------------------------------------
+
+
+class PeakSampler:
+    """Tracks the peak RSS of this process from a background thread.
+
+    Why: ``ru_maxrss`` cannot be reset between phases, so a phase whose peak stays below an
+    earlier transient (e.g. during ``import torch``) would be invisible to it. The sampler also
+    enforces the memory limit, turning a would-be OOM kill of the shared machine into a clean
+    ``oom`` record.
+    """
+
+    def __init__(self, limit_bytes: int | None, interval_s: float = 0.001) -> None:
+        import psutil
+
+        self._proc = psutil.Process()
+        self._limit = limit_bytes
+        self._interval = interval_s
+        self._stop = threading.Event()
+        self.peak = self._proc.memory_info().rss
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            rss = self._proc.memory_info().rss
+            if rss > self.peak:
+                self.peak = rss
+            if self._limit is not None and rss > self._limit:
+                _emit({"status": "oom", "note": f"RSS {rss / 2**30:.2f} GiB over the limit"})
+                sys.stdout.flush()
+                os._exit(3)
+            time.sleep(self._interval)
+
+    def __enter__(self) -> PeakSampler:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def reset(self) -> None:
+        self.peak = self._proc.memory_info().rss
+
+
+def _maxrss_bytes() -> int:
+    import resource
+
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return rss if sys.platform == "darwin" else rss * 1024
+
+
+def _emit(payload: dict[str, Any]) -> None:
+    """One machine-readable line; libraries may print other lines to stdout."""
+    sys.stdout.write(RESULT_MARK + json.dumps(payload) + "\n")
+    sys.stdout.flush()
+
+
+def _build_fn(case: dict[str, Any], device: Any) -> tuple[Callable[..., Any], int | None]:
+    """Returns fn(q, k, v) -> out and the causal chunk size used for the FLOP count."""
+    import torch
+    import torch.nn.functional as F
+
+    impl, causal, d, m = case["impl"], case["causal"], case["d"], case["m"]
+    if impl == "sdpa":
+        return (lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=causal)), None
+    if impl == "ours":
+        from protein_performer.model.favor import FavorAttention
+
+        attn = FavorAttention(
+            dim_head=d, nb_features=m, causal=causal, kernel=case["kernel"],
+            **case.get("ours_kwargs", {}),
+        ).to(device)
+        chunk = getattr(attn, "chunk_size", None) or DEFAULT_CHUNK
+        return (lambda q, k, v: attn(q, k, v)), int(chunk)
+    if impl == "performer":
+        from performer_pytorch import FastAttention
+
+        torch.manual_seed(case["seed"])
+        attn = FastAttention(dim_heads=d, nb_features=m, causal=causal).to(device)
+        return (lambda q, k, v: attn(q, k, v)), case.get("flop_chunk", DEFAULT_CHUNK)
+    raise ValueError(f"unknown impl {impl!r}")
+
+
+def useful_flops(impl: str, causal: bool, L: int, B: int, H: int, d: int, m: int,
+                 chunk: int | None, backward: bool) -> float:
+    """Matmul FLOPs the algorithm inherently needs (formula in the module docstring)."""
+    if impl == "sdpa":
+        pairs = L * (L + 1) / 2 if causal else float(L * L)
+        per = 4 * pairs * d * (3 if backward else 1)
+        return B * H * per
+    e = d + 1
+    proj = 4 * L * d * m
+    state = 4 * L * m * e
+    chunk_f = L * ((chunk or DEFAULT_CHUNK) + 1) * (m + e) if causal else 0.0
+    per = proj + state + chunk_f
+    if backward:
+        per += proj + 2 * state + 2 * chunk_f
+    return B * H * per
+
+
+def _sync(device: Any) -> None:
+    import torch
+
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _time_phase(step: Callable[[], None], device: Any, repeats: int, budget_s: float
+                ) -> tuple[float, float, int]:
+    """Warm up once, then repeat up to `repeats` times or until `budget_s` is spent."""
+    _sync(device)
+    step()  # warm-up: first call allocates, JIT-selects kernels, faults in pages
+    _sync(device)
+    times: list[float] = []
+    spent = 0.0
+    while len(times) < repeats and (not times or spent < budget_s):
+        t0 = time.perf_counter()
+        step()
+        _sync(device)
+        dt = time.perf_counter() - t0
+        times.append(dt)
+        spent += dt
+    times.sort()
+    return times[len(times) // 2], times[0], len(times)
+
+
+def run_matmul_case(case: dict[str, Any]) -> None:
+    """Times an n×n @ n×n matmul in the benchmark dtype: the reference rate for useful FLOPs."""
+    import torch
+
+    device = torch.device(case["device"])
+    dtype = getattr(torch, case["dtype"])
+    n = case["n"]
+    gen = torch.Generator(device="cpu").manual_seed(0)
+    a = torch.randn(n, n, generator=gen).to(device, dtype)
+    b = torch.randn(n, n, generator=gen).to(device, dtype)
+    median, best, reps = _time_phase(lambda: torch.mm(a, b), device, case["repeats"],
+                                     case["budget_s"])
+    _emit({"status": "ok", "mode": "matmul", "time_s": median, "time_min_s": best,
+           "repeats": reps, "achieved_gflops": 2 * n**3 / median / 1e9})
+
+
+def run_case(case: dict[str, Any]) -> None:
+    """Runs one (impl, causal, L) case: forward then forward+backward, one RESULT line each."""
+    import torch
+
+    if case.get("threads"):
+        torch.set_num_threads(int(case["threads"]))
+    if case["impl"] == "matmul":
+        run_matmul_case(case)
+        return
+    device = torch.device(case["device"])
+    dtype = getattr(torch, case["dtype"])
+    B, H, L, d = case["B"], case["H"], case["L"], case["d"]
+    gen = torch.Generator(device="cpu").manual_seed(case["seed"])
+    q, k, v = (torch.randn(B, H, L, d, generator=gen).to(device, dtype) for _ in range(3))
+    g = torch.randn(B, H, L, d, generator=gen).to(device, dtype)
+    fn, chunk = _build_fn(case, device)
+    limit = int(case["mem_limit_gib"] * 2**30) if case.get("mem_limit_gib") else None
+    # Library warm-up at a tiny size, so one-time costs (lazy kernels, autograd worker threads)
+    # do not count as this case's memory or time.
+    tiny = [torch.randn(B, H, 16, d).to(device, dtype).requires_grad_(True) for _ in range(3)]
+    out = fn(*tiny)
+    out.backward(torch.randn_like(out))  # not .sum(): its expanded gradient takes another path
+    del tiny, out
+    gc.collect()
+
+    def fwd() -> None:
+        with torch.no_grad():
+            fn(q, k, v)
+
+    qg, kg, vg = (t.clone().requires_grad_(True) for t in (q, k, v))
+
+    def fwd_bwd() -> None:
+        for t in (qg, kg, vg):
+            t.grad = None
+        fn(qg, kg, vg).backward(g)
+
+    phases = [("fwd", fwd, False), ("fwd+bwd", fwd_bwd, True)]
+    with PeakSampler(limit if device.type == "cpu" else None) as sampler:
+        for mode, step, backward in phases:
+            gc.collect()
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+                torch.cuda.reset_peak_memory_stats(device)
+                base = torch.cuda.memory_allocated(device)
+            else:
+                sampler.reset()
+                base = sampler.peak
+                maxrss_before = _maxrss_bytes()
+            try:
+                median, best, reps = _time_phase(step, device, case["repeats"], case["budget_s"])
+            except torch.OutOfMemoryError as exc:
+                _emit({"mode": mode, "status": "oom", "note": str(exc).splitlines()[0][:200]})
+                return
+            if device.type == "cuda":
+                peak = torch.cuda.max_memory_allocated(device) - base
+            else:
+                maxrss = _maxrss_bytes()
+                peak = max(sampler.peak, maxrss if maxrss > maxrss_before else 0) - base
+            flops = useful_flops(case["impl"], case["causal"], L, B, H, d, case["m"], chunk,
+                                 backward)
+            _emit({"mode": mode, "status": "ok", "time_s": median, "time_min_s": best,
+                   "repeats": reps, "peak_mem_mib": peak / 2**20, "useful_gflop": flops / 1e9,
+                   "achieved_gflops": flops / median / 1e9, "chunk_size": chunk})
+
+
+# --------------------------------------------------------------------------------------------
+# Parent side: orchestration, CSV, plot, target table
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Row:
+    """One CSV row: a (impl, causal, L, mode) measurement or its failure."""
+
+    impl: str
+    causal: bool
+    L: int
+    B: int
+    H: int
+    d: int
+    m: int
+    dtype: str
+    device: str
+    mode: str
+    status: str
+    time_s: float = math.nan
+    time_min_s: float = math.nan
+    repeats: int = 0
+    peak_mem_mib: float = math.nan
+    useful_gflop: float = math.nan
+    achieved_gflops: float = math.nan
+    useful_frac: float = math.nan
+    matmul_gflops: float = math.nan
+    chunk_size: int | None = None
+    note: str = ""
+
+
+def _spawn(case: dict[str, Any], timeout: float) -> tuple[list[dict[str, Any]], str]:
+    """Runs one case in a fresh interpreter; returns its RESULT payloads and a failure note."""
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--case", json.dumps(case)]
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+        out, err, note = proc.stdout, proc.stderr, ""
+        if proc.returncode not in (0, 3):
+            note = f"exit {proc.returncode}: " + (err.strip().splitlines() or [""])[-1][:200]
+    except subprocess.TimeoutExpired as exc:
+        out = exc.stdout.decode() if isinstance(exc.stdout, bytes) else (exc.stdout or "")
+        note = f"timeout after {timeout:.0f} s"
+    results = [json.loads(line[len(RESULT_MARK):]) for line in out.splitlines()
+               if line.startswith(RESULT_MARK)]
+    return results, note
+
+
+def _performer_available() -> bool:
+    try:
+        import performer_pytorch  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def _lengths(args: argparse.Namespace) -> list[int]:
+    if args.lengths:
+        return sorted(int(x) for x in args.lengths.split(","))
+    out, L = [], args.min_len
+    while args.max_len >= L:
+        out.append(L)
+        L *= 2
+    return out
+
+
+def _default_mem_limit_gib() -> float:
+    import psutil
+
+    return round(0.6 * psutil.virtual_memory().available / 2**30, 1)
+
+
+def run_all(args: argparse.Namespace) -> list[Row]:
+    """Runs the matmul reference and every requested case, each in a fresh process."""
+    impls = [x for x in args.impls.split(",") if x]
+    modes = [x for x in args.modes.split(",") if x]
+    if "performer" in impls and not _performer_available():
+        log.warning("performer-pytorch is not installed: skipping it "
+                    "(pip install performer-pytorch==1.1.4 to compare)")
+        impls.remove("performer")
+    lengths = _lengths(args)
+    mem_limit = args.mem_limit_gib if args.mem_limit_gib else _default_mem_limit_gib()
+    common = {"B": args.batch, "H": args.heads, "d": args.dim_head, "m": args.nb_features,
+              "dtype": args.dtype, "device": args.device, "seed": args.seed,
+              "repeats": args.repeats, "budget_s": args.budget_s, "threads": args.threads,
+              "mem_limit_gib": mem_limit, "kernel": args.kernel,
+              "ours_kwargs": json.loads(args.ours_kwargs)}
+
+    mm_case = {**common, "impl": "matmul", "n": args.matmul_n}
+    mm, note = _spawn(mm_case, args.timeout)
+    matmul_gflops = mm[0]["achieved_gflops"] if mm and mm[0].get("status") == "ok" else math.nan
+    log.info("matmul %d^3 %s: %.1f GFLOP/s %s", args.matmul_n, args.dtype, matmul_gflops, note)
+
+    rows: list[Row] = []
+    ours_chunk: int | None = None
+    for mode in modes:
+        causal = mode == "causal"
+        for impl in impls:
+            failed_at: str | None = None
+            for L in lengths:
+                base = {"impl": impl, "causal": causal, "L": L, "B": args.batch, "H": args.heads,
+                        "d": args.dim_head, "m": args.nb_features, "dtype": args.dtype,
+                        "device": args.device, "matmul_gflops": matmul_gflops}
+                if failed_at is not None:
+                    for ph in ("fwd", "fwd+bwd"):
+                        rows.append(Row(**base, mode=ph, status="skipped", note=failed_at))
+                    continue
+                case = {**common, "impl": impl, "causal": causal, "L": L}
+                if impl == "performer" and ours_chunk:
+                    case["flop_chunk"] = ours_chunk
+                t0 = time.perf_counter()
+                results, note = _spawn(case, args.timeout)
+                done = {r["mode"]: r for r in results if "mode" in r}
+                oom = [r for r in results if r.get("status") == "oom"]
+                for ph in ("fwd", "fwd+bwd"):
+                    if ph in done and done[ph]["status"] == "ok":
+                        r = done[ph]
+                        if impl == "ours" and r.get("chunk_size"):
+                            ours_chunk = int(r["chunk_size"])
+                        rows.append(Row(**base, mode=ph, status="ok", time_s=r["time_s"],
+                                        time_min_s=r["time_min_s"], repeats=r["repeats"],
+                                        peak_mem_mib=r["peak_mem_mib"],
+                                        useful_gflop=r["useful_gflop"],
+                                        achieved_gflops=r["achieved_gflops"],
+                                        useful_frac=r["achieved_gflops"] / matmul_gflops,
+                                        chunk_size=r.get("chunk_size")))
+                    else:
+                        status = "oom" if oom else ("timeout" if "timeout" in note else "error")
+                        why = (oom[0].get("note", "") if oom else note) or "no result"
+                        rows.append(Row(**base, mode=ph, status=status, note=why))
+                        failed_at = f"after {status} at L={L}"
+                log.info("%-9s %-13s L=%-6d %5.1fs  %s", impl, mode, L, time.perf_counter() - t0,
+                         "  ".join(f"{r.mode}: {r.status} {r.time_s:.4g}s {r.peak_mem_mib:.0f}MiB"
+                                   for r in rows[-2:]))
+    return rows
+
+
+def write_csv(rows: list[Row], path: Path) -> None:
+    with path.open("w", newline="") as fh:
+        w = csv.DictWriter(fh, fieldnames=CSV_FIELDS, extrasaction="ignore")
+        w.writeheader()
+        for r in rows:
+            w.writerow(asdict(r))
+
+
+def plot(rows: list[Row], path: Path, title: str) -> None:
+    """Log-log time and memory vs L; solid = fwd+bwd, dashed = fwd."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax_t, ax_m) = plt.subplots(1, 2, figsize=(12, 4.8))
+    colors = {"ours": "tab:blue", "sdpa": "tab:orange", "performer": "tab:green"}
+    series = sorted({(r.impl, r.causal) for r in rows})
+    for impl, causal in series:
+        for mode, ls in (("fwd+bwd", "-"), ("fwd", "--")):
+            pts = sorted((r.L, r.time_s, r.peak_mem_mib) for r in rows if r.status == "ok"
+                         and (r.impl, r.causal, r.mode) == (impl, causal, mode))
+            if not pts:
+                continue
+            xs = [p[0] for p in pts]
+            label = f"{impl} {'causal' if causal else 'bidir'} {mode}"
+            marker = "s" if causal else "o"
+            ax_t.plot(xs, [p[1] for p in pts], ls, marker=marker, color=colors.get(impl),
+                      alpha=1.0 if causal else 0.6, label=label)
+            ax_m.plot(xs, [max(p[2], 1e-3) for p in pts], ls, marker=marker,
+                      color=colors.get(impl), alpha=1.0 if causal else 0.6, label=label)
+    for ax, ylabel in ((ax_t, "time [s]"), (ax_m, "peak memory delta [MiB]")):
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("sequence length L")
+        ax.set_ylabel(ylabel)
+        ax.grid(True, which="both", alpha=0.3)
+    ax_t.legend(fontsize=7, ncol=2)
+    fig.suptitle(title, fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def _get(rows: list[Row], impl: str, causal: bool, L: int, mode: str = "fwd+bwd") -> Row | None:
+    for r in rows:
+        if (r.impl, r.causal, r.L, r.mode) == (impl, causal, L, mode) and r.status == "ok":
+            return r
+    return None
+
+
+def _ratio(a: float | None, b: float | None) -> float:
+    return a / b if a is not None and b is not None and b > 0 else math.nan
+
+
+def targets(rows: list[Row]) -> list[tuple[str, str, float, bool | None]]:
+    """The issue's targets: (description, target, measured, passed or None when unmeasured)."""
+    out: list[tuple[str, str, float, bool | None]] = []
+
+    def add(desc: str, tgt: str, val: float, ok: Callable[[float], bool]) -> None:
+        out.append((desc, tgt, val, None if math.isnan(val) else ok(val)))
+
+    def t(impl: str, causal: bool, L: int) -> float | None:
+        r = _get(rows, impl, causal, L)
+        return r.time_s if r else None
+
+    def mem(impl: str, causal: bool, L: int) -> float | None:
+        r = _get(rows, impl, causal, L)
+        return r.peak_mem_mib if r else None
+
+    add("causal fwd+bwd L=8192: SDPA time / ours", ">= 2.5",
+        _ratio(t("sdpa", True, 8192), t("ours", True, 8192)), lambda x: x >= 2.5)
+    add("causal fwd+bwd L=8192: performer time / ours", ">= 30",
+        _ratio(t("performer", True, 8192), t("ours", True, 8192)), lambda x: x >= 30)
+    add("causal fwd+bwd L=8192: ours causal mem / ours bidir mem", "<= 1.5",
+        _ratio(mem("ours", True, 8192), mem("ours", False, 8192)), lambda x: x <= 1.5)
+    lens = sorted({r.L for r in rows if r.L >= 4096})
+    worst = max((_ratio(mem("ours", True, L), mem("ours", False, L)) for L in lens),
+                key=lambda x: -1 if math.isnan(x) else x, default=math.nan)
+    add("causal fwd+bwd L>=4096 worst: ours causal mem / bidir mem", "<= 1.5", worst,
+        lambda x: x <= 1.5)
+    add("bidir fwd+bwd L=32768: performer time / ours", ">= 1.5",
+        _ratio(t("performer", False, 32768), t("ours", False, 32768)), lambda x: x >= 1.5)
+    add("bidir fwd+bwd L=32768: ours mem / performer mem", "<= 0.5",
+        _ratio(mem("ours", False, 32768), mem("performer", False, 32768)), lambda x: x <= 0.5)
+    for causal in (False, True):
+        for mode in ("fwd", "fwd+bwd"):
+            fracs = [r.useful_frac for r in rows if r.impl == "ours" and r.causal == causal
+                     and r.mode == mode and r.L >= 8192 and r.status == "ok"]
+            name = "causal" if causal else "bidir"
+            add(f"ours {name} {mode} L>=8192: min useful FLOP fraction", ">= 0.40",
+                min(fracs) if fracs else math.nan, lambda x: x >= 0.40)
+    return out
+
+
+def format_tables(rows: list[Row], matmul_gflops: float) -> str:
+    """Markdown: raw measurements, ratios to ours, and the target checklist."""
+    lines = [f"matmul reference: {matmul_gflops:.1f} GFLOP/s", "",
+             "| impl | mode | L | phase | status | time s | peak MiB | useful GFLOP/s | frac |"
+             " x ours time | x ours mem |",
+             "|---|---|---:|---|---|---:|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        ref = _get(rows, "ours", r.causal, r.L, r.mode)
+        rt = _ratio(r.time_s, ref.time_s) if ref and r.status == "ok" else math.nan
+        rm = _ratio(r.peak_mem_mib, ref.peak_mem_mib) if ref and r.status == "ok" else math.nan
+        lines.append(
+            f"| {r.impl} | {'causal' if r.causal else 'bidir'} | {r.L} | {r.mode} | {r.status} "
+            f"| {r.time_s:.4g} | {r.peak_mem_mib:.1f} | {r.achieved_gflops:.1f} "
+            f"| {r.useful_frac:.2f} | {rt:.2f} | {rm:.2f} |")
+    lines += ["", "| target | goal | measured | pass |", "|---|---|---:|---|"]
+    for desc, tgt, val, ok in targets(rows):
+        verdict = "n/a (not measured)" if ok is None else ("PASS" if ok else "FAIL")
+        lines.append(f"| {desc} | {tgt} | {val:.3g} | {verdict} |")
+    return "\n".join(lines)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter,
+                                epilog="Targets and the FLOP formula: see the module docstring.")
+    p.add_argument("--out", type=Path, default=Path(".bench/attention"), help="output directory")
+    p.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
+    p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
+    p.add_argument("--impls", default=",".join(IMPLS), help="comma list from: " + ",".join(IMPLS))
+    p.add_argument("--modes", default=",".join(MODES), help="comma list from: " + ",".join(MODES))
+    p.add_argument("--min-len", type=int, default=512)
+    p.add_argument("--max-len", type=int, default=65536)
+    p.add_argument("--lengths", default="", help="explicit comma list of L (overrides min/max)")
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--heads", type=int, default=8)
+    p.add_argument("--dim-head", type=int, default=64)
+    p.add_argument("--nb-features", type=int, default=256)
+    p.add_argument("--kernel", default="softmax", help="FavorAttention kernel for 'ours'")
+    p.add_argument("--ours-kwargs", default="{}", help="JSON of extra FavorAttention kwargs")
+    p.add_argument("--repeats", type=int, default=5, help="timed repeats per phase (median)")
+    p.add_argument("--budget-s", type=float, default=20.0,
+                   help="stop repeating a phase once this much time was spent (>= 1 repeat)")
+    p.add_argument("--timeout", type=float, default=600.0, help="seconds per case (process)")
+    p.add_argument("--mem-limit-gib", type=float, default=0.0,
+                   help="CPU: abort a case as 'oom' above this RSS (default 60%% of available)")
+    p.add_argument("--matmul-n", type=int, default=4096, help="size of the reference matmul")
+    p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch default)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--quick", action="store_true",
+                   help="tiny smoke configuration: L=256,512, 1 repeat, small matmul")
+    p.add_argument("--case", default=None, help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.quick:
+        args.lengths = args.lengths or "256,512"
+        args.repeats, args.budget_s, args.matmul_n = 1, 1.0, min(args.matmul_n, 512)
+        args.timeout = min(args.timeout, 120.0)
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s",
+                        stream=sys.stderr)
+    if args.case is not None:
+        run_case(json.loads(args.case))
+        return 0
+    args.out.mkdir(parents=True, exist_ok=True)
+    rows = run_all(args)
+    matmul = next((r.matmul_gflops for r in rows), math.nan)
+    csv_path, png_path, md_path = (args.out / f"attention.{x}" for x in ("csv", "png", "md"))
+    write_csv(rows, csv_path)
+    title = (f"B={args.batch} H={args.heads} d={args.dim_head} m={args.nb_features} "
+             f"{args.dtype} {args.device}, matmul {matmul:.0f} GFLOP/s")
+    plot(rows, png_path, title)
+    table = format_tables(rows, matmul)
+    md_path.write_text(f"# Attention benchmark\n\n{title}\n\n{table}\n")
+    print(table)
+    log.info("wrote %s, %s, %s", csv_path, png_path, md_path)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

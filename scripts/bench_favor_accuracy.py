@@ -1,0 +1,330 @@
+#!/usr/bin/env python
+"""How well FAVOR+ approximates softmax attention: the paper's Fig. 4 study and a logit-std sweep.
+
+Why: speed is worthless if the output collapses to the mean of V (what performer-pytorch does at
+logit std >= 1). Two studies, one run:
+
+1. Fig. 4 of Choromanski et al. (2021): attention-output MSE against exact softmax as the number
+   of random features m grows, orthogonal (ORF) vs IID draws, positive vs trigonometric features,
+   at L=4096, d=16, over ``--seeds`` seeds (fresh inputs and fresh features per seed). Mean and
+   standard deviation across seeds.
+2. Relative error ||out - exact||_F / ||exact||_F at L=1024, d=64, m=256 for every kernel of
+   ``FavorAttention``, for performer-pytorch's ``FastAttention`` (same m; if installed) and for
+   the uniform baseline (every query outputs the mean of V), at logit std tau in {0.25, 0.5, 1, 2}.
+
+m is FavorAttention's ``nb_features`` (the number of omega rows) for every kernel, as in the
+paper and in Lemma 2's formulas; ``softmax_hyp`` and ``trig`` therefore use 2m-wide features
+(+/- and sin/cos pairs), the others m.
+
+Inputs ("normalized"): v ~ N(0, 1); q, k entries ~ N(0, s^2) with s = sqrt(tau). For independent
+q, k the logit q.k/sqrt(d) is a sum of d products with variance s^4 each, divided by sqrt(d), so
+its standard deviation is s^2 = tau: tau is exactly the std of the softmax logits. The Fig. 4
+study uses ``--fig4-tau`` (default 1, i.e. standard normal q, k). With zero-mean V the uniform
+baseline's relative error is about sqrt(1 - ESS/L), where ESS = L / exp(tau^2) is the effective
+number of keys per query: ~0.80 at tau = 1, L = 1024; an approximation scoring near that has
+learned nothing beyond averaging.
+
+Outputs in ``--out``: ``fig4.csv``, ``tau.csv``, ``accuracy.md`` (also printed), ``accuracy.png``.
+
+Examples::
+
+    python scripts/bench_favor_accuracy.py --quick
+    python scripts/bench_favor_accuracy.py --seeds 15 --out .bench/accuracy
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import inspect
+import logging
+import math
+import sys
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # torch is imported lazily so that --help answers at once
+    import torch
+    from torch import Tensor
+
+log = logging.getLogger("bench_favor_accuracy")
+
+KERNELS = ("softmax", "softmax_hyp", "softmax_opt", "trig", "relu")
+TAUS = (0.25, 0.5, 1.0, 2.0)
+
+
+def make_qkv(L: int, d: int, tau: float, gen: torch.Generator) -> tuple[Tensor, Tensor, Tensor]:
+    """q, k scaled so the logits q.k/sqrt(d) have std tau; v standard normal. Shapes (1,1,L,d)."""
+    import torch
+
+    s = math.sqrt(tau)
+    q = torch.randn(1, 1, L, d, generator=gen) * s
+    k = torch.randn(1, 1, L, d, generator=gen) * s
+    v = torch.randn(1, 1, L, d, generator=gen)
+    return q, k, v
+
+
+def _favor(d: int, m: int, kernel: str, orthogonal: bool | None) -> torch.nn.Module:
+    """Builds a FavorAttention; `orthogonal` is passed only when the class accepts it."""
+    from protein_performer.model.favor import FavorAttention
+
+    kwargs: dict[str, object] = {}
+    if orthogonal is not None:
+        kwargs["orthogonal"] = orthogonal
+    return FavorAttention(dim_head=d, nb_features=m, causal=False, kernel=kernel, **kwargs)
+
+
+def supports_iid() -> bool:
+    """Whether favor.py lets the caller choose IID instead of orthogonal features."""
+    from protein_performer.model.favor import FavorAttention
+
+    return "orthogonal" in inspect.signature(FavorAttention.__init__).parameters
+
+
+def _seeded_redraw(attn: torch.nn.Module, seed: int) -> None:
+    import torch
+
+    gen = torch.Generator().manual_seed(10_000 + seed)
+    attn.redraw(generator=gen)
+
+
+def fig4_study(L: int, d: int, ms: Sequence[int], seeds: int, tau: float
+               ) -> list[dict[str, object]]:
+    """MSE of the attention output vs m for {ORF, IID} x {positive, trig}; one row per cell."""
+    import torch
+
+    from protein_performer.model.favor import exact_attention
+
+    draws: list[bool | None] = [True, False] if supports_iid() else [None]
+    if draws == [None]:
+        log.warning("FavorAttention has no `orthogonal` option: Fig. 4 shows its default draw "
+                    "only (no IID comparison)")
+    rows: list[dict[str, object]] = []
+    for kernel, feat in (("softmax", "positive"), ("trig", "trig")):
+        for orth in draws:
+            draw = {True: "ORF", False: "IID", None: "default"}[orth]
+            for m in ms:
+                attn = _favor(d, m, kernel, orth)
+                mses = []
+                for seed in range(seeds):
+                    q, k, v = make_qkv(L, d, tau, torch.Generator().manual_seed(seed))
+                    _seeded_redraw(attn, seed)
+                    with torch.no_grad():
+                        err = attn(q, k, v) - exact_attention(q, k, v)
+                    mses.append(float(err.pow(2).mean()))
+                mean, std = _mean_std(mses)
+                rows.append({"features": feat, "draw": draw, "m": m, "mse_mean": mean,
+                             "mse_std": std, "seeds": seeds})
+                log.info("fig4 %-8s %-7s m=%-4d mse %.3e +- %.1e", feat, draw, m, mean, std)
+    return rows
+
+
+def _mean_std(xs: Sequence[float]) -> tuple[float, float]:
+    mean = sum(xs) / len(xs)
+    var = sum((x - mean) ** 2 for x in xs) / max(len(xs) - 1, 1)
+    return mean, math.sqrt(var)
+
+
+def _rel_err(out: Tensor, ref: Tensor) -> float:
+    return float((out - ref).norm() / ref.norm())
+
+
+def _methods(d: int, m: int, kernels: Sequence[str]
+             ) -> dict[str, Callable[[Tensor, Tensor, Tensor, int], Tensor]]:
+    """name -> fn(q, k, v, seed): every approximation compared in the tau sweep."""
+    import torch
+
+    methods: dict[str, Callable[[Tensor, Tensor, Tensor, int], Tensor]] = {}
+    for kernel in kernels:
+        try:
+            attn = _favor(d, m, kernel, None)
+        except (ValueError, NotImplementedError, KeyError) as exc:
+            log.warning("kernel %r unavailable in FavorAttention: %s", kernel, exc)
+            continue
+
+        def ours(q: Tensor, k: Tensor, v: Tensor, seed: int, attn: torch.nn.Module = attn
+                 ) -> Tensor:
+            _seeded_redraw(attn, seed)
+            return attn(q, k, v)
+
+        methods[f"ours/{kernel}"] = ours
+    try:
+        from performer_pytorch import FastAttention
+    except ImportError:
+        log.warning("performer-pytorch not installed: no comparison against it "
+                    "(pip install performer-pytorch==1.1.4)")
+    else:
+        def performer(q: Tensor, k: Tensor, v: Tensor, seed: int) -> Tensor:
+            torch.manual_seed(10_000 + seed)  # it draws from the global RNG
+            return FastAttention(dim_heads=d, nb_features=m)(q, k, v)
+
+        methods["performer-pytorch"] = performer
+
+    def uniform(q: Tensor, k: Tensor, v: Tensor, seed: int) -> Tensor:
+        return v.mean(dim=-2, keepdim=True).expand_as(v)
+
+    methods["uniform (mean of V)"] = uniform
+    return methods
+
+
+def tau_study(L: int, d: int, m: int, taus: Sequence[float], seeds: int,
+              kernels: Sequence[str]) -> list[dict[str, object]]:
+    """Relative error vs exact for each method and logit std; mean/std over seeds."""
+    import torch
+
+    from protein_performer.model.favor import exact_attention
+
+    methods = _methods(d, m, kernels)
+    errs: dict[tuple[str, float], list[float]] = {}
+    for tau in taus:
+        for seed in range(seeds):
+            q, k, v = make_qkv(L, d, tau, torch.Generator().manual_seed(seed))
+            with torch.no_grad():
+                ref = exact_attention(q, k, v)
+                for name, fn in methods.items():
+                    errs.setdefault((name, tau), []).append(_rel_err(fn(q, k, v, seed), ref))
+    rows = []
+    for (name, tau), xs in errs.items():
+        mean, std = _mean_std(xs)
+        rows.append({"method": name, "tau": tau, "rel_err_mean": mean, "rel_err_std": std,
+                     "seeds": seeds, "L": L, "d": d, "m": m})
+        log.info("tau %-4g %-22s rel err %.4f +- %.4f", tau, name, mean, std)
+    return rows
+
+
+def write_csv(rows: list[dict[str, object]], path: Path) -> None:
+    with path.open("w", newline="") as fh:
+        w = csv.DictWriter(fh, fieldnames=list(rows[0]))
+        w.writeheader()
+        w.writerows(rows)
+
+
+def markdown(fig4: list[dict[str, object]], tau: list[dict[str, object]],
+             fig4_cfg: str, tau_cfg: str) -> str:
+    """Two tables: MSE per (features, draw) vs m, and rel. error per method vs tau."""
+    cols = sorted({(str(r["features"]), str(r["draw"])) for r in fig4})
+    ms = sorted({int(r["m"]) for r in fig4})
+    cell = {(r["features"], r["draw"], r["m"]): r for r in fig4}
+    lines = [f"## Fig. 4: attention-output MSE vs m ({fig4_cfg})", "",
+             "| m | " + " | ".join(f"{f} {dr}" for f, dr in cols) + " | ORF < IID |",
+             "|---:|" + "---:|" * len(cols) + "---|"]
+    for m in ms:
+        vals = [cell[(f, dr, m)] for f, dr in cols]
+        orf_wins = []
+        for feat in ("positive", "trig"):
+            orf, iid = cell.get((feat, "ORF", m)), cell.get((feat, "IID", m))
+            if orf and iid:
+                orf_wins.append(f"{feat}: {'yes' if orf['mse_mean'] < iid['mse_mean'] else 'NO'}")
+        lines.append(f"| {m} | " + " | ".join(
+            f"{v['mse_mean']:.3e} ± {v['mse_std']:.1e}" for v in vals)
+            + f" | {', '.join(orf_wins) or 'n/a'} |")
+    taus = sorted({float(r["tau"]) for r in tau})
+    methods = list(dict.fromkeys(str(r["method"]) for r in tau))
+    tcell = {(r["method"], r["tau"]): r for r in tau}
+    lines += ["", f"## Relative error ||out - exact|| / ||exact|| vs logit std tau ({tau_cfg})",
+              "", "softmax_hyp and trig use 2m-wide features; the uniform baseline outputs the "
+              "mean of V for every query.", "",
+              "| method | " + " | ".join(f"tau={t:g}" for t in taus) + " |",
+              "|---|" + "---:|" * len(taus)]
+    for name in methods:
+        lines.append(f"| {name} | " + " | ".join(
+            f"{tcell[(name, t)]['rel_err_mean']:.4f} ± {tcell[(name, t)]['rel_err_std']:.4f}"
+            for t in taus) + " |")
+    return "\n".join(lines)
+
+
+def plot(fig4: list[dict[str, object]], tau: list[dict[str, object]], path: Path,
+         titles: tuple[str, str]) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.8))
+    styles = {("positive", "ORF"): ("tab:blue", "-"), ("positive", "IID"): ("tab:blue", "--"),
+              ("trig", "ORF"): ("tab:red", "-"), ("trig", "IID"): ("tab:red", "--")}
+    for key in sorted({(str(r["features"]), str(r["draw"])) for r in fig4}):
+        pts = sorted((int(r["m"]), float(r["mse_mean"]), float(r["mse_std"])) for r in fig4
+                     if (r["features"], r["draw"]) == key)
+        color, ls = styles.get(key, ("gray", ":"))
+        ax1.errorbar([p[0] for p in pts], [p[1] for p in pts], yerr=[p[2] for p in pts],
+                     color=color, ls=ls, marker="o", capsize=3, label=f"{key[0]} {key[1]}")
+    ax1.set_xscale("log", base=2)
+    ax1.set_yscale("log")
+    ax1.set_xlabel("random features m")
+    ax1.set_ylabel("attention-output MSE")
+    ax1.set_title(titles[0], fontsize=9)
+    for name in dict.fromkeys(str(r["method"]) for r in tau):
+        pts = sorted((float(r["tau"]), float(r["rel_err_mean"]), float(r["rel_err_std"]))
+                     for r in tau if r["method"] == name)
+        ls = ":" if name.startswith("uniform") else ("--" if name.startswith("perf") else "-")
+        ax2.errorbar([p[0] for p in pts], [p[1] for p in pts], yerr=[p[2] for p in pts],
+                     ls=ls, marker="o", capsize=3, label=name)
+    ax2.set_xscale("log", base=2)
+    ax2.set_yscale("log")
+    ax2.set_xlabel("logit std tau")
+    ax2.set_ylabel("relative error vs exact")
+    ax2.set_title(titles[1], fontsize=9)
+    for ax in (ax1, ax2):
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter,
+                                epilog="Input scaling and definitions: see the module docstring.")
+    p.add_argument("--out", type=Path, default=Path(".bench/accuracy"), help="output directory")
+    p.add_argument("--seeds", type=int, default=10, help="seeds per cell (paper: >= 10)")
+    p.add_argument("--fig4-len", type=int, default=4096)
+    p.add_argument("--fig4-dim", type=int, default=16)
+    p.add_argument("--fig4-tau", type=float, default=1.0, help="logit std of the Fig. 4 inputs")
+    p.add_argument("--fig4-m", default="16,32,64,128,256,512", help="comma list of m")
+    p.add_argument("--tau-len", type=int, default=1024)
+    p.add_argument("--tau-dim", type=int, default=64)
+    p.add_argument("--tau-m", type=int, default=256)
+    p.add_argument("--taus", default=",".join(f"{t:g}" for t in TAUS))
+    p.add_argument("--kernels", default=",".join(KERNELS))
+    p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch default)")
+    p.add_argument("--quick", action="store_true",
+                   help="tiny smoke configuration (L=256, 2 seeds, m in {16, 64})")
+    args = p.parse_args(argv)
+    if args.quick:
+        args.seeds = min(args.seeds, 2)
+        args.fig4_len, args.tau_len, args.fig4_m = 256, 256, "16,64"
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s",
+                        stream=sys.stderr)
+    import torch
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    args.out.mkdir(parents=True, exist_ok=True)
+    ms = [int(x) for x in args.fig4_m.split(",")]
+    taus = [float(x) for x in args.taus.split(",")]
+    kernels = [x for x in args.kernels.split(",") if x]
+    fig4_cfg = (f"L={args.fig4_len}, d={args.fig4_dim}, logit std {args.fig4_tau:g}, "
+                f"{args.seeds} seeds, mean ± std")
+    tau_cfg = f"L={args.tau_len}, d={args.tau_dim}, m={args.tau_m}, {args.seeds} seeds"
+    fig4 = fig4_study(args.fig4_len, args.fig4_dim, ms, args.seeds, args.fig4_tau)
+    tau = tau_study(args.tau_len, args.tau_dim, args.tau_m, taus, args.seeds, kernels)
+    write_csv(fig4, args.out / "fig4.csv")
+    write_csv(tau, args.out / "tau.csv")
+    table = markdown(fig4, tau, fig4_cfg, tau_cfg)
+    (args.out / "accuracy.md").write_text("# FAVOR accuracy\n\n" + table + "\n")
+    plot(fig4, tau, args.out / "accuracy.png", (f"Fig. 4 study: {fig4_cfg}", tau_cfg))
+    print(table)
+    log.info("wrote %s/{fig4.csv,tau.csv,accuracy.md,accuracy.png}", args.out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,84 @@
+"""Smoke tests for the benchmark scripts: tiny configurations, real subprocesses.
+
+Why: the scripts are run rarely and by hand (on a quiet machine or a GPU), so a broken CLI or a
+renamed column would only surface then. Numbers are not checked for speed, only for existence
+and finiteness.
+"""
+
+from __future__ import annotations
+
+import csv
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPTS = ROOT / "scripts"
+
+pytest.importorskip(
+    "protein_performer.model.favor",
+    reason="protein_performer.model.favor is not importable yet: the benchmarks need it",
+)
+
+
+def _run(script: str, *args: str, timeout: float = 120.0) -> subprocess.CompletedProcess[str]:
+    proc = subprocess.run([sys.executable, str(SCRIPTS / script), *args], cwd=ROOT,
+                          capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, f"{script} failed:\n{proc.stdout}\n{proc.stderr}"
+    return proc
+
+
+def _rows(path: Path) -> list[dict[str, str]]:
+    assert path.is_file(), f"missing {path}"
+    with path.open() as fh:
+        return list(csv.DictReader(fh))
+
+
+def _finite(value: str) -> bool:
+    return math.isfinite(float(value))
+
+
+@pytest.mark.parametrize("script", ["bench_attention.py", "bench_favor_accuracy.py"])
+def test_help(script: str) -> None:
+    assert "usage" in _run(script, "--help").stdout
+
+
+def test_bench_attention_quick(tmp_path: Path) -> None:
+    # Only ours (both modes): every case is a fresh interpreter, so each costs an `import torch`.
+    proc = _run("bench_attention.py", "--quick", "--impls", "ours", "--lengths", "128",
+                "--matmul-n", "256", "--out", str(tmp_path))
+    rows = _rows(tmp_path / "attention.csv")
+    for col in ("impl", "causal", "L", "mode", "status", "time_s", "peak_mem_mib",
+                "useful_frac", "matmul_gflops"):
+        assert col in rows[0], col
+    got = {(r["impl"], r["causal"], r["mode"]) for r in rows if r["status"] == "ok"}
+    for causal in ("False", "True"):
+        for mode in ("fwd", "fwd+bwd"):
+            assert ("ours", causal, mode) in got, (causal, mode, rows)
+    for r in rows:
+        for col in ("time_s", "peak_mem_mib", "useful_frac", "matmul_gflops"):
+            assert _finite(r[col]), (col, r)
+        assert float(r["time_s"]) > 0
+    assert (tmp_path / "attention.png").stat().st_size > 1000
+    assert "| target | goal | measured | pass |" in proc.stdout
+    assert (tmp_path / "attention.md").is_file()
+
+
+def test_bench_favor_accuracy_quick(tmp_path: Path) -> None:
+    proc = _run("bench_favor_accuracy.py", "--quick", "--seeds", "1", "--fig4-len", "128",
+                "--tau-len", "128", "--fig4-m", "16,32", "--out", str(tmp_path))
+    fig4 = _rows(tmp_path / "fig4.csv")
+    assert {r["features"] for r in fig4} == {"positive", "trig"}
+    assert all(_finite(r["mse_mean"]) and float(r["mse_mean"]) >= 0 for r in fig4)
+    tau = _rows(tmp_path / "tau.csv")
+    methods = {r["method"] for r in tau}
+    assert "ours/softmax" in methods and "uniform (mean of V)" in methods
+    assert {float(r["tau"]) for r in tau} == {0.25, 0.5, 1.0, 2.0}
+    assert all(_finite(r["rel_err_mean"]) for r in tau)
+    assert (tmp_path / "accuracy.png").stat().st_size > 1000
+    md = (tmp_path / "accuracy.md").read_text()
+    assert "Fig. 4" in md and "tau=1" in md
+    assert "| method |" in proc.stdout

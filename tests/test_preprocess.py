@@ -1,0 +1,249 @@
+"""preprocess + the `preprocess` and `stats` subcommands, end to end on small real FASTA."""
+
+from __future__ import annotations
+
+import gzip
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from Bio.SeqIO.FastaIO import SimpleFastaParser
+
+from protein_performer.cli.main import main
+from protein_performer.data import preprocess as pp
+from protein_performer.data.preprocess import preprocess
+from protein_performer.data.split import assign_split
+from protein_performer.data.store import TokenStore
+from protein_performer.data.tokenizer import Alphabet
+from protein_performer.errors import UserError
+
+ROOT = Path(__file__).resolve().parents[1]
+DEMO = ROOT / "data" / "demo" / "train.fasta"  # 2000 real UniProt records, bundled
+
+UNIREF = """>UniRef50_A0A5A9P0L4 Peptidylprolyl isomerase n=1 Tax=Acipenser ruthenus TaxID=7906
+MKTAYIAKQRQISFVKSHFSRQ
+>UniRef50_Q8WZ42 Titin n=12 Tax=Homo sapiens TaxID=9606 RepID=TITIN_HUMAN
+mttqapTFTQPLQSVVVLEGSTATFEAHISGFPVPEVSWFRDGQVISTSTLPGVQISFSDGRAKLTIPAVTKANSGRYSLKATNGSGQATSTAEL*
+>UniRef50_P69905 Hemoglobin subunit alpha n=3 Tax=Homo sapiens TaxID=9606
+MVLSPADKTNVKAAWGKVGAHAGEYGAEALERMFLSFPTTKTYFPHF
+DLSHGSAQVKGHGKKVADALTNAVAHV
+"""
+
+BAD = """>ok1 fine
+MKTAYIAKQR
+>bad_j unknown letter
+MKTJAYIAK
+>ok2
+LLLL
+>bad_digit
+MK7AA
+>ok1 duplicate id
+MKKK
+>empty
+>ok3
+ACDEFGHIKLMNPQRSTVWY
+"""
+
+
+def _read(path: Path) -> list[tuple[str, str]]:
+    with open(path) as fh:
+        return [(t.split(None, 1)[0], s.upper().rstrip("*")) for t, s in SimpleFastaParser(fh)]
+
+
+def _files(d: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted(d.iterdir())}
+
+
+@pytest.fixture(scope="module")
+def demo_store(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("pp") / "store"
+    s = preprocess([DEMO], out, valid_frac=0.1, test_frac=0.1, progress=False)
+    assert s.records == 2000 and s.skipped == 0
+    return out
+
+
+def test_random_access_matches_input(demo_store: Path) -> None:
+    store = TokenStore(demo_store)
+    recs = _read(DEMO)
+    assert len(store) == len(recs)
+    a = Alphabet()
+    rng = np.random.default_rng(0)
+    for i in rng.choice(len(recs), 200, replace=False).tolist():
+        rid, seq = recs[i]
+        assert store.id(i) == rid
+        np.testing.assert_array_equal(store.tokens(i), a.encode(seq))
+        assert store.length(i) == len(seq)
+        assert int(store.split[i]) == assign_split(rid, 0.1, 0.1)
+    assert store.header(0)["accession"] == "Q6GZX3"
+    assert store.header(0)["organism"].startswith("Frog virus 3")
+    m = store.meta
+    assert m["num_residues"] == sum(len(s) for _, s in recs)
+    counts = {k: v["records"] for k, v in m["splits"].items()}
+    assert sum(counts.values()) == 2000
+    assert 120 < counts["valid"] < 280 and 120 < counts["test"] < 280
+    assert np.array_equal(
+        np.sort(np.concatenate([store.indices(k) for k in counts])), np.arange(2000)
+    )
+    assert m["inputs"][0]["size"] == DEMO.stat().st_size
+    assert m["split"]["valid_frac"] == 0.1 and m["invalid"]["skipped"] == 0
+
+
+def test_rerun_is_byte_identical(demo_store: Path, tmp_path: Path) -> None:
+    again = tmp_path / "again"
+    preprocess([DEMO], again, valid_frac=0.1, test_frac=0.1, progress=True)  # bar: no effect
+    assert _files(again) == _files(demo_store)
+    preprocess([DEMO], again, valid_frac=0.1, test_frac=0.1, progress=False, overwrite=True)
+    assert _files(again) == _files(demo_store)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["again"]  # no temp leftovers
+
+
+def test_uniref_gzip_cluster_split_and_normalisation(tmp_path: Path) -> None:
+    fa = tmp_path / "u.fasta.gz"
+    with gzip.open(fa, "wt") as fh:
+        fh.write(UNIREF)
+    s = preprocess([fa], tmp_path / "s", valid_frac=0.3, test_frac=0.3, progress=False)
+    store = TokenStore(tmp_path / "s")
+    assert s.records == 3
+    for i, (rid, seq) in enumerate(_read_gz(fa)):
+        assert store.sequence(i) == seq  # upper-cased, stop stripped, lines joined
+        # the split hashes the cluster key, so every member of a cluster goes the same way
+        assert int(store.split[i]) == assign_split("cluster:" + rid, 0.3, 0.3)
+        assert store.header(i)["cluster_id"] == rid
+    assert store.header(1)["n_members"] == 12
+
+
+def _read_gz(path: Path) -> list[tuple[str, str]]:
+    with gzip.open(path, "rt") as fh:
+        return [(t.split(None, 1)[0], s.upper().rstrip("*")) for t, s in SimpleFastaParser(fh)]
+
+
+def test_split_by_id_differs_from_cluster(tmp_path: Path) -> None:
+    ids = [f"UniRef50_X{i}" for i in range(200)]
+    fa = tmp_path / "c.fasta"
+    fa.write_text("".join(f">{i}\nMKV\n" for i in ids))
+    preprocess([fa], tmp_path / "a", valid_frac=0.3, test_frac=0.3, progress=False)
+    preprocess(
+        [fa], tmp_path / "b", valid_frac=0.3, test_frac=0.3, progress=False, split_mode="id"
+    )
+    a, b = TokenStore(tmp_path / "a").split, TokenStore(tmp_path / "b").split
+    assert list(a) == [assign_split("cluster:" + i, 0.3, 0.3) for i in ids]
+    assert list(b) == [assign_split(i, 0.3, 0.3) for i in ids]
+    with pytest.raises(UserError, match="cluster"):
+        preprocess([DEMO], tmp_path / "c", split_mode="cluster", progress=False)
+    assert not (tmp_path / "c").exists()
+
+
+def test_failure_mid_way_leaves_nothing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(pp, "_CHUNK_RECORDS", 2)  # several chunks are on disk before the error
+    good = "".join(f">g{i}\nMKVL\n" for i in range(9))
+    fa = tmp_path / "in.fasta"
+    fa.write_text(good + ">late_bad\nMKJ\n")
+    out = tmp_path / "out"
+    with pytest.raises(UserError, match=r"late_bad"):
+        preprocess([fa], out, progress=False)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["in.fasta"]
+    # An existing store survives a failed --overwrite run untouched.
+    fb = tmp_path / "ok.fasta"
+    fb.write_text(good)
+    preprocess([fb], out, progress=False)
+    before = _files(out)
+    with pytest.raises(UserError):
+        preprocess([fa], out, progress=False, overwrite=True)
+    assert _files(out) == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["in.fasta", "ok.fasta", "out"]
+
+
+def test_skip_mode_counts_and_records_in_meta(tmp_path: Path) -> None:
+    fa = tmp_path / "bad.fasta"
+    fa.write_text(BAD)
+    with pytest.raises(UserError, match=r"bad_j"):
+        preprocess([fa], tmp_path / "e", progress=False)
+    s = preprocess([fa], tmp_path / "s", on_invalid="skip", progress=False)
+    assert s.records == 3 and s.skipped == 4
+    store = TokenStore(tmp_path / "s")
+    assert [store.id(i) for i in range(len(store))] == ["ok1", "ok2", "ok3"]
+    inv = store.meta["invalid"]
+    assert inv["skipped"] == 4 and sum(inv["by_reason"].values()) == 4
+    assert any("bad_j" in e for e in inv["examples"])
+    assert store.meta["on_invalid"] == "skip"
+    only_bad = tmp_path / "only_bad.fasta"
+    only_bad.write_text(">x\nJJJ\n")
+    with pytest.raises(UserError, match="no valid records"):
+        preprocess([only_bad], tmp_path / "n", on_invalid="skip", progress=False)
+    assert not (tmp_path / "n").exists()
+
+
+def test_argument_errors(tmp_path: Path, demo_store: Path) -> None:
+    with pytest.raises(UserError, match="no such file"):
+        preprocess([tmp_path / "missing.fasta"], tmp_path / "o")
+    with pytest.raises(UserError, match="valid_frac"):
+        preprocess([DEMO], tmp_path / "o", valid_frac=0.6, test_frac=0.5)
+    with pytest.raises(UserError, match="already exists"):
+        preprocess([DEMO], demo_store)
+
+
+def test_cli_preprocess_and_stats(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "s"
+    args = ["preprocess", str(DEMO), "--out", str(out), "--no-progress", "--valid-frac", "0.1"]
+    assert main(args) == 0
+    text = capsys.readouterr().out
+    assert "2,000 records" in text and "MB/s" in text and "skipped 0" in text
+    assert main(args) == 2  # exists, no --overwrite
+    assert "error:" in capsys.readouterr().err
+
+    assert main(["stats", str(out), str(DEMO), "--json"]) == 0
+    st_store, st_fasta = json.loads(capsys.readouterr().out)
+    lengths = np.array([len(s) for _, s in _read(DEMO)])
+    for st in (st_store, st_fasta):
+        assert st["records"] == 2000 and st["residues"] == int(lengths.sum())
+        ln = st["length"]
+        assert ln["min"] == lengths.min() and ln["max"] == lengths.max()
+        assert ln["median"] == pytest.approx(np.median(lengths))
+        assert ln["p95"] == pytest.approx(np.percentile(lengths, 95))
+        assert ln["mean"] == pytest.approx(lengths.mean())
+        assert st["over_1022"] == int((lengths > 1022).sum())
+        assert sum(st["composition"].values()) == int(lengths.sum())
+    assert st_store["composition"] == st_fasta["composition"]
+    assert st_store["nonstandard"] == st_fasta["nonstandard"]
+    assert sum(v["records"] for v in st_store["splits"].values()) == 2000
+    assert "splits" not in st_fasta
+
+    assert main(["stats", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "records   2,000" in text and "train" in text and "top aa" in text
+
+
+def test_cli_skip_summary(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    fa = tmp_path / "bad.fasta"
+    fa.write_text(BAD)
+    out = tmp_path / "s"
+    assert (
+        main(["preprocess", str(fa), "--out", str(out), "--no-progress", "--on-invalid", "skip"])
+        == 0
+    )
+    assert "skipped 4 invalid records" in capsys.readouterr().out
+    assert main(["stats", str(fa), "--on-invalid", "skip", "--json"]) == 0
+    (st,) = json.loads(capsys.readouterr().out)
+    assert st["records"] == 3 and st["skipped"] == 4
+
+
+def test_console_script_bad_fasta_exits_2(tmp_path: Path) -> None:
+    exe = Path(sys.executable).with_name("protein-performer")
+    if not exe.exists():
+        pytest.skip("console script not installed in this environment")
+    fa = tmp_path / "bad.fasta"
+    fa.write_text(BAD)
+    proc = subprocess.run(
+        [str(exe), "preprocess", str(fa), "--out", str(tmp_path / "s"), "--no-progress"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 2, proc.stderr
+    assert "Traceback" not in proc.stderr
+    lines = [ln for ln in proc.stderr.splitlines() if ln.startswith("error:")]
+    assert len(lines) == 1 and "bad_j" in lines[0] and str(fa) in lines[0]
+    assert not (tmp_path / "s").exists()
