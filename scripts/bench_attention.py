@@ -11,7 +11,8 @@ same series are recorded as ``skipped``. A large square matmul (``--matmul-n``) 
 fresh process in the same run, giving the machine's achievable matmul rate.
 
 Peak memory: on CPU the peak RSS during a phase minus the RSS just before it (inputs, module and
-the imported libraries are excluded; gradients of q, k, v count in fwd+bwd). The peak comes from
+the imported libraries are excluded; gradients of q, k, v count in fwd+bwd; freed heap is
+returned to the OS with ``malloc_trim`` before each phase). The peak comes from
 ``ru_maxrss`` when the phase raised it (exact), otherwise from a 1 ms psutil sampler. On CUDA it is
 ``torch.cuda.max_memory_allocated`` minus the allocation before the phase.
 
@@ -125,6 +126,21 @@ def _maxrss_bytes() -> int:
     return rss if sys.platform == "darwin" else rss * 1024
 
 
+def _release_free_memory() -> None:
+    """Give freed heap back to the OS, so one phase's leftovers do not raise the next baseline.
+
+    Why: glibc keeps freed blocks in its arenas; without a trim the fwd+bwd phase would start from
+    the RSS the fwd phase left behind and its peak delta would read too low.
+    """
+    gc.collect()
+    if sys.platform.startswith("linux"):
+        import contextlib
+        import ctypes
+
+        with contextlib.suppress(OSError, AttributeError):  # not glibc (e.g. musl): no trim
+            ctypes.CDLL("libc.so.6").malloc_trim(0)
+
+
 def _emit(payload: dict[str, Any]) -> None:
     """One machine-readable line; libraries may print other lines to stdout."""
     sys.stdout.write(RESULT_MARK + json.dumps(payload) + "\n")
@@ -183,10 +199,18 @@ def _sync(device: Any) -> None:
 
 def _time_phase(step: Callable[[], None], device: Any, repeats: int, budget_s: float
                 ) -> tuple[float, float, int]:
-    """Warm up once, then repeat up to `repeats` times or until `budget_s` is spent."""
+    """Warm up once, then repeat up to `repeats` times or until `budget_s` is spent.
+
+    A warm-up longer than `budget_s` is itself the measurement (repeats = 0): at such sizes the
+    first-call overhead is negligible and a second run would double the cost of the longest cases.
+    """
     _sync(device)
+    t0 = time.perf_counter()
     step()  # warm-up: first call allocates, JIT-selects kernels, faults in pages
     _sync(device)
+    warm = time.perf_counter() - t0
+    if warm >= budget_s:
+        return warm, warm, 0
     times: list[float] = []
     spent = 0.0
     while len(times) < repeats and (not times or spent < budget_s):
@@ -239,7 +263,6 @@ def run_case(case: dict[str, Any]) -> None:
     out = fn(*tiny)
     out.backward(torch.randn_like(out))  # not .sum(): its expanded gradient takes another path
     del tiny, out
-    gc.collect()
 
     def fwd() -> None:
         with torch.no_grad():
@@ -255,7 +278,7 @@ def run_case(case: dict[str, Any]) -> None:
     phases = [("fwd", fwd, False), ("fwd+bwd", fwd_bwd, True)]
     with PeakSampler(limit if device.type == "cpu" else None) as sampler:
         for mode, step, backward in phases:
-            gc.collect()
+            _release_free_memory()
             if device.type == "cuda":
                 torch.cuda.empty_cache()
                 torch.cuda.reset_peak_memory_stats(device)
@@ -554,7 +577,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--ours-kwargs", default="{}", help="JSON of extra FavorAttention kwargs")
     p.add_argument("--repeats", type=int, default=5, help="timed repeats per phase (median)")
     p.add_argument("--budget-s", type=float, default=20.0,
-                   help="stop repeating a phase once this much time was spent (>= 1 repeat)")
+                   help="stop repeating a phase once this much time was spent; a warm-up "
+                   "longer than this is the measurement (repeats=0)")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds per case (process)")
     p.add_argument("--mem-limit-gib", type=float, default=0.0,
                    help="CPU: abort a case as 'oom' above this RSS (default 60%% of available)")

@@ -20,9 +20,8 @@ from pathlib import Path
 
 from protein_performer.data.datamodule import ProteinDataModule
 
-DEFAULT_FASTA = (
-    Path(__file__).resolve().parents[1] / "../shared/data/sequences/swissprot_opal_train.fasta"
-)
+ROOT = Path(__file__).resolve().parents[1]
+DEFAULT_FASTA = (ROOT.parent / "shared/data/sequences/swissprot_opal_train.fasta").resolve()
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -51,6 +50,8 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         args.batches = min(args.batches, 30)
         args.limit_records = args.limit_records or 2000
     path = args.store or args.fasta or DEFAULT_FASTA
+    if not Path(path).exists():
+        raise SystemExit(f"error: {path} not found: pass --fasta FILE or --store DIR")
 
     t0 = time.perf_counter()
     dm = ProteinDataModule(

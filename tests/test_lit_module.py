@@ -1,4 +1,4 @@
-"""ProteinLMModule (loss, metrics, optimizer groups, LR schedule) and the FeatureRedraw callback."""
+"""ProteinLMModule (loss, metrics, optimizer groups, LR schedule) and FeatureRedraw."""
 
 from __future__ import annotations
 
@@ -78,7 +78,8 @@ def test_validation_metrics_are_token_weighted_over_batches() -> None:
         enable_progress_bar=False,
         enable_model_summary=False,
     )
-    (metrics,) = trainer.validate(module, dataloaders=DataLoader(batches, batch_size=None), verbose=False)
+    loader = DataLoader(batches, batch_size=None)  # the batch dicts as they are
+    (metrics,) = trainer.validate(module, dataloaders=loader, verbose=False)
     assert metrics["val/loss"] == pytest.approx(nll / n, rel=1e-5)
     assert metrics["val/ppl"] == pytest.approx(math.exp(nll / n), rel=1e-5)
     assert metrics["val/acc"] == pytest.approx(correct / n, abs=1e-6)
@@ -163,11 +164,7 @@ def test_checkpoint_hook_stores_performer_config() -> None:
 
 # ---- FeatureRedraw ----------------------------------------------------------------------------
 def omegas(module: ProteinLMModule) -> list[torch.Tensor]:
-    out = [
-        buf.clone()
-        for layer in module.model.layers
-        for buf in layer.self_attn.favor.buffers()
-    ]
+    out = [buf.clone() for layer in module.model.layers for buf in layer.self_attn.favor.buffers()]
     assert out, "no FAVOR+ buffers found"
     return out
 

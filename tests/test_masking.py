@@ -52,6 +52,18 @@ def test_rates_80_10_10_within_standard_error() -> None:
     assert np.isin(inputs[selected & (inputs != A.mask_idx)], A.standard_idx).all()
 
 
+def test_random_replacements_are_uniform_over_standard_aa() -> None:
+    tokens = _batch(np.random.default_rng(5), B=40, T=502)
+    inputs, targets = mlm_mask(
+        tokens, A, np.random.default_rng(6), mask_prob=0.5, mask_frac=0.0, random_frac=1.0
+    )
+    sel = targets != IGNORE_INDEX
+    counts = np.bincount(inputs[sel], minlength=len(A))
+    assert counts[list(set(range(len(A))) - set(A.standard_idx))].sum() == 0
+    n = int(sel.sum())
+    assert all(_within(int(counts[i]), n, 1 / 20, k=5.0) for i in A.standard_idx)
+
+
 def test_targets_hold_originals_and_specials_pads_untouched() -> None:
     tokens = _batch(np.random.default_rng(3), B=50, T=40)
     inputs, targets = mlm_mask(tokens, A, np.random.default_rng(4), mask_prob=0.5)

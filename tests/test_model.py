@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from protein_performer.errors import UserError
-from protein_performer.model.config import PerformerConfig
+from protein_performer.model.config import KERNELS, PerformerConfig
 from protein_performer.model.performer import PerformerLM, PerformerOutput
 from protein_performer.model.rotary import RotaryEmbedding, apply_rotary, rotate_half
 
@@ -177,6 +177,27 @@ def test_causal_model_ignores_future_tokens(attention: str) -> None:
     with torch.no_grad():
         a, b = mlm(tokens).logits, mlm(changed).logits
     assert not torch.allclose(a[:, :8], b[:, :8], atol=1e-3)
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_every_kernel_runs_causally(kernel: str) -> None:
+    model = tiny_model(objective="clm", kernel=kernel)
+    tokens = random_tokens(1, 12)
+    changed = tokens.clone()
+    changed[0, 9] = 4 if tokens[0, 9] != 4 else 5
+    with torch.no_grad():
+        a, b = model(tokens).logits, model(changed).logits
+    assert torch.isfinite(a).all()
+    torch.testing.assert_close(a[:, :9], b[:, :9], atol=1e-5, rtol=1e-5)
+
+
+def test_favor_chunk_size_reaches_the_core_and_changes_nothing() -> None:
+    tokens = random_tokens(2, 14)
+    a = tiny_model(objective="clm")
+    b = tiny_model(objective="clm", favor_chunk_size=4)
+    assert b.layers[0].self_attn.favor.chunk_size == 4
+    with torch.no_grad():
+        torch.testing.assert_close(a(tokens).logits, b(tokens).logits, atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("objective,attention", VARIANTS)

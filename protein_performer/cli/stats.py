@@ -33,7 +33,11 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         ),
     )
     p.add_argument("paths", nargs="+", metavar="PATH", help="FASTA(.gz) file or store directory")
-    p.add_argument("--json", action="store_true", help="print one JSON document instead of text")
+    p.add_argument(
+        "--json",
+        action="store_true",
+        help="print JSON instead of text: a list with one object per PATH",
+    )
     p.add_argument(
         "--on-invalid",
         choices=("error", "skip"),

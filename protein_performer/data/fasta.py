@@ -312,14 +312,15 @@ class _BlockSource:
         nul = blk.find(b"\x00")
         if nul >= 0:
             raise self._binary_error(blk, nul, after, "a NUL byte")
-        if b"\r" in blk:
-            blk = blk.replace(b"\r\n", b"\n")
         try:
             text = blk.decode("utf-8")
         except UnicodeDecodeError as exc:
             raise self._binary_error(
                 blk, exc.start, after, f"byte 0x{blk[exc.start]:02x} (not UTF-8 text)"
             ) from None
+        if "\r" in text:
+            text = text.replace("\r\n", "\n")
+            blk = blk.replace(b"\r\n", b"\n")
         if first and not text.startswith(">"):
             start = text.find("\n>") + 1 or len(text)
             self.first_start = start
@@ -436,7 +437,7 @@ class _Validator:
             return "'*' inside sequence", (
                 "'*' before the end of the sequence (only a final stop '*' is allowed)"
             )
-        if ch.isalpha():
+        if ch.isascii() and ch.isalpha():
             return "unknown letter", (
                 f"unknown letter {ch!r} (allowed: {self.letters} and a final '*')"
             )
@@ -500,8 +501,6 @@ def _read_many(
 class _Duplicates:
     """A DuplicateIdChecker across files, fed in batches; names the first occurrence."""
 
-    BATCH = 1024  # records held back at most, so ids are hashed and looked up vectorised
-
     def __init__(self, paths: list[str]) -> None:
         self.checker = DuplicateIdChecker()
         self.paths = paths
@@ -511,44 +510,94 @@ class _Duplicates:
     def start_file(self) -> None:
         self.starts.append(self.next_ordinal)
 
-    def check(self, batch: list[FastaRecord]) -> np.ndarray:
+    def check(self, batch: list[FastaRecord]) -> list[int]:
+        """Per record, the ordinal of an earlier record with the same id, or -1."""
         base = self.starts[-1] - 1
-        return self.checker.check(
-            [r.id for r in batch], np.fromiter((base + r.number for r in batch), np.int64)
-        )
+        tags = np.fromiter((base + r.number for r in batch), np.int64, len(batch))
+        return self.checker.check([r.id for r in batch], tags).tolist()
 
-    def describe(self, tag: int, path: str) -> str:
-        i = bisect.bisect_right(self.starts, tag) - 1
+    def describe(self, ordinal: int, path: str) -> str:
+        i = bisect.bisect_right(self.starts, ordinal) - 1
         where = "" if self.paths[i] == path else f" of {self.paths[i]}"
-        return f"duplicate id: record #{tag - self.starts[i] + 1}{where} has the same id"
+        return f"duplicate id: record #{ordinal - self.starts[i] + 1}{where} has the same id"
 
 
-def _flush(
-    batch: list[FastaRecord], dups: _Duplicates | None, skip: bool, report: InvalidReport
-) -> Iterator[FastaRecord]:
-    """Yield a batch of valid records, minus (or raising at) repeated ids."""
-    if dups is None:
-        yield from batch
-        return
-    first = dups.check(batch)
-    if not (first >= 0).any():
-        yield from batch
-        return
-    for rec, tag in zip(batch, first.tolist(), strict=True):
-        if tag < 0:
-            yield rec
-            continue
-        exc = FastaFormatError(
-            rec.path,
-            rec.line,
-            dups.describe(tag, rec.path),
-            record_number=rec.number,
-            record_id=rec.id,
-            kind="duplicate id",
+_EMPTY = "header with no sequence (an empty record)"
+_BATCH = 1024  # records held back at most, so letters and ids are checked in bulk
+
+
+class _Batch:
+    """Records that passed the per-record checks, waiting for the bulk letter and id checks."""
+
+    def __init__(
+        self,
+        skip: bool,
+        report: InvalidReport,
+        validator: _Validator,
+        dups: _Duplicates | None,
+    ) -> None:
+        self.skip = skip
+        self.report = report
+        self.validator = validator
+        self.allowed = validator.allowed_bytes
+        self.dups = dups
+        self.records: list[FastaRecord] = []
+        self.where: list[tuple[str, int, int]] = []  # raw (text, start, end) of each record
+
+    def flush(self) -> Iterator[FastaRecord]:
+        """Yield the held records minus (or raising at, in file order) the bad ones."""
+        records, where = self.records, self.where
+        if not records:
+            return
+        self.records, self.where = [], []
+        # One translate over the whole batch: almost always nothing is left and we are done.
+        letters_ok = not "".join([r.sequence for r in records]).encode("ascii").translate(
+            None, self.allowed
         )
-        if not skip:
-            raise exc
-        report.add(exc)
+        firsts = self.dups.check(records) if self.dups is not None else None
+        if letters_ok and (firsts is None or max(firsts) < 0):
+            yield from records
+            return
+        for i, rec in enumerate(records):
+            err = None
+            if not letters_ok:
+                err = self._normalise(rec, where[i])
+            if err is None and firsts is not None and firsts[i] >= 0:
+                err = (
+                    "duplicate id",
+                    self.dups.describe(firsts[i], rec.path),  # type: ignore[union-attr]
+                    rec.line,
+                )
+            if err is None:
+                yield rec
+                continue
+            kind, reason, line = err
+            exc = FastaFormatError(
+                rec.path, line, reason, record_number=rec.number, record_id=rec.id, kind=kind
+            )
+            if not self.skip:
+                raise exc
+            self.report.add(exc)
+
+    def _normalise(self, rec: FastaRecord, where: tuple[str, int, int]) -> tuple | None:
+        """Upper-case and strip a final '*' in place; or say what is wrong and where."""
+        seq = rec.sequence
+        allowed = self.allowed
+        raw = seq.encode("ascii")
+        if not raw.translate(None, allowed):
+            return None
+        if raw[-1:] == b"*":
+            raw = raw[:-1]
+            if not raw:
+                return ("empty record", "the sequence is only a stop '*'", rec.line)
+        raw = raw.upper()
+        if not raw.translate(None, allowed):
+            rec.__dict__["sequence"] = raw.decode("ascii")  # still ours: not yet yielded
+            return None
+        text, start, end = where
+        return _locate(self.validator, text, start, end, rec.line) or (
+            "invalid character", "invalid character in the sequence", rec.line
+        )
 
 
 def _read_one(
@@ -558,8 +607,8 @@ def _read_one(
     validator: _Validator,
     dups: _Duplicates | None,
 ) -> Iterator[FastaRecord]:
-    allowed = validator.allowed_bytes
-    batch: list[FastaRecord] = []
+    batch = _Batch(skip, report, validator, dups)
+    records, where = batch.records, batch.where
     if dups is not None:
         dups.start_file()
     fh = _open_binary(path)
@@ -569,65 +618,68 @@ def _read_one(
         text, pos, tlen = "", 0, 0
         number, line = 0, 1
         find = count = text.find
-        for title, seq in SimpleFastaParser(source.lines()):
-            if pos >= tlen:  # this record starts the next block
-                text = blocks.popleft()
-                find, count, tlen, pos = text.find, text.count, len(text), 0
-                if number == 0:
-                    pos = source.first_start
-                    line += count("\n", 0, pos)
-                    _leading(source, report, skip)
-            # Locate the record in the raw text: header line, end, raw sequence length.
-            start = pos
-            pos = find("\n>", start) + 1 or tlen
-            nl = count("\n", start, pos)
-            number += 1
-            rec_line = line
-            line += nl
-            parts = title.split(None, 1)
-            err = None
-            if not parts:
-                err = ("missing id", "the header line has no id", rec_line)
-                ident = ""
-            else:
-                ident = parts[0]
-                # Raw sequence characters = record span - header line - newlines. A mismatch means
-                # Biopython dropped spaces/CRs (or the header had trailing blanks): look closer.
-                if len(seq) != pos - start - nl - len(title) - 1 or not seq.isascii():
+        try:
+            for title, seq in SimpleFastaParser(source.lines()):
+                if pos >= tlen:  # this record starts the next block
+                    text = blocks.popleft()
+                    find, count, tlen, pos = text.find, text.count, len(text), 0
+                    if number == 0:
+                        pos = source.first_start
+                        line += count("\n", 0, pos)
+                        _leading(source, report, skip)
+                # Where the record is in the raw text: its span, header line and line count.
+                start = pos
+                pos = find("\n>", start) + 1 or tlen
+                nl = count("\n", start, pos)
+                number += 1
+                rec_line = line
+                line += nl
+                parts = title.split(None, 1)
+                if not parts:
+                    err = ("missing id", "the header line has no id", rec_line)
+                elif len(seq) != pos - start - nl - len(title) - 1 or not seq.isascii():
+                    # Raw sequence characters = span - header line - newlines. A mismatch means
+                    # Biopython dropped spaces or CRs (or the header has trailing blanks).
                     err = _locate(validator, text, start, pos, rec_line)
-            if err is None:
-                if seq[-1:] == "*":
-                    seq = seq[:-1]
-                seq = seq.upper()
-                if not seq:
-                    err = ("empty record", "header with no sequence (an empty record)", rec_line)
-                elif seq.encode("ascii", "replace").translate(None, allowed):
-                    err = _locate(validator, text, start, pos, rec_line) or (
-                        "invalid character", "invalid character in the sequence", rec_line
+                    if err is None and not seq:
+                        err = ("empty record", _EMPTY, rec_line)
+                elif not seq:
+                    err = ("empty record", _EMPTY, rec_line)
+                else:
+                    err = None
+                if err is not None:
+                    kind, reason, err_line = err
+                    exc = FastaFormatError(
+                        path,
+                        err_line,
+                        reason,
+                        record_number=number,
+                        record_id=parts[0] if parts else "",
+                        kind=kind,
                     )
-            if err is not None:
-                kind, reason, err_line = err
-                exc = FastaFormatError(
-                    path, err_line, reason, record_number=number, record_id=ident, kind=kind
-                )
-                if not skip:
-                    yield from _flush(batch, dups, skip, report)  # earlier problems first
-                    raise exc
-                report.add(exc)
-                continue
-            rec = _new(FastaRecord)  # skips the frozen __init__: 3x cheaper, same object
-            d = rec.__dict__
-            d["id"] = ident
-            d["description"] = parts[1] if len(parts) > 1 else ""
-            d["sequence"] = seq
-            d["number"] = number
-            d["line"] = rec_line
-            d["path"] = path
-            batch.append(rec)
-            if len(batch) >= _Duplicates.BATCH:
-                yield from _flush(batch, dups, skip, report)
-                batch = []
-        yield from _flush(batch, dups, skip, report)
+                    if not skip:
+                        yield from batch.flush()  # problems in earlier records come first
+                        raise exc
+                    report.add(exc)
+                    continue
+                rec = _new(FastaRecord)  # skips the frozen __init__: 3x cheaper, same object
+                d = rec.__dict__
+                d["id"] = parts[0]
+                d["description"] = parts[1] if len(parts) > 1 else ""
+                d["sequence"] = seq  # upper-cased and '*'-stripped by batch.flush() if needed
+                d["number"] = number
+                d["line"] = rec_line
+                d["path"] = path
+                records.append(rec)
+                where.append((text, start, pos))
+                if len(records) >= _BATCH:
+                    yield from batch.flush()
+                    records, where = batch.records, batch.where
+        except FastaFormatError as exc:
+            if exc.file_level:  # release the complete records read before, then stop
+                yield from batch.flush()
+            raise
+        yield from batch.flush()
         if number == 0:
             _leading(source, report, skip)
             raise FastaFormatError(

@@ -160,8 +160,11 @@ class ProteinLMModule(pl.LightningModule):
 
     def configure_optimizers(self) -> dict[str, Any]:
         opt = self.optim
+        groups = self.model.param_groups(opt["weight_decay"])
+        for group in groups:  # names show up in LearningRateMonitor's keys: lr-AdamW/decay
+            group.setdefault("name", "decay" if group["weight_decay"] else "no_decay")
         optimizer = torch.optim.AdamW(
-            self.model.param_groups(opt["weight_decay"]),
+            groups,
             lr=opt["lr"],
             betas=tuple(opt["betas"]),
             eps=opt["eps"],

@@ -116,6 +116,7 @@ def _instantiate(node: Any, key: str, **kwargs: Any) -> Any:
 def _instantiate_dict(cfg: DictConfig, group: str) -> list[Any]:
     """Instantiate every entry with a ``_target_`` of a group (callbacks, logger)."""
     from omegaconf import DictConfig
+
     node = cfg.get(group)
     if not node:
         return []
