@@ -19,10 +19,16 @@ paper and in Lemma 2's formulas; ``softmax_hyp`` and ``trig`` therefore use 2m-w
 Inputs ("normalized"): v ~ N(0, 1); q, k entries ~ N(0, s^2) with s = sqrt(tau). For independent
 q, k the logit q.k/sqrt(d) is a sum of d products with variance s^4 each, divided by sqrt(d), so
 its standard deviation is s^2 = tau: tau is exactly the std of the softmax logits. The Fig. 4
-study uses ``--fig4-tau`` (default 1, i.e. standard normal q, k). With zero-mean V the uniform
-baseline's relative error is about sqrt(1 - ESS/L), where ESS = L / exp(tau^2) is the effective
-number of keys per query: ~0.80 at tau = 1, L = 1024; an approximation scoring near that has
-learned nothing beyond averaging.
+study runs each of ``--fig4-taus`` (default 0.25 and 1; tau = 1 is standard normal q, k). The
+paper's "appropriately normalized" inputs are not specified further; the relevant size is
+||x||^2 = ||q||^2 / sqrt(d) = tau sqrt(d) (4 tau at d = 16), since the positive estimator's
+relative variance grows like exp(||x + y||^2) / m: at tau = 1, d = 16 that is ~e^8 / m, so the
+error only starts to fall once m is in the thousands. Both regimes are shown, with the uniform
+baseline as a flat reference line.
+
+With zero-mean V the uniform baseline's relative error is about sqrt(1 - ESS/L), where
+ESS = L / exp(tau^2) is the effective number of keys per query: ~0.80 at tau = 1, L = 1024; an
+approximation scoring at or above that has learned nothing beyond averaging.
 
 Outputs in ``--out``: ``fig4.csv``, ``tau.csv``, ``accuracy.md`` (also printed), ``accuracy.png``.
 
@@ -89,34 +95,62 @@ def _seeded_redraw(attn: torch.nn.Module, seed: int) -> None:
     attn.redraw(generator=gen)
 
 
-def fig4_study(L: int, d: int, ms: Sequence[int], seeds: int, tau: float
-               ) -> list[dict[str, object]]:
-    """MSE of the attention output vs m for {ORF, IID} x {positive, trig}; one row per cell."""
+def fig4_study(
+    L: int, d: int, ms: Sequence[int], seeds: int, taus: Sequence[float]
+) -> list[dict[str, object]]:
+    """MSE of the attention output vs m for {ORF, IID} x {positive, trig}, per logit std.
+
+    The uniform baseline (mean of V) is added as a flat reference: an estimator above it is
+    worse than ignoring q and k altogether.
+    """
     import torch
 
     from protein_performer.model.favor import exact_attention
 
     draws: list[bool | None] = [True, False] if supports_iid() else [None]
     if draws == [None]:
-        log.warning("FavorAttention has no `orthogonal` option: Fig. 4 shows its default draw "
-                    "only (no IID comparison)")
+        log.warning(
+            "FavorAttention has no `orthogonal` option: Fig. 4 shows its default draw "
+            "only (no IID comparison)"
+        )
     rows: list[dict[str, object]] = []
-    for kernel, feat in (("softmax", "positive"), ("trig", "trig")):
-        for orth in draws:
-            draw = {True: "ORF", False: "IID", None: "default"}[orth]
-            for m in ms:
-                attn = _favor(d, m, kernel, orth)
-                mses = []
-                for seed in range(seeds):
-                    q, k, v = make_qkv(L, d, tau, torch.Generator().manual_seed(seed))
-                    _seeded_redraw(attn, seed)
-                    with torch.no_grad():
-                        err = attn(q, k, v) - exact_attention(q, k, v)
-                    mses.append(float(err.pow(2).mean()))
-                mean, std = _mean_std(mses)
-                rows.append({"features": feat, "draw": draw, "m": m, "mse_mean": mean,
-                             "mse_std": std, "seeds": seeds})
-                log.info("fig4 %-8s %-7s m=%-4d mse %.3e +- %.1e", feat, draw, m, mean, std)
+
+    def add(tau: float, feat: str, draw: str, m: int, mses: list[float]) -> None:
+        mean, std = _mean_std(mses)
+        rows.append(
+            {
+                "tau": tau,
+                "features": feat,
+                "draw": draw,
+                "m": m,
+                "mse_mean": mean,
+                "mse_std": std,
+                "seeds": seeds,
+            }
+        )
+        log.info("fig4 tau=%g %-8s %-7s m=%-4d mse %.3e +- %.1e", tau, feat, draw, m, mean, std)
+
+    for tau in taus:
+        inputs = [make_qkv(L, d, tau, torch.Generator().manual_seed(s)) for s in range(seeds)]
+        with torch.no_grad():
+            refs = [exact_attention(q, k, v) for q, k, v in inputs]
+        uniform = [
+            float((v.mean(-2, keepdim=True) - ref).pow(2).mean())
+            for (_, _, v), ref in zip(inputs, refs, strict=True)
+        ]
+        for kernel, feat in (("softmax", "positive"), ("trig", "trig")):
+            for orth in draws:
+                draw = {True: "ORF", False: "IID", None: "default"}[orth]
+                for m in ms:
+                    attn = _favor(d, m, kernel, orth)
+                    mses = []
+                    for seed, ((q, k, v), ref) in enumerate(zip(inputs, refs, strict=True)):
+                        _seeded_redraw(attn, seed)
+                        with torch.no_grad():
+                            mses.append(float((attn(q, k, v) - ref).pow(2).mean()))
+                    add(tau, feat, draw, m, mses)
+        for m in ms:
+            add(tau, "uniform", "mean of V", m, uniform)
     return rows
 
 
@@ -130,8 +164,9 @@ def _rel_err(out: Tensor, ref: Tensor) -> float:
     return float((out - ref).norm() / ref.norm())
 
 
-def _methods(d: int, m: int, kernels: Sequence[str]
-             ) -> dict[str, Callable[[Tensor, Tensor, Tensor, int], Tensor]]:
+def _methods(
+    d: int, m: int, kernels: Sequence[str]
+) -> dict[str, Callable[[Tensor, Tensor, Tensor, int], Tensor]]:
     """name -> fn(q, k, v, seed): every approximation compared in the tau sweep."""
     import torch
 
@@ -143,8 +178,9 @@ def _methods(d: int, m: int, kernels: Sequence[str]
             log.warning("kernel %r unavailable in FavorAttention: %s", kernel, exc)
             continue
 
-        def ours(q: Tensor, k: Tensor, v: Tensor, seed: int, attn: torch.nn.Module = attn
-                 ) -> Tensor:
+        def ours(
+            q: Tensor, k: Tensor, v: Tensor, seed: int, attn: torch.nn.Module = attn
+        ) -> Tensor:
             _seeded_redraw(attn, seed)
             return attn(q, k, v)
 
@@ -152,9 +188,12 @@ def _methods(d: int, m: int, kernels: Sequence[str]
     try:
         from performer_pytorch import FastAttention
     except ImportError:
-        log.warning("performer-pytorch not installed: no comparison against it "
-                    "(pip install performer-pytorch==1.1.4)")
+        log.warning(
+            "performer-pytorch not installed: no comparison against it "
+            "(pip install performer-pytorch==1.1.4)"
+        )
     else:
+
         def performer(q: Tensor, k: Tensor, v: Tensor, seed: int) -> Tensor:
             torch.manual_seed(10_000 + seed)  # it draws from the global RNG
             return FastAttention(dim_heads=d, nb_features=m)(q, k, v)
@@ -168,8 +207,9 @@ def _methods(d: int, m: int, kernels: Sequence[str]
     return methods
 
 
-def tau_study(L: int, d: int, m: int, taus: Sequence[float], seeds: int,
-              kernels: Sequence[str]) -> list[dict[str, object]]:
+def tau_study(
+    L: int, d: int, m: int, taus: Sequence[float], seeds: int, kernels: Sequence[str]
+) -> list[dict[str, object]]:
     """Relative error vs exact for each method and logit std; mean/std over seeds."""
     import torch
 
@@ -187,8 +227,18 @@ def tau_study(L: int, d: int, m: int, taus: Sequence[float], seeds: int,
     rows = []
     for (name, tau), xs in errs.items():
         mean, std = _mean_std(xs)
-        rows.append({"method": name, "tau": tau, "rel_err_mean": mean, "rel_err_std": std,
-                     "seeds": seeds, "L": L, "d": d, "m": m})
+        rows.append(
+            {
+                "method": name,
+                "tau": tau,
+                "rel_err_mean": mean,
+                "rel_err_std": std,
+                "seeds": seeds,
+                "L": L,
+                "d": d,
+                "m": m,
+            }
+        )
         log.info("tau %-4g %-22s rel err %.4f +- %.4f", tau, name, mean, std)
     return rows
 
@@ -200,73 +250,129 @@ def write_csv(rows: list[dict[str, object]], path: Path) -> None:
         w.writerows(rows)
 
 
-def markdown(fig4: list[dict[str, object]], tau: list[dict[str, object]],
-             fig4_cfg: str, tau_cfg: str) -> str:
-    """Two tables: MSE per (features, draw) vs m, and rel. error per method vs tau."""
-    cols = sorted({(str(r["features"]), str(r["draw"])) for r in fig4})
-    ms = sorted({int(r["m"]) for r in fig4})
-    cell = {(r["features"], r["draw"], r["m"]): r for r in fig4}
-    lines = [f"## Fig. 4: attention-output MSE vs m ({fig4_cfg})", "",
-             "| m | " + " | ".join(f"{f} {dr}" for f, dr in cols) + " | ORF < IID |",
-             "|---:|" + "---:|" * len(cols) + "---|"]
-    for m in ms:
-        vals = [cell[(f, dr, m)] for f, dr in cols]
-        orf_wins = []
-        for feat in ("positive", "trig"):
-            orf, iid = cell.get((feat, "ORF", m)), cell.get((feat, "IID", m))
-            if orf and iid:
-                orf_wins.append(f"{feat}: {'yes' if orf['mse_mean'] < iid['mse_mean'] else 'NO'}")
-        lines.append(f"| {m} | " + " | ".join(
-            f"{v['mse_mean']:.3e} ± {v['mse_std']:.1e}" for v in vals)
-            + f" | {', '.join(orf_wins) or 'n/a'} |")
+def markdown(
+    fig4: list[dict[str, object]], tau: list[dict[str, object]], fig4_cfg: str, tau_cfg: str
+) -> str:
+    """MSE per (features, draw) vs m for each Fig. 4 logit std; rel. error per method vs tau."""
+    lines = [f"## Fig. 4: attention-output MSE vs m ({fig4_cfg})"]
+    for t in sorted({float(r["tau"]) for r in fig4}):
+        sub = [r for r in fig4 if r["tau"] == t]
+        cols = list(dict.fromkeys((str(r["features"]), str(r["draw"])) for r in sub))
+        ms = sorted({int(r["m"]) for r in sub})
+        cell = {(r["features"], r["draw"], r["m"]): r for r in sub}
+        lines += [
+            "",
+            f"### logit std tau = {t:g}",
+            "",
+            "| m | " + " | ".join(f"{f} {dr}" for f, dr in cols) + " | ORF < IID |",
+            "|---:|" + "---:|" * len(cols) + "---|",
+        ]
+        for m in ms:
+            orf_wins = []
+            for feat in ("positive", "trig"):
+                orf, iid = cell.get((feat, "ORF", m)), cell.get((feat, "IID", m))
+                if orf and iid:
+                    won = orf["mse_mean"] < iid["mse_mean"]
+                    orf_wins.append(f"{feat}: {'yes' if won else 'NO'}")
+            lines.append(
+                f"| {m} | "
+                + " | ".join(
+                    f"{cell[(f, dr, m)]['mse_mean']:.3e} ± {cell[(f, dr, m)]['mse_std']:.1e}"
+                    for f, dr in cols
+                )
+                + f" | {', '.join(orf_wins) or 'n/a'} |"
+            )
     taus = sorted({float(r["tau"]) for r in tau})
     methods = list(dict.fromkeys(str(r["method"]) for r in tau))
     tcell = {(r["method"], r["tau"]): r for r in tau}
-    lines += ["", f"## Relative error ||out - exact|| / ||exact|| vs logit std tau ({tau_cfg})",
-              "", "softmax_hyp and trig use 2m-wide features; the uniform baseline outputs the "
-              "mean of V for every query.", "",
-              "| method | " + " | ".join(f"tau={t:g}" for t in taus) + " |",
-              "|---|" + "---:|" * len(taus)]
+    lines += [
+        "",
+        f"## Relative error ||out - exact|| / ||exact|| vs logit std tau ({tau_cfg})",
+        "",
+        "softmax_hyp and trig use 2m-wide features; the uniform baseline outputs the "
+        "mean of V for every query.",
+        "",
+        "| method | " + " | ".join(f"tau={t:g}" for t in taus) + " |",
+        "|---|" + "---:|" * len(taus),
+    ]
     for name in methods:
-        lines.append(f"| {name} | " + " | ".join(
-            f"{tcell[(name, t)]['rel_err_mean']:.4f} ± {tcell[(name, t)]['rel_err_std']:.4f}"
-            for t in taus) + " |")
+        lines.append(
+            f"| {name} | "
+            + " | ".join(
+                f"{tcell[(name, t)]['rel_err_mean']:.4f} ± {tcell[(name, t)]['rel_err_std']:.4f}"
+                for t in taus
+            )
+            + " |"
+        )
     return "\n".join(lines)
 
 
-def plot(fig4: list[dict[str, object]], tau: list[dict[str, object]], path: Path,
-         titles: tuple[str, str]) -> None:
+def plot(
+    fig4: list[dict[str, object]],
+    tau: list[dict[str, object]],
+    path: Path,
+    titles: tuple[str, str],
+) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.8))
-    styles = {("positive", "ORF"): ("tab:blue", "-"), ("positive", "IID"): ("tab:blue", "--"),
-              ("trig", "ORF"): ("tab:red", "-"), ("trig", "IID"): ("tab:red", "--")}
-    for key in sorted({(str(r["features"]), str(r["draw"])) for r in fig4}):
-        pts = sorted((int(r["m"]), float(r["mse_mean"]), float(r["mse_std"])) for r in fig4
-                     if (r["features"], r["draw"]) == key)
-        color, ls = styles.get(key, ("gray", ":"))
-        ax1.errorbar([p[0] for p in pts], [p[1] for p in pts], yerr=[p[2] for p in pts],
-                     color=color, ls=ls, marker="o", capsize=3, label=f"{key[0]} {key[1]}")
-    ax1.set_xscale("log", base=2)
-    ax1.set_yscale("log")
-    ax1.set_xlabel("random features m")
-    ax1.set_ylabel("attention-output MSE")
-    ax1.set_title(titles[0], fontsize=9)
+    fig_taus = sorted({float(r["tau"]) for r in fig4})
+    fig, axes = plt.subplots(1, len(fig_taus) + 1, figsize=(6 * (len(fig_taus) + 1), 4.8))
+    styles = {
+        ("positive", "ORF"): ("tab:blue", "-"),
+        ("positive", "IID"): ("tab:blue", "--"),
+        ("trig", "ORF"): ("tab:red", "-"),
+        ("trig", "IID"): ("tab:red", "--"),
+    }
+    for ax1, t in zip(axes[:-1], fig_taus, strict=True):
+        sub = [r for r in fig4 if r["tau"] == t]
+        for key in dict.fromkeys((str(r["features"]), str(r["draw"])) for r in sub):
+            pts = sorted(
+                (int(r["m"]), float(r["mse_mean"]), float(r["mse_std"]))
+                for r in sub
+                if (r["features"], r["draw"]) == key
+            )
+            color, ls = styles.get(key, ("gray", ":"))
+            ax1.errorbar(
+                [p[0] for p in pts],
+                [p[1] for p in pts],
+                yerr=[p[2] for p in pts],
+                color=color,
+                ls=ls,
+                marker="o",
+                capsize=3,
+                label=f"{key[0]} {key[1]}",
+            )
+        ax1.set_xscale("log", base=2)
+        ax1.set_yscale("log")
+        ax1.set_xlabel("random features m")
+        ax1.set_ylabel("attention-output MSE")
+        ax1.set_title(f"{titles[0]}, logit std {t:g}", fontsize=9)
+    ax2 = axes[-1]
     for name in dict.fromkeys(str(r["method"]) for r in tau):
-        pts = sorted((float(r["tau"]), float(r["rel_err_mean"]), float(r["rel_err_std"]))
-                     for r in tau if r["method"] == name)
+        pts = sorted(
+            (float(r["tau"]), float(r["rel_err_mean"]), float(r["rel_err_std"]))
+            for r in tau
+            if r["method"] == name
+        )
         ls = ":" if name.startswith("uniform") else ("--" if name.startswith("perf") else "-")
-        ax2.errorbar([p[0] for p in pts], [p[1] for p in pts], yerr=[p[2] for p in pts],
-                     ls=ls, marker="o", capsize=3, label=name)
+        ax2.errorbar(
+            [p[0] for p in pts],
+            [p[1] for p in pts],
+            yerr=[p[2] for p in pts],
+            ls=ls,
+            marker="o",
+            capsize=3,
+            label=name,
+        )
     ax2.set_xscale("log", base=2)
     ax2.set_yscale("log")
     ax2.set_xlabel("logit std tau")
     ax2.set_ylabel("relative error vs exact")
     ax2.set_title(titles[1], fontsize=9)
-    for ax in (ax1, ax2):
+    for ax in axes:
         ax.grid(True, which="both", alpha=0.3)
         ax.legend(fontsize=7)
     fig.tight_layout()
@@ -275,14 +381,20 @@ def plot(fig4: list[dict[str, object]], tau: list[dict[str, object]], path: Path
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter,
-                                epilog="Input scaling and definitions: see the module docstring.")
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="Input scaling and definitions: see the module docstring.",
+    )
     p.add_argument("--out", type=Path, default=Path(".bench/accuracy"), help="output directory")
     p.add_argument("--seeds", type=int, default=10, help="seeds per cell (paper: >= 10)")
     p.add_argument("--fig4-len", type=int, default=4096)
     p.add_argument("--fig4-dim", type=int, default=16)
-    p.add_argument("--fig4-tau", type=float, default=1.0, help="logit std of the Fig. 4 inputs")
+    p.add_argument(
+        "--fig4-taus",
+        default="0.25,1",
+        help="comma list of logit stds for the Fig. 4 inputs (one panel each)",
+    )
     p.add_argument("--fig4-m", default="16,32,64,128,256,512", help="comma list of m")
     p.add_argument("--tau-len", type=int, default=1024)
     p.add_argument("--tau-dim", type=int, default=64)
@@ -290,8 +402,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--taus", default=",".join(f"{t:g}" for t in TAUS))
     p.add_argument("--kernels", default=",".join(KERNELS))
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch default)")
-    p.add_argument("--quick", action="store_true",
-                   help="tiny smoke configuration (L=256, 2 seeds, m in {16, 64})")
+    p.add_argument(
+        "--quick",
+        action="store_true",
+        help="tiny smoke configuration (L=256, 2 seeds, m in {16, 64})",
+    )
     args = p.parse_args(argv)
     if args.quick:
         args.seeds = min(args.seeds, 2)
@@ -301,8 +416,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s",
-                        stream=sys.stderr)
+    logging.basicConfig(
+        level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", stream=sys.stderr
+    )
     import torch
 
     if args.threads:
@@ -311,16 +427,17 @@ def main(argv: list[str] | None = None) -> int:
     ms = [int(x) for x in args.fig4_m.split(",")]
     taus = [float(x) for x in args.taus.split(",")]
     kernels = [x for x in args.kernels.split(",") if x]
-    fig4_cfg = (f"L={args.fig4_len}, d={args.fig4_dim}, logit std {args.fig4_tau:g}, "
-                f"{args.seeds} seeds, mean ± std")
+    fig4_cfg = f"L={args.fig4_len}, d={args.fig4_dim}, {args.seeds} seeds, mean ± std"
     tau_cfg = f"L={args.tau_len}, d={args.tau_dim}, m={args.tau_m}, {args.seeds} seeds"
-    fig4 = fig4_study(args.fig4_len, args.fig4_dim, ms, args.seeds, args.fig4_tau)
+    fig4_taus = [float(x) for x in args.fig4_taus.split(",")]
+    fig4 = fig4_study(args.fig4_len, args.fig4_dim, ms, args.seeds, fig4_taus)
     tau = tau_study(args.tau_len, args.tau_dim, args.tau_m, taus, args.seeds, kernels)
     write_csv(fig4, args.out / "fig4.csv")
     write_csv(tau, args.out / "tau.csv")
     table = markdown(fig4, tau, fig4_cfg, tau_cfg)
     (args.out / "accuracy.md").write_text("# FAVOR accuracy\n\n" + table + "\n")
-    plot(fig4, tau, args.out / "accuracy.png", (f"Fig. 4 study: {fig4_cfg}", tau_cfg))
+    fig4_title = f"Fig. 4: L={args.fig4_len}, d={args.fig4_dim}"
+    plot(fig4, tau, args.out / "accuracy.png", (fig4_title, tau_cfg))
     print(table)
     log.info("wrote %s/{fig4.csv,tau.csv,accuracy.md,accuracy.png}", args.out)
     return 0

@@ -25,8 +25,13 @@ pytest.importorskip(
 
 
 def _run(script: str, *args: str, timeout: float = 120.0) -> subprocess.CompletedProcess[str]:
-    proc = subprocess.run([sys.executable, str(SCRIPTS / script), *args], cwd=ROOT,
-                          capture_output=True, text=True, timeout=timeout)
+    proc = subprocess.run(
+        [sys.executable, str(SCRIPTS / script), *args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
     assert proc.returncode == 0, f"{script} failed:\n{proc.stdout}\n{proc.stderr}"
     return proc
 
@@ -48,11 +53,30 @@ def test_help(script: str) -> None:
 
 def test_bench_attention_quick(tmp_path: Path) -> None:
     # Only ours (both modes): every case is a fresh interpreter, so each costs an `import torch`.
-    proc = _run("bench_attention.py", "--quick", "--impls", "ours", "--lengths", "128",
-                "--matmul-n", "256", "--out", str(tmp_path))
+    proc = _run(
+        "bench_attention.py",
+        "--quick",
+        "--impls",
+        "ours",
+        "--lengths",
+        "128",
+        "--matmul-n",
+        "256",
+        "--out",
+        str(tmp_path),
+    )
     rows = _rows(tmp_path / "attention.csv")
-    for col in ("impl", "causal", "L", "mode", "status", "time_s", "peak_mem_mib",
-                "useful_frac", "matmul_gflops"):
+    for col in (
+        "impl",
+        "causal",
+        "L",
+        "mode",
+        "status",
+        "time_s",
+        "peak_mem_mib",
+        "useful_frac",
+        "matmul_gflops",
+    ):
         assert col in rows[0], col
     got = {(r["impl"], r["causal"], r["mode"]) for r in rows if r["status"] == "ok"}
     for causal in ("False", "True"):
@@ -68,10 +92,23 @@ def test_bench_attention_quick(tmp_path: Path) -> None:
 
 
 def test_bench_favor_accuracy_quick(tmp_path: Path) -> None:
-    proc = _run("bench_favor_accuracy.py", "--quick", "--seeds", "1", "--fig4-len", "128",
-                "--tau-len", "128", "--fig4-m", "16,32", "--out", str(tmp_path))
+    proc = _run(
+        "bench_favor_accuracy.py",
+        "--quick",
+        "--seeds",
+        "1",
+        "--fig4-len",
+        "128",
+        "--tau-len",
+        "128",
+        "--fig4-m",
+        "16,32",
+        "--out",
+        str(tmp_path),
+    )
     fig4 = _rows(tmp_path / "fig4.csv")
-    assert {r["features"] for r in fig4} == {"positive", "trig"}
+    assert {r["features"] for r in fig4} == {"positive", "trig", "uniform"}
+    assert {r["draw"] for r in fig4} >= {"ORF", "IID"}
     assert all(_finite(r["mse_mean"]) and float(r["mse_mean"]) >= 0 for r in fig4)
     tau = _rows(tmp_path / "tau.csv")
     methods = {r["method"] for r in tau}

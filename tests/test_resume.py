@@ -1,4 +1,4 @@
-"""A crashed run resumed from last.ckpt ends exactly where an unbroken run of the same seed ends."""
+"""A crashed run resumed from last.ckpt ends where an unbroken run of the same seed ends."""
 
 from __future__ import annotations
 
@@ -43,7 +43,7 @@ BASE = [
 ]
 
 
-class Crash(RuntimeError):
+class SimulatedCrashError(RuntimeError):
     pass
 
 
@@ -55,7 +55,7 @@ class CrashAt(pl.Callback):
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
         if trainer.global_step == self.step:
-            raise Crash(f"simulated crash at step {self.step}")
+            raise SimulatedCrashError(f"simulated crash at step {self.step}")
 
 
 def run(out: Path, *overrides: str) -> dict:
@@ -86,7 +86,7 @@ def test_resume_matches_unbroken_run(tmp_path: Path, crash_step: int, extra: lis
     unbroken = run(tmp_path / "unbroken", *extra)
 
     crash_target = f"{CrashAt.__module__}.{CrashAt.__qualname__}"
-    with pytest.raises(Crash):
+    with pytest.raises(SimulatedCrashError):
         run(
             tmp_path / "crashed",
             *extra,

@@ -5,6 +5,7 @@ from __future__ import annotations
 import csv
 import math
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -167,3 +168,32 @@ def test_every_experiment_composes(tmp_path: Path) -> None:
         PerformerConfig.from_dict(resolved["model"]["config"])  # valid architecture
         assert resolved["model"]["config"]["objective"] == resolved["data"]["objective"]
         assert resolved["trainer"]["use_distributed_sampler"] is False
+
+
+def test_instantiation_errors_name_the_config_key(tmp_path: Path) -> None:
+    from protein_performer.errors import UserError
+
+    with pytest.raises(UserError, match="cannot build `trainer`"):
+        train(tiny_cfg(tmp_path, "trainer.precision=bogus"))
+    # Our own constructors' UserErrors pass through with their message.
+    with pytest.raises(UserError, match="divisible"):
+        train(tiny_cfg(tmp_path, "model.config.heads=3"))
+    with pytest.raises(UserError, match="ckpt_path"):
+        train(tiny_cfg(tmp_path, f"ckpt_path={tmp_path / 'missing.ckpt'}"))
+
+
+def test_conf_dir_from_environment(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from protein_performer.errors import UserError
+    from protein_performer.training.train import conf_dir
+
+    copy = tmp_path / "conf"
+    shutil.copytree(REPO / "conf", copy)
+    (copy / "experiment" / "mine.yaml").write_text(
+        "# @package _global_\ntask_name: mine\n", encoding="utf-8"
+    )
+    monkeypatch.setenv("PROTEIN_PERFORMER_CONF_DIR", str(copy))
+    assert conf_dir() == copy.resolve()
+    assert compose_config(["experiment=mine"]).task_name == "mine"
+    monkeypatch.setenv("PROTEIN_PERFORMER_CONF_DIR", str(tmp_path / "nowhere"))
+    with pytest.raises(UserError, match="PROTEIN_PERFORMER_CONF_DIR"):
+        conf_dir()

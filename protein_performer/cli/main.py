@@ -16,7 +16,16 @@ from protein_performer import __version__
 from protein_performer.errors import UserError
 
 #: Subcommand modules under ``protein_performer.cli``, in the order ``--help`` lists them.
-SUBCOMMAND_MODULES: tuple[str, ...] = ("preprocess", "stats", "train")
+SUBCOMMAND_MODULES: tuple[str, ...] = (
+    "preprocess",
+    "stats",
+    "train",
+    "eval",
+    "embed",
+    "score",
+    "score_variants",
+    "export",
+)
 
 log = logging.getLogger("protein_performer")
 

@@ -28,12 +28,13 @@ import gzip
 import io
 import logging
 import zlib
-from collections import Counter, deque
+from collections import Counter
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
 from hashlib import blake2b
-from itertools import chain
+from itertools import repeat as _repeat
+from operator import itemgetter
 from pathlib import Path
 from typing import BinaryIO, Literal
 
@@ -78,6 +79,7 @@ class FastaRecord:
 
 
 _new = object.__new__
+_first = itemgetter(0)
 
 
 class FastaFormatError(UserError):
@@ -155,6 +157,7 @@ class DuplicateIdChecker:
     """
 
     _MERGE_FACTOR = 4
+    _LONG_ID = 256  # bytes; longer ids are hashed one by one
     _SEED = np.uint64(0x243F6A8885A308D3)
     _M1 = np.uint64(0xBF58476D1CE4E5B9)
     _M2 = np.uint64(0x94D049BB133111EB)
@@ -167,26 +170,50 @@ class DuplicateIdChecker:
 
     @classmethod
     def hash_ids(cls, ids: Sequence[str]) -> np.ndarray:
-        """uint64 hash per id: 8-byte chunks of the UCS-4 text mixed column by column."""
-        arr = np.array(ids, dtype=str)
-        width = arr.dtype.itemsize // 4
-        if width > 64:  # a few very long ids would make the matrix huge: hash one by one
-            digests = [blake2b(i.encode("utf-8", "surrogatepass"), digest_size=8).digest()
-                       for i in ids]
-            return np.frombuffer(b"".join(digests), dtype=np.uint64)
-        if width % 2:
-            width += 1
-            arr = arr.astype(f"U{width}")
-        cols = arr.view(np.uint64).reshape(len(ids), width // 2)
-        h = np.full(len(ids), cls._SEED, dtype=np.uint64)
+        """uint64 hash per id, a function of the id alone (not of the batch it came in).
+
+        The UTF-8 bytes of the ids are gathered into a zero-padded matrix and mixed 8 bytes
+        (one column) at a time, each row only over its own columns; ids longer than
+        ``_LONG_ID`` bytes (which would make the matrix huge) are hashed one by one.
+        """
+        m = len(ids)
+        joined = "".join(ids)
+        if joined.isascii():
+            buf = joined.encode("ascii")
+            lens = np.fromiter(map(len, ids), np.int64, m)
+        else:
+            enc = [i.encode("utf-8", "surrogatepass") for i in ids]
+            buf = b"".join(enc)
+            lens = np.fromiter(map(len, enc), np.int64, m)
+        offsets = np.cumsum(lens) - lens
+        h = np.empty(m, dtype=np.uint64)
+        long = lens > cls._LONG_ID
+        if long.any():
+            for i in np.flatnonzero(long).tolist():
+                raw = buf[offsets[i] : offsets[i] + lens[i]]
+                h[i] = np.frombuffer(blake2b(raw, digest_size=8).digest(), np.uint64)[0]
+        short = np.flatnonzero(~long)
+        if short.size == 0:
+            return h
+        slens, soffs = lens[short], offsets[short]
+        words = (slens + 7) // 8
+        width = int(words.max())
+        cols = np.arange(8 * width)
+        inside = cols < slens[:, None]
+        mat = np.zeros((short.size, 8 * width), dtype=np.uint8)
+        mat[inside] = np.frombuffer(buf, np.uint8)[(soffs[:, None] + cols)[inside]]
+        mat = mat.view(np.uint64)
+        hs = np.full(short.size, cls._SEED, dtype=np.uint64) ^ slens.astype(np.uint64)
         s29, s31, s27 = np.uint64(29), np.uint64(31), np.uint64(27)
-        for j in range(width // 2):
-            h ^= cols[:, j]
-            h *= cls._M1
-            h ^= h >> s29
-        h ^= h >> s31  # splitmix64 finaliser
-        h *= cls._M2
-        h ^= h >> s27
+        for j in range(width):
+            x = hs ^ mat[:, j]
+            x *= cls._M1
+            x ^= x >> s29
+            hs = np.where(j < words, x, hs)  # a row's hash never sees padding columns
+        hs ^= hs >> s31  # splitmix64 finaliser
+        hs *= cls._M2
+        hs ^= hs >> s27
+        h[short] = hs
         return h
 
     def check(self, ids: Sequence[str], tags: np.ndarray | Sequence[int]) -> np.ndarray:
@@ -248,33 +275,33 @@ def _open_binary(path: str) -> BinaryIO:
 
 
 class _BlockSource:
-    """Reads the file in blocks of whole records and feeds their lines to Biopython.
+    """Reads the file in blocks of whole records, checked and ready for parsing.
 
-    Each decoded block is appended to ``blocks`` before Biopython sees its first line, so the
-    reader can locate every record Biopython yields in the raw text (line numbers, raw length).
-    File-level problems are raised from here; their line is found by re-reading the file up to
-    the problem (an error path, so the hot path never counts lines twice).
+    :meth:`blocks` yields ``(data, text)`` per block: ``data`` holds whole records (it starts at
+    a header, CRLF already turned into LF) and ``text`` is its decoded text, or ``None`` when the
+    block is pure ASCII (then ``data`` is the text). Text before the first header is cut off the
+    first block and noted in ``leading`` / ``lead_lines``. File-level problems are raised from
+    here, after the complete records read before them were yielded; their line is found by
+    re-reading the file up to the problem (an error path, so the hot path never counts lines
+    twice).
     """
 
-    def __init__(self, fh: BinaryIO, path: str) -> None:
+    def __init__(self, fh: BinaryIO, path: str, block_size: int = _BLOCK) -> None:
         self.fh = fh
         self.path = path
-        self.blocks: deque[str] = deque()
-        self.first_start = 0  # offset of the first header in the first block
+        self.block_size = block_size
         self.leading: tuple[int, str] | None = None  # (line, text) before the first header
+        self.lead_lines = 0  # newlines cut off the first block (before the first header)
         self.nbytes = 0  # (uncompressed) bytes read so far
 
-    def lines(self) -> Iterator[str]:
-        """Lines for Biopython: TextIOWrapper's C readline, block after block."""
-        return chain.from_iterable(self._texts())
-
-    def _texts(self) -> Iterator[io.TextIOWrapper]:
+    def blocks(self) -> Iterator[tuple[bytes, str | None]]:
+        size = self.block_size
         pieces: list[bytes] = []
         buffered = 0
         first = True
         while True:
             try:
-                chunk = self.fh.read(_BLOCK)
+                chunk = self.fh.read(size)
             except (EOFError, gzip.BadGzipFile, zlib.error) as exc:
                 yield from self._broken_gzip(b"".join(pieces), exc, first)
                 return
@@ -307,45 +334,44 @@ class _BlockSource:
     def _file_error(self, line: int | None, reason: str, kind: str) -> FastaFormatError:
         return FastaFormatError(self.path, line, reason, kind=kind, file_level=True)
 
-    def _emit(self, blk: bytes, first: bool, after: int) -> io.TextIOWrapper:
-        """Check and decode one block (``after`` bytes were read past it); queue its text."""
+    def _emit(self, blk: bytes, first: bool, after: int) -> tuple[bytes, str | None]:
+        """Check one block (``after`` bytes were read past it); decode it unless it is ASCII."""
         nul = blk.find(b"\x00")
         if nul >= 0:
             raise self._binary_error(blk, nul, after, "a NUL byte")
-        try:
-            text = blk.decode("utf-8")
-        except UnicodeDecodeError as exc:
-            raise self._binary_error(
-                blk, exc.start, after, f"byte 0x{blk[exc.start]:02x} (not UTF-8 text)"
-            ) from None
-        if "\r" in text:
-            text = text.replace("\r\n", "\n")
+        text: str | None = None
+        if not blk.isascii():
+            try:
+                text = blk.decode("utf-8")
+            except UnicodeDecodeError as exc:
+                raise self._binary_error(
+                    blk, exc.start, after, f"byte 0x{blk[exc.start]:02x} (not UTF-8 text)"
+                ) from None
+        if b"\r" in blk:
             blk = blk.replace(b"\r\n", b"\n")
-        if first and not text.startswith(">"):
-            start = text.find("\n>") + 1 or len(text)
-            self.first_start = start
-            lead = text[:start]
+            if text is not None:
+                text = text.replace("\r\n", "\n")
+        if first and blk[:1] != b">":
+            start = blk.find(b"\n>") + 1 or len(blk)
+            lead = blk[:start].decode("utf-8")
+            self.lead_lines = lead.count("\n")
             if lead.strip():
                 blank = len(lead) - len(lead.lstrip())
                 self.leading = (1 + lead.count("\n", 0, blank), lead.strip())
-        self.blocks.append(text)
-        return io.TextIOWrapper(io.BytesIO(blk), encoding="utf-8", newline="\n")
+            blk = blk[start:]
+            if text is not None:
+                text = text[len(lead) :]
+        return blk, text
 
-    def _broken_gzip(self, rest: bytes, exc: Exception, first: bool) -> Iterator[io.TextIOWrapper]:
+    def _broken_gzip(
+        self, rest: bytes, exc: Exception, first: bool
+    ) -> Iterator[tuple[bytes, str | None]]:
         """Yield the complete records before a gzip break, then raise a located error."""
         last = rest.rfind(b"\n>") + 1  # start of the record the break cut (0: none complete)
         complete, partial = rest[:last], rest[last:]
         if complete:
             yield self._emit(complete, first, len(partial))
         header_end = partial.find(b"\n")
-        if partial.startswith(b">"):
-            # Biopython yields the last complete record only once it sees the next header.
-            yield io.TextIOWrapper(
-                io.BytesIO(partial[: header_end + 1 if header_end >= 0 else None]),
-                encoding="utf-8",
-                errors="replace",
-                newline="\n",
-            )
         line, records = _count_until(self.path, self.nbytes - len(partial))
         detail = str(exc) or type(exc).__name__
         where = ""
@@ -403,6 +429,49 @@ class _Validator:
         self.letters = letters
         self.allowed = frozenset(letters)
         self.allowed_bytes = letters.encode("ascii")
+        # What normalisation can repair: lower case of an allowed letter and a '*' (a stop).
+        fixable = {c.lower() for c in letters} | set(letters) | {"*"}
+        self.fixable_bytes = "".join(sorted(fixable)).encode("ascii")
+
+    def normalise(
+        self, seq: str, text: str, start: int, end: int, line: int
+    ) -> tuple[str, tuple[str, str, int] | None]:
+        """Upper-case and strip a final '*'; or say what is wrong and where (exact path)."""
+        allowed = self.allowed_bytes
+        raw = seq.encode("ascii")
+        if not raw.translate(None, allowed):
+            return seq, None
+        if raw[-1:] == b"*":
+            raw = raw[:-1]
+            if not raw:
+                return seq, ("empty record", "the sequence is only a stop '*'", line)
+        raw = raw.upper()
+        if not raw.translate(None, allowed):
+            return raw.decode("ascii"), None
+        return seq, _locate(self, text, start, end, line) or (
+            "invalid character",
+            "invalid character in the sequence",
+            line,
+        )
+
+    def normalise_all(self, seqs: Sequence[str], bad: bytes) -> list[str] | None:
+        """The fast path's :meth:`normalise` of a block whose letters not allowed are ``bad``;
+        ``None`` if any record has a problem (the exact path then locates it)."""
+        if bad.translate(None, self.fixable_bytes):
+            return None
+        allowed = self.allowed_bytes
+        out = []
+        for seq in seqs:
+            raw = seq.encode("ascii")
+            if raw.translate(None, allowed):
+                if raw[-1:] == b"*":
+                    raw = raw[:-1]
+                raw = raw.upper()
+                if not raw or raw.translate(None, allowed):
+                    return None
+                seq = raw.decode("ascii")
+            out.append(seq)
+        return out
 
     def first_problem(self, text: str, start: int, end: int) -> tuple[int, int, str, str] | None:
         """(line offset from header, column, kind, reason) of the first bad character, if any.
@@ -499,7 +568,7 @@ def _read_many(
 
 
 class _Duplicates:
-    """A DuplicateIdChecker across files, fed in batches; names the first occurrence."""
+    """A DuplicateIdChecker across files, fed one block at a time; names the first occurrence."""
 
     def __init__(self, paths: list[str]) -> None:
         self.checker = DuplicateIdChecker()
@@ -510,11 +579,9 @@ class _Duplicates:
     def start_file(self) -> None:
         self.starts.append(self.next_ordinal)
 
-    def check(self, batch: list[FastaRecord]) -> list[int]:
-        """Per record, the ordinal of an earlier record with the same id, or -1."""
-        base = self.starts[-1] - 1
-        tags = np.fromiter((base + r.number for r in batch), np.int64, len(batch))
-        return self.checker.check([r.id for r in batch], tags).tolist()
+    def check(self, ids: list[str], numbers: np.ndarray) -> np.ndarray:
+        """Per id, the ordinal of an earlier record with the same id, or -1."""
+        return self.checker.check(ids, numbers + (self.starts[-1] - 1))
 
     def describe(self, ordinal: int, path: str) -> str:
         i = bisect.bisect_right(self.starts, ordinal) - 1
@@ -523,81 +590,161 @@ class _Duplicates:
 
 
 _EMPTY = "header with no sequence (an empty record)"
-_BATCH = 1024  # records held back at most, so letters and ids are checked in bulk
+_FAST = True  # tests switch the fast path off to compare it with the exact one
 
 
-class _Batch:
-    """Records that passed the per-record checks, waiting for the bulk letter and id checks."""
+class _Block:
+    """The records of one block, parsed by Biopython, before the duplicate-id check.
 
-    def __init__(
-        self,
-        skip: bool,
-        report: InvalidReport,
-        validator: _Validator,
-        dups: _Duplicates | None,
-    ) -> None:
-        self.skip = skip
-        self.report = report
-        self.validator = validator
-        self.allowed = validator.allowed_bytes
-        self.dups = dups
-        self.records: list[FastaRecord] = []
-        self.where: list[tuple[str, int, int]] = []  # raw (text, start, end) of each record
+    ``ids``/``descs``/``seqs``/``lines`` hold the valid records (``numbers`` their record
+    numbers); ``errors`` maps the record number of each invalid record to its located error.
+    """
 
-    def flush(self) -> Iterator[FastaRecord]:
-        """Yield the held records minus (or raising at, in file order) the bad ones."""
-        records, where = self.records, self.where
-        if not records:
-            return
-        self.records, self.where = [], []
-        # One translate over the whole batch: almost always nothing is left and we are done.
-        letters_ok = not "".join([r.sequence for r in records]).encode("ascii").translate(
-            None, self.allowed
-        )
-        firsts = self.dups.check(records) if self.dups is not None else None
-        if letters_ok and (firsts is None or max(firsts) < 0):
-            yield from records
-            return
-        for i, rec in enumerate(records):
+    __slots__ = ("ids", "descs", "seqs", "lines", "numbers", "errors", "count", "newlines")
+
+    def __init__(self) -> None:
+        self.ids: list[str] = []
+        self.descs: list[str] = []
+        self.seqs: Sequence[str] = []
+        self.lines: list[int] = []
+        self.numbers: list[int] | range = []
+        self.errors: dict[int, FastaFormatError] = {}
+        self.count = 0  # records in the block, valid or not
+        self.newlines = 0  # newlines in the block
+
+
+_MARKERS = (b"\x01", b"\x02", b"\x03", b"\x04")  # the first one absent from a block is used
+
+
+def _fast_block(blk: bytes, number: int, line: int, v: _Validator) -> _Block | None:
+    """Parse an ASCII block whose records are all valid; ``None`` if any record has a problem.
+
+    Everything per byte happens in C, in bulk. The newline ending each header line and the one
+    before each header become a marker byte, every other newline is deleted, and one ``split``
+    on the marker gives two lines per record (header, joined sequence), so Biopython's per-line
+    loop runs twice per record. Line numbers follow from the line lengths (each deleted newline
+    shortens the text by one), letters are checked by one ``translate`` over the block. Any
+    problem (empty record, missing id, a character Biopython would drop, a bad letter) sends
+    the block to :func:`_exact_block`, which locates it.
+    """
+    out = _Block()
+    n = len(blk)
+    if n == 0:
+        return out
+    mark = next((mk for mk in _MARKERS if mk not in blk), None)
+    if mark is None:
+        return None
+    arr = np.frombuffer(blk, np.uint8)
+    pre = np.flatnonzero((arr[:-1] == 10) & (arr[1:] == 62))  # the newline before a header
+    starts = [0, *(pre + 1).tolist()]  # header starts (the block starts with one)
+    m = len(starts)
+    ends = np.fromiter(map(blk.find, _repeat(b"\n"), starts), np.int64, m)  # header line ends
+    if ends[-1] < 0 or (m > 1 and (ends[:-1] == pre).any()):
+        return None  # an empty record
+    buf = bytearray(blk)
+    marks = np.frombuffer(buf, np.uint8)
+    marks[ends] = mark[0]
+    marks[pre] = mark[0]
+    flat = buf.replace(b"\n", b"")
+    lines = flat.decode("ascii").split(mark.decode("ascii"))
+    if len(lines) != 2 * m:
+        return None
+    lens = np.fromiter(map(len, lines), np.int64, 2 * m)
+    if lens[1::2].min() == 0:
+        return None  # only blank lines after a header
+    # Letters: what translate leaves of the whole text, beyond what it leaves of the headers.
+    headers = "".join(lines[0::2]).encode("ascii")
+    if len(flat.translate(None, v.allowed_bytes + mark)) != len(
+        headers.translate(None, v.allowed_bytes)
+    ):
+        bad = "".join(lines[1::2]).encode("ascii").translate(None, v.allowed_bytes)
+        fixed = v.normalise_all(lines[1::2], bad)
+        if fixed is None:
+            return None
+        lines[1::2] = fixed
+    try:
+        pairs = list(SimpleFastaParser(iter(lines)))
+    except IndexError:
+        return None
+    if len(pairs) != m:
+        return None
+    titles, seqs = zip(*pairs, strict=True)
+    parts = list(map(str.split, titles, _repeat(None), _repeat(1)))
+    try:
+        out.ids = list(map(_first, parts))
+    except IndexError:
+        return None  # a header without id
+    out.descs = [p[1] if len(p) > 1 else "" for p in parts]
+    out.seqs = seqs
+    # Newlines before header i: its offset in the block minus its offset in the marked text,
+    # plus the 2 * i markers before it.
+    flat_starts = np.cumsum(lens + 1)[1:-1:2]
+    before = np.empty(m, np.int64)
+    before[0] = 0
+    before[1:] = pre + 1 - flat_starts + 2 * np.arange(1, m)
+    out.lines = (before + line).tolist()
+    out.numbers = range(number + 1, number + m + 1)
+    out.count = m
+    out.newlines = n - len(flat) + 2 * m - 1
+    return out
+
+
+def _exact_block(text: str, number: int, line: int, v: _Validator, path: str) -> _Block:
+    """Parse a block record by record, locating every problem to its line and column.
+
+    Biopython iterates the raw lines; each record's span in the text gives its header line and
+    raw length, and a record whose sequence is shorter than its raw characters (Biopython
+    dropped spaces or CRs) or has bad letters is re-scanned line by line.
+    """
+    out = _Block()
+    ids, descs, seqs, lines = out.ids, out.descs, out.seqs, out.lines
+    numbers: list[int] = []
+    errors = out.errors
+    find, count, tlen = text.find, text.count, len(text)
+    pos = 0
+    first = number + 1
+    for title, seq in SimpleFastaParser(io.StringIO(text, newline="\n")):
+        start = pos
+        pos = find("\n>", start) + 1 or tlen
+        nl = count("\n", start, pos)
+        number += 1
+        rec_line = line
+        line += nl
+        parts = title.split(None, 1)
+        if not parts:
+            err = ("missing id", "the header line has no id", rec_line)
+        elif len(seq) != pos - start - nl - len(title) - 1 or not seq.isascii():
+            # Raw sequence characters = span - header line - newlines. A mismatch means
+            # Biopython dropped spaces or CRs (or the header has trailing blanks).
+            err = _locate(v, text, start, pos, rec_line)
+            if err is None and not seq:
+                err = ("empty record", _EMPTY, rec_line)
+        elif not seq:
+            err = ("empty record", _EMPTY, rec_line)
+        else:
             err = None
-            if not letters_ok:
-                err = self._normalise(rec, where[i])
-            if err is None and firsts is not None and firsts[i] >= 0:
-                err = (
-                    "duplicate id",
-                    self.dups.describe(firsts[i], rec.path),  # type: ignore[union-attr]
-                    rec.line,
-                )
-            if err is None:
-                yield rec
-                continue
-            kind, reason, line = err
-            exc = FastaFormatError(
-                rec.path, line, reason, record_number=rec.number, record_id=rec.id, kind=kind
+        if err is None:
+            seq, err = v.normalise(seq, text, start, pos, rec_line)
+        if err is not None:
+            kind, reason, err_line = err
+            errors[number] = FastaFormatError(
+                path,
+                err_line,
+                reason,
+                record_number=number,
+                record_id=parts[0] if parts else "",
+                kind=kind,
             )
-            if not self.skip:
-                raise exc
-            self.report.add(exc)
-
-    def _normalise(self, rec: FastaRecord, where: tuple[str, int, int]) -> tuple | None:
-        """Upper-case and strip a final '*' in place; or say what is wrong and where."""
-        seq = rec.sequence
-        allowed = self.allowed
-        raw = seq.encode("ascii")
-        if not raw.translate(None, allowed):
-            return None
-        if raw[-1:] == b"*":
-            raw = raw[:-1]
-            if not raw:
-                return ("empty record", "the sequence is only a stop '*'", rec.line)
-        raw = raw.upper()
-        if not raw.translate(None, allowed):
-            rec.__dict__["sequence"] = raw.decode("ascii")  # still ours: not yet yielded
-            return None
-        text, start, end = where
-        return _locate(self.validator, text, start, end, rec.line) or (
-            "invalid character", "invalid character in the sequence", rec.line
-        )
+            continue
+        ids.append(parts[0])
+        descs.append(parts[1] if len(parts) > 1 else "")
+        seqs.append(seq)
+        lines.append(rec_line)
+        numbers.append(number)
+    out.numbers = numbers
+    out.count = number + 1 - first
+    out.newlines = count("\n")
+    return out
 
 
 def _read_one(
@@ -607,81 +754,27 @@ def _read_one(
     validator: _Validator,
     dups: _Duplicates | None,
 ) -> Iterator[FastaRecord]:
-    batch = _Batch(skip, report, validator, dups)
-    records, where = batch.records, batch.where
     if dups is not None:
         dups.start_file()
+    number = 0
     fh = _open_binary(path)
     with fh:
-        source = _BlockSource(fh, path)
-        blocks = source.blocks
-        text, pos, tlen = "", 0, 0
-        number, line = 0, 1
-        find = count = text.find
-        try:
-            for title, seq in SimpleFastaParser(source.lines()):
-                if pos >= tlen:  # this record starts the next block
-                    text = blocks.popleft()
-                    find, count, tlen, pos = text.find, text.count, len(text), 0
-                    if number == 0:
-                        pos = source.first_start
-                        line += count("\n", 0, pos)
-                        _leading(source, report, skip)
-                # Where the record is in the raw text: its span, header line and line count.
-                start = pos
-                pos = find("\n>", start) + 1 or tlen
-                nl = count("\n", start, pos)
-                number += 1
-                rec_line = line
-                line += nl
-                parts = title.split(None, 1)
-                if not parts:
-                    err = ("missing id", "the header line has no id", rec_line)
-                elif len(seq) != pos - start - nl - len(title) - 1 or not seq.isascii():
-                    # Raw sequence characters = span - header line - newlines. A mismatch means
-                    # Biopython dropped spaces or CRs (or the header has trailing blanks).
-                    err = _locate(validator, text, start, pos, rec_line)
-                    if err is None and not seq:
-                        err = ("empty record", _EMPTY, rec_line)
-                elif not seq:
-                    err = ("empty record", _EMPTY, rec_line)
-                else:
-                    err = None
-                if err is not None:
-                    kind, reason, err_line = err
-                    exc = FastaFormatError(
-                        path,
-                        err_line,
-                        reason,
-                        record_number=number,
-                        record_id=parts[0] if parts else "",
-                        kind=kind,
-                    )
-                    if not skip:
-                        yield from batch.flush()  # problems in earlier records come first
-                        raise exc
-                    report.add(exc)
-                    continue
-                rec = _new(FastaRecord)  # skips the frozen __init__: 3x cheaper, same object
-                d = rec.__dict__
-                d["id"] = parts[0]
-                d["description"] = parts[1] if len(parts) > 1 else ""
-                d["sequence"] = seq  # upper-cased and '*'-stripped by batch.flush() if needed
-                d["number"] = number
-                d["line"] = rec_line
-                d["path"] = path
-                records.append(rec)
-                where.append((text, start, pos))
-                if len(records) >= _BATCH:
-                    yield from batch.flush()
-                    records, where = batch.records, batch.where
-        except FastaFormatError as exc:
-            if exc.file_level:  # release the complete records read before, then stop
-                yield from batch.flush()
-            raise
-        yield from batch.flush()
+        source = _BlockSource(fh, path, _BLOCK)
+        line = 0  # line number of the current block's first line, once known
+        for data, text in source.blocks():
+            if line == 0:  # the first block: text before the first header is reported first
+                line = 1 + source.lead_lines
+                _leading(source, report, skip)
+            block = None
+            if text is None and _FAST:
+                block = _fast_block(data, number, line, validator)
+            if block is None:
+                text = data.decode("ascii") if text is None else text
+                block = _exact_block(text, number, line, validator, path)
+            number += block.count
+            line += block.newlines
+            yield from _emit_block(block, path, skip, report, dups)
         if number == 0:
-            _leading(source, report, skip)
             raise FastaFormatError(
                 path,
                 None,
@@ -691,6 +784,73 @@ def _read_one(
             )
     if dups is not None:
         dups.next_ordinal += number
+
+
+def _emit_block(
+    block: _Block,
+    path: str,
+    skip: bool,
+    report: InvalidReport,
+    dups: _Duplicates | None,
+) -> Iterator[FastaRecord]:
+    """Check the block's ids for duplicates, then yield its records and raise (or report) its
+    errors in file order."""
+    ids, numbers = block.ids, block.numbers
+    errors = block.errors
+    if dups is not None and ids:
+        firsts = dups.check(ids, np.asarray(numbers, dtype=np.int64))
+        if firsts.max() >= 0:
+            for i in np.flatnonzero(firsts >= 0).tolist():
+                num = numbers[i]
+                errors[num] = FastaFormatError(
+                    path,
+                    block.lines[i],
+                    dups.describe(int(firsts[i]), path),
+                    record_number=num,
+                    record_id=ids[i],
+                    kind="duplicate id",
+                )
+    new, rec_type = _new, FastaRecord
+    if not errors:  # the usual case: no per-record branch at all
+        for ident, desc, seq, num, ln in zip(
+            ids, block.descs, block.seqs, numbers, block.lines, strict=True
+        ):
+            rec = new(rec_type)  # skips the frozen __init__: 3x cheaper, same object
+            d = rec.__dict__
+            d["id"] = ident
+            d["description"] = desc
+            d["sequence"] = seq
+            d["number"] = num
+            d["line"] = ln
+            d["path"] = path
+            yield rec
+        return
+    pending = sorted(errors.items())  # (record number, error), in file order
+    k = 0
+    for ident, desc, seq, num, ln in zip(
+        ids, block.descs, block.seqs, numbers, block.lines, strict=True
+    ):
+        while k < len(pending) and pending[k][0] <= num:
+            exc = pending[k][1]
+            k += 1
+            if not skip:
+                raise exc
+            report.add(exc)
+        if num in errors:
+            continue  # a valid record with a duplicate id
+        rec = new(rec_type)
+        d = rec.__dict__
+        d["id"] = ident
+        d["description"] = desc
+        d["sequence"] = seq
+        d["number"] = num
+        d["line"] = ln
+        d["path"] = path
+        yield rec
+    for _num, exc in pending[k:]:
+        if not skip:
+            raise exc
+        report.add(exc)
 
 
 def _locate(

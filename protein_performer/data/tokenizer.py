@@ -8,9 +8,12 @@ four specials, the 20 standard amino acids ordered by frequency, the non-standar
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
+
+if TYPE_CHECKING:  # torch is imported lazily: CLI paths that never batch stay fast to start
+    import torch
 
 SPECIAL_PREFIX = ("<cls>", "<pad>", "<eos>", "<unk>")
 STANDARD_AA = tuple("LAGVSERTIDPKQNFYMHWC")
@@ -74,9 +77,11 @@ class Alphabet:
             )
         return ids
 
-    def decode(self, ids: Sequence[int] | np.ndarray | torch.Tensor, strip_special: bool = True) -> str:
+    def decode(
+        self, ids: Sequence[int] | np.ndarray | torch.Tensor, strip_special: bool = True
+    ) -> str:
         """Token ids -> string; specials are dropped unless ``strip_special`` is False."""
-        if isinstance(ids, torch.Tensor):
+        if hasattr(ids, "tolist"):
             ids = ids.tolist()
         out = []
         for i in ids:
@@ -113,6 +118,8 @@ class BatchConverter:
 
 def pad_token_arrays(arrays: Sequence[np.ndarray], pad_idx: int) -> torch.Tensor:
     """Right-pad 1-D int arrays into a ``(B, max_len)`` int64 tensor."""
+    import torch
+
     width = max((len(a) for a in arrays), default=0)
     out = torch.full((len(arrays), width), pad_idx, dtype=torch.long)
     for row, a in enumerate(arrays):

@@ -187,6 +187,68 @@ def _key_parts(
     return y.pow(2).sum(-1, keepdim=True) / 2, torch.cat([proj.sin(), proj.cos()], dim=-1)
 
 
+class _ExpFeatures(torch.autograd.Function):
+    """exp(scale * x W^T + bias - shift) with one (L, M) allocation, updated in place.
+
+    Queries (key=False): shift = row max, which cancels between numerator and normalizer, so
+    the -|x|^2/2 term (per row) is dropped too. Causal keys (key=True): shift = |x|^2/2 + mu_j,
+    mu = running max over keys <= j of the row max (no future information); pads get 0.
+    Returns (features, mu) with mu (BH, L) non-differentiable; both stabilizers cancel exactly,
+    so the backward treats them as constants.
+    """
+
+    @staticmethod
+    def forward(ctx, x, W, scale, bias, keep, key: bool):
+        t = x @ W.T  # (BH, L, M)
+        if scale is not None:
+            t.mul_(scale)
+        if bias is not None:
+            t.add_(bias)
+        if key:
+            half_sq = x.pow(2).sum(-1) / 2  # (BH, L)
+            row = t.amax(-1) - half_sq
+            if keep is not None:
+                row = row.masked_fill(~keep, float("-inf"))
+            mu = row.clamp_min(_NEG).cummax(dim=-1).values  # (BH, L)
+            t.sub_((half_sq + mu)[..., None])
+            if keep is not None:
+                t.masked_fill_(~keep[..., None], float("-inf"))
+        else:
+            mu = t.amax(-1)
+            t.sub_(mu[..., None])
+        f = t.exp_()
+        ctx.key = key
+        ctx.save_for_backward(x, W, scale, f)
+        ctx.mark_non_differentiable(mu)
+        return f, mu
+
+    @staticmethod
+    def backward(ctx, grad_f, _grad_mu):
+        x, W, scale, f = ctx.saved_tensors
+        dt = grad_f * f  # (BH, L, M)
+        dx = dt @ W.to(dt.dtype)  # (BH, L, d)
+        if scale is not None:
+            dx.mul_(scale)
+        if ctx.key:
+            dx.sub_(dt.sum(-1, keepdim=True) * x)
+        return dx, None, None, None, None, None
+
+
+def _exp_params(
+    omega: Tensor, kernel: str, rho: Tensor | None
+) -> tuple[Tensor, Tensor | None, Tensor | None]:
+    """(W, scale, bias) with log phi(x) = scale * x W^T + bias - |x|^2/2 for the exp kernels."""
+    m, d = omega.shape
+    if kernel == "softmax":
+        return omega, None, None
+    if kernel == "softmax_hyp":
+        return torch.cat([omega, -omega], dim=0), None, None
+    assert rho is not None
+    a, b, log_d = oprf_coefficients(rho.to(omega.dtype), d)  # (BH,)
+    bias = a[:, None, None] * omega.pow(2).sum(-1) + log_d[:, None, None]  # (BH, 1, m)
+    return omega, b[:, None, None], bias
+
+
 def _query_features(
     x: Tensor,
     omega: Tensor,
@@ -200,10 +262,10 @@ def _query_features(
     col_offset: per-feature log scale moved over from the keys (bidirectional stabilizer).
     """
     if kernel in _EXP_KERNELS:
-        a = _exp_logits(x, omega, kernel, rho)  # (..., L, M)
+        W, scale, bias = _exp_params(omega, kernel, rho)
         if col_offset is not None:
-            a = a + col_offset
-        return torch.exp(a - a.detach().amax(-1, keepdim=True))
+            bias = col_offset if bias is None else bias + col_offset
+        return _ExpFeatures.apply(x, W, scale, bias, None, False)[0]
     proj = x @ omega.T
     if kernel == "relu":
         return F.relu(proj) + eps
@@ -211,17 +273,20 @@ def _query_features(
 
 
 def _causal_key_features(
-    logit: Tensor | None, base: Tensor | None, keep: Tensor | None
+    y: Tensor, omega: Tensor, kernel: str, rho: Tensor | None, eps: float, keep: Tensor | None
 ) -> tuple[Tensor, Tensor | None]:
     """Causally stabilized key features and the running max mu (BH, L) they are relative to."""
+    if kernel in _EXP_KERNELS:
+        W, scale, bias = _exp_params(omega, kernel, rho)
+        return _ExpFeatures.apply(y, W, scale, bias, keep, True)
+    logit, base = _key_parts(y, omega, kernel, rho, eps)
+    assert base is not None
     if logit is None:  # relu: bounded, no stabilizer needed
-        assert base is not None
         return (base if keep is None else base * keep[..., None]), None
-    if keep is not None:
+    if keep is not None:  # trig: logit = |y|^2 / 2, one column
         logit = logit.masked_fill(~keep[..., None], float("-inf"))
     mu = logit.detach().amax(-1).clamp_min(_NEG).cummax(dim=-1).values  # (BH, L), keys <= j only
-    kf = torch.exp(logit - mu[..., None])
-    return (kf if base is None else kf * base), mu
+    return torch.exp(logit - mu[..., None]) * base, mu
 
 
 # --------------------------------------------------------------------------- attention
@@ -337,8 +402,7 @@ def favor_attention(
         rho = _resolve_rho(kernel, causal, oprf_rho, x, y, keep, B)
         if causal:
             qf = _query_features(x, om, kernel, rho, relu_eps)  # (BH, L, M)
-            logit, base = _key_parts(y, om, kernel, rho, relu_eps)
-            kf, mu = _causal_key_features(logit, base, keep)  # (BH, L, M), (BH, L)
+            kf, mu = _causal_key_features(y, om, kernel, rho, relu_eps, keep)  # (BH,L,M), (BH,L)
             out = causal_linear_attention(qf, kf, vv, mu, chunk_size)
         else:
             out = _bidirectional(x, y, vv, keep, om, kernel, rho, relu_eps, block_size)
@@ -370,9 +434,8 @@ def favor_attention_map(
         x, y, _, keep = _flatten_inputs(q, k, k[..., :1], key_padding_mask)
         om = omega.to(device=x.device, dtype=x.dtype)
         rho = _resolve_rho(kernel, causal, oprf_rho, x, y, keep, B)
-        logit, base = _key_parts(y, om, kernel, rho, relu_eps)
         if causal:
-            kf, mu = _causal_key_features(logit, base, keep)
+            kf, mu = _causal_key_features(y, om, kernel, rho, relu_eps, keep)
             qf = _query_features(x[:, sl], om, kernel, rho, relu_eps)  # (BH, W, M)
             w = qf @ kf.transpose(1, 2)  # (BH, W, L)
             allowed = pos[:, None] >= torch.arange(L, device=q.device)[None, :]  # (W, L)
@@ -383,6 +446,7 @@ def favor_attention_map(
                 w = w * allowed
         else:
             offset = None
+            logit, base = _key_parts(y, om, kernel, rho, relu_eps)
             if logit is None:
                 kf = base
             else:

@@ -59,11 +59,60 @@ def _pad_chunks(t: Tensor, length: int, value: float | None = None) -> Tensor:
     return torch.cat([t, fill], dim=1)
 
 
+def _prefix_states(
+    u: Tensor, mu_e: Tensor, mu_b: Tensor, state: Tensor, mu_state: Tensor
+) -> tuple[Tensor, Tensor]:
+    """States before each chunk of a segment, and the state after it, without a Python loop.
+
+    The recurrence S_c = S_{c-1} exp(mu_b[c] - mu_e[c]) + u_c unrolls to weights
+    exp(mu_e[c'] - mu_b[c]) (c' < c), all <= 1 since mu never decreases: one (G x G) matmul.
+    u: (BH, G, F) per-chunk sums; mu_e / mu_b: (BH, G) stabilizer after / before each chunk;
+    state: (BH, F) incoming state, relative to mu_state (BH,).
+    """
+    G = u.shape[1]
+    strict = torch.ones(G, G, dtype=torch.bool, device=u.device).tril_(-1)
+    expo = (mu_e[:, None, :] - mu_b[:, :, None]).masked_fill_(~strict, float("-inf"))
+    prefix = torch.bmm(expo.exp_(), u)  # (BH, G, F)
+    prefix.addcmul_(torch.exp(mu_state[:, None] - mu_b)[..., None], state[:, None, :])
+    last = mu_e[:, -1:]  # (BH, 1)
+    out = torch.bmm(torch.exp(mu_e - last)[:, None, :], u)[:, 0]  # (BH, F)
+    out.addcmul_(torch.exp(mu_state[:, None] - last), state)
+    return prefix, out
+
+
+def _suffix_adjoints(z: Tensor, mu_e: Tensor, mu_b: Tensor, dstate: Tensor) -> tuple[Tensor, Tensor]:
+    """Adjoints dS of the state after each chunk of a segment (reverse scan, closed form).
+
+    dS_{c-1} = dS_c exp(mu_b[c] - mu_e[c]) + z_c unrolls to weights exp(mu_e[c] - mu_b[c''])
+    for c'' > c. z: (BH, G, F) query-side terms; dstate: (BH, F) adjoint after the segment.
+    Returns (adjoints (BH, G, F), adjoint of the state before the segment (BH, F)).
+    """
+    G = z.shape[1]
+    strict = torch.ones(G, G, dtype=torch.bool, device=z.device).triu_(1)
+    expo = (mu_e[:, :, None] - mu_b[:, None, :]).masked_fill_(~strict, float("-inf"))
+    adj = torch.bmm(expo.exp_(), z)  # (BH, G, F)
+    last = mu_e[:, -1:]
+    adj.addcmul_(torch.exp(mu_e - last)[..., None], dstate[:, None, :])
+    first = mu_b[:, :1]
+    out = torch.bmm(torch.exp(first - mu_b)[:, None, :], z)[:, 0]
+    out.addcmul_(torch.exp(first - last), dstate)
+    return adj, out
+
+
+_MAX_JUMP = 60.0  # max rise of mu inside one chunk for the factorized intra-chunk path
+
+
 class _CausalLinearAttention(torch.autograd.Function):
     """Layout: (BH, n, C, .) after padding L to n*C; work proceeds in segments of G chunks.
 
-    Inside a segment all matmuls are batched over (BH * G); only the m x (dv+1) state recurrence
-    (an elementwise rescale-and-add per chunk) runs sequentially.
+    Inside a segment all matmuls are batched over (BH * G); the state recurrence across chunks
+    is a (G x G) matmul (see :func:`_prefix_states`), so no Python loop runs per chunk.
+
+    Intra-chunk weights exp(mu_j - mu_t) factor as colf_j * r_t with colf_j = exp(mu_j - mu_b)
+    (>= 1) and r_t = exp(mu_b - mu_t) (<= 1), mu_b the stabilizer before the chunk: the factors
+    go on V and on the output rows, and only a triangular mask touches the C x C matrix. When mu
+    rises by more than _MAX_JUMP inside a chunk (colf could overflow), the exact decay matrix is
+    used instead.
     """
 
     @staticmethod
@@ -73,6 +122,7 @@ class _CausalLinearAttention(torch.autograd.Function):
         C = chunk
         n = -(-L // C)
         Lp = n * C
+        F = M * (dv + 1)
         vx = torch.cat([v, v.new_ones(BH, L, 1)], dim=-1)  # (BH, L, dv+1)
         q4 = _pad_chunks(qf, Lp, 0.0).view(BH, n, C, M)
         k4 = _pad_chunks(kf, Lp, 0.0).view(BH, n, C, M)
@@ -80,45 +130,51 @@ class _CausalLinearAttention(torch.autograd.Function):
         mu3 = _pad_chunks(mu, Lp).view(BH, n, C)
         mu_end = mu3[..., -1]  # (BH, n): stabilizer of the state after each chunk
         mu_before = torch.cat([mu3[:, :1, 0], mu_end[:, :-1]], dim=1)  # (BH, n)
+        exact = bool((mu_end - mu_before).max() > _MAX_JUMP)
         tril = torch.ones(C, C, dtype=torch.bool, device=v.device).tril_()
         ys = torch.empty(BH, n, C, dv + 1, dtype=v.dtype, device=v.device)
-        state = v.new_zeros(BH, M, dv + 1)  # sum k_j [v_j|1]^T of past chunks, / exp(mu_end)
+        state = v.new_zeros(BH, F)  # sum k_j [v_j|1]^T of past segments, / exp(mu_state)
+        mu_state = mu3[:, 0, 0]
         for g0, g1 in _segments(n, seg_chunks):
             G = g1 - g0
             q_s = q4[:, g0:g1].reshape(BH * G, C, M)
             k_s = k4[:, g0:g1].reshape(BH * G, C, M)
             vx_s = vx4[:, g0:g1].reshape(BH * G, C, dv + 1)
-            mu_s = mu3[:, g0:g1]  # (BH, G, C)
-            w = torch.bmm(q_s, k_s.transpose(1, 2))  # (BH*G, C, C)
-            w.view(BH, G, C, C).mul_(_decay(mu_s, tril))
-            y = torch.bmm(w, vx_s)  # (BH*G, C, dv+1)
-            del w
-            sc = torch.exp(mu_s - mu_end[:, g0:g1, None]).view(BH * G, C, 1)
-            u = torch.bmm(k_s.transpose(1, 2), vx_s * sc).view(BH, G, M, dv + 1)
-            rho = torch.exp(mu_before[:, g0:g1] - mu_end[:, g0:g1])[..., None, None]  # (BH,G,1,1)
-            prefix = torch.empty_like(u)  # state before each chunk of the segment
-            for c in range(G):
-                prefix[:, c] = state
-                state.mul_(rho[:, c]).add_(u[:, c])
+            mu_s, mu_e, mu_b = mu3[:, g0:g1], mu_end[:, g0:g1], mu_before[:, g0:g1]
+            r = torch.exp(mu_b[..., None] - mu_s).view(BH * G, C, 1)  # <= 1
+            sc = torch.exp(mu_s - mu_e[..., None]).view(BH * G, C, 1)  # <= 1
+            u = torch.bmm(k_s.transpose(1, 2), vx_s * sc).view(BH, G, F)
+            prefix, state = _prefix_states(u, mu_e, mu_b, state, mu_state)  # (BH, G, F)
+            mu_state = mu_e[:, -1]
             del u
-            r = torch.exp(mu_before[:, g0:g1, None] - mu_s).view(BH * G, C, 1)
-            y.addcmul_(r, torch.bmm(q_s, prefix.view(BH * G, M, dv + 1)))
+            prefix = prefix.view(BH * G, M, dv + 1)
+            w = torch.bmm(q_s, k_s.transpose(1, 2))  # (BH*G, C, C)
+            if exact:
+                w.view(BH, G, C, C).mul_(_decay(mu_s, tril))
+                y = torch.bmm(w, vx_s)
+                y.addcmul_(r, torch.bmm(q_s, prefix))
+            else:
+                w.tril_()
+                y = torch.bmm(w, vx_s * torch.exp(mu_s - mu_b[..., None]).view(BH * G, C, 1))
+                y.baddbmm_(q_s, prefix).mul_(r)
+            del w
             ys[:, g0:g1] = y.view(BH, G, C, dv + 1)
         ys = ys.view(BH, Lp, dv + 1)[:, :L]
         den = safe_denominator(ys[..., dv:])  # (BH, L, 1)
         out = ys[..., :dv] / den
-        ctx.chunk, ctx.seg_chunks = chunk, seg_chunks
+        ctx.chunk, ctx.seg_chunks, ctx.exact = chunk, seg_chunks, exact
         ctx.save_for_backward(qf, kf, v, mu, out, den)
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
         qf, kf, v, mu, out, den = ctx.saved_tensors
-        C, seg_chunks = ctx.chunk, ctx.seg_chunks
+        C, seg_chunks, exact = ctx.chunk, ctx.seg_chunks, ctx.exact
         BH, L, M = qf.shape
         dv = v.shape[-1]
         n = -(-L // C)
         Lp = n * C
+        F = M * (dv + 1)
         # out = num / den  ->  dnum = g / den, dden = -(g . out) / den
         dy = torch.cat([grad_out, -(grad_out * out).sum(-1, keepdim=True)], dim=-1) / den
         vx = torch.cat([v, v.new_ones(BH, L, 1)], dim=-1)
@@ -130,66 +186,86 @@ class _CausalLinearAttention(torch.autograd.Function):
         mu_end = mu3[..., -1]
         mu_before = torch.cat([mu3[:, :1, 0], mu_end[:, :-1]], dim=1)
         tril = torch.ones(C, C, dtype=torch.bool, device=v.device).tril_()
+        segments = _segments(n, seg_chunks)
+        single = len(segments) == 1
         dq = torch.empty(BH, n, C, M, dtype=qf.dtype, device=qf.device)
         dk = torch.empty_like(dq)
         dvx = torch.empty(BH, n, C, dv + 1, dtype=v.dtype, device=v.device)
-        segments = _segments(n, seg_chunks)
 
         def load(g0: int, g1: int):
             G = g1 - g0
+            mu_s, mu_e, mu_b = mu3[:, g0:g1], mu_end[:, g0:g1], mu_before[:, g0:g1]
             return (
                 G,
                 q4[:, g0:g1].reshape(BH * G, C, M),
                 k4[:, g0:g1].reshape(BH * G, C, M),
                 vx4[:, g0:g1].reshape(BH * G, C, dv + 1),
                 dy4[:, g0:g1].reshape(BH * G, C, dv + 1),
-                mu3[:, g0:g1],
+                mu_s,
+                mu_e,
+                mu_b,
+                torch.exp(mu_b[..., None] - mu_s).view(BH * G, C, 1),  # r <= 1
+                torch.exp(mu_s - mu_e[..., None]).view(BH * G, C, 1),  # sc <= 1
             )
 
         # Pass 1, forward in time: rebuild the states; query grads and intra-chunk terms.
-        state = v.new_zeros(BH, M, dv + 1)
+        state = v.new_zeros(BH, F)
+        mu_state = mu3[:, 0, 0]
         for g0, g1 in segments:
-            G, q_s, k_s, vx_s, dy_s, mu_s = load(g0, g1)
-            sc = torch.exp(mu_s - mu_end[:, g0:g1, None]).view(BH * G, C, 1)
-            u = torch.bmm(k_s.transpose(1, 2), vx_s * sc).view(BH, G, M, dv + 1)
-            rho = torch.exp(mu_before[:, g0:g1] - mu_end[:, g0:g1])[..., None, None]
-            prefix = torch.empty_like(u)
-            for c in range(G):
-                prefix[:, c] = state
-                state.mul_(rho[:, c]).add_(u[:, c])
+            G, q_s, k_s, vx_s, dy_s, mu_s, mu_e, mu_b, r, sc = load(g0, g1)
+            u = torch.bmm(k_s.transpose(1, 2), vx_s * sc).view(BH, G, F)
+            prefix, state = _prefix_states(u, mu_e, mu_b, state, mu_state)
+            mu_state = mu_e[:, -1]
             del u
-            r = torch.exp(mu_before[:, g0:g1, None] - mu_s).view(BH * G, C, 1)
-            dq_s = torch.bmm(dy_s * r, prefix.view(BH * G, M, dv + 1).transpose(1, 2))
+            dyr = dy_s * r
+            dq_s = torch.bmm(dyr, prefix.view(BH * G, M, dv + 1).transpose(1, 2))  # (BH*G, C, M)
             del prefix
-            decay = _decay(mu_s, tril).view(BH * G, C, C)
-            w = torch.bmm(q_s, k_s.transpose(1, 2)).mul_(decay)
-            dw = torch.bmm(dy_s, vx_s.transpose(1, 2)).mul_(decay)
-            del decay
+            w = torch.bmm(q_s, k_s.transpose(1, 2))  # (BH*G, C, C)
+            if exact:
+                decay = _decay(mu_s, tril).view(BH * G, C, C)
+                w.mul_(decay)
+                dw = torch.bmm(dy_s, vx_s.transpose(1, 2)).mul_(decay)
+                del decay
+                dvx_s = torch.bmm(w.transpose(1, 2), dy_s)
+            else:
+                colf = torch.exp(mu_s - mu_b[..., None]).view(BH * G, C, 1)  # >= 1
+                w.tril_()
+                dw = torch.bmm(dyr, (vx_s * colf).transpose(1, 2)).tril_()
+                dvx_s = torch.bmm(w.transpose(1, 2), dyr).mul_(colf)
+            del w
             dq_s.baddbmm_(dw, k_s)
-            dq[:, g0:g1] = dq_s.view(BH, G, C, M)
-            dk[:, g0:g1] = torch.bmm(dw.transpose(1, 2), q_s).view(BH, G, C, M)
-            dvx[:, g0:g1] = torch.bmm(w.transpose(1, 2), dy_s).view(BH, G, C, dv + 1)
+            dk_s = torch.bmm(dw.transpose(1, 2), q_s)
+            del dw
+            if single:
+                dq, dk, dvx = (
+                    t.view(BH, G, C, -1) for t in (dq_s, dk_s, dvx_s)
+                )  # whole sequence in one segment: no copies
+            else:
+                dq[:, g0:g1] = dq_s.view(BH, G, C, M)
+                dk[:, g0:g1] = dk_s.view(BH, G, C, M)
+                dvx[:, g0:g1] = dvx_s.view(BH, G, C, dv + 1)
+            del dq_s, dk_s, dvx_s
         del state
 
         # Pass 2, reverse: adjoint dS of the state after each chunk; key and value grads.
-        dstate = v.new_zeros(BH, M, dv + 1)
+        dstate = v.new_zeros(BH, F)
         for g0, g1 in reversed(segments):
-            G, q_s, k_s, vx_s, dy_s, mu_s = load(g0, g1)
-            r = torch.exp(mu_before[:, g0:g1, None] - mu_s).view(BH * G, C, 1)
-            z = torch.bmm(q_s.transpose(1, 2), dy_s * r).view(BH, G, M, dv + 1)
-            rho = torch.exp(mu_before[:, g0:g1] - mu_end[:, g0:g1])[..., None, None]
-            adj = torch.empty_like(z)  # dS after each chunk of the segment
-            for c in range(G - 1, -1, -1):
-                adj[:, c] = dstate
-                dstate.mul_(rho[:, c]).add_(z[:, c])
+            G, q_s, k_s, vx_s, dy_s, mu_s, mu_e, mu_b, r, sc = load(g0, g1)
+            z = torch.bmm(q_s.transpose(1, 2), dy_s * r).view(BH, G, F)
+            adj, dstate = _suffix_adjoints(z, mu_e, mu_b, dstate)
             del z
             adj = adj.view(BH * G, M, dv + 1)
-            sc = torch.exp(mu_s - mu_end[:, g0:g1, None]).view(BH * G, C, 1)
-            dk[:, g0:g1] += torch.bmm(vx_s * sc, adj.transpose(1, 2)).view(BH, G, C, M)
-            dvx[:, g0:g1] += (torch.bmm(k_s, adj) * sc).view(BH, G, C, dv + 1)
-        dq = dq.view(BH, Lp, M)[:, :L]
-        dk = dk.view(BH, Lp, M)[:, :L]
-        dvv = dvx.view(BH, Lp, dv + 1)[:, :L, :dv]
+            dk4 = dk[:, g0:g1].view(BH * G, C, M) if single else dk[:, g0:g1]
+            dvx4 = dvx[:, g0:g1].view(BH * G, C, dv + 1) if single else dvx[:, g0:g1]
+            if single:
+                dk4.baddbmm_(vx_s * sc, adj.transpose(1, 2))
+                dvx4.addcmul_(sc, torch.bmm(k_s, adj))
+            else:
+                dk4 += torch.bmm(vx_s * sc, adj.transpose(1, 2)).view(BH, G, C, M)
+                dvx4 += (torch.bmm(k_s, adj) * sc).view(BH, G, C, dv + 1)
+        dq = dq.reshape(BH, Lp, M)[:, :L]
+        dk = dk.reshape(BH, Lp, M)[:, :L]
+        dvv = dvx.reshape(BH, Lp, dv + 1)[:, :L, :dv]
         return dq, dk, dvv, None, None, None
 
 

@@ -212,14 +212,18 @@ def run_hydra(overrides: Sequence[str], prog: str = "protein-performer train") -
         compose_config(overrides)
     outcome: dict[str, Any] = {}
 
+    saved_argv = sys.argv
+
     @hydra.main(version_base="1.3", config_path=str(conf_dir()), config_name="train")
     def _task(cfg: DictConfig) -> None:
+        # Lightning's DDP launcher starts the other ranks by re-running sys.argv (plus a fixed
+        # hydra.run.dir): give it the real command line, not the one made up for Hydra below.
+        sys.argv = saved_argv
         try:
             outcome["result"] = train(cfg)
         except UserError as exc:
             outcome["error"] = exc
 
-    saved_argv = sys.argv
     sys.argv = [prog, *overrides]
     try:
         _task()

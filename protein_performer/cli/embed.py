@@ -1,0 +1,95 @@
+"""``protein-performer embed CKPT FASTA OUT``: embeddings of every record into one HDF5 file."""
+
+from __future__ import annotations
+
+import argparse
+
+DESCRIPTION = """\
+Embed every record of a FASTA file with a trained model, like ESM's esm-extract but with
+sequences of any length in one pass (no truncation, no windows: FAVOR+ attention is linear in
+length) and ONE HDF5 output file per run, keyed by record id.
+
+CKPT is a Lightning .ckpt from `protein-performer train` or a directory from
+`protein-performer export`. OUT is the .h5 file to write (replaced atomically: the file appears
+only when complete).
+"""
+
+EPILOG = """\
+output layout (h5py):
+  f["records"][KEY]["mean"]["6"]      (D,)   mean over residues (no <cls>/<eos>) of layer 6
+  f["records"][KEY]["per_tok"]["6"]   (L, D) one row per residue
+  f["records"][KEY]["bos"]["6"]       (D,)   the <cls> position
+  f["records"][KEY].attrs             id, header (the original FASTA header), length
+  f["index"]                          table KEY, id, header, length in FASTA order
+  KEY is the record id with characters outside [A-Za-z0-9._-] replaced by '_'.
+  Layers use ESM numbering (0 = embeddings, depth = final); stored under the resolved number.
+
+examples:
+  protein-performer embed last.ckpt proteins.fasta emb.h5
+  protein-performer embed model_dir/ titin.fasta emb.h5 --repr-layers 0 -1 --include mean per_tok
+"""
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser(
+        "embed",
+        help="embed a FASTA file into one HDF5 file (any length, one pass)",
+        description=DESCRIPTION,
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("ckpt", metavar="CKPT", help="a .ckpt file or an exported model directory")
+    p.add_argument("fasta", metavar="FASTA", help="input FASTA(.gz)")
+    p.add_argument("out", metavar="OUT", help="output HDF5 file, e.g. embeddings.h5")
+    p.add_argument(
+        "--repr-layers",
+        type=int,
+        nargs="+",
+        default=[-1],
+        metavar="N",
+        help="layers to save (0 = embeddings, -1 = last; default: -1)",
+    )
+    p.add_argument(
+        "--include",
+        nargs="+",
+        choices=("mean", "per_tok", "bos"),
+        default=["mean"],
+        help="what to save per layer (default: mean)",
+    )
+    p.add_argument(
+        "--toks-per-batch",
+        type=int,
+        default=4096,
+        help="token budget per forward pass; longer sequences run alone (default: 4096)",
+    )
+    p.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto (default)")
+    p.add_argument(
+        "--on-invalid",
+        choices=("error", "skip"),
+        default="error",
+        help="invalid FASTA records: stop with an error (default) or skip them",
+    )
+    p.add_argument("--no-progress", action="store_true", help="hide the progress bar")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from protein_performer.inference.embedding import embed_fasta
+    from protein_performer.inference.loading import load_model
+
+    loaded = load_model(args.ckpt, args.device)
+    summary = embed_fasta(
+        loaded,
+        args.fasta,
+        args.out,
+        repr_layers=args.repr_layers,
+        include=args.include,
+        toks_per_batch=args.toks_per_batch,
+        on_invalid=args.on_invalid,
+        progress=not args.no_progress,
+    )
+    print(
+        f"embedded {summary.num_records} record(s), {summary.residues} residues, layers "
+        f"{summary.repr_layers} ({', '.join(summary.include)}) -> {summary.path}"
+    )
+    return 0

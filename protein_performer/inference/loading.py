@@ -1,0 +1,420 @@
+"""Rebuild a model for inference from a checkpoint alone, safely, and export it.
+
+Two on-disk forms load the same way (every inference command accepts either):
+
+* a Lightning ``.ckpt`` written by ``protein-performer train``: the architecture is
+  ``checkpoint["performer_config"]`` (or, for older checkpoints, ``hyper_parameters["config"]``),
+  the weights ``state_dict`` under the ``model.`` prefix;
+* an exported directory (``protein-performer export CKPT DIR``): ``config.json`` (format name and
+  version, the architecture, the vocabulary) + ``model.safetensors`` (weights only).
+
+Why so strict: a ``.ckpt`` is a pickle, and unpickling runs arbitrary code. Loading always uses
+``torch.load(weights_only=True)``; the few harmless non-tensor types a Lightning checkpoint can
+legitimately hold (paths, numpy scalars) are allowlisted for the duration of one load only.
+Anything else is refused with a message, never unpickled. The FAVOR+ random features (``omega``
+buffers) are part of the weights in both forms, so a loaded model reproduces the trained one
+exactly; they are never redrawn on load.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import pathlib
+import pickle
+import re
+import shutil
+import tempfile
+import zipfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from protein_performer.data.tokenizer import Alphabet
+from protein_performer.errors import UserError
+from protein_performer.model.config import PerformerConfig
+from protein_performer.model.performer import PerformerLM
+
+log = logging.getLogger(__name__)
+
+FORMAT_NAME = "protein_performer.model"
+FORMAT_VERSION = 1
+CONFIG_FILE = "config.json"
+WEIGHTS_FILE = "model.safetensors"
+#: Prefix of the model's weights inside the LightningModule's state dict.
+LIGHTNING_PREFIX = "model."
+_SHOW_KEYS = 5  # how many offending keys an error message names
+
+
+@dataclass
+class LoadedModel:
+    """A model ready for inference (eval mode, on ``device``) and what it was built from."""
+
+    model: PerformerLM
+    config: PerformerConfig
+    alphabet: Alphabet
+    source: Path  # the .ckpt file or the export directory
+    device: torch.device
+    kind: str  # "lightning" or "export"
+
+
+# --------------------------------------------------------------------------------------------
+# Device
+# --------------------------------------------------------------------------------------------
+def resolve_device(device: str | torch.device = "auto") -> torch.device:
+    """``cpu``, ``cuda``, ``cuda:N`` or ``auto`` (CUDA when available) -> a torch device.
+
+    Asking for CUDA on a machine without it is an error rather than a silent CPU fallback: a
+    user who asked for the GPU and gets a 50x slower run deserves to know why (ESM's ignored
+    ``--nogpu`` is the cautionary tale).
+    """
+    if isinstance(device, torch.device):
+        device = str(device)
+    name = str(device).strip().lower()
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cpu":
+        return torch.device("cpu")
+    if name == "cuda" or name.startswith("cuda:"):
+        if not torch.cuda.is_available():
+            raise UserError(
+                f"device {device!r} requested but CUDA is not available (torch "
+                f"{torch.__version__}, built with CUDA {torch.version.cuda or 'none'}); use "
+                "--device cpu or --device auto"
+            )
+        if name.startswith("cuda:"):
+            index = name.split(":", 1)[1]
+            if not index.isdigit() or int(index) >= torch.cuda.device_count():
+                raise UserError(
+                    f"device {device!r} does not exist: this machine has "
+                    f"{torch.cuda.device_count()} CUDA device(s) (cuda:0..)"
+                )
+        return torch.device(name)
+    raise UserError(f"unknown device {device!r}: use cpu, cuda, cuda:N or auto")
+
+
+# --------------------------------------------------------------------------------------------
+# Reading
+# --------------------------------------------------------------------------------------------
+def _safe_globals() -> list[Any]:
+    """Non-tensor types a Lightning checkpoint may hold that are harmless to rebuild.
+
+    Paths (a callback's ``dirpath`` given as ``Path``) and numpy scalars/dtypes (a metric logged
+    as ``np.float64``): their reconstruction calls no user code. Nothing else is allowed.
+    """
+    allowed: list[Any] = [
+        pathlib.PosixPath,
+        pathlib.WindowsPath,
+        pathlib.PurePosixPath,
+        pathlib.PureWindowsPath,
+    ]
+    try:
+        import numpy as np
+
+        allowed.append(np.dtype)
+        for mod_name in ("numpy._core.multiarray", "numpy.core.multiarray"):
+            try:
+                mod = __import__(mod_name, fromlist=["scalar"])
+            except ImportError:
+                continue
+            allowed.append(mod.scalar)
+            break
+        for dtype_name in (
+            "Float64DType",
+            "Float32DType",
+            "Int64DType",
+            "Int32DType",
+            "BoolDType",
+        ):
+            dtype_cls = getattr(getattr(np, "dtypes", None), dtype_name, None)
+            if dtype_cls is not None:
+                allowed.append(dtype_cls)
+    except ImportError:  # pragma: no cover - numpy is a dependency
+        pass
+    return allowed
+
+
+_ZIP_MAGIC = b"PK\x03\x04"
+_PICKLE_MAGIC = b"\x80"  # pickle protocol >= 2: torch's legacy (non-zip) format
+
+
+def _torch_load(path: Path) -> Any:
+    """``torch.load(weights_only=True)`` with load errors turned into messages about the file."""
+    with open(path, "rb") as fh:
+        head = fh.read(4)
+    if not (head.startswith(_ZIP_MAGIC) or head.startswith(_PICKLE_MAGIC)):
+        raise UserError(
+            f"{path} is not a PyTorch checkpoint (it starts with {head!r}, not a zip or pickle "
+            "header); give a .ckpt from `protein-performer train` or an exported directory"
+        )
+    try:
+        with torch.serialization.safe_globals(_safe_globals()):
+            return torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as exc:
+        text = str(exc)
+        found = re.search(r"Unsupported global: GLOBAL (\S+)", text)
+        if found:
+            raise UserError(
+                f"{path}: refusing to load: the checkpoint contains a Python object of type "
+                f"{found.group(1)}, which is not plain data. Loading is restricted to weights so "
+                "a checkpoint cannot run code; re-save it from a trusted session without that "
+                "object, or export it there with `protein-performer export`"
+            ) from None
+        raise UserError(
+            f"{path}: cannot read the checkpoint: the file is corrupt or not a PyTorch "
+            "checkpoint (its pickle data is not plain weights); re-copy it"
+        ) from None
+    except (RuntimeError, EOFError, OSError, ValueError, zipfile.BadZipFile, KeyError) as exc:
+        text = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        raise UserError(
+            f"{path}: cannot read the checkpoint: the file is truncated, corrupt or not a "
+            f"PyTorch checkpoint ({text}); re-copy it or pick another .ckpt"
+        ) from None
+
+
+def _config_from(data: Any, path: Path, where: str) -> PerformerConfig:
+    if not isinstance(data, dict):
+        raise UserError(f"{path}: {where} must be a mapping of config fields, got {type(data)}")
+    try:
+        return PerformerConfig.from_dict(data)
+    except UserError as exc:
+        raise UserError(f"{path}: {where}: {exc}") from None
+
+
+def _read_lightning(path: Path) -> tuple[PerformerConfig, dict[str, torch.Tensor]]:
+    ckpt = _torch_load(path)
+    if not isinstance(ckpt, dict) or not isinstance(ckpt.get("state_dict"), dict):
+        what = (
+            f"a dict with keys {sorted(map(str, ckpt))[:8]}"
+            if isinstance(ckpt, dict)
+            else type(ckpt).__name__
+        )
+        raise UserError(
+            f"{path} is not a protein-performer Lightning checkpoint (no 'state_dict'; it holds "
+            f"{what}); give a .ckpt from `protein-performer train` or an exported directory"
+        )
+    if "performer_config" in ckpt:
+        config = _config_from(ckpt["performer_config"], path, "performer_config")
+    else:
+        hparams = ckpt.get("hyper_parameters")
+        if not isinstance(hparams, dict) or "config" not in hparams:
+            raise UserError(
+                f"{path} stores no model config (neither 'performer_config' nor "
+                "hyper_parameters['config']): it was not written by protein-performer's training"
+            )
+        config = _config_from(hparams["config"], path, "hyper_parameters.config")
+    state = {
+        k[len(LIGHTNING_PREFIX) :]: v
+        for k, v in ckpt["state_dict"].items()
+        if k.startswith(LIGHTNING_PREFIX)
+    }
+    if not state:
+        raise UserError(
+            f"{path}: its state_dict has no '{LIGHTNING_PREFIX}*' weights (keys start with "
+            f"{sorted({k.split('.')[0] for k in ckpt['state_dict']})[:5]}); not a "
+            "protein-performer checkpoint"
+        )
+    return config, state
+
+
+def _read_export(path: Path) -> tuple[PerformerConfig, dict[str, torch.Tensor]]:
+    config_path, weights_path = path / CONFIG_FILE, path / WEIGHTS_FILE
+    if not config_path.is_file():
+        raise UserError(
+            f"{path} is a directory but not an exported model (no {CONFIG_FILE}); create one "
+            "with `protein-performer export CKPT DIR` or give a .ckpt file"
+        )
+    if not weights_path.is_file():
+        raise UserError(f"{path}: {WEIGHTS_FILE} is missing next to {CONFIG_FILE}; re-export")
+    try:
+        meta = json.loads(config_path.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise UserError(f"{config_path}: not valid JSON ({exc}); re-export the model") from None
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT_NAME:
+        raise UserError(f"{config_path}: not a protein-performer export (format != {FORMAT_NAME})")
+    version = meta.get("format_version")
+    if not isinstance(version, int) or version > FORMAT_VERSION:
+        raise UserError(
+            f"{config_path}: export format version {version!r} is newer than this "
+            f"protein-performer reads ({FORMAT_VERSION}); upgrade protein-performer"
+        )
+    vocab = meta.get("vocab")
+    if vocab is not None and tuple(vocab) != Alphabet().tokens:
+        raise UserError(
+            f"{config_path}: the model's vocabulary differs from the ESM-2 vocabulary this "
+            "version uses; it cannot be run with this tokenizer"
+        )
+    config = _config_from(meta.get("config"), config_path, "config")
+    try:
+        from safetensors import SafetensorError
+        from safetensors.torch import load_file
+
+        state = load_file(str(weights_path), device="cpu")
+    except (SafetensorError, OSError, ValueError, RuntimeError) as exc:
+        raise UserError(
+            f"{weights_path}: cannot read the weights: truncated or corrupt safetensors file "
+            f"({str(exc).splitlines()[0] if str(exc) else type(exc).__name__}); re-export"
+        ) from None
+    return config, state
+
+
+def _tied_aliases(model: torch.nn.Module) -> set[str]:
+    """State-dict names that alias an earlier entry's storage (the tied LM-head matrix)."""
+    seen: set[int] = set()
+    aliases: set[str] = set()
+    for name, tensor in model.state_dict(keep_vars=True).items():
+        ptr = tensor.data_ptr()
+        if ptr in seen and tensor.numel():
+            aliases.add(name)
+        seen.add(ptr)
+    return aliases
+
+
+def _load_weights(model: PerformerLM, state: dict[str, torch.Tensor], path: Path) -> None:
+    """Strict load with a message naming the first mismatching keys and shapes."""
+    expected = model.state_dict()
+    aliases = _tied_aliases(model)
+    missing = [k for k in expected if k not in state and k not in aliases]
+    unexpected = [k for k in state if k not in expected]
+    wrong = [
+        f"{k} {tuple(state[k].shape)} vs model {tuple(expected[k].shape)}"
+        for k in expected
+        if k in state and tuple(state[k].shape) != tuple(expected[k].shape)
+    ]
+    problems = []
+    if missing:
+        problems.append(f"{len(missing)} missing key(s): {', '.join(missing[:_SHOW_KEYS])}")
+    if unexpected:
+        problems.append(
+            f"{len(unexpected)} unexpected key(s): {', '.join(unexpected[:_SHOW_KEYS])}"
+        )
+    if wrong:
+        problems.append(f"{len(wrong)} shape mismatch(es): {'; '.join(wrong[:_SHOW_KEYS])}")
+    if problems:
+        raise UserError(
+            f"{path}: the weights do not fit the stored model config: {' | '.join(problems)}. "
+            "The file was edited or written by an incompatible version"
+        )
+    full = dict(state)
+    for k in aliases:
+        full.setdefault(k, state.get(k, expected[k]))
+    model.load_state_dict(full, strict=False)
+    # Re-tie: load_state_dict copies into the shared Parameter, but an alias given explicitly
+    # (Lightning stores both names) must not silently untie anything.
+    if model.lm_head.weight is not model.embed_tokens.weight:  # pragma: no cover - defensive
+        model.lm_head.weight = model.embed_tokens.weight
+
+
+def load_model(path: str | os.PathLike[str], device: str | torch.device = "auto") -> LoadedModel:
+    """Rebuild the model of a ``.ckpt`` file or an export directory, in eval mode on ``device``.
+
+    Raises ``UserError`` (naming the path) for a missing, truncated, corrupt, foreign or
+    incompatible input, so CLIs report one line instead of a traceback.
+    """
+    src = Path(path).expanduser()
+    if not src.exists():
+        raise UserError(
+            f"{src} does not exist: give a .ckpt from `protein-performer train` (e.g. "
+            "outputs/<task>/<run>/checkpoints/last.ckpt) or a directory from "
+            "`protein-performer export`"
+        )
+    target = resolve_device(device)
+    if src.is_dir():
+        config, state = _read_export(src)
+        kind = "export"
+    else:
+        if src.stat().st_size == 0:
+            raise UserError(f"{src} is empty (0 bytes): an interrupted copy or save? re-copy it")
+        config, state = _read_lightning(src)
+        kind = "lightning"
+    alphabet = Alphabet()
+    if config.vocab_size != len(alphabet):
+        raise UserError(
+            f"{src}: vocab_size={config.vocab_size} but this version's vocabulary has "
+            f"{len(alphabet)} tokens"
+        )
+    model = PerformerLM(config)
+    _load_weights(model, state, src)
+    model.to(target).eval()
+    log.debug("loaded %s (%s, %s) on %s", src, config.objective, config.attention, target)
+    return LoadedModel(model, config, alphabet, src, target, kind)
+
+
+# --------------------------------------------------------------------------------------------
+# Export
+# --------------------------------------------------------------------------------------------
+def is_export_dir(path: str | os.PathLike[str]) -> bool:
+    p = Path(path)
+    return (p / CONFIG_FILE).is_file() and (p / WEIGHTS_FILE).is_file()
+
+
+def export_model(
+    path_or_loaded: str | os.PathLike[str] | LoadedModel,
+    out_dir: str | os.PathLike[str],
+    overwrite: bool = False,
+) -> Path:
+    """Write ``config.json`` + ``model.safetensors`` to ``out_dir``, atomically.
+
+    The directory is assembled under a temporary sibling name and renamed into place only when
+    complete, so an interrupted export never leaves something that looks loadable. Tied weights
+    are stored once (safetensors refuses aliased tensors); the FAVOR+ ``omega`` buffers are
+    stored like any weight. ``overwrite`` replaces an existing export directory (only one:
+    an unrelated non-empty directory is never deleted).
+    """
+    from safetensors.torch import save_file
+
+    from protein_performer import __version__
+
+    loaded = (
+        path_or_loaded
+        if isinstance(path_or_loaded, LoadedModel)
+        else load_model(path_or_loaded, device="cpu")
+    )
+    out = Path(out_dir).expanduser()
+    if out.exists():
+        if not out.is_dir():
+            raise UserError(f"{out} exists and is not a directory; choose another output")
+        if any(out.iterdir()):
+            if not is_export_dir(out):
+                raise UserError(f"{out} is a non-empty directory that is not an export; refusing")
+            if not overwrite:
+                raise UserError(f"{out} already holds an export; pass --overwrite to replace it")
+    out.parent.mkdir(parents=True, exist_ok=True)
+
+    model = loaded.model
+    aliases = _tied_aliases(model)
+    state = {
+        k: v.detach().to("cpu").contiguous()
+        for k, v in model.state_dict().items()
+        if k not in aliases
+    }
+    meta = {
+        "format": FORMAT_NAME,
+        "format_version": FORMAT_VERSION,
+        "protein_performer_version": __version__,
+        "config": loaded.config.to_dict(),
+        "vocab": list(loaded.alphabet.tokens),
+        "tied_weights": sorted(aliases),
+        "source": loaded.source.name,
+    }
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent))
+    try:
+        save_file(state, str(tmp / WEIGHTS_FILE), metadata={"format": FORMAT_NAME})
+        (tmp / CONFIG_FILE).write_text(
+            json.dumps(meta, indent=2, sort_keys=True) + "\n", encoding="utf-8"
+        )
+        os.chmod(tmp, 0o755)
+        if out.exists():
+            old = out.with_name(f".{out.name}.old-{os.getpid()}")
+            os.replace(out, old)
+            os.replace(tmp, out)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.replace(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out

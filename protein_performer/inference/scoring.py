@@ -1,0 +1,515 @@
+"""Sequence likelihoods and variant-effect scores from a checkpoint.
+
+Sequence scores (``protein-performer score``):
+
+* ``pseudo-ppl`` (masked-LM checkpoints): the exact pseudo-log-likelihood
+  ``PLL = sum_i log p(x_i | x without i)``: every residue is masked once, the masked copies of a
+  sequence are batched under the token budget. Residue ``i`` (0-based) of the sequence is token
+  ``i + 1`` because of the leading ``<cls>``: the off-by-one of ESM's published example.
+* ``causal`` (causal-LM checkpoints): the exact log-likelihood ``sum_t log p(x_t | x_<t)`` of the
+  residues *and* the final ``<eos>`` (ESM/ProGen convention: ``<eos>`` says the protein ends
+  there, which is part of what the model claims about the sequence). ``n_scored`` is therefore
+  ``L + 1`` for causal and ``L`` for pseudo-ppl, and the per-token mean and perplexity divide by
+  ``n_scored``.
+
+Per sequence: ``id, length, n_scored, log_likelihood, mean_log_likelihood, perplexity`` with
+``perplexity = exp(-mean_log_likelihood)``; CSV, or TSV when the output ends in ``.tsv``/``.tab``.
+
+Variant scores (``protein-performer score-variants``), strategies named as in ESM's
+variant-prediction example plus ``causal``, all as log-ratios mutant vs wild type:
+
+* ``masked-marginals``: mask all mutated positions of a variant together in the wild type,
+  score ``sum log p(mt) - log p(wt)`` at those positions (one pass per distinct position set,
+  so a single-mutant scan costs at most L passes);
+* ``wt-marginals``: the same sum read from one unmasked pass over the wild type;
+* ``pseudo-ppl``: ``PLL(mutant) - PLL(wt)`` (L passes per distinct mutant: slow, exact);
+* ``causal``: ``LL(mutant) - LL(wt)`` (one pass per mutant).
+
+Mutations are ``A42G`` (wild-type letter, position, mutant letter), joined by ``:`` for multiple
+mutants (``A42G:K45R``); positions are numbered so the first residue of the wild type is
+``offset``. A row whose mutation does not fit the wild type (wrong letter, position outside,
+unparseable) gets an empty score and is listed by its CSV line number, never a crash.
+"""
+
+from __future__ import annotations
+
+import csv
+import logging
+import math
+import os
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from protein_performer.errors import UserError
+from protein_performer.inference.embedding import (
+    atomic_output,
+    budget_batches,
+    encode_batch,
+    read_records,
+)
+from protein_performer.inference.loading import LoadedModel
+
+log = logging.getLogger(__name__)
+
+SEQUENCE_STRATEGIES = ("pseudo-ppl", "causal")
+VARIANT_STRATEGIES = ("masked-marginals", "wt-marginals", "pseudo-ppl", "causal")
+#: Which training objective each strategy needs.
+STRATEGY_OBJECTIVE = {
+    "masked-marginals": "mlm",
+    "wt-marginals": "mlm",
+    "pseudo-ppl": "mlm",
+    "causal": "clm",
+}
+SCORE_COLUMNS = ("id", "length", "n_scored", "log_likelihood", "mean_log_likelihood", "perplexity")
+_MUTATION = re.compile(r"^([A-Za-z])(-?\d+)([A-Za-z])$")
+_WILD_TYPE_NAMES = frozenset({"wt", "_wt", "wildtype", "wild-type"})
+_SHOW_ROWS = 20  # rows named in the warning summary before "and N more"
+
+
+def check_strategy(loaded: LoadedModel, strategy: str, choices: Sequence[str]) -> None:
+    """A strategy that does not fit the checkpoint's objective is a user error, not NaNs.
+
+    A masked LM has no left-to-right distribution and a causal LM was never trained to fill a
+    ``<mask>``: either combination would return numbers that mean nothing.
+    """
+    if strategy not in choices:
+        raise UserError(f"unknown strategy {strategy!r}; choose one of {', '.join(choices)}")
+    need = STRATEGY_OBJECTIVE[strategy]
+    have = loaded.config.objective
+    if need != have:
+        fitting = [s for s in choices if STRATEGY_OBJECTIVE[s] == have]
+        kind = {"mlm": "masked-LM (mlm)", "clm": "causal-LM (clm)"}
+        raise UserError(
+            f"strategy {strategy!r} needs a {kind[need]} checkpoint, but {loaded.source} is a "
+            f"{kind[have]} model; use --strategy {' or '.join(fitting)}"
+        )
+
+
+def _delimiter(path: str | os.PathLike[str]) -> str:
+    return "\t" if Path(path).suffix.lower() in (".tsv", ".tab") else ","
+
+
+# --------------------------------------------------------------------------------------------
+# Core computations (tensors in, numpy out)
+# --------------------------------------------------------------------------------------------
+@torch.inference_mode()
+def masked_log_probs(
+    loaded: LoadedModel,
+    seq: str,
+    position_sets: Sequence[Sequence[int]],
+    toks_per_batch: int = 4096,
+    progress: object | None = None,
+) -> list[np.ndarray]:
+    """For each set of 0-based residue positions, mask them together and return the
+    log-probabilities (len(set), V) at those positions, in the set's order.
+
+    Rows are copies of ``<cls> seq <eos>``, so residue ``i`` is token ``i + 1``. As many copies
+    as the token budget allows run in one forward pass.
+    """
+    a = loaded.alphabet
+    base = encode_batch(loaded, [seq])  # (1, T)
+    T = base.shape[1]
+    per_batch = max(1, toks_per_batch // T)
+    results: list[np.ndarray] = []
+    for start in range(0, len(position_sets), per_batch):
+        chunk = position_sets[start : start + per_batch]
+        tokens = base.repeat(len(chunk), 1)  # (n, T)
+        rows = torch.cat(
+            [torch.full((len(p),), r, dtype=torch.long) for r, p in enumerate(chunk)]
+        ).to(tokens.device)
+        cols = torch.cat([torch.as_tensor(list(p), dtype=torch.long) + 1 for p in chunk]).to(
+            tokens.device
+        )
+        tokens[rows, cols] = a.mask_idx
+        logits = loaded.model(tokens).logits  # (n, T, V)
+        lp = torch.log_softmax(logits[rows, cols].float(), dim=-1).cpu().numpy()  # (k, V)
+        offset = 0
+        for p in chunk:
+            results.append(lp[offset : offset + len(p)])
+            offset += len(p)
+        if progress is not None:
+            progress.update(len(chunk))  # type: ignore[attr-defined]
+    return results
+
+
+def pseudo_log_likelihoods(
+    loaded: LoadedModel, seq: str, toks_per_batch: int = 4096, progress: object | None = None
+) -> np.ndarray:
+    """(L,) ``log p(x_i | x without i)``: every residue masked once (exact PLL terms)."""
+    ids = loaded.alphabet.encode(seq).astype(np.int64)
+    lps = masked_log_probs(
+        loaded, seq, [[i] for i in range(len(seq))], toks_per_batch, progress=progress
+    )
+    return np.array([lp[0, t] for lp, t in zip(lps, ids, strict=True)], dtype=np.float64)
+
+
+@torch.inference_mode()
+def causal_log_likelihoods(
+    loaded: LoadedModel,
+    seqs: Sequence[str],
+    toks_per_batch: int = 4096,
+    progress: object | None = None,
+) -> list[np.ndarray]:
+    """Per sequence, (L + 1,) ``log p(token_t | tokens_<t)`` for the residues and ``<eos>``.
+
+    One parallel forward per batch: causal FAVOR+ runs as a chunked prefix scan that is linear
+    in L, so scoring a whole sequence this way is faster than stepping the RNN-mode state token
+    by token (same recursion, but matrix products over chunks instead of L small steps; the
+    RNN mode pays off only for generation, where tokens arrive one at a time).
+    """
+    results: list[np.ndarray | None] = [None] * len(seqs)
+    for batch in budget_batches([len(s) + 2 for s in seqs], toks_per_batch):
+        tokens = encode_batch(loaded, [seqs[i] for i in batch])  # (B, T)
+        logits = loaded.model(tokens).logits  # (B, T, V)
+        lp = torch.log_softmax(logits[:, :-1].float(), dim=-1)  # predicts tokens 1..T-1
+        picked = lp.gather(-1, tokens[:, 1:, None])[..., 0].cpu().numpy()  # (B, T-1)
+        for row, i in enumerate(batch):
+            results[i] = picked[row, : len(seqs[i]) + 1].astype(np.float64)
+        if progress is not None:
+            progress.update(sum(len(seqs[i]) for i in batch))  # type: ignore[attr-defined]
+    return results  # type: ignore[return-value]
+
+
+# --------------------------------------------------------------------------------------------
+# Sequence scoring
+# --------------------------------------------------------------------------------------------
+@dataclass
+class SequenceScore:
+    id: str
+    length: int
+    n_scored: int
+    log_likelihood: float
+
+    @property
+    def mean_log_likelihood(self) -> float:
+        return self.log_likelihood / self.n_scored
+
+    @property
+    def perplexity(self) -> float:
+        return math.exp(-self.mean_log_likelihood)
+
+    def row(self) -> list[str]:
+        return [
+            self.id,
+            str(self.length),
+            str(self.n_scored),
+            f"{self.log_likelihood:.6f}",
+            f"{self.mean_log_likelihood:.6f}",
+            f"{self.perplexity:.6f}",
+        ]
+
+
+def score_sequences(
+    loaded: LoadedModel,
+    records: Sequence[tuple[str, str]],
+    strategy: str = "pseudo-ppl",
+    toks_per_batch: int = 4096,
+    progress: bool = False,
+) -> list[SequenceScore]:
+    """Score ``(id, sequence)`` pairs with ``strategy`` (see the module docstring)."""
+    from tqdm import tqdm
+
+    check_strategy(loaded, strategy, SEQUENCE_STRATEGIES)
+    seqs = [s for _, s in records]
+    with tqdm(
+        total=sum(len(s) for s in seqs), unit="res", desc=strategy, disable=not progress
+    ) as bar:
+        if strategy == "causal":
+            terms = causal_log_likelihoods(loaded, seqs, toks_per_batch, progress=bar)
+        else:
+            terms = [pseudo_log_likelihoods(loaded, s, toks_per_batch, bar) for s in seqs]
+    return [
+        SequenceScore(rid, len(s), len(t), float(t.sum()))
+        for (rid, s), t in zip(records, terms, strict=True)
+    ]
+
+
+def score_fasta(
+    loaded: LoadedModel,
+    fasta: str | os.PathLike[str],
+    out: str | os.PathLike[str],
+    strategy: str = "pseudo-ppl",
+    toks_per_batch: int = 4096,
+    on_invalid: str = "error",
+    progress: bool = True,
+) -> list[SequenceScore]:
+    """Score every record of ``fasta``; write one row per record to ``out`` (CSV/TSV)."""
+    check_strategy(loaded, strategy, SEQUENCE_STRATEGIES)
+    records = read_records(fasta, on_invalid)
+    scores = score_sequences(
+        loaded, [(r.id, r.sequence) for r in records], strategy, toks_per_batch, progress
+    )
+    with atomic_output(out) as tmp, open(tmp, "w", newline="", encoding="utf-8") as fh:
+        writer = csv.writer(fh, delimiter=_delimiter(out))
+        writer.writerow(SCORE_COLUMNS)
+        writer.writerows(s.row() for s in scores)
+    return scores
+
+
+# --------------------------------------------------------------------------------------------
+# Variants
+# --------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Mutation:
+    wt: str
+    position: int  # as written (numbered from ``offset``)
+    mt: str
+    index: int  # 0-based residue index into the wild type
+
+
+def parse_mutant(
+    text: str, wt_seq: str, offset: int = 1, alphabet: object = None
+) -> list[Mutation]:
+    """``"A42G:K45R"`` -> mutations checked against the wild type; ``ValueError`` says why not.
+
+    ``wt``/``_wt`` (any case) is the wild type itself: no mutations, score 0.
+    """
+    from protein_performer.data.tokenizer import Alphabet
+
+    alphabet = alphabet or Alphabet()
+    text = text.strip()
+    if not text:
+        raise ValueError("empty mutation")
+    if text.lower() in _WILD_TYPE_NAMES:
+        return []
+    muts: list[Mutation] = []
+    seen: set[int] = set()
+    for part in re.split(r"[:;,\s]+", text):
+        if not part:
+            continue
+        m = _MUTATION.match(part)
+        if not m:
+            raise ValueError(f"cannot parse {part!r} (expected e.g. A42G; join several with ':')")
+        wt, pos, mt = m.group(1).upper(), int(m.group(2)), m.group(3).upper()
+        index = pos - offset
+        if not 0 <= index < len(wt_seq):
+            raise ValueError(
+                f"{part}: position {pos} is outside the wild type (positions {offset}.."
+                f"{offset + len(wt_seq) - 1} with offset {offset})"
+            )
+        if wt_seq[index] != wt:
+            raise ValueError(
+                f"{part}: wild-type letter {wt} does not match the sequence, which has "
+                f"{wt_seq[index]} at position {pos} (offset {offset})"
+            )
+        if mt not in alphabet.tok_to_idx:  # type: ignore[attr-defined]
+            raise ValueError(f"{part}: mutant letter {mt} is not in the vocabulary")
+        if index in seen:
+            raise ValueError(f"{part}: position {pos} is mutated twice in {text!r}")
+        seen.add(index)
+        muts.append(Mutation(wt, pos, mt, index))
+    if not muts:
+        raise ValueError("empty mutation")
+    return muts
+
+
+def _apply(seq: str, muts: Sequence[Mutation]) -> str:
+    chars = list(seq)
+    for m in muts:
+        chars[m.index] = m.mt
+    return "".join(chars)
+
+
+def score_variants(
+    loaded: LoadedModel,
+    wt_seq: str,
+    variants: Sequence[Sequence[Mutation]],
+    strategy: str = "masked-marginals",
+    toks_per_batch: int = 4096,
+    progress: bool = False,
+) -> list[float]:
+    """One log-ratio score (mutant vs wild type) per parsed variant, by ``strategy``."""
+    from tqdm import tqdm
+
+    check_strategy(loaded, strategy, VARIANT_STRATEGIES)
+    tok = loaded.alphabet.tok_to_idx
+    if strategy in ("masked-marginals", "wt-marginals"):
+        if strategy == "wt-marginals":
+            with torch.inference_mode():
+                logits = loaded.model(encode_batch(loaded, [wt_seq])).logits[0]  # (T, V)
+                lp = torch.log_softmax(logits.float(), -1)[1 : len(wt_seq) + 1].cpu().numpy()
+
+            def table(v: Sequence[Mutation]) -> np.ndarray:
+                return lp[[m.index for m in v]]
+
+        else:
+            sets = sorted({tuple(sorted(m.index for m in v)) for v in variants if v})
+            with tqdm(total=len(sets), unit="pass", desc=strategy, disable=not progress) as bar:
+                lps = masked_log_probs(loaded, wt_seq, sets, toks_per_batch, progress=bar)
+            by_set = dict(zip(sets, lps, strict=True))
+
+            def table(v: Sequence[Mutation]) -> np.ndarray:
+                key = tuple(sorted(m.index for m in v))
+                rows = by_set[key]
+                return rows[[key.index(m.index) for m in v]]
+
+        scores = []
+        for v in variants:
+            if not v:
+                scores.append(0.0)
+                continue
+            t = table(v)
+            scores.append(float(sum(t[j, tok[m.mt]] - t[j, tok[m.wt]] for j, m in enumerate(v))))
+        return scores
+
+    # Whole-sequence strategies: score each distinct sequence once.
+    seqs = [_apply(wt_seq, v) for v in variants]
+    unique = list(dict.fromkeys([wt_seq, *seqs]))
+    total = len(unique) * len(wt_seq)
+    with tqdm(total=total, unit="res", desc=strategy, disable=not progress) as bar:
+        if strategy == "causal":
+            lls = [
+                float(t.sum()) for t in causal_log_likelihoods(loaded, unique, toks_per_batch, bar)
+            ]
+        else:
+            lls = [
+                float(pseudo_log_likelihoods(loaded, s, toks_per_batch, bar).sum()) for s in unique
+            ]
+    ll = dict(zip(unique, lls, strict=True))
+    return [ll[s] - ll[wt_seq] for s in seqs]
+
+
+@dataclass
+class VariantSummary:
+    """What ``score_variants_file`` did: counts, skipped rows, and the correlation if asked."""
+
+    out: Path
+    rows: int
+    scored: int
+    skipped: list[tuple[int, str, str]] = field(default_factory=list)  # (line, mutant, reason)
+    spearman: float | None = None
+    spearman_n: int = 0
+    label_col: str | None = None
+
+    def skipped_summary(self) -> str:
+        """One warning naming the CSV lines (1-based, the header is line 1) left unscored."""
+        shown = "; ".join(
+            f"line {line} ({mut!r}: {why})" for line, mut, why in self.skipped[:_SHOW_ROWS]
+        )
+        more = len(self.skipped) - _SHOW_ROWS
+        tail = f"; and {more} more" if more > 0 else ""
+        return (
+            f"{len(self.skipped)} of {self.rows} row(s) not scored (empty score; CSV line "
+            f"numbers, header = line 1): {shown}{tail}"
+        )
+
+
+def _wild_type(path: str | os.PathLike[str]) -> tuple[str, str]:
+    records = read_records(path)
+    if len(records) != 1:
+        raise UserError(
+            f"{path}: --wt needs exactly one record (the wild type), found {len(records)}"
+        )
+    return records[0].id, records[0].sequence
+
+
+def _spearman(scores: Sequence[float | None], labels: Sequence[str]) -> tuple[float | None, int]:
+    xs, ys = [], []
+    for s, lab in zip(scores, labels, strict=True):
+        try:
+            y = float(lab)
+        except ValueError:
+            continue
+        if s is not None and math.isfinite(y):
+            xs.append(s)
+            ys.append(y)
+    if len(xs) < 3:
+        return None, len(xs)
+    from scipy.stats import spearmanr
+
+    rho = spearmanr(xs, ys).statistic
+    return (None if rho is None or not math.isfinite(rho) else float(rho)), len(xs)
+
+
+def score_variants_file(
+    loaded: LoadedModel,
+    wt_fasta: str | os.PathLike[str],
+    mutations: str | os.PathLike[str],
+    out: str | os.PathLike[str],
+    strategy: str = "masked-marginals",
+    offset: int = 1,
+    mutation_col: str = "mutant",
+    label_col: str | None = None,
+    score_col: str | None = None,
+    toks_per_batch: int = 4096,
+    limit_rows: int | None = None,
+    progress: bool = True,
+) -> VariantSummary:
+    """Score every row of a DMS table; write all input columns plus the score (atomically).
+
+    The input is read as UTF-8 with an optional byte-order mark (spreadsheet exports);
+    delimiter by extension (``.tsv``/``.tab`` -> tab, else comma), same for the output.
+    """
+    check_strategy(loaded, strategy, VARIANT_STRATEGIES)
+    _, wt_seq = _wild_type(wt_fasta)
+    path = Path(mutations).expanduser()
+    if not path.is_file():
+        raise UserError(f"{path} does not exist or is not a file; give the mutations CSV")
+    score_col = score_col or strategy
+    try:
+        with open(path, newline="", encoding="utf-8-sig") as fh:
+            reader = csv.reader(fh, delimiter=_delimiter(path))
+            header = next(reader, None)
+            if header is None:
+                raise UserError(f"{path} is empty: expected a header row with {mutation_col!r}")
+            rows: list[tuple[int, list[str]]] = []
+            for row in reader:
+                if not any(cell.strip() for cell in row):
+                    continue
+                rows.append((reader.line_num, row))
+                if limit_rows is not None and len(rows) >= limit_rows:
+                    break
+    except UnicodeDecodeError as exc:
+        raise UserError(f"{path}: not UTF-8 text ({exc}); save the table as UTF-8 CSV") from None
+    except csv.Error as exc:
+        raise UserError(f"{path}: malformed CSV ({exc})") from None
+
+    def column(name: str, flag: str) -> int:
+        if name not in header:
+            raise UserError(
+                f"{path}: no column {name!r} ({flag}); columns are: "
+                + ", ".join(repr(h) for h in header)
+            )
+        return header.index(name)
+
+    mut_i = column(mutation_col, "--mutation-col")
+    label_i = column(label_col, "--label-col") if label_col is not None else None
+    if score_col in header:
+        raise UserError(
+            f"{path} already has a column {score_col!r}; choose another name with --score-col"
+        )
+
+    parsed: list[list[Mutation] | None] = []
+    skipped: list[tuple[int, str, str]] = []
+    for line, row in rows:
+        text = row[mut_i] if mut_i < len(row) else ""
+        try:
+            parsed.append(parse_mutant(text, wt_seq, offset, loaded.alphabet))
+        except ValueError as exc:
+            parsed.append(None)
+            skipped.append((line, text, str(exc)))
+    valid = [v for v in parsed if v is not None]
+    values = score_variants(loaded, wt_seq, valid, strategy, toks_per_batch, progress)
+    it = iter(values)
+    scores: list[float | None] = [None if v is None else next(it) for v in parsed]
+
+    width = len(header)
+    with atomic_output(out) as tmp, open(tmp, "w", newline="", encoding="utf-8") as fh:
+        writer = csv.writer(fh, delimiter=_delimiter(out))
+        writer.writerow([*header, score_col])
+        for (_, row), s in zip(rows, scores, strict=True):
+            cells = row + [""] * (width - len(row))
+            writer.writerow([*cells, "" if s is None else f"{s:.6f}"])
+
+    summary = VariantSummary(Path(out), len(rows), len(valid), skipped, label_col=label_col)
+    if label_i is not None:
+        labels = [row[label_i] if label_i < len(row) else "" for _, row in rows]
+        summary.spearman, summary.spearman_n = _spearman(scores, labels)
+    if skipped:
+        log.warning("%s", summary.skipped_summary())
+    return summary
