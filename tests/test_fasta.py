@@ -292,3 +292,111 @@ def test_shared_files_parse(rel: str, n: int) -> None:
     assert all(r.sequence and r.sequence.isupper() for r in recs)
     if rel.startswith("demo/"):
         assert recs[0].header.db == "uniref"
+
+
+# ------------------------------------------------------------------------------ fast vs exact
+# The reader parses a block in bulk (fast path) and only re-parses a block with a problem record
+# by record (exact path). Both must give the same records, errors and report, wherever the
+# block boundaries fall.
+def _outcome(path: Path, monkeypatch: pytest.MonkeyPatch, *, fast: bool, block: int, **kw):
+    import protein_performer.data.fasta as fasta
+
+    monkeypatch.setattr(fasta, "_FAST", fast)
+    monkeypatch.setattr(fasta, "_BLOCK", block)
+    report = InvalidReport(max_examples=100)
+    got: list = []
+    err = None
+    try:
+        for r in read_fasta(path, report=report, **kw):
+            got.append((r.id, r.description, r.sequence, r.number, r.line, r.path))
+    except FastaFormatError as exc:
+        err = (str(exc), exc.kind, exc.line, exc.record_number, exc.record_id)
+    return got, err, report.skipped, dict(report.by_reason), report.examples
+
+
+MIXED = (
+    ">a one\nMKVLA\nGGW\n"
+    ">b\tx  y\nmkv\nlla*\n\n"  # lowercase, a stop, a blank line
+    ">c\nMKV\nMK1V\n"  # a digit
+    ">sp|P1|X_Y desc>with gt OS=Homo sapiens\nACDE\nFGHI\n"
+    ">d  \nMKV  \nW\n"  # trailing blanks after the header and a sequence line
+    ">e\n>f\nQQ\n"  # an empty record
+    ">g\nMK V\n"  # a space
+    ">a\nWW\n"  # a duplicate
+    ">\nMKV\n"  # no id
+    ">h\n*\n"  # only a stop
+    ">i\nMJV\n"  # unknown letter
+    ">j\nMK*V\n"  # '*' inside
+    ">k\u00e9 caf\u00e9\nMKV\n"  # non-ASCII header (a block of its own text)
+    ">l\nACDEFGHIKLMNPQRSTVWY\nXBUZO.-\n"
+    ">m\x01n second title\nMKV\n"  # a SOH in the header, as in NCBI nr
+    ">o\nLL"  # no final newline
+)
+
+
+@pytest.mark.parametrize("block", [1 << 20, 7, 16, 23, 64])
+@pytest.mark.parametrize("on_invalid", ["skip", "error"])
+def test_fast_and_exact_paths_agree(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, block: int, on_invalid: str
+) -> None:
+    p = write(tmp_path, MIXED)
+    exact = _outcome(p, monkeypatch, fast=False, block=1 << 20, on_invalid=on_invalid)
+    fast = _outcome(p, monkeypatch, fast=True, block=block, on_invalid=on_invalid)
+    assert fast == exact
+    if on_invalid == "skip":
+        got, err, skipped, _, _ = fast
+        assert err is None and skipped == 8
+        ids = ["a", "b", "sp|P1|X_Y", "d", "f", "k\u00e9", "l", "m\x01n", "o"]
+        assert [g[0] for g in got] == ids
+        assert got[1][2] == "MKVLLA" and got[3][2] == "MKVW"
+    else:
+        assert fast[1][1:] == ("digit in sequence", 10, 3, "c")
+
+
+@pytest.mark.parametrize("block", [5, 40, 100, 1 << 20])
+def test_errors_at_block_boundaries_are_located(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, block: int
+) -> None:
+    # Many clean records, a bad one every so often: whatever block cuts where, the fast path
+    # (clean blocks) and the exact path (blocks with a problem) agree to the line and column.
+    recs = []
+    for i in range(60):
+        seq = "ACDEFGHIKL" * (i % 4 + 1)
+        if i % 13 == 5:
+            seq = seq[:7] + "J" + seq[8:]
+        if i % 17 == 9:
+            seq = seq[:3] + " " + seq[3:]
+        lines = "\n".join(seq[j : j + 9] for j in range(0, len(seq), 9))
+        recs.append(f">r{i} d{i}\n{lines}\n")
+    p = write(tmp_path, "".join(recs) + ">r3\nMKV\n")
+    for mode in ("error", "skip"):
+        exact = _outcome(p, monkeypatch, fast=False, block=1 << 20, on_invalid=mode)
+        fast = _outcome(p, monkeypatch, fast=True, block=block, on_invalid=mode)
+        assert fast == exact
+    got, _, skipped, by_reason, examples = fast  # the skip run
+    assert len(got) + skipped == 61
+    assert by_reason == {"unknown letter": 5, "whitespace in sequence": 3, "duplicate id": 1}
+    assert examples[0].startswith(f"{p}:") and "column" in examples[0]
+
+
+def test_fast_path_matches_exact_on_real_file(monkeypatch: pytest.MonkeyPatch) -> None:
+    path = SHARED / "sequences/swissprot_opal_train.fasta"
+    if not path.exists():
+        pytest.skip(f"{path} not present (../shared is only on developer machines)")
+    fast = _outcome(path, monkeypatch, fast=True, block=1 << 16)
+    exact = _outcome(path, monkeypatch, fast=False, block=1 << 20)
+    assert fast == exact and fast[1] is None
+
+
+def test_duplicate_checker_hash_depends_on_the_id_alone() -> None:
+    # Ids of very different lengths in separate calls (and ids longer than the vectorised
+    # limit): a repeat must be found whatever else was in the batch.
+    chk = DuplicateIdChecker()
+    first = ["a1", "b" * 30, "c" * 200, "d\u00e9"]
+    assert chk.check(first, [0, 1, 2, 3]).tolist() == [-1, -1, -1, -1]
+    assert chk.check(["c" * 200], [4]).tolist() == [2]
+    assert chk.check(["zz", "a1"], [5, 6]).tolist() == [-1, 0]
+    assert chk.check(["b" * 30, "x" * 90, "d\u00e9"], [7, 8, 9]).tolist() == [1, -1, 3]
+    h1 = DuplicateIdChecker.hash_ids(["a1"])
+    h2 = DuplicateIdChecker.hash_ids(["a1", "q" * 40, "r" * 100])[:1]
+    assert h1.tolist() == h2.tolist()

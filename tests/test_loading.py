@@ -31,6 +31,16 @@ TOKENS = torch.tensor(
 )
 
 
+@pytest.fixture(autouse=True)
+def _one_thread():
+    """Tiny models gain nothing from intra-op threads, and on a loaded machine OpenMP spinning
+    makes each op ~100x slower; restored afterwards for other test modules."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 class _PathState(pl.Callback):
     """Puts a ``pathlib.Path`` into the checkpoint, as a user callback legitimately might."""
 

@@ -24,6 +24,16 @@ WT = "MKTAYIAKQRQISFVKSHFSRQ"
 SHARED = Path(__file__).resolve().parents[1] / ".." / "shared" / "data" / "dms"
 
 
+@pytest.fixture(autouse=True)
+def _one_thread():
+    """Tiny models gain nothing from intra-op threads, and on a loaded machine OpenMP spinning
+    makes each op ~100x slower; restored afterwards for other test modules."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 def read_csv(path: Path, delimiter: str = ",") -> list[list[str]]:
     with open(path, newline="", encoding="utf-8") as fh:
         return list(csv.reader(fh, delimiter=delimiter))

@@ -1,11 +1,18 @@
 """Streaming, validating FASTA(.gz) reader built on Biopython's ``SimpleFastaParser``.
 
 Biopython parses, but it silently skips text before the first header, deletes spaces inside
-sequences and cannot say on which line a record starts. So Biopython iterates a thin line source
-(:class:`_BlockSource`) that reads the file in ~1 MiB blocks cut at record boundaries and, once
-per block, notes each record's header line, raw length and id. Per record the reader then costs a
-few C-level string calls; only a record that fails a check is re-scanned line by line, to name
-the exact line and column of the problem.
+sequences and cannot say on which line a record starts. So the file is read in ~1 MiB blocks cut
+at record boundaries (:class:`_BlockSource`), and each block takes one of two paths:
+
+* fast (:func:`_fast_block`, a clean ASCII block, the usual case): the sequence lines of every
+  record are joined in bulk in C (``bytes.replace``/``str.split`` over the whole block), so
+  ``SimpleFastaParser`` sees two lines per record; letters are checked for the whole block at
+  once, line numbers follow from the line lengths, ids are checked for duplicates per block.
+* exact (:func:`_exact_block`, a block with any problem, or with non-ASCII text):
+  ``SimpleFastaParser`` iterates the raw lines and each record is located and checked on its
+  own, so every problem is named with its exact line and column.
+
+Both paths give the same records and errors (tests compare them on blocks of a few bytes).
 
 Documented normalisations (nothing else is altered, nothing else is dropped):
 
@@ -157,7 +164,7 @@ class DuplicateIdChecker:
     """
 
     _MERGE_FACTOR = 4
-    _LONG_ID = 256  # bytes; longer ids are hashed one by one
+    _LONG_ID = 64  # characters; longer ids are hashed one by one
     _SEED = np.uint64(0x243F6A8885A308D3)
     _M1 = np.uint64(0xBF58476D1CE4E5B9)
     _M2 = np.uint64(0x94D049BB133111EB)
@@ -172,48 +179,38 @@ class DuplicateIdChecker:
     def hash_ids(cls, ids: Sequence[str]) -> np.ndarray:
         """uint64 hash per id, a function of the id alone (not of the batch it came in).
 
-        The UTF-8 bytes of the ids are gathered into a zero-padded matrix and mixed 8 bytes
-        (one column) at a time, each row only over its own columns; ids longer than
-        ``_LONG_ID`` bytes (which would make the matrix huge) are hashed one by one.
+        8-byte words of the UCS-4 text are mixed column by column; a row skips the all-zero
+        words, which are the padding up to the batch's longest id (ids hold no NUL). Ids
+        longer than ``_LONG_ID`` characters, which would make the matrix huge, are hashed one
+        by one with blake2b.
         """
-        m = len(ids)
-        joined = "".join(ids)
-        if joined.isascii():
-            buf = joined.encode("ascii")
-            lens = np.fromiter(map(len, ids), np.int64, m)
-        else:
-            enc = [i.encode("utf-8", "surrogatepass") for i in ids]
-            buf = b"".join(enc)
-            lens = np.fromiter(map(len, enc), np.int64, m)
-        offsets = np.cumsum(lens) - lens
-        h = np.empty(m, dtype=np.uint64)
-        long = lens > cls._LONG_ID
-        if long.any():
-            for i in np.flatnonzero(long).tolist():
-                raw = buf[offsets[i] : offsets[i] + lens[i]]
+        arr = np.array(ids, dtype=str)
+        width = arr.dtype.itemsize // 4
+        if width > cls._LONG_ID:
+            lens = np.fromiter(map(len, ids), np.int64, len(ids))
+            h = np.empty(len(ids), dtype=np.uint64)
+            for i in np.flatnonzero(lens > cls._LONG_ID).tolist():
+                raw = ids[i].encode("utf-8", "surrogatepass")
                 h[i] = np.frombuffer(blake2b(raw, digest_size=8).digest(), np.uint64)[0]
-        short = np.flatnonzero(~long)
-        if short.size == 0:
+            short = np.flatnonzero(lens <= cls._LONG_ID)
+            if short.size:
+                h[short] = cls.hash_ids([ids[i] for i in short.tolist()])
             return h
-        slens, soffs = lens[short], offsets[short]
-        words = (slens + 7) // 8
-        width = int(words.max())
-        cols = np.arange(8 * width)
-        inside = cols < slens[:, None]
-        mat = np.zeros((short.size, 8 * width), dtype=np.uint8)
-        mat[inside] = np.frombuffer(buf, np.uint8)[(soffs[:, None] + cols)[inside]]
-        mat = mat.view(np.uint64)
-        hs = np.full(short.size, cls._SEED, dtype=np.uint64) ^ slens.astype(np.uint64)
+        if width % 2:
+            width += 1
+            arr = arr.astype(f"U{width}")
+        cols = arr.view(np.uint64).reshape(len(ids), width // 2)
+        h = np.full(len(ids), cls._SEED, dtype=np.uint64)
         s29, s31, s27 = np.uint64(29), np.uint64(31), np.uint64(27)
-        for j in range(width):
-            x = hs ^ mat[:, j]
+        for j in range(width // 2):
+            col = cols[:, j]
+            x = h ^ col
             x *= cls._M1
             x ^= x >> s29
-            hs = np.where(j < words, x, hs)  # a row's hash never sees padding columns
-        hs ^= hs >> s31  # splitmix64 finaliser
-        hs *= cls._M2
-        hs ^= hs >> s27
-        h[short] = hs
+            h = np.where(col != 0, x, h)
+        h ^= h >> s31  # splitmix64 finaliser
+        h *= cls._M2
+        h ^= h >> s27
         return h
 
     def check(self, ids: Sequence[str], tags: np.ndarray | Sequence[int]) -> np.ndarray:
@@ -432,6 +429,19 @@ class _Validator:
         # What normalisation can repair: lower case of an allowed letter and a '*' (a stop).
         fixable = {c.lower() for c in letters} | set(letters) | {"*"}
         self.fixable_bytes = "".join(sorted(fixable)).encode("ascii")
+        # A quick sufficient test: every byte is an upper-case letter and none is one of the
+        # few upper-case letters not allowed (J for ESM-2); '.', '-' etc. need translate.
+        upper = {chr(c) for c in range(65, 91)}
+        self.missing_upper = [c.encode("ascii") for c in sorted(upper - self.allowed)]
+        self.quick = len(self.missing_upper) <= 4
+
+    def all_allowed(self, residues: bytes) -> bool:
+        """Whether every byte is an allowed letter (numpy range test, else ``translate``)."""
+        if self.quick:
+            arr = np.frombuffer(residues, np.uint8) - np.uint8(65)
+            if (arr < 26).all() and not any(c in residues for c in self.missing_upper):
+                return True
+        return not residues.translate(None, self.allowed_bytes)
 
     def normalise(
         self, seq: str, text: str, start: int, end: int, line: int
@@ -635,7 +645,9 @@ def _fast_block(blk: bytes, number: int, line: int, v: _Validator) -> _Block | N
     if mark is None:
         return None
     arr = np.frombuffer(blk, np.uint8)
-    pre = np.flatnonzero((arr[:-1] == 10) & (arr[1:] == 62))  # the newline before a header
+    gt = np.flatnonzero(arr == 62)  # '>' is rare outside header starts: a sparse scan
+    gt = gt[gt > 0]
+    pre = gt[arr[gt - 1] == 10] - 1  # the newline before each header but the first
     starts = [0, *(pre + 1).tolist()]  # header starts (the block starts with one)
     m = len(starts)
     ends = np.fromiter(map(blk.find, _repeat(b"\n"), starts), np.int64, m)  # header line ends
@@ -652,12 +664,9 @@ def _fast_block(blk: bytes, number: int, line: int, v: _Validator) -> _Block | N
     lens = np.fromiter(map(len, lines), np.int64, 2 * m)
     if lens[1::2].min() == 0:
         return None  # only blank lines after a header
-    # Letters: what translate leaves of the whole text, beyond what it leaves of the headers.
-    headers = "".join(lines[0::2]).encode("ascii")
-    if len(flat.translate(None, v.allowed_bytes + mark)) != len(
-        headers.translate(None, v.allowed_bytes)
-    ):
-        bad = "".join(lines[1::2]).encode("ascii").translate(None, v.allowed_bytes)
+    residues = "".join(lines[1::2]).encode("ascii")
+    if not v.all_allowed(residues):
+        bad = residues.translate(None, v.allowed_bytes)
         fixed = v.normalise_all(lines[1::2], bad)
         if fixed is None:
             return None

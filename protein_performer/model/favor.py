@@ -226,6 +226,8 @@ class _ExpFeatures(torch.autograd.Function):
     def backward(ctx, grad_f, _grad_mu):
         x, W, scale, f = ctx.saved_tensors
         dt = grad_f * f  # (BH, L, M)
+        # A feature that underflowed to 0 gets no gradient (avoids inf * 0 at extreme logits).
+        dt.masked_fill_(f == 0, 0.0)
         dx = dt @ W.to(dt.dtype)  # (BH, L, d)
         if scale is not None:
             dx.mul_(scale)
@@ -500,7 +502,8 @@ def exact_attention_map(
     L, d = q.shape[-2], q.shape[-1]
     sl = query_slice if query_slice is not None else slice(0, L)
     pos = torch.arange(L, device=q.device)
-    logits = (q[..., sl, :].float() @ k.float().transpose(-1, -2)) / math.sqrt(d)  # (B,H,W,L)
+    dtype = torch.promote_types(q.dtype, torch.float32)
+    logits = (q[..., sl, :].to(dtype) @ k.to(dtype).transpose(-1, -2)) / math.sqrt(d)  # (B,H,W,L)
     allowed = torch.ones_like(logits, dtype=torch.bool)
     if causal:
         allowed = allowed & (pos[sl][:, None] >= pos[None, :])

@@ -177,6 +177,8 @@ class _CausalLinearAttention(torch.autograd.Function):
         F = M * (dv + 1)
         # out = num / den  ->  dnum = g / den, dden = -(g . out) / den
         dy = torch.cat([grad_out, -(grad_out * out).sum(-1, keepdim=True)], dim=-1) / den
+        # A row whose normalizer underflowed outputs the constant 0: no gradient through it.
+        dy.masked_fill_(den == torch.finfo(torch.float32).tiny, 0.0)
         vx = torch.cat([v, v.new_ones(BH, L, 1)], dim=-1)
         q4 = _pad_chunks(qf, Lp, 0.0).view(BH, n, C, M)
         k4 = _pad_chunks(kf, Lp, 0.0).view(BH, n, C, M)

@@ -1,0 +1,381 @@
+#!/usr/bin/env python
+"""Per-sequence embedding time and peak memory: our Performer vs the ESM-2 8M architecture.
+
+What is compared (random weights everywhere: no download, and speed does not depend on them):
+
+* ``performer``: ``PerformerLM`` at the ESM-2 8M shape (6 layers, dim 320, 20 heads, ffn 1280)
+  with FAVOR+ attention, m = 256 random features;
+* ``esm``: fair-esm's ``esm.model.esm2.ESM2`` (materialized L x L attention), as users run it;
+* ``hf``: transformers' ``EsmModel`` with ``attn_implementation="sdpa"``.
+
+One sequence per forward (batch 1), inference mode, float32, the last layer's representation
+requested. Every case runs in a fresh process (``--case``), so allocator caches and earlier
+cases do not pollute peak memory; a case that exceeds ``--timeout`` is recorded as ``timeout``,
+and the longer lengths of that implementation are then ``skipped``.
+
+Time: the best of ``--repeats`` forwards after a short warm-up forward (L = 64).
+Peak memory: on CPU the peak RSS during the timed forwards minus the RSS just before them (model,
+input and libraries excluded; freed heap is returned to the OS with ``malloc_trim`` first), from
+``ru_maxrss`` when the forward raised it, else from a 2 ms psutil sampler. On CUDA,
+``torch.cuda.max_memory_allocated`` minus the allocation before the forward.
+
+Targets (issue 5): >= 1.5x faster than hf-SDPA at L = 4096 and >= 4x at L = 16384, peak memory
+<= 2x hf-SDPA's, time(32k)/time(4k) <= 9 for ours, titin (34,350 aa) in one pass under 4 GiB.
+
+Examples::
+
+    python scripts/bench_embed.py --quick
+    python scripts/bench_embed.py --out bench_embed.csv --timeout 600
+    python scripts/bench_embed.py --device cuda --lengths 1024 4096 16384 32768
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import csv
+import ctypes
+import gc
+import json
+import logging
+import os
+import resource
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:  # runnable from a checkout without `pip install -e .`
+    sys.path.insert(0, str(REPO))
+
+log = logging.getLogger("bench_embed")
+
+IMPLS = ("performer", "hf", "esm")
+ESM2_8M = {"layers": 6, "dim": 320, "heads": 20, "ffn": 1280}
+TITIN = REPO / ".." / "shared" / "data" / "sequences" / "long_proteins.fasta"
+COLUMNS = ("impl", "case", "length", "device", "threads", "status", "time_s", "peak_mib", "note")
+GIB = 1024**3
+
+
+# --------------------------------------------------------------------------------------------
+# Child: one case in a fresh process
+# --------------------------------------------------------------------------------------------
+def _build(impl: str, length: int) -> tuple[Any, Any]:
+    """(model, forward(tokens)) for an implementation; raises ImportError when not installed."""
+    import torch
+
+    if impl == "performer":
+        from protein_performer.model.config import PerformerConfig
+        from protein_performer.model.performer import PerformerLM
+
+        config = PerformerConfig(
+            dim=ESM2_8M["dim"],
+            depth=ESM2_8M["layers"],
+            heads=ESM2_8M["heads"],
+            ff_dim=ESM2_8M["ffn"],
+            nb_features=256,
+            attention="favor",
+        )
+        model = PerformerLM(config)
+        return model, lambda t: model(t, repr_layers=[-1]).hidden_states[config.depth]
+    if impl == "esm":
+        import esm  # fair-esm
+
+        alphabet = esm.data.Alphabet.from_architecture("ESM-1b")
+        model = esm.model.esm2.ESM2(
+            num_layers=ESM2_8M["layers"],
+            embed_dim=ESM2_8M["dim"],
+            attention_heads=ESM2_8M["heads"],
+            alphabet=alphabet,
+        )
+        return model, lambda t: model(t, repr_layers=[ESM2_8M["layers"]])["representations"][6]
+    if impl == "hf":
+        from transformers import EsmConfig, EsmModel
+
+        config = EsmConfig(
+            vocab_size=33,
+            hidden_size=ESM2_8M["dim"],
+            num_hidden_layers=ESM2_8M["layers"],
+            num_attention_heads=ESM2_8M["heads"],
+            intermediate_size=ESM2_8M["ffn"],
+            position_embedding_type="rotary",
+            max_position_embeddings=max(1026, length + 2),
+            token_dropout=True,
+            mask_token_id=32,
+            pad_token_id=1,
+            emb_layer_norm_before=False,
+        )
+        config._attn_implementation = "sdpa"
+        model = EsmModel(config, add_pooling_layer=False)
+        return model, lambda t: model(input_ids=t, attention_mask=torch.ones_like(t))[0]
+    raise ValueError(impl)
+
+
+def _rss() -> int:
+    import psutil
+
+    return psutil.Process().memory_info().rss
+
+
+def _trim() -> None:
+    gc.collect()
+    with contextlib.suppress(OSError):  # not glibc: nothing to trim
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+
+
+def run_case(case: dict[str, Any]) -> dict[str, Any]:
+    """Measure one (impl, length) in this process; returns the result row."""
+    import torch
+
+    if case.get("threads"):
+        torch.set_num_threads(int(case["threads"]))
+    device = torch.device(case["device"])
+    length = int(case["length"])
+    model, forward = _build(case["impl"], length)
+    model.to(device).eval()
+    g = torch.Generator().manual_seed(0)
+    if case.get("sequence"):
+        from protein_performer.data.tokenizer import Alphabet
+
+        ids = Alphabet().encode_with_specials(case["sequence"])
+        tokens = torch.as_tensor(ids)[None]
+        length = len(case["sequence"])
+    else:
+        body = torch.randint(4, 24, (1, length), generator=g)  # standard amino acids
+        tokens = torch.cat([torch.zeros(1, 1, dtype=torch.long), body, torch.full((1, 1), 2)], 1)
+    tokens = tokens.to(device)
+    with torch.inference_mode():
+        forward(tokens[:, :64])  # warm-up: kernels, lazy init
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            base = torch.cuda.memory_allocated()
+        _trim()
+        rss0 = _rss()
+        max0 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+        sampled = [rss0]
+        stop = threading.Event()
+
+        def sample() -> None:
+            while not stop.is_set():
+                sampled.append(_rss())
+                time.sleep(0.002)
+
+        sampler = threading.Thread(target=sample, daemon=True)
+        sampler.start()
+        times = []
+        for _ in range(int(case.get("repeats", 1))):
+            start = time.perf_counter()
+            out = forward(tokens)
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            times.append(time.perf_counter() - start)
+            del out
+        stop.set()
+        sampler.join()
+    if device.type == "cuda":
+        peak = torch.cuda.max_memory_allocated() - base
+    else:
+        max1 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+        peak = (max1 if max1 > max0 else max(sampled)) - rss0
+    return {"time_s": min(times), "peak_mib": peak / 2**20, "length": length}
+
+
+# --------------------------------------------------------------------------------------------
+# Parent: orchestrate fresh processes, write the CSV, print the targets
+# --------------------------------------------------------------------------------------------
+def _spawn(case: dict[str, Any], timeout: float) -> dict[str, Any]:
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--case", json.dumps(case)]
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=REPO)
+    except subprocess.TimeoutExpired:
+        return {"status": "timeout", "note": f"over {timeout:.0f} s"}
+    for line in proc.stdout.splitlines():
+        if line.startswith("RESULT "):
+            return {"status": "ok", **json.loads(line[7:])}
+    err = (proc.stderr.strip().splitlines() or ["no output"])[-1]
+    if "ImportError" in err or "ModuleNotFoundError" in err:
+        return {"status": "not installed", "note": err[-200:]}
+    if proc.returncode < 0 or "out of memory" in err.lower() or "MemoryError" in err:
+        return {"status": "oom", "note": err[-200:]}
+    return {"status": "error", "note": err[-200:]}
+
+
+def _installed(impl: str) -> str | None:
+    """None when importable, else the reason (a clear skip instead of a failed case)."""
+    import importlib.util
+
+    module = {"esm": "esm", "hf": "transformers", "performer": "protein_performer"}[impl]
+    if importlib.util.find_spec(module) is None:
+        pkg = {"esm": "fair-esm==2.0.0", "hf": "transformers"}.get(impl, module)
+        return f"{module} is not installed (pip install {pkg}); skipped"
+    return None
+
+
+def _titin(path: Path) -> str | None:
+    if not path.is_file():
+        return None
+    from protein_performer.data.fasta import read_fasta
+
+    for rec in read_fasta(path):
+        if "TITIN" in rec.id.upper():
+            return rec.sequence
+    return None
+
+
+def _fmt(row: dict[str, Any]) -> str:
+    if row["status"] != "ok":
+        return f"{row['status']}" + (f" ({row['note']})" if row.get("note") else "")
+    return f"{row['time_s']:.3f} s, {row['peak_mib']:.0f} MiB"
+
+
+def summarize(rows: list[dict[str, Any]]) -> list[str]:
+    """Ratios against the issue's targets, as printable lines."""
+    ok = {(r["impl"], r["case"]): r for r in rows if r["status"] == "ok"}
+    lines = []
+
+    def get(impl: str, case: str) -> dict[str, Any] | None:
+        return ok.get((impl, case))
+
+    for L, target in ((4096, 1.5), (16384, 4.0)):
+        ours, hf = get("performer", str(L)), get("hf", str(L))
+        if ours and hf:
+            speed = hf["time_s"] / ours["time_s"]
+            mem = ours["peak_mib"] / max(hf["peak_mib"], 1e-9)
+            lines.append(
+                f"L={L}: {speed:.2f}x faster than hf-SDPA (target >= {target}x: "
+                f"{'PASS' if speed >= target else 'FAIL'}); peak memory {mem:.2f}x hf-SDPA's "
+                f"(target <= 2x: {'PASS' if mem <= 2 else 'FAIL'})"
+            )
+        else:
+            lines.append(f"L={L}: no ratio (performer or hf case missing)")
+    for L in (1024, 4096, 16384, 32768):
+        ours, esm = get("performer", str(L)), get("esm", str(L))
+        if ours and esm:
+            lines.append(
+                f"L={L}: {esm['time_s'] / ours['time_s']:.2f}x faster than fair-esm, peak memory "
+                f"{ours['peak_mib'] / max(esm['peak_mib'], 1e-9):.3f}x fair-esm's"
+            )
+    t4, t32 = get("performer", "4096"), get("performer", "32768")
+    if t4 and t32:
+        ratio = t32["time_s"] / t4["time_s"]
+        lines.append(
+            f"time(32k)/time(4k) = {ratio:.2f} (target <= 9, linear = 8: "
+            f"{'PASS' if ratio <= 9 else 'FAIL'})"
+        )
+    titin = get("performer", "titin")
+    if titin:
+        gib = titin["peak_mib"] / 1024
+        lines.append(
+            f"titin ({titin['length']} aa) in one pass: {titin['time_s']:.1f} s, peak "
+            f"{gib:.2f} GiB (target < 4 GiB: {'PASS' if gib < 4 else 'FAIL'})"
+        )
+    return lines
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0],
+        epilog=__doc__[__doc__.index("Targets") :],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--lengths", type=int, nargs="+", default=[1024, 4096, 16384, 32768])
+    parser.add_argument("--impls", nargs="+", choices=IMPLS, default=list(IMPLS))
+    parser.add_argument("--device", default="cpu", help="cpu or cuda (default: cpu)")
+    parser.add_argument("--threads", type=int, default=0, help="torch threads (0 = default)")
+    parser.add_argument("--repeats", type=int, default=1, help="timed forwards; best is kept")
+    parser.add_argument("--timeout", type=float, default=900.0, help="seconds per case")
+    parser.add_argument(
+        "--esm-max-len",
+        type=int,
+        default=4096,
+        help="longest L for fair-esm, whose L x L attention needs ~heads*L^2*4 bytes per "
+        "layer (16k: 20 GiB); longer is recorded as skipped (default 4096)",
+    )
+    parser.add_argument(
+        "--hf-max-len",
+        type=int,
+        default=16384,
+        help="longest L for transformers (quadratic time: 32k takes many minutes on a CPU); "
+        "longer is recorded as skipped (default 16384)",
+    )
+    parser.add_argument("--titin", type=Path, default=TITIN, help="FASTA holding TITIN_HUMAN")
+    parser.add_argument("--no-titin", action="store_true", help="skip the titin case")
+    parser.add_argument("--quick", action="store_true", help="L = 256, 512 and no titin")
+    parser.add_argument("--out", type=Path, default=Path("bench_embed.csv"), help="CSV output")
+    parser.add_argument("--case", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.case:
+        print("RESULT " + json.dumps(run_case(json.loads(args.case))), flush=True)
+        return 0
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    if args.quick:
+        args.lengths, args.no_titin = [256, 512], True
+
+    rows: list[dict[str, Any]] = []
+    base = {"device": args.device, "threads": args.threads or os.cpu_count()}
+    for impl in args.impls:
+        missing = _installed(impl)
+        failed = False
+        for L in sorted(args.lengths):
+            row = {"impl": impl, "case": str(L), "length": L, **base, "note": ""}
+            if missing:
+                row.update(status="not installed", note=missing)
+            elif failed:
+                row.update(status="skipped", note="a shorter length failed or timed out")
+            elif impl == "esm" and args.esm_max_len < L:
+                row.update(status="skipped", note=f"L > --esm-max-len {args.esm_max_len}")
+            elif impl == "hf" and args.hf_max_len < L:
+                row.update(status="skipped", note=f"L > --hf-max-len {args.hf_max_len}")
+            else:
+                case = {
+                    "impl": impl,
+                    "length": L,
+                    "device": args.device,
+                    "threads": args.threads,
+                    "repeats": args.repeats,
+                }
+                row.update(_spawn(case, args.timeout))
+                failed = row["status"] != "ok"
+            rows.append(row)
+            log.info("%-9s L=%-6d %s", impl, L, _fmt(row))
+    if not args.no_titin and "performer" in args.impls:
+        seq = _titin(args.titin)
+        row = {"impl": "performer", "case": "titin", "length": len(seq or ""), **base, "note": ""}
+        if seq is None:
+            row.update(status="skipped", note=f"no TITIN_HUMAN record in {args.titin}")
+        else:
+            case = {
+                "impl": "performer",
+                "length": len(seq),
+                "sequence": seq,
+                "device": args.device,
+                "threads": args.threads,
+                "repeats": 1,
+            }
+            row.update(_spawn(case, args.timeout))
+        rows.append(row)
+        log.info("%-9s titin    %s", "performer", _fmt(row))
+
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    with open(args.out, "w", newline="", encoding="utf-8") as fh:
+        writer = csv.DictWriter(fh, fieldnames=COLUMNS, extrasaction="ignore")
+        writer.writeheader()
+        for row in rows:
+            writer.writerow({k: row.get(k, "") for k in COLUMNS})
+    print(f"{'impl':<10} {'case':>7} {'time':>10} {'peak':>10}  status")
+    for r in rows:
+        t = f"{r['time_s']:.3f} s" if r["status"] == "ok" else "-"
+        m = f"{r['peak_mib']:.0f} MiB" if r["status"] == "ok" else "-"
+        print(f"{r['impl']:<10} {r['case']:>7} {t:>10} {m:>10}  {r['status']} {r.get('note', '')}")
+    for line in summarize(rows):
+        print(line)
+    print(f"csv: {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

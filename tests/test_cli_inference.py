@@ -1,0 +1,212 @@
+"""The inference subcommands end to end through ``protein_performer.cli.main.main``."""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import h5py
+import pytest
+import torch
+
+from protein_performer.cli.main import main
+from protein_performer.inference.loading import export_model
+from tests.test_embedding import tiny_loaded
+from tests.test_loading import fit_checkpoint
+
+WT = "MKTAYIAKQRQISFVKSHFSRQ"
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    """Tiny models: one intra-op thread (see tests/test_embedding.py)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    tmp = tmp_path_factory.mktemp("cli")
+    ckpt, _ = fit_checkpoint(tmp)
+    clm = export_model(tiny_loaded("clm"), tmp / "clm_export")
+    fasta = tmp / "in.fasta"
+    fasta.write_text(f">sp|P1|A_HUMAN first\n{WT}\n>b\nMLLAVLYCLAVF\n")
+    wt = tmp / "wt.fasta"
+    wt.write_text(f">wt\n{WT}\n")
+    dms = tmp / "dms.csv"
+    dms.write_text("mutant,fit\nK2R,1\nT3S:Q9E,2\nA2R,3\nQ9E,0.5\n")
+    return {"ckpt": ckpt, "clm": clm, "fasta": fasta, "wt": wt, "dms": dms, "tmp": tmp}
+
+
+def test_embed(files, tmp_path: Path, capsys) -> None:
+    out = tmp_path / "e.h5"
+    argv = [
+        "embed",
+        str(files["ckpt"]),
+        str(files["fasta"]),
+        str(out),
+        "--repr-layers",
+        "0",
+        "-1",
+        "--include",
+        "mean",
+        "per_tok",
+        "bos",
+        "--toks-per-batch",
+        "64",
+        "--device",
+        "cpu",
+        "--no-progress",
+    ]
+    assert main(argv) == 0
+    assert "embedded 2 record(s)" in capsys.readouterr().out
+    with h5py.File(out) as f:
+        assert sorted(f["records"]) == ["b", "sp_P1_A_HUMAN"]
+        assert f["records"]["sp_P1_A_HUMAN"]["per_tok"]["2"].shape == (len(WT), 16)
+
+
+def test_score_both_objectives(files, tmp_path: Path, capsys) -> None:
+    assert (
+        main(
+            [
+                "score",
+                str(files["ckpt"]),
+                str(files["fasta"]),
+                str(tmp_path / "s.csv"),
+                "--device",
+                "cpu",
+                "--no-progress",
+            ]
+        )
+        == 0
+    )
+    assert "with pseudo-ppl" in capsys.readouterr().out
+    with open(tmp_path / "s.csv", newline="") as fh:
+        rows = list(csv.DictReader(fh))
+    assert [r["id"] for r in rows] == ["sp|P1|A_HUMAN", "b"] and rows[0]["n_scored"] == "22"
+    assert (
+        main(
+            [
+                "score",
+                str(files["clm"]),
+                str(files["fasta"]),
+                str(tmp_path / "s.tsv"),
+                "--strategy",
+                "causal",
+                "--no-progress",
+            ]
+        )
+        == 0
+    )
+    assert (tmp_path / "s.tsv").read_text().startswith("id\tlength\tn_scored")
+    # Mismatch: one error line, status 2, no file.
+    assert (
+        main(
+            [
+                "score",
+                str(files["ckpt"]),
+                str(files["fasta"]),
+                str(tmp_path / "x.csv"),
+                "--strategy",
+                "causal",
+                "--no-progress",
+            ]
+        )
+        == 2
+    )
+    err = capsys.readouterr().err
+    assert err.startswith("error: strategy 'causal' needs a causal-LM") and "Traceback" not in err
+    assert not (tmp_path / "x.csv").exists()
+
+
+def test_score_variants(files, tmp_path: Path, capsys) -> None:
+    out = tmp_path / "v.csv"
+    assert (
+        main(
+            [
+                "score-variants",
+                str(files["ckpt"]),
+                "--wt",
+                str(files["wt"]),
+                "--mutations",
+                str(files["dms"]),
+                "--out",
+                str(out),
+                "--label-col",
+                "fit",
+                "--no-progress",
+            ]
+        )
+        == 0
+    )
+    printed = capsys.readouterr()
+    assert "scored 3 of 4 row(s) with masked-marginals" in printed.out
+    assert "Spearman rho vs 'fit'" in printed.out and "(n = 3)" in printed.out
+    with open(out, newline="") as fh:
+        rows = list(csv.reader(fh))
+    assert rows[0] == ["mutant", "fit", "masked-marginals"] and rows[3][2] == ""
+
+
+def test_export_and_eval(files, tmp_path: Path, capsys) -> None:
+    out = tmp_path / "exp"
+    assert main(["export", str(files["ckpt"]), str(out)]) == 0
+    assert (out / "config.json").is_file() and (out / "model.safetensors").is_file()
+    assert main(["export", str(files["ckpt"]), str(out)]) == 2
+    assert "--overwrite" in capsys.readouterr().err
+    assert (
+        main(
+            [
+                "eval",
+                f"ckpt={out}",
+                f"data={files['fasta']}",
+                f"out_dir={tmp_path / 'ev'}",
+                "progress=false",
+                "bins=[15]",
+            ]
+        )
+        == 0
+    )
+    printed = capsys.readouterr().out
+    assert "<=15" in printed and ">15" in printed
+    metrics = json.loads((tmp_path / "ev" / "metrics.json").read_text())
+    assert metrics["overall"]["records"] == 2
+    assert [b["records"] for b in metrics["bins"]] == [1, 1]
+    assert (tmp_path / "ev" / "bins.csv").read_text().startswith("bin,records,tokens")
+    assert main(["eval", f"data={files['fasta']}"]) == 2
+    assert "ckpt=" in capsys.readouterr().err
+
+
+def test_console_script_corrupt_checkpoint(files, tmp_path: Path) -> None:
+    bad = tmp_path / "bad.ckpt"
+    bad.write_bytes(files["ckpt"].read_bytes()[:2000])
+    exe = shutil.which("protein-performer", path=str(Path(sys.executable).parent))
+    cmd = [exe] if exe else [sys.executable, "-m", "protein_performer.cli.main"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(
+        [*cmd, "embed", str(bad), str(files["fasta"]), str(tmp_path / "o.h5")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+    )
+    assert proc.returncode == 2
+    assert proc.stderr.startswith("error: ") and str(bad) in proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert not (tmp_path / "o.h5").exists()
+
+
+def test_inference_demo_step(files, tmp_path: Path) -> None:
+    from protein_performer.inference.demo import run_inference_demo
+
+    out = run_inference_demo(files["ckpt"], files["fasta"], tmp_path / "demo", progress=False)
+    assert set(out) == {"embeddings", "scores", "export"}
+    assert all(Path(p).exists() for p in out.values())
+    with open(out["scores"], newline="") as fh:
+        assert [r["id"] for r in csv.DictReader(fh)] == ["sp|P1|A_HUMAN", "b"]

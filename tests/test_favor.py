@@ -1,0 +1,596 @@
+"""Tests for the FAVOR attention core: the nine checks of ../shared/FAVOR.md and the API contract.
+
+Statistical tests are seeded and compare against the math with tolerances from the sample's own
+standard errors (|mean - truth| < 5 SE; empirical MSE vs Lemma 2's closed forms within 5 SE of
+the MSE estimate). Heavier studies carry @pytest.mark.slow.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from protein_performer.model.favor import (
+    KERNELS,
+    FavorAttention,
+    causal_linear_attention,
+    draw_omega,
+    exact_attention,
+    exact_attention_map,
+    favor_attention,
+    oprf_coefficients,
+    oprf_rho,
+    random_features,
+)
+
+torch.set_num_threads(min(2, torch.get_num_threads()))
+
+
+def gen(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+def qkv(B=2, H=2, L=40, d=8, seed=0, scale=1.0, dtype=torch.float64):
+    g = gen(seed)
+    return tuple(torch.randn(B, H, L, d, generator=g, dtype=dtype) * scale for _ in range(3))
+
+
+def module(kernel="softmax", causal=False, d=8, m=16, seed=1, **kw) -> FavorAttention:
+    attn = FavorAttention(d, m, causal=causal, kernel=kernel, generator=gen(seed), **kw).double()
+    if kernel == "softmax_opt" and causal:
+        attn.oprf_rho.fill_(0.3)
+    return attn.eval()
+
+
+def per_draw_estimates(x, y, d, m, draws, kernel, seed, orthogonal=False, rho=None):
+    """`draws` independent estimates of the kernel at (x, y), each with m omega rows."""
+    g = gen(seed)
+    est = []
+    for _ in range(draws):
+        om = draw_omega(m, d, orthogonal=orthogonal, generator=g).double()
+        fx = random_features(x[None], om, kernel, rho=rho)[0]
+        fy = random_features(y[None], om, kernel, rho=rho)[0]
+        est.append(fx @ fy)
+    return torch.stack(est)
+
+
+def batched_estimates(x, y, d, m, draws, kernel, seed, rho=None):
+    """Same as per_draw_estimates with IID omega, vectorized: one (draws*m, d) draw."""
+    om = torch.randn(draws * m, d, generator=gen(seed), dtype=torch.float64)
+    fx = random_features(x[None], om, kernel, rho=rho)[0]
+    fy = random_features(y[None], om, kernel, rho=rho)[0]
+    width = 2 * m if kernel in ("softmax_hyp", "trig") else m
+    prod = fx * fy  # scaled for draws*m rows: rescale each group of m to its own estimate
+    if kernel in ("softmax_hyp", "trig"):
+        prod = torch.stack([prod[: draws * m], prod[draws * m :]], dim=-1).reshape(-1)
+        prod = prod.reshape(draws, m, 2).reshape(draws, width)
+    return prod.reshape(draws, width).sum(-1) * draws
+
+
+def pair(d, norm_x, norm_y, cos, seed):
+    """x, y with given norms and cosine (already temperature-scaled)."""
+    g = gen(seed)
+    a = torch.randn(d, generator=g, dtype=torch.float64)
+    a = a / a.norm()
+    b = torch.randn(d, generator=g, dtype=torch.float64)
+    b = b - (b @ a) * a
+    b = b / b.norm()
+    return norm_x * a, norm_y * (cos * a + math.sqrt(1 - cos**2) * b)
+
+
+def check_mean_and_mse(est, truth, mse_closed):
+    n = est.numel()
+    err = est - truth
+    se_mean = est.std() / math.sqrt(n)
+    assert abs(est.mean() - truth) < 5 * se_mean, (float(est.mean()), truth, float(se_mean))
+    sq = err.pow(2)
+    mse, se_mse = sq.mean(), sq.std() / math.sqrt(n)
+    assert abs(mse - mse_closed) < 5 * se_mse, (float(mse), mse_closed, float(se_mse))
+    return float(mse), float(se_mse)
+
+
+# --------------------------------------------------------------------------- check 1: kernel
+
+
+@pytest.mark.parametrize("cos", [0.8, -0.5])
+def test_positive_features_unbiased_with_lemma2_mse(cos):
+    d, m, draws = 16, 8, 20000
+    x, y = pair(d, 0.6, 0.5, cos, seed=3)
+    est = batched_estimates(x, y, d, m, draws, "softmax", seed=4)
+    sm = math.exp(float(x @ y))
+    z2 = float((x + y).pow(2).sum())
+    mse_pos = math.exp(z2) * sm**2 * (1 - math.exp(-z2)) / m
+    check_mean_and_mse(est, sm, mse_pos)
+    assert bool((random_features(x[None], torch.randn(5, d, dtype=torch.float64)) > 0).all())
+
+
+@pytest.mark.parametrize("cos", [0.8, -0.5])
+def test_trig_features_unbiased_with_lemma2_mse(cos):
+    d, m, draws = 16, 8, 20000
+    x, y = pair(d, 0.6, 0.5, cos, seed=5)
+    est = batched_estimates(x, y, d, m, draws, "trig", seed=6)
+    sm = math.exp(float(x @ y))
+    z2 = float((x + y).pow(2).sum())
+    delta2 = float((x - y).pow(2).sum())
+    mse_trig = math.exp(z2) * sm**-2 * (1 - math.exp(-delta2)) ** 2 / (2 * m)
+    check_mean_and_mse(est, sm, mse_trig)
+
+
+def test_hyperbolic_unbiased_and_beats_plain_with_twice_the_features():
+    d, m, draws = 16, 8, 20000
+    x, y = pair(d, 0.7, 0.7, 0.5, seed=7)
+    sm = math.exp(float(x @ y))
+    hyp = batched_estimates(x, y, d, m, draws, "softmax_hyp", seed=8)
+    plain = batched_estimates(x, y, d, 2 * m, draws, "softmax", seed=9)
+    z2 = float((x + y).pow(2).sum())
+    check_mean_and_mse(plain, sm, math.exp(z2) * sm**2 * (1 - math.exp(-z2)) / (2 * m))
+    se = hyp.std() / math.sqrt(draws)
+    assert abs(hyp.mean() - sm) < 5 * se
+    e_h, e_p = (hyp - sm).pow(2), (plain - sm).pow(2)
+    se_diff = math.sqrt(e_h.var() / draws + e_p.var() / draws)
+    assert e_h.mean() < e_p.mean() - 3 * se_diff
+
+
+def test_iid_loop_and_vectorized_estimates_agree_in_distribution():
+    """The vectorized estimator used above is the same estimator as drawing omega per trial."""
+    d, m = 8, 4
+    x, y = pair(d, 0.5, 0.5, 0.3, seed=10)
+    loop = per_draw_estimates(x, y, d, m, 3000, "softmax", seed=11)
+    vec = batched_estimates(x, y, d, m, 3000, "softmax", seed=12)
+    se = math.sqrt(loop.var() / 3000 + vec.var() / 3000)
+    assert abs(loop.mean() - vec.mean()) < 5 * se
+    assert 0.8 < float(loop.var() / vec.var()) < 1.25
+
+
+# --------------------------------------------------------------------------- FAVOR++ (OPRF)
+
+
+def test_oprf_coefficients_minimise_the_averaged_second_moment():
+    d = 16
+    for rho in (0.0, 0.1, 0.5, 2.0):
+        a, b, log_d = (float(t) for t in oprf_coefficients(torch.tensor(rho, dtype=torch.float64), d))
+        assert a <= 0.0 and abs(b**2 - (1 - 4 * a)) < 1e-12
+        assert abs(log_d - d / 4 * math.log(1 - 4 * a)) < 1e-9
+
+        def objective(aa):  # log E[f(x)^2 f(y)^2] averaged over pairs, up to constants
+            return (
+                d * math.log(1 - 4 * aa)
+                - d / 2 * math.log(1 - 8 * aa)
+                + 2 * (1 - 4 * aa) / (1 - 8 * aa) * rho * d
+            )
+
+        grid = [a + delta for delta in (-1e-3, 1e-3, -0.05, 0.05) if a + delta < 0.12]
+        assert all(objective(a) <= objective(g) + 1e-12 for g in grid)
+    assert float(oprf_coefficients(torch.tensor(0.0, dtype=torch.float64), d)[0]) == 0.0  # plain FAVOR+ at rho = 0
+
+
+def test_oprf_rho_matches_pairwise_definition_and_ignores_pads():
+    g = gen(13)
+    x, y = torch.randn(2, 7, 5, generator=g, dtype=torch.float64).unbind(0)
+    pairs = (x[:, None, :] + y[None, :, :]).pow(2).sum(-1).mean() / 5
+    assert torch.allclose(oprf_rho(x, y), pairs)
+    keep = torch.tensor([True] * 5 + [False] * 2)
+    x2 = x.clone()
+    x2[5:] = 1e3
+    assert torch.allclose(oprf_rho(x2, y, keep, keep), oprf_rho(x[:5], y[:5]))
+
+
+def oprf_variance(x, y, rho, m):
+    d = x.numel()
+    a, b, log_d = (float(t) for t in oprf_coefficients(torch.tensor(rho, dtype=torch.float64), d))
+    nx, ny, z2 = float(x @ x), float(y @ y), float((x + y) @ (x + y))
+    second = math.exp(
+        4 * log_d - nx - ny - d / 2 * math.log(1 - 8 * a) + 2 * b**2 * z2 / (1 - 8 * a)
+    )
+    return (second - math.exp(2 * float(x @ y))) / m
+
+
+def test_oprf_unbiased_with_closed_form_mse_and_lower_variance_than_positive():
+    """OPRF must be unbiased and beat positive features when ||x + y|| is not small.
+
+    At |x| = |y| = 1.2, x orthogonal to y (rho = 0.18) the closed forms give a variance ratio
+    of 0.50; larger norms help more but make the positive estimator too heavy-tailed to test.
+    """
+    d, m, draws = 16, 8, 20000
+    x, y = pair(d, 1.2, 1.2, 0.0, seed=14)
+    rho = float((x + y).pow(2).sum()) / d  # the single-pair statistic
+    sm = math.exp(float(x @ y))
+    opt = batched_estimates(x, y, d, m, draws, "softmax_opt", seed=15, rho=rho)
+    pos = batched_estimates(x, y, d, m, draws, "softmax", seed=16)
+    mse_opt, se_opt = check_mean_and_mse(opt, sm, oprf_variance(x, y, rho, m))
+    z2 = float((x + y).pow(2).sum())
+    mse_pos, _ = check_mean_and_mse(pos, sm, math.exp(z2) * sm**2 * (1 - math.exp(-z2)) / m)
+    assert oprf_variance(x, y, rho, m) < 0.55 * oprf_variance(x, y, 0.0, m)  # closed forms
+    assert mse_opt + 5 * se_opt < mse_pos
+
+
+# --------------------------------------------------------------------------- checks 2-4
+
+
+def attention_mse(q, k, v, ref, m, seeds, orthogonal=True, kernel="softmax"):
+    d = q.shape[-1]
+    out = []
+    for seed in seeds:
+        om = draw_omega(m, d, orthogonal=orthogonal, generator=gen(seed)).double()
+        out.append(float((favor_attention(q, k, v, om, kernel=kernel) - ref).pow(2).mean()))
+    return torch.tensor(out, dtype=torch.float64)
+
+
+def normalized_qkv(L, d, seed, logit_scale=1.0):
+    q, k, v = qkv(1, 1, L, d, seed=seed)
+    q = q / q.norm(dim=-1, keepdim=True) * d**0.5 * logit_scale**0.5
+    k = k / k.norm(dim=-1, keepdim=True) * d**0.5 * logit_scale**0.5
+    return q, k, v
+
+
+@pytest.mark.parametrize("m", [4, 8, 16])
+def test_orthogonal_features_beat_iid(m):
+    q, k, v = normalized_qkv(64, 16, seed=18, logit_scale=0.5)
+    ref = exact_attention(q, k, v)
+    orf = attention_mse(q, k, v, ref, m, range(1000, 1120), orthogonal=True)
+    iid = attention_mse(q, k, v, ref, m, range(2000, 2120), orthogonal=False)
+    se = math.sqrt(orf.var() / orf.numel() + iid.var() / iid.numel())
+    assert orf.mean() < iid.mean() - 2 * se, (float(orf.mean()), float(iid.mean()), se)
+
+
+def test_positive_beats_trig_where_the_kernel_is_small():
+    """Fig. 2 regime: x^T y << 0. Kernel level (closed forms and sample) and attention level."""
+    d, m, draws = 16, 8, 20000
+    x, y = pair(d, 1.0, 1.0, -0.9, seed=19)
+    sm = math.exp(float(x @ y))
+    z2, delta2 = float((x + y).pow(2).sum()), float((x - y).pow(2).sum())
+    mse_pos = math.exp(z2) * sm**2 * (1 - math.exp(-z2)) / m
+    mse_trig = math.exp(z2) * sm**-2 * (1 - math.exp(-delta2)) ** 2 / (2 * m)
+    assert mse_pos < 0.05 * mse_trig
+    pos = batched_estimates(x, y, d, m, draws, "softmax", seed=20)
+    trig = batched_estimates(x, y, d, m, draws, "trig", seed=21)
+    check_mean_and_mse(pos, sm, mse_pos)
+    check_mean_and_mse(trig, sm, mse_trig)
+    # Attention with mostly small kernel values (anti-aligned queries and keys).
+    q, k, v = normalized_qkv(128, 16, seed=22, logit_scale=2.0)
+    k = -k + 0.3 * torch.randn(k.shape, generator=gen(23), dtype=torch.float64)
+    ref = exact_attention(q, k, v)
+    e_pos = attention_mse(q, k, v, ref, 64, range(400, 408), kernel="softmax")
+    e_trig = attention_mse(q, k, v, ref, 32, range(400, 408), kernel="trig")  # 64 features too
+    assert e_pos.mean() < e_trig.mean()
+
+
+def convergence(L, d, ms, seeds):
+    q, k, v = normalized_qkv(L, d, seed=24, logit_scale=0.25)
+    ref = exact_attention(q, k, v)
+    return [float(attention_mse(q, k, v, ref, m, seeds).mean()) for m in ms]
+
+
+def test_error_falls_as_features_grow():
+    errs = convergence(512, 16, [16, 64, 256], range(500, 504))
+    assert errs[0] > errs[1] > errs[2]
+    assert errs[2] < 0.25 * errs[0]  # ~1/16 in theory (MSE ~ 1/m)
+
+
+@pytest.mark.slow
+def test_error_falls_as_features_grow_paper_setup():
+    """The paper's Fig. 4 setup: L = 4096, d = 16; MSE should shrink roughly like 1/m."""
+    errs = convergence(4096, 16, [16, 32, 64, 128, 256], range(600, 610))
+    assert all(a > b for a, b in zip(errs, errs[1:], strict=False))
+    assert errs[-1] < 0.25 * errs[0]
+
+
+# --------------------------------------------------------------------------- check 5: rows
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+@pytest.mark.parametrize("causal", [False, True])
+def test_rows_sum_to_one_and_attention_map_matches_forward(kernel, causal):
+    B, H, L, d = 1, 2, 24, 8
+    q, k, v = qkv(B, H, L, d, seed=25)
+    attn = module(kernel, causal, d=d, chunk_size=5, block_size=7)
+    eye = torch.eye(L, dtype=torch.float64).expand(B, H, L, L)
+    implied = attn(q, k, eye)  # (B, H, L, L): row t = attention weights of query t
+    assert torch.allclose(implied.sum(-1), torch.ones(B, H, L, dtype=torch.float64), atol=1e-9)
+    if causal:
+        assert float(implied.triu(1).abs().max()) < 1e-12
+    amap = attn.attention_map(q, k, query_slice=slice(3, 17))
+    assert amap.shape == (B, H, 14, L)
+    assert torch.allclose(amap.sum(-1), torch.ones(B, H, 14, dtype=torch.float64), atol=1e-9)
+    assert torch.allclose(amap, implied[:, :, 3:17], atol=1e-9)
+    assert torch.allclose(amap @ v, attn(q, k, v)[:, :, 3:17], atol=1e-9)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_exact_attention_map_matches_exact_attention(causal):
+    q, k, v = qkv(2, 2, 20, 8, seed=26)
+    pad = torch.zeros(2, 20, dtype=torch.bool)
+    pad[1, 15:] = True
+    amap = exact_attention_map(q, k, causal=causal, key_padding_mask=pad, query_slice=slice(2, 9))
+    ref = exact_attention(q, k, v, causal=causal, key_padding_mask=pad)
+    assert torch.allclose(amap.sum(-1), torch.ones(2, 2, 7, dtype=torch.float64))
+    assert torch.allclose(amap @ v, ref[:, :, 2:9], atol=1e-10)
+
+
+# --------------------------------------------------------------------------- check 6: causality
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+@pytest.mark.parametrize("chunk", [1, 4, 16])
+def test_appending_future_tokens_leaves_past_outputs_unchanged(kernel, chunk):
+    q, k, v = qkv(2, 2, 30, 8, seed=27)
+    attn = module(kernel, True, chunk_size=chunk)
+    before = attn(q, k, v)
+    extra = qkv(2, 2, 11, 8, seed=28, scale=6.0)  # large-norm future keys test the stabilizer
+    after = attn(*(torch.cat([a, b], dim=2) for a, b in zip((q, k, v), extra, strict=True)))
+    assert torch.allclose(after[:, :, :30], before, rtol=1e-9, atol=1e-12)
+
+
+def test_future_keys_do_not_move_past_gradients():
+    q, k, v = qkv(1, 2, 20, 8, seed=29)
+    attn = module("softmax", True, chunk_size=6)
+    k2 = k.clone().requires_grad_()
+    k_long = torch.cat([k2, 5 * torch.randn(1, 2, 9, 8, dtype=torch.float64)], dim=2)
+    q_long = torch.cat([q, torch.randn(1, 2, 9, 8, dtype=torch.float64)], dim=2)
+    v_long = torch.cat([v, torch.randn(1, 2, 9, 8, dtype=torch.float64)], dim=2)
+    attn(q_long, k_long, v_long)[:, :, :20].sum().backward()
+    k1 = k.clone().requires_grad_()
+    attn(q, k1, v).sum().backward()
+    assert torch.allclose(k2.grad, k1.grad, atol=1e-10)
+
+
+# --------------------------------------------------------------------------- check 7: padding
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+@pytest.mark.parametrize("causal", [False, True])
+def test_padding_invariance(kernel, causal):
+    B, H, L, d, extra = 2, 2, 12, 8, 9
+    q, k, v = qkv(B, H, L, d, seed=30)
+    attn = module(kernel, causal, d=d, chunk_size=5, block_size=8)
+    garbage = qkv(B, H, extra, d, seed=31, scale=20.0)  # huge values must not matter
+    padded = [torch.cat([a, b], dim=2) for a, b in zip((q, k, v), garbage, strict=True)]
+    mask = torch.zeros(B, L + extra, dtype=torch.bool)
+    mask[:, L:] = True
+    # Sequence 1 is shorter: its own pads in the middle of the unpadded length too.
+    mask[1, 8:] = True
+    out = attn(*padded, key_padding_mask=mask)
+    ref0 = attn(q[:1], k[:1], v[:1])
+    ref1 = attn(q[1:, :, :8], k[1:, :, :8], v[1:, :, :8])
+    assert torch.allclose(out[:1, :, :L], ref0, atol=1e-10)
+    assert torch.allclose(out[1:, :, :8], ref1, atol=1e-10)
+    assert torch.isfinite(out).all()
+    ex = exact_attention(*padded, causal=causal, key_padding_mask=mask)
+    assert torch.allclose(ex[:1, :, :L], exact_attention(q[:1], k[:1], v[:1], causal=causal))
+
+
+def test_left_padding_causal_is_finite_and_invariant():
+    q, k, v = qkv(1, 1, 10, 8, seed=32)
+    attn = module("softmax", True, chunk_size=4)
+    pads = qkv(1, 1, 6, 8, seed=33, scale=10.0)
+    padded = [torch.cat([b, a], dim=2) for a, b in zip((q, k, v), pads, strict=True)]
+    mask = torch.zeros(1, 16, dtype=torch.bool)
+    mask[:, :6] = True
+    out = attn(*padded, key_padding_mask=mask)
+    assert torch.isfinite(out).all()
+    assert torch.allclose(out[:, :, 6:], attn(q, k, v), atol=1e-10)
+    ex = exact_attention(*padded, causal=True, key_padding_mask=mask)
+    assert torch.isfinite(ex).all() and float(ex[:, :, :6].abs().max()) == 0.0
+
+
+# --------------------------------------------------------------------------- check 8: chunks
+
+
+def dense_reference(q, k, v, omega, kernel, causal, rho=None):
+    """phi(Q) phi(K)^T masked and normalized, from the unstabilized public feature map."""
+    d = q.shape[-1]
+    x, y = q * d**-0.25, k * d**-0.25
+    kw = {} if rho is None else {"rho": rho}
+    a = random_features(x, omega, kernel, **kw) @ random_features(y, omega, kernel, **kw).mT
+    if causal:
+        a = a.tril()
+    return (a @ v) / a.sum(-1, keepdim=True)
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+@pytest.mark.parametrize("chunk", [1, 3, 8, 17, 64])
+def test_chunked_causal_equals_dense_reference_values_and_grads(kernel, chunk):
+    q, k, v = (t.requires_grad_() for t in qkv(1, 2, 37, 8, seed=34, scale=0.8))
+    attn = module(kernel, True, chunk_size=chunk)
+    attn.chunk_size = chunk
+    rho = 0.3 if kernel == "softmax_opt" else None
+    ref = dense_reference(q, k, v, attn.omega, kernel, True, rho)
+    out = attn(q, k, v)
+    tol = 1e-6 if kernel == "trig" else 1e-9
+    assert torch.allclose(out, ref, rtol=tol, atol=tol)
+    w = torch.randn(out.shape, generator=gen(35), dtype=torch.float64)
+    g_out = torch.autograd.grad((out * w).sum(), (q, k, v))
+    g_ref = torch.autograd.grad((ref * w).sum(), (q, k, v))
+    for a, b in zip(g_out, g_ref, strict=True):
+        assert torch.allclose(a, b, rtol=tol * 100, atol=tol * 100)
+
+
+@pytest.mark.parametrize("kernel", ["softmax", "softmax_hyp", "relu"])
+def test_bidirectional_equals_dense_reference_values_and_grads(kernel):
+    q, k, v = (t.requires_grad_() for t in qkv(1, 2, 37, 8, seed=36, scale=0.8))
+    attn = module(kernel, False, block_size=10)
+    ref = dense_reference(q, k, v, attn.omega, kernel, False)
+    out = attn(q, k, v)
+    assert torch.allclose(out, ref, atol=1e-10)
+    g_out = torch.autograd.grad(out.pow(2).sum(), (q, k, v))
+    g_ref = torch.autograd.grad(ref.pow(2).sum(), (q, k, v))
+    for a, b in zip(g_out, g_ref, strict=True):
+        assert torch.allclose(a, b, atol=1e-8)
+
+
+def test_softmax_opt_bidirectional_uses_per_head_statistics():
+    q, k, v = qkv(1, 2, 30, 8, seed=37)
+    attn = module("softmax_opt", False)
+    rho = oprf_rho(q * 8**-0.25, k * 8**-0.25)  # (1, 2)
+    out = attn(q, k, v)
+    for h in range(2):
+        ref = dense_reference(q[:, h], k[:, h], v[:, h], attn.omega, "softmax_opt", False,
+                              rho[0, h])
+        assert torch.allclose(out[:, h], ref, atol=1e-10)
+
+
+@pytest.mark.parametrize("chunk,segment", [(1, 3), (4, 8), (5, 100)])
+@pytest.mark.parametrize("jumpy", [False, True])
+def test_causal_backward_gradcheck(chunk, segment, jumpy):
+    """float64 gradcheck of the custom backward; jumpy mu exercises the exact-decay path."""
+    g = gen(38)
+    qf = torch.rand(1, 13, 3, generator=g, dtype=torch.float64).requires_grad_()
+    kf = torch.rand(1, 13, 3, generator=g, dtype=torch.float64).requires_grad_()
+    v = torch.randn(1, 13, 2, generator=g, dtype=torch.float64).requires_grad_()
+    steps = torch.rand(1, 13, generator=g, dtype=torch.float64) * (100.0 if jumpy else 1.0)
+    mu = steps.cumsum(-1)
+
+    def fn(a, b, c):
+        return causal_linear_attention(a, b, c, mu, chunk, segment)
+
+    assert torch.autograd.gradcheck(fn, (qf, kf, v))
+
+
+def test_causal_linear_attention_is_invariant_to_the_stabilizer():
+    """Only kf * exp(mu) matters: shifting the split between kf and mu changes nothing."""
+    g = gen(39)
+    qf = torch.rand(1, 20, 4, generator=g, dtype=torch.float64)
+    kf = torch.rand(1, 20, 4, generator=g, dtype=torch.float64)
+    v = torch.randn(1, 20, 3, generator=g, dtype=torch.float64)
+    mu = (torch.rand(1, 20, generator=g, dtype=torch.float64) * 3).cumsum(-1)
+    a = causal_linear_attention(qf, kf, v, mu, 6)
+    b = causal_linear_attention(qf, kf * torch.exp(mu)[..., None], v, None, 6)
+    assert torch.allclose(a, b, atol=1e-12)
+
+
+# --------------------------------------------------------------------------- RNN mode
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_step_equals_parallel_causal(kernel):
+    B, H, L, d = 2, 2, 19, 8
+    q, k, v = qkv(B, H, L, d, seed=40)
+    attn = module(kernel, True, chunk_size=4)
+    mask = torch.zeros(B, L, dtype=torch.bool)
+    mask[1, 12:] = True
+    par = attn(q, k, v, key_padding_mask=mask)
+    state, outs = None, []
+    for t in range(L):
+        state, o = attn.step(state, q[:, :, t], k[:, :, t], v[:, :, t], key_padding_mask=mask[:, t])
+        outs.append(o)
+    seq = torch.stack(outs, dim=2)
+    assert state.kv.shape == (B, H, attn.feature_dim, d + 1)
+    tol = 1e-7 if kernel == "trig" else 1e-10
+    assert torch.allclose(seq, par, rtol=tol, atol=tol)
+
+
+def test_step_rejects_bidirectional():
+    attn = module("softmax", False)
+    q = torch.randn(1, 1, 8, dtype=torch.float64)
+    with pytest.raises(RuntimeError):
+        attn.step(None, q, q, q)
+
+
+# --------------------------------------------------------------------------- check 9: numerics
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_long_sequence_is_finite(causal):
+    L = 65536
+    g = gen(41)
+    q, k, v = (torch.randn(1, 1, L, 8, generator=g).requires_grad_() for _ in range(3))
+    attn = FavorAttention(8, 16, causal=causal, generator=gen(42))
+    out = attn(q, k, v)
+    assert out.shape == (1, 1, L, 8) and torch.isfinite(out).all()
+    out.pow(2).mean().backward()
+    assert all(torch.isfinite(t.grad).all() for t in (q, k, v))
+
+
+@pytest.mark.parametrize("kernel", ["softmax", "softmax_hyp", "softmax_opt", "relu"])
+@pytest.mark.parametrize("causal", [False, True])
+def test_large_norm_inputs_under_bf16_autocast_are_finite(kernel, causal):
+    q, k, v = qkv(1, 2, 300, 16, seed=43, scale=30.0, dtype=torch.float32)
+    attn = FavorAttention(16, 32, causal=causal, kernel=kernel, generator=gen(44), chunk_size=64)
+    q, k, v = (t.bfloat16().requires_grad_() for t in (q, k, v))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = attn(q, k, v)
+    assert out.dtype == torch.bfloat16 and torch.isfinite(out.float()).all()
+    out.float().sum().backward()
+    assert all(torch.isfinite(t.grad.float()).all() for t in (q, k, v))
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_bf16_autocast_computes_features_in_float32(causal):
+    """With bf16 inputs, the only error left is the final cast (relative 2^-8)."""
+    q, k, v = (t.bfloat16() for t in qkv(1, 2, 64, 16, seed=45, scale=1.5, dtype=torch.float32))
+    attn = FavorAttention(16, 64, causal=causal, generator=gen(46))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        low = attn(q, k, v)
+    ref = attn(q.float(), k.float(), v.float())
+    assert low.dtype == torch.bfloat16
+    err = (low.float() - ref).abs()
+    assert bool((err <= 2**-8 * ref.abs() + 1e-6).all()), float(err.max())
+
+
+# --------------------------------------------------------------------------- API and omega
+
+
+def test_shapes_exact_attention_and_accuracy_at_large_m():
+    q, k, v = qkv(2, 3, 50, 16, seed=47, scale=0.5)
+    for causal in (False, True):
+        ref = exact_attention(q, k, v, causal=causal)
+        manual = torch.softmax(
+            (q @ k.mT / 4).masked_fill(
+                causal & ~torch.ones(50, 50, dtype=torch.bool).tril(), float("-inf")
+            ),
+            -1,
+        ) @ v
+        assert torch.allclose(ref, manual, atol=1e-10)
+        attn = module("softmax_hyp", causal, d=16, m=2048)
+        out = attn(q, k, v)
+        assert out.shape == (2, 3, 50, 16)
+        rel = (out - ref).norm() / ref.norm()
+        base = (v.mean(-2, keepdim=True).expand_as(ref) - ref).norm() / ref.norm()
+        assert rel < 0.25 * base
+
+
+def test_redraw_changes_omega_reproducibly_and_lives_in_state_dict():
+    attn = FavorAttention(8, 24, generator=gen(48))
+    first = attn.omega.clone()
+    attn.redraw(gen(49))
+    assert not torch.equal(first, attn.omega)
+    other = FavorAttention(8, 24, generator=gen(50))
+    other.redraw(gen(49))
+    assert torch.equal(other.omega, attn.omega)
+    sd = attn.state_dict()
+    assert "omega" in sd and sd["omega"].shape == (24, 8)
+    fresh = FavorAttention(8, 24, generator=gen(51))
+    fresh.load_state_dict(sd)
+    q, k, v = qkv(1, 1, 10, 8, seed=52, dtype=torch.float32)
+    assert torch.equal(fresh(q, k, v), attn(q, k, v))
+
+
+def test_omega_rows_orthogonal_within_blocks_and_chi_norms():
+    om = draw_omega(40, 16, generator=gen(53)).double()
+    block = om[:16] / om[:16].norm(dim=1, keepdim=True)
+    assert torch.allclose(block @ block.T, torch.eye(16, dtype=torch.float64), atol=1e-5)
+    fixed = draw_omega(40, 16, norm="fixed", generator=gen(54))
+    assert torch.allclose(fixed.norm(dim=1), torch.full((40,), 4.0), atol=1e-4)
+    # chi norms: E|w|^2 = d, sample of many rows within 5 SE.
+    big = draw_omega(4000, 16, generator=gen(55)).double().pow(2).sum(1)
+    assert abs(big.mean() - 16) < 5 * big.std() / math.sqrt(4000)
+
+
+def test_causal_softmax_opt_statistic_is_fixed_and_updated_only_in_training():
+    attn = FavorAttention(8, 16, causal=True, kernel="softmax_opt", generator=gen(56))
+    q, k, v = qkv(1, 1, 12, 8, seed=57, dtype=torch.float32)
+    attn.eval()
+    attn(q, k, v)
+    assert float(attn.oprf_rho) == 0.0
+    attn.train()
+    attn(q, k, v)
+    assert float(attn.oprf_rho) > 0.0
+    with pytest.raises(ValueError):
+        favor_attention(q, k, v, attn.omega, kernel="softmax_opt", causal=True)
+
+
+def test_unknown_kernel_is_rejected():
+    with pytest.raises(ValueError):
+        FavorAttention(8, 16, kernel="gaussian")
