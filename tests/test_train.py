@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import csv
+import json
 import math
 import os
 import shutil
@@ -93,7 +94,11 @@ def test_short_run_writes_checkpoints_metrics_and_tests(tmp_path: Path) -> None:
     assert sum(1 for r in rows if r["train/loss"]) == 4
     assert sum(1 for r in rows if r["val/loss"]) == 2  # validated at steps 2 and 4
     assert Path(result["curve"]).is_file()
-    assert (tmp_path / "training_curve.json").is_file()
+    curve = json.loads((tmp_path / "training_curve.json").read_text())
+    assert [s for s, _ in curve["train/loss"]] == [1, 2, 3, 4]
+    assert [s for s, _ in curve["val/loss"]] == [2, 4]
+    logged = [float(r["val/loss"]) for r in rows if r["val/loss"]]
+    assert [v for _, v in curve["val/loss"]] == pytest.approx(logged, rel=1e-6)
 
 
 def test_wandb_logger_offline(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -80,7 +80,9 @@ def _prefix_states(
     return prefix, out
 
 
-def _suffix_adjoints(z: Tensor, mu_e: Tensor, mu_b: Tensor, dstate: Tensor) -> tuple[Tensor, Tensor]:
+def _suffix_adjoints(
+    z: Tensor, mu_e: Tensor, mu_b: Tensor, dstate: Tensor
+) -> tuple[Tensor, Tensor]:
     """Adjoints dS of the state after each chunk of a segment (reverse scan, closed form).
 
     dS_{c-1} = dS_c exp(mu_b[c] - mu_e[c]) + z_c unrolls to weights exp(mu_e[c] - mu_b[c''])
@@ -289,7 +291,10 @@ def causal_linear_attention(
     if mu is None:
         mu = qf.new_zeros(qf.shape[:2])
     return _CausalLinearAttention.apply(
-        qf.contiguous(), kf.contiguous(), v.contiguous(), mu.detach().contiguous(),
+        qf.contiguous(),
+        kf.contiguous(),
+        v.contiguous(),
+        mu.detach().contiguous(),
         int(chunk_size),
         max(1, int(segment_size) // int(chunk_size)),
     )

@@ -108,7 +108,9 @@ class TrainingCurvePlot(Callback):
             self._last_step = step
             self.train.append((step, float(value)))
 
-    def on_validation_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+    def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        # Not on_validation_epoch_end: callbacks run that hook before the LightningModule's, so
+        # this epoch's val metrics are not logged yet there.
         if trainer.sanity_checking:
             return
         for key, points in self.val.items():
