@@ -65,26 +65,44 @@ class MultiHeadSelfAttention(nn.Module):
         materialized in the forward pass itself.
         """
         B, L, D = x.shape
-        q = self._split_heads(self.q_proj(x))
-        k = self._split_heads(self.k_proj(x))
+        q, k = self.rotated_qk(x)
         v = self._split_heads(self.v_proj(x))
-        q, k = self.rot_emb(q, k)
         if self.favor is not None:
             out = self.favor(q, k, v, key_padding_mask=padding_mask)
         else:
             out = exact_attention(q, k, v, causal=self.causal, key_padding_mask=padding_mask)
         out = out.transpose(1, 2).reshape(B, L, D)  # (B, H, L, d) -> (B, L, D)
         out = self.out_proj(out)
-
-        weights = None
-        if need_weights:
-            if heads is not None:
-                index = torch.as_tensor(list(heads), device=q.device, dtype=torch.long)
-                q, k = q.index_select(1, index), k.index_select(1, index)  # (B, H', L, d)
-            if self.favor is not None:
-                weights = self.favor.attention_map(q, k, key_padding_mask=padding_mask)
-            else:
-                weights = exact_attention_map(
-                    q, k, causal=self.causal, key_padding_mask=padding_mask
-                )
+        weights = self.attention_map(q, k, padding_mask, heads) if need_weights else None
         return out, weights
+
+    def rotated_qk(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(B, L, D) -> q, k (B, H, L, d) after rotary, unscaled: what the attention core sees.
+
+        Public so that ``inference.attention_maps`` can capture them from a forward hook
+        without repeating the projection and rotary logic.
+        """
+        q = self._split_heads(self.q_proj(x))
+        k = self._split_heads(self.k_proj(x))
+        return self.rot_emb(q, k)
+
+    def attention_map(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        padding_mask: torch.Tensor | None = None,
+        heads: Sequence[int] | None = None,
+        query_slice: slice | None = None,
+    ) -> torch.Tensor:
+        """Attention rows (B, H', W, L) of ``heads`` for the queries in ``query_slice`` (all
+        when None), from :meth:`rotated_qk`'s q, k; O(W L) memory, rows sum to 1."""
+        if heads is not None:
+            index = torch.as_tensor(list(heads), device=q.device, dtype=torch.long)
+            q, k = q.index_select(1, index), k.index_select(1, index)  # (B, H', L, d)
+        if self.favor is not None:
+            return self.favor.attention_map(
+                q, k, key_padding_mask=padding_mask, query_slice=query_slice
+            )
+        return exact_attention_map(
+            q, k, causal=self.causal, key_padding_mask=padding_mask, query_slice=query_slice
+        )
