@@ -73,7 +73,7 @@ def test_gzip_detected_by_magic_and_identical(tmp_path: Path) -> None:
 
 
 def test_records_spanning_block_boundaries(tmp_path: Path) -> None:
-    # Sequences long enough that 1 MiB blocks cut records; line numbers must stay exact.
+    # Sequences long enough that the (256 KiB) blocks cut records; line numbers must stay exact.
     seq = "ACDEFGHIKLMNPQRSTVWY" * 3000
     lines = "\n".join(seq[i : i + 60] for i in range(0, len(seq), 60))
     p = write(tmp_path, "".join(f">s{i}\n{lines}\n" for i in range(40)))

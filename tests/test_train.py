@@ -142,18 +142,19 @@ def test_cli_bad_override_is_a_clear_error(tmp_path: Path) -> None:
 
 
 def test_cli_error_inside_the_run_is_a_clear_error(tmp_path: Path) -> None:
-    missing = tmp_path / "nope.fasta"
+    # Raised inside the Hydra task (after Hydra made the run directory), not at composition.
+    missing = tmp_path / "nope.ckpt"
     proc = _cli(
         "train",
         "experiment=demo",
-        "debug=fdr",
-        f"data.path={missing}",
+        f"ckpt_path={missing}",
         f"hydra.run.dir={tmp_path / 'run'}",
         cwd=tmp_path,
     )
     assert proc.returncode == 2, proc.stderr
     assert "error:" in proc.stderr and str(missing) in proc.stderr
     assert "Traceback" not in proc.stderr + proc.stdout
+    assert (tmp_path / "run" / ".hydra").is_dir()
 
 
 def test_cli_help_lists_experiments() -> None:

@@ -25,6 +25,9 @@ SUBCOMMAND_MODULES: tuple[str, ...] = (
     "score",
     "score_variants",
     "export",
+    "convert_esm",
+    "contacts",
+    "visualize",
 )
 
 log = logging.getLogger("protein_performer")

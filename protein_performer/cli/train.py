@@ -64,7 +64,8 @@ def run(args: argparse.Namespace) -> int:
     from protein_performer.training.train import run_hydra
 
     result = run_hydra(args.overrides)
-    for key, label in (("last_checkpoint", "checkpoint"), ("curve", "curve")):
-        if result.get(key):
-            print(f"{label}: {result[key]}")
+    if result.get("global_rank", 0) == 0:  # one report per job, not one per DDP rank
+        for key in ("best_checkpoint", "last_checkpoint", "curve"):
+            if result.get(key):
+                print(f"{key.replace('_', ' ')}: {result[key]}")
     return 0

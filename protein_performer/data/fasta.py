@@ -1,7 +1,7 @@
 """Streaming, validating FASTA(.gz) reader built on Biopython's ``SimpleFastaParser``.
 
 Biopython parses, but it silently skips text before the first header, deletes spaces inside
-sequences and cannot say on which line a record starts. So the file is read in ~1 MiB blocks cut
+sequences and cannot say on which line a record starts. So the file is read in ~256 KiB blocks cut
 at record boundaries (:class:`_BlockSource`), and each block takes one of two paths:
 
 * fast (:func:`_fast_block`, a clean ASCII block, the usual case): the sequence lines of every
@@ -56,7 +56,11 @@ log = logging.getLogger(__name__)
 
 OnInvalid = Literal["error", "skip"]
 
-_BLOCK = 1 << 20  # bytes read per call; a block is this plus the rest of the record it cuts
+# Bytes read per call; a block is this plus the rest of the record it cuts. The fast path makes
+# about ten passes over a block, so it should stay in a core's L2 cache: 256 KiB measured
+# best (1 MiB: ~25% slower; 64 KiB: per-block overhead dominates).
+_BLOCK = 1 << 18
+_NOT_FASTA_AFTER = 1 << 20  # this much text without any header: not a FASTA file
 _GZIP_MAGIC = b"\x1f\x8b"
 _SKIP_HINT = "use --on-invalid skip to skip such records"
 _FILE_HINT = (
@@ -316,7 +320,7 @@ class _BlockSource:
             else:
                 pieces.append(chunk)
                 buffered += len(chunk)
-                if first and buffered > _BLOCK and pieces[0].lstrip()[:1] != b">":
+                if first and buffered > _NOT_FASTA_AFTER and pieces[0].lstrip()[:1] != b">":
                     raise self._file_error(
                         1,
                         "no FASTA header (a line starting with '>') in the first "

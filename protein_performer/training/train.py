@@ -144,7 +144,8 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     """Fit (and optionally test) the model described by ``cfg``.
 
     Returns ``metrics`` (final logged values, plus ``test/*`` when ``cfg.test``),
-    ``best_checkpoint``, ``last_checkpoint``, ``curve`` (PNG path or None) and ``output_dir``.
+    ``best_checkpoint``, ``last_checkpoint``, ``curve`` (PNG path or None), ``output_dir`` and
+    ``global_rank`` (under DDP every rank returns; only rank 0 has written the files).
     """
     import pytorch_lightning as pl
 
@@ -162,6 +163,11 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     datamodule = _instantiate(cfg.data, "data")
     module = _instantiate(cfg.model, "model")
     callbacks = _instantiate_dict(cfg, "callbacks")
+    if cfg.trainer.get("enable_progress_bar") is False:
+        # trainer.enable_progress_bar=false alone should be enough to turn the bar off.
+        from pytorch_lightning.callbacks import ProgressBar
+
+        callbacks = [c for c in callbacks if not isinstance(c, ProgressBar)]
     loggers = _instantiate_dict(cfg, "logger")
     trainer: pl.Trainer = _instantiate(
         cfg.trainer, "trainer", callbacks=callbacks, logger=loggers or False
@@ -194,6 +200,7 @@ def train(cfg: DictConfig) -> dict[str, Any]:
         "last_checkpoint": last,
         "curve": str(curve) if curve else None,
         "output_dir": str(trainer.default_root_dir),
+        "global_rank": trainer.global_rank,
     }
 
 

@@ -1,0 +1,91 @@
+"""``protein-performer convert-esm SRC OUT``: pretrained ESM-2 weights as an exported model."""
+
+from __future__ import annotations
+
+import argparse
+
+DESCRIPTION = """\
+Convert pretrained ESM-2 weights into protein-performer's exported model format
+(config.json + model.safetensors), usable by embed, score, score-variants and eval.
+
+SRC is a fair-esm checkpoint (.pt, e.g. esm2_t6_8M_UR50D.pt as esm.pretrained loads it) or a
+Hugging Face EsmForMaskedLM directory (config.json + model.safetensors, e.g. a local copy of
+facebook/esm2_t6_8M_UR50D). ESM-1 and ESM-1b (learned positions) are refused.
+
+--attention exact reproduces ESM-2's outputs (logits and hidden states to float32 round-off).
+--attention favor runs the same weights with FAVOR+ linear attention: any length, approximate
+outputs; fine-tune briefly to recover (conf/experiment/esm_favor_finetune.yaml). The random
+features are drawn from --seed, so the same command gives the same export.
+"""
+
+EPILOG = """\
+examples:
+  protein-performer convert-esm esm2_t6_8M_UR50D.pt esm2_8M_exact
+  protein-performer convert-esm hf/esm2_t6_8M_UR50D esm2_8M_favor --attention favor \\
+      --kernel softmax --nb-features 256 --seed 0
+  protein-performer embed esm2_8M_exact proteins.fasta emb.h5
+"""
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    from protein_performer.model.config import ATTENTIONS, KERNELS
+
+    p = subparsers.add_parser(
+        "convert-esm",
+        help="import ESM-2 weights (fair-esm .pt or Hugging Face directory)",
+        description=DESCRIPTION,
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("src", metavar="SRC", help="fair-esm .pt file or HF EsmForMaskedLM directory")
+    p.add_argument("out", metavar="OUT", help="output directory (must not exist or be empty)")
+    p.add_argument(
+        "--attention",
+        choices=ATTENTIONS,
+        default="exact",
+        help="exact (reproduces ESM-2) or favor (linear time, approximate); default: exact",
+    )
+    p.add_argument(
+        "--kernel",
+        choices=KERNELS,
+        default="softmax",
+        help="FAVOR+ feature map (default: softmax); ignored for exact",
+    )
+    p.add_argument(
+        "--nb-features",
+        type=int,
+        default=256,
+        metavar="M",
+        help="FAVOR+ random features per head (default: 256); ignored for exact",
+    )
+    p.add_argument(
+        "--seed", type=int, default=0, help="seed of the FAVOR+ random features (default: 0)"
+    )
+    p.add_argument("--overwrite", action="store_true", help="replace an existing export in OUT")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from protein_performer.errors import UserError
+    from protein_performer.inference.convert_esm import convert_esm
+
+    if args.nb_features <= 0:
+        raise UserError(f"--nb-features must be positive, got {args.nb_features}")
+    result = convert_esm(
+        args.src,
+        args.out,
+        attention=args.attention,
+        kernel=args.kernel,
+        nb_features=args.nb_features,
+        seed=args.seed,
+        overwrite=args.overwrite,
+        progress=print,
+    )
+    attn = result.config.attention
+    if attn == "favor":
+        attn = f"favor ({result.config.kernel}, m={result.config.nb_features}, seed {args.seed})"
+    print(
+        f"converted {result.kind} ESM-2 ({result.num_parameters:,} parameters, {attn} "
+        f"attention) -> {result.out}"
+    )
+    return 0

@@ -1,0 +1,591 @@
+"""Contact prediction from attention maps: ESM's recipe, fitted here (ESM never released it).
+
+Recipe (Rao et al. 2020, "Transformer protein language models are unsupervised structure
+learners"; ESM issue #249): every layer x head map of a sequence, BOS/EOS stripped, is
+symmetrized (A + A^T) and APC-corrected (A - a_i a_j / a, the average-product correction that
+removes the per-residue "background" attention, as in coevolution methods); the F = layers x
+heads values of a pair (i, j) are the features of an L1-regularized logistic regression fitted
+on pairs with |i - j| >= 6 of a few structures.
+
+Choices made here, and why:
+
+* Features are standardized for the fit (so the L1 penalty treats all heads alike whatever their
+  scale); the scaling is folded back, so the stored coefficients act on raw APC features.
+* ``C = 0.15`` (Rao et al.'s value) with liblinear. ``class_weight=None`` by default: precision
+  at top-k only depends on the ranking, and unweighted fits keep the probabilities calibrated;
+  ``balanced`` is available for heavily imbalanced, tiny fit sets.
+* The fit is stored as JSON (no pickle: loading never runs code) with the layers and heads it
+  uses and a fingerprint of the checkpoint's model config, so it is not silently applied to a
+  model whose features mean something else.
+
+Metrics are precision at L, L/2 and L/5 (top-scored pairs, L = sequence length) in the short
+(6-11), medium (12-23) and long (>= 24) separation ranges, counting only pairs whose two
+residues are observed in the structure. The null baseline feeds the same maps with rows and
+columns shuffled by one seeded permutation (the same on both axes, so each map stays a valid
+attention pattern with the same statistics) through the same regression and metrics: it tells
+how much of a score is position-specific signal rather than, say, a bias of the contact set.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import inspect
+import json
+import logging
+import math
+import os
+import tempfile
+import zlib
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from protein_performer.errors import UserError
+
+log = logging.getLogger(__name__)
+
+FORMAT_NAME = "protein_performer.contact_regression"
+FORMAT_VERSION = 1
+#: File name inside an export directory; beside a .ckpt it is ``<stem>.contact_regression.json``.
+REGRESSION_FILE = "contact_regression.json"
+MIN_SEPARATION = 6
+DEFAULT_C = 0.15
+#: name -> (lowest, highest or None) separation |i - j|, both inclusive.
+RANGES: dict[str, tuple[int, int | None]] = {
+    "short": (6, 11),
+    "medium": (12, 23),
+    "long": (24, None),
+}
+#: name -> divisor of L for the number of top pairs.
+TOPS: dict[str, int] = {"L": 1, "L/2": 2, "L/5": 5}
+METRICS: tuple[str, ...] = tuple(f"P@{t}_{r}" for r in RANGES for t in TOPS)
+
+
+# --------------------------------------------------------------------------------------------
+# Features
+# --------------------------------------------------------------------------------------------
+def symmetrize(x: np.ndarray) -> np.ndarray:
+    """A + A^T over the last two axes."""
+    return x + np.swapaxes(x, -1, -2)
+
+
+def apc(x: np.ndarray) -> np.ndarray:
+    """Average product correction over the last two axes: x_ij - (sum_i x_ij)(sum_j x_ij)/sum x.
+
+    Same formula as ESM's ``apc`` (``esm/modules.py``).
+    """
+    a1 = x.sum(-1, keepdims=True)
+    a2 = x.sum(-2, keepdims=True)
+    a12 = x.sum((-1, -2), keepdims=True)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        corr = np.where(a12 != 0, a1 * a2 / np.where(a12 != 0, a12, 1), 0.0)
+    return x - corr
+
+
+def contact_features(maps: np.ndarray) -> np.ndarray:
+    """(n_layers, n_heads, L, L) maps -> (L, L, F) APC(symmetrize(maps)), F layer-major."""
+    maps = np.asarray(maps, dtype=np.float32)
+    if maps.ndim != 4 or maps.shape[-1] != maps.shape[-2]:
+        raise ValueError(f"maps must be (layers, heads, L, L), got {maps.shape}")
+    n_layers, n_heads, L, _ = maps.shape
+    feats = apc(symmetrize(maps)).reshape(n_layers * n_heads, L, L)  # (F, L, L)
+    return np.ascontiguousarray(np.moveaxis(feats, 0, -1))  # (L, L, F)
+
+
+def upper_pairs(L: int, min_sep: int = MIN_SEPARATION) -> tuple[np.ndarray, np.ndarray]:
+    """Indices (i, j), i < j, with j - i >= min_sep."""
+    return np.triu_indices(L, k=max(int(min_sep), 1))
+
+
+def permutation_for(key: str, length: int, seed: int) -> np.ndarray:
+    """The null baseline's permutation of one protein: seeded by (seed, crc32 of its id), so a
+    protein's null does not depend on which other proteins are in the run."""
+    rng = np.random.default_rng([int(seed), zlib.crc32(key.encode("utf-8"))])
+    return rng.permutation(length)
+
+
+def permute_maps(maps: np.ndarray, perm: np.ndarray) -> np.ndarray:
+    """Rows and columns of every map reordered by the same permutation: M[p][:, p]."""
+    return maps[..., perm, :][..., :, perm]
+
+
+# --------------------------------------------------------------------------------------------
+# Regression
+# --------------------------------------------------------------------------------------------
+def config_fingerprint(config: Any) -> str:
+    """sha256 (first 16 hex) of the model config as canonical JSON: same architecture, same
+    attention type and kernel -> same fingerprint. It does not identify the weights."""
+    data = config.to_dict() if hasattr(config, "to_dict") else dict(config)
+    blob = json.dumps(data, sort_keys=True, default=str).encode("utf-8")
+    return hashlib.sha256(blob).hexdigest()[:16]
+
+
+def default_regression_path(ckpt: str | os.PathLike[str]) -> Path:
+    """Where a regression lives beside its checkpoint: inside an export directory, or next to a
+    ``.ckpt`` as ``<stem>.contact_regression.json``."""
+    path = Path(ckpt).expanduser()
+    if path.is_dir():
+        return path / REGRESSION_FILE
+    return path.with_name(f"{path.stem}.{REGRESSION_FILE}")
+
+
+@dataclass
+class ContactRegression:
+    """Logistic regression on APC features: p(contact) = sigmoid(features @ coef + intercept)."""
+
+    coef: np.ndarray  # (F,), F = len(layers) * len(heads), layer-major
+    intercept: float
+    layers: list[int]
+    heads: list[int]
+    config_fingerprint: str | None = None
+    meta: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.coef = np.asarray(self.coef, dtype=np.float64).reshape(-1)
+        if self.coef.size != len(self.layers) * len(self.heads):
+            raise UserError(
+                f"contact regression has {self.coef.size} coefficients but "
+                f"{len(self.layers)} layers x {len(self.heads)} heads = "
+                f"{len(self.layers) * len(self.heads)} features"
+            )
+
+    def coef_grid(self) -> np.ndarray:
+        """Coefficients as (n_layers, n_heads)."""
+        return self.coef.reshape(len(self.layers), len(self.heads))
+
+    def logits(self, features: np.ndarray) -> np.ndarray:
+        """(..., F) -> (...)."""
+        return features.astype(np.float64) @ self.coef + self.intercept
+
+    def predict(self, features: np.ndarray) -> np.ndarray:
+        """(L, L, F) features -> (L, L) contact probabilities (symmetric: features are)."""
+        return 1.0 / (1.0 + np.exp(-self.logits(features)))
+
+    def predict_maps(self, maps: np.ndarray) -> np.ndarray:
+        """(n_layers, n_heads, L, L) maps for exactly ``layers`` x ``heads`` -> (L, L)."""
+        if maps.shape[:2] != (len(self.layers), len(self.heads)):
+            raise ValueError(
+                f"maps are {maps.shape[:2]} layers x heads; the regression needs "
+                f"{(len(self.layers), len(self.heads))}"
+            )
+        return self.predict(contact_features(maps))
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "format": FORMAT_NAME,
+            "format_version": FORMAT_VERSION,
+            "layers": list(map(int, self.layers)),
+            "heads": list(map(int, self.heads)),
+            "feature_order": "layer-major: feature f = layer_index * len(heads) + head_index; "
+            "each the APC-corrected symmetrized residue x residue attention map",
+            "coef": [float(c) for c in self.coef],
+            "intercept": float(self.intercept),
+            "config_fingerprint": self.config_fingerprint,
+            **{k: v for k, v in self.meta.items() if k not in _RESERVED},
+        }
+
+    def save(self, path: str | os.PathLike[str]) -> Path:
+        """Write JSON atomically (temporary sibling + rename)."""
+        return write_text_atomic(Path(path), json.dumps(self.to_dict(), indent=2) + "\n")
+
+    @classmethod
+    def load(cls, path: str | os.PathLike[str]) -> ContactRegression:
+        path = Path(path).expanduser()
+        try:
+            data = json.loads(path.read_text(encoding="utf-8"))
+        except FileNotFoundError:
+            raise UserError(f"{path}: contact regression file not found") from None
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise UserError(f"{path}: not a readable JSON contact regression ({exc})") from None
+        if not isinstance(data, dict) or data.get("format") != FORMAT_NAME:
+            raise UserError(f"{path}: not a contact regression (format != {FORMAT_NAME})")
+        version = data.get("format_version")
+        if not isinstance(version, int) or version > FORMAT_VERSION:
+            raise UserError(
+                f"{path}: format version {version!r} is newer than this version reads "
+                f"({FORMAT_VERSION}); upgrade protein-performer"
+            )
+        try:
+            return cls(
+                coef=np.asarray(data["coef"], dtype=np.float64),
+                intercept=float(data["intercept"]),
+                layers=[int(i) for i in data["layers"]],
+                heads=[int(h) for h in data["heads"]],
+                config_fingerprint=data.get("config_fingerprint"),
+                meta={k: v for k, v in data.items() if k not in _RESERVED},
+            )
+        except (KeyError, TypeError, ValueError) as exc:
+            raise UserError(f"{path}: malformed contact regression ({exc!r}); refit it") from None
+
+    def check_model(self, config: Any, source: str = "the model") -> None:
+        """Refuse to run on a model whose config differs from the one the fit was made for."""
+        if self.config_fingerprint is None:
+            return
+        fp = config_fingerprint(config)
+        if fp != self.config_fingerprint:
+            raise UserError(
+                f"the contact regression was fitted for a model with config fingerprint "
+                f"{self.config_fingerprint}, but {source} has {fp} (different architecture or "
+                "attention); refit it with `protein-performer contacts CKPT ... --fit-on ...`"
+            )
+        if max(self.layers) > config.depth or max(self.heads) >= config.heads:
+            raise UserError(f"the contact regression uses layers/heads that {source} lacks")
+
+
+_RESERVED = (
+    "format",
+    "format_version",
+    "layers",
+    "heads",
+    "feature_order",
+    "coef",
+    "intercept",
+    "config_fingerprint",
+)
+
+
+def write_text_atomic(path: Path, text: str) -> Path:
+    """Write ``text`` to ``path`` via a temporary sibling and ``os.replace``: readers never see
+    a half-written file."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8", newline="") as fh:
+            fh.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return path
+
+
+def training_pairs(
+    features: np.ndarray, contacts: np.ndarray, valid: np.ndarray, min_sep: int = MIN_SEPARATION
+) -> tuple[np.ndarray, np.ndarray]:
+    """(n, F) features and (n,) labels of the scoreable pairs i < j, j - i >= min_sep."""
+    i, j = upper_pairs(features.shape[0], min_sep)
+    keep = valid[i, j]
+    return features[i[keep], j[keep]], contacts[i[keep], j[keep]].astype(np.int8)
+
+
+def _l1_logistic(C: float, class_weight: str | None, seed: int):
+    """sklearn's L1 logistic regression across versions (1.8 replaced ``penalty`` by
+    ``l1_ratio``; passing the wrong one would silently fit L2)."""
+    from sklearn.linear_model import LogisticRegression
+
+    params = inspect.signature(LogisticRegression).parameters
+    style = {"l1_ratio": 1.0} if params["penalty"].default == "deprecated" else {"penalty": "l1"}
+    return LogisticRegression(
+        C=C,
+        solver="liblinear",
+        class_weight=class_weight,
+        random_state=seed,
+        max_iter=1000,
+        **style,
+    )
+
+
+def fit_regression(
+    X: np.ndarray,
+    y: np.ndarray,
+    layers: Sequence[int],
+    heads: Sequence[int],
+    *,
+    C: float = DEFAULT_C,
+    class_weight: str | None = None,
+    seed: int = 0,
+    config_fp: str | None = None,
+    meta: dict[str, Any] | None = None,
+) -> ContactRegression:
+    """Fit on pair features ``X`` (n, F) and labels ``y`` (n,) (see :func:`training_pairs`)."""
+    X = np.asarray(X, dtype=np.float64)
+    y = np.asarray(y).astype(np.int64)
+    if X.ndim != 2 or X.shape[1] != len(layers) * len(heads):
+        raise ValueError(f"X must be (n, {len(layers) * len(heads)}), got {X.shape}")
+    if len(np.unique(y)) < 2:
+        raise UserError(
+            f"cannot fit a contact regression: the {len(y)} training pairs are all "
+            f"{'contacts' if y.all() else 'non-contacts'}; fit on more or larger structures"
+        )
+    if class_weight not in (None, "balanced"):
+        raise UserError(f"class_weight must be none or balanced, got {class_weight!r}")
+    mean = X.mean(0)
+    scale = X.std(0)
+    scale[scale == 0] = 1.0
+    model = _l1_logistic(C, class_weight, seed).fit((X - mean) / scale, y)
+    w = model.coef_.reshape(-1) / scale
+    b = float(model.intercept_[0] - (w * mean).sum())
+    info = {
+        "C": float(C),
+        "class_weight": class_weight,
+        "solver": "liblinear",
+        "standardized_fit": True,
+        "min_separation": MIN_SEPARATION,
+        "n_pairs": int(len(y)),
+        "n_contacts": int(y.sum()),
+        "n_nonzero": int((w != 0).sum()),
+        **(meta or {}),
+    }
+    return ContactRegression(w, b, list(layers), list(heads), config_fp, info)
+
+
+# --------------------------------------------------------------------------------------------
+# Metrics
+# --------------------------------------------------------------------------------------------
+def precision_at(
+    pred: np.ndarray, contacts: np.ndarray, valid: np.ndarray, length: int | None = None
+) -> dict[str, float]:
+    """Precision of the top L/k scored pairs per separation range (``METRICS`` keys).
+
+    Only pairs i < j with both residues observed (``valid``) compete. When a range has fewer
+    scoreable pairs than L/k, all of them are taken (and the denominator is their number); NaN
+    when it has none. ``length`` defaults to the map size (the sequence length).
+    """
+    L = pred.shape[0] if length is None else int(length)
+    i, j = np.triu_indices(pred.shape[0], k=1)
+    sep = j - i
+    ok = valid[i, j]
+    out: dict[str, float] = {}
+    for rname, (lo, hi) in RANGES.items():
+        sel = ok & (sep >= lo) & (sep <= (hi if hi is not None else sep.max(initial=0)))
+        scores = pred[i[sel], j[sel]]
+        truth = contacts[i[sel], j[sel]]
+        order = np.argsort(-scores, kind="stable")
+        for tname, div in TOPS.items():
+            k = min(max(L // div, 1), len(order))
+            out[f"P@{tname}_{rname}"] = float(truth[order[:k]].mean()) if k else math.nan
+    return out
+
+
+def mean_metrics(rows: Sequence[dict[str, float]], keys: Sequence[str]) -> dict[str, float]:
+    """NaN-aware mean per key (a protein without pairs in a range does not count there)."""
+    out = {}
+    for key in keys:
+        vals = np.asarray([r[key] for r in rows if key in r], dtype=np.float64)
+        vals = vals[~np.isnan(vals)]
+        out[key] = float(vals.mean()) if len(vals) else math.nan
+    return out
+
+
+def null_prediction(
+    regression: ContactRegression, maps: np.ndarray, key: str, seed: int
+) -> np.ndarray:
+    """The regression's prediction from ``maps`` shuffled by this protein's permutation."""
+    perm = permutation_for(key, maps.shape[-1], seed)
+    return regression.predict_maps(permute_maps(maps, perm))
+
+
+# --------------------------------------------------------------------------------------------
+# Model -> maps -> contacts, and the benchmark behind `protein-performer contacts`
+# --------------------------------------------------------------------------------------------
+def model_maps(
+    loaded: Any,
+    sequence: str,
+    layers: Sequence[int] | None = None,
+    heads: Sequence[int] | None = None,
+) -> np.ndarray:
+    """(n_layers, n_heads, L, L) residue x residue maps (float32) of a loaded model."""
+    from protein_performer.inference.attention_maps import full_maps
+
+    return full_maps(loaded.model, sequence, layers=layers, heads=heads).numpy()
+
+
+def predict_contacts(loaded: Any, sequence: str, regression: ContactRegression) -> np.ndarray:
+    """(L, L) contact probabilities of a new sequence under a fitted regression."""
+    regression.check_model(loaded.config, str(loaded.source))
+    return regression.predict_maps(
+        model_maps(loaded, sequence, regression.layers, regression.heads)
+    )
+
+
+PRECISION_FILE = "precision.csv"
+ID_COLUMNS = ("protein", "file", "chain", "length", "observed", "contacts", "fold")
+
+
+def _fold_of(n: int, folds: int | None) -> list[int]:
+    """Round-robin fold of each structure in the given order; None = leave-one-out."""
+    k = n if folds is None or folds <= 0 else min(int(folds), n)
+    return [i % k for i in range(n)]
+
+
+def benchmark(
+    loaded: Any,
+    targets: Sequence[Any],
+    out_dir: str | os.PathLike[str],
+    *,
+    fit_targets: Sequence[Any] | None = None,
+    regression: ContactRegression | None = None,
+    folds: int | None = None,
+    C: float = DEFAULT_C,
+    class_weight: str | None = None,
+    seed: int = 0,
+    save_beside: bool = False,
+) -> dict[str, Any]:
+    """Precision of contact prediction on ``targets`` (``structures.ContactTarget``), with the
+    shuffled-map null beside it, written to ``out_dir/precision.csv``.
+
+    Exactly one way to get a regression: ``regression`` (apply as is), ``fit_targets`` (fit on
+    those), or neither: cross-fitting over ``targets`` (``folds`` round-robin folds in the given
+    order, leave-one-out when None), every protein scored by a fit that never saw it; a final
+    fit on all targets is then saved for use on new proteins. Fitted regressions are written to
+    ``out_dir/contact_regression.json`` (and beside the checkpoint with ``save_beside``).
+    """
+    if regression is not None and fit_targets:
+        raise UserError("give either a fitted regression or structures to fit on, not both")
+    out = Path(out_dir).expanduser()
+    fp = config_fingerprint(loaded.config)
+    if regression is not None:
+        regression.check_model(loaded.config, str(loaded.source))
+        layers, heads = regression.layers, regression.heads
+    else:
+        layers = list(range(1, loaded.config.depth + 1))
+        heads = list(range(loaded.config.heads))
+    if regression is None and not fit_targets and len(targets) < 2:
+        raise UserError(
+            "cross-fitting needs at least 2 structures; add structures, or pass --fit-on "
+            "STRUCTURE... or --regression PATH"
+        )
+
+    def key(t: Any) -> tuple:
+        return (str(t.structure.path.resolve()), t.structure.chain_id, t.sequence)
+
+    cache: dict[tuple, np.ndarray] = {}
+    pairs: dict[tuple, tuple[np.ndarray, np.ndarray]] = {}
+
+    def maps_of(t: Any) -> np.ndarray:
+        k = key(t)
+        if k not in cache:
+            log.info("attention maps: %s (%d residues)", t.id, t.length)
+            cache[k] = model_maps(loaded, t.sequence, layers, heads)
+        return cache[k]
+
+    def pairs_of(t: Any) -> tuple[np.ndarray, np.ndarray]:
+        k = key(t)
+        if k not in pairs:
+            pairs[k] = training_pairs(contact_features(maps_of(t)), t.contacts(), t.valid())
+        return pairs[k]
+
+    def fit(on: Sequence[Any], what: str) -> ContactRegression:
+        X = np.concatenate([pairs_of(t)[0] for t in on])
+        y = np.concatenate([pairs_of(t)[1] for t in on])
+        log.info("fitting %s on %d pairs (%d contacts)", what, len(y), int(y.sum()))
+        return fit_regression(
+            X,
+            y,
+            layers,
+            heads,
+            C=C,
+            class_weight=class_weight,
+            seed=seed,
+            config_fp=fp,
+            meta={"checkpoint": loaded.source.name, "fit_on": [t.id for t in on]},
+        )
+
+    if regression is not None:
+        mode, per_target = "given", [regression] * len(targets)
+        fold = ["-"] * len(targets)
+        final = None
+    elif fit_targets:
+        mode = "fit-on"
+        overlap = {key(t) for t in fit_targets} & {key(t) for t in targets}
+        if overlap:
+            log.warning(
+                "%d evaluated structure(s) are also in the fit set: optimistic", len(overlap)
+            )
+        final = fit(fit_targets, "the regression")
+        per_target, fold = [final] * len(targets), ["-"] * len(targets)
+    else:
+        folds_of = _fold_of(len(targets), folds)
+        k = max(folds_of) + 1
+        mode = "leave-one-out" if k == len(targets) else f"{k}-fold"
+        fold_fits = {}
+        for f in range(k):
+            train = [t for t, g in zip(targets, folds_of, strict=True) if g != f]
+            fold_fits[f] = fit(train, f"fold {f + 1}/{k}")
+        per_target = [fold_fits[g] for g in folds_of]
+        fold = [str(g) for g in folds_of]
+        final = fit(targets, "the final regression (all structures)")
+
+    rows = []
+    for t, reg, f in zip(targets, per_target, fold, strict=True):
+        maps = maps_of(t)
+        contacts, valid = t.contacts(), t.valid()
+        real = precision_at(reg.predict_maps(maps), contacts, valid, t.length)
+        null = precision_at(null_prediction(reg, maps, t.id, seed), contacts, valid, t.length)
+        i, j = upper_pairs(t.length, MIN_SEPARATION)
+        rows.append(
+            {
+                "protein": t.id,
+                "file": t.structure.path.name,
+                "chain": t.structure.chain_id.strip() or "_",
+                "length": t.length,
+                "observed": int(t.observed.sum()),
+                "contacts": int((contacts & valid)[i, j].sum()),
+                "fold": f,
+                **real,
+                **{f"null_{m}": v for m, v in null.items()},
+            }
+        )
+        cache.pop(key(t), None)  # evaluated targets are not needed again
+    keys = [*METRICS, *(f"null_{m}" for m in METRICS)]
+    mean = mean_metrics(rows, keys)
+    columns = [*ID_COLUMNS, *(c for m in METRICS for c in (m, f"null_{m}"))]
+    mean_row = {
+        "protein": "mean",
+        "file": "",
+        "chain": "",
+        "length": float(np.mean([r["length"] for r in rows])),
+        "observed": float(np.mean([r["observed"] for r in rows])),
+        "contacts": float(np.mean([r["contacts"] for r in rows])),
+        "fold": mode,
+        **mean,
+    }
+    files: dict[str, Path] = {
+        "precision": _write_csv(out / PRECISION_FILE, columns, [*rows, mean_row])
+    }
+    if final is not None:
+        final.meta["evaluation"] = mode
+        files["regression"] = final.save(out / REGRESSION_FILE)
+        if save_beside:
+            files["regression_beside"] = final.save(default_regression_path(loaded.source))
+    return {
+        "rows": rows,
+        "mean": mean,
+        "mode": mode,
+        "regression": final or regression,
+        "files": files,
+    }
+
+
+def _fmt(value: Any) -> str:
+    if isinstance(value, float):
+        return "" if math.isnan(value) else f"{value:.4f}"
+    return str(value)
+
+
+def _write_csv(path: Path, columns: Sequence[str], rows: Sequence[dict[str, Any]]) -> Path:
+    import csv
+    import io
+
+    buf = io.StringIO()
+    writer = csv.writer(buf, lineterminator="\n")
+    writer.writerow(columns)
+    for row in rows:
+        writer.writerow([_fmt(row.get(c, "")) for c in columns])
+    return write_text_atomic(path, buf.getvalue())
+
+
+def format_summary(result: dict[str, Any]) -> str:
+    """Printed table: mean P@L, L/2, L/5 per range, model vs null."""
+    lines = [f"contact precision ({result['mode']}, {len(result['rows'])} proteins): model / null"]
+    for rname in RANGES:
+        cells = []
+        for tname in TOPS:
+            m = result["mean"][f"P@{tname}_{rname}"]
+            n = result["mean"][f"null_P@{tname}_{rname}"]
+            cells.append(f"P@{tname} {_fmt(m) or '-'} / {_fmt(n) or '-'}")
+        lines.append(f"  {rname:>6}: " + "   ".join(cells))
+    return "\n".join(lines)

@@ -1,0 +1,631 @@
+"""Import pretrained ESM-2 weights (fair-esm ``.pt`` or Hugging Face ``EsmForMaskedLM``).
+
+``PerformerLM`` uses fair-esm's ``ESM2`` module names and order of operations, so importing is a
+renaming plus a config derived from the source: with ``attention="exact"`` the converted model
+computes ESM-2's forward (logits and hidden states to float32 round-off); with
+``attention="favor"`` the same weights run in linear time with freshly drawn random features
+(seeded, so a conversion is reproducible).
+
+Both readers are strict: every source tensor is either mapped or on a short list of tensors we
+deliberately drop (rotary ``inv_freq`` tables, recomputed from ``rotary_base``; the contact
+regression head; HF's unused pooler), and every model weight must be filled. Anything else is a
+``UserError`` naming the keys, because a silently half-loaded protein LM still produces
+plausible-looking numbers.
+
+fair-esm checkpoints are pickles: they are read with ``torch.load(weights_only=True)`` plus a
+one-load allowlist of ``argparse.Namespace`` (ESM-2's ``cfg["model"]`` and ESM-1's ``args`` are
+Namespaces; rebuilding one only sets attributes, it calls no user code). HF directories are read
+with ``safetensors`` and ``json`` alone, so ``transformers`` is not needed at run time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import pickle
+import re
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from protein_performer.data.tokenizer import Alphabet
+from protein_performer.errors import UserError
+from protein_performer.inference.loading import LoadedModel, _safe_globals, export_model
+from protein_performer.model.config import ATTENTIONS, KERNELS, PerformerConfig
+from protein_performer.model.performer import PerformerLM
+
+log = logging.getLogger(__name__)
+
+#: ESM-2's vocabulary (fair-esm ``Alphabet.from_architecture("ESM-1b")``, HF ``vocab.txt``).
+ESM2_VOCAB: tuple[str, ...] = (
+    "<cls>", "<pad>", "<eos>", "<unk>",
+    "L", "A", "G", "V", "S", "E", "R", "T", "I", "D", "P", "K", "Q", "N", "F", "Y", "M", "H",
+    "W", "C", "X", "B", "U", "Z", "O", ".", "-", "<null_1>", "<mask>",
+)  # fmt: skip
+#: fair-esm's special indices for that vocabulary.
+ESM2_SPECIALS = {"cls_idx": 0, "pad_idx": 1, "eos_idx": 2, "mask_idx": 32}
+_SHOW_KEYS = 8  # offending keys named in an error message
+_ESM1_ARCHS = ("roberta_large", "protein_bert_base", "msa_transformer")
+
+
+@dataclass
+class EsmSource:
+    """A source checkpoint read into our parameter names, before a model is built."""
+
+    path: Path
+    kind: str  # "fair-esm" or "hf"
+    dim: int
+    depth: int
+    heads: int
+    ff_dim: int
+    token_dropout: bool
+    layer_norm_eps: float
+    rotary_base: float
+    state: dict[str, torch.Tensor]  # our names (``lm_head.weight`` excluded: it is tied)
+    dropped: list[str] = field(default_factory=list)  # source keys deliberately not imported
+
+
+def _keys_message(keys: list[str]) -> str:
+    more = f" (+{len(keys) - _SHOW_KEYS} more)" if len(keys) > _SHOW_KEYS else ""
+    return ", ".join(keys[:_SHOW_KEYS]) + more
+
+
+def _check_vocab(path: Path, where: str, tokens: list[str] | tuple[str, ...]) -> None:
+    ours = Alphabet().tokens
+    if tuple(tokens) != ours:
+        diff = [
+            f"{i}: {a!r} vs ours {b!r}"
+            for i, (a, b) in enumerate(zip(tokens, ours, strict=False))
+            if a != b
+        ]
+        raise UserError(
+            f"{path}: the vocabulary in {where} ({len(tokens)} tokens) differs from the ESM-2 "
+            f"vocabulary protein-performer uses ({len(ours)} tokens): "
+            f"{'; '.join(diff[:3]) or 'different length'}. Only ESM-2-vocabulary models convert"
+        )
+
+
+# --------------------------------------------------------------------------------------------
+# Renaming: one table per source format
+# --------------------------------------------------------------------------------------------
+Rule = tuple[re.Pattern[str], str]
+
+_FAIR_RULES: list[Rule] = [
+    (re.compile(r"^embed_tokens\.weight$"), "embed_tokens.weight"),
+    (
+        re.compile(
+            r"^layers\.(\d+)\.(self_attn\.(?:q|k|v|out)_proj|self_attn_layer_norm|fc1|fc2|"
+            r"final_layer_norm)\.(weight|bias)$"
+        ),
+        r"layers.\1.\2.\3",
+    ),
+    (re.compile(r"^emb_layer_norm_after\.(weight|bias)$"), r"emb_layer_norm_after.\1"),
+    (re.compile(r"^lm_head\.(dense|layer_norm)\.(weight|bias)$"), r"lm_head.\1.\2"),
+    (re.compile(r"^lm_head\.bias$"), "lm_head.bias"),
+]
+_FAIR_DROP = [
+    re.compile(r"^layers\.\d+\.self_attn\.rot_emb\.inv_freq$"),  # recomputed from rotary_base
+    re.compile(r"^contact_head\."),  # logistic regression on attention maps: not imported
+]
+_FAIR_TIED = "lm_head.weight"
+
+_HF_LAYER = r"^esm\.encoder\.layer\.(\d+)\."
+_HF_RULES: list[Rule] = [
+    (re.compile(r"^esm\.embeddings\.word_embeddings\.weight$"), "embed_tokens.weight"),
+    (
+        re.compile(_HF_LAYER + r"attention\.self\.query\.(weight|bias)$"),
+        r"layers.\1.self_attn.q_proj.\2",
+    ),
+    (
+        re.compile(_HF_LAYER + r"attention\.self\.key\.(weight|bias)$"),
+        r"layers.\1.self_attn.k_proj.\2",
+    ),
+    (
+        re.compile(_HF_LAYER + r"attention\.self\.value\.(weight|bias)$"),
+        r"layers.\1.self_attn.v_proj.\2",
+    ),
+    (
+        re.compile(_HF_LAYER + r"attention\.output\.dense\.(weight|bias)$"),
+        r"layers.\1.self_attn.out_proj.\2",
+    ),
+    (
+        re.compile(_HF_LAYER + r"attention\.LayerNorm\.(weight|bias)$"),
+        r"layers.\1.self_attn_layer_norm.\2",
+    ),
+    (re.compile(_HF_LAYER + r"intermediate\.dense\.(weight|bias)$"), r"layers.\1.fc1.\2"),
+    (re.compile(_HF_LAYER + r"output\.dense\.(weight|bias)$"), r"layers.\1.fc2.\2"),
+    (re.compile(_HF_LAYER + r"LayerNorm\.(weight|bias)$"), r"layers.\1.final_layer_norm.\2"),
+    (
+        re.compile(r"^esm\.encoder\.emb_layer_norm_after\.(weight|bias)$"),
+        r"emb_layer_norm_after.\1",
+    ),
+    (re.compile(r"^lm_head\.(dense|layer_norm)\.(weight|bias)$"), r"lm_head.\1.\2"),
+    (re.compile(r"^lm_head\.bias$"), "lm_head.bias"),
+]
+_HF_DROP = [
+    re.compile(r"rotary_embeddings\.inv_freq$"),  # per layer (old) or model level (new)
+    re.compile(r"^esm\.contact_head\."),
+    re.compile(r"^esm\.pooler\."),  # EsmModel's unused CLS pooler
+    re.compile(r"^esm\.embeddings\.position_ids$"),  # an arange buffer, no information
+]
+_HF_TIED = "lm_head.decoder.weight"
+#: TF-era LayerNorm names: transformers 5 writes ESM checkpoints with ``LayerNorm.gamma/beta``
+#: (its saving reverses the renaming it applies on load); the Hub's files use ``weight/bias``.
+_LEGACY_NORM = re.compile(r"(?<=LayerNorm\.)(gamma|beta)$")
+_NORM_NAMES = {"gamma": "weight", "beta": "bias"}
+
+
+def _rename(
+    state: Mapping[str, torch.Tensor],
+    rules: list[Rule],
+    drop: list[re.Pattern[str]],
+    tied: str,
+    path: Path,
+) -> tuple[dict[str, torch.Tensor], list[str]]:
+    """Source names -> ours; unknown keys and a decoder that is not the embedding are errors."""
+    out: dict[str, torch.Tensor] = {}
+    dropped: list[str] = []
+    unknown: list[str] = []
+    tied_tensor = None
+    for key, tensor in state.items():
+        if key == tied:
+            tied_tensor = tensor
+            continue
+        if any(p.search(key) for p in drop):
+            dropped.append(key)
+            continue
+        for pattern, repl in rules:
+            if pattern.match(key):
+                out[pattern.sub(repl, key)] = tensor
+                break
+        else:
+            unknown.append(key)
+    if unknown:
+        raise UserError(
+            f"{path}: {len(unknown)} weight(s) this converter does not know: "
+            f"{_keys_message(sorted(unknown))}. Not an ESM-2 masked-LM checkpoint, or one with "
+            "extra modules (a fine-tuning head?); convert the plain ESM-2 weights instead"
+        )
+    embed = out.get("embed_tokens.weight")
+    if tied_tensor is not None and embed is not None and not torch.equal(tied_tensor, embed):
+        raise UserError(
+            f"{path}: the LM-head decoder ({tied}) differs from the token embedding; ESM-2 ties "
+            "them and so does protein-performer, so an untied head cannot be converted"
+        )
+    return out, dropped
+
+
+def _depth_from(state: Mapping[str, torch.Tensor], path: Path) -> int:
+    indices = {int(m.group(1)) for k in state if (m := re.match(r"^layers\.(\d+)\.", k))}
+    if not indices:
+        raise UserError(f"{path}: no transformer layers found in the weights")
+    depth = max(indices) + 1
+    if indices != set(range(depth)):
+        gaps = sorted(set(range(depth)) - indices)
+        raise UserError(
+            f"{path}: layer(s) {gaps} missing from the weights (found up to {depth - 1})"
+        )
+    return depth
+
+
+def _shape(state: Mapping[str, torch.Tensor], key: str, path: Path) -> tuple[int, ...]:
+    if key not in state:
+        raise UserError(f"{path}: required weight {key} is missing")
+    return tuple(state[key].shape)
+
+
+# --------------------------------------------------------------------------------------------
+# fair-esm .pt
+# --------------------------------------------------------------------------------------------
+def _load_pickle(path: Path) -> Any:
+    """``torch.load(weights_only=True)``, allowing ``argparse.Namespace`` for this load only."""
+    try:
+        with torch.serialization.safe_globals([argparse.Namespace, *_safe_globals()]):
+            return torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as exc:
+        found = re.search(r"Unsupported global: GLOBAL (\S+)", str(exc))
+        what = f"an object of type {found.group(1)}" if found else "non-tensor pickle data"
+        raise UserError(
+            f"{path}: refusing to unpickle {what}: only tensors, plain containers and "
+            "argparse.Namespace are allowed, so a checkpoint cannot run code. Re-save it in a "
+            "trusted session as {'model': state_dict, 'cfg': {'model': vars(cfg)}}, or convert "
+            "it to a Hugging Face EsmForMaskedLM directory and give that instead"
+        ) from None
+    except (RuntimeError, EOFError, OSError, ValueError, KeyError) as exc:
+        first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        raise UserError(
+            f"{path}: cannot read it as a PyTorch checkpoint ({first}); re-download or re-copy it"
+        ) from None
+
+
+def _as_dict(obj: Any) -> dict[str, Any] | None:
+    if obj is None:
+        return None
+    if isinstance(obj, argparse.Namespace):
+        return vars(obj)
+    if isinstance(obj, Mapping):
+        return dict(obj)
+    return None
+
+
+def _arg(args: Mapping[str, Any], *names: str, default: Any = None) -> Any:
+    """First present name: ESM-2's fairseq cfg says ``encoder_layers``, fair-esm's upgraded
+    ESM-1 args say ``layers``."""
+    for name in names:
+        if args.get(name) is not None:
+            return args[name]
+    return default
+
+
+def _strip_fairseq_prefix(state: Mapping[str, Any]) -> dict[str, Any]:
+    """fair-esm's own upgrade: drop ``encoder.sentence_encoder.`` then ``encoder.``."""
+    pattern = re.compile(r"^(encoder\.sentence_encoder\.|encoder\.)")
+    return {pattern.sub("", k): v for k, v in state.items()}
+
+
+def read_fair_esm(path: str | os.PathLike[str]) -> EsmSource:
+    """Read a fair-esm checkpoint as ``esm.pretrained.load_model_and_alphabet_local`` would."""
+    src = Path(path)
+    data = _load_pickle(src)
+    if not isinstance(data, Mapping) or not isinstance(data.get("model"), Mapping):
+        found = sorted(map(str, data))[:6] if isinstance(data, Mapping) else type(data).__name__
+        raise UserError(
+            f"{src}: not a fair-esm checkpoint (expected a dict with 'model' weights and 'cfg' "
+            f"or 'args'; found {found})"
+        )
+    cfg = _as_dict(data.get("cfg"))
+    model_cfg = _as_dict(cfg.get("model")) if cfg else None
+    args = _as_dict(data.get("args"))
+    state = _strip_fairseq_prefix(data["model"])
+
+    arch = (
+        (args or {}).get("arch") or (model_cfg or {}).get("arch") or (model_cfg or {}).get("_name")
+    )
+    legacy = [
+        k
+        for k in state
+        if k.startswith(("embed_positions", "emb_layer_norm_before", "layers.0.self_attn.bias_k"))
+    ]
+    if arch in _ESM1_ARCHS or legacy or any("row_self_attention" in k for k in state):
+        raise UserError(
+            f"{src}: this is an ESM-1/ESM-1b/MSA Transformer checkpoint (arch {arch!r}; "
+            f"{'learned positional embeddings' if legacy else 'no rotary embeddings'}), not "
+            "ESM-2. protein-performer reproduces ESM-2 only (rotary positions, pre-LayerNorm, "
+            "final LayerNorm); use an esm2_* checkpoint"
+        )
+    hparams = model_cfg if model_cfg is not None else args
+    if hparams is None:
+        raise UserError(
+            f"{src}: no architecture found (neither cfg['model'] nor args); cannot tell the "
+            "number of attention heads. Re-save with 'cfg': {'model': {...}} as fair-esm does"
+        )
+    non_tensors = sorted(k for k, v in state.items() if not isinstance(v, torch.Tensor))
+    if non_tensors:
+        raise UserError(f"{src}: non-tensor entries in 'model': {_keys_message(non_tensors)}")
+
+    mapped, dropped = _rename(state, _FAIR_RULES, _FAIR_DROP, _FAIR_TIED, src)
+    vocab, dim = _shape(mapped, "embed_tokens.weight", src)
+    depth = _depth_from(mapped, src)
+    ff_dim = _shape(mapped, "layers.0.fc1.weight", src)[0]
+    heads = _arg(hparams, "encoder_attention_heads", "attention_heads")
+    if heads is None:
+        raise UserError(f"{src}: the config does not say encoder_attention_heads")
+    declared = {
+        "encoder_layers": (_arg(hparams, "encoder_layers", "layers"), depth),
+        "encoder_embed_dim": (_arg(hparams, "encoder_embed_dim", "embed_dim"), dim),
+        "encoder_ffn_embed_dim": (_arg(hparams, "encoder_ffn_embed_dim", "ffn_embed_dim"), ff_dim),
+    }
+    bad = [f"{k}={v} but weights say {w}" for k, (v, w) in declared.items() if v not in (None, w)]
+    if bad:
+        raise UserError(f"{src}: config and weights disagree: {'; '.join(bad)}")
+    if vocab != len(ESM2_VOCAB):
+        raise UserError(
+            f"{src}: embedding has {vocab} rows, ESM-2's vocabulary has {len(ESM2_VOCAB)}"
+        )
+    _check_vocab(src, "fair-esm's ESM-2 alphabet", ESM2_VOCAB)
+    return EsmSource(
+        path=src,
+        kind="fair-esm",
+        dim=dim,
+        depth=depth,
+        heads=int(heads),
+        ff_dim=ff_dim,
+        # fair-esm's ESM2 defaults to token dropout; every released ESM-2 uses it.
+        token_dropout=bool(_arg(hparams, "token_dropout", default=True)),
+        layer_norm_eps=1e-5,  # ESM1bLayerNorm is torch's LayerNorm with its default eps
+        rotary_base=10000.0,  # fair-esm's RotaryEmbedding hard-codes it
+        state=mapped,
+        dropped=dropped,
+    )
+
+
+# --------------------------------------------------------------------------------------------
+# Hugging Face EsmForMaskedLM directory
+# --------------------------------------------------------------------------------------------
+def read_hf(path: str | os.PathLike[str]) -> EsmSource:
+    """Read ``config.json`` + ``model.safetensors`` (sharded ``*.safetensors`` too)."""
+    src = Path(path)
+    config_path = src / "config.json"
+    if not config_path.is_file():
+        raise UserError(f"{src}: no config.json; not a Hugging Face model directory")
+    try:
+        hf = json.loads(config_path.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise UserError(f"{config_path}: not valid JSON ({exc})") from None
+    if hf.get("model_type") != "esm":
+        raise UserError(f"{config_path}: model_type is {hf.get('model_type')!r}, not 'esm'")
+    if hf.get("is_folding_model"):
+        raise UserError(f"{config_path}: an ESMFold model; convert its ESM-2 language model")
+    position = hf.get("position_embedding_type", "absolute")
+    if position != "rotary" or hf.get("emb_layer_norm_before"):
+        raise UserError(
+            f"{config_path}: position_embedding_type={position!r}"
+            f"{', emb_layer_norm_before=true' if hf.get('emb_layer_norm_before') else ''}: this "
+            "is an ESM-1/ESM-1b-style model (learned positions). protein-performer reproduces "
+            "ESM-2 only (rotary positions); use an esm2_* model"
+        )
+    act = hf.get("hidden_act", "gelu")
+    if act != "gelu":
+        raise UserError(f"{config_path}: hidden_act={act!r}; ESM-2 (and this model) use 'gelu'")
+    if hf.get("is_decoder") or hf.get("add_cross_attention"):
+        raise UserError(f"{config_path}: a decoder/cross-attention ESM is not ESM-2's MLM")
+    if hf.get("tie_word_embeddings") is False:
+        raise UserError(f"{config_path}: tie_word_embeddings=false; ESM-2's LM head is tied")
+    if hf.get("vocab_list"):
+        _check_vocab(src, "config.json vocab_list", hf["vocab_list"])
+    vocab_file = src / "vocab.txt"
+    if vocab_file.is_file():
+        _check_vocab(src, "vocab.txt", vocab_file.read_text(encoding="utf-8").split())
+    for name, ours in (("pad_token_id", 1), ("mask_token_id", 32)):
+        if hf.get(name) is not None and hf[name] != ours:
+            raise UserError(f"{config_path}: {name}={hf[name]}, ESM-2's is {ours}")
+
+    files = sorted(src.glob("*.safetensors"))
+    if not files:
+        bins = [p.name for p in src.glob("*.bin")]
+        hint = f" (found {', '.join(bins)}: re-save with safe_serialization=True)" if bins else ""
+        raise UserError(f"{src}: no .safetensors weights{hint}")
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    state: dict[str, torch.Tensor] = {}
+    for file in files:
+        try:
+            state.update(load_file(str(file), device="cpu"))
+        except (SafetensorError, OSError, ValueError, RuntimeError) as exc:
+            raise UserError(f"{file}: cannot read the weights ({exc})") from None
+    if any(k.startswith("esm.embeddings.position_embeddings") for k in state):
+        raise UserError(f"{src}: learned position embeddings found: not an ESM-2 (rotary) model")
+
+    state = {_LEGACY_NORM.sub(lambda m: _NORM_NAMES[m.group(1)], k): v for k, v in state.items()}
+    mapped, dropped = _rename(state, _HF_RULES, _HF_DROP, _HF_TIED, src)
+    vocab, dim = _shape(mapped, "embed_tokens.weight", src)
+    depth = _depth_from(mapped, src)
+    ff_dim = _shape(mapped, "layers.0.fc1.weight", src)[0]
+    declared = {
+        "hidden_size": (hf.get("hidden_size"), dim),
+        "num_hidden_layers": (hf.get("num_hidden_layers"), depth),
+        "intermediate_size": (hf.get("intermediate_size"), ff_dim),
+        "vocab_size": (hf.get("vocab_size"), vocab),
+    }
+    bad = [f"{k}={v} but weights say {w}" for k, (v, w) in declared.items() if v not in (None, w)]
+    if bad:
+        raise UserError(f"{config_path}: config and weights disagree: {'; '.join(bad)}")
+    if vocab != len(ESM2_VOCAB):
+        raise UserError(
+            f"{src}: embedding has {vocab} rows, ESM-2's vocabulary has {len(ESM2_VOCAB)}"
+        )
+    heads = hf.get("num_attention_heads")
+    if not isinstance(heads, int):
+        raise UserError(f"{config_path}: num_attention_heads missing")
+    return EsmSource(
+        path=src,
+        kind="hf",
+        dim=dim,
+        depth=depth,
+        heads=heads,
+        ff_dim=ff_dim,
+        token_dropout=bool(hf.get("token_dropout", False)),
+        # EsmConfig's default is 1e-12; the released ESM-2 configs all say 1e-5.
+        layer_norm_eps=float(hf.get("layer_norm_eps", 1e-12)),
+        rotary_base=float(hf.get("rope_theta", 10000.0)),
+        state=mapped,
+        dropped=dropped,
+    )
+
+
+def read_esm(path: str | os.PathLike[str]) -> EsmSource:
+    """A fair-esm ``.pt`` file or a Hugging Face directory, whichever ``path`` is."""
+    src = Path(path).expanduser()
+    if not src.exists():
+        raise UserError(
+            f"{src} does not exist: give a fair-esm checkpoint (e.g. esm2_t6_8M_UR50D.pt) or a "
+            "Hugging Face EsmForMaskedLM directory (config.json + model.safetensors)"
+        )
+    if src.is_dir():
+        return read_hf(src)
+    if src.stat().st_size == 0:
+        raise UserError(f"{src} is empty (0 bytes): an interrupted download? re-download it")
+    return read_fair_esm(src)
+
+
+# --------------------------------------------------------------------------------------------
+# Building and exporting
+# --------------------------------------------------------------------------------------------
+def performer_config(
+    source: EsmSource,
+    attention: str = "exact",
+    kernel: str = "softmax",
+    nb_features: int = 256,
+) -> PerformerConfig:
+    """The architecture of ``source`` as a ``PerformerConfig`` (MLM, no dropout)."""
+    if attention not in ATTENTIONS:
+        raise UserError(f"unknown attention {attention!r}; choose one of {', '.join(ATTENTIONS)}")
+    if kernel not in KERNELS:
+        raise UserError(f"unknown kernel {kernel!r}; choose one of {', '.join(KERNELS)}")
+    try:
+        return PerformerConfig(
+            vocab_size=len(ESM2_VOCAB),
+            **ESM2_SPECIALS,
+            dim=source.dim,
+            depth=source.depth,
+            heads=source.heads,
+            ff_dim=source.ff_dim,
+            dropout=0.0,
+            objective="mlm",
+            attention=attention,
+            kernel=kernel,
+            nb_features=nb_features,
+            rotary_base=source.rotary_base,
+            layer_norm_eps=source.layer_norm_eps,
+            token_dropout=source.token_dropout,
+        ).validate()
+    except UserError as exc:
+        raise UserError(f"{source.path}: {exc}") from None
+
+
+def _generated(name: str) -> bool:
+    """Buffers the converter creates rather than imports (FAVOR+ random features)."""
+    return ".self_attn.favor." in name
+
+
+def build_model(
+    source: EsmSource,
+    attention: str = "exact",
+    kernel: str = "softmax",
+    nb_features: int = 256,
+    seed: int = 0,
+) -> LoadedModel:
+    """A ``PerformerLM`` holding the source's weights, eval mode, on CPU.
+
+    FAVOR+ features come from ``torch.Generator().manual_seed(seed)`` (layer by layer, as
+    ``redraw_features``), so the same source, flags and seed give bit-identical exports. The
+    global RNG is left untouched.
+    """
+    config = performer_config(source, attention, kernel, nb_features)
+    with torch.random.fork_rng(devices=[]):
+        model = PerformerLM(config)
+    expected = model.state_dict()
+    tied = {"lm_head.weight"}
+    missing = sorted(
+        k for k in expected if k not in source.state and k not in tied and not _generated(k)
+    )
+    unexpected = sorted(k for k in source.state if k not in expected)
+    wrong = [
+        f"{k} {tuple(v.shape)} vs {tuple(expected[k].shape)}"
+        for k, v in source.state.items()
+        if k in expected and tuple(v.shape) != tuple(expected[k].shape)
+    ]
+    problems = []
+    if missing:
+        problems.append(f"{len(missing)} missing: {_keys_message(missing)}")
+    if unexpected:
+        problems.append(f"{len(unexpected)} unexpected: {_keys_message(unexpected)}")
+    if wrong:
+        problems.append(f"{len(wrong)} with wrong shape: {_keys_message(wrong)}")
+    if problems:
+        raise UserError(
+            f"{source.path}: the weights do not form an ESM-2 of the declared shape "
+            f"({source.depth} layers, dim {source.dim}, {source.heads} heads): "
+            f"{' | '.join(problems)}"
+        )
+    with torch.no_grad():
+        for name, tensor in source.state.items():
+            expected[name].copy_(tensor.to(expected[name].dtype))
+    model.redraw_features(torch.Generator().manual_seed(seed))
+    model.eval()
+    return LoadedModel(model, config, Alphabet(), source.path, torch.device("cpu"), source.kind)
+
+
+@dataclass
+class ConversionResult:
+    out: Path
+    config: PerformerConfig
+    kind: str
+    num_parameters: int
+    dropped: list[str]
+
+
+def convert_esm(
+    src: str | os.PathLike[str],
+    out: str | os.PathLike[str],
+    attention: str = "exact",
+    kernel: str = "softmax",
+    nb_features: int = 256,
+    seed: int = 0,
+    overwrite: bool = False,
+    progress: Callable[[str], None] | None = None,
+) -> ConversionResult:
+    """Read ``src`` (fair-esm ``.pt`` or HF directory), build, export to ``out``."""
+    source = read_esm(src)
+    if progress:
+        progress(
+            f"read {source.kind} ESM-2: {source.depth} layers, dim {source.dim}, "
+            f"{source.heads} heads, token_dropout={source.token_dropout}"
+        )
+    loaded = build_model(source, attention, kernel, nb_features, seed)
+    path = export_model(loaded, out, overwrite=overwrite)
+    if source.dropped:
+        log.info("not imported (recomputed or unused): %s", _keys_message(sorted(source.dropped)))
+    return ConversionResult(
+        path, loaded.config, source.kind, loaded.model.num_parameters(), source.dropped
+    )
+
+
+# --------------------------------------------------------------------------------------------
+# Swapping the attention core of a model that already holds weights
+# --------------------------------------------------------------------------------------------
+def swap_attention(
+    model: PerformerLM,
+    attention: str,
+    kernel: str | None = None,
+    nb_features: int | None = None,
+    seed: int = 0,
+) -> PerformerLM:
+    """A copy of ``model`` with the same weights and another attention core (eval mode).
+
+    The backward-compatibility question of the Performer paper (§4.3): every weight is shared,
+    only the attention kernel changes; FAVOR+ features are drawn from ``seed`` (the source's
+    own features, if any, are not carried over, so the result depends on ``seed`` alone).
+    """
+    import dataclasses
+
+    config = dataclasses.replace(
+        model.config,
+        attention=attention,
+        kernel=kernel or model.config.kernel,
+        nb_features=nb_features or model.config.nb_features,
+    )
+    with torch.random.fork_rng(devices=[]):
+        twin = PerformerLM(config).to(next(model.parameters()).device)
+    weights = {k: v for k, v in model.state_dict().items() if not _generated(k)}
+    result = twin.load_state_dict(weights, strict=False)
+    missing = [k for k in result.missing_keys if not _generated(k) and k != "lm_head.weight"]
+    if missing or result.unexpected_keys:  # pragma: no cover - same architecture by design
+        raise RuntimeError(f"swap failed: missing {missing}, unexpected {result.unexpected_keys}")
+    generator = torch.Generator(device=twin.embed_tokens.weight.device).manual_seed(seed)
+    twin.redraw_features(generator)
+    return twin.eval()
+
+
+def load_any(path: str | os.PathLike[str], seed: int = 0) -> LoadedModel:
+    """Our ``.ckpt``/export directory via ``load_model``, else an ESM-2 source converted to an
+    exact-attention model in memory (for scripts that accept either)."""
+    from protein_performer.inference.loading import CONFIG_FILE, FORMAT_NAME, load_model
+
+    src = Path(path).expanduser()
+    if src.suffix == ".ckpt":
+        return load_model(src, "cpu")
+    if src.is_dir() and (src / CONFIG_FILE).is_file():
+        try:
+            meta = json.loads((src / CONFIG_FILE).read_text(encoding="utf-8"))
+        except (UnicodeDecodeError, json.JSONDecodeError):
+            meta = {}
+        if isinstance(meta, dict) and meta.get("format") == FORMAT_NAME:
+            return load_model(src, "cpu")
+    return build_model(read_esm(src), attention="exact", seed=seed)

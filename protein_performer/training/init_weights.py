@@ -1,0 +1,125 @@
+"""Start a training run from existing weights (``init_from=PATH``), e.g. converted ESM-2.
+
+Unlike ``ckpt_path`` (which resumes a run: weights, optimizer, schedule, step), this only
+copies model weights into a freshly built module, so the run's own config decides the attention
+core, the optimizer and the schedule. That is how converted exact-attention ESM-2 weights are
+fine-tuned with FAVOR+ (the Performer paper's §4.3 backward compatibility).
+
+Strict about shapes: every weight of the new model must come from the source with the same
+shape, and nothing in the source may be left over, so a wrong model size fails loudly instead of
+training from a half-random start. FAVOR+ buffers (``omega``, ``oprf_rho``) are not copied:
+the source may be exact or use another m, and the FeatureRedraw callback draws omega at step 0.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any
+
+import torch
+
+from protein_performer.errors import UserError
+
+log = logging.getLogger(__name__)
+
+#: Config fields that change what the weights compute without changing any shape.
+_SEMANTIC_FIELDS = ("token_dropout", "layer_norm_eps", "rotary_base", "objective")
+_SHOW = 6
+
+
+def _is_favor_buffer(name: str) -> bool:
+    return ".self_attn.favor." in name
+
+
+def load_initial_weights(module: Any, path: str | os.PathLike[str]) -> list[str]:
+    """Copy the weights of ``path`` into ``module.model`` (a ``ProteinLMModule``'s PerformerLM).
+
+    ``path`` is anything ``protein_performer.inference.loading.load_model`` reads (a ``.ckpt``,
+    an export directory such as ``protein-performer convert-esm`` writes) or, for convenience,
+    an ESM-2 source (fair-esm ``.pt``, Hugging Face directory) converted on the fly. Returns the
+    names of the FAVOR+ buffers left as the module drew them.
+    """
+    from protein_performer.inference.convert_esm import load_any
+
+    source = load_any(path)
+    model = module.model
+    target_cfg, source_cfg = model.config, source.config
+    if target_cfg.heads != source_cfg.heads:  # same shapes, different function: refuse
+        raise UserError(
+            f"init_from={path}: the weights were trained with heads={source_cfg.heads}, "
+            f"model.config has heads={target_cfg.heads}; set model.config.heads="
+            f"{source_cfg.heads}"
+        )
+    for name in _SEMANTIC_FIELDS:
+        ours, theirs = getattr(target_cfg, name), getattr(source_cfg, name)
+        if ours != theirs:
+            log.warning(
+                "init_from %s: model.config.%s=%r but the weights were trained with %r; the "
+                "fine-tuned model starts from a different function (set model.config.%s=%r to "
+                "keep it)",
+                path,
+                name,
+                ours,
+                theirs,
+                name,
+                theirs,
+            )
+
+    src_state = {k: v for k, v in source.model.state_dict().items() if not _is_favor_buffer(k)}
+    dst_state = model.state_dict()
+    kept = sorted(k for k in dst_state if _is_favor_buffer(k))
+    missing = sorted(k for k in dst_state if k not in src_state and not _is_favor_buffer(k))
+    unexpected = sorted(k for k in src_state if k not in dst_state)
+    wrong = [
+        f"{k} {tuple(v.shape)} -> {tuple(dst_state[k].shape)}"
+        for k, v in src_state.items()
+        if k in dst_state and v.shape != dst_state[k].shape
+    ]
+    problems = []
+    for label, keys in (("missing", missing), ("unexpected", unexpected), ("shape", wrong)):
+        if keys:
+            problems.append(f"{len(keys)} {label}: {', '.join(keys[:_SHOW])}")
+    if problems:
+        shape = (
+            f"dim={source_cfg.dim} depth={source_cfg.depth} heads={source_cfg.heads} "
+            f"ff_dim={source_cfg.ff_dim}"
+        )
+        raise UserError(
+            f"init_from={path}: the weights do not fit model.config ({' | '.join(problems)}); "
+            f"the source has {shape}: set model.config to that shape"
+        )
+    with torch.no_grad():
+        for name, tensor in src_state.items():
+            dst_state[name].copy_(tensor.to(dst_state[name].dtype))
+    log.info(
+        "initialized %s tensors from %s (%s attention source; FAVOR+ buffers kept: %d)",
+        f"{len(src_state):,}",
+        path,
+        source_cfg.attention,
+        len(kept),
+    )
+    return kept
+
+
+def maybe_init_from(module: Any, cfg: Any) -> str | None:
+    """The ``train(cfg)`` hook: apply ``cfg.init_from`` when set; returns the path used.
+
+    Skipped when resuming (``ckpt_path``): the checkpoint restores the weights anyway, and the
+    source need not exist any more. ``init_from: ???`` (an experiment that only makes sense
+    from existing weights) without a value is a ``UserError`` naming the override to add.
+    """
+    from omegaconf import OmegaConf
+    from omegaconf.errors import MissingMandatoryValue
+
+    try:
+        path = OmegaConf.select(cfg, "init_from", default=None, throw_on_missing=True)
+    except MissingMandatoryValue:
+        raise UserError(
+            "this experiment fine-tunes existing weights: add init_from=PATH (an export from "
+            "`protein-performer convert-esm`, a .ckpt, or an ESM-2 .pt / Hugging Face directory)"
+        ) from None
+    if not path or cfg.get("ckpt_path"):
+        return None
+    load_initial_weights(module, path)
+    return str(path)

@@ -1,0 +1,187 @@
+"""PNG pictures of attention and contacts (matplotlib, Agg backend: no display needed).
+
+Every writer takes arrays and a path and returns the path; files are written to a temporary
+sibling and renamed, so a crash never leaves a truncated PNG that looks like a result.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+
+#: The 20 standard amino acids in BLOSUM's customary order.
+AMINO_ACIDS = "ARNDCQEGHILKMFPSTWYV"
+#: Panels larger than this many pixels per side are block-averaged before drawing.
+MAX_PANEL = 256
+
+
+def _pyplot():
+    import matplotlib
+
+    matplotlib.use("Agg", force=True)
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def save_figure(fig, path: str | os.PathLike[str], dpi: int = 120) -> Path:
+    """Save atomically (temp file + ``os.replace``) and close the figure."""
+    plt = _pyplot()
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.stem}.", suffix=".png", dir=path.parent)
+    os.close(fd)
+    try:
+        fig.savefig(tmp, dpi=dpi, format="png", bbox_inches="tight")
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    finally:
+        plt.close(fig)
+    return path
+
+
+def downsample(x: np.ndarray, max_size: int = MAX_PANEL) -> np.ndarray:
+    """Block-average the last two axes so neither exceeds ``max_size`` (keeps mass patterns
+    visible where plain striding would drop isolated peaks' neighbours)."""
+    h, w = x.shape[-2:]
+    fh, fw = max(1, -(-h // max_size)), max(1, -(-w // max_size))
+    if fh == 1 and fw == 1:
+        return x
+    ph, pw = (-h) % fh, (-w) % fw
+    pad = [(0, 0)] * (x.ndim - 2) + [(0, ph), (0, pw)]
+    xp = np.pad(x, pad, constant_values=np.nan)
+    shape = xp.shape[:-2] + (xp.shape[-2] // fh, fh, xp.shape[-1] // fw, fw)
+    return np.nanmean(xp.reshape(shape), axis=(-3, -1))
+
+
+def attention_grid(
+    maps: np.ndarray,
+    layers: Sequence[int],
+    heads: Sequence[int],
+    path: str | os.PathLike[str],
+    *,
+    row_start: int = 0,
+    col_start: int = 0,
+    title: str = "",
+    dpi: int = 120,
+) -> Path:
+    """Layers (rows) x heads (columns) grid of maps (n_layers, n_heads, H, W), residue
+    coordinates on the axes (0-based, offset by the window start). Each panel has its own
+    colour scale: heads differ by orders of magnitude and a shared scale would blank most."""
+    plt = _pyplot()
+    maps = np.asarray(maps, dtype=np.float32)
+    nl, nh, h, w = maps.shape
+    small = downsample(maps)
+    size = 1.6
+    fig, axes = plt.subplots(
+        nl, nh, figsize=(max(2.5, size * nh), max(2.5, size * nl)), squeeze=False
+    )
+    extent = (col_start - 0.5, col_start + w - 0.5, row_start + h - 0.5, row_start - 0.5)
+    for a, layer in enumerate(layers):
+        for b, head in enumerate(heads):
+            ax = axes[a, b]
+            panel = small[a, b]
+            vmax = float(np.nanpercentile(panel, 99.5)) if np.isfinite(panel).any() else 1.0
+            ax.imshow(panel, cmap="viridis", vmin=0.0, vmax=vmax or 1.0, extent=extent)
+            ax.set_xticks([])
+            ax.set_yticks([])
+            if a == 0:
+                ax.set_title(f"head {head}", fontsize=8)
+            if b == 0:
+                ax.set_ylabel(f"layer {layer}", fontsize=8)
+    fig.suptitle(title or f"attention, residues {row_start}-{row_start + h - 1}", fontsize=10)
+    return save_figure(fig, path, dpi)
+
+
+def contact_comparison(
+    pred: np.ndarray,
+    contacts: np.ndarray,
+    valid: np.ndarray,
+    path: str | os.PathLike[str],
+    *,
+    min_sep: int = 6,
+    title: str = "",
+    dpi: int = 120,
+) -> Path:
+    """Predicted contact scores (upper triangle) against the true contacts (lower triangle);
+    pairs the structure does not resolve are grey, the top-L predictions are circled."""
+    plt = _pyplot()
+    L = pred.shape[0]
+    i, j = np.indices((L, L))
+    upper, lower = j - i >= min_sep, i - j >= min_sep
+    image = np.full((L, L), np.nan)
+    image[upper] = pred[upper]
+    image[lower] = contacts[lower].astype(float)
+    unknown = ~valid & (upper | lower)
+    image[unknown] = np.nan
+    fig, ax = plt.subplots(figsize=(6, 6))
+    cmap = plt.get_cmap("Blues").copy()
+    cmap.set_bad("#dddddd")
+    ax.imshow(image, cmap=cmap, vmin=0.0, vmax=1.0, interpolation="nearest")
+    ui, uj = np.nonzero(upper & valid)
+    top = np.argsort(-pred[ui, uj], kind="stable")[:L]
+    hit = contacts[ui[top], uj[top]]
+    ax.scatter(uj[top][hit], ui[top][hit], s=6, facecolors="none", edgecolors="tab:green", lw=0.6)
+    ax.scatter(uj[top][~hit], ui[top][~hit], s=6, facecolors="none", edgecolors="tab:red", lw=0.6)
+    ax.plot([0, L - 1], [0, L - 1], color="k", lw=0.5)
+    ax.set_xlabel("residue j")
+    ax.set_ylabel("residue i")
+    precision = float(hit.mean()) if len(hit) else float("nan")
+    ax.set_title(
+        (title + "\n" if title else "")
+        + f"upper: predicted (top-L circled, P@L={precision:.2f}); lower: true (CB<8A)",
+        fontsize=9,
+    )
+    return save_figure(fig, path, dpi)
+
+
+def blosum62() -> np.ndarray:
+    """BLOSUM62 restricted to ``AMINO_ACIDS`` as a (20, 20) array (Biopython's copy)."""
+    from Bio.Align import substitution_matrices
+
+    m = substitution_matrices.load("BLOSUM62")
+    return np.array([[m[a][b] for b in AMINO_ACIDS] for a in AMINO_ACIDS], dtype=np.float64)
+
+
+def matrix_correlation(a: np.ndarray, b: np.ndarray) -> float:
+    """Pearson correlation over the upper triangle (diagonal included) where both are finite:
+    both matrices are symmetric, so the lower triangle would only double-count."""
+    iu = np.triu_indices(a.shape[0])
+    x, y = a[iu], b[iu]
+    ok = np.isfinite(x) & np.isfinite(y)
+    if ok.sum() < 3 or np.std(x[ok]) == 0 or np.std(y[ok]) == 0:
+        return float("nan")
+    return float(np.corrcoef(x[ok], y[ok])[0, 1])
+
+
+def similarity_vs_blosum(
+    similarity: np.ndarray,
+    path: str | os.PathLike[str],
+    *,
+    title: str = "",
+    dpi: int = 120,
+) -> tuple[Path, float]:
+    """The attention-derived 20 x 20 similarity beside BLOSUM62, their correlation in the
+    title (as the Performer paper's Fig. 13). Returns (path, correlation)."""
+    plt = _pyplot()
+    ref = blosum62()
+    r = matrix_correlation(similarity, ref)
+    fig, axes = plt.subplots(1, 2, figsize=(11, 5))
+    for ax, mat, name in ((axes[0], similarity, "from attention"), (axes[1], ref, "BLOSUM62")):
+        lim = float(np.nanmax(np.abs(mat))) if np.isfinite(mat).any() else 1.0
+        im = ax.imshow(mat, cmap="RdBu_r", vmin=-lim, vmax=lim)
+        ax.set_xticks(range(20), list(AMINO_ACIDS), fontsize=7)
+        ax.set_yticks(range(20), list(AMINO_ACIDS), fontsize=7)
+        ax.set_title(name, fontsize=9)
+        fig.colorbar(im, ax=ax, fraction=0.046)
+    fig.suptitle(
+        (title + ": " if title else "") + f"amino-acid similarity, Pearson r = {r:.3f}",
+        fontsize=10,
+    )
+    return save_figure(fig, path, dpi), r

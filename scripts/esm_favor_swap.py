@@ -1,0 +1,261 @@
+#!/usr/bin/env python
+"""FAVOR+ swap study: how far are ESM-2's outputs with FAVOR+ instead of softmax attention?
+
+Same weights, only the attention core changes (no fine-tuning): for every kernel and number of
+random features m, the FAVOR+ twin's logits are compared with the exact model's at the residue
+positions (not <cls>/<eos>/pads) of unmasked sequences from a FASTA file:
+
+- KL(exact || favor) of the per-position token distributions, averaged over positions;
+- top-1 agreement: the fraction of positions whose argmax token is the same.
+
+Each (kernel, m) is repeated with several seeds of the random features; the CSV has one row per
+seed, the markdown tables the mean and standard deviation over seeds.
+
+The model is a fair-esm .pt, a Hugging Face EsmForMaskedLM directory, or an export/checkpoint
+of this project (converted weights). Without --checkpoint a random small ESM-2 is built, as
+fair-esm initializes one (N(0, 1) embeddings, PyTorch's default Linear init): the numbers then
+only show the estimator's behaviour on unstructured attention and say little about a trained
+ESM-2, whose attention is much peakier. Weights cannot be downloaded here; run it with a real
+esm2_t6_8M_UR50D.pt (or esm2_t12_35M_UR50D.pt) where you have one.
+
+Examples::
+
+    python scripts/esm_favor_swap.py --help
+    python scripts/esm_favor_swap.py --quick
+    python scripts/esm_favor_swap.py --checkpoint esm2_t6_8M_UR50D.pt --seeds 3 \\
+        --out-dir outputs/esm_favor_swap/esm2_8M
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import logging
+import math
+import statistics
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from protein_performer.data.tokenizer import Alphabet, pad_token_arrays  # noqa: E402
+from protein_performer.inference.convert_esm import load_any, swap_attention  # noqa: E402
+from protein_performer.model.config import PerformerConfig  # noqa: E402
+from protein_performer.model.performer import PerformerLM  # noqa: E402
+
+log = logging.getLogger("esm_favor_swap")
+
+KERNELS = ("softmax", "softmax_hyp", "softmax_opt", "relu")
+FULL_M = tuple(2**i for i in range(6, 13))  # 64 .. 4096
+QUICK_M = (64, 256, 1024)
+
+
+def random_esm2(dim: int, depth: int, heads: int, seed: int) -> PerformerLM:
+    """An exact-attention ESM-2 initialized the way fair-esm's ``ESM2`` is (not BERT's 0.02),
+    so attention is not trivially uniform."""
+    torch.manual_seed(seed)
+    config = PerformerConfig(
+        dim=dim, depth=depth, heads=heads, ff_dim=4 * dim, attention="exact", token_dropout=True
+    )
+    model = PerformerLM(config)
+    for module in model.modules():
+        if isinstance(module, torch.nn.Linear):
+            module.reset_parameters()
+    with torch.no_grad():
+        torch.nn.init.normal_(model.embed_tokens.weight)
+        model.embed_tokens.weight[config.pad_idx].zero_()
+    return model.eval()
+
+
+def read_sequences(path: Path, max_records: int, max_len: int) -> list[str]:
+    from protein_performer.inference.embedding import read_records
+
+    records = read_records(path, on_invalid="skip")[:max_records]
+    return [r.sequence[: max_len - 2] for r in records]
+
+
+def batches(seqs: Sequence[str], toks_per_batch: int) -> list[torch.Tensor]:
+    """Padded ``<cls> seq <eos>`` batches, longest first, under a padded-token budget."""
+    alphabet = Alphabet()
+    order = sorted(range(len(seqs)), key=lambda i: -len(seqs[i]))
+    out, cur = [], []
+    for i in order:
+        if cur and (len(cur) + 1) * (len(seqs[cur[0]]) + 2) > toks_per_batch:
+            out.append(cur)
+            cur = []
+        cur.append(i)
+    if cur:
+        out.append(cur)
+    return [
+        pad_token_arrays([alphabet.encode_with_specials(seqs[i]) for i in b], alphabet.pad_idx)
+        for b in out
+    ]
+
+
+def residue_mask(tokens: torch.Tensor, alphabet: Alphabet) -> torch.Tensor:
+    special = torch.tensor(alphabet.special_idx)
+    return ~torch.isin(tokens, special)
+
+
+@torch.no_grad()
+def compare(
+    exact_logps: list[torch.Tensor],
+    favor: PerformerLM,
+    token_batches: list[torch.Tensor],
+    masks: list[torch.Tensor],
+) -> tuple[float, float]:
+    """Mean KL(exact || favor) and top-1 agreement over all residue positions."""
+    kl_sum, agree, n = 0.0, 0, 0
+    for logp_e, tokens, keep in zip(exact_logps, token_batches, masks, strict=True):
+        logp_f = F.log_softmax(favor(tokens).logits.double(), dim=-1)[keep]  # (N, V)
+        kl = (logp_e.exp() * (logp_e - logp_f)).sum(-1)  # (N,)
+        kl_sum += kl.sum().item()
+        agree += (logp_e.argmax(-1) == logp_f.argmax(-1)).sum().item()
+        n += keep.sum().item()
+    return kl_sum / n, agree / n
+
+
+def summarize(rows: list[dict], kernels: Sequence[str], ms: Sequence[int]) -> str:
+    """Two markdown tables (KL, top-1), kernels as rows and m as columns, mean ± sd over seeds."""
+
+    def cell(kernel: str, m: int, key: str, fmt: str) -> str:
+        values = [r[key] for r in rows if r["kernel"] == kernel and r["m"] == m]
+        if not values:
+            return "-"
+        mean = statistics.fmean(values)
+        sd = statistics.stdev(values) if len(values) > 1 else 0.0
+        return f"{mean:{fmt}} ± {sd:{fmt}}" if len(values) > 1 else f"{mean:{fmt}}"
+
+    lines = []
+    for key, title, fmt in (
+        ("kl", "Mean KL(exact || favor) per residue (nats)", ".4f"),
+        ("top1", "Top-1 agreement with exact", ".3f"),
+    ):
+        lines += [f"### {title}", "", "| kernel | " + " | ".join(f"m={m}" for m in ms) + " |"]
+        lines.append("|---|" + "---|" * len(ms))
+        for kernel in kernels:
+            lines.append(
+                f"| {kernel} | " + " | ".join(cell(kernel, m, key, fmt) for m in ms) + " |"
+            )
+        lines.append("")
+    return "\n".join(lines)
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0],
+        epilog=__doc__.split("\n\n", 1)[1],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument(
+        "--checkpoint",
+        type=Path,
+        default=None,
+        help="fair-esm .pt, HF EsmForMaskedLM dir, or our export/.ckpt (default: random ESM-2)",
+    )
+    p.add_argument("--fasta", type=Path, default=ROOT / "data" / "demo" / "some_proteins.fasta")
+    p.add_argument("--max-records", type=int, default=15)
+    p.add_argument("--max-len", type=int, default=512, help="crop (incl. <cls>/<eos>)")
+    p.add_argument("--kernels", nargs="+", choices=KERNELS, default=list(KERNELS))
+    p.add_argument("--ms", nargs="+", type=int, default=list(FULL_M), help="numbers of features")
+    p.add_argument("--seeds", type=int, default=3, help="feature seeds per (kernel, m)")
+    p.add_argument("--toks-per-batch", type=int, default=4096)
+    p.add_argument(
+        "--random-shape",
+        nargs=3,
+        type=int,
+        default=(320, 6, 20),
+        metavar=("DIM", "DEPTH", "HEADS"),
+        help="shape of the random ESM-2 when no checkpoint is given (default: ESM-2 8M)",
+    )
+    p.add_argument("--out-dir", type=Path, default=ROOT / "outputs" / "esm_favor_swap")
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    p.add_argument(
+        "--quick",
+        action="store_true",
+        help="seconds: tiny random model, 3 short records, m in 64/256/1024, one seed",
+    )
+    args = p.parse_args(argv)
+    if args.quick:
+        args.max_records = min(args.max_records, 3)
+        args.max_len = min(args.max_len, 128)
+        args.ms = [m for m in args.ms if m in QUICK_M] or list(QUICK_M)
+        args.seeds = 1
+        if args.checkpoint is None:
+            args.random_shape = (64, 2, 4)
+    return args
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    args = parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    if args.checkpoint is None:
+        dim, depth, heads = args.random_shape
+        exact = random_esm2(dim, depth, heads, seed=0)
+        source = f"random ESM-2 (dim {dim}, depth {depth}, heads {heads}; fair-esm init)"
+        log.warning("no --checkpoint: %s; random weights make this study less meaningful", source)
+    else:
+        loaded = load_any(args.checkpoint)
+        exact = swap_attention(loaded.model, "exact")
+        source = str(args.checkpoint)
+    alphabet = Alphabet()
+    seqs = read_sequences(args.fasta, args.max_records, args.max_len)
+    token_batches = batches(seqs, args.toks_per_batch)
+    masks = [residue_mask(t, alphabet) for t in token_batches]
+    with torch.no_grad():
+        exact_logps = [
+            F.log_softmax(exact(t).logits.double(), dim=-1)[k]
+            for t, k in zip(token_batches, masks, strict=True)
+        ]
+
+    args.out_dir.mkdir(parents=True, exist_ok=True)
+    rows: list[dict] = []
+    csv_path = args.out_dir / "swap.csv"
+    fields = ["kernel", "m", "seed", "kl", "top1", "seconds"]
+    with open(csv_path, "w", newline="") as fh:
+        writer = csv.DictWriter(fh, fieldnames=fields)
+        writer.writeheader()
+        for kernel in args.kernels:
+            for m in args.ms:
+                for seed in range(args.seeds):
+                    start = time.perf_counter()
+                    favor = swap_attention(exact, "favor", kernel, m, seed=seed)
+                    kl, top1 = compare(exact_logps, favor, token_batches, masks)
+                    row = {
+                        "kernel": kernel,
+                        "m": m,
+                        "seed": seed,
+                        "kl": kl,
+                        "top1": top1,
+                        "seconds": round(time.perf_counter() - start, 3),
+                    }
+                    if not math.isfinite(kl):
+                        log.warning("%s m=%d seed=%d: non-finite KL", kernel, m, seed)
+                    rows.append(row)
+                    writer.writerow(row)
+                    fh.flush()
+                    log.info("%-11s m=%-5d seed=%d KL=%.4g top1=%.3f", kernel, m, seed, kl, top1)
+
+    n_res = sum(int(k.sum()) for k in masks)
+    header = (
+        f"## FAVOR+ swap: {source}\n\n{len(seqs)} sequences from {args.fasta.name} (cropped to "
+        f"{args.max_len} tokens), {n_res} residue positions, {args.seeds} feature seed(s); no "
+        "fine-tuning.\n\n"
+    )
+    table = header + summarize(rows, args.kernels, args.ms)
+    (args.out_dir / "swap.md").write_text(table + "\n", encoding="utf-8")
+    print(table)
+    log.info("wrote %s and %s", csv_path, args.out_dir / "swap.md")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,267 @@
+"""ESM-2 import: exactness against fair-esm and transformers, FAVOR+ swap, refusals, CLI.
+
+The source models are small, randomly initialized ESM-2s built here (no downloads); LayerNorm
+and bias parameters are perturbed so that a swapped or dropped one shows in the outputs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from protein_performer.errors import UserError
+from protein_performer.inference.convert_esm import convert_esm, read_esm
+from protein_performer.inference.loading import load_model
+
+esm = pytest.importorskip("esm", reason="fair-esm is not installed (pip install fair-esm)")
+
+DEMO_FASTA = Path(__file__).resolve().parents[1] / "data" / "demo" / "some_proteins.fasta"
+TOL = 1e-4
+SEQS = [("short", "MKTAYIAKQRQISFVK"), ("long", "MKTAYIAKQRQISFVKSHFSRQLEERLGLIEVQAPIL")]
+
+
+def _perturb(model: torch.nn.Module, seed: int = 1) -> None:
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name.lower() or name.endswith("bias"):
+                p.add_(0.1 * torch.randn(p.shape, generator=g))
+
+
+def _tokens() -> torch.Tensor:
+    """A padded batch in ESM-2's layout, with <mask> tokens in both rows."""
+    alphabet = esm.data.Alphabet.from_architecture("ESM-1b")
+    _, _, tokens = alphabet.get_batch_converter()(SEQS)
+    tokens[0, 3] = alphabet.mask_idx
+    tokens[1, [5, 6, 20]] = alphabet.mask_idx
+    assert tokens.eq(alphabet.padding_idx).any()
+    return tokens
+
+
+def _fair_esm_model(seed: int = 0) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    model = esm.model.esm2.ESM2(
+        num_layers=2,
+        embed_dim=64,
+        attention_heads=4,
+        alphabet=esm.data.Alphabet.from_architecture("ESM-1b"),
+        token_dropout=True,
+    )
+    _perturb(model)
+    return model.eval()
+
+
+def _save_fair_esm(model: torch.nn.Module, path: Path, layout: str = "cfg") -> Path:
+    """Save as the released esm2_*.pt files are laid out (fairseq prefixes, cfg Namespace), or
+    in the older ``args`` layout with unprefixed keys."""
+    state = {k: v for k, v in model.state_dict().items() if not k.startswith("contact_head")}
+    hparams = argparse.Namespace(
+        encoder_layers=2,
+        encoder_embed_dim=64,
+        encoder_ffn_embed_dim=256,
+        encoder_attention_heads=4,
+        token_dropout=True,
+    )
+    if layout == "cfg":
+        state = {
+            (f"encoder.{k}" if k.startswith("lm_head") else f"encoder.sentence_encoder.{k}"): v
+            for k, v in state.items()
+        }
+        data = {"model": state, "args": None, "cfg": {"model": hparams}}
+    else:
+        data = {"model": state, "args": hparams}
+    torch.save(data, path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def fair(tmp_path_factory) -> tuple[torch.nn.Module, Path]:
+    model = _fair_esm_model()
+    return model, _save_fair_esm(model, tmp_path_factory.mktemp("fair") / "esm2_t2_tiny.pt")
+
+
+def _max_diffs(ref_logits, ref_hidden, out) -> dict[str, float]:
+    diffs = {"logits": (ref_logits - out.logits).abs().max().item()}
+    for layer, h in ref_hidden.items():
+        diffs[f"layer {layer}"] = (h - out.hidden_states[layer]).abs().max().item()
+    return diffs
+
+
+@pytest.mark.parametrize("layout", ["cfg", "args"])
+def test_fair_esm_exact(fair, tmp_path, layout):
+    model, _ = fair
+    src = _save_fair_esm(model, tmp_path / "esm2.pt", layout)
+    result = convert_esm(src, tmp_path / "out", attention="exact")
+    assert result.kind == "fair-esm"
+    cfg = result.config
+    assert (cfg.dim, cfg.depth, cfg.heads, cfg.ff_dim) == (64, 2, 4, 256)
+    assert cfg.token_dropout and cfg.layer_norm_eps == 1e-5 and cfg.attention == "exact"
+    loaded = load_model(tmp_path / "out", "cpu")
+    tokens = _tokens()
+    with torch.no_grad():
+        ref = model(tokens, repr_layers=[0, 1, 2])
+        out = loaded.model(tokens, repr_layers=[0, 1, 2])
+    diffs = _max_diffs(ref["logits"], ref["representations"], out)
+    assert set(diffs) == {"logits", "layer 0", "layer 1", "layer 2"}
+    assert max(diffs.values()) <= TOL, diffs
+
+
+def test_hf_exact(tmp_path):
+    transformers = pytest.importorskip(
+        "transformers", reason="transformers is not installed (pip install transformers)"
+    )
+    torch.manual_seed(0)
+    config = transformers.EsmConfig(
+        vocab_size=33,
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        intermediate_size=256,
+        position_embedding_type="rotary",
+        token_dropout=True,
+        pad_token_id=1,
+        mask_token_id=32,
+        layer_norm_eps=1e-5,
+        emb_layer_norm_before=False,
+        hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0,
+    )
+    hf = transformers.EsmForMaskedLM(config).eval()
+    _perturb(hf)
+    hf.save_pretrained(tmp_path / "hf")
+    assert (tmp_path / "hf" / "model.safetensors").is_file()
+    result = convert_esm(tmp_path / "hf", tmp_path / "out")
+    assert result.kind == "hf" and result.config.token_dropout
+    loaded = load_model(tmp_path / "out", "cpu")
+    tokens = _tokens()
+    with torch.no_grad():
+        ref = hf(input_ids=tokens, attention_mask=tokens.ne(1).long(), output_hidden_states=True)
+        out = loaded.model(tokens, repr_layers=[0, 1, 2])
+    assert len(ref.hidden_states) == 3
+    diffs = _max_diffs(ref.logits, dict(enumerate(ref.hidden_states)), out)
+    assert max(diffs.values()) <= TOL, diffs
+
+
+def test_favor_swap_close_and_reproducible(tmp_path):
+    model = _fair_esm_model()
+    # Small q/k norms keep attention logits small, where FAVOR+ is accurate.
+    with torch.no_grad():
+        for layer in model.layers:
+            layer.self_attn.q_proj.weight.mul_(0.2)
+            layer.self_attn.k_proj.weight.mul_(0.2)
+    src = _save_fair_esm(model, tmp_path / "esm2.pt")
+    convert_esm(src, tmp_path / "exact")
+    res = convert_esm(src, tmp_path / "favor", attention="favor", nb_features=256, seed=3)
+    assert res.config.attention == "favor" and res.config.nb_features == 256
+    tokens = _tokens()
+    exact = load_model(tmp_path / "exact", "cpu").model
+    favor = load_model(tmp_path / "favor", "cpu").model
+    with torch.no_grad():
+        le, lf = exact(tokens).logits, favor(tokens).logits
+        again = load_model(tmp_path / "favor", "cpu").model(tokens).logits
+    real = tokens.ne(1)
+    rel = (le - lf)[real].norm() / le[real].norm()
+    assert rel < 0.05, rel
+    assert torch.equal(lf, again)  # omega is stored: reload gives the same outputs
+    # Same seed -> bit-identical export; another seed -> other features.
+    convert_esm(src, tmp_path / "favor2", attention="favor", nb_features=256, seed=3)
+    convert_esm(src, tmp_path / "favor3", attention="favor", nb_features=256, seed=4)
+    omega = "layers.0.self_attn.favor.omega"
+    sd = [load_model(tmp_path / d, "cpu").model.state_dict()[omega] for d in ("favor", "favor2")]
+    assert torch.equal(sd[0], sd[1])
+    other = load_model(tmp_path / "favor3", "cpu").model.state_dict()[omega]
+    assert not torch.equal(sd[0], other)
+
+
+def _rewrite(src: Path, dst: Path, edit) -> Path:
+    with torch.serialization.safe_globals([argparse.Namespace]):
+        data = torch.load(src, weights_only=True, map_location="cpu")
+    edit(data)
+    torch.save(data, dst)
+    return dst
+
+
+def test_unknown_and_missing_keys(fair, tmp_path):
+    _, src = fair
+    extra = "encoder.sentence_encoder.layers.0.adapter.weight"
+
+    def add_key(d):
+        d["model"][extra] = torch.zeros(3)
+
+    def drop_key(d):
+        del d["model"]["encoder.sentence_encoder.layers.1.fc2.bias"]
+
+    with pytest.raises(UserError, match=r"does not know: layers\.0\.adapter\.weight"):
+        read_esm(_rewrite(src, tmp_path / "extra.pt", add_key))
+    with pytest.raises(UserError, match=r"1 missing: layers\.1\.fc2\.bias"):
+        convert_esm(_rewrite(src, tmp_path / "miss.pt", drop_key), tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+
+
+def test_esm1b_checkpoint_refused(tmp_path):
+    state = {
+        "encoder.sentence_encoder.embed_tokens.weight": torch.zeros(33, 16),
+        "encoder.sentence_encoder.embed_positions.weight": torch.zeros(1026, 16),
+        "encoder.sentence_encoder.emb_layer_norm_before.weight": torch.ones(16),
+    }
+    args = argparse.Namespace(arch="roberta_large", layers=1, embed_dim=16, attention_heads=2)
+    torch.save({"model": state, "args": args}, tmp_path / "esm1b_t33_650M_UR50S.pt")
+    with pytest.raises(UserError, match="ESM-1.*not\\s+ESM-2"):
+        read_esm(tmp_path / "esm1b_t33_650M_UR50S.pt")
+    hf = tmp_path / "hf_esm1b"
+    hf.mkdir()
+    (hf / "config.json").write_text(
+        json.dumps({"model_type": "esm", "position_embedding_type": "absolute"})
+    )
+    with pytest.raises(UserError, match="ESM-1/ESM-1b-style"):
+        read_esm(hf)
+
+
+class _Opaque:
+    """Stands for any class a malicious pickle could ask to rebuild."""
+
+
+def test_pickled_code_refused(tmp_path):
+    torch.save({"model": {}, "args": Path("x")}, tmp_path / "ok_types.pt")  # paths are allowed
+    with pytest.raises(UserError, match="no architecture|no transformer layers"):
+        read_esm(tmp_path / "ok_types.pt")
+    torch.save({"model": {}, "args": _Opaque()}, tmp_path / "evil.pt")
+    with pytest.raises(UserError, match="refusing to unpickle"):
+        read_esm(tmp_path / "evil.pt")
+
+
+def test_cli_end_to_end(fair, tmp_path, capsys):
+    h5py = pytest.importorskip("h5py")
+    from protein_performer.cli.main import main
+
+    _, src = fair
+    fasta = tmp_path / "two.fasta"
+    records = DEMO_FASTA.read_text().split(">")[1:3]
+    # Two demo records, shortened so that pseudo-perplexity (L passes each) stays fast.
+    fasta.write_text(
+        "".join(
+            ">" + r.splitlines()[0] + "\n" + "".join(r.splitlines()[1:])[:60] + "\n"
+            for r in records
+        )
+    )
+    out = tmp_path / "esm2_favor"
+    argv = ["convert-esm", str(src), str(out), "--attention", "favor", "--nb-features", "32"]
+    assert main(argv) == 0
+    assert "converted fair-esm ESM-2" in capsys.readouterr().out
+    assert main(argv) == 2  # exists: refuses without --overwrite
+    assert "--overwrite" in capsys.readouterr().err
+    assert main([*argv, "--overwrite", "--kernel", "softmax_hyp"]) == 0
+    assert load_model(out, "cpu").config.kernel == "softmax_hyp"
+    assert main(["convert-esm", str(tmp_path / "nope.pt"), str(tmp_path / "x")]) == 2
+
+    emb = tmp_path / "emb.h5"
+    assert main(["embed", str(out), str(fasta), str(emb), "--no-progress"]) == 0
+    with h5py.File(emb) as f:
+        assert len(f["records"]) == 2
+    scores = tmp_path / "scores.csv"
+    assert main(["score", str(out), str(fasta), str(scores), "--no-progress"]) == 0
+    assert len(scores.read_text().strip().splitlines()) == 3
