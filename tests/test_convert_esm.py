@@ -265,3 +265,33 @@ def test_cli_end_to_end(fair, tmp_path, capsys):
     scores = tmp_path / "scores.csv"
     assert main(["score", str(out), str(fasta), str(scores), "--no-progress"]) == 0
     assert len(scores.read_text().strip().splitlines()) == 3
+
+
+def test_init_from_converted_weights(fair, tmp_path):
+    pytest.importorskip("pytorch_lightning")
+    from omegaconf import OmegaConf
+
+    from protein_performer.training.init_weights import load_initial_weights, maybe_init_from
+    from protein_performer.training.lit_module import ProteinLMModule
+
+    _, src = fair
+    convert_esm(src, tmp_path / "exact")
+    shape = dict(dim=64, depth=2, heads=4, ff_dim=256, token_dropout=True)
+    module = ProteinLMModule({**shape, "attention": "favor", "nb_features": 16})
+    omega = module.model.layers[0].self_attn.favor.omega.clone()
+    kept = load_initial_weights(module, tmp_path / "exact")
+    assert kept == [f"layers.{i}.self_attn.favor.omega" for i in range(2)]
+    source = load_model(tmp_path / "exact", "cpu").model.state_dict()
+    for name, value in module.model.state_dict().items():
+        if "favor" not in name:
+            assert torch.equal(value, source[name]), name
+    assert torch.equal(module.model.layers[0].self_attn.favor.omega, omega)
+
+    wrong = ProteinLMModule({**shape, "dim": 32, "ff_dim": 128})
+    with pytest.raises(UserError, match="do not fit model.config"):
+        load_initial_weights(wrong, tmp_path / "exact")
+    with pytest.raises(UserError, match="heads=4"):
+        load_initial_weights(ProteinLMModule({**shape, "heads": 8}), tmp_path / "exact")
+    with pytest.raises(UserError, match="add init_from=PATH"):
+        maybe_init_from(module, OmegaConf.create({"init_from": "???"}))
+    assert maybe_init_from(module, OmegaConf.create({"init_from": None})) is None

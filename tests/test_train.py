@@ -61,6 +61,25 @@ def test_fast_dev_run(tmp_path: Path, objective: str, attention: str) -> None:
     assert result["curve"] is not None and Path(result["curve"]).is_file()
 
 
+def test_bf16_checkpointing_and_accumulation(tmp_path: Path) -> None:
+    # The GPU recipe's switches, on CPU: bf16 autocast, activation checkpointing, accumulation.
+    cfg = tiny_cfg(
+        tmp_path,
+        "trainer.precision=bf16-mixed",
+        "model.config.gradient_checkpointing=true",
+        "trainer.accumulate_grad_batches=2",
+        "trainer.max_steps=2",
+        "trainer.val_check_interval=4",
+        "trainer.limit_val_batches=1",
+        "trainer.log_every_n_steps=1",
+    )
+    result = train(cfg)
+    assert math.isfinite(result["metrics"]["train/loss"])
+    assert math.isfinite(result["metrics"]["val/loss"])
+    curve = json.loads((tmp_path / "training_curve.json").read_text())
+    assert [s for s, _ in curve["train/loss"]] == [1, 2]  # 4 batches made 2 optimizer steps
+
+
 def test_short_run_writes_checkpoints_metrics_and_tests(tmp_path: Path) -> None:
     cfg = tiny_cfg(
         tmp_path,

@@ -1,4 +1,4 @@
-"""``protein-performer visualize ckpt=PATH sequence=... | fasta=PATH record=ID [key=value ...]``."""
+"""``protein-performer visualize ckpt=PATH sequence=... | fasta=PATH record=ID [key=value]``."""
 
 from __future__ import annotations
 

@@ -221,7 +221,14 @@ class DuplicateIdChecker:
         """Add ids (in order) and return, per id, the tag of an earlier equal id or -1."""
         if len(ids) == 0:
             return np.empty(0, dtype=np.int64)
-        keys = self.hash_ids(ids)
+        return self.check_hashes(self.hash_ids(ids), tags)
+
+    def check_hashes(self, keys: np.ndarray, tags: np.ndarray | Sequence[int]) -> np.ndarray:
+        """:meth:`check` for ids already hashed with :meth:`hash_ids` ((n,) uint64), e.g. by
+        the worker processes of a parallel preprocess."""
+        keys = np.asarray(keys, dtype=np.uint64)
+        if len(keys) == 0:
+            return np.empty(0, dtype=np.int64)
         tags = np.asarray(tags, dtype=np.int64)
         if tags.min() < 0 or tags.max() >= 2**32:
             raise ValueError("DuplicateIdChecker tags must fit in uint32")
@@ -287,10 +294,20 @@ class _BlockSource:
     twice).
     """
 
-    def __init__(self, fh: BinaryIO, path: str, block_size: int = _BLOCK) -> None:
+    def __init__(
+        self,
+        fh: BinaryIO,
+        path: str,
+        block_size: int = _BLOCK,
+        *,
+        base: int = 0,
+        limit: int | None = None,
+    ) -> None:
         self.fh = fh
         self.path = path
         self.block_size = block_size
+        self.base = base  # file offset of the first byte read (a byte range's start)
+        self.limit = limit  # bytes to read at most (a byte range's length), None: to the end
         self.leading: tuple[int, str] | None = None  # (line, text) before the first header
         self.lead_lines = 0  # newlines cut off the first block (before the first header)
         self.nbytes = 0  # (uncompressed) bytes read so far
@@ -300,15 +317,18 @@ class _BlockSource:
         pieces: list[bytes] = []
         buffered = 0
         first = True
+        remaining = self.limit
         while True:
             try:
-                chunk = self.fh.read(size)
+                chunk = self.fh.read(size if remaining is None else min(size, remaining))
             except (EOFError, gzip.BadGzipFile, zlib.error) as exc:
                 yield from self._broken_gzip(b"".join(pieces), exc, first)
                 return
             if not chunk:
                 break
             self.nbytes += len(chunk)
+            if remaining is not None:
+                remaining -= len(chunk)
             if pieces and chunk[:1] == b">" and pieces[-1][-1:] == b"\n":
                 yield self._emit(b"".join(pieces), first, len(chunk))
                 first, pieces, buffered = False, [], 0
@@ -329,7 +349,7 @@ class _BlockSource:
                     )
         if pieces:
             yield self._emit(b"".join(pieces), first, 0)
-        if self.nbytes == 0:
+        if self.nbytes == 0 and self.base == 0:
             raise self._file_error(None, "the file is empty", kind="empty file")
 
     def _file_error(self, line: int | None, reason: str, kind: str) -> FastaFormatError:
@@ -388,7 +408,7 @@ class _BlockSource:
         )
 
     def _binary_error(self, blk: bytes, pos: int, after: int, what: str) -> FastaFormatError:
-        offset = self.nbytes - after - len(blk) + pos  # 0-based, in the uncompressed stream
+        offset = self.base + self.nbytes - after - len(blk) + pos  # 0-based, uncompressed
         line, _ = _count_until(self.path, offset)
         return self._file_error(
             line,
@@ -537,14 +557,68 @@ def read_fasta(
     report: InvalidReport | None = None,
     alphabet: Alphabet | None = None,
     check_duplicates: bool = True,
+    byte_range: tuple[int, int] | None = None,
+    start_line: int = 1,
+    start_number: int = 0,
 ) -> Iterator[FastaRecord]:
-    """Stream validated records from one FASTA or FASTA.gz file (see the module docstring)."""
-    return read_fastas(
-        [path],
-        on_invalid=on_invalid,
-        report=report,
-        alphabet=alphabet,
-        check_duplicates=check_duplicates,
+    """Stream validated records from one FASTA or FASTA.gz file (see the module docstring).
+
+    ``byte_range=(start, end)`` reads only bytes ``start:end`` of a plain (not gzip) file, for
+    parallel readers; ``start`` must be 0 or the start of a header line, and a range should end
+    just before one (else its last record is cut). ``start_line`` and ``start_number`` are the
+    line number of the range's first byte and the number of records before it (count them with
+    :func:`count_lines_and_records`), so lines and record numbers, in records and in errors,
+    are those of the whole file. Duplicate ids are then only checked within the range.
+    """
+    return _records(
+        read_fasta_blocks(
+            path,
+            on_invalid=on_invalid,
+            report=report,
+            alphabet=alphabet,
+            check_duplicates=check_duplicates,
+            byte_range=byte_range,
+            start_line=start_line,
+            start_number=start_number,
+        )
+    )
+
+
+def read_fasta_blocks(
+    path: str | Path,
+    *,
+    on_invalid: OnInvalid = "error",
+    report: InvalidReport | None = None,
+    alphabet: Alphabet | None = None,
+    check_duplicates: bool = True,
+    byte_range: tuple[int, int] | None = None,
+    start_line: int = 1,
+    start_number: int = 0,
+) -> Iterator[RecordBlock]:
+    """:func:`read_fasta`, a block of valid records at a time (no per-record objects).
+
+    Each :class:`RecordBlock` holds parallel sequences ``ids``, ``descs``, ``seqs``,
+    ``numbers`` and ``lines`` (as the :class:`FastaRecord` fields) and ``path``; bulk consumers
+    such as ``preprocess`` use it to skip building a ``FastaRecord`` per record. Errors are
+    raised (or reported) in the same order as by :func:`read_fasta`, after the block's valid
+    records before the error were yielded.
+    """
+    if on_invalid not in ("error", "skip"):
+        raise ValueError(f"on_invalid must be 'error' or 'skip', not {on_invalid!r}")
+    span: _Span | None = None
+    if byte_range is not None:
+        start, end = (int(x) for x in byte_range)
+        if not 0 <= start <= end:
+            raise ValueError(
+                f"byte_range must be (start, end) with 0 <= start <= end, got {byte_range}"
+            )
+        span = (start, end, int(start_line), int(start_number))
+    elif (start_line, start_number) != (1, 0):
+        raise ValueError("start_line and start_number only apply with byte_range")
+    if start_line < 1 or start_number < 0:
+        raise ValueError("start_line must be >= 1 and start_number >= 0")
+    return _read_many(
+        [str(path)], on_invalid, report, _Validator(alphabet), check_duplicates, span
     )
 
 
@@ -559,9 +633,31 @@ def read_fastas(
     """Stream several files in order; one duplicate-id check spans all of them."""
     if on_invalid not in ("error", "skip"):
         raise ValueError(f"on_invalid must be 'error' or 'skip', not {on_invalid!r}")
+    return _records(
+        _read_many(
+            [str(p) for p in paths], on_invalid, report, _Validator(alphabet), check_duplicates
+        )
+    )
+
+
+def read_fastas_blocks(
+    paths: Sequence[str | Path],
+    *,
+    on_invalid: OnInvalid = "error",
+    report: InvalidReport | None = None,
+    alphabet: Alphabet | None = None,
+    check_duplicates: bool = True,
+) -> Iterator[RecordBlock]:
+    """:func:`read_fastas` a block of valid records at a time (see :func:`read_fasta_blocks`)."""
+    if on_invalid not in ("error", "skip"):
+        raise ValueError(f"on_invalid must be 'error' or 'skip', not {on_invalid!r}")
     return _read_many(
         [str(p) for p in paths], on_invalid, report, _Validator(alphabet), check_duplicates
     )
+
+
+# (start, end, line of the first byte, records before it): a byte range of a plain file
+_Span = tuple[int, int, int, int]
 
 
 def _read_many(
@@ -570,15 +666,67 @@ def _read_many(
     report: InvalidReport | None,
     validator: _Validator,
     check_duplicates: bool,
-) -> Iterator[FastaRecord]:
+    span: _Span | None = None,
+) -> Iterator[RecordBlock]:
     own_report = report is None
     if report is None:
         report = InvalidReport()
     dups = _Duplicates(paths) if check_duplicates else None
     for path in paths:
-        yield from _read_one(path, on_invalid == "skip", report, validator, dups)
+        yield from _read_one(path, on_invalid == "skip", report, validator, dups, span)
     if own_report and report.skipped:
         log.warning("%s", report.summary())
+
+
+def _records(blocks: Iterator[RecordBlock]) -> Iterator[FastaRecord]:
+    new, rec_type = _new, FastaRecord
+    for block in blocks:
+        path = block.path
+        for ident, desc, seq, num, ln in zip(
+            block.ids, block.descs, block.seqs, block.numbers, block.lines, strict=True
+        ):
+            rec = new(rec_type)  # skips the frozen __init__: 3x cheaper, same object
+            d = rec.__dict__
+            d["id"] = ident
+            d["description"] = desc
+            d["sequence"] = seq
+            d["number"] = num
+            d["line"] = ln
+            d["path"] = path
+            yield rec
+
+
+def count_lines_and_records(
+    path: str | Path, start: int = 0, end: int | None = None
+) -> tuple[int, int]:
+    """(newlines, header lines) in bytes ``start:end`` of a plain file, by a vectorised scan.
+
+    For a range that starts at 0 or at a header line, these are what the reader adds to its
+    line number and record number over the range: the ``start_line``/``start_number`` of the
+    next range follow by summing.
+    """
+    newlines = headers = 0
+    prev = b"\n" if start == 0 else b""
+    with open(path, "rb") as fh:
+        if start > 0:
+            fh.seek(start - 1)
+            prev = fh.read(1)
+        left = None if end is None else end - start
+        while left is None or left > 0:
+            chunk = fh.read(1 << 20 if left is None else min(1 << 20, left))
+            if not chunk:
+                break
+            if left is not None:
+                left -= len(chunk)
+            arr = np.frombuffer(chunk, np.uint8)
+            newlines += int(np.count_nonzero(arr == 10))
+            gt = np.flatnonzero(arr == 62)  # '>' is rare outside headers: a sparse check
+            if gt.size:
+                head = int(gt[0] == 0 and prev == b"\n")
+                gt = gt[gt > 0]
+                headers += head + int(np.count_nonzero(arr[gt - 1] == 10))
+            prev = chunk[-1:]
+    return newlines, headers
 
 
 class _Duplicates:
@@ -607,16 +755,29 @@ _EMPTY = "header with no sequence (an empty record)"
 _FAST = True  # tests switch the fast path off to compare it with the exact one
 
 
-class _Block:
-    """The records of one block, parsed by Biopython, before the duplicate-id check.
+class RecordBlock:
+    """The records of one block, parsed by Biopython.
 
     ``ids``/``descs``/``seqs``/``lines`` hold the valid records (``numbers`` their record
-    numbers); ``errors`` maps the record number of each invalid record to its located error.
+    numbers); ``errors`` maps the record number of each invalid record to its located error
+    (the duplicate-id check adds its errors; blocks handed out by :func:`read_fasta_blocks`
+    hold valid records only).
     """
 
-    __slots__ = ("ids", "descs", "seqs", "lines", "numbers", "errors", "count", "newlines")
+    __slots__ = (
+        "ids",
+        "descs",
+        "seqs",
+        "lines",
+        "numbers",
+        "errors",
+        "count",
+        "newlines",
+        "path",
+    )
 
     def __init__(self) -> None:
+        self.path = ""
         self.ids: list[str] = []
         self.descs: list[str] = []
         self.seqs: Sequence[str] = []
@@ -625,6 +786,25 @@ class _Block:
         self.errors: dict[int, FastaFormatError] = {}
         self.count = 0  # records in the block, valid or not
         self.newlines = 0  # newlines in the block
+
+    def take(self, idx: slice | list[int]) -> RecordBlock:
+        """A block of the records at ``idx`` (a slice or positions)."""
+        out = RecordBlock()
+        out.path = self.path
+        if isinstance(idx, slice):
+            out.ids, out.descs = self.ids[idx], self.descs[idx]
+            out.seqs, out.lines = list(self.seqs[idx]), self.lines[idx]
+            out.numbers = list(self.numbers[idx])
+        else:
+            out.ids = [self.ids[i] for i in idx]
+            out.descs = [self.descs[i] for i in idx]
+            out.seqs = [self.seqs[i] for i in idx]
+            out.lines = [self.lines[i] for i in idx]
+            out.numbers = [self.numbers[i] for i in idx]
+        return out
+
+
+_Block = RecordBlock
 
 
 _MARKERS = (b"\x01", b"\x02", b"\x03", b"\x04")  # the first one absent from a block is used
@@ -766,17 +946,22 @@ def _read_one(
     report: InvalidReport,
     validator: _Validator,
     dups: _Duplicates | None,
-) -> Iterator[FastaRecord]:
+    span: _Span | None = None,
+) -> Iterator[RecordBlock]:
     if dups is not None:
         dups.start_file()
-    number = 0
+    start, end, first_line, number = (0, -1, 1, 0) if span is None else span
     fh = _open_binary(path)
     with fh:
-        source = _BlockSource(fh, path, _BLOCK)
+        if span is not None:
+            _seek_range(fh, path, start)
+        source = _BlockSource(
+            fh, path, _BLOCK, base=start, limit=None if span is None else end - start
+        )
         line = 0  # line number of the current block's first line, once known
         for data, text in source.blocks():
             if line == 0:  # the first block: text before the first header is reported first
-                line = 1 + source.lead_lines
+                line = first_line + source.lead_lines
                 _leading(source, report, skip)
             block = None
             if text is None and _FAST:
@@ -786,7 +971,7 @@ def _read_one(
                 block = _exact_block(text, number, line, validator, path)
             number += block.count
             line += block.newlines
-            yield from _emit_block(block, path, skip, report, dups)
+            yield from _settle_block(block, path, skip, report, dups)
         if number == 0:
             raise FastaFormatError(
                 path,
@@ -799,15 +984,29 @@ def _read_one(
         dups.next_ordinal += number
 
 
-def _emit_block(
-    block: _Block,
+def _seek_range(fh: BinaryIO, path: str, start: int) -> None:
+    """Position ``fh`` at a byte range's start, which must be 0 or a header line's start."""
+    if isinstance(fh, gzip.GzipFile):
+        fh.close()
+        raise ValueError(f"{path}: byte ranges need a plain file, not gzip")
+    if start > 0:
+        fh.seek(start - 1)
+        if fh.read(2) != b"\n>":
+            fh.close()
+            raise ValueError(f"{path}: byte range start {start} is not a header line's start")
+    fh.seek(start)
+
+
+def _settle_block(
+    block: RecordBlock,
     path: str,
     skip: bool,
     report: InvalidReport,
     dups: _Duplicates | None,
-) -> Iterator[FastaRecord]:
-    """Check the block's ids for duplicates, then yield its records and raise (or report) its
-    errors in file order."""
+) -> Iterator[RecordBlock]:
+    """Check the block's ids for duplicates, then yield its valid records and raise (or
+    report) its errors in file order."""
+    block.path = path
     ids, numbers = block.ids, block.numbers
     errors = block.errors
     if dups is not None and ids:
@@ -823,47 +1022,21 @@ def _emit_block(
                     record_id=ids[i],
                     kind="duplicate id",
                 )
-    new, rec_type = _new, FastaRecord
-    if not errors:  # the usual case: no per-record branch at all
-        for ident, desc, seq, num, ln in zip(
-            ids, block.descs, block.seqs, numbers, block.lines, strict=True
-        ):
-            rec = new(rec_type)  # skips the frozen __init__: 3x cheaper, same object
-            d = rec.__dict__
-            d["id"] = ident
-            d["description"] = desc
-            d["sequence"] = seq
-            d["number"] = num
-            d["line"] = ln
-            d["path"] = path
-            yield rec
+    if not errors:  # the usual case
+        if ids:
+            yield block
         return
     pending = sorted(errors.items())  # (record number, error), in file order
-    k = 0
-    for ident, desc, seq, num, ln in zip(
-        ids, block.descs, block.seqs, numbers, block.lines, strict=True
-    ):
-        while k < len(pending) and pending[k][0] <= num:
-            exc = pending[k][1]
-            k += 1
-            if not skip:
-                raise exc
-            report.add(exc)
-        if num in errors:
-            continue  # a valid record with a duplicate id
-        rec = new(rec_type)
-        d = rec.__dict__
-        d["id"] = ident
-        d["description"] = desc
-        d["sequence"] = seq
-        d["number"] = num
-        d["line"] = ln
-        d["path"] = path
-        yield rec
-    for _num, exc in pending[k:]:
-        if not skip:
-            raise exc
+    if not skip:
+        before = bisect.bisect_left(numbers, pending[0][0])  # the valid records before it
+        if before:
+            yield block.take(slice(0, before))
+        raise pending[0][1]
+    for _num, exc in pending:
         report.add(exc)
+    keep = [i for i, num in enumerate(numbers) if num not in errors]  # drops duplicates
+    if keep:
+        yield block if len(keep) == len(ids) else block.take(keep)
 
 
 def _locate(

@@ -110,6 +110,11 @@ def _one_line(header: str) -> str:
     return header.replace("\r", " ").replace("\n", " ")
 
 
+def _select(blob: bytes, lens: np.ndarray, keep: np.ndarray) -> bytes:
+    """The pieces of ``blob`` (back to back, (n,) byte lengths ``lens``) where ``keep``."""
+    return np.frombuffer(blob, np.uint8)[np.repeat(keep, lens)].tobytes()
+
+
 def _dump_json(obj: Any) -> str:
     """Canonical JSON so identical inputs give identical bytes."""
     return json.dumps(obj, sort_keys=True, indent=2, ensure_ascii=False) + "\n"
@@ -204,7 +209,6 @@ class StoreWriter:
         if not (len(seqs) == len(splits) == len(headers) == n):
             raise ValueError("ids, seqs, splits and descriptions must have the same length")
         self.flush()  # keep record order if add() and write_chunk() are mixed
-        f = self._files
         lengths = np.fromiter(map(len, seqs), dtype=np.int64, count=n)  # (n,)
         # One bytes.translate over the whole chunk (same mapping as Alphabet.encode, ~10x faster
         # than n small numpy calls); 255 marks a letter outside the vocabulary.
@@ -214,20 +218,37 @@ class StoreWriter:
         tokens = joined.encode("ascii").translate(self._table)  # (sum(lengths),) uint8 ids
         if b"\xff" in tokens:
             _bad_letter(self.alphabet, joined)
-        f[TOKENS].write(tokens)
-        f[OFFSETS].write((np.cumsum(lengths) + self._tok_end).astype("<i8").tobytes())
-        f[LENGTHS].write(lengths.astype("<i4").tobytes())
         split_arr = np.asarray(splits, dtype=np.uint8)  # (n,)
         if split_arr.size and int(split_arr.max()) >= len(SPLIT_NAMES):
             raise ValueError(f"split codes must be 0..{len(SPLIT_NAMES) - 1}")
-        f[SPLIT].write(split_arr.tobytes())
-
         id_blob, id_len = _pack(ids, "")
-        f[IDS].write(id_blob)
-        f[ID_OFFSETS].write((np.cumsum(id_len) + self._id_end).astype("<i8").tobytes())
         hdr_blob, hdr_len = _pack(
             [_one_line(h) for h in headers] if _multiline(headers) else headers, "\n"
         )
+        self._append(tokens, lengths, split_arr, id_blob, id_len, hdr_blob, hdr_len)
+
+    def _append(
+        self,
+        tokens: bytes,
+        lengths: np.ndarray,
+        split_arr: np.ndarray,
+        id_blob: bytes,
+        id_len: np.ndarray,
+        hdr_blob: bytes,
+        hdr_len: np.ndarray,
+    ) -> None:
+        """Append n encoded records: token bytes with (n,) lengths, (n,) uint8 split codes, id
+        and description blobs with (n,) byte lengths (a description's includes its '\\n')."""
+        n = len(lengths)
+        if n == 0:
+            return
+        f = self._files
+        f[TOKENS].write(tokens)
+        f[OFFSETS].write((np.cumsum(lengths) + self._tok_end).astype("<i8").tobytes())
+        f[LENGTHS].write(lengths.astype("<i4").tobytes())
+        f[SPLIT].write(split_arr.tobytes())
+        f[IDS].write(id_blob)
+        f[ID_OFFSETS].write((np.cumsum(id_len) + self._id_end).astype("<i8").tobytes())
         f[HEADERS].write(hdr_blob)
         f[HEADER_OFFSETS].write((np.cumsum(hdr_len) + self._hdr_end).astype("<i8").tobytes())
 
@@ -241,6 +262,55 @@ class StoreWriter:
             np.int64
         )
         self.max_length = max(self.max_length, int(lengths.max()))
+
+    def append_store(
+        self,
+        src: str | os.PathLike[str],
+        keep: np.ndarray | None = None,
+        *,
+        chunk_records: int = 1 << 16,
+    ) -> None:
+        """Append the records of the complete store at ``src`` (only those where the (N,) bool
+        ``keep`` is True), streamed in chunks: the result is byte-identical to writing the
+        same records with :meth:`write_chunk`. Used to concatenate the shards of a parallel
+        preprocess."""
+        self.flush()
+        src = Path(src)
+        n = int(_read_meta(src)["num_records"])
+        if keep is not None and len(keep) != n:
+            raise ValueError(f"keep has {len(keep)} entries for a store of {n} records")
+        names = (TOKENS, OFFSETS, SPLIT, IDS, ID_OFFSETS, HEADERS, HEADER_OFFSETS)
+        fh = {name: open(src / name, "rb") for name in names}  # noqa: SIM115
+        try:
+
+            def read(name: str, a: int, b: int, itemsize: int = 1) -> bytes:
+                fh[name].seek(a * itemsize)
+                data = fh[name].read((b - a) * itemsize)
+                if len(data) != (b - a) * itemsize:
+                    raise UserError(f"{src / name} is truncated")
+                return data
+
+            for a in range(0, n, chunk_records):
+                b = min(n, a + chunk_records)
+                off = np.frombuffer(read(OFFSETS, a, b + 1, 8), "<i8")
+                ido = np.frombuffer(read(ID_OFFSETS, a, b + 1, 8), "<i8")
+                hdo = np.frombuffer(read(HEADER_OFFSETS, a, b + 1, 8), "<i8")
+                lengths, id_len, hdr_len = np.diff(off), np.diff(ido), np.diff(hdo)
+                split_arr = np.frombuffer(read(SPLIT, a, b), np.uint8)
+                tokens = read(TOKENS, int(off[0]), int(off[-1]))
+                ids = read(IDS, int(ido[0]), int(ido[-1]))
+                hdrs = read(HEADERS, int(hdo[0]), int(hdo[-1]))
+                sel = None if keep is None else np.asarray(keep[a:b], dtype=bool)
+                if sel is not None and not sel.all():
+                    tokens = _select(tokens, lengths, sel)
+                    ids = _select(ids, id_len, sel)
+                    hdrs = _select(hdrs, hdr_len, sel)
+                    lengths, id_len, hdr_len = lengths[sel], id_len[sel], hdr_len[sel]
+                    split_arr = split_arr[sel]
+                self._append(tokens, lengths, split_arr, ids, id_len, hdrs, hdr_len)
+        finally:
+            for f in fh.values():
+                f.close()
 
     def _close_files(self) -> None:
         if not self._closed:

@@ -33,8 +33,10 @@ log = logging.getLogger(__name__)
 CONTACT_THRESHOLD = 8.0
 #: Consecutive Cα-Cα distance above which the chain is broken (Å): 3.8 Å plus slack.
 BREAK_DISTANCE = 4.2
-#: Below these, the structure does not belong to the sequence (wrong chain or file).
-MIN_IDENTITY = 0.5
+#: Below these, the structure does not belong to the sequence (wrong chain or file). Identity
+#: is over aligned pairs only, and free end gaps let a short chain reach ~60% on an unrelated
+#: sequence, so the bar is high; SEQRES vs observed residues is ~100% in practice.
+MIN_IDENTITY = 0.8
 MIN_COVERAGE = 0.5
 
 _PDB_SUFFIXES = (".pdb", ".ent", ".pdb1")

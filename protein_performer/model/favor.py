@@ -24,7 +24,12 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from protein_performer.model.favor_causal import causal_linear_attention, safe_denominator
+from protein_performer.model.favor_causal import (
+    causal_linear_attention,
+    safe_denominator,
+    scan_backward,
+    scan_forward,
+)
 
 __all__ = [
     "KERNELS",
@@ -187,6 +192,38 @@ def _key_parts(
     return y.pow(2).sum(-1, keepdim=True) / 2, torch.cat([proj.sin(), proj.cos()], dim=-1)
 
 
+def _exp_feature_map(
+    x: Tensor, W: Tensor, scale: Tensor | None, bias: Tensor | None, keep: Tensor | None, key: bool
+) -> tuple[Tensor, Tensor]:
+    """Stabilized exp features and their offsets mu, with one (BH, L, M) allocation.
+
+    x: (BH, L, d) -> features (BH, L, M), mu (BH, L); see :class:`_ExpFeatures` for the
+    stabilizers. The logits are scale * x W^T + bias; everything after the matmul is in place.
+    """
+    if bias is not None and scale is None and x.dim() == 3:  # bias folded into the matmul
+        BH, L, d = x.shape
+        t = torch.baddbmm(bias.expand(BH, L, W.shape[0]), x, W.T.expand(BH, d, W.shape[0]))
+    else:
+        t = x @ W.T  # (BH, L, M)
+        if scale is not None:
+            t.mul_(scale)
+        if bias is not None:
+            t.add_(bias)
+    if key:
+        half_sq = x.pow(2).sum(-1) / 2  # (BH, L)
+        row = t.amax(-1) - half_sq
+        if keep is not None:
+            row = row.masked_fill(~keep, float("-inf"))
+        mu = row.clamp_min(_NEG).cummax(dim=-1).values  # (BH, L)
+        t.sub_((half_sq + mu)[..., None])
+        if keep is not None:
+            t.masked_fill_(~keep[..., None], float("-inf"))
+    else:
+        mu = t.amax(-1)
+        t.sub_(mu[..., None])
+    return t.exp_(), mu
+
+
 class _ExpFeatures(torch.autograd.Function):
     """exp(scale * x W^T + bias - shift) with one (L, M) allocation, updated in place.
 
@@ -199,24 +236,7 @@ class _ExpFeatures(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, W, scale, bias, keep, key: bool):
-        t = x @ W.T  # (BH, L, M)
-        if scale is not None:
-            t.mul_(scale)
-        if bias is not None:
-            t.add_(bias)
-        if key:
-            half_sq = x.pow(2).sum(-1) / 2  # (BH, L)
-            row = t.amax(-1) - half_sq
-            if keep is not None:
-                row = row.masked_fill(~keep, float("-inf"))
-            mu = row.clamp_min(_NEG).cummax(dim=-1).values  # (BH, L)
-            t.sub_((half_sq + mu)[..., None])
-            if keep is not None:
-                t.masked_fill_(~keep[..., None], float("-inf"))
-        else:
-            mu = t.amax(-1)
-            t.sub_(mu[..., None])
-        f = t.exp_()
+        f, mu = _exp_feature_map(x, W, scale, bias, keep, key)
         ctx.key = key
         ctx.save_for_backward(x, W, scale, f)
         ctx.mark_non_differentiable(mu)
@@ -234,6 +254,83 @@ class _ExpFeatures(torch.autograd.Function):
         if ctx.key:
             dx.sub_(dt.sum(-1, keepdim=True) * x)
         return dx, None, None, None, None, None
+
+
+_ROW_SCALE_MAX = 1e30  # cap of 1/normalizer when query rows are rescaled (see _CausalExpFavor)
+
+
+class _CausalExpFavor(torch.autograd.Function):
+    """Causal FAVOR for the exp kernels as one autograd node: features, chunked scan, backward.
+
+    Why one node: the feature gradients can then be finished segment by segment inside the
+    scan's backward (dlogit = dphi * phi, then one (rows, M) @ (M, d) matmul), so no full-size
+    (BH, L, M) gradient or product tensor is ever allocated, and the only (BH, L, M) tensors
+    alive are the two saved feature maps.
+
+    Row rescaling (finite gradients at extreme logits): a query's features are stabilized by its
+    row max, so the normalizer den_t can still be tiny (query mass where the keys have none) and
+    a plain 1/den_t backward overflows. After the forward, each saved query row is multiplied by
+    min(1/den_t, 1e30), which changes no output (a per-row factor cancels) but makes every
+    normalizer 1 (or >= 1e-8), so the backward never divides by a tiny number; the per-column
+    factors phi_t,c / den_t stay <= 1e30 because phi_t,c <= 1.
+    """
+
+    @staticmethod
+    def forward(ctx, x, y, v, W, scale, bias, keep, chunk: int, rows: int):
+        BH, L, _ = x.shape
+        dv = v.shape[-1]
+        Lp = -(-L // chunk) * chunk
+        if Lp != L:  # pad to whole chunks at the input level: O(L d), not O(L M)
+            x, y, v = (F.pad(t, (0, 0, 0, Lp - L)) for t in (x, y, v))
+            real = torch.ones(BH, L, dtype=torch.bool, device=x.device) if keep is None else keep
+            keep = F.pad(real, (0, Lp - L), value=False)
+        qf, _ = _exp_feature_map(x, W, scale, bias, None, key=False)  # (BH, Lp, M)
+        kf, mu = _exp_feature_map(y, W, scale, bias, keep, key=True)  # (BH, Lp, M), (BH, Lp)
+        vx = torch.cat([v, v.new_ones(BH, Lp, 1)], dim=-1)  # (BH, Lp, dv+1)
+        ys, saved = scan_forward(qf, kf, vx, mu, chunk, rows)
+        den = safe_denominator(ys[..., dv:])  # (BH, Lp, 1)
+        out = ys[..., :dv] / den
+        empty = den == torch.finfo(torch.float32).tiny  # rows that saw no real key
+        inv = den.reciprocal().clamp_max_(_ROW_SCALE_MAX)
+        qf.mul_(inv)  # the saved query rows now have normalizer den * inv (see docstring)
+        ctx.chunk, ctx.rows, ctx.saved, ctx.L = chunk, rows, saved, L
+        ctx.save_for_backward(x, y, W, scale, qf, kf, vx, mu, out, den * inv, empty)
+        return out[:, :L]
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        x, y, W, scale, qf, kf, vx, mu, out, den, empty = ctx.saved_tensors
+        BH, Lp, d = x.shape
+        M, dv, C, L = W.shape[0], vx.shape[-1] - 1, ctx.chunk, ctx.L
+        g = F.pad(grad_out, (0, 0, 0, Lp - L)) if Lp != L else grad_out
+        dy = torch.cat([g, -(g * out).sum(-1, keepdim=True)], dim=-1).div_(den)  # (BH,Lp,dv+1)
+        dy.masked_fill_(empty, 0.0)
+        n = Lp // C
+        dx, dyk = torch.empty_like(x), torch.empty_like(y)
+        dvv = v_grad = vx.new_empty(BH, Lp, dv)
+        Wt = W.to(x.dtype)
+        views = [t.view(BH, n, C, -1) for t in (x, y, qf, kf, dx, dyk, dvv)]
+
+        def emit(seg, dq_s, dk_s, dvx_s):
+            b0, b1, g0, g1 = seg
+            nb = b1 - b0
+            xs, ys_, qs, ks, dxs, dys, dvs = (
+                t[b0:b1, g0:g1].reshape(nb, -1, t.shape[-1]) for t in views
+            )
+            sc = None if scale is None else scale[b0:b1]
+            dq = dq_s.view(nb, -1, M).mul_(qs)  # d loss / d query logit
+            torch.matmul(dq, Wt, out=dxs)
+            dk = dk_s.view(nb, -1, M).mul_(ks)  # d loss / d key logit
+            torch.matmul(dk, Wt, out=dys)
+            if sc is not None:
+                dxs.mul_(sc)
+                dys.mul_(sc)
+            dys.sub_(dk.sum(-1, keepdim=True) * ys_)  # the -|y|^2/2 term of the key logit
+            dvs.copy_(dvx_s.view(nb, -1, dv + 1)[..., :dv])
+
+        scan_backward(qf, kf, vx, mu, dy, C, ctx.rows, ctx.saved, emit)
+        del v_grad
+        return dx[:, :L], dyk[:, :L], dvv[:, :L], None, None, None, None, None, None
 
 
 def _exp_params(
@@ -388,6 +485,7 @@ def favor_attention(
     chunk_size: int = 128,
     block_size: int = 2048,
     relu_eps: float = 1e-3,
+    segment_size: int = 32768,
 ) -> Tensor:
     """FAVOR attention, (B, H, L, d) -> (B, H, L, dv), linear in L in time and memory.
 
@@ -402,10 +500,13 @@ def favor_attention(
         x, y, vv, keep = _flatten_inputs(q, k, v, key_padding_mask)
         om = omega.to(device=x.device, dtype=x.dtype)
         rho = _resolve_rho(kernel, causal, oprf_rho, x, y, keep, B)
-        if causal:
+        if causal and kernel in _EXP_KERNELS:
+            W, scale, bias = _exp_params(om, kernel, rho)
+            out = _CausalExpFavor.apply(x, y, vv, W, scale, bias, keep, chunk_size, segment_size)
+        elif causal:
             qf = _query_features(x, om, kernel, rho, relu_eps)  # (BH, L, M)
             kf, mu = _causal_key_features(y, om, kernel, rho, relu_eps, keep)  # (BH,L,M), (BH,L)
-            out = causal_linear_attention(qf, kf, vv, mu, chunk_size)
+            out = causal_linear_attention(qf, kf, vv, mu, chunk_size, segment_size)
         else:
             out = _bidirectional(x, y, vv, keep, om, kernel, rho, relu_eps, block_size)
     return out.reshape(B, H, L, -1).to(out_dtype)  # (B, H, L, dv)

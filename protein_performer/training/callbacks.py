@@ -93,6 +93,9 @@ class TrainingCurvePlot(Callback):
         self.path: Path | None = None
         self._last_step = -1
 
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._last_step = trainer.global_step  # 0, or the step a resumed run starts from
+
     def on_train_batch_end(
         self,
         trainer: pl.Trainer,
@@ -103,8 +106,9 @@ class TrainingCurvePlot(Callback):
     ) -> None:
         step = trainer.global_step
         value = trainer.callback_metrics.get("train/loss")
-        # One point per optimizer step (micro-batches of an accumulated step share a step).
-        if value is not None and step != self._last_step:
+        # One point per completed optimizer step: with accumulation, micro-batches that did not
+        # step the optimizer leave global_step unchanged.
+        if value is not None and step > self._last_step:
             self._last_step = step
             self.train.append((step, float(value)))
 

@@ -28,6 +28,12 @@ def _pyplot():
     return plt
 
 
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
 def save_figure(fig, path: str | os.PathLike[str], dpi: int = 120) -> Path:
     """Save atomically (temp file + ``os.replace``) and close the figure."""
     plt = _pyplot()
@@ -37,6 +43,7 @@ def save_figure(fig, path: str | os.PathLike[str], dpi: int = 120) -> Path:
     os.close(fd)
     try:
         fig.savefig(tmp, dpi=dpi, format="png", bbox_inches="tight")
+        os.chmod(tmp, 0o666 & ~_umask())  # mkstemp's 0600 would hide results from the group
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
@@ -116,13 +123,17 @@ def contact_comparison(
     i, j = np.indices((L, L))
     upper, lower = j - i >= min_sep, i - j >= min_sep
     image = np.full((L, L), np.nan)
-    image[upper] = pred[upper]
+    # Scores are drawn min..99.5th percentile: an unsupervised score or a weak model's
+    # probabilities would otherwise be invisible on a 0..1 scale.
+    shown = pred[upper & valid]
+    lo = float(shown.min()) if shown.size else 0.0
+    hi = float(np.percentile(shown, 99.5)) if shown.size else 1.0
+    image[upper] = np.clip((pred[upper] - lo) / (hi - lo if hi > lo else 1.0), 0.0, 1.0)
     image[lower] = contacts[lower].astype(float)
     unknown = ~valid & (upper | lower)
     image[unknown] = np.nan
     fig, ax = plt.subplots(figsize=(6, 6))
-    cmap = plt.get_cmap("Blues").copy()
-    cmap.set_bad("#dddddd")
+    cmap = plt.get_cmap("Blues").with_extremes(bad="#dddddd")
     ax.imshow(image, cmap=cmap, vmin=0.0, vmax=1.0, interpolation="nearest")
     ui, uj = np.nonzero(upper & valid)
     top = np.argsort(-pred[ui, uj], kind="stable")[:L]

@@ -1,0 +1,155 @@
+"""Time and peak memory of implied attention maps: full L x L maps and a window of titin.
+
+Cases (a randomly initialized model, default 6 layers x dim 320 x 20 heads, FAVOR+ softmax):
+
+* ``full-L``: the full L x L map of one layer (``--layer``, default the last) for ``--heads``
+  (default: one head; ``all`` for every head) on a random sequence of length L (1k and 4k);
+* ``titin-window``: rows for a 256-residue window of titin (34,350 aa) against all residues.
+
+Each case runs in a fresh subprocess so its peak RSS (``ru_maxrss``) is its own; the reported
+peak is above the process's baseline after the model is built (on CUDA: the allocator's peak).
+Time includes the forward pass up to the requested layer (the maps need the layer's input).
+
+    python scripts/bench_attention_maps.py            # L = 1024, 4096 and titin[1000:1256]
+    python scripts/bench_attention_maps.py --quick    # L = 256, 512 and a 2,000-aa titin crop
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+TITIN_ID = "sp|Q8WZ42|TITIN_HUMAN"
+DEFAULT_FASTA = Path(__file__).resolve().parents[2] / "shared/data/sequences/long_proteins.fasta"
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--quick", action="store_true", help="small sizes (a smoke run, seconds)")
+    p.add_argument("--lengths", type=int, nargs="+", default=None, help="full-map lengths")
+    p.add_argument("--window", type=int, nargs=2, default=(1000, 1256), metavar=("START", "END"))
+    p.add_argument("--fasta", type=Path, default=DEFAULT_FASTA, help="long_proteins.fasta")
+    p.add_argument("--heads", default="1", help="number of heads per map, or 'all'")
+    p.add_argument("--layer", type=int, default=-1, help="layer (1..depth or negative)")
+    p.add_argument("--depth", type=int, default=6)
+    p.add_argument("--dim", type=int, default=320)
+    p.add_argument("--n-heads", type=int, default=20)
+    p.add_argument("--attention", choices=("favor", "exact"), default="favor")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--threads", type=int, default=1, help="torch intra-op threads (CPU)")
+    p.add_argument("--json", type=Path, default=None, help="also write the results here")
+    p.add_argument("--case", default=None, help=argparse.SUPPRESS)  # internal: one case
+    return p.parse_args(argv)
+
+
+def _rss_mb() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
+
+
+def titin(fasta: Path) -> str:
+    from Bio import SeqIO
+
+    for rec in SeqIO.parse(str(fasta), "fasta"):
+        if rec.id == TITIN_ID:
+            return str(rec.seq)
+    raise SystemExit(f"{fasta}: no record {TITIN_ID}")
+
+
+def run_case(args: argparse.Namespace) -> dict:
+    """One measurement, in this process (called in a subprocess by main)."""
+    import numpy as np
+    import torch
+
+    from protein_performer.inference.attention_maps import attention_maps
+    from protein_performer.model.config import PerformerConfig
+    from protein_performer.model.performer import PerformerLM
+
+    torch.set_num_threads(args.threads)
+    kind, _, value = args.case.partition(":")
+    if kind == "full":
+        rng = np.random.default_rng(0)
+        seq = "".join(rng.choice(list("ACDEFGHIKLMNPQRSTVWY"), int(value)))
+        window = None
+    else:
+        seq = titin(args.fasta)
+        if value:
+            seq = seq[: int(value)]
+        start, end = args.window
+        end = min(end, len(seq))
+        window = (min(start, end - 1), end)
+    torch.manual_seed(0)
+    config = PerformerConfig(
+        dim=args.dim, depth=args.depth, heads=args.n_heads, ff_dim=4 * args.dim,
+        attention=args.attention,
+    )  # fmt: skip
+    device = torch.device(args.device)
+    model = PerformerLM(config).eval().to(device)
+    heads = None if args.heads == "all" else list(range(int(args.heads)))
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated() / 2**20
+    base_rss = _rss_mb()
+    t0 = time.perf_counter()
+    got = attention_maps(model, seq, layers=[args.layer], heads=heads, window=window)
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    seconds = time.perf_counter() - t0
+    maps = got.maps[got.layers[0]]
+    out = {
+        "case": args.case,
+        "length": len(seq),
+        "window": [got.start, got.end],
+        "map_shape": list(maps.shape),
+        "map_mb": maps.numel() * maps.element_size() / 2**20,
+        "seconds": round(seconds, 3),
+        "peak_rss_over_baseline_mb": round(_rss_mb() - base_rss, 1),
+        "heads": len(got.heads),
+        "layer": got.layers[0],
+        "attention": args.attention,
+        "device": str(device),
+        "threads": args.threads,
+    }
+    if device.type == "cuda":
+        peak = torch.cuda.max_memory_allocated() / 2**20
+        out["cuda_peak_over_baseline_mb"] = round(peak - base, 1)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.case:
+        print(json.dumps(run_case(args)))
+        return 0
+    lengths = args.lengths or ([256, 512] if args.quick else [1024, 4096])
+    cases = [f"full:{n}" for n in lengths] + (["titin:2000"] if args.quick else ["titin:"])
+    if args.quick:
+        args.window = (1000, 1256)
+    passthrough = [a for a in (argv if argv is not None else sys.argv[1:]) if a != "--quick"]
+    results = []
+    for case in cases:
+        cmd = [sys.executable, __file__, *passthrough, "--case", case]
+        proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
+        if proc.returncode:
+            print(proc.stderr, file=sys.stderr)
+            return proc.returncode
+        res = json.loads(proc.stdout.strip().splitlines()[-1])
+        results.append(res)
+        mem = res.get("cuda_peak_over_baseline_mb", res["peak_rss_over_baseline_mb"])
+        print(
+            f"{case:>12}  L={res['length']:>6}  window={res['window']}  map {res['map_shape']} "
+            f"({res['map_mb']:.1f} MB)  {res['seconds']:.2f} s  peak +{mem:.0f} MB",
+            flush=True,
+        )
+    if args.json:
+        args.json.write_text(json.dumps(results, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

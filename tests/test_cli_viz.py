@@ -1,0 +1,167 @@
+"""``protein-performer contacts`` and ``visualize`` end to end on a tiny fresh model."""
+
+from __future__ import annotations
+
+import csv
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from protein_performer.cli.main import main
+from protein_performer.data.tokenizer import Alphabet
+from protein_performer.errors import UserError
+from protein_performer.inference.contacts import METRICS, ContactRegression
+from protein_performer.inference.loading import LoadedModel, export_model
+from protein_performer.model.config import PerformerConfig
+from protein_performer.model.performer import PerformerLM
+
+SHARED = Path(__file__).resolve().parents[2] / "shared" / "data" / "structures"
+TINY_PDB = Path(__file__).parent / "data" / "tiny_blank_chain.pdb"
+SMALL = ["2N2U_A.pdb", "1LCD_A.pdb", "1A8O_A.pdb"]  # the three smallest shared chains
+SEQ = "MKTAYIAKQRQISFVKSHFSRQLEERLGLIEVQAPILSRVGDGTQDNLSGAEKAVQVKVKALPDAQFEVVHSLAKWKRQTLGQ"
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    torch.manual_seed(0)
+    config = PerformerConfig(dim=16, depth=2, heads=2, ff_dim=32, nb_features=8)
+    model = PerformerLM(config).eval()
+    loaded = LoadedModel(model, config, Alphabet(), Path("fresh"), torch.device("cpu"), "export")
+    return export_model(loaded, tmp_path_factory.mktemp("viz") / "model")
+
+
+@pytest.fixture(scope="module")
+def structures() -> list[Path]:
+    paths = [SHARED / n for n in SMALL]
+    if not all(p.is_file() for p in paths):
+        pytest.skip("../shared/data/structures not available")
+    return paths
+
+
+def read_csv(path: Path) -> list[dict[str, str]]:
+    with open(path, newline="") as fh:
+        return list(csv.DictReader(fh))
+
+
+def test_contacts_cross_fit_then_apply(model_dir, structures, tmp_path: Path, capsys) -> None:
+    out = tmp_path / "c"
+    argv = [
+        "contacts",
+        str(model_dir),
+        *map(str, structures),
+        "--out",
+        str(out),
+        "--device",
+        "cpu",
+    ]
+    assert main([*argv, "--save-beside"]) == 0
+    printed = capsys.readouterr().out
+    assert "leave-one-out" in printed and "long" in printed
+    rows = read_csv(out / "precision.csv")
+    assert [r["protein"] for r in rows] == ["2N2U_A", "1LCD_A", "1A8O_A", "mean"]
+    assert rows[0]["contacts"] == "114" and rows[0]["fold"] == "0"
+    for metric in METRICS:
+        values = [float(r[metric]) for r in rows[:3]]
+        nulls = [float(r[f"null_{metric}"]) for r in rows[:3]]
+        assert all(0.0 <= v <= 1.0 for v in values + nulls)
+        assert float(rows[3][metric]) == pytest.approx(np.mean(values), abs=1e-4)
+    reg = ContactRegression.load(out / "contact_regression.json")
+    assert reg.layers == [1, 2] and reg.heads == [0, 1]
+    assert reg.meta["fit_on"] == ["2N2U_A", "1LCD_A", "1A8O_A"]
+    assert (model_dir / "contact_regression.json").is_file()  # --save-beside
+
+    applied = tmp_path / "a"
+    regression = str(out / "contact_regression.json")
+    tiny = f"{TINY_PDB}:_"
+    argv = ["contacts", str(model_dir), str(structures[0]), tiny, "--out", str(applied)]
+    assert main([*argv, "--regression", regression]) == 0
+    rows = read_csv(applied / "precision.csv")
+    assert [r["protein"] for r in rows] == ["2N2U_A", "tiny_blank_chain:_", "mean"]
+    assert rows[1]["chain"] == "_" and rows[1]["length"] == "12" and rows[1]["contacts"] == "9"
+    assert not (applied / "contact_regression.json").exists()  # nothing fitted
+
+    fitted = tmp_path / "f"
+    argv = ["contacts", str(model_dir), str(structures[2]), "--out", str(fitted)]
+    assert main([*argv, "--fit-on", *map(str, structures[:2])]) == 0
+    assert (
+        ContactRegression.load(fitted / "contact_regression.json").meta["evaluation"] == "fit-on"
+    )
+
+
+def test_contacts_errors(model_dir, tmp_path: Path, capsys) -> None:
+    out = str(tmp_path / "e")
+    assert main(["contacts", str(model_dir), str(TINY_PDB), "--out", out]) == 2
+    assert "at least 2 structures" in capsys.readouterr().err
+    assert main(["contacts", str(model_dir), str(tmp_path / "nope.pdb"), "--out", out]) == 2
+    assert "not found" in capsys.readouterr().err
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({"format": "other"}))
+    argv = ["contacts", str(model_dir), str(TINY_PDB), "--out", out, "--regression", str(bad)]
+    assert main(argv) == 2
+    assert "not a contact regression" in capsys.readouterr().err
+
+
+def assert_png(path: Path) -> None:
+    """Exists, is a PNG, and has real content (not one flat colour)."""
+    import matplotlib.image as mpimg
+
+    assert path.is_file() and path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    pixels = mpimg.imread(path)
+    assert min(pixels.shape[:2]) > 100 and float(pixels[..., :3].std()) > 0.02
+
+
+def test_visualize_sequence_and_structure(model_dir, tmp_path: Path, capsys) -> None:
+    out = tmp_path / "v"
+    argv = ["visualize", f"ckpt={model_dir}", f"sequence={SEQ}", f"out_dir={out}", "device=cpu"]
+    assert main([*argv, "window=[10,60]", "layers=[-1]"]) == 0
+    printed = capsys.readouterr().out
+    assert "grid:" in printed and "similarity:" in printed
+    assert_png(out / "attention_grid.png")
+    assert_png(out / "aa_similarity.png")
+    assert not (out / "contacts.png").exists()
+
+    from protein_performer.viz.visualize import compose, visualize
+
+    fasta = tmp_path / "x.fasta"
+    fasta.write_text(f">first\n{SEQ}\n>tiny desc\nMKGAYLPDEVKTWER\n")
+    cfg = compose(
+        [f"ckpt={model_dir}", f"fasta={fasta}", "record=tiny", f"structure={TINY_PDB}",
+         "chain=_", "similarity=false", f"out_dir={tmp_path / 'w'}", "heads=[1]"]
+    )  # fmt: skip
+    files = visualize(cfg)  # the record, with the structure aligned onto it (gap 7-9)
+    assert set(files) == {"grid", "contacts"}
+    assert_png(files["contacts"])
+    cfg.record = "first"  # a record the structure does not belong to: a clear error
+    with pytest.raises(UserError, match="do not match"):
+        visualize(cfg)
+    cfg.fasta = None
+    cfg.record = None
+    files = visualize(cfg)  # the structure's own sequence
+    assert set(files) == {"grid", "contacts"}
+    assert_png(files["contacts"])
+    assert_png(files["grid"])
+
+
+def test_visualize_errors(model_dir, tmp_path: Path, capsys) -> None:
+    assert main(["visualize", f"out_dir={tmp_path}"]) == 2
+    assert "ckpt=" in capsys.readouterr().err
+    argv = [
+        "visualize",
+        f"ckpt={model_dir}",
+        "sequence=MKV",
+        "window=[0,9]",
+        f"out_dir={tmp_path}",
+    ]
+    assert main(argv) == 2
+    assert "window" in capsys.readouterr().err
