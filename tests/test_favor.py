@@ -514,6 +514,11 @@ def test_long_sequence_is_finite(causal):
 @pytest.mark.parametrize("kernel", ["softmax", "softmax_hyp", "softmax_opt", "relu"])
 @pytest.mark.parametrize("causal", [False, True])
 def test_large_norm_inputs_under_bf16_autocast_are_finite(kernel, causal):
+    """Outputs and gradients stay finite far beyond exp's range (causal: the row rescaling).
+
+    In training mode softmax_opt's running rho grows to ~20 after the first call, which scales
+    the logits up further (B = sqrt(1 - 4A) ~ 4): the hardest case for the causal backward.
+    """
     attn = FavorAttention(16, 32, causal=causal, kernel=kernel, generator=gen(44), chunk_size=64)
     for scale in (30.0, 10.0):  # |x|^2 ~ 3600 and ~ 400: logits far beyond exp's range
         q, k, v = qkv(1, 2, 300, 16, seed=43, scale=scale, dtype=torch.float32)
@@ -521,11 +526,8 @@ def test_large_norm_inputs_under_bf16_autocast_are_finite(kernel, causal):
         with torch.autocast("cpu", dtype=torch.bfloat16):
             out = attn(q, k, v)
         assert out.dtype == torch.bfloat16 and torch.isfinite(out.float()).all()
-    out.float().sum().backward()  # gradients checked at the milder of the two scales
-    finite = all(torch.isfinite(t.grad.float()).all() for t in (q, k, v))
-    if causal and kernel == "softmax_opt":
-        pytest.xfail("known gap: causal softmax_opt backward overflows at |x|^2 ~ 400")
-    assert finite
+        out.float().sum().backward()
+        assert all(torch.isfinite(t.grad.float()).all() for t in (q, k, v)), scale
 
 
 @pytest.mark.parametrize("causal", [False, True])

@@ -8,23 +8,37 @@ fingerprint, never a timestamp) and what was skipped.
 
 from __future__ import annotations
 
+import bisect
+import contextlib
 import hashlib
 import logging
 import os
+import shutil
 import sys
 import time
-from collections.abc import Iterable, Iterator, Sequence
+from collections import deque
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
+from protein_performer.data.fasta import (
+    DuplicateIdChecker,
+    FastaFormatError,
+    InvalidReport,
+    count_lines_and_records,
+    read_fasta_blocks,
+    read_fastas_blocks,
+)
 from protein_performer.data.split import (
     DEFAULT_TEST_FRAC,
     DEFAULT_VALID_FRAC,
     SPLIT_NAMES,
     Splitter,
 )
-from protein_performer.data.store import StoreWriter, check_output_dir
+from protein_performer.data.store import StoreWriter, TokenStore, check_output_dir
 from protein_performer.data.tokenizer import Alphabet
 from protein_performer.errors import UserError
 
@@ -160,6 +174,15 @@ class _ByteProgress:
         done = min(base + min(pos, self.sizes.get(key, 0)), self.total)
         self.bar.update(done - self.bar.n)
 
+    def advance(self, path: str, start: int, end: int | None) -> None:
+        """A byte range of ``path`` is done (parallel path); ``end`` None: the whole file."""
+        if self.bar is None:
+            return
+        size = self.sizes.get(path, 0)
+        done = min(self.done_before.get(path, 0) + (size if end is None else end), self.total)
+        if done > self.bar.n:
+            self.bar.update(done - self.bar.n)
+
     def close(self) -> None:
         if self.bar is not None:
             self.bar.update(self.total - self.bar.n)
@@ -175,6 +198,15 @@ def _report_dict(report: Any) -> dict[str, Any]:
     }
 
 
+def default_workers() -> int:
+    """Usable CPUs (affinity-aware), capped at :data:`MAX_DEFAULT_WORKERS`."""
+    try:
+        n = len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        n = os.cpu_count() or 1
+    return max(1, min(n, MAX_DEFAULT_WORKERS))
+
+
 def preprocess(
     inputs: Iterable[str | os.PathLike[str]],
     out: str | os.PathLike[str],
@@ -186,14 +218,19 @@ def preprocess(
     overwrite: bool = False,
     progress: bool = True,
     alphabet: Alphabet | None = None,
+    workers: int = 1,
+    _range_bytes: int | None = None,
 ) -> PreprocessSummary:
     """Stream FASTA(.gz) ``inputs`` into a token store at ``out`` and return a summary.
+
+    ``workers > 1`` reads plain files in byte ranges cut at record starts, in that many worker
+    processes (a gzip file is one range: its own worker), and concatenates their shards in
+    order: the store, ``meta.json`` included, and every error message are the same as with
+    ``workers=1``. Small inputs (one range) are read in this process.
 
     Raises ``UserError`` (nothing is written under ``out``) for bad arguments, bad input in
     ``on_invalid="error"`` mode, or an input without a single valid record.
     """
-    from protein_performer.data.fasta import InvalidReport, read_fastas
-
     paths = [Path(p) for p in inputs]
     if not paths:
         raise UserError("no input FASTA given")
@@ -202,6 +239,8 @@ def preprocess(
             raise UserError(f"{p}: no such file (expected a FASTA or FASTA.gz file)")
     if on_invalid not in ("error", "skip"):
         raise UserError(f"on_invalid must be 'error' or 'skip', got {on_invalid!r}")
+    if int(workers) < 1:
+        raise UserError(f"workers must be >= 1, got {workers}")
     splitter = Splitter(valid_frac, test_frac, split_mode)  # validates both
     out = Path(out)
     check_output_dir(out, overwrite)
@@ -213,26 +252,14 @@ def preprocess(
     bar = _ByteProgress(paths, enabled=progress)
     try:
         with StoreWriter(out, overwrite=overwrite, alphabet=alphabet) as writer:
-            records: Iterator[Any] = read_fastas(
-                paths, on_invalid=on_invalid, report=report, alphabet=alphabet
-            )
-            # The hot loop: per record only list appends; hashing, tokenizing and writing
-            # happen per chunk, mostly in C (Splitter.codes, StoreWriter.write_chunk).
-            ids: list[str] = []
-            seqs: list[str] = []
-            descs: list[str] = []
-            residues = 0
-            for rec in records:
-                seq = rec.sequence
-                ids.append(rec.id)
-                seqs.append(seq)
-                descs.append(rec.description)
-                residues += len(seq)
-                if residues >= _CHUNK_RESIDUES or len(ids) >= _CHUNK_RECORDS:
-                    writer.write_chunk(ids, seqs, splitter.codes(ids), descs)
-                    bar.update(rec.path)
-                    ids, seqs, descs, residues = [], [], [], 0
-            writer.write_chunk(ids, seqs, splitter.codes(ids), descs)
+            ranges = None
+            if int(workers) > 1:
+                ranges = _plan_ranges(paths, _range_bytes or _RANGE_BYTES, _range_bytes is None)
+            if ranges is None:
+                _run_serial(paths, writer, splitter, on_invalid, report, alphabet, bar)
+            else:
+                job = _Job(on_invalid, valid_frac, test_frac, split_mode, alphabet)
+                _run_parallel(paths, ranges, int(workers), job, writer, report, bar)
             skipped = int(report.skipped)
             if writer.num_records == 0:
                 what = f" ({skipped} invalid records skipped)" if skipped else ""
@@ -269,3 +296,383 @@ def preprocess(
     if summary.skipped:
         log.warning("skipped %d invalid records (see meta.json 'invalid')", summary.skipped)
     return summary
+
+
+class _Chunker:
+    """Collects blocks of records and hands them to ``sink(ids, seqs, descs)`` in chunks of
+    about :data:`_CHUNK_RECORDS` records / :data:`_CHUNK_RESIDUES` residues (list extends per
+    block: no per-record Python work here)."""
+
+    def __init__(self, sink: Callable[[list[str], list[str], list[str]], None]) -> None:
+        self.sink = sink
+        self.ids: list[str] = []
+        self.seqs: list[str] = []
+        self.descs: list[str] = []
+        self.residues = 0
+
+    def add(self, block: Any) -> bool:
+        """Queue a block; True when it completed a chunk (which was written)."""
+        self.ids += block.ids
+        self.seqs += block.seqs
+        self.descs += block.descs
+        self.residues += sum(map(len, block.seqs))
+        if self.residues >= _CHUNK_RESIDUES or len(self.ids) >= _CHUNK_RECORDS:
+            self.flush()
+            return True
+        return False
+
+    def flush(self) -> None:
+        if self.ids:
+            ids, seqs, descs = self.ids, self.seqs, self.descs
+            self.ids, self.seqs, self.descs, self.residues = [], [], [], 0
+            self.sink(ids, seqs, descs)
+
+
+def _run_serial(
+    paths: list[Path],
+    writer: StoreWriter,
+    splitter: Splitter,
+    on_invalid: str,
+    report: Any,
+    alphabet: Alphabet,
+    bar: _ByteProgress,
+) -> None:
+    """The single-process path: one reader over all files, one duplicate-id check."""
+    blocks = read_fastas_blocks(
+        paths,
+        on_invalid=on_invalid,  # type: ignore[arg-type]
+        report=report,
+        alphabet=alphabet,
+    )
+
+    def sink(ids: list[str], seqs: list[str], descs: list[str]) -> None:
+        writer.write_chunk(ids, seqs, splitter.codes(ids), descs)
+
+    chunker = _Chunker(sink)
+    for block in blocks:
+        if chunker.add(block):
+            bar.update(block.path)
+    chunker.flush()
+
+
+# --------------------------------------------------------------------------------------------
+# Parallel path: byte ranges -> shards in worker processes -> concatenated in order
+# --------------------------------------------------------------------------------------------
+_RANGE_BYTES = 32 << 20  # bytes per range (a worker's unit of work)
+_MIN_PARALLEL_BYTES = 16 << 20  # smaller inputs are not worth starting processes for
+MAX_DEFAULT_WORKERS = 8
+
+
+@dataclass(frozen=True)
+class _Range:
+    """Bytes ``start:end`` of input ``file`` (``end`` None: the whole file, e.g. gzip), with
+    the line number of its first byte and the number of records before it."""
+
+    file: int
+    path: str
+    start: int = 0
+    end: int | None = None
+    line: int = 1
+    number: int = 0
+
+
+@dataclass(frozen=True)
+class _Job:
+    """What every worker needs besides its range (pickled to spawned processes)."""
+
+    on_invalid: str
+    valid_frac: float
+    test_frac: float
+    split_mode: str
+    alphabet: Alphabet
+
+
+def _is_gzip(path: Path) -> bool:
+    with open(path, "rb") as fh:
+        return fh.read(2) == b"\x1f\x8b"
+
+
+def _cuts(path: Path, size: int, range_bytes: int) -> list[int]:
+    """Range starts after 0: the first record start at or after each multiple of
+    ``range_bytes`` (and after the file's first header, so range 0 holds every byte before
+    it); ``[]`` for a file that fits one range."""
+    cuts: list[int] = []
+    with open(path, "rb") as fh:
+        data = fh.read(_NOT_FASTA_SCAN)
+        first = 0 if data[:1] == b">" else data.find(b"\n>") + 1
+        if first == 0 and data[:1] != b">":
+            return []  # no header near the start: one range, the reader explains
+        target = max(range_bytes, first + 1)
+        while target < size:
+            fh.seek(target - 1)  # a header starting exactly at target counts
+            pos, tail = target - 1, b""
+            found = -1
+            while found < 0:
+                piece = fh.read(1 << 16)
+                if not piece:
+                    break
+                buf = tail + piece
+                found = buf.find(b"\n>")
+                if found < 0:
+                    pos += len(buf) - 1
+                    tail = buf[-1:]
+                else:
+                    found += pos + 1  # file offset of the '>'
+            if found < 0:
+                break
+            cuts.append(found)
+            target = max(found + 1, target + range_bytes)
+    return cuts
+
+
+_NOT_FASTA_SCAN = 2 << 20  # the reader gives up on a file without a header in its first MiB
+
+
+def _plan_ranges(paths: list[Path], range_bytes: int, auto: bool) -> list[_Range] | None:
+    """Cut plain inputs into ranges; None when there is only one (or, unless a range size
+    was forced, the inputs are too small to be worth worker processes)."""
+    sizes = [p.stat().st_size for p in paths]
+    if auto and sum(sizes) < _MIN_PARALLEL_BYTES:
+        return None
+    plan: list[tuple[int, Path, list[int]]] = []
+    for i, (p, size) in enumerate(zip(paths, sizes, strict=True)):
+        plain = size > 0 and not _is_gzip(p)
+        plan.append((i, p, _cuts(p, size, range_bytes) if plain else []))
+    if len(paths) + sum(len(c) for _, _, c in plan) < 2:
+        return None
+    ranges: list[_Range] = []
+    for i, p, cuts in plan:
+        if not cuts:
+            ranges.append(_Range(i, os.fspath(p)))
+            continue
+        bounds = [0, *cuts, sizes[i]]
+        ranges += [
+            _Range(i, os.fspath(p), a, b) for a, b in zip(bounds[:-1], bounds[1:], strict=True)
+        ]
+    return ranges
+
+
+def _count_range(r: _Range) -> tuple[int, int]:
+    return count_lines_and_records(r.path, r.start, r.end)
+
+
+def _number_ranges(ranges: list[_Range], pool: Any) -> list[_Range]:
+    """Give each range of a cut file its first line and record number (counted in parallel)."""
+    cut = [
+        k
+        for k, r in enumerate(ranges)
+        if r.end is not None and k + 1 < len(ranges) and ranges[k + 1].file == r.file
+    ]
+    counts = dict(zip(cut, pool.map(_count_range, [ranges[k] for k in cut]), strict=True))
+    out: list[_Range] = []
+    line = number = 0
+    for k, r in enumerate(ranges):
+        if r.start == 0:
+            line, number = 1, 0
+        out.append(_Range(r.file, r.path, r.start, r.end, line, number))
+        if k in counts:
+            line += counts[k][0]
+            number += counts[k][1]
+    return out
+
+
+def _error_fields(exc: BaseException) -> dict[str, Any]:
+    """A picklable description of a worker's error (FastaFormatError does not unpickle)."""
+    if isinstance(exc, FastaFormatError):
+        return {
+            "fasta": {
+                "path": exc.path,
+                "line": exc.line,
+                "reason": exc.reason,
+                "record_number": exc.record_number,
+                "record_id": exc.record_id,
+                "kind": exc.kind,
+                "file_level": exc.file_level,
+                "hint": exc.hint,
+            }
+        }
+    return {"message": str(exc)}
+
+
+def _rebuild_error(fields: dict[str, Any]) -> UserError:
+    if "fasta" in fields:
+        f = dict(fields["fasta"])
+        return FastaFormatError(f.pop("path"), f.pop("line"), f.pop("reason"), **f)
+    return UserError(fields["message"])
+
+
+def _shard_worker(r: _Range, job: _Job, shard: str) -> dict[str, Any]:
+    """Read one range into a shard store; return what the parent needs to check and merge.
+
+    Duplicate ids are not checked here but by the parent, across all shards in order, from the
+    returned id hashes (with record numbers and lines, to name a duplicate exactly).
+    """
+    report = _KeyedReport(max_examples=InvalidReport().max_examples)
+    splitter = Splitter(job.valid_frac, job.test_frac, job.split_mode)  # type: ignore[arg-type]
+    hashes: list[np.ndarray] = []
+    numbers: list[int] = []
+    lines: list[int] = []
+    error: dict[str, Any] | None = None
+    with StoreWriter(shard, alphabet=job.alphabet) as writer:
+
+        def sink(ids: list[str], seqs: list[str], descs: list[str]) -> None:
+            writer.write_chunk(ids, seqs, splitter.codes(ids), descs)
+            hashes.append(DuplicateIdChecker.hash_ids(ids))
+
+        chunker = _Chunker(sink)
+        span: dict[str, Any] = {}
+        if r.end is not None:
+            span = {"byte_range": (r.start, r.end), "start_line": r.line, "start_number": r.number}
+        try:
+            for block in read_fasta_blocks(
+                r.path,
+                on_invalid=job.on_invalid,  # type: ignore[arg-type]
+                report=report,
+                alphabet=job.alphabet,
+                check_duplicates=False,
+                **span,
+            ):
+                numbers += block.numbers
+                lines += block.lines
+                chunker.add(block)
+            chunker.flush()
+        except UserError as exc:  # bad input (or --split-by cluster without a cluster id)
+            error = _error_fields(exc)
+            with contextlib.suppress(UserError):  # the records read before the error
+                chunker.flush()
+            n = writer.num_records  # only what was written can be named from the shard
+            del numbers[n:], lines[n:]
+        writer.commit()
+    return {
+        "shard": shard,
+        "hashes": np.concatenate(hashes) if hashes else np.empty(0, np.uint64),
+        "numbers": np.asarray(numbers, dtype=np.int64),
+        "lines": np.asarray(lines, dtype=np.int64),
+        "skipped": report.skipped,
+        "by_reason": dict(report.by_reason),
+        "examples": list(zip(report.keys, report.examples, strict=True)),
+        "error": error,
+    }
+
+
+@dataclass
+class _KeyedReport(InvalidReport):
+    """An InvalidReport that also keeps the record number of each example (0: text before the
+    first header), so the parent can merge the shards' examples in file order."""
+
+    keys: list[int] = field(default_factory=list)
+
+    def add(self, err: FastaFormatError) -> None:
+        if len(self.examples) < self.max_examples:
+            self.keys.append(err.record_number or 0)
+        super().add(err)
+
+
+class _ShardMerger:
+    """The parent's side: the duplicate-id check over all shards, errors in file order, the
+    report, and the concatenation."""
+
+    def __init__(self, paths: list[Path], job: _Job, writer: StoreWriter, report: Any) -> None:
+        self.paths = [os.fspath(p) for p in paths]
+        self.skip = job.on_invalid == "skip"
+        self.writer = writer
+        self.report = report
+        self.checker = DuplicateIdChecker()
+        self.file_starts: list[int] = []  # checker ordinal of record #1 of each file seen
+        self.next_ordinal = 0
+
+    def merge(self, r: _Range, res: dict[str, Any]) -> None:
+        if len(self.file_starts) <= r.file:
+            self.file_starts.append(self.next_ordinal)
+        start = self.file_starts[r.file]
+        numbers, hashes = res["numbers"], res["hashes"]
+        dups = np.empty(0, dtype=np.int64)
+        firsts = np.empty(0, dtype=np.int64)
+        if len(numbers):
+            firsts = self.checker.check_hashes(hashes, numbers + (start - 1))
+            dups = np.flatnonzero(firsts >= 0)
+            self.next_ordinal = max(self.next_ordinal, start + int(numbers[-1]))
+        shard = res["shard"]
+        store = TokenStore(shard) if len(dups) else None
+
+        def dup_error(i: int) -> FastaFormatError:
+            ordinal = int(firsts[i])
+            f = bisect.bisect_right(self.file_starts, ordinal) - 1
+            where = "" if self.paths[f] == r.path else f" of {self.paths[f]}"
+            number = ordinal - self.file_starts[f] + 1
+            return FastaFormatError(
+                r.path,
+                int(res["lines"][i]),
+                f"duplicate id: record #{number}{where} has the same id",
+                record_number=int(numbers[i]),
+                record_id=store.id(i) if store is not None else None,
+                kind="duplicate id",
+            )
+
+        if len(dups) and not self.skip:
+            raise dup_error(int(dups[0]))  # before any error of this shard: it stopped there
+        if res["error"] is not None:
+            raise _rebuild_error(res["error"])
+        report = self.report
+        report.skipped += res["skipped"] + len(dups)
+        report.by_reason.update(res["by_reason"])
+        if len(dups):
+            report.by_reason["duplicate id"] += len(dups)
+        room = report.max_examples - len(report.examples)
+        if room > 0:
+            items = list(res["examples"][:room])
+            items += [(int(numbers[i]), dup_error(i).located) for i in dups[:room].tolist()]
+            items.sort(key=lambda kv: kv[0])
+            report.examples += [text for _, text in items[:room]]
+        keep = None
+        if len(dups):
+            keep = np.ones(len(numbers), dtype=bool)
+            keep[dups] = False
+        self.writer.append_store(shard, keep)
+        shutil.rmtree(shard, ignore_errors=True)
+
+
+def _run_parallel(
+    paths: list[Path],
+    ranges: list[_Range],
+    workers: int,
+    job: _Job,
+    writer: StoreWriter,
+    report: Any,
+    bar: _ByteProgress,
+) -> None:
+    """Ranges -> shards in ``workers`` spawned processes (at most two ranges per worker in
+    flight, so shards on disk and results in memory stay bounded) -> merged in order."""
+    import multiprocessing
+    from concurrent.futures import Future, ProcessPoolExecutor
+
+    shard_dir = writer.tmp / "shards"
+    shard_dir.mkdir()
+    merger = _ShardMerger(paths, job, writer, report)
+    pool = ProcessPoolExecutor(
+        max_workers=min(workers, len(ranges)), mp_context=multiprocessing.get_context("spawn")
+    )
+    try:
+        ranges = _number_ranges(ranges, pool)
+        pending: deque[tuple[_Range, Future[dict[str, Any]]]] = deque()
+        todo = iter(enumerate(ranges))
+        for k, r in todo:
+            pending.append(
+                (r, pool.submit(_shard_worker, r, job, os.fspath(shard_dir / f"{k:06d}")))
+            )
+            if len(pending) >= 2 * workers:
+                break
+        while pending:
+            r, fut = pending.popleft()
+            res = fut.result()
+            nxt = next(todo, None)
+            if nxt is not None:
+                k, rn = nxt
+                pending.append(
+                    (rn, pool.submit(_shard_worker, rn, job, os.fspath(shard_dir / f"{k:06d}")))
+                )
+            merger.merge(r, res)
+            bar.advance(r.path, r.start, r.end)
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)
+        shutil.rmtree(shard_dir, ignore_errors=True)

@@ -256,23 +256,22 @@ class _ExpFeatures(torch.autograd.Function):
         return dx, None, None, None, None, None
 
 
-_ROW_SCALE_MAX = 1e30  # cap of 1/normalizer when query rows are rescaled (see _CausalExpFavor)
-
-
 class _CausalExpFavor(torch.autograd.Function):
     """Causal FAVOR for the exp kernels as one autograd node: features, chunked scan, backward.
 
-    Why one node: the feature gradients can then be finished segment by segment inside the
-    scan's backward (dlogit = dphi * phi, then one (rows, M) @ (M, d) matmul), so no full-size
-    (BH, L, M) gradient or product tensor is ever allocated, and the only (BH, L, M) tensors
-    alive are the two saved feature maps.
+    Why one node: the feature gradients are finished segment by segment inside the scan's
+    backward (dlogit = dphi * phi, then one (rows, M) @ (M, d) matmul), so no full-size
+    (BH, L, M) gradient or product tensor is ever allocated: the only (BH, L, M) tensors alive
+    are the two saved feature maps.
 
     Row rescaling (finite gradients at extreme logits): a query's features are stabilized by its
     row max, so the normalizer den_t can still be tiny (query mass where the keys have none) and
-    a plain 1/den_t backward overflows. After the forward, each saved query row is multiplied by
-    min(1/den_t, 1e30), which changes no output (a per-row factor cancels) but makes every
-    normalizer 1 (or >= 1e-8), so the backward never divides by a tiny number; the per-column
-    factors phi_t,c / den_t stay <= 1e30 because phi_t,c <= 1.
+    a backward through 1/den_t overflows. After the forward, each saved query row is multiplied
+    by 1/den_t (<= 1/float32.tiny, finite), which changes no output (a per-row factor cancels)
+    but makes every normalizer 1, so the backward divides by nothing small. Each product
+    phi_t,c / den_t * (key mass in column c) is <= 1, but in float32 a sum over queries of a huge
+    phi_t,c / den_t can still overflow before it meets the tiny key features of a dead column;
+    only then (checked on the O(L d) results) is the backward redone in float64.
     """
 
     @staticmethod
@@ -291,46 +290,72 @@ class _CausalExpFavor(torch.autograd.Function):
         den = safe_denominator(ys[..., dv:])  # (BH, Lp, 1)
         out = ys[..., :dv] / den
         empty = den == torch.finfo(torch.float32).tiny  # rows that saw no real key
-        inv = den.reciprocal().clamp_max_(_ROW_SCALE_MAX)
-        qf.mul_(inv)  # the saved query rows now have normalizer den * inv (see docstring)
+        qf.mul_(den.reciprocal())  # saved query rows now have normalizer 1 (see docstring)
         ctx.chunk, ctx.rows, ctx.saved, ctx.L = chunk, rows, saved, L
-        ctx.save_for_backward(x, y, W, scale, qf, kf, vx, mu, out, den * inv, empty)
+        ctx.save_for_backward(x, y, W, scale, qf, kf, vx, mu, out, empty)
         return out[:, :L]
 
     @staticmethod
     def backward(ctx, grad_out):
-        x, y, W, scale, qf, kf, vx, mu, out, den, empty = ctx.saved_tensors
-        BH, Lp, d = x.shape
-        M, dv, C, L = W.shape[0], vx.shape[-1] - 1, ctx.chunk, ctx.L
+        x, y, W, scale, qf, kf, vx, mu, out, empty = ctx.saved_tensors
+        L, Lp = ctx.L, x.shape[1]
         g = F.pad(grad_out, (0, 0, 0, Lp - L)) if Lp != L else grad_out
-        dy = torch.cat([g, -(g * out).sum(-1, keepdim=True)], dim=-1).div_(den)  # (BH,Lp,dv+1)
+        # out = num / den with den = 1 after the row rescaling: dnum = g, dden = -(g . out)
+        dy = torch.cat([g, -(g * out).sum(-1, keepdim=True)], dim=-1)  # (BH, Lp, dv+1)
         dy.masked_fill_(empty, 0.0)
-        n = Lp // C
-        dx, dyk = torch.empty_like(x), torch.empty_like(y)
-        dvv = v_grad = vx.new_empty(BH, Lp, dv)
-        Wt = W.to(x.dtype)
-        views = [t.view(BH, n, C, -1) for t in (x, y, qf, kf, dx, dyk, dvv)]
-
-        def emit(seg, dq_s, dk_s, dvx_s):
-            b0, b1, g0, g1 = seg
-            nb = b1 - b0
-            xs, ys_, qs, ks, dxs, dys, dvs = (
-                t[b0:b1, g0:g1].reshape(nb, -1, t.shape[-1]) for t in views
+        args = (x, y, W, scale, qf, kf, vx, mu, dy)
+        grads = _causal_exp_backward(*args, ctx.chunk, ctx.rows, ctx.saved)
+        if x.dtype != torch.float64 and not all(bool(torch.isfinite(t).all()) for t in grads):
+            wide = [None if t is None else t.double() for t in args]
+            saved = [None if s is None else tuple(t.double() for t in s) for s in ctx.saved]
+            grads = tuple(
+                t.to(x.dtype) for t in _causal_exp_backward(*wide, ctx.chunk, ctx.rows, saved)
             )
-            sc = None if scale is None else scale[b0:b1]
-            dq = dq_s.view(nb, -1, M).mul_(qs)  # d loss / d query logit
-            torch.matmul(dq, Wt, out=dxs)
-            dk = dk_s.view(nb, -1, M).mul_(ks)  # d loss / d key logit
-            torch.matmul(dk, Wt, out=dys)
-            if sc is not None:
-                dxs.mul_(sc)
-                dys.mul_(sc)
-            dys.sub_(dk.sum(-1, keepdim=True) * ys_)  # the -|y|^2/2 term of the key logit
-            dvs.copy_(dvx_s.view(nb, -1, dv + 1)[..., :dv])
+        dx, dyk, dvv = (t[:, :L] for t in grads)
+        return dx, dyk, dvv, None, None, None, None, None, None
 
-        scan_backward(qf, kf, vx, mu, dy, C, ctx.rows, ctx.saved, emit)
-        del v_grad
-        return dx[:, :L], dyk[:, :L], dvv[:, :L], None, None, None, None, None, None
+
+def _causal_exp_backward(
+    x: Tensor,
+    y: Tensor,
+    W: Tensor,
+    scale: Tensor | None,
+    qf: Tensor,
+    kf: Tensor,
+    vx: Tensor,
+    mu: Tensor,
+    dy: Tensor,
+    chunk: int,
+    rows: int,
+    saved: list,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """(dx, dy, dv), each (BH, Lp, .), of :class:`_CausalExpFavor` for upstream dy (BH, Lp, E)."""
+    BH, Lp, d = x.shape
+    M, dv, C = W.shape[0], vx.shape[-1] - 1, chunk
+    n = Lp // C
+    dx, dyk = torch.empty_like(x), torch.empty_like(y)
+    dvv = vx.new_empty(BH, Lp, dv)
+    Wt = W.to(x.dtype)
+    views = [t.view(BH, n, C, -1) for t in (x, y, qf, kf, dx, dyk, dvv)]
+
+    def emit(seg, dq_s, dk_s, dvx_s):
+        b0, b1, g0, g1 = seg
+        nb = b1 - b0
+        xs, ys, qs, ks, dxs, dys, dvs = (
+            t[b0:b1, g0:g1].reshape(nb, -1, t.shape[-1]) for t in views
+        )  # (nb, G*C, .) views
+        dq = dq_s.view(nb, -1, M).mul_(qs)  # d loss / d query logit
+        torch.matmul(dq, Wt, out=dxs)
+        dk = dk_s.view(nb, -1, M).mul_(ks)  # d loss / d key logit
+        torch.matmul(dk, Wt, out=dys)
+        if scale is not None:
+            dxs.mul_(scale[b0:b1])
+            dys.mul_(scale[b0:b1])
+        dys.sub_(dk.sum(-1, keepdim=True) * ys)  # the -|y|^2/2 term of the key logit
+        dvs.copy_(dvx_s.view(nb, -1, dv + 1)[..., :dv])
+
+    scan_backward(qf, kf, vx, mu, dy, C, rows, saved, emit)
+    return dx, dyk, dvv
 
 
 def _exp_params(
