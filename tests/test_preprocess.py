@@ -247,3 +247,124 @@ def test_console_script_bad_fasta_exits_2(tmp_path: Path) -> None:
     lines = [ln for ln in proc.stderr.splitlines() if ln.startswith("error:")]
     assert len(lines) == 1 and "bad_j" in lines[0] and str(fa) in lines[0]
     assert not (tmp_path / "s").exists()
+
+
+# ------------------------------------------------------------------------------ parallel path
+# workers > 1 cuts plain files into byte ranges (tiny ones here, via the private knob) read in
+# worker processes; shards are concatenated in order. Everything must match workers=1: the
+# store byte for byte, and the first error's message (file, line, record number, id).
+def _both(tmp_path: Path, inputs: list[Path], name: str, range_bytes: int = 300, **kw):
+    """(serial, parallel) outcomes: the store's files, or the error message."""
+    outs = []
+    for workers in (1, 3):
+        out = tmp_path / f"{name}_{workers}"
+        try:
+            s = preprocess(
+                inputs, out, progress=False, workers=workers, _range_bytes=range_bytes, **kw
+            )
+            outs.append((_files(out), s.records, s.skipped, s.skipped_reasons))
+        except UserError as exc:
+            outs.append(str(exc))
+            assert not out.exists()
+    return outs
+
+
+def _many(n: int, bad: dict[int, str] | None = None, start: int = 0) -> str:
+    """``n`` records with multi-line sequences; ``bad`` maps a record index to its sequence."""
+    recs = []
+    for i in range(start, start + n):
+        seq = (bad or {}).get(i, "ACDEFGHIKLMNPQRSTVWY"[i % 20 :] + "mkv" * (i % 7))
+        lines = "\n".join(seq[j : j + 13] for j in range(0, len(seq), 13))
+        recs.append(f">r{i} desc {i}\n{lines}\n")
+    return "".join(recs)
+
+
+def test_workers_give_byte_identical_store(tmp_path: Path) -> None:
+    from protein_performer.data.preprocess import _cuts
+
+    fa = tmp_path / "a.fasta"
+    fa.write_bytes(("\n\n" + _many(150)).replace("\n", "\r\n", 40).encode())
+    assert len(_cuts(fa, fa.stat().st_size, 300)) > 10  # many ranges
+    fb = tmp_path / "b.fasta.gz"  # a gzip file is one range of its own
+    with gzip.open(fb, "wt") as fh:
+        fh.write(_many(30, start=1000))
+    serial, parallel = _both(tmp_path, [fa, fb], "ok", valid_frac=0.2, test_frac=0.2)
+    assert isinstance(serial, tuple) and serial == parallel
+    assert serial[1] == 150 + 30
+    serial, parallel = _both(tmp_path, [DEMO], "demo", range_bytes=60_000)
+    assert isinstance(serial, tuple) and serial == parallel and serial[1] == 2000
+    names = sorted(p.name for p in tmp_path.iterdir())
+    assert names == ["a.fasta", "b.fasta.gz", "demo_1", "demo_3", "ok_1", "ok_3"]  # no temps
+
+
+@pytest.fixture
+def fork_workers(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Fork instead of spawn: the same code in the workers, without re-importing it in each
+    (test_workers_give_byte_identical_store covers spawn)."""
+    import multiprocessing
+
+    if "fork" in multiprocessing.get_all_start_methods():
+        monkeypatch.setattr(pp, "_START_METHOD", "fork")
+
+
+@pytest.mark.usefixtures("fork_workers")
+def test_workers_report_the_first_error_in_file_order(tmp_path: Path) -> None:
+    # Errors in later ranges, the earliest one first in file order; duplicates across ranges
+    # (before or after a format error) and text before the first header.
+    cases = {
+        "late_bad": _many(120, {90: "MKJV"}),
+        "two_bad": _many(120, {40: "MK1V", 100: "MJ"}),
+        "dup_first": _many(120, {70: "MK V"}) + _many(5, start=20),
+        "bad_first": _many(60, {30: "MK*V"}) + _many(5, start=10),
+        "dup_far": _many(100) + _many(1, start=3),
+        "leading": "junk line\n" + _many(40),
+    }
+    msgs = {}
+    for name, text in cases.items():
+        fa = tmp_path / f"{name}.fasta"
+        fa.write_text(text)
+        serial, parallel = _both(tmp_path, [fa], name)
+        assert isinstance(serial, str) and serial == parallel, name
+        msgs[name] = parallel
+    assert "record #41 'r40'" in msgs["two_bad"] and "digit" in msgs["two_bad"]
+    assert "record #101 'r3'" in msgs["dup_far"]
+    assert "duplicate id: record #4 has the same id" in msgs["dup_far"]
+
+
+@pytest.mark.usefixtures("fork_workers")
+def test_workers_skip_mode_matches(tmp_path: Path) -> None:
+    fa = tmp_path / "bad.fasta"
+    bad = {i: "MKJV" for i in range(5, 120, 9)} | {33: "MK1", 77: "M K"}
+    fa.write_text("junk\n" + _many(120, bad) + _many(6, start=50) + BAD)
+    fb = tmp_path / "b.fasta"
+    fb.write_text(_many(20, start=110))  # duplicates of the first file's records
+    serial, parallel = _both(tmp_path, [fa, fb], "skip", on_invalid="skip")
+    assert isinstance(serial, tuple) and serial == parallel  # meta.json (report) included
+    _, records, skipped, reasons = serial
+    # r51..r55 and ok1 repeat in the first file, r110..r119 but the invalid r113 in the second
+    assert reasons["duplicate id"] == 5 + 1 + 9
+    assert skipped == sum(reasons.values()) and reasons["text before first header"] == 1
+    assert records == 120 + 6 + 7 + 20 - (skipped - 1)
+
+
+def test_read_fasta_byte_ranges_match_the_whole_file(tmp_path: Path) -> None:
+    from protein_performer.data.fasta import count_lines_and_records, read_fasta
+    from protein_performer.data.preprocess import _cuts
+
+    fa = tmp_path / "a.fasta"
+    fa.write_text("\n" + _many(80, {50: "MKJ"}))
+    size = fa.stat().st_size
+    bounds = [0, *_cuts(fa, size, 200), size]
+    got, line, number = [], 1, 0
+    for a, b in zip(bounds[:-1], bounds[1:], strict=True):
+        kw = {"byte_range": (a, b), "start_line": line, "start_number": number}
+        got += [
+            (r.id, r.line, r.number, r.sequence) for r in read_fasta(fa, on_invalid="skip", **kw)
+        ]
+        nl, hd = count_lines_and_records(fa, a, b)
+        line, number = line + nl, number + hd
+    whole = [(r.id, r.line, r.number, r.sequence) for r in read_fasta(fa, on_invalid="skip")]
+    assert got == whole and len(whole) == 79
+    assert (line - 1, number) == count_lines_and_records(fa)
+    with pytest.raises(ValueError, match="header"):
+        list(read_fasta(fa, byte_range=(5, size)))

@@ -47,13 +47,33 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         help="hash key: auto = UniRef cluster id when present, else record id (default); "
         "id = always the record id; cluster = require a cluster id",
     )
+    p.add_argument(
+        "--workers",
+        type=_positive_int,
+        default=None,
+        metavar="N",
+        help="worker processes (default: usable CPUs, at most 8). Plain FASTA files are read "
+        "in byte ranges in parallel; a gzip file cannot be split, so it is read by one worker "
+        "(several files still run in parallel). Inputs under 16 MiB are read in this process. "
+        "The output is byte-identical for every N; --workers 1 reads everything in this process",
+    )
     p.add_argument("--overwrite", action="store_true", help="replace an existing store at DIR")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(func=run)
 
 
+def _positive_int(text: str) -> int:
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {n}")
+    return n
+
+
 def run(args: argparse.Namespace) -> int:
-    from protein_performer.data.preprocess import preprocess
+    from protein_performer.data.preprocess import default_workers, preprocess
 
     s = preprocess(
         args.inputs,
@@ -64,6 +84,7 @@ def run(args: argparse.Namespace) -> int:
         split_mode=args.split_by,
         overwrite=args.overwrite,
         progress=not args.no_progress,
+        workers=args.workers or default_workers(),
     )
     splits = "  ".join(f"{k} {v:,}" for k, v in s.splits.items())
     print(f"wrote {s.out}: {s.records:,} records ({splits}), {s.residues:,} residues")

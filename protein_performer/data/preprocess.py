@@ -361,6 +361,7 @@ def _run_serial(
 _RANGE_BYTES = 32 << 20  # bytes per range (a worker's unit of work)
 _MIN_PARALLEL_BYTES = 16 << 20  # smaller inputs are not worth starting processes for
 MAX_DEFAULT_WORKERS = 8
+_START_METHOD = "spawn"  # safe whatever the caller's threads (tests use fork for speed)
 
 
 @dataclass(frozen=True)
@@ -650,7 +651,8 @@ def _run_parallel(
     shard_dir.mkdir()
     merger = _ShardMerger(paths, job, writer, report)
     pool = ProcessPoolExecutor(
-        max_workers=min(workers, len(ranges)), mp_context=multiprocessing.get_context("spawn")
+        max_workers=min(workers, len(ranges)),
+        mp_context=multiprocessing.get_context(_START_METHOD),
     )
     try:
         ranges = _number_ranges(ranges, pool)

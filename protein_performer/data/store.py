@@ -110,6 +110,31 @@ def _one_line(header: str) -> str:
     return header.replace("\r", " ").replace("\n", " ")
 
 
+def _copy_file(src: BinaryIO, dst: BinaryIO, nbytes: int) -> None:
+    """Append the first ``nbytes`` of ``src`` to ``dst`` (both buffered file objects)."""
+    src.seek(0)
+    dst.flush()
+    done = 0
+    copy_range = getattr(os, "copy_file_range", None)
+    if copy_range is not None:
+        try:
+            while done < nbytes:
+                step = copy_range(src.fileno(), dst.fileno(), min(nbytes - done, 1 << 30))
+                if step == 0:
+                    break
+                done += step
+        except OSError:  # not supported here (old kernel, other file systems): copy below
+            pass
+        dst.seek(0, os.SEEK_END)  # sync the buffered object with the file position
+        src.seek(done)
+    while done < nbytes:
+        piece = src.read(min(nbytes - done, _BUFFER))
+        if not piece:
+            raise UserError(f"{src.name} is truncated")
+        dst.write(piece)
+        done += len(piece)
+
+
 def _select(blob: bytes, lens: np.ndarray, keep: np.ndarray) -> bytes:
     """The pieces of ``blob`` (back to back, (n,) byte lengths ``lens``) where ``keep``."""
     return np.frombuffer(blob, np.uint8)[np.repeat(keep, lens)].tobytes()
@@ -279,9 +304,14 @@ class StoreWriter:
         n = int(_read_meta(src)["num_records"])
         if keep is not None and len(keep) != n:
             raise ValueError(f"keep has {len(keep)} entries for a store of {n} records")
+        if n == 0:
+            return
         names = (TOKENS, OFFSETS, SPLIT, IDS, ID_OFFSETS, HEADERS, HEADER_OFFSETS)
         fh = {name: open(src / name, "rb") for name in names}  # noqa: SIM115
         try:
+            if keep is None or bool(np.all(keep)):
+                self._append_whole(fh, n, chunk_records)
+                return
 
             def read(name: str, a: int, b: int, itemsize: int = 1) -> bytes:
                 fh[name].seek(a * itemsize)
@@ -311,6 +341,44 @@ class StoreWriter:
         finally:
             for f in fh.values():
                 f.close()
+
+    def _append_whole(self, fh: dict[str, BinaryIO], n: int, chunk_records: int) -> None:
+        """:meth:`append_store` of every record: the three blobs are copied file to file (in
+        the kernel where it can), only the offsets are rebased here."""
+        f = self._files
+        ends = {}
+        for name, off_name in ((TOKENS, OFFSETS), (IDS, ID_OFFSETS), (HEADERS, HEADER_OFFSETS)):
+            fh[off_name].seek(8 * n)
+            ends[name] = int(np.frombuffer(fh[off_name].read(8), "<i8")[0])
+            fh[off_name].seek(0)
+        lengths_max = 0
+        for a in range(0, n, chunk_records):
+            b = min(n, a + chunk_records)
+            off = np.frombuffer(fh[OFFSETS].read(8 * (b - a + 1)), "<i8")
+            ido = np.frombuffer(fh[ID_OFFSETS].read(8 * (b - a + 1)), "<i8")
+            hdo = np.frombuffer(fh[HEADER_OFFSETS].read(8 * (b - a + 1)), "<i8")
+            for h in (fh[OFFSETS], fh[ID_OFFSETS], fh[HEADER_OFFSETS]):
+                h.seek(-8, os.SEEK_CUR)  # the next chunk starts at this chunk's last offset
+            split_arr = np.frombuffer(fh[SPLIT].read(b - a), np.uint8)
+            lengths = np.diff(off)
+            f[OFFSETS].write((off[1:] - off[0] + self._tok_end).astype("<i8").tobytes())
+            f[LENGTHS].write(lengths.astype("<i4").tobytes())
+            f[SPLIT].write(split_arr.tobytes())
+            f[ID_OFFSETS].write((ido[1:] - ido[0] + self._id_end).astype("<i8").tobytes())
+            f[HEADER_OFFSETS].write((hdo[1:] - hdo[0] + self._hdr_end).astype("<i8").tobytes())
+            self._tok_end += int(off[-1] - off[0])
+            self._id_end += int(ido[-1] - ido[0])
+            self._hdr_end += int(hdo[-1] - hdo[0])
+            k = len(SPLIT_NAMES)
+            self.split_records += np.bincount(split_arr, minlength=k)
+            self.split_residues += np.bincount(split_arr, weights=lengths, minlength=k).astype(
+                np.int64
+            )
+            lengths_max = max(lengths_max, int(lengths.max()))
+        self.num_records += n
+        self.max_length = max(self.max_length, lengths_max)
+        for name in (TOKENS, IDS, HEADERS):
+            _copy_file(fh[name], f[name], ends[name])
 
     def _close_files(self) -> None:
         if not self._closed:

@@ -150,6 +150,7 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     import pytorch_lightning as pl
 
     from protein_performer.training.callbacks import TrainingCurvePlot
+    from protein_performer.training.init_weights import maybe_init_from
 
     if cfg.get("seed") is not None:
         pl.seed_everything(int(cfg.seed), workers=True)
@@ -162,6 +163,7 @@ def train(cfg: DictConfig) -> dict[str, Any]:
 
     datamodule = _instantiate(cfg.data, "data")
     module = _instantiate(cfg.model, "model")
+    maybe_init_from(module, cfg)  # init_from=PATH: start from existing (e.g. ESM-2) weights
     callbacks = _instantiate_dict(cfg, "callbacks")
     if cfg.trainer.get("enable_progress_bar") is False:
         # trainer.enable_progress_bar=false alone should be enough to turn the bar off.
