@@ -4,7 +4,10 @@
 Step 1 trains ``experiment=demo`` (a tiny FAVOR+ masked LM on the bundled 2,000 Swiss-Prot
 records, CPU, a few minutes) through the same Hydra entry point as ``protein-performer train``,
 so the run directory, checkpoints, metrics CSV and training-curve PNG are exactly what a user's
-own run gives. Later steps (inference on the trained checkpoint) build on ``TrainResult``.
+own run gives. Step 2 embeds and scores the bundled demo proteins with that checkpoint (the
+code paths of ``protein-performer embed``/``score``/``export``); step 3 draws its attention maps
+and the attention-derived amino-acid similarity next to BLOSUM62 (``protein-performer
+visualize``). Every output lands in the training run's directory.
 """
 
 from __future__ import annotations
@@ -64,12 +67,37 @@ def report_train(res: TrainResult) -> None:
     print(f"run directory: {res.output_dir}")
 
 
+DEMO_FASTA = REPO / "data" / "demo" / "some_proteins.fasta"
+
+
+def step_inference(res: TrainResult) -> dict[str, Path]:
+    """Embed + score the demo proteins with the fresh checkpoint, and export it."""
+    from protein_performer.inference.demo import run_inference_demo
+
+    return run_inference_demo(res.checkpoint, DEMO_FASTA, res.output_dir / "inference")
+
+
+def step_plots(res: TrainResult) -> dict[str, Path]:
+    """Attention grid and amino-acid similarity PNGs for the first demo protein."""
+    from protein_performer.viz.visualize import run
+
+    return run(
+        [
+            f"ckpt={res.checkpoint}",
+            f"fasta={DEMO_FASTA}",
+            f"out_dir={res.output_dir / 'plots'}",
+            "device=cpu",
+        ]
+    )
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         description=(
-            "Train a tiny Performer protein LM on the bundled demo data (CPU, a few minutes) "
-            "and print where its checkpoint and training-curve PNG are. Extra arguments are "
-            "Hydra overrides passed to `protein-performer train experiment=demo`."
+            "Train a tiny Performer protein LM on the bundled demo data (CPU, a few minutes), "
+            "then embed and score the demo proteins and plot attention maps with its "
+            "checkpoint; prints where every output is. Extra arguments are Hydra overrides "
+            "passed to `protein-performer train experiment=demo`."
         ),
         epilog="example: python scripts/demo.py trainer.max_steps=100",
     )
@@ -89,6 +117,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         trained = step_train(overrides)
         report_train(trained)
+        for name, path in {**step_inference(trained), **step_plots(trained)}.items():
+            print(f"{name}: {path}")
     except UserError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

@@ -229,15 +229,54 @@ def normalized_qkv(L, d, seed, logit_scale=1.0):
     return q, k, v
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("m", [4, 8, 16])
-def test_orthogonal_features_beat_iid(m):
-    q, k, v = normalized_qkv(64, 16, seed=18, logit_scale=0.5)
+def block_estimates(x, y, d, m, draws, orthogonal, seed):
+    """`draws` independent kernel estimates with m omega rows each, from one omega draw.
+
+    draw_omega stacks independent d x d orthogonal blocks, so with m a multiple of d each group
+    of m consecutive rows is exactly an m-row ORF draw (or IID rows when orthogonal=False).
+    """
+    om = draw_omega(draws * m, d, orthogonal=orthogonal, generator=gen(seed)).double()
+    fx = random_features(x[None], om, "softmax")[0]  # (draws*m,), scaled by 1/sqrt(draws*m)
+    fy = random_features(y[None], om, "softmax")[0]
+    return (fx * fy).view(draws, m).sum(-1) * draws  # each group rescaled to 1/m
+
+
+@pytest.mark.parametrize("m", [16, 32])
+def test_orthogonal_features_beat_iid_kernel_level(m):
+    """Check 2 at kernel level: m = d and m = 2d, small-norm x, y, 10k draws per method.
+
+    ORF and IID samples are independent, so the SE of the MSE difference is
+    sqrt(var(e_orf^2)/n + var(e_iid^2)/n). Expected margin here: ~8 SE (measured with other
+    seeds); the test asks for 3.
+    """
+    d, draws = 16, 10000
+    x, y = pair(d, 0.5, 0.5, 0.5, seed=3)
+    sm = math.exp(float(x @ y))
+    orf = block_estimates(x, y, d, m, draws, True, seed=60 + m)
+    iid = block_estimates(x, y, d, m, draws, False, seed=70 + m)
+    for est in (orf, iid):  # both unbiased
+        assert abs(float(est.mean()) - sm) < 5 * float(est.std()) / math.sqrt(draws)
+    e_o, e_i = (orf - sm).pow(2), (iid - sm).pow(2)
+    se = math.sqrt(float(e_o.var() + e_i.var()) / draws)
+    assert float(e_o.mean()) < float(e_i.mean()) - 3 * se, (float(e_o.mean()), float(e_i.mean()))
+
+
+def test_orthogonal_features_beat_iid_attention_level():
+    """Check 2 at attention level, m >= d (d = 16, m = 16, 32, 64), Fig. 4-style inputs.
+
+    Normalized q, k with logit std 0.25, L = 256, 100 independent omega draws per method; the
+    per-draw output MSEs are independent, so the SE of the difference of means is
+    sqrt(var_orf/100 + var_iid/100). Measured margins 4-5.5 SE; the test asks for 2.5.
+    (At m < d, or with larger logits, the ORF gain is smaller than the heavy-tailed MSE's
+    noise at affordable draw counts: that is why the earlier m = 4..16 test was inconclusive.)
+    """
+    q, k, v = normalized_qkv(256, 16, seed=18, logit_scale=0.25)
     ref = exact_attention(q, k, v)
-    orf = attention_mse(q, k, v, ref, m, range(1000, 1120), orthogonal=True)
-    iid = attention_mse(q, k, v, ref, m, range(2000, 2120), orthogonal=False)
-    se = math.sqrt(orf.var() / orf.numel() + iid.var() / iid.numel())
-    assert orf.mean() < iid.mean() - 2 * se, (float(orf.mean()), float(iid.mean()), se)
+    for m in (16, 32, 64):
+        orf = attention_mse(q, k, v, ref, m, range(1000, 1100), orthogonal=True)
+        iid = attention_mse(q, k, v, ref, m, range(2000, 2100), orthogonal=False)
+        se = math.sqrt(float(orf.var() / orf.numel() + iid.var() / iid.numel()))
+        assert float(orf.mean()) < float(iid.mean()) - 2.5 * se, (m, float(orf.mean()), se)
 
 
 def test_positive_beats_trig_where_the_kernel_is_small():

@@ -11,6 +11,11 @@ Lightning calls ``set_epoch`` at the start of every epoch (train and validation)
 ``dataloader.sampler`` and ``dataloader.batch_sampler.sampler``, never on the batch sampler
 itself, so :attr:`TokenBudgetBatchSampler.sampler` is a small hook that forwards it: that is all
 this sampler needs to reshuffle each epoch and to resume (from the restored epoch) identically.
+
+Mid-epoch resumption: because an epoch's batches are a pure function of ``(seed, epoch)``, skipping
+the first ``k`` of them (:attr:`TokenBudgetBatchSampler.start_batch`) continues an interrupted
+epoch exactly; :class:`protein_performer.data.loader.ResumableDataLoader` records ``k`` in
+Lightning's checkpoints and sets it on resume.
 """
 
 from __future__ import annotations
@@ -98,6 +103,9 @@ class TokenBudgetBatchSampler:
         self.drop_last = drop_last
         self.tag_epoch = tag_epoch
         self.epoch = 0
+        #: Iterations start at this rank's batch ``start_batch`` of the epoch (mid-epoch resume);
+        #: read when ``iter()`` is called, so set it just before and reset it just after.
+        self.start_batch = 0
         self._sizes = self._batch_sizes()  # record counts per batch, in ascending-length order
         self._num_batches_total = self._distributed_count()
 
@@ -174,7 +182,14 @@ class TokenBudgetBatchSampler:
         return [batches[k % len(batches)] for k in range(total)]
 
     def __iter__(self) -> Iterator[list[int] | list[tuple[int, int]]]:
-        for batch in self._global_batches()[self.rank :: self.num_replicas]:
+        # ``start_batch`` is bound now; the epoch is read at the first ``next()`` (after
+        # Lightning's ``set_epoch`` even if the loader called ``iter()`` before it).
+        return self._batches(int(self.start_batch))
+
+    def _batches(self, start: int) -> Iterator[list[int] | list[tuple[int, int]]]:
+        if start < 0:
+            raise ValueError(f"start_batch must be >= 0, got {start}")
+        for batch in self._global_batches()[self.rank :: self.num_replicas][start:]:
             if self.tag_epoch:
                 yield [(int(i), self.epoch) for i in batch]
             else:
