@@ -5,7 +5,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-slow lint bench-all clean-venv
+.PHONY: demo test test-slow lint bench-env clean-venv
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -23,6 +23,10 @@ test: $(STAMP)
 
 test-slow: $(STAMP)
 	$(BIN)/python -m pytest -q -m slow; rc=$$?; if [ $$rc -eq 5 ]; then exit 0; fi; exit $$rc
+
+# Reference implementations for the benchmarks (performer-pytorch, fair-esm, transformers).
+bench-env: $(STAMP)
+	$(BIN)/python -m pip install -q -e '.[bench]'
 
 lint: $(STAMP)
 	$(BIN)/ruff check protein_performer tests scripts

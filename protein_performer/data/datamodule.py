@@ -4,7 +4,10 @@ Configured from Hydra (``conf/data/*.yaml``). The train loader's sampler gets ``
 Lightning at every epoch start (the trainer runs with ``use_distributed_sampler=False`` so
 Lightning keeps our sampler) and tags indices with the epoch, so crops, masks and batch order are
 functions of ``(seed, epoch, index)``: a resumed run sees the same data as an uninterrupted one,
-with or without persistent workers. Validation and test items always use epoch 0 (fixed crops
+with or without persistent workers. The train loader is a
+:class:`~protein_performer.data.loader.ResumableDataLoader`: Lightning checkpoints its position in
+the epoch, so a run resumed from a mid-epoch ``last.ckpt`` continues with the very batches the
+interrupted run would have seen next. Validation and test items always use epoch 0 (fixed crops
 and masks), so their losses are comparable between epochs and runs.
 """
 
@@ -27,6 +30,7 @@ from protein_performer.data.dataset import (
     StoreSubset,
     fasta_splits,
 )
+from protein_performer.data.loader import ResumableDataLoader
 from protein_performer.data.sampler import TokenBudgetBatchSampler
 from protein_performer.data.tokenizer import Alphabet
 from protein_performer.errors import UserError
@@ -222,7 +226,9 @@ class ProteinDataModule(pl.LightningDataModule):
 
     def _loader(self, split: str) -> DataLoader:
         sampler = self.batch_sampler(split)
-        return DataLoader(
+        # Only training resumes mid-epoch; evaluation loops always run their loaders whole.
+        cls = ResumableDataLoader if split == "train" else DataLoader
+        return cls(
             self.datasets[split],
             batch_sampler=sampler,
             collate_fn=self.collator,
