@@ -9,7 +9,6 @@ fingerprint, never a timestamp) and what was skipped.
 from __future__ import annotations
 
 import bisect
-import contextlib
 import hashlib
 import logging
 import os
@@ -30,7 +29,6 @@ from protein_performer.data.fasta import (
     InvalidReport,
     count_lines_and_records,
     read_fasta_blocks,
-    read_fastas_blocks,
 )
 from protein_performer.data.split import (
     DEFAULT_TEST_FRAC,
@@ -248,7 +246,7 @@ def preprocess(
 
     t0 = time.perf_counter()
     inputs_meta = [file_fingerprint(p) for p in paths]
-    report = InvalidReport()
+    report = _KeyedReport()
     bar = _ByteProgress(paths, enabled=progress)
     try:
         with StoreWriter(out, overwrite=overwrite, alphabet=alphabet) as writer:
@@ -260,6 +258,7 @@ def preprocess(
             else:
                 job = _Job(on_invalid, valid_frac, test_frac, split_mode, alphabet)
                 _run_parallel(paths, ranges, int(workers), job, writer, report, bar)
+            report.finish()
             skipped = int(report.skipped)
             if writer.num_records == 0:
                 what = f" ({skipped} invalid records skipped)" if skipped else ""
@@ -299,15 +298,21 @@ def preprocess(
 
 
 class _Chunker:
-    """Collects blocks of records and hands them to ``sink(ids, seqs, descs)`` in chunks of
-    about :data:`_CHUNK_RECORDS` records / :data:`_CHUNK_RESIDUES` residues (list extends per
-    block: no per-record Python work here)."""
+    """Collects blocks of valid records and hands them to
+    ``sink(ids, seqs, descs, numbers, lines)`` in chunks of about :data:`_CHUNK_RECORDS`
+    records / :data:`_CHUNK_RESIDUES` residues (list extends per block: no per-record Python
+    work here)."""
 
-    def __init__(self, sink: Callable[[list[str], list[str], list[str]], None]) -> None:
+    def __init__(self, sink: Callable[..., None]) -> None:
         self.sink = sink
+        self._reset()
+
+    def _reset(self) -> None:
         self.ids: list[str] = []
         self.seqs: list[str] = []
         self.descs: list[str] = []
+        self.numbers: list[int] = []
+        self.lines: list[int] = []
         self.residues = 0
 
     def add(self, block: Any) -> bool:
@@ -315,6 +320,8 @@ class _Chunker:
         self.ids += block.ids
         self.seqs += block.seqs
         self.descs += block.descs
+        self.numbers += block.numbers
+        self.lines += block.lines
         self.residues += sum(map(len, block.seqs))
         if self.residues >= _CHUNK_RESIDUES or len(self.ids) >= _CHUNK_RECORDS:
             self.flush()
@@ -323,9 +330,104 @@ class _Chunker:
 
     def flush(self) -> None:
         if self.ids:
-            ids, seqs, descs = self.ids, self.seqs, self.descs
-            self.ids, self.seqs, self.descs, self.residues = [], [], [], 0
-            self.sink(ids, seqs, descs)
+            chunk = (self.ids, self.seqs, self.descs, self.numbers, self.lines)
+            self._reset()
+            self.sink(*chunk)
+
+
+@dataclass
+class _KeyedReport(InvalidReport):
+    """The skipped-records report, with examples kept by position in the input (input file,
+    record number; 0 for text before the first header) and put in that order by
+    :meth:`finish`: duplicate ids are found a chunk (or a shard) after the reader reported the
+    errors around them."""
+
+    file: int = 0  # the input being read: set by the caller before reading it
+    keyed: list[tuple[tuple[int, int], str]] = field(default_factory=list)
+
+    def add(self, err: FastaFormatError) -> None:
+        self.skipped += 1
+        self.by_reason[err.kind] += 1
+        self.note((self.file, err.record_number or 0), err.located)
+
+    def note(self, key: tuple[int, int], text: str) -> None:
+        self.keyed.append((key, text))
+        if len(self.keyed) > 4 * self.max_examples:
+            self._trim()
+
+    def _trim(self) -> None:
+        self.keyed.sort(key=_first)
+        del self.keyed[self.max_examples :]
+
+    def finish(self) -> None:
+        self._trim()
+        self.examples = [text for _, text in self.keyed]
+
+
+def _first(item: tuple[Any, ...]) -> Any:
+    return item[0]
+
+
+class _DupIds:
+    """Duplicate ids across all inputs, checked a chunk at a time in input order (bounded
+    memory: :class:`DuplicateIdChecker`), naming the first occurrence as the reader does."""
+
+    def __init__(self, paths: list[Path], skip: bool, report: _KeyedReport) -> None:
+        self.paths = [os.fspath(p) for p in paths]
+        self.skip = skip
+        self.report = report
+        self.checker = DuplicateIdChecker()
+        self.file_starts: list[int] = []  # checker ordinal of record #1 of each input
+        self.next_ordinal = 0
+
+    def check(
+        self,
+        file: int,
+        numbers: np.ndarray,
+        hashes: np.ndarray,
+        lines: Sequence[int],
+        id_of: Callable[[int], str],
+    ) -> np.ndarray | None:
+        """Keep-mask for the next valid records of input ``file`` ((n,) record ``numbers``,
+        id ``hashes`` from ``DuplicateIdChecker.hash_ids``, header ``lines``; ``id_of(i)`` the
+        id of record i), None to keep all. A duplicate raises in error mode (callers check
+        every record before raising a later error) and is counted and left out in skip mode."""
+        while len(self.file_starts) <= file:
+            self.file_starts.append(self.next_ordinal)
+        if len(numbers) == 0:
+            return None
+        start = self.file_starts[file]
+        firsts = self.checker.check_hashes(hashes, numbers + (start - 1))
+        self.next_ordinal = max(self.next_ordinal, start + int(numbers[-1]))
+        dups = np.flatnonzero(firsts >= 0)
+        if len(dups) == 0:
+            return None
+
+        def error(i: int) -> FastaFormatError:
+            ordinal = int(firsts[i])
+            f = bisect.bisect_right(self.file_starts, ordinal) - 1
+            path = self.paths[file]
+            where = "" if self.paths[f] == path else f" of {self.paths[f]}"
+            return FastaFormatError(
+                path,
+                int(lines[i]),
+                f"duplicate id: record #{ordinal - self.file_starts[f] + 1}{where} has the "
+                "same id",
+                record_number=int(numbers[i]),
+                record_id=id_of(i),
+                kind="duplicate id",
+            )
+
+        if not self.skip:
+            raise error(int(dups[0]))
+        rep = self.report
+        rep.skipped += len(dups)
+        rep.by_reason["duplicate id"] += len(dups)
+        for i in dups[: rep.max_examples].tolist():
+            rep.note((file, int(numbers[i])), error(i).located)
+        keep = np.ones(len(numbers), dtype=bool)
+        keep[dups] = False
+        return keep
 
 
 def _run_serial(
@@ -333,26 +435,52 @@ def _run_serial(
     writer: StoreWriter,
     splitter: Splitter,
     on_invalid: str,
-    report: Any,
+    report: _KeyedReport,
     alphabet: Alphabet,
     bar: _ByteProgress,
 ) -> None:
-    """The single-process path: one reader over all files, one duplicate-id check."""
-    blocks = read_fastas_blocks(
-        paths,
-        on_invalid=on_invalid,  # type: ignore[arg-type]
-        report=report,
-        alphabet=alphabet,
-    )
+    """The single-process path: the reader per file, duplicate ids checked per chunk (a
+    vectorised check of thousands of ids, not one per 256 KiB block)."""
+    dupids = _DupIds(paths, on_invalid == "skip", report)
+    for file, path in enumerate(paths):
+        report.file = file
 
-    def sink(ids: list[str], seqs: list[str], descs: list[str]) -> None:
-        writer.write_chunk(ids, seqs, splitter.codes(ids), descs)
+        def sink(
+            ids: list[str],
+            seqs: list[str],
+            descs: list[str],
+            numbers: list[int],
+            lines: list[int],
+            file: int = file,
+        ) -> None:
+            nums = np.asarray(numbers, dtype=np.int64)
+            keep = dupids.check(
+                file, nums, DuplicateIdChecker.hash_ids(ids), lines, ids.__getitem__
+            )
+            if keep is not None:
+                idx = np.flatnonzero(keep).tolist()
+                ids = [ids[i] for i in idx]
+                seqs = [seqs[i] for i in idx]
+                descs = [descs[i] for i in idx]
+            writer.write_chunk(ids, seqs, splitter.codes(ids), descs)
 
-    chunker = _Chunker(sink)
-    for block in blocks:
-        if chunker.add(block):
-            bar.update(block.path)
-    chunker.flush()
+        chunker = _Chunker(sink)
+        error: FastaFormatError | None = None
+        try:
+            for block in read_fasta_blocks(
+                path,
+                on_invalid=on_invalid,  # type: ignore[arg-type]
+                report=report,
+                alphabet=alphabet,
+                check_duplicates=False,
+            ):
+                if chunker.add(block):
+                    bar.update(block.path)
+        except FastaFormatError as exc:
+            error = exc
+        chunker.flush()  # a duplicate among the records before an error is raised first
+        if error is not None:
+            raise error
 
 
 # --------------------------------------------------------------------------------------------
@@ -506,19 +634,25 @@ def _shard_worker(r: _Range, job: _Job, shard: str) -> dict[str, Any]:
     """Read one range into a shard store; return what the parent needs to check and merge.
 
     Duplicate ids are not checked here but by the parent, across all shards in order, from the
-    returned id hashes (with record numbers and lines, to name a duplicate exactly).
+    returned id hashes (with record numbers and lines, to name a duplicate exactly). The shard
+    holds the valid records read before an error too, so the parent can name a duplicate
+    among them.
     """
-    report = _KeyedReport(max_examples=InvalidReport().max_examples)
+    report = _KeyedReport(file=r.file)
     splitter = Splitter(job.valid_frac, job.test_frac, job.split_mode)  # type: ignore[arg-type]
     hashes: list[np.ndarray] = []
-    numbers: list[int] = []
-    lines: list[int] = []
-    error: dict[str, Any] | None = None
+    numbers: list[np.ndarray] = []
+    lines: list[np.ndarray] = []
+    error: UserError | None = None
     with StoreWriter(shard, alphabet=job.alphabet) as writer:
 
-        def sink(ids: list[str], seqs: list[str], descs: list[str]) -> None:
+        def sink(
+            ids: list[str], seqs: list[str], descs: list[str], nums: list[int], lns: list[int]
+        ) -> None:
             writer.write_chunk(ids, seqs, splitter.codes(ids), descs)
             hashes.append(DuplicateIdChecker.hash_ids(ids))
+            numbers.append(np.asarray(nums, dtype=np.int64))
+            lines.append(np.asarray(lns, dtype=np.int64))
 
         chunker = _Chunker(sink)
         span: dict[str, Any] = {}
@@ -533,102 +667,53 @@ def _shard_worker(r: _Range, job: _Job, shard: str) -> dict[str, Any]:
                 check_duplicates=False,
                 **span,
             ):
-                numbers += block.numbers
-                lines += block.lines
                 chunker.add(block)
+        except UserError as exc:  # bad input
+            error = exc
+        try:
             chunker.flush()
-        except UserError as exc:  # bad input (or --split-by cluster without a cluster id)
-            error = _error_fields(exc)
-            with contextlib.suppress(UserError):  # the records read before the error
-                chunker.flush()
-            n = writer.num_records  # only what was written can be named from the shard
-            del numbers[n:], lines[n:]
+        except UserError as exc:  # --split-by cluster without a cluster id: an earlier record
+            error = exc
         writer.commit()
+    report._trim()
     return {
         "shard": shard,
         "hashes": np.concatenate(hashes) if hashes else np.empty(0, np.uint64),
-        "numbers": np.asarray(numbers, dtype=np.int64),
-        "lines": np.asarray(lines, dtype=np.int64),
+        "numbers": np.concatenate(numbers) if numbers else np.empty(0, np.int64),
+        "lines": np.concatenate(lines) if lines else np.empty(0, np.int64),
         "skipped": report.skipped,
         "by_reason": dict(report.by_reason),
-        "examples": list(zip(report.keys, report.examples, strict=True)),
-        "error": error,
+        "keyed": report.keyed,
+        "error": None if error is None else _error_fields(error),
     }
 
 
-@dataclass
-class _KeyedReport(InvalidReport):
-    """An InvalidReport that also keeps the record number of each example (0: text before the
-    first header), so the parent can merge the shards' examples in file order."""
-
-    keys: list[int] = field(default_factory=list)
-
-    def add(self, err: FastaFormatError) -> None:
-        if len(self.examples) < self.max_examples:
-            self.keys.append(err.record_number or 0)
-        super().add(err)
-
-
 class _ShardMerger:
-    """The parent's side: the duplicate-id check over all shards, errors in file order, the
-    report, and the concatenation."""
+    """The parent's side, a shard at a time in input order: the duplicate-id check, the
+    shard's error if any, its part of the report, and the concatenation."""
 
     def __init__(self, paths: list[Path], job: _Job, writer: StoreWriter, report: Any) -> None:
-        self.paths = [os.fspath(p) for p in paths]
-        self.skip = job.on_invalid == "skip"
         self.writer = writer
         self.report = report
-        self.checker = DuplicateIdChecker()
-        self.file_starts: list[int] = []  # checker ordinal of record #1 of each file seen
-        self.next_ordinal = 0
+        self.dupids = _DupIds(paths, job.on_invalid == "skip", report)
 
     def merge(self, r: _Range, res: dict[str, Any]) -> None:
-        if len(self.file_starts) <= r.file:
-            self.file_starts.append(self.next_ordinal)
-        start = self.file_starts[r.file]
-        numbers, hashes = res["numbers"], res["hashes"]
-        dups = np.empty(0, dtype=np.int64)
-        firsts = np.empty(0, dtype=np.int64)
-        if len(numbers):
-            firsts = self.checker.check_hashes(hashes, numbers + (start - 1))
-            dups = np.flatnonzero(firsts >= 0)
-            self.next_ordinal = max(self.next_ordinal, start + int(numbers[-1]))
         shard = res["shard"]
-        store = TokenStore(shard) if len(dups) else None
+        store: list[TokenStore] = []
 
-        def dup_error(i: int) -> FastaFormatError:
-            ordinal = int(firsts[i])
-            f = bisect.bisect_right(self.file_starts, ordinal) - 1
-            where = "" if self.paths[f] == r.path else f" of {self.paths[f]}"
-            number = ordinal - self.file_starts[f] + 1
-            return FastaFormatError(
-                r.path,
-                int(res["lines"][i]),
-                f"duplicate id: record #{number}{where} has the same id",
-                record_number=int(numbers[i]),
-                record_id=store.id(i) if store is not None else None,
-                kind="duplicate id",
-            )
+        def id_of(i: int) -> str:
+            if not store:
+                store.append(TokenStore(shard))
+            return store[0].id(i)
 
-        if len(dups) and not self.skip:
-            raise dup_error(int(dups[0]))  # before any error of this shard: it stopped there
+        keep = self.dupids.check(r.file, res["numbers"], res["hashes"], res["lines"], id_of)
         if res["error"] is not None:
             raise _rebuild_error(res["error"])
         report = self.report
-        report.skipped += res["skipped"] + len(dups)
+        report.skipped += res["skipped"]
         report.by_reason.update(res["by_reason"])
-        if len(dups):
-            report.by_reason["duplicate id"] += len(dups)
-        room = report.max_examples - len(report.examples)
-        if room > 0:
-            items = list(res["examples"][:room])
-            items += [(int(numbers[i]), dup_error(i).located) for i in dups[:room].tolist()]
-            items.sort(key=lambda kv: kv[0])
-            report.examples += [text for _, text in items[:room]]
-        keep = None
-        if len(dups):
-            keep = np.ones(len(numbers), dtype=bool)
-            keep[dups] = False
+        for key, text in res["keyed"]:
+            report.note(tuple(key), text)
         self.writer.append_store(shard, keep)
         shutil.rmtree(shard, ignore_errors=True)
 
