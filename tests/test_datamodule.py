@@ -9,6 +9,9 @@ import pytest
 import torch
 
 from protein_performer.data.datamodule import ProteinDataModule
+from protein_performer.data.dataset import InMemorySource, ProteinCollator, ProteinDataset
+from protein_performer.data.loader import ResumableDataLoader
+from protein_performer.data.sampler import TokenBudgetBatchSampler
 from protein_performer.errors import UserError
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -148,7 +151,11 @@ def _trainer(max_epochs: int, tmp_path: Path) -> object:
 
 
 @needs_fasta
-def test_lightning_epochs_reshuffle_and_resume_reproduces_data(tmp_path: Path) -> None:
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_lightning_epochs_reshuffle_and_resume_reproduces_data(
+    tmp_path: Path, num_workers: int
+) -> None:
+    torch.set_num_threads(1)
     full = _Recorder.module()
     trainer = _trainer(2, tmp_path)
     trainer.fit(full, datamodule=_dm())
@@ -166,9 +173,144 @@ def test_lightning_epochs_reshuffle_and_resume_reproduces_data(tmp_path: Path) -
     ckpt = tmp_path / "epoch1.ckpt"
     t1.save_checkpoint(ckpt)
     resumed = _Recorder.module()
-    _trainer(2, tmp_path).fit(resumed, datamodule=_dm(), ckpt_path=str(ckpt))
+    # With workers, Lightning's iter() comes before set_epoch(1): the loader must start lazily.
+    dm = _dm(num_workers=num_workers)
+    _trainer(2, tmp_path).fit(resumed, datamodule=dm, ckpt_path=str(ckpt))
     assert [s[0] for s in resumed.seen] == [1] * len(by_epoch[1])
     for (_, ids_a, tok_a), (_, ids_b, tok_b) in zip(resumed.seen, by_epoch[1], strict=True):
+        assert ids_a == ids_b and torch.equal(tok_a, tok_b)
+
+
+def _synthetic_loader(num_workers: int, rank: int = 0, replicas: int = 1) -> ResumableDataLoader:
+    """A train loader like the datamodule's over 80 random proteins: ~20 batches an epoch."""
+    rng = np.random.default_rng(0)
+    aa = np.array(list("ACDEFGHIKLMNPQRSTVWY"))
+    records = [(f"p{i}", "".join(rng.choice(aa, rng.integers(20, 150)))) for i in range(80)]
+    dataset = ProteinDataset(InMemorySource.from_sequences(records), max_len=96, seed=1)
+    sampler = TokenBudgetBatchSampler(
+        dataset.model_lengths(), 512, seed=1, num_replicas=replicas, rank=rank, tag_epoch=True
+    )
+    return ResumableDataLoader(
+        dataset,
+        batch_sampler=sampler,
+        collate_fn=ProteinCollator(),
+        num_workers=num_workers,
+        persistent_workers=num_workers > 0,
+    )
+
+
+def _same(got: list[dict], want: list[dict]) -> None:
+    assert len(got) == len(want)
+    for a, b in zip(got, want, strict=True):
+        assert a["ids"] == b["ids"]
+        assert torch.equal(a["tokens"], b["tokens"]) and torch.equal(a["targets"], b["targets"])
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_loader_state_resumes_mid_epoch(num_workers: int) -> None:
+    """State after k batches, loaded into a fresh loader: the rest of the very same epoch."""
+    torch.set_num_threads(1)
+    ref = _synthetic_loader(0)
+    full = _epoch_batches(ref, 2)
+    k = 5
+    assert len(full) > k + 3
+
+    crashed = _synthetic_loader(num_workers)
+    crashed.batch_sampler.set_epoch(2)
+    it = iter(crashed)
+    _same([next(it) for _ in range(k)], full[:k])
+    state = crashed.state_dict()  # workers have prefetched more: only handed-out batches count
+    assert state["epoch"] == 2 and state["batches_yielded"] == k
+    _same(list(it), full[k:])  # the interrupted loader itself goes on unaffected
+    assert crashed.state_dict()["batches_yielded"] == len(full)
+
+    # Lightning's order on resume: load_state_dict, iter(), then set_epoch, then next().
+    resumed = _synthetic_loader(num_workers)
+    resumed.load_state_dict(state)
+    assert resumed.state_dict()["batches_yielded"] == k  # a checkpoint before the 1st batch
+    it = iter(resumed)
+    resumed.batch_sampler.sampler.set_epoch(2)
+    first = next(it)
+    assert resumed.state_dict()["batches_yielded"] == k + 1  # counts on from the position
+    _same([first, *it], full[k:])
+    # The position applies once: the next epochs are whole.
+    _same(_epoch_batches(resumed, 3), _epoch_batches(ref, 3))
+    _same(_epoch_batches(resumed, 2), full)
+
+    # Without set_epoch the loaded epoch is used; a state from an earlier epoch is not applied.
+    again = _synthetic_loader(num_workers)
+    again.load_state_dict(state)
+    _same(list(again), full[k:])
+    later = _synthetic_loader(num_workers)
+    later.load_state_dict(state)
+    _same(_epoch_batches(later, 3), _epoch_batches(ref, 3))
+
+
+def test_loader_iter_before_set_epoch_uses_the_new_epoch() -> None:
+    """Lightning calls iter() before set_epoch on resume; workers must not prefetch epoch 0."""
+    torch.set_num_threads(1)
+    loader = _synthetic_loader(2)
+    it = iter(loader)
+    loader.batch_sampler.sampler.set_epoch(4)
+    _same(list(it), _epoch_batches(_synthetic_loader(0), 4))
+
+
+def test_loader_state_per_rank() -> None:
+    """Under DDP each rank skips its own first k batches (rank 0's state serves all ranks)."""
+    for rank in range(2):
+        full = _epoch_batches(_synthetic_loader(0, rank, 2), 1)
+        loader = _synthetic_loader(0, rank, 2)
+        loader.load_state_dict({"epoch": 1, "batches_yielded": 3})
+        _same(list(loader), full[3:])
+
+
+class _StepCrashError(Exception):
+    pass
+
+
+@needs_fasta
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_lightning_resumes_mid_epoch_with_the_same_batches(
+    tmp_path: Path, num_workers: int
+) -> None:
+    """Checkpoint mid-epoch, crash, resume: the run continues with the uninterrupted batches.
+
+    The module asks for ``trainer.estimated_stepping_batches`` (as our LR schedule does), which
+    builds the train loader before the checkpoint is restored (Lightning issue #20550).
+    """
+    import pytorch_lightning as pl
+
+    torch.set_num_threads(1)
+    kwargs = dict(max_len=128, max_tokens=128, num_workers=num_workers)  # 6 batches an epoch
+
+    class Stepping(type(_Recorder.module())):  # type: ignore[misc]
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            assert self.trainer.estimated_stepping_batches == 12
+            return super().configure_optimizers()
+
+    class SaveThenCrash(pl.Callback):
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+            if trainer.global_step == 8:  # epoch 1, 2 of its 6 batches done
+                trainer.save_checkpoint(tmp_path / "mid.ckpt")
+                raise _StepCrashError
+
+    def trainer(*callbacks: pl.Callback) -> pl.Trainer:
+        t = _trainer(2, tmp_path)
+        t.callbacks.extend(callbacks)
+        return t
+
+    full = Stepping()
+    trainer().fit(full, datamodule=_dm(**kwargs))
+    assert len(full.seen) == 12
+    crashed = Stepping()
+    with pytest.raises(_StepCrashError):
+        trainer(SaveThenCrash()).fit(crashed, datamodule=_dm(**kwargs))
+    resumed = Stepping()
+    t = trainer()
+    t.fit(resumed, datamodule=_dm(**kwargs), ckpt_path=str(tmp_path / "mid.ckpt"))
+    assert t.global_step == 12
+    assert [s[0] for s in resumed.seen] == [1] * 4
+    for (_, ids_a, tok_a), (_, ids_b, tok_b) in zip(resumed.seen, full.seen[8:], strict=True):
         assert ids_a == ids_b and torch.equal(tok_a, tok_b)
 
 

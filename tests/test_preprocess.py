@@ -318,6 +318,7 @@ def test_workers_report_the_first_error_in_file_order(tmp_path: Path) -> None:
         "bad_first": _many(60, {30: "MK*V"}) + _many(5, start=10),
         "dup_far": _many(100) + _many(1, start=3),
         "leading": "junk line\n" + _many(40),
+        "binary": _many(90) + ">nul\nMK\x00V\n" + _many(30, {10: "MJ"}, start=90),
     }
     msgs = {}
     for name, text in cases.items():
@@ -329,6 +330,8 @@ def test_workers_report_the_first_error_in_file_order(tmp_path: Path) -> None:
     assert "record #41 'r40'" in msgs["two_bad"] and "digit" in msgs["two_bad"]
     assert "record #101 'r3'" in msgs["dup_far"]
     assert "duplicate id: record #4 has the same id" in msgs["dup_far"]
+    nul_line = _many(90).count("\n") + 2
+    assert "binary data" in msgs["binary"] and f"binary.fasta:{nul_line}:" in msgs["binary"]
 
 
 @pytest.mark.usefixtures("fork_workers")

@@ -144,3 +144,28 @@ def test_bad_arguments() -> None:
         TokenBudgetBatchSampler([5], 0)
     with pytest.raises(ValueError):
         TokenBudgetBatchSampler([5], 10, num_replicas=2, rank=2)
+
+
+@pytest.mark.parametrize("replicas", [1, 3])
+def test_start_batch_skips_exactly_the_first_batches(replicas: int) -> None:
+    """Mid-epoch resume: starting at batch k gives the rest of the uninterrupted epoch."""
+
+    def make(rank: int) -> TokenBudgetBatchSampler:
+        return TokenBudgetBatchSampler(
+            LENGTHS, 4096, seed=2, num_replicas=replicas, rank=rank, tag_epoch=True
+        )
+
+    for rank in range(replicas):
+        full = _epoch(make(rank), 3)
+        for k in (0, 1, 5, len(full) - 1, len(full), len(full) + 4):
+            s = make(rank)
+            s.set_epoch(3)
+            s.start_batch = k
+            it = iter(s)  # start_batch is bound here, the epoch at the first next()
+            s.start_batch = 0
+            assert list(it) == full[k:]
+            assert list(s) == full  # later iterations start at the beginning again
+    with pytest.raises(ValueError):
+        s = TokenBudgetBatchSampler(LENGTHS, 4096)
+        s.start_batch = -1
+        list(s)

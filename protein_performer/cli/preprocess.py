@@ -54,7 +54,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         metavar="N",
         help="worker processes (default: usable CPUs, at most 8). Plain FASTA files are read "
         "in byte ranges in parallel; a gzip file cannot be split, so it is read by one worker "
-        "(several files still run in parallel). Inputs under 16 MiB are read in this process. "
+        "(several files still run in parallel). Inputs under 128 MiB are read in this process. "
         "The output is byte-identical for every N; --workers 1 reads everything in this process",
     )
     p.add_argument("--overwrite", action="store_true", help="replace an existing store at DIR")

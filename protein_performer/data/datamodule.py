@@ -20,6 +20,7 @@ from typing import Any
 
 import numpy as np
 import pytorch_lightning as pl
+from pytorch_lightning.trainer.states import TrainerFn
 from torch.utils.data import DataLoader
 
 from protein_performer.data.dataset import (
@@ -106,6 +107,8 @@ class ProteinDataModule(pl.LightningDataModule):
         self.collator = ProteinCollator(self.alphabet)
         self.sources: dict[str, RecordSource] | None = None
         self.datasets: dict[str, ProteinDataset] = {}
+        self._train_loader: ResumableDataLoader | None = None  # the last one handed out
+        self._train_loader_state: dict[str, Any] | None = None  # restored, not yet applied
 
     # ---- loading -----------------------------------------------------------------------------
     def _load_sources(self) -> dict[str, RecordSource]:
@@ -238,7 +241,40 @@ class ProteinDataModule(pl.LightningDataModule):
         )
 
     def train_dataloader(self) -> DataLoader:
-        return self._loader("train")
+        loader = self._loader("train")
+        assert isinstance(loader, ResumableDataLoader)
+        if self._train_loader_state is not None:
+            loader.load_state_dict(self._train_loader_state)
+            self._train_loader_state = None
+        self._train_loader = loader
+        return loader
+
+    # ---- checkpointed state ------------------------------------------------------------------
+    # Lightning saves and restores a stateful train loader itself (the fit loop's
+    # ``combined_loader`` state), but drops the restored state when the train loader was built
+    # before the checkpoint was restored, which ``trainer.estimated_stepping_batches`` in
+    # ``configure_optimizers`` (our LR schedule) does: Lightning-AI/pytorch-lightning#20550. So
+    # the datamodule carries the loader's position too, restored before the loader is built
+    # (or before its first batch: loading twice, here and by Lightning, is harmless).
+    def _fit_train_loader(self) -> ResumableDataLoader | None:
+        trainer = getattr(self, "trainer", None)
+        loader = getattr(trainer, "train_dataloader", None) if trainer is not None else None
+        return loader if isinstance(loader, ResumableDataLoader) else self._train_loader
+
+    def state_dict(self) -> dict[str, Any]:
+        loader = self._fit_train_loader()
+        return {} if loader is None else {"train_loader": loader.state_dict()}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        state = state_dict.get("train_loader")
+        trainer = getattr(self, "trainer", None)
+        if state is None or (trainer is not None and trainer.state.fn != TrainerFn.FITTING):
+            return  # validate/test from a training checkpoint: the train position is not used
+        loader = self._fit_train_loader()
+        if loader is None:
+            self._train_loader_state = dict(state)  # applied when train_dataloader() runs
+        else:
+            loader.load_state_dict(state)
 
     def val_dataloader(self) -> DataLoader:
         return self._loader("valid")

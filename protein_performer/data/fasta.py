@@ -14,6 +14,11 @@ at record boundaries (:class:`_BlockSource`), and each block takes one of two pa
 
 Both paths give the same records and errors (tests compare them on blocks of a few bytes).
 
+Parallel readers (``preprocess --workers``) read a plain file in byte ranges cut at header lines
+(``read_fasta(..., byte_range=..., start_line=..., start_number=...)``, with the counts from
+:func:`count_lines_and_records`), so records and errors carry whole-file lines and numbers; bulk
+consumers take a block of records at a time (:func:`read_fasta_blocks`).
+
 Documented normalisations (nothing else is altered, nothing else is dropped):
 
 * gzip is detected by its magic bytes, not by the file name;

@@ -47,17 +47,22 @@ def safe_denominator(den: Tensor) -> Tensor:
     return torch.where(den.abs() < tiny, torch.full_like(den, tiny), den)
 
 
+_MAX_SEGMENT_CHUNKS = 64  # chunks of one head per segment: the (G x G) state matmul is O(G^2 M dv)
+
+
 def plan_segments(BH: int, n: int, C: int, rows: int) -> list[tuple[int, int, int, int]]:
     """Segments (b0, b1, g0, g1) over the (BH, n, C) chunk layout, each about `rows` tokens.
 
     Whole heads are grouped when a head fits (then a segment is a contiguous slab of heads);
     otherwise each head is cut into runs of chunks. Either way the slice [b0:b1, g0:g1] of a
-    contiguous (BH, n, C, .) tensor is itself contiguous, so reshaping it is free.
+    contiguous (BH, n, C, .) tensor is itself contiguous, so reshaping it is free. A run holds
+    at most _MAX_SEGMENT_CHUNKS chunks, because the closed-form state recurrence costs
+    O(G^2 M dv) per head and segment, i.e. O(G M dv / C) per token.
     """
-    if n * C <= rows:
+    if n * C <= rows and n <= _MAX_SEGMENT_CHUNKS:
         hg = max(1, rows // (n * C))
         return [(b, min(b + hg, BH), 0, n) for b in range(0, BH, hg)]
-    G = max(1, rows // C)
+    G = max(1, min(rows // C, _MAX_SEGMENT_CHUNKS))
     return [(b, b + 1, g, min(g + G, n)) for b in range(BH) for g in range(0, n, G)]
 
 

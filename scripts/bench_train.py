@@ -1,0 +1,494 @@
+#!/usr/bin/env python
+"""Training throughput and peak memory of the Performer LM: FAVOR+ against its exact twin.
+
+What is measured: one optimizer step (forward, loss, backward, AdamW step) of the *same*
+``PerformerLM`` (default 6 layers, dim 320, 20 heads, m=256: the ESM-2 8M shape) with
+``attention=favor`` and ``attention=exact`` (SDPA), at L = 1024, 4096, 16384 with a fixed number
+of tokens per batch (B = tokens // L), for both objectives (mlm, clm). Tokens/s = B·L / median
+step time. The targets come from issue 4: favor >= 2x exact at L=4096 and >= 5x at L=16384.
+
+Why this shape:
+
+- The model runs directly (``PerformerLM`` + ``torch.optim.AdamW``, no Lightning): the benchmark
+  is about the model, so Lightning's loop, logging, data loading and callbacks must not add
+  their (attention-independent) overhead to both sides of the ratio.
+- Batches are synthetic random residues of exactly L tokens (``<cls>`` ... ``<eos>``, no padding),
+  so padding never blurs the comparison and no case waits on a data loader. MLM masks 15% of
+  the positions with ``<mask>`` (no 80/10/10 split: it does not change the cost); CLM predicts
+  the next token. Timing does not depend on the values.
+- Every case runs in a fresh process (this script re-invoked with ``--case JSON``): peak memory is
+  only meaningful there, and an exact-attention case that would run for an hour is cut off by
+  ``--timeout`` instead of hanging the run. A child prints a ``RESULT {...}`` line after every
+  timed step, so a case killed by the timeout still reports the steps it finished. A case that
+  finishes no timed step is recorded as ``timeout``/``oom``/``error`` and the larger L of the same
+  (objective, attention) series as ``skipped``. Cases are interleaved favor/exact per
+  (objective, L), so drifting load on a shared machine hits both sides of a ratio alike.
+- ``--warmup`` untimed steps first (allocations, AdamW state, kernel selection), then up to
+  ``--steps`` timed steps or until ``--budget-s`` is spent (at least one).
+
+Peak memory: on CPU the peak RSS during the steps minus the RSS just before the first step (the
+model, the batch and the imported libraries are excluded; AdamW state, gradients and activations
+count), via the sampler of ``bench_attention.py``; on CUDA ``torch.cuda.max_memory_allocated``
+minus the allocation before the first step.
+
+Examples::
+
+    python scripts/bench_train.py --quick                      # tiny model, seconds per case
+    python scripts/bench_train.py --threads 16 --timeout 1800  # the real CPU measurement
+    python scripts/bench_train.py --device cuda --precision bf16-mixed --out .bench/train_gpu
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import logging
+import math
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_attention import (  # noqa: E402  (the sibling script is the shared helper module)
+    RESULT_MARK,
+    PeakSampler,
+    _default_mem_limit_gib,
+    _emit,
+    _maxrss_bytes,
+    _release_free_memory,
+)
+
+log = logging.getLogger("bench_train")
+
+ATTENTIONS = ("favor", "exact")
+OBJECTIVES = ("mlm", "clm")
+#: Targets of issue 4: favor tokens/s over exact tokens/s at a given L (fwd+bwd+step).
+TARGETS: dict[int, float] = {4096: 2.0, 16384: 5.0}
+IGNORE_INDEX = -100
+MLM_PROB = 0.15
+
+
+# --------------------------------------------------------------------------------------------
+# Child side: one (objective, attention, L) case in a fresh process
+# --------------------------------------------------------------------------------------------
+
+
+def synthetic_batch(objective: str, B: int, L: int, seed: int, config: Any) -> tuple[Any, Any]:
+    """Random residues of exactly L tokens (``<cls>`` residues ``<eos>``) and their targets.
+
+    Why not real data: the comparison is about attention cost at a given L, so every row must be
+    exactly L long (no padding, no crop variation) and no data loader may sit in the loop.
+    """
+    import torch
+
+    from protein_performer.data.tokenizer import STANDARD_AA, Alphabet
+
+    alphabet = Alphabet()
+    first = alphabet.encode(STANDARD_AA[0])[0]  # standard residues are contiguous in ESM-2 order
+    gen = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(int(first), int(first) + len(STANDARD_AA), (B, L), generator=gen)
+    tokens[:, 0] = config.cls_idx
+    tokens[:, -1] = config.eos_idx
+    targets = torch.full_like(tokens, IGNORE_INDEX)
+    if objective == "mlm":
+        selected = torch.rand(B, L, generator=gen) < MLM_PROB
+        selected[:, 0] = selected[:, -1] = False
+        targets[selected] = tokens[selected]
+        tokens = tokens.masked_fill(selected, config.mask_idx)
+    else:
+        targets[:, :-1] = tokens[:, 1:]
+    return tokens, targets
+
+
+def run_case(case: dict[str, Any]) -> None:
+    """Warm up, then time optimizer steps; one ``RESULT`` line after every timed step."""
+    import torch
+    import torch.nn.functional as F
+
+    from protein_performer.model.config import PerformerConfig
+    from protein_performer.model.performer import PerformerLM
+
+    if case.get("threads"):
+        torch.set_num_threads(int(case["threads"]))
+    device = torch.device(case["device"])
+    torch.manual_seed(case["seed"])
+    config = PerformerConfig(
+        dim=case["dim"],
+        depth=case["depth"],
+        heads=case["heads"],
+        ff_dim=case["ff_dim"],
+        nb_features=case["m"],
+        objective=case["objective"],
+        attention=case["attention"],
+        kernel=case["kernel"],
+        feature_redraw_interval=0,
+    ).validate()
+    model = PerformerLM(config).to(device).train()
+    optimizer = torch.optim.AdamW(model.param_groups(0.01), lr=1e-4, betas=(0.9, 0.98))
+    B, L = case["B"], case["L"]
+    tokens, targets = synthetic_batch(case["objective"], B, L, case["seed"], config)
+    tokens, targets = tokens.to(device), targets.to(device)
+    bf16 = case["precision"] == "bf16-mixed"
+    losses: list[float] = []
+
+    def step() -> None:
+        optimizer.zero_grad(set_to_none=True)
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
+            logits = model(tokens).logits
+        # float32 loss under autocast, as the LightningModule does.
+        loss = F.cross_entropy(
+            logits.float().flatten(0, 1), targets.flatten(), ignore_index=IGNORE_INDEX
+        )
+        loss.backward()
+        optimizer.step()
+        losses.append(float(loss.detach()))  # .item() also syncs CUDA: the step is complete
+
+    limit = int(case["mem_limit_gib"] * 2**30) if case.get("mem_limit_gib") else None
+    cuda = device.type == "cuda"
+    with PeakSampler(None if cuda else limit, interval_s=0.005) as sampler:
+        _release_free_memory()
+        if cuda:
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats(device)
+            base = torch.cuda.memory_allocated(device)
+        else:
+            sampler.reset()
+            base = sampler.peak
+            maxrss_before = _maxrss_bytes()
+
+        def peak_mib() -> float:
+            if cuda:
+                return (torch.cuda.max_memory_allocated(device) - base) / 2**20
+            maxrss = _maxrss_bytes()
+            return (max(sampler.peak, maxrss if maxrss > maxrss_before else 0) - base) / 2**20
+
+        try:
+            t0 = time.perf_counter()
+            for _ in range(case["warmup"]):
+                step()
+            log.debug("warmup %.2fs", time.perf_counter() - t0)
+            times: list[float] = []
+            while len(times) < case["steps"] and (not times or sum(times) < case["budget_s"]):
+                t0 = time.perf_counter()
+                step()
+                times.append(time.perf_counter() - t0)
+                median = statistics.median(times)
+                _emit(
+                    {
+                        "status": "ok" if math.isfinite(losses[-1]) else "error",
+                        "steps_timed": len(times),
+                        "step_time_s": median,
+                        "step_time_min_s": min(times),
+                        "tokens_per_s": B * L / median,
+                        "peak_mem_mib": peak_mib(),
+                        "final_loss": losses[-1],
+                        "note": "" if math.isfinite(losses[-1]) else "non-finite loss",
+                    }
+                )
+        except torch.OutOfMemoryError as exc:
+            _emit({"status": "oom", "note": str(exc).splitlines()[0][:200]})
+
+
+# --------------------------------------------------------------------------------------------
+# Parent side: orchestration, CSV, markdown
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Row:
+    """One CSV row: a measured (objective, attention, L) case or why it has no numbers."""
+
+    objective: str
+    attention: str
+    kernel: str
+    L: int
+    B: int
+    tokens_per_batch: int
+    depth: int
+    dim: int
+    heads: int
+    m: int
+    precision: str
+    device: str
+    threads: int
+    status: str
+    steps_timed: int = 0
+    step_time_s: float = math.nan
+    step_time_min_s: float = math.nan
+    tokens_per_s: float = math.nan
+    peak_mem_mib: float = math.nan
+    mem_kind: str = ""
+    final_loss: float = math.nan
+    note: str = ""
+
+
+CSV_FIELDS = tuple(f.name for f in fields(Row))
+
+
+def _spawn(case: dict[str, Any], timeout: float) -> tuple[dict[str, Any] | None, str]:
+    """Run one case in a fresh interpreter; its last RESULT payload and a failure note."""
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--case", json.dumps(case)]
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+        out, note = proc.stdout, ""
+        if proc.returncode not in (0, 3):  # 3: PeakSampler's memory-limit exit
+            tail = (proc.stderr.strip().splitlines() or [""])[-1][:200]
+            note = f"exit {proc.returncode}: {tail}"
+    except subprocess.TimeoutExpired as exc:
+        out = exc.stdout.decode() if isinstance(exc.stdout, bytes) else (exc.stdout or "")
+        note = f"timeout after {timeout:.0f} s"
+    results = [
+        json.loads(line[len(RESULT_MARK) :])
+        for line in out.splitlines()
+        if line.startswith(RESULT_MARK)
+    ]
+    return (results[-1] if results else None), note
+
+
+def batch_size(tokens: int, L: int) -> int:
+    """Rows per batch for a token budget; at least one row (then the batch holds L tokens)."""
+    return max(1, tokens // L)
+
+
+def run_all(args: argparse.Namespace) -> list[Row]:
+    """Every (objective, L, attention) case in its own process, favor/exact interleaved."""
+    lengths = sorted(int(x) for x in args.lengths.split(",") if x)
+    objectives = [x for x in args.objectives.split(",") if x]
+    attentions = [x for x in args.attentions.split(",") if x]
+    mem_limit = args.mem_limit_gib or (_default_mem_limit_gib() if args.device == "cpu" else 0)
+    failed: dict[tuple[str, str], str] = {}
+    rows: list[Row] = []
+    for objective in objectives:
+        for L in lengths:
+            for attention in attentions:
+                B = batch_size(args.tokens, L)
+                base = {
+                    "objective": objective,
+                    "attention": attention,
+                    "kernel": args.kernel if attention == "favor" else "-",
+                    "L": L,
+                    "B": B,
+                    "tokens_per_batch": B * L,
+                    "depth": args.depth,
+                    "dim": args.dim,
+                    "heads": args.heads,
+                    "m": args.nb_features,
+                    "precision": args.precision,
+                    "device": args.device,
+                    "threads": args.threads,
+                }
+                series = (objective, attention)
+                if series in failed:
+                    rows.append(Row(**base, status="skipped", note=failed[series]))
+                    continue
+                case = {
+                    **base,
+                    "ff_dim": args.ff_dim or 4 * args.dim,
+                    "kernel": args.kernel,
+                    "seed": args.seed,
+                    "warmup": args.warmup,
+                    "steps": args.steps,
+                    "budget_s": args.budget_s,
+                    "mem_limit_gib": mem_limit,
+                }
+                t0 = time.perf_counter()
+                result, note = _spawn(case, args.timeout)
+                if result is not None and result.get("steps_timed", 0) > 0:
+                    row = Row(
+                        **base,
+                        status=result["status"],
+                        steps_timed=result["steps_timed"],
+                        step_time_s=result["step_time_s"],
+                        step_time_min_s=result["step_time_min_s"],
+                        tokens_per_s=result["tokens_per_s"],
+                        peak_mem_mib=result["peak_mem_mib"],
+                        mem_kind="cuda_alloc_delta" if args.device == "cuda" else "rss_delta",
+                        final_loss=result["final_loss"],
+                        note="; ".join(x for x in (result.get("note", ""), note) if x),
+                    )
+                else:
+                    why = (result or {}).get("note") or note or "no result"
+                    if result is not None and result.get("status") == "oom":
+                        status = "oom"
+                    else:
+                        status = "timeout" if "timeout" in note else "error"
+                    row = Row(**base, status=status, note=why)
+                    failed[series] = f"after {status} at L={L}"
+                rows.append(row)
+                log.info(
+                    "%s %-5s L=%-6d B=%-3d %6.1fs  %s  %.0f tok/s  %.0f MiB  %s",
+                    objective,
+                    attention,
+                    L,
+                    B,
+                    time.perf_counter() - t0,
+                    row.status,
+                    row.tokens_per_s,
+                    row.peak_mem_mib,
+                    row.note,
+                )
+    return rows
+
+
+def write_csv(rows: list[Row], path: Path) -> None:
+    with path.open("w", newline="") as fh:
+        writer = csv.DictWriter(fh, fieldnames=CSV_FIELDS)
+        writer.writeheader()
+        for row in rows:
+            writer.writerow(asdict(row))
+
+
+def _find(rows: list[Row], objective: str, attention: str, L: int) -> Row | None:
+    for r in rows:
+        if (r.objective, r.attention, r.L) == (objective, attention, L) and r.steps_timed > 0:
+            return r
+    return None
+
+
+def ratios(rows: list[Row]) -> list[dict[str, Any]]:
+    """favor/exact speed and exact/favor memory per (objective, L), with the target verdict."""
+    out = []
+    for objective, L in sorted({(r.objective, r.L) for r in rows}):
+        fav, ex = _find(rows, objective, "favor", L), _find(rows, objective, "exact", L)
+        speed = fav.tokens_per_s / ex.tokens_per_s if fav and ex else math.nan
+        mem = (
+            ex.peak_mem_mib / fav.peak_mem_mib if fav and ex and fav.peak_mem_mib > 0 else math.nan
+        )
+        target = TARGETS.get(L)
+        if target is None:
+            verdict = "-"
+        elif math.isnan(speed):
+            verdict = "n/a (not measured)"
+        else:
+            verdict = "PASS" if speed >= target else "FAIL"
+        out.append(
+            {
+                "objective": objective,
+                "L": L,
+                "favor_tok_s": fav.tokens_per_s if fav else math.nan,
+                "exact_tok_s": ex.tokens_per_s if ex else math.nan,
+                "speed_ratio": speed,
+                "mem_ratio": mem,
+                "target": f">= {target:g}x" if target else "-",
+                "verdict": verdict,
+            }
+        )
+    return out
+
+
+def format_tables(rows: list[Row], header: str) -> str:
+    """Markdown: the raw measurements, then the favor/exact ratios against the targets."""
+    lines = [
+        header,
+        "",
+        "| objective | attention | L | B | status | steps | step s | tokens/s | peak MiB | note |",
+        "|---|---|---:|---:|---|---:|---:|---:|---:|---|",
+    ]
+    for r in rows:
+        lines.append(
+            f"| {r.objective} | {r.attention} | {r.L} | {r.B} | {r.status} | {r.steps_timed} "
+            f"| {r.step_time_s:.4g} | {r.tokens_per_s:.0f} | {r.peak_mem_mib:.0f} | {r.note} |"
+        )
+    lines += [
+        "",
+        "| objective | L | favor tok/s | exact tok/s | favor/exact speed | exact/favor memory "
+        "| target | verdict |",
+        "|---|---:|---:|---:|---:|---:|---|---|",
+    ]
+    for x in ratios(rows):
+        lines.append(
+            f"| {x['objective']} | {x['L']} | {x['favor_tok_s']:.0f} | {x['exact_tok_s']:.0f} "
+            f"| {x['speed_ratio']:.2f} | {x['mem_ratio']:.2f} | {x['target']} | {x['verdict']} |"
+        )
+    return "\n".join(lines)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="Method, memory definition and targets: see the module docstring.",
+    )
+    p.add_argument("--out", type=Path, default=Path(".bench/train"), help="output directory")
+    p.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
+    p.add_argument("--precision", default="32", choices=("32", "bf16-mixed"))
+    p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch default)")
+    p.add_argument("--lengths", default="1024,4096,16384", help="comma list of L")
+    p.add_argument(
+        "--tokens", type=int, default=16384, help="tokens per batch (B = tokens // L, >= 1)"
+    )
+    p.add_argument("--objectives", default=",".join(OBJECTIVES), help="comma list: mlm,clm")
+    p.add_argument("--attentions", default=",".join(ATTENTIONS), help="comma list: favor,exact")
+    p.add_argument("--depth", type=int, default=6)
+    p.add_argument("--dim", type=int, default=320)
+    p.add_argument("--heads", type=int, default=20)
+    p.add_argument("--ff-dim", type=int, default=0, help="feed-forward size (0: 4 * dim)")
+    p.add_argument("--nb-features", type=int, default=256, help="FAVOR+ random features m")
+    p.add_argument("--kernel", default="softmax", help="FAVOR+ kernel")
+    p.add_argument("--warmup", type=int, default=2, help="untimed optimizer steps per case")
+    p.add_argument("--steps", type=int, default=8, help="timed optimizer steps per case (max)")
+    p.add_argument(
+        "--budget-s",
+        type=float,
+        default=60.0,
+        help="stop timing a case once this much step time was spent (>= 1 timed step)",
+    )
+    p.add_argument(
+        "--timeout", type=float, default=1200.0, help="hard limit per case (process), seconds"
+    )
+    p.add_argument(
+        "--mem-limit-gib",
+        type=float,
+        default=0.0,
+        help="CPU: abort a case as 'oom' above this RSS (default 60%% of available)",
+    )
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--quick",
+        action="store_true",
+        help="tiny smoke configuration: 2 layers, dim 64, L=64,128, 256 tokens, 3 steps",
+    )
+    p.add_argument("--case", default=None, help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.quick:
+        args.depth, args.dim, args.heads, args.nb_features = 2, 64, 4, 32
+        if args.lengths == p.get_default("lengths"):
+            args.lengths = "64,128"
+        args.tokens = min(args.tokens, 256)
+        args.warmup, args.steps = 1, min(args.steps, 3)
+        args.budget_s, args.timeout = min(args.budget_s, 5.0), min(args.timeout, 120.0)
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    logging.basicConfig(
+        level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", stream=sys.stderr
+    )
+    if args.case is not None:
+        run_case(json.loads(args.case))
+        return 0
+    args.out.mkdir(parents=True, exist_ok=True)
+    rows = run_all(args)
+    csv_path, md_path = args.out / "train.csv", args.out / "train.md"
+    write_csv(rows, csv_path)
+    header = (
+        f"depth={args.depth} dim={args.dim} heads={args.heads} m={args.nb_features} "
+        f"kernel={args.kernel}, {args.tokens} tokens/batch, precision {args.precision}, "
+        f"{args.device}, threads={args.threads or 'default'}; optimizer step = "
+        "fwd + loss + bwd + AdamW, PerformerLM directly (no Lightning)"
+    )
+    table = format_tables(rows, header)
+    md_path.write_text(f"# Training throughput: FAVOR+ vs exact\n\n{table}\n")
+    print(table)
+    log.info("wrote %s and %s", csv_path, md_path)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

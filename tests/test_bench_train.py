@@ -1,0 +1,79 @@
+"""Smoke tests for the training benchmark and the quality study: CLIs and the CSV contract.
+
+Why: both scripts are run rarely and by hand (on a quiet machine or a GPU), so a broken CLI or a
+renamed column would only surface then. Speed is not checked, only that the numbers exist and
+are finite. The quality study trains for minutes, so only its ``--help`` runs here.
+"""
+
+from __future__ import annotations
+
+import csv
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPTS = ROOT / "scripts"
+
+pytest.importorskip("psutil", reason="the benchmark's memory sampler needs psutil")
+
+
+def _run(script: str, *args: str, timeout: float = 180.0) -> subprocess.CompletedProcess[str]:
+    proc = subprocess.run(
+        [sys.executable, str(SCRIPTS / script), *args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+    assert proc.returncode == 0, f"{script} failed:\n{proc.stdout}\n{proc.stderr}"
+    return proc
+
+
+@pytest.mark.parametrize("script", ["bench_train.py", "quality_study.py"])
+def test_help(script: str) -> None:
+    assert "usage" in _run(script, "--help").stdout
+
+
+def test_bench_train_quick(tmp_path: Path) -> None:
+    # One objective and one length: each case is a fresh interpreter (an `import torch` each).
+    proc = _run(
+        "bench_train.py",
+        "--quick",
+        "--objectives",
+        "mlm",
+        "--lengths",
+        "64",
+        "--threads",
+        "1",
+        "--out",
+        str(tmp_path),
+    )
+    with (tmp_path / "train.csv").open() as fh:
+        reader = csv.DictReader(fh)
+        rows = list(reader)
+        columns = set(reader.fieldnames or ())
+    assert {
+        "objective",
+        "attention",
+        "L",
+        "B",
+        "status",
+        "steps_timed",
+        "step_time_s",
+        "tokens_per_s",
+        "peak_mem_mib",
+        "final_loss",
+    } <= columns
+    assert {r["attention"] for r in rows} == {"favor", "exact"}
+    for row in rows:
+        assert row["status"] == "ok", row
+        assert int(row["L"]) * int(row["B"]) == int(row["tokens_per_batch"])
+        for key in ("step_time_s", "tokens_per_s", "peak_mem_mib", "final_loss"):
+            assert math.isfinite(float(row[key])), (key, row)
+        assert float(row["tokens_per_s"]) > 0
+    assert "favor/exact speed" in proc.stdout
+    assert (tmp_path / "train.md").is_file()
