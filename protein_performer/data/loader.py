@@ -19,6 +19,10 @@ run with ``num_workers > 0`` would prefetch epoch 0's batches for the restored e
 
 Under DDP every rank yields the same number of batches per epoch, so rank 0's state (the one in
 the checkpoint) is every rank's; each rank skips its own first ``k`` batches.
+
+Lightning drops the restored loader state when the train loader was built before the restore
+(``trainer.estimated_stepping_batches`` in ``configure_optimizers``: Lightning-AI/pytorch-lightning
+#20550), so ``ProteinDataModule`` also checkpoints this state and hands it to the loader.
 """
 
 from __future__ import annotations
