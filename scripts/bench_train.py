@@ -477,6 +477,11 @@ def main(argv: list[str] | None = None) -> int:
     rows = run_all(args)
     csv_path, md_path = args.out / "train.csv", args.out / "train.md"
     write_csv(rows, csv_path)
+    ratio_rows = ratios(rows)
+    with (args.out / "train_ratios.csv").open("w", newline="") as fh:
+        writer = csv.DictWriter(fh, fieldnames=list(ratio_rows[0]) if ratio_rows else ["L"])
+        writer.writeheader()
+        writer.writerows(ratio_rows)
     header = (
         f"depth={args.depth} dim={args.dim} heads={args.heads} m={args.nb_features} "
         f"kernel={args.kernel}, {args.tokens} tokens/batch, precision {args.precision}, "
@@ -486,7 +491,7 @@ def main(argv: list[str] | None = None) -> int:
     table = format_tables(rows, header)
     md_path.write_text(f"# Training throughput: FAVOR+ vs exact\n\n{table}\n")
     print(table)
-    log.info("wrote %s and %s", csv_path, md_path)
+    log.info("wrote %s, %s and %s", csv_path, args.out / "train_ratios.csv", md_path)
     return 0
 
 

@@ -42,6 +42,7 @@ Examples::
 from __future__ import annotations
 
 import argparse
+import contextlib
 import csv
 import glob
 import json
@@ -50,6 +51,7 @@ import math
 import shlex
 import subprocess
 import sys
+import textwrap
 import time
 from pathlib import Path
 from typing import Any
@@ -211,6 +213,9 @@ def variant_overrides(args: argparse.Namespace, name: str) -> list[str]:
 
 def command_for(overrides: list[str], run_dir: Path) -> str:
     """The one command that reproduces a variant's run (same run directory)."""
+    # Relative to the launch directory when inside it, so the command stays portable.
+    with contextlib.suppress(ValueError):
+        run_dir = run_dir.relative_to(Path.cwd())
     parts = ["protein-performer", "train", *overrides, f"hydra.run.dir={run_dir}"]
     return " ".join(shlex.quote(p) for p in parts)
 
@@ -343,10 +348,14 @@ def plot(
     ax.set_ylabel("val/ppl (validation split)")
     ax.grid(True, alpha=0.3)
     ax.legend()
-    ax.set_title(title, fontsize=9)
+    ax.set_title(textwrap.fill(title, 100), fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
+
+
+def _fmt(x: float, spec: str) -> str:
+    return format(x, spec) if math.isfinite(x) else "-"
 
 
 def format_report(rows: list[dict[str, Any]], header: str, verdict: str) -> str:
@@ -358,8 +367,8 @@ def format_report(rows: list[dict[str, Any]], header: str, verdict: str) -> str:
     ]
     for r in rows:
         lines.append(
-            f"| {r['variant']} | {r['steps']} | {r['train_minutes']:.1f} | {r['ppl']:.3f} "
-            f"| {r['acc']:.4f} | {r['ppl_vs_exact']:.3f} |"
+            f"| {r['variant']} | {r['steps']} | {_fmt(r['train_minutes'], '.1f')} "
+            f"| {r['ppl']:.3f} | {r['acc']:.4f} | {r['ppl_vs_exact']:.3f} |"
         )
     lines += ["", verdict, "", "Reproduce (one command per variant):", ""]
     lines += [f"    {r['command']}" for r in rows if r["command"]]
@@ -537,7 +546,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.quick and args.minutes == p.get_default("minutes"):
         args.minutes = 1.0
     if args.val_every_min <= 0:
-        args.val_every_min = args.minutes / 10
+        # ~10 validations per run; 4 in --quick, where validation would otherwise eat the minute.
+        args.val_every_min = args.minutes / (4 if args.quick else 10)
     return args
 
 

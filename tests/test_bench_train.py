@@ -77,3 +77,7 @@ def test_bench_train_quick(tmp_path: Path) -> None:
         assert float(row["tokens_per_s"]) > 0
     assert "favor/exact speed" in proc.stdout
     assert (tmp_path / "train.md").is_file()
+    with (tmp_path / "train_ratios.csv").open() as fh:
+        ratios = list(csv.DictReader(fh))
+    assert [(r["objective"], r["L"]) for r in ratios] == [("mlm", "64")]
+    assert math.isfinite(float(ratios[0]["speed_ratio"]))
