@@ -4,7 +4,7 @@ from __future__ import annotations
 
 
 class UserError(Exception):
-    """An error caused by the user's input (file, flag, config), with a message that says what to do.
+    """An error caused by the user's input (file, flag, config); its message says what to do.
 
     The CLI catches it, prints ``error: <message>`` and exits with status 2.
     """
