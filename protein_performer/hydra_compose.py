@@ -24,8 +24,13 @@ def compose_entry(
     direct_keys: Iterable[str] = (),
     required: Iterable[str] = (),
     example: str = "",
+    override_example: str = "",
 ) -> Any:
-    """``conf/<name>.yaml`` composed with ``overrides`` and resolved, as a DictConfig."""
+    """``conf/<name>.yaml`` composed with ``overrides`` and resolved, as a DictConfig.
+
+    ``example`` is a whole command line quoted when a ``required`` key is missing;
+    ``override_example`` (e.g. ``split=test``) is shown after "use key=value" when composing fails.
+    """
     from hydra import compose as hydra_compose
     from hydra import initialize_config_dir
     from hydra.errors import HydraException
@@ -61,6 +66,8 @@ def compose_entry(
     except (HydraException, OmegaConfBaseException) as exc:
         raise UserError(
             f"bad {name} config: {exc}\n  overrides: {' '.join(overrides) or '(none)'}\n"
-            f"  use key=value (see `protein-performer {name} --help`)"
+            "  use key=value"
+            + (f", e.g. {override_example}" if override_example else "")
+            + f" (see `protein-performer {name} --help`)"
         ) from None
     return cfg

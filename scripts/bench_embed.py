@@ -32,10 +32,7 @@ Examples::
 from __future__ import annotations
 
 import argparse
-import contextlib
 import csv
-import ctypes
-import gc
 import json
 import logging
 import os
@@ -50,6 +47,8 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:  # runnable from a checkout without `pip install -e .`
     sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _bench_common as bc  # noqa: E402  (the sibling module shared by the bench scripts)
 
 log = logging.getLogger("bench_embed")
 
@@ -120,12 +119,6 @@ def _rss() -> int:
     return psutil.Process().memory_info().rss
 
 
-def _trim() -> None:
-    gc.collect()
-    with contextlib.suppress(OSError):  # not glibc: nothing to trim
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-
-
 def run_case(case: dict[str, Any]) -> dict[str, Any]:
     """Measure one (impl, length) in this process; returns the result row."""
     import torch
@@ -153,7 +146,7 @@ def run_case(case: dict[str, Any]) -> dict[str, Any]:
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
             base = torch.cuda.memory_allocated()
-        _trim()
+        bc.release_free_memory()
         rss0 = _rss()
         max0 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
         sampled = [rss0]

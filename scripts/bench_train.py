@@ -28,7 +28,7 @@ Why this shape:
 
 Peak memory: on CPU the peak RSS during the steps minus the RSS just before the first step (the
 model, the batch and the imported libraries are excluded; AdamW state, gradients and activations
-count), via the sampler of ``bench_attention.py``; on CUDA ``torch.cuda.max_memory_allocated``
+count), via the sampler of ``_bench_common.py``; on CUDA ``torch.cuda.max_memory_allocated``
 minus the allocation before the first step.
 
 Examples::
@@ -42,28 +42,21 @@ from __future__ import annotations
 
 import argparse
 import csv
-import json
 import logging
 import math
 import statistics
-import subprocess
 import sys
 import time
-from dataclasses import asdict, dataclass, fields
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_attention import (  # noqa: E402  (the sibling script is the shared helper module)
-    RESULT_MARK,
-    PeakSampler,
-    _default_mem_limit_gib,
-    _emit,
-    _maxrss_bytes,
-    _release_free_memory,
-)
+import _bench_common as bc  # noqa: E402  (the sibling module shared by the bench scripts)
 
 log = logging.getLogger("bench_train")
+
+EPILOG = "Method, memory definition and targets: see the module docstring."
 
 ATTENTIONS = ("favor", "exact")
 OBJECTIVES = ("mlm", "clm")
@@ -150,23 +143,8 @@ def run_case(case: dict[str, Any]) -> None:
 
     limit = int(case["mem_limit_gib"] * 2**30) if case.get("mem_limit_gib") else None
     cuda = device.type == "cuda"
-    with PeakSampler(None if cuda else limit, interval_s=0.005) as sampler:
-        _release_free_memory()
-        if cuda:
-            torch.cuda.empty_cache()
-            torch.cuda.reset_peak_memory_stats(device)
-            base = torch.cuda.memory_allocated(device)
-        else:
-            sampler.reset()
-            base = sampler.peak
-            maxrss_before = _maxrss_bytes()
-
-        def peak_mib() -> float:
-            if cuda:
-                return (torch.cuda.max_memory_allocated(device) - base) / 2**20
-            maxrss = _maxrss_bytes()
-            return (max(sampler.peak, maxrss if maxrss > maxrss_before else 0) - base) / 2**20
-
+    with bc.PeakSampler(None if cuda else limit, interval_s=0.005) as sampler:
+        peak_bytes = bc.start_phase(sampler, device)
         try:
             t0 = time.perf_counter()
             for _ in range(case["warmup"]):
@@ -178,20 +156,20 @@ def run_case(case: dict[str, Any]) -> None:
                 step()
                 times.append(time.perf_counter() - t0)
                 median = statistics.median(times)
-                _emit(
+                bc.emit(
                     {
                         "status": "ok" if math.isfinite(losses[-1]) else "error",
                         "steps_timed": len(times),
                         "step_time_s": median,
                         "step_time_min_s": min(times),
                         "tokens_per_s": B * L / median,
-                        "peak_mem_mib": peak_mib(),
+                        "peak_mem_mib": peak_bytes() / 2**20,
                         "final_loss": losses[-1],
                         "note": "" if math.isfinite(losses[-1]) else "non-finite loss",
                     }
                 )
         except torch.OutOfMemoryError as exc:
-            _emit({"status": "oom", "note": str(exc).splitlines()[0][:200]})
+            bc.emit({"status": "oom", "note": str(exc).splitlines()[0][:200]})
 
 
 # --------------------------------------------------------------------------------------------
@@ -232,21 +210,7 @@ CSV_FIELDS = tuple(f.name for f in fields(Row))
 
 def _spawn(case: dict[str, Any], timeout: float) -> tuple[dict[str, Any] | None, str]:
     """Run one case in a fresh interpreter; its last RESULT payload and a failure note."""
-    cmd = [sys.executable, str(Path(__file__).resolve()), "--case", json.dumps(case)]
-    try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
-        out, note = proc.stdout, ""
-        if proc.returncode not in (0, 3):  # 3: PeakSampler's memory-limit exit
-            tail = (proc.stderr.strip().splitlines() or [""])[-1][:200]
-            note = f"exit {proc.returncode}: {tail}"
-    except subprocess.TimeoutExpired as exc:
-        out = exc.stdout.decode() if isinstance(exc.stdout, bytes) else (exc.stdout or "")
-        note = f"timeout after {timeout:.0f} s"
-    results = [
-        json.loads(line[len(RESULT_MARK) :])
-        for line in out.splitlines()
-        if line.startswith(RESULT_MARK)
-    ]
+    results, note = bc.spawn_case(__file__, case, timeout)
     return (results[-1] if results else None), note
 
 
@@ -260,7 +224,7 @@ def run_all(args: argparse.Namespace) -> list[Row]:
     lengths = sorted(int(x) for x in args.lengths.split(",") if x)
     objectives = [x for x in args.objectives.split(",") if x]
     attentions = [x for x in args.attentions.split(",") if x]
-    mem_limit = args.mem_limit_gib or (_default_mem_limit_gib() if args.device == "cpu" else 0)
+    mem_limit = args.mem_limit_gib or (bc.default_mem_limit_gib() if args.device == "cpu" else 0)
     failed: dict[tuple[str, str], str] = {}
     rows: list[Row] = []
     for objective in objectives:
@@ -336,11 +300,7 @@ def run_all(args: argparse.Namespace) -> list[Row]:
 
 
 def write_csv(rows: list[Row], path: Path) -> None:
-    with path.open("w", newline="") as fh:
-        writer = csv.DictWriter(fh, fieldnames=CSV_FIELDS)
-        writer.writeheader()
-        for row in rows:
-            writer.writerow(asdict(row))
+    bc.write_rows_csv(rows, path, CSV_FIELDS)
 
 
 def _find(rows: list[Row], objective: str, attention: str, L: int) -> Row | None:
@@ -409,13 +369,7 @@ def format_tables(rows: list[Row], header: str) -> str:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(
-        description=__doc__.split("\n\n")[0],
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-        epilog="Method, memory definition and targets: see the module docstring.",
-    )
-    p.add_argument("--out", type=Path, default=Path(".bench/train"), help="output directory")
-    p.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
+    p = bc.bench_parser(__doc__, EPILOG, out=".bench/train")
     p.add_argument("--precision", default="32", choices=("32", "bf16-mixed"))
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch default)")
     p.add_argument("--lengths", default="1024,4096,16384", help="comma list of L")
@@ -441,19 +395,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--timeout", type=float, default=1200.0, help="hard limit per case (process), seconds"
     )
-    p.add_argument(
-        "--mem-limit-gib",
-        type=float,
-        default=0.0,
-        help="CPU: abort a case as 'oom' above this RSS (default 60%% of available)",
+    bc.add_mem_limit_arg(p)
+    bc.add_final_args(
+        p, quick_help="tiny smoke configuration: 2 layers, dim 64, L=64,128, 256 tokens, 3 steps"
     )
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument(
-        "--quick",
-        action="store_true",
-        help="tiny smoke configuration: 2 layers, dim 64, L=64,128, 256 tokens, 3 steps",
-    )
-    p.add_argument("--case", default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.quick:
         args.depth, args.dim, args.heads, args.nb_features = 2, 64, 4, 32
@@ -466,14 +411,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
-    logging.basicConfig(
-        level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", stream=sys.stderr
-    )
-    if args.case is not None:
-        run_case(json.loads(args.case))
-        return 0
-    args.out.mkdir(parents=True, exist_ok=True)
+    return bc.dispatch(parse_args(argv), run_case, run_parent)
+
+
+def run_parent(args: argparse.Namespace) -> int:
+    """Every case in its own process, then the CSV files and the markdown tables under --out."""
     rows = run_all(args)
     csv_path, md_path = args.out / "train.csv", args.out / "train.md"
     write_csv(rows, csv_path)

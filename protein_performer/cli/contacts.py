@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import argparse
 
+from protein_performer.cli._common import add_ckpt, add_command, add_device, load_checkpoint
+
+HELP = "contact precision (P@L, L/2, L/5) from attention maps vs a shuffled null"
 DESCRIPTION = """\
 Contact prediction from attention maps (ESM's recipe: every layer x head map, symmetrized and
 APC-corrected, into an L1 logistic regression) and its precision on structures, with a null
@@ -40,14 +43,8 @@ examples:
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
-    p = subparsers.add_parser(
-        "contacts",
-        help="contact precision (P@L, L/2, L/5) from attention maps vs a shuffled null",
-        description=DESCRIPTION,
-        epilog=EPILOG,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    p.add_argument("ckpt", metavar="CKPT", help="a .ckpt file or an exported model directory")
+    p = add_command(subparsers, "contacts", HELP, DESCRIPTION, EPILOG)
+    add_ckpt(p)
     p.add_argument(
         "structures", metavar="STRUCTURE", nargs="+", help="PDB/mmCIF files, FILE[:CHAIN]"
     )
@@ -91,7 +88,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         action="store_true",
         help="also write the fitted regression beside the checkpoint (visualize picks it up)",
     )
-    p.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto (default)")
+    add_device(p)
     p.add_argument("--seed", type=int, default=0, help="seed of the null permutations and fit")
     p.set_defaults(func=run)
 
@@ -143,7 +140,6 @@ def run(args: argparse.Namespace) -> int:
         benchmark,
         format_summary,
     )
-    from protein_performer.inference.loading import load_model
 
     targets = load_targets(args.structures, args.chain, args.fasta, args.sequence_source)
     fit_targets = (
@@ -152,7 +148,7 @@ def run(args: argparse.Namespace) -> int:
         else None
     )
     regression = ContactRegression.load(args.regression) if args.regression else None
-    loaded = load_model(args.ckpt, args.device)
+    loaded = load_checkpoint(args)
     result = benchmark(
         loaded,
         targets,

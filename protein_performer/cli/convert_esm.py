@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import argparse
 
+from protein_performer.cli._common import add_command
+
+HELP = "import ESM-2 weights (fair-esm .pt or Hugging Face directory)"
 DESCRIPTION = """\
 Convert pretrained ESM-2 weights into protein-performer's exported model format
 (config.json + model.safetensors), usable by embed, score, score-variants and eval.
@@ -30,13 +33,7 @@ examples:
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
     from protein_performer.model.config import ATTENTIONS, KERNELS
 
-    p = subparsers.add_parser(
-        "convert-esm",
-        help="import ESM-2 weights (fair-esm .pt or Hugging Face directory)",
-        description=DESCRIPTION,
-        epilog=EPILOG,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
+    p = add_command(subparsers, "convert-esm", HELP, DESCRIPTION, EPILOG)
     p.add_argument("src", metavar="SRC", help="fair-esm .pt file or HF EsmForMaskedLM directory")
     p.add_argument("out", metavar="OUT", help="output directory (must not exist or be empty)")
     p.add_argument(

@@ -4,6 +4,14 @@ from __future__ import annotations
 
 import argparse
 
+from protein_performer.cli._common import (
+    add_ckpt,
+    add_command,
+    add_fasta_run_options,
+    load_checkpoint,
+)
+
+HELP = "embed a FASTA file into one HDF5 file (any length, one pass)"
 DESCRIPTION = """\
 Embed every record of a FASTA file with a trained model, like ESM's esm-extract but with
 sequences of any length in one pass (no truncation, no windows: FAVOR+ attention is linear in
@@ -31,14 +39,8 @@ examples:
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
-    p = subparsers.add_parser(
-        "embed",
-        help="embed a FASTA file into one HDF5 file (any length, one pass)",
-        description=DESCRIPTION,
-        epilog=EPILOG,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    p.add_argument("ckpt", metavar="CKPT", help="a .ckpt file or an exported model directory")
+    p = add_command(subparsers, "embed", HELP, DESCRIPTION, EPILOG)
+    add_ckpt(p)
     p.add_argument("fasta", metavar="FASTA", help="input FASTA(.gz)")
     p.add_argument("out", metavar="OUT", help="output HDF5 file, e.g. embeddings.h5")
     p.add_argument(
@@ -56,28 +58,16 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         default=["mean"],
         help="what to save per layer (default: mean)",
     )
-    p.add_argument(
-        "--toks-per-batch",
-        type=int,
-        default=4096,
-        help="token budget per forward pass; longer sequences run alone (default: 4096)",
+    add_fasta_run_options(
+        p, toks_help="token budget per forward pass; longer sequences run alone (default: 4096)"
     )
-    p.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto (default)")
-    p.add_argument(
-        "--on-invalid",
-        choices=("error", "skip"),
-        default="error",
-        help="invalid FASTA records: stop with an error (default) or skip them",
-    )
-    p.add_argument("--no-progress", action="store_true", help="hide the progress bar")
     p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
     from protein_performer.inference.embedding import embed_fasta
-    from protein_performer.inference.loading import load_model
 
-    loaded = load_model(args.ckpt, args.device)
+    loaded = load_checkpoint(args)
     summary = embed_fasta(
         loaded,
         args.fasta,

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import argparse
 
+from protein_performer.cli._common import add_command
+
+HELP = "perplexity/accuracy per length bin (Hydra overrides: ckpt=... data=...)"
 DESCRIPTION = """\
 Perplexity and accuracy of a checkpoint on a FASTA file or a preprocessed store split, overall
 and per length bin (<=256, 257-512, 513-1024, >1024 residues by default). Configured by Hydra
@@ -30,12 +33,12 @@ examples:
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
-    p = subparsers.add_parser(
+    p = add_command(
+        subparsers,
         "eval",
-        help="perplexity/accuracy per length bin (Hydra overrides: ckpt=... data=...)",
-        description=DESCRIPTION,
-        epilog=EPILOG,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+        HELP,
+        DESCRIPTION,
+        EPILOG,
         usage="%(prog)s [-h] ckpt=PATH data=PATH [OVERRIDE ...]",
     )
     p.set_defaults(func=run, accepts_overrides=True)

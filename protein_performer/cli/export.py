@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import argparse
 
+from protein_performer.cli._common import add_command
+
+HELP = "export a checkpoint to config.json + model.safetensors"
 DESCRIPTION = """\
 Export a trained model to a directory holding config.json (format version, architecture,
 vocabulary) and model.safetensors (weights, FAVOR+ random features included, so outputs are
@@ -12,18 +15,13 @@ Lightning, the optimizer state or the training config. Written atomically (built
 temporary name, renamed when complete).
 """
 
+EPILOG = """\
+example:
+  protein-performer export outputs/demo/<run>/checkpoints/last.ckpt demo_model"""
+
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
-    p = subparsers.add_parser(
-        "export",
-        help="export a checkpoint to config.json + model.safetensors",
-        description=DESCRIPTION,
-        epilog=(
-            "example:\n"
-            "  protein-performer export outputs/demo/<run>/checkpoints/last.ckpt demo_model"
-        ),
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
+    p = add_command(subparsers, "export", HELP, DESCRIPTION, EPILOG)
     p.add_argument("ckpt", metavar="CKPT", help="a .ckpt file (or an export directory to copy)")
     p.add_argument("out", metavar="DIR", help="output directory (must not exist or be empty)")
     p.add_argument("--overwrite", action="store_true", help="replace an existing export in DIR")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 
+from protein_performer.cli._common import add_no_progress, add_on_invalid
 from protein_performer.data.split import DEFAULT_TEST_FRAC, DEFAULT_VALID_FRAC, SPLIT_MODES
 
 
@@ -20,11 +21,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     )
     p.add_argument("inputs", nargs="+", metavar="INPUT", help="FASTA or FASTA.gz files")
     p.add_argument("--out", required=True, metavar="DIR", help="output store directory")
-    p.add_argument(
-        "--on-invalid",
-        choices=("error", "skip"),
-        default="error",
-        help="stop at the first bad record (default) or skip bad records and count them",
+    add_on_invalid(
+        p, help="stop at the first bad record (default) or skip bad records and count them"
     )
     p.add_argument(
         "--valid-frac",
@@ -58,7 +56,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         "The output is byte-identical for every N; --workers 1 reads everything in this process",
     )
     p.add_argument("--overwrite", action="store_true", help="replace an existing store at DIR")
-    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    add_no_progress(p, help="no progress bar")
     p.set_defaults(func=run)
 
 

@@ -4,6 +4,14 @@ from __future__ import annotations
 
 import argparse
 
+from protein_performer.cli._common import (
+    add_ckpt,
+    add_command,
+    add_fasta_run_options,
+    load_with_strategy,
+)
+
+HELP = "per-sequence log-likelihood / perplexity (pseudo-ppl or causal)"
 DESCRIPTION = """\
 Score every record of a FASTA file with a trained model and write one row per record:
 id, length, n_scored, log_likelihood, mean_log_likelihood, perplexity
@@ -25,14 +33,8 @@ examples:
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
-    p = subparsers.add_parser(
-        "score",
-        help="per-sequence log-likelihood / perplexity (pseudo-ppl or causal)",
-        description=DESCRIPTION,
-        epilog=EPILOG,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    p.add_argument("ckpt", metavar="CKPT", help="a .ckpt file or an exported model directory")
+    p = add_command(subparsers, "score", HELP, DESCRIPTION, EPILOG)
+    add_ckpt(p)
     p.add_argument("fasta", metavar="FASTA", help="input FASTA(.gz)")
     p.add_argument("out", metavar="OUT", help="output table (.csv, or .tsv for tabs)")
     p.add_argument(
@@ -41,26 +43,14 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         default=None,
         help="default: pseudo-ppl for masked-LM, causal for causal-LM checkpoints",
     )
-    p.add_argument(
-        "--toks-per-batch", type=int, default=4096, help="token budget per pass (default: 4096)"
-    )
-    p.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto (default)")
-    p.add_argument(
-        "--on-invalid",
-        choices=("error", "skip"),
-        default="error",
-        help="invalid FASTA records: stop with an error (default) or skip them",
-    )
-    p.add_argument("--no-progress", action="store_true", help="hide the progress bar")
+    add_fasta_run_options(p)
     p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
-    from protein_performer.inference.loading import load_model
     from protein_performer.inference.scoring import score_fasta
 
-    loaded = load_model(args.ckpt, args.device)
-    strategy = args.strategy or ("causal" if loaded.config.objective == "clm" else "pseudo-ppl")
+    loaded, strategy = load_with_strategy(args, "pseudo-ppl")
     scores = score_fasta(
         loaded,
         args.fasta,

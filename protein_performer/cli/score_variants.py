@@ -4,6 +4,16 @@ from __future__ import annotations
 
 import argparse
 
+from protein_performer.cli._common import (
+    add_ckpt,
+    add_command,
+    add_device,
+    add_no_progress,
+    add_toks_per_batch,
+    load_with_strategy,
+)
+
+HELP = "variant-effect scores for a mutation table (DMS), with Spearman vs labels"
 DESCRIPTION = """\
 Score mutations (e.g. a deep mutational scan) against a wild-type sequence. Every input column
 is kept and a score column is added (log-ratio mutant vs wild type; higher = fitter).
@@ -30,14 +40,8 @@ examples:
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
-    p = subparsers.add_parser(
-        "score-variants",
-        help="variant-effect scores for a mutation table (DMS), with Spearman vs labels",
-        description=DESCRIPTION,
-        epilog=EPILOG,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    p.add_argument("ckpt", metavar="CKPT", help="a .ckpt file or an exported model directory")
+    p = add_command(subparsers, "score-variants", HELP, DESCRIPTION, EPILOG)
+    add_ckpt(p)
     p.add_argument("--wt", required=True, metavar="FASTA", help="wild type (one record)")
     p.add_argument(
         "--mutations", required=True, metavar="CSV", help="table of mutations (.csv or .tsv)"
@@ -64,23 +68,17 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--score-col", default=None, help="name of the added column (default: strategy)"
     )
-    p.add_argument(
-        "--toks-per-batch", type=int, default=4096, help="token budget per pass (default: 4096)"
-    )
+    add_toks_per_batch(p)
     p.add_argument("--limit-rows", type=int, default=None, help="score only the first N rows")
-    p.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto (default)")
-    p.add_argument("--no-progress", action="store_true", help="hide the progress bar")
+    add_device(p)
+    add_no_progress(p)
     p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
-    from protein_performer.inference.loading import load_model
     from protein_performer.inference.scoring import score_variants_file
 
-    loaded = load_model(args.ckpt, args.device)
-    strategy = args.strategy or (
-        "causal" if loaded.config.objective == "clm" else "masked-marginals"
-    )
+    loaded, strategy = load_with_strategy(args, "masked-marginals")
     summary = score_variants_file(
         loaded,
         args.wt,

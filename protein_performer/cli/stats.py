@@ -14,6 +14,8 @@ from typing import Any
 
 import numpy as np
 
+from protein_performer.cli._common import add_on_invalid
+
 #: ESM-2 sees at most 1024 tokens including <cls> and <eos>: longer records get cropped.
 CROP_LIMIT = 1022
 _STANDARD = frozenset("LAGVSERTIDPKQNFYMHWC")
@@ -38,12 +40,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         action="store_true",
         help="print JSON instead of text: a list with one object per PATH",
     )
-    p.add_argument(
-        "--on-invalid",
-        choices=("error", "skip"),
-        default="error",
-        help="for FASTA input: stop at a bad record (default) or skip and count it",
-    )
+    add_on_invalid(p, help="for FASTA input: stop at a bad record (default) or skip and count it")
     p.add_argument(
         "--top",
         type=int,

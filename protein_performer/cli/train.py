@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import argparse
 
+from protein_performer.cli._common import add_command
+
+HELP = "train a model (Hydra overrides, e.g. experiment=demo)"
 DESCRIPTION = """\
 Train a Performer protein language model. The run is configured by Hydra: conf/train.yaml plus
 the config groups under conf/, changed with overrides on the command line:
@@ -49,12 +52,12 @@ def _choices_epilog() -> str:
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
-    p = subparsers.add_parser(
+    p = add_command(
+        subparsers,
         "train",
-        help="train a model (Hydra overrides, e.g. experiment=demo)",
-        description=DESCRIPTION,
-        epilog=_choices_epilog(),
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+        HELP,
+        DESCRIPTION,
+        _choices_epilog(),
         usage="%(prog)s [-h] [OVERRIDE ...]",
     )
     p.set_defaults(func=run, accepts_overrides=True)

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import argparse
 
+from protein_performer.cli._common import add_command
+
+HELP = "PNGs of attention maps, aa similarity vs BLOSUM62, contacts (Hydra overrides)"
 DESCRIPTION = """\
 PNG pictures of a model's attention for one sequence, configured by Hydra (conf/visualize.yaml)
 with key=value overrides:
@@ -35,12 +38,12 @@ examples:
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
-    p = subparsers.add_parser(
+    p = add_command(
+        subparsers,
         "visualize",
-        help="PNGs of attention maps, aa similarity vs BLOSUM62, contacts (Hydra overrides)",
-        description=DESCRIPTION,
-        epilog=EPILOG,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+        HELP,
+        DESCRIPTION,
+        EPILOG,
         usage="%(prog)s [-h] ckpt=PATH (sequence=SEQ | fasta=PATH [record=ID] | structure=PATH) "
         "[OVERRIDE ...]",
     )

@@ -636,11 +636,13 @@ def read_fastas(
     check_duplicates: bool = True,
 ) -> Iterator[FastaRecord]:
     """Stream several files in order; one duplicate-id check spans all of them."""
-    if on_invalid not in ("error", "skip"):
-        raise ValueError(f"on_invalid must be 'error' or 'skip', not {on_invalid!r}")
     return _records(
-        _read_many(
-            [str(p) for p in paths], on_invalid, report, _Validator(alphabet), check_duplicates
+        read_fastas_blocks(
+            paths,
+            on_invalid=on_invalid,
+            report=report,
+            alphabet=alphabet,
+            check_duplicates=check_duplicates,
         )
     )
 

@@ -203,45 +203,18 @@ def evaluate(cfg: Any) -> dict[str, Any]:
 
 def compose(overrides: Sequence[str] = ()) -> Any:
     """``conf/eval.yaml`` composed with overrides; composition errors become ``UserError``."""
-    from hydra import compose as hydra_compose
-    from hydra import initialize_config_dir
-    from hydra.errors import HydraException
-    from omegaconf import OmegaConf
-    from omegaconf.errors import OmegaConfBaseException
+    from protein_performer.hydra_compose import compose_entry
 
-    from protein_performer.training.train import conf_dir
-
-    directory = conf_dir()
-    if not (directory / f"{CONFIG_NAME}.yaml").is_file():
-        raise UserError(f"no {CONFIG_NAME}.yaml in {directory}")
     # `data` is also the name of training's config group in conf/, so Hydra would read
     # `data=PATH` as a group choice; plain `data=`/`ckpt=` values are set after composing.
-    direct = {}
-    rest = []
-    for item in overrides:
-        key, sep, value = item.partition("=")
-        if sep and key in ("data", "ckpt"):
-            direct[key] = value
-        else:
-            rest.append(item)
-    try:
-        with initialize_config_dir(str(directory), version_base="1.3"):
-            cfg = hydra_compose(CONFIG_NAME, overrides=rest)
-        for key, value in direct.items():
-            OmegaConf.update(cfg, key, value)
-        missing = sorted(k for k in ("ckpt", "data") if OmegaConf.is_missing(cfg, k))
-        if missing:
-            raise UserError(
-                f"eval needs {' and '.join(f'{k}=...' for k in missing)}, e.g. "
-                "`protein-performer eval ckpt=PATH/last.ckpt data=proteins.fasta`"
-            )
-        OmegaConf.resolve(cfg)
-    except (HydraException, OmegaConfBaseException) as exc:
-        raise UserError(
-            f"bad eval config: {exc}\n  overrides: {' '.join(overrides) or '(none)'}\n"
-            "  use key=value, e.g. split=test max_len=1024 (see `protein-performer eval --help`)"
-        ) from None
-    return cfg
+    return compose_entry(
+        CONFIG_NAME,
+        overrides,
+        direct_keys=("data", "ckpt"),
+        required=("ckpt", "data"),
+        example="protein-performer eval ckpt=PATH/last.ckpt data=proteins.fasta",
+        override_example="split=test max_len=1024",
+    )
 
 
 def format_table(result: dict[str, Any]) -> str:

@@ -1,0 +1,224 @@
+"""Helpers shared by the fresh-process benchmark scripts (``bench_attention.py``,
+``bench_train.py``, ``bench_embed.py``): the child/parent protocol, peak-memory measurement,
+CSV output and the command-line arguments they have in common.
+
+The scripts are run as ``python scripts/X.py``, so this directory is ``sys.path[0]`` and they
+import this module by name (each also puts its own directory first on ``sys.path``, so importing
+a script from elsewhere works too).
+
+The protocol: the parent re-invokes the script with ``--case JSON`` once per case (peak memory is
+only meaningful in a fresh process, and a case that runs too long is killed by a timeout instead
+of hanging the run); the child prints one ``RESULT {...}`` line per measurement.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import gc
+import json
+import logging
+import os
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+RESULT_MARK = "RESULT "
+#: Exit status of a child that :class:`PeakSampler` stopped at the memory limit.
+MEM_LIMIT_EXIT = 3
+MEM_LIMIT_HELP = "CPU: abort a case as 'oom' above this RSS (default 60%% of available)"
+
+
+# --------------------------------------------------------------------------------------------
+# Child side
+# --------------------------------------------------------------------------------------------
+
+
+def emit(payload: dict[str, Any]) -> None:
+    """One machine-readable line; libraries may print other lines to stdout."""
+    sys.stdout.write(RESULT_MARK + json.dumps(payload) + "\n")
+    sys.stdout.flush()
+
+
+class PeakSampler:
+    """Tracks the peak RSS of this process from a background thread.
+
+    Why: ``ru_maxrss`` cannot be reset between phases, so a phase whose peak stays below an
+    earlier transient (e.g. during ``import torch``) would be invisible to it. The sampler also
+    enforces the memory limit, turning a would-be OOM kill of the shared machine into a clean
+    ``oom`` record.
+    """
+
+    def __init__(self, limit_bytes: int | None, interval_s: float = 0.001) -> None:
+        import psutil
+
+        self._proc = psutil.Process()
+        self._limit = limit_bytes
+        self._interval = interval_s
+        self._stop = threading.Event()
+        self.peak = self._proc.memory_info().rss
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            rss = self._proc.memory_info().rss
+            if rss > self.peak:
+                self.peak = rss
+            if self._limit is not None and rss > self._limit:
+                emit({"status": "oom", "note": f"RSS {rss / 2**30:.2f} GiB over the limit"})
+                sys.stdout.flush()
+                os._exit(MEM_LIMIT_EXIT)
+            time.sleep(self._interval)
+
+    def __enter__(self) -> PeakSampler:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def reset(self) -> None:
+        self.peak = self._proc.memory_info().rss
+
+
+def maxrss_bytes() -> int:
+    import resource
+
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return rss if sys.platform == "darwin" else rss * 1024
+
+
+def release_free_memory() -> None:
+    """Give freed heap back to the OS, so one phase's leftovers do not raise the next baseline.
+
+    Why: glibc keeps freed blocks in its arenas; without a trim the fwd+bwd phase would start from
+    the RSS the fwd phase left behind and its peak delta would read too low.
+    """
+    gc.collect()
+    if sys.platform.startswith("linux"):
+        import contextlib
+        import ctypes
+
+        with contextlib.suppress(OSError, AttributeError):  # not glibc (e.g. musl): no trim
+            ctypes.CDLL("libc.so.6").malloc_trim(0)
+
+
+def start_phase(sampler: PeakSampler, device: Any) -> Callable[[], int]:
+    """Begin a measured phase; returns a function giving its peak memory in bytes so far.
+
+    CPU: the peak RSS since now minus the RSS now, from ``ru_maxrss`` when the phase raised it
+    (exact), otherwise from ``sampler``. CUDA: ``torch.cuda.max_memory_allocated`` minus the
+    allocation now. Freed heap (and the CUDA cache) is released first.
+    """
+    release_free_memory()
+    if device.type == "cuda":
+        import torch
+
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+        base = torch.cuda.memory_allocated(device)
+
+        def cuda_peak() -> int:
+            return torch.cuda.max_memory_allocated(device) - base
+
+        return cuda_peak
+    sampler.reset()
+    base = sampler.peak
+    maxrss_before = maxrss_bytes()
+
+    def cpu_peak() -> int:
+        maxrss = maxrss_bytes()
+        return max(sampler.peak, maxrss if maxrss > maxrss_before else 0) - base
+
+    return cpu_peak
+
+
+# --------------------------------------------------------------------------------------------
+# Parent side
+# --------------------------------------------------------------------------------------------
+
+
+def spawn_case(
+    script: str | Path, case: dict[str, Any], timeout: float
+) -> tuple[list[dict[str, Any]], str]:
+    """Run ``script --case JSON`` in a fresh interpreter; its RESULT payloads and a failure note.
+
+    The payloads printed before a timeout are kept (a child may report after every step).
+    """
+    cmd = [sys.executable, str(Path(script).resolve()), "--case", json.dumps(case)]
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+        out, note = proc.stdout, ""
+        if proc.returncode not in (0, MEM_LIMIT_EXIT):
+            tail = (proc.stderr.strip().splitlines() or [""])[-1][:200]
+            note = f"exit {proc.returncode}: {tail}"
+    except subprocess.TimeoutExpired as exc:
+        out = exc.stdout.decode() if isinstance(exc.stdout, bytes) else (exc.stdout or "")
+        note = f"timeout after {timeout:.0f} s"
+    results = [
+        json.loads(line[len(RESULT_MARK) :])
+        for line in out.splitlines()
+        if line.startswith(RESULT_MARK)
+    ]
+    return results, note
+
+
+def default_mem_limit_gib() -> float:
+    import psutil
+
+    return round(0.6 * psutil.virtual_memory().available / 2**30, 1)
+
+
+def write_rows_csv(rows: Iterable[Any], path: Path, fieldnames: Iterable[str]) -> None:
+    """Dataclass rows as CSV, the columns ``fieldnames`` in that order (other fields dropped)."""
+    with path.open("w", newline="") as fh:
+        writer = csv.DictWriter(fh, fieldnames=list(fieldnames), extrasaction="ignore")
+        writer.writeheader()
+        for row in rows:
+            writer.writerow(asdict(row))
+
+
+def bench_parser(doc: str, epilog: str, out: str) -> argparse.ArgumentParser:
+    """A parser described by the first paragraph of ``doc``, with ``--out`` and ``--device``."""
+    p = argparse.ArgumentParser(
+        description=doc.split("\n\n")[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=epilog,
+    )
+    p.add_argument("--out", type=Path, default=Path(out), help="output directory")
+    p.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
+    return p
+
+
+def add_mem_limit_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--mem-limit-gib", type=float, default=0.0, help=MEM_LIMIT_HELP)
+
+
+def add_final_args(p: argparse.ArgumentParser, quick_help: str) -> None:
+    """``--seed``, ``--quick`` and the hidden ``--case JSON`` that makes a process a child."""
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--quick", action="store_true", help=quick_help)
+    p.add_argument("--case", default=None, help=argparse.SUPPRESS)
+
+
+def dispatch(
+    args: argparse.Namespace,
+    run_case: Callable[[dict[str, Any]], Any],
+    run_parent: Callable[[argparse.Namespace], int],
+) -> int:
+    """Log to stderr; a child (``--case JSON``) runs its case, the parent creates ``--out`` and
+    runs every case (``run_parent``). Returns the exit status."""
+    logging.basicConfig(
+        level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", stream=sys.stderr
+    )
+    if args.case is not None:
+        run_case(json.loads(args.case))
+        return 0
+    args.out.mkdir(parents=True, exist_ok=True)
+    return run_parent(args)
