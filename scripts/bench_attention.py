@@ -44,24 +44,23 @@ Examples::
 from __future__ import annotations
 
 import argparse
-import csv
-import gc
 import json
 import logging
 import math
-import os
-import subprocess
 import sys
-import threading
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _bench_common as bc  # noqa: E402  (the sibling module shared by the bench scripts)
+
 log = logging.getLogger("bench_attention")
 
-RESULT_MARK = "RESULT "
+EPILOG = "Targets and the FLOP formula: see the module docstring."
+
 IMPLS = ("ours", "sdpa", "performer")
 MODES = ("bidirectional", "causal")
 DEFAULT_CHUNK = 128  # used for the FLOP count when FavorAttention does not expose its chunk size
@@ -93,76 +92,6 @@ CSV_FIELDS = (
 # --------------------------------------------------------------------------------------------
 # Child side: one case in a fresh process
 # --------------------------------------------------------------------------------------------
-
-
-class PeakSampler:
-    """Tracks the peak RSS of this process from a background thread.
-
-    Why: ``ru_maxrss`` cannot be reset between phases, so a phase whose peak stays below an
-    earlier transient (e.g. during ``import torch``) would be invisible to it. The sampler also
-    enforces the memory limit, turning a would-be OOM kill of the shared machine into a clean
-    ``oom`` record.
-    """
-
-    def __init__(self, limit_bytes: int | None, interval_s: float = 0.001) -> None:
-        import psutil
-
-        self._proc = psutil.Process()
-        self._limit = limit_bytes
-        self._interval = interval_s
-        self._stop = threading.Event()
-        self.peak = self._proc.memory_info().rss
-        self._thread = threading.Thread(target=self._run, daemon=True)
-
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            rss = self._proc.memory_info().rss
-            if rss > self.peak:
-                self.peak = rss
-            if self._limit is not None and rss > self._limit:
-                _emit({"status": "oom", "note": f"RSS {rss / 2**30:.2f} GiB over the limit"})
-                sys.stdout.flush()
-                os._exit(3)
-            time.sleep(self._interval)
-
-    def __enter__(self) -> PeakSampler:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        self._thread.join()
-
-    def reset(self) -> None:
-        self.peak = self._proc.memory_info().rss
-
-
-def _maxrss_bytes() -> int:
-    import resource
-
-    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return rss if sys.platform == "darwin" else rss * 1024
-
-
-def _release_free_memory() -> None:
-    """Give freed heap back to the OS, so one phase's leftovers do not raise the next baseline.
-
-    Why: glibc keeps freed blocks in its arenas; without a trim the fwd+bwd phase would start from
-    the RSS the fwd phase left behind and its peak delta would read too low.
-    """
-    gc.collect()
-    if sys.platform.startswith("linux"):
-        import contextlib
-        import ctypes
-
-        with contextlib.suppress(OSError, AttributeError):  # not glibc (e.g. musl): no trim
-            ctypes.CDLL("libc.so.6").malloc_trim(0)
-
-
-def _emit(payload: dict[str, Any]) -> None:
-    """One machine-readable line; libraries may print other lines to stdout."""
-    sys.stdout.write(RESULT_MARK + json.dumps(payload) + "\n")
-    sys.stdout.flush()
 
 
 def _build_fn(case: dict[str, Any], device: Any) -> tuple[Callable[..., Any], int | None]:
@@ -268,7 +197,7 @@ def run_matmul_case(case: dict[str, Any]) -> None:
     median, best, reps = _time_phase(
         lambda: torch.mm(a, b), device, case["repeats"], case["budget_s"]
     )
-    _emit(
+    bc.emit(
         {
             "status": "ok",
             "mode": "matmul",
@@ -316,31 +245,19 @@ def run_case(case: dict[str, Any]) -> None:
         fn(qg, kg, vg).backward(g)
 
     phases = [("fwd", fwd, False), ("fwd+bwd", fwd_bwd, True)]
-    with PeakSampler(limit if device.type == "cpu" else None) as sampler:
+    with bc.PeakSampler(limit if device.type == "cpu" else None) as sampler:
         for mode, step, backward in phases:
-            _release_free_memory()
-            if device.type == "cuda":
-                torch.cuda.empty_cache()
-                torch.cuda.reset_peak_memory_stats(device)
-                base = torch.cuda.memory_allocated(device)
-            else:
-                sampler.reset()
-                base = sampler.peak
-                maxrss_before = _maxrss_bytes()
+            peak_bytes = bc.start_phase(sampler, device)
             try:
                 median, best, reps = _time_phase(step, device, case["repeats"], case["budget_s"])
             except torch.OutOfMemoryError as exc:
-                _emit({"mode": mode, "status": "oom", "note": str(exc).splitlines()[0][:200]})
+                bc.emit({"mode": mode, "status": "oom", "note": str(exc).splitlines()[0][:200]})
                 return
-            if device.type == "cuda":
-                peak = torch.cuda.max_memory_allocated(device) - base
-            else:
-                maxrss = _maxrss_bytes()
-                peak = max(sampler.peak, maxrss if maxrss > maxrss_before else 0) - base
+            peak = peak_bytes()
             flops = useful_flops(
                 case["impl"], case["causal"], L, B, H, d, case["m"], chunk, backward
             )
-            _emit(
+            bc.emit(
                 {
                     "mode": mode,
                     "status": "ok",
@@ -389,21 +306,7 @@ class Row:
 
 def _spawn(case: dict[str, Any], timeout: float) -> tuple[list[dict[str, Any]], str]:
     """Runs one case in a fresh interpreter; returns its RESULT payloads and a failure note."""
-    cmd = [sys.executable, str(Path(__file__).resolve()), "--case", json.dumps(case)]
-    try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
-        out, err, note = proc.stdout, proc.stderr, ""
-        if proc.returncode not in (0, 3):
-            note = f"exit {proc.returncode}: " + (err.strip().splitlines() or [""])[-1][:200]
-    except subprocess.TimeoutExpired as exc:
-        out = exc.stdout.decode() if isinstance(exc.stdout, bytes) else (exc.stdout or "")
-        note = f"timeout after {timeout:.0f} s"
-    results = [
-        json.loads(line[len(RESULT_MARK) :])
-        for line in out.splitlines()
-        if line.startswith(RESULT_MARK)
-    ]
-    return results, note
+    return bc.spawn_case(__file__, case, timeout)
 
 
 def _performer_available() -> bool:
@@ -424,12 +327,6 @@ def _lengths(args: argparse.Namespace) -> list[int]:
     return out
 
 
-def _default_mem_limit_gib() -> float:
-    import psutil
-
-    return round(0.6 * psutil.virtual_memory().available / 2**30, 1)
-
-
 def run_all(args: argparse.Namespace) -> list[Row]:
     """Runs the matmul reference and every requested case, each in a fresh process."""
     impls = [x for x in args.impls.split(",") if x]
@@ -441,7 +338,7 @@ def run_all(args: argparse.Namespace) -> list[Row]:
         )
         impls.remove("performer")
     lengths = _lengths(args)
-    mem_limit = args.mem_limit_gib if args.mem_limit_gib else _default_mem_limit_gib()
+    mem_limit = args.mem_limit_gib if args.mem_limit_gib else bc.default_mem_limit_gib()
     common = {
         "B": args.batch,
         "H": args.heads,
@@ -545,11 +442,7 @@ def _matmul_rate(case: dict[str, Any], timeout: float) -> float:
 
 
 def write_csv(rows: list[Row], path: Path) -> None:
-    with path.open("w", newline="") as fh:
-        w = csv.DictWriter(fh, fieldnames=CSV_FIELDS, extrasaction="ignore")
-        w.writeheader()
-        for r in rows:
-            w.writerow(asdict(r))
+    bc.write_rows_csv(rows, path, CSV_FIELDS)
 
 
 def plot(rows: list[Row], path: Path, title: str) -> None:
@@ -720,13 +613,7 @@ def format_tables(rows: list[Row], matmul_gflops: float) -> str:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(
-        description=__doc__.split("\n\n")[0],
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-        epilog="Targets and the FLOP formula: see the module docstring.",
-    )
-    p.add_argument("--out", type=Path, default=Path(".bench/attention"), help="output directory")
-    p.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
+    p = bc.bench_parser(__doc__, EPILOG, out=".bench/attention")
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
     p.add_argument("--impls", default=",".join(IMPLS), help="comma list from: " + ",".join(IMPLS))
     p.add_argument("--modes", default=",".join(MODES), help="comma list from: " + ",".join(MODES))
@@ -748,21 +635,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "longer than this is the measurement (repeats=0)",
     )
     p.add_argument("--timeout", type=float, default=600.0, help="seconds per case (process)")
-    p.add_argument(
-        "--mem-limit-gib",
-        type=float,
-        default=0.0,
-        help="CPU: abort a case as 'oom' above this RSS (default 60%% of available)",
-    )
+    bc.add_mem_limit_arg(p)
     p.add_argument("--matmul-n", type=int, default=4096, help="size of the reference matmul")
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch default)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument(
-        "--quick",
-        action="store_true",
-        help="tiny smoke configuration: L=256,512, 1 repeat, small matmul",
-    )
-    p.add_argument("--case", default=None, help=argparse.SUPPRESS)
+    bc.add_final_args(p, quick_help="tiny smoke configuration: L=256,512, 1 repeat, small matmul")
     args = p.parse_args(argv)
     if args.quick:
         args.lengths = args.lengths or "256,512"
@@ -772,14 +648,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
-    logging.basicConfig(
-        level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", stream=sys.stderr
-    )
-    if args.case is not None:
-        run_case(json.loads(args.case))
-        return 0
-    args.out.mkdir(parents=True, exist_ok=True)
+    return bc.dispatch(parse_args(argv), run_case, run_parent)
+
+
+def run_parent(args: argparse.Namespace) -> int:
+    """Every case in its own process, then the CSV, the plot and the markdown under --out."""
     rows = run_all(args)
     matmul = next((r.matmul_gflops for r in rows), math.nan)
     csv_path, png_path, md_path = (args.out / f"attention.{x}" for x in ("csv", "png", "md"))

@@ -523,6 +523,74 @@ def test_softmax_opt_bidirectional_uses_per_head_statistics():
         assert torch.allclose(out[:, h], ref, atol=1e-10)
 
 
+
+def test_softmax_opt_bidirectional_grads_equal_dense_reference():
+    """The fused backward treats rho as a constant: equal to the dense map at that fixed rho."""
+    q, k, v = (t.requires_grad_() for t in qkv(1, 2, 37, 8, seed=36, scale=0.8))
+    attn = module("softmax_opt", False, block_size=10)
+    rho = oprf_rho(q.detach() * 8**-0.25, k.detach() * 8**-0.25)[0]  # (H,)
+    ref = torch.cat(
+        [dense_reference(q[:, h], k[:, h], v[:, h], attn.omega, "softmax_opt", False, rho[h])[:, None]
+         for h in range(2)],
+        dim=1,
+    )
+    out = attn(q, k, v)
+    assert torch.allclose(out, ref, atol=1e-10)
+    g_out = torch.autograd.grad(out.pow(2).sum(), (q, k, v))
+    g_ref = torch.autograd.grad(ref.pow(2).sum(), (q, k, v))
+    for a, b in zip(g_out, g_ref, strict=True):
+        assert torch.allclose(a, b, atol=1e-8)
+
+
+@pytest.mark.parametrize(
+    "kernel,rho",
+    [("softmax", None), ("softmax_hyp", None), ("softmax_opt", None), ("softmax_opt", 0.3)],
+)
+def test_fused_bidirectional_equals_generic_path(kernel, rho):
+    """_BidiExpFavor vs the generic autograd path: values and gradients, with pads and blocks."""
+    q, k, v = (t.requires_grad_() for t in qkv(2, 2, 23, 8, seed=50, scale=1.5))
+    om = draw_omega(16, 8, generator=gen(51)).double()
+    mask = torch.zeros(2, 23, dtype=torch.bool)
+    mask[1, 15:] = True
+    mask[0, 3] = True
+    w = torch.randn(2, 2, 23, 8, generator=gen(52), dtype=torch.float64)
+    res = []
+    for fused in (True, False):
+        out = favor_attention(
+            q, k, v, om, kernel=kernel, key_padding_mask=mask, oprf_rho=rho, block_size=6,
+            fused_bidirectional=fused,
+        )
+        res.append((out, torch.autograd.grad((out * w).sum(), (q, k, v))))
+    (o1, g1), (o2, g2) = res
+    assert torch.allclose(o1, o2, atol=1e-12)
+    for a, b in zip(g1, g2, strict=True):
+        assert torch.allclose(a, b, atol=1e-10)
+
+
+@pytest.mark.parametrize("kernel", ["softmax", "softmax_hyp", "softmax_opt"])
+def test_bidirectional_exp_backward_gradcheck_with_padding(kernel):
+    """float64 gradcheck of _BidiExpFavor's backward: pads, several blocks, a fully padded row."""
+    g = gen(53)
+    q, k, v = (
+        (torch.randn(3, 2, 11, 4, generator=g, dtype=torch.float64) * 1.2).requires_grad_()
+        for _ in range(3)
+    )
+    om = draw_omega(6, 4, generator=gen(54)).double()
+    mask = torch.zeros(3, 11, dtype=torch.bool)
+    mask[0, 7:] = True
+    mask[1, [0, 4, 5]] = True
+    mask[2, :] = True  # no real key: output 0, gradient 0
+    rho = 0.3 if kernel == "softmax_opt" else None
+
+    def fn(a, b, c):
+        return favor_attention(
+            a, b, c, om, kernel=kernel, key_padding_mask=mask, oprf_rho=rho, block_size=4
+        )
+
+    with single_thread():
+        assert torch.autograd.gradcheck(fn, (q, k, v), fast_mode=False)
+
+
 @pytest.mark.parametrize("chunk,segment", [(1, 3), (4, 8), (5, 100)])
 @pytest.mark.parametrize("jumpy", [False, True])
 def test_causal_backward_gradcheck(chunk, segment, jumpy):

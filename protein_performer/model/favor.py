@@ -510,6 +510,144 @@ def _bidirectional(
     return outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
 
 
+def _bidi_key_logits(
+    y: Tensor, Wa: Tensor, bias: Tensor | None, t2: float, keep: Tensor | None
+) -> Tensor:
+    """Unshifted key logits a * y W^T + bias - t2 |y|^2/2, pads -inf. y: (BH, l, d) -> (BH, l, M)."""
+    if bias is not None:
+        BH, l, _ = y.shape
+        t = torch.baddbmm(bias.expand(BH, l, Wa.shape[-2]), y, Wa.mT.expand(BH, -1, -1))
+    else:
+        t = y @ Wa.mT
+    t.sub_(y.pow(2).sum(-1, keepdim=True).mul_(t2 / 2))
+    if keep is not None:
+        t.masked_fill_(~keep[..., None], float("-inf"))
+    return t
+
+
+def _bidi_query_features(x: Tensor, Wa: Tensor, qbias: Tensor, rmax: Tensor | None):
+    """exp(a * x W^T + qbias - rowmax), in place; returns (features, rowmax (BH, l, 1))."""
+    BH, l, _ = x.shape
+    t = torch.baddbmm(qbias.expand(BH, l, Wa.shape[-2]), x, Wa.mT.expand(BH, -1, -1))
+    if rmax is None:
+        rmax = t.amax(-1, keepdim=True)
+    return t.sub_(rmax).exp_(), rmax
+
+
+class _BidiExpFavor(torch.autograd.Function):
+    """Bidirectional FAVOR for the exp kernels as one autograd node, O(L d + block M) memory.
+
+    Inputs are the *unscaled* flattened q, k, v (BH, L, d); the temperature d^-1/4 is folded into
+    the projection: log phi(x) = a x W^T + bias - t^2 |x|^2/2 with a = t * scale. Forward: keys in
+    blocks give S = phi(K)^T [V | 1] (M, dv+1), stabilized by the running per-column key max
+    ``col`` (the state is rescaled when it grows); queries in blocks give
+    out = phi(Q) S_v / (phi(Q) S_1), with the column offsets moved to the query logits and a
+    per-row max subtracted (the -t^2|x|^2/2 term is dropped there: a per-row factor cancels).
+    Both stabilizers cancel exactly in the output, so the backward treats them as constants.
+    Saved: q, k, v, W, col, S, out and the normalizer; the backward recomputes the features
+    block by block (queries first, accumulating dS, then keys).
+    """
+
+    @staticmethod
+    def forward(ctx, q, k, v, W, scale, bias, keep, block: int):
+        BH, L, d = q.shape
+        dv = v.shape[-1]
+        t = d**-0.25
+        Wa = W * t if scale is None else W * (scale * t)  # (M, d) or (BH, M, d)
+        Sv = q.new_zeros(BH, W.shape[0], dv)
+        s1 = q.new_zeros(BH, W.shape[0], 1)
+        col = None  # (BH, 1, M)
+        for s in range(0, L, block):
+            kb = None if keep is None else keep[:, s : s + block]
+            lg = _bidi_key_logits(k[:, s : s + block], Wa, bias, t * t, kb)
+            bmax = lg.amax(-2, keepdim=True).clamp_min_(_NEG)
+            if col is None:
+                col = bmax
+            else:
+                new = torch.maximum(col, bmax)
+                r = torch.exp(col - new).mT  # (BH, M, 1)
+                Sv.mul_(r)
+                s1.mul_(r)
+                col = new
+            kf = lg.sub_(col).exp_()
+            Sv.baddbmm_(kf.mT, v[:, s : s + block])
+            s1.add_(kf.sum(-2)[..., None])
+        S = torch.cat([Sv, s1], dim=-1)  # (BH, M, dv+1)
+        del Sv, s1
+        qbias = col if bias is None else bias + col
+        out = q.new_empty(BH, L, dv)
+        den = q.new_empty(BH, L, 1)
+        rmaxs = q.new_empty(BH, L, 1)
+        for s in range(0, L, block):
+            qf, rmax = _bidi_query_features(q[:, s : s + block], Wa, qbias, None)
+            yq = qf @ S
+            d_ = safe_denominator(yq[..., dv:])
+            den[:, s : s + block] = d_
+            rmaxs[:, s : s + block] = rmax
+            out[:, s : s + block] = yq[..., :dv] / d_
+        ctx.block, ctx.t = block, t
+        ctx.save_for_backward(q, k, v, Wa, bias, qbias, keep, col, S, out, den, rmaxs)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        q, k, v, Wa, bias, qbias, keep, col, S, out, den, rmaxs = ctx.saved_tensors
+        block, t = ctx.block, ctx.t
+        BH, L, d = q.shape
+        dv = v.shape[-1]
+        g = grad_out
+        tiny = torch.finfo(torch.float32).tiny
+        dS = torch.zeros_like(S)  # (BH, M, dv+1)
+        dq = torch.empty_like(q)
+        Wq = Wa if Wa.dim() == 3 else Wa.expand(BH, -1, -1)
+        for s in range(0, L, block):
+            sl = slice(s, s + block)
+            gb, db = g[:, sl], den[:, sl]
+            # out = num / den: dnum = g / den, dden = -(g . out) / den; rows without real keys
+            # (den clamped) have S = 0 and get no gradient.
+            dy = torch.cat([gb, -(gb * out[:, sl]).sum(-1, keepdim=True)], dim=-1).div_(db)
+            dy.masked_fill_(db == tiny, 0.0)
+            qf, _ = _bidi_query_features(q[:, sl], Wa, qbias, rmaxs[:, sl])
+            dS.baddbmm_(qf.mT, dy)
+            dqf = torch.bmm(dy, S.mT).mul_(qf)  # d loss / d query logit
+            dq[:, sl] = torch.bmm(dqf, Wq)
+            del qf, dqf
+        dk = torch.empty_like(k)
+        dvv = torch.empty_like(v)
+        dSv, dS1 = dS[..., :dv], dS[..., dv:].mT  # (BH, M, dv), (BH, 1, M)
+        for s in range(0, L, block):
+            sl = slice(s, s + block)
+            kb = None if keep is None else keep[:, sl]
+            y = k[:, sl]
+            kf = _bidi_key_logits(y, Wa, bias, t * t, kb).sub_(col).exp_()
+            dvv[:, sl] = torch.bmm(kf, dSv)
+            l = kf.shape[1]
+            dkf = torch.baddbmm(dS1.expand(BH, l, -1), v[:, sl], dSv.mT).mul_(kf)
+            del kf
+            dkb = torch.bmm(dkf, Wq)
+            dkb.sub_(dkf.sum(-1, keepdim=True).mul_(t * t) * y)  # the -t^2 |y|^2/2 term
+            dk[:, sl] = dkb
+        return dq, dk, dvv, None, None, None, None, None
+
+
+def _fused_bidirectional(q, k, v, omega, kernel, key_padding_mask, rho, block: int) -> Tensor:
+    """Flatten (without the temperature, which :class:`_BidiExpFavor` folds in) and apply it."""
+    B, H, L, d = q.shape
+    dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
+    x, y, vv = (t.to(dtype).reshape(B * H, L, t.shape[-1]) for t in (q, k, v))
+    keep = None
+    if key_padding_mask is not None:
+        keep = (~key_padding_mask.bool())[:, None, :].expand(B, H, L).reshape(B * H, L)
+    om = omega.to(device=x.device, dtype=dtype)
+    r = None
+    if kernel == "softmax_opt":
+        t = d**-0.25
+        xs, ys = (x.detach() * t, y.detach() * t) if rho is None else (x, y)
+        r = _resolve_rho(kernel, False, rho, xs, ys, keep, B)
+    W, scale, bias = _exp_params(om, kernel, r)
+    return _BidiExpFavor.apply(x, y, vv, W, scale, bias, keep, block)
+
+
 def favor_attention(
     q: Tensor,
     k: Tensor,
@@ -524,16 +662,31 @@ def favor_attention(
     block_size: int = 2048,
     relu_eps: float = 1e-3,
     segment_size: int = 32768,
+    fused_bidirectional: bool = True,
 ) -> Tensor:
     """FAVOR attention, (B, H, L, d) -> (B, H, L, dv), linear in L in time and memory.
 
     Causal mode uses the chunked scan of :mod:`favor_causal` (O(L) memory also in backward).
+    Bidirectional exp kernels use :class:`_BidiExpFavor` (features recomputed in backward, so
+    O(L d + block M) memory) unless fused_bidirectional=False or omega / oprf_rho need
+    gradients; the generic blockwise path then keeps every block's features for autograd.
     oprf_rho: the FAVOR++ statistic; computed from the (non-pad) data when None (bidirectional
     only). Features in float32 even under autocast; output in q's dtype.
     """
     _check_kernel(kernel)
     B, H, L, _ = q.shape
     out_dtype = q.dtype
+    fused = (
+        fused_bidirectional
+        and not causal
+        and kernel in _EXP_KERNELS
+        and not omega.requires_grad
+        and not (isinstance(oprf_rho, Tensor) and oprf_rho.requires_grad)
+    )
+    if fused:
+        with torch.autocast(device_type=q.device.type, enabled=False):
+            out = _fused_bidirectional(q, k, v, omega, kernel, key_padding_mask, oprf_rho, block_size)
+        return out.reshape(B, H, L, -1).to(out_dtype)
     with torch.autocast(device_type=q.device.type, enabled=False):
         x, y, vv, keep = _flatten_inputs(q, k, v, key_padding_mask)
         om = omega.to(device=x.device, dtype=x.dtype)
