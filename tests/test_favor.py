@@ -523,17 +523,17 @@ def test_softmax_opt_bidirectional_uses_per_head_statistics():
         assert torch.allclose(out[:, h], ref, atol=1e-10)
 
 
-
 def test_softmax_opt_bidirectional_grads_equal_dense_reference():
     """The fused backward treats rho as a constant: equal to the dense map at that fixed rho."""
     q, k, v = (t.requires_grad_() for t in qkv(1, 2, 37, 8, seed=36, scale=0.8))
     attn = module("softmax_opt", False, block_size=10)
     rho = oprf_rho(q.detach() * 8**-0.25, k.detach() * 8**-0.25)[0]  # (H,)
-    ref = torch.cat(
-        [dense_reference(q[:, h], k[:, h], v[:, h], attn.omega, "softmax_opt", False, rho[h])[:, None]
-         for h in range(2)],
-        dim=1,
-    )
+    om = attn.omega
+    heads = [
+        dense_reference(q[:, h], k[:, h], v[:, h], om, "softmax_opt", False, rho[h])
+        for h in range(2)
+    ]
+    ref = torch.stack(heads, dim=1)
     out = attn(q, k, v)
     assert torch.allclose(out, ref, atol=1e-10)
     g_out = torch.autograd.grad(out.pow(2).sum(), (q, k, v))
@@ -557,7 +557,14 @@ def test_fused_bidirectional_equals_generic_path(kernel, rho):
     res = []
     for fused in (True, False):
         out = favor_attention(
-            q, k, v, om, kernel=kernel, key_padding_mask=mask, oprf_rho=rho, block_size=6,
+            q,
+            k,
+            v,
+            om,
+            kernel=kernel,
+            key_padding_mask=mask,
+            oprf_rho=rho,
+            block_size=6,
             fused_bidirectional=fused,
         )
         res.append((out, torch.autograd.grad((out * w).sum(), (q, k, v))))

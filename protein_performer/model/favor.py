@@ -513,7 +513,7 @@ def _bidirectional(
 def _bidi_key_logits(
     y: Tensor, Wa: Tensor, bias: Tensor | None, t2: float, keep: Tensor | None
 ) -> Tensor:
-    """Unshifted key logits a * y W^T + bias - t2 |y|^2/2, pads -inf. y: (BH, l, d) -> (BH, l, M)."""
+    """Key logits a y W^T + bias - t2 |y|^2/2, unshifted, pads -inf: (BH, l, d) -> (BH, l, M)."""
     if bias is not None:
         BH, l, _ = y.shape
         t = torch.baddbmm(bias.expand(BH, l, Wa.shape[-2]), y, Wa.mT.expand(BH, -1, -1))
@@ -685,7 +685,9 @@ def favor_attention(
     )
     if fused:
         with torch.autocast(device_type=q.device.type, enabled=False):
-            out = _fused_bidirectional(q, k, v, omega, kernel, key_padding_mask, oprf_rho, block_size)
+            out = _fused_bidirectional(
+                q, k, v, omega, kernel, key_padding_mask, oprf_rho, block_size
+            )
         return out.reshape(B, H, L, -1).to(out_dtype)
     with torch.autocast(device_type=q.device.type, enabled=False):
         x, y, vv, keep = _flatten_inputs(q, k, v, key_padding_mask)
