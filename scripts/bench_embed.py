@@ -62,7 +62,7 @@ GIB = 1024**3
 # --------------------------------------------------------------------------------------------
 # Child: one case in a fresh process
 # --------------------------------------------------------------------------------------------
-def _build(impl: str, length: int) -> tuple[Any, Any]:
+def _build(impl: str, length: int, nb_features: int = 256) -> tuple[Any, Any]:
     """(model, forward(tokens)) for an implementation; raises ImportError when not installed."""
     import torch
 
@@ -75,7 +75,7 @@ def _build(impl: str, length: int) -> tuple[Any, Any]:
             depth=ESM2_8M["layers"],
             heads=ESM2_8M["heads"],
             ff_dim=ESM2_8M["ffn"],
-            nb_features=256,
+            nb_features=nb_features,
             attention="favor",
         )
         model = PerformerLM(config)
@@ -127,7 +127,7 @@ def run_case(case: dict[str, Any]) -> dict[str, Any]:
         torch.set_num_threads(int(case["threads"]))
     device = torch.device(case["device"])
     length = int(case["length"])
-    model, forward = _build(case["impl"], length)
+    model, forward = _build(case["impl"], length, int(case.get("nb_features", 256)))
     model.to(device).eval()
     g = torch.Generator().manual_seed(0)
     if case.get("sequence"):
@@ -295,6 +295,13 @@ def main(argv: list[str] | None = None) -> int:
         help="longest L for transformers (quadratic time: 32k takes many minutes on a CPU); "
         "longer is recorded as skipped (default 16384)",
     )
+    parser.add_argument(
+        "--nb-features",
+        type=int,
+        default=256,
+        help="FAVOR+ random features per head for our model (theory: m = Θ(d log d); the 8M "
+        "architecture has 16-wide heads, so 64 is ample)",
+    )
     parser.add_argument("--titin", type=Path, default=TITIN, help="FASTA holding TITIN_HUMAN")
     parser.add_argument("--no-titin", action="store_true", help="skip the titin case")
     parser.add_argument("--quick", action="store_true", help="L = 256, 512 and no titin")
@@ -330,6 +337,7 @@ def main(argv: list[str] | None = None) -> int:
                     "device": args.device,
                     "threads": args.threads,
                     "repeats": args.repeats,
+                    "nb_features": args.nb_features,
                 }
                 row.update(_spawn(case, args.timeout))
                 failed = row["status"] != "ok"
@@ -348,6 +356,7 @@ def main(argv: list[str] | None = None) -> int:
                 "device": args.device,
                 "threads": args.threads,
                 "repeats": 1,
+                "nb_features": args.nb_features,
             }
             row.update(_spawn(case, args.timeout))
         rows.append(row)
