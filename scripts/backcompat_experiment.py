@@ -7,9 +7,10 @@
 2. Swap: the same weights with FAVOR+ attention (``--kernel``, ``--nb-features``); record the
    held-out perplexity jump (mean over ``--swap-seeds`` feature draws, and the draw the
    fine-tune starts from).
-3. Fine-tune the FAVOR+ model (MLM, weights initialized from step 1 through
+3. Fine-tune the FAVOR+ model (weights initialized from step 1 through
    ``protein_performer.training.init_weights``) for ``--ft-steps`` steps, measuring held-out
-   perplexity every ``--eval-every`` steps.
+   perplexity every ``--eval-every`` steps; once per ``--distill-weights`` value: 0 is MLM
+   alone, w > 0 is (1 - w) MLM + w KL(exact twin || FAVOR+) (``model.distill``).
 
 Held-out perplexity is exp(mean NLL) over the masked positions of the test split (hash split
 of the records, never seen in training or validation; masks fixed by the data seed), so every
@@ -17,13 +18,16 @@ point of the curve is measured on the same tokens. Target (issue 7): back within
 model's perplexity in at most 10% of its training steps.
 
 Writes to ``--out-dir``: ``exact/`` (the training run), ``recovery.csv``, ``recovery.png`` and
-``recovery.md`` (summary and table, ready for docs/RESULTS.md).
+``recovery.md`` (summary and table, ready for docs/RESULTS.md). ``--exact-ckpt`` skips step 1
+and starts from an earlier run's checkpoint (its step count is read from the checkpoint).
 
 Examples::
 
     python scripts/backcompat_experiment.py --help
     python scripts/backcompat_experiment.py --quick            # wiring check, ~1-2 min
     python scripts/backcompat_experiment.py --steps 3000 --ft-steps 300 --eval-every 25
+    python scripts/backcompat_experiment.py --distill-weights 0.5 --out-dir outputs/bc2 \
+        --exact-ckpt outputs/backcompat/exact/checkpoints/last.ckpt
 """
 
 from __future__ import annotations
@@ -159,8 +163,9 @@ def train_exact(args: argparse.Namespace) -> tuple[str, Any]:
     return ckpt, cfg
 
 
-def fine_tune(args: argparse.Namespace, ckpt: str, loader: Any) -> list[dict]:
-    """Phase 3: a FAVOR+ module initialized from ``ckpt``, fitted for ``--ft-steps`` steps."""
+def fine_tune(args: argparse.Namespace, ckpt: str, loader: Any, weight: float) -> list[dict]:
+    """Phase 3: a FAVOR+ module initialized from ``ckpt``, fitted for ``--ft-steps`` steps with
+    distillation weight ``weight`` against ``ckpt``'s exact-attention model (0: MLM alone)."""
     import hydra
     import pytorch_lightning as pl
 
@@ -168,7 +173,7 @@ def fine_tune(args: argparse.Namespace, ckpt: str, loader: Any) -> list[dict]:
     from protein_performer.training.init_weights import load_initial_weights
     from protein_performer.training.train import compose_config
 
-    out = args.out_dir / "favor_finetune"
+    out = args.out_dir / f"favor_finetune_w{weight:g}"
     overrides = [
         *base_overrides(args),
         "model.config.attention=favor",
@@ -177,6 +182,9 @@ def fine_tune(args: argparse.Namespace, ckpt: str, loader: Any) -> list[dict]:
         f"model.config.feature_redraw_interval={args.redraw_interval}",
         f"model.optim.lr={args.ft_lr}",
         f"model.optim.warmup_steps={args.ft_warmup}",
+        f"model.distill.teacher='{ckpt}'" if weight > 0 else "model.distill.teacher=null",
+        f"model.distill.weight={weight}",
+        f"model.distill.temperature={args.distill_temperature}",
         f"trainer.max_steps={args.ft_steps}",
         "trainer.limit_val_batches=0",
         "trainer.num_sanity_val_steps=0",
@@ -201,60 +209,91 @@ def fine_tune(args: argparse.Namespace, ckpt: str, loader: Any) -> list[dict]:
 # --------------------------------------------------------------------------------------------
 # Report
 # --------------------------------------------------------------------------------------------
+def _label(weight: float) -> str:
+    return "MLM" if weight == 0 else f"MLM + distill (w={weight:g})"
+
+
+def reached_step(curve: list[dict], target: float) -> int | None:
+    """First measured fine-tune step at which held-out perplexity is at or below ``target``."""
+    return next((p["step"] for p in curve if p["ppl"] <= target), None)
+
+
 def write_report(
     args: argparse.Namespace,
     exact_ppl: float,
     swap_ppls: list[float],
-    curve: list[dict],
+    curves: dict[float, list[dict]],
     seconds: dict[str, float],
 ) -> str:
     target = 1.05 * exact_ppl
-    reached = next((p["step"] for p in curve if p["ppl"] <= target), None)
     budget = math.floor(0.10 * args.steps)
-    met = reached is not None and reached <= budget
+    weights = list(curves)
     with open(args.out_dir / "recovery.csv", "w", newline="") as fh:
-        writer = csv.DictWriter(fh, fieldnames=["step", "ppl", "ratio_to_exact"])
+        writer = csv.DictWriter(fh, fieldnames=["distill_weight", "step", "ppl", "ratio_to_exact"])
         writer.writeheader()
-        for p in curve:
-            writer.writerow({**p, "ratio_to_exact": p["ppl"] / exact_ppl})
-    plot(args, exact_ppl, curve)
+        for weight, curve in curves.items():
+            for p in curve:
+                writer.writerow(
+                    {"distill_weight": weight, **p, "ratio_to_exact": p["ppl"] / exact_ppl}
+                )
+    plot(args, exact_ppl, curves)
 
     dim, depth, heads = args.shape
     swap_mean = statistics.fmean(swap_ppls)
     swap_sd = statistics.stdev(swap_ppls) if len(swap_ppls) > 1 else 0.0
+    source = (
+        f"loaded from {args.exact_ckpt}"
+        if args.exact_ckpt
+        else f"trained with exact attention (lr {args.lr})"
+    )
     lines = [
         "## Backward compatibility: exact -> FAVOR+ swap and recovery",
         "",
-        f"Model: MLM, dim {dim}, depth {depth}, heads {heads}, ff {4 * dim}; trained "
-        f"{args.steps} steps with exact attention (lr {args.lr}, <= {args.max_tokens} tokens per "
-        f"batch, max_len {args.max_len}) on {', '.join(p.name for p in args.data)}"
+        f"Model: MLM, dim {dim}, depth {depth}, heads {heads}, ff {4 * dim}; {args.steps} steps "
+        f"{source} (<= {args.max_tokens} tokens per batch, max_len {args.max_len}) on "
+        f"{', '.join(p.name for p in args.data)}"
         f"{f' (first {args.limit_records} records)' if args.limit_records else ''}. "
         f"Swap: FAVOR+ `{args.kernel}`, m = {args.nb_features}. Fine-tune: {args.ft_steps} steps, "
-        f"lr {args.ft_lr}, feature redraw every {args.redraw_interval} steps. Held-out: test "
-        "split, perplexity over masked positions.",
+        f"lr {args.ft_lr}, feature redraw every {args.redraw_interval} steps, distillation "
+        f"temperature {args.distill_temperature:g}. Held-out: test split, perplexity over masked "
+        "positions.",
         "",
-        "| | held-out perplexity | ratio to exact |",
-        "|---|---|---|",
-        f"| exact (after {args.steps} steps) | {exact_ppl:.4f} | 1.000 |",
-        f"| FAVOR+ swap, no fine-tuning (mean ± sd over {len(swap_ppls)} feature seeds) | "
-        f"{swap_mean:.4f} ± {swap_sd:.4f} | {swap_mean / exact_ppl:.3f} |",
+        f"Exact model: held-out perplexity {exact_ppl:.4f}. FAVOR+ swap without fine-tuning: "
+        f"{swap_mean:.4f} ± {swap_sd:.4f} (mean ± sd over {len(swap_ppls)} feature seeds), "
+        f"{swap_mean / exact_ppl:.3f}× exact.",
+        "",
+        "| fine-tune step | " + " | ".join(f"{_label(w)}: ppl (× exact)" for w in weights) + " |",
+        "|---:|" + "---:|" * len(weights),
     ]
-    for p in curve:
-        lines.append(
-            f"| FAVOR+ after {p['step']} fine-tune steps | {p['ppl']:.4f} | "
-            f"{p['ppl'] / exact_ppl:.3f} |"
+    steps = sorted({p["step"] for curve in curves.values() for p in curve})
+    by_step = {w: {p["step"]: p["ppl"] for p in curve} for w, curve in curves.items()}
+    for step in steps:
+        cells = [
+            f"{by_step[w][step]:.4f} ({by_step[w][step] / exact_ppl:.3f})"
+            if step in by_step[w]
+            else ""
+            for w in weights
+        ]
+        lines.append(f"| {step} | " + " | ".join(cells) + " |")
+    lines.append("")
+    summary: dict[str, Any] = {"exact_ppl": exact_ppl, "swap_ppls": swap_ppls, "runs": []}
+    for weight, curve in curves.items():
+        reached = reached_step(curve, target)
+        met = reached is not None and reached <= budget
+        verdict = (
+            f"within 5% of exact after {reached} steps ({100 * reached / args.steps:.1f}% of "
+            f"the exact model's steps): target {'met' if met else 'NOT met'} (budget {budget})"
+            if reached is not None
+            else f"not within 5% of exact after {args.ft_steps} steps: target NOT met"
         )
-    verdict = (
-        f"within 5% of exact after {reached} steps ({100 * reached / args.steps:.1f}% of "
-        f"training steps): target {'met' if met else 'NOT met'} (budget {budget} steps)"
-        if reached is not None
-        else f"not within 5% of exact after {args.ft_steps} fine-tune steps: target NOT met"
-    )
+        lines.append(f"- {_label(weight)}: {verdict}.")
+        summary["runs"].append(
+            {"distill_weight": weight, "curve": curve, "reached_step": reached, "target_met": met}
+        )
+    timing = ", ".join(f"{k} {v:.0f} s" for k, v in seconds.items())
     lines += [
         "",
-        f"Result: {verdict}.",
-        "",
-        f"Wall time: exact training {seconds['train']:.0f} s, fine-tuning {seconds['ft']:.0f} s.",
+        f"Wall time: {timing}.",
         "Figure: recovery.png. Reproduce: `python scripts/backcompat_experiment.py "
         + " ".join(args.argv)
         + "`.",
@@ -262,30 +301,22 @@ def write_report(
     text = "\n".join(lines) + "\n"
     (args.out_dir / "recovery.md").write_text(text, encoding="utf-8")
     (args.out_dir / "summary.json").write_text(
-        json.dumps(
-            {
-                "exact_ppl": exact_ppl,
-                "swap_ppls": swap_ppls,
-                "curve": curve,
-                "reached_step": reached,
-                "target_met": met,
-            },
-            indent=2,
-        )
-        + "\n",
-        encoding="utf-8",
+        json.dumps(summary, indent=2) + "\n", encoding="utf-8"
     )
     return text
 
 
-def plot(args: argparse.Namespace, exact_ppl: float, curve: list[dict]) -> None:
+def plot(args: argparse.Namespace, exact_ppl: float, curves: dict[float, list[dict]]) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(6, 4), dpi=120)
-    ax.plot([p["step"] for p in curve], [p["ppl"] for p in curve], "o-", label="FAVOR+ fine-tune")
+    for weight, curve in curves.items():
+        ax.plot(
+            [p["step"] for p in curve], [p["ppl"] for p in curve], "o-", ms=3, label=_label(weight)
+        )
     ax.axhline(exact_ppl, color="k", ls="--", lw=1, label=f"exact ({exact_ppl:.3f})")
     ax.axhline(1.05 * exact_ppl, color="gray", ls=":", lw=1, label="exact + 5%")
     ax.axvline(0.10 * args.steps, color="tab:red", ls=":", lw=1, label="10% of training steps")
@@ -328,6 +359,21 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--ft-warmup", type=int, default=10)
     p.add_argument("--eval-every", type=int, default=None, help="K (default M/12)")
     p.add_argument("--redraw-interval", type=int, default=100)
+    p.add_argument(
+        "--distill-weights",
+        type=float,
+        nargs="+",
+        default=[0.0, 0.5],
+        metavar="W",
+        help="one fine-tune per weight: 0 = MLM alone, w = (1-w) MLM + w KL to the exact twin",
+    )
+    p.add_argument("--distill-temperature", type=float, default=1.0)
+    p.add_argument(
+        "--exact-ckpt",
+        type=Path,
+        default=None,
+        help="skip training: start from this exact-attention .ckpt (same --shape and data)",
+    )
     p.add_argument("--trainer", default="cpu", help="trainer config group option (cpu, gpu)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
@@ -354,6 +400,13 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         args.nb_features = min(args.nb_features, 32)
         args.swap_seeds = 2
         args.redraw_interval = 10
+    if args.exact_ckpt:
+        if not args.exact_ckpt.is_file():
+            p.error(f"--exact-ckpt {args.exact_ckpt}: no such file")
+        meta = torch.load(args.exact_ckpt, map_location="cpu", weights_only=False)
+        args.steps = int(meta.get("global_step", args.steps))  # the 10% budget is of these
+    if any(not 0 <= w <= 1 for w in args.distill_weights):
+        p.error("--distill-weights must be in [0, 1]")
     args.ft_steps = args.ft_steps or max(1, args.steps // 10)
     args.eval_every = args.eval_every or max(1, args.ft_steps // 12)
     missing = [str(p) for p in args.data if not p.is_file()]
@@ -367,7 +420,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    runs = [args.out_dir / d for d in ("exact", "favor_finetune")]
+    runs = [args.out_dir / f"favor_finetune_w{w:g}" for w in args.distill_weights]
+    if not args.exact_ckpt:
+        runs.append(args.out_dir / "exact")
     if any(d.exists() for d in runs):
         if not args.overwrite:
             print(f"error: {args.out_dir} holds an earlier run; pass --overwrite", file=sys.stderr)
@@ -380,11 +435,17 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     from protein_performer.inference.convert_esm import swap_attention
     from protein_performer.inference.loading import load_model
+    from protein_performer.training.train import compose_config
 
     start = time.perf_counter()
-    ckpt, cfg = train_exact(args)
-    seconds = {"train": time.perf_counter() - start}
-    log.info("exact model trained: %s", ckpt)
+    if args.exact_ckpt:
+        ckpt = str(args.exact_ckpt)
+        cfg = compose_config(base_overrides(args), output_dir=args.out_dir)
+        seconds = {}
+    else:
+        ckpt, cfg = train_exact(args)
+        seconds = {"exact training": time.perf_counter() - start}
+        log.info("exact model trained: %s", ckpt)
 
     datamodule = hydra.utils.instantiate(cfg.data)
     datamodule.setup("test")
@@ -399,10 +460,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     ]
     log.info("held-out ppl: exact %.4f, FAVOR+ swap %s", exact_ppl, swap_ppls)
 
-    start = time.perf_counter()
-    curve = fine_tune(args, ckpt, test_loader)
-    seconds["ft"] = time.perf_counter() - start
-    print(write_report(args, exact_ppl, swap_ppls, curve, seconds))
+    curves = {}
+    for weight in args.distill_weights:
+        start = time.perf_counter()
+        curves[weight] = fine_tune(args, ckpt, test_loader, weight)
+        seconds[f"fine-tune ({_label(weight)})"] = time.perf_counter() - start
+    print(write_report(args, exact_ppl, swap_ppls, curves, seconds))
     log.info("wrote %s", args.out_dir / "recovery.md")
     return 0
 

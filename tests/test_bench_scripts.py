@@ -9,31 +9,14 @@ from __future__ import annotations
 
 import csv
 import math
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
-
-ROOT = Path(__file__).resolve().parents[1]
-SCRIPTS = ROOT / "scripts"
 
 pytest.importorskip(
     "protein_performer.model.favor",
     reason="protein_performer.model.favor is not importable yet: the benchmarks need it",
 )
-
-
-def _run(script: str, *args: str, timeout: float = 120.0) -> subprocess.CompletedProcess[str]:
-    proc = subprocess.run(
-        [sys.executable, str(SCRIPTS / script), *args],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
-    assert proc.returncode == 0, f"{script} failed:\n{proc.stdout}\n{proc.stderr}"
-    return proc
 
 
 def _rows(path: Path) -> list[dict[str, str]]:
@@ -47,13 +30,13 @@ def _finite(value: str) -> bool:
 
 
 @pytest.mark.parametrize("script", ["bench_attention.py", "bench_favor_accuracy.py"])
-def test_help(script: str) -> None:
-    assert "usage" in _run(script, "--help").stdout
+def test_help(script: str, run_script) -> None:
+    assert "usage" in run_script(script, "--help").stdout
 
 
-def test_bench_attention_quick(tmp_path: Path) -> None:
+def test_bench_attention_quick(tmp_path: Path, run_script) -> None:
     # Only ours (both modes): every case is a fresh interpreter, so each costs an `import torch`.
-    proc = _run(
+    proc = run_script(
         "bench_attention.py",
         "--quick",
         "--impls",
@@ -91,8 +74,8 @@ def test_bench_attention_quick(tmp_path: Path) -> None:
     assert (tmp_path / "attention.md").is_file()
 
 
-def test_bench_favor_accuracy_quick(tmp_path: Path) -> None:
-    proc = _run(
+def test_bench_favor_accuracy_quick(tmp_path: Path, run_script) -> None:
+    proc = run_script(
         "bench_favor_accuracy.py",
         "--quick",
         "--seeds",

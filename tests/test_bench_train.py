@@ -9,38 +9,21 @@ from __future__ import annotations
 
 import csv
 import math
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
-SCRIPTS = ROOT / "scripts"
-
 pytest.importorskip("psutil", reason="the benchmark's memory sampler needs psutil")
 
 
-def _run(script: str, *args: str, timeout: float = 180.0) -> subprocess.CompletedProcess[str]:
-    proc = subprocess.run(
-        [sys.executable, str(SCRIPTS / script), *args],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
-    assert proc.returncode == 0, f"{script} failed:\n{proc.stdout}\n{proc.stderr}"
-    return proc
-
-
 @pytest.mark.parametrize("script", ["bench_train.py", "quality_study.py"])
-def test_help(script: str) -> None:
-    assert "usage" in _run(script, "--help").stdout
+def test_help(script: str, run_script) -> None:
+    assert "usage" in run_script(script, "--help").stdout
 
 
-def test_bench_train_quick(tmp_path: Path) -> None:
+def test_bench_train_quick(tmp_path: Path, run_script) -> None:
     # One objective and one length: each case is a fresh interpreter (an `import torch` each).
-    proc = _run(
+    proc = run_script(
         "bench_train.py",
         "--quick",
         "--objectives",

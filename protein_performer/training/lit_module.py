@@ -8,6 +8,7 @@ for MLM, next tokens for CLM) in ``batch["targets"]``, with -100 wherever there 
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Mapping
 from functools import partial
@@ -23,6 +24,7 @@ from torchmetrics.aggregation import SumMetric
 from protein_performer.errors import UserError
 from protein_performer.model.config import PerformerConfig
 from protein_performer.model.performer import PerformerLM
+from protein_performer.training.distill import DistillSettings, distill_kl, load_teacher
 
 IGNORE_INDEX = -100
 
@@ -66,12 +68,16 @@ class ProteinLMModule(pl.LightningModule):
         config: ``PerformerConfig`` fields (a dict, DictConfig or the dataclass).
         optim: AdamW + schedule settings: ``lr``, ``weight_decay``, ``betas``, ``eps``,
             ``warmup_steps``, ``min_lr_ratio``; missing keys take ``DEFAULT_OPTIM``.
+        distill: optional distillation from an exact-attention teacher (``teacher``,
+            ``weight``, ``temperature``; see ``protein_performer.training.distill``). Training
+            only: validation and test report the plain MLM/CLM loss either way.
     """
 
     def __init__(
         self,
         config: Mapping[str, Any] | PerformerConfig,
         optim: Mapping[str, Any] | None = None,
+        distill: Mapping[str, Any] | None = None,
     ) -> None:
         super().__init__()
         config = _plain(config)
@@ -82,11 +88,18 @@ class ProteinLMModule(pl.LightningModule):
                 f"unknown model.optim key(s): {', '.join(unknown)}; "
                 f"valid keys are: {', '.join(DEFAULT_OPTIM)}"
             )
-        # Both go into hparams (so the Lightning checkpoint is self-describing) ...
-        self.save_hyperparameters({"config": config, "optim": optim})
+        self.distill = DistillSettings.from_mapping(_plain(distill))
+        # All go into hparams (so the Lightning checkpoint is self-describing) ...
+        self.save_hyperparameters(
+            {"config": config, "optim": optim, "distill": dataclasses.asdict(self.distill)}
+        )
         self.performer_config = PerformerConfig.from_dict(config)
         self.optim = optim
         self.model = PerformerLM(self.performer_config)
+        # Not a registered submodule (object.__setattr__ bypasses nn.Module's registration):
+        # kept out of the checkpoint, the optimizer and the summary.
+        teacher = load_teacher(self.distill.teacher) if self.distill.enabled else None
+        object.__setattr__(self, "_teacher", teacher)
         # Token-weighted sums, synced across ranks by torchmetrics at compute time, so val/ppl is
         # exp of the corpus-level mean NLL, not a mean of per-batch perplexities.
         self.eval_nll = SumMetric()
@@ -96,9 +109,12 @@ class ProteinLMModule(pl.LightningModule):
     def forward(self, tokens: torch.Tensor, padding_mask: torch.Tensor | None = None) -> Any:
         return self.model(tokens, padding_mask=padding_mask)
 
-    def _losses(self, batch: Mapping[str, Any]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def _losses(
+        self, batch: Mapping[str, Any], logits: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Summed NLL, number of target tokens and number of correct argmax predictions."""
-        logits = self.model(batch["tokens"], padding_mask=batch["padding_mask"]).logits
+        if logits is None:
+            logits = self.model(batch["tokens"], padding_mask=batch["padding_mask"]).logits
         targets = batch["targets"]
         # float32 loss even under bf16 autocast: log-softmax over 33 tokens is cheap.
         nll = F.cross_entropy(
@@ -113,10 +129,29 @@ class ProteinLMModule(pl.LightningModule):
         return nll, n_tokens, correct
 
     def training_step(self, batch: Mapping[str, Any], batch_idx: int) -> torch.Tensor:
-        nll, n_tokens, _ = self._losses(batch)
-        loss = nll / n_tokens.clamp(min=1)
+        if self._teacher is None:
+            nll, n_tokens, _ = self._losses(batch)
+            loss = nll / n_tokens.clamp(min=1)
+        else:
+            loss = self._distill_step(batch)
         self.log("train/loss", loss, on_step=True, on_epoch=False, prog_bar=True, sync_dist=True)
         return loss
+
+    def _distill_step(self, batch: Mapping[str, Any]) -> torch.Tensor:
+        """(1 - w) * task loss + w * T^2 KL(teacher || student); logs both parts."""
+        teacher, settings = self._teacher, self.distill
+        logits = self.model(batch["tokens"], padding_mask=batch["padding_mask"]).logits
+        if next(teacher.parameters()).device != logits.device:
+            teacher.to(logits.device)  # Lightning moves registered modules only
+        with torch.no_grad():
+            teacher_logits = teacher(batch["tokens"], padding_mask=batch["padding_mask"]).logits
+        nll, n_tokens, _ = self._losses(batch, logits)
+        task = nll / n_tokens.clamp(min=1)
+        kl = distill_kl(logits, teacher_logits, batch["padding_mask"], settings.temperature)
+        opts = {"on_step": True, "on_epoch": False, "sync_dist": True}
+        self.log("train/task_loss", task, **opts)
+        self.log("train/distill_kl", kl, **opts)
+        return (1.0 - settings.weight) * task + settings.weight * kl
 
     def _eval_step(self, batch: Mapping[str, Any]) -> None:
         nll, n_tokens, correct = self._losses(batch)

@@ -1,0 +1,34 @@
+"""Shared test helpers."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+RunScript = Callable[..., subprocess.CompletedProcess]
+
+
+@pytest.fixture
+def run_script() -> RunScript:
+    """Run ``scripts/NAME *args`` with this interpreter from the repo root; a non-zero exit fails
+    the test with the script's output. Scripts run as subprocesses because that is how users run
+    them (their own argument parsing, thread settings and imports)."""
+
+    def run(script: str, *args: str, timeout: float = 180.0) -> subprocess.CompletedProcess[str]:
+        proc = subprocess.run(
+            [sys.executable, str(ROOT / "scripts" / script), *args],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+        )
+        assert proc.returncode == 0, f"{script} failed:\n{proc.stdout}\n{proc.stderr}"
+        return proc
+
+    return run
