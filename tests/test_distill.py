@@ -136,3 +136,46 @@ def test_distillation_pulls_favor_student_toward_teacher(teacher_dir) -> None:
         student = module.model(batch["tokens"], padding_mask=batch["padding_mask"]).logits
     after = distill_kl(student, teacher, batch["padding_mask"], 1.0).item()
     assert after < 0.5 * before
+
+
+def test_finetune_experiment_with_distillation_through_hydra(teacher_dir, tmp_path) -> None:
+    """``experiment=esm_favor_finetune`` + ``model.distill.weight``: the documented recovery path,
+    composed by Hydra and run by ``train(cfg)``; the teacher defaults to ``init_from``."""
+    from protein_performer.training.train import compose_config, train
+
+    repo = Path(__file__).resolve().parents[1]
+    cfg = compose_config(
+        [
+            "experiment=esm_favor_finetune",
+            f"paths.root_dir={repo}",
+            f"init_from={teacher_dir}",
+            "model.distill.weight=0.5",
+            *(f"model.config.{k}={v}" for k, v in SHAPE.items()),
+            "model.config.token_dropout=false",
+            f"data.path=[{repo / 'data' / 'demo' / 'train.fasta'}]",
+            "data.limit_records=400",
+            "data.max_len=64",
+            "data.max_tokens=512",
+            "data.num_workers=0",
+            "trainer=cpu",
+            "trainer.max_steps=3",
+            "trainer.val_check_interval=3",
+            "trainer.limit_val_batches=1",
+            "trainer.log_every_n_steps=1",
+            "callbacks.progress_bar=null",
+            "trainer.enable_progress_bar=false",
+            "trainer.enable_model_summary=false",
+        ],
+        output_dir=tmp_path,
+    )
+    assert cfg.model.distill.teacher == str(teacher_dir)
+    result = train(cfg)
+    metrics = result["metrics"]
+    for key in ("train/loss", "train/task_loss", "train/distill_kl", "val/ppl"):
+        assert math.isfinite(metrics[key]), key
+    # The logged loss is the documented mix of its two logged parts (same step).
+    mix = 0.5 * metrics["train/task_loss"] + 0.5 * metrics["train/distill_kl"]
+    assert metrics["train/loss"] == pytest.approx(mix, rel=1e-5)
+    ckpt = torch.load(result["last_checkpoint"], map_location="cpu", weights_only=False)
+    assert not any("teacher" in k for k in ckpt["state_dict"])
+    assert ckpt["hyper_parameters"]["distill"]["weight"] == 0.5
