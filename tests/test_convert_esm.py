@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -20,6 +21,7 @@ from protein_performer.inference.loading import load_model
 esm = pytest.importorskip("esm", reason="fair-esm is not installed (pip install fair-esm)")
 
 DEMO_FASTA = Path(__file__).resolve().parents[1] / "data" / "demo" / "some_proteins.fasta"
+TINY_PDB = Path(__file__).resolve().parent / "data" / "tiny_blank_chain.pdb"
 TOL = 1e-4
 SEQS = [("short", "MKTAYIAKQRQISFVK"), ("long", "MKTAYIAKQRQISFVKSHFSRQLEERLGLIEVQAPIL")]
 
@@ -265,6 +267,23 @@ def test_cli_end_to_end(fair, tmp_path, capsys):
     scores = tmp_path / "scores.csv"
     assert main(["score", str(out), str(fasta), str(scores), "--no-progress"]) == 0
     assert len(scores.read_text().strip().splitlines()) == 3
+
+    # The other commands that take a checkpoint read the converted directory too.
+    wt = tmp_path / "wt.fasta"
+    wt.write_text(">wt\nMKTAYIAKQR\n")
+    mutations = tmp_path / "dms.csv"
+    mutations.write_text("mutant,fit\nM1A,0.1\nK2E,0.5\nT3P:A4G,-0.2\n")
+    variants = tmp_path / "variants.csv"
+    argv = ["score-variants", str(out), "--wt", str(wt), "--mutations", str(mutations)]
+    argv += ["--out", str(variants), "--label-col", "fit", "--no-progress"]
+    assert main(argv) == 0
+    assert len(variants.read_text().strip().splitlines()) == 4
+    argv = ["eval", f"ckpt={out}", f"data={fasta}", f"out_dir={tmp_path / 'ev'}", "progress=false"]
+    assert main(argv) == 0
+    assert (tmp_path / "ev" / "metrics.json").is_file()
+    pdbs = [shutil.copy(TINY_PDB, tmp_path / f"tiny{i}.pdb") for i in range(2)]
+    assert main(["contacts", str(out), *map(str, pdbs), "--out", str(tmp_path / "c")]) == 0
+    assert any((tmp_path / "c").iterdir())
 
 
 def test_init_from_converted_weights(fair, tmp_path):
