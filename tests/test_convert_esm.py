@@ -312,5 +312,5 @@ def test_init_from_converted_weights(fair, tmp_path):
     with pytest.raises(UserError, match="heads=4"):
         load_initial_weights(ProteinLMModule({**shape, "heads": 8}), tmp_path / "exact")
     with pytest.raises(UserError, match="add init_from=PATH"):
-        maybe_init_from(module, OmegaConf.create({"init_from": "???"}))
+        maybe_init_from(module, OmegaConf.create({"init_from": None, "init_from_required": True}))
     assert maybe_init_from(module, OmegaConf.create({"init_from": None})) is None

@@ -189,7 +189,6 @@ def test_every_experiment_composes(tmp_path: Path) -> None:
     for path in sorted((REPO / "conf" / "experiment").glob("*.yaml")):
         cfg = compose_config([f"experiment={path.stem}"], output_dir=tmp_path)
         body = OmegaConf.masked_copy(cfg, [k for k in cfg if k != "hydra"])
-        # `???` values (e.g. init_from of a fine-tuning experiment) are the user's to fill in.
         resolved = OmegaConf.to_container(body, resolve=True, throw_on_missing=False)
         PerformerConfig.from_dict(resolved["model"]["config"])  # valid architecture
         assert resolved["model"]["config"]["objective"] == resolved["data"]["objective"]
@@ -206,6 +205,11 @@ def test_instantiation_errors_name_the_config_key(tmp_path: Path) -> None:
         train(tiny_cfg(tmp_path, "model.config.heads=3"))
     with pytest.raises(UserError, match="ckpt_path"):
         train(tiny_cfg(tmp_path, f"ckpt_path={tmp_path / 'missing.ckpt'}"))
+    # A fine-tune experiment without weights stops before building anything (it would otherwise
+    # train from random weights).
+    finetune = compose_config(["experiment=esm_favor_finetune"], output_dir=tmp_path)
+    with pytest.raises(UserError, match="add init_from=PATH"):
+        train(finetune)
 
 
 def test_conf_dir_from_environment(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -102,23 +102,27 @@ def load_initial_weights(module: Any, path: str | os.PathLike[str]) -> list[str]
     return kept
 
 
+def check_init_from(cfg: Any) -> None:
+    """Fail before anything is built when the experiment needs ``init_from`` and has none.
+
+    ``init_from_required: true`` marks experiments that only make sense from existing weights;
+    without this check they would silently train from random weights.
+    """
+    if cfg.get("init_from_required") and not cfg.get("init_from") and not cfg.get("ckpt_path"):
+        raise UserError(
+            "this experiment fine-tunes existing weights: add init_from=PATH (an export from "
+            "`protein-performer convert-esm`, a .ckpt, or an ESM-2 .pt / Hugging Face directory)"
+        )
+
+
 def maybe_init_from(module: Any, cfg: Any) -> str | None:
     """The ``train(cfg)`` hook: apply ``cfg.init_from`` when set; returns the path used.
 
     Skipped when resuming (``ckpt_path``): the checkpoint restores the weights anyway, and the
-    source need not exist any more. ``init_from: ???`` (an experiment that only makes sense
-    from existing weights) without a value is a ``UserError`` naming the override to add.
+    source need not exist any more.
     """
-    from omegaconf import OmegaConf
-    from omegaconf.errors import MissingMandatoryValue
-
-    try:
-        path = OmegaConf.select(cfg, "init_from", default=None, throw_on_missing=True)
-    except MissingMandatoryValue:
-        raise UserError(
-            "this experiment fine-tunes existing weights: add init_from=PATH (an export from "
-            "`protein-performer convert-esm`, a .ckpt, or an ESM-2 .pt / Hugging Face directory)"
-        ) from None
+    check_init_from(cfg)
+    path = cfg.get("init_from")
     if not path or cfg.get("ckpt_path"):
         return None
     load_initial_weights(module, path)

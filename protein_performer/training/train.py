@@ -150,7 +150,7 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     import pytorch_lightning as pl
 
     from protein_performer.training.callbacks import TrainingCurvePlot
-    from protein_performer.training.init_weights import maybe_init_from
+    from protein_performer.training.init_weights import check_init_from, maybe_init_from
 
     if cfg.get("seed") is not None:
         pl.seed_everything(int(cfg.seed), workers=True)
@@ -161,6 +161,7 @@ def train(cfg: DictConfig) -> dict[str, Any]:
             "run to resume, e.g. outputs/<task>/<run>/checkpoints/last.ckpt"
         )
 
+    check_init_from(cfg)  # before building anything: a fine-tune experiment without weights
     datamodule = _instantiate(cfg.data, "data")
     module = _instantiate(cfg.model, "model")
     maybe_init_from(module, cfg)  # init_from=PATH: start from existing (e.g. ESM-2) weights
