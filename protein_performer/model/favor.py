@@ -25,10 +25,14 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from protein_performer.model.favor_causal import (
+    Segment,
+    SegmentOperands,
     causal_linear_attention,
+    plan_segments,
     safe_denominator,
-    scan_backward,
-    scan_forward,
+    scan_backward_segments,
+    scan_forward_segments,
+    workspace,
 )
 
 __all__ = [
@@ -269,18 +273,100 @@ class _ExpFeatures(torch.autograd.Function):
         return dx, None, None, None, None, None
 
 
+class _RowFeatures:
+    """Stabilized exp features of one segment's rows, computed when the causal scan needs them.
+
+    Why: the scan uses phi(Q), phi(K) one segment at a time, so neither is ever materialized
+    for the whole sequence; the backward recomputes them from q, k and the O(L) stabilizers
+    saved by the forward. q, k are unscaled (BH, Lp, d): the temperature t = d^-1/4 (and the
+    FAVOR++ scale) is folded into Wa, so the logits are q Wa^T + bias for queries and
+    k Wa^T + bias - t2 |k|^2/2 for keys (t2 = t^2), with no (L, d) copies of the inputs.
+    Features are computed in q's dtype into reused buffers (valid until the next call) and
+    returned as ``dtype`` (float64 for the backward's fallback, with the forward's values).
+    """
+
+    def __init__(self, q, k, v, Wa, bias, keep, t2: float, chunk: int, dtype: torch.dtype):
+        self.q, self.k, self.v, self.Wa, self.bias, self.keep = q, k, v, Wa, bias, keep
+        self.t2, self.chunk, self.dtype = t2, chunk, dtype
+        self.bufs: dict[str, Tensor | None] = dict.fromkeys(("q", "k", "vx"))
+
+    def rows(self, t: Tensor, seg: Segment) -> Tensor:
+        """(BH, Lp, ...) -> the segment's (nb, G*C, ...) view."""
+        b0, b1, g0, g1 = seg
+        return t[b0:b1, g0 * self.chunk : g1 * self.chunk]
+
+    def _logits(self, z: Tensor, seg: Segment, name: str) -> Tensor:
+        zs = self.rows(z, seg)  # (nb, N, d)
+        shape = (*zs.shape[:2], self.Wa.shape[-2])
+        self.bufs[name] = buf = workspace(self.bufs[name], shape, zs)
+        torch.matmul(zs, _segment_weights(self.Wa, seg).mT, out=buf)  # (nb, N, M)
+        return buf if self.bias is None else buf.add_(self.bias[seg[0] : seg[1]])
+
+    def chunk_mu(self, mu: Tensor, seg: Segment) -> Tensor:
+        """(BH, Lp) -> the segment's (nb, G, C) view."""
+        b0, b1, g0, g1 = seg
+        return self.rows(mu, seg).view(b1 - b0, g1 - g0, self.chunk)
+
+    def queries(
+        self, seg: Segment, shift: Tensor | None = None, rscale: Tensor | None = None
+    ) -> tuple[Tensor, Tensor]:
+        """exp(logit - shift) * rscale; shift = the row max (nb, N) unless given (backward).
+
+        rscale (nb, N, 1): the backward's row rescaling by 1 / normalizer.
+        """
+        t = self._logits(self.q, seg, "q")
+        if shift is None:
+            shift = t.amax(-1)
+        t.sub_(shift[..., None]).exp_()
+        if rscale is not None:
+            t.mul_(rscale)
+        return t.to(self.dtype), shift
+
+    def keys(
+        self, seg: Segment, mu_in: Tensor | None = None, mu: Tensor | None = None
+    ) -> tuple[Tensor, Tensor]:
+        """exp(logit - mu), pads 0; mu (nb, N) = running max of the row max over keys <= j.
+
+        The max continues from mu_in (nb,), the stabilizer carried in from the previous
+        segment of the same heads (None at a head's start); a given mu (backward) is used as is.
+        """
+        t = self._logits(self.k, seg, "k")
+        half = self.rows(self.k, seg).pow(2).sum(-1).mul_(self.t2 / 2)  # (nb, N)
+        keep = None if self.keep is None else self.rows(self.keep, seg)
+        if mu is None:
+            row = t.amax(-1).sub_(half)
+            if keep is not None:
+                row.masked_fill_(~keep, float("-inf"))
+            mu = row.clamp_min_(_NEG).cummax(dim=-1).values
+            if mu_in is not None:
+                mu = torch.maximum(mu, mu_in[:, None])
+        t.sub_(half.add_(mu)[..., None])
+        if keep is not None:
+            t.masked_fill_(~keep[..., None], float("-inf"))
+        return t.exp_().to(self.dtype), mu
+
+    def values(self, seg: Segment) -> Tensor:
+        """[v | 1] of the segment's rows, (nb, N, dv+1)."""
+        vs = self.rows(self.v, seg)
+        self.bufs["vx"] = vx = workspace(self.bufs["vx"], (*vs.shape[:2], vs.shape[-1] + 1), vs)
+        vx[..., :-1] = vs
+        vx[..., -1] = 1.0
+        return vx.to(self.dtype)
+
+
 class _CausalExpFavor(torch.autograd.Function):
     """Causal FAVOR for the exp kernels as one autograd node: features, chunked scan, backward.
 
-    Why one node: the feature gradients are finished segment by segment inside the scan's
-    backward (dlogit = dphi * phi, then one (rows, M) @ (M, d) matmul), so no full-size
-    (BH, L, M) gradient or product tensor is ever allocated: the only (BH, L, M) tensors alive
-    are the two saved feature maps.
+    Why one node: the features of a segment's rows are computed when the scan reaches it (see
+    :class:`_RowFeatures`), in forward and again in backward, and the feature gradients are
+    finished segment by segment (dlogit = dphi * phi, then one (rows, M) @ (M, d) matmul), so
+    no (BH, L, M) tensor is ever allocated: besides O(segment) buffers, memory is O(L d).
+    Saved: q, k, v, the outputs and the stabilizers (query row max, normalizer, key mu).
 
     Row rescaling (finite gradients at extreme logits): a query's features are stabilized by its
     row max, so the normalizer den_t can still be tiny (query mass where the keys have none) and
-    a backward through 1/den_t overflows. After the forward, each saved query row is multiplied
-    by 1/den_t (<= 1/float32.tiny, finite), which changes no output (a per-row factor cancels)
+    a backward through 1/den_t overflows. The backward multiplies each recomputed query row by
+    1/den_t (<= 1/float32.tiny, finite), which changes no output (a per-row factor cancels)
     but makes every normalizer 1, so the backward divides by nothing small. Each product
     phi_t,c / den_t * (key mass in column c) is <= 1, but in float32 a sum over queries of a huge
     phi_t,c / den_t can still overflow before it meets the tiny key features of a dead column;
@@ -288,87 +374,125 @@ class _CausalExpFavor(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, x, y, v, W, scale, bias, keep, chunk: int, rows: int):
-        BH, L, _ = x.shape
+    def forward(ctx, q, k, v, Wa, bias, keep, t2: float, chunk: int, rows: int):
+        BH, L, _ = q.shape
         dv = v.shape[-1]
         Lp = -(-L // chunk) * chunk
         if Lp != L:  # pad to whole chunks at the input level: O(L d), not O(L M)
-            x, y, v = (F.pad(t, (0, 0, 0, Lp - L)) for t in (x, y, v))
-            real = torch.ones(BH, L, dtype=torch.bool, device=x.device) if keep is None else keep
+            q, k, v = (F.pad(t, (0, 0, 0, Lp - L)) for t in (q, k, v))
+            real = torch.ones(BH, L, dtype=torch.bool, device=q.device) if keep is None else keep
             keep = F.pad(real, (0, Lp - L), value=False)
-        qf, _ = _exp_feature_map(x, W, scale, bias, None, key=False)  # (BH, Lp, M)
-        kf, mu = _exp_feature_map(y, W, scale, bias, keep, key=True)  # (BH, Lp, M), (BH, Lp)
-        vx = torch.cat([v, v.new_ones(BH, Lp, 1)], dim=-1)  # (BH, Lp, dv+1)
-        ys, saved = scan_forward(qf, kf, vx, mu, chunk, rows)
-        den = safe_denominator(ys[..., dv:])  # (BH, Lp, 1)
-        out = ys[..., :dv] / den
+        feats = _RowFeatures(q, k, v, Wa, bias, keep, t2, chunk, q.dtype)
+        qmax, mu = q.new_empty(BH, Lp), q.new_empty(BH, Lp)
+        out, den = q.new_empty(BH, Lp, dv), q.new_empty(BH, Lp, 1)
+
+        def operands(seg: Segment, mu_in: Tensor | None) -> SegmentOperands:
+            qf, qmax_s = feats.queries(seg)
+            kf, mu_s = feats.keys(seg, mu_in=mu_in)
+            feats.rows(qmax, seg).copy_(qmax_s)
+            feats.rows(mu, seg).copy_(mu_s)
+            qf, kf, vx = (_chunks(t, chunk) for t in (qf, kf, feats.values(seg)))
+            return SegmentOperands(qf, kf, vx, feats.chunk_mu(mu, seg))
+
+        def emit(seg: Segment, y: Tensor) -> None:
+            out_s, den_s = feats.rows(out, seg), feats.rows(den, seg)  # (nb, N, dv | 1)
+            y = y.view(*out_s.shape[:2], dv + 1)
+            den_s.copy_(safe_denominator(y[..., dv:]))
+            torch.div(y[..., :dv], den_s, out=out_s)
+
+        n = Lp // chunk
+        saved = scan_forward_segments(plan_segments(BH, n, chunk, rows), n, chunk, operands, emit)
         empty = den == torch.finfo(torch.float32).tiny  # rows that saw no real key
-        qf.mul_(den.reciprocal())  # saved query rows now have normalizer 1 (see docstring)
-        ctx.chunk, ctx.rows, ctx.saved, ctx.L = chunk, rows, saved, L
-        ctx.save_for_backward(x, y, W, scale, qf, kf, vx, mu, out, empty)
+        ctx.chunk, ctx.rows, ctx.saved, ctx.L, ctx.t2 = chunk, rows, saved, L, t2
+        ctx.save_for_backward(q, k, v, Wa, bias, keep, qmax, den.reciprocal_(), mu, out, empty)
         return out[:, :L]
 
     @staticmethod
     def backward(ctx, grad_out):
-        x, y, W, scale, qf, kf, vx, mu, out, empty = ctx.saved_tensors
-        L, Lp = ctx.L, x.shape[1]
+        q, k, v, Wa, bias, keep, qmax, rden, mu, out, empty = ctx.saved_tensors
+        L, Lp = ctx.L, q.shape[1]
         g = F.pad(grad_out, (0, 0, 0, Lp - L)) if Lp != L else grad_out
-        # out = num / den with den = 1 after the row rescaling: dnum = g, dden = -(g . out)
-        dy = torch.cat([g, -(g * out).sum(-1, keepdim=True)], dim=-1)  # (BH, Lp, dv+1)
-        dy.masked_fill_(empty, 0.0)
-        args = (x, y, W, scale, qf, kf, vx, mu, dy)
-        grads = _causal_exp_backward(*args, ctx.chunk, ctx.rows, ctx.saved)
-        if x.dtype != torch.float64 and not all(bool(torch.isfinite(t).all()) for t in grads):
-            wide = [None if t is None else t.double() for t in args]
+        stab = _CausalStabilizers(qmax, rden, mu, out, empty)
+        args = (q, k, v, Wa, bias, keep, ctx.t2, stab, g, ctx.chunk, ctx.rows)
+        grads = _causal_exp_backward(*args, ctx.saved, q.dtype)
+        if q.dtype != torch.float64 and not all(bool(torch.isfinite(t).all()) for t in grads):
             saved = [None if s is None else tuple(t.double() for t in s) for s in ctx.saved]
-            grads = tuple(
-                t.to(x.dtype) for t in _causal_exp_backward(*wide, ctx.chunk, ctx.rows, saved)
-            )
-        dx, dyk, dvv = (t[:, :L] for t in grads)
-        return dx, dyk, dvv, None, None, None, None, None, None
+            grads = tuple(t.to(q.dtype) for t in _causal_exp_backward(*args, saved, torch.float64))
+        dq, dk, dvv = (t[:, :L] for t in grads)
+        return dq, dk, dvv, None, None, None, None, None, None
+
+
+class _CausalStabilizers(NamedTuple):
+    """What the causal exp forward saves per row besides q, k, v, all (BH, Lp, .)."""
+
+    qmax: Tensor  # (BH, Lp) query row max
+    rden: Tensor  # (BH, Lp, 1) 1 / normalizer
+    mu: Tensor  # (BH, Lp) key running max
+    out: Tensor  # (BH, Lp, dv) normalized output
+    empty: Tensor  # (BH, Lp, 1) rows that saw no real key
 
 
 def _causal_exp_backward(
-    x: Tensor,
-    y: Tensor,
-    W: Tensor,
-    scale: Tensor | None,
-    qf: Tensor,
-    kf: Tensor,
-    vx: Tensor,
-    mu: Tensor,
-    dy: Tensor,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    Wa: Tensor,
+    bias: Tensor | None,
+    keep: Tensor | None,
+    t2: float,
+    stab: _CausalStabilizers,
+    g: Tensor,
     chunk: int,
     rows: int,
     saved: list,
+    dtype: torch.dtype,
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """(dx, dy, dv), each (BH, Lp, .), of :class:`_CausalExpFavor` for upstream dy (BH, Lp, E)."""
-    BH, Lp, d = x.shape
-    M, dv, C = W.shape[0], vx.shape[-1] - 1, chunk
-    n = Lp // C
-    dx, dyk = torch.empty_like(x), torch.empty_like(y)
-    dvv = vx.new_empty(BH, Lp, dv)
-    Wt = W.to(x.dtype)
-    views = [t.view(BH, n, C, -1) for t in (x, y, qf, kf, dx, dyk, dvv)]
+    """(dq, dk, dv), each (BH, Lp, .) in ``dtype``, of :class:`_CausalExpFavor` for grad g.
 
-    def emit(seg, dq_s, dk_s, dvx_s):
-        b0, b1, g0, g1 = seg
-        nb = b1 - b0
-        xs, ys, qs, ks, dxs, dys, dvs = (
-            t[b0:b1, g0:g1].reshape(nb, -1, t.shape[-1]) for t in views
-        )  # (nb, G*C, .) views
-        dq = dq_s.view(nb, -1, M).mul_(qs)  # d loss / d query logit
-        torch.matmul(dq, Wt, out=dxs)
-        dk = dk_s.view(nb, -1, M).mul_(ks)  # d loss / d key logit
-        torch.matmul(dk, Wt, out=dys)
-        if scale is not None:
-            dxs.mul_(scale[b0:b1])
-            dys.mul_(scale[b0:b1])
-        dys.sub_(dk.sum(-1, keepdim=True) * ys)  # the -|y|^2/2 term of the key logit
-        dvs.copy_(dvx_s.view(nb, -1, dv + 1)[..., :dv])
+    The features are recomputed per segment in q's dtype (the forward's values) and the scan
+    runs in ``dtype``. out = num / den with den = 1 after the row rescaling: dnum = g and
+    dden = -(g . out); rows that saw no real key output the constant 0 and get no gradient.
+    """
+    BH, Lp, _ = q.shape
+    dv = v.shape[-1]
+    feats = _RowFeatures(q, k, v, Wa, bias, keep, t2, chunk, dtype)
+    Wg = Wa.to(dtype)
+    dq, dk = q.new_empty(q.shape, dtype=dtype), k.new_empty(k.shape, dtype=dtype)
+    dvv = v.new_empty(v.shape, dtype=dtype)
 
-    scan_backward(qf, kf, vx, mu, dy, C, rows, saved, emit)
-    return dx, dyk, dvv
+    def operands(seg: Segment) -> SegmentOperands:
+        qf, _ = feats.queries(seg, feats.rows(stab.qmax, seg), feats.rows(stab.rden, seg))
+        kf, _ = feats.keys(seg, mu=feats.rows(stab.mu, seg))
+        gs = feats.rows(g, seg)
+        dy = torch.cat([gs, -(gs * feats.rows(stab.out, seg)).sum(-1, keepdim=True)], dim=-1)
+        dy = dy.masked_fill_(feats.rows(stab.empty, seg), 0.0).to(dtype)
+        qf, kf, vx, dy = (_chunks(t, chunk) for t in (qf, kf, feats.values(seg), dy))
+        return SegmentOperands(qf, kf, vx, feats.chunk_mu(stab.mu, seg).to(dtype), dy)
+
+    def emit(seg: Segment, op: SegmentOperands, dq_s: Tensor, dk_s: Tensor, dvx_s: Tensor):
+        dqs, dks, dvs = (feats.rows(t, seg) for t in (dq, dk, dvv))  # (nb, N, .) views
+        W = _segment_weights(Wg, seg)
+        dl = dq_s.view(op.q.shape).mul_(op.q).view(*dqs.shape[:2], -1)  # d loss / d logit
+        torch.matmul(dl, W, out=dqs)
+        dl = dk_s.view(op.k.shape).mul_(op.k).view(*dks.shape[:2], -1)
+        torch.matmul(dl, W, out=dks)
+        dks.sub_(dl.sum(-1, keepdim=True).mul_(t2) * feats.rows(k, seg))  # -t2 |k|^2/2 term
+        dvs.copy_(dvx_s.view(*dvs.shape[:2], dv + 1)[..., :dv])
+
+    n = Lp // chunk
+    segments = plan_segments(BH, n, chunk, rows)
+    scan_backward_segments(segments, n, chunk, saved, operands, emit)
+    return dq, dk, dvv
+
+
+def _segment_weights(W: Tensor, seg: Segment) -> Tensor:
+    """W for a segment's heads: (M, d) as is, or rows b0:b1 of per-head (BH, M, d) weights."""
+    return W if W.dim() == 2 else W[seg[0] : seg[1]]
+
+
+def _chunks(t: Tensor, chunk: int) -> Tensor:
+    """(nb, N, X) -> (nb * N / C, C, X) view."""
+    return t.view(-1, chunk, t.shape[-1])
 
 
 def _exp_params(
@@ -630,14 +754,25 @@ class _BidiExpFavor(torch.autograd.Function):
         return dq, dk, dvv, None, None, None, None, None
 
 
-def _fused_bidirectional(q, k, v, omega, kernel, key_padding_mask, rho, block: int) -> Tensor:
-    """Flatten (without the temperature, which :class:`_BidiExpFavor` folds in) and apply it."""
-    B, H, L, d = q.shape
+def _flatten_unscaled(q: Tensor, k: Tensor, v: Tensor, key_padding_mask: Tensor | None):
+    """Upcast and flatten heads without the temperature (the fused paths fold it into omega).
+
+    (B, H, L, d) -> (BH, L, d), views when q, k, v are contiguous float32; mask -> keep (BH, L).
+    """
+    B, H, L, _ = q.shape
     dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
     x, y, vv = (t.to(dtype).reshape(B * H, L, t.shape[-1]) for t in (q, k, v))
     keep = None
     if key_padding_mask is not None:
         keep = (~key_padding_mask.bool())[:, None, :].expand(B, H, L).reshape(B * H, L)
+    return x, y, vv, keep
+
+
+def _fused_bidirectional(q, k, v, omega, kernel, key_padding_mask, rho, block: int) -> Tensor:
+    """Flatten (without the temperature, which :class:`_BidiExpFavor` folds in) and apply it."""
+    B, H, L, d = q.shape
+    x, y, vv, keep = _flatten_unscaled(q, k, v, key_padding_mask)
+    dtype = x.dtype
     om = omega.to(device=x.device, dtype=dtype)
     r = None
     if kernel == "softmax_opt":
@@ -646,6 +781,27 @@ def _fused_bidirectional(q, k, v, omega, kernel, key_padding_mask, rho, block: i
         r = _resolve_rho(kernel, False, rho, xs, ys, keep, B)
     W, scale, bias = _exp_params(om, kernel, r)
     return _BidiExpFavor.apply(x, y, vv, W, scale, bias, keep, block)
+
+
+def _fused_causal(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    omega: Tensor,
+    kernel: str,
+    key_padding_mask: Tensor | None,
+    rho: Tensor | float | None,
+    chunk: int,
+    rows: int,
+) -> Tensor:
+    """Flatten (without the temperature, which :class:`_CausalExpFavor` folds in) and apply it."""
+    B, _, _, d = q.shape
+    x, y, vv, keep = _flatten_unscaled(q, k, v, key_padding_mask)
+    om = omega.to(device=x.device, dtype=x.dtype)
+    W, scale, bias = _exp_params(om, kernel, _resolve_rho(kernel, True, rho, x, y, keep, B))
+    t = d**-0.25
+    Wa = W * t if scale is None else W * (scale * t)  # (M, d) or (BH, M, d)
+    return _CausalExpFavor.apply(x, y, vv, Wa, bias, keep, t * t, chunk, rows)
 
 
 def favor_attention(
@@ -661,12 +817,15 @@ def favor_attention(
     chunk_size: int = 128,
     block_size: int = 2048,
     relu_eps: float = 1e-3,
-    segment_size: int = 32768,
+    segment_size: int = 8192,
     fused_bidirectional: bool = True,
 ) -> Tensor:
     """FAVOR attention, (B, H, L, d) -> (B, H, L, dv), linear in L in time and memory.
 
-    Causal mode uses the chunked scan of :mod:`favor_causal` (O(L) memory also in backward).
+    Causal mode uses the chunked scan of :mod:`favor_causal` (O(L) memory also in backward);
+    for the exp kernels through :class:`_CausalExpFavor`, which computes the features one scan
+    segment at a time. segment_size: tokens (over all heads) per scan segment; it bounds the
+    scan's transient memory (about segment_size * (4 M + 2 C) floats in backward).
     Bidirectional exp kernels use :class:`_BidiExpFavor` (features recomputed in backward, so
     O(L d + block M) memory) unless fused_bidirectional=False or omega / oprf_rho need
     gradients; the generic blockwise path then keeps every block's features for autograd.
@@ -683,20 +842,21 @@ def favor_attention(
         and not omega.requires_grad
         and not (isinstance(oprf_rho, Tensor) and oprf_rho.requires_grad)
     )
-    if fused:
+    if fused or (causal and kernel in _EXP_KERNELS):
         with torch.autocast(device_type=q.device.type, enabled=False):
-            out = _fused_bidirectional(
-                q, k, v, omega, kernel, key_padding_mask, oprf_rho, block_size
-            )
+            if fused:
+                out = _fused_bidirectional(
+                    q, k, v, omega, kernel, key_padding_mask, oprf_rho, block_size
+                )
+            else:
+                args = (kernel, key_padding_mask, oprf_rho, chunk_size, segment_size)
+                out = _fused_causal(q, k, v, omega, *args)
         return out.reshape(B, H, L, -1).to(out_dtype)
     with torch.autocast(device_type=q.device.type, enabled=False):
         x, y, vv, keep = _flatten_inputs(q, k, v, key_padding_mask)
         om = omega.to(device=x.device, dtype=x.dtype)
         rho = _resolve_rho(kernel, causal, oprf_rho, x, y, keep, B)
-        if causal and kernel in _EXP_KERNELS:
-            W, scale, bias = _exp_params(om, kernel, rho)
-            out = _CausalExpFavor.apply(x, y, vv, W, scale, bias, keep, chunk_size, segment_size)
-        elif causal:
+        if causal:
             qf = _query_features(x, om, kernel, rho, relu_eps)  # (BH, L, M)
             kf, mu = _causal_key_features(y, om, kernel, rho, relu_eps, keep)  # (BH,L,M), (BH,L)
             out = causal_linear_attention(qf, kf, vv, mu, chunk_size, segment_size)

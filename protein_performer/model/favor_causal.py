@@ -18,22 +18,31 @@ one small (G x G) matmul. The forward keeps only the state at segment boundaries
 matrices per head, only when a head spans several segments); the backward walks the segments in
 reverse, recomputes each segment's prefix states from that boundary state, carries the state
 adjoint dS backwards, and finishes the segment's gradients at once. Nothing of size
-(chunks x M x dv) is stored across segments.
+(chunks x M x dv) is stored across segments. The scan takes a segment's operands from a provider
+(:func:`scan_forward_segments`, :func:`scan_backward_segments`), so a caller can compute the
+features of a segment's rows only when the scan reaches it (the exp kernels in ``favor``);
+:func:`scan_forward` / :func:`scan_backward` are the versions on given full feature maps.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
 
 __all__ = [
+    "Segment",
+    "SegmentOperands",
     "causal_linear_attention",
     "plan_segments",
     "safe_denominator",
     "scan_backward",
+    "scan_backward_segments",
     "scan_forward",
+    "scan_forward_segments",
+    "workspace",
 ]
 
 
@@ -144,49 +153,208 @@ def _suffix_adjoints(
 
 _MAX_JUMP = 60.0  # max rise of mu inside one chunk for the factorized intra-chunk path
 
+Segment = tuple[int, int, int, int]
 
-class _Layout:
-    """Chunk views of padded (BH, Lp, .) tensors plus the per-chunk stabilizers.
 
-    Intra-chunk weights exp(mu_j - mu_t) factor as colf_j * r_t with colf_j = exp(mu_j - mu_b)
-    (>= 1) and r_t = exp(mu_b - mu_t) (<= 1), mu_b the stabilizer before the chunk: the factors
-    go on V and on the output rows, and only a triangular mask touches the C x C matrix. When mu
-    rises by more than _MAX_JUMP inside a chunk (colf could overflow), the exact decay matrix is
-    used instead (``exact``).
+class SegmentOperands(NamedTuple):
+    """One segment's operands in the chunk layout (R = nb * G chunks of C rows).
+
+    Why a provider hands these over per segment instead of the scan slicing full tensors: the
+    exp kernels compute the features of a segment's rows only when the scan reaches it (and
+    again in backward), so no (BH, L, M) feature map is ever alive.
     """
 
-    def __init__(self, qf: Tensor, kf: Tensor, vx: Tensor, mu: Tensor, C: int, rows: int):
-        BH, Lp, M = qf.shape
-        self.BH, self.C, self.M, self.E = BH, C, M, vx.shape[-1]
-        self.n = Lp // C
-        self.q4 = qf.view(BH, self.n, C, M)
-        self.k4 = kf.view(BH, self.n, C, M)
-        self.vx4 = vx.view(BH, self.n, C, self.E)
-        self.mu3 = mu.view(BH, self.n, C)
-        self.mu_end = self.mu3[..., -1]  # (BH, n): stabilizer of the state after each chunk
-        self.mu_before = torch.cat([self.mu3[:, :1, 0], self.mu_end[:, :-1]], dim=1)  # (BH, n)
-        self.exact = bool((self.mu_end - self.mu_before).max() > _MAX_JUMP)
-        self.tril = torch.ones(C, C, dtype=torch.bool, device=qf.device).tril_()
-        self.segments = plan_segments(BH, self.n, C, rows)
+    q: Tensor  # (R, C, M) query features
+    k: Tensor  # (R, C, M) key features relative to mu
+    vx: Tensor  # (R, C, E) values with the ones column
+    mu: Tensor  # (nb, G, C) key stabilizer, non-decreasing along each head
+    dy: Tensor | None = None  # (R, C, E) upstream gradient of the sums (backward only)
 
-    def rows(self, t4: Tensor, seg: tuple[int, int, int, int]) -> Tensor:
-        """(BH, n, C, X) -> the segment's (nb*G, C, X) view."""
-        b0, b1, g0, g1 = seg
-        return t4[b0:b1, g0:g1].reshape(-1, self.C, t4.shape[-1])
 
-    def factors(self, seg):
-        """mu_s (nb, G, C), mu_e, mu_b (nb, G), r, sc, colf (nb*G, C, 1) of one segment."""
+ForwardOperands = Callable[[Segment, Tensor | None], SegmentOperands]
+BackwardOperands = Callable[[Segment], SegmentOperands]
+SegmentSums = Callable[[Segment, Tensor], None]
+SegmentGrads = Callable[[Segment, SegmentOperands, Tensor, Tensor, Tensor], None]
+
+
+class _Factors(NamedTuple):
+    """Per-chunk stabilizers of one segment (see :func:`_factors`)."""
+
+    mu_e: Tensor  # (nb, G) stabilizer of the state after each chunk
+    mu_b: Tensor  # (nb, G) stabilizer of the state before each chunk
+    r: Tensor  # (R, C, 1) exp(mu_b - mu_t) <= 1
+    sc: Tensor  # (R, C, 1) exp(mu_t - mu_e) <= 1
+    colf: Tensor | None  # (R, C, 1) exp(mu_t - mu_b) >= 1; None: use the exact decay matrix
+
+
+def _factors(mu_s: Tensor, mu_in: Tensor | None) -> _Factors:
+    """Stabilizer factors of a segment; mu_in (nb,) is the state's mu before it (None: start).
+
+    Intra-chunk weights exp(mu_j - mu_t) factor as colf_j * r_t with colf_j = exp(mu_j - mu_b)
+    (>= 1) and r_t = exp(mu_b - mu_t) (<= 1): the factors go on V and on the output rows, and
+    only a triangular mask touches the C x C matrix. When mu rises by more than _MAX_JUMP inside
+    a chunk of the segment (colf could overflow), the exact decay matrix is used instead.
+    """
+    C = mu_s.shape[-1]
+    mu_e = mu_s[..., -1]
+    first = mu_s[:, :1, 0] if mu_in is None else mu_in[:, None]
+    mu_b = torch.cat([first, mu_e[:, :-1]], dim=1)
+    r = torch.exp(mu_b[..., None] - mu_s).view(-1, C, 1)
+    sc = torch.exp(mu_s - mu_e[..., None]).view(-1, C, 1)
+    colf = None
+    if not bool((mu_e - mu_b).max() > _MAX_JUMP):
+        colf = torch.exp(mu_s - mu_b[..., None]).view(-1, C, 1)
+    return _Factors(mu_e, mu_b, r, sc, colf)
+
+
+def _tril(C: int, device: torch.device) -> Tensor:
+    return torch.ones(C, C, dtype=torch.bool, device=device).tril_()
+
+
+def scan_forward_segments(
+    segments: list[Segment], n: int, chunk: int, operands: ForwardOperands, emit: SegmentSums
+) -> list:
+    """Unnormalized causal sums, segment by segment, with operands from a provider.
+
+    operands(segment, mu_in) gives the segment's operands; mu_in (nb,) is the stabilizer of the
+    state carried in from the previous segment of the same heads (None at a head's start), so
+    a provider can continue a running max. emit(segment, y) receives the sums
+    y_t = sum_{j<=t} (q_t . k_j) exp(mu_j - mu_t) vx_j as (R, C, E); the buffer is reused for
+    the next segment. n: chunks per head. Returns the incoming state of every segment (None at
+    a head's start), which is all the backward needs besides the operands.
+    """
+    C = chunk
+    saved: list = []
+    state: Tensor | None = None
+    mu_state: Tensor | None = None
+    w_buf: Tensor | None = None
+    y_buf: Tensor | None = None
+    tril: Tensor | None = None
+    for seg in segments:
         b0, b1, g0, g1 = seg
-        mu_s, mu_e, mu_b = (
-            self.mu3[b0:b1, g0:g1],
-            self.mu_end[b0:b1, g0:g1],
-            self.mu_before[b0:b1, g0:g1],
-        )
-        C = self.C
-        r = torch.exp(mu_b[..., None] - mu_s).view(-1, C, 1)  # <= 1
-        sc = torch.exp(mu_s - mu_e[..., None]).view(-1, C, 1)  # <= 1
-        colf = None if self.exact else torch.exp(mu_s - mu_b[..., None]).view(-1, C, 1)  # >= 1
-        return mu_s, mu_e, mu_b, r, sc, colf
+        nb, G = b1 - b0, g1 - g0
+        if g0 == 0:
+            state, mu_state = None, None
+        saved.append(None if state is None else (state, mu_state))
+        op = operands(seg, mu_state)
+        R, _, M = op.q.shape
+        E = op.vx.shape[-1]
+        f = _factors(op.mu, mu_state)
+        u = torch.bmm(op.k.transpose(1, 2), op.vx * f.sc).view(nb, G, M * E)
+        prefix, state = _prefix_states(u, f.mu_e, f.mu_b, state, mu_state, need_out=g1 < n)
+        mu_state = f.mu_e[:, -1]
+        del u
+        prefix = prefix.view(R, M, E)
+        w_buf = workspace(w_buf, (R, C, C), op.q)
+        y_buf = workspace(y_buf, (R, C, E), op.vx)
+        w, y = torch.bmm(op.q, op.k.transpose(1, 2), out=w_buf), y_buf
+        if f.colf is None:
+            tril = _tril(C, op.q.device) if tril is None else tril
+            w.view(nb, G, C, C).mul_(_decay(op.mu, tril))
+            torch.bmm(op.q, prefix, out=y).mul_(f.r)
+            y.baddbmm_(w, op.vx)
+        else:
+            w.tril_()
+            torch.bmm(w, op.vx * f.colf, out=y)
+            y.baddbmm_(op.q, prefix).mul_(f.r)
+        del prefix
+        emit(seg, y)
+    return saved
+
+
+def workspace(buf: Tensor | None, shape: tuple[int, ...], like: Tensor) -> Tensor:
+    """A reusable scratch tensor: the segment loop allocates its large temporaries once.
+
+    Why: fresh multi-MiB allocations are served by mmap and page-faulted in on every use.
+    """
+    numel = 1
+    for s in shape:
+        numel *= s
+    if buf is None or buf.numel() < numel:
+        buf = like.new_empty(numel)
+    return buf.view(-1)[:numel].view(shape)
+
+
+def scan_backward_segments(
+    segments: list[Segment],
+    n: int,
+    chunk: int,
+    saved: list,
+    operands: BackwardOperands,
+    emit: SegmentGrads,
+) -> None:
+    """Gradients of :func:`scan_forward_segments`, walking the segments in reverse.
+
+    operands(segment) must give the same operands as in the forward, plus dy (the upstream
+    gradient of the sums). emit(segment, operands, dq_s, dk_s, dvx_s) receives the complete
+    gradients of that segment's rows w.r.t. q, k and vx, shaped (R, C, M | M | E). The buffers
+    are reused for the next segment: emit must consume them before returning (it may modify
+    them in place).
+    """
+    C = chunk
+    dstate: Tensor | None = None
+    tril: Tensor | None = None
+    bufs: dict[str, Tensor | None] = dict.fromkeys(("dq", "dk", "w", "dw"))
+
+    def ws(name: str, shape: tuple[int, ...], like: Tensor) -> Tensor:
+        bufs[name] = workspace(bufs[name], shape, like)
+        return bufs[name].view(shape)
+
+    for seg, incoming in zip(reversed(segments), reversed(saved), strict=True):
+        b0, b1, g0, g1 = seg
+        nb, G = b1 - b0, g1 - g0
+        if g1 == n:
+            dstate = None
+        state, mu_state = incoming if incoming is not None else (None, None)
+        op = operands(seg)
+        q_s, k_s, vx_s, dy_s = op.q, op.k, op.vx, op.dy
+        R, _, M = q_s.shape
+        E = vx_s.shape[-1]
+        f = _factors(op.mu, mu_state)
+        vsc = vx_s * f.sc
+        u = torch.bmm(k_s.transpose(1, 2), vsc).view(nb, G, M * E)
+        prefix, _ = _prefix_states(u, f.mu_e, f.mu_b, state, mu_state, need_out=False)
+        del u
+        prefix = prefix.view(R, M, E)
+        dyr = dy_s * f.r
+        z = torch.bmm(q_s.transpose(1, 2), dyr).view(nb, G, M * E)
+        adj, dstate = _suffix_adjoints(z, f.mu_e, f.mu_b, dstate, need_out=g0 > 0)
+        del z
+        adj = adj.view(R, M, E)
+        dq_s = torch.bmm(dyr, prefix.transpose(1, 2), out=ws("dq", (R, C, M), q_s))
+        del prefix
+        w = torch.bmm(q_s, k_s.transpose(1, 2), out=ws("w", (R, C, C), q_s))
+        if f.colf is None:
+            tril = _tril(C, q_s.device) if tril is None else tril
+            decay = _decay(op.mu, tril).view(R, C, C)
+            w.mul_(decay)
+            dw = torch.bmm(dy_s, vx_s.transpose(1, 2), out=ws("dw", (R, C, C), q_s))
+            dw.mul_(decay)
+            del decay
+            dvx_s = torch.bmm(w.transpose(1, 2), dy_s)
+        else:
+            w.tril_()
+            dw = torch.bmm(dyr, (vx_s * f.colf).transpose(1, 2), out=ws("dw", (R, C, C), q_s))
+            dw.tril_()
+            dvx_s = torch.bmm(w.transpose(1, 2), dyr).mul_(f.colf)
+        dq_s.baddbmm_(dw, k_s)
+        dk_s = torch.bmm(dw.transpose(1, 2), q_s, out=ws("dk", (R, C, M), q_s))
+        dk_s.baddbmm_(vsc, adj.transpose(1, 2))
+        dvx_s.addcmul_(f.sc, torch.bmm(k_s, adj))
+        del adj
+        emit(seg, op, dq_s, dk_s, dvx_s)
+
+
+def _chunk_rows(t: Tensor, seg: Segment, chunk: int) -> Tensor:
+    """(BH, Lp, X) -> the segment's rows as a (nb*G, C, X) view (plan_segments keeps it one)."""
+    b0, b1, g0, g1 = seg
+    return t[b0:b1, g0 * chunk : g1 * chunk].reshape(-1, chunk, t.shape[-1])
+
+
+def _chunk_mu(mu: Tensor, seg: Segment, chunk: int) -> Tensor:
+    """(BH, Lp) -> the segment's stabilizer as a (nb, G, C) view."""
+    b0, b1, g0, g1 = seg
+    return mu[b0:b1, g0 * chunk : g1 * chunk].view(b1 - b0, g1 - g0, chunk)
 
 
 def scan_forward(
@@ -198,56 +366,19 @@ def scan_forward(
     Returns y (BH, Lp, E) and the incoming state of every segment (None at a head's start), which
     is all the backward needs besides the inputs.
     """
-    lay = _Layout(qf, kf, vx, mu, chunk, rows)
-    BH, n, C, M, E = lay.BH, lay.n, chunk, lay.M, lay.E
-    F = M * E
-    ys = vx.new_empty(BH, n, C, E)
-    saved: list = []
-    state: Tensor | None = None
-    mu_state: Tensor | None = None
-    w_buf: Tensor | None = None
-    for seg in lay.segments:
-        b0, b1, g0, g1 = seg
-        nb, G = b1 - b0, g1 - g0
-        if g0 == 0:
-            state, mu_state = None, None
-        saved.append(None if state is None else (state, mu_state))
-        q_s, k_s, vx_s = lay.rows(lay.q4, seg), lay.rows(lay.k4, seg), lay.rows(lay.vx4, seg)
-        mu_s, mu_e, mu_b, r, sc, colf = lay.factors(seg)
-        u = torch.bmm(k_s.transpose(1, 2), vx_s * sc).view(nb, G, F)
-        prefix, state = _prefix_states(u, mu_e, mu_b, state, mu_state, need_out=g1 < n)
-        mu_state = mu_e[:, -1]
-        del u
-        prefix = prefix.view(nb * G, M, E)
-        w_buf = _workspace(w_buf, (nb * G, C, C), qf)
-        w = torch.bmm(q_s, k_s.transpose(1, 2), out=w_buf)  # (R, C, C)
-        y = lay.rows(ys, seg)
-        if colf is None:
-            w.view(nb, G, C, C).mul_(_decay(mu_s, lay.tril))
-            torch.bmm(q_s, prefix, out=y).mul_(r)
-            y.baddbmm_(w, vx_s)
-        else:
-            w.tril_()
-            torch.bmm(w, vx_s * colf, out=y)
-            y.baddbmm_(q_s, prefix).mul_(r)
-        del prefix
-    return ys.view(BH, n * C, E), saved
+    BH, Lp, _ = qf.shape
+    n = Lp // chunk
+    ys = torch.empty_like(vx)
 
+    def operands(seg: Segment, _mu_in: Tensor | None) -> SegmentOperands:
+        q_s, k_s, vx_s = (_chunk_rows(t, seg, chunk) for t in (qf, kf, vx))
+        return SegmentOperands(q_s, k_s, vx_s, _chunk_mu(mu, seg, chunk))
 
-def _workspace(buf: Tensor | None, shape: tuple[int, ...], like: Tensor) -> Tensor:
-    """A reusable scratch tensor: the segment loop allocates its large temporaries once.
+    def emit(seg: Segment, y: Tensor) -> None:
+        _chunk_rows(ys, seg, chunk).copy_(y)
 
-    Why: fresh multi-MiB allocations are served by mmap and page-faulted in on every use.
-    """
-    numel = 1
-    for s in shape:
-        numel *= s
-    if buf is None or buf.numel() < numel:
-        buf = like.new_empty(numel)
-    return buf[:numel].view(shape)
-
-
-SegmentGrads = Callable[[tuple[int, int, int, int], Tensor, Tensor, Tensor], None]
+    segments = plan_segments(BH, n, chunk, rows)
+    return ys, scan_forward_segments(segments, n, chunk, operands, emit)
 
 
 def scan_backward(
@@ -259,7 +390,7 @@ def scan_backward(
     chunk: int,
     rows: int,
     saved: list,
-    emit: SegmentGrads,
+    emit: Callable[[Segment, Tensor, Tensor, Tensor], None],
 ) -> None:
     """Gradients of :func:`scan_forward` for the upstream gradient dy (BH, Lp, E).
 
@@ -267,56 +398,18 @@ def scan_backward(
     gradients of that segment's rows, shaped (nb*G, C, M | M | E). The buffers are reused for
     the next segment: emit must consume them before returning (it may modify them in place).
     """
-    lay = _Layout(qf, kf, vx, mu, chunk, rows)
-    n, C, M, E = lay.n, chunk, lay.M, lay.E
-    F = M * E
-    dy4 = dy.view(lay.BH, n, C, E)
-    dstate: Tensor | None = None
-    bufs: dict[str, Tensor | None] = dict.fromkeys(("dq", "dk", "w", "dw"))
+    BH, Lp, _ = qf.shape
+    n = Lp // chunk
 
-    def ws(name: str, shape: tuple[int, ...]) -> Tensor:
-        bufs[name] = _workspace(bufs[name], shape, qf)
-        return bufs[name].view(shape)
+    def operands(seg: Segment) -> SegmentOperands:
+        q_s, k_s, vx_s, dy_s = (_chunk_rows(t, seg, chunk) for t in (qf, kf, vx, dy))
+        return SegmentOperands(q_s, k_s, vx_s, _chunk_mu(mu, seg, chunk), dy_s)
 
-    for seg, incoming in zip(reversed(lay.segments), reversed(saved), strict=True):
-        b0, b1, g0, g1 = seg
-        nb, G = b1 - b0, g1 - g0
-        R = nb * G
-        if g1 == n:
-            dstate = None
-        q_s, k_s, vx_s = lay.rows(lay.q4, seg), lay.rows(lay.k4, seg), lay.rows(lay.vx4, seg)
-        dy_s = lay.rows(dy4, seg)
-        mu_s, mu_e, mu_b, r, sc, colf = lay.factors(seg)
-        state, mu_state = incoming if incoming is not None else (None, None)
-        vsc = vx_s * sc
-        u = torch.bmm(k_s.transpose(1, 2), vsc).view(nb, G, F)
-        prefix, _ = _prefix_states(u, mu_e, mu_b, state, mu_state, need_out=False)
-        del u
-        prefix = prefix.view(R, M, E)
-        dyr = dy_s * r
-        z = torch.bmm(q_s.transpose(1, 2), dyr).view(nb, G, F)
-        adj, dstate = _suffix_adjoints(z, mu_e, mu_b, dstate, need_out=g0 > 0)
-        del z
-        adj = adj.view(R, M, E)
-        dq_s = torch.bmm(dyr, prefix.transpose(1, 2), out=ws("dq", (R, C, M)))
-        del prefix
-        w = torch.bmm(q_s, k_s.transpose(1, 2), out=ws("w", (R, C, C)))
-        if colf is None:
-            decay = _decay(mu_s, lay.tril).view(R, C, C)
-            w.mul_(decay)
-            dw = torch.bmm(dy_s, vx_s.transpose(1, 2), out=ws("dw", (R, C, C))).mul_(decay)
-            del decay
-            dvx_s = torch.bmm(w.transpose(1, 2), dy_s)
-        else:
-            w.tril_()
-            dw = torch.bmm(dyr, (vx_s * colf).transpose(1, 2), out=ws("dw", (R, C, C))).tril_()
-            dvx_s = torch.bmm(w.transpose(1, 2), dyr).mul_(colf)
-        dq_s.baddbmm_(dw, k_s)
-        dk_s = torch.bmm(dw.transpose(1, 2), q_s, out=ws("dk", (R, C, M)))
-        dk_s.baddbmm_(vsc, adj.transpose(1, 2))
-        dvx_s.addcmul_(sc, torch.bmm(k_s, adj))
-        del adj
+    def grads(seg: Segment, _op: SegmentOperands, dq_s: Tensor, dk_s: Tensor, dvx_s: Tensor):
         emit(seg, dq_s, dk_s, dvx_s)
+
+    segments = plan_segments(BH, n, chunk, rows)
+    scan_backward_segments(segments, n, chunk, saved, operands, grads)
 
 
 class _CausalLinearAttention(torch.autograd.Function):
@@ -373,7 +466,7 @@ def causal_linear_attention(
     v: Tensor,
     mu: Tensor | None = None,
     chunk_size: int = 128,
-    segment_size: int = 32768,
+    segment_size: int = 8192,
 ) -> Tensor:
     """Causal normalized linear attention, O(L) memory in forward and backward.
 
