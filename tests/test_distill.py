@@ -109,6 +109,10 @@ def test_teacher_is_exact_frozen_and_outside_checkpoint(teacher_dir) -> None:
     n_student = sum(p.numel() for p in module.model.parameters())
     assert sum(p.numel() for p in module.parameters()) == n_student
     assert module.hparams["distill"]["weight"] == 0.5
+    with pytest.raises(UserError, match="is a mlm model but this run trains clm"):
+        ProteinLMModule(
+            {**SHAPE, "objective": "clm"}, None, {"teacher": str(teacher_dir), "weight": 0.5}
+        )
 
 
 def test_distillation_pulls_favor_student_toward_teacher(teacher_dir) -> None:

@@ -99,6 +99,12 @@ class ProteinLMModule(pl.LightningModule):
         # Not a registered submodule (object.__setattr__ bypasses nn.Module's registration):
         # kept out of the checkpoint, the optimizer and the summary.
         teacher = load_teacher(self.distill.teacher) if self.distill.enabled else None
+        if teacher is not None and teacher.config.objective != self.performer_config.objective:
+            raise UserError(
+                f"model.distill.teacher={self.distill.teacher} is a {teacher.config.objective} "
+                f"model but this run trains {self.performer_config.objective}: the teacher's "
+                "logits would answer another question (use a teacher of the same objective)"
+            )
         object.__setattr__(self, "_teacher", teacher)
         # Token-weighted sums, synced across ranks by torchmetrics at compute time, so val/ppl is
         # exp of the corpus-level mean NLL, not a mean of per-batch perplexities.
