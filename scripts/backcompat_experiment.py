@@ -24,9 +24,9 @@ and starts from an earlier run's checkpoint (its step count is read from the che
 Examples::
 
     python scripts/backcompat_experiment.py --help
-    python scripts/backcompat_experiment.py --quick            # wiring check, ~1-2 min
+    python scripts/backcompat_experiment.py --quick            # wiring check, seconds
     python scripts/backcompat_experiment.py --steps 3000 --ft-steps 300 --eval-every 25
-    python scripts/backcompat_experiment.py --distill-weights 0.5 --out-dir outputs/bc2 \
+    python scripts/backcompat_experiment.py --distill-weights 0.5 --out-dir outputs/bc2 \\
         --exact-ckpt outputs/backcompat/exact/checkpoints/last.ckpt
 """
 
@@ -384,7 +384,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--quick",
         action="store_true",
-        help="wiring check in ~1-2 min: tiny model, 600 records, 40 + 20 steps",
+        help="wiring check in seconds: tiny model, 600 records, 40 + 20 steps",
     )
     args = p.parse_args(argv)
     args.argv = list(argv if argv is not None else sys.argv[1:])
