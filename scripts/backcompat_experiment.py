@@ -450,7 +450,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     datamodule = hydra.utils.instantiate(cfg.data)
     datamodule.setup("test")
     test_loader = datamodule.test_dataloader()
-    exact = load_model(ckpt, "cpu").model
+    exact = load_model(ckpt, "cpu" if args.trainer == "cpu" else "auto").model
     exact_ppl = heldout_ppl(exact, test_loader)
     swap_ppls = [
         heldout_ppl(
