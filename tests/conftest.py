@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -12,6 +12,21 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 
 RunScript = Callable[..., subprocess.CompletedProcess]
+
+
+@pytest.fixture
+def one_thread() -> Iterator[None]:
+    """One intra-op thread for the test (modules opt in with ``usefixtures``).
+
+    Tiny models gain nothing from intra-op threads, and on a loaded machine OpenMP spinning
+    makes each op ~100x slower; the previous setting is restored afterwards.
+    """
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
 
 
 @pytest.fixture

@@ -12,7 +12,6 @@ from pathlib import Path
 
 import h5py
 import pytest
-import torch
 
 from protein_performer.cli.main import main
 from protein_performer.inference.loading import export_model
@@ -22,13 +21,7 @@ from tests.test_loading import fit_checkpoint
 WT = "MKTAYIAKQRQISFVKSHFSRQ"
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Tiny models: one intra-op thread (see tests/test_embedding.py)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")

@@ -32,14 +32,7 @@ GS
 """
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Tiny models gain nothing from intra-op threads, and on a loaded machine OpenMP spinning
-    makes each op ~100x slower; restored afterwards for other test modules."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def tiny_loaded(objective: str = "mlm", seed: int = 0, **kw) -> LoadedModel:
