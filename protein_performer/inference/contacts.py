@@ -34,7 +34,6 @@ import json
 import logging
 import math
 import os
-import tempfile
 import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -43,6 +42,7 @@ from typing import Any
 
 import numpy as np
 
+from protein_performer.atomic import write_text_atomic
 from protein_performer.errors import UserError
 
 log = logging.getLogger(__name__)
@@ -245,28 +245,6 @@ _RESERVED = (
     "intercept",
     "config_fingerprint",
 )
-
-
-def write_text_atomic(path: Path, text: str) -> Path:
-    """Write ``text`` to ``path`` via a temporary sibling and ``os.replace``: readers never see
-    a half-written file."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8", newline="") as fh:
-            fh.write(text)
-        os.chmod(tmp, 0o666 & ~_umask())  # mkstemp's 0600 would hide results from the group
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    return path
-
-
-def _umask() -> int:
-    mask = os.umask(0)
-    os.umask(mask)
-    return mask
 
 
 def training_pairs(

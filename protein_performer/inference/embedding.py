@@ -29,7 +29,6 @@ import json
 import logging
 import os
 import re
-import tempfile
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -37,6 +36,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from protein_performer.atomic import atomic_file
 from protein_performer.errors import UserError
 from protein_performer.inference.loading import LoadedModel
 
@@ -81,8 +81,8 @@ def budget_batches(lengths: Sequence[int], toks_per_batch: int) -> list[list[int
 def atomic_output(path: str | os.PathLike[str]) -> Iterator[Path]:
     """Yield a temporary path next to ``path``; rename it over ``path`` only on success.
 
-    Same directory, so ``os.replace`` is an atomic rename: readers see the old file or the
-    complete new one, never a half-written file, and a failure leaves nothing behind.
+    :func:`protein_performer.atomic.atomic_file` behind the checks a CLI output needs first: a
+    directory or a missing parent directory is the user's mistake, said as such.
     """
     out = Path(path).expanduser()
     if out.is_dir():
@@ -90,17 +90,8 @@ def atomic_output(path: str | os.PathLike[str]) -> Iterator[Path]:
     parent = out.parent
     if not parent.exists():
         raise UserError(f"output directory {parent} does not exist; create it first")
-    fd, tmp_name = tempfile.mkstemp(prefix=f".{out.name}.", suffix=".tmp", dir=parent)
-    os.close(fd)
-    tmp = Path(tmp_name)
-    try:
+    with atomic_file(out, mode=0o644) as tmp:
         yield tmp
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, out)
-    except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            tmp.unlink()
-        raise
 
 
 def read_records(fasta: str | os.PathLike[str], on_invalid: str = "error") -> list:

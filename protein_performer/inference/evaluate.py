@@ -18,6 +18,7 @@ Performer is whether quality holds up on long proteins, which a corpus mean hide
 from __future__ import annotations
 
 import csv
+import io
 import json
 import logging
 import math
@@ -28,6 +29,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from protein_performer.atomic import write_text_atomic
 from protein_performer.errors import UserError
 
 log = logging.getLogger(__name__)
@@ -191,12 +193,13 @@ def evaluate(cfg: Any) -> dict[str, Any]:
     out_dir = Path(str(cfg.out_dir)).expanduser()
     out_dir.mkdir(parents=True, exist_ok=True)
     metrics_path, bins_path = out_dir / "metrics.json", out_dir / "bins.csv"
-    metrics_path.write_text(json.dumps(result, indent=2) + "\n", encoding="utf-8")
-    with open(bins_path, "w", newline="", encoding="utf-8") as fh:
-        writer = csv.writer(fh)
-        writer.writerow(BIN_COLUMNS)
-        for row in [{"bin": "all", **overall}, *bins]:
-            writer.writerow(["" if row[c] is None else row[c] for c in BIN_COLUMNS])
+    write_text_atomic(metrics_path, json.dumps(result, indent=2) + "\n")
+    table = io.StringIO()
+    writer = csv.writer(table)
+    writer.writerow(BIN_COLUMNS)
+    for row in [{"bin": "all", **overall}, *bins]:
+        writer.writerow(["" if row[c] is None else row[c] for c in BIN_COLUMNS])
+    write_text_atomic(bins_path, table.getvalue())
     result["files"] = {"metrics": str(metrics_path), "bins": str(bins_path)}
     return result
 

@@ -16,6 +16,8 @@ import pytorch_lightning as pl
 import torch
 from pytorch_lightning.callbacks import Callback
 
+from protein_performer.atomic import write_text_atomic
+
 log = logging.getLogger(__name__)
 
 
@@ -136,8 +138,8 @@ class TrainingCurvePlot(Callback):
         out_dir = Path(self.dirpath or trainer.default_root_dir)
         out_dir.mkdir(parents=True, exist_ok=True)
         self.path = out_dir / f"{self.filename}.png"
-        with open(out_dir / f"{self.filename}.json", "w") as fh:
-            json.dump({"train/loss": self.train, **self.val}, fh)
+        curve = json.dumps({"train/loss": self.train, **self.val})
+        write_text_atomic(out_dir / f"{self.filename}.json", curve)
         plot_training_curve(self.train, self.val, self.path)
         log.info("training curve: %s", self.path)
 

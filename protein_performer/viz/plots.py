@@ -7,11 +7,12 @@ sibling and renamed, so a crash never leaves a truncated PNG that looks like a r
 from __future__ import annotations
 
 import os
-import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
+
+from protein_performer.atomic import atomic_file
 
 #: The 20 standard amino acids in BLOSUM's customary order.
 AMINO_ACIDS = "ARNDCQEGHILKMFPSTWYV"
@@ -28,26 +29,14 @@ def _pyplot():
     return plt
 
 
-def _umask() -> int:
-    mask = os.umask(0)
-    os.umask(mask)
-    return mask
-
-
 def save_figure(fig, path: str | os.PathLike[str], dpi: int = 120) -> Path:
-    """Save atomically (temp file + ``os.replace``) and close the figure."""
+    """Save as PNG atomically (:func:`protein_performer.atomic.atomic_file`), close the figure."""
     plt = _pyplot()
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.stem}.", suffix=".png", dir=path.parent)
-    os.close(fd)
     try:
-        fig.savefig(tmp, dpi=dpi, format="png", bbox_inches="tight")
-        os.chmod(tmp, 0o666 & ~_umask())  # mkstemp's 0600 would hide results from the group
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+        with atomic_file(path, suffix=".png") as tmp:
+            fig.savefig(tmp, dpi=dpi, format="png", bbox_inches="tight")
     finally:
         plt.close(fig)
     return path
