@@ -227,17 +227,36 @@ def _exp_feature_map(
         if bias is not None:
             t.add_(bias)
     if key:
-        half_sq = x.pow(2).sum(-1) / 2  # (BH, L)
-        row = t.amax(-1) - half_sq
+        return _stabilized_key_exp(t, x.pow(2).sum(-1).div_(2), keep)
+    mu = t.amax(-1)
+    t.sub_(mu[..., None])
+    return t.exp_(), mu
+
+
+def _stabilized_key_exp(
+    t: Tensor,
+    half_sq: Tensor,
+    keep: Tensor | None,
+    mu_in: Tensor | None = None,
+    mu: Tensor | None = None,
+) -> tuple[Tensor, Tensor]:
+    """Causal key features exp(t - |k|^2/2 - mu) in place of the logits t (..., L, M); pads 0.
+
+    mu (..., L) is the running max over keys <= j of each key's largest log-feature, so no
+    future key enters a past position's stabilizer. It continues from mu_in (...,), the value
+    carried in from an earlier part of the sequence, unless mu itself is given (a backward
+    recomputing the forward's features). half_sq (..., L) = |k|^2/2 is consumed.
+    """
+    if mu is None:
+        row = t.amax(-1).sub_(half_sq)
         if keep is not None:
-            row = row.masked_fill(~keep, float("-inf"))
-        mu = row.clamp_min(_NEG).cummax(dim=-1).values  # (BH, L)
-        t.sub_((half_sq + mu)[..., None])
-        if keep is not None:
-            t.masked_fill_(~keep[..., None], float("-inf"))
-    else:
-        mu = t.amax(-1)
-        t.sub_(mu[..., None])
+            row.masked_fill_(~keep, float("-inf"))
+        mu = row.clamp_min_(_NEG).cummax(dim=-1).values
+        if mu_in is not None:
+            mu = torch.maximum(mu, mu_in[..., None])
+    t.sub_(half_sq.add_(mu)[..., None])
+    if keep is not None:
+        t.masked_fill_(~keep[..., None], float("-inf"))
     return t.exp_(), mu
 
 
@@ -333,17 +352,8 @@ class _RowFeatures:
         t = self._logits(self.k, seg, "k")
         half = self.rows(self.k, seg).pow(2).sum(-1).mul_(self.t2 / 2)  # (nb, N)
         keep = None if self.keep is None else self.rows(self.keep, seg)
-        if mu is None:
-            row = t.amax(-1).sub_(half)
-            if keep is not None:
-                row.masked_fill_(~keep, float("-inf"))
-            mu = row.clamp_min_(_NEG).cummax(dim=-1).values
-            if mu_in is not None:
-                mu = torch.maximum(mu, mu_in[:, None])
-        t.sub_(half.add_(mu)[..., None])
-        if keep is not None:
-            t.masked_fill_(~keep[..., None], float("-inf"))
-        return t.exp_().to(self.dtype), mu
+        f, mu = _stabilized_key_exp(t, half, keep, mu_in, mu)
+        return f.to(self.dtype), mu
 
     def values(self, seg: Segment) -> Tensor:
         """[v | 1] of the segment's rows, (nb, N, dv+1)."""
