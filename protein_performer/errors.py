@@ -8,3 +8,19 @@ class UserError(Exception):
 
     The CLI catches it, prints ``error: <message>`` and exits with status 2.
     """
+
+
+def check_format_header(data: object, where: object, name: str, version: int, what: str) -> None:
+    """Refuse a JSON file that is not ours (``format`` != ``name``) or is newer than this code.
+
+    Every versioned file this package writes starts with ``format`` and ``format_version``, so
+    a wrong or future file fails here with what it is and what to do, not later with a KeyError.
+    """
+    if not isinstance(data, dict) or data.get("format") != name:
+        raise UserError(f"{where}: not a {what} (format != {name})")
+    found = data.get("format_version")
+    if not isinstance(found, int) or found > version:
+        raise UserError(
+            f"{where}: {what} format version {found!r} is newer than this protein-performer "
+            f"reads ({version}); upgrade protein-performer"
+        )

@@ -108,6 +108,19 @@ def test_export_round_trip_gives_identical_logits(trained, tmp_path: Path) -> No
     assert sorted(p.name for p in tmp_path.iterdir()) == ["exported"]
 
 
+def test_export_with_foreign_or_future_format_is_refused(trained, tmp_path: Path) -> None:
+    path, _ = trained
+    out = export_model(path, tmp_path / "exported")
+    meta = json.loads((out / CONFIG_FILE).read_text())
+    for edit, message in (
+        ({"format": "something.else"}, "not a protein-performer export"),
+        ({"format_version": 999}, "format version 999 is newer"),
+    ):
+        (out / CONFIG_FILE).write_text(json.dumps({**meta, **edit}))
+        with pytest.raises(UserError, match=message):
+            load_model(out, device="cpu")
+
+
 def test_export_refuses_to_clobber(trained, tmp_path: Path) -> None:
     path, _ = trained
     other = tmp_path / "other"

@@ -43,7 +43,7 @@ from typing import Any
 import numpy as np
 
 from protein_performer.atomic import write_text_atomic
-from protein_performer.errors import UserError
+from protein_performer.errors import UserError, check_format_header
 
 log = logging.getLogger(__name__)
 
@@ -200,14 +200,7 @@ class ContactRegression:
             raise UserError(f"{path}: contact regression file not found") from None
         except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
             raise UserError(f"{path}: not a readable JSON contact regression ({exc})") from None
-        if not isinstance(data, dict) or data.get("format") != FORMAT_NAME:
-            raise UserError(f"{path}: not a contact regression (format != {FORMAT_NAME})")
-        version = data.get("format_version")
-        if not isinstance(version, int) or version > FORMAT_VERSION:
-            raise UserError(
-                f"{path}: format version {version!r} is newer than this version reads "
-                f"({FORMAT_VERSION}); upgrade protein-performer"
-            )
+        check_format_header(data, path, FORMAT_NAME, FORMAT_VERSION, "contact regression")
         try:
             return cls(
                 coef=np.asarray(data["coef"], dtype=np.float64),

@@ -34,7 +34,7 @@ from typing import Any
 import torch
 
 from protein_performer.data.tokenizer import Alphabet
-from protein_performer.errors import UserError
+from protein_performer.errors import UserError, check_format_header
 from protein_performer.model.config import PerformerConfig
 from protein_performer.model.performer import PerformerLM
 
@@ -233,14 +233,7 @@ def _read_export(path: Path) -> tuple[PerformerConfig, dict[str, torch.Tensor]]:
         meta = json.loads(config_path.read_text(encoding="utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise UserError(f"{config_path}: not valid JSON ({exc}); re-export the model") from None
-    if not isinstance(meta, dict) or meta.get("format") != FORMAT_NAME:
-        raise UserError(f"{config_path}: not a protein-performer export (format != {FORMAT_NAME})")
-    version = meta.get("format_version")
-    if not isinstance(version, int) or version > FORMAT_VERSION:
-        raise UserError(
-            f"{config_path}: export format version {version!r} is newer than this "
-            f"protein-performer reads ({FORMAT_VERSION}); upgrade protein-performer"
-        )
+    check_format_header(meta, config_path, FORMAT_NAME, FORMAT_VERSION, "protein-performer export")
     vocab = meta.get("vocab")
     if vocab is not None and tuple(vocab) != Alphabet().tokens:
         raise UserError(
