@@ -1,38 +1,179 @@
 """Atomic file output: every file this package writes appears complete or not at all.
 
-A temporary sibling is written and then renamed over the target with ``os.replace`` (atomic on
-one filesystem), so a crash, Ctrl-C or full disk never leaves a half-written output that looks
-valid, and a failure removes the temporary file.
+A temporary sibling is written, flushed to disk (fsync) and renamed over the target with
+``os.replace`` (atomic on one filesystem; the temporary lives in the target's own directory, so
+it is always the same filesystem), then the directory entry is fsynced. A crash, kill -9, Ctrl-C
+or full disk never leaves a half-written output that looks valid, and a failure removes the
+temporary file. Temporaries are named after their host and process
+(``.NAME.HOST.PID.XXXX.tmp``), so the next write of the same target removes those left by a
+killed process of this host; others are left alone (they may belong to a live writer).
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
+import fcntl
 import os
+import re
+import socket
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
+from protein_performer.errors import UserError
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
 
 def default_file_mode() -> int:
     """What ``open(path, "w")`` would give: 0o666 minus the umask (``mkstemp`` gives 0o600)."""
-    mask = os.umask(0)
-    os.umask(mask)
-    return 0o666 & ~mask
+    return 0o666 & ~_umask()
+
+
+def default_dir_mode() -> int:
+    """What ``mkdir`` would give: 0o777 minus the umask (``mkdtemp`` gives 0o700)."""
+    return 0o777 & ~_umask()
+
+
+def _host() -> str:
+    return re.sub(r"[^A-Za-z0-9-]", "-", socket.gethostname())[:32] or "host"
+
+
+def temp_prefix(path: Path) -> str:
+    """The name prefix of this process's temporaries for ``path``."""
+    return f".{path.name}.{_host()}.{os.getpid()}."
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # exists, owned by someone else
+        return True
+    return True
+
+
+def remove_stale_temps(path: Path) -> list[Path]:
+    """Delete temporaries of ``path`` left by dead processes of this host; returns them.
+
+    Directories (an export or a store being assembled) are removed too. Another host's
+    temporaries cannot be judged from here and are kept.
+    """
+    import shutil
+
+    pattern = re.compile(
+        rf"^\.{re.escape(path.name)}\.{re.escape(_host())}\.(\d+)\.[^/]*\.tmp(\.\w+)?$"
+    )
+    removed: list[Path] = []
+    try:
+        entries = list(path.parent.iterdir())
+    except OSError:
+        return removed
+    for entry in entries:
+        found = pattern.match(entry.name)
+        if not found or _alive(int(found.group(1))):
+            continue
+        if entry.is_dir() and not entry.is_symlink():
+            shutil.rmtree(entry, ignore_errors=True)
+        else:
+            entry.unlink(missing_ok=True)
+        removed.append(entry)
+    return removed
+
+
+def fsync_path(path: Path) -> None:
+    """Flush a file's data, or a directory's entries, to disk (best effort for directories:
+    some filesystems refuse to fsync a directory)."""
+    flags = os.O_RDONLY | (os.O_DIRECTORY if path.is_dir() else 0)
+    fd = os.open(path, flags)
+    try:
+        os.fsync(fd)
+    except OSError as exc:
+        if not path.is_dir() or exc.errno not in (errno.EINVAL, errno.EBADF, errno.ENOTSUP):
+            raise
+    finally:
+        os.close(fd)
+
+
+def make_temp_dir(path: Path) -> Path:
+    """A temporary directory beside ``path`` (named like :func:`atomic_file`'s files) with the
+    mode ``mkdir`` would give, so a published directory follows the umask."""
+    remove_stale_temps(path)
+    tmp = Path(tempfile.mkdtemp(prefix=temp_prefix(path), suffix=".tmp", dir=path.parent))
+    os.chmod(tmp, default_dir_mode())
+    return tmp
+
+
+_RENAME_EXCHANGE = 2  # linux/fs.h
+
+
+def _exchange(a: Path, b: Path) -> bool:
+    """Swap two paths in one step (Linux ``renameat2(RENAME_EXCHANGE)``); False if unsupported."""
+    import ctypes
+
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        renameat2 = libc.renameat2
+    except (OSError, AttributeError):
+        return False
+    at_fdcwd = -100
+    rc = renameat2(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), _RENAME_EXCHANGE)
+    if rc == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.EINVAL, errno.ENOSYS, errno.ENOTSUP):
+        return False
+    raise OSError(err, os.strerror(err), os.fspath(b))
+
+
+def replace_dir(src: Path, dst: Path) -> None:
+    """Put the complete directory ``src`` at ``dst`` (same filesystem), deleting an old ``dst``.
+
+    An existing ``dst`` is exchanged with ``src`` in one atomic step where the kernel allows it,
+    so at every moment ``dst`` is the complete old or the complete new directory; elsewhere the
+    old one is moved aside first (a kill in between leaves it at ``.NAME.HOST.PID.old.tmp``).
+    """
+    import shutil
+
+    fsync_path(src)
+    if not dst.exists():
+        os.replace(src, dst)
+    elif _exchange(src, dst):
+        shutil.rmtree(src, ignore_errors=True)
+    else:
+        old = dst.with_name(f"{temp_prefix(dst)}old.tmp")
+        os.replace(dst, old)
+        os.replace(src, dst)
+        shutil.rmtree(old, ignore_errors=True)
+    fsync_path(dst.parent)
 
 
 @contextlib.contextmanager
 def atomic_file(path: Path, suffix: str = ".tmp", mode: int | None = None) -> Iterator[Path]:
     """Yield a temporary path beside ``path`` (its directory must exist) to write; on success it
-    is renamed over ``path`` with ``mode`` (default: :func:`default_file_mode`), on failure
-    deleted. ``suffix`` is for writers that pick a format from the file name."""
-    fd, name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=suffix, dir=path.parent)
+    is fsynced and renamed over ``path`` with ``mode`` (default: :func:`default_file_mode`), on
+    failure deleted. ``suffix`` is for writers that pick a format from the file name."""
+    path = Path(path)
+    remove_stale_temps(path)
+    fd, name = tempfile.mkstemp(
+        prefix=temp_prefix(path),
+        suffix=suffix if suffix == ".tmp" else f".tmp{suffix}",
+        dir=path.parent,
+    )
     os.close(fd)
     tmp = Path(name)
     try:
         yield tmp
         os.chmod(tmp, default_file_mode() if mode is None else mode)
+        fsync_path(tmp)
         os.replace(tmp, path)
+        fsync_path(path.parent)
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
@@ -44,3 +185,25 @@ def write_text_atomic(path: Path, text: str) -> Path:
     with atomic_file(path) as tmp, open(tmp, "w", encoding="utf-8", newline="") as fh:
         fh.write(text)
     return path
+
+
+@contextlib.contextmanager
+def exclusive_lock(path: Path, what: str) -> Iterator[None]:
+    """Hold an exclusive ``flock`` on a hidden lock file beside ``path`` for the block.
+
+    Two runs writing the same output would otherwise race; the second one gets one line. The
+    lock dies with its process (kill -9 included), so a crash never leaves it held.
+    """
+    lock = path.parent / f".{path.name}.lock"
+    fd = os.open(lock, os.O_RDWR | os.O_CREAT, default_file_mode())
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise UserError(
+                f"{path} is in use by another run writing {what} there; wait for it to finish "
+                "or choose another output"
+            ) from None
+        yield
+    finally:
+        os.close(fd)

@@ -153,7 +153,7 @@ def test_allowlisted_types_load_and_others_are_refused(trained, tmp_path: Path) 
         (lambda p, src: p, "does not exist"),
         (lambda p, src: (p.write_bytes(b""), p)[1], "empty"),
         (lambda p, src: (p.write_bytes(src.read_bytes()[:3000]), p)[1], "truncated"),
-        (lambda p, src: (p.write_bytes(b"PK\x03\x04" + bytes(range(256)) * 40), p)[1], "corrupt"),
+        (lambda p, src: (p.write_bytes(b"PK\x03\x04" + bytes(range(256)) * 40), p)[1], "damaged"),
         (lambda p, src: (p.write_text(">seq\nMKV\n"), p)[1], "not a PyTorch checkpoint"),
         (lambda p, src: (torch.save(torch.zeros(3), p), p)[1], "not a protein-performer"),
         (lambda p, src: (torch.save({"state_dict": {}}, p), p)[1], "no model config"),

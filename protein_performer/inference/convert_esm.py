@@ -12,9 +12,9 @@ regression head; HF's unused pooler), and every model weight must be filled. Any
 ``UserError`` naming the keys, because a silently half-loaded protein LM still produces
 plausible-looking numbers.
 
-fair-esm checkpoints are pickles: they are read with ``torch.load(weights_only=True)`` plus a
-one-load allowlist of ``argparse.Namespace`` (ESM-2's ``cfg["model"]`` and ESM-1's ``args`` are
-Namespaces; rebuilding one only sets attributes, it calls no user code). HF directories are read
+fair-esm checkpoints are pickles: they are read with ``protein_performer.checkpoints.safe_load``
+(``weights_only=True``; the fair-esm allowlist adds ``argparse.Namespace``, since ESM-2's
+``cfg["model"]`` and ESM-1's ``args`` are Namespaces). HF directories are read
 with ``safetensors`` and ``json`` alone, so ``transformers`` is not needed at run time.
 """
 
@@ -24,7 +24,6 @@ import argparse
 import json
 import logging
 import os
-import pickle
 import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -33,9 +32,10 @@ from typing import Any
 
 import torch
 
+from protein_performer.checkpoints import safe_load
 from protein_performer.data.tokenizer import Alphabet
 from protein_performer.errors import UserError
-from protein_performer.inference.loading import LoadedModel, _safe_globals, export_model
+from protein_performer.inference.loading import LoadedModel, export_model
 from protein_performer.model.config import ATTENTIONS, KERNELS, PerformerConfig
 from protein_performer.model.performer import PerformerLM
 
@@ -222,27 +222,6 @@ def _shape(state: Mapping[str, torch.Tensor], key: str, path: Path) -> tuple[int
 # --------------------------------------------------------------------------------------------
 # fair-esm .pt
 # --------------------------------------------------------------------------------------------
-def _load_pickle(path: Path) -> Any:
-    """``torch.load(weights_only=True)``, allowing ``argparse.Namespace`` for this load only."""
-    try:
-        with torch.serialization.safe_globals([argparse.Namespace, *_safe_globals()]):
-            return torch.load(path, map_location="cpu", weights_only=True)
-    except pickle.UnpicklingError as exc:
-        found = re.search(r"Unsupported global: GLOBAL (\S+)", str(exc))
-        what = f"an object of type {found.group(1)}" if found else "non-tensor pickle data"
-        raise UserError(
-            f"{path}: refusing to unpickle {what}: only tensors, plain containers and "
-            "argparse.Namespace are allowed, so a checkpoint cannot run code. Re-save it in a "
-            "trusted session as {'model': state_dict, 'cfg': {'model': vars(cfg)}}, or convert "
-            "it to a Hugging Face EsmForMaskedLM directory and give that instead"
-        ) from None
-    except (RuntimeError, EOFError, OSError, ValueError, KeyError) as exc:
-        first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-        raise UserError(
-            f"{path}: cannot read it as a PyTorch checkpoint ({first}); re-download or re-copy it"
-        ) from None
-
-
 def _as_dict(obj: Any) -> dict[str, Any] | None:
     if obj is None:
         return None
@@ -271,7 +250,7 @@ def _strip_fairseq_prefix(state: Mapping[str, Any]) -> dict[str, Any]:
 def read_fair_esm(path: str | os.PathLike[str]) -> EsmSource:
     """Read a fair-esm checkpoint as ``esm.pretrained.load_model_and_alphabet_local`` would."""
     src = Path(path)
-    data = _load_pickle(src)
+    data = safe_load(src, "fair-esm", what="a fair-esm checkpoint (e.g. esm2_t6_8M_UR50D.pt)")
     if not isinstance(data, Mapping) or not isinstance(data.get("model"), Mapping):
         found = sorted(map(str, data))[:6] if isinstance(data, Mapping) else type(data).__name__
         raise UserError(

@@ -8,10 +8,11 @@ Two on-disk forms load the same way (every inference command accepts either):
 * an exported directory (``protein-performer export CKPT DIR``): ``config.json`` (format name and
   version, the architecture, the vocabulary) + ``model.safetensors`` (weights only).
 
-Why so strict: a ``.ckpt`` is a pickle, and unpickling runs arbitrary code. Loading always uses
-``torch.load(weights_only=True)``; the few harmless non-tensor types a Lightning checkpoint can
-legitimately hold (paths, numpy scalars) are allowlisted for the duration of one load only.
-Anything else is refused with a message, never unpickled. The FAVOR+ random features (``omega``
+Why so strict: a ``.ckpt`` is a pickle, and unpickling runs arbitrary code. Loading goes through
+``protein_performer.checkpoints.safe_load`` (``weights_only=True``, a small allowlist); anything
+else is refused with a message, never unpickled. A config read from a file is checked (types,
+ranges, the weights' shapes from the safetensors header, a size that fits in memory) before
+anything is allocated, and non-finite weights are refused. The FAVOR+ random features (``omega``
 buffers) are part of the weights in both forms, so a loaded model reproduces the trained one
 exactly; they are never redrawn on load.
 """
@@ -21,18 +22,15 @@ from __future__ import annotations
 import json
 import logging
 import os
-import pathlib
-import pickle
-import re
 import shutil
-import tempfile
-import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from protein_performer.atomic import default_file_mode, fsync_path, make_temp_dir, replace_dir
+from protein_performer.checkpoints import check_finite, load_lightning
 from protein_performer.data.tokenizer import Alphabet
 from protein_performer.errors import UserError, check_format_header
 from protein_performer.model.config import PerformerConfig
@@ -99,82 +97,6 @@ def resolve_device(device: str | torch.device = "auto") -> torch.device:
 # --------------------------------------------------------------------------------------------
 # Reading
 # --------------------------------------------------------------------------------------------
-def _safe_globals() -> list[Any]:
-    """Non-tensor types a Lightning checkpoint may hold that are harmless to rebuild.
-
-    Paths (a callback's ``dirpath`` given as ``Path``) and numpy scalars/dtypes (a metric logged
-    as ``np.float64``): their reconstruction calls no user code. Nothing else is allowed.
-    """
-    allowed: list[Any] = [
-        pathlib.PosixPath,
-        pathlib.WindowsPath,
-        pathlib.PurePosixPath,
-        pathlib.PureWindowsPath,
-    ]
-    try:
-        import numpy as np
-
-        allowed.append(np.dtype)
-        for mod_name in ("numpy._core.multiarray", "numpy.core.multiarray"):
-            try:
-                mod = __import__(mod_name, fromlist=["scalar"])
-            except ImportError:
-                continue
-            allowed.append(mod.scalar)
-            break
-        for dtype_name in (
-            "Float64DType",
-            "Float32DType",
-            "Int64DType",
-            "Int32DType",
-            "BoolDType",
-        ):
-            dtype_cls = getattr(getattr(np, "dtypes", None), dtype_name, None)
-            if dtype_cls is not None:
-                allowed.append(dtype_cls)
-    except ImportError:  # pragma: no cover - numpy is a dependency
-        pass
-    return allowed
-
-
-_ZIP_MAGIC = b"PK\x03\x04"
-_PICKLE_MAGIC = b"\x80"  # pickle protocol >= 2: torch's legacy (non-zip) format
-
-
-def _torch_load(path: Path) -> Any:
-    """``torch.load(weights_only=True)`` with load errors turned into messages about the file."""
-    with open(path, "rb") as fh:
-        head = fh.read(4)
-    if not (head.startswith(_ZIP_MAGIC) or head.startswith(_PICKLE_MAGIC)):
-        raise UserError(
-            f"{path} is not a PyTorch checkpoint (it starts with {head!r}, not a zip or pickle "
-            "header); give a .ckpt from `protein-performer train` or an exported directory"
-        )
-    try:
-        with torch.serialization.safe_globals(_safe_globals()):
-            return torch.load(path, map_location="cpu", weights_only=True)
-    except pickle.UnpicklingError as exc:
-        text = str(exc)
-        found = re.search(r"Unsupported global: GLOBAL (\S+)", text)
-        if found:
-            raise UserError(
-                f"{path}: refusing to load: the checkpoint contains a Python object of type "
-                f"{found.group(1)}, which is not plain data. Loading is restricted to weights so "
-                "a checkpoint cannot run code; re-save it from a trusted session without that "
-                "object, or export it there with `protein-performer export`"
-            ) from None
-        raise UserError(
-            f"{path}: cannot read the checkpoint: the file is corrupt or not a PyTorch "
-            "checkpoint (its pickle data is not plain weights); re-copy it"
-        ) from None
-    except (RuntimeError, EOFError, OSError, ValueError, zipfile.BadZipFile, KeyError) as exc:
-        text = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-        raise UserError(
-            f"{path}: cannot read the checkpoint: the file is truncated, corrupt or not a "
-            f"PyTorch checkpoint ({text}); re-copy it or pick another .ckpt"
-        ) from None
-
-
 def _config_from(data: Any, path: Path, where: str) -> PerformerConfig:
     if not isinstance(data, dict):
         raise UserError(f"{path}: {where} must be a mapping of config fields, got {type(data)}")
@@ -185,17 +107,7 @@ def _config_from(data: Any, path: Path, where: str) -> PerformerConfig:
 
 
 def _read_lightning(path: Path) -> tuple[PerformerConfig, dict[str, torch.Tensor]]:
-    ckpt = _torch_load(path)
-    if not isinstance(ckpt, dict) or not isinstance(ckpt.get("state_dict"), dict):
-        what = (
-            f"a dict with keys {sorted(map(str, ckpt))[:8]}"
-            if isinstance(ckpt, dict)
-            else type(ckpt).__name__
-        )
-        raise UserError(
-            f"{path} is not a protein-performer Lightning checkpoint (no 'state_dict'; it holds "
-            f"{what}); give a .ckpt from `protein-performer train` or an exported directory"
-        )
+    ckpt = load_lightning(path)
     if "performer_config" in ckpt:
         config = _config_from(ckpt["performer_config"], path, "performer_config")
     else:
@@ -319,10 +231,9 @@ def load_model(path: str | os.PathLike[str], device: str | torch.device = "auto"
         config, state = _read_export(src)
         kind = "export"
     else:
-        if src.stat().st_size == 0:
-            raise UserError(f"{src} is empty (0 bytes): an interrupted copy or save? re-copy it")
         config, state = _read_lightning(src)
         kind = "lightning"
+    check_finite(state, src)
     alphabet = Alphabet()
     if config.vocab_size != len(alphabet):
         raise UserError(
@@ -393,20 +304,16 @@ def export_model(
         "tied_weights": sorted(aliases),
         "source": loaded.source.name,
     }
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent))
+    tmp = make_temp_dir(out)
     try:
         save_file(state, str(tmp / WEIGHTS_FILE), metadata={"format": FORMAT_NAME})
         (tmp / CONFIG_FILE).write_text(
             json.dumps(meta, indent=2, sort_keys=True) + "\n", encoding="utf-8"
         )
-        os.chmod(tmp, 0o755)
-        if out.exists():
-            old = out.with_name(f".{out.name}.old-{os.getpid()}")
-            os.replace(out, old)
-            os.replace(tmp, out)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.replace(tmp, out)
+        for name in (WEIGHTS_FILE, CONFIG_FILE):
+            os.chmod(tmp / name, default_file_mode())
+            fsync_path(tmp / name)
+        replace_dir(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

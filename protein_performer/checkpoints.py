@@ -1,0 +1,179 @@
+"""Checkpoint I/O on the package's low floor: one safe loader and one atomic writer.
+
+Training (resume, ``init_from``, the distillation teacher) and inference (every command taking
+CKPT, ``convert-esm``) read pickled checkpoints through :func:`safe_load` only, and every
+checkpoint is written through :func:`save_atomic`. Nothing here imports training or inference.
+
+Why so strict: unpickling runs code. :func:`safe_load` always calls
+``torch.load(weights_only=True)`` explicitly (an explicit argument is not overridden by
+``TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD``; the variables are also cleared for the load, so setting
+both cannot turn the refusal into a crash) with an allowlist per *source*: a Lightning
+checkpoint may hold paths and numpy scalars, a fair-esm file also an ``argparse.Namespace``.
+Any other object is refused with one line, never unpickled.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import io
+import os
+import pathlib
+import pickle
+import re
+import zipfile
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from protein_performer.atomic import atomic_file
+from protein_performer.errors import UserError
+
+_ZIP_MAGIC = b"PK\x03\x04"
+_PICKLE_MAGIC = b"\x80"  # pickle protocol >= 2: torch's legacy (non-zip) format
+_SHOW = 5  # offending names an error message lists
+_ENV_VARS = ("TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD", "TORCH_FORCE_WEIGHTS_ONLY_LOAD")
+
+
+def _numpy_globals() -> list[Any]:
+    """numpy scalars and dtypes (a metric logged as ``np.float64``): rebuilt without user code."""
+    import numpy as np
+
+    allowed: list[Any] = [np.dtype]
+    for mod_name in ("numpy._core.multiarray", "numpy.core.multiarray"):
+        try:
+            allowed.append(__import__(mod_name, fromlist=["scalar"]).scalar)
+            break
+        except (ImportError, AttributeError):
+            continue
+    for name in ("Float64DType", "Float32DType", "Int64DType", "Int32DType", "BoolDType"):
+        dtype_cls = getattr(getattr(np, "dtypes", None), name, None)
+        if dtype_cls is not None:
+            allowed.append(dtype_cls)
+    return allowed
+
+
+def allowed_globals(source: str) -> list[Any]:
+    """The non-tensor types a checkpoint from ``source`` may hold.
+
+    ``lightning``: paths (a callback's ``dirpath``) and numpy scalars; ``fair-esm``: those plus
+    ``argparse.Namespace`` (ESM-2's ``cfg["model"]``; rebuilding one only sets attributes).
+    """
+    allowed: list[Any] = [pathlib.PosixPath, pathlib.WindowsPath, pathlib.PurePosixPath]
+    allowed += [pathlib.PureWindowsPath, *_numpy_globals()]
+    if source == "fair-esm":
+        allowed.append(argparse.Namespace)
+    elif source != "lightning":
+        raise ValueError(f"unknown checkpoint source {source!r}")
+    return allowed
+
+
+@contextlib.contextmanager
+def _no_weights_only_override() -> Iterator[None]:
+    saved = {k: os.environ.pop(k) for k in _ENV_VARS if k in os.environ}
+    try:
+        yield
+    finally:
+        os.environ.update(saved)
+
+
+def _first_line(exc: BaseException) -> str:
+    return str(exc).splitlines()[0] if str(exc).strip() else type(exc).__name__
+
+
+def safe_load(path: str | os.PathLike[str], source: str = "lightning", what: str = "") -> Any:
+    """``torch.load(path, weights_only=True)`` with ``source``'s allowlist, on CPU.
+
+    Raises ``UserError`` naming the file for a missing, empty, truncated or foreign file and
+    for a pickle holding anything but tensors, plain containers and the allowlisted types.
+    ``what`` says what the file should be, for the messages.
+    """
+    src = Path(path)
+    what = what or "a .ckpt from `protein-performer train`"
+    if not src.is_file():
+        raise UserError(f"{src} is not a file: give {what}")
+    with open(src, "rb") as fh:
+        head = fh.read(4)
+    if not head:
+        raise UserError(f"{src} is empty (0 bytes): an interrupted copy or save? re-copy it")
+    if not (head.startswith(_ZIP_MAGIC) or head.startswith(_PICKLE_MAGIC)):
+        raise UserError(
+            f"{src} is not a PyTorch checkpoint (it starts with {head!r}, not a zip or pickle "
+            f"header); give {what}"
+        )
+    try:
+        with (
+            _no_weights_only_override(),
+            torch.serialization.safe_globals(allowed_globals(source)),
+        ):
+            return torch.load(src, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as exc:
+        found = re.search(r"(?:Unsupported global|unsupported GLOBAL): GLOBAL (\S+)", str(exc))
+        found = found or re.search(r"GLOBAL (\S+)", str(exc))
+        kind = f" (a {found.group(1)})" if found else ""
+        raise UserError(
+            f"{src} contains Python objects other than tensors{kind}; refusing to load: "
+            "unpickling them could run code. If you trust the file, re-save its weights in a "
+            "trusted session (or `protein-performer export` it there)"
+        ) from None
+    except (RuntimeError, EOFError, OSError, ValueError, zipfile.BadZipFile, KeyError) as exc:
+        raise UserError(
+            f"{src}: cannot read the checkpoint: the file is truncated or damaged "
+            f"({_first_line(exc)}); re-copy it or pick another checkpoint"
+        ) from None
+
+
+def nonfinite_tensors(state: Mapping[str, Any]) -> list[str]:
+    """Names of floating-point tensors in ``state`` holding a NaN or an infinity."""
+    return [
+        name
+        for name, t in state.items()
+        if isinstance(t, torch.Tensor) and t.is_floating_point() and not bool(t.isfinite().all())
+    ]
+
+
+def check_finite(state: Mapping[str, Any], where: object) -> None:
+    """Refuse weights with NaN/inf: every output computed from them would be NaN too."""
+    bad = nonfinite_tensors(state)
+    if bad:
+        more = f" (+{len(bad) - _SHOW} more)" if len(bad) > _SHOW else ""
+        raise UserError(
+            f"{where}: the weights are not finite (NaN or inf in {len(bad)} tensor(s): "
+            f"{', '.join(bad[:_SHOW])}{more}); the run that wrote them diverged. Use an "
+            "earlier checkpoint of that run"
+        )
+
+
+def load_lightning(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """A Lightning checkpoint dict with finite weights (resume and inference read it so)."""
+    ckpt = safe_load(path, "lightning")
+    if not isinstance(ckpt, dict) or not isinstance(ckpt.get("state_dict"), dict):
+        what = (
+            f"a dict with keys {sorted(map(str, ckpt))[:8]}"
+            if isinstance(ckpt, dict)
+            else type(ckpt).__name__
+        )
+        raise UserError(
+            f"{path} is not a protein-performer Lightning checkpoint (no 'state_dict'; it holds "
+            f"{what}); give a .ckpt from `protein-performer train` or an exported directory"
+        )
+    check_finite(ckpt["state_dict"], path)
+    return ckpt
+
+
+def save_atomic(checkpoint: Mapping[str, Any], path: str | os.PathLike[str]) -> Path:
+    """``torch.save`` to a temporary file in ``path``'s own directory, fsynced, then renamed:
+    a kill at any byte leaves the previous complete file (a temp in ``$TMPDIR`` would be
+    copied across filesystems, which is not atomic). Non-finite weights are refused."""
+    target = Path(path)
+    state = checkpoint.get("state_dict")
+    if isinstance(state, Mapping):
+        check_finite(state, f"not writing {target}")
+    buffer = io.BytesIO()
+    torch.save(dict(checkpoint), buffer)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with atomic_file(target) as tmp, open(tmp, "wb") as fh:
+        fh.write(buffer.getbuffer())
+    return target
