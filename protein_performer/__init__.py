@@ -1,3 +1,32 @@
-"""protein_performer: Performer (FAVOR+) protein language models for long sequences."""
+"""protein_performer: Performer (FAVOR+) protein language models for long sequences.
 
-__version__ = "0.1.0"
+``import protein_performer as pp; lm = pp.load("last.ckpt")`` is the Python entry point
+(``docs/API.md``). The names below are imported on first use, so ``import protein_performer``
+(and the CLI's ``--help``) stays fast and torch-free.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+__version__ = "0.2.0"
+
+__all__ = ["ProteinLM", "UserError", "__version__", "load"]
+
+if TYPE_CHECKING:
+    from protein_performer.errors import UserError
+    from protein_performer.inference.api import ProteinLM, load
+
+_LAZY = {
+    "load": "protein_performer.inference.api",
+    "ProteinLM": "protein_performer.inference.api",
+    "UserError": "protein_performer.errors",
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'protein_performer' has no attribute {name!r}")

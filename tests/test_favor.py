@@ -711,6 +711,30 @@ def test_step_equals_parallel_causal(kernel):
     assert torch.allclose(seq, par, rtol=tol, atol=tol)
 
 
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_initial_state_then_steps_equals_parallel(kernel):
+    """A prompt absorbed in one parallel pass, then token steps: the parallel forward's outputs
+    and the step-by-step state (generation's prefill + decode), padded rows included."""
+    B, H, L, d, P = 2, 2, 17, 8, 9
+    q, k, v = qkv(B, H, L, d, seed=43)
+    attn = module(kernel, True, chunk_size=4)
+    mask = torch.zeros(B, L, dtype=torch.bool)
+    mask[1, 6:P] = True  # row 1: a shorter prompt, right-padded up to P
+    par = attn(q, k, v, key_padding_mask=mask)
+    state = attn.initial_state(k[:, :, :P], v[:, :, :P], key_padding_mask=mask[:, :P])
+    stepped = None
+    for t in range(P):
+        stepped, _ = attn.step(stepped, q[:, :, t], k[:, :, t], v[:, :, t], mask[:, t])
+    tol = 1e-7 if kernel == "trig" else 1e-10
+    assert torch.allclose(state.kv * torch.exp(state.mu)[..., None, None],
+                          stepped.kv * torch.exp(stepped.mu)[..., None, None], rtol=tol, atol=0)
+    outs = []
+    for t in range(P, L):
+        state, o = attn.step(state, q[:, :, t], k[:, :, t], v[:, :, t], mask[:, t])
+        outs.append(o)
+    assert torch.allclose(torch.stack(outs, dim=2), par[:, :, P:], rtol=tol, atol=tol)
+
+
 def test_step_rejects_bidirectional():
     attn = module("softmax", False)
     q = torch.randn(1, 1, 8, dtype=torch.float64)

@@ -11,13 +11,35 @@ q and letting the attention core apply ``1/sqrt(d)`` gives the same scores.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from protein_performer.model.config import PerformerConfig
-from protein_performer.model.favor import FavorAttention, exact_attention, exact_attention_map
+from protein_performer.model.favor import (
+    FavorAttention,
+    FavorState,
+    exact_attention,
+    exact_attention_map,
+)
 from protein_performer.model.rotary import RotaryEmbedding
+
+
+class KVCache(NamedTuple):
+    """RNN-mode state of exact causal attention: every key and value so far (a KV cache).
+
+    k, v: (B, H, T, d) rotated keys and values; keep: (B, T) False where the row had a pad.
+    """
+
+    k: torch.Tensor
+    v: torch.Tensor
+    keep: torch.Tensor
+
+
+#: What one attention layer carries between generation steps.
+AttentionState = FavorState | KVCache
 
 
 class MultiHeadSelfAttention(nn.Module):
@@ -75,6 +97,58 @@ class MultiHeadSelfAttention(nn.Module):
         out = self.out_proj(out)
         weights = self.attention_map(q, k, padding_mask, heads) if need_weights else None
         return out, weights
+
+    def prefill(
+        self, x: torch.Tensor, padding_mask: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, AttentionState]:
+        """Causal forward over a prompt (B, L, D) that also returns the state to continue from.
+
+        FAVOR+: the parallel forward plus the prefix-sum state of all prompt keys (one pass);
+        exact: the parallel forward plus the KV cache. Padded keys never enter the state.
+        """
+        B, L, D = x.shape
+        q, k = self.rotated_qk(x)
+        v = self._split_heads(self.v_proj(x))
+        if self.favor is not None:
+            out = self.favor(q, k, v, key_padding_mask=padding_mask)
+            state: AttentionState = self.favor.initial_state(k, v, padding_mask)
+        else:
+            out = exact_attention(q, k, v, causal=True, key_padding_mask=padding_mask)
+            keep = (
+                torch.ones(B, L, dtype=torch.bool, device=x.device)
+                if padding_mask is None
+                else ~padding_mask.bool()
+            )
+            state = KVCache(k, v, keep)
+        return self.out_proj(out.transpose(1, 2).reshape(B, L, D)), state
+
+    def step(
+        self,
+        x_t: torch.Tensor,
+        positions: torch.Tensor,
+        state: AttentionState,
+        pad: torch.Tensor,
+    ) -> tuple[torch.Tensor, AttentionState]:
+        """One token per row, x_t (B, D) at ``positions`` (B,) -> (B, D) and the new state.
+
+        Rows with ``pad`` (B,) True leave their state unchanged (finished sequences).
+        """
+        B, D = x_t.shape
+        q, k = self.rot_emb.at_positions(
+            self._split_heads(self.q_proj(x_t)[:, None]),
+            self._split_heads(self.k_proj(x_t)[:, None]),
+            positions,
+        )  # (B, H, 1, d)
+        v = self._split_heads(self.v_proj(x_t)[:, None])  # (B, H, 1, d)
+        if isinstance(state, FavorState):
+            assert self.favor is not None
+            state, out = self.favor.step(state, q[:, :, 0], k[:, :, 0], v[:, :, 0], pad)
+        else:
+            keep = torch.cat([state.keep, ~pad[:, None]], dim=1)  # (B, T+1)
+            state = KVCache(torch.cat([state.k, k], 2), torch.cat([state.v, v], 2), keep)
+            mask = keep[:, None, None, :]  # (B, 1, 1, T+1)
+            out = F.scaled_dot_product_attention(q, state.k, state.v, attn_mask=mask)[:, :, 0]
+        return self.out_proj(out.reshape(B, D)), state
 
     def rotated_qk(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(B, L, D) -> q, k (B, H, L, d) after rotary, unscaled: what the attention core sees.

@@ -1115,6 +1115,54 @@ class FavorAttention(nn.Module):
             relu_eps=self.relu_eps,
         )
 
+    def _absorb(
+        self, state: FavorState | None, y: Tensor, vv: Tensor, keep: Tensor | None, B: int
+    ) -> FavorState:
+        """Add keys y (BH, L, d) with values vv (BH, L, dv) to the running state.
+
+        The stabilizer mu becomes the max of the old one and the new keys' largest log-feature,
+        and the old sum is rescaled to it: for L = 1 this is the RNN step, for a whole prompt
+        it is the state the step-by-step recursion would reach (a max is order-free).
+        """
+        om = self.omega.to(device=y.device, dtype=y.dtype)
+        rho = self.oprf_rho.to(y).expand(y.shape[0]) if self.kernel == "softmax_opt" else None
+        logit, base = _key_parts(y, om, self.kernel, rho, self.relu_eps)  # (BH, L, M|1)
+        if logit is None:  # relu: bounded features, no stabilizer
+            mu = y.new_zeros(y.shape[0])
+            kf = base
+        else:
+            row = logit.amax(-1)  # (BH, L)
+            if keep is not None:
+                row = row.masked_fill(~keep, _NEG)
+            mu = row.amax(-1).clamp_min(_NEG)  # (BH,)
+            if state is not None:
+                mu = torch.maximum(state.mu.reshape(-1).to(y), mu)
+            kf = torch.exp(logit - mu[:, None, None])
+            if base is not None:
+                kf = kf * base
+        if keep is not None:
+            kf = kf.masked_fill(~keep[..., None], 0.0)
+        vx = torch.cat([vv, vv.new_ones(*vv.shape[:-1], 1)], dim=-1)  # (BH, L, dv+1)
+        kv = kf.transpose(1, 2) @ vx  # (BH, M, dv+1)
+        if state is not None:
+            old = state.kv.reshape(kv.shape).to(y)
+            kv = kv + old * torch.exp(state.mu.reshape(-1).to(y) - mu)[:, None, None]
+        return FavorState(kv.reshape(B, -1, *kv.shape[1:]), mu.reshape(B, -1))
+
+    @torch.no_grad()
+    def initial_state(
+        self, k: Tensor, v: Tensor, key_padding_mask: Tensor | None = None
+    ) -> FavorState:
+        """The RNN-mode state after a whole prompt, k, v (B, H, L, d), in one parallel pass.
+
+        Generation runs the prompt through the parallel causal forward and continues from this
+        state with :meth:`step`; padded keys (key_padding_mask (B, L), True = pad) add nothing.
+        """
+        self._check_causal()
+        with torch.autocast(device_type=k.device.type, enabled=False):
+            _, y, vv, keep = _flatten_inputs(k, k, v, key_padding_mask)  # (BH, L, ·)
+            return self._absorb(None, y, vv, keep, k.shape[0])
+
     @torch.no_grad()
     def step(
         self,
@@ -1129,47 +1177,26 @@ class FavorAttention(nn.Module):
         state=None starts fresh; key_padding_mask (B,) True = this token is a pad (the state is
         left unchanged). Matches the parallel causal forward (same stabilizer, same omega).
         """
-        if not self.causal:
-            raise RuntimeError("step() is RNN mode and needs causal=True")
+        self._check_causal()
         out_dtype = q_t.dtype
+        B, H = q_t.shape[:2]
         with torch.autocast(device_type=q_t.device.type, enabled=False):
+            pad = None if key_padding_mask is None else key_padding_mask.reshape(B, 1)
             x, y, vv, keep = _flatten_inputs(
-                q_t[:, :, None], k_t[:, :, None], v_t[:, :, None], None
+                q_t[:, :, None], k_t[:, :, None], v_t[:, :, None], pad
             )  # (BH, 1, d)
-            B, H = q_t.shape[:2]
+            new_state = self._absorb(state, y, vv, keep, B)
             om = self.omega.to(device=x.device, dtype=x.dtype)
-            rho = None
-            if self.kernel == "softmax_opt":
-                rho = self.oprf_rho.to(x).expand(x.shape[0])
-            logit, base = _key_parts(y, om, self.kernel, rho, self.relu_eps)  # (BH, 1, ·)
-            pad = None
-            if key_padding_mask is not None:
-                pad = key_padding_mask.bool()[:, None].expand(B, H).reshape(B * H)  # (BH,)
-            if logit is None:
-                mu = x.new_zeros(B * H)
-                kf = base[:, 0]  # (BH, M)
-            else:
-                lmax = logit[:, 0].amax(-1)  # (BH,)
-                if pad is not None:
-                    lmax = lmax.masked_fill(pad, _NEG)
-                mu = lmax.clamp_min(_NEG)
-                if state is not None:
-                    mu = torch.maximum(state.mu.reshape(-1).to(x), mu)
-                kf = torch.exp(logit[:, 0] - mu[:, None])
-                if base is not None:
-                    kf = kf * base[:, 0]
-            if pad is not None:
-                kf = kf.masked_fill(pad[:, None], 0.0)
-            vx = torch.cat([vv[:, 0], vv.new_ones(B * H, 1)], dim=-1)  # (BH, dv+1)
-            kv = kf[:, :, None] * vx[:, None, :]  # (BH, M, dv+1)
-            if state is not None:
-                old = state.kv.reshape(kv.shape).to(x)
-                kv = kv + old * torch.exp(state.mu.reshape(-1).to(x) - mu)[:, None, None]
+            rho = self.oprf_rho.to(x).expand(x.shape[0]) if self.kernel == "softmax_opt" else None
             qf = _query_features(x, om, self.kernel, rho, self.relu_eps)[:, 0]  # (BH, M)
+            kv = new_state.kv.reshape(B * H, *new_state.kv.shape[2:])  # (BH, M, dv+1)
             yq = (qf[:, None, :] @ kv)[:, 0]  # (BH, dv+1)
             out = yq[:, :-1] / safe_denominator(yq[:, -1:])
-        new_state = FavorState(kv.reshape(B, H, *kv.shape[1:]), mu.reshape(B, H))
         return new_state, out.reshape(B, H, -1).to(out_dtype)
+
+    def _check_causal(self) -> None:
+        if not self.causal:
+            raise RuntimeError("RNN mode (step, initial_state) needs causal=True")
 
     def extra_repr(self) -> str:
         return (

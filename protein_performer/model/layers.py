@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from protein_performer.model.attention import MultiHeadSelfAttention
+from protein_performer.model.attention import AttentionState, MultiHeadSelfAttention
 from protein_performer.model.config import PerformerConfig
 
 
@@ -41,10 +41,27 @@ class TransformerLayer(nn.Module):
         attn_out, weights = self.self_attn(
             self.self_attn_layer_norm(x), padding_mask, need_weights=need_weights, heads=heads
         )
-        x = x + self.dropout(attn_out)
+        return self._feed_forward(x + self.dropout(attn_out)), weights
+
+    def _feed_forward(self, x: torch.Tensor) -> torch.Tensor:
         h = F.gelu(self.fc1(self.final_layer_norm(x)))  # exact (erf) GELU, as ESM-2
-        x = x + self.dropout(self.fc2(h))
-        return x, weights
+        return x + self.dropout(self.fc2(h))
+
+    def prefill(
+        self, x: torch.Tensor, padding_mask: torch.Tensor | None
+    ) -> tuple[torch.Tensor, AttentionState]:
+        """The block over a prompt (B, L, D), plus its attention state (RNN mode, inference)."""
+        attn_out, state = self.self_attn.prefill(self.self_attn_layer_norm(x), padding_mask)
+        return self._feed_forward(x + attn_out), state
+
+    def step(
+        self, x_t: torch.Tensor, positions: torch.Tensor, state: AttentionState, pad: torch.Tensor
+    ) -> tuple[torch.Tensor, AttentionState]:
+        """The block for one token per row, x_t (B, D) (RNN mode, inference)."""
+        attn_out, state = self.self_attn.step(
+            self.self_attn_layer_norm(x_t), positions, state, pad
+        )
+        return self._feed_forward(x_t + attn_out), state
 
     def forward(
         self,

@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from protein_performer.errors import UserError
+from protein_performer.model.attention import AttentionState
 from protein_performer.model.config import PerformerConfig
 from protein_performer.model.heads import LMHead
 from protein_performer.model.layers import TransformerLayer
@@ -150,6 +151,53 @@ class PerformerLM(nn.Module):
             outer = (keep[:, :, None] * keep[:, None, :])[:, None]  # (B, 1, T, T)
             attentions = {i: maps[i] * outer.to(maps[i].dtype) for i in sorted(maps)}
         return PerformerOutput(logits=logits, hidden_states=hidden, attentions=attentions)
+
+    def _require_causal(self) -> None:
+        if not self.config.causal:
+            raise UserError(
+                "token-by-token decoding needs a causal model (objective clm); this one is a "
+                "masked LM"
+            )
+
+    @torch.no_grad()
+    def prefill(
+        self, tokens: torch.Tensor, padding_mask: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, list[AttentionState]]:
+        """Causal forward over prompts (B, T), right-padded -> logits (B, T, V) and per-layer
+        states for :meth:`step` (RNN mode: FAVOR+ prefix sums, or KV caches for exact)."""
+        self._require_causal()
+        if padding_mask is None:
+            padding_mask = tokens.eq(self.config.pad_idx)
+        x = self.embed(tokens, padding_mask)  # (B, T, D)
+        states = []
+        for layer in self.layers:
+            x, state = layer.prefill(x, padding_mask if padding_mask.any() else None)
+            states.append(state)
+        return self.lm_head(self.emb_layer_norm_after(x)), states
+
+    @torch.no_grad()
+    def step(
+        self,
+        tokens: torch.Tensor,
+        positions: torch.Tensor,
+        states: list[AttentionState],
+        pad: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, list[AttentionState]]:
+        """One new token per row, tokens (B,) at positions (B,) -> logits (B, V), new states.
+
+        Constant time and memory per token with FAVOR+. Rows with ``pad`` True (finished
+        sequences) leave their states unchanged; their logits are meaningless.
+        """
+        self._require_causal()
+        if pad is None:
+            pad = torch.zeros_like(tokens, dtype=torch.bool)
+        # The embedding sees a real token (no padding), so token dropout's ratio stays finite.
+        x = self.embed(tokens[:, None], torch.zeros_like(pad)[:, None])[:, 0]  # (B, D)
+        new_states = []
+        for layer, state in zip(self.layers, states, strict=True):
+            x, state = layer.step(x, positions, state, pad)
+            new_states.append(state)
+        return self.lm_head(self.emb_layer_norm_after(x)), new_states
 
     @torch.no_grad()
     def redraw_features(self, generator: torch.Generator | None = None) -> None:

@@ -81,3 +81,18 @@ class RotaryEmbedding(nn.Module):
         q_rot = apply_rotary(q.to(compute), cos, sin).to(q.dtype)
         k_rot = apply_rotary(k.to(compute), cos, sin).to(k.dtype)
         return q_rot, k_rot
+
+    def at_positions(
+        self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rotate one token per row, q and k (B, H, 1, d), each row at its own position (B,).
+
+        RNN-mode decoding of prompts of different lengths puts every row at another position;
+        the rotation is the one :meth:`forward` gives that position in a whole sequence.
+        """
+        compute = torch.promote_types(k.dtype, torch.float32)
+        cos, sin = self.tables(int(positions.max()) + 1, k.device, compute)
+        cos, sin = cos[positions][:, None, None], sin[positions][:, None, None]  # (B, 1, 1, d)
+        q_rot = apply_rotary(q.to(compute), cos, sin).to(q.dtype)
+        k_rot = apply_rotary(k.to(compute), cos, sin).to(k.dtype)
+        return q_rot, k_rot

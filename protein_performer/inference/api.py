@@ -1,0 +1,410 @@
+"""``protein_performer.load(...)`` and the object it returns: the Python entry point.
+
+Notebook users get what fair-esm, Hugging Face and performer-pytorch give them, on our models:
+embeddings, (pseudo-)likelihood scores, variant effects, fill-in of ``<mask>`` and generation.
+Every CLI inference command is a thin wrapper over the streaming methods here (``iter_embed``,
+``iter_score``, ``score_variants``, ``iter_generate``), so the numbers a script gets and the
+numbers a file holds come from one code path. Sequences go in as plain strings or ``(id,
+sequence)`` pairs; batching by token budget, devices, ``torch.inference_mode`` and threads are
+handled inside.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Iterable, Iterator, Sequence
+from typing import Any
+
+import numpy as np
+import torch
+
+from protein_performer.data.tokenizer import STANDARD_AA, Alphabet
+from protein_performer.errors import UserError
+from protein_performer.inference.embedding import INCLUDE_CHOICES, embed_sequences, resolve_layers
+from protein_performer.inference.generation import Generated, SamplingOptions, iter_generate
+from protein_performer.inference.loading import LoadedModel, load_model
+from protein_performer.inference.scoring import (
+    SEQUENCE_STRATEGIES,
+    VARIANT_STRATEGIES,
+    SequenceScore,
+    causal_log_likelihoods,
+    check_strategy,
+    parse_mutant,
+    pseudo_log_likelihoods,
+    score_variants,
+)
+from protein_performer.model.config import PerformerConfig
+from protein_performer.model.performer import PerformerLM
+
+#: ``--precision`` names and the dtypes they stand for.
+PRECISIONS: dict[str, torch.dtype] = {
+    "fp32": torch.float32,
+    "bf16": torch.bfloat16,
+    "fp16": torch.float16,
+}
+#: Records held at once by the streaming methods, in tokens per token budget: enough to sort
+#: by length for tight batches, few enough that memory is bounded by the window, not the input.
+WINDOW_BATCHES = 32
+_SPECIAL = re.compile(r"(<[a-z_0-9]+>)")
+
+Records = Iterable[str] | Iterable[tuple[str, str]]
+
+
+def resolve_dtype(dtype: torch.dtype | str | None) -> torch.dtype:
+    """``None``/``"fp32"`` -> float32, ``"bf16"`` -> bfloat16, ``"fp16"`` -> float16."""
+    if dtype is None:
+        return torch.float32
+    if isinstance(dtype, torch.dtype):
+        if dtype not in PRECISIONS.values():
+            raise UserError(f"dtype {dtype} is not supported; use float32, bfloat16 or float16")
+        return dtype
+    name = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}.get(dtype, dtype)
+    if name not in PRECISIONS:
+        raise UserError(f"unknown precision {dtype!r}; choose fp32, bf16 or fp16")
+    return PRECISIONS[name]
+
+
+def load(
+    path: str | os.PathLike[str],
+    device: str | torch.device = "auto",
+    dtype: torch.dtype | str | None = None,
+    threads: int | None = None,
+) -> ProteinLM:
+    """Load any checkpoint the CLI accepts (a training ``.ckpt``, an ``export``/``convert-esm``
+    directory) for inference on ``device``, with weights in ``dtype`` (fp32 by default).
+
+    Half precision halves memory on GPUs; FAVOR+ features and the rotary tables are still
+    computed in fp32 (the exponentials need its range). ``threads`` sets torch's intra-op
+    threads for the process (default: torch's choice; on a shared machine 1-2 is often faster).
+    """
+    if threads is not None:
+        if threads < 1:
+            raise UserError(f"threads must be a positive integer, got {threads}")
+        torch.set_num_threads(threads)
+    target = resolve_dtype(dtype)
+    loaded = load_model(path, device)
+    if target != torch.float32:
+        loaded.model.to(target)
+    return ProteinLM(loaded)
+
+
+def _as_records(seqs: Records | str) -> Iterator[tuple[str, str]]:
+    """Strings or (id, sequence) pairs -> validated (id, SEQUENCE); a bad one names its index."""
+    if isinstance(seqs, str):
+        seqs = [seqs]
+    alphabet = Alphabet()
+    for i, item in enumerate(seqs):
+        if isinstance(item, str):
+            rid, seq = str(i), item
+        elif isinstance(item, tuple) and len(item) == 2:
+            rid, seq = str(item[0]), item[1]
+        elif hasattr(item, "id") and hasattr(item, "sequence"):  # a FastaRecord
+            rid, seq = item.id, item.sequence
+        else:
+            raise UserError(
+                f"sequence {i}: expected a string or an (id, sequence) pair, got "
+                f"{type(item).__name__}"
+            )
+        if not isinstance(seq, str):
+            raise UserError(f"sequence {i} ({rid}): expected a string, got {type(seq).__name__}")
+        seq = seq.strip().upper()
+        if not seq:
+            raise UserError(f"sequence {i} ({rid}) is empty")
+        try:
+            alphabet.encode(seq)
+        except ValueError as exc:
+            raise UserError(f"sequence {i} ({rid}): {exc}") from None
+        yield rid, seq
+
+
+def _windows(
+    records: Iterator[tuple[str, str]], toks_per_batch: int
+) -> Iterator[list[tuple[str, str]]]:
+    """Consecutive groups of records of about ``WINDOW_BATCHES`` token budgets each."""
+    budget = WINDOW_BATCHES * max(1, toks_per_batch)
+    window: list[tuple[str, str]] = []
+    size = 0
+    for rec in records:
+        window.append(rec)
+        size += len(rec[1]) + 2
+        if size >= budget:
+            yield window
+            window, size = [], 0
+    if window:
+        yield window
+
+
+def _pooling_kinds(pooling: str | None | Sequence[str | None]) -> tuple[list[str], bool]:
+    """Pooling argument -> (HDF5 kinds, whether the caller asked for several)."""
+    several = not (pooling is None or isinstance(pooling, str))
+    names = list(pooling) if several else [pooling]  # type: ignore[arg-type]
+    kinds = ["per_tok" if p is None else p for p in names]
+    bad = [p for p in kinds if p not in INCLUDE_CHOICES]
+    if bad or not kinds:
+        raise UserError(f"pooling takes 'mean', 'bos' or None (per residue); got {pooling!r}")
+    return list(dict.fromkeys(kinds)), several
+
+
+class ProteinLM:
+    """A loaded protein LM with the methods a scientist calls (see ``docs/API.md``)."""
+
+    def __init__(self, loaded: LoadedModel) -> None:
+        self.loaded = loaded
+
+    # ----------------------------------------------------------------------------- metadata
+    @property
+    def config(self) -> PerformerConfig:
+        return self.loaded.config
+
+    @property
+    def alphabet(self) -> Alphabet:
+        return self.loaded.alphabet
+
+    @property
+    def objective(self) -> str:
+        """``"mlm"`` (masked) or ``"clm"`` (causal)."""
+        return self.loaded.config.objective
+
+    @property
+    def model(self) -> PerformerLM:
+        return self.loaded.model
+
+    @property
+    def device(self) -> torch.device:
+        return self.loaded.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.loaded.model.embed_tokens.weight.dtype
+
+    def __repr__(self) -> str:
+        c = self.config
+        return (
+            f"ProteinLM(source={str(self.loaded.source)!r}, objective={c.objective!r}, "
+            f"attention={c.attention!r}, depth={c.depth}, dim={c.dim}, device={self.device}, "
+            f"dtype={self.dtype})"
+        )
+
+    # ----------------------------------------------------------------------------- embeddings
+    def iter_embed(
+        self,
+        records: Records,
+        layers: int | Sequence[int] = (-1,),
+        pooling: str | None | Sequence[str | None] = "mean",
+        toks_per_batch: int = 4096,
+    ) -> Iterator[tuple[str, Any]]:
+        """Yield ``(id, embedding)`` in input order, batch by batch (memory: one window).
+
+        The embedding is what :meth:`embed` returns for one sequence; with several poolings
+        (a tuple, e.g. ``("mean", None)``), ``{kind: {layer: array}}`` with kinds ``mean``,
+        ``bos``, ``per_tok``, layers numbered 0..depth (the CLI's file layout).
+        """
+        several_layers = not isinstance(layers, int)
+        given = list(layers) if several_layers else [layers]  # type: ignore[list-item]
+        resolved = resolve_layers(self.loaded, given)
+        kinds, several_kinds = _pooling_kinds(pooling)
+        by_given = {g: resolve_layers(self.loaded, [g])[0] for g in given}
+        for window in _windows(_as_records(records), toks_per_batch):
+            seqs = [s for _, s in window]
+            results = dict(embed_sequences(self.loaded, seqs, resolved, kinds, toks_per_batch))
+            for i, (rid, _) in enumerate(window):
+                out = results.pop(i)
+                if not all(np.isfinite(a).all() for d in out.values() for a in d.values()):
+                    raise UserError(
+                        f"sequence {rid}: the model gave non-finite embeddings; its weights or "
+                        "precision are broken (try --precision fp32)"
+                    )
+                if several_kinds:
+                    yield rid, out
+                    continue
+                per_layer = out[kinds[0]]
+                if several_layers and len(given) > 1:
+                    yield rid, {g: per_layer[j] for g, j in by_given.items()}
+                else:
+                    yield rid, per_layer[by_given[given[0]]]
+
+    def embed(
+        self,
+        seqs: Records | str,
+        layers: int | Sequence[int] = (-1,),
+        pooling: str | None = "mean",
+        toks_per_batch: int = 4096,
+    ) -> np.ndarray | list[np.ndarray] | dict[int, Any]:
+        """Embeddings of ``seqs`` (strings or (id, sequence) pairs), float32.
+
+        ``pooling="mean"`` (over residues) or ``"bos"`` (the ``<cls>`` position) -> an array
+        (N, dim); ``None`` -> a list of (L_i, dim) arrays, one row per residue. Layers use
+        ESM's numbering (0 = embeddings, -1 = last); several layers -> a dict layer -> result.
+        """
+        if not (pooling is None or isinstance(pooling, str)):
+            raise UserError("embed takes one pooling; use iter_embed for several at once")
+        rows = [e for _, e in self.iter_embed(seqs, layers, pooling, toks_per_batch)]
+        keys = list(rows[0]) if rows and isinstance(rows[0], dict) else None
+
+        def stack(items: list[np.ndarray]) -> np.ndarray | list[np.ndarray]:
+            if pooling is None:
+                return items
+            return np.stack(items) if items else np.zeros((0, self.config.dim), np.float32)
+
+        if keys is None:
+            return stack(rows)
+        return {k: stack([r[k] for r in rows]) for k in keys}
+
+    # ----------------------------------------------------------------------------- scores
+    def _strategy(self, strategy: str | None, choices: Sequence[str], masked: str) -> str:
+        strategy = strategy or ("causal" if self.objective == "clm" else masked)
+        check_strategy(self.loaded, strategy, choices)
+        return strategy
+
+    def iter_score(
+        self, records: Records, strategy: str | None = None, toks_per_batch: int = 4096
+    ) -> Iterator[tuple[str, SequenceScore]]:
+        """Yield ``(id, SequenceScore)`` in input order; see :meth:`score` for the strategies."""
+        strategy = self._strategy(strategy, SEQUENCE_STRATEGIES, "pseudo-ppl")
+        for window in _windows(_as_records(records), toks_per_batch):
+            seqs = [s for _, s in window]
+            if strategy == "causal":
+                terms = causal_log_likelihoods(self.loaded, seqs, toks_per_batch)
+            else:
+                terms = [pseudo_log_likelihoods(self.loaded, s, toks_per_batch) for s in seqs]
+            for (rid, s), t in zip(window, terms, strict=True):
+                if not np.all(np.isfinite(t)):
+                    raise UserError(
+                        f"sequence {rid}: the model gave a non-finite log-likelihood; its "
+                        "weights or precision are broken (try --precision fp32)"
+                    )
+                yield rid, SequenceScore(rid, len(s), len(t), float(t.sum()))
+
+    def score(
+        self, seqs: Records | str, strategy: str | None = None, toks_per_batch: int = 4096
+    ) -> np.ndarray:
+        """Mean log-likelihood per scored token, one per sequence (what ``score`` writes).
+
+        ``pseudo-ppl`` (masked models; every residue masked once) scores the L residues;
+        ``causal`` (causal models) the residues and the final ``<eos>``. Default: the one that
+        fits the model. Perplexity is ``exp(-score)``.
+        """
+        return np.array(
+            [s.mean_log_likelihood for _, s in self.iter_score(seqs, strategy, toks_per_batch)],
+            dtype=np.float64,
+        )
+
+    def score_variants(
+        self,
+        wild_type: str,
+        mutants: Sequence[str],
+        strategy: str | None = None,
+        offset: int = 1,
+        toks_per_batch: int = 4096,
+    ) -> np.ndarray:
+        """Log-ratio mutant vs wild type per mutant (``"A42G"``, ``"A42G:K45R"``, ``"wt"``).
+
+        Strategies as ESM's variant-prediction example: ``masked-marginals`` (default for
+        masked models), ``wt-marginals``, ``pseudo-ppl``; ``causal`` for causal models.
+        Positions are numbered so the wild type's first residue is ``offset``.
+        """
+        strategy = self._strategy(strategy, VARIANT_STRATEGIES, "masked-marginals")
+        ((_, wt),) = list(_as_records([("wild type", wild_type)]))
+        parsed = []
+        for i, text in enumerate(mutants):
+            try:
+                parsed.append(parse_mutant(text, wt, offset, self.alphabet))
+            except ValueError as exc:
+                raise UserError(f"mutant {i} ({text!r}): {exc}") from None
+        return np.asarray(
+            score_variants(self.loaded, wt, parsed, strategy, toks_per_batch), dtype=np.float64
+        )
+
+    # ----------------------------------------------------------------------------- fill-in
+    def _tokens_with_masks(self, text: str) -> list[int]:
+        a = self.alphabet
+        ids = [a.cls_idx]
+        for part in _SPECIAL.split(text.strip()):
+            if not part:
+                continue
+            if _SPECIAL.fullmatch(part):
+                if part != "<mask>":
+                    raise UserError(f"only <mask> may appear in a sequence, got {part}")
+                ids.append(a.mask_idx)
+                continue
+            try:
+                ids.extend(a.encode(part.upper()).astype(int).tolist())
+            except ValueError as exc:
+                raise UserError(f"{text!r}: {exc}") from None
+        return [*ids, a.eos_idx]
+
+    @torch.inference_mode()
+    def fill_mask(self, seq: str, top_k: int = 5) -> list[list[tuple[str, float]]]:
+        """Per ``<mask>`` in ``seq`` (left to right): the ``top_k`` residues, best first, with
+        the model's probabilities (softmax over the whole vocabulary; only the 20 standard
+        amino acids are candidates). All masks are filled jointly in one pass."""
+        if self.objective != "mlm":
+            raise UserError(
+                "fill_mask needs a masked LM (objective mlm); this is a causal model: use "
+                "generate(prompt=...) or score() instead"
+            )
+        if top_k < 1:
+            raise UserError(f"top_k must be a positive integer, got {top_k}")
+        a = self.alphabet
+        ids = self._tokens_with_masks(seq)
+        where = [i for i, t in enumerate(ids) if t == a.mask_idx]
+        if not where:
+            raise UserError(f"{seq!r} has no <mask> to fill")
+        tokens = torch.tensor([ids], device=self.device)
+        probs = torch.softmax(self.model(tokens).logits[0, where].float(), dim=-1).cpu()
+        cand = torch.tensor([a.tok_to_idx[c] for c in STANDARD_AA])
+        out = []
+        for row in probs:
+            p = row[cand]
+            best = torch.argsort(p, descending=True, stable=True)[: min(top_k, len(cand))]
+            out.append([(STANDARD_AA[int(j)], float(p[j])) for j in best])
+        return out
+
+    # ----------------------------------------------------------------------------- generation
+    def iter_generate(
+        self,
+        n: int = 8,
+        max_length: int = 300,
+        min_length: int = 0,
+        prompt: str | Sequence[str] = "M",
+        temperature: float = 1.0,
+        top_k: int | None = None,
+        top_p: float | None = None,
+        seed: int = 0,
+        batch_size: int = 8,
+    ) -> Iterator[Generated]:
+        """Yield :class:`Generated` records (sequence, how it ended, per-token log-probs)."""
+        opts = SamplingOptions(max_length, min_length, temperature, top_k, top_p)
+        if isinstance(prompt, str):
+            prompts: str | list[str] = prompt.strip().upper()
+        else:
+            prompts = [p.strip().upper() for p in prompt]
+        return iter_generate(self.loaded, n, opts, prompts, seed, batch_size)
+
+    def generate(
+        self,
+        n: int = 8,
+        max_length: int = 300,
+        min_length: int = 0,
+        prompt: str | Sequence[str] = "M",
+        temperature: float = 1.0,
+        top_k: int | None = None,
+        top_p: float | None = None,
+        seed: int = 0,
+        batch_size: int = 8,
+    ) -> list[str]:
+        """Sample ``n`` sequences from a causal model in RNN mode (constant cost per token).
+
+        Each starts with ``prompt`` (one string, or one per sequence) and ends at ``<eos>``
+        (never before ``min_length`` residues) or at ``max_length`` residues, prompt included.
+        Only the 20 standard amino acids are emitted. ``temperature=0`` is greedy; ``top_k``
+        and ``top_p`` (nucleus) restrict each draw. The same ``seed`` gives the same sequences
+        whatever ``batch_size``: each sequence has its own stream, seeded from (seed, index).
+        """
+        return [
+            g.sequence
+            for g in self.iter_generate(
+                n, max_length, min_length, prompt, temperature, top_k, top_p, seed, batch_size
+            )
+        ]

@@ -1,0 +1,206 @@
+"""Sampling protein sequences from causal models, one token at a time in RNN mode.
+
+The prompt (``<cls>`` + prompt residues) runs once through the parallel causal forward, which
+also returns each layer's state; then every new token costs one :meth:`PerformerLM.step`.
+With FAVOR+ the state is a fixed (m x (d+1)) prefix sum per head, so time and memory per token
+do not grow with the context (performer-pytorch's ``AutoregressiveWrapper.generate`` re-runs
+the whole prefix for every token instead). The exact-attention twin uses a KV cache.
+
+Reproducibility: every record has its own random stream, seeded from ``(seed, index)``, and
+draws one uniform number per token from it, so a record's sequence does not depend on the
+batch it was generated in (on CPU in fp32: other devices may differ in the last bits of the
+logits, and so, rarely, in a draw).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from protein_performer.data.tokenizer import STANDARD_AA
+from protein_performer.errors import UserError
+from protein_performer.inference.loading import LoadedModel
+
+
+@dataclass
+class Generated:
+    """One sampled sequence and how it ended."""
+
+    index: int  # 0-based record number in the run
+    seed: int  # the run's seed; the record's stream is seeded from (seed, index)
+    sequence: str  # residues, prompt included, no special tokens
+    ended: str  # "eos" (the model ended it) or "max_length"
+    token_log_probs: np.ndarray  # log p of each sampled token (residues, then <eos> if any)
+
+
+@dataclass(frozen=True)
+class SamplingOptions:
+    """What shapes each draw; validated once, before any model work."""
+
+    max_length: int
+    min_length: int = 0
+    temperature: float = 1.0
+    top_k: int | None = None
+    top_p: float | None = None
+
+    def validate(self) -> SamplingOptions:
+        if self.max_length < 1:
+            raise UserError(f"max_length must be at least 1, got {self.max_length}")
+        if not 0 <= self.min_length <= self.max_length:
+            raise UserError(
+                f"min_length must be in 0..max_length ({self.max_length}), got {self.min_length}"
+            )
+        if not (math.isfinite(self.temperature) and self.temperature >= 0):
+            raise UserError(f"temperature must be >= 0 (0 = greedy), got {self.temperature}")
+        if self.top_k is not None and self.top_k < 1:
+            raise UserError(f"top_k must be a positive integer, got {self.top_k}")
+        if self.top_p is not None and not 0 < self.top_p <= 1:
+            raise UserError(f"top_p must be in (0, 1], got {self.top_p}")
+        return self
+
+
+def record_generator(seed: int, index: int) -> torch.Generator:
+    """The random stream of record ``index``: independent of batch size and of other records."""
+    state = np.random.SeedSequence([seed, index]).generate_state(1, dtype=np.uint64)[0]
+    return torch.Generator().manual_seed(int(state) & ((1 << 63) - 1))
+
+
+def _choose(
+    logits: torch.Tensor,
+    allowed: torch.Tensor,
+    opts: SamplingOptions,
+    generator: torch.Generator,
+) -> int:
+    """One draw from ``logits`` (V,) restricted to ``allowed`` (V,) bool, in float64."""
+    z = logits.double().masked_fill(~allowed, float("-inf"))
+    if opts.temperature == 0:
+        return int(z.argmax())
+    z = z / opts.temperature
+    if opts.top_k is not None and opts.top_k < int(allowed.sum()):
+        kth = torch.topk(z, opts.top_k).values[-1]
+        z = z.masked_fill(z < kth, float("-inf"))
+    p = torch.softmax(z, dim=-1)
+    if opts.top_p is not None and opts.top_p < 1:
+        order = torch.argsort(p, descending=True, stable=True)
+        before = torch.cumsum(p[order], 0) - p[order]  # mass of the better tokens
+        p[order[before >= opts.top_p]] = 0.0  # keep the smallest set reaching top_p
+    u = float(torch.rand((), generator=generator, dtype=torch.float64))
+    cdf = torch.cumsum(p, 0)
+    return min(int(torch.searchsorted(cdf, u * float(cdf[-1]), right=True)), len(p) - 1)
+
+
+@torch.inference_mode()
+def generate_batch(
+    loaded: LoadedModel,
+    indices: Sequence[int],
+    prompts: Sequence[str],
+    opts: SamplingOptions,
+    seed: int,
+) -> list[Generated]:
+    """Sample one sequence per (index, prompt); see the module docstring for the recursion."""
+    a = loaded.alphabet
+    model = loaded.model
+    device = loaded.device
+    B = len(indices)
+    gens = [record_generator(seed, i) for i in indices]
+    residues = torch.zeros(len(a), dtype=torch.bool)  # what may be emitted (CPU: drawn there)
+    residues[[a.tok_to_idx[c] for c in STANDARD_AA]] = True
+    with_eos = residues.clone()
+    with_eos[a.eos_idx] = True
+
+    prompt_ids = [[a.cls_idx, *a.encode(p).astype(np.int64).tolist()] for p in prompts]
+    width = max(len(p) for p in prompt_ids)
+    tokens = torch.full((B, width), a.pad_idx, dtype=torch.long, device=device)
+    for row, ids in enumerate(prompt_ids):
+        tokens[row, : len(ids)] = torch.as_tensor(ids, device=device)
+    lengths = torch.tensor([len(p) for p in prompt_ids], device=device)
+    logits, states = model.prefill(tokens)  # (B, T, V)
+    last = logits[torch.arange(B, device=device), lengths - 1].float()  # (B, V)
+
+    seqs = [list(p) for p in prompts]
+    lps: list[list[float]] = [[] for _ in range(B)]
+    ended = ["" for _ in range(B)]
+    positions = lengths.clone()
+    while True:
+        last_cpu = last.cpu()
+        log_p = torch.log_softmax(last_cpu, dim=-1)
+        next_tok = torch.full((B,), a.eos_idx, dtype=torch.long)
+        for row in range(B):
+            if ended[row]:
+                continue
+            n = len(seqs[row])
+            if n >= opts.max_length:
+                ended[row] = "max_length"
+                continue
+            allowed = with_eos if n >= opts.min_length else residues
+            tok = _choose(last_cpu[row], allowed, opts, gens[row])
+            lps[row].append(float(log_p[row, tok]))
+            if tok == a.eos_idx:
+                ended[row] = "eos"
+            else:
+                seqs[row].append(a.tokens[tok])
+                next_tok[row] = tok
+        if all(ended):
+            break
+        pad = torch.tensor([bool(e) for e in ended], device=device)
+        last, states = model.step(next_tok.to(device), positions, states, pad)
+        last = last.float()
+        positions = positions + 1
+    return [
+        Generated(i, seed, "".join(s), e, np.asarray(lp, dtype=np.float64))
+        for i, s, e, lp in zip(indices, seqs, ended, lps, strict=True)
+    ]
+
+
+def iter_generate(
+    loaded: LoadedModel,
+    n: int,
+    opts: SamplingOptions,
+    prompt: str | Sequence[str] = "",
+    seed: int = 0,
+    batch_size: int = 8,
+) -> Iterator[Generated]:
+    """``n`` sequences in index order, ``batch_size`` at a time (memory: one batch).
+
+    Arguments are checked here, before the first sequence is asked for.
+    """
+    if loaded.config.objective != "clm":
+        raise UserError(
+            f"{loaded.source} is a masked LM (objective mlm): generation needs a causal model; "
+            "train one with `protein-performer train experiment=small_clm`"
+        )
+    opts.validate()
+    if n < 0:
+        raise UserError(f"the number of sequences must be >= 0, got {n}")
+    if batch_size < 1:
+        raise UserError(f"batch_size must be a positive integer, got {batch_size}")
+    prompts = [prompt] * n if isinstance(prompt, str) else list(prompt)
+    if len(prompts) != n:
+        raise UserError(f"got {len(prompts)} prompts for {n} sequences; give one or n")
+    for i, p in enumerate(prompts):
+        try:
+            loaded.alphabet.encode(p)
+        except ValueError as exc:
+            raise UserError(f"prompt {i}: {exc}") from None
+        if len(p) > opts.max_length:
+            raise UserError(
+                f"prompt {i} has {len(p)} residues, more than max_length={opts.max_length}"
+            )
+    return _batches(loaded, n, opts, prompts, seed, batch_size)
+
+
+def _batches(
+    loaded: LoadedModel,
+    n: int,
+    opts: SamplingOptions,
+    prompts: list[str],
+    seed: int,
+    batch_size: int,
+) -> Iterator[Generated]:
+    for start in range(0, n, batch_size):
+        idx = list(range(start, min(n, start + batch_size)))
+        yield from generate_batch(loaded, idx, [prompts[i] for i in idx], opts, seed)
