@@ -11,6 +11,7 @@ import torch
 
 from protein_performer.data.tokenizer import Alphabet
 from protein_performer.errors import UserError
+from protein_performer.inference.api import ProteinLM
 from protein_performer.inference.embedding import (
     budget_batches,
     embed_fasta,
@@ -59,7 +60,7 @@ def test_hdf5_layout_and_values(fasta: Path, tmp_path: Path) -> None:
     loaded = tiny_loaded()
     out = tmp_path / "emb.h5"
     summary = embed_fasta(
-        loaded,
+        ProteinLM(loaded),
         fasta,
         out,
         repr_layers=[0, -1],
@@ -105,7 +106,7 @@ def test_sequence_longer_than_any_training_length(tmp_path: Path) -> None:
     seq = "".join(rng.choice(list("ACDEFGHIKLMNPQRSTVWY"), size=3000))
     (tmp_path / "long.fasta").write_text(f">long\n{seq}\n")
     embed_fasta(
-        loaded,
+        ProteinLM(loaded),
         tmp_path / "long.fasta",
         tmp_path / "o.h5",
         include=["per_tok"],
@@ -145,7 +146,7 @@ def test_failure_leaves_no_partial_file(fasta: Path, tmp_path: Path, monkeypatch
 
     monkeypatch.setattr(loaded.model, "forward", failing)
     with pytest.raises(RuntimeError, match="boom"):
-        embed_fasta(loaded, fasta, out, toks_per_batch=40, progress=False)
+        embed_fasta(ProteinLM(loaded), fasta, out, toks_per_batch=40, progress=False)
     assert calls["n"] == 2
     assert out.read_bytes() == b"previous result"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["emb.h5", "in.fasta"]
@@ -154,11 +155,11 @@ def test_failure_leaves_no_partial_file(fasta: Path, tmp_path: Path, monkeypatch
 def test_bad_arguments_are_user_errors(fasta: Path, tmp_path: Path) -> None:
     loaded = tiny_loaded()
     with pytest.raises(UserError, match="out of range"):
-        embed_fasta(loaded, fasta, tmp_path / "o.h5", repr_layers=[5], progress=False)
+        embed_fasta(ProteinLM(loaded), fasta, tmp_path / "o.h5", repr_layers=[5], progress=False)
     with pytest.raises(UserError, match="does not exist"):
-        embed_fasta(loaded, tmp_path / "nope.fasta", tmp_path / "o.h5", progress=False)
+        embed_fasta(ProteinLM(loaded), tmp_path / "nope.fasta", tmp_path / "o.h5", progress=False)
     with pytest.raises(UserError, match="does not exist"):
-        embed_fasta(loaded, fasta, tmp_path / "no" / "o.h5", progress=False)
+        embed_fasta(ProteinLM(loaded), fasta, tmp_path / "no" / "o.h5", progress=False)
     assert not (tmp_path / "o.h5").exists()
 
 

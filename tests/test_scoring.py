@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from protein_performer.errors import UserError
+from protein_performer.inference.api import ProteinLM
 from protein_performer.inference.scoring import (
     parse_mutant,
     pseudo_log_likelihoods,
@@ -80,7 +81,9 @@ def test_causal_equals_manual_log_softmax_sum() -> None:
 def test_strategy_must_match_objective(tmp_path: Path) -> None:
     (tmp_path / "x.fasta").write_text(f">x\n{WT}\n")
     with pytest.raises(UserError, match="causal-LM.*use --strategy pseudo-ppl"):
-        score_fasta(tiny_loaded("mlm"), tmp_path / "x.fasta", tmp_path / "o.csv", "causal")
+        score_fasta(
+            ProteinLM(tiny_loaded("mlm")), tmp_path / "x.fasta", tmp_path / "o.csv", "causal"
+        )
     with pytest.raises(UserError, match="masked-LM.*use --strategy causal"):
         score_variants(tiny_loaded("clm"), WT, [], "masked-marginals")
     assert not (tmp_path / "o.csv").exists()
@@ -89,7 +92,11 @@ def test_strategy_must_match_objective(tmp_path: Path) -> None:
 def test_score_fasta_writes_tsv(tmp_path: Path) -> None:
     (tmp_path / "x.fasta").write_text(f">x desc\n{WT}\n>y\nMLLAV\n")
     score_fasta(
-        tiny_loaded("clm"), tmp_path / "x.fasta", tmp_path / "o.tsv", "causal", progress=False
+        ProteinLM(tiny_loaded("clm")),
+        tmp_path / "x.fasta",
+        tmp_path / "o.tsv",
+        "causal",
+        progress=False,
     )
     rows = read_csv(tmp_path / "o.tsv", "\t")
     assert rows[0] == [
@@ -178,7 +185,7 @@ def test_mismatched_rows_are_reported_by_line(tmp_path: Path, caplog) -> None:
     out = tmp_path / "out.csv"
     with caplog.at_level("WARNING"):
         summary = score_variants_file(
-            tiny_loaded(),
+            ProteinLM(tiny_loaded()),
             tmp_path / "wt.fasta",
             table,
             out,
@@ -201,14 +208,16 @@ def test_mismatched_rows_are_reported_by_line(tmp_path: Path, caplog) -> None:
     assert rows[2][3] == "" and rows[4][3] == "" and rows[1][3] != ""
     assert summary.spearman is not None and summary.spearman_n == 3
     with pytest.raises(UserError, match="no column 'score'"):
-        score_variants_file(tiny_loaded(), tmp_path / "wt.fasta", table, out, mutation_col="score")
+        score_variants_file(
+            ProteinLM(tiny_loaded()), tmp_path / "wt.fasta", table, out, mutation_col="score"
+        )
 
 
 @pytest.mark.skipif(not SHARED.is_dir(), reason="../shared/data/dms not checked out")
 def test_tem1_dms_end_to_end(tmp_path: Path) -> None:
     out = tmp_path / "tem1.csv"
     summary = score_variants_file(
-        tiny_loaded(),
+        ProteinLM(tiny_loaded()),
         SHARED / "BLAT_ECOLX_wt_offset24.fasta",
         SHARED / "BLAT_ECOLX_Ranganathan2015.csv",
         out,
@@ -225,7 +234,7 @@ def test_tem1_dms_end_to_end(tmp_path: Path) -> None:
     assert rows[1][1] == "H24C" and rows[1][-1] != ""
     # Offset 1 instead of 24 misplaces every mutation: all rows reported, none crash.
     wrong = score_variants_file(
-        tiny_loaded(),
+        ProteinLM(tiny_loaded()),
         SHARED / "BLAT_ECOLX_wt_offset24.fasta",
         SHARED / "BLAT_ECOLX_Ranganathan2015.csv",
         tmp_path / "w.csv",

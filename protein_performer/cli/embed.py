@@ -8,7 +8,7 @@ from protein_performer.cli._common import (
     add_ckpt,
     add_command,
     add_fasta_run_options,
-    load_checkpoint,
+    load_lm,
 )
 
 HELP = "embed a FASTA file into one HDF5 file (any length, one pass)"
@@ -67,9 +67,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     from protein_performer.inference.embedding import embed_fasta
 
-    loaded = load_checkpoint(args)
     summary = embed_fasta(
-        loaded,
+        load_lm(args),
         args.fasta,
         args.out,
         repr_layers=args.repr_layers,

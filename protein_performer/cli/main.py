@@ -24,6 +24,7 @@ SUBCOMMAND_MODULES: tuple[str, ...] = (
     "embed",
     "score",
     "score_variants",
+    "generate",
     "export",
     "convert_esm",
     "contacts",
@@ -60,7 +61,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return int(args.func(args) or 0)
     except UserError as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        if not getattr(exc, "quiet", False):  # a data-parallel rank other than 0 stays silent
+            print(f"error: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)

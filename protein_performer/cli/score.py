@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import sys
 
 from protein_performer.cli._common import (
     add_ckpt,
@@ -15,7 +16,7 @@ HELP = "per-sequence log-likelihood / perplexity (pseudo-ppl or causal)"
 DESCRIPTION = """\
 Score every record of a FASTA file with a trained model and write one row per record:
 id, length, n_scored, log_likelihood, mean_log_likelihood, perplexity
-(CSV, or TSV when OUT ends in .tsv).
+(CSV, or TSV when OUT ends in .tsv; OUT = - writes CSV to standard output).
 
 strategies (must match how the checkpoint was trained):
   pseudo-ppl  masked-LM checkpoints: exact pseudo-log-likelihood, every residue masked once
@@ -36,7 +37,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p = add_command(subparsers, "score", HELP, DESCRIPTION, EPILOG)
     add_ckpt(p)
     p.add_argument("fasta", metavar="FASTA", help="input FASTA(.gz)")
-    p.add_argument("out", metavar="OUT", help="output table (.csv, or .tsv for tabs)")
+    p.add_argument(
+        "out", metavar="OUT", help="output table (.csv, or .tsv for tabs; - for standard output)"
+    )
     p.add_argument(
         "--strategy",
         choices=("pseudo-ppl", "causal"),
@@ -50,9 +53,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     from protein_performer.inference.scoring import score_fasta
 
-    loaded, strategy = load_with_strategy(args, "pseudo-ppl")
+    lm, strategy = load_with_strategy(args, "pseudo-ppl")
     scores = score_fasta(
-        loaded,
+        lm,
         args.fasta,
         args.out,
         strategy=strategy,
@@ -64,6 +67,7 @@ def run(args: argparse.Namespace) -> int:
     n = sum(s.n_scored for s in scores)
     print(
         f"scored {len(scores)} record(s) with {strategy}: mean log-likelihood per token "
-        f"{total / n:.4f} -> {args.out}"
+        f"{total / n:.4f} -> {'standard output' if args.out == '-' else args.out}",
+        file=sys.stderr if args.out == "-" else sys.stdout,
     )
     return 0

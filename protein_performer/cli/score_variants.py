@@ -9,6 +9,7 @@ from protein_performer.cli._common import (
     add_command,
     add_device,
     add_no_progress,
+    add_precision_threads,
     add_toks_per_batch,
     load_with_strategy,
 )
@@ -71,6 +72,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     add_toks_per_batch(p)
     p.add_argument("--limit-rows", type=int, default=None, help="score only the first N rows")
     add_device(p)
+    add_precision_threads(p)
     add_no_progress(p)
     p.set_defaults(func=run)
 
@@ -78,9 +80,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     from protein_performer.inference.scoring import score_variants_file
 
-    loaded, strategy = load_with_strategy(args, "masked-marginals")
+    lm, strategy = load_with_strategy(args, "masked-marginals")
     summary = score_variants_file(
-        loaded,
+        lm,
         args.wt,
         args.mutations,
         args.out,

@@ -28,10 +28,9 @@ from protein_performer.inference.scoring import (
     SEQUENCE_STRATEGIES,
     VARIANT_STRATEGIES,
     SequenceScore,
-    causal_log_likelihoods,
     check_strategy,
     parse_mutant,
-    pseudo_log_likelihoods,
+    score_sequences,
     score_variants,
 )
 from protein_performer.model.config import PerformerConfig
@@ -263,18 +262,13 @@ class ProteinLM:
         """Yield ``(id, SequenceScore)`` in input order; see :meth:`score` for the strategies."""
         strategy = self._strategy(strategy, SEQUENCE_STRATEGIES, "pseudo-ppl")
         for window in _windows(_as_records(records), toks_per_batch):
-            seqs = [s for _, s in window]
-            if strategy == "causal":
-                terms = causal_log_likelihoods(self.loaded, seqs, toks_per_batch)
-            else:
-                terms = [pseudo_log_likelihoods(self.loaded, s, toks_per_batch) for s in seqs]
-            for (rid, s), t in zip(window, terms, strict=True):
-                if not np.all(np.isfinite(t)):
+            for score in score_sequences(self.loaded, window, strategy, toks_per_batch):
+                if not np.isfinite(score.log_likelihood):
                     raise UserError(
-                        f"sequence {rid}: the model gave a non-finite log-likelihood; its "
+                        f"sequence {score.id}: the model gave a non-finite log-likelihood; its "
                         "weights or precision are broken (try --precision fp32)"
                     )
-                yield rid, SequenceScore(rid, len(s), len(t), float(t.sum()))
+                yield score.id, score
 
     def score(
         self, seqs: Records | str, strategy: str | None = None, toks_per_batch: int = 4096
@@ -297,6 +291,7 @@ class ProteinLM:
         strategy: str | None = None,
         offset: int = 1,
         toks_per_batch: int = 4096,
+        progress: bool = False,
     ) -> np.ndarray:
         """Log-ratio mutant vs wild type per mutant (``"A42G"``, ``"A42G:K45R"``, ``"wt"``).
 
@@ -312,9 +307,16 @@ class ProteinLM:
                 parsed.append(parse_mutant(text, wt, offset, self.alphabet))
             except ValueError as exc:
                 raise UserError(f"mutant {i} ({text!r}): {exc}") from None
-        return np.asarray(
-            score_variants(self.loaded, wt, parsed, strategy, toks_per_batch), dtype=np.float64
+        values = np.asarray(
+            score_variants(self.loaded, wt, parsed, strategy, toks_per_batch, progress),
+            dtype=np.float64,
         )
+        if not np.all(np.isfinite(values)):
+            raise UserError(
+                "the model gave non-finite variant scores; its weights or precision are broken "
+                "(try --precision fp32)"
+            )
+        return values
 
     # ----------------------------------------------------------------------------- fill-in
     def _tokens_with_masks(self, text: str) -> list[int]:

@@ -26,24 +26,25 @@ def run_inference_demo(
     LM, causal log-likelihood for a causal LM), and ``export`` (the model as config.json +
     model.safetensors, what a user would share). CPU by default: the demo model is tiny.
     """
+    from protein_performer.inference.api import load
     from protein_performer.inference.embedding import embed_fasta
-    from protein_performer.inference.loading import export_model, load_model
+    from protein_performer.inference.loading import export_model
     from protein_performer.inference.scoring import score_fasta
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    loaded = load_model(ckpt_path, device)
+    lm = load(ckpt_path, device)
     emb = embed_fasta(
-        loaded,
+        lm,
         fasta,
         out / "embeddings.h5",
         repr_layers=(-1,),
         include=("mean", "per_tok"),
         progress=progress,
     )
-    strategy = "causal" if loaded.config.objective == "clm" else "pseudo-ppl"
-    scores = score_fasta(loaded, fasta, out / "scores.csv", strategy=strategy, progress=progress)
-    exported = export_model(loaded, out / "model", overwrite=True)
+    strategy = "causal" if lm.objective == "clm" else "pseudo-ppl"
+    scores = score_fasta(lm, fasta, out / "scores.csv", strategy=strategy, progress=progress)
+    exported = export_model(lm.loaded, out / "model", overwrite=True)
     mean_ll = sum(s.log_likelihood for s in scores) / sum(s.n_scored for s in scores)
     log.info(
         "embedded %d records (%d residues) and scored them with %s (mean log-likelihood per "

@@ -29,9 +29,12 @@ import json
 import logging
 import os
 import re
+import sys
+from collections import deque
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING, TextIO
 
 import numpy as np
 import torch
@@ -39,6 +42,9 @@ import torch
 from protein_performer.atomic import atomic_file
 from protein_performer.errors import UserError
 from protein_performer.inference.loading import LoadedModel
+
+if TYPE_CHECKING:
+    from protein_performer.inference.api import ProteinLM
 
 log = logging.getLogger(__name__)
 
@@ -94,6 +100,25 @@ def atomic_output(path: str | os.PathLike[str]) -> Iterator[Path]:
         yield tmp
 
 
+@contextlib.contextmanager
+def text_output(path: str | os.PathLike[str]) -> Iterator[TextIO]:
+    """A text file written atomically (:func:`atomic_output`), or standard output for ``-``.
+
+    ``-`` lets a table or FASTA go into a pipe; a pipe closed early (``| head``) ends the
+    command quietly instead of with a traceback.
+    """
+    if str(path) == "-":
+        try:
+            yield sys.stdout
+            sys.stdout.flush()
+        except BrokenPipeError:
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, sys.stdout.fileno())  # no second error when Python flushes at exit
+        return
+    with atomic_output(path) as tmp, open(tmp, "w", newline="", encoding="utf-8") as fh:
+        yield fh
+
+
 def read_records(fasta: str | os.PathLike[str], on_invalid: str = "error") -> list:
     """All FASTA records in file order (``FastaRecord``); errors name file, record and line."""
     from protein_performer.data.fasta import read_fasta
@@ -107,21 +132,31 @@ def read_records(fasta: str | os.PathLike[str], on_invalid: str = "error") -> li
     return records
 
 
-def safe_keys(ids: Sequence[str]) -> list[str]:
-    """HDF5-safe, unique group names for record ids (see the module docstring)."""
-    keys: list[str] = []
-    used: set[str] = set()
-    for rid in ids:
+class SafeKeys:
+    """HDF5-safe, unique group names for record ids, one at a time (see the module docstring).
+
+    Incremental, so a streaming writer names each record as it arrives.
+    """
+
+    def __init__(self) -> None:
+        self._used: set[str] = set()
+
+    def __call__(self, rid: str) -> str:
         base = _UNSAFE.sub("_", rid)[:200] or "_"
         if base in (".", ".."):
             base = base.replace(".", "_")
         key, n = base, 1
-        while key in used:
+        while key in self._used:
             n += 1
             key = f"{base}~{n}"
-        used.add(key)
-        keys.append(key)
-    return keys
+        self._used.add(key)
+        return key
+
+
+def safe_keys(ids: Sequence[str]) -> list[str]:
+    """:class:`SafeKeys` over a whole list of ids."""
+    name = SafeKeys()
+    return [name(rid) for rid in ids]
 
 
 def encode_batch(loaded: LoadedModel, seqs: Sequence[str]) -> torch.Tensor:
@@ -198,7 +233,7 @@ def embed_sequences(
 
 
 def embed_fasta(
-    loaded: LoadedModel,
+    lm: ProteinLM,
     fasta: str | os.PathLike[str],
     out: str | os.PathLike[str],
     repr_layers: Sequence[int] = (-1,),
@@ -207,49 +242,55 @@ def embed_fasta(
     on_invalid: str = "error",
     progress: bool = True,
 ) -> EmbedSummary:
-    """Embed every record of ``fasta`` into the HDF5 file ``out`` (written atomically)."""
+    """Embed every record of ``fasta`` into the HDF5 file ``out`` (written atomically).
+
+    Streams: records are read, embedded (``lm.iter_embed``) and written window by window, so
+    memory does not grow with the number of records.
+    """
     import h5py
     from tqdm import tqdm
 
-    records = read_records(fasta, on_invalid)
-    layers = resolve_layers(loaded, repr_layers)
+    from protein_performer.data.fasta import read_fasta
+
+    path = Path(fasta).expanduser()
+    if not path.is_file():
+        raise UserError(f"{path} does not exist or is not a file; give a FASTA file")
+    layers = resolve_layers(lm.loaded, repr_layers)
     include = list(dict.fromkeys(include))
-    seqs = [r.sequence for r in records]
-    keys = safe_keys([r.id for r in records])
-    str_dt = h5py.string_dtype("utf-8")
+    bad = sorted(set(include) - set(INCLUDE_CHOICES))
+    if bad or not include:
+        raise UserError(f"--include takes {', '.join(INCLUDE_CHOICES)}; got {list(include)}")
+    pending: deque = deque()
+
+    def records() -> Iterator[tuple[str, str]]:
+        for r in read_fasta(path, on_invalid=on_invalid):  # type: ignore[arg-type]
+            pending.append(r)
+            yield r.id, r.sequence
+
+    name = SafeKeys()
+    index: list[tuple[str, str, str, int]] = []
+    keys: dict[str, str] = {}
+    pooling = tuple(None if k == "per_tok" else k for k in include)
     with atomic_output(out) as tmp, h5py.File(tmp, "w") as h5:
         h5.attrs["format"] = FORMAT_NAME
         h5.attrs["format_version"] = FORMAT_VERSION
-        h5.attrs["checkpoint"] = str(loaded.source)
-        h5.attrs["objective"] = loaded.config.objective
-        h5.attrs["attention"] = loaded.config.attention
+        h5.attrs["checkpoint"] = str(lm.loaded.source)
+        h5.attrs["objective"] = lm.config.objective
+        h5.attrs["attention"] = lm.config.attention
         h5.attrs["repr_layers"] = np.asarray(layers, dtype=np.int64)
         h5.attrs["include"] = json.dumps(include)
-        h5.attrs["dim"] = loaded.config.dim
-        h5.attrs["num_records"] = len(records)
-        h5.attrs["model_config"] = json.dumps(loaded.config.to_dict(), sort_keys=True)
+        h5.attrs["dim"] = lm.config.dim
+        h5.attrs["model_config"] = json.dumps(lm.config.to_dict(), sort_keys=True)
         group = h5.create_group("records")
-        index = np.zeros(
-            len(records),
-            dtype=[("key", str_dt), ("id", str_dt), ("header", str_dt), ("length", np.int64)],
-        )
-        for n, (r, key) in enumerate(zip(records, keys, strict=True)):
-            header = f"{r.id} {r.description}" if r.description else r.id
-            index[n] = (key, r.id, header, len(r.sequence))
-        h5.create_dataset("index", data=index)
-        bar = tqdm(
-            total=sum(len(s) for s in seqs),
-            unit="res",
-            unit_scale=True,
-            desc="embed",
-            disable=not progress,
-        )
+        bar = tqdm(unit="res", unit_scale=True, desc="embed", disable=not progress)
         with bar:
-            for i, result in embed_sequences(loaded, seqs, layers, include, toks_per_batch):
-                r = records[i]
-                g = group.create_group(keys[i])
+            for _, result in lm.iter_embed(records(), layers, pooling, toks_per_batch):
+                r = pending.popleft()
+                key = name(r.id)
+                header = f"{r.id} {r.description}" if r.description else r.id
+                g = group.create_group(key)
                 g.attrs["id"] = r.id
-                g.attrs["header"] = f"{r.id} {r.description}" if r.description else r.id
+                g.attrs["header"] = header
                 g.attrs["description"] = r.description
                 g.attrs["length"] = len(r.sequence)
                 g.attrs["record_number"] = r.number
@@ -257,12 +298,25 @@ def embed_fasta(
                     sub = g.create_group(kind)
                     for layer, arr in per_layer.items():
                         sub.create_dataset(str(layer), data=arr.astype(np.float32, copy=False))
+                index.append((key, r.id, header, len(r.sequence)))
+                keys.setdefault(r.id, key)
                 bar.update(len(r.sequence))
+        if not index:
+            raise UserError(f"{path}: no valid records to process")
+        str_dt = h5py.string_dtype("utf-8")
+        table = np.zeros(
+            len(index),
+            dtype=[("key", str_dt), ("id", str_dt), ("header", str_dt), ("length", np.int64)],
+        )
+        for n, row in enumerate(index):
+            table[n] = row
+        h5.create_dataset("index", data=table)
+        h5.attrs["num_records"] = len(index)
     return EmbedSummary(
         path=Path(out),
-        num_records=len(records),
-        residues=sum(len(s) for s in seqs),
+        num_records=len(index),
+        residues=sum(row[3] for row in index),
         repr_layers=layers,
         include=include,
-        keys={r.id: k for r, k in zip(records, keys, strict=True)},
+        keys=keys,
     )

@@ -41,6 +41,7 @@ import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -51,8 +52,12 @@ from protein_performer.inference.embedding import (
     budget_batches,
     encode_batch,
     read_records,
+    text_output,
 )
 from protein_performer.inference.loading import LoadedModel
+
+if TYPE_CHECKING:
+    from protein_performer.inference.api import ProteinLM
 
 log = logging.getLogger(__name__)
 
@@ -230,7 +235,7 @@ def score_sequences(
 
 
 def score_fasta(
-    loaded: LoadedModel,
+    lm: ProteinLM,
     fasta: str | os.PathLike[str],
     out: str | os.PathLike[str],
     strategy: str = "pseudo-ppl",
@@ -238,16 +243,27 @@ def score_fasta(
     on_invalid: str = "error",
     progress: bool = True,
 ) -> list[SequenceScore]:
-    """Score every record of ``fasta``; write one row per record to ``out`` (CSV/TSV)."""
-    check_strategy(loaded, strategy, SEQUENCE_STRATEGIES)
-    records = read_records(fasta, on_invalid)
-    scores = score_sequences(
-        loaded, [(r.id, r.sequence) for r in records], strategy, toks_per_batch, progress
-    )
-    with atomic_output(out) as tmp, open(tmp, "w", newline="", encoding="utf-8") as fh:
+    """Score every record of ``fasta`` (``lm.iter_score``); one row per record to ``out``
+    (CSV/TSV, or standard output for ``-``), rows written as they are scored."""
+    from tqdm import tqdm
+
+    from protein_performer.data.fasta import read_fasta
+
+    check_strategy(lm.loaded, strategy, SEQUENCE_STRATEGIES)
+    path = Path(fasta).expanduser()
+    if not path.is_file():
+        raise UserError(f"{path} does not exist or is not a file; give a FASTA file")
+    records = read_fasta(path, on_invalid=on_invalid)  # type: ignore[arg-type]
+    scores: list[SequenceScore] = []
+    with text_output(out) as fh, tqdm(unit="seq", desc=strategy, disable=not progress) as bar:
         writer = csv.writer(fh, delimiter=_delimiter(out))
         writer.writerow(SCORE_COLUMNS)
-        writer.writerows(s.row() for s in scores)
+        for _, score in lm.iter_score(records, strategy, toks_per_batch):
+            writer.writerow(score.row())
+            scores.append(score)
+            bar.update(1)
+        if not scores:
+            raise UserError(f"{path}: no valid records to process")
     return scores
 
 
@@ -427,7 +443,7 @@ def _spearman(scores: Sequence[float | None], labels: Sequence[str]) -> tuple[fl
 
 
 def score_variants_file(
-    loaded: LoadedModel,
+    lm: ProteinLM,
     wt_fasta: str | os.PathLike[str],
     mutations: str | os.PathLike[str],
     out: str | os.PathLike[str],
@@ -445,7 +461,7 @@ def score_variants_file(
     The input is read as UTF-8 with an optional byte-order mark (spreadsheet exports);
     delimiter by extension (``.tsv``/``.tab`` -> tab, else comma), same for the output.
     """
-    check_strategy(loaded, strategy, VARIANT_STRATEGIES)
+    check_strategy(lm.loaded, strategy, VARIANT_STRATEGIES)
     _, wt_seq = _wild_type(wt_fasta)
     path = Path(mutations).expanduser()
     if not path.is_file():
@@ -484,18 +500,19 @@ def score_variants_file(
             f"{path} already has a column {score_col!r}; choose another name with --score-col"
         )
 
-    parsed: list[list[Mutation] | None] = []
+    parsed: list[str | None] = []
     skipped: list[tuple[int, str, str]] = []
     for line, row in rows:
         text = row[mut_i] if mut_i < len(row) else ""
         try:
-            parsed.append(parse_mutant(text, wt_seq, offset, loaded.alphabet))
+            parse_mutant(text, wt_seq, offset, lm.alphabet)
+            parsed.append(text)
         except ValueError as exc:
             parsed.append(None)
             skipped.append((line, text, str(exc)))
     valid = [v for v in parsed if v is not None]
-    values = score_variants(loaded, wt_seq, valid, strategy, toks_per_batch, progress)
-    it = iter(values)
+    values = lm.score_variants(wt_seq, valid, strategy, offset, toks_per_batch, progress)
+    it = iter(values.tolist())
     scores: list[float | None] = [None if v is None else next(it) for v in parsed]
 
     width = len(header)
