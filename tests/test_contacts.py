@@ -2,21 +2,24 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
+import torch
 
 from protein_performer.errors import UserError
 from protein_performer.inference.contacts import (
     ContactRegression,
     apc,
-    config_fingerprint,
     contact_features,
     default_regression_path,
     fit_regression,
+    model_identity,
     null_prediction,
     permutation_for,
     permute_maps,
@@ -25,6 +28,7 @@ from protein_performer.inference.contacts import (
     training_pairs,
 )
 from protein_performer.model.config import PerformerConfig
+from protein_performer.model.performer import PerformerLM
 
 
 def test_apc_hand_computed() -> None:
@@ -95,11 +99,12 @@ def test_regression_recovers_the_contact_head() -> None:
         fit_regression(np.concatenate(X), np.zeros(len(np.concatenate(y))), [1, 2], [0, 1, 2])
 
 
-def test_json_round_trip_and_checks(tmp_path: Path) -> None:
-    cfg = PerformerConfig(dim=16, depth=2, heads=3, ff_dim=32, nb_features=8)
+def test_json_round_trip_and_checks(tmp_path: Path, caplog) -> None:
+    cfg = PerformerConfig(dim=18, depth=2, heads=3, ff_dim=32, nb_features=8)
+    loaded = SimpleNamespace(config=cfg, model=PerformerLM(cfg), source=Path("m"))
     reg = ContactRegression(
         np.array([0.5, -1.0, 0.0, 2.0, 0.25, -0.125]), -3.5, [1, 2], [0, 1, 2],
-        config_fingerprint(cfg), {"C": 0.15, "fit_on": ["a", "b"]},
+        meta={"C": 0.15, "fit_on": ["a", "b"]}, **model_identity(loaded),
     )  # fmt: skip
     path = reg.save(tmp_path / "sub" / "reg.json")
     data = json.loads(path.read_text())
@@ -107,15 +112,26 @@ def test_json_round_trip_and_checks(tmp_path: Path) -> None:
         "a",
         "b",
     ]
+    assert data["layout"] == {"depth": 2, "heads": 3, "objective": "mlm"}
     back = ContactRegression.load(path)
     np.testing.assert_array_equal(back.coef, reg.coef)
     assert (back.intercept, back.layers, back.heads) == (-3.5, [1, 2], [0, 1, 2])
-    assert back.config_fingerprint == reg.config_fingerprint and back.meta["C"] == 0.15
+    assert back.model_sha256 == reg.model_sha256 and back.meta["C"] == 0.15
     maps, _ = synthetic(0)
     np.testing.assert_array_equal(back.predict_maps(maps), reg.predict_maps(maps))
-    back.check_model(cfg)
-    with pytest.raises(UserError, match="fingerprint"):
-        back.check_model(PerformerConfig(dim=16, depth=2, heads=2, ff_dim=32, nb_features=8))
+    back.check_model(loaded)
+    # A config field that changes neither the layout nor the weights leaves it valid ...
+    other = dataclasses.replace(cfg, feature_redraw_interval=7, favor_chunk_size=64)
+    caplog.clear()
+    back.check_model(SimpleNamespace(config=other, model=loaded.model, source=Path("m")))
+    assert not caplog.records
+    # ... other weights of the same layout get a warning; another layout is refused.
+    torch.manual_seed(1)
+    back.check_model(SimpleNamespace(config=cfg, model=PerformerLM(cfg), source=Path("m2")))
+    assert "fitted on other weights" in caplog.text
+    two_heads = PerformerConfig(dim=16, depth=2, heads=2, ff_dim=32, nb_features=8)
+    with pytest.raises(UserError, match="another attention layout"):
+        back.check_model(SimpleNamespace(config=two_heads, model=None, source=Path("m3")))
     path.write_text("{not json")
     with pytest.raises(UserError, match="not a readable JSON"):
         ContactRegression.load(path)

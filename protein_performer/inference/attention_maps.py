@@ -155,39 +155,21 @@ def attention_maps(
     rows = slice(start + 1, end + 1)
     cols = slice(key_start + 1, key_end + 1) if strip_special else slice(0, length + 2)
     captured: dict[int, torch.Tensor] = {}
-    last = want[-1]
-    handles = []
 
-    def make_hook(layer_no: int):
-        def hook(module, args, kwargs, output) -> None:
-            x = args[0] if args else kwargs["x"]
-            padding_mask = args[1] if len(args) > 1 else kwargs.get("padding_mask")
-            q, k = module.rotated_qk(x)  # (1, H, T, d)
-            out = torch.empty(
-                len(head_list), rows.stop - rows.start, cols.stop - cols.start, dtype=dtype
-            )  # (H', W, K) on CPU
-            for n, h in enumerate(head_list):
-                w = module.attention_map(q, k, padding_mask, heads=[h], query_slice=rows)
-                out[n] = w[0, 0, :, cols].to("cpu", dtype)  # (W, K)
-                del w
-            if sink is not None:
-                sink(layer_no, out)
-            else:
-                captured[layer_no] = out
-            if layer_no == last:
-                raise _StopForwardError
+    def on_layer(layer_no: int, module, q, k, padding_mask) -> None:
+        out = torch.empty(
+            len(head_list), rows.stop - rows.start, cols.stop - cols.start, dtype=dtype
+        )  # (H', W, K) on CPU
+        for n, h in enumerate(head_list):
+            w = module.attention_map(q, k, padding_mask, heads=[h], query_slice=rows)
+            out[n] = w[0, 0, :, cols].to("cpu", dtype)  # (W, K)
+            del w
+        if sink is not None:
+            sink(layer_no, out)
+        else:
+            captured[layer_no] = out
 
-        return hook
-
-    try:
-        for i in want:
-            attn = model.layers[i - 1].self_attn
-            handles.append(attn.register_forward_hook(make_hook(i), with_kwargs=True))
-        with contextlib.suppress(_StopForwardError):
-            model(tokens)
-    finally:
-        for handle in handles:
-            handle.remove()
+    run_with_qk(model, tokens, want, on_layer)
     return AttentionMaps(
         maps=captured,
         layers=want,
@@ -199,6 +181,38 @@ def attention_maps(
         length=length,
         strip_special=strip_special,
     )
+
+
+#: Called with (layer, its attention module, rotated q, k (1, H, T, d), padding mask or None).
+QKSink = Callable[[int, torch.nn.Module, torch.Tensor, torch.Tensor, "torch.Tensor | None"], None]
+
+
+def run_with_qk(model: PerformerLM, tokens: torch.Tensor, layers: list[int], sink: QKSink) -> None:
+    """Run ``model`` on ``tokens`` and hand each layer in ``layers`` (sorted block numbers) its
+    rotated q, k as the attention core sees them; the forward stops after the last one."""
+    last = layers[-1]
+    handles = []
+
+    def make_hook(layer_no: int):
+        def hook(module, args, kwargs, output) -> None:
+            x = args[0] if args else kwargs["x"]
+            padding_mask = args[1] if len(args) > 1 else kwargs.get("padding_mask")
+            q, k = module.rotated_qk(x)  # (1, H, T, d)
+            sink(layer_no, module, q, k, padding_mask)
+            if layer_no == last:
+                raise _StopForwardError
+
+        return hook
+
+    try:
+        for i in layers:
+            attn = model.layers[i - 1].self_attn
+            handles.append(attn.register_forward_hook(make_hook(i), with_kwargs=True))
+        with contextlib.suppress(_StopForwardError):
+            model(tokens)
+    finally:
+        for handle in handles:
+            handle.remove()
 
 
 def full_maps(

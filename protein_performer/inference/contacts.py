@@ -15,8 +15,11 @@ Choices made here, and why:
   at top-k only depends on the ranking, and unweighted fits keep the probabilities calibrated;
   ``balanced`` is available for heavily imbalanced, tiny fit sets.
 * The fit is stored as JSON (no pickle: loading never runs code) with the layers and heads it
-  uses and a fingerprint of the checkpoint's model config, so it is not silently applied to a
-  model whose features mean something else.
+  uses, the attention layout it reads (depth, heads, objective: a model with another layout is
+  refused, since its features mean something else) and the SHA-256 of the weights it was fitted
+  on (another model of the same layout, such as a FAVOR+ fine-tune of ESM-2 carrying ESM-2's
+  contact head, gets a warning, not a refusal). Config fields that change neither, such as a
+  new option, leave a regression valid.
 
 Metrics are precision at L, L/2 and L/5 (top-scored pairs, L = sequence length) in the short
 (6-11), medium (12-23) and long (>= 24) separation ranges, counting only pairs whose two
@@ -41,6 +44,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import torch
 
 from protein_performer.atomic import write_text_atomic
 from protein_performer.errors import UserError, check_format_header
@@ -116,11 +120,39 @@ def permute_maps(maps: np.ndarray, perm: np.ndarray) -> np.ndarray:
 # Regression
 # --------------------------------------------------------------------------------------------
 def config_fingerprint(config: Any) -> str:
-    """sha256 (first 16 hex) of the model config as canonical JSON: same architecture, same
-    attention type and kernel -> same fingerprint. It does not identify the weights."""
+    """sha256 (first 16 hex) of the whole model config as canonical JSON: what regressions
+    written before 0.2 recorded. Any new config field changes it, so it is only warned about."""
     data = config.to_dict() if hasattr(config, "to_dict") else dict(config)
     blob = json.dumps(data, sort_keys=True, default=str).encode("utf-8")
     return hashlib.sha256(blob).hexdigest()[:16]
+
+
+def attention_layout(config: Any) -> dict[str, Any]:
+    """What a regression's features depend on besides the weights: the layer x head grid and
+    whether attention is causal. Kernel, m or exact-vs-FAVOR+ approximate the same maps."""
+    return {"depth": int(config.depth), "heads": int(config.heads), "objective": config.objective}
+
+
+def weights_sha256(model: Any) -> str:
+    """SHA-256 of a model's learned weights (names, dtypes, shapes, bytes; FAVOR+ random features
+    and the tied LM-head alias left out), so a regression names the model it was fitted on and
+    an exact and a FAVOR+ conversion of the same weights share it."""
+    digest = hashlib.sha256()
+    seen: set[int] = set()
+    for name, tensor in sorted(model.state_dict().items()):
+        if ".self_attn.favor." in name or (tensor.numel() and tensor.data_ptr() in seen):
+            continue
+        seen.add(tensor.data_ptr())
+        t = tensor.detach().to("cpu").contiguous().reshape(-1)
+        digest.update(f"{name}:{t.dtype}:{tuple(tensor.shape)};".encode())
+        digest.update(t.view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()
+
+
+def model_identity(loaded: Any) -> dict[str, Any]:
+    """``layout`` and ``model_sha256`` of a loaded model, as a regression records them."""
+    layout = attention_layout(loaded.config)
+    return {"layout": layout, "model_sha256": weights_sha256(loaded.model)}
 
 
 def default_regression_path(ckpt: str | os.PathLike[str]) -> Path:
@@ -140,8 +172,10 @@ class ContactRegression:
     intercept: float
     layers: list[int]
     heads: list[int]
-    config_fingerprint: str | None = None
+    layout: dict[str, Any] | None = None  # attention_layout() of the model it reads
     meta: dict[str, Any] = field(default_factory=dict)
+    model_sha256: str | None = None  # weights_sha256() of the model it was fitted on
+    config_fingerprint: str | None = None  # written before 0.2 instead of layout
 
     def __post_init__(self) -> None:
         self.coef = np.asarray(self.coef, dtype=np.float64).reshape(-1)
@@ -183,7 +217,9 @@ class ContactRegression:
             "each the APC-corrected symmetrized residue x residue attention map",
             "coef": [float(c) for c in self.coef],
             "intercept": float(self.intercept),
-            "config_fingerprint": self.config_fingerprint,
+            "layout": self.layout,
+            "model_sha256": self.model_sha256,
+            **({"config_fingerprint": self.config_fingerprint} if self.config_fingerprint else {}),
             **{k: v for k, v in self.meta.items() if k not in _RESERVED},
         }
 
@@ -200,32 +236,60 @@ class ContactRegression:
             raise UserError(f"{path}: contact regression file not found") from None
         except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
             raise UserError(f"{path}: not a readable JSON contact regression ({exc})") from None
-        check_format_header(data, path, FORMAT_NAME, FORMAT_VERSION, "contact regression")
+        return cls.from_dict(data, path)
+
+    @classmethod
+    def from_dict(cls, data: Any, where: object) -> ContactRegression:
+        """The regression of :meth:`to_dict`'s JSON (a file, or one stored with a model)."""
+        check_format_header(data, where, FORMAT_NAME, FORMAT_VERSION, "contact regression")
         try:
             return cls(
                 coef=np.asarray(data["coef"], dtype=np.float64),
                 intercept=float(data["intercept"]),
                 layers=[int(i) for i in data["layers"]],
                 heads=[int(h) for h in data["heads"]],
+                layout=data.get("layout"),
+                model_sha256=data.get("model_sha256"),
                 config_fingerprint=data.get("config_fingerprint"),
                 meta={k: v for k, v in data.items() if k not in _RESERVED},
             )
         except (KeyError, TypeError, ValueError) as exc:
-            raise UserError(f"{path}: malformed contact regression ({exc!r}); refit it") from None
+            raise UserError(f"{where}: malformed contact regression ({exc!r}); refit it") from None
 
-    def check_model(self, config: Any, source: str = "the model") -> None:
-        """Refuse to run on a model whose config differs from the one the fit was made for."""
-        if self.config_fingerprint is None:
-            return
-        fp = config_fingerprint(config)
-        if fp != self.config_fingerprint:
-            raise UserError(
-                f"the contact regression was fitted for a model with config fingerprint "
-                f"{self.config_fingerprint}, but {source} has {fp} (different architecture or "
-                "attention); refit it with `protein-performer contacts CKPT ... --fit-on ...`"
+    def check_model(self, loaded: Any, sha256: str | None = None) -> None:
+        """Refuse a model whose attention layout differs from the one the fit reads; warn when
+        its weights (``sha256``, computed if None) are not the ones it was fitted on."""
+        config, source = loaded.config, str(loaded.source)
+        ours = attention_layout(config)
+        if self.layout is not None:
+            bad = [f"{k} {v} vs {ours.get(k)}" for k, v in self.layout.items() if ours.get(k) != v]
+            if bad:
+                raise UserError(
+                    f"the contact regression reads another attention layout than {source} "
+                    f"({'; '.join(bad)}: regression vs model); fit one for this model with "
+                    "`protein-performer contacts CKPT STRUCTURE... --out DIR`"
+                )
+        elif self.config_fingerprint not in (None, config_fingerprint(config)):
+            log.warning(
+                "the contact regression predates layouts and was fitted on a model with another "
+                "config than %s; check that it reads the same layers and heads",
+                source,
             )
         if max(self.layers) > config.depth or max(self.heads) >= config.heads:
             raise UserError(f"the contact regression uses layers/heads that {source} lacks")
+        if self.model_sha256 is not None:
+            sha256 = sha256 or weights_sha256(loaded.model)
+            if sha256 != self.model_sha256:
+                origin = self.meta.get("origin") or self.meta.get("checkpoint") or "another model"
+                log.warning(
+                    "the contact regression was fitted on other weights (%s, sha256 %s...) than "
+                    "%s (%s...): fine if they are a fine-tune whose attention kept its meaning; "
+                    "refit with `protein-performer contacts` to be sure",
+                    origin,
+                    self.model_sha256[:12],
+                    source,
+                    sha256[:12],
+                )
 
 
 _RESERVED = (
@@ -236,6 +300,8 @@ _RESERVED = (
     "feature_order",
     "coef",
     "intercept",
+    "layout",
+    "model_sha256",
     "config_fingerprint",
 )
 
@@ -275,10 +341,11 @@ def fit_regression(
     C: float = DEFAULT_C,
     class_weight: str | None = None,
     seed: int = 0,
-    config_fp: str | None = None,
+    identity: dict[str, Any] | None = None,
     meta: dict[str, Any] | None = None,
 ) -> ContactRegression:
-    """Fit on pair features ``X`` (n, F) and labels ``y`` (n,) (see :func:`training_pairs`)."""
+    """Fit on pair features ``X`` (n, F) and labels ``y`` (n,) (see :func:`training_pairs`);
+    ``identity``: :func:`model_identity` of the model the features came from."""
     X = np.asarray(X, dtype=np.float64)
     y = np.asarray(y).astype(np.int64)
     if X.ndim != 2 or X.shape[1] != len(layers) * len(heads):
@@ -307,7 +374,7 @@ def fit_regression(
         "n_nonzero": int((w != 0).sum()),
         **(meta or {}),
     }
-    return ContactRegression(w, b, list(layers), list(heads), config_fp, info)
+    return ContactRegression(w, b, list(layers), list(heads), meta=info, **(identity or {}))
 
 
 # --------------------------------------------------------------------------------------------
@@ -371,14 +438,6 @@ def model_maps(
     return full_maps(loaded.model, sequence, layers=layers, heads=heads).numpy()
 
 
-def predict_contacts(loaded: Any, sequence: str, regression: ContactRegression) -> np.ndarray:
-    """(L, L) contact probabilities of a new sequence under a fitted regression."""
-    regression.check_model(loaded.config, str(loaded.source))
-    return regression.predict_maps(
-        model_maps(loaded, sequence, regression.layers, regression.heads)
-    )
-
-
 PRECISION_FILE = "precision.csv"
 ID_COLUMNS = ("protein", "file", "chain", "length", "observed", "contacts", "fold")
 
@@ -414,9 +473,9 @@ def benchmark(
     if regression is not None and fit_targets:
         raise UserError("give either a fitted regression or structures to fit on, not both")
     out = Path(out_dir).expanduser()
-    fp = config_fingerprint(loaded.config)
+    identity = model_identity(loaded)
     if regression is not None:
-        regression.check_model(loaded.config, str(loaded.source))
+        regression.check_model(loaded, identity["model_sha256"])
         layers, heads = regression.layers, regression.heads
     else:
         layers = list(range(1, loaded.config.depth + 1))
@@ -458,7 +517,7 @@ def benchmark(
             C=C,
             class_weight=class_weight,
             seed=seed,
-            config_fp=fp,
+            identity=identity,
             meta={"checkpoint": loaded.source.name, "fit_on": [t.id for t in on]},
         )
 

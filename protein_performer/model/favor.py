@@ -39,6 +39,8 @@ __all__ = [
     "KERNELS",
     "FavorAttention",
     "FavorState",
+    "MapFactors",
+    "MapStabilizers",
     "causal_linear_attention",
     "draw_omega",
     "exact_attention",
@@ -911,22 +913,95 @@ def favor_attention_map(
             else:
                 w = w * allowed
         else:
-            offset = None
-            logit, base = _key_parts(y, om, kernel, rho, relu_eps)
-            if logit is None:
-                kf = base
-            else:
+            f = MapFactors(x, y, keep, om, kernel, rho, relu_eps)
+            w = f.queries(sl, normalized=False) @ f.keys().transpose(1, 2)  # (BH, W, L)
+        w = w / safe_denominator(w.sum(-1, keepdim=True))
+    return w.reshape(B, H, w.shape[1], L)
+
+
+class MapStabilizers(NamedTuple):
+    """What fixes a bidirectional implied map beyond q and k: the OPRF statistic rho (BH,) or
+    None, the key stabilizer col (BH, 1, M|1) or None (relu), the key feature sum (BH, M)."""
+
+    rho: Tensor | None
+    col: Tensor | None
+    key_sum: Tensor
+
+
+class MapFactors:
+    """The bidirectional implied attention as a product A = queries() @ keys()^T.
+
+    Why: contact maps need blocks A[rows, cols] and every row and column sum of A for L far
+    beyond an L x L matrix (titin: 34k residues). The key stabilizer (a per-feature max over all
+    keys, moved to the query side where a per-row factor cancels) and the normalizers are fixed
+    once from the whole sequence (:attr:`stabilizers`, O(L M)); a later instance given them
+    recomputes any block from the features of its rows alone, with the values
+    :func:`favor_attention_map` gives. x, y: scaled, flattened (BH, L, d) as
+    :func:`_flatten_inputs` returns them; use :meth:`from_heads` for (B, H, L, d) q and k.
+    """
+
+    def __init__(
+        self,
+        x: Tensor,
+        y: Tensor,
+        keep: Tensor | None,
+        omega: Tensor,
+        kernel: str,
+        rho: Tensor | None,
+        relu_eps: float,
+        fixed: MapStabilizers | None = None,
+    ) -> None:
+        self.x, self.y, self.keep, self.omega = x, y, keep, omega
+        self.kernel, self.relu_eps = kernel, relu_eps
+        if fixed is None:
+            col = None
+            logit, _ = _key_parts(y, omega, kernel, rho, relu_eps)
+            if logit is not None:
                 if keep is not None:
                     logit = logit.masked_fill(~keep[..., None], float("-inf"))
                 col = logit.detach().amax(-2, keepdim=True).clamp_min(_NEG)  # (BH, 1, M|1)
-                kf = torch.exp(logit - col) if base is None else torch.exp(logit - col) * base
-                offset = col if kernel in _EXP_KERNELS else None
-            if keep is not None:
-                kf = kf * keep[..., None]
-            qf = _query_features(x[:, sl], om, kernel, rho, relu_eps, offset)
-            w = qf @ kf.transpose(1, 2)  # (BH, W, L)
-        w = w / safe_denominator(w.sum(-1, keepdim=True))
-    return w.reshape(B, H, w.shape[1], L)
+            self.rho, self.col = rho, col
+            fixed = MapStabilizers(rho, col, self.keys().sum(1))
+        self.stabilizers = fixed
+        self.rho, self.col = fixed.rho, fixed.col
+
+    @classmethod
+    def from_heads(
+        cls,
+        q: Tensor,
+        k: Tensor,
+        omega: Tensor,
+        *,
+        kernel: str = "softmax",
+        key_padding_mask: Tensor | None = None,
+        relu_eps: float = 1e-3,
+        fixed: MapStabilizers | None = None,
+    ) -> MapFactors:
+        """Factors of unscaled q, k (B, H, L, d) (heads flattened into BH, float32)."""
+        _check_kernel(kernel)
+        x, y, _, keep = _flatten_inputs(q, k, k[..., :1], key_padding_mask)
+        om = omega.to(device=x.device, dtype=x.dtype)
+        rho = None if fixed is not None else _resolve_rho(kernel, False, None, x, y, keep, 1)
+        return cls(x, y, keep, om, kernel, rho, relu_eps, fixed)
+
+    def keys(self, sl: slice = slice(None)) -> Tensor:
+        """Key features of the keys in ``sl``, (BH, n, M); pads 0."""
+        logit, base = _key_parts(self.y[:, sl], self.omega, self.kernel, self.rho, self.relu_eps)
+        kf = base if logit is None else torch.exp(logit - self.col)
+        if logit is not None and base is not None:
+            kf = kf * base
+        return kf if self.keep is None else kf * self.keep[:, sl, None]
+
+    def queries(self, sl: slice = slice(None), normalized: bool = True) -> Tensor:
+        """Query features of the queries in ``sl``, (BH, n, M), divided by each row's
+        normalizer when ``normalized`` (then queries() @ keys()^T rows sum to 1)."""
+        offset = self.col if self.kernel in _EXP_KERNELS else None
+        x = self.x[:, sl]
+        qf = _query_features(x, self.omega, self.kernel, self.rho, self.relu_eps, offset)
+        if not normalized:
+            return qf
+        den = (qf * self.stabilizers.key_sum[:, None, :]).sum(-1, keepdim=True)
+        return qf / safe_denominator(den)
 
 
 def exact_attention(

@@ -208,7 +208,7 @@ def visualize(cfg: Any) -> dict[str, Path]:
 
         regression = _regression(cfg, loaded)
         if regression is not None:
-            regression.check_model(loaded.config, str(loaded.source))
+            regression.check_model(loaded)
             pred = regression.predict_maps(
                 model_maps(loaded, target.sequence, regression.layers, regression.heads)
             )
