@@ -48,13 +48,12 @@ import torch
 
 from protein_performer.atomic import write_text_atomic
 from protein_performer.errors import UserError, check_format_header
+from protein_performer.inference.loading import REGRESSION_FILE  # beside a .ckpt: <stem>.<it>
 
 log = logging.getLogger(__name__)
 
 FORMAT_NAME = "protein_performer.contact_regression"
 FORMAT_VERSION = 1
-#: File name inside an export directory; beside a .ckpt it is ``<stem>.contact_regression.json``.
-REGRESSION_FILE = "contact_regression.json"
 MIN_SEPARATION = 6
 DEFAULT_C = 0.15
 #: name -> (lowest, highest or None) separation |i - j|, both inclusive.

@@ -23,6 +23,7 @@ import json
 import logging
 import os
 import shutil
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -42,6 +43,10 @@ FORMAT_NAME = "protein_performer.model"
 FORMAT_VERSION = 1
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
+#: The model's own contact regression (converted ESM-2 head or a fit), inside an export directory.
+REGRESSION_FILE = "contact_regression.json"
+#: Key of that regression (its JSON as a dict) in a Lightning checkpoint.
+REGRESSION_KEY = "contact_regression"
 #: Prefix of the model's weights inside the LightningModule's state dict.
 LIGHTNING_PREFIX = "model."
 _SHOW_KEYS = 5  # how many offending keys an error message names
@@ -57,6 +62,8 @@ class LoadedModel:
     source: Path  # the .ckpt file or the export directory
     device: torch.device
     kind: str  # "lightning" or "export"
+    #: The contact regression stored with the model (``ContactRegression.to_dict()``), if any.
+    contact_regression: dict[str, Any] | None = None
 
 
 # --------------------------------------------------------------------------------------------
@@ -106,7 +113,10 @@ def _config_from(data: Any, path: Path, where: str) -> PerformerConfig:
         raise UserError(f"{path}: {where}: {exc}") from None
 
 
-def _read_lightning(path: Path) -> tuple[PerformerConfig, dict[str, torch.Tensor]]:
+Read = tuple[PerformerConfig, dict[str, torch.Tensor], dict[str, Any] | None]
+
+
+def _read_lightning(path: Path) -> Read:
     ckpt = load_lightning(path)
     if "performer_config" in ckpt:
         config = _config_from(ckpt["performer_config"], path, "performer_config")
@@ -129,10 +139,10 @@ def _read_lightning(path: Path) -> tuple[PerformerConfig, dict[str, torch.Tensor
             f"{sorted({k.split('.')[0] for k in ckpt['state_dict']})[:5]}); not a "
             "protein-performer checkpoint"
         )
-    return config, state
+    return config, state, ckpt.get(REGRESSION_KEY)
 
 
-def _read_export(path: Path) -> tuple[PerformerConfig, dict[str, torch.Tensor]]:
+def _read_export(path: Path) -> Read:
     config_path, weights_path = path / CONFIG_FILE, path / WEIGHTS_FILE
     if not config_path.is_file():
         raise UserError(
@@ -163,7 +173,13 @@ def _read_export(path: Path) -> tuple[PerformerConfig, dict[str, torch.Tensor]]:
             f"{weights_path}: cannot read the weights: truncated or corrupt safetensors file "
             f"({str(exc).splitlines()[0] if str(exc) else type(exc).__name__}); re-export"
         ) from None
-    return config, state
+    regression = None
+    if (path / REGRESSION_FILE).is_file():
+        try:
+            regression = json.loads((path / REGRESSION_FILE).read_text(encoding="utf-8"))
+        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise UserError(f"{path / REGRESSION_FILE}: not valid JSON ({exc})") from None
+    return config, state, regression
 
 
 def _tied_aliases(model: torch.nn.Module) -> set[str]:
@@ -228,10 +244,10 @@ def load_model(path: str | os.PathLike[str], device: str | torch.device = "auto"
         )
     target = resolve_device(device)
     if src.is_dir():
-        config, state = _read_export(src)
+        config, state, regression = _read_export(src)
         kind = "export"
     else:
-        config, state = _read_lightning(src)
+        config, state, regression = _read_lightning(src)
         kind = "lightning"
     check_finite(state, src)
     alphabet = Alphabet()
@@ -244,7 +260,7 @@ def load_model(path: str | os.PathLike[str], device: str | torch.device = "auto"
     _load_weights(model, state, src)
     model.to(target).eval()
     log.debug("loaded %s (%s, %s) on %s", src, config.objective, config.attention, target)
-    return LoadedModel(model, config, alphabet, src, target, kind)
+    return LoadedModel(model, config, alphabet, src, target, kind, regression)
 
 
 # --------------------------------------------------------------------------------------------
@@ -260,7 +276,8 @@ def export_model(
     out_dir: str | os.PathLike[str],
     overwrite: bool = False,
 ) -> Path:
-    """Write ``config.json`` + ``model.safetensors`` to ``out_dir``, atomically.
+    """Write ``config.json`` + ``model.safetensors`` (+ ``contact_regression.json`` when the
+    model has one) to ``out_dir``, atomically.
 
     The directory is assembled under a temporary sibling name and renamed into place only when
     complete, so an interrupted export never leaves something that looks loadable. Tied weights
@@ -277,17 +294,6 @@ def export_model(
         if isinstance(path_or_loaded, LoadedModel)
         else load_model(path_or_loaded, device="cpu")
     )
-    out = Path(out_dir).expanduser()
-    if out.exists():
-        if not out.is_dir():
-            raise UserError(f"{out} exists and is not a directory; choose another output")
-        if any(out.iterdir()):
-            if not is_export_dir(out):
-                raise UserError(f"{out} is a non-empty directory that is not an export; refusing")
-            if not overwrite:
-                raise UserError(f"{out} already holds an export; pass --overwrite to replace it")
-    out.parent.mkdir(parents=True, exist_ok=True)
-
     model = loaded.model
     aliases = _tied_aliases(model)
     state = {
@@ -304,13 +310,43 @@ def export_model(
         "tied_weights": sorted(aliases),
         "source": loaded.source.name,
     }
+    files: dict[str, Callable[[Path], Any]] = {
+        WEIGHTS_FILE: lambda p: save_file(state, str(p), metadata={"format": FORMAT_NAME}),
+        CONFIG_FILE: lambda p: write_json(p, meta),
+    }
+    if loaded.contact_regression is not None:
+        files[REGRESSION_FILE] = lambda p: write_json(p, loaded.contact_regression)
+    return publish_directory(out_dir, files, overwrite, "an export", is_export_dir)
+
+
+def write_json(path: Path, data: Any) -> None:
+    path.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+
+
+def publish_directory(
+    out_dir: str | os.PathLike[str],
+    files: Mapping[str, Callable[[Path], Any]],
+    overwrite: bool,
+    what: str,
+    is_ours: Callable[[Path], bool],
+) -> Path:
+    """Write ``files`` (name -> writer of that path) into a temporary sibling of ``out_dir`` and
+    put it in place atomically. A non-empty ``out_dir`` is replaced only when ``is_ours`` says
+    it holds ``what`` and ``overwrite`` is set: an unrelated directory is never deleted."""
+    out = Path(out_dir).expanduser()
+    if out.exists():
+        if not out.is_dir():
+            raise UserError(f"{out} exists and is not a directory; choose another output")
+        if any(out.iterdir()):
+            if not is_ours(out):
+                raise UserError(f"{out} is a non-empty directory that is not {what}; refusing")
+            if not overwrite:
+                raise UserError(f"{out} already holds {what}; pass --overwrite to replace it")
+    out.parent.mkdir(parents=True, exist_ok=True)
     tmp = make_temp_dir(out)
     try:
-        save_file(state, str(tmp / WEIGHTS_FILE), metadata={"format": FORMAT_NAME})
-        (tmp / CONFIG_FILE).write_text(
-            json.dumps(meta, indent=2, sort_keys=True) + "\n", encoding="utf-8"
-        )
-        for name in (WEIGHTS_FILE, CONFIG_FILE):
+        for name, write in files.items():
+            write(tmp / name)
             os.chmod(tmp / name, default_file_mode())
             fsync_path(tmp / name)
         replace_dir(tmp, out)
