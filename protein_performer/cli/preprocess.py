@@ -46,6 +46,32 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         "id = always the record id; cluster = require a cluster id",
     )
     p.add_argument(
+        "--cluster-split",
+        type=_identity,
+        default=None,
+        metavar="IDENTITY",
+        help="cluster the input with MMseqs2 (`mmseqs easy-cluster --min-seq-id IDENTITY -c 0.8`; "
+        "`mmseqs` must be on PATH, Debian package mmseqs2) and assign whole clusters to "
+        "train/valid/test, so no held-out record has a relative at >= IDENTITY in train (e.g. "
+        "0.5). With --split-by id the clusters only define the --ood-frac groups",
+    )
+    p.add_argument(
+        "--ood-frac",
+        type=float,
+        default=0.0,
+        metavar="F",
+        help="hold out this fraction of the clusters (of the hash keys without --cluster-split) "
+        "as a fourth split, ood, that training never reads (default 0)",
+    )
+    p.add_argument(
+        "--ood-taxa",
+        type=_taxa,
+        default=(),
+        metavar="TAXID[,TAXID...]",
+        help="also hold out every record whose header's OX= (UniProtKB) or TaxID= (UniRef) is "
+        "one of these NCBI taxon ids, as ood",
+    )
+    p.add_argument(
         "--workers",
         type=_positive_int,
         default=None,
@@ -70,6 +96,27 @@ def _positive_int(text: str) -> int:
     return n
 
 
+def _identity(text: str) -> float:
+    try:
+        x = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected a fraction such as 0.5, got {text!r}"
+        ) from None
+    if not 0.0 < x <= 1.0:
+        raise argparse.ArgumentTypeError(f"sequence identity must be in (0, 1], got {x}")
+    return x
+
+
+def _taxa(text: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(t) for t in text.split(",") if t.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected comma-separated NCBI taxon ids such as 9606,10090, got {text!r}"
+        ) from None
+
+
 def run(args: argparse.Namespace) -> int:
     from protein_performer.data.preprocess import default_workers, preprocess
 
@@ -80,6 +127,9 @@ def run(args: argparse.Namespace) -> int:
         valid_frac=args.valid_frac,
         test_frac=args.test_frac,
         split_mode=args.split_by,
+        cluster_identity=args.cluster_split,
+        ood_frac=args.ood_frac,
+        ood_taxa=args.ood_taxa,
         overwrite=args.overwrite,
         progress=not args.no_progress,
         workers=args.workers or default_workers(),

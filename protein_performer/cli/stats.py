@@ -19,7 +19,7 @@ from protein_performer.cli._common import add_on_invalid
 #: ESM-2 sees at most 1024 tokens including <cls> and <eos>: longer records get cropped.
 CROP_LIMIT = 1022
 _STANDARD = frozenset("LAGVSERTIDPKQNFYMHWC")
-_SPLIT_ORDER = {"train": 0, "valid": 1, "test": 2}
+_SPLIT_ORDER = {"train": 0, "valid": 1, "test": 2, "ood": 3}
 _CHUNK = 1 << 24  # residues per bincount pass over a store's tokens
 
 

@@ -39,6 +39,7 @@ from protein_performer.data.split import (
     DEFAULT_TEST_FRAC,
     DEFAULT_VALID_FRAC,
     SPLIT_NAMES,
+    Groups,
     Splitter,
 )
 from protein_performer.data.store import StoreWriter, TokenStore, check_output_dir
@@ -54,6 +55,14 @@ _CHUNK_RECORDS = 8192
 _HASH_DOC = (
     "blake2b-64 (big-endian) of 'cluster:' + UniRef cluster id, else of the id; "
     "test = lowest test_frac of the hash range, valid = the next valid_frac"
+)
+_CLUSTER_HASH_DOC = (
+    "blake2b-64 (big-endian) of 'mmseqs:' + the record's MMseqs2 cluster representative id; "
+    "test = lowest test_frac of the hash range, valid = the next valid_frac"
+)
+_OOD_DOC = (
+    "ood = records whose OX=/TaxID= is in taxa, and the groups (MMseqs2 clusters when "
+    "clustered, else the split key) whose blake2b-64 of 'ood:' + group is below frac"
 )
 _CHUNK_RESIDUES = 1 << 23
 
@@ -218,6 +227,9 @@ def preprocess(
     valid_frac: float = DEFAULT_VALID_FRAC,
     test_frac: float = DEFAULT_TEST_FRAC,
     split_mode: str = "auto",
+    cluster_identity: float | None = None,
+    ood_frac: float = 0.0,
+    ood_taxa: Sequence[int] = (),
     overwrite: bool = False,
     progress: bool = True,
     alphabet: Alphabet | None = None,
@@ -230,6 +242,11 @@ def preprocess(
     processes (a gzip file is one range: its own worker), and concatenates their shards in
     order: the store, ``meta.json`` included, and every error message are the same as with
     ``workers=1``. Small inputs (one range) are read in this process.
+
+    ``cluster_identity`` clusters the inputs with MMseqs2 first (``data.homology``) and splits
+    whole clusters; ``ood_frac`` (of the clusters, or of the split keys without clustering) and
+    ``ood_taxa`` (``OX=``/``TaxID=`` values) go to a fourth split, ``ood``, that training never
+    reads. All of it is recorded under ``split`` in ``meta.json``.
 
     Raises ``UserError`` (nothing is written under ``out``) for bad arguments, bad input in
     ``on_invalid="error"`` mode, or an input without a single valid record.
@@ -244,12 +261,34 @@ def preprocess(
         raise UserError(f"on_invalid must be 'error' or 'skip', got {on_invalid!r}")
     if int(workers) < 1:
         raise UserError(f"workers must be >= 1, got {workers}")
-    splitter = Splitter(valid_frac, test_frac, split_mode)  # validates both
+    Splitter(valid_frac, test_frac, split_mode, Groups(ood_frac=ood_frac))  # validates all
+    if ood_frac + valid_frac + test_frac >= 1.0:
+        raise UserError(
+            f"ood_frac + valid_frac + test_frac must be < 1 (got {ood_frac} + {valid_frac} + "
+            f"{test_frac}): nothing would be left for training"
+        )
     out = Path(out)
     check_output_dir(out, overwrite)
     alphabet = alphabet or Alphabet()
 
     t0 = time.perf_counter()
+    split_meta: dict[str, Any] = {
+        "mode": split_mode,
+        "valid_frac": valid_frac,
+        "test_frac": test_frac,
+        "hash": _HASH_DOC,
+    }
+    clusters = None
+    if cluster_identity is not None:
+        from protein_performer.data.homology import cluster_sequences
+
+        clusters, split_meta["clusters"] = cluster_sequences(paths, cluster_identity, workers)
+        if split_mode != "id":
+            split_meta["hash"] = _CLUSTER_HASH_DOC
+    if ood_frac > 0 or ood_taxa:
+        split_meta["ood"] = {"frac": ood_frac, "taxa": sorted(set(ood_taxa)), "rule": _OOD_DOC}
+    groups = Groups(clusters, ood_frac, frozenset(int(t) for t in ood_taxa))
+    splitter = Splitter(valid_frac, test_frac, split_mode, groups)
     inputs_meta = [file_fingerprint(p) for p in paths]
     report = _KeyedReport()
     bar = _ByteProgress(paths, enabled=progress)
@@ -261,7 +300,7 @@ def preprocess(
             if ranges is None:
                 _run_serial(paths, writer, splitter, on_invalid, report, alphabet, bar)
             else:
-                job = _Job(on_invalid, valid_frac, test_frac, split_mode, alphabet)
+                job = _Job(on_invalid, valid_frac, test_frac, split_mode, alphabet, groups)
                 _run_parallel(paths, ranges, int(workers), job, writer, report, bar)
             report.finish()
             skipped = int(report.skipped)
@@ -273,12 +312,7 @@ def preprocess(
                 )
             writer.commit(
                 {
-                    "split": {
-                        "mode": split_mode,
-                        "valid_frac": valid_frac,
-                        "test_frac": test_frac,
-                        "hash": _HASH_DOC,
-                    },
+                    "split": split_meta,
                     "inputs": inputs_meta,
                     "on_invalid": on_invalid,
                     "invalid": _report_dict(report),
@@ -467,7 +501,7 @@ def _run_serial(
                 ids = [ids[i] for i in idx]
                 seqs = [seqs[i] for i in idx]
                 descs = [descs[i] for i in idx]
-            writer.write_chunk(ids, seqs, splitter.codes(ids), descs)
+            writer.write_chunk(ids, seqs, splitter.codes(ids, descs), descs)
 
         chunker = _Chunker(sink)
         error: FastaFormatError | None = None
@@ -519,6 +553,7 @@ class _Job:
     test_frac: float
     split_mode: str
     alphabet: Alphabet
+    groups: Groups
 
 
 def _is_gzip(path: Path) -> bool:
@@ -644,7 +679,8 @@ def _shard_worker(r: _Range, job: _Job, shard: str) -> dict[str, Any]:
     among them.
     """
     report = _KeyedReport(file=r.file)
-    splitter = Splitter(job.valid_frac, job.test_frac, job.split_mode)  # type: ignore[arg-type]
+    mode: Any = job.split_mode  # validated by the parent
+    splitter = Splitter(job.valid_frac, job.test_frac, mode, job.groups)
     hashes: list[np.ndarray] = []
     numbers: list[np.ndarray] = []
     lines: list[np.ndarray] = []
@@ -654,7 +690,7 @@ def _shard_worker(r: _Range, job: _Job, shard: str) -> dict[str, Any]:
         def sink(
             ids: list[str], seqs: list[str], descs: list[str], nums: list[int], lns: list[int]
         ) -> None:
-            writer.write_chunk(ids, seqs, splitter.codes(ids), descs)
+            writer.write_chunk(ids, seqs, splitter.codes(ids, descs), descs)
             hashes.append(DuplicateIdChecker.hash_ids(ids))
             numbers.append(np.asarray(nums, dtype=np.int64))
             lines.append(np.asarray(lns, dtype=np.int64))

@@ -3,7 +3,10 @@
 Hashing (rather than shuffling) means the split of a record depends only on its key, not on the
 order or size of the corpus: re-running, appending files or sharding the input never moves a
 record between splits. Keying on the UniRef cluster id keeps every member of a cluster in the same
-split, so near-duplicates cannot leak from train into valid/test.
+split, so near-duplicates cannot leak from train into valid/test. ``preprocess --cluster-split``
+goes further (:class:`Groups`): it hashes MMseqs2 clusters (``data.homology``) instead, and can
+hold whole clusters or taxa out as a fourth, out-of-distribution split (``ood``) that training
+never reads.
 """
 
 from __future__ import annotations
@@ -12,7 +15,8 @@ import functools
 import hashlib
 import math
 import re
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import numpy as np
@@ -22,9 +26,10 @@ from protein_performer.errors import UserError
 SplitMode = Literal["auto", "id", "cluster"]
 SPLIT_MODES: tuple[str, ...] = ("auto", "id", "cluster")
 
-TRAIN, VALID, TEST = 0, 1, 2
-#: Split code -> name; the code is what the store keeps (one uint8 per record).
-SPLIT_NAMES: tuple[str, ...] = ("train", "valid", "test")
+TRAIN, VALID, TEST, OOD = 0, 1, 2, 3
+#: Split code -> name; the code is what the store keeps (one uint8 per record). ``ood`` holds
+#: the groups held out by ``preprocess --ood-frac/--ood-taxa`` (empty otherwise).
+SPLIT_NAMES: tuple[str, ...] = ("train", "valid", "test", "ood")
 SPLIT_CODES: dict[str, int] = {name: code for code, name in enumerate(SPLIT_NAMES)}
 
 #: Defaults sized for corpora of thousands of records and up (2% each still gives a usable
@@ -128,6 +133,33 @@ def assign_split(key: str, valid_frac: float, test_frac: float) -> int:
     return TEST if d < test_cut else VALID if d < valid_cut else TRAIN
 
 
+#: ``OX=`` (UniProtKB) or ``TaxID=`` (UniRef) in a header's description.
+_TAXID = re.compile(r"(?:^|\s)(?:OX|TaxID)=(\d+)")
+_OOD_SALT = "ood:"
+
+
+def taxid_of(description: str) -> int | None:
+    """The NCBI taxon id of a header description (``OX=``/``TaxID=``), else None."""
+    m = _TAXID.search(description)
+    return int(m.group(1)) if m else None
+
+
+@dataclass(frozen=True)
+class Groups:
+    """Homology groups and held-out (OOD) groups for :class:`Splitter`.
+
+    ``clusters`` maps every record id to its MMseqs2 cluster representative; when given (and the
+    mode is not ``id``), train/valid/test hash the cluster, so a cluster never straddles splits.
+    ``ood_frac`` of the groups (clusters when given, else the usual split key) and every record
+    whose ``OX=``/``TaxID=`` is in ``ood_taxa`` go to ``ood``. The OOD draw hashes the group
+    with a salt, independent of the train/valid/test bands, so it is as deterministic as they are.
+    """
+
+    clusters: Mapping[str, str] | None = None
+    ood_frac: float = 0.0
+    ood_taxa: frozenset[int] = field(default_factory=frozenset)
+
+
 class Splitter:
     """Split codes with the cut points precomputed, per record or per chunk of ids.
 
@@ -135,16 +167,37 @@ class Splitter:
     and two vectorised comparisons, about a microsecond per record.
     """
 
-    def __init__(self, valid_frac: float, test_frac: float, mode: SplitMode = "auto") -> None:
+    def __init__(
+        self,
+        valid_frac: float,
+        test_frac: float,
+        mode: SplitMode = "auto",
+        groups: Groups | None = None,
+    ) -> None:
         check_fractions(valid_frac, test_frac)
         if mode not in SPLIT_MODES:
             raise UserError(f"unknown split mode {mode!r} (choose from {', '.join(SPLIT_MODES)})")
         self.mode = mode
         self.valid_frac = valid_frac
         self.test_frac = test_frac
+        self.groups = groups or Groups()
+        if not 0.0 <= self.groups.ood_frac < 1.0:
+            raise UserError(f"ood_frac must be in [0, 1), got {self.groups.ood_frac}")
         test_cut, valid_cut = _cuts(valid_frac, test_frac)
         self._test_cut = int.from_bytes(test_cut, "big")
         self._valid_cut = int.from_bytes(valid_cut, "big")
+        self._ood_cut = int.from_bytes(_cut(self.groups.ood_frac), "big")
+
+    def _cluster_keys(self, ids: Sequence[str]) -> list[str]:
+        clusters = self.groups.clusters
+        assert clusters is not None
+        try:
+            return ["mmseqs:" + clusters[i] for i in ids]
+        except KeyError as exc:
+            raise UserError(
+                f"record {exc.args[0]!r} is missing from the MMseqs2 clustering of the input "
+                "(its id must be the first word of the header)"
+            ) from None
 
     def __call__(self, record: Any) -> int:
         """Split code of one record (same answer as :meth:`codes`)."""
@@ -154,6 +207,8 @@ class Splitter:
         """Hash keys for a chunk of record ids, without parsing headers."""
         if self.mode == "id":
             return list(ids)
+        if self.groups.clusters is not None:
+            return self._cluster_keys(ids)
         keys = list(ids)
         if self.mode == "auto" and "UniRef" not in "\n".join(ids):
             return keys  # one C-level scan instead of a startswith per id
@@ -170,14 +225,28 @@ class Splitter:
                 )
         return keys
 
-    def codes(self, ids: Sequence[str]) -> np.ndarray:
-        """(n,) uint8 split codes for a chunk of record ids."""
-        blake2b = hashlib.blake2b
-        digests = b"".join(
-            [blake2b(k.encode("utf-8"), digest_size=8).digest() for k in self.keys(ids)]
-        )
-        h = np.frombuffer(digests, dtype=">u8")  # (n,) big-endian: same order as the bytes
+    def codes(self, ids: Sequence[str], descriptions: Sequence[str] | None = None) -> np.ndarray:
+        """(n,) uint8 split codes for a chunk of record ids (and their header descriptions,
+        needed only when taxa are held out)."""
+        keys = self.keys(ids)
+        h = _hashes(keys)
         out = np.zeros(len(h), dtype=np.uint8)
         out[h < np.uint64(self._valid_cut)] = VALID
         out[h < np.uint64(self._test_cut)] = TEST
+        g = self.groups
+        if g.ood_frac > 0:
+            group = self._cluster_keys(ids) if g.clusters is not None else keys
+            out[_hashes([_OOD_SALT + k for k in group]) < np.uint64(self._ood_cut)] = OOD
+        if g.ood_taxa:
+            if descriptions is None:
+                raise ValueError("holding out taxa needs the header descriptions")
+            taxa = [taxid_of(d) for d in descriptions]
+            out[np.fromiter((t in g.ood_taxa for t in taxa), bool, len(taxa))] = OOD
         return out
+
+
+def _hashes(keys: Sequence[str]) -> np.ndarray:
+    """(n,) uint64 blake2b-64 of each key (big-endian, so int order = digest byte order)."""
+    blake2b = hashlib.blake2b
+    digests = b"".join([blake2b(k.encode("utf-8"), digest_size=8).digest() for k in keys])
+    return np.frombuffer(digests, dtype=">u8")

@@ -5,7 +5,7 @@ Layout of a store directory (all binaries raw little-endian, N = number of recor
     tokens.bin           uint8   (total residues,)  token ids, records back to back, no BOS/EOS
     offsets.bin          <i8     (N + 1,)           record i is tokens[offsets[i]:offsets[i+1]]
     lengths.bin          <i4     (N,)               residues per record (= offsets diff)
-    split.bin            uint8   (N,)               0 train, 1 valid, 2 test
+    split.bin            uint8   (N,)               0 train, 1 valid, 2 test, 3 ood
     ids.bin              bytes                      record ids, UTF-8, back to back
     ids.offsets.bin      <i8     (N + 1,)
     descriptions.txt     bytes                      the header line after the id, UTF-8,
@@ -624,7 +624,7 @@ class TokenStore:
         return "".join(vocab[t] for t in self.tokens(i).tolist())
 
     def indices(self, split: str = "all") -> np.ndarray:
-        """(n,) int64 record indices of one split (``train``/``valid``/``test``) or ``all``."""
+        """(n,) int64 record indices of one split (train, valid, test, ood) or ``all``."""
         name = {"val": "valid", "validation": "valid"}.get(split, split)
         if name not in self._indices:
             if name == "all":
@@ -632,7 +632,7 @@ class TokenStore:
             elif name in SPLIT_CODES:
                 idx = np.flatnonzero(np.asarray(self.split) == SPLIT_CODES[name]).astype(np.int64)
             else:
-                raise ValueError(f"unknown split {split!r}: use train, valid, test or all")
+                raise ValueError(f"unknown split {split!r}: use train, valid, test, ood or all")
             self._indices[name] = idx
         return self._indices[name]
 
