@@ -59,20 +59,20 @@ def _alive(pid: int) -> bool:
     return True
 
 
-def remove_stale_temps(path: Path) -> list[Path]:
-    """Delete temporaries of ``path`` left by dead processes of this host; returns them.
+def remove_stale_temps(directory: Path, name: str | None = None) -> list[Path]:
+    """Delete the temporaries in ``directory`` (of target ``name``, or of any target) left by
+    dead processes of this host; returns them.
 
     Directories (an export or a store being assembled) are removed too. Another host's
     temporaries cannot be judged from here and are kept.
     """
     import shutil
 
-    pattern = re.compile(
-        rf"^\.{re.escape(path.name)}\.{re.escape(_host())}\.(\d+)\.[^/]*\.tmp(\.\w+)?$"
-    )
+    target = re.escape(name) if name is not None else r"[^/]+"
+    pattern = re.compile(rf"^\.{target}\.{re.escape(_host())}\.(\d+)\.[^/]*\.tmp(\.\w+)?$")
     removed: list[Path] = []
     try:
-        entries = list(path.parent.iterdir())
+        entries = list(directory.iterdir())
     except OSError:
         return removed
     for entry in entries:
@@ -104,7 +104,7 @@ def fsync_path(path: Path) -> None:
 def make_temp_dir(path: Path) -> Path:
     """A temporary directory beside ``path`` (named like :func:`atomic_file`'s files) with the
     mode ``mkdir`` would give, so a published directory follows the umask."""
-    remove_stale_temps(path)
+    remove_stale_temps(path.parent, path.name)
     tmp = Path(tempfile.mkdtemp(prefix=temp_prefix(path), suffix=".tmp", dir=path.parent))
     os.chmod(tmp, default_dir_mode())
     return tmp
@@ -160,7 +160,7 @@ def atomic_file(path: Path, suffix: str = ".tmp", mode: int | None = None) -> It
     is fsynced and renamed over ``path`` with ``mode`` (default: :func:`default_file_mode`), on
     failure deleted. ``suffix`` is for writers that pick a format from the file name."""
     path = Path(path)
-    remove_stale_temps(path)
+    remove_stale_temps(path.parent, path.name)
     fd, name = tempfile.mkstemp(
         prefix=temp_prefix(path),
         suffix=suffix if suffix == ".tmp" else f".tmp{suffix}",

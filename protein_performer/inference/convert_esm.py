@@ -32,7 +32,7 @@ from typing import Any
 
 import torch
 
-from protein_performer.checkpoints import safe_load
+from protein_performer.checkpoints import check_finite, safe_load
 from protein_performer.data.tokenizer import Alphabet
 from protein_performer.errors import UserError
 from protein_performer.inference.loading import LoadedModel, export_model
@@ -487,6 +487,7 @@ def build_model(
     global RNG is left untouched.
     """
     config = performer_config(source, attention, kernel, nb_features)
+    check_finite(source.state, source.path)
     with torch.random.fork_rng(devices=[]):
         model = PerformerLM(config)
     expected = model.state_dict()

@@ -108,9 +108,11 @@ class ProteinLMModule(pl.LightningModule):
         object.__setattr__(self, "_teacher", teacher)
         # Token-weighted sums, synced across ranks by torchmetrics at compute time, so val/ppl is
         # exp of the corpus-level mean NLL, not a mean of per-batch perplexities.
-        self.eval_nll = SumMetric()
-        self.eval_tokens = SumMetric()
-        self.eval_correct = SumMetric()
+        # nan_strategy="disable": a NaN loss must show as NaN (the default drops it from the sum
+        # while the token count keeps counting, which reports a diverged model as perfect).
+        self.eval_nll = SumMetric(nan_strategy="disable")
+        self.eval_tokens = SumMetric(nan_strategy="disable")
+        self.eval_correct = SumMetric(nan_strategy="disable")
 
     def forward(self, tokens: torch.Tensor, padding_mask: torch.Tensor | None = None) -> Any:
         return self.model(tokens, padding_mask=padding_mask)

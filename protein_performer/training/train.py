@@ -23,6 +23,12 @@ log = logging.getLogger(__name__)
 
 #: Environment variable naming another config directory (a copy of ``conf/`` to customise).
 CONF_DIR_ENV = "PROTEIN_PERFORMER_CONF_DIR"
+#: ``ckpt_path`` values Lightning resolves: the newest last.ckpt (or SLURM hpc checkpoint) of
+#: this run directory, or the SLURM requeue checkpoint.
+RESUME_KEYWORDS = ("last", "hpc")
+#: Exit status of a run stopped by SIGTERM after saving last.ckpt (128 + SIGTERM, as the shell
+#: reports a process killed by it): not 0, so a job chain does not take it for a finished run.
+PREEMPTED_EXIT = 143
 
 
 def conf_dir() -> Path:
@@ -148,17 +154,20 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     ``global_rank`` (under DDP every rank returns; only rank 0 has written the files).
     """
     import pytorch_lightning as pl
+    from pytorch_lightning.utilities.exceptions import SIGTERMException
 
     from protein_performer.training.callbacks import TrainingCurvePlot
+    from protein_performer.training.checkpointing import DivergenceGuard, SafeCheckpointIO
     from protein_performer.training.init_weights import check_init_from, maybe_init_from
 
     if cfg.get("seed") is not None:
         pl.seed_everything(int(cfg.seed), workers=True)
     ckpt_path = cfg.get("ckpt_path")
-    if ckpt_path is not None and not Path(ckpt_path).is_file():
+    if ckpt_path not in (None, *RESUME_KEYWORDS) and not Path(ckpt_path).is_file():
         raise UserError(
             f"ckpt_path={ckpt_path} is not a file: give the last.ckpt (or another .ckpt) of the "
-            "run to resume, e.g. outputs/<task>/<run>/checkpoints/last.ckpt"
+            "run to resume, e.g. outputs/<task>/<run>/checkpoints/last.ckpt, or ckpt_path=last "
+            "to resume the newest last.ckpt of this run directory (see run_name)"
         )
 
     check_init_from(cfg)  # before building anything: a fine-tune experiment without weights
@@ -173,7 +182,11 @@ def train(cfg: DictConfig) -> dict[str, Any]:
         callbacks = [c for c in callbacks if not isinstance(c, ProgressBar)]
     loggers = _instantiate_dict(cfg, "logger")
     trainer: pl.Trainer = _instantiate(
-        cfg.trainer, "trainer", callbacks=callbacks, logger=loggers or False
+        cfg.trainer,
+        "trainer",
+        callbacks=[DivergenceGuard(), *callbacks],
+        logger=loggers or False,
+        plugins=[SafeCheckpointIO()],
     )
     if trainer.is_global_zero:
         log.info(
@@ -183,7 +196,17 @@ def train(cfg: DictConfig) -> dict[str, Any]:
             module.performer_config.objective,
         )
 
-    trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt_path)
+    try:
+        trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt_path, weights_only=True)
+    except SIGTERMException:
+        saved = getattr(trainer.checkpoint_callback, "last_model_path", None) or "nothing"
+        log.warning(
+            "stopped by SIGTERM at step %d (saved %s); relaunch the same command in the same "
+            "run directory with ckpt_path=last to resume",
+            trainer.global_step,
+            saved,
+        )
+        raise SystemExit(PREEMPTED_EXIT) from None
     metrics = {k: _scalar(v) for k, v in trainer.callback_metrics.items()}
 
     checkpoint = trainer.checkpoint_callback
@@ -249,7 +272,8 @@ def main() -> None:
     try:
         result = run_hydra(sys.argv[1:], prog=sys.argv[0])
     except UserError as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        if not getattr(exc, "quiet", False):
+            print(f"error: {exc}", file=sys.stderr)
         sys.exit(2)
     if result:
         from omegaconf import OmegaConf

@@ -1,0 +1,118 @@
+"""Training never lies or loses work: divergence stops the run, last.ckpt is the last state,
+checkpoints are written atomically and read safely (protein_performer.training.checkpointing)."""
+
+from __future__ import annotations
+
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from protein_performer.checkpoints import nonfinite_tensors, safe_load
+from protein_performer.errors import UserError
+from protein_performer.training.checkpointing import TrainingDivergedError
+from protein_performer.training.train import compose_config, train
+
+REPO = Path(__file__).resolve().parents[1]
+
+TINY = [
+    "experiment=demo",
+    f"paths.root_dir={REPO}",
+    "model.config.dim=32",
+    "model.config.depth=1",
+    "model.config.heads=2",
+    "model.config.ff_dim=64",
+    "model.config.nb_features=16",
+    "data.limit_records=120",
+    "data.max_len=128",
+    "data.max_tokens=1024",
+    "data.num_workers=0",
+    "callbacks.progress_bar=null",
+    "trainer.enable_progress_bar=false",
+    "trainer.enable_model_summary=false",
+    "trainer.limit_val_batches=1",
+    "trainer.max_epochs=-1",
+]
+DIVERGE = ["model.optim.lr=1e12", "model.optim.warmup_steps=0", "trainer.gradient_clip_val=null"]
+
+
+def _train(out: Path, *overrides: str) -> dict:
+    return train(compose_config([*TINY, *overrides], output_dir=out))
+
+
+def _step(path: Path) -> int:
+    return int(safe_load(path)["global_step"])
+
+
+def test_last_ckpt_is_the_last_state_even_when_the_metric_never_improves(tmp_path: Path) -> None:
+    # lr=0: val/loss is the same at every validation, so no top-k checkpoint after the first;
+    # last.ckpt must still follow every validation and the end of fit (step 10, not 8).
+    result = _train(
+        tmp_path, "model.optim.lr=0", "trainer.max_steps=10", "trainer.val_check_interval=4"
+    )
+    last = Path(result["last_checkpoint"])
+    assert last == tmp_path / "checkpoints" / "last.ckpt"
+    assert _step(last) == 10
+    assert _step(Path(result["best_checkpoint"])) == 4
+    assert not [p for p in last.parent.iterdir() if p.name.startswith(".")]  # no temporaries
+
+
+def test_divergence_stops_the_run_and_saves_nothing_non_finite(tmp_path: Path) -> None:
+    with pytest.raises(TrainingDivergedError) as info:
+        _train(tmp_path, *DIVERGE, "trainer.max_steps=30", "trainer.val_check_interval=2")
+    message = str(info.value)
+    assert "\n" not in message
+    assert "training stopped at step" in message and "is nan" in message
+    assert "last finite train/loss" in message and "gradient_clip_val=1.0" in message
+    for ckpt in (tmp_path / "checkpoints").glob("*.ckpt"):
+        assert not nonfinite_tensors(safe_load(ckpt)["state_dict"]), ckpt
+
+
+def test_validation_nan_is_not_dropped() -> None:
+    from protein_performer.training.lit_module import ProteinLMModule
+
+    module = ProteinLMModule({"dim": 16, "depth": 1, "heads": 2, "ff_dim": 32, "nb_features": 8})
+    module.eval_nll.update(torch.tensor([1.0, float("nan")]))
+    module.eval_tokens.update(torch.tensor(2.0))
+    assert math.isnan(float(module.eval_nll.compute()))
+
+
+class _Payload:
+    """A pickle that runs code when loaded (what a malicious checkpoint carries)."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
+
+
+def test_resume_never_unpickles_code_even_with_the_torch_override(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    marker = tmp_path / "pwned"
+    evil = tmp_path / "evil.ckpt"
+    torch.save({"state_dict": {}, "x": _Payload(marker)}, evil)
+    monkeypatch.setenv("TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD", "1")
+    with pytest.raises(UserError, match="other than tensors.*refusing to load"):
+        _train(tmp_path / "run", "trainer.max_steps=2", f"ckpt_path={evil}")
+    assert not marker.exists()
+    truncated = tmp_path / "cut.ckpt"
+    truncated.write_bytes(b"PK\x03\x04" + b"\0" * 100)
+    with pytest.raises(UserError, match="truncated or damaged"):
+        _train(tmp_path / "run2", "trainer.max_steps=2", f"ckpt_path={truncated}")
+
+
+def test_cli_divergence_is_one_error_line(tmp_path: Path) -> None:
+    cmd = [sys.executable, "-m", "protein_performer.cli.main", "train", *TINY, *DIVERGE]
+    cmd += ["trainer.max_steps=20", f"hydra.run.dir={tmp_path / 'run'}"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+    proc = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, env=env, timeout=300)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "training stopped at step" in errors[0], proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr + proc.stdout
