@@ -1,0 +1,460 @@
+"""Contact probabilities of any sequence from a model's attention, dense or top-k, bounded memory.
+
+ESM-2's contact head and the regressions ``protein-performer contacts`` fits are one logistic
+regression on APC(symmetrize(A_f)) over every layer x head map A_f (BOS/EOS stripped, rows
+normalized over all tokens). Everything before the sigmoid is linear in the maps:
+
+    logit_ij = b + sum_f w_f (S_f,ij - r_f,i r_f,j / s_f),  S_f = A_f + A_f^T,
+    r_f = S_f 1 (row sums = A_f's row sums + column sums),  s_f = sum_i r_f,i
+
+so the logits are accumulated head by head and window by window, never holding one L x L map:
+
+* pass 1, per head: the row and column sums of A_f, the only global quantities APC needs
+  (FAVOR+: A = Qn K^T, so both are O(L M); exact: one sweep over blocks of rows, O(window x L));
+* pass 2, per window of rows [a, b): S_f[a:b, a:] for every head (the upper triangle: S is
+  symmetric), weighted and summed, minus the rank-F APC term.
+
+Up to ``dense_max_length`` residues the windows fill the whole (L, L) map. Above it only the top
+``k * L`` pairs (i < j, j - i >= ``min_separation``) are kept while sweeping, so memory is
+O(window x L + layers x heads x L) and titin's 34k residues need no 34k x 34k array. Heads the
+regression gives weight 0 (L1 fits zero many) are skipped. Causal FAVOR+ models are refused:
+their implied map is not a product of two feature blocks (exact causal maps are supported).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from protein_performer.errors import UserError
+from protein_performer.inference.attention_maps import encode_sequence, run_with_qk
+from protein_performer.inference.contacts import (
+    MIN_SEPARATION,
+    ContactRegression,
+    default_regression_path,
+    weights_sha256,
+)
+from protein_performer.inference.loading import LoadedModel
+from protein_performer.model.favor import MapFactors
+
+log = logging.getLogger(__name__)
+
+DEFAULT_DENSE_MAX_LENGTH = 4096
+DEFAULT_TOP_K_PER_LENGTH = 2.0
+#: Elements of one (window, L) block: sets the rows per window (memory ~ a few such blocks).
+_BLOCK_ELEMENTS = 1 << 23
+HOW_TO_FIT = (
+    "fit one on structures with `protein-performer contacts CKPT STRUCTURE... --out DIR "
+    "--save-beside` (or pass --regression DIR/contact_regression.json); a model converted from "
+    "ESM-2 by `convert-esm` carries ESM-2's contact head"
+)
+
+
+@dataclass
+class ContactMap:
+    """Contact probabilities of one sequence (residues 0-based, no BOS/EOS).
+
+    ``dense``: the (L, L) map, symmetric, or None above the dense limit; then ``i``, ``j``
+    (i < j) and ``p`` hold the top pairs, most probable first.
+    """
+
+    length: int
+    dense: np.ndarray | None = None
+    i: np.ndarray | None = None
+    j: np.ndarray | None = None
+    p: np.ndarray | None = None
+
+
+# --------------------------------------------------------------------------------------------
+# Which regression
+# --------------------------------------------------------------------------------------------
+def find_regression(
+    loaded: LoadedModel, path: str | os.PathLike[str] | None = None
+) -> ContactRegression:
+    """``path`` if given, else the model's own (stored with it), else one saved beside a
+    ``.ckpt`` by ``contacts --save-beside``; none at all is one line saying how to get one."""
+    if path is not None:
+        return ContactRegression.load(path)
+    if loaded.contact_regression is not None:
+        return ContactRegression.from_dict(loaded.contact_regression, loaded.source)
+    beside = default_regression_path(loaded.source)
+    if beside.is_file():
+        log.info("using the contact regression beside the checkpoint: %s", beside)
+        return ContactRegression.load(beside)
+    raise UserError(f"{loaded.source} has no contact regression: {HOW_TO_FIT}")
+
+
+# --------------------------------------------------------------------------------------------
+# One head's residue x residue map, block by block
+# --------------------------------------------------------------------------------------------
+class _FavorHead:
+    """A bidirectional FAVOR+ head: blocks recomputed from q, k and the head's stabilizers."""
+
+    def __init__(self, module: torch.nn.Module, q: torch.Tensor, k: torch.Tensor, L: int):
+        favor = module.favor
+        self.L = L
+
+        def factors(fixed=None) -> MapFactors:
+            return MapFactors.from_heads(
+                q, k, favor.omega, kernel=favor.kernel, relu_eps=favor.relu_eps, fixed=fixed
+            )
+
+        self.factors = factors
+        f = factors()
+        self.stabilizers = f.stabilizers
+        res = slice(1, L + 1)
+        qn, kf = f.queries(res)[0], f.keys(res)[0]  # (L, M)
+        self.sums = qn @ kf.sum(0) + kf @ qn.sum(0)  # rows of A + columns of A, (L,)
+
+    def upper_block(self, a: int, b: int) -> torch.Tensor:
+        """S[a:b, a:] = A[a:b, a:] + A[a:, a:b]^T, (b - a, L - a)."""
+        f = self.factors(self.stabilizers)
+        cols = slice(a + 1, self.L + 1)
+        qn, kf = f.queries(cols)[0], f.keys(cols)[0]  # (L - a, M)
+        w = b - a
+        return qn[:w] @ kf.T + kf[:w] @ qn.T
+
+
+class _ExactHead:
+    """An exact-softmax head: each row's log-normalizer from a first sweep, then any block."""
+
+    def __init__(self, q: torch.Tensor, k: torch.Tensor, L: int, causal: bool, window: int):
+        d = q.shape[-1]
+        self.q = q[0, 0].float() * d**-0.5  # (T, d)
+        self.k = k[0, 0].float()
+        self.L, self.causal = L, causal
+        self.lse = torch.empty(L, device=self.q.device)
+        rows = torch.zeros(L, device=self.q.device)
+        cols = torch.zeros(L, device=self.q.device)
+        for a in range(0, L, window):
+            b = min(L, a + window)
+            logits = self._logits(a, b, 0, L + 2)  # (W, T): every token is normalized over
+            self.lse[a:b] = torch.logsumexp(logits, -1)
+            att = torch.exp(logits - self.lse[a:b, None])[:, 1 : L + 1]  # (W, L)
+            rows[a:b] = att.sum(-1)
+            cols += att.sum(0)
+        self.sums = rows + cols
+
+    def _logits(self, a: int, b: int, c0: int, c1: int) -> torch.Tensor:
+        """Scores of residues [a, b) against tokens [c0, c1), causal positions masked."""
+        s = self.q[a + 1 : b + 1] @ self.k[c0:c1].T
+        if self.causal:
+            later = (
+                torch.arange(c0, c1, device=s.device)[None, :]
+                > torch.arange(a + 1, b + 1, device=s.device)[:, None]
+            )
+            s = s.masked_fill(later, float("-inf"))
+        return s
+
+    def upper_block(self, a: int, b: int) -> torch.Tensor:
+        L = self.L
+        rows = torch.exp(self._logits(a, b, a + 1, L + 1) - self.lse[a:b, None])  # (W, L - a)
+        cols = torch.exp(self._logits(a, L, a + 1, b + 1) - self.lse[a:, None])  # (L - a, W)
+        return rows + cols.T
+
+
+# --------------------------------------------------------------------------------------------
+# Prediction
+# --------------------------------------------------------------------------------------------
+def window_rows(length: int) -> int:
+    """Rows per window: one (window, L) float32 block is about 32 MB."""
+    return max(16, min(length, _BLOCK_ELEMENTS // (length + 2)))
+
+
+def _heads(
+    loaded: LoadedModel, tokens: torch.Tensor, regression: ContactRegression, window: int
+) -> tuple[list[Any], list[float]]:
+    """Every head the regression weighs (nonzero coefficient) as a block source."""
+    cfg = loaded.config
+    if cfg.attention == "favor" and cfg.causal:
+        raise UserError(
+            f"{loaded.source}: contact maps of a causal FAVOR+ model are not supported (its "
+            "implied attention is not a product of two feature blocks); use a bidirectional "
+            "(MLM) model or exact attention"
+        )
+    L = tokens.shape[1] - 2
+    grid = regression.coef_grid()
+    heads: list[Any] = []
+    weights: list[float] = []
+
+    def on_layer(layer: int, module, q, k, padding_mask) -> None:
+        row = regression.layers.index(layer)
+        for col, h in enumerate(regression.heads):
+            if grid[row, col] == 0:
+                continue
+            qh, kh = q[:, h : h + 1].float(), k[:, h : h + 1].float()  # (1, 1, T, d)
+            if cfg.attention == "favor":
+                heads.append(_FavorHead(module, qh, kh, L))
+            else:
+                heads.append(_ExactHead(qh, kh, L, cfg.causal, window))
+            weights.append(float(grid[row, col]))
+
+    run_with_qk(loaded.model, tokens, sorted(regression.layers), on_layer)
+    return heads, weights
+
+
+def _logit_windows(
+    heads: list[Any], weights: list[float], intercept: float, L: int, window: int
+) -> Iterator[tuple[int, torch.Tensor]]:
+    """(a, logits of S[a:b, a:]) for consecutive windows [a, b) of rows."""
+    if heads:
+        sums = torch.stack([h.sums for h in heads])  # (F, L)
+        total = sums.sum(-1)
+        g = torch.tensor(weights, device=sums.device) / torch.where(total != 0, total, 1)
+        g = torch.where(total != 0, g, 0)  # (F,): APC's w_f / s_f
+    for a in range(0, L, window):
+        b = min(L, a + window)
+        if not heads:
+            yield a, torch.full((b - a, L - a), intercept)
+            continue
+        acc = torch.zeros(b - a, L - a, device=sums.device)
+        for head, w in zip(heads, weights, strict=True):
+            acc.add_(head.upper_block(a, b), alpha=w)
+        acc.sub_((sums[:, a:b].T * g) @ sums[:, a:])  # rank-F APC term
+        yield a, acc.add_(intercept)
+
+
+def _dense(windows: Iterator[tuple[int, torch.Tensor]], L: int) -> np.ndarray:
+    out = torch.zeros(L, L)
+    for a, acc in windows:
+        out[a : a + acc.shape[0], a:] = acc.cpu()
+    out = torch.triu(out) + torch.triu(out, 1).T
+    return torch.sigmoid(out).numpy()
+
+
+def _top_pairs(
+    windows: Iterator[tuple[int, torch.Tensor]], L: int, k: int, min_sep: int
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The k highest-logit pairs i < j, j - i >= min_sep, merged window by window."""
+    best = torch.empty(0)
+    bi = torch.empty(0, dtype=torch.long)
+    bj = torch.empty(0, dtype=torch.long)
+    for a, acc in windows:
+        acc = acc.cpu()
+        W, K = acc.shape
+        eligible = torch.ones(W, K, dtype=torch.bool).triu_(min_sep)  # column c = row r + sep
+        values = acc.masked_fill_(~eligible, float("-inf")).reshape(-1)
+        n = min(k, int(eligible.sum()))
+        if n == 0:
+            continue
+        top, idx = torch.topk(values, n)
+        best = torch.cat([best, top])
+        bi = torch.cat([bi, a + idx // K])
+        bj = torch.cat([bj, a + idx % K])
+        if len(best) > k:
+            best, keep = torch.topk(best, k)
+            bi, bj = bi[keep], bj[keep]
+    order = torch.argsort(best, descending=True, stable=True)
+    return bi[order].numpy(), bj[order].numpy(), torch.sigmoid(best[order]).numpy()
+
+
+@torch.inference_mode()
+def predict_contacts(
+    loaded: LoadedModel,
+    sequence: str,
+    regression: ContactRegression | None = None,
+    *,
+    dense_max_length: int = DEFAULT_DENSE_MAX_LENGTH,
+    top_k_per_length: float = DEFAULT_TOP_K_PER_LENGTH,
+    min_separation: int = MIN_SEPARATION,
+    checked: bool = False,
+) -> ContactMap:
+    """Contact probabilities of ``sequence``: the (L, L) map up to ``dense_max_length``
+    residues, else the top ``top_k_per_length * L`` pairs with j - i >= ``min_separation``.
+
+    ``regression``: the model's own when None (:func:`find_regression`). ``checked``: the
+    caller already ran ``regression.check_model`` (a FASTA run checks once, not per record).
+    """
+    if regression is None:
+        regression = find_regression(loaded)
+    if not checked:
+        regression.check_model(loaded)
+    if dense_max_length < 1 or top_k_per_length <= 0 or min_separation < 1:
+        raise UserError(
+            "dense_max_length and min_separation must be >= 1 and top_k_per_length > 0; got "
+            f"{dense_max_length}, {min_separation}, {top_k_per_length}"
+        )
+    tokens = encode_sequence(loaded.model, sequence, loaded.alphabet)
+    L = tokens.shape[1] - 2
+    window = window_rows(L)
+    heads, weights = _heads(loaded, tokens, regression, window)
+    windows = _logit_windows(heads, weights, regression.intercept, L, window)
+    if dense_max_length >= L:
+        return ContactMap(L, dense=_dense(windows, L))
+    k = max(1, math.ceil(top_k_per_length * L))
+    i, j, p = _top_pairs(windows, L, k, min_separation)
+    return ContactMap(L, i=i, j=j, p=p)
+
+
+# --------------------------------------------------------------------------------------------
+# FASTA -> HDF5
+# --------------------------------------------------------------------------------------------
+FORMAT_NAME = "protein_performer.contacts"
+FORMAT_VERSION = 1
+DTYPES = {"float16": np.float16, "float32": np.float32}
+
+
+@dataclass
+class ContactsSummary:
+    path: Path
+    num_records: int
+    dense: int
+    sparse: int
+
+
+def _appender(h5, name: str, dtype: Any) -> Callable[[np.ndarray], None]:
+    """A 1-D dataset grown chunk by chunk (memory independent of the number of records)."""
+    ds = h5.create_dataset(name, shape=(0,), maxshape=(None,), dtype=dtype, chunks=(1 << 16,))
+
+    def append(values: np.ndarray) -> None:
+        n = ds.shape[0]
+        ds.resize((n + len(values),))
+        ds[n:] = values
+
+    return append
+
+
+def predict_contacts_fasta(
+    loaded: LoadedModel,
+    fasta: str | os.PathLike[str],
+    out: str | os.PathLike[str],
+    regression: ContactRegression | None = None,
+    *,
+    dtype: str = "float16",
+    dense_max_length: int = DEFAULT_DENSE_MAX_LENGTH,
+    top_k_per_length: float = DEFAULT_TOP_K_PER_LENGTH,
+    min_separation: int = MIN_SEPARATION,
+    on_invalid: str = "error",
+    progress: bool = True,
+    regression_source: str = "",
+) -> ContactsSummary:
+    """Contact maps of every FASTA record into one columnar HDF5 file, written atomically.
+
+    Layout (one array per field, offsets instead of one group per record)::
+
+        /                 attrs: format, format_version, checkpoint, model_sha256, regression
+                                 (its JSON), regression_source, dtype, dense_max_length,
+                                 top_k_per_length, min_separation, num_records
+        ids, headers      (N,) utf-8
+        lengths           (N,) int64
+        dense_offsets     (N+1,) int64 into dense_values; record n's map is
+                          dense_values[o[n]:o[n+1]].reshape(L, L) (empty when sparse)
+        dense_values      (sum L^2 of dense records,) probabilities, row-major
+        pair_offsets      (N+1,) int64 into pair_i/pair_j/pair_p (empty when dense)
+        pair_i, pair_j    int32 residue indices (0-based, i < j); pair_p probabilities,
+                          most probable first within a record
+    """
+    import h5py
+    from tqdm import tqdm
+
+    from protein_performer.inference.embedding import atomic_output, read_records
+
+    if dtype not in DTYPES:
+        raise UserError(f"--dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
+    np_dtype = DTYPES[dtype]
+    regression = regression or find_regression(loaded)
+    sha = weights_sha256(loaded.model)
+    regression.check_model(loaded, sha)
+    records = read_records(fasta, on_invalid)
+    str_dt = h5py.string_dtype("utf-8")
+    n_dense = n_sparse = 0
+    with atomic_output(out) as tmp, h5py.File(tmp, "w") as h5:
+        attrs = {
+            "format": FORMAT_NAME,
+            "format_version": FORMAT_VERSION,
+            "checkpoint": str(loaded.source),
+            "model_sha256": sha,
+            "regression": json.dumps(regression.to_dict(), sort_keys=True),
+            "regression_source": regression_source,
+            "dtype": dtype,
+            "dense_max_length": dense_max_length,
+            "top_k_per_length": top_k_per_length,
+            "min_separation": min_separation,
+            "num_records": len(records),
+        }
+        h5.attrs.update(attrs)
+        h5.create_dataset("ids", data=[r.id for r in records], dtype=str_dt)
+        headers = [f"{r.id} {r.description}" if r.description else r.id for r in records]
+        h5.create_dataset("headers", data=headers, dtype=str_dt, compression="gzip")
+        h5.create_dataset("lengths", data=[len(r.sequence) for r in records], dtype=np.int64)
+        dense_values = _appender(h5, "dense_values", np_dtype)
+        pair_i = _appender(h5, "pair_i", np.int32)
+        pair_j = _appender(h5, "pair_j", np.int32)
+        pair_p = _appender(h5, "pair_p", np_dtype)
+        dense_off, pair_off = [0], [0]
+        bar = tqdm(
+            total=sum(len(r.sequence) for r in records),
+            unit="res",
+            unit_scale=True,
+            desc="contacts",
+            disable=not progress,
+        )
+        with bar:
+            for r in records:
+                cmap = predict_contacts(
+                    loaded,
+                    r.sequence,
+                    regression,
+                    dense_max_length=dense_max_length,
+                    top_k_per_length=top_k_per_length,
+                    min_separation=min_separation,
+                    checked=True,
+                )
+                if cmap.dense is not None:
+                    dense_values(cmap.dense.reshape(-1).astype(np_dtype))
+                    n_dense += 1
+                else:
+                    pair_i(cmap.i.astype(np.int32))
+                    pair_j(cmap.j.astype(np.int32))
+                    pair_p(cmap.p.astype(np_dtype))
+                    n_sparse += 1
+                dense_off.append(dense_off[-1] + (0 if cmap.dense is None else cmap.dense.size))
+                pair_off.append(pair_off[-1] + (0 if cmap.p is None else len(cmap.p)))
+                bar.update(len(r.sequence))
+        h5.create_dataset("dense_offsets", data=np.asarray(dense_off, dtype=np.int64))
+        h5.create_dataset("pair_offsets", data=np.asarray(pair_off, dtype=np.int64))
+    return ContactsSummary(Path(out), len(records), n_dense, n_sparse)
+
+
+def read_contacts(
+    path: str | os.PathLike[str], ids: Sequence[str] | None = None
+) -> dict[str, ContactMap]:
+    """The maps of ``ids`` (all when None) from a ``predict-contacts`` file."""
+    import h5py
+
+    from protein_performer.errors import check_format_header
+
+    with h5py.File(Path(path).expanduser(), "r") as h5:
+        header = {k: h5.attrs.get(k) for k in ("format", "format_version")}
+        if header["format_version"] is not None:
+            header["format_version"] = int(header["format_version"])
+        check_format_header(header, path, FORMAT_NAME, FORMAT_VERSION, "predict-contacts file")
+        all_ids = [x.decode() if isinstance(x, bytes) else x for x in h5["ids"][:]]
+        where = {rid: n for n, rid in enumerate(all_ids)}
+        missing = [rid for rid in ids or () if rid not in where]
+        if missing:
+            raise UserError(f"{path}: no record(s) {', '.join(missing[:5])}")
+        lengths = h5["lengths"][:]
+        doff, poff = h5["dense_offsets"][:], h5["pair_offsets"][:]
+        out: dict[str, ContactMap] = {}
+        for rid in ids if ids is not None else all_ids:
+            n = where[rid]
+            L = int(lengths[n])
+            if doff[n + 1] > doff[n]:
+                dense = h5["dense_values"][doff[n] : doff[n + 1]].reshape(L, L)
+                out[rid] = ContactMap(L, dense=dense)
+            else:
+                sl = slice(int(poff[n]), int(poff[n + 1]))
+                out[rid] = ContactMap(
+                    L, i=h5["pair_i"][sl], j=h5["pair_j"][sl], p=h5["pair_p"][sl]
+                )
+    return out

@@ -1,0 +1,112 @@
+"""inference.contact_maps: streamed contact maps equal the full-map recipe, the sparse top-k path
+equals the top of the dense map, the columnar HDF5 round trip, and the missing-regression line."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from protein_performer.data.tokenizer import Alphabet
+from protein_performer.errors import UserError
+from protein_performer.inference.contact_maps import (
+    find_regression,
+    predict_contacts,
+    predict_contacts_fasta,
+    read_contacts,
+)
+from protein_performer.inference.contacts import ContactRegression, model_identity, model_maps
+from protein_performer.inference.loading import LoadedModel
+from protein_performer.model.config import PerformerConfig
+from protein_performer.model.performer import PerformerLM
+
+AMINO = list("ACDEFGHIKLMNPQRSTVWY")
+
+
+def _loaded(attention: str, kernel: str = "softmax", objective: str = "mlm") -> LoadedModel:
+    cfg = PerformerConfig(
+        dim=32, depth=2, heads=4, ff_dim=64, nb_features=16, attention=attention, kernel=kernel,
+        objective=objective,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    return LoadedModel(
+        PerformerLM(cfg).eval(), cfg, Alphabet(), Path("m"), torch.device("cpu"), "x"
+    )
+
+
+def _sequence(n: int, seed: int = 0) -> str:
+    return "".join(np.random.default_rng(seed).choice(AMINO, n))
+
+
+def _regression(loaded: LoadedModel, seed: int = 0) -> ContactRegression:
+    coef = np.random.default_rng(seed).normal(size=8)
+    coef[3] = 0.0  # a head an L1 fit dropped: skipped, must not matter
+    return ContactRegression(coef, -1.0, [1, 2], [0, 1, 2, 3], **model_identity(loaded))
+
+
+@pytest.mark.parametrize(
+    ("attention", "kernel", "objective"),
+    [("exact", "softmax", "mlm"), ("exact", "softmax", "clm"), ("favor", "softmax", "mlm"),
+     ("favor", "softmax_opt", "mlm"), ("favor", "trig", "mlm")],
+)  # fmt: skip
+def test_streamed_equals_full_maps_and_sparse_is_top_k(attention, kernel, objective) -> None:
+    loaded = _loaded(attention, kernel, objective)
+    reg = _regression(loaded)
+    seq = _sequence(90)
+    reference = reg.predict_maps(model_maps(loaded, seq, reg.layers, reg.heads))
+    dense = predict_contacts(loaded, seq, reg).dense
+    assert dense.shape == (90, 90)
+    np.testing.assert_allclose(dense, reference, atol=1e-6)
+    np.testing.assert_allclose(dense, dense.T, atol=1e-7)
+
+    sparse = predict_contacts(loaded, seq, reg, dense_max_length=50, top_k_per_length=1.5)
+    assert sparse.dense is None and len(sparse.p) == 135
+    i, j = np.triu_indices(90, 6)
+    order = np.argsort(-dense[i, j], kind="stable")[:135]
+    top = set(zip(i[order].tolist(), j[order].tolist(), strict=True))
+    assert top == set(zip(sparse.i.tolist(), sparse.j.tolist(), strict=True))
+    np.testing.assert_allclose(sparse.p, dense[i[order], j[order]], atol=1e-6)
+    assert np.all(np.diff(sparse.p) <= 0) and np.all(sparse.j - sparse.i >= 6)
+
+
+def test_fasta_to_columnar_hdf5(tmp_path: Path) -> None:
+    pytest.importorskip("h5py")
+    loaded = _loaded("favor")
+    reg = _regression(loaded)
+    seqs = {"short": _sequence(20, 1), "long": _sequence(70, 2), "mid": _sequence(40, 3)}
+    fasta = tmp_path / "in.fasta"
+    fasta.write_text("".join(f">{k} some protein\n{v}\n" for k, v in seqs.items()))
+    out = tmp_path / "contacts.h5"
+    summary = predict_contacts_fasta(
+        loaded, fasta, out, reg, dtype="float32", dense_max_length=64, progress=False
+    )
+    assert (summary.num_records, summary.dense, summary.sparse) == (3, 2, 1)
+    back = read_contacts(out)
+    assert list(back) == ["short", "long", "mid"]
+    for rid, seq in seqs.items():
+        want = predict_contacts(loaded, seq, reg, dense_max_length=64)
+        got = back[rid]
+        assert got.length == len(seq)
+        if len(seq) <= 64:
+            np.testing.assert_array_equal(got.dense, want.dense)
+        else:
+            assert got.dense is None and len(got.p) == 2 * len(seq)
+            np.testing.assert_array_equal(got.i, want.i)
+            np.testing.assert_array_equal(got.p, want.p)
+    half = tmp_path / "half.h5"
+    predict_contacts_fasta(loaded, fasta, half, reg, progress=False)
+    assert read_contacts(half, ["mid"])["mid"].dense.dtype == np.float16
+    with pytest.raises(UserError, match="no record"):
+        read_contacts(half, ["nope"])
+
+
+def test_no_regression_says_how_to_fit(tmp_path: Path) -> None:
+    loaded = _loaded("exact")
+    loaded.source = tmp_path / "last.ckpt"
+    with pytest.raises(UserError, match="no contact regression: fit one"):
+        find_regression(loaded)
+    with pytest.raises(UserError, match="causal FAVOR"):
+        causal = _loaded("favor", objective="clm")
+        predict_contacts(causal, "MKTAYIAKQR", _regression(causal))
