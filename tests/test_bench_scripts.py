@@ -102,3 +102,12 @@ def test_bench_favor_accuracy_quick(tmp_path: Path, run_script) -> None:
     md = (tmp_path / "accuracy.md").read_text()
     assert "Fig. 4" in md and "tau=1" in md
     assert "| method |" in proc.stdout
+
+
+def test_bench_generate_quick(tmp_path: Path, run_script) -> None:
+    run_script("bench_generate.py", "--quick", "--out", str(tmp_path), timeout=300)
+    rows = _rows(tmp_path / "generate_per_token.csv")
+    assert [int(r["position"]) for r in rows] == [16, 64]
+    assert all(_finite(r["ms_per_token"]) and float(r["ms_per_token"]) > 0 for r in rows)
+    assert len({r["state_kib"] for r in rows}) == 1  # the RNN state does not grow
+    assert "ours: 32 tokens / 16 tokens" in (tmp_path / "generate.md").read_text()

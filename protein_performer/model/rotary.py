@@ -63,7 +63,9 @@ class RotaryEmbedding(nn.Module):
         key = (torch.device(device), dtype, torch.is_inference_mode_enabled())
         cached = self._cache.get(key)
         if cached is None or cached[0].shape[0] < end:
-            cos, sin = rotary_tables(end, self.dim, self.base, device=device)
+            # Grow geometrically: token-by-token decoding asks for one more position each step.
+            size = end if cached is None else max(end, 2 * cached[0].shape[0])
+            cos, sin = rotary_tables(size, self.dim, self.base, device=device)
             cached = (cos.to(dtype), sin.to(dtype))
             self._cache[key] = cached
         return cached[0][offset:end], cached[1][offset:end]
