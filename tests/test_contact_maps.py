@@ -110,3 +110,16 @@ def test_no_regression_says_how_to_fit(tmp_path: Path) -> None:
     with pytest.raises(UserError, match="causal FAVOR"):
         causal = _loaded("favor", objective="clm")
         predict_contacts(causal, "MKTAYIAKQR", _regression(causal))
+
+
+def test_api_method_returns_the_dense_map(tmp_path: Path) -> None:
+    from protein_performer.inference.api import ProteinLM
+
+    loaded = _loaded("favor")
+    reg = _regression(loaded)
+    path = reg.save(tmp_path / "reg.json")
+    seq = _sequence(30, 5)
+    got = ProteinLM(loaded).predict_contacts(seq, regression=path)
+    np.testing.assert_array_equal(got, predict_contacts(loaded, seq, reg).dense)
+    loaded.contact_regression = reg.to_dict()
+    np.testing.assert_array_equal(ProteinLM(loaded).predict_contacts(seq), got)

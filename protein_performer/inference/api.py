@@ -318,6 +318,22 @@ class ProteinLM:
             )
         return values
 
+    # ----------------------------------------------------------------------------- contacts
+    def predict_contacts(
+        self, seq: str, regression: str | os.PathLike[str] | None = None
+    ) -> np.ndarray:
+        """(L, L) contact probabilities of one sequence (residues only, no BOS/EOS), from the
+        model's own contact regression (a converted ESM-2's head, or one fitted by
+        ``protein-performer contacts``) or the regression file ``regression``. The map is
+        L x L; to keep only the top pairs of a very long sequence, call
+        ``protein_performer.inference.contact_maps.predict_contacts`` with a dense limit."""
+        from protein_performer.inference.contact_maps import find_regression, predict_contacts
+
+        ((_, text),) = list(_as_records([("sequence", seq)]))
+        reg = find_regression(self.loaded, regression)
+        cmap = predict_contacts(self.loaded, text, reg, dense_max_length=len(text))
+        return cmap.dense
+
     # ----------------------------------------------------------------------------- fill-in
     def _tokens_with_masks(self, text: str) -> list[int]:
         a = self.alphabet
