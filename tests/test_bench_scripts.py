@@ -111,3 +111,18 @@ def test_bench_generate_quick(tmp_path: Path, run_script) -> None:
     assert all(_finite(r["ms_per_token"]) and float(r["ms_per_token"]) > 0 for r in rows)
     assert len({r["state_kib"] for r in rows}) == 1  # the RNN state does not grow
     assert "ours: 32 tokens / 16 tokens" in (tmp_path / "generate.md").read_text()
+
+
+def test_bench_precision_quick(tmp_path: Path, run_script) -> None:
+    run_script("bench_precision.py", "--quick", "--threads", "1", "--out", str(tmp_path))
+    table = (tmp_path / "precision.md").read_text().splitlines()
+    rows = {
+        line.split("|")[1].strip(): line.split("|")[2:-1]
+        for line in table
+        if "| bf16" in line or "| fp16" in line
+    }
+    assert set(rows) == {"bf16", "fp16"}
+    for cells in rows.values():
+        assert all(_finite(c) for c in cells)
+    # fp16 keeps 3 more mantissa bits than bf16: its embedding error is the smaller one
+    assert float(rows["fp16"][0]) < float(rows["bf16"][0])
