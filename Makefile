@@ -18,7 +18,7 @@ demo: $(STAMP)
 	$(BIN)/python scripts/demo.py
 
 test: $(STAMP)
-	$(BIN)/ruff check protein_performer tests scripts
+	$(BIN)/ruff check protein_performer tests scripts examples
 	$(BIN)/python -m pytest -q; rc=$$?; if [ $$rc -eq 5 ]; then echo "no tests collected"; exit 0; fi; exit $$rc
 
 test-slow: $(STAMP)
@@ -29,7 +29,7 @@ bench-env: $(STAMP)
 	$(BIN)/python -m pip install -q -e '.[bench]'
 
 lint: $(STAMP)
-	$(BIN)/ruff check protein_performer tests scripts
+	$(BIN)/ruff check protein_performer tests scripts examples
 
 clean-venv:
 	rm -rf $(VENV)

@@ -5,8 +5,9 @@ Three measurements on the ESM-2 8M shape (6 layers, dim 320, 20 heads, ffn 1280)
 random weights, the default FAVOR+ config (what `protein-performer generate` runs), batch 1:
 
 1. Per-token cost at context positions P: the prompt of P tokens goes through ``prefill``,
-   then ``--steps`` calls of ``PerformerLM.step`` are timed (median) and their peak memory above
-   the RSS before them is sampled; the state size is reported too. Target: constant in P (the
+   then ``--steps`` calls of ``PerformerLM.step`` are timed (median; round-robin over the
+   positions, so machine load hits all alike), the peak memory of a step above the RSS before
+   it is sampled, and the state size is reported. Target: constant in P (the
    32,768 figure at most 1.3x the 256 one).
 2. Total time of ``ProteinLM.generate`` for N new tokens (``--gen-lengths``; sampling included).
    Target: N = 4,096 at most 10x N = 512 (linear).
@@ -60,32 +61,39 @@ def _ours() -> Any:
 
 
 def per_token(lm: Any, positions: list[int], steps: int) -> list[dict[str, Any]]:
+    """Median step time and peak memory per context position.
+
+    Every position's prompt is prefilled first; then the timed steps go round-robin over the
+    positions, so a busy machine slows all of them alike instead of whichever ran last.
+    """
     import torch
 
-    rows = []
     model = lm.model
+    tok = torch.tensor([5])
+    states, times, peaks = {}, {P: [] for P in positions}, {P: 0 for P in positions}
+    with torch.inference_mode(), bc.PeakSampler(None) as sampler:
+        for P in positions:
+            tokens = torch.randint(4, 24, (1, P))
+            tokens[0, 0] = lm.alphabet.cls_idx
+            _, states[P] = model.prefill(tokens)
+            _, states[P] = model.step(tok, torch.tensor([P]), states[P])  # warm-up
+        for i in range(steps):
+            for P in positions:
+                peak = bc.start_phase(sampler, torch.device("cpu")) if i == 0 else None
+                t0 = time.perf_counter()
+                _, states[P] = model.step(tok, torch.tensor([P + 1 + i]), states[P])
+                times[P].append(time.perf_counter() - t0)
+                if peak is not None:
+                    peaks[P] = peak()
+    rows = []
     for P in positions:
-        tokens = torch.randint(4, 24, (1, P))
-        tokens[0, 0] = lm.alphabet.cls_idx
-        with torch.inference_mode():
-            _, states = model.prefill(tokens)
-            pos = torch.tensor([P])
-            tok = torch.tensor([5])
-            model.step(tok, pos, states)  # warm-up
-            times = []
-            with bc.PeakSampler(None) as sampler:
-                peak = bc.start_phase(sampler, torch.device("cpu"))
-                for i in range(steps):
-                    t0 = time.perf_counter()
-                    _, states = model.step(tok, pos + i, states)
-                    times.append(time.perf_counter() - t0)
-                peak_b = peak()
-        state_b = sum(s.kv.numel() * s.kv.element_size() + s.mu.numel() * 4 for s in states)
+        s = states[P]
+        state_b = sum(x.kv.numel() * x.kv.element_size() + x.mu.numel() * 4 for x in s)
         rows.append(
             {
                 "position": P,
-                "ms_per_token": 1e3 * statistics.median(times),
-                "peak_mib": peak_b / 2**20,
+                "ms_per_token": 1e3 * statistics.median(times[P]),
+                "peak_mib": peaks[P] / 2**20,
                 "state_kib": state_b / 2**10,
             }
         )
@@ -163,7 +171,7 @@ def performer_pytorch(lengths: list[int], direct: list[int]) -> tuple[dict, dict
 def main() -> int:
     p = bc.bench_parser(__doc__, "", ".bench/generate")
     p.add_argument("--positions", type=int, nargs="+", default=[256, 2048, 8192, 32768])
-    p.add_argument("--steps", type=int, default=32, help="timed steps per position")
+    p.add_argument("--steps", type=int, default=64, help="timed steps per position")
     p.add_argument("--gen-lengths", type=int, nargs="+", default=[512, 1024, 2048, 4096])
     p.add_argument("--pp-lengths", type=int, nargs="+", default=[1024, 2048, 4096])
     p.add_argument("--pp-generate", type=int, nargs="*", default=[1024], help="timed directly")
@@ -191,7 +199,7 @@ def main() -> int:
     lines = [
         f"threads {args.threads}, {SHAPE}, FAVOR+ default config, batch 1",
         "",
-        "| context position | ms / token | peak MiB during steps | state KiB |",
+        "| context position | ms / token | peak MiB of a step | state KiB |",
         "|---|---|---|---|",
     ]
     for r in tokens:
