@@ -34,6 +34,8 @@ from protein_performer.errors import UserError
 _ZIP_MAGIC = b"PK\x03\x04"
 _PICKLE_MAGIC = b"\x80"  # pickle protocol >= 2: torch's legacy (non-zip) format
 _SHOW = 5  # offending names an error message lists
+#: A model's contact regression (``ContactRegression.to_dict()``, plain data) in a checkpoint.
+CONTACT_REGRESSION_KEY = "contact_regression"
 _ENV_VARS = ("TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD", "TORCH_FORCE_WEIGHTS_ONLY_LOAD")
 
 

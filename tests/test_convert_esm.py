@@ -314,3 +314,77 @@ def test_init_from_converted_weights(fair, tmp_path):
     with pytest.raises(UserError, match="add init_from=PATH"):
         maybe_init_from(module, OmegaConf.create({"init_from": None, "init_from_required": True}))
     assert maybe_init_from(module, OmegaConf.create({"init_from": None})) is None
+
+
+def _hf_model(seed: int = 0):
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(seed)
+    config = transformers.EsmConfig(
+        vocab_size=33, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+        intermediate_size=256, position_embedding_type="rotary", token_dropout=True,
+        pad_token_id=1, mask_token_id=32, layer_norm_eps=1e-5, emb_layer_norm_before=False,
+        hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
+    )  # fmt: skip
+    config._attn_implementation = "eager"  # the attention maps transformers' contact head reads
+    hf = transformers.EsmForMaskedLM(config).eval()
+    _perturb(hf)
+    return hf
+
+
+def _single(seq: str) -> torch.Tensor:
+    alphabet = esm.data.Alphabet.from_architecture("ESM-1b")
+    return alphabet.get_batch_converter()([("x", seq)])[2]
+
+
+def test_contact_head_from_the_hf_cache_matches_transformers(tmp_path, monkeypatch):
+    from protein_performer.inference.contact_maps import predict_contacts
+
+    hf = _hf_model()
+    snapshot = tmp_path / "hub" / "models--tiny--esm2_t2" / "snapshots" / "0123abc"
+    hf.save_pretrained(snapshot)
+    (snapshot.parents[1] / "refs").mkdir()
+    (snapshot.parents[1] / "refs" / "main").write_text("0123abc")
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    with pytest.raises(UserError, match="not in the local Hugging Face cache"):
+        read_esm("tiny/not_there")
+    result = convert_esm("tiny/esm2_t2", tmp_path / "exact")
+    assert result.contact_head and (tmp_path / "exact" / "contact_regression.json").is_file()
+    loaded = load_model(tmp_path / "exact", "cpu")
+    for _, seq in SEQS:
+        tokens = _single(seq)
+        with torch.no_grad():
+            ref = hf.predict_contacts(tokens, tokens.ne(1).long())[0]
+        ours = predict_contacts(loaded, seq).dense
+        assert ours.shape == ref.shape == (len(seq), len(seq))
+        assert abs(ours - ref.numpy()).max() <= TOL
+    # The FAVOR+ conversion carries the same head; its maps are approximate, its layout the same.
+    convert_esm("tiny/esm2_t2", tmp_path / "favor", attention="favor", nb_features=32)
+    favor = load_model(tmp_path / "favor", "cpu")
+    assert favor.contact_regression["coef"] == loaded.contact_regression["coef"]
+    assert predict_contacts(favor, SEQS[0][1]).dense.shape == (16, 16)
+
+
+def test_fair_esm_contact_head_file_and_init_from(tmp_path):
+    pytest.importorskip("pytorch_lightning")
+    from protein_performer.inference.contact_maps import predict_contacts
+    from protein_performer.training.init_weights import load_initial_weights
+    from protein_performer.training.lit_module import ProteinLMModule
+
+    model = _fair_esm_model()
+    src = _save_fair_esm(model, tmp_path / "esm2_t2.pt")
+    head = {k: v for k, v in model.state_dict().items() if k.startswith("contact_head")}
+    torch.save({"model": head}, tmp_path / "esm2_t2-contact-regression.pt")  # fair-esm's layout
+    convert_esm(src, tmp_path / "exact")
+    loaded = load_model(tmp_path / "exact", "cpu")
+    seq = SEQS[1][1]
+    with torch.no_grad():
+        ref = model.predict_contacts(_single(seq))[0].numpy()
+    assert abs(predict_contacts(loaded, seq).dense - ref).max() <= TOL
+
+    shape = dict(dim=64, depth=2, heads=4, ff_dim=256, token_dropout=True)
+    module = ProteinLMModule({**shape, "attention": "favor", "nb_features": 16})
+    load_initial_weights(module, tmp_path / "exact")
+    assert module.contact_regression == loaded.contact_regression
+    checkpoint: dict = {}
+    module.on_save_checkpoint(checkpoint)
+    assert checkpoint["contact_regression"] == loaded.contact_regression

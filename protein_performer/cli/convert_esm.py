@@ -11,9 +11,15 @@ DESCRIPTION = """\
 Convert pretrained ESM-2 weights into protein-performer's exported model format
 (config.json + model.safetensors), usable by embed, score, score-variants and eval.
 
-SRC is a fair-esm checkpoint (.pt, e.g. esm2_t6_8M_UR50D.pt as esm.pretrained loads it) or a
+SRC is a fair-esm checkpoint (.pt, e.g. esm2_t6_8M_UR50D.pt as esm.pretrained loads it), a
 Hugging Face EsmForMaskedLM directory (config.json + model.safetensors, e.g. a local copy of
-facebook/esm2_t6_8M_UR50D). ESM-1 and ESM-1b (learned positions) are refused.
+facebook/esm2_t6_8M_UR50D) or a Hugging Face model id (facebook/esm2_t6_8M_UR50D) found in the
+local Hugging Face cache (HF_HUB_CACHE, HF_HOME; nothing is downloaded). ESM-1 and ESM-1b
+(learned positions) are refused.
+
+ESM-2's contact head (its logistic regression over all layer x head attention maps; for fair-esm
+the <name>-contact-regression.pt file beside the .pt) is kept as the model's contact regression
+(OUT/contact_regression.json): predict-contacts, export and init_from fine-tunes carry it.
 
 --attention exact reproduces ESM-2's outputs (logits and hidden states to float32 round-off).
 --attention favor runs the same weights with FAVOR+ linear attention: any length, approximate
@@ -24,7 +30,7 @@ features are drawn from --seed, so the same command gives the same export.
 EPILOG = """\
 examples:
   protein-performer convert-esm esm2_t6_8M_UR50D.pt esm2_8M_exact
-  protein-performer convert-esm hf/esm2_t6_8M_UR50D esm2_8M_favor --attention favor \\
+  protein-performer convert-esm facebook/esm2_t6_8M_UR50D esm2_8M_favor --attention favor \\
       --kernel softmax --nb-features 256 --seed 0
   protein-performer embed esm2_8M_exact proteins.fasta emb.h5
 """
@@ -34,7 +40,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     from protein_performer.model.config import ATTENTIONS, KERNELS
 
     p = add_command(subparsers, "convert-esm", HELP, DESCRIPTION, EPILOG)
-    p.add_argument("src", metavar="SRC", help="fair-esm .pt file or HF EsmForMaskedLM directory")
+    p.add_argument(
+        "src", metavar="SRC", help="fair-esm .pt, HF EsmForMaskedLM directory or cached HF id"
+    )
     p.add_argument("out", metavar="OUT", help="output directory (must not exist or be empty)")
     p.add_argument(
         "--attention",
@@ -81,8 +89,9 @@ def run(args: argparse.Namespace) -> int:
     attn = result.config.attention
     if attn == "favor":
         attn = f"favor ({result.config.kernel}, m={result.config.nb_features}, seed {args.seed})"
+    head = ", with its contact head" if result.contact_head else ", no contact head found"
     print(
         f"converted {result.kind} ESM-2 ({result.num_parameters:,} parameters, {attn} "
-        f"attention) -> {result.out}"
+        f"attention{head}) -> {result.out}"
     )
     return 0

@@ -7,10 +7,15 @@ computes ESM-2's forward (logits and hidden states to float32 round-off); with
 (seeded, so a conversion is reproducible).
 
 Both readers are strict: every source tensor is either mapped or on a short list of tensors we
-deliberately drop (rotary ``inv_freq`` tables, recomputed from ``rotary_base``; the contact
-regression head; HF's unused pooler), and every model weight must be filled. Anything else is a
-``UserError`` naming the keys, because a silently half-loaded protein LM still produces
-plausible-looking numbers.
+deliberately drop (rotary ``inv_freq`` tables, recomputed from ``rotary_base``; HF's unused
+pooler), and every model weight must be filled. Anything else is a ``UserError`` naming the
+keys, because a silently half-loaded protein LM still produces plausible-looking numbers.
+ESM-2's contact head (a logistic regression over all layer x head attention maps; fair-esm keeps
+it in a ``<name>-contact-regression.pt`` beside the model) becomes the model's contact
+regression, stored with the export (``contact_regression.json``).
+
+A Hugging Face model id (``facebook/esm2_t6_8M_UR50D``) is resolved in the local Hugging Face
+cache only (``HF_HUB_CACHE``, ``HF_HOME``; nothing is downloaded).
 
 fair-esm checkpoints are pickles: they are read with ``protein_performer.checkpoints.safe_load``
 (``weights_only=True``; the fair-esm allowlist adds ``argparse.Namespace``, since ESM-2's
@@ -35,6 +40,7 @@ import torch
 from protein_performer.checkpoints import check_finite, safe_load
 from protein_performer.data.tokenizer import Alphabet
 from protein_performer.errors import UserError
+from protein_performer.inference.contacts import ContactRegression, model_identity
 from protein_performer.inference.loading import LoadedModel, export_model
 from protein_performer.model.config import ATTENTIONS, KERNELS, PerformerConfig
 from protein_performer.model.performer import PerformerLM
@@ -68,6 +74,20 @@ class EsmSource:
     rotary_base: float
     state: dict[str, torch.Tensor]  # our names (``lm_head.weight`` excluded: it is tied)
     dropped: list[str] = field(default_factory=list)  # source keys deliberately not imported
+    contact_head: tuple[torch.Tensor, torch.Tensor] | None = None  # weight (1, F), bias (1,)
+
+
+def _pop_contact_head(
+    state: dict[str, Any], prefix: str
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """Remove ``<prefix>contact_head.regression.{weight,bias}`` from ``state``; None if absent."""
+    names = [f"{prefix}contact_head.regression.{p}" for p in ("weight", "bias")]
+    if not any(n in state for n in names):
+        return None
+    weight, bias = (state.pop(n, None) for n in names)
+    if weight is None or bias is None:
+        raise UserError(f"half a contact head: {', '.join(n for n in names if n in state)}")
+    return weight, bias
 
 
 def _keys_message(keys: list[str]) -> str:
@@ -110,46 +130,52 @@ _FAIR_RULES: list[Rule] = [
 ]
 _FAIR_DROP = [
     re.compile(r"^layers\.\d+\.self_attn\.rot_emb\.inv_freq$"),  # recomputed from rotary_base
-    re.compile(r"^contact_head\."),  # logistic regression on attention maps: not imported
 ]
 _FAIR_TIED = "lm_head.weight"
 
+#: Our per-layer module names -> Hugging Face ``EsmLayer`` module names (import and export).
+HF_LAYER_MODULES = {
+    "self_attn.q_proj": "attention.self.query",
+    "self_attn.k_proj": "attention.self.key",
+    "self_attn.v_proj": "attention.self.value",
+    "self_attn.out_proj": "attention.output.dense",
+    "self_attn_layer_norm": "attention.LayerNorm",
+    "fc1": "intermediate.dense",
+    "fc2": "output.dense",
+    "final_layer_norm": "LayerNorm",
+}
+#: Our other weight names -> Hugging Face ``EsmForMaskedLM`` names.
+HF_TOP_NAMES = {
+    "embed_tokens.weight": "esm.embeddings.word_embeddings.weight",
+    "emb_layer_norm_after.weight": "esm.encoder.emb_layer_norm_after.weight",
+    "emb_layer_norm_after.bias": "esm.encoder.emb_layer_norm_after.bias",
+    **{
+        f"lm_head.{m}.{p}": f"lm_head.{m}.{p}"
+        for m in ("dense", "layer_norm")
+        for p in ("weight", "bias")
+    },
+    "lm_head.bias": "lm_head.bias",
+}
 _HF_LAYER = r"^esm\.encoder\.layer\.(\d+)\."
 _HF_RULES: list[Rule] = [
-    (re.compile(r"^esm\.embeddings\.word_embeddings\.weight$"), "embed_tokens.weight"),
-    (
-        re.compile(_HF_LAYER + r"attention\.self\.query\.(weight|bias)$"),
-        r"layers.\1.self_attn.q_proj.\2",
+    *(
+        (re.compile(_HF_LAYER + re.escape(theirs) + r"\.(weight|bias)$"), rf"layers.\1.{ours}.\2")
+        for ours, theirs in HF_LAYER_MODULES.items()
     ),
-    (
-        re.compile(_HF_LAYER + r"attention\.self\.key\.(weight|bias)$"),
-        r"layers.\1.self_attn.k_proj.\2",
-    ),
-    (
-        re.compile(_HF_LAYER + r"attention\.self\.value\.(weight|bias)$"),
-        r"layers.\1.self_attn.v_proj.\2",
-    ),
-    (
-        re.compile(_HF_LAYER + r"attention\.output\.dense\.(weight|bias)$"),
-        r"layers.\1.self_attn.out_proj.\2",
-    ),
-    (
-        re.compile(_HF_LAYER + r"attention\.LayerNorm\.(weight|bias)$"),
-        r"layers.\1.self_attn_layer_norm.\2",
-    ),
-    (re.compile(_HF_LAYER + r"intermediate\.dense\.(weight|bias)$"), r"layers.\1.fc1.\2"),
-    (re.compile(_HF_LAYER + r"output\.dense\.(weight|bias)$"), r"layers.\1.fc2.\2"),
-    (re.compile(_HF_LAYER + r"LayerNorm\.(weight|bias)$"), r"layers.\1.final_layer_norm.\2"),
-    (
-        re.compile(r"^esm\.encoder\.emb_layer_norm_after\.(weight|bias)$"),
-        r"emb_layer_norm_after.\1",
-    ),
-    (re.compile(r"^lm_head\.(dense|layer_norm)\.(weight|bias)$"), r"lm_head.\1.\2"),
-    (re.compile(r"^lm_head\.bias$"), "lm_head.bias"),
+    *((re.compile("^" + re.escape(theirs) + "$"), ours) for ours, theirs in HF_TOP_NAMES.items()),
 ]
+
+
+def hf_name(name: str) -> str:
+    """Our weight name -> its Hugging Face ``EsmForMaskedLM`` name (the inverse of the rules)."""
+    found = re.match(r"^layers\.(\d+)\.(.+)\.(weight|bias)$", name)
+    if found:
+        return f"esm.encoder.layer.{found[1]}.{HF_LAYER_MODULES[found[2]]}.{found[3]}"
+    return HF_TOP_NAMES[name]
+
+
 _HF_DROP = [
     re.compile(r"rotary_embeddings\.inv_freq$"),  # per layer (old) or model level (new)
-    re.compile(r"^esm\.contact_head\."),
     re.compile(r"^esm\.pooler\."),  # EsmModel's unused CLS pooler
     re.compile(r"^esm\.embeddings\.position_ids$"),  # an arange buffer, no information
 ]
@@ -261,6 +287,12 @@ def read_fair_esm(path: str | os.PathLike[str]) -> EsmSource:
     model_cfg = _as_dict(cfg.get("model")) if cfg else None
     args = _as_dict(data.get("args"))
     state = _strip_fairseq_prefix(data["model"])
+    head = _pop_contact_head(state, "")
+    companion = src.with_name(f"{src.stem}-contact-regression.pt")  # as fair-esm ships it
+    if head is None and companion.is_file():
+        extra = safe_load(companion, "fair-esm", what="a fair-esm contact regression")
+        if isinstance(extra, Mapping) and isinstance(extra.get("model"), Mapping):
+            head = _pop_contact_head(_strip_fairseq_prefix(extra["model"]), "")
 
     arch = (
         (args or {}).get("arch") or (model_cfg or {}).get("arch") or (model_cfg or {}).get("_name")
@@ -320,6 +352,7 @@ def read_fair_esm(path: str | os.PathLike[str]) -> EsmSource:
         rotary_base=10000.0,  # fair-esm's RotaryEmbedding hard-codes it
         state=mapped,
         dropped=dropped,
+        contact_head=head,
     )
 
 
@@ -382,6 +415,7 @@ def read_hf(path: str | os.PathLike[str]) -> EsmSource:
         raise UserError(f"{src}: learned position embeddings found: not an ESM-2 (rotary) model")
 
     state = {_LEGACY_NORM.sub(lambda m: _NORM_NAMES[m.group(1)], k): v for k, v in state.items()}
+    head = _pop_contact_head(state, "esm.")
     mapped, dropped = _rename(state, _HF_RULES, _HF_DROP, _HF_TIED, src)
     vocab, dim = _shape(mapped, "embed_tokens.weight", src)
     depth = _depth_from(mapped, src)
@@ -415,16 +449,55 @@ def read_hf(path: str | os.PathLike[str]) -> EsmSource:
         rotary_base=float(hf.get("rope_theta", 10000.0)),
         state=mapped,
         dropped=dropped,
+        contact_head=head,
     )
 
 
+_HF_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+
+
+def hf_cache_dir() -> Path:
+    """The Hugging Face hub cache, found as ``huggingface_hub`` finds it."""
+    env = os.environ
+    for name in ("HF_HUB_CACHE", "HUGGINGFACE_HUB_CACHE"):
+        if env.get(name):
+            return Path(env[name]).expanduser()
+    if env.get("HF_HOME"):
+        return Path(env["HF_HOME"]).expanduser() / "hub"
+    xdg = Path(env["XDG_CACHE_HOME"]) if env.get("XDG_CACHE_HOME") else Path.home() / ".cache"
+    return xdg / "huggingface" / "hub"
+
+
+def resolve_hf_id(model_id: str) -> Path:
+    """The cached snapshot directory of a Hugging Face model id; never downloads."""
+    cache = hf_cache_dir()
+    repo = cache / f"models--{model_id.replace('/', '--')}"
+    ref = repo / "refs" / "main"
+    snapshots = sorted(p for p in (repo / "snapshots").glob("*") if p.is_dir())
+    if ref.is_file():
+        snapshot: Path | None = repo / "snapshots" / ref.read_text(encoding="utf-8").strip()
+    else:
+        snapshot = snapshots[0] if len(snapshots) == 1 else None
+    if snapshot is None or not (snapshot / "config.json").is_file():
+        raise UserError(
+            f"{model_id} is not in the local Hugging Face cache ({cache}); protein-performer "
+            f"never downloads weights: fetch it yourself (`hf download {model_id}`), point "
+            "HF_HOME or HF_HUB_CACHE at the cache holding it, or give a local directory"
+        )
+    return snapshot
+
+
 def read_esm(path: str | os.PathLike[str]) -> EsmSource:
-    """A fair-esm ``.pt`` file or a Hugging Face directory, whichever ``path`` is."""
+    """A fair-esm ``.pt`` file, a Hugging Face directory or a Hugging Face model id (resolved
+    in the local cache), whichever ``path`` is."""
     src = Path(path).expanduser()
+    if not src.exists() and _HF_ID.match(str(path)):
+        src = resolve_hf_id(str(path))
     if not src.exists():
         raise UserError(
-            f"{src} does not exist: give a fair-esm checkpoint (e.g. esm2_t6_8M_UR50D.pt) or a "
-            "Hugging Face EsmForMaskedLM directory (config.json + model.safetensors)"
+            f"{src} does not exist: give a fair-esm checkpoint (e.g. esm2_t6_8M_UR50D.pt), a "
+            "Hugging Face EsmForMaskedLM directory (config.json + model.safetensors) or a "
+            "Hugging Face model id in the local cache (facebook/esm2_t6_8M_UR50D)"
         )
     if src.is_dir():
         return read_hf(src)
@@ -519,7 +592,30 @@ def build_model(
             expected[name].copy_(tensor.to(expected[name].dtype))
     model.redraw_features(torch.Generator().manual_seed(seed))
     model.eval()
-    return LoadedModel(model, config, Alphabet(), source.path, torch.device("cpu"), source.kind)
+    loaded = LoadedModel(model, config, Alphabet(), source.path, torch.device("cpu"), source.kind)
+    if source.contact_head is not None:
+        loaded.contact_regression = _head_regression(source, loaded).to_dict()
+    return loaded
+
+
+def _head_regression(source: EsmSource, loaded: LoadedModel) -> ContactRegression:
+    """ESM-2's contact head as a regression: same features (every layer x head map,
+    layer-major, symmetrized, APC), same logistic link."""
+    weight, bias = source.contact_head  # type: ignore[misc]
+    coef = weight.detach().double().reshape(-1).numpy()
+    if coef.size != source.depth * source.heads or bias.numel() != 1:
+        raise UserError(
+            f"{source.path}: the contact head has {coef.size} weights and {bias.numel()} bias; "
+            f"ESM-2's reads {source.depth} layers x {source.heads} heads and has one bias"
+        )
+    return ContactRegression(
+        coef,
+        float(bias.reshape(-1)[0]),
+        list(range(1, source.depth + 1)),
+        list(range(source.heads)),
+        meta={"origin": f"ESM-2 contact head of {source.path.name}"},
+        **model_identity(loaded),
+    )
 
 
 @dataclass
@@ -529,6 +625,7 @@ class ConversionResult:
     kind: str
     num_parameters: int
     dropped: list[str]
+    contact_head: bool  # ESM-2's contact head kept as the model's contact regression
 
 
 def convert_esm(
@@ -553,7 +650,12 @@ def convert_esm(
     if source.dropped:
         log.info("not imported (recomputed or unused): %s", _keys_message(sorted(source.dropped)))
     return ConversionResult(
-        path, loaded.config, source.kind, loaded.model.num_parameters(), source.dropped
+        path,
+        loaded.config,
+        source.kind,
+        loaded.model.num_parameters(),
+        source.dropped,
+        loaded.contact_regression is not None,
     )
 
 

@@ -31,7 +31,7 @@ from typing import Any
 import torch
 
 from protein_performer.atomic import default_file_mode, fsync_path, make_temp_dir, replace_dir
-from protein_performer.checkpoints import check_finite, load_lightning
+from protein_performer.checkpoints import CONTACT_REGRESSION_KEY, check_finite, load_lightning
 from protein_performer.data.tokenizer import Alphabet
 from protein_performer.errors import UserError, check_format_header
 from protein_performer.model.config import PerformerConfig
@@ -45,8 +45,6 @@ CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
 #: The model's own contact regression (converted ESM-2 head or a fit), inside an export directory.
 REGRESSION_FILE = "contact_regression.json"
-#: Key of that regression (its JSON as a dict) in a Lightning checkpoint.
-REGRESSION_KEY = "contact_regression"
 #: Prefix of the model's weights inside the LightningModule's state dict.
 LIGHTNING_PREFIX = "model."
 _SHOW_KEYS = 5  # how many offending keys an error message names
@@ -139,7 +137,7 @@ def _read_lightning(path: Path) -> Read:
             f"{sorted({k.split('.')[0] for k in ckpt['state_dict']})[:5]}); not a "
             "protein-performer checkpoint"
         )
-    return config, state, ckpt.get(REGRESSION_KEY)
+    return config, state, ckpt.get(CONTACT_REGRESSION_KEY)
 
 
 def _read_export(path: Path) -> Read:

@@ -37,8 +37,9 @@ def load_initial_weights(module: Any, path: str | os.PathLike[str]) -> list[str]
 
     ``path`` is anything ``protein_performer.inference.loading.load_model`` reads (a ``.ckpt``,
     an export directory such as ``protein-performer convert-esm`` writes) or, for convenience,
-    an ESM-2 source (fair-esm ``.pt``, Hugging Face directory) converted on the fly. Returns the
-    names of the FAVOR+ buffers left as the module drew them.
+    an ESM-2 source (fair-esm ``.pt``, Hugging Face directory) converted on the fly. The
+    source's contact regression, if any (ESM-2's contact head), goes into the module's
+    checkpoints. Returns the names of the FAVOR+ buffers left as the module drew them.
     """
     from protein_performer.inference.convert_esm import load_any
 
@@ -92,6 +93,9 @@ def load_initial_weights(module: Any, path: str | os.PathLike[str]) -> list[str]
     with torch.no_grad():
         for name, tensor in src_state.items():
             dst_state[name].copy_(tensor.to(dst_state[name].dtype))
+    if source.contact_regression is not None:
+        module.contact_regression = source.contact_regression
+        log.info("carrying the contact regression of %s into this run's checkpoints", path)
     log.info(
         "initialized %s tensors from %s (%s attention source; FAVOR+ buffers kept: %d)",
         f"{len(src_state):,}",

@@ -21,6 +21,7 @@ from omegaconf import DictConfig, OmegaConf
 from torch.optim.lr_scheduler import LambdaLR
 from torchmetrics.aggregation import SumMetric
 
+from protein_performer.checkpoints import CONTACT_REGRESSION_KEY
 from protein_performer.errors import UserError
 from protein_performer.model.config import PerformerConfig
 from protein_performer.model.performer import PerformerLM
@@ -106,6 +107,8 @@ class ProteinLMModule(pl.LightningModule):
                 "logits would answer another question (use a teacher of the same objective)"
             )
         object.__setattr__(self, "_teacher", teacher)
+        #: Set by ``init_from`` when the source model has one (``ContactRegression.to_dict()``).
+        self.contact_regression: dict[str, Any] | None = None
         # Token-weighted sums, synced across ranks by torchmetrics at compute time, so val/ppl is
         # exp of the corpus-level mean NLL, not a mean of per-batch perplexities.
         # nan_strategy="disable": a NaN loss must show as NaN (the default drops it from the sum
@@ -226,3 +229,11 @@ class ProteinLMModule(pl.LightningModule):
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         # Inference rebuilds the model from this key alone (no Hydra, no Lightning hparams).
         checkpoint["performer_config"] = self.performer_config.to_dict()
+        # The contact regression init_from brought along (plain JSON data, e.g. ESM-2's
+        # contact head), so a fine-tune predicts contacts without a refit.
+        if self.contact_regression is not None:
+            checkpoint[CONTACT_REGRESSION_KEY] = self.contact_regression
+
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        # Resuming keeps the regression for the checkpoints still to come.
+        self.contact_regression = checkpoint.get(CONTACT_REGRESSION_KEY, self.contact_regression)
