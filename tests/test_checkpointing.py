@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import pytorch_lightning as pl
 import torch
 
 from protein_performer.checkpoints import nonfinite_tensors, safe_load
@@ -116,3 +117,56 @@ def test_cli_divergence_is_one_error_line(tmp_path: Path) -> None:
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and "training stopped at step" in errors[0], proc.stderr[-3000:]
     assert "Traceback" not in proc.stderr + proc.stdout
+
+
+class PoisonRank(pl.Callback):
+    """From optimizer step ``step`` on, rank ``rank`` alone computes a NaN loss (a NaN row in its
+    embedding): the other rank's loss stays finite, and must stop all the same."""
+
+    def __init__(self, rank: int, step: int) -> None:
+        self.rank, self.step = rank, step
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        if trainer.global_rank == self.rank and trainer.global_step == self.step:
+            with torch.no_grad():
+                pl_module.model.embed_tokens.weight[4:].fill_(float("nan"))
+
+
+def ddp_worker(out_dir: Path) -> None:
+    from protein_performer.training.train import main
+
+    sys.argv = [
+        "train", *TINY, "trainer=ddp", "trainer.accelerator=cpu", "trainer.devices=2",
+        "trainer.precision=32-true", "trainer.max_steps=20", "trainer.val_check_interval=2",
+        f"hydra.run.dir={out_dir / 'run'}", f"+callbacks.poison._target_={__name__}.PoisonRank",
+        "+callbacks.poison.rank=1", "+callbacks.poison.step=3",
+    ]  # fmt: skip
+    main()
+
+
+@pytest.mark.slow
+def test_ddp_ranks_stop_together_on_one_ranks_nan(tmp_path: Path) -> None:
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+        __file__, str(tmp_path),
+    ]  # fmt: skip
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "PYTHONPATH": str(REPO),
+        "PYTHONWARNINGS": "ignore",
+    }
+    proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0, out[-3000:]
+    errors = [line for line in out.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1, out[-3000:]
+    # Rank 0 prints; its own loss was finite, rank 1's was not.
+    assert "training stopped at step 3: train/loss is not finite on another rank" in errors[0]
+    ckpts = list((tmp_path / "run" / "checkpoints").glob("*.ckpt"))
+    assert ckpts and all(not nonfinite_tensors(safe_load(c)["state_dict"]) for c in ckpts)
+    assert max(_step(c) for c in ckpts) == 2
+
+
+if __name__ == "__main__":
+    ddp_worker(Path(sys.argv[1]))

@@ -3,12 +3,17 @@
 from __future__ import annotations
 
 import json
+import os
+import signal
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 import pytorch_lightning as pl
 import torch
 
+from protein_performer.checkpoints import safe_load
 from protein_performer.training.train import compose_config, train
 
 pytestmark = pytest.mark.slow
@@ -109,3 +114,50 @@ def test_resume_matches_unbroken_run(tmp_path: Path, crash_step: int, extra: lis
     assert max(b) == max(a) == 16
     for step in range(saved_step + 1, 17):
         assert b[step] == pytest.approx(a[step], rel=1e-5), step
+
+
+class SigtermAt(pl.Callback):
+    """Sends SIGTERM to its own process after optimizer step ``step``, as a scheduler would."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if trainer.global_step == self.step:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+
+def test_sigterm_saves_last_and_ckpt_path_last_resumes_the_same_curve(tmp_path: Path) -> None:
+    unbroken = run(tmp_path / "unbroken")
+    # The same command twice in one run directory (run_name), the first one preempted at step 6
+    # (mid-epoch); the relaunch adds nothing but ckpt_path=last.
+    cmd = [sys.executable, "-m", "protein_performer.cli.main", "train", *BASE, "run_name=job42"]
+    cmd.append("ckpt_path=last")
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+    kill = [f"+callbacks.kill._target_={__name__}.SigtermAt", "+callbacks.kill.step=6"]
+    env["PYTHONPATH"] = str(Path(__file__).parent)
+    first = subprocess.run(
+        [*cmd, *kill], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600
+    )
+    assert first.returncode == 143, first.stderr[-3000:]
+    run_dir = tmp_path / "outputs" / "demo" / "job42"
+    last = run_dir / "checkpoints" / "last.ckpt"
+    assert weights_step(last) == 6
+    second = subprocess.run(
+        cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600
+    )
+    assert second.returncode == 0, second.stderr[-3000:]
+    assert weights_step(last) == 16
+
+    def curve(run_dir: str | Path) -> dict[int, float]:
+        data = json.loads((Path(run_dir) / "training_curve.json").read_text())
+        return {int(s): v for s, v in data["train/loss"]}
+
+    a, b = curve(unbroken["output_dir"]), curve(run_dir)
+    assert sorted(b) == sorted(a) == list(range(1, 17))
+    for step in range(1, 17):
+        assert b[step] == pytest.approx(a[step], rel=1e-5), step
+
+
+def weights_step(path: Path) -> int:
+    return int(safe_load(path)["global_step"])

@@ -73,10 +73,13 @@ class DivergenceGuard(Callback):
         super().__init__()
         self.last_finite: tuple[int, float] | None = None
 
-    def _stop_if(self, trainer: pl.Trainer, module: Any, bad: bool, what: str) -> None:
+    def _stop_if(self, trainer: pl.Trainer, module: Any, key: str, value: float | None) -> None:
+        bad = value is not None and not math.isfinite(value)
         if trainer.strategy.reduce_boolean_decision(bad, all=False):
-            message = _divergence_message(trainer, what, self.last_finite, module)
-            error = TrainingDivergedError(message)
+            what = f"{key} is {value}" if bad else f"{key} is not finite on another rank"
+            error = TrainingDivergedError(
+                _divergence_message(trainer, what, self.last_finite, module)
+            )
             error.quiet = trainer.global_rank != 0
             raise error
 
@@ -84,13 +87,12 @@ class DivergenceGuard(Callback):
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: torch.Tensor
     ) -> None:
         value = float(loss.detach())
-        self._stop_if(trainer, pl_module, not math.isfinite(value), f"train/loss is {value}")
+        self._stop_if(trainer, pl_module, "train/loss", value)
         self.last_finite = (trainer.global_step, value)
 
     def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         value = trainer.callback_metrics.get("val/loss")
-        bad = value is not None and not bool(torch.isfinite(value))
-        self._stop_if(trainer, pl_module, bad, f"val/loss is {value and float(value)}")
+        self._stop_if(trainer, pl_module, "val/loss", None if value is None else float(value))
 
 
 class RunCheckpoint(ModelCheckpoint):
