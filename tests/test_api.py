@@ -168,3 +168,23 @@ def test_half_precision_is_close_to_fp32(models, precision: str) -> None:
         assert y.dtype == np.float32
         assert np.abs(x - y).max() <= 0.08 * np.abs(x).max()
     np.testing.assert_allclose(half.score(SEQS[:1]), full.score(SEQS[:1]), atol=0.08)
+
+
+def test_embed_and_score_read_a_preprocessed_store(models, tmp_path: Path) -> None:
+    """A store from `preprocess` is an input like its FASTA: same records, same numbers."""
+    store = tmp_path / "store"
+    assert main(["preprocess", str(models["fasta"]), "--out", str(store), "--no-progress"]) == 0
+    outs = {}
+    for name, src in (("fasta", models["fasta"]), ("store", store)):
+        outs[name] = (tmp_path / f"{name}.h5", tmp_path / f"{name}.csv")
+        common = [str(models["mlm"]), str(src)]
+        assert main(["embed", *common, str(outs[name][0]), "--no-progress"]) == 0
+        assert main(["score", *common, str(outs[name][1]), "--no-progress"]) == 0
+    assert outs["fasta"][1].read_text() == outs["store"][1].read_text()
+    with h5py.File(outs["fasta"][0]) as a, h5py.File(outs["store"][0]) as b:
+        assert list(a["index"]["id"]) == list(b["index"]["id"])
+        assert list(a["index"]["header"]) == list(b["index"]["header"])
+        for key in a["records"]:
+            np.testing.assert_array_equal(
+                a["records"][key]["mean"]["2"], b["records"][key]["mean"]["2"]
+            )

@@ -8,6 +8,8 @@ from protein_performer.cli._common import (
     add_ckpt,
     add_command,
     add_fasta_run_options,
+    add_overwrite,
+    check_output,
     load_lm,
 )
 
@@ -41,7 +43,9 @@ examples:
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p = add_command(subparsers, "embed", HELP, DESCRIPTION, EPILOG)
     add_ckpt(p)
-    p.add_argument("fasta", metavar="FASTA", help="input FASTA(.gz)")
+    p.add_argument(
+        "fasta", metavar="FASTA", help="input FASTA(.gz), or a store directory from `preprocess`"
+    )
     p.add_argument("out", metavar="OUT", help="output HDF5 file, e.g. embeddings.h5")
     p.add_argument(
         "--repr-layers",
@@ -61,12 +65,14 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     add_fasta_run_options(
         p, toks_help="token budget per forward pass; longer sequences run alone (default: 4096)"
     )
+    add_overwrite(p, "OUT")
     p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
     from protein_performer.inference.embedding import embed_fasta
 
+    check_output(args.out, [args.ckpt, args.fasta], args.overwrite)
     summary = embed_fasta(
         load_lm(args),
         args.fasta,

@@ -9,6 +9,8 @@ from protein_performer.cli._common import (
     add_ckpt,
     add_command,
     add_fasta_run_options,
+    add_overwrite,
+    check_output,
     load_with_strategy,
 )
 
@@ -36,7 +38,9 @@ examples:
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p = add_command(subparsers, "score", HELP, DESCRIPTION, EPILOG)
     add_ckpt(p)
-    p.add_argument("fasta", metavar="FASTA", help="input FASTA(.gz)")
+    p.add_argument(
+        "fasta", metavar="FASTA", help="input FASTA(.gz), or a store directory from `preprocess`"
+    )
     p.add_argument(
         "out", metavar="OUT", help="output table (.csv, or .tsv for tabs; - for standard output)"
     )
@@ -47,12 +51,14 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         help="default: pseudo-ppl for masked-LM, causal for causal-LM checkpoints",
     )
     add_fasta_run_options(p)
+    add_overwrite(p, "OUT")
     p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
     from protein_performer.inference.scoring import score_fasta
 
+    check_output(args.out, [args.ckpt, args.fasta], args.overwrite)
     lm, strategy = load_with_strategy(args, "pseudo-ppl")
     scores = score_fasta(
         lm,

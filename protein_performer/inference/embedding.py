@@ -34,7 +34,7 @@ from collections import deque
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, TextIO
+from typing import TYPE_CHECKING, NamedTuple, TextIO
 
 import numpy as np
 import torch
@@ -117,6 +117,41 @@ def text_output(path: str | os.PathLike[str]) -> Iterator[TextIO]:
         return
     with atomic_output(path) as tmp, open(tmp, "w", newline="", encoding="utf-8") as fh:
         yield fh
+
+
+class InputRecord(NamedTuple):
+    """What the writers need of a record, whether it came from FASTA or from a store."""
+
+    id: str
+    description: str
+    sequence: str
+    number: int  # 1-based position in its file or store
+
+
+def input_records(
+    path: str | os.PathLike[str], on_invalid: str = "error"
+) -> Iterator[InputRecord]:
+    """Stream the records of a FASTA file or of a preprocessed store directory, in order.
+
+    A store (``protein-performer preprocess``) is read record by record from its memory maps
+    (lengths known, O(1) access), so very large inputs cost no parsing and constant memory.
+    """
+    from protein_performer.data.fasta import read_fasta
+    from protein_performer.data.store import TokenStore, is_store
+
+    src = Path(path).expanduser()
+    if is_store(src):
+        store = TokenStore(src)
+        for i in range(len(store)):
+            yield InputRecord(store.id(i), store.description(i), store.sequence(i), i + 1)
+        return
+    if not src.is_file():
+        raise UserError(
+            f"{src} does not exist or is not a file; give a FASTA file or a store directory "
+            "from `protein-performer preprocess`"
+        )
+    for r in read_fasta(src, on_invalid=on_invalid):  # type: ignore[arg-type]
+        yield InputRecord(r.id, r.description, r.sequence, r.number)
 
 
 def read_records(fasta: str | os.PathLike[str], on_invalid: str = "error") -> list:
@@ -242,7 +277,8 @@ def embed_fasta(
     on_invalid: str = "error",
     progress: bool = True,
 ) -> EmbedSummary:
-    """Embed every record of ``fasta`` into the HDF5 file ``out`` (written atomically).
+    """Embed every record of ``fasta`` (a FASTA file or a store directory) into the HDF5 file
+    ``out`` (written atomically).
 
     Streams: records are read, embedded (``lm.iter_embed``) and written window by window, so
     memory does not grow with the number of records.
@@ -250,11 +286,7 @@ def embed_fasta(
     import h5py
     from tqdm import tqdm
 
-    from protein_performer.data.fasta import read_fasta
-
     path = Path(fasta).expanduser()
-    if not path.is_file():
-        raise UserError(f"{path} does not exist or is not a file; give a FASTA file")
     layers = resolve_layers(lm.loaded, repr_layers)
     include = list(dict.fromkeys(include))
     bad = sorted(set(include) - set(INCLUDE_CHOICES))
@@ -263,7 +295,7 @@ def embed_fasta(
     pending: deque = deque()
 
     def records() -> Iterator[tuple[str, str]]:
-        for r in read_fasta(path, on_invalid=on_invalid):  # type: ignore[arg-type]
+        for r in input_records(path, on_invalid):
             pending.append(r)
             yield r.id, r.sequence
 

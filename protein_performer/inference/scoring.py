@@ -51,6 +51,7 @@ from protein_performer.inference.embedding import (
     atomic_output,
     budget_batches,
     encode_batch,
+    input_records,
     read_records,
     text_output,
 )
@@ -243,17 +244,14 @@ def score_fasta(
     on_invalid: str = "error",
     progress: bool = True,
 ) -> list[SequenceScore]:
-    """Score every record of ``fasta`` (``lm.iter_score``); one row per record to ``out``
+    """Score every record of ``fasta`` (a FASTA file or a store directory; ``lm.iter_score``);
+    one row per record to ``out``
     (CSV/TSV, or standard output for ``-``), rows written as they are scored."""
     from tqdm import tqdm
 
-    from protein_performer.data.fasta import read_fasta
-
     check_strategy(lm.loaded, strategy, SEQUENCE_STRATEGIES)
     path = Path(fasta).expanduser()
-    if not path.is_file():
-        raise UserError(f"{path} does not exist or is not a file; give a FASTA file")
-    records = read_fasta(path, on_invalid=on_invalid)  # type: ignore[arg-type]
+    records = input_records(path, on_invalid)
     scores: list[SequenceScore] = []
     with text_output(out) as fh, tqdm(unit="seq", desc=strategy, disable=not progress) as bar:
         writer = csv.writer(fh, delimiter=_delimiter(out))
