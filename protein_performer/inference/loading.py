@@ -180,7 +180,7 @@ def _read_export(path: Path) -> Read:
     return config, state, regression
 
 
-def _tied_aliases(model: torch.nn.Module) -> set[str]:
+def tied_aliases(model: torch.nn.Module) -> set[str]:
     """State-dict names that alias an earlier entry's storage (the tied LM-head matrix)."""
     seen: set[int] = set()
     aliases: set[str] = set()
@@ -195,7 +195,7 @@ def _tied_aliases(model: torch.nn.Module) -> set[str]:
 def _load_weights(model: PerformerLM, state: dict[str, torch.Tensor], path: Path) -> None:
     """Strict load with a message naming the first mismatching keys and shapes."""
     expected = model.state_dict()
-    aliases = _tied_aliases(model)
+    aliases = tied_aliases(model)
     missing = [k for k in expected if k not in state and k not in aliases]
     unexpected = [k for k in state if k not in expected]
     wrong = [
@@ -293,7 +293,7 @@ def export_model(
         else load_model(path_or_loaded, device="cpu")
     )
     model = loaded.model
-    aliases = _tied_aliases(model)
+    aliases = tied_aliases(model)
     state = {
         k: v.detach().to("cpu").contiguous()
         for k, v in model.state_dict().items()

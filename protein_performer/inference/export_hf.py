@@ -1,0 +1,172 @@
+"""A model as a Hugging Face ``EsmForMaskedLM`` directory (``export --format hf``).
+
+``PerformerLM`` has ESM-2's architecture (fair-esm names, rotary, pre-LayerNorm, tied LM head), so
+leaving for transformers is the import run backwards: the same name table
+(:data:`convert_esm.HF_LAYER_MODULES`), an ``EsmConfig`` written from ``PerformerConfig``, ESM-2's
+tokenizer files, and the contact regression as ``esm.contact_head`` (a regression that reads a
+subset of layers and heads gets zero weight elsewhere: the same function). Only plain JSON and
+safetensors are written, so ``transformers`` is not needed to export.
+
+What cannot leave as is: transformers has no FAVOR+, so a FAVOR+ model is exported only with
+``as_exact`` (the same weights under the exact softmax attention that FAVOR+ estimates; its
+outputs then differ from the FAVOR+ model's by the approximation error, as ``convert-esm
+--attention favor`` differs from ESM-2 the other way), and never with the ReLU kernel, which
+approximates no softmax. Causal models are refused: HF's ESM is bidirectional.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from protein_performer.errors import UserError
+from protein_performer.inference.contacts import ContactRegression
+from protein_performer.inference.convert_esm import ESM2_VOCAB, hf_name
+from protein_performer.inference.loading import (
+    CONFIG_FILE,
+    WEIGHTS_FILE,
+    LoadedModel,
+    publish_directory,
+    tied_aliases,
+    write_json,
+)
+
+VOCAB_FILE = "vocab.txt"
+SPECIAL_TOKENS = {
+    "cls_token": "<cls>",
+    "eos_token": "<eos>",
+    "pad_token": "<pad>",
+    "unk_token": "<unk>",
+    "mask_token": "<mask>",
+}
+#: ESM-2's own config value (rotary positions make it irrelevant to the computation).
+MAX_POSITION_EMBEDDINGS = 1026
+
+
+def is_hf_export(path: Path) -> bool:
+    """A directory this exporter wrote (or any HF ESM model): replaceable with --overwrite."""
+    try:
+        meta = json.loads((path / CONFIG_FILE).read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        return False
+    return isinstance(meta, dict) and meta.get("model_type") == "esm"
+
+
+def check_exportable(loaded: LoadedModel, as_exact: bool) -> None:
+    """Refuse what ``EsmForMaskedLM`` cannot compute, with what to do instead."""
+    cfg = loaded.config
+    if cfg.causal:
+        raise UserError(
+            f"{loaded.source} is a causal LM (objective clm); Hugging Face's ESM is a "
+            "bidirectional masked LM and cannot run it: use --format native"
+        )
+    if tuple(loaded.alphabet.tokens) != ESM2_VOCAB:
+        raise UserError(f"{loaded.source}: the vocabulary is not ESM-2's; use --format native")
+    if cfg.attention == "favor" and not as_exact:
+        raise UserError(
+            f"{loaded.source} uses FAVOR+ attention, which transformers does not have. Pass "
+            "--as-exact to export the same weights for exact softmax attention (the function "
+            "FAVOR+ approximates: outputs then differ by the FAVOR+ approximation error, like "
+            "an exact-vs-FAVOR+ conversion of ESM-2), or keep --format native"
+        )
+    if cfg.attention == "favor" and cfg.kernel == "relu":
+        raise UserError(
+            f"{loaded.source} uses the ReLU kernel (generalized attention), which approximates "
+            "no softmax: exact attention would compute another function; use --format native"
+        )
+
+
+def hf_config(loaded: LoadedModel) -> dict[str, Any]:
+    """``EsmConfig`` fields (every one transformers writes) for the model."""
+    from protein_performer import __version__
+
+    cfg = loaded.config
+    return {
+        "architectures": ["EsmForMaskedLM"],
+        "model_type": "esm",
+        "vocab_size": cfg.vocab_size,
+        "hidden_size": cfg.dim,
+        "num_hidden_layers": cfg.depth,
+        "num_attention_heads": cfg.heads,
+        "intermediate_size": cfg.ff_dim,
+        "hidden_act": "gelu",
+        "hidden_dropout_prob": cfg.dropout,
+        "attention_probs_dropout_prob": cfg.dropout,
+        "max_position_embeddings": MAX_POSITION_EMBEDDINGS,
+        "position_embedding_type": "rotary",
+        "rope_theta": cfg.rotary_base,
+        "layer_norm_eps": cfg.layer_norm_eps,
+        "emb_layer_norm_before": False,
+        "token_dropout": cfg.token_dropout,
+        "pad_token_id": cfg.pad_idx,
+        "mask_token_id": cfg.mask_idx,
+        "eos_token_id": cfg.eos_idx,
+        "bos_token_id": None,
+        "initializer_range": 0.02,
+        "tie_word_embeddings": True,
+        "is_decoder": False,
+        "add_cross_attention": False,
+        "is_folding_model": False,
+        "esmfold_config": None,
+        "vocab_list": None,
+        "use_cache": True,
+        "dtype": "float32",
+        "protein_performer": {
+            "version": __version__,
+            "source": loaded.source.name,
+            "attention": cfg.attention,
+            "kernel": cfg.kernel if cfg.attention == "favor" else None,
+            "nb_features": cfg.nb_features if cfg.attention == "favor" else None,
+        },
+    }
+
+
+def contact_head(regression: ContactRegression, depth: int, heads: int) -> dict[str, torch.Tensor]:
+    """``esm.contact_head`` weights computing ``regression`` (zeros for maps it does not read)."""
+    grid = np.zeros((depth, heads), dtype=np.float64)
+    for a, layer in enumerate(regression.layers):
+        for b, head in enumerate(regression.heads):
+            grid[layer - 1, head] = regression.coef_grid()[a, b]
+    weight = torch.from_numpy(grid.reshape(1, -1)).float()
+    bias = torch.tensor([regression.intercept], dtype=torch.float32)
+    return {"esm.contact_head.regression.weight": weight, "esm.contact_head.regression.bias": bias}
+
+
+def export_hf(
+    loaded: LoadedModel,
+    out_dir: str | os.PathLike[str],
+    *,
+    as_exact: bool = False,
+    overwrite: bool = False,
+) -> Path:
+    """Write ``config.json``, ``model.safetensors``, ``vocab.txt``, ``tokenizer_config.json``
+    and ``special_tokens_map.json`` for ``EsmForMaskedLM.from_pretrained``, atomically."""
+    from safetensors.torch import save_file
+
+    check_exportable(loaded, as_exact)
+    model = loaded.model
+    skip = tied_aliases(model)
+    state = {
+        hf_name(k): v.detach().to("cpu", torch.float32).contiguous()
+        for k, v in model.state_dict().items()
+        if k not in skip and ".self_attn.favor." not in k
+    }
+    if loaded.contact_regression is not None:
+        regression = ContactRegression.from_dict(loaded.contact_regression, loaded.source)
+        regression.check_model(loaded)
+        state.update(contact_head(regression, loaded.config.depth, loaded.config.heads))
+    tokenizer = {"tokenizer_class": "EsmTokenizer", "model_max_length": 10**30, **SPECIAL_TOKENS}
+    files: dict[str, Callable[[Path], Any]] = {
+        WEIGHTS_FILE: lambda p: save_file(state, str(p), metadata={"format": "pt"}),
+        CONFIG_FILE: lambda p: write_json(p, hf_config(loaded)),
+        VOCAB_FILE: lambda p: p.write_text("\n".join(ESM2_VOCAB) + "\n", encoding="utf-8"),
+        "tokenizer_config.json": lambda p: write_json(p, tokenizer),
+        "special_tokens_map.json": lambda p: write_json(p, SPECIAL_TOKENS),
+    }
+    return publish_directory(out_dir, files, overwrite, "a Hugging Face model", is_hf_export)
