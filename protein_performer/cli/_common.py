@@ -1,14 +1,20 @@
 """Argument definitions and loading shared by the ``protein-performer`` subcommands.
 
 One definition per argument that several commands take (CKPT, ``--device``,
-``--toks-per-batch``, ``--on-invalid``, ``--no-progress``), so their spelling, defaults and
-help read the same everywhere, plus the load-the-checkpoint step of the inference commands.
+``--toks-per-batch``, ``--on-invalid``, ``--no-progress``, ``--overwrite``), so their spelling,
+defaults and help read the same everywhere, plus the load-the-checkpoint step of the inference
+commands and the output rule of every writing command (:func:`check_output`).
 """
 
 from __future__ import annotations
 
 import argparse
+import os
+from collections.abc import Iterable
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
+
+from protein_performer.errors import UserError
 
 if TYPE_CHECKING:
     from protein_performer.inference.api import ProteinLM
@@ -87,6 +93,41 @@ def add_fasta_run_options(
     add_precision_threads(p)
     add_on_invalid(p)
     add_no_progress(p)
+
+
+def add_overwrite(p: argparse.ArgumentParser, what: str = "the output") -> None:
+    """``--overwrite``: the one flag that lets a command replace an existing output."""
+    p.add_argument(
+        "--overwrite", action="store_true", help=f"replace {what} if it exists (never an input)"
+    )
+
+
+def check_output(
+    out: str | os.PathLike[str] | None,
+    inputs: Iterable[str | os.PathLike[str] | None],
+    overwrite: bool,
+) -> None:
+    """The rule every writing command applies before any work: the output is never one of the
+    inputs (the same file, through any link, or a directory holding one), and an existing
+    output is replaced only with ``--overwrite``. ``-`` (standard output) is always fine."""
+    if out is None or os.fspath(out) == "-":
+        return
+    path = Path(out).expanduser()
+    target = path.resolve()
+    for given in inputs:
+        if given is None or os.fspath(given) == "-" or not Path(given).expanduser().exists():
+            continue
+        src = Path(given).expanduser().resolve()
+        same = path.exists() and os.path.samefile(path, src)  # hard links too
+        if same or target in src.parents:
+            raise UserError(
+                f"{out} is {'the' if same else 'a directory holding the'} input "
+                f"{given}: an output never replaces an input; choose another output path"
+            )
+    if (path.exists() or path.is_symlink()) and not overwrite:
+        raise UserError(
+            f"{out} already exists: pass --overwrite to replace it, or choose another output"
+        )
 
 
 def load_checkpoint(args: argparse.Namespace) -> LoadedModel:

@@ -4,7 +4,14 @@ from __future__ import annotations
 
 import argparse
 
-from protein_performer.cli._common import add_ckpt, add_command, add_device, load_checkpoint
+from protein_performer.cli._common import (
+    add_ckpt,
+    add_command,
+    add_device,
+    add_overwrite,
+    check_output,
+    load_checkpoint,
+)
 
 HELP = "contact precision (P@L, L/2, L/5) from attention maps vs a shuffled null"
 DESCRIPTION = """\
@@ -49,6 +56,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         "structures", metavar="STRUCTURE", nargs="+", help="PDB/mmCIF files, FILE[:CHAIN]"
     )
     p.add_argument("--out", required=True, metavar="DIR", help="output directory")
+    add_overwrite(p, "the files in --out")
     source = p.add_mutually_exclusive_group()
     source.add_argument(
         "--fit-on", nargs="+", metavar="STRUCTURE", help="fit the regression on these structures"
@@ -141,6 +149,8 @@ def run(args: argparse.Namespace) -> int:
         format_summary,
     )
 
+    inputs = [args.ckpt, args.regression, args.fasta, *args.structures, *(args.fit_on or [])]
+    check_output(args.out, [split_chain(s, None)[0] for s in inputs if s], args.overwrite)
     targets = load_targets(args.structures, args.chain, args.fasta, args.sequence_source)
     fit_targets = (
         load_targets(args.fit_on, args.chain, args.fasta, args.sequence_source)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from protein_performer.cli._common import add_command
+from protein_performer.cli._common import add_command, add_overwrite, check_output
 
 HELP = "export a checkpoint to config.json + model.safetensors"
 DESCRIPTION = """\
@@ -24,13 +24,14 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p = add_command(subparsers, "export", HELP, DESCRIPTION, EPILOG)
     p.add_argument("ckpt", metavar="CKPT", help="a .ckpt file (or an export directory to copy)")
     p.add_argument("out", metavar="DIR", help="output directory (must not exist or be empty)")
-    p.add_argument("--overwrite", action="store_true", help="replace an existing export in DIR")
+    add_overwrite(p, "an existing export in DIR")
     p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
     from protein_performer.inference.loading import export_model, load_model
 
+    check_output(args.out, [args.ckpt], args.overwrite)
     loaded = load_model(args.ckpt, "cpu")
     out = export_model(loaded, args.out, overwrite=args.overwrite)
     params = loaded.model.num_parameters()

@@ -4,7 +4,12 @@ from __future__ import annotations
 
 import argparse
 
-from protein_performer.cli._common import add_no_progress, add_on_invalid
+from protein_performer.cli._common import (
+    add_no_progress,
+    add_on_invalid,
+    add_overwrite,
+    check_output,
+)
 from protein_performer.data.split import DEFAULT_TEST_FRAC, DEFAULT_VALID_FRAC, SPLIT_MODES
 
 
@@ -81,7 +86,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         "(several files still run in parallel). Inputs under 128 MiB are read in this process. "
         "The output is byte-identical for every N; --workers 1 reads everything in this process",
     )
-    p.add_argument("--overwrite", action="store_true", help="replace an existing store at DIR")
+    add_overwrite(p, "an existing store at DIR")
     add_no_progress(p, help="no progress bar")
     p.set_defaults(func=run)
 
@@ -120,6 +125,7 @@ def _taxa(text: str) -> tuple[int, ...]:
 def run(args: argparse.Namespace) -> int:
     from protein_performer.data.preprocess import default_workers, preprocess
 
+    check_output(args.out, args.inputs, args.overwrite)
     s = preprocess(
         args.inputs,
         args.out,

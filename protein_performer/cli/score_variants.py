@@ -9,8 +9,10 @@ from protein_performer.cli._common import (
     add_command,
     add_device,
     add_no_progress,
+    add_overwrite,
     add_precision_threads,
     add_toks_per_batch,
+    check_output,
     load_with_strategy,
 )
 
@@ -74,12 +76,14 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     add_device(p)
     add_precision_threads(p)
     add_no_progress(p)
+    add_overwrite(p, "--out")
     p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
     from protein_performer.inference.scoring import score_variants_file
 
+    check_output(args.out, [args.ckpt, args.wt, args.mutations], args.overwrite)
     lm, strategy = load_with_strategy(args, "masked-marginals")
     summary = score_variants_file(
         lm,

@@ -159,6 +159,7 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     from protein_performer.training.callbacks import TrainingCurvePlot
     from protein_performer.training.checkpointing import DivergenceGuard, SafeCheckpointIO
     from protein_performer.training.init_weights import check_init_from, maybe_init_from
+    from protein_performer.training.settings import check_training_config
 
     if cfg.get("seed") is not None:
         pl.seed_everything(int(cfg.seed), workers=True)
@@ -170,6 +171,7 @@ def train(cfg: DictConfig) -> dict[str, Any]:
             "to resume the newest last.ckpt of this run directory (see run_name)"
         )
 
+    check_training_config(cfg)  # values of data, model.optim and trainer, before any building
     check_init_from(cfg)  # before building anything: a fine-tune experiment without weights
     datamodule = _instantiate(cfg.data, "data")
     module = _instantiate(cfg.model, "model")

@@ -1,0 +1,79 @@
+"""One output rule for every writing command: an output never replaces an input, and an existing
+output is replaced only with --overwrite (protein_performer.cli._common.check_output)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from protein_performer.cli.main import main
+
+
+@pytest.fixture
+def files(tmp_path: Path) -> dict[str, Path]:
+    fasta = tmp_path / "x.fasta"
+    fasta.write_text(">a\nMKV\n")
+    ckpt = tmp_path / "model.ckpt"
+    ckpt.write_bytes(b"not read: the output check runs first")
+    csv = tmp_path / "dms.csv"
+    csv.write_text("mutant\nK2A\n")
+    existing = tmp_path / "old.out"
+    existing.write_text("keep me\n")
+    os.symlink(fasta, tmp_path / "link.fasta")
+    os.symlink(ckpt, tmp_path / "link.ckpt")
+    return {"fasta": fasta, "ckpt": ckpt, "csv": csv, "existing": existing}
+
+
+def _commands(f: dict[str, Path], out: Path) -> list[list[str]]:
+    ckpt, fasta, csv = str(f["ckpt"]), str(f["fasta"]), str(f["csv"])
+    return [
+        ["embed", ckpt, fasta, str(out)],
+        ["score", ckpt, fasta, str(out)],
+        ["score-variants", ckpt, "--wt", fasta, "--mutations", csv, "--out", str(out)],
+        ["export", ckpt, str(out)],
+        ["contacts", ckpt, fasta, "--out", str(out)],
+        ["preprocess", fasta, "--out", str(out)],
+    ]
+
+
+def _run(argv: list[str], capsys: pytest.CaptureFixture[str]) -> str:
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error:") and "\n" not in err, err
+    return err
+
+
+@pytest.mark.parametrize(
+    "index",
+    range(6),
+    ids=lambda i: ["embed", "score", "score-variants", "export", "contacts", "preprocess"][i],
+)
+def test_every_writing_command_applies_the_rule(files, tmp_path, capsys, index) -> None:
+    name = "fasta" if index == 5 else "ckpt"  # an input of every one of these commands
+    before = files[name].read_bytes()
+    # The input itself, through a symlink, and a directory holding it.
+    for out in (files[name], tmp_path / f"link.{name}", tmp_path):
+        argv = _commands(files, out)[index]
+        assert "never replaces an input" in _run(argv, capsys)
+    assert files[name].read_bytes() == before
+    # An existing output: refused without --overwrite, untouched.
+    argv = _commands(files, files["existing"])[index]
+    assert "already exists: pass --overwrite" in _run(argv, capsys)
+    assert files["existing"].read_text() == "keep me\n"
+    if index == 2:  # score-variants: --out naming the mutation table
+        assert "never replaces an input" in _run(_commands(files, files["csv"])[2], capsys)
+
+
+def test_overwrite_passes_the_check_but_never_for_an_input(files, capsys) -> None:
+    argv = ["score", str(files["ckpt"]), str(files["fasta"]), str(files["fasta"]), "--overwrite"]
+    assert "never replaces an input" in _run(argv, capsys)
+    argv = [
+        "score",
+        str(files["ckpt"]),
+        str(files["fasta"]),
+        str(files["existing"]),
+        "--overwrite",
+    ]
+    assert "already exists" not in _run(argv, capsys)  # got past the check to the checkpoint
