@@ -123,3 +123,27 @@ def test_api_method_returns_the_dense_map(tmp_path: Path) -> None:
     np.testing.assert_array_equal(got, predict_contacts(loaded, seq, reg).dense)
     loaded.contact_regression = reg.to_dict()
     np.testing.assert_array_equal(ProteinLM(loaded).predict_contacts(seq), got)
+
+
+def test_cli_predict_contacts(tmp_path: Path, capsys) -> None:
+    pytest.importorskip("h5py")
+    from protein_performer.cli.main import main
+    from protein_performer.inference.loading import export_model
+
+    loaded = _loaded("favor")
+    model_dir = export_model(loaded, tmp_path / "model")
+    fasta = tmp_path / "in.fasta"
+    fasta.write_text(f">a\n{_sequence(25, 1)}\n>b\n{_sequence(60, 2)}\n")
+    out = tmp_path / "c.h5"
+    argv = ["predict-contacts", str(model_dir), str(fasta), str(out), "--no-progress"]
+    assert main(argv) == 2  # no regression yet: one line saying how to fit one
+    err = capsys.readouterr().err
+    assert err.startswith("error:") and "protein-performer contacts" in err
+    assert err.count("\n") == 1
+    reg_path = _regression(loaded).save(tmp_path / "reg.json")
+    argv += ["--regression", str(reg_path), "--dense-max-length", "40", "--dtype", "float32"]
+    assert main(argv) == 0
+    assert "1 dense, 1 top pairs" in capsys.readouterr().out
+    back = read_contacts(out)
+    assert back["a"].dense.shape == (25, 25) and len(back["b"].p) == 120
+    assert main(argv) == 2 and "--overwrite" in capsys.readouterr().err

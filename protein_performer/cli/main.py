@@ -28,6 +28,7 @@ SUBCOMMAND_MODULES: tuple[str, ...] = (
     "export",
     "convert_esm",
     "contacts",
+    "predict_contacts",
     "visualize",
 )
 
