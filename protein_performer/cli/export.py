@@ -1,4 +1,5 @@
-"""``protein-performer export CKPT DIR``: a checkpoint as config.json + model.safetensors."""
+"""``protein-performer export CKPT DIR``: a checkpoint as config.json + model.safetensors, in
+protein-performer's format or as a Hugging Face ``EsmForMaskedLM``."""
 
 from __future__ import annotations
 
@@ -6,18 +7,30 @@ import argparse
 
 from protein_performer.cli._common import add_command, add_overwrite, check_output
 
-HELP = "export a checkpoint to config.json + model.safetensors"
+HELP = "export a checkpoint to config.json + model.safetensors (native or Hugging Face)"
 DESCRIPTION = """\
 Export a trained model to a directory holding config.json (format version, architecture,
 vocabulary) and model.safetensors (weights, FAVOR+ random features included, so outputs are
-reproduced exactly). The directory loads like a .ckpt in every command, without pickle,
-Lightning, the optimizer state or the training config. Written atomically (built under a
-temporary name, renamed when complete).
+reproduced exactly), plus contact_regression.json when the model has one. The directory loads
+like a .ckpt in every command, without pickle, Lightning, the optimizer state or the training
+config. Written atomically (built under a temporary name, renamed when complete).
+
+--format hf writes a Hugging Face EsmForMaskedLM directory instead (config.json with
+model_type esm, model.safetensors, vocab.txt and tokenizer files; the contact regression as
+ESM's contact head), which transformers.EsmForMaskedLM.from_pretrained(DIR) and
+AutoTokenizer.from_pretrained(DIR) load with the same logits. Causal models cannot be exported
+this way (HF's ESM is bidirectional). transformers has no FAVOR+: a FAVOR+ model needs
+--as-exact, which exports the same weights for exact softmax attention, the function FAVOR+
+approximates (outputs then differ by the FAVOR+ approximation error; the ReLU kernel
+approximates no softmax and is refused).
 """
 
 EPILOG = """\
-example:
-  protein-performer export outputs/demo/<run>/checkpoints/last.ckpt demo_model"""
+examples:
+  protein-performer export outputs/demo/<run>/checkpoints/last.ckpt demo_model
+  protein-performer export esm2_8M_exact esm2_8M_hf --format hf
+  protein-performer export outputs/esm_favor_finetune/<run>/checkpoints/last.ckpt hf_dir \\
+      --format hf --as-exact"""
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -25,18 +38,40 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("ckpt", metavar="CKPT", help="a .ckpt file (or an export directory to copy)")
     p.add_argument("out", metavar="DIR", help="output directory (must not exist or be empty)")
     add_overwrite(p, "an existing export in DIR")
+    p.add_argument(
+        "--format",
+        choices=("native", "hf"),
+        default="native",
+        help="native (protein-performer, default) or hf (transformers EsmForMaskedLM)",
+    )
+    p.add_argument(
+        "--as-exact",
+        action="store_true",
+        help="--format hf of a FAVOR+ model: the same weights for exact softmax attention",
+    )
     p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
+    from protein_performer.errors import UserError
     from protein_performer.inference.loading import export_model, load_model
 
+    if args.as_exact and args.format != "hf":
+        raise UserError("--as-exact is for --format hf (the native format keeps FAVOR+)")
     check_output(args.out, [args.ckpt], args.overwrite)
     loaded = load_model(args.ckpt, "cpu")
-    out = export_model(loaded, args.out, overwrite=args.overwrite)
+    attention = loaded.config.attention
+    if args.format == "hf":
+        from protein_performer.inference.export_hf import export_hf
+
+        out = export_hf(loaded, args.out, as_exact=args.as_exact, overwrite=args.overwrite)
+        attention = "exact"
+    else:
+        out = export_model(loaded, args.out, overwrite=args.overwrite)
     params = loaded.model.num_parameters()
+    head = "with" if loaded.contact_regression is not None else "no"
     print(
-        f"exported {loaded.config.objective} model ({params:,} parameters, "
-        f"{loaded.config.attention} attention) -> {out}"
+        f"exported {loaded.config.objective} model ({params:,} parameters, {attention} "
+        f"attention, {head} contact regression) as {args.format} -> {out}"
     )
     return 0

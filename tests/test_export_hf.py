@@ -1,0 +1,98 @@
+"""export --format hf: transformers loads the directory with the same logits, tokens and contact
+maps; FAVOR+ models need --as-exact; causal models are refused."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from protein_performer.cli.main import main
+from protein_performer.data.tokenizer import Alphabet, pad_token_arrays
+from protein_performer.inference.contact_maps import predict_contacts
+from protein_performer.inference.contacts import ContactRegression, model_identity
+from protein_performer.inference.convert_esm import swap_attention
+from protein_performer.inference.loading import LoadedModel, export_model, load_model
+from protein_performer.model.config import PerformerConfig
+from protein_performer.model.performer import PerformerLM
+
+transformers = pytest.importorskip("transformers", reason="transformers is not installed")
+
+SEQS = ["MKTAYIAKQRQISFVK", "MKTAYIAKQRQISFVKSHFSRQLEERLGLIEVQAPIL"]
+TOL = 1e-4
+
+
+def _model_dir(tmp_path: Path, name: str, **overrides) -> Path:
+    """A small random model (ESM-2 layout, perturbed norms and biases) with a contact
+    regression that reads a subset of layers and heads, exported natively."""
+    shape = dict(dim=64, depth=2, heads=4, ff_dim=128, nb_features=32, token_dropout=True)
+    cfg = PerformerConfig(**{**shape, "attention": "exact", **overrides})
+    torch.manual_seed(0)
+    model = PerformerLM(cfg).eval()
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if "norm" in n or n.endswith("bias"):
+                p.add_(0.1 * torch.randn_like(p))
+    loaded = LoadedModel(model, cfg, Alphabet(), Path(name), torch.device("cpu"), "x")
+    coef = np.random.default_rng(0).normal(size=3)
+    reg = ContactRegression(coef, -2.0, [2], [0, 1, 3], **model_identity(loaded))
+    loaded.contact_regression = reg.to_dict()
+    return export_model(loaded, tmp_path / name)
+
+
+def _tokens() -> torch.Tensor:
+    a = Alphabet()
+    tokens = pad_token_arrays([a.encode_with_specials(s) for s in SEQS], a.pad_idx)
+    tokens[0, 3] = tokens[1, 20] = a.mask_idx
+    return tokens
+
+
+def test_round_trip_logits_tokenizer_and_contact_head(tmp_path: Path, capsys) -> None:
+    src = _model_dir(tmp_path, "native")
+    out = tmp_path / "hf"
+    assert main(["export", str(src), str(out), "--format", "hf"]) == 0
+    assert "as hf" in capsys.readouterr().out
+    hf = transformers.EsmForMaskedLM.from_pretrained(out, attn_implementation="eager").eval()
+    tokenizer = transformers.AutoTokenizer.from_pretrained(out)
+    encoded = tokenizer(SEQS, return_tensors="pt", padding=True)
+    tokens = _tokens()
+    ours_plain = pad_token_arrays(
+        [Alphabet().encode_with_specials(s) for s in SEQS], Alphabet().pad_idx
+    )
+    assert torch.equal(encoded["input_ids"], ours_plain)
+    loaded = load_model(src, "cpu")
+    with torch.no_grad():
+        theirs = hf(input_ids=tokens, attention_mask=tokens.ne(1).long()).logits
+        ours = loaded.model(tokens).logits
+    real = tokens.ne(1)
+    assert (theirs - ours)[real].abs().max() <= TOL
+    for seq in SEQS:
+        ids = torch.as_tensor(Alphabet().encode_with_specials(seq), dtype=torch.long)[None]
+        with torch.no_grad():
+            ref = hf.predict_contacts(ids, torch.ones_like(ids))[0].numpy()
+        assert np.abs(predict_contacts(loaded, seq).dense - ref).max() <= TOL
+
+
+def test_favor_needs_as_exact_and_causal_is_refused(tmp_path: Path, capsys) -> None:
+    src = _model_dir(tmp_path, "favor", attention="favor")
+    out = tmp_path / "hf"
+    assert main(["export", str(src), str(out), "--format", "hf"]) == 2
+    assert "--as-exact" in capsys.readouterr().err and not out.exists()
+    assert main(["export", str(src), str(out), "--format", "hf", "--as-exact"]) == 0
+    hf = transformers.EsmForMaskedLM.from_pretrained(out).eval()
+    exact = swap_attention(load_model(src, "cpu").model, "exact")
+    tokens = _tokens()
+    with torch.no_grad():
+        delta = hf(input_ids=tokens, attention_mask=tokens.ne(1).long()).logits
+        delta = (delta - exact(tokens).logits)[tokens.ne(1)].abs().max()
+    assert delta <= TOL
+
+    causal = _model_dir(tmp_path, "causal", objective="clm")
+    assert main(["export", str(causal), str(tmp_path / "c"), "--format", "hf"]) == 2
+    assert "causal" in capsys.readouterr().err
+    relu = _model_dir(tmp_path, "relu", attention="favor", kernel="relu")
+    argv = ["export", str(relu), str(tmp_path / "r"), "--format", "hf", "--as-exact"]
+    assert main(argv) == 2
+    assert "ReLU" in capsys.readouterr().err
