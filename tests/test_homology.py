@@ -26,7 +26,8 @@ def _family_fasta(path: Path, seed: int = 0) -> dict[str, int]:
 
     Unrelated random sequences share ~5% identity, family members ~90%, so MMseqs2 at 50%
     identity must put each family (and nothing else) in one cluster. Returns id -> family.
-    Family f's members carry ``OX=f`` so taxa can be held out too.
+    Family f's members carry ``OX=1000+f`` so taxa can be held out too. The ids are
+    UniProt-style, which MMseqs2 would shorten if it were given them.
     """
     rng = np.random.default_rng(seed)
     family: dict[str, int] = {}
@@ -37,7 +38,7 @@ def _family_fasta(path: Path, seed: int = 0) -> dict[str, int]:
             seq = base.copy()
             hit = rng.random(len(seq)) < 0.05
             seq[hit] = rng.choice(list(AMINO), size=int(hit.sum()))
-            rid = f"fam{f:02d}_m{k}"
+            rid = f"tr|F{f:02d}M{k}|F{f:02d}M{k}_TEST"  # MMseqs2 would shorten such ids
             family[rid] = f
             lines += [f">{rid} planted near-duplicate OS=Testus {f} OX={1000 + f}", "".join(seq)]
     path.write_text("\n".join(lines) + "\n")

@@ -58,27 +58,53 @@ def cluster_command(
         "--cov-mode",
         "0",
         "--threads",
-        str(threads),
+        str(max(1, threads)),
         "-v",
         "1",
     ]
 
 
+def _write_numbered(inputs: Sequence[Path], out: Path, on_invalid: str) -> list[str]:
+    """The valid records of ``inputs`` as one FASTA named ``>0``, ``>1``, ...; returns the ids.
+
+    MMseqs2 rewrites UniProt-style ids (``sp|P69905|HBA_HUMAN`` becomes ``P69905``), so it is
+    handed ordinals instead and never sees an id to reinterpret. Records are read by this
+    package's reader with preprocess's ``on_invalid``, so MMseqs2 clusters what is stored.
+    """
+    from protein_performer.data.fasta import InvalidReport, read_fasta_blocks
+
+    ids: list[str] = []
+    with out.open("w", encoding="ascii") as fh:
+        for path in inputs:
+            for block in read_fasta_blocks(
+                path,
+                on_invalid=on_invalid,  # type: ignore[arg-type]
+                report=InvalidReport(),
+                check_duplicates=False,
+            ):
+                start = len(ids)
+                ids += block.ids
+                fh.write("".join(f">{start + k}\n{s}\n" for k, s in enumerate(block.seqs)))
+    return ids
+
+
 def cluster_sequences(
-    inputs: Sequence[str | os.PathLike[str]], identity: float, threads: int = 1
+    inputs: Sequence[str | os.PathLike[str]],
+    identity: float,
+    threads: int = 1,
+    on_invalid: str = "error",
 ) -> tuple[dict[str, str], dict[str, Any]]:
     """Cluster the FASTA ``inputs`` at ``identity``; returns ``{record id: representative id}``
-    and the metadata that says how (tool, version, parameters, cluster count).
-
-    MMseqs2 names records by the first word of the header, which is this package's record id.
-    """
+    and the metadata that says how (tool, version, parameters, cluster count)."""
     if not 0.0 < identity <= 1.0:
         raise UserError(f"--cluster-split IDENTITY must be in (0, 1], got {identity}")
     exe = find_mmseqs()
     paths = [Path(p) for p in inputs]
     with tempfile.TemporaryDirectory(prefix="pp_mmseqs_") as work:
+        numbered = Path(work) / "records.fasta"
+        ids = _write_numbered(paths, numbered, on_invalid)
         prefix = Path(work) / "clu"
-        cmd = cluster_command(exe, paths, prefix, Path(work) / "tmp", identity, max(1, threads))
+        cmd = cluster_command(exe, [numbered], prefix, Path(work) / "tmp", identity, threads)
         proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
         if proc.returncode != 0:
             tail = (proc.stderr or proc.stdout).strip().splitlines()[-3:]
@@ -90,7 +116,9 @@ def cluster_sequences(
         with open(f"{prefix}_cluster.tsv", encoding="utf-8") as fh:
             for line in fh:
                 rep, member = line.rstrip("\n").split("\t")
-                clusters[member] = rep
+                # A duplicated id keeps its first record's cluster (preprocess refuses or
+                # skips the later one).
+                clusters.setdefault(ids[int(member)], ids[int(rep)])
     meta = {
         "tool": "mmseqs easy-cluster",
         "version": mmseqs_version(exe),

@@ -282,7 +282,9 @@ def preprocess(
     if cluster_identity is not None:
         from protein_performer.data.homology import cluster_sequences
 
-        clusters, split_meta["clusters"] = cluster_sequences(paths, cluster_identity, workers)
+        clusters, split_meta["clusters"] = cluster_sequences(
+            paths, cluster_identity, workers, on_invalid
+        )
         if split_mode != "id":
             split_meta["hash"] = _CLUSTER_HASH_DOC
     if ood_frac > 0 or ood_taxa:

@@ -195,8 +195,8 @@ class Splitter:
             return ["mmseqs:" + clusters[i] for i in ids]
         except KeyError as exc:
             raise UserError(
-                f"record {exc.args[0]!r} is missing from the MMseqs2 clustering of the input "
-                "(its id must be the first word of the header)"
+                f"record {exc.args[0]!r} is missing from the MMseqs2 clustering of the input: "
+                "cluster the same files that are preprocessed"
             ) from None
 
     def __call__(self, record: Any) -> int:
