@@ -61,8 +61,8 @@ def test_embed(files, tmp_path: Path, capsys) -> None:
     assert main(argv) == 0
     assert "embedded 2 record(s)" in capsys.readouterr().out
     with h5py.File(out) as f:
-        assert sorted(f["records"]) == ["b", "sp_P1_A_HUMAN"]
-        assert f["records"]["sp_P1_A_HUMAN"]["per_tok"]["2"].shape == (len(WT), 16)
+        assert [x.decode() for x in f["ids"][:]] == ["sp|P1|A_HUMAN", "b"]
+        assert f["per_tok/2"].shape == (len(WT) + 12, 16)
 
 
 def test_score_both_objectives(files, tmp_path: Path, capsys) -> None:

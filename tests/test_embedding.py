@@ -16,7 +16,7 @@ from protein_performer.inference.embedding import (
     budget_batches,
     embed_fasta,
     embed_sequences,
-    safe_keys,
+    read_embeddings,
 )
 from protein_performer.inference.loading import LoadedModel
 from protein_performer.model.config import PerformerConfig
@@ -67,37 +67,39 @@ def test_hdf5_layout_and_values(fasta: Path, tmp_path: Path) -> None:
         include=["mean", "per_tok", "bos"],
         progress=False,
     )
-    assert summary.repr_layers == [0, 2] and summary.num_records == 3
+    assert summary.repr_layers == [0, 2] and summary.num_records == summary.new_records == 3
+    seqs = ["MKTAYIAKQRQISFVKSHFSRQLEERLGLIEV", "MLLAVLYCLAVF", "GS"]
     with h5py.File(out) as f:
         assert f.attrs["format"] == "protein_performer.embeddings"
-        assert list(f.attrs["repr_layers"]) == [0, 2]
-        keys = sorted(f["records"])
-        assert keys == ["short", "sp_P12345_ABC_HUMAN", "sp_P12345_ABC_HUMAN~2"]
-        g = f["records"]["sp_P12345_ABC_HUMAN"]
-        assert g.attrs["id"] == "sp|P12345|ABC_HUMAN"
-        assert g.attrs["header"] == "sp|P12345|ABC_HUMAN Some protein OS=Homo sapiens"
-        assert g.attrs["length"] == 32
-        per_tok = g["per_tok"]["2"][:]
-        assert per_tok.shape == (32, 16) and per_tok.dtype == np.float32
-        np.testing.assert_allclose(g["mean"]["2"][:], per_tok.mean(0), rtol=1e-5, atol=1e-6)
-        # Residues only (row i = residue i+1), BOS separately, exactly what the model returns.
-        full = _direct(loaded, "MKTAYIAKQRQISFVKSHFSRQLEERLGLIEV", 2)
-        np.testing.assert_allclose(per_tok, full[1:33].numpy(), atol=1e-6)
-        np.testing.assert_allclose(g["bos"]["2"][:], full[0].numpy(), atol=1e-6)
-        assert g["mean"]["0"].shape == (16,)
-        index = f["index"][:]
-        assert [r.decode() for r in index["id"]] == [
+        assert f.attrs["format_version"] == 2 and f.attrs["num_records"] == 3
+        assert list(f.attrs["repr_layers"]) == [0, 2] and f.attrs["precision"] == "fp32"
+        assert len(f.attrs["model_sha256"]) == 64
+        assert [x.decode() for x in f["ids"][:]] == [
             "sp|P12345|ABC_HUMAN",
             "sp_P12345_ABC_HUMAN",
             "short",
         ]
-        assert [r.decode() for r in index["key"]] == [
-            "sp_P12345_ABC_HUMAN",
-            "sp_P12345_ABC_HUMAN~2",
-            "short",
-        ]
-        assert list(index["length"]) == [32, 12, 2]
-    assert summary.keys["sp_P12345_ABC_HUMAN"] == "sp_P12345_ABC_HUMAN~2"
+        assert list(f["lengths"][:]) == [32, 12, 2]
+        assert list(f["record_numbers"][:]) == [1, 2, 3]
+        hb, ho = f["header_bytes"][:].tobytes(), f["header_offsets"][:]
+        assert hb[ho[0] : ho[1]].decode() == "sp|P12345|ABC_HUMAN Some protein OS=Homo sapiens"
+        assert hb[ho[2] : ho[3]].decode() == "short"
+        off = f["per_tok_offsets"][:]
+        assert list(off) == [0, 32, 44, 46]
+        assert f["per_tok/2"].shape == (46, 16) and f["per_tok/2"].dtype == np.float32
+        assert f["mean/0"].shape == (3, 16)
+        for n, seq in enumerate(seqs):
+            per_tok = f["per_tok/2"][off[n] : off[n + 1]]
+            np.testing.assert_allclose(f["mean/2"][n], per_tok.mean(0), rtol=1e-5, atol=1e-6)
+            # Residues only (row i = residue i+1), BOS separately, exactly what the model gives.
+            full = _direct(loaded, seq, 2)
+            np.testing.assert_allclose(per_tok, full[1 : len(seq) + 1].numpy(), atol=1e-6)
+            np.testing.assert_allclose(f["bos/2"][n], full[0].numpy(), atol=1e-6)
+    assert not (tmp_path / "emb.h5.parts").exists()
+    got = read_embeddings(out, ids=["short", "sp|P12345|ABC_HUMAN"], kind="bos", layer=-1)
+    with h5py.File(out) as f:
+        np.testing.assert_array_equal(got, f["bos/2"][:][[2, 0]])
+    assert read_embeddings(out, kind="per_tok", layer=0)[2].shape == (2, 16)
 
 
 def test_sequence_longer_than_any_training_length(tmp_path: Path) -> None:
@@ -113,8 +115,7 @@ def test_sequence_longer_than_any_training_length(tmp_path: Path) -> None:
         toks_per_batch=512,
         progress=False,
     )
-    with h5py.File(tmp_path / "o.h5") as f:
-        arr = f["records"]["long"]["per_tok"]["2"][:]
+    (arr,) = read_embeddings(tmp_path / "o.h5", kind="per_tok")
     assert arr.shape == (3000, 16) and np.isfinite(arr).all()
 
 
@@ -145,8 +146,12 @@ def test_failure_leaves_no_partial_file(fasta: Path, tmp_path: Path, monkeypatch
         return forward(*args, **kwargs)
 
     monkeypatch.setattr(loaded.model, "forward", failing)
+    with pytest.raises(UserError, match="exists; pass --resume .* or --overwrite"):
+        embed_fasta(ProteinLM(loaded), fasta, out, progress=False)
     with pytest.raises(RuntimeError, match="boom"):
-        embed_fasta(ProteinLM(loaded), fasta, out, toks_per_batch=40, progress=False)
+        embed_fasta(
+            ProteinLM(loaded), fasta, out, toks_per_batch=40, progress=False, overwrite=True
+        )
     assert calls["n"] == 2
     assert out.read_bytes() == b"previous result"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["emb.h5", "in.fasta"]
@@ -163,7 +168,7 @@ def test_bad_arguments_are_user_errors(fasta: Path, tmp_path: Path) -> None:
     assert not (tmp_path / "o.h5").exists()
 
 
-def test_budget_batches_and_safe_keys() -> None:
+def test_budget_batches() -> None:
     lengths = [5, 100, 7, 7, 3, 50]
     batches = budget_batches(lengths, 20)
     assert sorted(i for b in batches for i in b) == list(range(6))
@@ -171,4 +176,3 @@ def test_budget_batches_and_safe_keys() -> None:
         width = max(lengths[i] for i in b)
         assert len(b) == 1 or width * len(b) <= 20
     assert batches[0] == [1]  # longest first, alone although wider than the budget
-    assert safe_keys(["a/b", "a_b", "..", "x y"]) == ["a_b", "a_b~2", "__", "x_y"]

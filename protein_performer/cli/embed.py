@@ -13,30 +13,41 @@ from protein_performer.cli._common import (
     load_lm,
 )
 
-HELP = "embed a FASTA file into one HDF5 file (any length, one pass)"
+HELP = "embed a FASTA file or store into one columnar HDF5 file (any length, resumable)"
 DESCRIPTION = """\
-Embed every record of a FASTA file with a trained model, like ESM's esm-extract but with
-sequences of any length in one pass (no truncation, no windows: FAVOR+ attention is linear in
-length) and ONE HDF5 output file per run, keyed by record id.
+Embed every record of a FASTA file (or of a store from `preprocess`) with a trained model, like
+ESM's esm-extract but with sequences of any length in one pass (no truncation, no windows:
+FAVOR+ attention is linear in length) and ONE HDF5 output file per run, one array per field.
 
 CKPT is a Lightning .ckpt from `protein-performer train` or a directory from
-`protein-performer export`. OUT is the .h5 file to write (replaced atomically: the file appears
-only when complete).
+`protein-performer export`/`convert-esm`. OUT is the .h5 file to write. Records are embedded
+window by window into parts (OUT.parts/), merged into OUT at the end: OUT appears only when
+complete, and a killed run continues with --resume, losing at most the window in flight.
+
+--resume skips ids already in OUT or in its parts and adds the rest (the input may have grown);
+it refuses when the model (its weights hash) or --repr-layers/--include/--precision differ.
+
+Several processes: launch the same command under torchrun or srun; records are split across
+ranks by token budget, each rank writes its own parts, rank 0 merges them into one OUT with the
+records in input order (as one process would write them).
 """
 
 EPILOG = """\
-output layout (h5py):
-  f["records"][KEY]["mean"]["6"]      (D,)   mean over residues (no <cls>/<eos>) of layer 6
-  f["records"][KEY]["per_tok"]["6"]   (L, D) one row per residue
-  f["records"][KEY]["bos"]["6"]       (D,)   the <cls> position
-  f["records"][KEY].attrs             id, header (the original FASTA header), length
-  f["index"]                          table KEY, id, header, length in FASTA order
-  KEY is the record id with characters outside [A-Za-z0-9._-] replaced by '_'.
+output layout (h5py; or protein_performer.read_embeddings(OUT, ids=None, kind="mean", layer=-1)):
+  f["ids"]                    (N,)         record ids, input order
+  f["lengths"]                (N,)         residues per record
+  f["mean/6"], f["bos/6"]     (N, D)       mean over residues / the <cls> position, layer 6
+  f["per_tok/6"]              (sum L, D)   residues of all records; record n is
+                                           f["per_tok/6"][o[n]:o[n+1]], o = f["per_tok_offsets"]
+  f["header_bytes"], f["header_offsets"]   the FASTA header lines, UTF-8, back to back
+  f.attrs                     checkpoint, model_sha256, precision, repr_layers, include, ...
   Layers use ESM numbering (0 = embeddings, depth = final); stored under the resolved number.
 
 examples:
   protein-performer embed last.ckpt proteins.fasta emb.h5
   protein-performer embed model_dir/ titin.fasta emb.h5 --repr-layers 0 -1 --include mean per_tok
+  protein-performer embed last.ckpt uniref50_store/ emb.h5 --resume     # after a kill
+  torchrun --nproc-per-node 4 -m protein_performer.cli.main embed last.ckpt big.fasta emb.h5
 """
 
 
@@ -66,13 +77,18 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         p, toks_help="token budget per forward pass; longer sequences run alone (default: 4096)"
     )
     add_overwrite(p, "OUT")
+    p.add_argument(
+        "--resume",
+        action="store_true",
+        help="continue an interrupted run or add new records to OUT (same model and options)",
+    )
     p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
     from protein_performer.inference.embedding import embed_fasta
 
-    check_output(args.out, [args.ckpt, args.fasta], args.overwrite)
+    check_output(args.out, [args.ckpt, args.fasta], args.overwrite or args.resume)
     summary = embed_fasta(
         load_lm(args),
         args.fasta,
@@ -82,9 +98,13 @@ def run(args: argparse.Namespace) -> int:
         toks_per_batch=args.toks_per_batch,
         on_invalid=args.on_invalid,
         progress=not args.no_progress,
+        resume=args.resume,
+        overwrite=args.overwrite,
     )
+    skipped = f", {summary.skipped} already there" if summary.skipped else ""
     print(
-        f"embedded {summary.num_records} record(s), {summary.residues} residues, layers "
-        f"{summary.repr_layers} ({', '.join(summary.include)}) -> {summary.path}"
+        f"embedded {summary.new_records} record(s) ({summary.residues} residues{skipped}), "
+        f"layers {summary.repr_layers} ({', '.join(summary.include)}) -> {summary.path} "
+        f"({summary.num_records} records)"
     )
     return 0

@@ -33,6 +33,7 @@ from protein_performer.inference.scoring import (
     score_sequences,
     score_variants,
 )
+from protein_performer.inference.sharding import windows
 from protein_performer.model.config import PerformerConfig
 from protein_performer.model.performer import PerformerLM
 
@@ -42,9 +43,6 @@ PRECISIONS: dict[str, torch.dtype] = {
     "bf16": torch.bfloat16,
     "fp16": torch.float16,
 }
-#: Records held at once by the streaming methods, in tokens per token budget: enough to sort
-#: by length for tight batches, few enough that memory is bounded by the window, not the input.
-WINDOW_BATCHES = 32
 _SPECIAL = re.compile(r"(<[a-z_0-9]+>)")
 
 Records = Iterable[str] | Iterable[tuple[str, str]]
@@ -117,23 +115,6 @@ def _as_records(seqs: Records | str) -> Iterator[tuple[str, str]]:
         yield rid, seq
 
 
-def _windows(
-    records: Iterator[tuple[str, str]], toks_per_batch: int
-) -> Iterator[list[tuple[str, str]]]:
-    """Consecutive groups of records of about ``WINDOW_BATCHES`` token budgets each."""
-    budget = WINDOW_BATCHES * max(1, toks_per_batch)
-    window: list[tuple[str, str]] = []
-    size = 0
-    for rec in records:
-        window.append(rec)
-        size += len(rec[1]) + 2
-        if size >= budget:
-            yield window
-            window, size = [], 0
-    if window:
-        yield window
-
-
 def _pooling_kinds(pooling: str | None | Sequence[str | None]) -> tuple[list[str], bool]:
     """Pooling argument -> (HDF5 kinds, whether the caller asked for several)."""
     several = not (pooling is None or isinstance(pooling, str))
@@ -204,7 +185,7 @@ class ProteinLM:
         resolved = resolve_layers(self.loaded, given)
         kinds, several_kinds = _pooling_kinds(pooling)
         by_given = {g: resolve_layers(self.loaded, [g])[0] for g in given}
-        for window in _windows(_as_records(records), toks_per_batch):
+        for window in windows(_as_records(records), toks_per_batch, lambda r: len(r[1])):
             seqs = [s for _, s in window]
             results = dict(embed_sequences(self.loaded, seqs, resolved, kinds, toks_per_batch))
             for i, (rid, _) in enumerate(window):
@@ -261,7 +242,7 @@ class ProteinLM:
     ) -> Iterator[tuple[str, SequenceScore]]:
         """Yield ``(id, SequenceScore)`` in input order; see :meth:`score` for the strategies."""
         strategy = self._strategy(strategy, SEQUENCE_STRATEGIES, "pseudo-ppl")
-        for window in _windows(_as_records(records), toks_per_batch):
+        for window in windows(_as_records(records), toks_per_batch, lambda r: len(r[1])):
             for score in score_sequences(self.loaded, window, strategy, toks_per_batch):
                 if not np.isfinite(score.log_likelihood):
                     raise UserError(

@@ -1,25 +1,33 @@
-"""Per-sequence and per-residue embeddings of a FASTA file into one HDF5 file.
+"""Embeddings of many proteins into one columnar HDF5 file that scales to UniRef.
 
-Shaped like ESM's ``esm-extract`` but without its two classic traps: sequences of any length go
-through the model in one pass (no truncation at 1022 residues, no sliding windows: FAVOR+
-attention is linear in L, so titin fits), and the output is one HDF5 file per run keyed by a
-safe form of the record id, instead of one ``.pt`` file per sequence named after its header.
+Shaped like ESM's ``esm-extract`` without its classic traps: any length goes through the model
+in one pass (no truncation at 1022 residues, no windows: FAVOR+ attention is linear in L), and a
+run writes ONE file with one array per field, not one group (or one ``.pt`` file) per record.
 
-HDF5 layout (``FORMAT_NAME`` version ``FORMAT_VERSION``)::
+HDF5 layout (``FORMAT_NAME`` version ``FORMAT_VERSION``; N records, D = model width)::
 
-    /                   attrs: format, format_version, checkpoint, objective, attention,
-                               repr_layers (resolved, ESM numbering), include, dim,
-                               num_records, model_config (JSON)
-    /records/<key>/     one group per record; attrs: id, header (the FASTA header line
-                        without '>'), description, length, record_number (1-based in FASTA)
-        mean/<layer>    (D,)   float32  mean over residues (no <cls>/<eos>/pad)
-        per_tok/<layer> (L, D) float32  residues only: row i is residue i+1
-        bos/<layer>     (D,)   float32  the <cls> position
-    /index              one row per record in FASTA order: key, id, header, length (a table
-                        mapping record ids to group keys)
+    /                       attrs: format, format_version, protein_performer_version,
+                                   checkpoint, model_sha256 (learned weights), features_sha256
+                                   (FAVOR+ random features), objective, attention, dim, precision,
+                                   repr_layers (resolved, 0..depth), include (JSON), model_config
+                                   (JSON), num_records
+    ids                     (N,) utf-8            record ids, in input order
+    lengths                 (N,) int64            residues per record
+    record_numbers          (N,) int64            1-based position in the input file or store
+    header_bytes            (sum,) uint8, gzip    the FASTA header lines (no '>'), back to back
+    header_offsets          (N+1,) int64          record n's header is header_bytes[o[n]:o[n+1]]
+    mean/<layer>            (N, D) float32        mean over residues (no <cls>/<eos>/padding)
+    bos/<layer>             (N, D) float32        the <cls> position
+    per_tok/<layer>         (sum L, D) float32    residues of all records back to back
+    per_tok_offsets         (N+1,) int64          record n is per_tok[o[n]:o[n+1]] (row i =
+                                                  residue i+1)
 
-``<key>`` is the id with every character outside ``[A-Za-z0-9._-]`` replaced by ``_`` (HDF5
-reserves ``/``), de-duplicated with a ``~N`` suffix when two ids collide after that.
+:func:`read_embeddings` reads it back. Files of format version 1 (protein-performer 0.1, one
+group per record) are refused with a message saying to re-run ``embed``.
+
+Runs are written as parts (``OUT.parts/``, one per window of records) and merged at the end
+(:mod:`protein_performer.inference.sharding`): a killed run resumes with ``--resume`` and loses
+at most one window, and ranks of a ``torchrun``/SLURM job each write their own parts.
 """
 
 from __future__ import annotations
@@ -28,13 +36,12 @@ import contextlib
 import json
 import logging
 import os
-import re
+import shutil
 import sys
-from collections import deque
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, NamedTuple, TextIO
+from typing import TYPE_CHECKING, Any, NamedTuple, TextIO
 
 import numpy as np
 import torch
@@ -49,9 +56,10 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 FORMAT_NAME = "protein_performer.embeddings"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 INCLUDE_CHOICES = ("mean", "per_tok", "bos")
-_UNSAFE = re.compile(r"[^A-Za-z0-9._-]")
+#: Rows per HDF5 chunk of an (n, D) array: about 256 KiB, so appends and reads stay cheap.
+_CHUNK_BYTES = 1 << 18
 
 
 # --------------------------------------------------------------------------------------------
@@ -96,7 +104,7 @@ def atomic_output(path: str | os.PathLike[str]) -> Iterator[Path]:
     parent = out.parent
     if not parent.exists():
         raise UserError(f"output directory {parent} does not exist; create it first")
-    with atomic_file(out, mode=0o644) as tmp:
+    with atomic_file(out) as tmp:
         yield tmp
 
 
@@ -167,33 +175,6 @@ def read_records(fasta: str | os.PathLike[str], on_invalid: str = "error") -> li
     return records
 
 
-class SafeKeys:
-    """HDF5-safe, unique group names for record ids, one at a time (see the module docstring).
-
-    Incremental, so a streaming writer names each record as it arrives.
-    """
-
-    def __init__(self) -> None:
-        self._used: set[str] = set()
-
-    def __call__(self, rid: str) -> str:
-        base = _UNSAFE.sub("_", rid)[:200] or "_"
-        if base in (".", ".."):
-            base = base.replace(".", "_")
-        key, n = base, 1
-        while key in self._used:
-            n += 1
-            key = f"{base}~{n}"
-        self._used.add(key)
-        return key
-
-
-def safe_keys(ids: Sequence[str]) -> list[str]:
-    """:class:`SafeKeys` over a whole list of ids."""
-    name = SafeKeys()
-    return [name(rid) for rid in ids]
-
-
 def encode_batch(loaded: LoadedModel, seqs: Sequence[str]) -> torch.Tensor:
     """``<cls> residues <eos>`` rows, right-padded, on the model's device."""
     from protein_performer.data.tokenizer import pad_token_arrays
@@ -205,18 +186,6 @@ def encode_batch(loaded: LoadedModel, seqs: Sequence[str]) -> torch.Tensor:
 # --------------------------------------------------------------------------------------------
 # Embedding
 # --------------------------------------------------------------------------------------------
-@dataclass
-class EmbedSummary:
-    """What a run wrote, for the CLI's closing lines and for callers."""
-
-    path: Path
-    num_records: int
-    residues: int
-    repr_layers: list[int]
-    include: list[str]
-    keys: dict[str, str] = field(default_factory=dict)  # record id -> group key
-
-
 def resolve_layers(loaded: LoadedModel, layers: Sequence[int]) -> list[int]:
     """ESM numbering (negative from the end) -> sorted, unique block numbers 0..depth."""
     depth = loaded.config.depth
@@ -267,6 +236,244 @@ def embed_sequences(
             yield i, result
 
 
+# --------------------------------------------------------------------------------------------
+# The columnar file
+# --------------------------------------------------------------------------------------------
+class _Columns:
+    """Appends records to the datasets of one embeddings file (see the module docstring).
+
+    Every dataset is chunked and grown per append, so writing costs one resize per window and
+    memory never holds more than the window being appended.
+    """
+
+    def __init__(self, h5, attrs: dict) -> None:  # noqa: ANN001 - h5py.File
+        import h5py
+
+        self.h5 = h5
+        self.attrs = dict(attrs)
+        h5.attrs.update(self.attrs)
+        self.include = json.loads(self.attrs["include"])
+        self.layers = [int(x) for x in self.attrs["repr_layers"]]
+        self.dim = int(self.attrs["dim"])
+        rows = max(64, _CHUNK_BYTES // (4 * self.dim))
+        self._str = h5py.string_dtype("utf-8")
+        self.ds: dict[str, Any] = {}
+
+        def grow(name: str, dtype: Any, width: int | None = None, **kw: Any) -> None:
+            shape = (0,) if width is None else (0, width)
+            chunks = (4096,) if width is None else (rows, width)
+            maxshape = (None,) if width is None else (None, width)
+            self.ds[name] = h5.create_dataset(
+                name, shape=shape, maxshape=maxshape, chunks=chunks, dtype=dtype, **kw
+            )
+
+        grow("ids", self._str)
+        grow("lengths", np.int64)
+        grow("record_numbers", np.int64)
+        grow("header_bytes", np.uint8, compression="gzip")
+        for kind in self.include:
+            for layer in self.layers:
+                grow(f"{kind}/{layer}", np.float32, self.dim)
+        self.header_offsets = [0]
+        self.tok_offsets = [0]
+
+    @staticmethod
+    def _append(ds: Any, values: np.ndarray) -> None:
+        n = ds.shape[0]
+        ds.resize(n + len(values), axis=0)
+        ds[n:] = values
+
+    def append(
+        self,
+        ids: Sequence[str],
+        lengths: np.ndarray,
+        numbers: np.ndarray,
+        header_bytes: np.ndarray,
+        header_lengths: np.ndarray,
+        arrays: dict[str, np.ndarray],
+    ) -> None:
+        """Add records: ``arrays`` maps ``kind/layer`` to (n, D) pooled or (sum L, D) rows."""
+        if not len(ids):
+            return
+        self._append(self.ds["ids"], np.asarray(ids, dtype=object))
+        self._append(self.ds["lengths"], np.asarray(lengths, dtype=np.int64))
+        self._append(self.ds["record_numbers"], np.asarray(numbers, dtype=np.int64))
+        self._append(self.ds["header_bytes"], header_bytes)
+        self.header_offsets.extend((self.header_offsets[-1] + np.cumsum(header_lengths)).tolist())
+        if "per_tok" in self.include:
+            self.tok_offsets.extend((self.tok_offsets[-1] + np.cumsum(lengths)).tolist())
+        for name, values in arrays.items():
+            self._append(self.ds[name], values)
+
+    def copy_from(self, src: Any, step: int = 1 << 16) -> None:  # noqa: ANN401 - h5py.File
+        """Append every record of another file with the same layout, ``step`` records at a time
+        (a merge of UniRef-sized parts holds one slice in memory, not the file)."""
+        n = len(src["ids"])
+        hoff = src["header_offsets"][:]
+        toff = src["per_tok_offsets"][:] if "per_tok" in self.include else None
+        for a in range(0, n, step):
+            b = min(n, a + step)
+            arrays = {}
+            for kind in self.include:
+                for layer in self.layers:
+                    name = f"{kind}/{layer}"
+                    sl = slice(int(toff[a]), int(toff[b])) if kind == "per_tok" else slice(a, b)
+                    arrays[name] = src[name][sl]
+            self.append(
+                [x.decode() if isinstance(x, bytes) else x for x in src["ids"][a:b]],
+                src["lengths"][a:b],
+                src["record_numbers"][a:b],
+                src["header_bytes"][int(hoff[a]) : int(hoff[b])],
+                np.diff(hoff[a : b + 1]),
+                arrays,
+            )
+
+    def finish(self) -> int:
+        n = self.ds["ids"].shape[0]
+        self.h5.create_dataset("header_offsets", data=np.asarray(self.header_offsets, np.int64))
+        if "per_tok" in self.include:
+            self.h5.create_dataset("per_tok_offsets", data=np.asarray(self.tok_offsets, np.int64))
+        self.h5.attrs["num_records"] = n
+        return n
+
+
+def _features_sha256(model: torch.nn.Module) -> str:
+    """SHA-256 of the FAVOR+ random features (empty for exact attention): embeddings depend on
+    them, so a resumed run must use the same ones."""
+    import hashlib
+
+    digest = hashlib.sha256()
+    for name, t in sorted(model.state_dict().items()):
+        if ".self_attn.favor." in name:
+            digest.update(name.encode())
+            digest.update(t.detach().to("cpu").float().contiguous().numpy().tobytes())
+    return digest.hexdigest()
+
+
+def file_attrs(lm: ProteinLM, layers: Sequence[int], include: Sequence[str]) -> dict[str, Any]:
+    """The root attributes: what the embeddings came from and how they were made."""
+    from protein_performer import __version__
+    from protein_performer.inference.contacts import weights_sha256
+
+    precision = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}[lm.dtype]
+    return {
+        "format": FORMAT_NAME,
+        "format_version": FORMAT_VERSION,
+        "protein_performer_version": __version__,
+        "checkpoint": str(lm.loaded.source),
+        "model_sha256": weights_sha256(lm.model),
+        "features_sha256": _features_sha256(lm.model),
+        "objective": lm.config.objective,
+        "attention": lm.config.attention,
+        "dim": lm.config.dim,
+        "precision": precision,
+        "repr_layers": np.asarray(sorted(layers), dtype=np.int64),
+        "include": json.dumps(list(include)),
+        "model_config": json.dumps(lm.config.to_dict(), sort_keys=True),
+    }
+
+
+#: Attributes a resumed run must share with what it continues.
+_SAME_RUN = ("model_sha256", "features_sha256", "precision", "repr_layers", "include")
+
+
+def _open_embeddings(path: Path) -> Any:  # noqa: ANN401 - h5py.File
+    """An embeddings file opened for reading, its format checked (version 1 named as such)."""
+    import h5py
+
+    from protein_performer.errors import check_format_header
+
+    try:
+        h5 = h5py.File(path, "r")
+    except OSError as exc:
+        raise UserError(f"{path}: not a readable HDF5 file ({exc}); re-run embed") from None
+    header = {k: h5.attrs.get(k) for k in ("format", "format_version")}
+    if header["format_version"] is not None:
+        header["format_version"] = int(header["format_version"])
+    if header["format"] == FORMAT_NAME and header["format_version"] == 1:
+        h5.close()
+        raise UserError(
+            f"{path} was written by protein-performer 0.1 (embeddings format 1, one group per "
+            "record), which this version does not read; re-run `protein-performer embed`"
+        )
+    try:
+        check_format_header(header, path, FORMAT_NAME, FORMAT_VERSION, "embeddings file")
+    except UserError:
+        h5.close()
+        raise
+    return h5
+
+
+def _check_same_run(path: Path, h5: Any, attrs: dict[str, Any]) -> None:  # noqa: ANN401
+    for key in _SAME_RUN:
+        have, want = h5.attrs.get(key), attrs[key]
+        if not np.array_equal(np.asarray(have), np.asarray(want)):
+            what = {"model_sha256": "model weights", "features_sha256": "FAVOR+ features"}
+            raise UserError(
+                f"--resume: {path} was made with other {what.get(key, key)} ({have!r} there, "
+                f"{want!r} now); resume with the same checkpoint and options, or start over "
+                "with --overwrite"
+            )
+
+
+def _write_part(path: Path, attrs: dict, records: list[InputRecord], results: list) -> None:
+    import h5py
+
+    headers = [(f"{r.id} {r.description}" if r.description else r.id).encode() for r in records]
+    lengths = np.asarray([len(r.sequence) for r in records], dtype=np.int64)
+    with atomic_file(path, suffix=".h5") as tmp, h5py.File(tmp, "w") as h5:
+        cols = _Columns(h5, attrs)
+        arrays = {
+            f"{kind}/{layer}": np.stack([res[kind][layer] for res in results])
+            if kind != "per_tok"
+            else np.concatenate([res[kind][layer] for res in results])
+            for kind in cols.include
+            for layer in cols.layers
+        }
+        cols.append(
+            [r.id for r in records],
+            lengths,
+            np.asarray([r.number for r in records], dtype=np.int64),
+            np.frombuffer(b"".join(headers), dtype=np.uint8),
+            np.asarray([len(h) for h in headers], dtype=np.int64),
+            arrays,
+        )
+        cols.finish()
+
+
+def _merge(out: Path, attrs: dict, sources: list[Path]) -> int:
+    """One file from ``sources`` (each with this layout), in order; atomic."""
+    import h5py
+
+    with atomic_output(out) as tmp, h5py.File(tmp, "w") as h5:
+        cols = _Columns(h5, attrs)
+        for src in sources:
+            with _open_embeddings(src) as part:
+                cols.copy_from(part)
+        return cols.finish()
+
+
+def _ids_in(path: Path) -> list[str]:
+    with _open_embeddings(path) as h5:
+        return [x.decode() if isinstance(x, bytes) else x for x in h5["ids"][:]]
+
+
+# --------------------------------------------------------------------------------------------
+# Running embed
+# --------------------------------------------------------------------------------------------
+@dataclass
+class EmbedSummary:
+    """What a run did, for the CLI's closing lines and for callers."""
+
+    path: Path
+    num_records: int  # records in the file now
+    new_records: int  # embedded by this process in this run
+    residues: int  # of the new records
+    repr_layers: list[int]
+    include: list[str]
+    skipped: int = 0  # already in the file or its parts (--resume)
+
+
 def embed_fasta(
     lm: ProteinLM,
     fasta: str | os.PathLike[str],
@@ -276,79 +483,150 @@ def embed_fasta(
     toks_per_batch: int = 4096,
     on_invalid: str = "error",
     progress: bool = True,
+    resume: bool = False,
+    overwrite: bool = False,
 ) -> EmbedSummary:
-    """Embed every record of ``fasta`` (a FASTA file or a store directory) into the HDF5 file
-    ``out`` (written atomically).
+    """Embed every record of ``fasta`` (a FASTA file or a store directory) into ``out``.
 
-    Streams: records are read, embedded (``lm.iter_embed``) and written window by window, so
-    memory does not grow with the number of records.
+    Window by window into parts, then merged (see the module docstring). ``resume`` skips ids
+    already in ``out`` or in its finished parts and adds the rest (the input may have grown);
+    it refuses when the model or the options differ. Without it, an existing ``out`` or
+    leftover parts are refused unless ``overwrite``. Under ``torchrun``/SLURM every rank runs
+    this with the same arguments.
     """
-    import h5py
-    from tqdm import tqdm
+    from protein_performer.inference.sharding import (
+        Job,
+        detect_ranks,
+        finished_parts,
+        next_run,
+        part_name,
+        parts_dir,
+        windows,
+    )
 
     path = Path(fasta).expanduser()
+    dest = Path(out).expanduser()
     layers = resolve_layers(lm.loaded, repr_layers)
     include = list(dict.fromkeys(include))
     bad = sorted(set(include) - set(INCLUDE_CHOICES))
     if bad or not include:
         raise UserError(f"--include takes {', '.join(INCLUDE_CHOICES)}; got {list(include)}")
-    pending: deque = deque()
-
-    def records() -> Iterator[tuple[str, str]]:
-        for r in input_records(path, on_invalid):
-            pending.append(r)
-            yield r.id, r.sequence
-
-    name = SafeKeys()
-    index: list[tuple[str, str, str, int]] = []
-    keys: dict[str, str] = {}
-    pooling = tuple(None if k == "per_tok" else k for k in include)
-    with atomic_output(out) as tmp, h5py.File(tmp, "w") as h5:
-        h5.attrs["format"] = FORMAT_NAME
-        h5.attrs["format_version"] = FORMAT_VERSION
-        h5.attrs["checkpoint"] = str(lm.loaded.source)
-        h5.attrs["objective"] = lm.config.objective
-        h5.attrs["attention"] = lm.config.attention
-        h5.attrs["repr_layers"] = np.asarray(layers, dtype=np.int64)
-        h5.attrs["include"] = json.dumps(include)
-        h5.attrs["dim"] = lm.config.dim
-        h5.attrs["model_config"] = json.dumps(lm.config.to_dict(), sort_keys=True)
-        group = h5.create_group("records")
-        bar = tqdm(unit="res", unit_scale=True, desc="embed", disable=not progress)
-        with bar:
-            for _, result in lm.iter_embed(records(), layers, pooling, toks_per_batch):
-                r = pending.popleft()
-                key = name(r.id)
-                header = f"{r.id} {r.description}" if r.description else r.id
-                g = group.create_group(key)
-                g.attrs["id"] = r.id
-                g.attrs["header"] = header
-                g.attrs["description"] = r.description
-                g.attrs["length"] = len(r.sequence)
-                g.attrs["record_number"] = r.number
-                for kind, per_layer in result.items():
-                    sub = g.create_group(kind)
-                    for layer, arr in per_layer.items():
-                        sub.create_dataset(str(layer), data=arr.astype(np.float32, copy=False))
-                index.append((key, r.id, header, len(r.sequence)))
-                keys.setdefault(r.id, key)
-                bar.update(len(r.sequence))
-        if not index:
-            raise UserError(f"{path}: no valid records to process")
-        str_dt = h5py.string_dtype("utf-8")
-        table = np.zeros(
-            len(index),
-            dtype=[("key", str_dt), ("id", str_dt), ("header", str_dt), ("length", np.int64)],
+    if dest.is_dir():
+        raise UserError(f"{dest} is a directory; give a file name for the output")
+    if not dest.parent.is_dir():
+        raise UserError(f"output directory {dest.parent} does not exist; create it first")
+    if dest.exists() and path.exists() and dest.samefile(path):
+        raise UserError(f"{dest} is the input; choose another output file")
+    attrs = file_attrs(lm, layers, include)
+    pdir = parts_dir(dest)
+    old_parts = finished_parts(pdir)
+    done: set[str] = set()
+    if resume:
+        for src in ([dest] if dest.exists() else []) + old_parts:
+            with _open_embeddings(src) as h5:
+                _check_same_run(src, h5, attrs)
+            done.update(_ids_in(src))
+    elif not overwrite and (dest.exists() or old_parts):
+        what = f"{dest} exists" if dest.exists() else f"{pdir} holds parts of an unfinished run"
+        raise UserError(
+            f"{what}; pass --resume to add what is missing, or --overwrite to start over"
         )
-        for n, row in enumerate(index):
-            table[n] = row
-        h5.create_dataset("index", data=table)
-        h5.attrs["num_records"] = len(index)
-    return EmbedSummary(
-        path=Path(out),
-        num_records=len(index),
-        residues=sum(row[3] for row in index),
-        repr_layers=layers,
-        include=include,
-        keys=keys,
-    )
+
+    ranks = detect_ranks()
+    pooling = tuple(None if k == "per_tok" else k for k in include)
+    new = residues = skipped = 0
+    failure: BaseException | None = None
+    with Job(ranks) as job:
+        if ranks.rank == 0:
+            if overwrite and not resume and pdir.exists():
+                shutil.rmtree(pdir)
+            pdir.mkdir(exist_ok=True)
+        job.barrier()
+        run = next_run(pdir)
+        job.barrier()  # every rank has its run number before any rank writes a part
+        try:
+            todo = (r for r in input_records(path, on_invalid) if r.id not in done)
+            for w, window in enumerate(windows(todo, toks_per_batch, lambda r: len(r.sequence))):
+                if w % ranks.world_size != ranks.rank:
+                    continue
+                results = [
+                    res
+                    for _, res in lm.iter_embed(
+                        [(r.id, r.sequence) for r in window], layers, pooling, toks_per_batch
+                    )
+                ]
+                _write_part(pdir / part_name(run, w, ".h5"), attrs, window, results)
+                new += len(window)
+                residues += sum(len(r.sequence) for r in window)
+                if progress:
+                    log.info("embed: %d record(s), %d residues written", new, residues)
+            skipped = len(done)
+        except Exception as exc:  # every rank must learn of a failure, or the others wait
+            failure = exc
+        if not job.all_ok(failure is None):
+            if ranks.rank == 0 and not any(pdir.iterdir()):
+                pdir.rmdir()  # nothing finished: leave no trace
+            raise failure or UserError("embed failed on another rank; see its error line")
+        total = 0
+        if ranks.rank == 0:
+            sources = ([dest] if resume and dest.exists() else []) + finished_parts(pdir)
+            if not sources:
+                raise UserError(f"{path}: no valid records to process")
+            total = _merge(dest, attrs, sources)
+            shutil.rmtree(pdir)
+        job.barrier()
+    return EmbedSummary(dest, total, new, residues, layers, include, skipped)
+
+
+# --------------------------------------------------------------------------------------------
+# Reading
+# --------------------------------------------------------------------------------------------
+def read_embeddings(
+    path: str | os.PathLike[str],
+    ids: Sequence[str] | None = None,
+    kind: str = "mean",
+    layer: int = -1,
+) -> np.ndarray | list[np.ndarray] | dict[str, Any]:
+    """Embeddings from an ``embed`` file: (n, D) for ``mean``/``bos``, a list of (L_i, D) for
+    ``per_tok``, in the order of ``ids`` (all records, in file order, when None).
+
+    ``layer`` uses ESM's numbering (-1 = last). ``kind="contacts"`` reads a
+    ``predict-contacts`` file instead (a dict id -> contact map).
+    """
+    src = Path(path).expanduser()
+    if not src.is_file():
+        raise UserError(f"{src} does not exist or is not a file")
+    if kind == "contacts":
+        from protein_performer.inference.contact_maps import read_contacts
+
+        return read_contacts(src, ids)
+    with _open_embeddings(src) as h5:
+        include = json.loads(h5.attrs["include"])
+        if kind not in include:
+            raise UserError(f"{src} holds {', '.join(include)} embeddings, not {kind!r}")
+        stored = [int(x) for x in h5.attrs["repr_layers"]]
+        depth = int(json.loads(h5.attrs["model_config"])["depth"])
+        want = layer + depth + 1 if layer < 0 else layer
+        if want not in stored:
+            raise UserError(f"{src}: layer {layer} was not saved (layers: {stored})")
+        all_ids = [x.decode() if isinstance(x, bytes) else x for x in h5["ids"][:]]
+        if ids is None:
+            rows = np.arange(len(all_ids))
+        else:
+            where = {rid: n for n, rid in enumerate(all_ids)}
+            missing = [rid for rid in ids if rid not in where]
+            if missing:
+                raise UserError(f"{src}: no record(s) {', '.join(missing[:5])}")
+            rows = np.asarray([where[rid] for rid in ids], dtype=np.int64)
+        data = h5[f"{kind}/{want}"]
+        if kind == "per_tok":
+            off = h5["per_tok_offsets"][:]
+            return [data[int(off[n]) : int(off[n + 1])] for n in rows]
+        if ids is None:
+            return data[:]
+        order = np.argsort(rows, kind="stable")
+        unique, inverse = np.unique(rows[order], return_inverse=True)
+        picked = data[unique] if len(unique) else np.zeros((0, data.shape[1]), np.float32)
+        result = np.empty((len(rows), data.shape[1]), dtype=np.float32)
+        result[order] = picked[inverse]
+        return result
