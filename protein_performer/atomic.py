@@ -192,18 +192,28 @@ def exclusive_lock(path: Path, what: str) -> Iterator[None]:
     """Hold an exclusive ``flock`` on a hidden lock file beside ``path`` for the block.
 
     Two runs writing the same output would otherwise race; the second one gets one line. The
-    lock dies with its process (kill -9 included), so a crash never leaves it held.
+    lock dies with its process (kill -9 included), so a crash never leaves it held; the file is
+    removed on release (a run that locked a file unlinked meanwhile sees it and retries).
     """
     lock = path.parent / f".{path.name}.lock"
-    fd = os.open(lock, os.O_RDWR | os.O_CREAT, default_file_mode())
-    try:
+    while True:
+        fd = os.open(lock, os.O_RDWR | os.O_CREAT, default_file_mode())
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
+            os.close(fd)
             raise UserError(
                 f"{path} is in use by another run writing {what} there; wait for it to finish "
                 "or choose another output"
             ) from None
+        try:
+            if os.stat(lock).st_ino == os.fstat(fd).st_ino:
+                break
+        except FileNotFoundError:
+            pass
+        os.close(fd)  # locked a file its holder had just removed: take the new one
+    try:
         yield
     finally:
+        lock.unlink(missing_ok=True)
         os.close(fd)

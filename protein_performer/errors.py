@@ -19,7 +19,12 @@ def check_format_header(data: object, where: object, name: str, version: int, wh
     if not isinstance(data, dict) or data.get("format") != name:
         raise UserError(f"{where}: not a {what} (format != {name})")
     found = data.get("format_version")
-    if not isinstance(found, int) or found > version:
+    if found is None or not isinstance(found, int) or isinstance(found, bool) or found < 1:
+        raise UserError(
+            f"{where}: format_version is {'missing' if found is None else repr(found)}: the "
+            f"file says it is a {what} but its header is damaged or was edited; re-create it"
+        )
+    if found > version:
         raise UserError(
             f"{where}: {what} format version {found!r} is newer than this protein-performer "
             f"reads ({version}); upgrade protein-performer"

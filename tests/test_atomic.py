@@ -28,3 +28,53 @@ def test_success_replaces_with_a_normal_file_mode(tmp_path: Path) -> None:
         tmp.write_text("c")
     assert out.read_text() == "c" and stat.S_IMODE(out.stat().st_mode) == 0o644
     assert sorted(p.name for p in out.parent.iterdir()) == ["metrics.json"]
+
+
+@pytest.mark.parametrize(
+    ("umask", "file_mode", "dir_mode"), [(0o022, 0o644, 0o755), (0o077, 0o600, 0o700)]
+)
+def test_stores_and_exports_follow_the_umask(tmp_path: Path, umask, file_mode, dir_mode) -> None:
+    import os
+
+    import torch
+
+    from protein_performer.data.store import StoreWriter
+    from protein_performer.data.tokenizer import Alphabet
+    from protein_performer.inference.loading import LoadedModel, export_model
+    from protein_performer.model.config import PerformerConfig
+    from protein_performer.model.performer import PerformerLM
+
+    old = os.umask(umask)
+    try:
+        with StoreWriter(tmp_path / "store") as w:
+            w.add("a", "MKV", 0)
+            w.commit()
+        config = PerformerConfig(dim=16, depth=1, heads=2, ff_dim=32, nb_features=8)
+        loaded = LoadedModel(
+            PerformerLM(config), config, Alphabet(), tmp_path / "x", torch.device("cpu"), "export"
+        )
+        export_model(loaded, tmp_path / "export")
+    finally:
+        os.umask(old)
+    for directory in (tmp_path / "store", tmp_path / "export"):
+        assert stat.S_IMODE(directory.stat().st_mode) == dir_mode, directory
+        for f in directory.iterdir():
+            assert stat.S_IMODE(f.stat().st_mode) == file_mode, f
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["export", "store"]  # no temporaries
+
+
+def test_stale_temporaries_of_dead_processes_are_removed(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    out = tmp_path / "result.csv"
+    # A writer killed mid-write: its temporary stays behind, named by host and pid.
+    code = (
+        "import os, sys; from pathlib import Path; from protein_performer.atomic import "
+        "atomic_file\nwith atomic_file(Path(sys.argv[1])) as tmp:\n"
+        "    tmp.write_text('half'); os._exit(9)"
+    )
+    assert subprocess.run([sys.executable, "-c", code, str(out)]).returncode == 9
+    assert len(list(tmp_path.iterdir())) == 1 and not out.exists()
+    write_text_atomic(out, "new\n")
+    assert [p.name for p in tmp_path.iterdir()] == ["result.csv"]

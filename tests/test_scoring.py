@@ -213,6 +213,19 @@ def test_mismatched_rows_are_reported_by_line(tmp_path: Path, caplog) -> None:
         )
 
 
+def test_ragged_rows_are_reported_row_by_row(tmp_path: Path) -> None:
+    (tmp_path / "wt.fasta").write_text(f">wt\n{WT}\n")
+    table = tmp_path / "dms.csv"
+    table.write_text("mutant,fitness\nK2R,1.0\nQ9E,3.0,extra\nT3S\nK2A,0.2\n")
+    with pytest.raises(UserError) as info:
+        score_variants_file(
+            ProteinLM(tiny_loaded()), tmp_path / "wt.fasta", table, tmp_path / "o.csv"
+        )
+    assert "2 malformed row(s)" in str(info.value)
+    assert "line 3 has 3, line 4 has 1" in str(info.value)
+    assert not (tmp_path / "o.csv").exists()
+
+
 @pytest.mark.skipif(not SHARED.is_dir(), reason="../shared/data/dms not checked out")
 def test_tem1_dms_end_to_end(tmp_path: Path) -> None:
     out = tmp_path / "tem1.csv"

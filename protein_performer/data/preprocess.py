@@ -761,6 +761,19 @@ class _ShardMerger:
         shutil.rmtree(shard, ignore_errors=True)
 
 
+def _exit_with_parent(parent: int) -> None:
+    """Worker initializer: when the parent dies (any signal, kill -9 included) the worker exits
+    within a second instead of waiting forever on the pool's pipe."""
+    import threading
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(0.5)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="exit-with-parent", daemon=True).start()
+
+
 def _run_parallel(
     paths: list[Path],
     ranges: list[_Range],
@@ -781,6 +794,8 @@ def _run_parallel(
     pool = ProcessPoolExecutor(
         max_workers=min(workers, len(ranges)),
         mp_context=multiprocessing.get_context(_START_METHOD),
+        initializer=_exit_with_parent,
+        initargs=(os.getpid(),),
     )
     try:
         ranges = _number_ranges(ranges, pool)

@@ -28,17 +28,19 @@ function of the input: no timestamps, no temporary paths, sorted JSON keys.
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import json
 import logging
 import os
 import shutil
-import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, BinaryIO
 
 import numpy as np
 
+from protein_performer.atomic import exclusive_lock, fsync_path, make_temp_dir, replace_dir
 from protein_performer.data.split import SPLIT_CODES, SPLIT_NAMES
 from protein_performer.data.tokenizer import Alphabet
 from protein_performer.errors import UserError
@@ -169,9 +171,16 @@ class StoreWriter:
         self._table = _translate_table(self.alphabet)
         self.chunk_records = chunk_records
         self.chunk_residues = chunk_residues
-        check_output_dir(self.out, overwrite)
         self.out.parent.mkdir(parents=True, exist_ok=True)
-        self.tmp = Path(tempfile.mkdtemp(prefix=f".{self.out.name}.tmp-", dir=self.out.parent))
+        # Held until commit or abort: a second run into the same out gets one line, not a race.
+        self._lock = contextlib.ExitStack()
+        self._lock.enter_context(exclusive_lock(self.out, "a token store"))
+        try:
+            check_output_dir(self.out, overwrite)
+            self.tmp = make_temp_dir(self.out)  # the umask's mode, named for stale-temp cleanup
+        except BaseException:
+            self._lock.close()
+            raise
         self._files: dict[str, BinaryIO] = {
             name: open(self.tmp / name, "wb", buffering=_BUFFER)  # noqa: SIM115
             for name in (TOKENS, OFFSETS, LENGTHS, SPLIT, IDS, ID_OFFSETS, HEADERS, HEADER_OFFSETS)
@@ -418,7 +427,11 @@ class StoreWriter:
                 raise ValueError(f"extra_meta may not override {sorted(clash)}")
             meta.update(extra_meta)
         (self.tmp / META).write_text(_dump_json(meta), encoding="utf-8")
+        for path in self.tmp.iterdir():
+            if path.is_file():
+                fsync_path(path)  # on disk before the rename publishes them
         _replace_dir(self.tmp, self.out, self.overwrite)
+        self._lock.close()
         log.debug("committed store %s (%d records)", self.out, self.num_records)
         return self.out
 
@@ -426,6 +439,7 @@ class StoreWriter:
         """Drop everything written so far."""
         self._close_files()
         shutil.rmtree(self.tmp, ignore_errors=True)
+        self._lock.close()
 
     def __enter__(self) -> StoreWriter:
         return self
@@ -465,22 +479,19 @@ def check_output_dir(out: Path, overwrite: bool) -> None:
 
 
 def _replace_dir(src: Path, dst: Path, overwrite: bool) -> None:
-    """Move ``src`` to ``dst``; an old ``dst`` is swapped aside first and deleted afterwards, so
-    at every moment ``dst`` is the complete old store or the complete new one (or absent)."""
-    trash: Path | None = None
+    """Move ``src`` to ``dst`` (:func:`protein_performer.atomic.replace_dir`: an old store is
+    exchanged atomically), so ``dst`` is always the complete old or the complete new store."""
     if dst.exists():
         check_output_dir(dst, overwrite)
-        trash = Path(tempfile.mkdtemp(prefix=f".{dst.name}.old-", dir=dst.parent))
-        os.rmdir(trash)
-        os.replace(dst, trash)
     try:
-        os.replace(src, dst)
-    except OSError:
-        if trash is not None:
-            os.replace(trash, dst)
-        raise
-    if trash is not None:
-        shutil.rmtree(trash, ignore_errors=True)
+        replace_dir(src, dst)
+    except OSError as exc:
+        if exc.errno not in (errno.ENOTEMPTY, errno.EEXIST):
+            raise
+        raise UserError(
+            f"{dst} already exists: something else created it while this run was working; "
+            "pass --overwrite to replace it, or choose another --out"
+        ) from None
 
 
 class TokenStore:

@@ -482,6 +482,15 @@ def score_variants_file(
         raise UserError(f"{path}: not UTF-8 text ({exc}); save the table as UTF-8 CSV") from None
     except csv.Error as exc:
         raise UserError(f"{path}: malformed CSV ({exc})") from None
+    ragged = [(line, len(row)) for line, row in rows if len(row) != len(header)]
+    if ragged:  # a cell too many or too few shifts every later column: never guess
+        shown = ", ".join(f"line {line} has {n}" for line, n in ragged[:10])
+        more = f" (+{len(ragged) - 10} more)" if len(ragged) > 10 else ""
+        raise UserError(
+            f"{path}: {len(ragged)} malformed row(s) whose number of cells differs from the "
+            f"header's {len(header)}: {shown}{more}; fix or remove them (a delimiter inside a "
+            "cell needs quotes)"
+        )
 
     def column(name: str, flag: str) -> int:
         if name not in header:
