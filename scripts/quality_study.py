@@ -265,39 +265,17 @@ def unigram_baseline(
     The held-out records are re-read from the FASTA ``evaluate`` reads and masked with the same
     dataset rule and seed, so the positions are the ones the models were scored on.
     """
-    import numpy as np
-
-    from protein_performer.data.dataset import InMemorySource, ProteinDataset
-    from protein_performer.data.masking import IGNORE_INDEX
-    from protein_performer.data.tokenizer import SEQUENCE_LETTERS, Alphabet
+    from protein_performer.data.dataset import InMemorySource
+    from protein_performer.data.tokenizer import Alphabet
+    from protein_performer.inference import baseline
     from protein_performer.inference.embedding import read_records
 
     alphabet = Alphabet()
-    residues = np.concatenate([train_source.tokens(i) for i in range(len(train_source))])
-    counts = np.bincount(residues, minlength=len(alphabet)).astype(np.float64)
-    letters = np.zeros(len(alphabet), dtype=bool)
-    letters[[alphabet.tokens.index(c) for c in SEQUENCE_LETTERS]] = True
-    counts = np.where(letters, counts + 1.0, 0.0)  # add-one over residue letters only
-    logp = np.full(len(alphabet), -np.inf)
-    logp[letters] = np.log(counts[letters] / counts.sum())
-
     records = read_records(fasta)
     source = InMemorySource(
         [r.id for r in records], [alphabet.encode(r.sequence) for r in records]
     )
-    dataset = ProteinDataset(
-        source, "mlm", max_len=max_len, crop="fixed", mlm_prob=mlm_prob, seed=seed
-    )
-    nll, n, correct = 0.0, 0, 0
-    best = int(np.argmax(counts))
-    for i in range(len(dataset)):
-        targets = np.asarray(dataset[(i, 0)]["targets"])
-        t = targets[targets != IGNORE_INDEX]
-        nll -= float(logp[t].sum())
-        n += int(t.size)
-        correct += int((t == best).sum())
-    loss = nll / max(n, 1)
-    return {"loss": loss, "ppl": math.exp(loss), "acc": correct / max(n, 1), "tokens": n}
+    return baseline.unigram_baseline(train_source, source, "mlm", max_len, mlm_prob, seed)
 
 
 def evaluate_checkpoint(

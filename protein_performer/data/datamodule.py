@@ -25,6 +25,7 @@ from torch.utils.data import DataLoader
 
 from protein_performer.data.dataset import (
     SPLITS,
+    ConcatSource,
     ProteinCollator,
     ProteinDataset,
     RecordSource,
@@ -56,6 +57,8 @@ class ProteinDataModule(pl.LightningDataModule):
     only apply when reading FASTA, with the same hashing rule, so both routes agree.
     ``max_len`` counts ``<cls>``/``<eos>``; ``max_tokens`` is the padded-token budget per batch
     (per device); ``limit_records`` keeps the first N records of the input (quick runs).
+    ``concat=True`` trains on each split's records joined with ``<eos>`` and cut into rows of
+    exactly ``max_len`` tokens (:class:`ConcatSource`), as in the Performer paper's L=8192 run.
     """
 
     def __init__(
@@ -74,6 +77,7 @@ class ProteinDataModule(pl.LightningDataModule):
         pin_memory: bool = False,
         limit_records: int | None = None,
         split_by: str = "auto",
+        concat: bool = False,
     ) -> None:
         super().__init__()
         self.paths = _as_paths(path)
@@ -103,6 +107,7 @@ class ProteinDataModule(pl.LightningDataModule):
         self.pin_memory = pin_memory
         self.limit_records = limit_records
         self.split_by = split_by
+        self.concat = bool(concat)
         self.alphabet = Alphabet()
         self.collator = ProteinCollator(self.alphabet)
         self.sources: dict[str, RecordSource] | None = None
@@ -112,6 +117,14 @@ class ProteinDataModule(pl.LightningDataModule):
 
     # ---- loading -----------------------------------------------------------------------------
     def _load_sources(self) -> dict[str, RecordSource]:
+        sources = self._split_sources()
+        if not self.concat:
+            return sources
+        # Chunks fill a whole row: <cls> + (max_len - 2) tokens + <eos>.
+        eos = self.alphabet.eos_idx
+        return {k: ConcatSource(src, self.max_len - 2, eos) for k, src in sources.items()}
+
+    def _split_sources(self) -> dict[str, RecordSource]:
         missing = [p for p in self.paths if not p.exists()]
         if missing:
             raise UserError(

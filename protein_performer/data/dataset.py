@@ -113,6 +113,44 @@ class InMemorySource:
         return self._lengths
 
 
+class ConcatSource:
+    """The records of ``source`` joined end to end, ``<eos>`` after each, cut into
+    non-overlapping chunks of ``chunk`` tokens (the tail shorter than a chunk is dropped).
+
+    This is the Performer paper's concatenated-TrEMBL setting: every row is full length, so
+    the model sees many proteins per row and attention must span their boundaries. The chunks
+    are read from one flat uint8 array (a byte per token: fine for corpora of this project's
+    bench size, not for UniRef50, which would need the store's memmap instead).
+    """
+
+    def __init__(self, source: RecordSource, chunk: int, eos_idx: int) -> None:
+        if chunk < 1:
+            raise UserError(f"concatenated chunks need at least one token, got {chunk}")
+        eos = np.array([eos_idx], dtype=np.uint8)
+        parts = [p for i in range(len(source)) for p in (source.tokens(i), eos)]
+        flat = np.concatenate(parts) if parts else np.empty(0, np.uint8)
+        n = len(flat) // chunk
+        self._flat = flat[: n * chunk]
+        self.chunk = int(chunk)
+        self._lengths = np.full(n, chunk, dtype=np.int32)
+
+    def __len__(self) -> int:
+        return len(self._lengths)
+
+    def tokens(self, i: int) -> np.ndarray:
+        return self._flat[i * self.chunk : (i + 1) * self.chunk]
+
+    def length(self, i: int) -> int:
+        return self.chunk
+
+    def id(self, i: int) -> str:
+        return f"chunk{i}"
+
+    @property
+    def lengths(self) -> np.ndarray:
+        return self._lengths
+
+
 def fasta_splits(
     paths: str | Path | Sequence[str | Path],
     valid_frac: float,

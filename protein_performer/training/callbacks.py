@@ -1,6 +1,6 @@
-"""Training callbacks: FAVOR+ feature redraws and the training-curve figure.
+"""Training callbacks: FAVOR+ feature redraws, the training-curve figure, a CPU-time budget.
 
-Both live outside the LightningModule because they are about *when* things happen during a run
+They live outside the LightningModule because they are about *when* things happen during a run
 (optimizer-step boundaries, end of fit), not about the loss.
 """
 
@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import json
 import logging
+import resource
+import time
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +19,7 @@ import torch
 from pytorch_lightning.callbacks import Callback
 
 from protein_performer.atomic import write_text_atomic
+from protein_performer.errors import UserError
 
 log = logging.getLogger(__name__)
 
@@ -192,3 +195,93 @@ def plot_training_curve(
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+class TimeBudget(Callback):
+    """Stop training after ``seconds`` of *training* time, and log when each validation ran.
+
+    ``clock="cpu"`` counts this process's CPU seconds (``time.process_time``: every thread of the
+    process, no child processes, so use ``data.num_workers=0`` and count loading too). That is
+    the fair budget on a shared machine: a variant slowed by other jobs still gets the same
+    compute, where ``trainer.max_time`` (wall clock) would hand it less. ``clock="wall"`` counts
+    seconds since training started (for GPUs, where CPU time says little). Validation time is not
+    counted in either, so validating more often does not shrink the budget.
+
+    Lightning validates once more when ``should_stop`` is set, so the last checkpoint and the
+    last logged validation are at the end of the budget. Events go to ``<root>/<filename>`` as
+    one JSON list, rewritten atomically: ``{"event": "val"|"end", "train_s", "wall_s", "step",
+    val metrics}``; ``end`` also holds ``peak_rss_mib`` (this process's peak resident memory).
+    """
+
+    def __init__(
+        self, seconds: float, clock: str = "cpu", filename: str = "time_budget.json"
+    ) -> None:
+        super().__init__()
+        if clock not in ("cpu", "wall"):
+            raise UserError(f"TimeBudget clock must be cpu or wall, got {clock!r}")
+        if not seconds > 0:
+            raise UserError(f"TimeBudget seconds must be > 0, got {seconds}")
+        self.seconds = float(seconds)
+        self.clock = clock
+        self.filename = filename
+        self.events: list[dict[str, Any]] = []
+        self._start: float | None = None
+        self._wall0 = 0.0
+        self._excluded = 0.0
+        self._val0: float | None = None
+
+    def _now(self) -> float:
+        return time.process_time() if self.clock == "cpu" else time.monotonic()
+
+    def used(self) -> float:
+        """Training seconds spent so far on this callback's clock (validation excluded)."""
+        if self._start is None:
+            return 0.0
+        running_val = self._now() - self._val0 if self._val0 is not None else 0.0
+        return self._now() - self._start - self._excluded - running_val
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._start, self._wall0 = self._now(), time.monotonic()
+
+    def on_train_batch_end(
+        self,
+        trainer: pl.Trainer,
+        pl_module: pl.LightningModule,
+        outputs: Any,
+        batch: Any,
+        batch_idx: int,
+    ) -> None:
+        if self.used() >= self.seconds:
+            trainer.should_stop = True
+
+    def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self._start is not None and not trainer.sanity_checking:
+            self._val0 = self._now()
+
+    def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self._val0 is None:
+            return
+        self._excluded += self._now() - self._val0
+        self._val0 = None
+        metrics = trainer.callback_metrics.items()
+        self._record(trainer, "val", **{k: float(v) for k, v in metrics if k.startswith("val/")})
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        # ru_maxrss is KiB on Linux.
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+        self._record(trainer, "end", peak_rss_mib=peak, budget_s=self.seconds, clock=self.clock)
+
+    def _record(self, trainer: pl.Trainer, event: str, **extra: Any) -> None:
+        if not trainer.is_global_zero:
+            return
+        self.events.append(
+            {
+                "event": event,
+                "train_s": self.used(),
+                "wall_s": time.monotonic() - self._wall0,
+                "step": trainer.global_step,
+                **extra,
+            }
+        )
+        out = Path(trainer.default_root_dir) / self.filename
+        write_text_atomic(out, json.dumps(self.events, indent=1) + "\n")
