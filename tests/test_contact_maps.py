@@ -11,6 +11,7 @@ import torch
 
 from protein_performer.data.tokenizer import Alphabet
 from protein_performer.errors import UserError
+from protein_performer.inference import contact_maps
 from protein_performer.inference.contact_maps import (
     find_regression,
     predict_contacts,
@@ -51,16 +52,21 @@ def _regression(loaded: LoadedModel, seed: int = 0) -> ContactRegression:
     [("exact", "softmax", "mlm"), ("exact", "softmax", "clm"), ("favor", "softmax", "mlm"),
      ("favor", "softmax_opt", "mlm"), ("favor", "trig", "mlm")],
 )  # fmt: skip
-def test_streamed_equals_full_maps_and_sparse_is_top_k(attention, kernel, objective) -> None:
+def test_streamed_equals_full_maps_and_sparse_is_top_k(
+    attention, kernel, objective, monkeypatch
+) -> None:
     loaded = _loaded(attention, kernel, objective)
     reg = _regression(loaded)
     seq = _sequence(90)
     reference = reg.predict_maps(model_maps(loaded, seq, reg.layers, reg.heads))
-    dense = predict_contacts(loaded, seq, reg).dense
+    dense = predict_contacts(loaded, seq, reg).dense  # one window of 90 rows
     assert dense.shape == (90, 90)
     np.testing.assert_allclose(dense, reference, atol=1e-6)
     np.testing.assert_allclose(dense, dense.T, atol=1e-7)
 
+    monkeypatch.setattr(contact_maps, "_BLOCK_ELEMENTS", 16 * 92)  # windows of 16 rows
+    assert contact_maps.window_rows(90) == 16
+    np.testing.assert_allclose(predict_contacts(loaded, seq, reg).dense, dense, atol=1e-6)
     sparse = predict_contacts(loaded, seq, reg, dense_max_length=50, top_k_per_length=1.5)
     assert sparse.dense is None and len(sparse.p) == 135
     i, j = np.triu_indices(90, 6)

@@ -50,8 +50,9 @@ log = logging.getLogger(__name__)
 
 DEFAULT_DENSE_MAX_LENGTH = 4096
 DEFAULT_TOP_K_PER_LENGTH = 2.0
-#: Elements of one (window, L) block: sets the rows per window (memory ~ a few such blocks).
-_BLOCK_ELEMENTS = 1 << 23
+#: Elements of the (window, L) accumulator: sets the rows per window. Larger windows recompute
+#: the FAVOR+ features of the columns less often; this one is 128 MB.
+_BLOCK_ELEMENTS = 1 << 25
 HOW_TO_FIT = (
     "fit one on structures with `protein-performer contacts CKPT STRUCTURE... --out DIR "
     "--save-beside` (or pass --regression DIR/contact_regression.json); a model converted from "
@@ -115,13 +116,14 @@ class _FavorHead:
         qn, kf = f.queries(res)[0], f.keys(res)[0]  # (L, M)
         self.sums = qn @ kf.sum(0) + kf @ qn.sum(0)  # rows of A + columns of A, (L,)
 
-    def upper_block(self, a: int, b: int) -> torch.Tensor:
-        """S[a:b, a:] = A[a:b, a:] + A[a:, a:b]^T, (b - a, L - a)."""
+    def add_upper_block(self, acc: torch.Tensor, a: int, weight: float) -> None:
+        """acc += weight * S[a:b, a:], S[a:b, a:] = A[a:b, a:] + A[a:, a:b]^T, acc (b - a, L - a)
+        (two fused matmuls into the accumulator: no block-sized temporaries)."""
         f = self.factors(self.stabilizers)
         cols = slice(a + 1, self.L + 1)
         qn, kf = f.queries(cols)[0], f.keys(cols)[0]  # (L - a, M)
-        w = b - a
-        return qn[:w] @ kf.T + kf[:w] @ qn.T
+        w = acc.shape[0]
+        acc.addmm_(qn[:w], kf.T, alpha=weight).addmm_(kf[:w], qn.T, alpha=weight)
 
 
 class _ExactHead:
@@ -155,18 +157,19 @@ class _ExactHead:
             s = s.masked_fill(later, float("-inf"))
         return s
 
-    def upper_block(self, a: int, b: int) -> torch.Tensor:
-        L = self.L
+    def add_upper_block(self, acc: torch.Tensor, a: int, weight: float) -> None:
+        L, b = self.L, a + acc.shape[0]
         rows = torch.exp(self._logits(a, b, a + 1, L + 1) - self.lse[a:b, None])  # (W, L - a)
+        acc.add_(rows, alpha=weight)
         cols = torch.exp(self._logits(a, L, a + 1, b + 1) - self.lse[a:, None])  # (L - a, W)
-        return rows + cols.T
+        acc.add_(cols.T, alpha=weight)
 
 
 # --------------------------------------------------------------------------------------------
 # Prediction
 # --------------------------------------------------------------------------------------------
 def window_rows(length: int) -> int:
-    """Rows per window: one (window, L) float32 block is about 32 MB."""
+    """Rows per window: the (window, L) float32 accumulator is about 128 MB."""
     return max(16, min(length, _BLOCK_ELEMENTS // (length + 2)))
 
 
@@ -218,7 +221,7 @@ def _logit_windows(
             continue
         acc = torch.zeros(b - a, L - a, device=sums.device)
         for head, w in zip(heads, weights, strict=True):
-            acc.add_(head.upper_block(a, b), alpha=w)
+            head.add_upper_block(acc, a, w)
         acc.sub_((sums[:, a:b].T * g) @ sums[:, a:])  # rank-F APC term
         yield a, acc.add_(intercept)
 
