@@ -79,10 +79,11 @@ class ContactMap:
 # Which regression
 # --------------------------------------------------------------------------------------------
 def find_regression(
-    loaded: LoadedModel, path: str | os.PathLike[str] | None = None
-) -> ContactRegression:
+    loaded: LoadedModel, path: str | os.PathLike[str] | None = None, required: bool = True
+) -> ContactRegression | None:
     """``path`` if given, else the model's own (stored with it), else one saved beside a
-    ``.ckpt`` by ``contacts --save-beside``; none at all is one line saying how to get one."""
+    ``.ckpt`` by ``contacts --save-beside``; none at all is one line saying how to get one
+    (or None when not ``required``)."""
     if path is not None:
         return ContactRegression.load(path)
     if loaded.contact_regression is not None:
@@ -91,6 +92,8 @@ def find_regression(
     if beside.is_file():
         log.info("using the contact regression beside the checkpoint: %s", beside)
         return ContactRegression.load(beside)
+    if not required:
+        return None
     raise UserError(f"{loaded.source} has no contact regression: {HOW_TO_FIT}")
 
 

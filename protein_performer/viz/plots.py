@@ -56,6 +56,15 @@ def downsample(x: np.ndarray, max_size: int = MAX_PANEL) -> np.ndarray:
     return np.nanmean(xp.reshape(shape), axis=(-3, -1))
 
 
+def _residue_ticks(ax, fontsize: int = 6) -> None:
+    """A few integer ticks (residue numbers) per axis, small enough for a grid of panels."""
+    from matplotlib.ticker import MaxNLocator
+
+    for axis in (ax.xaxis, ax.yaxis):
+        axis.set_major_locator(MaxNLocator(nbins=3, integer=True))
+    ax.tick_params(labelsize=fontsize, length=2)
+
+
 def attention_grid(
     maps: np.ndarray,
     layers: Sequence[int],
@@ -67,31 +76,42 @@ def attention_grid(
     title: str = "",
     dpi: int = 120,
 ) -> Path:
-    """Layers (rows) x heads (columns) grid of maps (n_layers, n_heads, H, W), residue
-    coordinates on the axes (0-based, offset by the window start). Each panel has its own
-    colour scale: heads differ by orders of magnitude and a shared scale would blank most."""
+    """Layers (rows) x heads (columns) grid of maps (n_layers, n_heads, H, W). Axes are residue
+    numbers (1-based, offset by the window start): query position down, key position across.
+    Each panel has its own colour scale and colorbar: heads differ by orders of magnitude and a
+    shared scale would blank most."""
     plt = _pyplot()
     maps = np.asarray(maps, dtype=np.float32)
     nl, nh, h, w = maps.shape
     small = downsample(maps)
-    size = 1.6
+    size = 2.2
     fig, axes = plt.subplots(
-        nl, nh, figsize=(max(2.5, size * nh), max(2.5, size * nl)), squeeze=False
+        nl, nh, figsize=(max(3.0, size * nh), max(3.0, size * nl)), squeeze=False
     )
-    extent = (col_start - 0.5, col_start + w - 0.5, row_start + h - 0.5, row_start - 0.5)
+    # Pixel centres at residue numbers row_start + 1 .. row_start + h (1-based).
+    extent = (col_start + 0.5, col_start + w + 0.5, row_start + h + 0.5, row_start + 0.5)
     for a, layer in enumerate(layers):
         for b, head in enumerate(heads):
             ax = axes[a, b]
             panel = small[a, b]
             vmax = float(np.nanpercentile(panel, 99.5)) if np.isfinite(panel).any() else 1.0
-            ax.imshow(panel, cmap="viridis", vmin=0.0, vmax=vmax or 1.0, extent=extent)
-            ax.set_xticks([])
-            ax.set_yticks([])
-            if a == 0:
-                ax.set_title(f"head {head}", fontsize=8)
+            im = ax.imshow(panel, cmap="viridis", vmin=0.0, vmax=vmax or 1.0, extent=extent)
+            ax.set_title(f"layer {layer}, head {head}", fontsize=7)
+            _residue_ticks(ax)
+            if a == nl - 1:
+                ax.set_xlabel("key position (residue)", fontsize=7)
             if b == 0:
-                ax.set_ylabel(f"layer {layer}", fontsize=8)
-    fig.suptitle(title or f"attention, residues {row_start}-{row_start + h - 1}", fontsize=10)
+                ax.set_ylabel("query position (residue)", fontsize=7)
+            bar = fig.colorbar(im, ax=ax, fraction=0.046, pad=0.03)
+            bar.ax.tick_params(labelsize=5, length=2)
+            if b == nh - 1:
+                bar.set_label("attention weight", fontsize=6)
+    fig.suptitle(
+        (title or f"attention, residues {row_start + 1}-{row_start + h}")
+        + "\ncolour: attention weight of query on key (each panel its own scale)",
+        fontsize=9,
+    )
+    fig.tight_layout()
     return save_figure(fig, path, dpi)
 
 
@@ -103,40 +123,62 @@ def contact_comparison(
     *,
     min_sep: int = 6,
     title: str = "",
+    quantity: str = "predicted contact probability",
     dpi: int = 120,
 ) -> Path:
-    """Predicted contact scores (upper triangle) against the true contacts (lower triangle);
-    pairs the structure does not resolve are grey, the top-L predictions are circled."""
+    """Predicted contact scores (upper triangle, colorbar) against the true contacts (lower
+    triangle), for pairs with |i - j| >= ``min_sep``; pairs the structure does not resolve are
+    grey; the top-L predictions are circled, green when correct and red when not."""
+    from matplotlib.lines import Line2D
+    from matplotlib.patches import Patch
+
     plt = _pyplot()
     L = pred.shape[0]
     i, j = np.indices((L, L))
     upper, lower = j - i >= min_sep, i - j >= min_sep
-    image = np.full((L, L), np.nan)
     # Scores are drawn min..99.5th percentile: an unsupervised score or a weak model's
     # probabilities would otherwise be invisible on a 0..1 scale.
     shown = pred[upper & valid]
     lo = float(shown.min()) if shown.size else 0.0
     hi = float(np.percentile(shown, 99.5)) if shown.size else 1.0
-    image[upper] = np.clip((pred[upper] - lo) / (hi - lo if hi > lo else 1.0), 0.0, 1.0)
-    image[lower] = contacts[lower].astype(float)
-    unknown = ~valid & (upper | lower)
-    image[unknown] = np.nan
-    fig, ax = plt.subplots(figsize=(6, 6))
-    cmap = plt.get_cmap("Blues").with_extremes(bad="#dddddd")
-    ax.imshow(image, cmap=cmap, vmin=0.0, vmax=1.0, interpolation="nearest")
+    predicted = np.where(upper & valid, pred, np.nan)
+    truth = np.where(lower & valid, contacts.astype(float), np.nan)
+    unknown = np.where(~valid & (upper | lower), 1.0, np.nan)
+    fig, ax = plt.subplots(figsize=(7, 6))
+    extent = (0.5, L + 0.5, L + 0.5, 0.5)  # residue numbers, 1-based
+    im = ax.imshow(
+        predicted, cmap="Blues", vmin=lo, vmax=hi if hi > lo else lo + 1e-9,
+        interpolation="nearest", extent=extent,
+    )  # fmt: skip
+    ax.imshow(truth, cmap="Greys", vmin=0.0, vmax=1.0, interpolation="nearest", extent=extent)
+    ax.imshow(unknown, cmap="Greys", vmin=0.0, vmax=4.0, interpolation="nearest", extent=extent)
+    bar = fig.colorbar(im, ax=ax, fraction=0.046, pad=0.03)
+    bar.set_label(f"{quantity} (upper triangle)", fontsize=8)
     ui, uj = np.nonzero(upper & valid)
     top = np.argsort(-pred[ui, uj], kind="stable")[:L]
     hit = contacts[ui[top], uj[top]]
-    ax.scatter(uj[top][hit], ui[top][hit], s=6, facecolors="none", edgecolors="tab:green", lw=0.6)
-    ax.scatter(uj[top][~hit], ui[top][~hit], s=6, facecolors="none", edgecolors="tab:red", lw=0.6)
-    ax.plot([0, L - 1], [0, L - 1], color="k", lw=0.5)
+    ax.scatter(uj[top][hit] + 1, ui[top][hit] + 1, s=8, facecolors="none", edgecolors="tab:green",
+               lw=0.7)  # fmt: skip
+    ax.scatter(uj[top][~hit] + 1, ui[top][~hit] + 1, s=8, facecolors="none", edgecolors="tab:red",
+               lw=0.7)  # fmt: skip
+    ax.plot([1, L], [1, L], color="k", lw=0.5)
     ax.set_xlabel("residue j")
     ax.set_ylabel("residue i")
+    legend = [
+        Patch(facecolor="black", label="true contact (lower triangle, C-beta < 8 A)"),
+        Patch(facecolor="#dddddd", label="not resolved in the structure"),
+        Line2D([], [], ls="", marker="o", mfc="none", mec="tab:green",
+               label="predicted top-L, correct"),
+        Line2D([], [], ls="", marker="o", mfc="none", mec="tab:red",
+               label="predicted top-L, incorrect"),
+    ]  # fmt: skip
+    ax.legend(handles=legend, loc="upper center", bbox_to_anchor=(0.5, -0.1), ncol=2, fontsize=7)
     precision = float(hit.mean()) if len(hit) else float("nan")
     ax.set_title(
         (title + "\n" if title else "")
-        + f"upper: predicted (top-L circled, P@L={precision:.2f}); lower: true (CB<8A)",
-        fontsize=9,
+        + f"pairs with |i - j| >= {min_sep}: predicted (upper) vs true (lower); "
+        + f"top-L precision P@L = {precision:.2f}",
+        fontsize=8,
     )
     return save_figure(fig, path, dpi)
 
@@ -173,15 +215,23 @@ def similarity_vs_blosum(
     ref = blosum62()
     r = matrix_correlation(similarity, ref)
     fig, axes = plt.subplots(1, 2, figsize=(11, 5))
-    for ax, mat, name in ((axes[0], similarity, "from attention"), (axes[1], ref, "BLOSUM62")):
+    panels = (
+        (axes[0], similarity, "from attention", "attention log-odds"),
+        (axes[1], ref, "BLOSUM62", "BLOSUM62 substitution score"),
+    )
+    for ax, mat, name, quantity in panels:
         lim = float(np.nanmax(np.abs(mat))) if np.isfinite(mat).any() else 1.0
         im = ax.imshow(mat, cmap="RdBu_r", vmin=-lim, vmax=lim)
         ax.set_xticks(range(20), list(AMINO_ACIDS), fontsize=7)
         ax.set_yticks(range(20), list(AMINO_ACIDS), fontsize=7)
+        ax.set_xlabel("amino acid")
+        ax.set_ylabel("amino acid")
         ax.set_title(name, fontsize=9)
-        fig.colorbar(im, ax=ax, fraction=0.046)
+        fig.colorbar(im, ax=ax, fraction=0.046).set_label(quantity, fontsize=8)
     fig.suptitle(
-        (title + ": " if title else "") + f"amino-acid similarity, Pearson r = {r:.3f}",
+        (title + ": " if title else "")
+        + f"amino-acid similarity, Pearson r = {r:.3f} with BLOSUM62 over the 210 pairs "
+        "(1: same pattern, 0: unrelated)",
         fontsize=10,
     )
     return save_figure(fig, path, dpi), r

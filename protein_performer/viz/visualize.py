@@ -118,15 +118,10 @@ def _as_list(value: Any) -> list[int] | None:
 
 
 def _regression(cfg: Any, loaded: Any):
-    from protein_performer.inference.contacts import ContactRegression, default_regression_path
+    """``regression=PATH``, else the model's own or the one beside the checkpoint, else None."""
+    from protein_performer.inference.contact_maps import find_regression
 
-    if cfg.get("regression"):
-        return ContactRegression.load(str(cfg.regression))
-    beside = default_regression_path(loaded.source)
-    if beside.is_file():
-        log.info("using the contact regression beside the checkpoint: %s", beside)
-        return ContactRegression.load(beside)
-    return None
+    return find_regression(loaded, cfg.get("regression") or None, required=False)
 
 
 def unsupervised_contacts(maps: np.ndarray) -> np.ndarray:
@@ -201,7 +196,12 @@ def visualize(cfg: Any) -> dict[str, Path]:
                 title=f"{name} ({len(layers)} layers x {len(heads)} heads)",
                 dpi=int(cfg.get("dpi", 120)),
             )
-            log.info("attention similarity vs BLOSUM62: r = %.3f", r)
+            log.info(
+                "amino-acid similarity from attention vs BLOSUM62: Pearson r = %.3f over the 210 "
+                "amino-acid pairs (1: attention scores substitutions as BLOSUM62 does, 0: "
+                "unrelated)",
+                r,
+            )
 
     if target is not None:
         from protein_performer.inference.contacts import model_maps
@@ -212,16 +212,17 @@ def visualize(cfg: Any) -> dict[str, Path]:
             pred = regression.predict_maps(
                 model_maps(loaded, target.sequence, regression.layers, regression.heads)
             )
-            how = "logistic regression"
+            how, quantity = "logistic regression", "predicted contact probability"
         else:
             pred = unsupervised_contacts(model_maps(loaded, target.sequence))
-            how = "unsupervised (mean APC, no regression)"
+            how, quantity = "unsupervised (mean APC, no regression)", "mean APC attention score"
         files["contacts"] = plots.contact_comparison(
             pred,
             target.contacts(),
             target.valid(),
             out_dir / "contacts.png",
             title=f"{target.id} ({target.length} aa): {how}",
+            quantity=quantity,
             dpi=int(cfg.get("dpi", 120)),
         )
     return files
