@@ -6,7 +6,11 @@ random features m, the FAVOR+ twin's logits are compared with the exact model's 
 positions (not <cls>/<eos>/pads) of unmasked sequences from a FASTA file:
 
 - KL(exact || favor) of the per-position token distributions, averaged over positions;
-- top-1 agreement: the fraction of positions whose argmax token is the same.
+- top-1 agreement: the fraction of positions whose argmax token is the same;
+- contact maps (``predict_contacts`` with the model's contact regression, e.g. ESM-2's contact
+  head; a random model gets the mean-APC regression, equal weights on every layer x head):
+  mean |delta p| over pairs with |i - j| >= 6, and the overlap of the top-L/5 long-range
+  (|i - j| >= 24) contacts of the exact and the FAVOR+ maps, averaged over sequences.
 
 Each (kernel, m) is repeated with several seeds of the random features; the CSV has one row per
 seed, the markdown tables the mean and standard deviation over seeds.
@@ -38,6 +42,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -45,7 +50,10 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from protein_performer.data.tokenizer import Alphabet, pad_token_arrays  # noqa: E402
+from protein_performer.inference.contact_maps import predict_contacts  # noqa: E402
+from protein_performer.inference.contacts import ContactRegression  # noqa: E402
 from protein_performer.inference.convert_esm import load_any, swap_attention  # noqa: E402
+from protein_performer.inference.loading import LoadedModel  # noqa: E402
 from protein_performer.model.config import PerformerConfig  # noqa: E402
 from protein_performer.model.performer import PerformerLM  # noqa: E402
 
@@ -121,6 +129,31 @@ def compare(
     return kl_sum / n, agree / n
 
 
+def contact_maps(model: PerformerLM, seqs: Sequence[str], reg: ContactRegression) -> list:
+    """Dense contact probabilities of every sequence under ``reg``."""
+    loaded = LoadedModel(model, model.config, Alphabet(), Path("swap"), torch.device("cpu"), "-")
+    return [
+        predict_contacts(loaded, s, reg, dense_max_length=len(s), checked=True).dense for s in seqs
+    ]
+
+
+def contact_change(exact: list[np.ndarray], favor: list[np.ndarray]) -> tuple[float, float]:
+    """Mean |delta p| over pairs |i - j| >= 6, and the top-L/5 long-range (|i - j| >= 24)
+    overlap, each averaged over sequences."""
+    dps, overlaps = [], []
+    for pe, pf in zip(exact, favor, strict=True):
+        L = len(pe)
+        i, j = np.triu_indices(L, 6)
+        dps.append(float(np.abs(pe[i, j] - pf[i, j]).mean()) if len(i) else 0.0)
+        li, lj = np.triu_indices(L, 24)
+        k = max(1, L // 5)
+        if len(li) >= k:
+            top_e = set(np.argsort(-pe[li, lj], kind="stable")[:k].tolist())
+            top_f = set(np.argsort(-pf[li, lj], kind="stable")[:k].tolist())
+            overlaps.append(len(top_e & top_f) / k)
+    return statistics.fmean(dps), (statistics.fmean(overlaps) if overlaps else math.nan)
+
+
 def summarize(rows: list[dict], kernels: Sequence[str], ms: Sequence[int]) -> str:
     """Two markdown tables (KL, top-1), kernels as rows and m as columns, mean ± sd over seeds."""
 
@@ -136,6 +169,8 @@ def summarize(rows: list[dict], kernels: Sequence[str], ms: Sequence[int]) -> st
     for key, title, fmt in (
         ("kl", "Mean KL(exact || favor) per residue (nats)", ".4f"),
         ("top1", "Top-1 agreement with exact", ".3f"),
+        ("contact_dp", "Contact maps: mean |delta p| per pair (|i - j| >= 6)", ".4f"),
+        ("contact_overlap", "Contact maps: top-L/5 long-range (|i - j| >= 24) overlap", ".3f"),
     ):
         lines += [f"### {title}", "", "| kernel | " + " | ".join(f"m={m}" for m in ms) + " |"]
         lines.append("|---|" + "---|" * len(ms))
@@ -202,10 +237,22 @@ def main(argv: Sequence[str] | None = None) -> int:
         exact = random_esm2(dim, depth, heads, seed=0)
         source = f"random ESM-2 (dim {dim}, depth {depth}, heads {heads}; fair-esm init)"
         log.warning("no --checkpoint: %s; random weights make this study less meaningful", source)
+        regression = None
     else:
         loaded = load_any(args.checkpoint)
         exact = swap_attention(loaded.model, "exact")
         source = str(args.checkpoint)
+        regression = loaded.contact_regression
+    cfg = exact.config
+    if regression is None:
+        n = cfg.depth * cfg.heads
+        reg = ContactRegression(
+            np.full(n, 1.0 / n), 0.0, list(range(1, cfg.depth + 1)), list(range(cfg.heads))
+        )
+        reg_name = "mean-APC regression (no contact head)"
+    else:
+        reg = ContactRegression.from_dict(regression, source)
+        reg_name = "the model's contact regression"
     alphabet = Alphabet()
     seqs = read_sequences(args.fasta, args.max_records, args.max_len)
     token_batches = batches(seqs, args.toks_per_batch)
@@ -215,11 +262,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             F.log_softmax(exact(t).logits.double(), dim=-1)[k]
             for t, k in zip(token_batches, masks, strict=True)
         ]
+    exact_contacts = contact_maps(exact, seqs, reg)
 
     args.out_dir.mkdir(parents=True, exist_ok=True)
     rows: list[dict] = []
     csv_path = args.out_dir / "swap.csv"
-    fields = ["kernel", "m", "seed", "kl", "top1", "seconds"]
+    fields = ["kernel", "m", "seed", "kl", "top1", "contact_dp", "contact_overlap", "seconds"]
     with open(csv_path, "w", newline="") as fh:
         writer = csv.DictWriter(fh, fieldnames=fields)
         writer.writeheader()
@@ -229,12 +277,15 @@ def main(argv: Sequence[str] | None = None) -> int:
                     start = time.perf_counter()
                     favor = swap_attention(exact, "favor", kernel, m, seed=seed)
                     kl, top1 = compare(exact_logps, favor, token_batches, masks)
+                    dp, overlap = contact_change(exact_contacts, contact_maps(favor, seqs, reg))
                     row = {
                         "kernel": kernel,
                         "m": m,
                         "seed": seed,
                         "kl": kl,
                         "top1": top1,
+                        "contact_dp": dp,
+                        "contact_overlap": overlap,
                         "seconds": round(time.perf_counter() - start, 3),
                     }
                     if not math.isfinite(kl):
@@ -242,13 +293,16 @@ def main(argv: Sequence[str] | None = None) -> int:
                     rows.append(row)
                     writer.writerow(row)
                     fh.flush()
-                    log.info("%-11s m=%-5d seed=%d KL=%.4g top1=%.3f", kernel, m, seed, kl, top1)
+                    log.info(
+                        "%-11s m=%-5d seed=%d KL=%.4g top1=%.3f contacts |dp|=%.4f overlap=%.3f",
+                        kernel, m, seed, kl, top1, dp, overlap,
+                    )  # fmt: skip
 
     n_res = sum(int(k.sum()) for k in masks)
     header = (
         f"## FAVOR+ swap: {source}\n\n{len(seqs)} sequences from {args.fasta.name} (cropped to "
         f"{args.max_len} tokens), {n_res} residue positions, {args.seeds} feature seed(s); no "
-        "fine-tuning.\n\n"
+        f"fine-tuning; contacts from {reg_name}.\n\n"
     )
     table = header + summarize(rows, args.kernels, args.ms)
     (args.out_dir / "swap.md").write_text(table + "\n", encoding="utf-8")
