@@ -38,7 +38,7 @@ TINY = [
     "trainer.num_sanity_val_steps=0",
     "trainer.max_epochs=-1",
     "trainer.max_steps=100000",
-    "trainer.limit_val_batches=2",
+    "trainer.limit_val_batches=1",
     "++callbacks.time_budget._target_=protein_performer.training.callbacks.TimeBudget",
 ]
 
@@ -51,7 +51,7 @@ def test_cpu_budget_stops_training_and_logs_validations(tmp_path: Path) -> None:
         [
             *TINY,
             "++callbacks.time_budget.seconds=2",
-            "trainer.val_check_interval=5",
+            "trainer.val_check_interval=10",
             "data.concat=true",  # rows of exactly max_len: the concatenated setting
         ],
         output_dir=tmp_path,
@@ -64,7 +64,7 @@ def test_cpu_budget_stops_training_and_logs_validations(tmp_path: Path) -> None:
     end = events[-1]
     assert end["event"] == "end" and end["clock"] == "cpu" and end["peak_rss_mib"] > 50
     assert 2.0 <= end["train_s"] < 4.0, end  # the batch that crossed the line, no more
-    assert 5 <= end["step"] < 100000
+    assert 10 <= end["step"] < 100000
     assert len(vals) >= 1 and vals[-1]["step"] == end["step"]  # validated at the stop
     assert all(math.isfinite(v["val/acc"]) for v in vals)
     steps = [v["step"] for v in vals]
