@@ -114,10 +114,10 @@ def safe_load(path: str | os.PathLike[str], source: str = "lightning", what: str
     except pickle.UnpicklingError as exc:
         found = re.search(r"(?:Unsupported global|unsupported GLOBAL): GLOBAL (\S+)", str(exc))
         found = found or re.search(r"GLOBAL (\S+)", str(exc))
-        kind = f" (a {found.group(1)})" if found else ""
+        kind = f"a {found.group(1)}" if found else "a non-allowlisted object"
         raise UserError(
-            f"{src} contains Python objects other than tensors{kind}; refusing to load: "
-            "unpickling them could run code. If you trust the file, re-save its weights in a "
+            f"{src} contains Python objects other than tensors; refusing to load ({kind}: "
+            "unpickling it could run code). If you trust the file, re-save its weights in a "
             "trusted session (or `protein-performer export` it there)"
         ) from None
     except (RuntimeError, EOFError, OSError, ValueError, zipfile.BadZipFile, KeyError) as exc:
@@ -179,3 +179,53 @@ def save_atomic(checkpoint: Mapping[str, Any], path: str | os.PathLike[str]) -> 
     with atomic_file(target) as tmp, open(tmp, "wb") as fh:
         fh.write(buffer.getbuffer())
     return target
+
+
+_MAX_HEADER = 100 << 20  # bytes: a safetensors header larger than this is not a model's
+
+
+def read_safetensors_header(path: str | os.PathLike[str]) -> dict[str, tuple[int, ...]]:
+    """Tensor name -> shape from a ``.safetensors`` file's JSON header, reading only the header
+    (never the tensors), so a config can be checked against the weights before allocating."""
+    import json
+    import struct
+
+    src = Path(path)
+    size = src.stat().st_size
+    with open(src, "rb") as fh:
+        head = fh.read(8)
+        n = struct.unpack("<Q", head)[0] if len(head) == 8 else -1
+        if not 2 <= n <= min(_MAX_HEADER, size - 8):
+            raise UserError(
+                f"{src}: not a safetensors file (header length {n} in a {size}-byte file); the "
+                "file is truncated or damaged: re-export"
+            )
+        try:
+            header = json.loads(fh.read(n))
+        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise UserError(f"{src}: damaged safetensors header ({exc}); re-export") from None
+    if not isinstance(header, dict):
+        raise UserError(f"{src}: damaged safetensors header (not a mapping); re-export")
+    shapes: dict[str, tuple[int, ...]] = {}
+    end = 0
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        shape = info.get("shape") if isinstance(info, dict) else None
+        offsets = info.get("data_offsets") if isinstance(info, dict) else None
+        if not (
+            isinstance(shape, list)
+            and all(isinstance(d, int) and d >= 0 for d in shape)
+            and isinstance(offsets, list)
+            and len(offsets) == 2
+            and all(isinstance(o, int) for o in offsets)
+        ):
+            raise UserError(f"{src}: damaged safetensors header entry {name!r}; re-export")
+        shapes[name] = tuple(shape)
+        end = max(end, offsets[1])
+    if 8 + n + end > size:
+        raise UserError(
+            f"{src}: truncated: the header describes {8 + n + end} bytes, the file has {size}; "
+            "re-export or re-copy it"
+        )
+    return shapes

@@ -41,9 +41,10 @@ from protein_performer.checkpoints import check_finite, safe_load
 from protein_performer.data.tokenizer import Alphabet
 from protein_performer.errors import UserError
 from protein_performer.inference.contacts import ContactRegression, model_identity
-from protein_performer.inference.loading import LoadedModel, export_model
+from protein_performer.inference.loading import LoadedModel, check_fits_in_memory, export_model
 from protein_performer.model.config import ATTENTIONS, KERNELS, PerformerConfig
 from protein_performer.model.performer import PerformerLM
+from protein_performer.validation import Rule, check_group
 
 log = logging.getLogger(__name__)
 
@@ -56,6 +57,31 @@ ESM2_VOCAB: tuple[str, ...] = (
 #: fair-esm's special indices for that vocabulary.
 ESM2_SPECIALS = {"cls_idx": 0, "pad_idx": 1, "eos_idx": 2, "mask_idx": 32}
 _SHOW_KEYS = 8  # offending keys named in an error message
+_SIZE, _FLAG = Rule(int, 1), Rule(bool)
+#: Types of the HF config.json values read here: a string for a number or "no" for a bool is
+#: refused, not converted (bool("no") is True).
+_HF_VALUES: dict[str, Rule] = {
+    **dict.fromkeys(
+        ("hidden_size", "num_hidden_layers", "intermediate_size", "vocab_size"), _SIZE
+    ),
+    "num_attention_heads": _SIZE,
+    "pad_token_id": Rule(int, 0, nullable=True),
+    "mask_token_id": Rule(int, 0, nullable=True),
+    "layer_norm_eps": Rule(float, 0.0, low_open=True),
+    "rope_theta": Rule(float, 0.0, low_open=True),
+    **dict.fromkeys(
+        ("token_dropout", "is_folding_model", "emb_layer_norm_before", "is_decoder"), _FLAG
+    ),
+    **dict.fromkeys(("add_cross_attention", "tie_word_embeddings"), _FLAG),
+    **dict.fromkeys(("model_type", "position_embedding_type", "hidden_act"), Rule(str)),
+}
+#: The same for a fair-esm checkpoint's cfg["model"] / args.
+_FAIR_VALUES: dict[str, Rule] = {
+    **dict.fromkeys(("encoder_attention_heads", "attention_heads", "encoder_layers"), _SIZE),
+    **dict.fromkeys(("layers", "encoder_embed_dim", "embed_dim"), _SIZE),
+    **dict.fromkeys(("encoder_ffn_embed_dim", "ffn_embed_dim"), _SIZE),
+    "token_dropout": _FLAG,
+}
 _ESM1_ARCHS = ("roberta_large", "protein_bert_base", "msa_transformer")
 
 
@@ -310,6 +336,7 @@ def read_fair_esm(path: str | os.PathLike[str]) -> EsmSource:
             "final LayerNorm); use an esm2_* checkpoint"
         )
     hparams = model_cfg if model_cfg is not None else args
+    check_group(hparams, f"{src}: ", _FAIR_VALUES)
     if hparams is None:
         raise UserError(
             f"{src}: no architecture found (neither cfg['model'] nor args); cannot tell the "
@@ -369,6 +396,11 @@ def read_hf(path: str | os.PathLike[str]) -> EsmSource:
         hf = json.loads(config_path.read_text(encoding="utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise UserError(f"{config_path}: not valid JSON ({exc})") from None
+    if not isinstance(hf, dict):
+        raise UserError(
+            f"{config_path}: expected a JSON object of config fields, got a list or value"
+        )
+    check_group(hf, f"{config_path}: ", _HF_VALUES)
     if hf.get("model_type") != "esm":
         raise UserError(f"{config_path}: model_type is {hf.get('model_type')!r}, not 'esm'")
     if hf.get("is_folding_model"):
@@ -560,6 +592,7 @@ def build_model(
     global RNG is left untouched.
     """
     config = performer_config(source, attention, kernel, nb_features)
+    check_fits_in_memory(config, source.path)
     check_finite(source.state, source.path)
     with torch.random.fork_rng(devices=[]):
         model = PerformerLM(config)

@@ -19,6 +19,7 @@ exactly; they are never redrawn on load.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -31,7 +32,12 @@ from typing import Any
 import torch
 
 from protein_performer.atomic import default_file_mode, fsync_path, make_temp_dir, replace_dir
-from protein_performer.checkpoints import CONTACT_REGRESSION_KEY, check_finite, load_lightning
+from protein_performer.checkpoints import (
+    CONTACT_REGRESSION_KEY,
+    check_finite,
+    load_lightning,
+    read_safetensors_header,
+)
 from protein_performer.data.tokenizer import Alphabet
 from protein_performer.errors import UserError, check_format_header
 from protein_performer.model.config import PerformerConfig
@@ -102,13 +108,74 @@ def resolve_device(device: str | torch.device = "auto") -> torch.device:
 # --------------------------------------------------------------------------------------------
 # Reading
 # --------------------------------------------------------------------------------------------
-def _config_from(data: Any, path: Path, where: str) -> PerformerConfig:
-    if not isinstance(data, dict):
-        raise UserError(f"{path}: {where} must be a mapping of config fields, got {type(data)}")
+def _physical_memory() -> int:
     try:
-        return PerformerConfig.from_dict(data)
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):  # pragma: no cover - not POSIX
+        return 1 << 62
+
+
+def check_fits_in_memory(config: PerformerConfig, where: object) -> None:
+    """Refuse, before allocating anything, a model larger than this machine's memory: a
+    damaged or crafted config (``depth: 200000``) must not take the machine down."""
+    numel = config.estimated_numel()
+    need, have = 4 * numel, _physical_memory()
+    if need > have:
+        raise UserError(
+            f"{where}: the model config describes {numel:,} parameters ({need / 2**30:.1f} GiB "
+            f"in float32), more than this machine's {have / 2**30:.1f} GiB of memory: the "
+            "config is damaged, or the model needs a bigger machine"
+        )
+
+
+def _config_from(data: Any, path: Path, where: str) -> PerformerConfig:
+    """A validated config (types, ranges, a size that fits in memory) from a file's data."""
+    if not isinstance(data, dict) or not all(isinstance(k, str) for k in data):
+        raise UserError(
+            f"{path}: {where} must be a mapping of config fields, got {type(data).__name__}"
+        )
+    try:
+        config = PerformerConfig.from_dict(data)
     except UserError as exc:
         raise UserError(f"{path}: {where}: {exc}") from None
+    check_fits_in_memory(config, f"{path}: {where}")
+    return config
+
+
+def _check_weights_header(config: PerformerConfig, weights: Path) -> None:
+    """The weights file's tensor names and shapes (read from its header alone) against the
+    config's, so a file that does not fit is refused before any tensor is read."""
+    found = read_safetensors_header(weights)
+    one = dataclasses.replace(config, depth=1)
+    with torch.device("meta"):  # shapes without memory: one block stands for every block
+        shapes = {k: tuple(v.shape) for k, v in PerformerLM(one).state_dict().items()}
+    block = {k[len("layers.0.") :]: v for k, v in shapes.items() if k.startswith("layers.0.")}
+    top = {k: v for k, v in shapes.items() if not k.startswith("layers.")}
+    problems: list[str] = []
+    seen = 0
+    for name, shape in found.items():
+        parts = name.split(".", 2)
+        if parts[0] == "layers" and len(parts) == 3 and parts[1].isdigit():
+            want = block.get(parts[2]) if int(parts[1]) < config.depth else None
+        else:
+            want = top.get(name)
+        if want is None:
+            problems.append(f"unexpected {name}")
+        elif want != shape:
+            problems.append(f"{name} {shape} vs config {want}")
+        else:
+            seen += 1
+    tied = 1 if "lm_head.weight" in top and "lm_head.weight" not in found else 0
+    if not problems and seen + tied != len(top) + config.depth * len(block):
+        problems.append(
+            f"{len(top) + config.depth * len(block) - seen - tied} tensor(s) missing for "
+            f"depth={config.depth}"
+        )
+    if problems:
+        raise UserError(
+            f"{weights}: the weights do not fit {CONFIG_FILE} ({len(problems)} problem(s): "
+            f"{'; '.join(problems[:_SHOW_KEYS])}); the files do not belong together: re-export"
+        )
 
 
 Read = tuple[PerformerConfig, dict[str, torch.Tensor], dict[str, Any] | None]
@@ -155,12 +222,13 @@ def _read_export(path: Path) -> Read:
         raise UserError(f"{config_path}: not valid JSON ({exc}); re-export the model") from None
     check_format_header(meta, config_path, FORMAT_NAME, FORMAT_VERSION, "protein-performer export")
     vocab = meta.get("vocab")
-    if vocab is not None and tuple(vocab) != Alphabet().tokens:
+    if vocab is not None and (not isinstance(vocab, list) or tuple(vocab) != Alphabet().tokens):
         raise UserError(
             f"{config_path}: the model's vocabulary differs from the ESM-2 vocabulary this "
             "version uses; it cannot be run with this tokenizer"
         )
     config = _config_from(meta.get("config"), config_path, "config")
+    _check_weights_header(config, weights_path)
     try:
         from safetensors import SafetensorError
         from safetensors.torch import load_file

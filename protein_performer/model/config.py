@@ -7,6 +7,7 @@ ESM-2 vocabulary. Field names follow what a user tunes, not ESM's constructor ar
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -80,6 +81,22 @@ class PerformerConfig:
         def fail(msg: str) -> None:
             raise UserError(f"invalid model config: {msg}")
 
+        # Types first, from each field's default: a config read from a file may say "0.1" or
+        # "no", which must not become 0.1 or True (or a TypeError deep inside a comparison).
+        for f in dataclasses.fields(self):
+            value, kind = getattr(self, f.name), type(f.default)
+            if f.default is None or f.default is dataclasses.MISSING:
+                continue  # optional fields: checked one by one below
+            if kind is float:
+                ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+                ok = ok and math.isfinite(value)
+            elif kind is int:
+                ok = isinstance(value, int) and not isinstance(value, bool)
+            else:
+                ok = isinstance(value, kind)
+            if not ok:
+                want = {bool: "true or false", float: "a finite number", int: "an integer"}
+                fail(f"{f.name} must be {want.get(kind, 'a ' + kind.__name__)}, got {value!r}")
         for name in ("vocab_size", "dim", "depth", "heads", "ff_dim", "nb_features"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
@@ -120,6 +137,16 @@ class PerformerConfig:
         if not self.layer_norm_eps > 0:
             fail(f"layer_norm_eps must be positive, got {self.layer_norm_eps!r}")
         return self
+
+    def estimated_numel(self) -> int:
+        """Parameters and buffers the model will hold, from the config alone (no allocation):
+        what a loader checks against the memory there is before building anything."""
+        d, f, v, layers = self.dim, self.ff_dim, self.vocab_size, self.depth
+        block = 4 * (d * d + d) + 2 * d * f + f + d + 4 * d
+        favor = (
+            self.heads * self.nb_features * (self.head_dim + 1) if self.attention == "favor" else 0
+        )
+        return v * d + layers * (block + favor) + (d * d + d) + 4 * d + v
 
     def to_dict(self) -> dict[str, Any]:
         """Plain dict of builtins (JSON/YAML-safe), the form checkpoints store."""

@@ -2,70 +2,18 @@
 is built: ``data``, ``model.optim`` and the composed ``trainer`` (the model's own fields are
 ``PerformerConfig.validate``'s job, ``model.distill`` is ``DistillSettings``').
 
-Each group is a table of :class:`Rule` (accepted types, range, documented sentinels such as
-``-1`` for ``trainer.max_steps``), so a negative size, a probability outside [0, 1] or a string
-where a number belongs is one ``error:`` line naming the key, not a traceback from deep inside
-a sampler or an optimizer a minute later.
+Each group is a table of :class:`protein_performer.validation.Rule` (accepted types, range,
+documented sentinels such as ``-1`` for ``trainer.max_steps``), so a negative size, a
+probability outside [0, 1] or a string where a number belongs is one ``error:`` line naming
+the key, not a traceback from deep inside a sampler or an optimizer a minute later.
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping
-from dataclasses import dataclass
 from typing import Any
 
-from protein_performer.errors import UserError
-
-
-@dataclass(frozen=True)
-class Rule:
-    """What one config value may be: ``kind`` ``int``/``float``/``bool``/``str``, within
-    ``[low, high]`` (``low_open``: strictly above ``low``), or one of ``also`` (sentinels,
-    choices), or null when ``nullable``."""
-
-    kind: type
-    low: float | None = None
-    high: float | None = None
-    low_open: bool = False
-    nullable: bool = False
-    also: tuple[Any, ...] = ()
-    choices: tuple[str, ...] = ()
-
-    def accepts(self, value: Any) -> bool:
-        if value is None:
-            return self.nullable
-        if any(value == s and type(value) is type(s) for s in self.also):
-            return True
-        if self.kind is float:
-            ok = isinstance(value, (int, float)) and not isinstance(value, bool)
-            ok = ok and math.isfinite(value)
-        elif self.kind is int:
-            ok = isinstance(value, int) and not isinstance(value, bool)
-        else:
-            ok = isinstance(value, self.kind)
-        if not ok:
-            return False
-        if self.choices:
-            return value in self.choices
-        if self.low is not None and (value <= self.low if self.low_open else value < self.low):
-            return False
-        return self.high is None or value <= self.high
-
-    def describe(self) -> str:
-        if self.choices:
-            text = "one of " + ", ".join(self.choices)
-        else:
-            text = {int: "an integer", float: "a number", bool: "true or false"}.get(
-                self.kind, f"a {self.kind.__name__}"
-            )
-            if self.low is not None:
-                text += f" {'>' if self.low_open else '>='} {self.low:g}"
-            if self.high is not None:
-                text += f"{' and' if self.low is not None else ''} <= {self.high:g}"
-        extra = [repr(s) for s in self.also] + (["null"] if self.nullable else [])
-        return text + (f" (or {' or '.join(extra)})" if extra else "")
-
+from protein_performer.validation import Rule, check_group, invalid
 
 _FRACTION = Rule(float, 0.0, 1.0)
 _POSITIVE = Rule(int, 1)
@@ -106,24 +54,13 @@ TRAINER: dict[str, Rule] = {
 }
 
 
-def _fail(key: str, value: Any, what: str) -> UserError:
-    return UserError(f"{key}={value!r} is not valid: it must be {what}")
-
-
-def check_group(node: Mapping[str, Any] | None, prefix: str, rules: Mapping[str, Rule]) -> None:
-    """Every key of ``node`` that ``rules`` knows must satisfy its rule."""
-    for key, rule in rules.items():
-        if node is not None and key in node and not rule.accepts(node[key]):
-            raise _fail(f"{prefix}.{key}", node[key], rule.describe())
-
-
 def _check_batches(key: str, value: Any) -> None:
     """``limit_*_batches`` and ``val_check_interval``: an int count or a float fraction."""
     if value is None or (isinstance(value, int) and not isinstance(value, bool) and value >= 0):
         return
     if isinstance(value, float) and 0.0 <= value <= 1.0:
         return
-    raise _fail(key, value, "null, a whole number of batches >= 0 or a fraction in [0, 1]")
+    raise invalid(key, value, "null, a whole number of batches >= 0 or a fraction in [0, 1]")
 
 
 def _check_devices(value: Any) -> None:
@@ -138,7 +75,7 @@ def _check_devices(value: Any) -> None:
                 return
         except ValueError:
             pass
-    raise _fail("trainer.devices", value, "a count > 0, -1 (all), auto, or a list of device ids")
+    raise invalid("trainer.devices", value, "a count > 0, -1 (all), auto, or a list of device ids")
 
 
 def _plain(node: Any) -> Any:
@@ -151,10 +88,10 @@ def _plain(node: Any) -> Any:
 
 def check_training_config(cfg: Mapping[str, Any]) -> None:
     """The checks of every group a training run composes, first failure as a ``UserError``."""
-    check_group(_plain(cfg.get("data")), "data", DATA)
+    check_group(_plain(cfg.get("data")), "data.", DATA)
     model = cfg.get("model") or {}
     optim = _plain(model.get("optim")) if isinstance(model, Mapping) else None
-    check_group(optim, "model.optim", OPTIM)
+    check_group(optim, "model.optim.", OPTIM)
     if isinstance(optim, Mapping) and "betas" in optim:
         betas = optim["betas"]
         if not (
@@ -162,15 +99,15 @@ def check_training_config(cfg: Mapping[str, Any]) -> None:
             and len(betas) == 2
             and all(Rule(float, 0.0, 1.0).accepts(b) and b < 1.0 for b in betas)
         ):
-            raise _fail("model.optim.betas", betas, "two numbers in [0, 1), e.g. [0.9, 0.98]")
+            raise invalid("model.optim.betas", betas, "two numbers in [0, 1), e.g. [0.9, 0.98]")
     trainer = _plain(cfg.get("trainer"))
-    check_group(trainer, "trainer", TRAINER)
+    check_group(trainer, "trainer.", TRAINER)
     if isinstance(trainer, Mapping):
         for key in ("limit_train_batches", "limit_val_batches", "limit_test_batches"):
             if key in trainer:
                 _check_batches(f"trainer.{key}", trainer[key])
         interval = trainer.get("val_check_interval")
         if interval is not None and not (isinstance(interval, (int, float)) and interval > 0):
-            raise _fail("trainer.val_check_interval", interval, "> 0 (batches or a fraction)")
+            raise invalid("trainer.val_check_interval", interval, "> 0 (batches or a fraction)")
         if "devices" in trainer:
             _check_devices(trainer["devices"])
