@@ -401,9 +401,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         args.swap_seeds = 2
         args.redraw_interval = 10
     if args.exact_ckpt:
+        from protein_performer.checkpoints import safe_load
+
         if not args.exact_ckpt.is_file():
             p.error(f"--exact-ckpt {args.exact_ckpt}: no such file")
-        meta = torch.load(args.exact_ckpt, map_location="cpu", weights_only=False)
+        meta = safe_load(args.exact_ckpt)
         args.steps = int(meta.get("global_step", args.steps))  # the 10% budget is of these
     if any(not 0 <= w <= 1 for w in args.distill_weights):
         p.error("--distill-weights must be in [0, 1]")
