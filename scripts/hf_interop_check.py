@@ -69,7 +69,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--heads", type=int, default=4)
     p.add_argument("--length", type=int, default=60, help="residues of the test sequences")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--quick", action="store_true", help="seconds: dim 32, 1 layer, 2 heads")
     args = p.parse_args(argv)
+    if args.quick:
+        args.dim, args.depth, args.heads, args.length = 32, 1, 2, 30
     import transformers
 
     rng = np.random.default_rng(args.seed)
