@@ -36,8 +36,9 @@ Where the regression comes from (pick one):
 
 Writes to --out: precision.csv (one row per protein and a 'mean' row: P@L, P@L/2, P@L/5 for
 short 6-11, medium 12-23, long >=24 separations, each followed by its null_ column) and, when
-a regression was fitted, contact_regression.json (coefficients, intercept, layers, heads, a
-fingerprint of the model config; plain JSON, no pickle).
+a regression was fitted, contact_regression.json (coefficients, intercept, layers, heads, the
+attention layout it reads and the SHA-256 of the weights it was fitted on; plain JSON, no
+pickle), which `predict-contacts --regression` applies to new sequences.
 """
 
 EPILOG = """\
