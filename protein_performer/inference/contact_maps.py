@@ -81,17 +81,18 @@ class ContactMap:
 def find_regression(
     loaded: LoadedModel, path: str | os.PathLike[str] | None = None, required: bool = True
 ) -> ContactRegression | None:
-    """``path`` if given, else the model's own (stored with it), else one saved beside a
-    ``.ckpt`` by ``contacts --save-beside``; none at all is one line saying how to get one
-    (or None when not ``required``)."""
+    """``path`` if given, else the model's own: the file stored with it (in an export
+    directory, or beside a ``.ckpt`` by ``contacts --save-beside``, which wins over a regression
+    the checkpoint carries, e.g. ESM-2's head through ``init_from``), else the carried one. None
+    at all is one line saying how to get one (or None when not ``required``)."""
     if path is not None:
         return ContactRegression.load(path)
-    if loaded.contact_regression is not None:
-        return ContactRegression.from_dict(loaded.contact_regression, loaded.source)
     beside = default_regression_path(loaded.source)
     if beside.is_file():
-        log.info("using the contact regression beside the checkpoint: %s", beside)
+        log.info("using the contact regression stored with the checkpoint: %s", beside)
         return ContactRegression.load(beside)
+    if loaded.contact_regression is not None:
+        return ContactRegression.from_dict(loaded.contact_regression, loaded.source)
     if not required:
         return None
     raise UserError(f"{loaded.source} has no contact regression: {HOW_TO_FIT}")
