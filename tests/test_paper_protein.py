@@ -18,24 +18,13 @@ from protein_performer.data.masking import IGNORE_INDEX
 from protein_performer.data.tokenizer import SEQUENCE_LETTERS, Alphabet
 from protein_performer.inference.baseline import unigram_baseline
 from protein_performer.training.train import compose_config, train
+from tests.test_train import TINY
 
-REPO = Path(__file__).resolve().parents[1]
-TINY = [
-    "experiment=demo",
-    f"paths.root_dir={REPO}",
-    "model.config.dim=32",
-    "model.config.depth=1",
-    "model.config.heads=2",
-    "model.config.ff_dim=64",
-    "model.config.nb_features=16",
-    "data.limit_records=300",
-    "data.max_len=128",
-    "data.max_tokens=1024",
-    "data.num_workers=0",
-    "callbacks.progress_bar=null",
-    "trainer.enable_progress_bar=false",
-    "trainer.enable_model_summary=false",
+#: test_train's tiny model, run by a time budget instead of a step count.
+BUDGETED = [
+    *TINY,
     "trainer.num_sanity_val_steps=0",
+    "callbacks.training_curve=null",  # its matplotlib figure is most of a tiny run
     "trainer.max_epochs=-1",
     "trainer.max_steps=100000",
     "trainer.limit_val_batches=1",
@@ -49,7 +38,7 @@ def test_cpu_budget_stops_training_and_logs_validations(tmp_path: Path) -> None:
     and the logged training time excludes validation."""
     cfg = compose_config(
         [
-            *TINY,
+            *BUDGETED,
             "++callbacks.time_budget.seconds=2",
             "trainer.val_check_interval=10",
             "data.concat=true",  # rows of exactly max_len: the concatenated setting
