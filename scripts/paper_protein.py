@@ -332,11 +332,11 @@ def execute(run: Run, store: Path, args: argparse.Namespace) -> Run:
                     args.threads,
                     logs / f"{run.name}.{split}.log",
                 )
-    run.result = collect(run)
+    run.result = collect(run, args.threads)
     return run
 
 
-def collect(run: Run) -> dict[str, Any]:
+def collect(run: Run, threads: int) -> dict[str, Any]:
     """One ``runs.csv`` row from the run's ``time_budget.json`` and eval ``metrics.json``."""
     events = json.loads((run.run_dir / "time_budget.json").read_text())
     vals = [e for e in events if e["event"] == "val"]
@@ -352,7 +352,7 @@ def collect(run: Run) -> dict[str, Any]:
         "peak_rss_mib": end.get("peak_rss_mib", math.nan),
         "val_acc": vals[-1].get("val/acc", math.nan) if vals else math.nan,
         "val_ppl": vals[-1].get("val/ppl", math.nan) if vals else math.nan,
-        "command": shown(train_cmd(run), 1),
+        "command": shown(train_cmd(run), threads),
         "curve": [(e["train_s"], e.get("val/acc", math.nan)) for e in vals],
     }
     for split in SPLITS:
