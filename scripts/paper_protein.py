@@ -248,7 +248,7 @@ def eval_cmd(run: Run, store: Path, split: str, args: argparse.Namespace) -> lis
         f"split={split}",
         f"max_len={args.max_len}",
         f"seed={args.eval_seed}",
-        "device=cpu",
+        f"device={'cpu' if args.trainer == 'cpu' else 'auto'}",
         "progress=false",
         f"out_dir={run.run_dir / f'eval_{split}'}",
     )
