@@ -60,7 +60,7 @@ def run(args: argparse.Namespace) -> int:
 
     check_output(args.out, [args.ckpt, args.fasta], args.overwrite)
     lm, strategy = load_with_strategy(args, "pseudo-ppl")
-    scores = score_fasta(
+    summary = score_fasta(
         lm,
         args.fasta,
         args.out,
@@ -69,11 +69,10 @@ def run(args: argparse.Namespace) -> int:
         on_invalid=args.on_invalid,
         progress=not args.no_progress,
     )
-    total = sum(s.log_likelihood for s in scores)
-    n = sum(s.n_scored for s in scores)
     print(
-        f"scored {len(scores)} record(s) with {strategy}: mean log-likelihood per token "
-        f"{total / n:.4f} -> {'standard output' if args.out == '-' else args.out}",
+        f"scored {summary.num_records} record(s) with {strategy}: mean log-likelihood per "
+        f"token {summary.mean_log_likelihood:.4f} -> "
+        f"{'standard output' if args.out == '-' else args.out}",
         file=sys.stderr if args.out == "-" else sys.stdout,
     )
     return 0

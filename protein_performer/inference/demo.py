@@ -41,11 +41,12 @@ def run_inference_demo(
         repr_layers=(-1,),
         include=("mean", "per_tok"),
         progress=progress,
+        overwrite=True,  # the demo owns its output directory
     )
     strategy = "causal" if lm.objective == "clm" else "pseudo-ppl"
     scores = score_fasta(lm, fasta, out / "scores.csv", strategy=strategy, progress=progress)
     exported = export_model(lm.loaded, out / "model", overwrite=True)
-    mean_ll = sum(s.log_likelihood for s in scores) / sum(s.n_scored for s in scores)
+    mean_ll = scores.mean_log_likelihood
     log.info(
         "embedded %d records (%d residues) and scored them with %s (mean log-likelihood per "
         "token %.3f)",

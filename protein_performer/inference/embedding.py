@@ -36,7 +36,6 @@ import contextlib
 import json
 import logging
 import os
-import shutil
 import sys
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -374,7 +373,7 @@ def file_attrs(lm: ProteinLM, layers: Sequence[int], include: Sequence[str]) -> 
 
 
 #: Attributes a resumed run must share with what it continues.
-_SAME_RUN = ("model_sha256", "features_sha256", "precision", "repr_layers", "include")
+_SAME_RUN = ("precision", "repr_layers", "include", "model_sha256", "features_sha256")
 
 
 def _open_embeddings(path: Path) -> Any:  # noqa: ANN401 - h5py.File
@@ -495,12 +494,9 @@ def embed_fasta(
     this with the same arguments.
     """
     from protein_performer.inference.sharding import (
-        Job,
-        detect_ranks,
         finished_parts,
-        next_run,
-        part_name,
         parts_dir,
+        run_sharded,
         windows,
     )
 
@@ -515,8 +511,6 @@ def embed_fasta(
         raise UserError(f"{dest} is a directory; give a file name for the output")
     if not dest.parent.is_dir():
         raise UserError(f"output directory {dest.parent} does not exist; create it first")
-    if dest.exists() and path.exists() and dest.samefile(path):
-        raise UserError(f"{dest} is the input; choose another output file")
     attrs = file_attrs(lm, layers, include)
     pdir = parts_dir(dest)
     old_parts = finished_parts(pdir)
@@ -531,51 +525,34 @@ def embed_fasta(
         raise UserError(
             f"{what}; pass --resume to add what is missing, or --overwrite to start over"
         )
-
-    ranks = detect_ranks()
     pooling = tuple(None if k == "per_tok" else k for k in include)
-    new = residues = skipped = 0
-    failure: BaseException | None = None
-    with Job(ranks) as job:
-        if ranks.rank == 0:
-            if overwrite and not resume and pdir.exists():
-                shutil.rmtree(pdir)
-            pdir.mkdir(exist_ok=True)
-        job.barrier()
-        run = next_run(pdir)
-        job.barrier()  # every rank has its run number before any rank writes a part
-        try:
-            todo = (r for r in input_records(path, on_invalid) if r.id not in done)
-            for w, window in enumerate(windows(todo, toks_per_batch, lambda r: len(r.sequence))):
-                if w % ranks.world_size != ranks.rank:
-                    continue
-                results = [
-                    res
-                    for _, res in lm.iter_embed(
-                        [(r.id, r.sequence) for r in window], layers, pooling, toks_per_batch
-                    )
-                ]
-                _write_part(pdir / part_name(run, w, ".h5"), attrs, window, results)
-                new += len(window)
-                residues += sum(len(r.sequence) for r in window)
-                if progress:
-                    log.info("embed: %d record(s), %d residues written", new, residues)
-            skipped = len(done)
-        except Exception as exc:  # every rank must learn of a failure, or the others wait
-            failure = exc
-        if not job.all_ok(failure is None):
-            if ranks.rank == 0 and not any(pdir.iterdir()):
-                pdir.rmdir()  # nothing finished: leave no trace
-            raise failure or UserError("embed failed on another rank; see its error line")
-        total = 0
-        if ranks.rank == 0:
-            sources = ([dest] if resume and dest.exists() else []) + finished_parts(pdir)
-            if not sources:
-                raise UserError(f"{path}: no valid records to process")
-            total = _merge(dest, attrs, sources)
-            shutil.rmtree(pdir)
-        job.barrier()
-    return EmbedSummary(dest, total, new, residues, layers, include, skipped)
+    residues = 0
+
+    def write_part(part: Path, window: list[InputRecord]) -> None:
+        nonlocal residues
+        pairs = [(r.id, r.sequence) for r in window]
+        results = [res for _, res in lm.iter_embed(pairs, layers, pooling, toks_per_batch)]
+        _write_part(part, attrs, window, results)
+        residues += sum(len(r.sequence) for r in window)
+        if progress:
+            log.info("embed: %d residues written to parts", residues)
+
+    def merge(parts: list[Path]) -> int:
+        sources = ([dest] if resume and dest.exists() else []) + parts
+        if not sources:
+            raise UserError(f"{path}: no valid records to process")
+        return _merge(dest, attrs, sources)
+
+    todo = (r for r in input_records(path, on_invalid) if r.id not in done)
+    new, total = run_sharded(
+        dest,
+        ".h5",
+        windows(todo, toks_per_batch, lambda r: len(r.sequence)),
+        write_part,
+        merge,
+        fresh=not resume,
+    )
+    return EmbedSummary(dest, total, new, residues, layers, include, len(done))
 
 
 # --------------------------------------------------------------------------------------------

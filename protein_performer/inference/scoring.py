@@ -235,6 +235,19 @@ def score_sequences(
     ]
 
 
+@dataclass
+class ScoreSummary:
+    """What ``score_fasta`` wrote (rank 0: the whole file; other ranks: their own parts)."""
+
+    num_records: int
+    log_likelihood: float
+    n_scored: int
+
+    @property
+    def mean_log_likelihood(self) -> float:
+        return self.log_likelihood / self.n_scored if self.n_scored else float("nan")
+
+
 def score_fasta(
     lm: ProteinLM,
     fasta: str | os.PathLike[str],
@@ -243,26 +256,61 @@ def score_fasta(
     toks_per_batch: int = 4096,
     on_invalid: str = "error",
     progress: bool = True,
-) -> list[SequenceScore]:
-    """Score every record of ``fasta`` (a FASTA file or a store directory; ``lm.iter_score``);
-    one row per record to ``out``
-    (CSV/TSV, or standard output for ``-``), rows written as they are scored."""
-    from tqdm import tqdm
+) -> ScoreSummary:
+    """Score every record of ``fasta`` (a FASTA file or a store directory; ``lm.iter_score``)
+    into ``out`` (CSV/TSV, or standard output for ``-``), one row per record in input order.
+
+    Window by window into parts, merged at the end, so ranks of a ``torchrun``/SLURM job split
+    the records (:mod:`protein_performer.inference.sharding`); standard output takes one process.
+    """
+    import tempfile
+
+    from protein_performer.inference.sharding import detect_ranks, run_sharded, windows
 
     check_strategy(lm.loaded, strategy, SEQUENCE_STRATEGIES)
     path = Path(fasta).expanduser()
-    records = input_records(path, on_invalid)
-    scores: list[SequenceScore] = []
-    with text_output(out) as fh, tqdm(unit="seq", desc=strategy, disable=not progress) as bar:
-        writer = csv.writer(fh, delimiter=_delimiter(out))
-        writer.writerow(SCORE_COLUMNS)
-        for _, score in lm.iter_score(records, strategy, toks_per_batch):
-            writer.writerow(score.row())
-            scores.append(score)
-            bar.update(1)
-        if not scores:
+    to_stdout = str(out) == "-"
+    if to_stdout and detect_ranks().distributed:
+        raise UserError("several ranks cannot share standard output; give OUT as a file")
+    delimiter = _delimiter(out)
+    mine = ScoreSummary(0, 0.0, 0)
+
+    def write_part(part: Path, window: list) -> None:
+        pairs = [(r.id, r.sequence) for r in window]
+        with atomic_output(part) as tmp, open(tmp, "w", newline="", encoding="utf-8") as fh:
+            writer = csv.writer(fh, delimiter=delimiter)
+            for _, score in lm.iter_score(pairs, strategy, toks_per_batch):
+                writer.writerow(score.row())
+                mine.num_records += 1
+                mine.log_likelihood += score.log_likelihood
+                mine.n_scored += score.n_scored
+        if progress:
+            log.info("%s: %d record(s) scored", strategy, mine.num_records)
+
+    merged = ScoreSummary(0, 0.0, 0)
+
+    def merge(parts: list[Path]) -> int:
+        if not parts:
             raise UserError(f"{path}: no valid records to process")
-    return scores
+        with text_output(out) as fh:
+            writer = csv.writer(fh, delimiter=delimiter)
+            writer.writerow(SCORE_COLUMNS)
+            for part in parts:
+                with open(part, newline="", encoding="utf-8") as src:
+                    for row in csv.reader(src, delimiter=delimiter):
+                        writer.writerow(row)
+                        merged.num_records += 1
+                        merged.n_scored += int(row[2])
+                        merged.log_likelihood += float(row[3])
+        return merged.num_records
+
+    records = input_records(path, on_invalid)
+    batches = windows(records, toks_per_batch, lambda r: len(r.sequence))
+    with tempfile.TemporaryDirectory() as tmp:
+        dest = Path(tmp) / "scores" if to_stdout else Path(out).expanduser()
+        parts = Path(tmp) / "parts" if to_stdout else None
+        run_sharded(dest, ".csv", batches, write_part, merge, fresh=True, parts=parts)
+    return merged if merged.num_records else mine
 
 
 # --------------------------------------------------------------------------------------------

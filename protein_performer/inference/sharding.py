@@ -21,12 +21,15 @@ import datetime
 import logging
 import os
 import re
-from collections.abc import Iterable, Iterator
+import shutil
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TypeVar
 
 import torch
+
+from protein_performer.errors import UserError
 
 log = logging.getLogger(__name__)
 
@@ -168,3 +171,50 @@ def next_run(directory: Path) -> int:
     """The run number for new parts: one past the last run that left parts."""
     runs = [int(_PART.match(p.name).group(1)) for p in finished_parts(directory)]  # type: ignore[union-attr]
     return max(runs, default=-1) + 1
+
+
+def run_sharded(
+    out: Path,
+    suffix: str,
+    batches: Iterable[list[R]],
+    write_part: Callable[[Path, list[R]], None],
+    merge: Callable[[list[Path]], int],
+    fresh: bool,
+    parts: Path | None = None,
+) -> tuple[int, int]:
+    """Run ``write_part`` on this rank's windows, then (rank 0) ``merge`` every part into ``out``.
+
+    Returns (records this rank wrote, records in ``out`` after the merge; 0 on other ranks).
+    ``fresh`` drops parts left by an earlier run first (resume keeps them). A failure on any
+    rank stops every rank with that error (no rank is left waiting at a barrier); the parts
+    already finished stay for a resume, an empty parts directory goes.
+    """
+    ranks = detect_ranks()
+    pdir = parts or parts_dir(out)
+    new = 0
+    failure: BaseException | None = None
+    with Job(ranks) as job:
+        if ranks.rank == 0:
+            if fresh and pdir.exists():
+                shutil.rmtree(pdir)
+            pdir.mkdir(exist_ok=True)
+        job.barrier()
+        run = next_run(pdir)
+        job.barrier()  # every rank has its run number before any rank writes a part
+        try:
+            for w, window in enumerate(batches):
+                if w % ranks.world_size == ranks.rank:
+                    write_part(pdir / part_name(run, w, suffix), window)
+                    new += len(window)
+        except Exception as exc:  # every rank must learn of a failure, or the others wait
+            failure = exc
+        if not job.all_ok(failure is None):
+            if ranks.rank == 0 and pdir.is_dir() and not any(pdir.iterdir()):
+                pdir.rmdir()
+            raise failure or UserError("the run failed on another rank; see its error line")
+        total = 0
+        if ranks.rank == 0:
+            total = merge(finished_parts(pdir))
+            shutil.rmtree(pdir)
+        job.barrier()
+    return new, total
