@@ -8,7 +8,7 @@ positions (not <cls>/<eos>/pads) of unmasked sequences from a FASTA file:
 - KL(exact || favor) of the per-position token distributions, averaged over positions;
 - top-1 agreement: the fraction of positions whose argmax token is the same;
 - contact maps (``predict_contacts`` with the model's contact regression, e.g. ESM-2's contact
-  head; a random model gets the mean-APC regression, equal weights on every layer x head):
+  head; a random model gets the sum-APC regression, weight 1 on every layer x head):
   mean |delta p| over pairs with |i - j| >= 6, and the overlap of the top-L/5 long-range
   (|i - j| >= 24) contacts of the exact and the FAVOR+ maps, averaged over sequences.
 
@@ -247,9 +247,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if regression is None:
         n = cfg.depth * cfg.heads
         reg = ContactRegression(
-            np.full(n, 1.0 / n), 0.0, list(range(1, cfg.depth + 1)), list(range(cfg.heads))
+            np.ones(n), 0.0, list(range(1, cfg.depth + 1)), list(range(cfg.heads))
         )
-        reg_name = "mean-APC regression (no contact head)"
+        reg_name = "the sum-APC regression (no contact head)"
     else:
         reg = ContactRegression.from_dict(regression, source)
         reg_name = "the model's contact regression"
