@@ -78,7 +78,7 @@ def test_streamed_equals_full_maps_and_sparse_is_top_k(
 
 
 def test_fasta_to_columnar_hdf5(tmp_path: Path) -> None:
-    pytest.importorskip("h5py")
+    h5py = pytest.importorskip("h5py")
     loaded = _loaded("favor")
     reg = _regression(loaded)
     seqs = {"short": _sequence(20, 1), "long": _sequence(70, 2), "mid": _sequence(40, 3)}
@@ -91,6 +91,9 @@ def test_fasta_to_columnar_hdf5(tmp_path: Path) -> None:
     assert (summary.num_records, summary.dense, summary.sparse) == (3, 2, 1)
     back = read_contacts(out)
     assert list(back) == ["short", "long", "mid"]
+    with h5py.File(out) as h5:
+        off = h5["header_offsets"][:]
+        assert h5["header_bytes"][off[1] : off[2]].tobytes() == b"long some protein"
     for rid, seq in seqs.items():
         want = predict_contacts(loaded, seq, reg, dense_max_length=64)
         got = back[rid]

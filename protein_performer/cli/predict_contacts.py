@@ -35,7 +35,9 @@ memory stays O(window x L).
 
 EPILOG = """\
 output layout (h5py; one array per field, records in FASTA order):
-  f["ids"], f["headers"], f["lengths"]     (N,) record id, FASTA header, length L
+  f["ids"], f["lengths"]                  (N,) record id, length L (FASTA order)
+  f["header_offsets"]                      (N+1,) record n's FASTA header is
+      f["header_bytes"][o[n]:o[n+1]].tobytes().decode()
   f["dense_offsets"]                       (N+1,) record n's map is
       f["dense_values"][o[n]:o[n+1]].reshape(L, L)   (empty for sparse records)
   f["pair_offsets"]                        (N+1,) record n's top pairs are

@@ -351,8 +351,11 @@ def predict_contacts_fasta(
         /                 attrs: format, format_version, checkpoint, model_sha256, regression
                                  (its JSON), regression_source, dtype, dense_max_length,
                                  top_k_per_length, min_separation, num_records
-        ids, headers      (N,) utf-8
+        ids               (N,) utf-8, record ids in FASTA order
         lengths           (N,) int64
+        record_numbers    (N,) int64, 1-based position in the FASTA file
+        header_bytes      (sum,) uint8, gzip: the FASTA header lines (no '>'), back to back;
+        header_offsets    (N+1,) int64: record n's header is header_bytes[o[n]:o[n+1]]
         dense_offsets     (N+1,) int64 into dense_values; record n's map is
                           dense_values[o[n]:o[n+1]].reshape(L, L) (empty when sparse)
         dense_values      (sum L^2 of dense records,) probabilities, row-major
@@ -390,9 +393,15 @@ def predict_contacts_fasta(
         }
         h5.attrs.update(attrs)
         h5.create_dataset("ids", data=[r.id for r in records], dtype=str_dt)
-        headers = [f"{r.id} {r.description}" if r.description else r.id for r in records]
-        h5.create_dataset("headers", data=headers, dtype=str_dt, compression="gzip")
+        headers = [
+            (f"{r.id} {r.description}" if r.description else r.id).encode() for r in records
+        ]
         h5.create_dataset("lengths", data=[len(r.sequence) for r in records], dtype=np.int64)
+        h5.create_dataset("record_numbers", data=[r.number for r in records], dtype=np.int64)
+        blob = np.frombuffer(b"".join(headers), dtype=np.uint8)
+        h5.create_dataset("header_bytes", data=blob, compression="gzip")
+        offsets = np.concatenate([[0], np.cumsum([len(h) for h in headers])]).astype(np.int64)
+        h5.create_dataset("header_offsets", data=offsets)
         dense_values = _appender(h5, "dense_values", np_dtype)
         pair_i = _appender(h5, "pair_i", np.int32)
         pair_j = _appender(h5, "pair_j", np.int32)
