@@ -239,7 +239,7 @@ def _dense(windows: Iterator[tuple[int, torch.Tensor]], L: int) -> np.ndarray:
 
 
 def _top_pairs(
-    windows: Iterator[tuple[int, torch.Tensor]], L: int, k: int, min_sep: int
+    windows: Iterator[tuple[int, torch.Tensor]], k: int, min_sep: int
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """The k highest-logit pairs i < j, j - i >= min_sep, merged window by window."""
     best = torch.empty(0)
@@ -298,7 +298,7 @@ def predict_contacts(
     if dense_max_length >= L:
         return ContactMap(L, dense=_dense(windows, L))
     k = max(1, math.ceil(top_k_per_length * L))
-    i, j, p = _top_pairs(windows, L, k, min_separation)
+    i, j, p = _top_pairs(windows, k, min_separation)
     return ContactMap(L, i=i, j=j, p=p)
 
 
