@@ -174,6 +174,16 @@ def test_export_and_eval(files, tmp_path: Path, capsys) -> None:
     assert (tmp_path / "ev" / "bins.csv").read_text().startswith("bin,records,tokens")
     assert main(["eval", f"data={files['fasta']}"]) == 2
     assert "ckpt=" in capsys.readouterr().err
+    # The positional form of the other inference commands means the same (threads too).
+    ev2 = tmp_path / "ev2"
+    argv = [str(out), str(files["fasta"]), f"out_dir={ev2}", "progress=false", "bins=[15]"]
+    assert main(["eval", "--threads", "1", *argv]) == 0
+    assert json.loads((ev2 / "metrics.json").read_text()) == metrics
+    capsys.readouterr()
+    assert main(["eval", str(out), str(files["fasta"]), str(out)]) == 2
+    assert "at most 2 positional" in capsys.readouterr().err
+    assert main(["eval", str(out), f"ckpt={out}", f"data={files['fasta']}"]) == 2
+    assert "ckpt given twice" in capsys.readouterr().err
 
 
 def test_console_script_corrupt_checkpoint(files, tmp_path: Path) -> None:

@@ -148,6 +148,20 @@ def test_visualize_sequence_and_structure(model_dir, tmp_path: Path, capsys) -> 
     assert_png(files["grid"])
 
 
+def test_visualize_positional_and_record_by_accession(model_dir, tmp_path: Path, capsys) -> None:
+    """`visualize CKPT FASTA record=...` with the id, the accession or the entry name."""
+    fasta = tmp_path / "x.fasta"
+    fasta.write_text(f">sp|P69905|HBA_HUMAN Hemoglobin\n{SEQ}\n>other\nMKGAYLPDEVKTWER\n")
+    for record in ("sp|P69905|HBA_HUMAN", "P69905", "HBA_HUMAN"):
+        out = tmp_path / record.replace("|", "_")
+        argv = [str(model_dir), str(fasta), f"record={record}", f"out_dir={out}"]
+        assert main(["visualize", *argv, "similarity=false", "--threads", "1"]) == 0
+        assert_png(out / "attention_grid.png")
+    capsys.readouterr()
+    assert main(["visualize", str(model_dir), str(fasta), "record=P99999"]) == 2
+    assert "no record 'P99999' (by id, accession or entry name" in capsys.readouterr().err
+
+
 def test_visualize_errors(model_dir, tmp_path: Path, capsys) -> None:
     assert main(["visualize", f"out_dir={tmp_path}"]) == 2
     assert "ckpt=" in capsys.readouterr().err

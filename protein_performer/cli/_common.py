@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import argparse
 import os
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -56,8 +56,8 @@ def add_device(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto (default)")
 
 
-def add_precision_threads(p: argparse.ArgumentParser) -> None:
-    """``--precision`` (weights' dtype) and ``--threads`` (torch intra-op threads)."""
+def add_precision(p: argparse.ArgumentParser) -> None:
+    """``--precision``: the weights' dtype."""
     p.add_argument(
         "--precision",
         choices=("fp32", "bf16", "fp16"),
@@ -65,6 +65,10 @@ def add_precision_threads(p: argparse.ArgumentParser) -> None:
         help="weights' precision; bf16/fp16 halve memory on GPUs, FAVOR+ features stay fp32 "
         "(default: fp32)",
     )
+
+
+def add_threads(p: argparse.ArgumentParser) -> None:
+    """``--threads``: torch's intra-op CPU threads, set by :func:`apply_threads`."""
     p.add_argument(
         "--threads",
         type=int,
@@ -73,6 +77,45 @@ def add_precision_threads(p: argparse.ArgumentParser) -> None:
         help="CPU threads for torch (default: torch's choice, which OMP_NUM_THREADS sets; on "
         "a busy machine 1 is often fastest)",
     )
+
+
+def add_precision_threads(p: argparse.ArgumentParser) -> None:
+    add_precision(p)
+    add_threads(p)
+
+
+def apply_threads(args: argparse.Namespace) -> None:
+    """Set torch's threads from ``--threads`` (commands that do not go through ``load``)."""
+    if getattr(args, "threads", None) is None:
+        return
+    if args.threads < 1:
+        raise UserError(f"--threads must be a positive integer, got {args.threads}")
+    import torch
+
+    torch.set_num_threads(args.threads)
+
+
+def positional_overrides(
+    args: argparse.Namespace, names: Sequence[str], command: str
+) -> list[str]:
+    """Hydra overrides with leading positional arguments turned into ``name=value``.
+
+    ``eval CKPT FASTA key=value`` reads like the other inference commands and means
+    ``eval ckpt=CKPT data=FASTA key=value``; the ``key=value`` form still works.
+    """
+    out, given = list(args.overrides), []
+    while out and "=" not in out[0] and not out[0].startswith("-"):
+        given.append(out.pop(0))
+    if len(given) > len(names):
+        raise UserError(
+            f"{command} takes at most {len(names)} positional argument(s) "
+            f"({' '.join(n.upper() for n in names)}), got {len(given)}: {' '.join(given)}"
+        )
+    for name, value in zip(names, given, strict=False):
+        if any(o.split("=", 1)[0] == name for o in out):
+            raise UserError(f"{name} given twice: as {value!r} and as {name}=...; give one")
+        out.insert(0, f"{name}={value}")  # path keys are taken verbatim, not Hydra-parsed
+    return out
 
 
 def add_on_invalid(p: argparse.ArgumentParser, help: str = ON_INVALID_HELP) -> None:
@@ -131,8 +174,10 @@ def check_output(
 
 
 def load_checkpoint(args: argparse.Namespace) -> LoadedModel:
-    """The model named by ``args.ckpt``, on ``args.device``."""
+    """The model named by ``args.ckpt``, on ``args.device`` (with ``--threads`` applied)."""
     from protein_performer.inference.loading import load_model
+
+    apply_threads(args)
 
     return load_model(args.ckpt, args.device)
 

@@ -9,6 +9,7 @@ from protein_performer.cli._common import (
     add_command,
     add_device,
     add_overwrite,
+    add_threads,
     check_output,
     load_checkpoint,
 )
@@ -98,6 +99,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         help="also write the fitted regression beside the checkpoint (visualize picks it up)",
     )
     add_device(p)
+    add_threads(p)
     p.add_argument("--seed", type=int, default=0, help="seed of the null permutations and fit")
     p.set_defaults(func=run)
 

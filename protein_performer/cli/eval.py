@@ -1,16 +1,22 @@
-"""``protein-performer eval ckpt=PATH data=FASTA_OR_STORE [key=value ...]``."""
+"""``protein-performer eval CKPT FASTA_OR_STORE [key=value ...]``."""
 
 from __future__ import annotations
 
 import argparse
 
-from protein_performer.cli._common import add_command
+from protein_performer.cli._common import (
+    add_command,
+    add_threads,
+    apply_threads,
+    positional_overrides,
+)
 
-HELP = "perplexity/accuracy per length bin (Hydra overrides: ckpt=... data=...)"
+HELP = "perplexity/accuracy per length bin (CKPT FASTA, plus Hydra key=value overrides)"
 DESCRIPTION = """\
 Perplexity and accuracy of a checkpoint on a FASTA file or a preprocessed store split, overall
 and per length bin (<=256, 257-512, 513-1024, >1024 residues by default). Configured by Hydra
-(conf/eval.yaml) with key=value overrides:
+(conf/eval.yaml) with key=value overrides; CKPT and FASTA may come first without a key, like
+the other inference commands (`eval CKPT FASTA` = `eval ckpt=CKPT data=FASTA`):
 
   ckpt=PATH        a .ckpt file or an exported model directory (required)
   data=PATH        a FASTA(.gz) file (all records) or a store directory (required)
@@ -27,8 +33,9 @@ Writes metrics.json and bins.csv to out_dir (default outputs/eval/<timestamp>/).
 
 EPILOG = """\
 examples:
-  protein-performer eval ckpt=outputs/demo/<run>/checkpoints/last.ckpt data=data/demo/train.fasta
-  protein-performer eval ckpt=model_dir data=stores/uniref50 split=test max_len=2048
+  protein-performer eval outputs/demo/<run>/checkpoints/last.ckpt data/demo/train.fasta
+  protein-performer eval model_dir stores/uniref50 split=test max_len=2048 --threads 2
+  protein-performer eval ckpt=model_dir data=stores/uniref50 split=test
 """
 
 
@@ -39,8 +46,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         HELP,
         DESCRIPTION,
         EPILOG,
-        usage="%(prog)s [-h] ckpt=PATH data=PATH [OVERRIDE ...]",
+        usage="%(prog)s [-h] [--threads N] (CKPT FASTA | ckpt=PATH data=PATH) [OVERRIDE ...]",
     )
+    add_threads(p)
     p.set_defaults(func=run, accepts_overrides=True)
 
 
@@ -48,7 +56,8 @@ def run(args: argparse.Namespace) -> int:
     from protein_performer.inference.evaluate import format_table
     from protein_performer.inference.evaluate import run as run_eval
 
-    result = run_eval(args.overrides)
+    apply_threads(args)
+    result = run_eval(positional_overrides(args, ("ckpt", "data"), "eval"))
     print(format_table(result))
     print(f"metrics: {result['files']['metrics']}")
     print(f"bins: {result['files']['bins']}")

@@ -1,19 +1,26 @@
-"""``protein-performer visualize ckpt=PATH sequence=... | fasta=PATH record=ID [key=value]``."""
+"""``protein-performer visualize CKPT [FASTA record=ID | sequence=... | structure=...]``."""
 
 from __future__ import annotations
 
 import argparse
 
-from protein_performer.cli._common import add_command
+from protein_performer.cli._common import (
+    add_command,
+    add_threads,
+    apply_threads,
+    positional_overrides,
+)
 
 HELP = "PNGs of attention maps, aa similarity vs BLOSUM62, contacts (Hydra overrides)"
 DESCRIPTION = """\
 PNG pictures of a model's attention for one sequence, configured by Hydra (conf/visualize.yaml)
-with key=value overrides:
+with key=value overrides; CKPT and FASTA may come first without a key, like the other inference
+commands (`visualize CKPT FASTA record=ID` = `visualize ckpt=CKPT fasta=FASTA record=ID`):
 
   ckpt=PATH            a .ckpt file or an exported model directory (required)
   sequence=MKT...      the sequence, or
-  fasta=PATH record=ID a FASTA record (record omitted: the first one)
+  fasta=PATH record=ID a FASTA record by id, UniProt accession or entry name (record omitted:
+                       the first one)
   structure=PATH       a PDB/mmCIF file: adds predicted vs true contacts (and supplies the
                        sequence when none is given); chain=A picks the chain (_ = blank id)
   layers=[1,-1]        layers (1..depth, negative from the end; default: all)
@@ -31,8 +38,8 @@ FAVOR+ maps are the implied attention rows (what the model computes without form
 
 EPILOG = """\
 examples:
-  protein-performer visualize ckpt=last.ckpt sequence=MKTAYIAKQRQISFVKSHFSRQLEERLGLIEVQ
-  protein-performer visualize ckpt=model_dir fasta=long.fasta record=Q8WZ42 window=[1000,1256]
+  protein-performer visualize last.ckpt sequence=MKTAYIAKQRQISFVKSHFSRQLEERLGLIEVQ
+  protein-performer visualize model_dir long.fasta record=Q8WZ42 window=[1000,1256]
   protein-performer visualize ckpt=last.ckpt structure=1GBT_A.pdb layers=[-1] out_dir=pics
 """
 
@@ -44,16 +51,18 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         HELP,
         DESCRIPTION,
         EPILOG,
-        usage="%(prog)s [-h] ckpt=PATH (sequence=SEQ | fasta=PATH [record=ID] | structure=PATH) "
-        "[OVERRIDE ...]",
+        usage="%(prog)s [-h] [--threads N] (CKPT | ckpt=PATH) (FASTA [record=ID] | sequence=SEQ | "
+        "structure=PATH) [OVERRIDE ...]",
     )
+    add_threads(p)
     p.set_defaults(func=run, accepts_overrides=True)
 
 
 def run(args: argparse.Namespace) -> int:
     from protein_performer.viz.visualize import run as run_visualize
 
-    files = run_visualize(args.overrides)
+    apply_threads(args)
+    files = run_visualize(positional_overrides(args, ("ckpt", "fasta"), "visualize"))
     for name, path in files.items():
         print(f"{name}: {path}")
     return 0

@@ -87,11 +87,15 @@ def _sequence(cfg: Any) -> tuple[str, str]:
         want = cfg.get("record")
         if want is None:
             return records[0].id, records[0].sequence
-        for r in records:
-            if r.id == str(want):
+        want = str(want)
+        for r in records:  # the id as written, or its UniProt accession or entry name
+            if want in (r.id, r.header.accession, r.header.entry_name):
                 return r.id, r.sequence
         shown = ", ".join(r.id for r in records[:5])
-        raise UserError(f"{cfg.fasta}: no record {want!r} (ids start: {shown}, ...)")
+        raise UserError(
+            f"{cfg.fasta}: no record {want!r} (by id, accession or entry name; ids start: "
+            f"{shown}, ...)"
+        )
     if cfg.get("structure"):
         return "", ""  # the structure's own sequence, filled in by the caller
     raise UserError("visualize needs sequence=..., fasta=... (record=ID) or structure=...")
