@@ -44,9 +44,9 @@ def _host() -> str:
     return re.sub(r"[^A-Za-z0-9-]", "-", socket.gethostname())[:32] or "host"
 
 
-def temp_prefix(path: Path) -> str:
-    """The name prefix of this process's temporaries for ``path``."""
-    return f".{path.name}.{_host()}.{os.getpid()}."
+def temp_prefix(path: Path, pid: int | None = None) -> str:
+    """The name prefix of the temporaries for ``path`` of process ``pid`` (default: this one)."""
+    return f".{path.name}.{_host()}.{os.getpid() if pid is None else pid}."
 
 
 def _alive(pid: int) -> bool:

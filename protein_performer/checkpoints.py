@@ -34,6 +34,7 @@ from protein_performer.errors import UserError
 _ZIP_MAGIC = b"PK\x03\x04"
 _PICKLE_MAGIC = b"\x80"  # pickle protocol >= 2: torch's legacy (non-zip) format
 _SHOW = 5  # offending names an error message lists
+_CHUNK = 1 << 20  # bytes per write() of a checkpoint
 #: A model's contact regression (``ContactRegression.to_dict()``, plain data) in a checkpoint.
 CONTACT_REGRESSION_KEY = "contact_regression"
 _ENV_VARS = ("TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD", "TORCH_FORCE_WEIGHTS_ONLY_LOAD")
@@ -176,8 +177,10 @@ def save_atomic(checkpoint: Mapping[str, Any], path: str | os.PathLike[str]) -> 
     buffer = io.BytesIO()
     torch.save(dict(checkpoint), buffer)
     target.parent.mkdir(parents=True, exist_ok=True)
+    data = buffer.getbuffer()
     with atomic_file(target) as tmp, open(tmp, "wb") as fh:
-        fh.write(buffer.getbuffer())
+        for start in range(0, len(data), _CHUNK):  # bounded syscalls; no extra copy
+            fh.write(data[start : start + _CHUNK])
     return target
 
 
