@@ -15,9 +15,14 @@ the config groups under conf/, changed with overrides on the command line:
   key=value        change one key, e.g. trainer.max_steps=1000 model.config.kernel=relu
   +key=value       add a key that the config does not have
   ckpt_path=PATH   resume a run from its checkpoints/last.ckpt (same LR schedule, data position)
+  ckpt_path=last   resume from the newest last.ckpt of this run directory (start if none)
+  run_name=NAME    the run directory's name (default: the launch time); a stable name lets the
+                   same command resume after a crash, SIGTERM or SLURM requeue
 
-Each run writes outputs/<task_name>/<timestamp>/: checkpoints/ (best + last.ckpt), metrics
+Each run writes outputs/<task_name>/<run_name>/: checkpoints/ (best + last.ckpt), metrics
 (csv/ by default), the training-curve PNG, the log and the composed config (.hydra/).
+last.ckpt follows every validation, the end of training and SIGTERM (exit status 143). A NaN
+or infinite loss stops the run with one error line (exit status 2).
 Hydra's own flags also work: --cfg job (print the composed config), -m (multirun sweep),
 --hydra-help.
 """
@@ -29,6 +34,7 @@ examples:
   protein-performer train experiment=small_mlm trainer=gpu logger=tensorboard
   protein-performer train experiment=small_clm trainer=ddp trainer.devices=4
   protein-performer train experiment=demo ckpt_path=outputs/demo/<run>/checkpoints/last.ckpt
+  protein-performer train experiment=uniref50_mlm run_name=job$SLURM_JOB_ID ckpt_path=last
   WANDB_MODE=offline protein-performer train experiment=demo logger=wandb
 """
 
