@@ -89,9 +89,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from tqdm import tqdm
-
     from protein_performer.inference.embedding import text_output
+    from protein_performer.progress import progress
 
     lm = load_lm(args)
     samples = lm.iter_generate(
@@ -107,7 +106,7 @@ def run(args: argparse.Namespace) -> int:
     )
     with (
         text_output(args.out) as fh,
-        tqdm(total=args.num, unit="seq", desc="generate", disable=args.no_progress) as bar,
+        progress(args.num, "seq", "generate", not args.no_progress) as bar,
     ):
         for g in samples:
             mean_ll = float(lm.score([g.sequence], strategy="causal")[0])

@@ -18,7 +18,6 @@ import hashlib
 import logging
 import os
 import shutil
-import sys
 import time
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
@@ -127,18 +126,9 @@ class _ByteProgress:
         self.total = acc
         self.bar = None
         if enabled:
-            from tqdm import tqdm
+            from protein_performer.progress import progress
 
-            self.bar = tqdm(
-                total=self.total,
-                unit="B",
-                unit_scale=True,
-                unit_divisor=1024,
-                desc="preprocess",
-                file=sys.stderr,
-                dynamic_ncols=True,
-                mininterval=0.5,
-            )
+            self.bar = progress(self.total, "B", "preprocess")
         self._fd: int | None = None
         self._fd_path: str | None = None
         self._last = 0.0

@@ -364,9 +364,9 @@ def predict_contacts_fasta(
                           most probable first within a record
     """
     import h5py
-    from tqdm import tqdm
 
     from protein_performer.inference.embedding import atomic_output, read_records
+    from protein_performer.progress import progress as progress_bar
 
     if dtype not in DTYPES:
         raise UserError(f"--dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
@@ -407,13 +407,7 @@ def predict_contacts_fasta(
         pair_j = _appender(h5, "pair_j", np.int32)
         pair_p = _appender(h5, "pair_p", np_dtype)
         dense_off, pair_off = [0], [0]
-        bar = tqdm(
-            total=sum(len(r.sequence) for r in records),
-            unit="res",
-            unit_scale=True,
-            desc="contacts",
-            disable=not progress,
-        )
+        bar = progress_bar(sum(len(r.sequence) for r in records), "res", "contacts", progress)
         with bar:
             for r in records:
                 cmap = predict_contacts(

@@ -496,9 +496,11 @@ def embed_fasta(
     from protein_performer.inference.sharding import (
         finished_parts,
         parts_dir,
+        rank_label,
         run_sharded,
         windows,
     )
+    from protein_performer.progress import progress as progress_bar
 
     path = Path(fasta).expanduser()
     dest = Path(out).expanduser()
@@ -527,15 +529,16 @@ def embed_fasta(
         )
     pooling = tuple(None if k == "per_tok" else k for k in include)
     residues = 0
+    bar = progress_bar(None, "res", rank_label("embed"), progress)
 
     def write_part(part: Path, window: list[InputRecord]) -> None:
         nonlocal residues
         pairs = [(r.id, r.sequence) for r in window]
         results = [res for _, res in lm.iter_embed(pairs, layers, pooling, toks_per_batch)]
         _write_part(part, attrs, window, results)
-        residues += sum(len(r.sequence) for r in window)
-        if progress:
-            log.info("embed: %d residues written to parts", residues)
+        n = sum(len(r.sequence) for r in window)
+        residues += n
+        bar.update(n)
 
     def merge(parts: list[Path]) -> int:
         sources = ([dest] if resume and dest.exists() else []) + parts
@@ -544,14 +547,15 @@ def embed_fasta(
         return _merge(dest, attrs, sources)
 
     todo = (r for r in input_records(path, on_invalid) if r.id not in done)
-    new, total = run_sharded(
-        dest,
-        ".h5",
-        windows(todo, toks_per_batch, lambda r: len(r.sequence)),
-        write_part,
-        merge,
-        fresh=not resume,
-    )
+    with bar:
+        new, total = run_sharded(
+            dest,
+            ".h5",
+            windows(todo, toks_per_batch, lambda r: len(r.sequence)),
+            write_part,
+            merge,
+            fresh=not resume,
+        )
     return EmbedSummary(dest, total, new, residues, layers, include, len(done))
 
 

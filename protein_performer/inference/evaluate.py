@@ -83,13 +83,12 @@ def _source(cfg: Any, alphabet: Any) -> tuple[Any, str]:
 def evaluate(cfg: Any) -> dict[str, Any]:
     """Evaluate ``cfg.ckpt`` on ``cfg.data``; write ``metrics.json`` and ``bins.csv`` to
     ``cfg.out_dir`` and return the metrics (``overall``, ``bins``, settings, output paths)."""
-    from tqdm import tqdm
-
     from protein_performer.data.dataset import ProteinCollator, ProteinDataset
     from protein_performer.data.masking import IGNORE_INDEX
     from protein_performer.inference.embedding import budget_batches
     from protein_performer.inference.loading import load_model
     from protein_performer.inference.scoring import masked_log_probs
+    from protein_performer.progress import progress as progress_bar
 
     loaded = load_model(str(cfg.ckpt), str(cfg.get("device", "auto")))
     source, described = _source(cfg, loaded.alphabet)
@@ -115,11 +114,8 @@ def evaluate(cfg: Any) -> dict[str, Any]:
         alphabet=loaded.alphabet,
     )
     collate = ProteinCollator(loaded.alphabet)
-    bar = tqdm(
-        total=int(np.minimum(lengths, max_len - 2).sum()),
-        unit="res",
-        desc="eval",
-        disable=not bool(cfg.get("progress", True)),
+    bar = progress_bar(
+        int(np.minimum(lengths, max_len - 2).sum()), "res", "eval", bool(cfg.get("progress", True))
     )
     with bar, torch.inference_mode():
         if pll:

@@ -56,6 +56,7 @@ from protein_performer.inference.embedding import (
     text_output,
 )
 from protein_performer.inference.loading import LoadedModel
+from protein_performer.progress import progress as progress_bar
 
 if TYPE_CHECKING:
     from protein_performer.inference.api import ProteinLM
@@ -218,13 +219,9 @@ def score_sequences(
     progress: bool = False,
 ) -> list[SequenceScore]:
     """Score ``(id, sequence)`` pairs with ``strategy`` (see the module docstring)."""
-    from tqdm import tqdm
-
     check_strategy(loaded, strategy, SEQUENCE_STRATEGIES)
     seqs = [s for _, s in records]
-    with tqdm(
-        total=sum(len(s) for s in seqs), unit="res", desc=strategy, disable=not progress
-    ) as bar:
+    with progress_bar(sum(len(s) for s in seqs), "res", strategy, progress) as bar:
         if strategy == "causal":
             terms = causal_log_likelihoods(loaded, seqs, toks_per_batch, progress=bar)
         else:
@@ -265,7 +262,12 @@ def score_fasta(
     """
     import tempfile
 
-    from protein_performer.inference.sharding import detect_ranks, run_sharded, windows
+    from protein_performer.inference.sharding import (
+        detect_ranks,
+        rank_label,
+        run_sharded,
+        windows,
+    )
 
     check_strategy(lm.loaded, strategy, SEQUENCE_STRATEGIES)
     path = Path(fasta).expanduser()
@@ -284,8 +286,7 @@ def score_fasta(
                 mine.num_records += 1
                 mine.log_likelihood += score.log_likelihood
                 mine.n_scored += score.n_scored
-        if progress:
-            log.info("%s: %d record(s) scored", strategy, mine.num_records)
+        bar.update(len(window))
 
     merged = ScoreSummary(0, 0.0, 0)
 
@@ -306,7 +307,8 @@ def score_fasta(
 
     records = input_records(path, on_invalid)
     batches = windows(records, toks_per_batch, lambda r: len(r.sequence))
-    with tempfile.TemporaryDirectory() as tmp:
+    bar = progress_bar(None, "seq", rank_label(strategy), progress)
+    with tempfile.TemporaryDirectory() as tmp, bar:
         dest = Path(tmp) / "scores" if to_stdout else Path(out).expanduser()
         parts = Path(tmp) / "parts" if to_stdout else None
         run_sharded(dest, ".csv", batches, write_part, merge, fresh=True, parts=parts)
@@ -386,8 +388,6 @@ def score_variants(
     progress: bool = False,
 ) -> list[float]:
     """One log-ratio score (mutant vs wild type) per parsed variant, by ``strategy``."""
-    from tqdm import tqdm
-
     check_strategy(loaded, strategy, VARIANT_STRATEGIES)
     tok = loaded.alphabet.tok_to_idx
     if strategy in ("masked-marginals", "wt-marginals"):
@@ -401,7 +401,7 @@ def score_variants(
 
         else:
             sets = sorted({tuple(sorted(m.index for m in v)) for v in variants if v})
-            with tqdm(total=len(sets), unit="pass", desc=strategy, disable=not progress) as bar:
+            with progress_bar(len(sets), "pass", strategy, progress) as bar:
                 lps = masked_log_probs(loaded, wt_seq, sets, toks_per_batch, progress=bar)
             by_set = dict(zip(sets, lps, strict=True))
 
@@ -423,7 +423,7 @@ def score_variants(
     seqs = [_apply(wt_seq, v) for v in variants]
     unique = list(dict.fromkeys([wt_seq, *seqs]))
     total = len(unique) * len(wt_seq)
-    with tqdm(total=total, unit="res", desc=strategy, disable=not progress) as bar:
+    with progress_bar(total, "res", strategy, progress) as bar:
         if strategy == "causal":
             lls = [
                 float(t.sum()) for t in causal_log_likelihoods(loaded, unique, toks_per_batch, bar)

@@ -102,6 +102,12 @@ def detect_ranks() -> Ranks:
     return Ranks()
 
 
+def rank_label(what: str) -> str:
+    """``what``, or ``what[rank R/N]`` in a sharded job (progress lines of several ranks)."""
+    r = detect_ranks()
+    return f"{what}[rank {r.rank}/{r.world_size}]" if r.distributed else what
+
+
 class Job:
     """Process group set-up and barriers for a sharded run (a no-op for one process)."""
 

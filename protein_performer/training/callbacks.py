@@ -1,4 +1,5 @@
-"""Training callbacks: FAVOR+ feature redraws, the training-curve figure, a CPU-time budget.
+"""Training callbacks: FAVOR+ feature redraws, the training-curve figure, a CPU-time budget,
+and progress that suits where it is written.
 
 They live outside the LightningModule because they are about *when* things happen during a run
 (optimizer-step boundaries, end of fit), not about the loss.
@@ -9,6 +10,7 @@ from __future__ import annotations
 import json
 import logging
 import resource
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -16,7 +18,7 @@ from typing import Any
 import numpy as np
 import pytorch_lightning as pl
 import torch
-from pytorch_lightning.callbacks import Callback
+from pytorch_lightning.callbacks import Callback, ProgressBar
 
 from protein_performer.atomic import write_text_atomic
 from protein_performer.errors import UserError
@@ -285,3 +287,73 @@ class TimeBudget(Callback):
         )
         out = Path(trainer.default_root_dir) / self.filename
         write_text_atomic(out, json.dumps(self.events, indent=1) + "\n")
+
+
+class LineProgressBar(ProgressBar):
+    """Training progress as one line every ``interval`` seconds, for logs (SLURM, ``| tee``).
+
+    Lightning's tqdm bar rewrites itself with carriage returns, and a log file keeps every
+    rewrite; this bar prints the step, the epoch, the logged metrics and the speed instead, plus
+    a line after every validation and one at the end.
+    """
+
+    def __init__(self, interval: float | None = None) -> None:
+        super().__init__()
+        from protein_performer.progress import interval as default_interval
+
+        self.every = default_interval() if interval is None else interval
+        self._enabled = True
+        self._start = self._last = time.monotonic()
+
+    def disable(self) -> None:
+        self._enabled = False
+
+    def enable(self) -> None:
+        self._enabled = True
+
+    def _line(self, trainer: pl.Trainer, what: str, metrics: dict[str, Any]) -> None:
+        if not self._enabled or not trainer.is_global_zero:
+            return
+        step, total = trainer.global_step, trainer.max_steps
+        rate = step / max(1e-9, time.monotonic() - self._start)
+        shown = " ".join(
+            f"{k}={float(v):.4g}"
+            for k, v in sorted(metrics.items())
+            if k != "v_num"
+            and isinstance(v, (int, float, torch.Tensor))
+            and torch.numel(torch.as_tensor(v)) == 1
+        )
+        of = f"/{total}" if total and total > 0 else ""
+        print(
+            f"{what}: step {step}{of} epoch {trainer.current_epoch} {shown} ({rate:.2f} steps/s)",
+            file=sys.stderr,
+            flush=True,
+        )
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._start = self._last = time.monotonic()
+
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any
+    ) -> None:
+        now = time.monotonic()
+        if now - self._last >= self.every:
+            self._last = now
+            self._line(trainer, "train", self.get_metrics(trainer, pl_module))
+
+    def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if not trainer.sanity_checking:
+            val = {k: v for k, v in trainer.callback_metrics.items() if k.startswith("val/")}
+            self._line(trainer, "val", val)
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._line(trainer, "done", self.get_metrics(trainer, pl_module))
+
+
+def progress_bar(refresh_rate: int = 1, interval: float | None = None) -> ProgressBar:
+    """Lightning's tqdm bar on a terminal, :class:`LineProgressBar` in a log file."""
+    from pytorch_lightning.callbacks import TQDMProgressBar
+
+    from protein_performer.progress import on_terminal
+
+    return TQDMProgressBar(refresh_rate) if on_terminal() else LineProgressBar(interval)

@@ -1,0 +1,85 @@
+"""Progress that knows where it is written: a bar on a terminal, a line now and then in a log.
+
+A tqdm bar redraws itself with carriage returns; in a SLURM log or a ``| tee`` file each redraw
+is kept, and a day-long run leaves megabytes of them. When stderr is not a terminal, progress is
+instead one plain line every ``PROGRESS_INTERVAL`` seconds (and one at the end).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from typing import Any
+
+#: Seconds between progress lines when stderr is not a terminal
+#: (``PROTEIN_PERFORMER_PROGRESS_INTERVAL`` overrides).
+PROGRESS_INTERVAL = 30.0
+
+
+def interval() -> float:
+    """The line interval in seconds, from the environment when set there."""
+    value = os.environ.get("PROTEIN_PERFORMER_PROGRESS_INTERVAL")
+    try:
+        return max(0.0, float(value)) if value else PROGRESS_INTERVAL
+    except ValueError:
+        return PROGRESS_INTERVAL
+
+
+def on_terminal() -> bool:
+    try:
+        return sys.stderr.isatty()
+    except (AttributeError, ValueError):  # closed or replaced stream
+        return False
+
+
+class LineProgress:
+    """The tqdm calls the package uses (``update``, ``close``, a context manager), printing a
+    line to stderr at most every ``interval()`` seconds and once when closed."""
+
+    def __init__(self, total: float | None = None, unit: str = "it", desc: str = "") -> None:
+        self.total, self.unit, self.desc = total, unit, desc
+        self.n = 0.0
+        self.start = self._last = time.monotonic()
+        self.every = interval()
+        self.closed = False
+
+    def update(self, n: float = 1) -> None:
+        self.n += n
+        now = time.monotonic()
+        if now - self._last >= self.every:
+            self._last = now
+            self._write(now)
+
+    def _write(self, now: float) -> None:
+        from tqdm import tqdm
+
+        meter = tqdm.format_meter(
+            self.n, self.total, now - self.start, ncols=0, prefix=self.desc, unit=self.unit,
+            unit_scale=True,
+        )  # fmt: skip
+        print(meter, file=sys.stderr, flush=True)
+
+    def close(self) -> None:
+        if not self.closed:
+            self.closed = True
+            self._write(time.monotonic())
+
+    def __enter__(self) -> LineProgress:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def progress(
+    total: float | None = None, unit: str = "it", desc: str = "", enabled: bool = True
+) -> Any:  # noqa: ANN401 - a tqdm bar or a LineProgress
+    """A tqdm bar on a terminal, a :class:`LineProgress` otherwise, a silent one when disabled."""
+    from tqdm import tqdm
+
+    if not enabled:
+        return tqdm(total=total, disable=True)
+    if on_terminal():
+        return tqdm(total=total, unit=unit, unit_scale=True, desc=desc)
+    return LineProgress(total, unit, desc)
