@@ -213,3 +213,24 @@ def test_inference_demo_step(files, tmp_path: Path) -> None:
     assert all(Path(p).exists() for p in out.values())
     with open(out["scores"], newline="") as fh:
         assert [r["id"] for r in csv.DictReader(fh)] == ["sp|P1|A_HUMAN", "b"]
+
+
+def test_closed_pipe_ends_quietly(files, tmp_path: Path) -> None:
+    """`protein-performer ... | head` closes the pipe early: exit 0, no traceback."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    out = tmp_path / "s.csv"
+    for argv in (
+        ["score", str(files["ckpt"]), str(files["fasta"]), "-", "--no-progress"],
+        ["stats", str(files["fasta"]), "--json"],
+    ):
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "protein_performer.cli.main", *argv],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            env=env,
+        )
+        proc.stdout.close()  # the reader went away before the first byte
+        err = proc.stderr.read().decode()
+        assert proc.wait(timeout=120) == 0, err
+        assert "Traceback" not in err and "BrokenPipe" not in err
+    assert not out.exists()
