@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import pytorch_lightning as pl
 import torch
+from test_train import TINY as TRAIN_TINY
 
 from protein_performer.checkpoints import nonfinite_tensors, safe_load
 from protein_performer.errors import UserError
@@ -20,24 +21,8 @@ from protein_performer.training.train import compose_config, train
 
 REPO = Path(__file__).resolve().parents[1]
 
-TINY = [
-    "experiment=demo",
-    f"paths.root_dir={REPO}",
-    "model.config.dim=32",
-    "model.config.depth=1",
-    "model.config.heads=2",
-    "model.config.ff_dim=64",
-    "model.config.nb_features=16",
-    "data.limit_records=120",
-    "data.max_len=128",
-    "data.max_tokens=1024",
-    "data.num_workers=0",
-    "callbacks.progress_bar=null",
-    "trainer.enable_progress_bar=false",
-    "trainer.enable_model_summary=false",
-    "trainer.limit_val_batches=1",
-    "trainer.max_epochs=-1",
-]
+# test_train's tiny model and data, validating on one batch, stopped by steps only.
+TINY = [*TRAIN_TINY, "trainer.limit_val_batches=1", "trainer.max_epochs=-1"]
 DIVERGE = ["model.optim.lr=1e12", "model.optim.warmup_steps=0", "trainer.gradient_clip_val=null"]
 
 
