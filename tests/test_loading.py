@@ -236,3 +236,23 @@ def test_resolve_device(monkeypatch: pytest.MonkeyPatch) -> None:
     assert resolve_device("auto") == torch.device("cuda")
     with pytest.raises(UserError, match="does not exist"):
         resolve_device("cuda:3")
+
+
+def test_non_finite_weights_are_refused_on_load_and_never_saved(trained, tmp_path: Path) -> None:
+    from protein_performer.checkpoints import save_atomic
+
+    src = trained[0]
+
+    def poison(c):
+        c["state_dict"]["model.layers.0.fc1.bias"][0] = float("nan")
+
+    bad = _edited(src, tmp_path / "nan.ckpt", poison)
+    with pytest.raises(UserError, match=r"not finite \(NaN or inf in 1 tensor\(s\): model\."):
+        load_model(bad, "cpu")
+    ckpt = torch.load(bad, weights_only=False)
+    target = tmp_path / "last.ckpt"
+    target.write_bytes(src.read_bytes())
+    with pytest.raises(UserError, match="not writing"):
+        save_atomic(ckpt, target)
+    assert target.read_bytes() == src.read_bytes()  # the previous checkpoint is untouched
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["last.ckpt", "nan.ckpt"]
