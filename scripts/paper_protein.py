@@ -50,6 +50,7 @@ import logging
 import math
 import os
 import shlex
+import shutil
 import statistics
 import subprocess
 import sys
@@ -314,11 +315,10 @@ def make_store(args: argparse.Namespace) -> Path:
 
 def execute(run: Run, store: Path, args: argparse.Namespace) -> Run:
     """Train (unless finished and ``--skip-existing``), then evaluate on test and ood."""
-    done = (run.run_dir / "time_budget.json").is_file() and (
-        run.run_dir / "checkpoints" / "last.ckpt"
-    ).is_file()
     logs = run.run_dir.parent.parent / "logs"
-    if not (args.skip_existing and done):
+    if not (args.skip_existing and finished(run)):
+        # An interrupted run's checkpoints and budget log would mix with the new run's.
+        shutil.rmtree(run.run_dir, ignore_errors=True)
         t0 = time.perf_counter()
         log.info("training %s", run.name)
         call(train_cmd(run), args.threads, logs / f"{run.name}.train.log")
@@ -334,6 +334,15 @@ def execute(run: Run, store: Path, args: argparse.Namespace) -> Run:
                 )
     run.result = collect(run, args.threads)
     return run
+
+
+def finished(run: Run) -> bool:
+    """The run's budget log has its ``end`` event (the last checkpoint is written before it)."""
+    path = run.run_dir / "time_budget.json"
+    if not path.is_file():
+        return False
+    events = json.loads(path.read_text())
+    return bool(events) and events[-1]["event"] == "end"
 
 
 def collect(run: Run, threads: int) -> dict[str, Any]:
