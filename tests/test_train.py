@@ -227,3 +227,21 @@ def test_conf_dir_from_environment(tmp_path: Path, monkeypatch: pytest.MonkeyPat
     monkeypatch.setenv("PROTEIN_PERFORMER_CONF_DIR", str(tmp_path / "nowhere"))
     with pytest.raises(UserError, match="PROTEIN_PERFORMER_CONF_DIR"):
         conf_dir()
+
+
+def test_wandb_without_an_account_is_one_error_line(tmp_path: Path) -> None:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("WANDB_")}
+    env.update(HOME=str(tmp_path), OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    argv = [*TINY, "logger=wandb", "trainer.max_steps=2", f"hydra.run.dir={tmp_path / 'run'}"]
+    proc = subprocess.run(
+        [sys.executable, "-m", "protein_performer.cli.main", "train", *argv],
+        cwd=tmp_path, capture_output=True, text=True, timeout=300, env=env,
+    )  # fmt: skip
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert (
+        len(errors) == 1
+        and "logger=wandb failed" in errors[0]
+        and "WANDB_MODE=offline" in errors[0]
+    )
+    assert "Traceback" not in proc.stderr

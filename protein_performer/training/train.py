@@ -209,6 +209,14 @@ def train(cfg: DictConfig) -> dict[str, Any]:
             saved,
         )
         raise SystemExit(PREEMPTED_EXIT) from None
+    except Exception as exc:
+        if type(exc).__module__.split(".")[0] != "wandb":
+            raise
+        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        raise UserError(
+            f"logger=wandb failed: {first} Set WANDB_MODE=offline (or logger.wandb.offline=true) "
+            "to log locally and `wandb sync` later, run `wandb login`, or use logger=csv"
+        ) from None
     metrics = {k: _scalar(v) for k, v in trainer.callback_metrics.items()}
 
     checkpoint = trainer.checkpoint_callback
