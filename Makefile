@@ -4,13 +4,17 @@ PY ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
+# PyTorch's CPU wheels: from the default index a stock pip takes the multi-GB CUDA build. Where
+# only the configured index is reachable, the second pip call falls back to it.
+TORCH_INDEX ?= https://download.pytorch.org/whl/cpu
 
 .PHONY: demo test test-slow lint bench-env clean-venv
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
-	$(BIN)/python -m pip install -q torch==2.13.0
+	$(BIN)/python -m pip install -q torch==2.13.0 --index-url $(TORCH_INDEX) --timeout 20 --retries 1 \
+	  || $(BIN)/python -m pip install -q torch==2.13.0
 	$(BIN)/python -m pip install -q -e '.[dev]'
 	touch $(STAMP)
 

@@ -126,3 +126,11 @@ def test_bench_precision_quick(tmp_path: Path, run_script) -> None:
         assert all(_finite(c) for c in cells)
     # fp16 keeps 3 more mantissa bits than bf16: its embedding error is the smaller one
     assert float(rows["fp16"][0]) < float(rows["bf16"][0])
+
+
+def test_bench_embed_store_quick(tmp_path: Path, run_script) -> None:
+    run_script("bench_embed_store.py", "--quick", "--out", str(tmp_path), timeout=600)
+    report = (tmp_path / "embed_store.md").read_text()
+    rows = [line.split("|")[1:-1] for line in report.splitlines() if line.startswith("| 1000")]
+    assert len(rows) == 1 and all(cell.strip() for cell in rows[0])
+    assert "extrapolated to UniRef50" in report
