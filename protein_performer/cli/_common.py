@@ -183,10 +183,12 @@ def load_checkpoint(args: argparse.Namespace) -> LoadedModel:
 
 
 def load_lm(args: argparse.Namespace) -> ProteinLM:
-    """``protein_performer.load`` of ``args.ckpt`` with the device, precision and threads asked."""
+    """``protein_performer.load`` of ``args.ckpt`` with the device, precision and threads asked
+    (under torchrun/SLURM, ``--device cuda``/``auto`` means this rank's own GPU)."""
     from protein_performer.inference.api import load
+    from protein_performer.inference.sharding import detect_ranks
 
-    return load(args.ckpt, args.device, args.precision, args.threads)
+    return load(args.ckpt, detect_ranks().device(args.device), args.precision, args.threads)
 
 
 def load_with_strategy(args: argparse.Namespace, masked: str) -> tuple[ProteinLM, str]:
