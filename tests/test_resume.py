@@ -116,15 +116,15 @@ def test_resume_matches_unbroken_run(tmp_path: Path, crash_step: int, extra: lis
         assert b[step] == pytest.approx(a[step], rel=1e-5), step
 
 
-class SigtermAt(pl.Callback):
-    """Sends SIGTERM to its own process after optimizer step ``step``, as a scheduler would."""
+class SignalAt(pl.Callback):
+    """Sends ``signum`` to its own process after optimizer step ``step``."""
 
-    def __init__(self, step: int) -> None:
-        self.step = step
+    def __init__(self, step: int, signum: int) -> None:
+        self.step, self.signum = step, signum
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         if trainer.global_step == self.step:
-            os.kill(os.getpid(), signal.SIGTERM)
+            os.kill(os.getpid(), self.signum)
 
 
 def test_sigterm_saves_last_and_ckpt_path_last_resumes_the_same_curve(tmp_path: Path) -> None:
@@ -134,7 +134,8 @@ def test_sigterm_saves_last_and_ckpt_path_last_resumes_the_same_curve(tmp_path: 
     cmd = [sys.executable, "-m", "protein_performer.cli.main", "train", *BASE, "run_name=job42"]
     cmd.append("ckpt_path=last")
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
-    kill = [f"+callbacks.kill._target_={__name__}.SigtermAt", "+callbacks.kill.step=6"]
+    kill = [f"+callbacks.kill._target_={__name__}.SignalAt", "+callbacks.kill.step=6"]
+    kill.append(f"+callbacks.kill.signum={int(signal.SIGTERM)}")
     env["PYTHONPATH"] = str(Path(__file__).parent)
     first = subprocess.run(
         [*cmd, *kill], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600
@@ -161,3 +162,36 @@ def test_sigterm_saves_last_and_ckpt_path_last_resumes_the_same_curve(tmp_path: 
 
 def weights_step(path: Path) -> int:
     return int(safe_load(path)["global_step"])
+
+
+def test_slurm_requeue_signal_checkpoint_is_found_by_ckpt_path_last(tmp_path: Path) -> None:
+    # Lightning's SLURM handling: USR1 saves hpc_ckpt_1.ckpt in the run directory (then tries
+    # `scontrol requeue`, absent here); the job is then killed hard. The relaunch, same
+    # run_name, resumes from that checkpoint, the newest one, through ckpt_path=last.
+    slurm = {
+        "SLURM_NTASKS": "1", "SLURM_JOB_NAME": "pp", "SLURM_JOB_ID": "4242", "SLURM_PROCID": "0",
+        "SLURM_LOCALID": "0", "SLURM_NODEID": "0", "SLURM_NODELIST": "localhost",
+    }  # fmt: skip
+    env = {**os.environ, **slurm, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+    env["PYTHONPATH"] = str(Path(__file__).parent)
+    cmd = [sys.executable, "-m", "protein_performer.cli.main", "train", *BASE, "ckpt_path=last"]
+    cmd += ["run_name=job4242", "trainer.max_epochs=-1", "trainer.max_steps=8"]
+    signals = [
+        f"+callbacks.usr1._target_={__name__}.SignalAt", "+callbacks.usr1.step=5",
+        f"+callbacks.usr1.signum={int(signal.SIGUSR1)}",
+        f"+callbacks.kill._target_={__name__}.SignalAt", "+callbacks.kill.step=6",
+        f"+callbacks.kill.signum={int(signal.SIGKILL)}",
+    ]  # fmt: skip
+    first = subprocess.run(
+        [*cmd, *signals], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600
+    )
+    assert first.returncode == -signal.SIGKILL, first.stderr[-3000:]
+    run_dir = tmp_path / "outputs" / "demo" / "job4242"
+    assert weights_step(run_dir / "hpc_ckpt_1.ckpt") == 5
+    assert weights_step(run_dir / "checkpoints" / "last.ckpt") == 4  # the epoch-end validation
+    second = subprocess.run(
+        cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600
+    )
+    assert second.returncode == 0, second.stderr[-3000:]
+    assert "hpc_ckpt_1.ckpt" in second.stdout + second.stderr
+    assert weights_step(run_dir / "checkpoints" / "last.ckpt") == 8
