@@ -210,7 +210,7 @@ def plan_runs(args: argparse.Namespace, store: Path) -> list[Run]:
                 ]
                 run_dir = out / "runs" / f"{part}-{variant}-s{seed}"
                 runs.append(Run(part, variant, seed, overrides, run_dir))
-        if "concat" in parts:
+        if "concat" in parts and seed < args.concat_seeds:
             concat_variants = {
                 f"favor-{args.concat_kernel}": (ATTENTION[f"favor-{args.concat_kernel}"], False),
                 "exact": (ATTENTION["exact"], False),
@@ -248,6 +248,7 @@ def eval_cmd(run: Run, store: Path, split: str, args: argparse.Namespace) -> lis
         f"data={store}",
         f"split={split}",
         f"max_len={args.max_len}",
+        f"limit={args.eval_limit}" if args.eval_limit else "limit=null",
         f"seed={args.eval_seed}",
         f"device={'cpu' if args.trainer == 'cpu' else 'auto'}",
         "progress=false",
@@ -316,7 +317,7 @@ def make_store(args: argparse.Namespace) -> Path:
 def execute(run: Run, store: Path, args: argparse.Namespace) -> Run:
     """Train (unless finished and ``--skip-existing``), then evaluate on test and ood."""
     logs = run.run_dir.parent.parent / "logs"
-    if not (args.skip_existing and finished(run)):
+    if not (args.skip_existing and finished(run, float(f"{args.minutes * 60:g}"))):
         # An interrupted run's checkpoints and budget log would mix with the new run's.
         shutil.rmtree(run.run_dir, ignore_errors=True)
         t0 = time.perf_counter()
@@ -336,13 +337,14 @@ def execute(run: Run, store: Path, args: argparse.Namespace) -> Run:
     return run
 
 
-def finished(run: Run) -> bool:
-    """The run's budget log has its ``end`` event (the last checkpoint is written before it)."""
+def finished(run: Run, budget_s: float) -> bool:
+    """The run's budget log has its ``end`` event (the last checkpoint is written before it),
+    for this budget."""
     path = run.run_dir / "time_budget.json"
     if not path.is_file():
         return False
     events = json.loads(path.read_text())
-    return bool(events) and events[-1]["event"] == "end"
+    return bool(events) and events[-1]["event"] == "end" and events[-1]["budget_s"] == budget_s
 
 
 def collect(run: Run, threads: int) -> dict[str, Any]:
@@ -384,7 +386,8 @@ def baselines(store: Path, args: argparse.Namespace) -> dict[tuple[str, str], di
     out = {}
     for objective in ("clm", "mlm"):
         for split in SPLITS:
-            held = StoreSubset(st, st.indices(split))
+            idx = st.indices(split)
+            held = StoreSubset(st, idx[: args.eval_limit] if args.eval_limit else idx)
             out[(objective, split)] = unigram_baseline(
                 train, held, objective, args.max_len, 0.15, args.eval_seed
             )
@@ -589,6 +592,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--eval-seed", type=int, default=0, help="seed of the BID test/OOD masks")
     p.add_argument(
+        "--eval-limit",
+        type=int,
+        default=0,
+        help="score only the first N records of test and ood (default 0: all)",
+    )
+    p.add_argument(
+        "--concat-seeds", type=int, default=None, help="seeds of the concatenated part (--seeds)"
+    )
+    p.add_argument(
         "--skip-existing", action="store_true", help="reuse finished runs and evaluations"
     )
     p.add_argument(
@@ -614,6 +626,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.data = [
             str((ROOT / x).resolve()) for x in (QUICK_DATA if args.quick else DEFAULT_DATA)
         ]
+    if args.concat_seeds is None:
+        args.concat_seeds = args.seeds
     args.seeds = list(range(args.seeds))
     return args
 
