@@ -58,6 +58,28 @@ def test_divergence_stops_the_run_and_saves_nothing_non_finite(tmp_path: Path) -
         assert not nonfinite_tensors(safe_load(ckpt)["state_dict"]), ckpt
 
 
+class PoisonAtEpochEnd(pl.Callback):
+    """NaN weights with no loss computed after them: only the save-time check can see them."""
+
+    def on_train_epoch_end(self, trainer, pl_module) -> None:
+        with torch.no_grad():
+            pl_module.model.lm_head.bias.fill_(float("inf"))
+
+
+def test_non_finite_weights_are_never_written(tmp_path: Path) -> None:
+    target = f"{PoisonAtEpochEnd.__module__}.{PoisonAtEpochEnd.__qualname__}"
+    with pytest.raises(TrainingDivergedError, match="weights are not finite.*not writing"):
+        _train(
+            tmp_path,
+            "trainer.limit_val_batches=0",
+            "trainer.limit_train_batches=2",
+            "trainer.max_steps=-1",
+            "trainer.max_epochs=1",
+            f"+callbacks.poison._target_={target}",
+        )
+    assert not list(tmp_path.rglob("*.ckpt")) and not list(tmp_path.rglob(".*.tmp"))
+
+
 def test_validation_nan_is_not_dropped() -> None:
     from protein_performer.training.lit_module import ProteinLMModule
 

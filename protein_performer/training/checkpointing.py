@@ -19,6 +19,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+from itertools import chain
 from pathlib import Path
 from typing import Any
 
@@ -114,12 +115,16 @@ class RunCheckpoint(ModelCheckpoint):
                 log.info("removed %d temporary file(s) of a killed run", len(stale))
 
     def _save_checkpoint(self, trainer: pl.Trainer, filepath: str) -> None:
-        bad = nonfinite_tensors(trainer.lightning_module.state_dict())
-        if bad:
+        # Each rank checks the tensors it holds (a shard under FSDP: no gathering) and the
+        # ranks agree on the decision, as every rank saves at the same point.
+        module = trainer.lightning_module
+        bad = nonfinite_tensors(dict(chain(module.named_parameters(), module.named_buffers())))
+        if trainer.strategy.reduce_boolean_decision(bool(bad), all=False):
             error = TrainingDivergedError(
                 _divergence_message(
                     trainer,
-                    f"the weights are not finite ({', '.join(bad[:3])}); not writing {filepath}",
+                    f"the weights are not finite ({', '.join(bad[:3]) or 'on another rank'}); "
+                    f"not writing {filepath}",
                     None,
                     trainer.lightning_module,
                 )
