@@ -145,6 +145,11 @@ def test_score_variants(files, tmp_path: Path, capsys) -> None:
     with open(out, newline="") as fh:
         rows = list(csv.reader(fh))
     assert rows[0] == ["mutant", "fit", "masked-marginals"] and rows[3][2] == ""
+    argv = ["score-variants", str(files["ckpt"]), "--wt", str(files["wt"]), "--mutations"]
+    assert main([*argv, str(files["dms"]), "--out", "-", "--no-progress"]) == 0
+    printed = capsys.readouterr()  # the table on stdout, the summary on stderr
+    assert list(csv.reader(printed.out.splitlines())) == rows
+    assert "scored 3 of 4 row(s)" in printed.err
 
 
 def test_export_and_eval(files, tmp_path: Path, capsys) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import sys
 
 from protein_performer.cli._common import (
     add_ckpt,
@@ -49,7 +50,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--mutations", required=True, metavar="CSV", help="table of mutations (.csv or .tsv)"
     )
-    p.add_argument("--out", required=True, metavar="CSV", help="output table (.csv or .tsv)")
+    p.add_argument(
+        "--out", required=True, metavar="CSV", help="output table (.csv or .tsv; - for stdout)"
+    )
     p.add_argument(
         "--strategy",
         choices=("masked-marginals", "wt-marginals", "pseudo-ppl", "causal"),
@@ -99,19 +102,24 @@ def run(args: argparse.Namespace) -> int:
         limit_rows=args.limit_rows,
         progress=not args.no_progress,
     )
+    say = sys.stderr if args.out == "-" else sys.stdout  # stdout may be the table itself
+    where = "standard output" if args.out == "-" else summary.out
     print(
-        f"scored {summary.scored} of {summary.rows} row(s) with {strategy} -> {summary.out}"
-        + (f" ({len(summary.skipped)} not scored, see the warning)" if summary.skipped else "")
+        f"scored {summary.scored} of {summary.rows} row(s) with {strategy} -> {where}"
+        + (f" ({len(summary.skipped)} not scored, see the warning)" if summary.skipped else ""),
+        file=say,
     )
     if args.label_col is not None:
         if summary.spearman is None:
             print(
                 f"Spearman rho vs {args.label_col!r}: not defined "
-                f"({summary.spearman_n} scored row(s) with a numeric label)"
+                f"({summary.spearman_n} scored row(s) with a numeric label)",
+                file=say,
             )
         else:
             print(
                 f"Spearman rho vs {args.label_col!r}: {summary.spearman:.4f} "
-                f"(n = {summary.spearman_n})"
+                f"(n = {summary.spearman_n})",
+                file=say,
             )
     return 0

@@ -571,7 +571,7 @@ def score_variants_file(
     scores: list[float | None] = [None if v is None else next(it) for v in parsed]
 
     width = len(header)
-    with atomic_output(out) as tmp, open(tmp, "w", newline="", encoding="utf-8") as fh:
+    with text_output(out) as fh:
         writer = csv.writer(fh, delimiter=_delimiter(out))
         writer.writerow([*header, score_col])
         for (_, row), s in zip(rows, scores, strict=True):
