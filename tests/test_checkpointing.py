@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import pytorch_lightning as pl
 import torch
+from test_ddp import torchrun
 from test_train import TINY as TRAIN_TINY
 
 from protein_performer.checkpoints import nonfinite_tensors, safe_load
@@ -153,17 +154,7 @@ def ddp_worker(out_dir: Path) -> None:
 
 @pytest.mark.slow
 def test_ddp_ranks_stop_together_on_one_ranks_nan(tmp_path: Path) -> None:
-    cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-        __file__, str(tmp_path),
-    ]  # fmt: skip
-    env = {
-        **os.environ,
-        "OMP_NUM_THREADS": "1",
-        "PYTHONPATH": str(REPO),
-        "PYTHONWARNINGS": "ignore",
-    }
-    proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    proc = torchrun(__file__, tmp_path, timeout=300)  # a hang would be a rank left waiting
     out = proc.stdout + proc.stderr
     assert proc.returncode != 0, out[-3000:]
     errors = [line for line in out.splitlines() if line.startswith("error:")]

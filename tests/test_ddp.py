@@ -87,14 +87,22 @@ def worker(out_dir: Path) -> None:
     train(compose_config(overrides, output_dir=out_dir / "run"))
 
 
-@pytest.mark.slow
-def test_ddp_two_cpu_ranks(tmp_path: Path) -> None:
+def torchrun(script: str, out_dir: Path, timeout: float = 600) -> subprocess.CompletedProcess:
+    """``script OUT_DIR`` on 2 CPU ranks under torchrun, as a real multi-GPU job is launched."""
     cmd = [
         sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-        __file__, str(tmp_path),
+        script, str(out_dir),
     ]  # fmt: skip
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
-    proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    env["PYTHONWARNINGS"] = "ignore"
+    return subprocess.run(
+        cmd, cwd=out_dir, env=env, capture_output=True, text=True, timeout=timeout
+    )
+
+
+@pytest.mark.slow
+def test_ddp_two_cpu_ranks(tmp_path: Path) -> None:
+    proc = torchrun(__file__, tmp_path)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
 
     ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in (0, 1)]
