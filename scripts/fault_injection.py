@@ -4,8 +4,9 @@ writes, and check that the previous or the new complete output is always there a
 
 Each command first writes a complete output once. Every trial then reruns it over that output
 (``--overwrite``, or ``ckpt_path=last`` for training) and SIGKILLs it when the output's temporary
-file (or temporary directory) reaches a random byte size drawn below the output's full size, so
-kills land inside the write; a trial whose command finishes first counts as a miss. After each
+file (or temporary directory) reaches a random byte size (uniform up to 1.25 x the output's
+size), so most kills land inside the write; a trial whose command finishes first counts as a
+miss and must leave the new output. After each
 kill the output must load (a checkpoint through the safe loader, a store with ``TokenStore``,
 embeddings with h5py, an export with ``load_model``) and be either the previous version or a
 new one; the next trial's run must remove the temporaries the killed one left.
@@ -266,7 +267,9 @@ def run_scenario(s: Scenario, trials: int, rng: np.random.Generator, log: Path) 
     previous = s.fingerprint()
     for i in range(trials):
         full = _size(s.output)
-        target = int(rng.integers(1, max(2, full)))
+        # Mostly inside the write; one draw in five beyond its end, so that some runs finish
+        # and publish a new output (the second branch of "previous or new").
+        target = int(rng.integers(1, max(2, full * 5 // 4)))
         left_before = _temps(s.output)
         trial = run_and_kill(s.argv(i), s.output, target, 300, log, log.parent)
         trial.command, trial.index = s.name, i
