@@ -604,6 +604,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--skip-existing", action="store_true", help="reuse finished runs and evaluations"
     )
     p.add_argument(
+        "--report-only",
+        action="store_true",
+        help="train and evaluate nothing: report the runs in --out that finished",
+    )
+    p.add_argument(
         "--quick",
         action="store_true",
         help="smoke run: tiny models, the bundled demo FASTA, 3 CPU-seconds per run, 1 seed",
@@ -642,8 +647,15 @@ def main(argv: list[str] | None = None) -> int:
     runs = plan_runs(args, store)
     for run in runs:
         print(f"# {run.name}\n{shown(train_cmd(run), args.threads)}", flush=True)
-    with ThreadPoolExecutor(max_workers=max(1, args.jobs)) as pool:
-        runs = list(pool.map(lambda r: execute(r, store, args), runs))
+    if args.report_only:
+        budget = float(f"{args.minutes * 60:g}")
+        runs = [r for r in runs if finished(r, budget)]
+        for run in runs:
+            run.result = collect(run, args.threads)
+        log.info("reporting the %d finished runs", len(runs))
+    else:
+        with ThreadPoolExecutor(max_workers=max(1, args.jobs)) as pool:
+            runs = list(pool.map(lambda r: execute(r, store, args), runs))
     base = baselines(store, args)
     print(report(runs, base, args))
     return 0
