@@ -1,0 +1,135 @@
+"""The README's command lines run as written on the bundled data.
+
+Every ``protein-performer`` line of the README's bash blocks is run, with only its placeholders
+filled in (``CKPT``: a tiny trained masked LM, ``CLM_CKPT``: a tiny causal one), in a scratch
+directory that sees the repository's ``data/``. Lines that need a download, a GPU, a cluster
+or hours are listed in ``SKIP`` with the reason; a README line that is neither run nor skipped
+fails the test, so new lines get checked too. Training lines other than ``debug=fdr`` itself
+run with ``debug=fdr`` appended (one batch through everything) in the slow suite.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+import re
+import shlex
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from protein_performer.cli.main import main
+from protein_performer.inference.loading import export_model
+from tests.test_embedding import tiny_loaded
+from tests.test_loading import fit_checkpoint
+
+ROOT = Path(__file__).resolve().parents[1]
+
+#: Substrings of README lines that are not run here, and why.
+SKIP = {
+    "uniref50": "needs UniRef50 (a download)",
+    "esm2_t6_8M_UR50D.pt": "needs ESM-2 weights (a download)",
+    "init_from=esm2_8m": "needs converted ESM-2 weights (a download)",
+    "trainer=gpu": "needs a GPU",
+    "experiment=small_": "trains on ../shared/data for hours",
+    "<run>": "names a run directory of the reader's own",
+    "<time>": "names a run directory of the reader's own",
+    "[--": "shows optional flags in brackets",
+    "--help": "help texts are tested by test_cli_* and test_train",
+    "--ood-taxa": "the bundled FASTA headers carry no TaxID",
+}
+PLACEHOLDERS = {"CKPT", "CLM_CKPT"}
+
+
+def readme_lines() -> list[str]:
+    text = (ROOT / "README.md").read_text()
+    lines = []
+    for block in re.findall(r"```bash\n(.*?)```", text, re.S):
+        for line in block.replace("\\\n", " ").splitlines():
+            line = line.split("  #")[0].split(" # ")[0].strip()
+            if line.startswith("protein-performer "):
+                lines.append(line)
+    return lines
+
+
+def skipped(line: str) -> str | None:
+    if "../shared" in line and not (ROOT.parent / "shared").is_dir():
+        return "../shared is not checked out beside the repository"
+    if ("--cluster-split" in line or "=store " in line) and shutil.which("mmseqs") is None:
+        return "MMseqs2 is not installed"
+    return next((why for key, why in SKIP.items() if key in line), None)
+
+
+@pytest.fixture(scope="module")
+def scratch(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    base = tmp_path_factory.mktemp("readme")
+    work = base / "work"  # the reader's checkout: data/ here, ../shared beside it
+    work.mkdir()
+    (work / "data").symlink_to(ROOT / "data")
+    if (ROOT.parent / "shared").is_dir():
+        (base / "shared").symlink_to(ROOT.parent / "shared")
+    ckpt, _ = fit_checkpoint(base / "fit")
+    clm = export_model(tiny_loaded("clm"), base / "fit" / "clm_export")
+    return {"dir": work, "CKPT": str(ckpt), "CLM_CKPT": str(clm)}
+
+
+def fill(line: str, scratch: dict) -> list[str]:
+    """The line's arguments with placeholders filled in and globs expanded (as a shell would)."""
+    out = []
+    for arg in shlex.split(line)[1:]:
+        for name in sorted(PLACEHOLDERS, key=len, reverse=True):
+            arg = re.sub(rf"(?<![A-Z_]){name}(?![A-Z_])", scratch[name], arg)
+        matches = sorted(glob.glob(arg, root_dir=scratch["dir"])) if "*" in arg else []
+        out.extend(matches or [arg])
+    return out
+
+
+def run_subprocess(argv: list[str], cwd: Path) -> subprocess.CompletedProcess:
+    """Training lines run as their own process, as Hydra apps do."""
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "WANDB_MODE": "offline",
+        "PYTHONWARNINGS": "ignore",
+    }
+    env.pop("PROTEIN_PERFORMER_ROOT", None)
+    return subprocess.run(
+        [sys.executable, "-m", "protein_performer.cli.main", *argv],
+        cwd=cwd, capture_output=True, text=True, timeout=600, env=env,
+    )  # fmt: skip
+
+
+def _is_training(line: str) -> bool:
+    return line.startswith("protein-performer train ")
+
+
+def test_readme_inference_and_data_lines_run(scratch: dict, monkeypatch, capsys) -> None:
+    """Inference and data lines in this process (the CLI's own entry point; no interpreter
+    start-up per line), in order, in the scratch checkout; `train ... debug=fdr` as a process."""
+    monkeypatch.chdir(scratch["dir"])
+    monkeypatch.delenv("PROTEIN_PERFORMER_ROOT", raising=False)
+    ran = 0
+    for line in readme_lines():
+        if skipped(line) or (_is_training(line) and "debug=fdr" not in line):
+            continue
+        argv = fill(line, scratch)
+        if _is_training(line):
+            proc = run_subprocess(argv, scratch["dir"])
+            assert proc.returncode == 0, f"{line}\n{proc.stderr[-3000:]}"
+        else:
+            capsys.readouterr()
+            assert main(argv) == 0, f"{line}\n{capsys.readouterr().err[-3000:]}"
+        ran += 1
+    assert ran >= 10
+
+
+@pytest.mark.slow
+def test_readme_training_lines_run(scratch: dict) -> None:
+    for line in readme_lines():
+        if skipped(line) or not _is_training(line) or "debug=fdr" in line:
+            continue
+        proc = run_subprocess([*fill(line, scratch), "debug=fdr"], scratch["dir"])
+        assert proc.returncode == 0, f"{line}\n{proc.stderr[-3000:]}"
