@@ -20,8 +20,10 @@ import pytest
 
 from protein_performer.cli.main import main
 from protein_performer.data.tokenizer import STANDARD_AA
+from protein_performer.inference.contact_maps import read_contacts
+from protein_performer.inference.contacts import ContactRegression, model_identity
 from protein_performer.inference.embedding import read_embeddings
-from protein_performer.inference.loading import export_model
+from protein_performer.inference.loading import export_model, load_model
 from protein_performer.inference.sharding import finished_parts, parts_dir, windows
 from tests.test_embedding import tiny_loaded
 
@@ -140,14 +142,26 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.mark.parametrize("command", ["embed", "score"])
+@pytest.mark.parametrize("command", ["embed", "score", "predict-contacts"])
 def test_two_torchrun_ranks_equal_one_process(model: Path, tmp_path: Path, command: str) -> None:
     fasta = tmp_path / "in.fasta"
     ids = write_fasta(fasta, 120 if command == "embed" else 24)  # pseudo-ppl: L passes each
-    suffix = ".h5" if command == "embed" else ".csv"
+    suffix = ".csv" if command == "score" else ".h5"
     one, two = tmp_path / f"one{suffix}", tmp_path / f"two{suffix}"
     common = [str(model), str(fasta)]
     opts = ["--toks-per-batch", "16" if command == "embed" else "4", "--no-progress"]
+    if command == "predict-contacts":  # a regression over the tiny model's 2 x 2 heads
+        loaded = load_model(model, "cpu")
+        reg = ContactRegression(
+            np.array([0.5, -1.0, 2.0, 0.1]), -1.0, [1, 2], [0, 1], **model_identity(loaded)
+        )
+        opts = [
+            "--regression",
+            str(reg.save(tmp_path / "reg.json")),
+            "--dense-max-length",
+            "40",
+            "--no-progress",
+        ]
     assert cli(command, *common, str(one), *opts).returncode == 0
     launch = [
         sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", "2",
@@ -168,4 +182,14 @@ def test_two_torchrun_ranks_equal_one_process(model: Path, tmp_path: Path, comma
             )
         return
     assert ids_of(two) == ids_of(one) == ids
+    if command == "predict-contacts":
+        a, b = read_contacts(one), read_contacts(two)
+        assert list(a) == list(b) == ids
+        for rid in ids:
+            for field in ("dense", "i", "j", "p"):
+                x, y = getattr(a[rid], field), getattr(b[rid], field)
+                assert (x is None) == (y is None)
+                if x is not None:
+                    np.testing.assert_allclose(x, y, atol=1e-3)  # float16 values
+        return
     np.testing.assert_allclose(read_embeddings(two), read_embeddings(one), atol=1e-6)

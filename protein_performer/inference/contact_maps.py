@@ -27,7 +27,7 @@ import json
 import logging
 import math
 import os
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -37,6 +37,15 @@ import torch
 
 from protein_performer.errors import UserError
 from protein_performer.inference.attention_maps import encode_sequence, run_with_qk
+from protein_performer.inference.columns import (
+    HEADER_COLUMNS,
+    RECORD_COLUMNS,
+    Column,
+    ColumnFile,
+    Layout,
+    header_column,
+    record_columns,
+)
 from protein_performer.inference.contacts import (
     MIN_SEPARATION,
     ContactRegression,
@@ -318,16 +327,20 @@ class ContactsSummary:
     sparse: int
 
 
-def _appender(h5, name: str, dtype: Any) -> Callable[[np.ndarray], None]:
-    """A 1-D dataset grown chunk by chunk (memory independent of the number of records)."""
-    ds = h5.create_dataset(name, shape=(0,), maxshape=(None,), dtype=dtype, chunks=(1 << 16,))
-
-    def append(values: np.ndarray) -> None:
-        n = ds.shape[0]
-        ds.resize((n + len(values),))
-        ds[n:] = values
-
-    return append
+def _layout(dtype: str) -> Layout:
+    values = DTYPES[dtype]
+    return Layout(
+        RECORD_COLUMNS,
+        {
+            **HEADER_COLUMNS,
+            "dense_offsets": (Column("dense_values", values),),
+            "pair_offsets": (
+                Column("pair_i", np.int32),
+                Column("pair_j", np.int32),
+                Column("pair_p", values),
+            ),
+        },
+    )
 
 
 def predict_contacts_fasta(
@@ -343,17 +356,18 @@ def predict_contacts_fasta(
     on_invalid: str = "error",
     progress: bool = True,
     regression_source: str = "",
+    toks_per_batch: int = 512,
 ) -> ContactsSummary:
-    """Contact maps of every FASTA record into one columnar HDF5 file, written atomically.
+    """Contact maps of every record (FASTA or store) into one columnar HDF5 file.
 
-    Layout (one array per field, offsets instead of one group per record)::
+    Layout (:mod:`protein_performer.inference.columns`; one array per field)::
 
         /                 attrs: format, format_version, checkpoint, model_sha256, regression
                                  (its JSON), regression_source, dtype, dense_max_length,
                                  top_k_per_length, min_separation, num_records
-        ids               (N,) utf-8, record ids in FASTA order
+        ids               (N,) utf-8, record ids in input order
         lengths           (N,) int64
-        record_numbers    (N,) int64, 1-based position in the FASTA file
+        record_numbers    (N,) int64, 1-based position in the input
         header_bytes      (sum,) uint8, gzip: the FASTA header lines (no '>'), back to back;
         header_offsets    (N+1,) int64: record n's header is header_bytes[o[n]:o[n+1]]
         dense_offsets     (N+1,) int64 into dense_values; record n's map is
@@ -362,10 +376,17 @@ def predict_contacts_fasta(
         pair_offsets      (N+1,) int64 into pair_i/pair_j/pair_p (empty when dense)
         pair_i, pair_j    int32 residue indices (0-based, i < j); pair_p probabilities,
                           most probable first within a record
+
+    Written like ``embed``'s file: windows of records (about ``toks_per_batch`` * 32 residues;
+    dense maps are L^2 each, hence the small default) become parts, merged at the end, so
+    ranks of a ``torchrun``/SLURM job split the records
+    (:mod:`protein_performer.inference.sharding`).
     """
     import h5py
 
-    from protein_performer.inference.embedding import atomic_output, read_records
+    from protein_performer.atomic import atomic_file
+    from protein_performer.inference.embedding import atomic_output, input_records
+    from protein_performer.inference.sharding import rank_label, run_sharded, windows
     from protein_performer.progress import progress as progress_bar
 
     if dtype not in DTYPES:
@@ -374,65 +395,85 @@ def predict_contacts_fasta(
     regression = regression or find_regression(loaded)
     sha = weights_sha256(loaded.model)
     regression.check_model(loaded, sha)
-    records = read_records(fasta, on_invalid)
-    str_dt = h5py.string_dtype("utf-8")
-    n_dense = n_sparse = 0
-    with atomic_output(out) as tmp, h5py.File(tmp, "w") as h5:
-        attrs = {
-            "format": FORMAT_NAME,
-            "format_version": FORMAT_VERSION,
-            "checkpoint": str(loaded.source),
-            "model_sha256": sha,
-            "regression": json.dumps(regression.to_dict(), sort_keys=True),
-            "regression_source": regression_source,
-            "dtype": dtype,
-            "dense_max_length": dense_max_length,
-            "top_k_per_length": top_k_per_length,
-            "min_separation": min_separation,
-            "num_records": len(records),
-        }
-        h5.attrs.update(attrs)
-        h5.create_dataset("ids", data=[r.id for r in records], dtype=str_dt)
-        headers = [
-            (f"{r.id} {r.description}" if r.description else r.id).encode() for r in records
+    layout = _layout(dtype)
+    attrs = {
+        "format": FORMAT_NAME,
+        "format_version": FORMAT_VERSION,
+        "checkpoint": str(loaded.source),
+        "model_sha256": sha,
+        "regression": json.dumps(regression.to_dict(), sort_keys=True),
+        "regression_source": regression_source,
+        "dtype": dtype,
+        "dense_max_length": dense_max_length,
+        "top_k_per_length": top_k_per_length,
+        "min_separation": min_separation,
+    }
+    kinds = {"dense": 0, "sparse": 0}
+    bar = progress_bar(None, "res", rank_label("contacts"), progress)
+
+    def write_part(part: Path, window: list) -> None:
+        maps = [
+            predict_contacts(
+                loaded,
+                r.sequence,
+                regression,
+                dense_max_length=dense_max_length,
+                top_k_per_length=top_k_per_length,
+                min_separation=min_separation,
+                checked=True,
+            )
+            for r in window
         ]
-        h5.create_dataset("lengths", data=[len(r.sequence) for r in records], dtype=np.int64)
-        h5.create_dataset("record_numbers", data=[r.number for r in records], dtype=np.int64)
-        blob = np.frombuffer(b"".join(headers), dtype=np.uint8)
-        h5.create_dataset("header_bytes", data=blob, compression="gzip")
-        offsets = np.concatenate([[0], np.cumsum([len(h) for h in headers])]).astype(np.int64)
-        h5.create_dataset("header_offsets", data=offsets)
-        dense_values = _appender(h5, "dense_values", np_dtype)
-        pair_i = _appender(h5, "pair_i", np.int32)
-        pair_j = _appender(h5, "pair_j", np.int32)
-        pair_p = _appender(h5, "pair_p", np_dtype)
-        dense_off, pair_off = [0], [0]
-        bar = progress_bar(sum(len(r.sequence) for r in records), "res", "contacts", progress)
-        with bar:
-            for r in records:
-                cmap = predict_contacts(
-                    loaded,
-                    r.sequence,
-                    regression,
-                    dense_max_length=dense_max_length,
-                    top_k_per_length=top_k_per_length,
-                    min_separation=min_separation,
-                    checked=True,
-                )
-                if cmap.dense is not None:
-                    dense_values(cmap.dense.reshape(-1).astype(np_dtype))
-                    n_dense += 1
-                else:
-                    pair_i(cmap.i.astype(np.int32))
-                    pair_j(cmap.j.astype(np.int32))
-                    pair_p(cmap.p.astype(np_dtype))
-                    n_sparse += 1
-                dense_off.append(dense_off[-1] + (0 if cmap.dense is None else cmap.dense.size))
-                pair_off.append(pair_off[-1] + (0 if cmap.p is None else len(cmap.p)))
-                bar.update(len(r.sequence))
-        h5.create_dataset("dense_offsets", data=np.asarray(dense_off, dtype=np.int64))
-        h5.create_dataset("pair_offsets", data=np.asarray(pair_off, dtype=np.int64))
-    return ContactsSummary(Path(out), len(records), n_dense, n_sparse)
+        dense = [m.dense.reshape(-1) for m in maps if m.dense is not None]
+        sparse = [m for m in maps if m.dense is None]
+        kinds["dense"] += len(dense)
+        kinds["sparse"] += len(sparse)
+
+        def cat(arrays: list[np.ndarray], dt: Any) -> np.ndarray:  # noqa: ANN401
+            return np.concatenate(arrays).astype(dt) if arrays else np.zeros(0, dt)
+
+        ragged = {
+            "header_offsets": header_column(window),
+            "dense_offsets": (
+                np.asarray([0 if m.dense is None else m.dense.size for m in maps]),
+                {"dense_values": cat(dense, np_dtype)},
+            ),
+            "pair_offsets": (
+                np.asarray([0 if m.p is None else len(m.p) for m in maps]),
+                {
+                    "pair_i": cat([m.i for m in sparse], np.int32),
+                    "pair_j": cat([m.j for m in sparse], np.int32),
+                    "pair_p": cat([m.p for m in sparse], np_dtype),
+                },
+            ),
+        }
+        with atomic_file(part, suffix=".h5") as tmp, h5py.File(tmp, "w") as h5:
+            cols = ColumnFile(h5, layout, attrs)
+            cols.append(record_columns(window), ragged)
+            cols.finish()
+        bar.update(sum(len(r.sequence) for r in window))
+
+    def merge(parts: list[Path]) -> int:
+        if not parts:
+            raise UserError(f"{fasta}: no valid records to process")
+        with atomic_output(out) as tmp, h5py.File(tmp, "w") as h5:
+            cols = ColumnFile(h5, layout, attrs)
+            for part in parts:
+                with h5py.File(part, "r") as src:
+                    cols.copy_from(src)
+            return cols.finish()
+
+    records = input_records(fasta, on_invalid)
+    with bar:
+        _, total = run_sharded(
+            Path(out).expanduser(),
+            ".h5",
+            windows(records, toks_per_batch, lambda r: len(r.sequence)),
+            write_part,
+            merge,
+            fresh=True,
+        )
+    return ContactsSummary(Path(out), total, kinds["dense"], kinds["sparse"])
 
 
 def read_contacts(

@@ -47,6 +47,15 @@ import torch
 
 from protein_performer.atomic import atomic_file
 from protein_performer.errors import UserError
+from protein_performer.inference.columns import (
+    HEADER_COLUMNS,
+    RECORD_COLUMNS,
+    Column,
+    ColumnFile,
+    Layout,
+    header_column,
+    record_columns,
+)
 from protein_performer.inference.loading import LoadedModel
 
 if TYPE_CHECKING:
@@ -57,8 +66,6 @@ log = logging.getLogger(__name__)
 FORMAT_NAME = "protein_performer.embeddings"
 FORMAT_VERSION = 2
 INCLUDE_CHOICES = ("mean", "per_tok", "bos")
-#: Rows per HDF5 chunk of an (n, D) array: about 256 KiB, so appends and reads stay cheap.
-_CHUNK_BYTES = 1 << 18
 
 
 # --------------------------------------------------------------------------------------------
@@ -238,102 +245,18 @@ def embed_sequences(
 # --------------------------------------------------------------------------------------------
 # The columnar file
 # --------------------------------------------------------------------------------------------
-class _Columns:
-    """Appends records to the datasets of one embeddings file (see the module docstring).
-
-    Every dataset is chunked and grown per append, so writing costs one resize per window and
-    memory never holds more than the window being appended.
-    """
-
-    def __init__(self, h5, attrs: dict) -> None:  # noqa: ANN001 - h5py.File
-        import h5py
-
-        self.h5 = h5
-        self.attrs = dict(attrs)
-        h5.attrs.update(self.attrs)
-        self.include = json.loads(self.attrs["include"])
-        self.layers = [int(x) for x in self.attrs["repr_layers"]]
-        self.dim = int(self.attrs["dim"])
-        rows = max(64, _CHUNK_BYTES // (4 * self.dim))
-        self._str = h5py.string_dtype("utf-8")
-        self.ds: dict[str, Any] = {}
-
-        def grow(name: str, dtype: Any, width: int | None = None, **kw: Any) -> None:
-            shape = (0,) if width is None else (0, width)
-            chunks = (4096,) if width is None else (rows, width)
-            maxshape = (None,) if width is None else (None, width)
-            self.ds[name] = h5.create_dataset(
-                name, shape=shape, maxshape=maxshape, chunks=chunks, dtype=dtype, **kw
-            )
-
-        grow("ids", self._str)
-        grow("lengths", np.int64)
-        grow("record_numbers", np.int64)
-        grow("header_bytes", np.uint8, compression="gzip")
-        for kind in self.include:
-            for layer in self.layers:
-                grow(f"{kind}/{layer}", np.float32, self.dim)
-        self.header_offsets = [0]
-        self.tok_offsets = [0]
-
-    @staticmethod
-    def _append(ds: Any, values: np.ndarray) -> None:
-        n = ds.shape[0]
-        ds.resize(n + len(values), axis=0)
-        ds[n:] = values
-
-    def append(
-        self,
-        ids: Sequence[str],
-        lengths: np.ndarray,
-        numbers: np.ndarray,
-        header_bytes: np.ndarray,
-        header_lengths: np.ndarray,
-        arrays: dict[str, np.ndarray],
-    ) -> None:
-        """Add records: ``arrays`` maps ``kind/layer`` to (n, D) pooled or (sum L, D) rows."""
-        if not len(ids):
-            return
-        self._append(self.ds["ids"], np.asarray(ids, dtype=object))
-        self._append(self.ds["lengths"], np.asarray(lengths, dtype=np.int64))
-        self._append(self.ds["record_numbers"], np.asarray(numbers, dtype=np.int64))
-        self._append(self.ds["header_bytes"], header_bytes)
-        self.header_offsets.extend((self.header_offsets[-1] + np.cumsum(header_lengths)).tolist())
-        if "per_tok" in self.include:
-            self.tok_offsets.extend((self.tok_offsets[-1] + np.cumsum(lengths)).tolist())
-        for name, values in arrays.items():
-            self._append(self.ds[name], values)
-
-    def copy_from(self, src: Any, step: int = 1 << 16) -> None:  # noqa: ANN401 - h5py.File
-        """Append every record of another file with the same layout, ``step`` records at a time
-        (a merge of UniRef-sized parts holds one slice in memory, not the file)."""
-        n = len(src["ids"])
-        hoff = src["header_offsets"][:]
-        toff = src["per_tok_offsets"][:] if "per_tok" in self.include else None
-        for a in range(0, n, step):
-            b = min(n, a + step)
-            arrays = {}
-            for kind in self.include:
-                for layer in self.layers:
-                    name = f"{kind}/{layer}"
-                    sl = slice(int(toff[a]), int(toff[b])) if kind == "per_tok" else slice(a, b)
-                    arrays[name] = src[name][sl]
-            self.append(
-                [x.decode() if isinstance(x, bytes) else x for x in src["ids"][a:b]],
-                src["lengths"][a:b],
-                src["record_numbers"][a:b],
-                src["header_bytes"][int(hoff[a]) : int(hoff[b])],
-                np.diff(hoff[a : b + 1]),
-                arrays,
-            )
-
-    def finish(self) -> int:
-        n = self.ds["ids"].shape[0]
-        self.h5.create_dataset("header_offsets", data=np.asarray(self.header_offsets, np.int64))
-        if "per_tok" in self.include:
-            self.h5.create_dataset("per_tok_offsets", data=np.asarray(self.tok_offsets, np.int64))
-        self.h5.attrs["num_records"] = n
-        return n
+def _layout(attrs: dict[str, Any]) -> Layout:
+    """The file's datasets for the kinds and layers its attributes name."""
+    include = json.loads(attrs["include"])
+    layers = [int(x) for x in attrs["repr_layers"]]
+    row = (int(attrs["dim"]),)
+    pooled = [
+        Column(f"{k}/{n}", np.float32, row) for k in include if k != "per_tok" for n in layers
+    ]
+    ragged = dict(HEADER_COLUMNS)
+    if "per_tok" in include:
+        ragged["per_tok_offsets"] = tuple(Column(f"per_tok/{n}", np.float32, row) for n in layers)
+    return Layout([*RECORD_COLUMNS, *pooled], ragged)
 
 
 def _features_sha256(model: torch.nn.Module) -> str:
@@ -418,25 +341,21 @@ def _check_same_run(path: Path, h5: Any, attrs: dict[str, Any]) -> None:  # noqa
 def _write_part(path: Path, attrs: dict, records: list[InputRecord], results: list) -> None:
     import h5py
 
-    headers = [(f"{r.id} {r.description}" if r.description else r.id).encode() for r in records]
-    lengths = np.asarray([len(r.sequence) for r in records], dtype=np.int64)
-    with atomic_file(path, suffix=".h5") as tmp, h5py.File(tmp, "w") as h5:
-        cols = _Columns(h5, attrs)
-        arrays = {
-            f"{kind}/{layer}": np.stack([res[kind][layer] for res in results])
-            if kind != "per_tok"
-            else np.concatenate([res[kind][layer] for res in results])
-            for kind in cols.include
-            for layer in cols.layers
+    layout = _layout(attrs)
+    per_record = record_columns(records)
+    ragged = {"header_offsets": header_column(records)}
+    for col in layout.per_record[len(RECORD_COLUMNS) :]:
+        kind, layer = col.name.split("/")
+        per_record[col.name] = np.stack([res[kind][int(layer)] for res in results])
+    if "per_tok_offsets" in layout.ragged:
+        tok = {
+            c.name: np.concatenate([res["per_tok"][int(c.name.split("/")[1])] for res in results])
+            for c in layout.ragged["per_tok_offsets"]
         }
-        cols.append(
-            [r.id for r in records],
-            lengths,
-            np.asarray([r.number for r in records], dtype=np.int64),
-            np.frombuffer(b"".join(headers), dtype=np.uint8),
-            np.asarray([len(h) for h in headers], dtype=np.int64),
-            arrays,
-        )
+        ragged["per_tok_offsets"] = (per_record["lengths"], tok)
+    with atomic_file(path, suffix=".h5") as tmp, h5py.File(tmp, "w") as h5:
+        cols = ColumnFile(h5, layout, attrs)
+        cols.append(per_record, ragged)
         cols.finish()
 
 
@@ -445,7 +364,7 @@ def _merge(out: Path, attrs: dict, sources: list[Path]) -> int:
     import h5py
 
     with atomic_output(out) as tmp, h5py.File(tmp, "w") as h5:
-        cols = _Columns(h5, attrs)
+        cols = ColumnFile(h5, _layout(attrs), attrs)
         for src in sources:
             with _open_embeddings(src) as part:
                 cols.copy_from(part)
