@@ -65,7 +65,12 @@ class ColumnFile:
                 dtype=dtype,
                 compression="gzip" if col.gzip else None,
             )
-        self.offsets = {name: [0] for name in layout.ragged}
+        self.ends: dict[str, int] = {}  # rows written so far per ragged group
+        for name in layout.ragged:  # offsets grow on disk, not in memory: 65M records fit
+            self.ds[name] = h5.create_dataset(
+                name, data=np.zeros(1, np.int64), maxshape=(None,), chunks=(CHUNK_BYTES // 8,)
+            )
+            self.ends[name] = 0
         self.n = 0
 
     @staticmethod
@@ -94,7 +99,9 @@ class ColumnFile:
             )
         for name, cols in self.layout.ragged.items():
             lengths, values = ragged[name]
-            self.offsets[name].extend((self.offsets[name][-1] + np.cumsum(lengths)).tolist())
+            ends = self.ends[name] + np.cumsum(np.asarray(lengths, dtype=np.int64))
+            self._extend(self.ds[name], ends)
+            self.ends[name] = int(ends[-1])
             for col in cols:
                 self._extend(self.ds[col.name], values[col.name])
         self.n += counts.pop()
@@ -102,7 +109,6 @@ class ColumnFile:
     def copy_from(self, src: Any, step: int = 1 << 16) -> None:  # noqa: ANN401
         """Append every record of an open file of the same layout, ``step`` records at a time."""
         n = len(src[self.layout.per_record[0].name])
-        offsets = {name: src[name][:] for name in self.layout.ragged}
         for a in range(0, n, step):
             b = min(n, a + step)
             per_record = {}
@@ -113,15 +119,13 @@ class ColumnFile:
                 per_record[col.name] = rows
             ragged = {}
             for name, cols in self.layout.ragged.items():
-                off = offsets[name]
-                sl = slice(int(off[a]), int(off[b]))
-                ragged[name] = (np.diff(off[a : b + 1]), {c.name: src[c.name][sl] for c in cols})
+                off = src[name][a : b + 1]
+                sl = slice(int(off[0]), int(off[-1]))
+                ragged[name] = (np.diff(off), {c.name: src[c.name][sl] for c in cols})
             self.append(per_record, ragged)
 
     def finish(self) -> int:
-        """Write the offsets and the record count; returns the count."""
-        for name, values in self.offsets.items():
-            self.h5.create_dataset(name, data=np.asarray(values, dtype=np.int64))
+        """Record the count of records; returns it."""
         self.h5.attrs["num_records"] = self.n
         return self.n
 
