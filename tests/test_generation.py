@@ -79,6 +79,8 @@ def test_lengths_and_alphabet() -> None:
         lm.generate(n=1, max_length=3, prompt="MKTAY")
     with pytest.raises(pp.UserError, match="prompt 0: invalid residue 'J'"):
         lm.generate(n=1, prompt="MJ")
+    with pytest.raises(pp.UserError, match="seed must be a non-negative"):
+        lm.generate(n=1, seed=-1)
 
 
 def test_greedy_and_truncation() -> None:

@@ -178,6 +178,8 @@ def iter_generate(
         raise UserError(f"the number of sequences must be >= 0, got {n}")
     if batch_size < 1:
         raise UserError(f"batch_size must be a positive integer, got {batch_size}")
+    if seed < 0:
+        raise UserError(f"seed must be a non-negative integer, got {seed}")
     prompts = [prompt] * n if isinstance(prompt, str) else list(prompt)
     if len(prompts) != n:
         raise UserError(f"got {len(prompts)} prompts for {n} sequences; give one or n")
