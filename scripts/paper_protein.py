@@ -210,7 +210,7 @@ def plan_runs(args: argparse.Namespace, store: Path) -> list[Run]:
                 ]
                 run_dir = out / "runs" / f"{part}-{variant}-s{seed}"
                 runs.append(Run(part, variant, seed, overrides, run_dir))
-        if "concat" in parts and seed < args.concat_seeds:
+        if "concat" in parts and seed < args.first_seed + args.concat_seeds:
             concat_variants = {
                 f"favor-{args.concat_kernel}": (ATTENTION[f"favor-{args.concat_kernel}"], False),
                 "exact": (ATTENTION["exact"], False),
@@ -568,6 +568,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--minutes", type=float, default=10.0, help="training CPU-minutes per run (default 10)"
     )
     p.add_argument("--seeds", type=int, default=2, help="seeds 0..N-1 per variant (default 2)")
+    p.add_argument(
+        "--first-seed", type=int, default=0, help="seeds run from here (default 0: 0..N-1)"
+    )
     p.add_argument("--threads", type=int, default=1, help="torch threads per run (default 1)")
     p.add_argument("--jobs", type=int, default=1, help="runs trained at once (default 1)")
     p.add_argument("--trainer", default="cpu", help="trainer config: cpu (default) or gpu")
@@ -633,7 +636,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         ]
     if args.concat_seeds is None:
         args.concat_seeds = args.seeds
-    args.seeds = list(range(args.seeds))
+    args.seeds = list(range(args.first_seed, args.first_seed + args.seeds))
     return args
 
 
