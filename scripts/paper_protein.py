@@ -34,10 +34,13 @@ accuracy against time, peak memory).
 
 Examples::
 
-    python scripts/paper_protein.py --quick                   # ~1-2 min smoke run, tiny models
-    python scripts/paper_protein.py --jobs 2                  # 10 CPU-min per variant, 2 seeds
+    python scripts/paper_protein.py --quick          # smoke run: 3 CPU-s per model (startup
+                                                    # dominates: ~6 min on a busy 2-core box)
+    python scripts/paper_protein.py --jobs 2         # 10 CPU-min per variant, 2 seeds
     python scripts/paper_protein.py --trainer gpu --minutes 10 --out outputs/paper_gpu
-    python scripts/paper_protein.py --skip-existing           # re-report finished runs only
+    python scripts/paper_protein.py --skip-existing  # train and evaluate only what is missing
+    python scripts/paper_protein.py --report-only    # tables and figures of finished runs
+    python scripts/paper_protein.py --first-seed 2 --seeds 1   # one more seed later
 """
 
 from __future__ import annotations
