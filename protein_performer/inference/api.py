@@ -82,7 +82,10 @@ def load(
     target = resolve_dtype(dtype)
     loaded = load_model(path, device)
     if target != torch.float32:
-        loaded.model.to(target)
+        # Parameters only: the FAVOR+ random features (buffers) stay fp32, as drawn and trained;
+        # rounding them to 8 bits of mantissa would change the kernel, not just the arithmetic.
+        for p in loaded.model.parameters():
+            p.data = p.data.to(target)
     return ProteinLM(loaded)
 
 
@@ -156,6 +159,7 @@ class ProteinLM:
 
     @property
     def dtype(self) -> torch.dtype:
+        """The weights' dtype (FAVOR+ random features stay fp32)."""
         return self.loaded.model.embed_tokens.weight.dtype
 
     def __repr__(self) -> str:
