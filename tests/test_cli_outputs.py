@@ -35,6 +35,7 @@ def _commands(f: dict[str, Path], out: Path) -> list[list[str]]:
         ["export", ckpt, str(out)],
         ["contacts", ckpt, fasta, "--out", str(out)],
         ["preprocess", fasta, "--out", str(out)],
+        ["convert-esm", ckpt, str(out)],
     ]
 
 
@@ -45,11 +46,10 @@ def _run(argv: list[str], capsys: pytest.CaptureFixture[str]) -> str:
     return err
 
 
-@pytest.mark.parametrize(
-    "index",
-    range(6),
-    ids=lambda i: ["embed", "score", "score-variants", "export", "contacts", "preprocess"][i],
-)
+NAMES = ["embed", "score", "score-variants", "export", "contacts", "preprocess", "convert-esm"]
+
+
+@pytest.mark.parametrize("index", range(len(NAMES)), ids=NAMES)
 def test_every_writing_command_applies_the_rule(files, tmp_path, capsys, index) -> None:
     name = "fasta" if index == 5 else "ckpt"  # an input of every one of these commands
     before = files[name].read_bytes()

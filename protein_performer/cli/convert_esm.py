@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from protein_performer.cli._common import add_command
+from protein_performer.cli._common import add_command, add_overwrite, check_output
 
 HELP = "import ESM-2 weights (fair-esm .pt or Hugging Face directory)"
 DESCRIPTION = """\
@@ -66,7 +66,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--seed", type=int, default=0, help="seed of the FAVOR+ random features (default: 0)"
     )
-    p.add_argument("--overwrite", action="store_true", help="replace an existing export in OUT")
+    add_overwrite(p, "an existing export in OUT")
     p.set_defaults(func=run)
 
 
@@ -76,6 +76,7 @@ def run(args: argparse.Namespace) -> int:
 
     if args.nb_features <= 0:
         raise UserError(f"--nb-features must be positive, got {args.nb_features}")
+    check_output(args.out, [args.src], args.overwrite)
     result = convert_esm(
         args.src,
         args.out,
