@@ -263,7 +263,7 @@ def test_cli_end_to_end(fair, tmp_path, capsys):
     emb = tmp_path / "emb.h5"
     assert main(["embed", str(out), str(fasta), str(emb), "--no-progress"]) == 0
     with h5py.File(emb) as f:
-        assert len(f["records"]) == 2
+        assert len(f["ids"]) == 2 and f["mean/2"].shape[0] == 2
     scores = tmp_path / "scores.csv"
     assert main(["score", str(out), str(fasta), str(scores), "--no-progress"]) == 0
     assert len(scores.read_text().strip().splitlines()) == 3

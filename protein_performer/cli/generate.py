@@ -10,7 +10,9 @@ from protein_performer.cli._common import (
     add_command,
     add_device,
     add_no_progress,
+    add_overwrite,
     add_precision_threads,
+    check_output,
     load_lm,
 )
 
@@ -85,6 +87,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     add_device(p)
     add_precision_threads(p)
     add_no_progress(p)
+    add_overwrite(p, "OUT")
     p.set_defaults(func=run)
 
 
@@ -92,6 +95,7 @@ def run(args: argparse.Namespace) -> int:
     from protein_performer.inference.embedding import text_output
     from protein_performer.progress import progress
 
+    check_output(args.out, [args.ckpt], args.overwrite)
     lm = load_lm(args)
     samples = lm.iter_generate(
         n=args.num,
