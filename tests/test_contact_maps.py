@@ -156,3 +156,30 @@ def test_cli_predict_contacts(tmp_path: Path, capsys) -> None:
     back = read_contacts(out)
     assert back["a"].dense.shape == (25, 25) and len(back["b"].p) == 120
     assert main(argv) == 2 and "--overwrite" in capsys.readouterr().err
+
+
+def test_regression_travels_with_checkpoints_and_exports(tmp_path: Path) -> None:
+    from protein_performer.inference.loading import export_model, load_model
+
+    loaded = _loaded("favor")
+    reg = _regression(loaded)
+    state = {f"model.{k}": v for k, v in loaded.model.state_dict().items()}
+    ckpt = tmp_path / "last.ckpt"
+    torch.save(
+        {
+            "state_dict": state,
+            "performer_config": loaded.config.to_dict(),
+            "contact_regression": reg.to_dict(),  # what init_from's module saves
+        },
+        ckpt,
+    )
+    from_ckpt = load_model(ckpt, "cpu")
+    assert from_ckpt.contact_regression == reg.to_dict()
+    exported = export_model(from_ckpt, tmp_path / "export")
+    again = load_model(exported, "cpu")
+    assert again.contact_regression == reg.to_dict()
+    np.testing.assert_array_equal(find_regression(again).coef, reg.coef)
+    # A regression fitted and saved beside the checkpoint wins over the carried one.
+    fitted = ContactRegression(reg.coef * 2, 0.5, reg.layers, reg.heads, reg.layout)
+    fitted.save(tmp_path / "last.contact_regression.json")
+    assert find_regression(from_ckpt).intercept == 0.5
