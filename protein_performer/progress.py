@@ -15,6 +15,8 @@ from typing import Any
 #: Seconds between progress lines when stderr is not a terminal
 #: (``PROTEIN_PERFORMER_PROGRESS_INTERVAL`` overrides).
 PROGRESS_INTERVAL = 30.0
+#: Units shown as 1.2k / 3.4M (residues, bytes); counts of sequences or passes stay whole.
+SCALED_UNITS = ("res", "B")
 
 
 def interval() -> float:
@@ -39,10 +41,11 @@ class LineProgress:
 
     def __init__(self, total: float | None = None, unit: str = "it", desc: str = "") -> None:
         self.total, self.unit, self.desc = total, unit, desc
-        self.n = 0.0
+        self.n: float = 0  # stays an int while the updates are
         self.start = self._last = time.monotonic()
         self.every = interval()
         self.closed = False
+        self._written: float | None = None  # the count the last line showed
 
     def update(self, n: float = 1) -> None:
         self.n += n
@@ -56,14 +59,17 @@ class LineProgress:
 
         meter = tqdm.format_meter(
             self.n, self.total, now - self.start, ncols=0, prefix=self.desc, unit=self.unit,
-            unit_scale=True,
+            unit_scale=self.unit in SCALED_UNITS,
         )  # fmt: skip
         print(meter, file=sys.stderr, flush=True)
+        self._written = self.n
 
     def close(self) -> None:
+        """The final line, unless the last one already showed the final count."""
         if not self.closed:
             self.closed = True
-            self._write(time.monotonic())
+            if self._written != self.n:
+                self._write(time.monotonic())
 
     def __enter__(self) -> LineProgress:
         return self
@@ -81,5 +87,5 @@ def progress(
     if not enabled:
         return tqdm(total=total, disable=True)
     if on_terminal():
-        return tqdm(total=total, unit=unit, unit_scale=True, desc=desc)
+        return tqdm(total=total, unit=unit, unit_scale=unit in SCALED_UNITS, desc=desc)
     return LineProgress(total, unit, desc)

@@ -26,7 +26,8 @@ def test_line_progress_prints_at_most_every_interval(monkeypatch, capsys) -> Non
         for _ in range(5):
             bar.update(2)
     lines = capsys.readouterr().err.splitlines()
-    assert len(lines) == 6 and lines[-1].startswith("score: 10") and "\r" not in "".join(lines)
+    # One line per update (interval 0) and no repeat at close: the last line showed the end.
+    assert len(lines) == 5 and lines[-1].startswith("score: 10seq") and "\r" not in "".join(lines)
     with progress(10, enabled=False) as bar:
         bar.update(10)
     assert capsys.readouterr().err == ""
