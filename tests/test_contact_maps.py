@@ -183,3 +183,14 @@ def test_regression_travels_with_checkpoints_and_exports(tmp_path: Path) -> None
     fitted = ContactRegression(reg.coef * 2, 0.5, reg.layers, reg.heads, reg.layout)
     fitted.save(tmp_path / "last.contact_regression.json")
     assert find_regression(from_ckpt).intercept == 0.5
+
+
+def test_cli_defaults_are_the_library_defaults() -> None:
+    """predict-contacts spells its defaults out (so --help needs no torch): they must agree."""
+    from protein_performer.cli import predict_contacts as cli
+    from protein_performer.inference.contacts import MIN_SEPARATION
+
+    assert cli.DEFAULT_DENSE_MAX_LENGTH == contact_maps.DEFAULT_DENSE_MAX_LENGTH
+    assert cli.DEFAULT_TOP_K_PER_LENGTH == contact_maps.DEFAULT_TOP_K_PER_LENGTH
+    assert cli.DEFAULT_MIN_SEPARATION == MIN_SEPARATION
+    assert tuple(contact_maps.DTYPES) == cli.DTYPE_CHOICES

@@ -53,14 +53,15 @@ examples:
 """
 
 
-def add_parser(subparsers: argparse._SubParsersAction) -> None:
-    from protein_performer.inference.contact_maps import (
-        DEFAULT_DENSE_MAX_LENGTH,
-        DEFAULT_TOP_K_PER_LENGTH,
-        DTYPES,
-    )
-    from protein_performer.inference.contacts import MIN_SEPARATION
+#: The library's defaults (``inference.contact_maps``/``contacts``), spelled out here so that
+#: ``--help`` does not import torch; ``tests/test_contact_maps.py`` checks they agree.
+DEFAULT_DENSE_MAX_LENGTH = 4096
+DEFAULT_TOP_K_PER_LENGTH = 2.0
+DEFAULT_MIN_SEPARATION = 6
+DTYPE_CHOICES = ("float16", "float32")
 
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p = add_command(subparsers, "predict-contacts", HELP, DESCRIPTION, EPILOG)
     add_ckpt(p)
     p.add_argument("fasta", metavar="FASTA", help="input FASTA(.gz)")
@@ -73,7 +74,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     )
     p.add_argument(
         "--dtype",
-        choices=tuple(DTYPES),
+        choices=DTYPE_CHOICES,
         default="float16",
         help="stored probabilities (default: float16)",
     )
@@ -94,9 +95,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--min-separation",
         type=int,
-        default=MIN_SEPARATION,
+        default=DEFAULT_MIN_SEPARATION,
         metavar="S",
-        help=f"top pairs have j - i >= S (default: {MIN_SEPARATION})",
+        help=f"top pairs have j - i >= S (default: {DEFAULT_MIN_SEPARATION})",
     )
     add_device(p)
     add_precision_threads(p)
