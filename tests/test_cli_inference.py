@@ -239,3 +239,17 @@ def test_closed_pipe_ends_quietly(files, tmp_path: Path) -> None:
         assert proc.wait(timeout=120) == 0, err
         assert "Traceback" not in err and "BrokenPipe" not in err
     assert not out.exists()
+
+
+def test_help_does_not_import_torch() -> None:
+    """Building the parser (every `--help`, every command's start) stays light: heavy imports
+    belong inside the commands that need them."""
+    code = (
+        "import sys; from protein_performer.cli.main import build_parser; build_parser(); "
+        "print(sorted(m for m in ('torch', 'h5py', 'pytorch_lightning') if m in sys.modules))"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "[]"
