@@ -194,3 +194,35 @@ def test_cli_defaults_are_the_library_defaults() -> None:
     assert cli.DEFAULT_TOP_K_PER_LENGTH == contact_maps.DEFAULT_TOP_K_PER_LENGTH
     assert cli.DEFAULT_MIN_SEPARATION == MIN_SEPARATION
     assert tuple(contact_maps.DTYPES) == cli.DTYPE_CHOICES
+
+
+def test_embed_include_contacts_stores_the_predicted_maps(tmp_path: Path, capsys) -> None:
+    """`embed --include mean contacts`: the maps beside the embeddings are predict-contacts'."""
+    from protein_performer.cli.main import main
+    from protein_performer.inference.embedding import read_embeddings
+    from protein_performer.inference.loading import export_model
+
+    loaded = _loaded("favor")
+    loaded.contact_regression = _regression(loaded).to_dict()
+    model = export_model(loaded, tmp_path / "model")
+    seqs = {"a": _sequence(30, 4), "b": _sequence(55, 5)}
+    fasta = tmp_path / "in.fasta"
+    fasta.write_text("".join(f">{k}\n{v}\n" for k, v in seqs.items()))
+    both, alone = tmp_path / "both.h5", tmp_path / "contacts.h5"
+    argv = [str(model), str(fasta)]
+    assert main(["embed", *argv, str(both), "--include", "mean", "contacts", "--no-progress"]) == 0
+    assert main(["predict-contacts", *argv, str(alone), "--no-progress"]) == 0
+    maps, want = read_embeddings(both, kind="contacts"), read_contacts(alone)
+    assert list(maps) == list(want) == ["a", "b"]
+    for rid in seqs:
+        np.testing.assert_array_equal(maps[rid].dense, want[rid].dense)
+    assert read_embeddings(both).shape == (2, 32)
+    assert list(read_embeddings(alone, kind="contacts")) == ["a", "b"]  # either file type
+    plain = tmp_path / "plain"
+    export_model(_loaded("favor"), plain)
+    capsys.readouterr()
+    assert (
+        main(["embed", str(plain), str(fasta), str(tmp_path / "x.h5"), "--include", "contacts"])
+        == 2
+    )
+    assert "has no contact regression" in capsys.readouterr().err

@@ -40,6 +40,9 @@ output layout (h5py; or protein_performer.read_embeddings(OUT, ids=None, kind="m
   f["per_tok/6"]              (sum L, D)   residues of all records; record n is
                                            f["per_tok/6"][o[n]:o[n+1]], o = f["per_tok_offsets"]
   f["header_bytes"], f["header_offsets"]   the FASTA header lines, UTF-8, back to back
+  f["dense_values"], f["dense_offsets"]     --include contacts: contact probabilities, as
+                                           predict-contacts writes them (read_embeddings(OUT,
+                                           kind="contacts") -> {id: map})
   f.attrs                     checkpoint, model_sha256, precision, repr_layers, include, ...
   Layers use ESM numbering (0 = embeddings, depth = final); stored under the resolved number.
 
@@ -69,9 +72,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--include",
         nargs="+",
-        choices=("mean", "per_tok", "bos"),
+        choices=("mean", "per_tok", "bos", "contacts"),
         default=["mean"],
-        help="what to save per layer (default: mean)",
+        help="what to save per layer (default: mean); contacts: the (L, L) contact map from the "
+        "model's contact regression, as predict-contacts writes it",
     )
     add_fasta_run_options(
         p, toks_help="token budget per forward pass; longer sequences run alone (default: 4096)"

@@ -21,7 +21,7 @@ import torch
 
 from protein_performer.data.tokenizer import STANDARD_AA, Alphabet
 from protein_performer.errors import UserError
-from protein_performer.inference.embedding import INCLUDE_CHOICES, embed_sequences, resolve_layers
+from protein_performer.inference.embedding import HIDDEN_KINDS, embed_sequences, resolve_layers
 from protein_performer.inference.generation import Generated, SamplingOptions, iter_generate
 from protein_performer.inference.loading import LoadedModel, load_model
 from protein_performer.inference.scoring import (
@@ -123,7 +123,7 @@ def _pooling_kinds(pooling: str | None | Sequence[str | None]) -> tuple[list[str
     several = not (pooling is None or isinstance(pooling, str))
     names = list(pooling) if several else [pooling]  # type: ignore[arg-type]
     kinds = ["per_tok" if p is None else p for p in names]
-    bad = [p for p in kinds if p not in INCLUDE_CHOICES]
+    bad = [p for p in kinds if p not in HIDDEN_KINDS]
     if bad or not kinds:
         raise UserError(f"pooling takes 'mean', 'bos' or None (per residue); got {pooling!r}")
     return list(dict.fromkeys(kinds)), several

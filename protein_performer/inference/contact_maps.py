@@ -327,20 +327,45 @@ class ContactsSummary:
     sparse: int
 
 
-def _layout(dtype: str) -> Layout:
+def contact_ragged(dtype: str) -> dict[str, tuple[Column, ...]]:
+    """The ragged columns of contact maps (``dense_*``, ``pair_*``), in files of
+    ``predict-contacts`` and of ``embed --include contacts`` alike."""
     values = DTYPES[dtype]
-    return Layout(
-        RECORD_COLUMNS,
-        {
-            **HEADER_COLUMNS,
-            "dense_offsets": (Column("dense_values", values),),
-            "pair_offsets": (
-                Column("pair_i", np.int32),
-                Column("pair_j", np.int32),
-                Column("pair_p", values),
-            ),
-        },
-    )
+    return {
+        "dense_offsets": (Column("dense_values", values),),
+        "pair_offsets": (
+            Column("pair_i", np.int32),
+            Column("pair_j", np.int32),
+            Column("pair_p", values),
+        ),
+    }
+
+
+def contact_columns(
+    maps: Sequence[ContactMap], dtype: str
+) -> dict[str, tuple[np.ndarray, dict[str, np.ndarray]]]:
+    """Records' maps as the ragged values of :func:`contact_ragged` (dense maps row-major)."""
+    np_dtype = DTYPES[dtype]
+    dense = [m.dense.reshape(-1) for m in maps if m.dense is not None]
+    sparse = [m for m in maps if m.dense is None]
+
+    def cat(arrays: list[np.ndarray], dt: Any) -> np.ndarray:  # noqa: ANN401
+        return np.concatenate(arrays).astype(dt) if arrays else np.zeros(0, dt)
+
+    return {
+        "dense_offsets": (
+            np.asarray([0 if m.dense is None else m.dense.size for m in maps]),
+            {"dense_values": cat(dense, np_dtype)},
+        ),
+        "pair_offsets": (
+            np.asarray([0 if m.p is None else len(m.p) for m in maps]),
+            {
+                "pair_i": cat([m.i for m in sparse], np.int32),
+                "pair_j": cat([m.j for m in sparse], np.int32),
+                "pair_p": cat([m.p for m in sparse], np_dtype),
+            },
+        ),
+    }
 
 
 def predict_contacts_fasta(
@@ -391,11 +416,10 @@ def predict_contacts_fasta(
 
     if dtype not in DTYPES:
         raise UserError(f"--dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
-    np_dtype = DTYPES[dtype]
     regression = regression or find_regression(loaded)
     sha = weights_sha256(loaded.model)
     regression.check_model(loaded, sha)
-    layout = _layout(dtype)
+    layout = Layout(RECORD_COLUMNS, {**HEADER_COLUMNS, **contact_ragged(dtype)})
     attrs = {
         "format": FORMAT_NAME,
         "format_version": FORMAT_VERSION,
@@ -424,29 +448,9 @@ def predict_contacts_fasta(
             )
             for r in window
         ]
-        dense = [m.dense.reshape(-1) for m in maps if m.dense is not None]
-        sparse = [m for m in maps if m.dense is None]
-        kinds["dense"] += len(dense)
-        kinds["sparse"] += len(sparse)
-
-        def cat(arrays: list[np.ndarray], dt: Any) -> np.ndarray:  # noqa: ANN401
-            return np.concatenate(arrays).astype(dt) if arrays else np.zeros(0, dt)
-
-        ragged = {
-            "header_offsets": header_column(window),
-            "dense_offsets": (
-                np.asarray([0 if m.dense is None else m.dense.size for m in maps]),
-                {"dense_values": cat(dense, np_dtype)},
-            ),
-            "pair_offsets": (
-                np.asarray([0 if m.p is None else len(m.p) for m in maps]),
-                {
-                    "pair_i": cat([m.i for m in sparse], np.int32),
-                    "pair_j": cat([m.j for m in sparse], np.int32),
-                    "pair_p": cat([m.p for m in sparse], np_dtype),
-                },
-            ),
-        }
+        kinds["dense"] += sum(m.dense is not None for m in maps)
+        kinds["sparse"] += sum(m.dense is None for m in maps)
+        ragged = {"header_offsets": header_column(window), **contact_columns(maps, dtype)}
         with atomic_file(part, suffix=".h5") as tmp, h5py.File(tmp, "w") as h5:
             cols = ColumnFile(h5, layout, attrs)
             cols.append(record_columns(window), ragged)
@@ -489,23 +493,29 @@ def read_contacts(
         if header["format_version"] is not None:
             header["format_version"] = int(header["format_version"])
         check_format_header(header, path, FORMAT_NAME, FORMAT_VERSION, "predict-contacts file")
-        all_ids = [x.decode() if isinstance(x, bytes) else x for x in h5["ids"][:]]
-        where = {rid: n for n, rid in enumerate(all_ids)}
-        missing = [rid for rid in ids or () if rid not in where]
-        if missing:
-            raise UserError(f"{path}: no record(s) {', '.join(missing[:5])}")
-        lengths = h5["lengths"][:]
-        doff, poff = h5["dense_offsets"][:], h5["pair_offsets"][:]
-        out: dict[str, ContactMap] = {}
-        for rid in ids if ids is not None else all_ids:
-            n = where[rid]
-            L = int(lengths[n])
-            if doff[n + 1] > doff[n]:
-                dense = h5["dense_values"][doff[n] : doff[n + 1]].reshape(L, L)
-                out[rid] = ContactMap(L, dense=dense)
-            else:
-                sl = slice(int(poff[n]), int(poff[n + 1]))
-                out[rid] = ContactMap(
-                    L, i=h5["pair_i"][sl], j=h5["pair_j"][sl], p=h5["pair_p"][sl]
-                )
+        return read_maps(h5, path, ids)
+
+
+def read_maps(
+    h5: Any,
+    path: str | os.PathLike[str],
+    ids: Sequence[str] | None = None,  # noqa: ANN401
+) -> dict[str, ContactMap]:
+    """The maps of ``ids`` (all when None) from an open file with :func:`contact_ragged`."""
+    all_ids = [x.decode() if isinstance(x, bytes) else x for x in h5["ids"][:]]
+    where = {rid: n for n, rid in enumerate(all_ids)}
+    missing = [rid for rid in ids or () if rid not in where]
+    if missing:
+        raise UserError(f"{path}: no record(s) {', '.join(missing[:5])}")
+    lengths = h5["lengths"][:]
+    doff, poff = h5["dense_offsets"][:], h5["pair_offsets"][:]
+    out: dict[str, ContactMap] = {}
+    for rid in ids if ids is not None else all_ids:
+        n = where[rid]
+        L = int(lengths[n])
+        if doff[n + 1] > doff[n]:
+            out[rid] = ContactMap(L, dense=h5["dense_values"][doff[n] : doff[n + 1]].reshape(L, L))
+        else:
+            sl = slice(int(poff[n]), int(poff[n + 1]))
+            out[rid] = ContactMap(L, i=h5["pair_i"][sl], j=h5["pair_j"][sl], p=h5["pair_p"][sl])
     return out

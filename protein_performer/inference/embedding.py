@@ -65,7 +65,12 @@ log = logging.getLogger(__name__)
 
 FORMAT_NAME = "protein_performer.embeddings"
 FORMAT_VERSION = 2
-INCLUDE_CHOICES = ("mean", "per_tok", "bos")
+#: What the model's hidden states give per record, and what ``embed --include`` takes (contact
+#: maps from the model's contact regression, as ``predict-contacts`` writes them).
+HIDDEN_KINDS = ("mean", "per_tok", "bos")
+INCLUDE_CHOICES = (*HIDDEN_KINDS, "contacts")
+#: Contact maps stored by ``embed --include contacts`` (predict-contacts' defaults).
+CONTACTS_DTYPE = "float16"
 
 
 # --------------------------------------------------------------------------------------------
@@ -220,9 +225,9 @@ def embed_sequences(
     Each sequence sees exactly what it would see alone (padding is masked in attention and
     excluded from means), so results do not depend on the batch it landed in.
     """
-    bad = sorted(set(include) - set(INCLUDE_CHOICES))
+    bad = sorted(set(include) - set(HIDDEN_KINDS))
     if bad or not include:
-        raise UserError(f"--include takes {', '.join(INCLUDE_CHOICES)}; got {list(include)}")
+        raise UserError(f"embeddings take {', '.join(HIDDEN_KINDS)}; got {list(include)}")
     layers = resolve_layers(loaded, repr_layers)
     lengths = [len(s) + 2 for s in seqs]
     for batch in budget_batches(lengths, toks_per_batch):
@@ -251,11 +256,18 @@ def _layout(attrs: dict[str, Any]) -> Layout:
     layers = [int(x) for x in attrs["repr_layers"]]
     row = (int(attrs["dim"]),)
     pooled = [
-        Column(f"{k}/{n}", np.float32, row) for k in include if k != "per_tok" for n in layers
+        Column(f"{k}/{n}", np.float32, row)
+        for k in include
+        if k in ("mean", "bos")
+        for n in layers
     ]
     ragged = dict(HEADER_COLUMNS)
     if "per_tok" in include:
         ragged["per_tok_offsets"] = tuple(Column(f"per_tok/{n}", np.float32, row) for n in layers)
+    if "contacts" in include:
+        from protein_performer.inference.contact_maps import contact_ragged
+
+        ragged.update(contact_ragged(CONTACTS_DTYPE))
     return Layout([*RECORD_COLUMNS, *pooled], ragged)
 
 
@@ -338,7 +350,9 @@ def _check_same_run(path: Path, h5: Any, attrs: dict[str, Any]) -> None:  # noqa
             )
 
 
-def _write_part(path: Path, attrs: dict, records: list[InputRecord], results: list) -> None:
+def _write_part(
+    path: Path, attrs: dict, records: list[InputRecord], results: list, maps: list
+) -> None:
     import h5py
 
     layout = _layout(attrs)
@@ -353,6 +367,10 @@ def _write_part(path: Path, attrs: dict, records: list[InputRecord], results: li
             for c in layout.ragged["per_tok_offsets"]
         }
         ragged["per_tok_offsets"] = (per_record["lengths"], tok)
+    if maps:
+        from protein_performer.inference.contact_maps import contact_columns
+
+        ragged.update(contact_columns(maps, CONTACTS_DTYPE))
     with atomic_file(path, suffix=".h5") as tmp, h5py.File(tmp, "w") as h5:
         cols = ColumnFile(h5, layout, attrs)
         cols.append(per_record, ragged)
@@ -433,6 +451,15 @@ def embed_fasta(
     if not dest.parent.is_dir():
         raise UserError(f"output directory {dest.parent} does not exist; create it first")
     attrs = file_attrs(lm, layers, include)
+    regression = None
+    if "contacts" in include:  # the model's own regression, or one line saying how to fit one
+        from protein_performer.inference.contact_maps import find_regression
+        from protein_performer.inference.contacts import weights_sha256
+
+        regression = find_regression(lm.loaded)
+        regression.check_model(lm.loaded, weights_sha256(lm.model))
+        attrs["contact_regression"] = json.dumps(regression.to_dict(), sort_keys=True)
+        attrs["contacts_dtype"] = CONTACTS_DTYPE
     pdir = parts_dir(dest)
     old_parts = finished_parts(pdir)
     done: set[str] = set()
@@ -446,15 +473,24 @@ def embed_fasta(
         raise UserError(
             f"{what}; pass --resume to add what is missing, or --overwrite to start over"
         )
-    pooling = tuple(None if k == "per_tok" else k for k in include)
+    pooling = tuple(None if k == "per_tok" else k for k in include if k in HIDDEN_KINDS)
     residues = 0
     bar = progress_bar(None, "res", rank_label("embed"), progress)
 
     def write_part(part: Path, window: list[InputRecord]) -> None:
         nonlocal residues
         pairs = [(r.id, r.sequence) for r in window]
-        results = [res for _, res in lm.iter_embed(pairs, layers, pooling, toks_per_batch)]
-        _write_part(part, attrs, window, results)
+        results = (
+            [res for _, res in lm.iter_embed(pairs, layers, pooling, toks_per_batch)]
+            if pooling
+            else []
+        )
+        maps = []
+        if regression is not None:
+            from protein_performer.inference.contact_maps import predict_contacts
+
+            maps = [predict_contacts(lm.loaded, s, regression, checked=True) for _, s in pairs]
+        _write_part(part, attrs, window, results, maps)
         n = sum(len(r.sequence) for r in window)
         residues += n
         bar.update(n)
@@ -490,20 +526,28 @@ def read_embeddings(
     """Embeddings from an ``embed`` file: (n, D) for ``mean``/``bos``, a list of (L_i, D) for
     ``per_tok``, in the order of ``ids`` (all records, in file order, when None).
 
-    ``layer`` uses ESM's numbering (-1 = last). ``kind="contacts"`` reads a
-    ``predict-contacts`` file instead (a dict id -> contact map).
+    ``layer`` uses ESM's numbering (-1 = last). ``kind="contacts"`` gives a dict id -> contact
+    map, from ``embed --include contacts`` or from a ``predict-contacts`` file.
     """
     src = Path(path).expanduser()
     if not src.is_file():
         raise UserError(f"{src} does not exist or is not a file")
     if kind == "contacts":
-        from protein_performer.inference.contact_maps import read_contacts
+        import h5py
 
-        return read_contacts(src, ids)
+        from protein_performer.inference.contact_maps import FORMAT_NAME as CONTACTS
+        from protein_performer.inference.contact_maps import read_contacts, read_maps
+
+        with h5py.File(src, "r") as h5:
+            is_contacts_file = h5.attrs.get("format") == CONTACTS
+        if is_contacts_file:
+            return read_contacts(src, ids)
     with _open_embeddings(src) as h5:
         include = json.loads(h5.attrs["include"])
         if kind not in include:
-            raise UserError(f"{src} holds {', '.join(include)} embeddings, not {kind!r}")
+            raise UserError(f"{src} holds {', '.join(include)}, not {kind!r}")
+        if kind == "contacts":
+            return read_maps(h5, src, ids)
         stored = [int(x) for x in h5.attrs["repr_layers"]]
         depth = int(json.loads(h5.attrs["model_config"])["depth"])
         want = layer + depth + 1 if layer < 0 else layer
