@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import shutil
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -149,6 +150,12 @@ def test_ood_taxa_without_clustering(tmp_path: Path) -> None:
     assert store.meta["split"]["ood"]["taxa"] == [1003, 1007]
 
 
+@dataclass
+class _Rec:
+    id: str
+    description: str
+
+
 def test_taxid_and_ood_codes() -> None:
     assert taxid_of("Hemoglobin OS=Homo sapiens OX=9606 GN=HBA1") == 9606
     assert taxid_of("Titin n=12 Tax=Homo sapiens TaxID=9606 RepID=TITIN_HUMAN") == 9606
@@ -157,6 +164,9 @@ def test_taxid_and_ood_codes() -> None:
     ids = [f"r{i}" for i in range(4000)]
     codes = Splitter(0.1, 0.1, "id", Groups(ood_frac=0.25)).codes(ids)
     assert 0.22 < float(np.mean(codes == OOD)) < 0.28
+    one = Splitter(0.1, 0.1, "id", Groups(ood_frac=0.25, ood_taxa=frozenset({9606})))
+    assert [one(_Rec(i, "")) for i in ids[:200]] == list(codes[:200])  # record = chunk answer
+    assert one(_Rec("r0", "Hemoglobin OS=Homo sapiens OX=9606")) == OOD
     # OOD draws are independent of the valid/test bands: growing ood never moves a record
     # between train, valid and test.
     smaller = Splitter(0.1, 0.1, "id", Groups(ood_frac=0.1)).codes(ids)

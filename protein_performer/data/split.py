@@ -201,6 +201,8 @@ class Splitter:
 
     def __call__(self, record: Any) -> int:
         """Split code of one record (same answer as :meth:`codes`)."""
+        if self.groups != Groups():
+            return int(self.codes([record.id], [getattr(record, "description", "")])[0])
         return assign_split(split_key(record, self.mode), self.valid_frac, self.test_frac)
 
     def keys(self, ids: Sequence[str]) -> list[str]:
