@@ -220,7 +220,11 @@ def run_sharded(
             raise failure or UserError("the run failed on another rank; see its error line")
         total = 0
         if ranks.rank == 0:
-            total = merge(finished_parts(pdir))
-            shutil.rmtree(pdir)
-        job.barrier()
+            try:
+                total = merge(finished_parts(pdir))
+                shutil.rmtree(pdir)
+            except Exception as exc:  # the parts stay for a retry; the other ranks must not hang
+                failure = exc
+        if not job.all_ok(failure is None):
+            raise failure or UserError("merging the parts failed on rank 0; see its error line")
     return new, total
