@@ -215,8 +215,7 @@ def run_sharded(
         except Exception as exc:  # every rank must learn of a failure, or the others wait
             failure = exc
         if not job.all_ok(failure is None):
-            if ranks.rank == 0 and pdir.is_dir() and not any(pdir.iterdir()):
-                pdir.rmdir()
+            _drop_if_empty(pdir, ranks)
             raise failure or UserError("the run failed on another rank; see its error line")
         total = 0
         if ranks.rank == 0:
@@ -226,5 +225,12 @@ def run_sharded(
             except Exception as exc:  # the parts stay for a retry; the other ranks must not hang
                 failure = exc
         if not job.all_ok(failure is None):
+            _drop_if_empty(pdir, ranks)
             raise failure or UserError("merging the parts failed on rank 0; see its error line")
     return new, total
+
+
+def _drop_if_empty(pdir: Path, ranks: Ranks) -> None:
+    """A failed run that finished no window leaves no parts directory behind."""
+    if ranks.rank == 0 and pdir.is_dir() and not any(pdir.iterdir()):
+        pdir.rmdir()
