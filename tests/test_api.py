@@ -110,6 +110,8 @@ def test_bad_sequences_name_their_index(models) -> None:
         lm.embed(["MKT"], pooling="max")
     with pytest.raises(pp.UserError, match="out of range"):
         lm.embed(["MKT"], layers=7)
+    empty = lm.embed([], layers=(0, -1))  # no sequences: the same types, zero rows
+    assert set(empty) == {0, -1} and empty[0].shape == (0, 16)
 
 
 def test_fill_mask_is_the_model_softmax(models) -> None:

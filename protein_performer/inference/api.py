@@ -224,16 +224,15 @@ class ProteinLM:
         if not (pooling is None or isinstance(pooling, str)):
             raise UserError("embed takes one pooling; use iter_embed for several at once")
         rows = [e for _, e in self.iter_embed(seqs, layers, pooling, toks_per_batch)]
-        keys = list(rows[0]) if rows and isinstance(rows[0], dict) else None
 
         def stack(items: list[np.ndarray]) -> np.ndarray | list[np.ndarray]:
             if pooling is None:
                 return items
             return np.stack(items) if items else np.zeros((0, self.config.dim), np.float32)
 
-        if keys is None:
+        if isinstance(layers, int) or len(layers) == 1:
             return stack(rows)
-        return {k: stack([r[k] for r in rows]) for k in keys}
+        return {k: stack([r[k] for r in rows]) for k in dict.fromkeys(layers)}
 
     # ----------------------------------------------------------------------------- scores
     def _strategy(self, strategy: str | None, choices: Sequence[str], masked: str) -> str:
