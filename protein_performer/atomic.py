@@ -24,6 +24,17 @@ from pathlib import Path
 from protein_performer.errors import UserError
 
 
+def output_file(path: str | os.PathLike[str]) -> Path:
+    """``path`` as an output file, or a ``UserError`` for the user's two usual mistakes: a
+    directory given as the file, and a parent directory that does not exist."""
+    out = Path(path).expanduser()
+    if out.is_dir():
+        raise UserError(f"{out} is a directory; give a file name for the output")
+    if not out.parent.exists():
+        raise UserError(f"output directory {out.parent} does not exist; create it first")
+    return out
+
+
 def _umask() -> int:
     mask = os.umask(0)
     os.umask(mask)

@@ -193,3 +193,17 @@ def test_two_torchrun_ranks_equal_one_process(model: Path, tmp_path: Path, comma
                     np.testing.assert_allclose(x, y, atol=1e-3)  # float16 values
         return
     np.testing.assert_allclose(read_embeddings(two), read_embeddings(one), atol=1e-6)
+
+
+def test_sharded_outputs_in_a_missing_directory_are_one_error_line(
+    model: Path, tmp_path: Path, capsys
+) -> None:
+    fasta = tmp_path / "in.fasta"
+    write_fasta(fasta, 3)
+    for command, name in (("embed", "e.h5"), ("score", "s.csv")):
+        capsys.readouterr()
+        out = tmp_path / "missing" / name
+        assert main([command, str(model), str(fasta), str(out), "--no-progress"]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and "does not exist; create it first" in err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["in.fasta"]

@@ -45,7 +45,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple, TextIO
 import numpy as np
 import torch
 
-from protein_performer.atomic import atomic_file
+from protein_performer.atomic import atomic_file, output_file
 from protein_performer.errors import UserError
 from protein_performer.inference.columns import (
     HEADER_COLUMNS,
@@ -109,12 +109,7 @@ def atomic_output(path: str | os.PathLike[str]) -> Iterator[Path]:
     :func:`protein_performer.atomic.atomic_file` behind the checks a CLI output needs first: a
     directory or a missing parent directory is the user's mistake, said as such.
     """
-    out = Path(path).expanduser()
-    if out.is_dir():
-        raise UserError(f"{out} is a directory; give a file name for the output")
-    parent = out.parent
-    if not parent.exists():
-        raise UserError(f"output directory {parent} does not exist; create it first")
+    out = output_file(path)
     with atomic_file(out) as tmp:
         yield tmp
 
@@ -440,16 +435,12 @@ def embed_fasta(
     from protein_performer.progress import progress as progress_bar
 
     path = Path(fasta).expanduser()
-    dest = Path(out).expanduser()
+    dest = output_file(out)
     layers = resolve_layers(lm.loaded, repr_layers)
     include = list(dict.fromkeys(include))
     bad = sorted(set(include) - set(INCLUDE_CHOICES))
     if bad or not include:
         raise UserError(f"--include takes {', '.join(INCLUDE_CHOICES)}; got {list(include)}")
-    if dest.is_dir():
-        raise UserError(f"{dest} is a directory; give a file name for the output")
-    if not dest.parent.is_dir():
-        raise UserError(f"output directory {dest.parent} does not exist; create it first")
     attrs = file_attrs(lm, layers, include)
     regression = None
     if "contacts" in include:  # the model's own regression, or one line saying how to fit one
