@@ -18,9 +18,12 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+from protein_performer.atomic import atomic_file, output_file
 
 #: Bytes per HDF5 chunk: appends and reads stay cheap without a chunk per record.
 CHUNK_BYTES = 1 << 18
@@ -128,6 +131,37 @@ class ColumnFile:
         """Record the count of records; returns it."""
         self.h5.attrs["num_records"] = self.n
         return self.n
+
+
+def write_columns(
+    path: Path,
+    layout: Layout,
+    attrs: dict[str, Any],
+    per_record: dict[str, Any],
+    ragged: dict[str, tuple[np.ndarray, dict[str, np.ndarray]]],
+) -> int:
+    """One file of records (a part of a sharded run), written atomically."""
+    import h5py
+
+    with atomic_file(path, suffix=".h5") as tmp, h5py.File(tmp, "w") as h5:
+        cols = ColumnFile(h5, layout, attrs)
+        cols.append(per_record, ragged)
+        return cols.finish()
+
+
+def merge_columns(
+    out: Path, layout: Layout, attrs: dict[str, Any], sources: Sequence[Path]
+) -> int:
+    """One file holding every record of ``sources`` (files of this layout), in order;
+    written atomically. Returns the number of records."""
+    import h5py
+
+    with atomic_file(output_file(out), suffix=".h5") as tmp, h5py.File(tmp, "w") as h5:
+        cols = ColumnFile(h5, layout, attrs)
+        for src in sources:
+            with h5py.File(src, "r") as part:
+                cols.copy_from(part)
+        return cols.finish()
 
 
 def header_column(records: Sequence[Any]) -> tuple[np.ndarray, dict[str, np.ndarray]]:

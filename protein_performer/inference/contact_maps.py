@@ -41,10 +41,11 @@ from protein_performer.inference.columns import (
     HEADER_COLUMNS,
     RECORD_COLUMNS,
     Column,
-    ColumnFile,
     Layout,
     header_column,
+    merge_columns,
     record_columns,
+    write_columns,
 )
 from protein_performer.inference.contacts import (
     MIN_SEPARATION,
@@ -407,10 +408,7 @@ def predict_contacts_fasta(
     ranks of a ``torchrun``/SLURM job split the records
     (:mod:`protein_performer.inference.sharding`).
     """
-    import h5py
-
-    from protein_performer.atomic import atomic_file
-    from protein_performer.inference.embedding import atomic_output, input_records
+    from protein_performer.inference.embedding import input_records
     from protein_performer.inference.sharding import rank_label, run_sharded, windows
     from protein_performer.progress import progress as progress_bar
 
@@ -451,21 +449,13 @@ def predict_contacts_fasta(
         kinds["dense"] += sum(m.dense is not None for m in maps)
         kinds["sparse"] += sum(m.dense is None for m in maps)
         ragged = {"header_offsets": header_column(window), **contact_columns(maps, dtype)}
-        with atomic_file(part, suffix=".h5") as tmp, h5py.File(tmp, "w") as h5:
-            cols = ColumnFile(h5, layout, attrs)
-            cols.append(record_columns(window), ragged)
-            cols.finish()
+        write_columns(part, layout, attrs, record_columns(window), ragged)
         bar.update(sum(len(r.sequence) for r in window))
 
     def merge(parts: list[Path]) -> int:
         if not parts:
             raise UserError(f"{fasta}: no valid records to process")
-        with atomic_output(out) as tmp, h5py.File(tmp, "w") as h5:
-            cols = ColumnFile(h5, layout, attrs)
-            for part in parts:
-                with h5py.File(part, "r") as src:
-                    cols.copy_from(src)
-            return cols.finish()
+        return merge_columns(Path(out), layout, attrs, parts)
 
     records = input_records(fasta, on_invalid)
     with bar:

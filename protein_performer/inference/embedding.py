@@ -51,10 +51,11 @@ from protein_performer.inference.columns import (
     HEADER_COLUMNS,
     RECORD_COLUMNS,
     Column,
-    ColumnFile,
     Layout,
     header_column,
+    merge_columns,
     record_columns,
+    write_columns,
 )
 from protein_performer.inference.loading import LoadedModel
 
@@ -348,8 +349,6 @@ def _check_same_run(path: Path, h5: Any, attrs: dict[str, Any]) -> None:  # noqa
 def _write_part(
     path: Path, attrs: dict, records: list[InputRecord], results: list, maps: list
 ) -> None:
-    import h5py
-
     layout = _layout(attrs)
     per_record = record_columns(records)
     ragged = {"header_offsets": header_column(records)}
@@ -366,22 +365,7 @@ def _write_part(
         from protein_performer.inference.contact_maps import contact_columns
 
         ragged.update(contact_columns(maps, CONTACTS_DTYPE))
-    with atomic_file(path, suffix=".h5") as tmp, h5py.File(tmp, "w") as h5:
-        cols = ColumnFile(h5, layout, attrs)
-        cols.append(per_record, ragged)
-        cols.finish()
-
-
-def _merge(out: Path, attrs: dict, sources: list[Path]) -> int:
-    """One file from ``sources`` (each with this layout), in order; atomic."""
-    import h5py
-
-    with atomic_output(out) as tmp, h5py.File(tmp, "w") as h5:
-        cols = ColumnFile(h5, _layout(attrs), attrs)
-        for src in sources:
-            with _open_embeddings(src) as part:
-                cols.copy_from(part)
-        return cols.finish()
+    write_columns(path, layout, attrs, per_record, ragged)
 
 
 def _ids_in(path: Path) -> list[str]:
@@ -490,7 +474,7 @@ def embed_fasta(
         sources = ([dest] if resume and dest.exists() else []) + parts
         if not sources:
             raise UserError(f"{path}: no valid records to process")
-        return _merge(dest, attrs, sources)
+        return merge_columns(dest, _layout(attrs), attrs, sources)
 
     todo = (r for r in input_records(path, on_invalid) if r.id not in done)
     with bar:
