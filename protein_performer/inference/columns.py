@@ -116,10 +116,8 @@ class ColumnFile:
             b = min(n, a + step)
             per_record = {}
             for col in self.layout.per_record:
-                rows = src[col.name][a:b]
-                if col.dtype is str:
-                    rows = [x.decode() if isinstance(x, bytes) else x for x in rows]
-                per_record[col.name] = rows
+                ds = src[col.name]
+                per_record[col.name] = (ds.asstr() if col.dtype is str else ds)[a:b]
             ragged = {}
             for name, cols in self.layout.ragged.items():
                 off = src[name][a : b + 1]
@@ -131,6 +129,11 @@ class ColumnFile:
         """Record the count of records; returns it."""
         self.h5.attrs["num_records"] = self.n
         return self.n
+
+
+def read_ids(h5: Any) -> list[str]:  # noqa: ANN401 - an open h5py.File
+    """The ``ids`` column of an open file, as str."""
+    return list(h5["ids"].asstr()[:])
 
 
 def write_columns(

@@ -44,6 +44,7 @@ from protein_performer.inference.columns import (
     Layout,
     header_column,
     merge_columns,
+    read_ids,
     record_columns,
     write_columns,
 )
@@ -492,7 +493,7 @@ def read_maps(
     ids: Sequence[str] | None = None,  # noqa: ANN401
 ) -> dict[str, ContactMap]:
     """The maps of ``ids`` (all when None) from an open file with :func:`contact_ragged`."""
-    all_ids = [x.decode() if isinstance(x, bytes) else x for x in h5["ids"][:]]
+    all_ids = read_ids(h5)
     where = {rid: n for n, rid in enumerate(all_ids)}
     missing = [rid for rid in ids or () if rid not in where]
     if missing:

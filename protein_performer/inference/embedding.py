@@ -54,6 +54,7 @@ from protein_performer.inference.columns import (
     Layout,
     header_column,
     merge_columns,
+    read_ids,
     record_columns,
     write_columns,
 )
@@ -368,11 +369,6 @@ def _write_part(
     write_columns(path, layout, attrs, per_record, ragged)
 
 
-def _ids_in(path: Path) -> list[str]:
-    with _open_embeddings(path) as h5:
-        return [x.decode() if isinstance(x, bytes) else x for x in h5["ids"][:]]
-
-
 # --------------------------------------------------------------------------------------------
 # Running embed
 # --------------------------------------------------------------------------------------------
@@ -442,7 +438,7 @@ def embed_fasta(
         for src in ([dest] if dest.exists() else []) + old_parts:
             with _open_embeddings(src) as h5:
                 _check_same_run(src, h5, attrs)
-            done.update(_ids_in(src))
+                done.update(read_ids(h5))
     elif not overwrite and (dest.exists() or old_parts):
         what = f"{dest} exists" if dest.exists() else f"{pdir} holds parts of an unfinished run"
         raise UserError(
@@ -528,7 +524,7 @@ def read_embeddings(
         want = layer + depth + 1 if layer < 0 else layer
         if want not in stored:
             raise UserError(f"{src}: layer {layer} was not saved (layers: {stored})")
-        all_ids = [x.decode() if isinstance(x, bytes) else x for x in h5["ids"][:]]
+        all_ids = read_ids(h5)
         if ids is None:
             rows = np.arange(len(all_ids))
         else:
