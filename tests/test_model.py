@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from protein_performer.errors import UserError
-from protein_performer.model.config import KERNELS, PerformerConfig
+from protein_performer.model.config import KERNELS, PerformerConfig, default_nb_features
 from protein_performer.model.performer import PerformerLM, PerformerOutput
 from protein_performer.model.rotary import RotaryEmbedding, apply_rotary, rotate_half
 
@@ -399,3 +399,22 @@ def test_config_round_trip_and_validation() -> None:
             PerformerConfig.from_dict(dataclasses.asdict(tiny_config(**overrides)))
         with pytest.raises(UserError, match=message):
             PerformerLM(tiny_config(**overrides))
+
+
+def test_nb_features_default_is_d_log_d_and_stored_resolved() -> None:
+    # m = d ln d rounded up to a multiple of 16 (issue 14): 48 at ESM-2 8M's d=16, 272 at d=64.
+    expected = {2: 16, 8: 32, 16: 48, 32: 112, 64: 272, 128: 624}
+    for d, m in expected.items():
+        assert default_nb_features(d) == m
+        assert m >= d * math.log(d) and m % 16 == 0 and m - d * math.log(d) < 16
+    esm8m = PerformerConfig()  # the ESM-2 8M shape: 20 heads of 16
+    assert esm8m.head_dim == 16 and esm8m.nb_features == 48
+    assert PerformerConfig(dim=512, heads=8).nb_features == 272
+    # A checkpoint stores the resolved number, and a stored number is never re-resolved.
+    assert esm8m.to_dict()["nb_features"] == 48
+    wide = PerformerConfig.from_dict({"nb_features": None, "dim": 512, "heads": 8})
+    assert wide.nb_features == 272
+    assert PerformerConfig.from_dict({**esm8m.to_dict(), "nb_features": 256}).nb_features == 256
+    model = PerformerLM(tiny_config(nb_features=None))
+    favor = model.layers[0].self_attn.favor
+    assert favor is not None and favor.omega.shape == (default_nb_features(8), 8)

@@ -31,7 +31,7 @@ EPILOG = """\
 examples:
   protein-performer convert-esm esm2_t6_8M_UR50D.pt esm2_8M_exact
   protein-performer convert-esm facebook/esm2_t6_8M_UR50D esm2_8M_favor --attention favor \\
-      --kernel softmax --nb-features 256 --seed 0
+      --kernel softmax --seed 0
   protein-performer embed esm2_8M_exact proteins.fasta emb.h5
 """
 
@@ -59,9 +59,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--nb-features",
         type=int,
-        default=256,
+        default=None,
         metavar="M",
-        help="FAVOR+ random features per head (default: 256); ignored for exact",
+        help="FAVOR+ random features per head (default: d ln d rounded up to a multiple of 16 "
+        "for head size d, 48 for ESM-2's 16-wide heads); ignored for exact",
     )
     p.add_argument(
         "--seed", type=int, default=0, help="seed of the FAVOR+ random features (default: 0)"
@@ -74,7 +75,7 @@ def run(args: argparse.Namespace) -> int:
     from protein_performer.errors import UserError
     from protein_performer.inference.convert_esm import convert_esm
 
-    if args.nb_features <= 0:
+    if args.nb_features is not None and args.nb_features <= 0:
         raise UserError(f"--nb-features must be positive, got {args.nb_features}")
     check_output(args.out, [args.src], args.overwrite)
     result = convert_esm(

@@ -18,6 +18,20 @@ ATTENTIONS = ("favor", "exact")
 KERNELS = ("softmax", "softmax_hyp", "trig", "relu", "softmax_opt")
 
 
+def default_nb_features(head_dim: int) -> int:
+    """m = d ln d rounded up to a multiple of 16 (at least 16): Theta(d log d) random features.
+
+    Why: theory asks for m = Theta(d log d), independent of L (../shared/FAVOR.md; Choromanski
+    et al. 2021); a fixed m = 256 is 16x the width of ESM-2 8M's 16-wide heads and makes the
+    feature work dominate at protein lengths. 48 at d=16, 112 at d=32, 272 at d=64.
+    """
+    return max(16, math.ceil(head_dim * math.log(max(head_dim, 2)) / 16) * 16)
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
 @dataclass
 class PerformerConfig:
     """Everything needed to rebuild a ``PerformerLM``; stored verbatim in checkpoints."""
@@ -48,8 +62,10 @@ class PerformerConfig:
     attention: str = "favor"
     # FAVOR+ feature map: softmax, softmax_hyp, trig, relu or softmax_opt (ignored for exact).
     kernel: str = "softmax"
-    # Number of random features m per head (the paper's default: 256 at head size 64).
-    nb_features: int = 256
+    # Number of random features m per head; None = Theta(d log d) of the head size d (see
+    # default_nb_features: 48 at ESM-2 8M's d=16, 272 at d=64). Resolved on construction, so a
+    # checkpoint stores the number its features were drawn with.
+    nb_features: int | None = None
     # Redraw the random features every N optimizer steps during training (0 = never). Read by the
     # training hook; stored here so a checkpoint records how its features were trained.
     feature_redraw_interval: int = 1000
@@ -64,6 +80,10 @@ class PerformerConfig:
     token_dropout: bool = False
     # Recompute each block's activations in backward (less memory, ~30% more compute).
     gradient_checkpointing: bool = False
+
+    def __post_init__(self) -> None:
+        if self.nb_features is None and _is_int(self.dim) and _is_int(self.heads) and self.heads:
+            self.nb_features = default_nb_features(self.dim // self.heads)
 
     @property
     def head_dim(self) -> int:
