@@ -545,7 +545,7 @@ def performer_config(
     source: EsmSource,
     attention: str = "exact",
     kernel: str = "softmax",
-    nb_features: int = 256,
+    nb_features: int | None = None,
 ) -> PerformerConfig:
     """The architecture of ``source`` as a ``PerformerConfig`` (MLM, no dropout)."""
     if attention not in ATTENTIONS:
@@ -582,7 +582,7 @@ def build_model(
     source: EsmSource,
     attention: str = "exact",
     kernel: str = "softmax",
-    nb_features: int = 256,
+    nb_features: int | None = None,
     seed: int = 0,
 ) -> LoadedModel:
     """A ``PerformerLM`` holding the source's weights, eval mode, on CPU.
@@ -666,7 +666,7 @@ def convert_esm(
     out: str | os.PathLike[str],
     attention: str = "exact",
     kernel: str = "softmax",
-    nb_features: int = 256,
+    nb_features: int | None = None,
     seed: int = 0,
     overwrite: bool = False,
     progress: Callable[[str], None] | None = None,
