@@ -1,14 +1,16 @@
-"""Helpers shared by the fresh-process benchmark scripts (``bench_attention.py``,
-``bench_train.py``, ``bench_embed.py``): the child/parent protocol, peak-memory measurement,
-CSV output and the command-line arguments they have in common.
+"""What the scripts share: the preamble every script starts from, and the helpers of the
+fresh-process benchmarks (``bench_attention.py``, ``bench_train.py``, ``bench_embed.py``, ...).
 
-The scripts are run as ``python scripts/X.py``, so this directory is ``sys.path[0]`` and they
-import this module by name (each also puts its own directory first on ``sys.path``, so importing
-a script from elsewhere works too).
+Scripts are run as ``python scripts/X.py`` from anywhere: Python puts this directory first on
+``sys.path``, so ``import _common`` works with no path edits, and ``protein_performer`` imports
+from the installed (editable) package.
 
-The protocol: the parent re-invokes the script with ``--case JSON`` once per case (peak memory is
-only meaningful in a fresh process, and a case that runs too long is killed by a timeout instead
-of hanging the run); the child prints one ``RESULT {...}`` line per measurement.
+The preamble: ``REPO`` (the checkout), ``SEQUENCES`` (the shared data sets beside it) and
+:func:`setup_logging` (INFO to stderr).
+
+The benchmark protocol: the parent re-invokes the script with ``--case JSON`` once per case
+(peak memory is only meaningful in a fresh process, and a case that runs too long is killed by a
+timeout instead of hanging the run); the child prints one ``RESULT {...}`` line per measurement.
 """
 
 from __future__ import annotations
@@ -27,6 +29,25 @@ from collections.abc import Callable, Iterable
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
+
+#: The repository checkout this script belongs to.
+REPO = Path(__file__).resolve().parents[1]
+#: The shared sequence data sets that sit beside the checkout (``../shared/data/sequences``).
+SEQUENCES = REPO.parent / "shared" / "data" / "sequences"
+#: The log line of every script unless it asks for another.
+LOG_FORMAT = "%(levelname)s %(name)s: %(message)s"
+#: The log line of the long-running studies and benchmarks: when each step happened.
+TIMED_LOG_FORMAT = "%(asctime)s %(name)s: %(message)s"
+
+
+def setup_logging(fmt: str = LOG_FORMAT) -> None:
+    """INFO and above to stderr (stdout stays free for results)."""
+    logging.basicConfig(level=logging.INFO, format=fmt, stream=sys.stderr)
+
+
+# --------------------------------------------------------------------------------------------
+# Benchmarks: the child/parent protocol
+# --------------------------------------------------------------------------------------------
 
 RESULT_MARK = "RESULT "
 #: Exit status of a child that :class:`PeakSampler` stopped at the memory limit.
@@ -214,9 +235,7 @@ def dispatch(
 ) -> int:
     """Log to stderr; a child (``--case JSON``) runs its case, the parent creates ``--out`` and
     runs every case (``run_parent``). Returns the exit status."""
-    logging.basicConfig(
-        level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", stream=sys.stderr
-    )
+    setup_logging(TIMED_LOG_FORMAT)
     if args.case is not None:
         run_case(json.loads(args.case))
         return 0

@@ -45,15 +45,15 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+import _common as common
 import torch
 import torch.nn.functional as F
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
 log = logging.getLogger("backcompat")
-SHARED = ROOT.parent / "shared" / "data" / "sequences"
-DEFAULT_DATA = [SHARED / "uniprot_mmseqs_train.fasta", SHARED / "swissprot_opal_train.fasta"]
+DEFAULT_DATA = [
+    common.SEQUENCES / "uniprot_mmseqs_train.fasta",
+    common.SEQUENCES / "swissprot_opal_train.fasta",
+]
 IGNORE_INDEX = -100
 
 
@@ -117,7 +117,7 @@ def base_overrides(args: argparse.Namespace) -> list[str]:
     overrides = [
         "experiment=small_mlm",
         f"trainer={args.trainer}",
-        f"paths.root_dir={ROOT}",
+        f"paths.root_dir={common.REPO}",
         f"data.path=[{paths}]",
         f"data.max_len={args.max_len}",
         f"data.max_tokens={args.max_tokens}",
@@ -377,7 +377,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--trainer", default="cpu", help="trainer config group option (cpu, gpu)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
-    p.add_argument("--out-dir", type=Path, default=ROOT / "outputs" / "backcompat")
+    p.add_argument("--out-dir", type=Path, default=common.REPO / "outputs" / "backcompat")
     p.add_argument(
         "--overwrite", action="store_true", help="replace earlier runs' outputs in --out-dir"
     )
@@ -418,7 +418,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    common.setup_logging()
     args = parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)

@@ -54,8 +54,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import _bench_common as bc  # noqa: E402  (the sibling module shared by the bench scripts)
+import _common as common
 
 log = logging.getLogger("bench_attention")
 
@@ -197,7 +196,7 @@ def run_matmul_case(case: dict[str, Any]) -> None:
     median, best, reps = _time_phase(
         lambda: torch.mm(a, b), device, case["repeats"], case["budget_s"]
     )
-    bc.emit(
+    common.emit(
         {
             "status": "ok",
             "mode": "matmul",
@@ -245,19 +244,21 @@ def run_case(case: dict[str, Any]) -> None:
         fn(qg, kg, vg).backward(g)
 
     phases = [("fwd", fwd, False), ("fwd+bwd", fwd_bwd, True)]
-    with bc.PeakSampler(limit if device.type == "cpu" else None) as sampler:
+    with common.PeakSampler(limit if device.type == "cpu" else None) as sampler:
         for mode, step, backward in phases:
-            peak_bytes = bc.start_phase(sampler, device)
+            peak_bytes = common.start_phase(sampler, device)
             try:
                 median, best, reps = _time_phase(step, device, case["repeats"], case["budget_s"])
             except torch.OutOfMemoryError as exc:
-                bc.emit({"mode": mode, "status": "oom", "note": str(exc).splitlines()[0][:200]})
+                common.emit(
+                    {"mode": mode, "status": "oom", "note": str(exc).splitlines()[0][:200]}
+                )
                 return
             peak = peak_bytes()
             flops = useful_flops(
                 case["impl"], case["causal"], L, B, H, d, case["m"], chunk, backward
             )
-            bc.emit(
+            common.emit(
                 {
                     "mode": mode,
                     "status": "ok",
@@ -306,7 +307,7 @@ class Row:
 
 def _spawn(case: dict[str, Any], timeout: float) -> tuple[list[dict[str, Any]], str]:
     """Runs one case in a fresh interpreter; returns its RESULT payloads and a failure note."""
-    return bc.spawn_case(__file__, case, timeout)
+    return common.spawn_case(__file__, case, timeout)
 
 
 def _performer_available() -> bool:
@@ -338,8 +339,8 @@ def run_all(args: argparse.Namespace) -> list[Row]:
         )
         impls.remove("performer")
     lengths = _lengths(args)
-    mem_limit = args.mem_limit_gib if args.mem_limit_gib else bc.default_mem_limit_gib()
-    common = {
+    mem_limit = args.mem_limit_gib if args.mem_limit_gib else common.default_mem_limit_gib()
+    shared_case = {
         "B": args.batch,
         "H": args.heads,
         "d": args.dim_head,
@@ -355,7 +356,7 @@ def run_all(args: argparse.Namespace) -> list[Row]:
         "ours_kwargs": json.loads(args.ours_kwargs),
     }
 
-    mm_case = {**common, "impl": "matmul", "n": args.matmul_n}
+    mm_case = {**shared_case, "impl": "matmul", "n": args.matmul_n}
     matmul_gflops = _matmul_rate(mm_case, args.timeout)
 
     rows: list[Row] = []
@@ -381,7 +382,7 @@ def run_all(args: argparse.Namespace) -> list[Row]:
                     for ph in ("fwd", "fwd+bwd"):
                         rows.append(Row(**base, mode=ph, status="skipped", note=failed_at))
                     continue
-                case = {**common, "impl": impl, "causal": causal, "L": L}
+                case = {**shared_case, "impl": impl, "causal": causal, "L": L}
                 if impl == "performer" and ours_chunk:
                     case["flop_chunk"] = ours_chunk
                 t0 = time.perf_counter()
@@ -442,7 +443,7 @@ def _matmul_rate(case: dict[str, Any], timeout: float) -> float:
 
 
 def write_csv(rows: list[Row], path: Path) -> None:
-    bc.write_rows_csv(rows, path, CSV_FIELDS)
+    common.write_rows_csv(rows, path, CSV_FIELDS)
 
 
 def plot(rows: list[Row], path: Path, title: str) -> None:
@@ -613,7 +614,7 @@ def format_tables(rows: list[Row], matmul_gflops: float) -> str:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = bc.bench_parser(__doc__, EPILOG, out=".bench/attention")
+    p = common.bench_parser(__doc__, EPILOG, out=".bench/attention")
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
     p.add_argument("--impls", default=",".join(IMPLS), help="comma list from: " + ",".join(IMPLS))
     p.add_argument("--modes", default=",".join(MODES), help="comma list from: " + ",".join(MODES))
@@ -635,10 +636,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "longer than this is the measurement (repeats=0)",
     )
     p.add_argument("--timeout", type=float, default=600.0, help="seconds per case (process)")
-    bc.add_mem_limit_arg(p)
+    common.add_mem_limit_arg(p)
     p.add_argument("--matmul-n", type=int, default=4096, help="size of the reference matmul")
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch default)")
-    bc.add_final_args(p, quick_help="tiny smoke configuration: L=256,512, 1 repeat, small matmul")
+    common.add_final_args(
+        p, quick_help="tiny smoke configuration: L=256,512, 1 repeat, small matmul"
+    )
     args = p.parse_args(argv)
     if args.quick:
         args.lengths = args.lengths or "256,512"
@@ -648,7 +651,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> int:
-    return bc.dispatch(parse_args(argv), run_case, run_parent)
+    return common.dispatch(parse_args(argv), run_case, run_parent)
 
 
 def run_parent(args: argparse.Namespace) -> int:

@@ -24,8 +24,10 @@ import sys
 import time
 from pathlib import Path
 
+import _common as common
+
 TITIN_ID = "sp|Q8WZ42|TITIN_HUMAN"
-DEFAULT_FASTA = Path(__file__).resolve().parents[2] / "shared/data/sequences/long_proteins.fasta"
+DEFAULT_FASTA = common.SEQUENCES / "long_proteins.fasta"
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

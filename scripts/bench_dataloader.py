@@ -18,10 +18,11 @@ import logging
 import time
 from pathlib import Path
 
+import _common as common
+
 from protein_performer.data.datamodule import ProteinDataModule
 
-ROOT = Path(__file__).resolve().parents[1]
-DEFAULT_FASTA = (ROOT.parent / "shared/data/sequences/swissprot_opal_train.fasta").resolve()
+DEFAULT_FASTA = (common.SEQUENCES / "swissprot_opal_train.fasta").resolve()
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -44,7 +45,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> dict[str, float]:
     args = parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    common.setup_logging("%(message)s")
     log = logging.getLogger("bench_dataloader")
     if args.quick:
         args.batches = min(args.batches, 30)

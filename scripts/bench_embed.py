@@ -44,17 +44,13 @@ import time
 from pathlib import Path
 from typing import Any
 
-REPO = Path(__file__).resolve().parents[1]
-if str(REPO) not in sys.path:  # runnable from a checkout without `pip install -e .`
-    sys.path.insert(0, str(REPO))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import _bench_common as bc  # noqa: E402  (the sibling module shared by the bench scripts)
+import _common as common
 
 log = logging.getLogger("bench_embed")
 
 IMPLS = ("performer", "hf", "esm")
 ESM2_8M = {"layers": 6, "dim": 320, "heads": 20, "ffn": 1280}
-TITIN = REPO / ".." / "shared" / "data" / "sequences" / "long_proteins.fasta"
+TITIN = common.SEQUENCES / "long_proteins.fasta"
 COLUMNS = ("impl", "case", "length", "device", "threads", "status", "time_s", "peak_mib", "note")
 GIB = 1024**3
 
@@ -146,7 +142,7 @@ def run_case(case: dict[str, Any]) -> dict[str, Any]:
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
             base = torch.cuda.memory_allocated()
-        bc.release_free_memory()
+        common.release_free_memory()
         rss0 = _rss()
         max0 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
         sampled = [rss0]
@@ -183,7 +179,9 @@ def run_case(case: dict[str, Any]) -> dict[str, Any]:
 def _spawn(case: dict[str, Any], timeout: float) -> dict[str, Any]:
     cmd = [sys.executable, str(Path(__file__).resolve()), "--case", json.dumps(case)]
     try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=REPO)
+        proc = subprocess.run(
+            cmd, capture_output=True, text=True, timeout=timeout, cwd=common.REPO
+        )
     except subprocess.TimeoutExpired:
         return {"status": "timeout", "note": f"over {timeout:.0f} s"}
     for line in proc.stdout.splitlines():
@@ -311,7 +309,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.case:
         print("RESULT " + json.dumps(run_case(json.loads(args.case))), flush=True)
         return 0
-    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    common.setup_logging()
     if args.quick:
         args.lengths, args.no_titin = [256, 512], True
 

@@ -27,11 +27,7 @@ import tempfile
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-if str(REPO) not in sys.path:  # runnable from a checkout without `pip install -e .`
-    sys.path.insert(0, str(REPO))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import _bench_common as bc  # noqa: E402  (the sibling module shared by the bench scripts)
+import _common as common
 
 UNIREF50 = 65_000_000
 AMINO = "ACDEFGHIKLMNPQRSTVWY"
@@ -99,7 +95,7 @@ def run_case(case: dict) -> None:
 
     emb_mod._write_part = timed(emb_mod._write_part)
     emb_mod.merge_columns = timed(emb_mod.merge_columns)
-    rss_before = bc.maxrss_bytes()
+    rss_before = common.maxrss_bytes()
     t0 = time.perf_counter()
     summary = embed_fasta(lm, fasta, out, progress=False, overwrite=True)
     total_s = time.perf_counter() - t0
@@ -109,7 +105,7 @@ def run_case(case: dict) -> None:
     read_s = time.perf_counter() - t0
     ids = [r.id for r in input_records(fasta)]
     assert summary.num_records == n == len(emb) and np.isfinite(emb).all()
-    bc.emit(
+    common.emit(
         {
             "n": n,
             "model_s": model_s,
@@ -118,17 +114,17 @@ def run_case(case: dict) -> None:
             "read_s": read_s,
             "file_bytes": out.stat().st_size,
             "raw_bytes": int(emb.nbytes) + sum(len(i.encode()) for i in ids),
-            "maxrss_mib": max(bc.maxrss_bytes(), rss_before) / 2**20,
+            "maxrss_mib": max(common.maxrss_bytes(), rss_before) / 2**20,
         }
     )
 
 
 def main() -> int:
-    p = bc.bench_parser(__doc__, "", ".bench/embed_store")
+    p = common.bench_parser(__doc__, "", ".bench/embed_store")
     p.add_argument("--records", type=int, nargs="+", default=[10_000, 100_000])
     p.add_argument("--read-records", type=int, default=20_000, help="the read-time case")
     p.add_argument("--threads", type=int, default=1)
-    bc.add_final_args(p, "1,000 and 3,000 records: a smoke run")
+    common.add_final_args(p, "1,000 and 3,000 records: a smoke run")
     args = p.parse_args()
     if args.case is not None:
         run_case(json.loads(args.case))
@@ -143,7 +139,7 @@ def main() -> int:
         for n in sorted({*args.records, args.read_records}):
             _fasta(work / f"in_{n}.fasta", n)
             case = {"n": n, "dir": tmp, "model": str(model), "threads": args.threads}
-            results, note = bc.spawn_case(__file__, case, timeout=7200)
+            results, note = common.spawn_case(__file__, case, timeout=7200)
             if not results:
                 print(f"N={n}: failed ({note})", file=sys.stderr)
                 return 1

@@ -50,6 +50,8 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+import _common as common
+
 if TYPE_CHECKING:  # torch is imported lazily so that --help answers at once
     import torch
     from torch import Tensor
@@ -416,9 +418,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    logging.basicConfig(
-        level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", stream=sys.stderr
-    )
+    common.setup_logging(common.TIMED_LOG_FORMAT)
     import torch
 
     if args.threads:

@@ -34,11 +34,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-REPO = Path(__file__).resolve().parents[1]
-if str(REPO) not in sys.path:  # runnable from a checkout without `pip install -e .`
-    sys.path.insert(0, str(REPO))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import _bench_common as bc  # noqa: E402  (the sibling module shared by the bench scripts)
+import _common as common
 
 SHAPE = {"dim": 320, "depth": 6, "heads": 20, "ff_dim": 1280}
 
@@ -71,7 +67,7 @@ def per_token(lm: Any, positions: list[int], steps: int) -> list[dict[str, Any]]
     model = lm.model
     tok = torch.tensor([5])
     states, times, peaks = {}, {P: [] for P in positions}, {P: 0 for P in positions}
-    with torch.inference_mode(), bc.PeakSampler(None) as sampler:
+    with torch.inference_mode(), common.PeakSampler(None) as sampler:
         for P in positions:
             tokens = torch.randint(4, 24, (1, P))
             tokens[0, 0] = lm.alphabet.cls_idx
@@ -79,7 +75,7 @@ def per_token(lm: Any, positions: list[int], steps: int) -> list[dict[str, Any]]
             _, states[P] = model.step(tok, torch.tensor([P]), states[P])  # warm-up
         for i in range(steps):
             for P in positions:
-                peak = bc.start_phase(sampler, torch.device("cpu")) if i == 0 else None
+                peak = common.start_phase(sampler, torch.device("cpu")) if i == 0 else None
                 t0 = time.perf_counter()
                 _, states[P] = model.step(tok, torch.tensor([P + 1 + i]), states[P])
                 times[P].append(time.perf_counter() - t0)
@@ -171,7 +167,7 @@ def performer_pytorch(lengths: list[int], direct: list[int]) -> tuple[dict, dict
 
 
 def main() -> int:
-    p = bc.bench_parser(__doc__, "", ".bench/generate")
+    p = common.bench_parser(__doc__, "", ".bench/generate")
     p.add_argument("--positions", type=int, nargs="+", default=[256, 2048, 8192, 32768])
     p.add_argument("--steps", type=int, default=64, help="timed steps per position")
     p.add_argument("--gen-lengths", type=int, nargs="+", default=[512, 1024, 2048, 4096])
@@ -181,7 +177,7 @@ def main() -> int:
     )
     p.add_argument("--repeats", type=int, default=2, help="timings per length (best kept)")
     p.add_argument("--threads", type=int, default=1)
-    bc.add_final_args(p, "tiny lengths, seconds: a smoke run")
+    common.add_final_args(p, "tiny lengths, seconds: a smoke run")
     args = p.parse_args()
     if args.quick:
         args.positions, args.steps = [16, 64], 4

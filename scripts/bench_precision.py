@@ -19,13 +19,9 @@ import sys
 import tempfile
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-if str(REPO) not in sys.path:  # runnable from a checkout without `pip install -e .`
-    sys.path.insert(0, str(REPO))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import _bench_common as bc  # noqa: E402  (the sibling module shared by the bench scripts)
+import _common as common
 
-DEMO = REPO / "data" / "demo"
+DEMO = common.REPO / "data" / "demo"
 
 
 def _random_8m(directory: Path, objective: str) -> Path:
@@ -44,7 +40,7 @@ def _random_8m(directory: Path, objective: str) -> Path:
 
 
 def main() -> int:
-    p = bc.bench_parser(__doc__, "", ".bench/precision")
+    p = common.bench_parser(__doc__, "", ".bench/precision")
     p.add_argument("--ckpt", default=None, help="model to measure (default: random 8M shape)")
     p.add_argument(
         "--objective", choices=("mlm", "clm"), default="clm", help="for the random model"
@@ -52,7 +48,7 @@ def main() -> int:
     p.add_argument("--fasta", type=Path, default=None, help="proteins (default: the demo FASTA)")
     p.add_argument("--records", type=int, default=20, help="how many records to use")
     p.add_argument("--threads", type=int, default=2)
-    bc.add_final_args(p, "3 short records: a smoke run")
+    common.add_final_args(p, "3 short records: a smoke run")
     args = p.parse_args()
     import numpy as np
 

@@ -37,11 +37,12 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import _common as common
+
 log = logging.getLogger("bench_preprocess")
 
-REPO = Path(__file__).resolve().parent.parent
 
-DEFAULT_SOURCES = sorted((REPO.parent / "shared" / "data" / "sequences").glob("*train*.fasta"))
+DEFAULT_SOURCES = sorted(common.SEQUENCES.glob("*train*.fasta"))
 TARGET_RATIO = 0.5
 TARGET_RSS_BYTES = 1 << 30
 
@@ -154,7 +155,7 @@ def ours(path: Path, out: Path, workers: int) -> dict:
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
-        cwd=REPO,
+        cwd=common.REPO,
     )
     stop, peak = threading.Event(), [0]
     sampler = threading.Thread(target=_tree_rss, args=(proc, stop, peak), daemon=True)
@@ -207,7 +208,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--keep", action="store_true", help="keep the generated FASTA and store")
     ap.add_argument("--json-out", type=Path, default=None, help="also write the results as JSON")
     args = ap.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    common.setup_logging()
 
     size = int((0.02 if args.quick else args.size_gb) * 1e9)
     if not args.source:

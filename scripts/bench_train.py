@@ -28,7 +28,7 @@ Why this shape:
 
 Peak memory: on CPU the peak RSS during the steps minus the RSS just before the first step (the
 model, the batch and the imported libraries are excluded; AdamW state, gradients and activations
-count), via the sampler of ``_bench_common.py``; on CUDA ``torch.cuda.max_memory_allocated``
+count), via the sampler of ``_common.py``; on CUDA ``torch.cuda.max_memory_allocated``
 minus the allocation before the first step.
 
 Examples::
@@ -51,8 +51,7 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import _bench_common as bc  # noqa: E402  (the sibling module shared by the bench scripts)
+import _common as common
 
 log = logging.getLogger("bench_train")
 
@@ -143,8 +142,8 @@ def run_case(case: dict[str, Any]) -> None:
 
     limit = int(case["mem_limit_gib"] * 2**30) if case.get("mem_limit_gib") else None
     cuda = device.type == "cuda"
-    with bc.PeakSampler(None if cuda else limit, interval_s=0.005) as sampler:
-        peak_bytes = bc.start_phase(sampler, device)
+    with common.PeakSampler(None if cuda else limit, interval_s=0.005) as sampler:
+        peak_bytes = common.start_phase(sampler, device)
         try:
             t0 = time.perf_counter()
             for _ in range(case["warmup"]):
@@ -156,7 +155,7 @@ def run_case(case: dict[str, Any]) -> None:
                 step()
                 times.append(time.perf_counter() - t0)
                 median = statistics.median(times)
-                bc.emit(
+                common.emit(
                     {
                         "status": "ok" if math.isfinite(losses[-1]) else "error",
                         "steps_timed": len(times),
@@ -169,7 +168,7 @@ def run_case(case: dict[str, Any]) -> None:
                     }
                 )
         except torch.OutOfMemoryError as exc:
-            bc.emit({"status": "oom", "note": str(exc).splitlines()[0][:200]})
+            common.emit({"status": "oom", "note": str(exc).splitlines()[0][:200]})
 
 
 # --------------------------------------------------------------------------------------------
@@ -210,7 +209,7 @@ CSV_FIELDS = tuple(f.name for f in fields(Row))
 
 def _spawn(case: dict[str, Any], timeout: float) -> tuple[dict[str, Any] | None, str]:
     """Run one case in a fresh interpreter; its last RESULT payload and a failure note."""
-    results, note = bc.spawn_case(__file__, case, timeout)
+    results, note = common.spawn_case(__file__, case, timeout)
     return (results[-1] if results else None), note
 
 
@@ -224,7 +223,9 @@ def run_all(args: argparse.Namespace) -> list[Row]:
     lengths = sorted(int(x) for x in args.lengths.split(",") if x)
     objectives = [x for x in args.objectives.split(",") if x]
     attentions = [x for x in args.attentions.split(",") if x]
-    mem_limit = args.mem_limit_gib or (bc.default_mem_limit_gib() if args.device == "cpu" else 0)
+    mem_limit = args.mem_limit_gib or (
+        common.default_mem_limit_gib() if args.device == "cpu" else 0
+    )
     failed: dict[tuple[str, str], str] = {}
     rows: list[Row] = []
     for objective in objectives:
@@ -300,7 +301,7 @@ def run_all(args: argparse.Namespace) -> list[Row]:
 
 
 def write_csv(rows: list[Row], path: Path) -> None:
-    bc.write_rows_csv(rows, path, CSV_FIELDS)
+    common.write_rows_csv(rows, path, CSV_FIELDS)
 
 
 def _find(rows: list[Row], objective: str, attention: str, L: int) -> Row | None:
@@ -369,7 +370,7 @@ def format_tables(rows: list[Row], header: str) -> str:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = bc.bench_parser(__doc__, EPILOG, out=".bench/train")
+    p = common.bench_parser(__doc__, EPILOG, out=".bench/train")
     p.add_argument("--precision", default="32", choices=("32", "bf16-mixed"))
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch default)")
     p.add_argument("--lengths", default="1024,4096,16384", help="comma list of L")
@@ -395,8 +396,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--timeout", type=float, default=1200.0, help="hard limit per case (process), seconds"
     )
-    bc.add_mem_limit_arg(p)
-    bc.add_final_args(
+    common.add_mem_limit_arg(p)
+    common.add_final_args(
         p, quick_help="tiny smoke configuration: 2 layers, dim 64, L=64,128, 256 tokens, 3 steps"
     )
     args = p.parse_args(argv)
@@ -411,7 +412,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> int:
-    return bc.dispatch(parse_args(argv), run_case, run_parent)
+    return common.dispatch(parse_args(argv), run_case, run_parent)
 
 
 def run_parent(args: argparse.Namespace) -> int:

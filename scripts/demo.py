@@ -19,11 +19,9 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-if str(REPO) not in sys.path:  # runnable from a checkout without `pip install -e .`
-    sys.path.insert(0, str(REPO))
+import _common as common
 
-from protein_performer.errors import UserError  # noqa: E402
+from protein_performer.errors import UserError
 
 log = logging.getLogger("demo")
 
@@ -67,7 +65,7 @@ def report_train(res: TrainResult) -> None:
     print(f"run directory: {res.output_dir}")
 
 
-DEMO_FASTA = REPO / "data" / "demo" / "some_proteins.fasta"
+DEMO_FASTA = common.REPO / "data" / "demo" / "some_proteins.fasta"
 
 
 def step_inference(res: TrainResult) -> dict[str, Path]:
@@ -113,7 +111,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     torch.set_num_threads(args.threads)
-    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    common.setup_logging()
     try:
         trained = step_train(overrides)
         report_train(trained)

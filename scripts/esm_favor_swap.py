@@ -42,20 +42,18 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
+import _common as common
 import numpy as np
 import torch
 import torch.nn.functional as F
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from protein_performer.data.tokenizer import Alphabet, pad_token_arrays  # noqa: E402
-from protein_performer.inference.contact_maps import predict_contacts  # noqa: E402
-from protein_performer.inference.contacts import ContactRegression  # noqa: E402
-from protein_performer.inference.convert_esm import load_any, swap_attention  # noqa: E402
-from protein_performer.inference.loading import LoadedModel  # noqa: E402
-from protein_performer.model.config import PerformerConfig  # noqa: E402
-from protein_performer.model.performer import PerformerLM  # noqa: E402
+from protein_performer.data.tokenizer import Alphabet, pad_token_arrays
+from protein_performer.inference.contact_maps import predict_contacts
+from protein_performer.inference.contacts import ContactRegression
+from protein_performer.inference.convert_esm import load_any, swap_attention
+from protein_performer.inference.loading import LoadedModel
+from protein_performer.model.config import PerformerConfig
+from protein_performer.model.performer import PerformerLM
 
 log = logging.getLogger("esm_favor_swap")
 
@@ -194,7 +192,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         default=None,
         help="fair-esm .pt, HF EsmForMaskedLM dir, or our export/.ckpt (default: random ESM-2)",
     )
-    p.add_argument("--fasta", type=Path, default=ROOT / "data" / "demo" / "some_proteins.fasta")
+    p.add_argument(
+        "--fasta", type=Path, default=common.REPO / "data" / "demo" / "some_proteins.fasta"
+    )
     p.add_argument("--max-records", type=int, default=15)
     p.add_argument("--max-len", type=int, default=512, help="crop (incl. <cls>/<eos>)")
     p.add_argument("--kernels", nargs="+", choices=KERNELS, default=list(KERNELS))
@@ -209,7 +209,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         metavar=("DIM", "DEPTH", "HEADS"),
         help="shape of the random ESM-2 when no checkpoint is given (default: ESM-2 8M)",
     )
-    p.add_argument("--out-dir", type=Path, default=ROOT / "outputs" / "esm_favor_swap")
+    p.add_argument("--out-dir", type=Path, default=common.REPO / "outputs" / "esm_favor_swap")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     p.add_argument(
         "--quick",
@@ -228,7 +228,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    common.setup_logging()
     args = parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)

@@ -23,17 +23,14 @@ from pathlib import Path
 import numpy as np
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from protein_performer.data.tokenizer import Alphabet, pad_token_arrays  # noqa: E402
-from protein_performer.inference.contact_maps import predict_contacts  # noqa: E402
-from protein_performer.inference.contacts import ContactRegression, model_identity  # noqa: E402
-from protein_performer.inference.convert_esm import convert_esm  # noqa: E402
-from protein_performer.inference.export_hf import export_hf  # noqa: E402
-from protein_performer.inference.loading import LoadedModel, load_model  # noqa: E402
-from protein_performer.model.config import PerformerConfig  # noqa: E402
-from protein_performer.model.performer import PerformerLM  # noqa: E402
+from protein_performer.data.tokenizer import Alphabet, pad_token_arrays
+from protein_performer.inference.contact_maps import predict_contacts
+from protein_performer.inference.contacts import ContactRegression, model_identity
+from protein_performer.inference.convert_esm import convert_esm
+from protein_performer.inference.export_hf import export_hf
+from protein_performer.inference.loading import LoadedModel, load_model
+from protein_performer.model.config import PerformerConfig
+from protein_performer.model.performer import PerformerLM
 
 AMINO = list("ACDEFGHIKLMNPQRSTVWY")
 

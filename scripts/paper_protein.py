@@ -63,9 +63,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import _common as common
+
 log = logging.getLogger("paper_protein")
 
-ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_DATA = [
     "../shared/data/sequences/uniprot_mmseqs_train.fasta",
     "../shared/data/sequences/swissprot_opal_train.fasta",
@@ -133,7 +134,7 @@ def child_env(threads: int) -> dict[str, str]:
     """The environment of every child: ``threads`` intra-op threads, the repo importable."""
     env = dict(os.environ)
     env.update(OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads))
-    env.setdefault("PROTEIN_PERFORMER_ROOT", str(ROOT))
+    env.setdefault("PROTEIN_PERFORMER_ROOT", str(common.REPO))
     return env
 
 
@@ -154,7 +155,7 @@ def call(cmd: list[str], threads: int, log_path: Path) -> None:
         fh.write(shown(cmd, threads) + "\n")
         fh.flush()
         proc = subprocess.run(
-            cmd, cwd=ROOT, env=child_env(threads), stdout=fh, stderr=subprocess.STDOUT
+            cmd, cwd=common.REPO, env=child_env(threads), stdout=fh, stderr=subprocess.STDOUT
         )
     if proc.returncode != 0:
         tail = log_path.read_text().strip().splitlines()[-5:]
@@ -635,7 +636,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.data = [str(Path(x).resolve()) for x in args.data]
     else:
         args.data = [
-            str((ROOT / x).resolve()) for x in (QUICK_DATA if args.quick else DEFAULT_DATA)
+            str((common.REPO / x).resolve()) for x in (QUICK_DATA if args.quick else DEFAULT_DATA)
         ]
     if args.concat_seeds is None:
         args.concat_seeds = args.seeds
@@ -645,9 +646,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    logging.basicConfig(
-        level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", stream=sys.stderr
-    )
+    common.setup_logging(common.TIMED_LOG_FORMAT)
     args.out.mkdir(parents=True, exist_ok=True)
     store = make_store(args)
     runs = plan_runs(args, store)

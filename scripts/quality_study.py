@@ -56,6 +56,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+import _common as common
+
 log = logging.getLogger("quality_study")
 
 #: Variant name -> the overrides that make it (everything else is shared).
@@ -531,9 +533,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    logging.basicConfig(
-        level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", stream=sys.stderr
-    )
+    common.setup_logging(common.TIMED_LOG_FORMAT)
     if args.run_variant is not None:
         run_variant(json.loads(args.run_variant))
         return 0
