@@ -175,6 +175,6 @@ def run(args: argparse.Namespace) -> int:
         save_beside=args.save_beside,
     )
     print(format_summary(result))
-    for name, path in result["files"].items():
+    for name, path in result.files.items():
         print(f"{name}: {path}")
     return 0

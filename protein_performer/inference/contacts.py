@@ -41,7 +41,7 @@ import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -49,6 +49,10 @@ import torch
 from protein_performer.atomic import write_text_atomic
 from protein_performer.errors import UserError, check_format_header
 from protein_performer.inference.loading import REGRESSION_FILE  # beside a .ckpt: <stem>.<it>
+
+if TYPE_CHECKING:
+    from protein_performer.inference.loading import LoadedModel
+    from protein_performer.inference.structures import ContactTarget
 
 log = logging.getLogger(__name__)
 
@@ -440,6 +444,93 @@ def model_maps(
 PRECISION_FILE = "precision.csv"
 ID_COLUMNS = ("protein", "file", "chain", "length", "observed", "contacts", "fold")
 
+#: What makes two targets the same protein: its structure file, chain and the sequence read.
+TargetKey = tuple[str, str, str]
+
+
+def _target_key(target: ContactTarget) -> TargetKey:
+    return (str(target.structure.path.resolve()), target.structure.chain_id, target.sequence)
+
+
+class _TargetFeatures:
+    """Each target's attention maps and training pairs, computed once: cross-fitting reads a
+    structure in every fold but one, and evaluation reads its maps again."""
+
+    def __init__(self, loaded: LoadedModel, layers: list[int], heads: list[int]) -> None:
+        self.loaded = loaded
+        self.layers = layers
+        self.heads = heads
+        self._maps: dict[TargetKey, np.ndarray] = {}
+        self._pairs: dict[TargetKey, tuple[np.ndarray, np.ndarray]] = {}
+
+    def maps(self, target: ContactTarget) -> np.ndarray:
+        """(n_layers, n_heads, L, L) maps of ``layers`` x ``heads``."""
+        key = _target_key(target)
+        if key not in self._maps:
+            log.info("attention maps: %s (%d residues)", target.id, target.length)
+            self._maps[key] = model_maps(self.loaded, target.sequence, self.layers, self.heads)
+        return self._maps[key]
+
+    def pairs(self, target: ContactTarget) -> tuple[np.ndarray, np.ndarray]:
+        """(n, F) features and (n,) labels of the target's scoreable pairs."""
+        key = _target_key(target)
+        if key not in self._pairs:
+            features = contact_features(self.maps(target))
+            self._pairs[key] = training_pairs(features, target.contacts(), target.valid())
+        return self._pairs[key]
+
+    def forget_maps(self, target: ContactTarget) -> None:
+        """Drop a target's maps (the largest arrays) once nothing reads them again."""
+        self._maps.pop(_target_key(target), None)
+
+
+@dataclass
+class _Fitter:
+    """Fits a regression on some targets' pairs, with the run's settings and model identity."""
+
+    features: _TargetFeatures
+    identity: dict[str, Any]
+    C: float
+    class_weight: str | None
+    seed: int
+
+    def fit(self, on: Sequence[ContactTarget], what: str) -> ContactRegression:
+        X = np.concatenate([self.features.pairs(t)[0] for t in on])
+        y = np.concatenate([self.features.pairs(t)[1] for t in on])
+        log.info("fitting %s on %d pairs (%d contacts)", what, len(y), int(y.sum()))
+        return fit_regression(
+            X,
+            y,
+            self.features.layers,
+            self.features.heads,
+            C=self.C,
+            class_weight=self.class_weight,
+            seed=self.seed,
+            identity=self.identity,
+            meta={"checkpoint": self.features.loaded.source.name, "fit_on": [t.id for t in on]},
+        )
+
+
+@dataclass
+class RegressionPlan:
+    """Which regression scores each evaluated target, and which one is saved."""
+
+    mode: str  # "given", "fit-on", "leave-one-out" or "<k>-fold" (the mean row's fold)
+    per_target: list[ContactRegression]  # one per evaluated target, in order
+    folds: list[str]  # each target's fold column: its cross-fitting fold, else "-"
+    final: ContactRegression | None  # fitted for new proteins and saved; None when given
+
+
+@dataclass
+class ContactBenchmark:
+    """What :func:`benchmark` measured and wrote."""
+
+    rows: list[dict[str, Any]]  # one per target: ID_COLUMNS, METRICS and their null_ twins
+    mean: dict[str, float]  # NaN-aware mean of every metric over the targets
+    mode: str  # as RegressionPlan.mode
+    regression: ContactRegression | None  # the final fit, or the given regression
+    files: dict[str, Path]  # name -> path of each file written
+
 
 def _fold_of(n: int, folds: int | None) -> list[int]:
     """Round-robin fold of each structure in the given order; None = leave-one-out."""
@@ -447,107 +538,55 @@ def _fold_of(n: int, folds: int | None) -> list[int]:
     return [i % k for i in range(n)]
 
 
-def benchmark(
-    loaded: Any,
-    targets: Sequence[Any],
-    out_dir: str | os.PathLike[str],
+def plan_regressions(
+    targets: Sequence[ContactTarget],
+    fitter: _Fitter,
     *,
-    fit_targets: Sequence[Any] | None = None,
-    regression: ContactRegression | None = None,
-    folds: int | None = None,
-    C: float = DEFAULT_C,
-    class_weight: str | None = None,
-    seed: int = 0,
-    save_beside: bool = False,
-) -> dict[str, Any]:
-    """Precision of contact prediction on ``targets`` (``structures.ContactTarget``), with the
-    shuffled-map null beside it, written to ``out_dir/precision.csv``.
-
-    Exactly one way to get a regression: ``regression`` (apply as is), ``fit_targets`` (fit on
-    those), or neither: cross-fitting over ``targets`` (``folds`` round-robin folds in the given
-    order, leave-one-out when None), every protein scored by a fit that never saw it; a final
-    fit on all targets is then saved for use on new proteins. Fitted regressions are written to
-    ``out_dir/contact_regression.json`` (and beside the checkpoint with ``save_beside``).
-    """
-    if regression is not None and fit_targets:
-        raise UserError("give either a fitted regression or structures to fit on, not both")
-    out = Path(out_dir).expanduser()
-    identity = model_identity(loaded)
+    regression: ContactRegression | None,
+    fit_targets: Sequence[ContactTarget] | None,
+    folds: int | None,
+) -> RegressionPlan:
+    """The regression of each target: ``regression`` as is, one fit on ``fit_targets``, or
+    cross-fitting over ``targets`` (each scored by a fit that never saw it) plus a final fit on
+    all of them."""
+    n = len(targets)
     if regression is not None:
-        regression.check_model(loaded, identity["model_sha256"])
-        layers, heads = regression.layers, regression.heads
-    else:
-        layers = list(range(1, loaded.config.depth + 1))
-        heads = list(range(loaded.config.heads))
-    if regression is None and not fit_targets and len(targets) < 2:
-        raise UserError(
-            "cross-fitting needs at least 2 structures; add structures, or pass --fit-on "
-            "STRUCTURE... or --regression PATH"
-        )
-
-    def key(t: Any) -> tuple:
-        return (str(t.structure.path.resolve()), t.structure.chain_id, t.sequence)
-
-    cache: dict[tuple, np.ndarray] = {}
-    pairs: dict[tuple, tuple[np.ndarray, np.ndarray]] = {}
-
-    def maps_of(t: Any) -> np.ndarray:
-        k = key(t)
-        if k not in cache:
-            log.info("attention maps: %s (%d residues)", t.id, t.length)
-            cache[k] = model_maps(loaded, t.sequence, layers, heads)
-        return cache[k]
-
-    def pairs_of(t: Any) -> tuple[np.ndarray, np.ndarray]:
-        k = key(t)
-        if k not in pairs:
-            pairs[k] = training_pairs(contact_features(maps_of(t)), t.contacts(), t.valid())
-        return pairs[k]
-
-    def fit(on: Sequence[Any], what: str) -> ContactRegression:
-        X = np.concatenate([pairs_of(t)[0] for t in on])
-        y = np.concatenate([pairs_of(t)[1] for t in on])
-        log.info("fitting %s on %d pairs (%d contacts)", what, len(y), int(y.sum()))
-        return fit_regression(
-            X,
-            y,
-            layers,
-            heads,
-            C=C,
-            class_weight=class_weight,
-            seed=seed,
-            identity=identity,
-            meta={"checkpoint": loaded.source.name, "fit_on": [t.id for t in on]},
-        )
-
-    if regression is not None:
-        mode, per_target = "given", [regression] * len(targets)
-        fold = ["-"] * len(targets)
-        final = None
-    elif fit_targets:
-        mode = "fit-on"
-        overlap = {key(t) for t in fit_targets} & {key(t) for t in targets}
+        return RegressionPlan("given", [regression] * n, ["-"] * n, None)
+    if fit_targets:
+        overlap = {_target_key(t) for t in fit_targets} & {_target_key(t) for t in targets}
         if overlap:
             log.warning(
                 "%d evaluated structure(s) are also in the fit set: optimistic", len(overlap)
             )
-        final = fit(fit_targets, "the regression")
-        per_target, fold = [final] * len(targets), ["-"] * len(targets)
-    else:
-        folds_of = _fold_of(len(targets), folds)
-        k = max(folds_of) + 1
-        mode = "leave-one-out" if k == len(targets) else f"{k}-fold"
-        fold_fits = {}
-        for f in range(k):
-            train = [t for t, g in zip(targets, folds_of, strict=True) if g != f]
-            fold_fits[f] = fit(train, f"fold {f + 1}/{k}")
-        per_target = [fold_fits[g] for g in folds_of]
-        fold = [str(g) for g in folds_of]
-        final = fit(targets, "the final regression (all structures)")
+        final = fitter.fit(fit_targets, "the regression")
+        return RegressionPlan("fit-on", [final] * n, ["-"] * n, final)
+    folds_of = _fold_of(n, folds)
+    k = max(folds_of) + 1
+    fold_fits = [
+        fitter.fit(
+            [t for t, g in zip(targets, folds_of, strict=True) if g != f], f"fold {f + 1}/{k}"
+        )
+        for f in range(k)
+    ]
+    final = fitter.fit(targets, "the final regression (all structures)")
+    return RegressionPlan(
+        "leave-one-out" if k == n else f"{k}-fold",
+        [fold_fits[g] for g in folds_of],
+        [str(g) for g in folds_of],
+        final,
+    )
 
+
+def evaluate(
+    targets: Sequence[ContactTarget],
+    plan: RegressionPlan,
+    features: _TargetFeatures,
+    seed: int,
+) -> list[dict[str, Any]]:
+    """One row per target: its identity columns, precision and the shuffled-map null's."""
     rows = []
-    for t, reg, f in zip(targets, per_target, fold, strict=True):
-        maps = maps_of(t)
+    for t, reg, fold in zip(targets, plan.per_target, plan.folds, strict=True):
+        maps = features.maps(t)
         contacts, valid = t.contacts(), t.valid()
         real = precision_at(reg.predict_maps(maps), contacts, valid, t.length)
         null = precision_at(null_prediction(reg, maps, t.id, seed), contacts, valid, t.length)
@@ -560,14 +599,24 @@ def benchmark(
                 "length": t.length,
                 "observed": int(t.observed.sum()),
                 "contacts": int((contacts & valid)[i, j].sum()),
-                "fold": f,
+                "fold": fold,
                 **real,
                 **{f"null_{m}": v for m, v in null.items()},
             }
         )
-        cache.pop(key(t), None)  # evaluated targets are not needed again
-    keys = [*METRICS, *(f"null_{m}" for m in METRICS)]
-    mean = mean_metrics(rows, keys)
+        features.forget_maps(t)  # evaluated targets are not needed again
+    return rows
+
+
+def write_results(
+    out: Path,
+    rows: list[dict[str, Any]],
+    mean: dict[str, float],
+    plan: RegressionPlan,
+    beside: Path | None,
+) -> dict[str, Path]:
+    """``out/precision.csv`` (the rows and their mean) and, when one was fitted, the final
+    regression in ``out`` and, with ``beside`` (a checkpoint), next to it."""
     columns = [*ID_COLUMNS, *(c for m in METRICS for c in (m, f"null_{m}"))]
     mean_row = {
         "protein": "mean",
@@ -576,27 +625,67 @@ def benchmark(
         "length": float(np.mean([r["length"] for r in rows])),
         "observed": float(np.mean([r["observed"] for r in rows])),
         "contacts": float(np.mean([r["contacts"] for r in rows])),
-        "fold": mode,
+        "fold": plan.mode,
         **mean,
     }
-    files: dict[str, Path] = {
-        "precision": _write_csv(out / PRECISION_FILE, columns, [*rows, mean_row])
-    }
-    if final is not None:
-        final.meta["evaluation"] = mode
-        files["regression"] = final.save(out / REGRESSION_FILE)
-        if save_beside:
-            files["regression_beside"] = final.save(default_regression_path(loaded.source))
-    return {
-        "rows": rows,
-        "mean": mean,
-        "mode": mode,
-        "regression": final or regression,
-        "files": files,
-    }
+    files = {"precision": _write_csv(out / PRECISION_FILE, columns, [*rows, mean_row])}
+    if plan.final is not None:
+        plan.final.meta["evaluation"] = plan.mode
+        files["regression"] = plan.final.save(out / REGRESSION_FILE)
+        if beside is not None:
+            files["regression_beside"] = plan.final.save(default_regression_path(beside))
+    return files
 
 
-def _fmt(value: Any) -> str:
+def benchmark(
+    loaded: LoadedModel,
+    targets: Sequence[ContactTarget],
+    out_dir: str | os.PathLike[str],
+    *,
+    fit_targets: Sequence[ContactTarget] | None = None,
+    regression: ContactRegression | None = None,
+    folds: int | None = None,
+    C: float = DEFAULT_C,
+    class_weight: str | None = None,
+    seed: int = 0,
+    save_beside: bool = False,
+) -> ContactBenchmark:
+    """Precision of contact prediction on ``targets``, with the shuffled-map null beside it,
+    written to ``out_dir/precision.csv``.
+
+    Exactly one way to get a regression: ``regression`` (apply as is), ``fit_targets`` (fit on
+    those), or neither: cross-fitting over ``targets`` (``folds`` round-robin folds in the given
+    order, leave-one-out when None), every protein scored by a fit that never saw it; a final
+    fit on all targets is then saved for use on new proteins. Fitted regressions are written to
+    ``out_dir/contact_regression.json`` (and beside the checkpoint with ``save_beside``).
+    """
+    if regression is not None and fit_targets:
+        raise UserError("give either a fitted regression or structures to fit on, not both")
+    identity = model_identity(loaded)
+    if regression is not None:
+        regression.check_model(loaded, identity["model_sha256"])
+        layers, heads = regression.layers, regression.heads
+    else:
+        layers = list(range(1, loaded.config.depth + 1))
+        heads = list(range(loaded.config.heads))
+    if regression is None and not fit_targets and len(targets) < 2:
+        raise UserError(
+            "cross-fitting needs at least 2 structures; add structures, or pass --fit-on "
+            "STRUCTURE... or --regression PATH"
+        )
+    features = _TargetFeatures(loaded, layers, heads)
+    fitter = _Fitter(features, identity, C, class_weight, seed)
+    plan = plan_regressions(
+        targets, fitter, regression=regression, fit_targets=fit_targets, folds=folds
+    )
+    rows = evaluate(targets, plan, features, seed)
+    mean = mean_metrics(rows, [*METRICS, *(f"null_{m}" for m in METRICS)])
+    beside = loaded.source if save_beside else None
+    files = write_results(Path(out_dir).expanduser(), rows, mean, plan, beside)
+    return ContactBenchmark(rows, mean, plan.mode, plan.final or regression, files)
+
+
+def _fmt(value: object) -> str:
     if isinstance(value, float):
         return "" if math.isnan(value) else f"{value:.4f}"
     return str(value)
@@ -614,14 +703,14 @@ def _write_csv(path: Path, columns: Sequence[str], rows: Sequence[dict[str, Any]
     return write_text_atomic(path, buf.getvalue())
 
 
-def format_summary(result: dict[str, Any]) -> str:
+def format_summary(result: ContactBenchmark) -> str:
     """Printed table: mean P@L, L/2, L/5 per range, model vs null."""
-    lines = [f"contact precision ({result['mode']}, {len(result['rows'])} proteins): model / null"]
+    lines = [f"contact precision ({result.mode}, {len(result.rows)} proteins): model / null"]
     for rname in RANGES:
         cells = []
         for tname in TOPS:
-            m = result["mean"][f"P@{tname}_{rname}"]
-            n = result["mean"][f"null_P@{tname}_{rname}"]
+            m = result.mean[f"P@{tname}_{rname}"]
+            n = result.mean[f"null_P@{tname}_{rname}"]
             cells.append(f"P@{tname} {_fmt(m) or '-'} / {_fmt(n) or '-'}")
         lines.append(f"  {rname:>6}: " + "   ".join(cells))
     return "\n".join(lines)
