@@ -1,5 +1,7 @@
 # The two commands from the README: `make demo` (main job) and `make test` (test suite).
 # Each creates or reuses .venv and installs what it needs (CPU torch 2.13.0; see README for GPU).
+# pytest's exit status passes through unchanged: 5 (no tests collected) fails, since both
+# targets expect tests (skipped tests still count as collected).
 PY ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
@@ -23,10 +25,10 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(BIN)/ruff check protein_performer tests scripts examples
-	$(BIN)/python -m pytest -q; rc=$$?; if [ $$rc -eq 5 ]; then echo "no tests collected"; exit 0; fi; exit $$rc
+	$(BIN)/python -m pytest -q
 
 test-slow: $(STAMP)
-	$(BIN)/python -m pytest -q -m slow; rc=$$?; if [ $$rc -eq 5 ]; then exit 0; fi; exit $$rc
+	$(BIN)/python -m pytest -q -m slow
 
 # Reference implementations for the benchmarks (performer-pytorch, fair-esm, transformers).
 bench-env: $(STAMP)
