@@ -45,6 +45,11 @@ def setup_logging(fmt: str = LOG_FORMAT) -> None:
     logging.basicConfig(level=logging.INFO, format=fmt, stream=sys.stderr)
 
 
+def verdict(ok: bool) -> str:
+    """How every script's target table marks a measured target."""
+    return "PASS" if ok else "FAIL"
+
+
 # --------------------------------------------------------------------------------------------
 # Benchmarks: the child/parent protocol
 # --------------------------------------------------------------------------------------------

@@ -142,7 +142,8 @@ def base_overrides(args: argparse.Namespace) -> list[str]:
 def train_exact(args: argparse.Namespace) -> tuple[str, Any]:
     """Phase 1 through the training engineer's pure ``train(cfg)``; returns the last checkpoint
     and the composed config."""
-    from protein_performer.training.train import compose_config, train
+    from protein_performer.hydra_compose import compose_config
+    from protein_performer.training.train import train
 
     out = args.out_dir / "exact"
     overrides = [
@@ -169,9 +170,9 @@ def fine_tune(args: argparse.Namespace, ckpt: str, loader: Any, weight: float) -
     import hydra
     import pytorch_lightning as pl
 
+    from protein_performer.hydra_compose import compose_config
     from protein_performer.training.callbacks import FeatureRedraw
     from protein_performer.training.init_weights import load_initial_weights
-    from protein_performer.training.train import compose_config
 
     out = args.out_dir / f"favor_finetune_w{weight:g}"
     overrides = [
@@ -435,9 +436,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     import hydra
 
-    from protein_performer.inference.convert_esm import swap_attention
-    from protein_performer.inference.loading import load_model
-    from protein_performer.training.train import compose_config
+    from protein_performer.hydra_compose import compose_config
+    from protein_performer.model.convert_esm import swap_attention
+    from protein_performer.model.loading import load_model
 
     start = time.perf_counter()
     if args.exact_ckpt:

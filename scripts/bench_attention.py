@@ -608,7 +608,7 @@ def format_tables(rows: list[Row], matmul_gflops: float) -> str:
         )
     lines += ["", "| target | goal | measured | pass |", "|---|---|---:|---|"]
     for desc, tgt, val, ok in targets(rows):
-        verdict = "n/a (not measured)" if ok is None else ("PASS" if ok else "FAIL")
+        verdict = "n/a (not measured)" if ok is None else common.verdict(ok)
         lines.append(f"| {desc} | {tgt} | {val:.3g} | {verdict} |")
     return "\n".join(lines)
 

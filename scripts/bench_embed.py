@@ -52,7 +52,6 @@ IMPLS = ("performer", "hf", "esm")
 ESM2_8M = {"layers": 6, "dim": 320, "heads": 20, "ffn": 1280}
 TITIN = common.SEQUENCES / "long_proteins.fasta"
 COLUMNS = ("impl", "case", "length", "device", "threads", "status", "time_s", "peak_mib", "note")
-GIB = 1024**3
 
 
 # --------------------------------------------------------------------------------------------
@@ -238,8 +237,8 @@ def summarize(rows: list[dict[str, Any]]) -> list[str]:
             mem = ours["peak_mib"] / max(hf["peak_mib"], 1e-9)
             lines.append(
                 f"L={L}: {speed:.2f}x faster than hf-SDPA (target >= {target}x: "
-                f"{'PASS' if speed >= target else 'FAIL'}); peak memory {mem:.2f}x hf-SDPA's "
-                f"(target <= 2x: {'PASS' if mem <= 2 else 'FAIL'})"
+                f"{common.verdict(speed >= target)}); peak memory {mem:.2f}x hf-SDPA's "
+                f"(target <= 2x: {common.verdict(mem <= 2)})"
             )
         else:
             lines.append(f"L={L}: no ratio (performer or hf case missing)")
@@ -255,14 +254,14 @@ def summarize(rows: list[dict[str, Any]]) -> list[str]:
         ratio = t32["time_s"] / t4["time_s"]
         lines.append(
             f"time(32k)/time(4k) = {ratio:.2f} (target <= 9, linear = 8: "
-            f"{'PASS' if ratio <= 9 else 'FAIL'})"
+            f"{common.verdict(ratio <= 9)})"
         )
     titin = get("performer", "titin")
     if titin:
         gib = titin["peak_mib"] / 1024
         lines.append(
             f"titin ({titin['length']} aa) in one pass: {titin['time_s']:.1f} s, peak "
-            f"{gib:.2f} GiB (target < 4 GiB: {'PASS' if gib < 4 else 'FAIL'})"
+            f"{gib:.2f} GiB (target < 4 GiB: {common.verdict(gib < 4)})"
         )
     return lines
 

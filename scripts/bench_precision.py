@@ -28,8 +28,8 @@ def _random_8m(directory: Path, objective: str) -> Path:
     import torch
 
     from protein_performer.data.tokenizer import Alphabet
-    from protein_performer.inference.loading import LoadedModel, export_model
     from protein_performer.model.config import PerformerConfig
+    from protein_performer.model.loading import LoadedModel, export_model
     from protein_performer.model.performer import PerformerLM
 
     torch.manual_seed(0)

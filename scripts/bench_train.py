@@ -326,7 +326,7 @@ def ratios(rows: list[Row]) -> list[dict[str, Any]]:
         elif math.isnan(speed):
             verdict = "n/a (not measured)"
         else:
-            verdict = "PASS" if speed >= target else "FAIL"
+            verdict = common.verdict(speed >= target)
         out.append(
             {
                 "objective": objective,

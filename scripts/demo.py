@@ -77,16 +77,10 @@ def step_inference(res: TrainResult) -> dict[str, Path]:
 
 def step_plots(res: TrainResult) -> dict[str, Path]:
     """Attention grid and amino-acid similarity PNGs for the first demo protein."""
-    from protein_performer.viz.visualize import run
+    from protein_performer.cli.visualize import compose, visualize
 
-    return run(
-        [
-            f"ckpt={res.checkpoint}",
-            f"fasta={DEMO_FASTA}",
-            f"out_dir={res.output_dir / 'plots'}",
-            "device=cpu",
-        ]
-    )
+    overrides = [f"ckpt={res.checkpoint}", f"fasta={DEMO_FASTA}", "device=cpu"]
+    return visualize(compose([*overrides, f"out_dir={res.output_dir / 'plots'}"]))
 
 
 def main(argv: list[str] | None = None) -> int:

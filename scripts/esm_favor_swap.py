@@ -49,10 +49,10 @@ import torch.nn.functional as F
 
 from protein_performer.data.tokenizer import Alphabet, pad_token_arrays
 from protein_performer.inference.contact_maps import predict_contacts
-from protein_performer.inference.contacts import ContactRegression
-from protein_performer.inference.convert_esm import load_any, swap_attention
-from protein_performer.inference.loading import LoadedModel
 from protein_performer.model.config import PerformerConfig
+from protein_performer.model.contact_regression import ContactRegression
+from protein_performer.model.convert_esm import load_any, swap_attention
+from protein_performer.model.loading import LoadedModel
 from protein_performer.model.performer import PerformerLM
 
 log = logging.getLogger("esm_favor_swap")

@@ -206,8 +206,8 @@ def _model(work: Path) -> Path:
         import torch
 
         from protein_performer.data.tokenizer import Alphabet
-        from protein_performer.inference.loading import LoadedModel, export_model
         from protein_performer.model.config import PerformerConfig
+        from protein_performer.model.loading import LoadedModel, export_model
         from protein_performer.model.performer import PerformerLM
 
         torch.manual_seed(0)
@@ -244,7 +244,7 @@ def _export(work: Path) -> Scenario:
     model = _model(work)
 
     def fingerprint() -> float:
-        from protein_performer.inference.loading import load_model
+        from protein_performer.model.loading import load_model
 
         loaded = load_model(out, "cpu")
         return float(sum(float(p.detach().double().sum()) for p in loaded.model.parameters()))

@@ -25,11 +25,11 @@ import torch
 
 from protein_performer.data.tokenizer import Alphabet, pad_token_arrays
 from protein_performer.inference.contact_maps import predict_contacts
-from protein_performer.inference.contacts import ContactRegression, model_identity
-from protein_performer.inference.convert_esm import convert_esm
 from protein_performer.inference.export_hf import export_hf
-from protein_performer.inference.loading import LoadedModel, load_model
 from protein_performer.model.config import PerformerConfig
+from protein_performer.model.contact_regression import ContactRegression, model_identity
+from protein_performer.model.convert_esm import convert_esm
+from protein_performer.model.loading import LoadedModel, load_model
 from protein_performer.model.performer import PerformerLM
 
 AMINO = list("ACDEFGHIKLMNPQRSTVWY")

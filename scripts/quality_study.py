@@ -149,7 +149,8 @@ def make_wall_clock(filename: str = WALLCLOCK_FILE) -> Any:
 
 def run_variant(spec: dict[str, Any]) -> None:
     """Compose the run's config and call the project's ``train(cfg)``; save its return value."""
-    from protein_performer.training.train import compose_config, train
+    from protein_performer.hydra_compose import compose_config
+    from protein_performer.training.train import train
 
     out = Path(spec["output_dir"])
     out.mkdir(parents=True, exist_ok=True)
@@ -356,7 +357,7 @@ def format_report(rows: list[dict[str, Any]], header: str, verdict: str) -> str:
 
 
 def run_study(args: argparse.Namespace) -> int:
-    from protein_performer.training.train import compose_config
+    from protein_performer.hydra_compose import compose_config
 
     out = args.out.resolve()
     out.mkdir(parents=True, exist_ok=True)
@@ -454,7 +455,7 @@ def run_study(args: argparse.Namespace) -> int:
         ok = best["ppl"] <= (1 + TARGET_MARGIN) * exact
         verdict = (
             f"Target (best FAVOR+ within {TARGET_MARGIN:.0%} of exact's perplexity): "
-            f"{'PASS' if ok else 'FAIL'}: {best['variant']} {best['ppl']:.3f} vs exact "
+            f"{common.verdict(ok)}: {best['variant']} {best['ppl']:.3f} vs exact "
             f"{exact:.3f} ({best['ppl'] / exact - 1:+.1%})"
         )
     else:
