@@ -12,9 +12,8 @@ from protein_performer.data.fasta import (
     DuplicateIdChecker,
     FastaFormatError,
     InvalidReport,
-    count_records,
+    count_lines_and_records,
     read_fasta,
-    read_fastas,
 )
 from protein_performer.errors import UserError
 
@@ -69,7 +68,7 @@ def test_gzip_detected_by_magic_and_identical(tmp_path: Path) -> None:
     assert [(r.id, r.sequence, r.line, r.number) for r in a] == [
         (r.id, r.sequence, r.line, r.number) for r in b
     ]
-    assert count_records(plain) == count_records(gz) == 3000
+    assert count_lines_and_records(plain)[1] == count_lines_and_records(gz)[1] == 3000
 
 
 def test_records_spanning_block_boundaries(tmp_path: Path) -> None:
@@ -139,7 +138,7 @@ def test_duplicate_ids_within_and_across_files(tmp_path: Path) -> None:
     assert "record #1 has the same id" in str(err)
     b = write(tmp_path, ">z\nMKV\n>y\nMKV\n", "b.fa")
     report = InvalidReport()
-    got = list(read_fastas([a, b], on_invalid="skip", report=report))
+    got = list(read_fasta([a, b], on_invalid="skip", report=report))
     assert [r.id for r in got] == ["x", "y", "z"]
     assert report.by_reason == {"duplicate id": 2}
     assert f"record #2 of {a}" in report.examples[1]
@@ -288,20 +287,20 @@ def test_shared_files_parse(rel: str, n: int) -> None:
     if not path.exists():
         pytest.skip(f"{path} not present (../shared is only on developer machines)")
     recs = list(read_fasta(path))
-    assert len(recs) == n == count_records(path)
+    assert len(recs) == n == count_lines_and_records(path)[1]
     assert all(r.sequence and r.sequence.isupper() for r in recs)
     if rel.startswith("demo/"):
         assert recs[0].header.db == "uniref"
 
 
-# ------------------------------------------------------------------------------ fast vs exact
-# The reader parses a block in bulk (fast path) and only re-parses a block with a problem record
-# by record (exact path). Both must give the same records, errors and report, wherever the
-# block boundaries fall.
-def _outcome(path: Path, monkeypatch: pytest.MonkeyPatch, *, fast: bool, block: int, **kw):
+# ------------------------------------------------------------------------------ block sizes
+# The reader checks a block's letters in one pass and looks at a record on its own only when that
+# check fails (a block with a problem). Records, errors and report must be the same wherever the
+# block boundaries fall: with tiny blocks most records are checked alone in a clean block, with
+# one large block every record shares a block with the problems.
+def _outcome(path: Path, monkeypatch: pytest.MonkeyPatch, *, block: int, **kw):
     import protein_performer.data.fasta as fasta
 
-    monkeypatch.setattr(fasta, "_FAST", fast)
     monkeypatch.setattr(fasta, "_BLOCK", block)
     report = InvalidReport(max_examples=100)
     got: list = []
@@ -336,12 +335,12 @@ MIXED = (
 
 @pytest.mark.parametrize("block", [1 << 20, 7, 16, 23, 64])
 @pytest.mark.parametrize("on_invalid", ["skip", "error"])
-def test_fast_and_exact_paths_agree(
+def test_block_sizes_agree(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, block: int, on_invalid: str
 ) -> None:
     p = write(tmp_path, MIXED)
-    exact = _outcome(p, monkeypatch, fast=False, block=1 << 20, on_invalid=on_invalid)
-    fast = _outcome(p, monkeypatch, fast=True, block=block, on_invalid=on_invalid)
+    exact = _outcome(p, monkeypatch, block=1 << 20, on_invalid=on_invalid)
+    fast = _outcome(p, monkeypatch, block=block, on_invalid=on_invalid)
     assert fast == exact
     if on_invalid == "skip":
         got, err, skipped, _, _ = fast
@@ -357,8 +356,8 @@ def test_fast_and_exact_paths_agree(
 def test_errors_at_block_boundaries_are_located(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, block: int
 ) -> None:
-    # Many clean records, a bad one every so often: whatever block cuts where, the fast path
-    # (clean blocks) and the exact path (blocks with a problem) agree to the line and column.
+    # Many clean records, a bad one every so often: whatever block cuts where, clean blocks and
+    # blocks with a problem agree to the line and column.
     recs = []
     for i in range(60):
         seq = "ACDEFGHIKL" * (i % 4 + 1)
@@ -370,8 +369,8 @@ def test_errors_at_block_boundaries_are_located(
         recs.append(f">r{i} d{i}\n{lines}\n")
     p = write(tmp_path, "".join(recs) + ">r3\nMKV\n")
     for mode in ("error", "skip"):
-        exact = _outcome(p, monkeypatch, fast=False, block=1 << 20, on_invalid=mode)
-        fast = _outcome(p, monkeypatch, fast=True, block=block, on_invalid=mode)
+        exact = _outcome(p, monkeypatch, block=1 << 20, on_invalid=mode)
+        fast = _outcome(p, monkeypatch, block=block, on_invalid=mode)
         assert fast == exact
     got, _, skipped, by_reason, examples = fast  # the skip run
     assert len(got) + skipped == 61
@@ -379,13 +378,20 @@ def test_errors_at_block_boundaries_are_located(
     assert examples[0].startswith(f"{p}:") and "column" in examples[0]
 
 
-def test_fast_path_matches_exact_on_real_file(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_block_pass_matches_record_check_on_real_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     path = SHARED / "sequences/swissprot_opal_train.fasta"
     if not path.exists():
         pytest.skip(f"{path} not present (../shared is only on developer machines)")
-    fast = _outcome(path, monkeypatch, fast=True, block=1 << 16)
-    exact = _outcome(path, monkeypatch, fast=False, block=1 << 20)
+    fast = _outcome(path, monkeypatch, block=1 << 16)
+    exact = _outcome(path, monkeypatch, block=1 << 20)
     assert fast == exact and fast[1] is None
+    # Lower-case sequence lines fail the block pass, so every record is checked on its own.
+    lines = path.read_text().split("\n")
+    lower = write(tmp_path, "\n".join(ln if ln[:1] == ">" else ln.lower() for ln in lines))
+    each = _outcome(lower, monkeypatch, block=1 << 16)
+    assert [g[:5] for g in each[0]] == [g[:5] for g in fast[0]] and each[1:] == fast[1:]
 
 
 def test_duplicate_checker_hash_depends_on_the_id_alone() -> None:

@@ -111,7 +111,7 @@ def _composition(counts: dict[str, int]) -> dict[str, Any]:
 
 def fasta_stats(path: Path, on_invalid: str = "error") -> dict[str, Any]:
     """Stream one FASTA(.gz) file; raises the reader's UserError on bad input (error mode)."""
-    from protein_performer.data.fasta import InvalidReport, read_fastas
+    from protein_performer.data.fasta import InvalidReport, read_fasta
 
     acc = _Acc()
     report = InvalidReport()
@@ -126,7 +126,7 @@ def fasta_stats(path: Path, on_invalid: str = "error") -> dict[str, Any]:
             acc.letters += np.bincount(raw, minlength=256)
             seqs, n_res = [], 0
 
-    for rec in read_fastas([path], on_invalid=on_invalid, report=report):
+    for rec in read_fasta(path, on_invalid=on_invalid, report=report):
         seqs.append(rec.sequence)
         n_res += len(rec.sequence)
         if n_res >= _CHUNK:

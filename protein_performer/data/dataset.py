@@ -167,7 +167,7 @@ def fasta_splits(
     lands in the same split whether it is read from FASTA or from a store.
     ``limit_records`` keeps the first N valid records of the input, before splitting.
     """
-    from protein_performer.data.fasta import read_fastas
+    from protein_performer.data.fasta import read_fasta
     from protein_performer.data.split import assign_split, check_fractions, split_key
 
     check_fractions(valid_frac, test_frac)
@@ -176,13 +176,13 @@ def fasta_splits(
         paths = [paths]
     ids: dict[str, list[str]] = {s: [] for s in SPLITS}
     toks: dict[str, list[np.ndarray]] = {s: [] for s in SPLITS}
-    records = read_fastas([str(p) for p in paths], on_invalid=on_invalid, alphabet=alphabet)
+    records = read_fasta(list(paths), on_invalid=on_invalid, alphabet=alphabet)
     for n, rec in enumerate(records):
         if limit_records is not None and n >= limit_records:
             break
         try:
             encoded = alphabet.encode(rec.sequence)
-        except ValueError as e:  # read_fastas validates; this only fires if the rules diverge
+        except ValueError as e:  # read_fasta validates; this only fires if the rules diverge
             raise UserError(
                 f"{rec.path}: record {rec.number} ({rec.id!r}, line {rec.line}): {e}"
             ) from None

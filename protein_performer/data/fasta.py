@@ -1,23 +1,17 @@
-"""Streaming, validating FASTA(.gz) reader built on Biopython's ``SimpleFastaParser``.
+"""Streaming, validating FASTA(.gz) reader.
 
-Biopython parses, but it silently skips text before the first header, deletes spaces inside
-sequences and cannot say on which line a record starts. So the file is read in ~256 KiB blocks cut
-at record boundaries (:class:`_BlockSource`), and each block takes one of two paths:
-
-* fast (:func:`_fast_block`, a clean ASCII block, the usual case): the sequence lines of every
-  record are joined in bulk in C (``bytes.replace``/``str.split`` over the whole block), so
-  ``SimpleFastaParser`` sees two lines per record; letters are checked for the whole block at
-  once, line numbers follow from the line lengths, ids are checked for duplicates per block.
-* exact (:func:`_exact_block`, a block with any problem, or with non-ASCII text):
-  ``SimpleFastaParser`` iterates the raw lines and each record is located and checked on its
-  own, so every problem is named with its exact line and column.
-
-Both paths give the same records and errors (tests compare them on blocks of a few bytes).
+The file is read in ~256 KiB blocks cut at record starts (:class:`_Blocks`); each block is
+parsed by :func:`_parse_block`, which splits it into records with a few whole-block string
+calls and checks every letter of the block at once. Only a record that fails that check is
+looked at on its own (:meth:`_Validator.check`), to repair what may be repaired (lower case, a
+final stop) or to name its problem with line and column. :func:`read_fasta_blocks` hands out
+the valid records a block at a time (what ``preprocess`` consumes); :func:`read_fasta` turns
+them into :class:`FastaRecord` objects. :func:`count_lines_and_records` is the one byte scanner
+(progress totals, parallel ranges, the line of a file-level error).
 
 Parallel readers (``preprocess --workers``) read a plain file in byte ranges cut at header lines
-(``read_fasta(..., byte_range=..., start_line=..., start_number=...)``, with the counts from
-:func:`count_lines_and_records`), so records and errors carry whole-file lines and numbers; bulk
-consumers take a block of records at a time (:func:`read_fasta_blocks`).
+(``byte_range=..., start_line=..., start_number=...``, with the counts from
+:func:`count_lines_and_records`), so records and errors carry whole-file lines and numbers.
 
 Documented normalisations (nothing else is altered, nothing else is dropped):
 
@@ -37,21 +31,21 @@ from __future__ import annotations
 
 import bisect
 import gzip
-import io
 import logging
+import os
+import re
 import zlib
 from collections import Counter
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
 from hashlib import blake2b
-from itertools import repeat as _repeat
+from itertools import accumulate, repeat
 from operator import itemgetter
 from pathlib import Path
-from typing import BinaryIO, Literal
+from typing import Any, BinaryIO, Literal
 
 import numpy as np
-from Bio.SeqIO.FastaIO import SimpleFastaParser
 
 from protein_performer.data.headers import HeaderInfo, parse_header
 from protein_performer.data.tokenizer import Alphabet
@@ -60,17 +54,19 @@ from protein_performer.errors import UserError
 log = logging.getLogger(__name__)
 
 OnInvalid = Literal["error", "skip"]
+PathLike = str | os.PathLike[str]
 
-# Bytes read per call; a block is this plus the rest of the record it cuts. The fast path makes
-# about ten passes over a block, so it should stay in a core's L2 cache: 256 KiB measured
-# best (1 MiB: ~25% slower; 64 KiB: per-block overhead dominates).
+# Bytes read per call; a block is this plus the rest of the record it cuts. A block is passed
+# over about ten times, so it should stay in a core's L2 cache (1 MiB measured ~25% slower).
 _BLOCK = 1 << 18
 _NOT_FASTA_AFTER = 1 << 20  # this much text without any header: not a FASTA file
 _GZIP_MAGIC = b"\x1f\x8b"
+_GZIP_ERRORS = (EOFError, gzip.BadGzipFile, zlib.error)
 _SKIP_HINT = "use --on-invalid skip to skip such records"
 _FILE_HINT = (
     "this is a file-level problem that --on-invalid skip cannot skip; fix or re-create the file"
 )
+_EMPTY = "header with no sequence (an empty record)"
 
 
 # --------------------------------------------------------------------------------------------
@@ -92,10 +88,6 @@ class FastaRecord:
         """Structured header fields (UniProt / UniRef), see :func:`parse_header`."""
         title = f"{self.id} {self.description}" if self.description else self.id
         return parse_header(title)
-
-
-_new = object.__new__
-_first = itemgetter(0)
 
 
 class FastaFormatError(UserError):
@@ -123,6 +115,17 @@ class FastaFormatError(UserError):
         self.hint = hint if hint is not None else (_FILE_HINT if file_level else _SKIP_HINT)
         super().__init__(f"{self.located}; {self.hint}")
 
+    def __reduce__(self) -> tuple[Any, ...]:
+        """Pickle by fields (the keyword-only ones would be lost): workers send it back."""
+        keywords = {
+            "record_number": self.record_number,
+            "record_id": self.record_id,
+            "kind": self.kind,
+            "file_level": self.file_level,
+            "hint": self.hint,
+        }
+        return _rebuild_error, (self.path, self.line, self.reason, keywords)
+
     @property
     def located(self) -> str:
         """The message without the hint, as listed in an :class:`InvalidReport`."""
@@ -130,6 +133,12 @@ class FastaFormatError(UserError):
         if self.record_number is not None:
             where += f": record #{self.record_number} {self.record_id!r}"
         return f"{where}: {self.reason}"
+
+
+def _rebuild_error(
+    path: str, line: int | None, reason: str, keywords: dict[str, Any]
+) -> FastaFormatError:
+    return FastaFormatError(path, line, reason, **keywords)
 
 
 @dataclass
@@ -266,8 +275,50 @@ class DuplicateIdChecker:
             runs.append((keys[order], tags[order]))
 
 
+class DuplicateIds:
+    """Duplicate ids across the input files of one read, named by their first occurrence.
+
+    Records are fed in file order (a file's records by increasing record number); the checker
+    tags each with an ordinal (the file's start + record number - 1), so an earlier record with
+    the same id can be named by file and number.
+    """
+
+    def __init__(self, paths: Sequence[str]) -> None:
+        self.checker = DuplicateIdChecker()
+        self.paths = list(paths)
+        self.starts: list[int] = []  # ordinal of record #1 of each file
+        self.next_ordinal = 0
+
+    def check(self, file: int, numbers: np.ndarray, hashes: np.ndarray) -> np.ndarray:
+        """Per record of input ``file`` ((n,) record ``numbers``, id ``hashes`` from
+        ``DuplicateIdChecker.hash_ids``), the ordinal of an earlier record with that id or -1."""
+        while len(self.starts) <= file:
+            self.starts.append(self.next_ordinal)
+        if len(numbers) == 0:
+            return np.empty(0, dtype=np.int64)
+        start = self.starts[file]
+        self.next_ordinal = max(self.next_ordinal, start + int(numbers[-1]))
+        return self.checker.check_hashes(hashes, numbers + (start - 1))
+
+    def error(
+        self, file: int, first: int, number: int, line: int, record_id: str
+    ) -> FastaFormatError:
+        """The error for record ``number`` of ``file``, whose id record ordinal ``first`` had."""
+        f = bisect.bisect_right(self.starts, first) - 1
+        path = self.paths[file]
+        where = "" if self.paths[f] == path else f" of {self.paths[f]}"
+        return FastaFormatError(
+            path,
+            line,
+            f"duplicate id: record #{first - self.starts[f] + 1}{where} has the same id",
+            record_number=number,
+            record_id=record_id,
+            kind="duplicate id",
+        )
+
+
 # --------------------------------------------------------------------------------------------
-# Opening and block reading
+# Opening, scanning and block reading
 # --------------------------------------------------------------------------------------------
 def _open_binary(path: str) -> BinaryIO:
     """Open plain or gzip (by magic bytes) for binary reading, with user-facing errors."""
@@ -287,38 +338,70 @@ def _open_binary(path: str) -> BinaryIO:
     return fh
 
 
-class _BlockSource:
-    """Reads the file in blocks of whole records, checked and ready for parsing.
+def count_lines_and_records(
+    path: PathLike, start: int = 0, end: int | None = None
+) -> tuple[int, int]:
+    """(newlines, header lines) in the (uncompressed) bytes ``start:end`` of a file.
 
-    :meth:`blocks` yields ``(data, text)`` per block: ``data`` holds whole records (it starts at
-    a header, CRLF already turned into LF) and ``text`` is its decoded text, or ``None`` when the
-    block is pure ASCII (then ``data`` is the text). Text before the first header is cut off the
-    first block and noted in ``leading`` / ``lead_lines``. File-level problems are raised from
-    here, after the complete records read before them were yielded; their line is found by
-    re-reading the file up to the problem (an error path, so the hot path never counts lines
-    twice).
+    For a range that starts at 0 or at a header line, these are what the reader adds to its
+    line number and record number over the range: the ``start_line``/``start_number`` of the
+    next range follow by summing. A gzip break ends the count (the reader reports it).
+    """
+    newlines = headers = 0
+    with _open_binary(os.fspath(path)) as fh:
+        prev = b"\n"
+        if start > 0:
+            fh.seek(start - 1)
+            prev = fh.read(1)
+        left = None if end is None else end - start
+        while left is None or left > 0:
+            try:
+                chunk = fh.read(4 * _BLOCK if left is None else min(4 * _BLOCK, left))
+            except _GZIP_ERRORS:
+                break
+            if not chunk:
+                break
+            if left is not None:
+                left -= len(chunk)
+            newlines += chunk.count(b"\n")
+            headers += chunk.count(b"\n>") + (prev == b"\n" and chunk[:1] == b">")
+            prev = chunk[-1:]
+    return newlines, headers
+
+
+class _Blocks:
+    """Reads a file in blocks of whole records, checked and decoded.
+
+    Iterating yields each block's text: it starts at a header, holds whole records and has LF
+    line ends. Text before the first header is cut off the first block and noted in
+    ``leading`` / ``lead_lines``. File-level problems are raised from here, after the complete
+    records read before them were yielded; their line is found by re-reading the file up to the
+    problem (an error path, so the hot path never counts lines twice). ``on_bytes`` is told the
+    number of file bytes (compressed for gzip) consumed after each read.
     """
 
     def __init__(
         self,
         fh: BinaryIO,
         path: str,
-        block_size: int = _BLOCK,
         *,
         base: int = 0,
         limit: int | None = None,
+        on_bytes: Callable[[int], None] | None = None,
     ) -> None:
         self.fh = fh
         self.path = path
-        self.block_size = block_size
         self.base = base  # file offset of the first byte read (a byte range's start)
         self.limit = limit  # bytes to read at most (a byte range's length), None: to the end
         self.leading: tuple[int, str] | None = None  # (line, text) before the first header
         self.lead_lines = 0  # newlines cut off the first block (before the first header)
         self.nbytes = 0  # (uncompressed) bytes read so far
+        self.on_bytes = on_bytes
+        self._raw = getattr(fh, "fileobj", None) or fh  # what the disk gives: compressed bytes
+        self._raw_pos = base
 
-    def blocks(self) -> Iterator[tuple[bytes, str | None]]:
-        size = self.block_size
+    def __iter__(self) -> Iterator[str]:
+        size = _BLOCK
         pieces: list[bytes] = []
         buffered = 0
         first = True
@@ -326,12 +409,16 @@ class _BlockSource:
         while True:
             try:
                 chunk = self.fh.read(size if remaining is None else min(size, remaining))
-            except (EOFError, gzip.BadGzipFile, zlib.error) as exc:
+            except _GZIP_ERRORS as exc:
                 yield from self._broken_gzip(b"".join(pieces), exc, first)
                 return
             if not chunk:
                 break
             self.nbytes += len(chunk)
+            if self.on_bytes is not None:
+                pos = self._raw.tell()
+                self.on_bytes(pos - self._raw_pos)
+                self._raw_pos = pos
             if remaining is not None:
                 remaining -= len(chunk)
             if pieces and chunk[:1] == b">" and pieces[-1][-1:] == b"\n":
@@ -360,45 +447,38 @@ class _BlockSource:
     def _file_error(self, line: int | None, reason: str, kind: str) -> FastaFormatError:
         return FastaFormatError(self.path, line, reason, kind=kind, file_level=True)
 
-    def _emit(self, blk: bytes, first: bool, after: int) -> tuple[bytes, str | None]:
-        """Check one block (``after`` bytes were read past it); decode it unless it is ASCII."""
+    def _emit(self, blk: bytes, first: bool, after: int) -> str:
+        """Check and decode one block (``after`` bytes were read past it)."""
         nul = blk.find(b"\x00")
         if nul >= 0:
             raise self._binary_error(blk, nul, after, "a NUL byte")
-        text: str | None = None
-        if not blk.isascii():
-            try:
-                text = blk.decode("utf-8")
-            except UnicodeDecodeError as exc:
-                raise self._binary_error(
-                    blk, exc.start, after, f"byte 0x{blk[exc.start]:02x} (not UTF-8 text)"
-                ) from None
-        if b"\r" in blk:
-            blk = blk.replace(b"\r\n", b"\n")
-            if text is not None:
-                text = text.replace("\r\n", "\n")
-        if first and blk[:1] != b">":
-            start = blk.find(b"\n>") + 1 or len(blk)
-            lead = blk[:start].decode("utf-8")
+        try:
+            text = blk.decode("utf-8")  # ASCII, the usual case, decodes as fast as a copy
+        except UnicodeDecodeError as exc:
+            raise self._binary_error(
+                blk, exc.start, after, f"byte 0x{blk[exc.start]:02x} (not UTF-8 text)"
+            ) from None
+        if "\r" in text:
+            text = text.replace("\r\n", "\n")
+        if first and text[:1] != ">":
+            start = text.find("\n>") + 1 or len(text)
+            lead = text[:start]
             self.lead_lines = lead.count("\n")
             if lead.strip():
                 blank = len(lead) - len(lead.lstrip())
                 self.leading = (1 + lead.count("\n", 0, blank), lead.strip())
-            blk = blk[start:]
-            if text is not None:
-                text = text[len(lead) :]
-        return blk, text
+            text = text[start:]
+        return text
 
-    def _broken_gzip(
-        self, rest: bytes, exc: Exception, first: bool
-    ) -> Iterator[tuple[bytes, str | None]]:
+    def _broken_gzip(self, rest: bytes, exc: Exception, first: bool) -> Iterator[str]:
         """Yield the complete records before a gzip break, then raise a located error."""
         last = rest.rfind(b"\n>") + 1  # start of the record the break cut (0: none complete)
         complete, partial = rest[:last], rest[last:]
         if complete:
             yield self._emit(complete, first, len(partial))
         header_end = partial.find(b"\n")
-        line, records = _count_until(self.path, self.nbytes - len(partial))
+        newlines, records = count_lines_and_records(self.path, 0, self.nbytes - len(partial))
+        line = newlines + 1
         detail = str(exc) or type(exc).__name__
         where = ""
         if partial.startswith(b">"):
@@ -414,40 +494,21 @@ class _BlockSource:
 
     def _binary_error(self, blk: bytes, pos: int, after: int, what: str) -> FastaFormatError:
         offset = self.base + self.nbytes - after - len(blk) + pos  # 0-based, uncompressed
-        line, _ = _count_until(self.path, offset)
+        newlines, _ = count_lines_and_records(self.path, 0, offset)
         return self._file_error(
-            line,
+            newlines + 1,
             f"binary data: {what} at byte {offset + 1} of the (uncompressed) file; this is "
             "not a FASTA text file or it is damaged",
             kind="binary data",
         )
 
 
-def _count_until(path: str, offset: int) -> tuple[int, int]:
-    """(1-based line number at byte ``offset``, headers before it), by re-reading the file."""
-    newlines = headers = 0
-    prev = b"\n"
-    done = 0
-    with _open_binary(path) as fh:
-        while done < offset:
-            try:
-                chunk = fh.read(min(_BLOCK, offset - done))
-            except (EOFError, gzip.BadGzipFile, zlib.error):
-                break
-            if not chunk:
-                break
-            newlines += chunk.count(b"\n")
-            headers += chunk.count(b"\n>") + (prev == b"\n" and chunk[:1] == b">")
-            prev = chunk[-1:]
-            done += len(chunk)
-    return newlines + 1, headers
-
-
 # --------------------------------------------------------------------------------------------
-# Sequence checks
+# Sequence checks and the block parser
 # --------------------------------------------------------------------------------------------
 class _Validator:
-    """Allowed letters (the alphabet's single-character tokens) and the slow locating scan."""
+    """Allowed letters (the alphabet's single-character tokens), the whole-block test and the
+    per-record check that repairs or locates."""
 
     def __init__(self, alphabet: Alphabet | None) -> None:
         alphabet = alphabet or Alphabet()
@@ -455,9 +516,8 @@ class _Validator:
         self.letters = letters
         self.allowed = frozenset(letters)
         self.allowed_bytes = letters.encode("ascii")
-        # What normalisation can repair: lower case of an allowed letter and a '*' (a stop).
-        fixable = {c.lower() for c in letters} | set(letters) | {"*"}
-        self.fixable_bytes = "".join(sorted(fixable)).encode("ascii")
+        self.strip_stop = "*" not in self.allowed
+        self.find_bad = re.compile(f"[^{re.escape(letters)}]").search
         # A quick sufficient test: every byte is an upper-case letter and none is one of the
         # few upper-case letters not allowed (J for ESM-2); '.', '-' etc. need translate.
         upper = {chr(c) for c in range(65, 91)}
@@ -472,70 +532,43 @@ class _Validator:
                 return True
         return not residues.translate(None, self.allowed_bytes)
 
-    def normalise(
-        self, seq: str, text: str, start: int, end: int, line: int
-    ) -> tuple[str, tuple[str, str, int] | None]:
-        """Upper-case and strip a final '*'; or say what is wrong and where (exact path)."""
-        allowed = self.allowed_bytes
-        raw = seq.encode("ascii")
-        if not raw.translate(None, allowed):
-            return seq, None
-        if raw[-1:] == b"*":
-            raw = raw[:-1]
-            if not raw:
-                return seq, ("empty record", "the sequence is only a stop '*'", line)
-        raw = raw.upper()
-        if not raw.translate(None, allowed):
-            return raw.decode("ascii"), None
-        return seq, _locate(self, text, start, end, line) or (
-            "invalid character",
-            "invalid character in the sequence",
-            line,
-        )
+    def check(self, body: str) -> tuple[str, None] | tuple[None, tuple[int, str, str]]:
+        """The sequence of a record whose letters are not all allowed as they stand, or the
+        (line offset from its header, kind, reason) of its first problem.
 
-    def normalise_all(self, seqs: Sequence[str], bad: bytes) -> list[str] | None:
-        """The fast path's :meth:`normalise` of a block whose letters not allowed are ``bad``;
-        ``None`` if any record has a problem (the exact path then locates it)."""
-        if bad.translate(None, self.fixable_bytes):
-            return None
-        allowed = self.allowed_bytes
-        out = []
-        for seq in seqs:
-            raw = seq.encode("ascii")
-            if raw.translate(None, allowed):
-                if raw[-1:] == b"*":
-                    raw = raw[:-1]
-                raw = raw.upper()
-                if not raw or raw.translate(None, allowed):
-                    return None
-                seq = raw.decode("ascii")
-            out.append(seq)
-        return out
-
-    def first_problem(self, text: str, start: int, end: int) -> tuple[int, int, str, str] | None:
-        """(line offset from header, column, kind, reason) of the first bad character, if any.
-
-        Trailing whitespace on a line is allowed, and so is a '*' that is the very last
-        residue of the record.
+        ``body`` is the text after the header line. Lower case and one final '*' are repaired,
+        trailing whitespace on a line and blank lines are ignored; anything else is located.
         """
-        raw_lines = text[start:end].split("\n")[1:]
-        stripped = [ln.rstrip() for ln in raw_lines]
-        last = max((i for i, ln in enumerate(stripped) if ln), default=-1)
-        for i, ln in enumerate(stripped):
-            if not ln:
-                continue
-            if ln.isascii() and not ln.upper().encode("ascii").translate(None, self.allowed_bytes):
+        lines = [ln.rstrip() for ln in body.split("\n")]
+        found = self._first_problem(lines)
+        if found is not None:
+            return None, found
+        seq = "".join(lines)
+        if not seq:
+            return None, (0, "empty record", _EMPTY)
+        if self.strip_stop and seq[-1] == "*":
+            seq = seq[:-1]
+            if not seq:
+                return None, (0, "empty record", "the sequence is only a stop '*'")
+        return seq.upper(), None
+
+    def _first_problem(self, lines: list[str]) -> tuple[int, str, str] | None:
+        """(line offset from the header, kind, reason) of the first character that is not an
+        allowed letter in either case; a '*' that is the very last residue is allowed."""
+        last = max((i for i, ln in enumerate(lines) if ln), default=-1)
+        for i, ln in enumerate(lines):
+            if not ln or (ln.isascii() and not self.find_bad(ln.upper())):
                 continue
             for col, ch in enumerate(ln, 1):
-                if ch.upper() in self.allowed:
+                if ch.isascii() and ch.upper() in self.allowed:
                     continue
                 if ch == "*" and i == last and col == len(ln):
                     continue
-                kind, reason = self.describe(ch)
-                return i + 1, col, kind, f"{reason} at column {col}"
+                kind, reason = self._describe(ch)
+                return i + 1, kind, f"{reason} at column {col}"
         return None
 
-    def describe(self, ch: str) -> tuple[str, str]:
+    def _describe(self, ch: str) -> tuple[str, str]:
         if ch in " \t":
             name = "space" if ch == " " else "tab"
             return "whitespace in sequence", f"{name} inside the sequence"
@@ -552,11 +585,97 @@ class _Validator:
         return "invalid character", f"invalid character {ch!r} inside the sequence"
 
 
+@dataclass
+class RecordBlock:
+    """The valid records of one block as parallel lists (as the :class:`FastaRecord` fields),
+    and the located errors of its invalid records by record number."""
+
+    path: str
+    ids: list[str] = field(default_factory=list)
+    descs: list[str] = field(default_factory=list)
+    seqs: list[str] = field(default_factory=list)
+    numbers: list[int] = field(default_factory=list)
+    lines: list[int] = field(default_factory=list)
+    errors: dict[int, FastaFormatError] = field(default_factory=dict)
+
+    def take(self, idx: list[int]) -> RecordBlock:
+        """A block of the records at positions ``idx``."""
+        return RecordBlock(
+            self.path,
+            [self.ids[i] for i in idx],
+            [self.descs[i] for i in idx],
+            [self.seqs[i] for i in idx],
+            [self.numbers[i] for i in idx],
+            [self.lines[i] for i in idx],
+        )
+
+
+_first = itemgetter(0)
+_plus_one = (1).__add__
+
+
+def _parse_block(
+    text: str, number: int, line: int, v: _Validator, path: str
+) -> tuple[RecordBlock, int]:
+    """The records of a block (its first line a header), numbered after ``number`` and with
+    header lines counted from ``line``; and how many records it had, valid or not.
+
+    Splitting, joining sequence lines and the letter check each run over the whole block in C;
+    only a record whose letters fail that check is looked at on its own.
+    """
+    chunks = text[1:].split("\n>")  # per record: the header line, then its sequence lines
+    heads, _, bodies = zip(*map(str.partition, chunks, repeat("\n")), strict=True)
+    # Line of each header: one more than the newlines of all records before it.
+    lines = list(
+        accumulate(map(_plus_one, map(str.count, chunks[:-1], repeat("\n"))), initial=line)
+    )
+    parts = list(map(str.split, map(str.rstrip, heads), repeat(None), repeat(1)))
+    seqs = list(map(str.replace, bodies, repeat("\n"), repeat("")))
+    descs = [p[1] if len(p) > 1 else "" for p in parts]
+    numbers = list(range(number + 1, number + len(chunks) + 1))
+    residues = "".join(seqs)
+    if (
+        residues.isascii()
+        and v.all_allowed(residues.encode("ascii"))
+        and "" not in seqs
+        and [] not in parts
+    ):
+        return RecordBlock(path, list(map(_first, parts)), descs, seqs, numbers, lines), len(
+            chunks
+        )
+    out = RecordBlock(path)
+    for k, (p, seq) in enumerate(zip(parts, seqs, strict=True)):
+        num, ln = numbers[k], lines[k]
+        if not p:
+            problem: tuple[int, str, str] | None = (0, "missing id", "the header line has no id")
+        elif seq and not v.find_bad(seq):
+            problem = None
+        else:
+            seq, problem = v.check(bodies[k])  # type: ignore[assignment]
+        if problem is not None:
+            offset, kind, reason = problem
+            out.errors[num] = FastaFormatError(
+                path,
+                ln + offset,
+                reason,
+                record_number=num,
+                record_id=p[0] if p else "",
+                kind=kind,
+            )
+            continue
+        out.ids.append(p[0])
+        out.descs.append(descs[k])
+        out.seqs.append(seq)
+        out.numbers.append(num)
+        out.lines.append(ln)
+    return out, len(chunks)
+
+
 # --------------------------------------------------------------------------------------------
-# Public readers
+# The reader
 # --------------------------------------------------------------------------------------------
-def read_fasta(
-    path: str | Path,
+def read_fasta_blocks(
+    paths: PathLike | Sequence[PathLike],
     *,
     on_invalid: OnInvalid = "error",
     report: InvalidReport | None = None,
@@ -565,420 +684,113 @@ def read_fasta(
     byte_range: tuple[int, int] | None = None,
     start_line: int = 1,
     start_number: int = 0,
-) -> Iterator[FastaRecord]:
-    """Stream validated records from one FASTA or FASTA.gz file (see the module docstring).
+    on_bytes: Callable[[int], None] | None = None,
+) -> Iterator[RecordBlock]:
+    """Stream the valid records of one FASTA(.gz) file, or of several in order, a block at a
+    time (see the module docstring); one duplicate-id check spans all the files.
 
-    ``byte_range=(start, end)`` reads only bytes ``start:end`` of a plain (not gzip) file, for
+    Errors are raised (or, with ``on_invalid="skip"``, added to ``report``) in file order,
+    after the block's valid records before the error were yielded. ``on_bytes(n)`` is called
+    as the reader consumes ``n`` more bytes of a file (compressed bytes for gzip): progress.
+
+    ``byte_range=(start, end)`` reads only bytes ``start:end`` of one plain (not gzip) file, for
     parallel readers; ``start`` must be 0 or the start of a header line, and a range should end
     just before one (else its last record is cut). ``start_line`` and ``start_number`` are the
     line number of the range's first byte and the number of records before it (count them with
     :func:`count_lines_and_records`), so lines and record numbers, in records and in errors,
     are those of the whole file. Duplicate ids are then only checked within the range.
     """
-    return _records(
-        read_fasta_blocks(
-            path,
-            on_invalid=on_invalid,
-            report=report,
-            alphabet=alphabet,
-            check_duplicates=check_duplicates,
-            byte_range=byte_range,
-            start_line=start_line,
-            start_number=start_number,
-        )
-    )
-
-
-def read_fasta_blocks(
-    path: str | Path,
-    *,
-    on_invalid: OnInvalid = "error",
-    report: InvalidReport | None = None,
-    alphabet: Alphabet | None = None,
-    check_duplicates: bool = True,
-    byte_range: tuple[int, int] | None = None,
-    start_line: int = 1,
-    start_number: int = 0,
-) -> Iterator[RecordBlock]:
-    """:func:`read_fasta`, a block of valid records at a time (no per-record objects).
-
-    Each :class:`RecordBlock` holds parallel sequences ``ids``, ``descs``, ``seqs``,
-    ``numbers`` and ``lines`` (as the :class:`FastaRecord` fields) and ``path``; bulk consumers
-    such as ``preprocess`` use it to skip building a ``FastaRecord`` per record. Errors are
-    raised (or reported) in the same order as by :func:`read_fasta`, after the block's valid
-    records before the error were yielded.
-    """
     if on_invalid not in ("error", "skip"):
         raise ValueError(f"on_invalid must be 'error' or 'skip', not {on_invalid!r}")
-    span: _Span | None = None
+    single = isinstance(paths, (str, os.PathLike))
+    files = [os.fspath(paths)] if single else [os.fspath(p) for p in paths]  # type: ignore[arg-type]
     if byte_range is not None:
         start, end = (int(x) for x in byte_range)
         if not 0 <= start <= end:
             raise ValueError(
                 f"byte_range must be (start, end) with 0 <= start <= end, got {byte_range}"
             )
-        span = (start, end, int(start_line), int(start_number))
+        if len(files) != 1:
+            raise ValueError("byte_range applies to one file")
     elif (start_line, start_number) != (1, 0):
         raise ValueError("start_line and start_number only apply with byte_range")
     if start_line < 1 or start_number < 0:
         raise ValueError("start_line must be >= 1 and start_number >= 0")
-    return _read_many(
-        [str(path)], on_invalid, report, _Validator(alphabet), check_duplicates, span
+    reader = _Reader(
+        files,
+        on_invalid == "skip",
+        report,
+        _Validator(alphabet),
+        DuplicateIds(files) if check_duplicates else None,
+        on_bytes,
     )
+    return reader.blocks(byte_range, int(start_line), int(start_number))
 
 
-def read_fastas(
-    paths: Sequence[str | Path],
-    *,
-    on_invalid: OnInvalid = "error",
-    report: InvalidReport | None = None,
-    alphabet: Alphabet | None = None,
-    check_duplicates: bool = True,
-) -> Iterator[FastaRecord]:
-    """Stream several files in order; one duplicate-id check spans all of them."""
-    return _records(
-        read_fastas_blocks(
-            paths,
-            on_invalid=on_invalid,
-            report=report,
-            alphabet=alphabet,
-            check_duplicates=check_duplicates,
-        )
-    )
-
-
-def read_fastas_blocks(
-    paths: Sequence[str | Path],
-    *,
-    on_invalid: OnInvalid = "error",
-    report: InvalidReport | None = None,
-    alphabet: Alphabet | None = None,
-    check_duplicates: bool = True,
-) -> Iterator[RecordBlock]:
-    """:func:`read_fastas` a block of valid records at a time (see :func:`read_fasta_blocks`)."""
-    if on_invalid not in ("error", "skip"):
-        raise ValueError(f"on_invalid must be 'error' or 'skip', not {on_invalid!r}")
-    return _read_many(
-        [str(p) for p in paths], on_invalid, report, _Validator(alphabet), check_duplicates
-    )
-
-
-# (start, end, line of the first byte, records before it): a byte range of a plain file
-_Span = tuple[int, int, int, int]
-
-
-def _read_many(
-    paths: list[str],
-    on_invalid: OnInvalid,
-    report: InvalidReport | None,
-    validator: _Validator,
-    check_duplicates: bool,
-    span: _Span | None = None,
-) -> Iterator[RecordBlock]:
-    own_report = report is None
-    if report is None:
-        report = InvalidReport()
-    dups = _Duplicates(paths) if check_duplicates else None
-    for path in paths:
-        yield from _read_one(path, on_invalid == "skip", report, validator, dups, span)
-    if own_report and report.skipped:
-        log.warning("%s", report.summary())
+def read_fasta(paths: PathLike | Sequence[PathLike], **options: Any) -> Iterator[FastaRecord]:
+    """:func:`read_fasta_blocks` (same arguments), one :class:`FastaRecord` at a time."""
+    return _records(read_fasta_blocks(paths, **options))
 
 
 def _records(blocks: Iterator[RecordBlock]) -> Iterator[FastaRecord]:
-    new, rec_type = _new, FastaRecord
-    for block in blocks:
-        path = block.path
-        for ident, desc, seq, num, ln in zip(
-            block.ids, block.descs, block.seqs, block.numbers, block.lines, strict=True
-        ):
-            rec = new(rec_type)  # skips the frozen __init__: 3x cheaper, same object
-            d = rec.__dict__
-            d["id"] = ident
-            d["description"] = desc
-            d["sequence"] = seq
-            d["number"] = num
-            d["line"] = ln
-            d["path"] = path
-            yield rec
+    for b in blocks:
+        yield from map(FastaRecord, b.ids, b.descs, b.seqs, b.numbers, b.lines, repeat(b.path))
 
 
-def count_lines_and_records(
-    path: str | Path, start: int = 0, end: int | None = None
-) -> tuple[int, int]:
-    """(newlines, header lines) in bytes ``start:end`` of a plain file, by a vectorised scan.
+class _Reader:
+    """One read of one or more files: the report, the duplicate check, the error order."""
 
-    For a range that starts at 0 or at a header line, these are what the reader adds to its
-    line number and record number over the range: the ``start_line``/``start_number`` of the
-    next range follow by summing.
-    """
-    newlines = headers = 0
-    prev = b"\n" if start == 0 else b""
-    with open(path, "rb") as fh:
-        if start > 0:
-            fh.seek(start - 1)
-            prev = fh.read(1)
-        left = None if end is None else end - start
-        while left is None or left > 0:
-            chunk = fh.read(1 << 20 if left is None else min(1 << 20, left))
-            if not chunk:
-                break
-            if left is not None:
-                left -= len(chunk)
-            arr = np.frombuffer(chunk, np.uint8)
-            newlines += int(np.count_nonzero(arr == 10))
-            gt = np.flatnonzero(arr == 62)  # '>' is rare outside headers: a sparse check
-            if gt.size:
-                head = int(gt[0] == 0 and prev == b"\n")
-                gt = gt[gt > 0]
-                headers += head + int(np.count_nonzero(arr[gt - 1] == 10))
-            prev = chunk[-1:]
-    return newlines, headers
-
-
-class _Duplicates:
-    """A DuplicateIdChecker across files, fed one block at a time; names the first occurrence."""
-
-    def __init__(self, paths: list[str]) -> None:
-        self.checker = DuplicateIdChecker()
+    def __init__(
+        self,
+        paths: list[str],
+        skip: bool,
+        report: InvalidReport | None,
+        validator: _Validator,
+        dups: DuplicateIds | None,
+        on_bytes: Callable[[int], None] | None,
+    ) -> None:
         self.paths = paths
-        self.starts: list[int] = []  # checker ordinal of record #1 of each file
-        self.next_ordinal = 0
+        self.skip = skip
+        self.own_report = report is None
+        self.report = InvalidReport() if report is None else report
+        self.validator = validator
+        self.dups = dups
+        self.on_bytes = on_bytes
 
-    def start_file(self) -> None:
-        self.starts.append(self.next_ordinal)
+    def blocks(
+        self, byte_range: tuple[int, int] | None, first_line: int, number: int
+    ) -> Iterator[RecordBlock]:
+        for file, path in enumerate(self.paths):
+            yield from self._file(file, path, byte_range, first_line, number)
+        if self.own_report and self.report.skipped:
+            log.warning("%s", self.report.summary())
 
-    def check(self, ids: list[str], numbers: np.ndarray) -> np.ndarray:
-        """Per id, the ordinal of an earlier record with the same id, or -1."""
-        return self.checker.check(ids, numbers + (self.starts[-1] - 1))
-
-    def describe(self, ordinal: int, path: str) -> str:
-        i = bisect.bisect_right(self.starts, ordinal) - 1
-        where = "" if self.paths[i] == path else f" of {self.paths[i]}"
-        return f"duplicate id: record #{ordinal - self.starts[i] + 1}{where} has the same id"
-
-
-_EMPTY = "header with no sequence (an empty record)"
-_FAST = True  # tests switch the fast path off to compare it with the exact one
-
-
-class RecordBlock:
-    """The records of one block, parsed by Biopython.
-
-    ``ids``/``descs``/``seqs``/``lines`` hold the valid records (``numbers`` their record
-    numbers); ``errors`` maps the record number of each invalid record to its located error
-    (the duplicate-id check adds its errors; blocks handed out by :func:`read_fasta_blocks`
-    hold valid records only).
-    """
-
-    __slots__ = (
-        "ids",
-        "descs",
-        "seqs",
-        "lines",
-        "numbers",
-        "errors",
-        "count",
-        "newlines",
-        "path",
-    )
-
-    def __init__(self) -> None:
-        self.path = ""
-        self.ids: list[str] = []
-        self.descs: list[str] = []
-        self.seqs: Sequence[str] = []
-        self.lines: list[int] = []
-        self.numbers: list[int] | range = []
-        self.errors: dict[int, FastaFormatError] = {}
-        self.count = 0  # records in the block, valid or not
-        self.newlines = 0  # newlines in the block
-
-    def take(self, idx: slice | list[int]) -> RecordBlock:
-        """A block of the records at ``idx`` (a slice or positions)."""
-        out = RecordBlock()
-        out.path = self.path
-        if isinstance(idx, slice):
-            out.ids, out.descs = self.ids[idx], self.descs[idx]
-            out.seqs, out.lines = list(self.seqs[idx]), self.lines[idx]
-            out.numbers = list(self.numbers[idx])
-        else:
-            out.ids = [self.ids[i] for i in idx]
-            out.descs = [self.descs[i] for i in idx]
-            out.seqs = [self.seqs[i] for i in idx]
-            out.lines = [self.lines[i] for i in idx]
-            out.numbers = [self.numbers[i] for i in idx]
-        return out
-
-
-_Block = RecordBlock
-
-
-_MARKERS = (b"\x01", b"\x02", b"\x03", b"\x04")  # the first one absent from a block is used
-
-
-def _fast_block(blk: bytes, number: int, line: int, v: _Validator) -> _Block | None:
-    """Parse an ASCII block whose records are all valid; ``None`` if any record has a problem.
-
-    Everything per byte happens in C, in bulk. The newline ending each header line and the one
-    before each header become a marker byte, every other newline is deleted, and one ``split``
-    on the marker gives two lines per record (header, joined sequence), so Biopython's per-line
-    loop runs twice per record. Line numbers follow from the line lengths (each deleted newline
-    shortens the text by one), letters are checked by one ``translate`` over the block. Any
-    problem (empty record, missing id, a character Biopython would drop, a bad letter) sends
-    the block to :func:`_exact_block`, which locates it.
-    """
-    out = _Block()
-    n = len(blk)
-    if n == 0:
-        return out
-    mark = next((mk for mk in _MARKERS if mk not in blk), None)
-    if mark is None:
-        return None
-    arr = np.frombuffer(blk, np.uint8)
-    gt = np.flatnonzero(arr == 62)  # '>' is rare outside header starts: a sparse scan
-    gt = gt[gt > 0]
-    pre = gt[arr[gt - 1] == 10] - 1  # the newline before each header but the first
-    starts = [0, *(pre + 1).tolist()]  # header starts (the block starts with one)
-    m = len(starts)
-    ends = np.fromiter(map(blk.find, _repeat(b"\n"), starts), np.int64, m)  # header line ends
-    if ends[-1] < 0 or (m > 1 and (ends[:-1] == pre).any()):
-        return None  # an empty record
-    buf = bytearray(blk)
-    marks = np.frombuffer(buf, np.uint8)
-    marks[ends] = mark[0]
-    marks[pre] = mark[0]
-    flat = buf.replace(b"\n", b"")
-    lines = flat.decode("ascii").split(mark.decode("ascii"))
-    if len(lines) != 2 * m:
-        return None
-    lens = np.fromiter(map(len, lines), np.int64, 2 * m)
-    if lens[1::2].min() == 0:
-        return None  # only blank lines after a header
-    residues = "".join(lines[1::2]).encode("ascii")
-    if not v.all_allowed(residues):
-        bad = residues.translate(None, v.allowed_bytes)
-        fixed = v.normalise_all(lines[1::2], bad)
-        if fixed is None:
-            return None
-        lines[1::2] = fixed
-    try:
-        pairs = list(SimpleFastaParser(iter(lines)))
-    except IndexError:
-        return None
-    if len(pairs) != m:
-        return None
-    titles, seqs = zip(*pairs, strict=True)
-    parts = list(map(str.split, titles, _repeat(None), _repeat(1)))
-    try:
-        out.ids = list(map(_first, parts))
-    except IndexError:
-        return None  # a header without id
-    out.descs = [p[1] if len(p) > 1 else "" for p in parts]
-    out.seqs = seqs
-    # Newlines before header i: its offset in the block minus its offset in the marked text,
-    # plus the 2 * i markers before it.
-    flat_starts = np.cumsum(lens + 1)[1:-1:2]
-    before = np.empty(m, np.int64)
-    before[0] = 0
-    before[1:] = pre + 1 - flat_starts + 2 * np.arange(1, m)
-    out.lines = (before + line).tolist()
-    out.numbers = range(number + 1, number + m + 1)
-    out.count = m
-    out.newlines = n - len(flat) + 2 * m - 1
-    return out
-
-
-def _exact_block(text: str, number: int, line: int, v: _Validator, path: str) -> _Block:
-    """Parse a block record by record, locating every problem to its line and column.
-
-    Biopython iterates the raw lines; each record's span in the text gives its header line and
-    raw length, and a record whose sequence is shorter than its raw characters (Biopython
-    dropped spaces or CRs) or has bad letters is re-scanned line by line.
-    """
-    out = _Block()
-    ids, descs, seqs, lines = out.ids, out.descs, out.seqs, out.lines
-    numbers: list[int] = []
-    errors = out.errors
-    find, count, tlen = text.find, text.count, len(text)
-    pos = 0
-    first = number + 1
-    for title, seq in SimpleFastaParser(io.StringIO(text, newline="\n")):
-        start = pos
-        pos = find("\n>", start) + 1 or tlen
-        nl = count("\n", start, pos)
-        number += 1
-        rec_line = line
-        line += nl
-        parts = title.split(None, 1)
-        if not parts:
-            err = ("missing id", "the header line has no id", rec_line)
-        elif len(seq) != pos - start - nl - len(title) - 1 or not seq.isascii():
-            # Raw sequence characters = span - header line - newlines. A mismatch means
-            # Biopython dropped spaces or CRs (or the header has trailing blanks).
-            err = _locate(v, text, start, pos, rec_line)
-            if err is None and not seq:
-                err = ("empty record", _EMPTY, rec_line)
-        elif not seq:
-            err = ("empty record", _EMPTY, rec_line)
-        else:
-            err = None
-        if err is None:
-            seq, err = v.normalise(seq, text, start, pos, rec_line)
-        if err is not None:
-            kind, reason, err_line = err
-            errors[number] = FastaFormatError(
+    def _file(
+        self, file: int, path: str, byte_range: tuple[int, int] | None, line: int, number: int
+    ) -> Iterator[RecordBlock]:
+        start, end = byte_range or (0, None)
+        with _open_binary(path) as fh:
+            if byte_range is not None:
+                _seek_range(fh, path, start)
+            source = _Blocks(
+                fh,
                 path,
-                err_line,
-                reason,
-                record_number=number,
-                record_id=parts[0] if parts else "",
-                kind=kind,
+                base=start,
+                limit=None if end is None else end - start,
+                on_bytes=self.on_bytes,
             )
-            continue
-        ids.append(parts[0])
-        descs.append(parts[1] if len(parts) > 1 else "")
-        seqs.append(seq)
-        lines.append(rec_line)
-        numbers.append(number)
-    out.numbers = numbers
-    out.count = number + 1 - first
-    out.newlines = count("\n")
-    return out
-
-
-def _read_one(
-    path: str,
-    skip: bool,
-    report: InvalidReport,
-    validator: _Validator,
-    dups: _Duplicates | None,
-    span: _Span | None = None,
-) -> Iterator[RecordBlock]:
-    if dups is not None:
-        dups.start_file()
-    start, end, first_line, number = (0, -1, 1, 0) if span is None else span
-    fh = _open_binary(path)
-    with fh:
-        if span is not None:
-            _seek_range(fh, path, start)
-        source = _BlockSource(
-            fh, path, _BLOCK, base=start, limit=None if span is None else end - start
-        )
-        line = 0  # line number of the current block's first line, once known
-        for data, text in source.blocks():
-            if line == 0:  # the first block: text before the first header is reported first
-                line = first_line + source.lead_lines
-                _leading(source, report, skip)
-            block = None
-            if text is None and _FAST:
-                block = _fast_block(data, number, line, validator)
-            if block is None:
-                text = data.decode("ascii") if text is None else text
-                block = _exact_block(text, number, line, validator, path)
-            number += block.count
-            line += block.newlines
-            yield from _settle_block(block, path, skip, report, dups)
+            first = True
+            for text in source:
+                if first:  # text before the first header is reported before any record
+                    first = False
+                    line += source.lead_lines
+                    self._leading(source)
+                if not text:
+                    continue
+                block, count = _parse_block(text, number, line, self.validator, path)
+                number += count
+                line += text.count("\n")
+                yield from self._settle(file, block)
         if number == 0:
             raise FastaFormatError(
                 path,
@@ -987,99 +799,58 @@ def _read_one(
                 kind="no records",
                 file_level=True,
             )
-    if dups is not None:
-        dups.next_ordinal += number
+
+    def _settle(self, file: int, block: RecordBlock) -> Iterator[RecordBlock]:
+        """Check the block's ids for duplicates, then yield its valid records and raise (or
+        report) its errors in file order."""
+        ids, numbers, errors = block.ids, block.numbers, block.errors
+        if self.dups is not None and ids:
+            nums = np.asarray(numbers, dtype=np.int64)
+            firsts = self.dups.check(file, nums, DuplicateIdChecker.hash_ids(ids))
+            for i in np.flatnonzero(firsts >= 0).tolist():
+                errors[numbers[i]] = self.dups.error(
+                    file, int(firsts[i]), numbers[i], block.lines[i], ids[i]
+                )
+        if not errors:  # the usual case
+            if ids:
+                yield block
+            return
+        pending = sorted(errors.items())  # (record number, error), in file order
+        if not self.skip:
+            before = bisect.bisect_left(numbers, pending[0][0])  # the valid records before it
+            if before:
+                yield block.take(list(range(before)))
+            raise pending[0][1]
+        for _num, exc in pending:
+            self.report.add(exc)
+        keep = [i for i, num in enumerate(numbers) if num not in errors]  # drops duplicates
+        if keep:
+            yield block if len(keep) == len(ids) else block.take(keep)
+
+    def _leading(self, source: _Blocks) -> None:
+        """Text before the first header is skippable (it is not a record) but never silent."""
+        if source.leading is None:
+            return
+        line, lead = source.leading
+        snippet = lead.splitlines()[0][:40]
+        exc = FastaFormatError(
+            source.path,
+            line,
+            f"text before the first header ({snippet!r}...); FASTA records start with '>'",
+            kind="text before first header",
+            hint="remove it, or use --on-invalid skip to skip it",
+        )
+        if not self.skip:
+            raise exc
+        self.report.add(exc)
 
 
 def _seek_range(fh: BinaryIO, path: str, start: int) -> None:
     """Position ``fh`` at a byte range's start, which must be 0 or a header line's start."""
     if isinstance(fh, gzip.GzipFile):
-        fh.close()
         raise ValueError(f"{path}: byte ranges need a plain file, not gzip")
     if start > 0:
         fh.seek(start - 1)
         if fh.read(2) != b"\n>":
-            fh.close()
             raise ValueError(f"{path}: byte range start {start} is not a header line's start")
     fh.seek(start)
-
-
-def _settle_block(
-    block: RecordBlock,
-    path: str,
-    skip: bool,
-    report: InvalidReport,
-    dups: _Duplicates | None,
-) -> Iterator[RecordBlock]:
-    """Check the block's ids for duplicates, then yield its valid records and raise (or
-    report) its errors in file order."""
-    block.path = path
-    ids, numbers = block.ids, block.numbers
-    errors = block.errors
-    if dups is not None and ids:
-        firsts = dups.check(ids, np.asarray(numbers, dtype=np.int64))
-        if firsts.max() >= 0:
-            for i in np.flatnonzero(firsts >= 0).tolist():
-                num = numbers[i]
-                errors[num] = FastaFormatError(
-                    path,
-                    block.lines[i],
-                    dups.describe(int(firsts[i]), path),
-                    record_number=num,
-                    record_id=ids[i],
-                    kind="duplicate id",
-                )
-    if not errors:  # the usual case
-        if ids:
-            yield block
-        return
-    pending = sorted(errors.items())  # (record number, error), in file order
-    if not skip:
-        before = bisect.bisect_left(numbers, pending[0][0])  # the valid records before it
-        if before:
-            yield block.take(slice(0, before))
-        raise pending[0][1]
-    for _num, exc in pending:
-        report.add(exc)
-    keep = [i for i, num in enumerate(numbers) if num not in errors]  # drops duplicates
-    if keep:
-        yield block if len(keep) == len(ids) else block.take(keep)
-
-
-def _locate(
-    validator: _Validator, text: str, start: int, end: int, line: int
-) -> tuple[str, str, int] | None:
-    found = validator.first_problem(text, start, end)
-    if found is None:
-        return None  # only trailing whitespace: allowed
-    offset, _col, kind, reason = found
-    return kind, reason, line + offset
-
-
-def _leading(source: _BlockSource, report: InvalidReport, skip: bool) -> None:
-    """Text before the first header is skippable (it is not a record) but never silent."""
-    if source.leading is None:
-        return
-    line, lead = source.leading
-    snippet = lead.splitlines()[0][:40]
-    exc = FastaFormatError(
-        source.path,
-        line,
-        f"text before the first header ({snippet!r}...); FASTA records start with '>'",
-        kind="text before first header",
-        hint="remove it, or use --on-invalid skip to skip it",
-    )
-    if not skip:
-        raise exc
-    report.add(exc)
-
-
-def count_records(path: str | Path) -> int:
-    """Number of header lines, by scanning bytes (for progress bars; no validation)."""
-    n = 0
-    prev = b"\n"
-    with _open_binary(str(path)) as fh:
-        while chunk := fh.read(_BLOCK):
-            n += chunk.count(b"\n>") + (prev == b"\n" and chunk[:1] == b">")
-            prev = chunk[-1:]
-    return n

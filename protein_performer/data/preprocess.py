@@ -13,15 +13,15 @@ concatenates the shards in order, so the store is byte-identical to a single-pro
 
 from __future__ import annotations
 
-import bisect
 import hashlib
 import logging
 import os
 import shutil
 import time
 from collections import deque
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
+from operator import itemgetter
 from pathlib import Path
 from typing import Any
 
@@ -29,8 +29,10 @@ import numpy as np
 
 from protein_performer.data.fasta import (
     DuplicateIdChecker,
+    DuplicateIds,
     FastaFormatError,
     InvalidReport,
+    RecordBlock,
     count_lines_and_records,
     read_fasta_blocks,
 )
@@ -51,6 +53,13 @@ _FINGERPRINT_SPAN = 1 << 20  # bytes hashed at each end of an input file
 # Records are handed to the store writer in chunks bounded both ways (memory stays constant
 # even for titin-sized records).
 _CHUNK_RECORDS = 8192
+_CHUNK_RESIDUES = 1 << 23
+# The parallel path (byte ranges read by worker processes):
+_RANGE_BYTES = 32 << 20  # bytes per range (a worker's unit of work)
+_MIN_PARALLEL_BYTES = 128 << 20  # below this, starting processes costs more than it saves
+_NOT_FASTA_SCAN = 2 << 20  # > the 1 MiB without a header after which the reader gives up
+MAX_DEFAULT_WORKERS = 8
+_START_METHOD = "spawn"  # safe whatever the caller's threads (tests use fork for speed)
 _HASH_DOC = (
     "blake2b-64 (big-endian) of 'cluster:' + UniRef cluster id, else of the id; "
     "test = lowest test_frac of the hash range, valid = the next valid_frac"
@@ -63,7 +72,6 @@ _OOD_DOC = (
     "ood = records whose OX=/TaxID= is in taxa, and the groups (MMseqs2 clusters when "
     "clustered, else the split key) whose blake2b-64 of 'ood:' + group is below frac"
 )
-_CHUNK_RESIDUES = 1 << 23
 
 
 @dataclass
@@ -106,89 +114,6 @@ def file_fingerprint(path: Path) -> dict[str, Any]:
         "fingerprint": h.hexdigest(),
         "fingerprint_method": "blake2b-128(size, first 1 MiB, last 1 MiB)",
     }
-
-
-class _ByteProgress:
-    """Progress over input bytes (compressed bytes for gzip), read from the OS file position.
-
-    ``read_fastas`` owns its file handles, so the position of the file being read is taken from
-    ``/proc/self/fdinfo`` (Linux); elsewhere the bar advances a file at a time.
-    """
-
-    def __init__(self, paths: Sequence[Path], enabled: bool) -> None:
-        self.sizes = {os.fspath(p): p.stat().st_size for p in paths}
-        self.resolved = {os.path.realpath(p): os.fspath(p) for p in paths}
-        self.done_before: dict[str, int] = {}
-        acc = 0
-        for p in paths:
-            self.done_before.setdefault(os.fspath(p), acc)
-            acc += self.sizes[os.fspath(p)]
-        self.total = acc
-        self.bar = None
-        if enabled:
-            from protein_performer.progress import progress
-
-            self.bar = progress(self.total, "B", "preprocess")
-        self._fd: int | None = None
-        self._fd_path: str | None = None
-        self._last = 0.0
-
-    def _find_fd(self, path: str) -> int | None:
-        target = os.path.realpath(path)
-        try:
-            for name in os.listdir("/proc/self/fd"):
-                try:
-                    if os.readlink(f"/proc/self/fd/{name}") == target:
-                        return int(name)
-                except OSError:
-                    continue
-        except OSError:
-            return None
-        return None
-
-    def _position(self, path: str) -> int | None:
-        if self._fd_path != path:
-            self._fd, self._fd_path = self._find_fd(path), path
-        if self._fd is None:
-            return None
-        try:
-            with open(f"/proc/self/fdinfo/{self._fd}") as fh:
-                for line in fh:
-                    if line.startswith("pos:"):
-                        return int(line.split()[1])
-        except OSError:
-            self._fd_path = None
-        return None
-
-    def update(self, path: str) -> None:
-        """Called every few thousand records; cheap enough, and throttled to ~4 Hz."""
-        if self.bar is None:
-            return
-        now = time.monotonic()
-        if now - self._last < 0.25:
-            return
-        self._last = now
-        key = path if path in self.sizes else self.resolved.get(os.path.realpath(path), path)
-        base = self.done_before.get(key, 0)
-        pos = self._position(path)
-        if pos is None:
-            pos = 0
-        done = min(base + min(pos, self.sizes.get(key, 0)), self.total)
-        self.bar.update(done - self.bar.n)
-
-    def advance(self, path: str, start: int, end: int | None) -> None:
-        """A byte range of ``path`` is done (parallel path); ``end`` None: the whole file."""
-        if self.bar is None:
-            return
-        size = self.sizes.get(path, 0)
-        done = min(self.done_before.get(path, 0) + (size if end is None else end), self.total)
-        if done > self.bar.n:
-            self.bar.update(done - self.bar.n)
-
-    def close(self) -> None:
-        if self.bar is not None:
-            self.bar.update(self.total - self.bar.n)
-            self.bar.close()
 
 
 def _report_dict(report: Any) -> dict[str, Any]:
@@ -283,7 +208,10 @@ def preprocess(
     splitter = Splitter(valid_frac, test_frac, split_mode, groups)
     inputs_meta = [file_fingerprint(p) for p in paths]
     report = _KeyedReport()
-    bar = _ByteProgress(paths, enabled=progress)
+    from protein_performer.progress import progress as progress_bar
+
+    total_bytes = sum(p.stat().st_size for p in paths)
+    bar = progress_bar(total_bytes, "B", "preprocess", enabled=progress)
     try:
         with StoreWriter(out, overwrite=overwrite, alphabet=alphabet) as writer:
             ranges = None
@@ -316,11 +244,12 @@ def preprocess(
                 residues=int(writer.split_residues.sum()),
                 splits={name: int(writer.split_records[i]) for i, name in enumerate(SPLIT_NAMES)},
                 skipped=skipped,
-                input_bytes=bar.total,
+                input_bytes=total_bytes,
                 seconds=0.0,
                 skipped_reasons=dict(sorted(report.by_reason.items())),
             )
     finally:
+        bar.update(total_bytes - bar.n)
         bar.close()
     summary.seconds = time.perf_counter() - t0
     if summary.skipped:
@@ -328,42 +257,31 @@ def preprocess(
     return summary
 
 
-class _Chunker:
-    """Collects blocks of valid records and hands them to
-    ``sink(ids, seqs, descs, numbers, lines)`` in chunks of about :data:`_CHUNK_RECORDS`
-    records / :data:`_CHUNK_RESIDUES` residues (list extends per block: no per-record Python
-    work here)."""
-
-    def __init__(self, sink: Callable[..., None]) -> None:
-        self.sink = sink
-        self._reset()
-
-    def _reset(self) -> None:
-        self.ids: list[str] = []
-        self.seqs: list[str] = []
-        self.descs: list[str] = []
-        self.numbers: list[int] = []
-        self.lines: list[int] = []
-        self.residues = 0
-
-    def add(self, block: Any) -> bool:
-        """Queue a block; True when it completed a chunk (which was written)."""
-        self.ids += block.ids
-        self.seqs += block.seqs
-        self.descs += block.descs
-        self.numbers += block.numbers
-        self.lines += block.lines
-        self.residues += sum(map(len, block.seqs))
-        if self.residues >= _CHUNK_RESIDUES or len(self.ids) >= _CHUNK_RECORDS:
-            self.flush()
-            return True
-        return False
-
-    def flush(self) -> None:
-        if self.ids:
-            chunk = (self.ids, self.seqs, self.descs, self.numbers, self.lines)
-            self._reset()
-            self.sink(*chunk)
+def _chunks(blocks: Iterable[RecordBlock]) -> Iterator[RecordBlock]:
+    """The reader's blocks of valid records merged into chunks of about
+    :data:`_CHUNK_RECORDS` records / :data:`_CHUNK_RESIDUES` residues (list extends per block:
+    no per-record Python work here). When the reader raises, the records before the error
+    come out first (a duplicate among them is the earlier error)."""
+    chunk = RecordBlock("")
+    residues = 0
+    try:
+        for block in blocks:
+            chunk.path = block.path
+            chunk.ids += block.ids
+            chunk.descs += block.descs
+            chunk.seqs += block.seqs
+            chunk.numbers += block.numbers
+            chunk.lines += block.lines
+            residues += sum(map(len, block.seqs))
+            if residues >= _CHUNK_RESIDUES or len(chunk.ids) >= _CHUNK_RECORDS:
+                yield chunk
+                chunk, residues = RecordBlock(block.path), 0
+    except UserError:
+        if chunk.ids:
+            yield chunk
+        raise
+    if chunk.ids:
+        yield chunk
 
 
 @dataclass
@@ -387,7 +305,7 @@ class _KeyedReport(InvalidReport):
             self._trim()
 
     def _trim(self) -> None:
-        self.keyed.sort(key=_first)
+        self.keyed.sort(key=itemgetter(0))
         del self.keyed[self.max_examples :]
 
     def finish(self) -> None:
@@ -395,66 +313,41 @@ class _KeyedReport(InvalidReport):
         self.examples = [text for _, text in self.keyed]
 
 
-def _first(item: tuple[Any, ...]) -> Any:
-    return item[0]
-
-
-class _DupIds:
-    """Duplicate ids across all inputs, checked a chunk at a time in input order (bounded
-    memory: :class:`DuplicateIdChecker`), naming the first occurrence as the reader does."""
+class _DuplicateCheck:
+    """Duplicate ids across all inputs (:class:`DuplicateIds`), checked a chunk at a time in
+    input order from id hashes: what the serial path and the merge of shards both do."""
 
     def __init__(self, paths: list[Path], skip: bool, report: _KeyedReport) -> None:
-        self.paths = [os.fspath(p) for p in paths]
+        self.ids = DuplicateIds([os.fspath(p) for p in paths])
         self.skip = skip
         self.report = report
-        self.checker = DuplicateIdChecker()
-        self.file_starts: list[int] = []  # checker ordinal of record #1 of each input
-        self.next_ordinal = 0
 
-    def check(
+    def keep(
         self,
         file: int,
         numbers: np.ndarray,
         hashes: np.ndarray,
         lines: Sequence[int],
-        id_of: Callable[[int], str],
+        id_of: Any,
     ) -> np.ndarray | None:
         """Keep-mask for the next valid records of input ``file`` ((n,) record ``numbers``,
-        id ``hashes`` from ``DuplicateIdChecker.hash_ids``, header ``lines``; ``id_of(i)`` the
-        id of record i), None to keep all. A duplicate raises in error mode (callers check
-        every record before raising a later error) and is counted and left out in skip mode."""
-        while len(self.file_starts) <= file:
-            self.file_starts.append(self.next_ordinal)
-        if len(numbers) == 0:
-            return None
-        start = self.file_starts[file]
-        firsts = self.checker.check_hashes(hashes, numbers + (start - 1))
-        self.next_ordinal = max(self.next_ordinal, start + int(numbers[-1]))
-        dups = np.flatnonzero(firsts >= 0)
-        if len(dups) == 0:
+        id ``hashes``, header ``lines``; ``id_of(i)`` the id of record i), None to keep all.
+        A duplicate raises in error mode (callers check every record before raising a later
+        error) and is counted and left out in skip mode."""
+        firsts = self.ids.check(file, numbers, hashes)
+        dups = np.flatnonzero(firsts >= 0).tolist()
+        if not dups:
             return None
 
         def error(i: int) -> FastaFormatError:
-            ordinal = int(firsts[i])
-            f = bisect.bisect_right(self.file_starts, ordinal) - 1
-            path = self.paths[file]
-            where = "" if self.paths[f] == path else f" of {self.paths[f]}"
-            return FastaFormatError(
-                path,
-                int(lines[i]),
-                f"duplicate id: record #{ordinal - self.file_starts[f] + 1}{where} has the "
-                "same id",
-                record_number=int(numbers[i]),
-                record_id=id_of(i),
-                kind="duplicate id",
-            )
+            return self.ids.error(file, int(firsts[i]), int(numbers[i]), int(lines[i]), id_of(i))
 
         if not self.skip:
-            raise error(int(dups[0]))
+            raise error(dups[0])
         rep = self.report
         rep.skipped += len(dups)
         rep.by_reason["duplicate id"] += len(dups)
-        for i in dups[: rep.max_examples].tolist():
+        for i in dups[: rep.max_examples]:
             rep.note((file, int(numbers[i])), error(i).located)
         keep = np.ones(len(numbers), dtype=bool)
         keep[dups] = False
@@ -468,61 +361,35 @@ def _run_serial(
     on_invalid: str,
     report: _KeyedReport,
     alphabet: Alphabet,
-    bar: _ByteProgress,
+    bar: Any,
 ) -> None:
     """The single-process path: the reader per file, duplicate ids checked per chunk (a
     vectorised check of thousands of ids, not one per 256 KiB block)."""
-    dupids = _DupIds(paths, on_invalid == "skip", report)
+    dups = _DuplicateCheck(paths, on_invalid == "skip", report)
     for file, path in enumerate(paths):
         report.file = file
-
-        def sink(
-            ids: list[str],
-            seqs: list[str],
-            descs: list[str],
-            numbers: list[int],
-            lines: list[int],
-            file: int = file,
-        ) -> None:
-            nums = np.asarray(numbers, dtype=np.int64)
-            keep = dupids.check(
-                file, nums, DuplicateIdChecker.hash_ids(ids), lines, ids.__getitem__
-            )
+        blocks = read_fasta_blocks(
+            path,
+            on_invalid=on_invalid,  # type: ignore[arg-type]
+            report=report,
+            alphabet=alphabet,
+            check_duplicates=False,
+            on_bytes=bar.update,
+        )
+        for chunk in _chunks(blocks):
+            nums = np.asarray(chunk.numbers, dtype=np.int64)
+            hashes = DuplicateIdChecker.hash_ids(chunk.ids)
+            keep = dups.keep(file, nums, hashes, chunk.lines, chunk.ids.__getitem__)
             if keep is not None:
-                idx = np.flatnonzero(keep).tolist()
-                ids = [ids[i] for i in idx]
-                seqs = [seqs[i] for i in idx]
-                descs = [descs[i] for i in idx]
-            writer.write_chunk(ids, seqs, splitter.codes(ids, descs), descs)
-
-        chunker = _Chunker(sink)
-        error: FastaFormatError | None = None
-        try:
-            for block in read_fasta_blocks(
-                path,
-                on_invalid=on_invalid,  # type: ignore[arg-type]
-                report=report,
-                alphabet=alphabet,
-                check_duplicates=False,
-            ):
-                if chunker.add(block):
-                    bar.update(block.path)
-        except FastaFormatError as exc:
-            error = exc
-        chunker.flush()  # a duplicate among the records before an error is raised first
-        if error is not None:
-            raise error
+                chunk = chunk.take(np.flatnonzero(keep).tolist())
+            writer.write_chunk(
+                chunk.ids, chunk.seqs, splitter.codes(chunk.ids, chunk.descs), chunk.descs
+            )
 
 
 # --------------------------------------------------------------------------------------------
 # Parallel path: byte ranges -> shards in worker processes -> concatenated in order
 # --------------------------------------------------------------------------------------------
-_RANGE_BYTES = 32 << 20  # bytes per range (a worker's unit of work)
-_MIN_PARALLEL_BYTES = 128 << 20  # below this, starting processes costs more than it saves
-MAX_DEFAULT_WORKERS = 8
-_START_METHOD = "spawn"  # safe whatever the caller's threads (tests use fork for speed)
-
-
 @dataclass(frozen=True)
 class _Range:
     """Bytes ``start:end`` of input ``file`` (``end`` None: the whole file, e.g. gzip), with
@@ -586,9 +453,6 @@ def _cuts(path: Path, size: int, range_bytes: int) -> list[int]:
     return cuts
 
 
-_NOT_FASTA_SCAN = 2 << 20  # > the 1 MiB without a header after which the reader gives up
-
-
 def _plan_ranges(paths: list[Path], range_bytes: int, auto: bool) -> list[_Range] | None:
     """Cut plain inputs into ranges; None when there is only one (or, unless a range size
     was forced, the inputs are too small to be worth worker processes)."""
@@ -637,87 +501,55 @@ def _number_ranges(ranges: list[_Range], pool: Any) -> list[_Range]:
     return out
 
 
-def _error_fields(exc: BaseException) -> dict[str, Any]:
-    """A picklable description of a worker's error (FastaFormatError does not unpickle)."""
-    if isinstance(exc, FastaFormatError):
-        return {
-            "fasta": {
-                "path": exc.path,
-                "line": exc.line,
-                "reason": exc.reason,
-                "record_number": exc.record_number,
-                "record_id": exc.record_id,
-                "kind": exc.kind,
-                "file_level": exc.file_level,
-                "hint": exc.hint,
-            }
-        }
-    return {"message": str(exc)}
-
-
-def _rebuild_error(fields: dict[str, Any]) -> UserError:
-    if "fasta" in fields:
-        f = dict(fields["fasta"])
-        return FastaFormatError(f.pop("path"), f.pop("line"), f.pop("reason"), **f)
-    return UserError(fields["message"])
-
-
 def _shard_worker(r: _Range, job: _Job, shard: str) -> dict[str, Any]:
     """Read one range into a shard store; return what the parent needs to check and merge.
 
     Duplicate ids are not checked here but by the parent, across all shards in order, from the
     returned id hashes (with record numbers and lines, to name a duplicate exactly). The shard
     holds the valid records read before an error too, so the parent can name a duplicate
-    among them.
+    among them; the error itself travels back pickled.
     """
     report = _KeyedReport(file=r.file)
     mode: Any = job.split_mode  # validated by the parent
     splitter = Splitter(job.valid_frac, job.test_frac, mode, job.groups)
-    hashes: list[np.ndarray] = []
-    numbers: list[np.ndarray] = []
-    lines: list[np.ndarray] = []
+    hashes: list[np.ndarray] = [np.empty(0, np.uint64)]
+    numbers: list[np.ndarray] = [np.empty(0, np.int64)]
+    lines: list[np.ndarray] = [np.empty(0, np.int64)]
     error: UserError | None = None
+    span: dict[str, Any] = {}
+    if r.end is not None:
+        span = {"byte_range": (r.start, r.end), "start_line": r.line, "start_number": r.number}
     with StoreWriter(shard, alphabet=job.alphabet) as writer:
-
-        def sink(
-            ids: list[str], seqs: list[str], descs: list[str], nums: list[int], lns: list[int]
-        ) -> None:
-            writer.write_chunk(ids, seqs, splitter.codes(ids, descs), descs)
-            hashes.append(DuplicateIdChecker.hash_ids(ids))
-            numbers.append(np.asarray(nums, dtype=np.int64))
-            lines.append(np.asarray(lns, dtype=np.int64))
-
-        chunker = _Chunker(sink)
-        span: dict[str, Any] = {}
-        if r.end is not None:
-            span = {"byte_range": (r.start, r.end), "start_line": r.line, "start_number": r.number}
+        blocks = read_fasta_blocks(
+            r.path,
+            on_invalid=job.on_invalid,  # type: ignore[arg-type]
+            report=report,
+            alphabet=job.alphabet,
+            check_duplicates=False,
+            **span,
+        )
         try:
-            for block in read_fasta_blocks(
-                r.path,
-                on_invalid=job.on_invalid,  # type: ignore[arg-type]
-                report=report,
-                alphabet=job.alphabet,
-                check_duplicates=False,
-                **span,
-            ):
-                chunker.add(block)
+            for chunk in _chunks(blocks):
+                # A --split-by cluster record without a cluster id raises here: its error
+                # comes before a later one of the reader's.
+                codes = splitter.codes(chunk.ids, chunk.descs)
+                writer.write_chunk(chunk.ids, chunk.seqs, codes, chunk.descs)
+                hashes.append(DuplicateIdChecker.hash_ids(chunk.ids))
+                numbers.append(np.asarray(chunk.numbers, dtype=np.int64))
+                lines.append(np.asarray(chunk.lines, dtype=np.int64))
         except UserError as exc:  # bad input
-            error = exc
-        try:
-            chunker.flush()
-        except UserError as exc:  # --split-by cluster without a cluster id: an earlier record
             error = exc
         writer.commit()
     report._trim()
     return {
         "shard": shard,
-        "hashes": np.concatenate(hashes) if hashes else np.empty(0, np.uint64),
-        "numbers": np.concatenate(numbers) if numbers else np.empty(0, np.int64),
-        "lines": np.concatenate(lines) if lines else np.empty(0, np.int64),
+        "hashes": np.concatenate(hashes),
+        "numbers": np.concatenate(numbers),
+        "lines": np.concatenate(lines),
         "skipped": report.skipped,
         "by_reason": dict(report.by_reason),
         "keyed": report.keyed,
-        "error": None if error is None else _error_fields(error),
+        "error": error,
     }
 
 
@@ -725,10 +557,12 @@ class _ShardMerger:
     """The parent's side, a shard at a time in input order: the duplicate-id check, the
     shard's error if any, its part of the report, and the concatenation."""
 
-    def __init__(self, paths: list[Path], job: _Job, writer: StoreWriter, report: Any) -> None:
+    def __init__(
+        self, paths: list[Path], job: _Job, writer: StoreWriter, report: _KeyedReport
+    ) -> None:
         self.writer = writer
         self.report = report
-        self.dupids = _DupIds(paths, job.on_invalid == "skip", report)
+        self.dups = _DuplicateCheck(paths, job.on_invalid == "skip", report)
 
     def merge(self, r: _Range, res: dict[str, Any]) -> None:
         shard = res["shard"]
@@ -739,9 +573,9 @@ class _ShardMerger:
                 store.append(TokenStore(shard))
             return store[0].id(i)
 
-        keep = self.dupids.check(r.file, res["numbers"], res["hashes"], res["lines"], id_of)
+        keep = self.dups.keep(r.file, res["numbers"], res["hashes"], res["lines"], id_of)
         if res["error"] is not None:
-            raise _rebuild_error(res["error"])
+            raise res["error"]
         report = self.report
         report.skipped += res["skipped"]
         report.by_reason.update(res["by_reason"])
@@ -770,14 +604,15 @@ def _run_parallel(
     workers: int,
     job: _Job,
     writer: StoreWriter,
-    report: Any,
-    bar: _ByteProgress,
+    report: _KeyedReport,
+    bar: Any,
 ) -> None:
     """Ranges -> shards in ``workers`` spawned processes (at most two ranges per worker in
     flight, so shards on disk and results in memory stay bounded) -> merged in order."""
     import multiprocessing
     from concurrent.futures import Future, ProcessPoolExecutor
 
+    sizes = [p.stat().st_size for p in paths]
     shard_dir = writer.tmp / "shards"
     shard_dir.mkdir()
     merger = _ShardMerger(paths, job, writer, report)
@@ -807,7 +642,7 @@ def _run_parallel(
                     (rn, pool.submit(_shard_worker, rn, job, os.fspath(shard_dir / f"{k:06d}")))
                 )
             merger.merge(r, res)
-            bar.advance(r.path, r.start, r.end)
+            bar.update((sizes[r.file] if r.end is None else r.end) - r.start)
     finally:
         pool.shutdown(wait=True, cancel_futures=True)
         shutil.rmtree(shard_dir, ignore_errors=True)
