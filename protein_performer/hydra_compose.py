@@ -1,47 +1,88 @@
-"""Compose an entry config (``conf/<name>.yaml``) for the Hydra-configured inference commands.
+"""Config composition for every Hydra-configured command (``train``, ``eval``, ``visualize``).
 
-Factored out of ``inference.evaluate.compose`` so that ``eval``, ``visualize`` and later
-commands share one behaviour: Hydra's compose API (no ``@hydra.main``, so tests and notebooks
-call the pure function with the result), composition errors as one-line ``UserError``, required
+One behaviour for all of them: Hydra's compose API (no ``@hydra.main``, so tests and notebooks
+call the pure functions with the result), composition errors as one-line ``UserError``, required
 keys named in the message with an example, and *direct* keys set after composing. Direct keys
 exist because a value like ``data=PATH`` collides with training's ``data/`` config group, and
 paths or sequences with characters Hydra's override grammar rejects (``=``, ``,``, brackets)
 should still work: such ``key=value`` items bypass the grammar and are stored as plain strings.
+
+This module owns where the configs live (:func:`conf_dir`) and imports nothing from training or
+inference, so both can compose without depending on each other.
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterable, Sequence
-from typing import Any
+from pathlib import Path
+from typing import TYPE_CHECKING
 
 from protein_performer.errors import UserError
 
+if TYPE_CHECKING:
+    from omegaconf import DictConfig
 
-def compose_entry(
-    name: str,
+#: Environment variable naming another config directory (a copy of ``conf/`` to customise).
+CONF_DIR_ENV = "PROTEIN_PERFORMER_CONF_DIR"
+#: The training entry: composed for a run (with its ``hydra`` node, left unresolved so that
+#: ``${hydra:...}`` resolves once the run directory is known); the others are resolved at once.
+TRAIN = "train"
+_TRAIN_USAGE = " to change a key, +key=value to add one, group=option to pick a config"
+
+
+def conf_dir() -> Path:
+    """The config directory: ``$PROTEIN_PERFORMER_CONF_DIR``, else the repository's ``conf/``.
+
+    ``conf/`` sits next to the package in the repository (it is not packaged), so it is found
+    relative to this file; an installed copy elsewhere points the variable at its configs.
+    """
+    env = os.environ.get(CONF_DIR_ENV)
+    path = Path(env).expanduser() if env else Path(__file__).resolve().parents[1] / "conf"
+    if not (path / "train.yaml").is_file():
+        where = f"${CONF_DIR_ENV}={env}" if env else "the repository"
+        raise UserError(
+            f"no Hydra config train.yaml in {path} (from {where}): set {CONF_DIR_ENV} to a "
+            "directory holding the project's conf/ files"
+        )
+    return path.resolve()
+
+
+def list_choices(group: str) -> list[str]:
+    """Config names of a group (``experiment``, ``trainer``, ...), for help texts."""
+    directory = conf_dir() / group
+    return sorted(p.stem for p in directory.glob("*.yaml")) if directory.is_dir() else []
+
+
+def compose_config(
     overrides: Sequence[str] = (),
+    output_dir: str | Path | None = None,
     *,
+    name: str = TRAIN,
     direct_keys: Iterable[str] = (),
     required: Iterable[str] = (),
     example: str = "",
     override_example: str = "",
-) -> Any:
-    """``conf/<name>.yaml`` composed with ``overrides`` and resolved, as a DictConfig.
+) -> DictConfig:
+    """``conf/<name>.yaml`` composed with ``overrides``, composition errors as ``UserError``.
 
-    ``example`` is a whole command line quoted when a ``required`` key is missing;
-    ``override_example`` (e.g. ``split=test``) is shown after "use key=value" when composing fails.
+    For ``train`` (the default) the config keeps Hydra's own node; with ``output_dir`` it is made
+    runnable outside ``@hydra.main`` (tests, notebooks): the run directory is set and the config
+    registered as the current Hydra config, so ``${hydra:...}`` interpolations resolve. Other
+    entries are resolved before they are returned. ``example`` is a whole command line quoted
+    when a ``required`` key is missing; ``override_example`` (e.g. ``split=test``) is shown after
+    "use key=value" when composing fails.
     """
-    from hydra import compose as hydra_compose
-    from hydra import initialize_config_dir
+    from hydra import compose, initialize_config_dir
+    from hydra.core.hydra_config import HydraConfig
     from hydra.errors import HydraException
-    from omegaconf import OmegaConf
+    from omegaconf import OmegaConf, open_dict
     from omegaconf.errors import OmegaConfBaseException
-
-    from protein_performer.training.train import conf_dir
 
     directory = conf_dir()
     if not (directory / f"{name}.yaml").is_file():
         raise UserError(f"no {name}.yaml in {directory}")
+    run = name == TRAIN
     direct_set = set(direct_keys)
     direct: dict[str, str] = {}
     rest: list[str] = []
@@ -53,7 +94,7 @@ def compose_entry(
             rest.append(item)
     try:
         with initialize_config_dir(str(directory), version_base="1.3"):
-            cfg = hydra_compose(name, overrides=rest)
+            cfg = compose(name, overrides=rest, return_hydra_config=run)
         for key, value in direct.items():
             OmegaConf.update(cfg, key, value)
         missing = sorted(k for k in required if OmegaConf.is_missing(cfg, k))
@@ -62,12 +103,27 @@ def compose_entry(
                 f"{name} needs {' and '.join(f'{k}=...' for k in missing)}"
                 + (f", e.g. `{example}`" if example else "")
             )
-        OmegaConf.resolve(cfg)
+        if not run:
+            OmegaConf.resolve(cfg)
     except (HydraException, OmegaConfBaseException) as exc:
+        usage = _TRAIN_USAGE if run else f", e.g. {override_example}" if override_example else ""
         raise UserError(
-            f"bad {name} config: {exc}\n  overrides: {' '.join(overrides) or '(none)'}\n"
-            "  use key=value"
-            + (f", e.g. {override_example}" if override_example else "")
-            + f" (see `protein-performer {name} --help`)"
+            f"bad {'training' if run else name} config: {_first_cause(exc, run)}\n"
+            f"  overrides: {' '.join(overrides) or '(none)'}\n"
+            f"  use key=value{usage} (see `protein-performer {name} --help`)"
         ) from None
+    if output_dir is not None:
+        with open_dict(cfg):
+            cfg.hydra.runtime.output_dir = str(output_dir)
+            cfg.paths.output_dir = str(output_dir)
+        HydraConfig.instance().set_config(cfg)
     return cfg
+
+
+def _first_cause(exc: BaseException, with_cause: bool) -> str:
+    """The error's text, with its cause when that says more (Hydra wraps the real reason)."""
+    text = str(exc).strip() if with_cause else str(exc)
+    cause = exc.__cause__
+    if with_cause and cause is not None and str(cause).strip() and str(cause).strip() not in text:
+        text = f"{text}: {str(cause).strip()}"
+    return text

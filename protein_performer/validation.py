@@ -2,7 +2,7 @@
 traceback from deep inside the code that used the value.
 
 Used for the Hydra groups training relies on (``training.settings``) and for the JSON configs
-of foreign model directories (``inference.convert_esm``).
+of foreign model directories (``model.convert_esm``).
 """
 
 from __future__ import annotations

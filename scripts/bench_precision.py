@@ -53,7 +53,7 @@ def main() -> int:
     import numpy as np
 
     import protein_performer as pp
-    from protein_performer.inference.embedding import read_records
+    from protein_performer.inference.io import read_records
 
     fasta = args.fasta or next(iter(sorted(DEMO.glob("*.fasta"))))
     n = 3 if args.quick else args.records

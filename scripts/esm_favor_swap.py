@@ -80,7 +80,7 @@ def random_esm2(dim: int, depth: int, heads: int, seed: int) -> PerformerLM:
 
 
 def read_sequences(path: Path, max_records: int, max_len: int) -> list[str]:
-    from protein_performer.inference.embedding import read_records
+    from protein_performer.inference.io import read_records
 
     records = read_records(path, on_invalid="skip")[:max_records]
     return [r.sequence[: max_len - 2] for r in records]

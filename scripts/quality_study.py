@@ -271,7 +271,7 @@ def unigram_baseline(
     from protein_performer.data.dataset import InMemorySource
     from protein_performer.data.tokenizer import Alphabet
     from protein_performer.inference import baseline
-    from protein_performer.inference.embedding import read_records
+    from protein_performer.inference.io import read_records
 
     alphabet = Alphabet()
     records = read_records(fasta)

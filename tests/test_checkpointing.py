@@ -17,8 +17,9 @@ from test_train import TINY as TRAIN_TINY
 
 from protein_performer.checkpoints import nonfinite_tensors, safe_load
 from protein_performer.errors import UserError
+from protein_performer.hydra_compose import compose_config
 from protein_performer.training.checkpointing import TrainingDivergedError
-from protein_performer.training.train import compose_config, train
+from protein_performer.training.train import train
 
 REPO = Path(__file__).resolve().parents[1]
 

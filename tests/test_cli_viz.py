@@ -13,9 +13,10 @@ import torch
 from protein_performer.cli.main import main
 from protein_performer.data.tokenizer import Alphabet
 from protein_performer.errors import UserError
-from protein_performer.inference.contacts import METRICS, ContactRegression
-from protein_performer.inference.loading import LoadedModel, export_model
+from protein_performer.inference.contacts import METRICS
 from protein_performer.model.config import PerformerConfig
+from protein_performer.model.contact_regression import ContactRegression
+from protein_performer.model.loading import LoadedModel, export_model
 from protein_performer.model.performer import PerformerLM
 
 SHARED = Path(__file__).resolve().parents[2] / "shared" / "data" / "structures"
@@ -126,7 +127,7 @@ def test_visualize_sequence_and_structure(model_dir, tmp_path: Path, capsys) -> 
     assert_png(out / "aa_similarity.png")
     assert not (out / "contacts.png").exists()
 
-    from protein_performer.viz.visualize import compose, visualize
+    from protein_performer.cli.visualize import compose, visualize
 
     fasta = tmp_path / "x.fasta"
     fasta.write_text(f">first\n{SEQ}\n>tiny desc\nMKGAYLPDEVKTWER\n")

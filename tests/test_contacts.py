@@ -14,20 +14,22 @@ import torch
 
 from protein_performer.errors import UserError
 from protein_performer.inference.contacts import (
-    ContactRegression,
-    apc,
-    contact_features,
     default_regression_path,
     fit_regression,
-    model_identity,
     null_prediction,
     permutation_for,
     permute_maps,
     precision_at,
-    symmetrize,
     training_pairs,
 )
 from protein_performer.model.config import PerformerConfig
+from protein_performer.model.contact_regression import (
+    ContactRegression,
+    apc,
+    contact_features,
+    model_identity,
+    symmetrize,
+)
 from protein_performer.model.performer import PerformerLM
 
 

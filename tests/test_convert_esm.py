@@ -15,8 +15,8 @@ import pytest
 import torch
 
 from protein_performer.errors import UserError
-from protein_performer.inference.convert_esm import convert_esm, read_esm
-from protein_performer.inference.loading import load_model
+from protein_performer.model.convert_esm import convert_esm, read_esm
+from protein_performer.model.loading import load_model
 
 esm = pytest.importorskip("esm", reason="fair-esm is not installed (pip install fair-esm)")
 

@@ -50,7 +50,8 @@ class DDPProbe(pl.Callback):
 
 
 def worker(out_dir: Path) -> None:
-    from protein_performer.training.train import compose_config, train
+    from protein_performer.hydra_compose import compose_config
+    from protein_performer.training.train import train
 
     rank = int(os.environ["RANK"])
     overrides = [

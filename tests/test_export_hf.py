@@ -10,12 +10,12 @@ import pytest
 import torch
 
 from protein_performer.cli.main import main
-from protein_performer.data.tokenizer import Alphabet, pad_token_arrays
+from protein_performer.data.tokenizer import Alphabet
 from protein_performer.inference.contact_maps import predict_contacts
-from protein_performer.inference.contacts import ContactRegression, model_identity
-from protein_performer.inference.convert_esm import swap_attention
-from protein_performer.inference.loading import LoadedModel, export_model, load_model
 from protein_performer.model.config import PerformerConfig
+from protein_performer.model.contact_regression import ContactRegression, model_identity
+from protein_performer.model.convert_esm import swap_attention
+from protein_performer.model.loading import LoadedModel, export_model, load_model
 from protein_performer.model.performer import PerformerLM
 
 transformers = pytest.importorskip("transformers", reason="transformers is not installed")
@@ -44,7 +44,7 @@ def _model_dir(tmp_path: Path, name: str, **overrides) -> Path:
 
 def _tokens() -> torch.Tensor:
     a = Alphabet()
-    tokens = pad_token_arrays([a.encode_with_specials(s) for s in SEQS], a.pad_idx)
+    tokens = a.encode_batch(SEQS)
     tokens[0, 3] = tokens[1, 20] = a.mask_idx
     return tokens
 
@@ -58,9 +58,7 @@ def test_round_trip_logits_tokenizer_and_contact_head(tmp_path: Path, capsys) ->
     tokenizer = transformers.AutoTokenizer.from_pretrained(out)
     encoded = tokenizer(SEQS, return_tensors="pt", padding=True)
     tokens = _tokens()
-    ours_plain = pad_token_arrays(
-        [Alphabet().encode_with_specials(s) for s in SEQS], Alphabet().pad_idx
-    )
+    ours_plain = Alphabet().encode_batch(SEQS)
     assert torch.equal(encoded["input_ids"], ours_plain)
     loaded = load_model(src, "cpu")
     with torch.no_grad():

@@ -1,4 +1,4 @@
-"""inference.loading: rebuild from a real Lightning checkpoint, export round trip, clear errors."""
+"""model.loading: rebuild from a real Lightning checkpoint, export round trip, clear errors."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from torch.utils.data import DataLoader
 
 from protein_performer.data.dataset import InMemorySource, ProteinCollator, ProteinDataset
 from protein_performer.errors import UserError
-from protein_performer.inference.loading import (
+from protein_performer.model.loading import (
     CONFIG_FILE,
     WEIGHTS_FILE,
     export_model,

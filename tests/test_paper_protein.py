@@ -16,8 +16,9 @@ import pytest
 from protein_performer.data.dataset import ConcatSource, InMemorySource, ProteinDataset
 from protein_performer.data.masking import IGNORE_INDEX
 from protein_performer.data.tokenizer import SEQUENCE_LETTERS, Alphabet
+from protein_performer.hydra_compose import compose_config
 from protein_performer.inference.baseline import unigram_baseline
-from protein_performer.training.train import compose_config, train
+from protein_performer.training.train import train
 from tests.test_train import TINY
 
 #: test_train's tiny model, run by a time budget instead of a step count.

@@ -14,7 +14,8 @@ import pytorch_lightning as pl
 import torch
 
 from protein_performer.checkpoints import safe_load
-from protein_performer.training.train import compose_config, train
+from protein_performer.hydra_compose import compose_config
+from protein_performer.training.train import train
 
 pytestmark = pytest.mark.slow
 

@@ -14,8 +14,8 @@ import yaml
 from omegaconf import OmegaConf
 
 from protein_performer.errors import UserError
+from protein_performer.hydra_compose import compose_config
 from protein_performer.training.settings import check_training_config
-from protein_performer.training.train import compose_config
 
 REPO = Path(__file__).resolve().parents[1]
 BASE = ["experiment=demo", f"paths.root_dir={REPO}"]

@@ -2,7 +2,7 @@ import numpy as np
 import pytest
 import torch
 
-from protein_performer.data.tokenizer import ESM2_TOKENS, Alphabet, BatchConverter
+from protein_performer.data.tokenizer import ESM2_TOKENS, Alphabet
 
 
 def test_vocabulary_matches_esm2_order():
@@ -30,9 +30,8 @@ def test_encode_rejects_invalid_letters_with_position(bad, pos):
         Alphabet().encode(bad)
 
 
-def test_batch_converter_exact_ids():
-    labels, seqs, tokens = BatchConverter(Alphabet())([("a", "MKT"), ("b", "GL")])
-    assert labels == ["a", "b"] and seqs == ["MKT", "GL"]
+def test_encode_batch_exact_ids():
+    tokens = Alphabet().encode_batch(["MKT", "GL"])
     expected = torch.tensor([[0, 20, 15, 11, 2], [0, 6, 4, 2, 1]])
     assert torch.equal(tokens, expected)
     assert tokens.dtype == torch.long

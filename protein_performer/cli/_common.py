@@ -18,7 +18,7 @@ from protein_performer.errors import UserError
 
 if TYPE_CHECKING:
     from protein_performer.inference.api import ProteinLM
-    from protein_performer.inference.loading import LoadedModel
+    from protein_performer.model.loading import LoadedModel
 
 ON_INVALID_HELP = "invalid FASTA records: stop with an error (default) or skip them"
 TOKS_PER_BATCH_HELP = "token budget per pass (default: 4096)"
@@ -175,7 +175,7 @@ def check_output(
 
 def load_checkpoint(args: argparse.Namespace) -> LoadedModel:
     """The model named by ``args.ckpt``, on ``args.device`` (with ``--threads`` applied)."""
-    from protein_performer.inference.loading import load_model
+    from protein_performer.model.loading import load_model
 
     apply_threads(args)
 

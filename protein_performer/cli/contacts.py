@@ -124,7 +124,7 @@ def load_targets(
 
     sequences: dict[str, str] = {}
     if fasta:
-        from protein_performer.inference.embedding import read_records
+        from protein_performer.inference.io import read_records
 
         sequences = {r.id: r.sequence for r in read_records(Path(fasta), "error")}
     targets = []
@@ -147,10 +147,10 @@ def load_targets(
 def run(args: argparse.Namespace) -> int:
     from protein_performer.inference.contacts import (
         DEFAULT_C,
-        ContactRegression,
         benchmark,
         format_summary,
     )
+    from protein_performer.model.contact_regression import ContactRegression
 
     inputs = [args.ckpt, args.regression, args.fasta, *args.structures, *(args.fit_on or [])]
     check_output(args.out, [split_chain(s, None)[0] for s in inputs if s], args.overwrite)

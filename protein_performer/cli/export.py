@@ -54,7 +54,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from protein_performer.errors import UserError
-    from protein_performer.inference.loading import export_model, load_model
+    from protein_performer.model.loading import export_model, load_model
 
     if args.as_exact and args.format != "hf":
         raise UserError("--as-exact is for --format hf (the native format keeps FAVOR+)")

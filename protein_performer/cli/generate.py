@@ -92,7 +92,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from protein_performer.inference.embedding import text_output
+    from protein_performer.inference.io import text_output
     from protein_performer.progress import progress
 
     check_output(args.out, [args.ckpt], args.overwrite)

@@ -55,11 +55,6 @@ class Alphabet:
     def __len__(self) -> int:
         return len(self.tokens)
 
-    def invalid_positions(self, seq: str) -> np.ndarray:
-        """0-based positions of characters that are not vocabulary letters (``J``, digits, ...)."""
-        raw = np.frombuffer(seq.encode("latin-1", errors="replace"), dtype=np.uint8)
-        return np.flatnonzero(self._lut[raw] == 255)
-
     def encode(self, seq: str) -> np.ndarray:
         """Residue letters -> uint8 token ids, without BOS/EOS.
 
@@ -96,24 +91,10 @@ class Alphabet:
         body = self.encode(seq).astype(np.int64)
         return np.concatenate(([self.cls_idx], body, [self.eos_idx]))
 
-
-class BatchConverter:
-    """Turn ``[(label, sequence), ...]`` into ``(labels, sequences, tokens)`` like ESM's.
-
-    ``tokens`` is ``(B, 2 + max_len)`` int64: ``<cls>`` + residues + ``<eos>``, right-padded with
-    ``<pad>``.
-    """
-
-    def __init__(self, alphabet: Alphabet) -> None:
-        self.alphabet = alphabet
-
-    def __call__(
-        self, batch: Sequence[tuple[str, str]]
-    ) -> tuple[list[str], list[str], torch.Tensor]:
-        labels = [label for label, _ in batch]
-        seqs = [seq for _, seq in batch]
-        encoded = [self.alphabet.encode_with_specials(s) for s in seqs]
-        return labels, seqs, pad_token_arrays(encoded, self.alphabet.pad_idx)
+    def encode_batch(self, seqs: Sequence[str]) -> torch.Tensor:
+        """``(B, 2 + max_len)`` int64: ``<cls>`` + residues + ``<eos>``, right-padded with
+        ``<pad>``; the one batch encoder (ESM's ``BatchConverter`` without the labels)."""
+        return pad_token_arrays([self.encode_with_specials(s) for s in seqs], self.pad_idx)
 
 
 def pad_token_arrays(arrays: Sequence[np.ndarray], pad_idx: int) -> torch.Tensor:

@@ -23,7 +23,6 @@ from protein_performer.data.tokenizer import STANDARD_AA, Alphabet
 from protein_performer.errors import UserError
 from protein_performer.inference.embedding import HIDDEN_KINDS, embed_sequences, resolve_layers
 from protein_performer.inference.generation import Generated, SamplingOptions, iter_generate
-from protein_performer.inference.loading import LoadedModel, load_model
 from protein_performer.inference.scoring import (
     SEQUENCE_STRATEGIES,
     VARIANT_STRATEGIES,
@@ -35,6 +34,7 @@ from protein_performer.inference.scoring import (
 )
 from protein_performer.inference.sharding import windows
 from protein_performer.model.config import PerformerConfig
+from protein_performer.model.loading import LoadedModel, load_model
 from protein_performer.model.performer import PerformerLM
 
 #: ``--precision`` names and the dtypes they stand for.

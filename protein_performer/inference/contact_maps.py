@@ -48,14 +48,10 @@ from protein_performer.inference.columns import (
     record_columns,
     write_columns,
 )
-from protein_performer.inference.contacts import (
-    MIN_SEPARATION,
-    ContactRegression,
-    default_regression_path,
-    weights_sha256,
-)
-from protein_performer.inference.loading import LoadedModel
+from protein_performer.inference.contacts import MIN_SEPARATION, default_regression_path
+from protein_performer.model.contact_regression import ContactRegression, weights_sha256
 from protein_performer.model.favor import MapFactors
+from protein_performer.model.loading import LoadedModel
 
 log = logging.getLogger(__name__)
 
@@ -409,7 +405,7 @@ def predict_contacts_fasta(
     ranks of a ``torchrun``/SLURM job split the records
     (:mod:`protein_performer.inference.sharding`).
     """
-    from protein_performer.inference.embedding import input_records
+    from protein_performer.inference.io import input_records
     from protein_performer.inference.sharding import rank_label, run_sharded, windows
     from protein_performer.progress import progress as progress_bar
 

@@ -59,7 +59,7 @@ def _source(cfg: Any, alphabet: Any) -> tuple[Any, str]:
     """A record source for ``cfg.data``: a store split or every record of a FASTA."""
     from protein_performer.data.dataset import InMemorySource, StoreSubset
     from protein_performer.data.store import TokenStore, is_store
-    from protein_performer.inference.embedding import read_records
+    from protein_performer.inference.io import read_records
 
     path = Path(str(cfg.data)).expanduser()
     if path.is_dir() or is_store(path):
@@ -85,9 +85,9 @@ def evaluate(cfg: Any) -> dict[str, Any]:
     ``cfg.out_dir`` and return the metrics (``overall``, ``bins``, settings, output paths)."""
     from protein_performer.data.dataset import ProteinCollator, ProteinDataset
     from protein_performer.data.masking import IGNORE_INDEX
-    from protein_performer.inference.embedding import budget_batches
-    from protein_performer.inference.loading import load_model
+    from protein_performer.inference.io import budget_batches
     from protein_performer.inference.scoring import masked_log_probs
+    from protein_performer.model.loading import load_model
     from protein_performer.progress import progress as progress_bar
 
     loaded = load_model(str(cfg.ckpt), str(cfg.get("device", "auto")))
@@ -202,13 +202,13 @@ def evaluate(cfg: Any) -> dict[str, Any]:
 
 def compose(overrides: Sequence[str] = ()) -> Any:
     """``conf/eval.yaml`` composed with overrides; composition errors become ``UserError``."""
-    from protein_performer.hydra_compose import compose_entry
+    from protein_performer.hydra_compose import compose_config
 
     # `data` is also the name of training's config group in conf/, so Hydra would read
     # `data=PATH` as a group choice; plain `data=`/`ckpt=` values are set after composing.
-    return compose_entry(
-        CONFIG_NAME,
+    return compose_config(
         overrides,
+        name=CONFIG_NAME,
         direct_keys=("data", "ckpt"),
         required=("ckpt", "data"),
         example="protein-performer eval ckpt=PATH/last.ckpt data=proteins.fasta",

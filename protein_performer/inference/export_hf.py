@@ -26,9 +26,9 @@ import numpy as np
 import torch
 
 from protein_performer.errors import UserError
-from protein_performer.inference.contacts import ContactRegression
-from protein_performer.inference.convert_esm import ESM2_VOCAB, hf_name
-from protein_performer.inference.loading import (
+from protein_performer.model.contact_regression import ContactRegression
+from protein_performer.model.convert_esm import ESM2_VOCAB, hf_name
+from protein_performer.model.loading import (
     CONFIG_FILE,
     WEIGHTS_FILE,
     LoadedModel,

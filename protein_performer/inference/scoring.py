@@ -47,15 +47,14 @@ import numpy as np
 import torch
 
 from protein_performer.errors import UserError
-from protein_performer.inference.embedding import (
+from protein_performer.inference.io import (
     atomic_output,
     budget_batches,
-    encode_batch,
     input_records,
     read_records,
     text_output,
 )
-from protein_performer.inference.loading import LoadedModel
+from protein_performer.model.loading import LoadedModel
 from protein_performer.progress import progress as progress_bar
 
 if TYPE_CHECKING:
@@ -119,7 +118,7 @@ def masked_log_probs(
     as the token budget allows run in one forward pass.
     """
     a = loaded.alphabet
-    base = encode_batch(loaded, [seq])  # (1, T)
+    base = loaded.alphabet.encode_batch([seq]).to(loaded.device)  # (1, T)
     T = base.shape[1]
     per_batch = max(1, toks_per_batch // T)
     results: list[np.ndarray] = []
@@ -171,7 +170,8 @@ def causal_log_likelihoods(
     """
     results: list[np.ndarray | None] = [None] * len(seqs)
     for batch in budget_batches([len(s) + 2 for s in seqs], toks_per_batch):
-        tokens = encode_batch(loaded, [seqs[i] for i in batch])  # (B, T)
+        tokens = loaded.alphabet.encode_batch([seqs[i] for i in batch])  # (B, T)
+        tokens = tokens.to(loaded.device)
         logits = loaded.model(tokens).logits  # (B, T, V)
         lp = torch.log_softmax(logits[:, :-1].float(), dim=-1)  # predicts tokens 1..T-1
         picked = lp.gather(-1, tokens[:, 1:, None])[..., 0].cpu().numpy()  # (B, T-1)
@@ -393,7 +393,8 @@ def score_variants(
     if strategy in ("masked-marginals", "wt-marginals"):
         if strategy == "wt-marginals":
             with torch.inference_mode():
-                logits = loaded.model(encode_batch(loaded, [wt_seq])).logits[0]  # (T, V)
+                tokens = loaded.alphabet.encode_batch([wt_seq]).to(loaded.device)  # (1, T)
+                logits = loaded.model(tokens).logits[0]  # (T, V)
                 lp = torch.log_softmax(logits.float(), -1)[1 : len(wt_seq) + 1].cpu().numpy()
 
             def table(v: Sequence[Mutation]) -> np.ndarray:

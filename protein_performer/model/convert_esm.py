@@ -40,9 +40,9 @@ import torch
 from protein_performer.checkpoints import check_finite, safe_load
 from protein_performer.data.tokenizer import Alphabet
 from protein_performer.errors import UserError
-from protein_performer.inference.contacts import ContactRegression, model_identity
-from protein_performer.inference.loading import LoadedModel, check_fits_in_memory, export_model
 from protein_performer.model.config import ATTENTIONS, KERNELS, PerformerConfig
+from protein_performer.model.contact_regression import ContactRegression, model_identity
+from protein_performer.model.loading import LoadedModel, check_fits_in_memory, export_model
 from protein_performer.model.performer import PerformerLM
 from protein_performer.validation import Rule, check_group
 
@@ -731,7 +731,7 @@ def swap_attention(
 def load_any(path: str | os.PathLike[str], seed: int = 0) -> LoadedModel:
     """Our ``.ckpt``/export directory via ``load_model``, else an ESM-2 source converted to an
     exact-attention model in memory (for scripts that accept either)."""
-    from protein_performer.inference.loading import CONFIG_FILE, FORMAT_NAME, load_model
+    from protein_performer.model.loading import CONFIG_FILE, FORMAT_NAME, load_model
 
     src = Path(path).expanduser()
     if src.suffix == ".ckpt":

@@ -8,93 +8,25 @@ command line, run directory and log file (``protein-performer train`` goes throu
 from __future__ import annotations
 
 import logging
-import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from protein_performer.errors import UserError
+from protein_performer.hydra_compose import compose_config, conf_dir
 
 if TYPE_CHECKING:
     from omegaconf import DictConfig
 
 log = logging.getLogger(__name__)
 
-#: Environment variable naming another config directory (a copy of ``conf/`` to customise).
-CONF_DIR_ENV = "PROTEIN_PERFORMER_CONF_DIR"
 #: ``ckpt_path`` values Lightning resolves: the newest last.ckpt (or SLURM hpc checkpoint) of
 #: this run directory, or the SLURM requeue checkpoint.
 RESUME_KEYWORDS = ("last", "hpc")
 #: Exit status of a run stopped by SIGTERM after saving last.ckpt (128 + SIGTERM, as the shell
 #: reports a process killed by it): not 0, so a job chain does not take it for a finished run.
 PREEMPTED_EXIT = 143
-
-
-def conf_dir() -> Path:
-    """The config directory: ``$PROTEIN_PERFORMER_CONF_DIR``, else the repository's ``conf/``.
-
-    ``conf/`` sits next to the package in the repository (it is not packaged), so it is found
-    relative to this file; an installed copy elsewhere points the variable at its configs.
-    """
-    env = os.environ.get(CONF_DIR_ENV)
-    path = Path(env).expanduser() if env else Path(__file__).resolve().parents[2] / "conf"
-    if not (path / "train.yaml").is_file():
-        where = f"${CONF_DIR_ENV}={env}" if env else "the repository"
-        raise UserError(
-            f"no Hydra config train.yaml in {path} (from {where}): set {CONF_DIR_ENV} to a "
-            "directory holding the project's conf/ files"
-        )
-    return path.resolve()
-
-
-def list_choices(group: str) -> list[str]:
-    """Config names of a group (``experiment``, ``trainer``, ...), for help texts."""
-    directory = conf_dir() / group
-    return sorted(p.stem for p in directory.glob("*.yaml")) if directory.is_dir() else []
-
-
-def compose_config(
-    overrides: Sequence[str] = (), output_dir: str | Path | None = None
-) -> DictConfig:
-    """Compose ``train.yaml`` with overrides via Hydra's compose API, composition errors as
-    ``UserError`` (unknown group option, bad key, bad override syntax).
-
-    With ``output_dir`` the config is made runnable outside ``@hydra.main`` (tests, notebooks):
-    the run directory is set and the config registered as the current Hydra config, so
-    ``${hydra:...}`` interpolations resolve.
-    """
-    from hydra import compose, initialize_config_dir
-    from hydra.core.hydra_config import HydraConfig
-    from hydra.errors import HydraException
-    from omegaconf import open_dict
-    from omegaconf.errors import OmegaConfBaseException
-
-    try:
-        with initialize_config_dir(str(conf_dir()), version_base="1.3"):
-            cfg = compose("train", overrides=list(overrides), return_hydra_config=True)
-    except (HydraException, OmegaConfBaseException) as exc:
-        raise UserError(_composition_message(exc, overrides)) from None
-    if output_dir is not None:
-        with open_dict(cfg):
-            cfg.hydra.runtime.output_dir = str(output_dir)
-            cfg.paths.output_dir = str(output_dir)
-        HydraConfig.instance().set_config(cfg)
-    return cfg
-
-
-def _composition_message(exc: BaseException, overrides: Sequence[str]) -> str:
-    text = str(exc).strip()
-    cause = exc.__cause__
-    if cause is not None and str(cause).strip() and str(cause).strip() not in text:
-        text = f"{text}: {str(cause).strip()}"
-    given = " ".join(overrides) or "(none)"
-    return (
-        f"bad training config: {text}\n"
-        f"  overrides: {given}\n"
-        "  use key=value to change a key, +key=value to add one, group=option to pick a config "
-        "(see `protein-performer train --help`)"
-    )
 
 
 def _instantiate(node: Any, key: str, **kwargs: Any) -> Any:
