@@ -1,0 +1,155 @@
+"""The package's floors hold: every import runs downward.
+
+    cli/  (and the package's lazy entry points in __init__.py)
+      -> training/   inference/   viz/      (siblings: none imports another)
+      -> model/      (weights I/O included: loading, convert_esm, contact_regression)
+      -> data/
+      -> the low floor: errors, atomic, validation, progress, checkpoints, hydra_compose
+
+viz/ draws figures from arrays: it imports the low floor, numpy, matplotlib and Biopython's
+BLOSUM62 only (no torch, no model). Every import counts, at module level, inside a function (a
+lazy import) or under ``TYPE_CHECKING``. Parsed with ``ast``; nothing is imported.
+"""
+
+from __future__ import annotations
+
+import ast
+import sys
+from pathlib import Path
+
+import pytest
+
+PACKAGE = "protein_performer"
+ROOT = Path(__file__).resolve().parents[1] / PACKAGE
+#: Top-level modules that form the low floor (below data/).
+LOW = {"errors", "atomic", "validation", "progress", "checkpoints", "hydra_compose"}
+#: floor -> the floors it may import (its own included).
+ALLOWED: dict[str, set[str]] = {
+    "low": {"low"},
+    "data": {"low", "data"},
+    "model": {"low", "data", "model"},
+    "training": {"low", "data", "model", "training"},
+    "inference": {"low", "data", "model", "inference"},
+    "viz": {"low", "viz"},
+    "cli": {"low", "data", "model", "training", "inference", "viz", "cli", "package"},
+    "package": {"low", "data", "model", "training", "inference", "viz", "cli", "package"},
+}
+#: What viz/ may import besides the standard library and the low floor.
+VIZ_THIRD_PARTY = {"numpy", "matplotlib", "Bio"}
+
+
+def floor_of(module: str) -> str:
+    """The floor of a ``protein_performer`` module name (dotted)."""
+    parts = module.split(".")
+    assert parts[0] == PACKAGE, module
+    if len(parts) == 1:
+        return "package"
+    if parts[1] in LOW:
+        return "low"
+    if parts[1] in ALLOWED and parts[1] not in ("low", "package"):
+        return parts[1]
+    raise AssertionError(f"{module}: no floor for {parts[1]!r}; add it to LOW or to ALLOWED")
+
+
+def module_name(path: Path) -> str:
+    rel = path.relative_to(ROOT.parent).with_suffix("")
+    parts = list(rel.parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def imports(module: str, source: str, is_package: bool = False) -> list[tuple[int, str]]:
+    """(line, imported module) for every import statement anywhere in ``source``."""
+    found: list[tuple[int, str]] = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            found += [(node.lineno, alias.name) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:  # relative: resolve against this module's package
+                base = module.split(".")
+                base = base if is_package else base[:-1]
+                base = base[: len(base) - node.level + 1]
+                target = ".".join([*base, node.module] if node.module else base)
+            else:
+                target = node.module or ""
+            found.append((node.lineno, target))
+            # ``from protein_performer import inference`` names a subpackage; ``__version__``
+            # is the package's own attribute (its __init__ is loaded before any submodule)
+            if target == PACKAGE:
+                found += [
+                    (node.lineno, f"{PACKAGE}.{alias.name}")
+                    for alias in node.names
+                    if (ROOT / alias.name).is_dir() or (ROOT / f"{alias.name}.py").is_file()
+                ]
+    return found
+
+
+def violations(module: str, source: str, is_package: bool = False) -> list[str]:
+    """The imports of ``module`` that cross a floor upward (or sideways between siblings)."""
+    floor = floor_of(module)
+    bad: list[str] = []
+    for line, target in imports(module, source, is_package):
+        top = target.split(".")[0]
+        if top == PACKAGE:
+            if target == PACKAGE:
+                continue  # its attributes; submodules named in it are checked one by one
+            if floor_of(target) not in ALLOWED[floor]:
+                bad.append(f"{module}:{line} ({floor}) imports {target} ({floor_of(target)})")
+        elif floor == "viz" and top not in sys.stdlib_module_names | VIZ_THIRD_PARTY:
+            bad.append(f"{module}:{line} (viz draws arrays) imports {target}")
+    return bad
+
+
+def package_modules() -> list[Path]:
+    return sorted(ROOT.rglob("*.py"))
+
+
+def test_every_module_has_a_floor() -> None:
+    assert len(package_modules()) > 40
+    for path in package_modules():
+        floor_of(module_name(path))
+
+
+def test_imports_run_downward() -> None:
+    bad: list[str] = []
+    for path in package_modules():
+        name = module_name(path)
+        bad += violations(name, path.read_text(encoding="utf-8"), path.name == "__init__.py")
+    assert not bad, "imports crossing a floor:\n  " + "\n  ".join(bad)
+
+
+@pytest.mark.parametrize(
+    "module, source",
+    [
+        ("protein_performer.data.dataset", "from protein_performer.model.config import X"),
+        ("protein_performer.model.loading", "import protein_performer.inference.api"),
+        ("protein_performer.training.distill", "def f():\n    from protein_performer import viz"),
+        ("protein_performer.inference.api", "from protein_performer.training.train import train"),
+        ("protein_performer.inference.api", "from protein_performer.viz.plots import save_figure"),
+        ("protein_performer.viz.plots", "from protein_performer.model.loading import load_model"),
+        ("protein_performer.viz.plots", "import torch"),
+        ("protein_performer.hydra_compose", "from protein_performer.training.train import train"),
+        ("protein_performer.checkpoints", "from protein_performer.model.performer import X"),
+        ("protein_performer.model.loading", "from ..training import init_weights"),
+        ("protein_performer.data.fasta", "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n"
+         "    from protein_performer.cli import main"),
+    ],
+)  # fmt: skip
+def test_a_crossed_floor_is_reported(module: str, source: str) -> None:
+    assert violations(module, source), f"{module}: {source!r} should cross a floor"
+
+
+@pytest.mark.parametrize(
+    "module, source",
+    [
+        ("protein_performer.cli.visualize", "from protein_performer.viz import plots"),
+        ("protein_performer.inference.api", "from protein_performer.model.loading import X"),
+        ("protein_performer.model.convert_esm", "from protein_performer.data.tokenizer import A"),
+        ("protein_performer.viz.plots", "import numpy\nfrom protein_performer.atomic import a"),
+        ("protein_performer.model.loading", "from protein_performer import __version__"),
+        ("protein_performer", "from protein_performer.inference.api import load"),
+    ],
+)
+def test_a_downward_import_is_allowed(module: str, source: str) -> None:
+    assert not violations(module, source)
