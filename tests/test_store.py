@@ -30,17 +30,18 @@ RECORDS = [  # (id, sequence, split, description)
 ]
 
 
-def _write(out: Path, records=RECORDS, **kw) -> Path:
+def _write(out: Path, records=RECORDS, chunk: int = 1000, **kw) -> Path:
     with StoreWriter(out, **kw) as w:
-        for rid, seq, split, hdr in records:
-            w.add(rid, seq, split, hdr)
+        for a in range(0, len(records), chunk):
+            ids, seqs, splits, hdrs = (list(c) for c in zip(*records[a : a + chunk], strict=True))
+            w.write_chunk(ids, seqs, splits, hdrs)
         w.commit({"note": "test"})
     return out
 
 
 @pytest.mark.parametrize("chunk", [1, 2, 1000])
 def test_roundtrip_and_layout(tmp_path: Path, chunk: int) -> None:
-    out = _write(tmp_path / "store", chunk_records=chunk)
+    out = _write(tmp_path / "store", chunk=chunk)
     s = TokenStore(out)
     a = Alphabet()
     assert len(s) == len(RECORDS)
@@ -75,12 +76,12 @@ def test_roundtrip_and_layout(tmp_path: Path, chunk: int) -> None:
     assert m["max_length"] == 300
 
 
-def test_write_chunk_equals_add(tmp_path: Path) -> None:
+def test_mixed_chunk_sizes_are_identical(tmp_path: Path) -> None:
     a = _write(tmp_path / "a")
     with StoreWriter(tmp_path / "b") as w:
         ids, seqs, splits, hdrs = (list(col) for col in zip(*RECORDS, strict=True))
         w.write_chunk(ids[:2], seqs[:2], splits[:2], hdrs[:2])
-        w.add(ids[2], seqs[2], splits[2], hdrs[2])
+        w.write_chunk(ids[2:3], seqs[2:3], splits[2:3], hdrs[2:3])
         w.write_chunk(ids[3:], seqs[3:], splits[3:], hdrs[3:])
         w.commit({"note": "test"})
     for name in sorted(p.name for p in a.iterdir()):
@@ -98,14 +99,14 @@ def test_header_line_breaks_cannot_shift_records(tmp_path: Path) -> None:
 @pytest.mark.parametrize("seq", ["MKJ", "mk", "MK1", "MKé"])
 def test_writer_rejects_non_vocabulary(tmp_path: Path, seq: str) -> None:
     with pytest.raises(ValueError, match="invalid residue"), StoreWriter(tmp_path / "s") as w:
-        w.add("a", seq, 0)
+        w.write_chunk(["a"], [seq], [0], [""])
         w.commit()
     assert list(tmp_path.iterdir()) == []
 
 
 def test_byte_identical_rewrite(tmp_path: Path) -> None:
-    a = _write(tmp_path / "a", chunk_records=2)
-    b = _write(tmp_path / "b", chunk_records=3)  # chunking must not show in the output
+    a = _write(tmp_path / "a", chunk=2)
+    b = _write(tmp_path / "b", chunk=3)  # chunking must not show in the output
     names = sorted(p.name for p in a.iterdir())
     assert names == sorted(p.name for p in b.iterdir())
     for name in names:
@@ -123,9 +124,9 @@ def test_pickle_reopens_lazily(tmp_path: Path) -> None:
 
 def test_exception_leaves_nothing(tmp_path: Path) -> None:
     out = tmp_path / "store"
-    with pytest.raises(RuntimeError), StoreWriter(out, chunk_records=1) as w:
-        w.add("a", "MK", 0)
-        w.add("b", "MK", 0)
+    with pytest.raises(RuntimeError), StoreWriter(out) as w:
+        w.write_chunk(["a"], ["MK"], [0], [""])
+        w.write_chunk(["b"], ["MK"], [0], [""])
         raise RuntimeError("crash mid-way")
     assert not out.exists()
     assert list(tmp_path.iterdir()) == []  # temporary sibling removed too
@@ -133,7 +134,7 @@ def test_exception_leaves_nothing(tmp_path: Path) -> None:
 
 def test_no_commit_publishes_nothing(tmp_path: Path) -> None:
     with StoreWriter(tmp_path / "s") as w:
-        w.add("a", "MK", 0)
+        w.write_chunk(["a"], ["MK"], [0], [""])
     assert list(tmp_path.iterdir()) == []
 
 

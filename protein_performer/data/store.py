@@ -60,6 +60,8 @@ HEADERS = "descriptions.txt"
 HEADER_OFFSETS = "descriptions.offsets.bin"
 META = "meta.json"
 
+#: The binary files of a store, in the order of the layout above.
+FILES = (TOKENS, OFFSETS, LENGTHS, SPLIT, IDS, ID_OFFSETS, HEADERS, HEADER_OFFSETS)
 #: File -> numpy dtype string; stored in meta so other tools can read the store without us.
 DTYPES: dict[str, str] = {
     TOKENS: "|u1",
@@ -150,10 +152,10 @@ def _dump_json(obj: Any) -> str:
 class StoreWriter:
     """Stream records into a new store directory, in bounded memory.
 
-    Records are buffered in chunks of at most ``chunk_records`` records / ``chunk_residues``
-    residues, then tokenized in one vectorised call and appended to the open files; only the
-    running totals survive a flush. Use as a context manager: leaving the block by an exception
-    removes the temporary directory; call :meth:`commit` to publish the store.
+    Each :meth:`write_chunk` (the caller sizes the chunks) is tokenized in one vectorised call
+    and appended to the open files; only running totals are kept. Use as a context manager:
+    leaving the block by an exception removes the temporary directory; call :meth:`commit` to
+    publish the store.
     """
 
     def __init__(
@@ -162,15 +164,11 @@ class StoreWriter:
         *,
         overwrite: bool = False,
         alphabet: Alphabet | None = None,
-        chunk_records: int = 1 << 15,
-        chunk_residues: int = 1 << 24,
     ) -> None:
         self.out = Path(out)
         self.overwrite = overwrite
         self.alphabet = alphabet or Alphabet()
         self._table = _translate_table(self.alphabet)
-        self.chunk_records = chunk_records
-        self.chunk_residues = chunk_residues
         self.out.parent.mkdir(parents=True, exist_ok=True)
         # Held until commit or abort: a second run into the same out gets one line, not a race.
         self._lock = contextlib.ExitStack()
@@ -183,7 +181,7 @@ class StoreWriter:
             raise
         self._files: dict[str, BinaryIO] = {
             name: open(self.tmp / name, "wb", buffering=_BUFFER)  # noqa: SIM115
-            for name in (TOKENS, OFFSETS, LENGTHS, SPLIT, IDS, ID_OFFSETS, HEADERS, HEADER_OFFSETS)
+            for name in FILES
         }
         zero = np.zeros(1, dtype="<i8").tobytes()
         for name in (OFFSETS, ID_OFFSETS, HEADER_OFFSETS):
@@ -196,33 +194,7 @@ class StoreWriter:
         self._tok_end = 0
         self._id_end = 0
         self._hdr_end = 0
-        self._reset_chunk()
         self._closed = False
-
-    def _reset_chunk(self) -> None:
-        self._ids: list[str] = []
-        self._seqs: list[str] = []
-        self._splits: list[int] = []
-        self._headers: list[str] = []
-        self._chunk_residues = 0
-
-    def add(self, record_id: str, sequence: str, split: int, description: str = "") -> None:
-        """Queue one record. ``sequence`` must hold vocabulary letters only (validated upstream,
-        where the file and line are known); ``description`` is the header line after the id."""
-        self._ids.append(record_id)
-        self._seqs.append(sequence)
-        self._splits.append(split)
-        self._headers.append(description)
-        self._chunk_residues += len(sequence)
-        if len(self._ids) >= self.chunk_records or self._chunk_residues >= self.chunk_residues:
-            self.flush()
-
-    def flush(self) -> None:
-        """Write the records queued by :meth:`add`."""
-        if self._ids:
-            ids, seqs, splits, headers = self._ids, self._seqs, self._splits, self._headers
-            self._reset_chunk()
-            self.write_chunk(ids, seqs, splits, headers)
 
     def write_chunk(
         self,
@@ -233,8 +205,10 @@ class StoreWriter:
     ) -> None:
         """Tokenize a chunk of records and append it to every file.
 
-        The fast path for bulk producers: all per-record work happens in C (one join, one LUT
-        pass, one cumsum per file), so the caller's loop only appends to four lists.
+        ``seqs`` must hold vocabulary letters only (validated upstream, where the file and line
+        are known); a description is the header line after the id. All per-record work happens
+        in C (one join, one LUT pass, one cumsum per file), so the caller's loop only appends
+        to four lists.
         """
         n = len(ids)
         if n == 0:
@@ -242,7 +216,6 @@ class StoreWriter:
         headers = descriptions
         if not (len(seqs) == len(splits) == len(headers) == n):
             raise ValueError("ids, seqs, splits and descriptions must have the same length")
-        self.flush()  # keep record order if add() and write_chunk() are mixed
         lengths = np.fromiter(map(len, seqs), dtype=np.int64, count=n)  # (n,)
         # One bytes.translate over the whole chunk (same mapping as Alphabet.encode, ~10x faster
         # than n small numpy calls); 255 marks a letter outside the vocabulary.
@@ -273,19 +246,28 @@ class StoreWriter:
     ) -> None:
         """Append n encoded records: token bytes with (n,) lengths, (n,) uint8 split codes, id
         and description blobs with (n,) byte lengths (a description's includes its '\\n')."""
+        if len(lengths) == 0:
+            return
+        f = self._files
+        f[TOKENS].write(tokens)
+        f[IDS].write(id_blob)
+        f[HEADERS].write(hdr_blob)
+        self._append_index(lengths, split_arr, id_len, hdr_len)
+
+    def _append_index(
+        self, lengths: np.ndarray, split_arr: np.ndarray, id_len: np.ndarray, hdr_len: np.ndarray
+    ) -> None:
+        """The offsets, lengths and split codes of n records whose blobs are (or will be, in
+        the same order) appended to the tokens, ids and descriptions files."""
         n = len(lengths)
         if n == 0:
             return
         f = self._files
-        f[TOKENS].write(tokens)
         f[OFFSETS].write((np.cumsum(lengths) + self._tok_end).astype("<i8").tobytes())
         f[LENGTHS].write(lengths.astype("<i4").tobytes())
         f[SPLIT].write(split_arr.tobytes())
-        f[IDS].write(id_blob)
         f[ID_OFFSETS].write((np.cumsum(id_len) + self._id_end).astype("<i8").tobytes())
-        f[HEADERS].write(hdr_blob)
         f[HEADER_OFFSETS].write((np.cumsum(hdr_len) + self._hdr_end).astype("<i8").tobytes())
-
         self._tok_end += int(lengths.sum())
         self._id_end += int(id_len.sum())
         self._hdr_end += int(hdr_len.sum())
@@ -307,20 +289,18 @@ class StoreWriter:
         """Append the records of the complete store at ``src`` (only those where the (N,) bool
         ``keep`` is True), streamed in chunks: the result is byte-identical to writing the
         same records with :meth:`write_chunk`. Used to concatenate the shards of a parallel
-        preprocess."""
-        self.flush()
+        preprocess; when every record is kept, the three blobs are copied file to file (in
+        the kernel where it can) and only the offsets are rebased here."""
         src = Path(src)
         n = int(_read_meta(src)["num_records"])
         if keep is not None and len(keep) != n:
             raise ValueError(f"keep has {len(keep)} entries for a store of {n} records")
         if n == 0:
             return
-        names = (TOKENS, OFFSETS, SPLIT, IDS, ID_OFFSETS, HEADERS, HEADER_OFFSETS)
-        fh = {name: open(src / name, "rb") for name in names}  # noqa: SIM115
+        whole = keep is None or bool(np.all(keep))
+        fh = {name: open(src / name, "rb") for name in FILES}  # noqa: SIM115
+        blob_ends = {TOKENS: self._tok_end, IDS: self._id_end, HEADERS: self._hdr_end}
         try:
-            if keep is None or bool(np.all(keep)):
-                self._append_whole(fh, n, chunk_records)
-                return
 
             def read(name: str, a: int, b: int, itemsize: int = 1) -> bytes:
                 fh[name].seek(a * itemsize)
@@ -336,58 +316,26 @@ class StoreWriter:
                 hdo = np.frombuffer(read(HEADER_OFFSETS, a, b + 1, 8), "<i8")
                 lengths, id_len, hdr_len = np.diff(off), np.diff(ido), np.diff(hdo)
                 split_arr = np.frombuffer(read(SPLIT, a, b), np.uint8)
-                tokens = read(TOKENS, int(off[0]), int(off[-1]))
-                ids = read(IDS, int(ido[0]), int(ido[-1]))
-                hdrs = read(HEADERS, int(hdo[0]), int(hdo[-1]))
-                sel = None if keep is None else np.asarray(keep[a:b], dtype=bool)
-                if sel is not None and not sel.all():
-                    tokens = _select(tokens, lengths, sel)
-                    ids = _select(ids, id_len, sel)
-                    hdrs = _select(hdrs, hdr_len, sel)
-                    lengths, id_len, hdr_len = lengths[sel], id_len[sel], hdr_len[sel]
-                    split_arr = split_arr[sel]
-                self._append(tokens, lengths, split_arr, ids, id_len, hdrs, hdr_len)
+                if whole:
+                    self._append_index(lengths, split_arr, id_len, hdr_len)
+                    continue
+                sel = np.asarray(keep[a:b], dtype=bool)  # type: ignore[index]
+                self._append(
+                    _select(read(TOKENS, int(off[0]), int(off[-1])), lengths, sel),
+                    lengths[sel],
+                    split_arr[sel],
+                    _select(read(IDS, int(ido[0]), int(ido[-1])), id_len, sel),
+                    id_len[sel],
+                    _select(read(HEADERS, int(hdo[0]), int(hdo[-1])), hdr_len, sel),
+                    hdr_len[sel],
+                )
+            if whole:
+                ends = {TOKENS: self._tok_end, IDS: self._id_end, HEADERS: self._hdr_end}
+                for name, start in blob_ends.items():
+                    _copy_file(fh[name], self._files[name], ends[name] - start)
         finally:
             for f in fh.values():
                 f.close()
-
-    def _append_whole(self, fh: dict[str, BinaryIO], n: int, chunk_records: int) -> None:
-        """:meth:`append_store` of every record: the three blobs are copied file to file (in
-        the kernel where it can), only the offsets are rebased here."""
-        f = self._files
-        ends = {}
-        for name, off_name in ((TOKENS, OFFSETS), (IDS, ID_OFFSETS), (HEADERS, HEADER_OFFSETS)):
-            fh[off_name].seek(8 * n)
-            ends[name] = int(np.frombuffer(fh[off_name].read(8), "<i8")[0])
-            fh[off_name].seek(0)
-        lengths_max = 0
-        for a in range(0, n, chunk_records):
-            b = min(n, a + chunk_records)
-            off = np.frombuffer(fh[OFFSETS].read(8 * (b - a + 1)), "<i8")
-            ido = np.frombuffer(fh[ID_OFFSETS].read(8 * (b - a + 1)), "<i8")
-            hdo = np.frombuffer(fh[HEADER_OFFSETS].read(8 * (b - a + 1)), "<i8")
-            for h in (fh[OFFSETS], fh[ID_OFFSETS], fh[HEADER_OFFSETS]):
-                h.seek(-8, os.SEEK_CUR)  # the next chunk starts at this chunk's last offset
-            split_arr = np.frombuffer(fh[SPLIT].read(b - a), np.uint8)
-            lengths = np.diff(off)
-            f[OFFSETS].write((off[1:] - off[0] + self._tok_end).astype("<i8").tobytes())
-            f[LENGTHS].write(lengths.astype("<i4").tobytes())
-            f[SPLIT].write(split_arr.tobytes())
-            f[ID_OFFSETS].write((ido[1:] - ido[0] + self._id_end).astype("<i8").tobytes())
-            f[HEADER_OFFSETS].write((hdo[1:] - hdo[0] + self._hdr_end).astype("<i8").tobytes())
-            self._tok_end += int(off[-1] - off[0])
-            self._id_end += int(ido[-1] - ido[0])
-            self._hdr_end += int(hdo[-1] - hdo[0])
-            k = len(SPLIT_NAMES)
-            self.split_records += np.bincount(split_arr, minlength=k)
-            self.split_residues += np.bincount(split_arr, weights=lengths, minlength=k).astype(
-                np.int64
-            )
-            lengths_max = max(lengths_max, int(lengths.max()))
-        self.num_records += n
-        self.max_length = max(self.max_length, lengths_max)
-        for name in (TOKENS, IDS, HEADERS):
-            _copy_file(fh[name], f[name], ends[name])
 
     def _close_files(self) -> None:
         if not self._closed:
@@ -397,7 +345,6 @@ class StoreWriter:
 
     def commit(self, extra_meta: dict[str, Any] | None = None) -> Path:
         """Finish the files, write ``meta.json`` and atomically move the store into place."""
-        self.flush()
         self._close_files()
         meta: dict[str, Any] = {
             "format": FORMAT_NAME,
@@ -514,18 +461,13 @@ class TokenStore:
     def _check_sizes(self) -> None:
         """Catch truncated or mixed-up files now, with a clear message, not as garbage later."""
         n = self._num
-        files = self.meta.get("files", {})
-        expected = {
-            TOKENS: int(self.meta["num_residues"]),
-            OFFSETS: 8 * (n + 1),
-            LENGTHS: 4 * n,
-            SPLIT: n,
-            IDS: int(files.get(IDS, -1)),
-            ID_OFFSETS: 8 * (n + 1),
-            HEADERS: int(files.get(HEADERS, -1)),
-            HEADER_OFFSETS: 8 * (n + 1),
-        }
-        for name, size in expected.items():
+        blob_sizes = {**self.meta.get("files", {}), TOKENS: self.meta["num_residues"]}
+        for name in FILES:
+            if name in (TOKENS, IDS, HEADERS):  # bytes back to back: meta.json has the size
+                size = int(blob_sizes.get(name, -1))
+            else:  # one entry per record; the offsets one more
+                entries = n if name in (LENGTHS, SPLIT) else n + 1
+                size = entries * np.dtype(DTYPES[name]).itemsize
             p = self.path / name
             if not p.is_file():
                 raise UserError(
@@ -542,16 +484,7 @@ class TokenStore:
     def _open(self) -> dict[str, np.ndarray]:
         if self._mm is None:
             mm: dict[str, np.ndarray] = {}
-            for name in (
-                TOKENS,
-                OFFSETS,
-                LENGTHS,
-                SPLIT,
-                IDS,
-                ID_OFFSETS,
-                HEADERS,
-                HEADER_OFFSETS,
-            ):
+            for name in FILES:
                 dtype = np.dtype(DTYPES.get(name, "|u1"))
                 p = self.path / name
                 if p.stat().st_size == 0:  # mmap cannot map an empty file
