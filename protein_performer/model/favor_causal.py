@@ -19,9 +19,12 @@ matrices per head, only when a head spans several segments); the backward walks 
 reverse, recomputes each segment's prefix states from that boundary state, carries the state
 adjoint dS backwards, and finishes the segment's gradients at once. Nothing of size
 (chunks x M x dv) is stored across segments. The scan takes a segment's operands from a provider
-(:func:`scan_forward_segments`, :func:`scan_backward_segments`), so a caller can compute the
-features of a segment's rows only when the scan reaches it (the exp kernels in ``favor``);
-:func:`scan_forward` / :func:`scan_backward` are the versions on given full feature maps.
+(:func:`scan_forward_segments`, :func:`scan_backward_segments`), so a caller computes the
+features of a segment's rows only when the scan reaches it (``favor._CausalFavor``).
+
+No host-device synchronisation inside the scan: whether a chunk's stabilizer jumps too far for
+the factorized intra-chunk weights is accumulated on the device and read once after the forward
+scan (which is then redone with the exact decay matrices, a rare case).
 """
 
 from __future__ import annotations
@@ -35,12 +38,9 @@ from torch import Tensor
 __all__ = [
     "Segment",
     "SegmentOperands",
-    "causal_linear_attention",
     "plan_segments",
     "safe_denominator",
-    "scan_backward",
     "scan_backward_segments",
-    "scan_forward",
     "scan_forward_segments",
     "workspace",
 ]
@@ -82,18 +82,6 @@ def _decay(mu_s: Tensor, tril: Tensor) -> Tensor:
     """
     diff = mu_s[..., None, :] - mu_s[..., :, None]  # (nb, G, t, j): mu_j - mu_t
     return diff.masked_fill_(~tril, float("-inf")).exp_()
-
-
-def _pad_chunks(t: Tensor, length: int, value: float | None = None) -> Tensor:
-    """Right-pad dim 1 to `length` with `value` (or with the last entry when value is None)."""
-    extra = length - t.shape[1]
-    if extra == 0:
-        return t
-    if value is None:
-        fill = t[:, -1:].expand(t.shape[0], extra, *t.shape[2:])
-    else:
-        fill = t.new_full((t.shape[0], extra, *t.shape[2:]), value)
-    return torch.cat([t, fill], dim=1)
 
 
 def _prefix_states(
@@ -185,15 +173,17 @@ class _Factors(NamedTuple):
     r: Tensor  # (R, C, 1) exp(mu_b - mu_t) <= 1
     sc: Tensor  # (R, C, 1) exp(mu_t - mu_e) <= 1
     colf: Tensor | None  # (R, C, 1) exp(mu_t - mu_b) >= 1; None: use the exact decay matrix
+    jump: Tensor  # () the largest rise of mu inside one chunk of the segment
 
 
-def _factors(mu_s: Tensor, mu_in: Tensor | None) -> _Factors:
+def _factors(mu_s: Tensor, mu_in: Tensor | None, exact: bool) -> _Factors:
     """Stabilizer factors of a segment; mu_in (nb,) is the state's mu before it (None: start).
 
     Intra-chunk weights exp(mu_j - mu_t) factor as colf_j * r_t with colf_j = exp(mu_j - mu_b)
     (>= 1) and r_t = exp(mu_b - mu_t) (<= 1): the factors go on V and on the output rows, and
-    only a triangular mask touches the C x C matrix. When mu rises by more than _MAX_JUMP inside
-    a chunk of the segment (colf could overflow), the exact decay matrix is used instead.
+    only a triangular mask touches the C x C matrix. That is exact while mu rises by at most
+    _MAX_JUMP inside a chunk (colf stays finite; the exponent is clamped there, and ``jump``
+    tells the caller); with ``exact`` the exact decay matrix is used instead.
     """
     C = mu_s.shape[-1]
     mu_e = mu_s[..., -1]
@@ -201,10 +191,11 @@ def _factors(mu_s: Tensor, mu_in: Tensor | None) -> _Factors:
     mu_b = torch.cat([first, mu_e[:, :-1]], dim=1)
     r = torch.exp(mu_b[..., None] - mu_s).view(-1, C, 1)
     sc = torch.exp(mu_s - mu_e[..., None]).view(-1, C, 1)
+    jump = (mu_e - mu_b).max()
     colf = None
-    if not bool((mu_e - mu_b).max() > _MAX_JUMP):
-        colf = torch.exp(mu_s - mu_b[..., None]).view(-1, C, 1)
-    return _Factors(mu_e, mu_b, r, sc, colf)
+    if not exact:
+        colf = (mu_s - mu_b[..., None]).clamp_max_(_MAX_JUMP).exp_().view(-1, C, 1)
+    return _Factors(mu_e, mu_b, r, sc, colf, jump)
 
 
 def _tril(C: int, device: torch.device) -> Tensor:
@@ -213,7 +204,7 @@ def _tril(C: int, device: torch.device) -> Tensor:
 
 def scan_forward_segments(
     segments: list[Segment], n: int, chunk: int, operands: ForwardOperands, emit: SegmentSums
-) -> list:
+) -> tuple[list, bool]:
     """Unnormalized causal sums, segment by segment, with operands from a provider.
 
     operands(segment, mu_in) gives the segment's operands; mu_in (nb,) is the stabilizer of the
@@ -221,9 +212,26 @@ def scan_forward_segments(
     a provider can continue a running max. emit(segment, y) receives the sums
     y_t = sum_{j<=t} (q_t . k_j) exp(mu_j - mu_t) vx_j as (R, C, E); the buffer is reused for
     the next segment. n: chunks per head. Returns the incoming state of every segment (None at
-    a head's start), which is all the backward needs besides the operands.
+    a head's start), which is all the backward needs besides the operands, and whether the
+    exact intra-chunk decay was needed (pass it to :func:`scan_backward_segments`).
     """
+    saved, jump = _scan_forward(segments, n, chunk, operands, emit, exact=False)
+    if bool(jump > _MAX_JUMP):  # the one synchronisation, after the whole scan
+        saved, _ = _scan_forward(segments, n, chunk, operands, emit, exact=True)
+        return saved, True
+    return saved, False
+
+
+def _scan_forward(
+    segments: list[Segment],
+    n: int,
+    chunk: int,
+    operands: ForwardOperands,
+    emit: SegmentSums,
+    exact: bool,
+) -> tuple[list, Tensor | None]:
     C = chunk
+    jump: Tensor | None = None
     saved: list = []
     state: Tensor | None = None
     mu_state: Tensor | None = None
@@ -239,7 +247,8 @@ def scan_forward_segments(
         op = operands(seg, mu_state)
         R, _, M = op.q.shape
         E = op.vx.shape[-1]
-        f = _factors(op.mu, mu_state)
+        f = _factors(op.mu, mu_state, exact)
+        jump = f.jump if jump is None else torch.maximum(jump, f.jump)
         u = torch.bmm(op.k.transpose(1, 2), op.vx * f.sc).view(nb, G, M * E)
         prefix, state = _prefix_states(u, f.mu_e, f.mu_b, state, mu_state, need_out=g1 < n)
         mu_state = f.mu_e[:, -1]
@@ -259,7 +268,7 @@ def scan_forward_segments(
             y.baddbmm_(op.q, prefix).mul_(f.r)
         del prefix
         emit(seg, y)
-    return saved
+    return saved, jump
 
 
 def workspace(buf: Tensor | None, shape: tuple[int, ...], like: Tensor) -> Tensor:
@@ -282,6 +291,7 @@ def scan_backward_segments(
     saved: list,
     operands: BackwardOperands,
     emit: SegmentGrads,
+    exact: bool,
 ) -> None:
     """Gradients of :func:`scan_forward_segments`, walking the segments in reverse.
 
@@ -289,7 +299,7 @@ def scan_backward_segments(
     gradient of the sums). emit(segment, operands, dq_s, dk_s, dvx_s) receives the complete
     gradients of that segment's rows w.r.t. q, k and vx, shaped (R, C, M | M | E). The buffers
     are reused for the next segment: emit must consume them before returning (it may modify
-    them in place).
+    them in place). exact: what :func:`scan_forward_segments` returned.
     """
     C = chunk
     dstate: Tensor | None = None
@@ -310,7 +320,7 @@ def scan_backward_segments(
         q_s, k_s, vx_s, dy_s = op.q, op.k, op.vx, op.dy
         R, _, M = q_s.shape
         E = vx_s.shape[-1]
-        f = _factors(op.mu, mu_state)
+        f = _factors(op.mu, mu_state, exact)
         vsc = vx_s * f.sc
         u = torch.bmm(k_s.transpose(1, 2), vsc).view(nb, G, M * E)
         prefix, _ = _prefix_states(u, f.mu_e, f.mu_b, state, mu_state, need_out=False)
@@ -343,146 +353,3 @@ def scan_backward_segments(
         dvx_s.addcmul_(f.sc, torch.bmm(k_s, adj))
         del adj
         emit(seg, op, dq_s, dk_s, dvx_s)
-
-
-def _chunk_rows(t: Tensor, seg: Segment, chunk: int) -> Tensor:
-    """(BH, Lp, X) -> the segment's rows as a (nb*G, C, X) view (plan_segments keeps it one)."""
-    b0, b1, g0, g1 = seg
-    return t[b0:b1, g0 * chunk : g1 * chunk].reshape(-1, chunk, t.shape[-1])
-
-
-def _chunk_mu(mu: Tensor, seg: Segment, chunk: int) -> Tensor:
-    """(BH, Lp) -> the segment's stabilizer as a (nb, G, C) view."""
-    b0, b1, g0, g1 = seg
-    return mu[b0:b1, g0 * chunk : g1 * chunk].view(b1 - b0, g1 - g0, chunk)
-
-
-def scan_forward(
-    qf: Tensor, kf: Tensor, vx: Tensor, mu: Tensor, chunk: int, rows: int
-) -> tuple[Tensor, list]:
-    """Unnormalized causal sums y_t = sum_{j<=t} (qf_t . kf_j) exp(mu_j - mu_t) vx_j.
-
-    qf, kf: (BH, Lp, M), vx: (BH, Lp, E), mu: (BH, Lp), Lp a multiple of `chunk`.
-    Returns y (BH, Lp, E) and the incoming state of every segment (None at a head's start), which
-    is all the backward needs besides the inputs.
-    """
-    BH, Lp, _ = qf.shape
-    n = Lp // chunk
-    ys = torch.empty_like(vx)
-
-    def operands(seg: Segment, _mu_in: Tensor | None) -> SegmentOperands:
-        q_s, k_s, vx_s = (_chunk_rows(t, seg, chunk) for t in (qf, kf, vx))
-        return SegmentOperands(q_s, k_s, vx_s, _chunk_mu(mu, seg, chunk))
-
-    def emit(seg: Segment, y: Tensor) -> None:
-        _chunk_rows(ys, seg, chunk).copy_(y)
-
-    segments = plan_segments(BH, n, chunk, rows)
-    return ys, scan_forward_segments(segments, n, chunk, operands, emit)
-
-
-def scan_backward(
-    qf: Tensor,
-    kf: Tensor,
-    vx: Tensor,
-    mu: Tensor,
-    dy: Tensor,
-    chunk: int,
-    rows: int,
-    saved: list,
-    emit: Callable[[Segment, Tensor, Tensor, Tensor], None],
-) -> None:
-    """Gradients of :func:`scan_forward` for the upstream gradient dy (BH, Lp, E).
-
-    Walks the segments in reverse and calls emit(segment, dq_s, dk_s, dvx_s) with the complete
-    gradients of that segment's rows, shaped (nb*G, C, M | M | E). The buffers are reused for
-    the next segment: emit must consume them before returning (it may modify them in place).
-    """
-    BH, Lp, _ = qf.shape
-    n = Lp // chunk
-
-    def operands(seg: Segment) -> SegmentOperands:
-        q_s, k_s, vx_s, dy_s = (_chunk_rows(t, seg, chunk) for t in (qf, kf, vx, dy))
-        return SegmentOperands(q_s, k_s, vx_s, _chunk_mu(mu, seg, chunk), dy_s)
-
-    def grads(seg: Segment, _op: SegmentOperands, dq_s: Tensor, dk_s: Tensor, dvx_s: Tensor):
-        emit(seg, dq_s, dk_s, dvx_s)
-
-    segments = plan_segments(BH, n, chunk, rows)
-    scan_backward_segments(segments, n, chunk, saved, operands, grads)
-
-
-class _CausalLinearAttention(torch.autograd.Function):
-    """Normalized causal linear attention on given features (see :func:`scan_forward`)."""
-
-    @staticmethod
-    def forward(ctx, qf, kf, v, mu, chunk: int, rows: int):
-        BH, L, M = qf.shape
-        dv = v.shape[-1]
-        Lp = -(-L // chunk) * chunk
-        vx = torch.cat([v, v.new_ones(BH, L, 1)], dim=-1)  # (BH, L, dv+1)
-        qp, kp, vxp = (_pad_chunks(t, Lp, 0.0) for t in (qf, kf, vx))
-        mup = _pad_chunks(mu, Lp)
-        ys, saved = scan_forward(qp, kp, vxp, mup, chunk, rows)
-        ys = ys[:, :L]
-        den = safe_denominator(ys[..., dv:])  # (BH, L, 1)
-        out = ys[..., :dv] / den
-        ctx.chunk, ctx.rows, ctx.saved = chunk, rows, saved
-        ctx.save_for_backward(qp, kp, vxp, mup, out, den)
-        return out
-
-    @staticmethod
-    def backward(ctx, grad_out):
-        qp, kp, vxp, mup, out, den = ctx.saved_tensors
-        BH, L, dv = out.shape
-        Lp, M = qp.shape[1], qp.shape[2]
-        C = ctx.chunk
-        # out = num / den  ->  dnum = g / den, dden = -(g . out) / den
-        dy = torch.cat([grad_out, -(grad_out * out).sum(-1, keepdim=True)], dim=-1) / den
-        # A row whose normalizer underflowed outputs the constant 0: no gradient through it.
-        dy.masked_fill_(den == torch.finfo(torch.float32).tiny, 0.0)
-        dy = _pad_chunks(dy, Lp, 0.0)
-        n = Lp // C
-        dq = qp.new_empty(BH, n, C, M)
-        dk = torch.empty_like(dq)
-        dvx = vxp.new_empty(BH, n, C, dv + 1)
-
-        def emit(seg, dq_s, dk_s, dvx_s):
-            b0, b1, g0, g1 = seg
-            dq[b0:b1, g0:g1] = dq_s.view(b1 - b0, g1 - g0, C, M)
-            dk[b0:b1, g0:g1] = dk_s.view(b1 - b0, g1 - g0, C, M)
-            dvx[b0:b1, g0:g1] = dvx_s.view(b1 - b0, g1 - g0, C, dv + 1)
-
-        scan_backward(qp, kp, vxp, mup, dy, C, ctx.rows, ctx.saved, emit)
-        dq = dq.view(BH, Lp, M)[:, :L]
-        dk = dk.view(BH, Lp, M)[:, :L]
-        dvv = dvx.view(BH, Lp, dv + 1)[:, :L, :dv]
-        return dq, dk, dvv, None, None, None
-
-
-def causal_linear_attention(
-    qf: Tensor,
-    kf: Tensor,
-    v: Tensor,
-    mu: Tensor | None = None,
-    chunk_size: int = 128,
-    segment_size: int = 8192,
-) -> Tensor:
-    """Causal normalized linear attention, O(L) memory in forward and backward.
-
-    qf, kf: (BH, L, M) features (padded keys already zeroed); v: (BH, L, dv);
-    mu: (BH, L) non-decreasing key log-offsets (true key feature = kf_j * exp(mu_j)); None = 0.
-    Returns (BH, L, dv). Gradients flow to qf, kf, v (mu is a stabilizer and cancels exactly).
-    segment_size: tokens (over all heads) whose chunks are batched into one set of matmuls; it
-    bounds the transient memory (about segment_size * (2 M + 3 C) floats in backward).
-    """
-    if mu is None:
-        mu = qf.new_zeros(qf.shape[:2])
-    return _CausalLinearAttention.apply(
-        qf.contiguous(),
-        kf.contiguous(),
-        v.contiguous(),
-        mu.detach().contiguous(),
-        int(chunk_size),
-        max(int(chunk_size), int(segment_size)),
-    )
