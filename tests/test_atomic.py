@@ -47,7 +47,7 @@ def test_stores_and_exports_follow_the_umask(tmp_path: Path, umask, file_mode, d
     old = os.umask(umask)
     try:
         with StoreWriter(tmp_path / "store") as w:
-            w.add("a", "MKV", 0)
+            w.write_chunk(["a"], ["MKV"], [0], [""])
             w.commit()
         config = PerformerConfig(dim=16, depth=1, heads=2, ff_dim=32, nb_features=8)
         loaded = LoadedModel(
