@@ -42,7 +42,12 @@ from protein_performer.data.tokenizer import Alphabet
 from protein_performer.errors import UserError
 from protein_performer.model.config import ATTENTIONS, KERNELS, PerformerConfig
 from protein_performer.model.contact_regression import ContactRegression, model_identity
-from protein_performer.model.loading import LoadedModel, check_fits_in_memory, export_model
+from protein_performer.model.loading import (
+    LoadedModel,
+    check_fits_in_memory,
+    diff_state,
+    export_model,
+)
 from protein_performer.model.performer import PerformerLM
 from protein_performer.validation import Rule, check_group
 
@@ -271,6 +276,57 @@ def _shape(state: Mapping[str, torch.Tensor], key: str, path: Path) -> tuple[int
     return tuple(state[key].shape)
 
 
+def _source(
+    src: Path,
+    kind: str,
+    renamed: tuple[dict[str, torch.Tensor], list[str]],
+    contact_head: tuple[torch.Tensor, torch.Tensor] | None,
+    *,
+    config: Path,
+    declared: Mapping[str, tuple[Any, str]],
+    heads: Any,
+    no_heads: str,
+    token_dropout: bool,
+    layer_norm_eps: float,
+    rotary_base: float,
+) -> EsmSource:
+    """The check both readers end with: the sizes the weights have (``dim``, ``depth``,
+    ``ff_dim``, ``vocab``) against what ``config`` declares (config key -> (value, size)), ESM-2's
+    vocabulary size and a head count (``no_heads`` is the message when there is none)."""
+    mapped, dropped = renamed
+    vocab, dim = _shape(mapped, "embed_tokens.weight", src)
+    depth = _depth_from(mapped, src)
+    ff_dim = _shape(mapped, "layers.0.fc1.weight", src)[0]
+    sizes = {"dim": dim, "depth": depth, "ff_dim": ff_dim, "vocab": vocab}
+    bad = [
+        f"{key}={value} but weights say {sizes[size]}"
+        for key, (value, size) in declared.items()
+        if value not in (None, sizes[size])
+    ]
+    if bad:
+        raise UserError(f"{config}: config and weights disagree: {'; '.join(bad)}")
+    if vocab != len(ESM2_VOCAB):
+        raise UserError(
+            f"{src}: embedding has {vocab} rows, ESM-2's vocabulary has {len(ESM2_VOCAB)}"
+        )
+    if heads is None:  # checked as a positive int by the reader's check_group
+        raise UserError(no_heads)
+    return EsmSource(
+        path=src,
+        kind=kind,
+        dim=dim,
+        depth=depth,
+        heads=int(heads),
+        ff_dim=ff_dim,
+        token_dropout=token_dropout,
+        layer_norm_eps=layer_norm_eps,
+        rotary_base=rotary_base,
+        state=mapped,
+        dropped=dropped,
+        contact_head=contact_head,
+    )
+
+
 # --------------------------------------------------------------------------------------------
 # fair-esm .pt
 # --------------------------------------------------------------------------------------------
@@ -346,40 +402,27 @@ def read_fair_esm(path: str | os.PathLike[str]) -> EsmSource:
     if non_tensors:
         raise UserError(f"{src}: non-tensor entries in 'model': {_keys_message(non_tensors)}")
 
-    mapped, dropped = _rename(state, _FAIR_RULES, _FAIR_DROP, _FAIR_TIED, src)
-    vocab, dim = _shape(mapped, "embed_tokens.weight", src)
-    depth = _depth_from(mapped, src)
-    ff_dim = _shape(mapped, "layers.0.fc1.weight", src)[0]
-    heads = _arg(hparams, "encoder_attention_heads", "attention_heads")
-    if heads is None:
-        raise UserError(f"{src}: the config does not say encoder_attention_heads")
-    declared = {
-        "encoder_layers": (_arg(hparams, "encoder_layers", "layers"), depth),
-        "encoder_embed_dim": (_arg(hparams, "encoder_embed_dim", "embed_dim"), dim),
-        "encoder_ffn_embed_dim": (_arg(hparams, "encoder_ffn_embed_dim", "ffn_embed_dim"), ff_dim),
-    }
-    bad = [f"{k}={v} but weights say {w}" for k, (v, w) in declared.items() if v not in (None, w)]
-    if bad:
-        raise UserError(f"{src}: config and weights disagree: {'; '.join(bad)}")
-    if vocab != len(ESM2_VOCAB):
-        raise UserError(
-            f"{src}: embedding has {vocab} rows, ESM-2's vocabulary has {len(ESM2_VOCAB)}"
-        )
     _check_vocab(src, "fair-esm's ESM-2 alphabet", ESM2_VOCAB)
-    return EsmSource(
-        path=src,
-        kind="fair-esm",
-        dim=dim,
-        depth=depth,
-        heads=int(heads),
-        ff_dim=ff_dim,
+    return _source(
+        src,
+        "fair-esm",
+        _rename(state, _FAIR_RULES, _FAIR_DROP, _FAIR_TIED, src),
+        head,
+        config=src,
+        declared={
+            "encoder_layers": (_arg(hparams, "encoder_layers", "layers"), "depth"),
+            "encoder_embed_dim": (_arg(hparams, "encoder_embed_dim", "embed_dim"), "dim"),
+            "encoder_ffn_embed_dim": (
+                _arg(hparams, "encoder_ffn_embed_dim", "ffn_embed_dim"),
+                "ff_dim",
+            ),
+        },
+        heads=_arg(hparams, "encoder_attention_heads", "attention_heads"),
+        no_heads=f"{src}: the config does not say encoder_attention_heads",
         # fair-esm's ESM2 defaults to token dropout; every released ESM-2 uses it.
         token_dropout=bool(_arg(hparams, "token_dropout", default=True)),
         layer_norm_eps=1e-5,  # ESM1bLayerNorm is torch's LayerNorm with its default eps
         rotary_base=10000.0,  # fair-esm's RotaryEmbedding hard-codes it
-        state=mapped,
-        dropped=dropped,
-        contact_head=head,
     )
 
 
@@ -448,40 +491,24 @@ def read_hf(path: str | os.PathLike[str]) -> EsmSource:
 
     state = {_LEGACY_NORM.sub(lambda m: _NORM_NAMES[m.group(1)], k): v for k, v in state.items()}
     head = _pop_contact_head(state, "esm.")
-    mapped, dropped = _rename(state, _HF_RULES, _HF_DROP, _HF_TIED, src)
-    vocab, dim = _shape(mapped, "embed_tokens.weight", src)
-    depth = _depth_from(mapped, src)
-    ff_dim = _shape(mapped, "layers.0.fc1.weight", src)[0]
-    declared = {
-        "hidden_size": (hf.get("hidden_size"), dim),
-        "num_hidden_layers": (hf.get("num_hidden_layers"), depth),
-        "intermediate_size": (hf.get("intermediate_size"), ff_dim),
-        "vocab_size": (hf.get("vocab_size"), vocab),
-    }
-    bad = [f"{k}={v} but weights say {w}" for k, (v, w) in declared.items() if v not in (None, w)]
-    if bad:
-        raise UserError(f"{config_path}: config and weights disagree: {'; '.join(bad)}")
-    if vocab != len(ESM2_VOCAB):
-        raise UserError(
-            f"{src}: embedding has {vocab} rows, ESM-2's vocabulary has {len(ESM2_VOCAB)}"
-        )
-    heads = hf.get("num_attention_heads")
-    if not isinstance(heads, int):
-        raise UserError(f"{config_path}: num_attention_heads missing")
-    return EsmSource(
-        path=src,
-        kind="hf",
-        dim=dim,
-        depth=depth,
-        heads=heads,
-        ff_dim=ff_dim,
+    return _source(
+        src,
+        "hf",
+        _rename(state, _HF_RULES, _HF_DROP, _HF_TIED, src),
+        head,
+        config=config_path,
+        declared={
+            "hidden_size": (hf.get("hidden_size"), "dim"),
+            "num_hidden_layers": (hf.get("num_hidden_layers"), "depth"),
+            "intermediate_size": (hf.get("intermediate_size"), "ff_dim"),
+            "vocab_size": (hf.get("vocab_size"), "vocab"),
+        },
+        heads=hf.get("num_attention_heads"),
+        no_heads=f"{config_path}: num_attention_heads missing",
         token_dropout=bool(hf.get("token_dropout", False)),
         # EsmConfig's default is 1e-12; the released ESM-2 configs all say 1e-5.
         layer_norm_eps=float(hf.get("layer_norm_eps", 1e-12)),
         rotary_base=float(hf.get("rope_theta", 10000.0)),
-        state=mapped,
-        dropped=dropped,
-        contact_head=head,
     )
 
 
@@ -578,6 +605,11 @@ def _generated(name: str) -> bool:
     return ".self_attn.favor." in name
 
 
+def _not_imported(name: str) -> bool:
+    """Model entries no source supplies: FAVOR+ features and the tied LM-head alias."""
+    return _generated(name) or name == "lm_head.weight"
+
+
 def build_model(
     source: EsmSource,
     attention: str = "exact",
@@ -596,17 +628,9 @@ def build_model(
     check_finite(source.state, source.path)
     with torch.random.fork_rng(devices=[]):
         model = PerformerLM(config)
-    expected = model.state_dict()
-    tied = {"lm_head.weight"}
-    missing = sorted(
-        k for k in expected if k not in source.state and k not in tied and not _generated(k)
-    )
-    unexpected = sorted(k for k in source.state if k not in expected)
-    wrong = [
-        f"{k} {tuple(v.shape)} vs {tuple(expected[k].shape)}"
-        for k, v in source.state.items()
-        if k in expected and tuple(v.shape) != tuple(expected[k].shape)
-    ]
+    diff = diff_state(model, source.state, _not_imported)
+    missing, unexpected = sorted(diff.missing), sorted(diff.unexpected)
+    wrong = [f"{k} {theirs} vs {ours}" for k, theirs, ours in diff.mismatched]
     problems = []
     if missing:
         problems.append(f"{len(missing)} missing: {_keys_message(missing)}")
@@ -620,9 +644,7 @@ def build_model(
             f"({source.depth} layers, dim {source.dim}, {source.heads} heads): "
             f"{' | '.join(problems)}"
         )
-    with torch.no_grad():
-        for name, tensor in source.state.items():
-            expected[name].copy_(tensor.to(expected[name].dtype))
+    model.load_state_dict(source.state, strict=False)
     model.redraw_features(torch.Generator().manual_seed(seed))
     model.eval()
     loaded = LoadedModel(model, config, Alphabet(), source.path, torch.device("cpu"), source.kind)
@@ -719,10 +741,10 @@ def swap_attention(
     with torch.random.fork_rng(devices=[]):
         twin = PerformerLM(config).to(next(model.parameters()).device)
     weights = {k: v for k, v in model.state_dict().items() if not _generated(k)}
-    result = twin.load_state_dict(weights, strict=False)
-    missing = [k for k in result.missing_keys if not _generated(k) and k != "lm_head.weight"]
-    if missing or result.unexpected_keys:  # pragma: no cover - same architecture by design
-        raise RuntimeError(f"swap failed: missing {missing}, unexpected {result.unexpected_keys}")
+    diff = diff_state(twin, weights, _not_imported)
+    if diff:  # pragma: no cover - same architecture by design
+        raise RuntimeError(f"swap failed: {diff}")
+    twin.load_state_dict(weights, strict=False)
     generator = torch.Generator(device=twin.embed_tokens.weight.device).manual_seed(seed)
     twin.redraw_features(generator)
     return twin.eval()

@@ -260,17 +260,46 @@ def tied_aliases(model: torch.nn.Module) -> set[str]:
     return aliases
 
 
+@dataclass
+class StateDiff:
+    """How a state dict fails to fit a model: names the model has and the state lacks, names
+    the model has no place for, and (name, state's shape, model's shape) where shapes differ."""
+
+    missing: list[str]
+    unexpected: list[str]
+    mismatched: list[tuple[str, tuple[int, ...], tuple[int, ...]]]
+
+    def __bool__(self) -> bool:
+        return bool(self.missing or self.unexpected or self.mismatched)
+
+
+def diff_state(
+    model: torch.nn.Module,
+    state: Mapping[str, torch.Tensor],
+    optional: Callable[[str], bool] = lambda name: False,
+) -> StateDiff:
+    """``state`` against ``model``'s own state dict, before ``model.load_state_dict(state,
+    strict=False)`` copies it in: every weight is compared, and only the names ``optional``
+    accepts (a tied alias, FAVOR+ features drawn rather than loaded) may be absent."""
+    expected = model.state_dict()
+    return StateDiff(
+        missing=[k for k in expected if k not in state and not optional(k)],
+        unexpected=[k for k in state if k not in expected],
+        mismatched=[
+            (k, tuple(state[k].shape), tuple(v.shape))
+            for k, v in expected.items()
+            if k in state and tuple(state[k].shape) != tuple(v.shape)
+        ],
+    )
+
+
 def _load_weights(model: PerformerLM, state: dict[str, torch.Tensor], path: Path) -> None:
     """Strict load with a message naming the first mismatching keys and shapes."""
     expected = model.state_dict()
     aliases = tied_aliases(model)
-    missing = [k for k in expected if k not in state and k not in aliases]
-    unexpected = [k for k in state if k not in expected]
-    wrong = [
-        f"{k} {tuple(state[k].shape)} vs model {tuple(expected[k].shape)}"
-        for k in expected
-        if k in state and tuple(state[k].shape) != tuple(expected[k].shape)
-    ]
+    diff = diff_state(model, state, aliases.__contains__)
+    missing, unexpected = diff.missing, diff.unexpected
+    wrong = [f"{k} {theirs} vs model {ours}" for k, theirs, ours in diff.mismatched]
     problems = []
     if missing:
         problems.append(f"{len(missing)} missing key(s): {', '.join(missing[:_SHOW_KEYS])}")

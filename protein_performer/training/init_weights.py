@@ -17,8 +17,6 @@ import logging
 import os
 from typing import Any
 
-import torch
-
 from protein_performer.errors import UserError
 
 log = logging.getLogger(__name__)
@@ -42,6 +40,7 @@ def load_initial_weights(module: Any, path: str | os.PathLike[str]) -> list[str]
     checkpoints. Returns the names of the FAVOR+ buffers left as the module drew them.
     """
     from protein_performer.model.convert_esm import load_any
+    from protein_performer.model.loading import diff_state
 
     source = load_any(path)
     model = module.model
@@ -68,15 +67,10 @@ def load_initial_weights(module: Any, path: str | os.PathLike[str]) -> list[str]
             )
 
     src_state = {k: v for k, v in source.model.state_dict().items() if not _is_favor_buffer(k)}
-    dst_state = model.state_dict()
-    kept = sorted(k for k in dst_state if _is_favor_buffer(k))
-    missing = sorted(k for k in dst_state if k not in src_state and not _is_favor_buffer(k))
-    unexpected = sorted(k for k in src_state if k not in dst_state)
-    wrong = [
-        f"{k} {tuple(v.shape)} -> {tuple(dst_state[k].shape)}"
-        for k, v in src_state.items()
-        if k in dst_state and v.shape != dst_state[k].shape
-    ]
+    kept = sorted(k for k in model.state_dict() if _is_favor_buffer(k))
+    diff = diff_state(model, src_state, _is_favor_buffer)
+    missing, unexpected = sorted(diff.missing), sorted(diff.unexpected)
+    wrong = [f"{k} {theirs} -> {ours}" for k, theirs, ours in diff.mismatched]
     problems = []
     for label, keys in (("missing", missing), ("unexpected", unexpected), ("shape", wrong)):
         if keys:
@@ -90,9 +84,7 @@ def load_initial_weights(module: Any, path: str | os.PathLike[str]) -> list[str]
             f"init_from={path}: the weights do not fit model.config ({' | '.join(problems)}); "
             f"the source has {shape}: set model.config to that shape"
         )
-    with torch.no_grad():
-        for name, tensor in src_state.items():
-            dst_state[name].copy_(tensor.to(dst_state[name].dtype))
+    model.load_state_dict(src_state, strict=False)
     if source.contact_regression is not None:
         module.contact_regression = source.contact_regression
         log.info("carrying the contact regression of %s into this run's checkpoints", path)
