@@ -168,9 +168,9 @@ def fasta_splits(
     ``limit_records`` keeps the first N valid records of the input, before splitting.
     """
     from protein_performer.data.fasta import read_fasta
-    from protein_performer.data.split import assign_split, check_fractions, split_key
+    from protein_performer.data.split import Splitter
 
-    check_fractions(valid_frac, test_frac)
+    splitter = Splitter(valid_frac, test_frac, split_by)  # type: ignore[arg-type]
     alphabet = alphabet or Alphabet()
     if isinstance(paths, (str, Path)):
         paths = [paths]
@@ -186,7 +186,7 @@ def fasta_splits(
             raise UserError(
                 f"{rec.path}: record {rec.number} ({rec.id!r}, line {rec.line}): {e}"
             ) from None
-        split = SPLITS[assign_split(split_key(rec, split_by), valid_frac, test_frac)]
+        split = SPLITS[splitter(rec)]
         ids[split].append(rec.id)
         toks[split].append(encoded)
     return {s: InMemorySource(ids[s], toks[s]) for s in SPLITS}

@@ -105,32 +105,19 @@ def key_hash(key: str) -> int:
     return int.from_bytes(hashlib.blake2b(key.encode("utf-8"), digest_size=8).digest(), "big")
 
 
-def key_fraction(key: str) -> float:
-    """The key's position in [0, 1): ``key_hash / 2**64`` (for inspection; splits compare ints)."""
-    return key_hash(key) / _SCALE
-
-
-def _cut(frac: float) -> bytes:
-    """Smallest 64-bit hash (big-endian bytes) *not* below ``frac``: ``h < frac * 2**64`` iff
-    ``digest < cut``, so the per-record test is one bytes comparison."""
-    return min(math.ceil(frac * _SCALE), 2**64 - 1).to_bytes(8, "big")
-
-
-@functools.lru_cache(maxsize=64)
-def _cuts(valid_frac: float, test_frac: float) -> tuple[bytes, bytes]:
-    check_fractions(valid_frac, test_frac)
-    return _cut(test_frac), _cut(test_frac + valid_frac)
+def _cut(frac: float) -> np.uint64:
+    """Smallest 64-bit hash *not* below ``frac``: ``h < frac * 2**64`` iff ``h < cut``."""
+    return np.uint64(min(math.ceil(frac * _SCALE), 2**64 - 1))
 
 
 def assign_split(key: str, valid_frac: float, test_frac: float) -> int:
-    """0 train, 1 valid, 2 test.
+    """0 train, 1 valid, 2 test for one hash key (:meth:`Splitter.bands`)."""
+    return int(_splitter(valid_frac, test_frac).bands([key])[0])
 
-    Test takes the lowest hash band and valid the next one, so growing ``valid_frac`` never
-    moves a record out of the test set.
-    """
-    test_cut, valid_cut = _cuts(valid_frac, test_frac)
-    d = hashlib.blake2b(key.encode("utf-8"), digest_size=8).digest()
-    return TEST if d < test_cut else VALID if d < valid_cut else TRAIN
+
+@functools.lru_cache(maxsize=64)
+def _splitter(valid_frac: float, test_frac: float) -> Splitter:
+    return Splitter(valid_frac, test_frac)
 
 
 #: ``OX=`` (UniProtKB) or ``TaxID=`` (UniRef) in a header's description.
@@ -183,10 +170,9 @@ class Splitter:
         self.groups = groups or Groups()
         if not 0.0 <= self.groups.ood_frac < 1.0:
             raise UserError(f"ood_frac must be in [0, 1), got {self.groups.ood_frac}")
-        test_cut, valid_cut = _cuts(valid_frac, test_frac)
-        self._test_cut = int.from_bytes(test_cut, "big")
-        self._valid_cut = int.from_bytes(valid_cut, "big")
-        self._ood_cut = int.from_bytes(_cut(self.groups.ood_frac), "big")
+        self._test_cut = _cut(test_frac)
+        self._valid_cut = _cut(test_frac + valid_frac)
+        self._ood_cut = _cut(self.groups.ood_frac)
 
     def _cluster_keys(self, ids: Sequence[str]) -> list[str]:
         clusters = self.groups.clusters
@@ -203,7 +189,16 @@ class Splitter:
         """Split code of one record (same answer as :meth:`codes`)."""
         if self.groups != Groups():
             return int(self.codes([record.id], [getattr(record, "description", "")])[0])
-        return assign_split(split_key(record, self.mode), self.valid_frac, self.test_frac)
+        return int(self.bands([split_key(record, self.mode)])[0])
+
+    def bands(self, keys: Sequence[str]) -> np.ndarray:
+        """(n,) uint8 split codes of hash keys: the rule. Test takes the lowest hash band and
+        valid the next one, so growing ``valid_frac`` never moves a record out of test."""
+        h = _hashes(keys)
+        out = np.zeros(len(h), dtype=np.uint8)
+        out[h < self._valid_cut] = VALID
+        out[h < self._test_cut] = TEST
+        return out
 
     def keys(self, ids: Sequence[str]) -> list[str]:
         """Hash keys for a chunk of record ids, without parsing headers."""
@@ -231,14 +226,11 @@ class Splitter:
         """(n,) uint8 split codes for a chunk of record ids (and their header descriptions,
         needed only when taxa are held out)."""
         keys = self.keys(ids)
-        h = _hashes(keys)
-        out = np.zeros(len(h), dtype=np.uint8)
-        out[h < np.uint64(self._valid_cut)] = VALID
-        out[h < np.uint64(self._test_cut)] = TEST
+        out = self.bands(keys)
         g = self.groups
         if g.ood_frac > 0:
             group = self._cluster_keys(ids) if g.clusters is not None else keys
-            out[_hashes([_OOD_SALT + k for k in group]) < np.uint64(self._ood_cut)] = OOD
+            out[_hashes([_OOD_SALT + k for k in group]) < self._ood_cut] = OOD
         if g.ood_taxa:
             if descriptions is None:
                 raise ValueError("holding out taxa needs the header descriptions")
