@@ -9,10 +9,11 @@ import pytest
 import torch
 
 from protein_performer.data.datamodule import ProteinDataModule
-from protein_performer.data.dataset import InMemorySource, ProteinCollator, ProteinDataset
+from protein_performer.data.dataset import ProteinCollator, ProteinDataset
 from protein_performer.data.loader import ResumableDataLoader
 from protein_performer.data.sampler import TokenBudgetBatchSampler
 from protein_performer.errors import UserError
+from tests.test_dataset import in_memory_source
 
 ROOT = Path(__file__).resolve().parents[1]
 # 15 UniRef50 records (71-935 aa): the bundled copy, else the shared one.
@@ -186,7 +187,7 @@ def _synthetic_loader(num_workers: int, rank: int = 0, replicas: int = 1) -> Res
     rng = np.random.default_rng(0)
     aa = np.array(list("ACDEFGHIKLMNPQRSTVWY"))
     records = [(f"p{i}", "".join(rng.choice(aa, rng.integers(20, 150)))) for i in range(80)]
-    dataset = ProteinDataset(InMemorySource.from_sequences(records), max_len=96, seed=1)
+    dataset = ProteinDataset(in_memory_source(records), max_len=96, seed=1)
     sampler = TokenBudgetBatchSampler(
         dataset.model_lengths(), 512, seed=1, num_replicas=replicas, rank=rank, tag_epoch=True
     )

@@ -16,6 +16,13 @@ from protein_performer.data.masking import IGNORE_INDEX
 from protein_performer.data.tokenizer import Alphabet
 
 A = Alphabet()
+
+
+def in_memory_source(pairs: list[tuple[str, str]]) -> InMemorySource:
+    """An :class:`InMemorySource` of ``(id, sequence)`` pairs (any case)."""
+    return InMemorySource([i for i, _ in pairs], [A.encode(seq.upper()) for _, seq in pairs])
+
+
 LONG = "".join(np.random.default_rng(0).choice(list("LAGVSERTIDPKQNFYMHWC"), 300))
 
 
@@ -24,7 +31,7 @@ def _residues(item: dict) -> str:
 
 
 def test_in_memory_source_is_a_record_source() -> None:
-    src = InMemorySource.from_sequences([("x", "mkt"), ("y", "")])
+    src = in_memory_source([("x", "mkt"), ("y", "")])
     assert isinstance(src, RecordSource)
     assert len(src) == 2 and src.id(0) == "x" and src.length(0) == 3 and src.length(1) == 0
     assert src.lengths.tolist() == [3, 0]
@@ -32,7 +39,7 @@ def test_in_memory_source_is_a_record_source() -> None:
 
 
 def test_short_records_are_not_cropped_and_lengths_match() -> None:
-    src = InMemorySource.from_sequences([("s", "MKTAY"), ("l", LONG)])
+    src = in_memory_source([("s", "MKTAY"), ("l", LONG)])
     ds = ProteinDataset(src, objective="clm", max_len=12)
     assert ds.model_lengths().tolist() == [7, 12]
     item = ds[0]
@@ -41,14 +48,14 @@ def test_short_records_are_not_cropped_and_lengths_match() -> None:
 
 
 def test_fixed_crop_is_first_window_every_epoch() -> None:
-    src = InMemorySource.from_sequences([("l", LONG)])
+    src = in_memory_source([("l", LONG)])
     ds = ProteinDataset(src, objective="clm", max_len=52, crop="fixed")
     for epoch in range(5):
         assert _residues(ds[(0, epoch)]) == LONG[:50]
 
 
 def test_random_crop_windows_vary_and_cover_the_record() -> None:
-    src = InMemorySource.from_sequences([("l", LONG)])
+    src = in_memory_source([("l", LONG)])
     ds = ProteinDataset(src, objective="clm", max_len=52, crop="random", seed=3)
     starts = []
     for epoch in range(200):
@@ -64,7 +71,7 @@ def test_random_crop_windows_vary_and_cover_the_record() -> None:
 
 
 def test_collator_exact_clm_batch() -> None:
-    src = InMemorySource.from_sequences([("p1", "MKTA"), ("p2", "GW")])
+    src = in_memory_source([("p1", "MKTA"), ("p2", "GW")])
     ds = ProteinDataset(src, objective="clm", max_len=16)
     batch = ProteinCollator(A)([ds[0], ds[1]])
     assert set(batch) == {"tokens", "targets", "padding_mask", "ids"}
@@ -81,7 +88,7 @@ def test_collator_exact_clm_batch() -> None:
 
 
 def test_collator_mlm_batch_layout() -> None:
-    src = InMemorySource.from_sequences([("p1", LONG[:40]), ("p2", LONG[:7])])
+    src = in_memory_source([("p1", LONG[:40]), ("p2", LONG[:7])])
     ds = ProteinDataset(src, objective="mlm", max_len=64, seed=1)
     batch = ProteinCollator(A)([ds[0], ds[1]])
     tokens, targets, pad = batch["tokens"], batch["targets"], batch["padding_mask"]
@@ -97,7 +104,7 @@ def test_collator_mlm_batch_layout() -> None:
 
 
 def test_clm_targets_are_the_input_shifted_by_one() -> None:
-    src = InMemorySource.from_sequences([(f"r{i}", LONG[: 5 + 17 * i]) for i in range(6)])
+    src = in_memory_source([(f"r{i}", LONG[: 5 + 17 * i]) for i in range(6)])
     ds = ProteinDataset(src, objective="clm", max_len=1024)
     batch = ProteinCollator(A)([ds[i] for i in range(6)])
     tokens, targets, pad = batch["tokens"], batch["targets"], batch["padding_mask"]
@@ -108,7 +115,7 @@ def test_clm_targets_are_the_input_shifted_by_one() -> None:
 
 
 def test_clm_crop_does_not_teach_false_termini() -> None:
-    src = InMemorySource.from_sequences([("l", LONG)])
+    src = in_memory_source([("l", LONG)])
     fixed = ProteinDataset(src, objective="clm", max_len=12, crop="fixed")[0]
     # First window: real start (target at <cls> kept), artificial end (residue -> <eos> ignored).
     assert fixed["targets"][0] == A.tok_to_idx[LONG[0]]
@@ -129,4 +136,4 @@ def test_bad_arguments_are_user_errors(kwargs: dict) -> None:
     from protein_performer.errors import UserError
 
     with pytest.raises(UserError):
-        ProteinDataset(InMemorySource.from_sequences([("x", "MK")]), **kwargs)
+        ProteinDataset(in_memory_source([("x", "MK")]), **kwargs)

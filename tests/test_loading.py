@@ -12,7 +12,7 @@ import pytorch_lightning as pl
 import torch
 from torch.utils.data import DataLoader
 
-from protein_performer.data.dataset import InMemorySource, ProteinCollator, ProteinDataset
+from protein_performer.data.dataset import ProteinCollator, ProteinDataset
 from protein_performer.errors import UserError
 from protein_performer.model.loading import (
     CONFIG_FILE,
@@ -23,6 +23,7 @@ from protein_performer.model.loading import (
 )
 from protein_performer.training.callbacks import FeatureRedraw
 from protein_performer.training.lit_module import ProteinLMModule
+from tests.test_dataset import in_memory_source
 
 TINY = {"dim": 16, "depth": 2, "heads": 2, "ff_dim": 32, "nb_features": 8}
 SEQS = [("a", "MKTAYIAKQRQISFVKSHFSRQ"), ("b", "MLLAVLYCLAVFALSS"), ("c", "GSHMKK")]
@@ -45,7 +46,7 @@ def fit_checkpoint(tmp: Path, objective: str = "mlm", extra_callbacks: tuple = (
     """A real ``pl.Trainer`` fit (2 steps) that redraws FAVOR features every step, so the
     checkpoint's omega differs from anything a fresh model would draw."""
     torch.manual_seed(0)
-    source = InMemorySource.from_sequences(SEQS)
+    source = in_memory_source(SEQS)
     data = ProteinDataset(source, objective, max_len=32, crop="fixed")
     loader = DataLoader(data, batch_size=2, collate_fn=ProteinCollator())
     module = ProteinLMModule({**TINY, "objective": objective}, {"warmup_steps": 1})

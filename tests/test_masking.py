@@ -7,9 +7,10 @@ import math
 import numpy as np
 import pytest
 
-from protein_performer.data.dataset import InMemorySource, ProteinDataset
+from protein_performer.data.dataset import ProteinDataset
 from protein_performer.data.masking import IGNORE_INDEX, causal_targets, mlm_mask
 from protein_performer.data.tokenizer import Alphabet
+from tests.test_dataset import in_memory_source
 
 A = Alphabet()
 
@@ -93,9 +94,7 @@ def test_no_residue_no_target() -> None:
 
 
 def test_dataset_masks_reproducible_per_seed_epoch_index() -> None:
-    src = InMemorySource.from_sequences(
-        [("a", "MKTAYIAKQRQISFVKSHFSRQ" * 10), ("b", "ACDEFG" * 30)]
-    )
+    src = in_memory_source([("a", "MKTAYIAKQRQISFVKSHFSRQ" * 10), ("b", "ACDEFG" * 30)])
     ds = ProteinDataset(src, objective="mlm", max_len=1024, seed=7)
     first = [ds[i] for i in range(2)]
     again = ProteinDataset(src, objective="mlm", max_len=1024, seed=7)

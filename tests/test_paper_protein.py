@@ -13,12 +13,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from protein_performer.data.dataset import ConcatSource, InMemorySource, ProteinDataset
+from protein_performer.data.dataset import ConcatSource, ProteinDataset
 from protein_performer.data.masking import IGNORE_INDEX
 from protein_performer.data.tokenizer import SEQUENCE_LETTERS, Alphabet
 from protein_performer.hydra_compose import compose_config
 from protein_performer.inference.baseline import unigram_baseline
 from protein_performer.training.train import train
+from tests.test_dataset import in_memory_source
 from tests.test_train import TINY
 
 #: test_train's tiny model, run by a time budget instead of a step count.
@@ -65,7 +66,7 @@ def test_cpu_budget_stops_training_and_logs_validations(tmp_path: Path) -> None:
 
 def test_concat_source_rows() -> None:
     a = Alphabet()
-    src = InMemorySource.from_sequences([("a", "ACDE"), ("b", "FG"), ("c", "HIKLMN")])
+    src = in_memory_source([("a", "ACDE"), ("b", "FG"), ("c", "HIKLMN")])
     cat = ConcatSource(src, chunk=5, eos_idx=a.eos_idx)
     # ACDE<eos>FG<eos>HIKLMN<eos> = 15 tokens -> 3 rows of 5, nothing dropped.
     assert len(cat) == 3 and list(cat.lengths) == [5, 5, 5]
@@ -81,8 +82,8 @@ def test_concat_source_rows() -> None:
 
 
 def test_unigram_baseline_positions_and_values() -> None:
-    train_src = InMemorySource.from_sequences([("t1", "AAAAAAAC"), ("t2", "AAAC")])
-    held = InMemorySource.from_sequences([("h1", "ACAC"), ("h2", "AAAA")])
+    train_src = in_memory_source([("t1", "AAAAAAAC"), ("t2", "AAAC")])
+    held = in_memory_source([("h1", "ACAC"), ("h2", "AAAA")])
     clm = unigram_baseline(train_src, held, "clm", max_len=64)
     # Every next-token prediction incl. <eos>: 4 + 1 per record.
     assert clm["tokens"] == 10 and clm["records"] == 2

@@ -12,7 +12,7 @@ numbers: identical across runs, worker counts and resumes, and different every e
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Literal, Protocol, runtime_checkable
 
@@ -83,18 +83,6 @@ class InMemorySource:
         self._ids = list(ids)
         self._tokens = [np.asarray(t, dtype=np.uint8) for t in tokens]
         self._lengths = np.array([len(t) for t in self._tokens], dtype=np.int32)
-
-    @classmethod
-    def from_sequences(
-        cls, records: Iterable[tuple[str, str]], alphabet: Alphabet | None = None
-    ) -> InMemorySource:
-        """From ``(id, sequence)`` pairs; for tests and callers that already hold strings."""
-        alphabet = alphabet or Alphabet()
-        ids, toks = [], []
-        for rid, seq in records:
-            ids.append(rid)
-            toks.append(alphabet.encode(seq.upper()))
-        return cls(ids, toks)
 
     def __len__(self) -> int:
         return len(self._ids)
