@@ -47,6 +47,8 @@ BAD = [
     ("trainer.gradient_clip_val=-1", "trainer.gradient_clip_val=-1"),
     ("trainer.limit_val_batches=1.5", "trainer.limit_val_batches=1.5"),
     ("trainer.val_check_interval=0", "trainer.val_check_interval=0"),
+    ("trainer.val_check_interval='00:00:00:00'", "trainer.val_check_interval='00:00:00:00'"),
+    ("trainer.val_check_interval='2 minutes'", "trainer.val_check_interval='2 minutes'"),
     ("trainer.log_every_n_steps=0", "trainer.log_every_n_steps=0"),
 ]
 
@@ -73,6 +75,7 @@ def test_documented_sentinels_and_defaults_pass(tmp_path: Path) -> None:
         check_training_config(compose_config([f"experiment={experiment}"], output_dir=tmp_path))
     sentinels = ["trainer.max_steps=-1", "trainer.max_epochs=-1", "trainer.devices=-1"]
     more = ["model.optim.lr=0", "trainer.devices=[0,1]", "trainer.gradient_clip_val=null"]
+    more.append("trainer.val_check_interval=00:00:02:00")  # Lightning's wall-clock interval
     check_training_config(compose_config([*BASE, *sentinels, *more], output_dir=tmp_path))
 
 

@@ -63,6 +63,14 @@ def _check_batches(key: str, value: Any) -> None:
     raise invalid(key, value, "null, a whole number of batches >= 0 or a fraction in [0, 1]")
 
 
+def _valid_interval(value: Any) -> bool:
+    """Lightning's val_check_interval: batches, a fraction, or a duration 'DD:HH:MM:SS'."""
+    if isinstance(value, str):
+        parts = value.split(":")
+        return len(parts) == 4 and all(p.isdigit() for p in parts) and any(map(int, parts))
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0
+
+
 def _check_devices(value: Any) -> None:
     if value in ("auto", -1) or (
         isinstance(value, int) and not isinstance(value, bool) and value > 0
@@ -107,7 +115,11 @@ def check_training_config(cfg: Mapping[str, Any]) -> None:
             if key in trainer:
                 _check_batches(f"trainer.{key}", trainer[key])
         interval = trainer.get("val_check_interval")
-        if interval is not None and not (isinstance(interval, (int, float)) and interval > 0):
-            raise invalid("trainer.val_check_interval", interval, "> 0 (batches or a fraction)")
+        if interval is not None and not _valid_interval(interval):
+            raise invalid(
+                "trainer.val_check_interval",
+                interval,
+                "> 0 (batches or a fraction) or a wall-clock duration 'DD:HH:MM:SS'",
+            )
         if "devices" in trainer:
             _check_devices(trainer["devices"])
