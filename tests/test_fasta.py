@@ -100,6 +100,7 @@ BAD_RECORDS = [
     (">ok\nMKV\n>bad\n*\n", "empty record", 3, ["stop"]),
     (">ok\nMKV\n>\nMKV\n", "missing id", 3, ["no id"]),
     (">ok\nMKV\n>bad\nMK\u00e9V\n", "invalid character", 4, ["'é'"]),
+    (">ok\nMKV\n>bad\nMK\u0131V\n", "invalid character", 4, ["'ı'"]),  # upper() is 'I'
 ]
 
 

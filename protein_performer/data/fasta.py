@@ -33,14 +33,13 @@ import bisect
 import gzip
 import logging
 import os
-import re
 import zlib
 from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
 from hashlib import blake2b
-from itertools import accumulate, repeat
+from itertools import repeat
 from operator import itemgetter
 from pathlib import Path
 from typing import Any, BinaryIO, Literal
@@ -517,7 +516,6 @@ class _Validator:
         self.allowed = frozenset(letters)
         self.allowed_bytes = letters.encode("ascii")
         self.strip_stop = "*" not in self.allowed
-        self.find_bad = re.compile(f"[^{re.escape(letters)}]").search
         # A quick sufficient test: every byte is an upper-case letter and none is one of the
         # few upper-case letters not allowed (J for ESM-2); '.', '-' etc. need translate.
         upper = {chr(c) for c in range(65, 91)}
@@ -532,13 +530,21 @@ class _Validator:
                 return True
         return not residues.translate(None, self.allowed_bytes)
 
-    def check(self, body: str) -> tuple[str, None] | tuple[None, tuple[int, str, str]]:
+    def clean(self, seq: str) -> bool:
+        """Whether every letter of ``seq`` is allowed as it stands."""
+        return seq.isascii() and not seq.encode("ascii").translate(None, self.allowed_bytes)
+
+    def check(self, seq: str, body: str) -> tuple[str, None] | tuple[None, tuple[int, str, str]]:
         """The sequence of a record whose letters are not all allowed as they stand, or the
         (line offset from its header, kind, reason) of its first problem.
 
-        ``body`` is the text after the header line. Lower case and one final '*' are repaired,
-        trailing whitespace on a line and blank lines are ignored; anything else is located.
+        ``body`` is the text after the header line, ``seq`` its lines joined. Lower case and
+        one final '*' are repaired, trailing whitespace on a line and blank lines are ignored;
+        anything else is located.
         """
+        fixed = seq[:-1] if self.strip_stop and seq[-1:] == "*" else seq
+        if fixed and fixed.isascii() and self.clean(fixed.upper()):
+            return fixed.upper(), None  # the usual repairs, found without the line scan
         lines = [ln.rstrip() for ln in body.split("\n")]
         found = self._first_problem(lines)
         if found is not None:
@@ -557,7 +563,7 @@ class _Validator:
         allowed letter in either case; a '*' that is the very last residue is allowed."""
         last = max((i for i, ln in enumerate(lines) if ln), default=-1)
         for i, ln in enumerate(lines):
-            if not ln or (ln.isascii() and not self.find_bad(ln.upper())):
+            if not ln or (ln.isascii() and self.clean(ln.upper())):
                 continue
             for col, ch in enumerate(ln, 1):
                 if ch.isascii() and ch.upper() in self.allowed:
@@ -611,28 +617,29 @@ class RecordBlock:
 
 
 _first = itemgetter(0)
-_plus_one = (1).__add__
 
 
 def _parse_block(
     text: str, number: int, line: int, v: _Validator, path: str
-) -> tuple[RecordBlock, int]:
+) -> tuple[RecordBlock, int, int]:
     """The records of a block (its first line a header), numbered after ``number`` and with
-    header lines counted from ``line``; and how many records it had, valid or not.
+    header lines counted from ``line``; and how many records and newlines the block had.
 
     Splitting, joining sequence lines and the letter check each run over the whole block in C;
     only a record whose letters fail that check is looked at on its own.
     """
     chunks = text[1:].split("\n>")  # per record: the header line, then its sequence lines
+    m = len(chunks)
     heads, _, bodies = zip(*map(str.partition, chunks, repeat("\n")), strict=True)
-    # Line of each header: one more than the newlines of all records before it.
-    lines = list(
-        accumulate(map(_plus_one, map(str.count, chunks[:-1], repeat("\n"))), initial=line)
-    )
-    parts = list(map(str.split, map(str.rstrip, heads), repeat(None), repeat(1)))
     seqs = list(map(str.replace, bodies, repeat("\n"), repeat("")))
+    # A record's newlines (after its header, between its sequence lines) are the characters
+    # that neither its header nor its joined sequence kept; a header's line follows from them.
+    nl = _lengths(chunks, m) - _lengths(heads, m) - _lengths(seqs, m)  # (m,)
+    lines = (np.cumsum(nl + 1) - nl - 1 + line).tolist()  # (m,) header lines
+    newlines = int(nl.sum()) + m - 1
+    parts = list(map(str.split, map(str.rstrip, heads), repeat(None), repeat(1)))
     descs = [p[1] if len(p) > 1 else "" for p in parts]
-    numbers = list(range(number + 1, number + len(chunks) + 1))
+    numbers = list(range(number + 1, number + m + 1))
     residues = "".join(seqs)
     if (
         residues.isascii()
@@ -640,18 +647,17 @@ def _parse_block(
         and "" not in seqs
         and [] not in parts
     ):
-        return RecordBlock(path, list(map(_first, parts)), descs, seqs, numbers, lines), len(
-            chunks
-        )
+        ids = list(map(_first, parts))
+        return RecordBlock(path, ids, descs, seqs, numbers, lines), m, newlines
     out = RecordBlock(path)
     for k, (p, seq) in enumerate(zip(parts, seqs, strict=True)):
         num, ln = numbers[k], lines[k]
         if not p:
             problem: tuple[int, str, str] | None = (0, "missing id", "the header line has no id")
-        elif seq and not v.find_bad(seq):
+        elif seq and v.clean(seq):
             problem = None
         else:
-            seq, problem = v.check(bodies[k])  # type: ignore[assignment]
+            seq, problem = v.check(seq, bodies[k])  # type: ignore[assignment]
         if problem is not None:
             offset, kind, reason = problem
             out.errors[num] = FastaFormatError(
@@ -668,7 +674,11 @@ def _parse_block(
         out.seqs.append(seq)
         out.numbers.append(num)
         out.lines.append(ln)
-    return out, len(chunks)
+    return out, m, newlines
+
+
+def _lengths(strings: Sequence[str], n: int) -> np.ndarray:
+    return np.fromiter(map(len, strings), np.int64, n)
 
 
 # --------------------------------------------------------------------------------------------
@@ -787,9 +797,9 @@ class _Reader:
                     self._leading(source)
                 if not text:
                     continue
-                block, count = _parse_block(text, number, line, self.validator, path)
+                block, count, newlines = _parse_block(text, number, line, self.validator, path)
                 number += count
-                line += text.count("\n")
+                line += newlines
                 yield from self._settle(file, block)
         if number == 0:
             raise FastaFormatError(

@@ -46,6 +46,7 @@ from protein_performer.data.split import (
 from protein_performer.data.store import StoreWriter, TokenStore, check_output_dir
 from protein_performer.data.tokenizer import Alphabet
 from protein_performer.errors import UserError
+from protein_performer.progress import progress as progress_bar
 
 log = logging.getLogger(__name__)
 
@@ -208,8 +209,6 @@ def preprocess(
     splitter = Splitter(valid_frac, test_frac, split_mode, groups)
     inputs_meta = [file_fingerprint(p) for p in paths]
     report = _KeyedReport()
-    from protein_performer.progress import progress as progress_bar
-
     total_bytes = sum(p.stat().st_size for p in paths)
     bar = progress_bar(total_bytes, "B", "preprocess", enabled=progress)
     try:
