@@ -224,7 +224,7 @@ def null_prediction(
 # Model -> maps -> contacts, and the benchmark behind `protein-performer contacts`
 # --------------------------------------------------------------------------------------------
 def model_maps(
-    loaded: Any,
+    loaded: LoadedModel,
     sequence: str,
     layers: Sequence[int] | None = None,
     heads: Sequence[int] | None = None,
