@@ -17,6 +17,10 @@ regression, stored with the export (``contact_regression.json``).
 A Hugging Face model id (``facebook/esm2_t6_8M_UR50D``) is resolved in the local Hugging Face
 cache only (``HF_HUB_CACHE``, ``HF_HOME``; nothing is downloaded).
 
+Training reads weights through :func:`load_any` (our ``.ckpt``/export, else an ESM-2 source
+converted in memory) and :func:`swap_attention`, so this module sits on the model floor with
+``model.loading``, below training and inference.
+
 fair-esm checkpoints are pickles: they are read with ``protein_performer.checkpoints.safe_load``
 (``weights_only=True``; the fair-esm allowlist adds ``argparse.Namespace``, since ESM-2's
 ``cfg["model"]`` and ESM-1's ``args`` are Namespaces). HF directories are read

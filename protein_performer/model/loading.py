@@ -1,4 +1,6 @@
-"""Rebuild a model for inference from a checkpoint alone, safely, and export it.
+"""Rebuild a model from a checkpoint alone, safely, and export it: weights I/O on the model
+floor, below training (``init_from``, the distillation teacher) and inference (every command
+taking CKPT), which both import it and nothing it imports.
 
 Two on-disk forms load the same way (every inference command accepts either):
 
