@@ -624,7 +624,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--heads", type=int, default=8)
     p.add_argument("--dim-head", type=int, default=64)
-    p.add_argument("--nb-features", type=int, default=256)
+    p.add_argument(
+        "--nb-features",
+        type=int,
+        default=None,
+        help="FAVOR+ features m (default: the model's, d ln d rounded up to 16: 272 at d=64)",
+    )
     p.add_argument("--kernel", default="softmax", help="FavorAttention kernel for 'ours'")
     p.add_argument("--ours-kwargs", default="{}", help="JSON of extra FavorAttention kwargs")
     p.add_argument("--repeats", type=int, default=5, help="timed repeats per phase (median)")
@@ -643,6 +648,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p, quick_help="tiny smoke configuration: L=256,512, 1 repeat, small matmul"
     )
     args = p.parse_args(argv)
+    if args.nb_features is None:
+        from protein_performer.model.config import default_nb_features
+
+        args.nb_features = default_nb_features(args.dim_head)
     if args.quick:
         args.lengths = args.lengths or "256,512"
         args.repeats, args.budget_s, args.matmul_n = 1, 1.0, min(args.matmul_n, 512)

@@ -4,14 +4,21 @@
 What is compared (random weights everywhere: no download, and speed does not depend on them):
 
 * ``performer``: ``PerformerLM`` at the ESM-2 8M shape (6 layers, dim 320, 20 heads, ffn 1280)
-  with FAVOR+ attention, m = 256 random features;
+  with FAVOR+ attention and the default configuration (m = d ln d rounded up to a multiple of
+  16: 48 random features for the 16-wide heads; ``--nb-features`` overrides);
+* ``exact``: the same ``PerformerLM`` with exact softmax attention (torch SDPA): our exact twin;
 * ``esm``: fair-esm's ``esm.model.esm2.ESM2`` (materialized L x L attention), as users run it;
 * ``hf``: transformers' ``EsmModel`` with ``attn_implementation="sdpa"``.
 
-One sequence per forward (batch 1), inference mode, float32, the last layer's representation
-requested. Every case runs in a fresh process (``--case``), so allocator caches and earlier
-cases do not pollute peak memory; a case that exceeds ``--timeout`` is recorded as ``timeout``,
-and the longer lengths of that implementation are then ``skipped``.
+Length cases: one sequence per forward (batch 1), inference mode, float32 (``--dtype``; FAVOR+
+features stay float32), the last layer's representation requested. The ``proteins`` case
+(``--proteins N``): N real proteins (every k-th record of ``swissprot_opal_train.fasta`` with
+standard residues and at most 1,022 of them, so the median is a typical protein's ~330),
+embedded as ``protein-performer embed`` batches them: longest first, padded batches under the
+default budget of 4,096 tokens; the time covers all of them. Every case runs in a fresh process
+(``--case``), so allocator caches and earlier cases do not pollute peak memory; a case that
+exceeds ``--timeout`` is recorded as ``timeout``, and the longer lengths of that
+implementation are then ``skipped``.
 
 Time: the best of ``--repeats`` forwards after a short warm-up forward (L = 64).
 Peak memory: on CPU the peak RSS during the timed forwards minus the RSS just before them (model,
@@ -21,12 +28,16 @@ input and libraries excluded; freed heap is returned to the OS with ``malloc_tri
 
 Targets (issue 5): >= 1.5x faster than hf-SDPA at L = 4096 and >= 4x at L = 16384, peak memory
 <= 2x hf-SDPA's, time(32k)/time(4k) <= 9 for ours, titin (34,350 aa) in one pass under 4 GiB.
+Issue 14, default configuration: the 300 real proteins >= 1.5x faster than hf-SDPA; our exact
+twin's time / ours >= 1.5 at L = 2,048 and >= 4 at L = 8,192.
 
 Examples::
 
     python scripts/bench_embed.py --quick
     python scripts/bench_embed.py --out bench_embed.csv --timeout 600
     python scripts/bench_embed.py --device cuda --lengths 1024 4096 16384 32768
+    python scripts/bench_embed.py --impls performer exact hf --lengths 2048 8192 --proteins 300 \
+        --no-titin --threads 2
 """
 
 from __future__ import annotations
@@ -48,20 +59,23 @@ import _common as common
 
 log = logging.getLogger("bench_embed")
 
-IMPLS = ("performer", "hf", "esm")
+IMPLS = ("performer", "exact", "hf", "esm")
 ESM2_8M = {"layers": 6, "dim": 320, "heads": 20, "ffn": 1280}
 TITIN = common.SEQUENCES / "long_proteins.fasta"
+PROTEINS = common.SEQUENCES / "swissprot_opal_train.fasta"
+EMBED_BUDGET = 4096  # protein-performer embed's default --toks-per-batch
 COLUMNS = ("impl", "case", "length", "device", "threads", "status", "time_s", "peak_mib", "note")
 
 
 # --------------------------------------------------------------------------------------------
 # Child: one case in a fresh process
 # --------------------------------------------------------------------------------------------
-def _build(impl: str, length: int, nb_features: int = 256) -> tuple[Any, Any]:
-    """(model, forward(tokens)) for an implementation; raises ImportError when not installed."""
-    import torch
+def _build(impl: str, length: int, nb_features: int | None = None) -> tuple[Any, Any]:
+    """(model, forward(tokens)) for an implementation; raises ImportError when not installed.
 
-    if impl == "performer":
+    Padded batches (``<pad>`` = 1 in every vocabulary here) mask their pads.
+    """
+    if impl in ("performer", "exact"):
         from protein_performer.model.config import PerformerConfig
         from protein_performer.model.performer import PerformerLM
 
@@ -71,7 +85,7 @@ def _build(impl: str, length: int, nb_features: int = 256) -> tuple[Any, Any]:
             heads=ESM2_8M["heads"],
             ff_dim=ESM2_8M["ffn"],
             nb_features=nb_features,
-            attention="favor",
+            attention="favor" if impl == "performer" else "exact",
         )
         model = PerformerLM(config)
         return model, lambda t: model(t, repr_layers=[-1]).hidden_states[config.depth]
@@ -104,8 +118,30 @@ def _build(impl: str, length: int, nb_features: int = 256) -> tuple[Any, Any]:
         )
         config._attn_implementation = "sdpa"
         model = EsmModel(config, add_pooling_layer=False)
-        return model, lambda t: model(input_ids=t, attention_mask=torch.ones_like(t))[0]
+        return model, lambda t: model(input_ids=t, attention_mask=t.ne(1).long())[0]
     raise ValueError(impl)
+
+
+def real_proteins(path: Path, n: int) -> list[str]:
+    """n proteins, every k-th usable record of ``path``: a deterministic, typical-length set."""
+    from protein_performer.data.fasta import read_fasta
+
+    standard = set("ACDEFGHIKLMNPQRSTVWY")
+    seqs = [r.sequence for r in read_fasta(path) if len(r.sequence) <= 1022]
+    seqs = [s for s in seqs if set(s) <= standard]
+    if len(seqs) < n:
+        raise SystemExit(f"error: {path} has only {len(seqs)} usable records, {n} asked for")
+    return seqs[:: len(seqs) // n][:n]
+
+
+def _protein_batches(seqs: list[str]) -> list[Any]:
+    """The padded token batches ``embed`` would run (longest first, under its default budget)."""
+    from protein_performer.data.tokenizer import Alphabet
+    from protein_performer.inference.io import budget_batches
+
+    alphabet = Alphabet()
+    batches = budget_batches([len(s) + 2 for s in seqs], EMBED_BUDGET)
+    return [alphabet.encode_batch([seqs[i] for i in batch]) for batch in batches]
 
 
 def _rss() -> int:
@@ -122,10 +158,17 @@ def run_case(case: dict[str, Any]) -> dict[str, Any]:
         torch.set_num_threads(int(case["threads"]))
     device = torch.device(case["device"])
     length = int(case["length"])
-    model, forward = _build(case["impl"], length, int(case.get("nb_features", 256)))
-    model.to(device).eval()
+    model, forward = _build(case["impl"], max(length, 1024), case.get("nb_features"))
+    model.to(device, getattr(torch, case.get("dtype", "float32"))).eval()
     g = torch.Generator().manual_seed(0)
-    if case.get("sequence"):
+    batches, note = None, ""
+    if case.get("proteins"):
+        seqs = real_proteins(PROTEINS, length)
+        batches = [b.to(device) for b in _protein_batches(seqs)]
+        tokens = batches[-1]  # the shortest: warm-up
+        median = sorted(map(len, seqs))[len(seqs) // 2]
+        note = f"median {median} aa, {len(batches)} batches of <= {EMBED_BUDGET} tokens"
+    elif case.get("sequence"):
         from protein_performer.data.tokenizer import Alphabet
 
         ids = Alphabet().encode_with_specials(case["sequence"])
@@ -157,11 +200,12 @@ def run_case(case: dict[str, Any]) -> dict[str, Any]:
         times = []
         for _ in range(int(case.get("repeats", 1))):
             start = time.perf_counter()
-            out = forward(tokens)
+            for batch in batches or [tokens]:
+                out = forward(batch)
+                del out
             if device.type == "cuda":
                 torch.cuda.synchronize()
             times.append(time.perf_counter() - start)
-            del out
         stop.set()
         sampler.join()
     if device.type == "cuda":
@@ -169,7 +213,7 @@ def run_case(case: dict[str, Any]) -> dict[str, Any]:
     else:
         max1 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
         peak = (max1 if max1 > max0 else max(sampled)) - rss0
-    return {"time_s": min(times), "peak_mib": peak / 2**20, "length": length}
+    return {"time_s": min(times), "peak_mib": peak / 2**20, "length": length, "note": note}
 
 
 # --------------------------------------------------------------------------------------------
@@ -198,7 +242,7 @@ def _installed(impl: str) -> str | None:
     """None when importable, else the reason (a clear skip instead of a failed case)."""
     import importlib.util
 
-    module = {"esm": "esm", "hf": "transformers", "performer": "protein_performer"}[impl]
+    module = {"esm": "esm", "hf": "transformers"}.get(impl, "protein_performer")
     if importlib.util.find_spec(module) is None:
         pkg = {"esm": "fair-esm==2.0.0", "hf": "transformers"}.get(impl, module)
         return f"{module} is not installed (pip install {pkg}); skipped"
@@ -256,6 +300,21 @@ def summarize(rows: list[dict[str, Any]]) -> list[str]:
             f"time(32k)/time(4k) = {ratio:.2f} (target <= 9, linear = 8: "
             f"{common.verdict(ratio <= 9)})"
         )
+    ours, hf = get("performer", "proteins"), get("hf", "proteins")
+    if ours and hf:
+        speed = hf["time_s"] / ours["time_s"]
+        lines.append(
+            f"{ours['length']} real proteins: {speed:.2f}x faster than hf-SDPA (target >= 1.5x: "
+            f"{common.verdict(speed >= 1.5)})"
+        )
+    for L, target in ((2048, 1.5), (8192, 4.0)):
+        ours, exact = get("performer", str(L)), get("exact", str(L))
+        if ours and exact:
+            speed = exact["time_s"] / ours["time_s"]
+            lines.append(
+                f"L={L}: our exact twin's time / ours = {speed:.2f} (target >= {target}: "
+                f"{common.verdict(speed >= target)})"
+            )
     titin = get("performer", "titin")
     if titin:
         gib = titin["peak_mib"] / 1024
@@ -276,6 +335,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--impls", nargs="+", choices=IMPLS, default=list(IMPLS))
     parser.add_argument("--device", default="cpu", help="cpu or cuda (default: cpu)")
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0 = default)")
+    parser.add_argument(
+        "--dtype", default="float32", choices=("float32", "bfloat16"), help="default: float32"
+    )
     parser.add_argument("--repeats", type=int, default=1, help="timed forwards; best is kept")
     parser.add_argument("--timeout", type=float, default=900.0, help="seconds per case")
     parser.add_argument(
@@ -289,15 +351,22 @@ def main(argv: list[str] | None = None) -> int:
         "--hf-max-len",
         type=int,
         default=16384,
-        help="longest L for transformers (quadratic time: 32k takes many minutes on a CPU); "
-        "longer is recorded as skipped (default 16384)",
+        help="longest L for transformers and our exact twin (quadratic time: 32k takes many "
+        "minutes on a CPU); longer is recorded as skipped (default 16384)",
     )
     parser.add_argument(
         "--nb-features",
         type=int,
-        default=256,
-        help="FAVOR+ random features per head for our model (theory: m = Θ(d log d); the 8M "
-        "architecture has 16-wide heads, so 64 is ample)",
+        default=None,
+        help="FAVOR+ random features per head for our model (default: the model's, d ln d "
+        "rounded up to a multiple of 16 = 48 for the 8M shape's 16-wide heads)",
+    )
+    parser.add_argument(
+        "--proteins",
+        type=int,
+        default=0,
+        metavar="N",
+        help="also embed N real proteins as `embed` batches them (0 = no such case)",
     )
     parser.add_argument("--titin", type=Path, default=TITIN, help="FASTA holding TITIN_HUMAN")
     parser.add_argument("--no-titin", action="store_true", help="skip the titin case")
@@ -314,6 +383,7 @@ def main(argv: list[str] | None = None) -> int:
 
     rows: list[dict[str, Any]] = []
     base = {"device": args.device, "threads": args.threads or os.cpu_count()}
+    shared = {"device": args.device, "dtype": args.dtype, "threads": args.threads}
     for impl in args.impls:
         missing = _installed(impl)
         failed = False
@@ -325,14 +395,13 @@ def main(argv: list[str] | None = None) -> int:
                 row.update(status="skipped", note="a shorter length failed or timed out")
             elif impl == "esm" and args.esm_max_len < L:
                 row.update(status="skipped", note=f"L > --esm-max-len {args.esm_max_len}")
-            elif impl == "hf" and args.hf_max_len < L:
+            elif impl in ("hf", "exact") and args.hf_max_len < L:
                 row.update(status="skipped", note=f"L > --hf-max-len {args.hf_max_len}")
             else:
                 case = {
                     "impl": impl,
                     "length": L,
-                    "device": args.device,
-                    "threads": args.threads,
+                    **shared,
                     "repeats": args.repeats,
                     "nb_features": args.nb_features,
                 }
@@ -340,6 +409,24 @@ def main(argv: list[str] | None = None) -> int:
                 failed = row["status"] != "ok"
             rows.append(row)
             log.info("%-9s L=%-6d %s", impl, L, _fmt(row))
+    for impl in args.impls if args.proteins else ():
+        row = {"impl": impl, "case": "proteins", "length": args.proteins, **base, "note": ""}
+        missing = _installed(impl)
+        if missing:
+            row.update(status="not installed", note=missing)
+        else:
+            case = {
+                "impl": impl,
+                "length": args.proteins,
+                "proteins": True,
+                **shared,
+                "repeats": args.repeats,
+                "nb_features": args.nb_features,
+            }
+            row.update(_spawn(case, args.timeout))
+            row["length"] = args.proteins
+        rows.append(row)
+        log.info("%-9s proteins %s", impl, _fmt(row))
     if not args.no_titin and "performer" in args.impls:
         seq = _titin(args.titin)
         row = {"impl": "performer", "case": "titin", "length": len(seq or ""), **base, "note": ""}
@@ -350,8 +437,7 @@ def main(argv: list[str] | None = None) -> int:
                 "impl": "performer",
                 "length": len(seq),
                 "sequence": seq,
-                "device": args.device,
-                "threads": args.threads,
+                **shared,
                 "repeats": 1,
                 "nb_features": args.nb_features,
             }

@@ -383,7 +383,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--dim", type=int, default=320)
     p.add_argument("--heads", type=int, default=20)
     p.add_argument("--ff-dim", type=int, default=0, help="feed-forward size (0: 4 * dim)")
-    p.add_argument("--nb-features", type=int, default=256, help="FAVOR+ random features m")
+    p.add_argument(
+        "--nb-features",
+        type=int,
+        default=None,
+        help="FAVOR+ random features m (default: the model's, d ln d of the head size d)",
+    )
     p.add_argument("--kernel", default="softmax", help="FAVOR+ kernel")
     p.add_argument("--warmup", type=int, default=2, help="untimed optimizer steps per case")
     p.add_argument("--steps", type=int, default=8, help="timed optimizer steps per case (max)")
@@ -408,6 +413,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.tokens = min(args.tokens, 256)
         args.warmup, args.steps = 1, min(args.steps, 3)
         args.budget_s, args.timeout = min(args.budget_s, 5.0), min(args.timeout, 120.0)
+    if args.nb_features is None:
+        from protein_performer.model.config import default_nb_features
+
+        args.nb_features = default_nb_features(args.dim // args.heads)
     return args
 
 

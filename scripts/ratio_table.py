@@ -1,0 +1,100 @@
+#!/usr/bin/env python
+"""One ratio table from the attention, embedding and training benchmarks' CSV files.
+
+Reads ``DIR/attention/attention.csv`` (``bench_attention.py``), ``DIR/embed.csv``
+(``bench_embed.py``) and ``DIR/train/train.csv`` (``bench_train.py``), as
+``scripts/gpu_check.sh`` writes them, and prints one markdown table: each row is a case measured
+for ours and for a baseline in the same run, with the baseline's time over ours (> 1: ours is
+faster). Missing files or cases are skipped with a note, so a partial run still reports.
+
+Example::
+
+    python scripts/ratio_table.py .bench/gpu_check
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import sys
+from pathlib import Path
+
+import _common as common
+
+
+def _rows(path: Path) -> list[dict[str, str]]:
+    if not path.is_file():
+        print(f"(no {path}: skipped)")
+        return []
+    with path.open(newline="", encoding="utf-8") as fh:
+        return [r for r in csv.DictReader(fh) if r.get("status") == "ok"]
+
+
+def attention(rows: list[dict[str, str]]) -> list[tuple[str, str, float, float, str]]:
+    """(benchmark, case, ours s, baseline s, note): SDPA against ours, same L, mode and phase."""
+    times = {(r["impl"], r["causal"], r["L"], r["mode"]): r for r in rows}
+    out = []
+    for (impl, causal, L, mode), r in sorted(times.items(), key=lambda kv: int(kv[0][2])):
+        base = times.get(("sdpa", causal, L, mode))
+        if impl == "ours" and base:
+            kind = "causal" if causal == "True" else "bidirectional"
+            note = f"useful FLOP fraction {float(r['useful_frac']):.2f}"
+            case = f"{kind} {mode}, L={L}, {r['dtype']}"
+            ours, theirs = float(r["time_s"]), float(base["time_s"])
+            out.append(("attention vs SDPA", case, ours, theirs, note))
+    return out
+
+
+def embed(rows: list[dict[str, str]]) -> list[tuple[str, str, float, float, str]]:
+    """transformers' EsmModel (SDPA) and our exact twin against ours, per case."""
+    times = {(r["impl"], r["case"]): float(r["time_s"]) for r in rows}
+    out = []
+    for (impl, case), ours in times.items():
+        if impl != "performer":
+            continue
+        for base, name in (("hf", "embed vs HF EsmModel"), ("exact", "embed vs our exact twin")):
+            label = f"L={case}" if case.isdigit() else case
+            if (base, case) in times:
+                out.append((name, label, ours, times[base, case], ""))
+    return out
+
+
+def train(rows: list[dict[str, str]]) -> list[tuple[str, str, float, float, str]]:
+    """Our exact twin against FAVOR+: optimizer step time per (objective, L)."""
+    times = {(r["attention"], r["objective"], r["L"]): r for r in rows}
+    out = []
+    for (attn, objective, L), r in times.items():
+        base = times.get(("exact", objective, L))
+        if attn == "favor" and base:
+            case = f"{objective}, L={L}, {r['precision']}"
+            ours, theirs = float(r["step_time_s"]), float(base["step_time_s"])
+            out.append(("train step vs exact twin", case, ours, theirs, ""))
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="Files read: see the module docstring.",
+    )
+    p.add_argument("dir", type=Path, help="the benchmark output directory")
+    args = p.parse_args(argv)
+    common.setup_logging()
+    table = [
+        *attention(_rows(args.dir / "attention" / "attention.csv")),
+        *embed(_rows(args.dir / "embed.csv")),
+        *train(_rows(args.dir / "train" / "train.csv")),
+    ]
+    print("| benchmark | case | ours (s) | baseline (s) | baseline / ours | |")
+    print("|---|---|---:|---:|---:|---|")
+    for name, case, ours, base, note in table:
+        print(f"| {name} | {case} | {ours:.4g} | {base:.4g} | {base / ours:.2f} | {note} |")
+    if not table:
+        print("error: no case was measured for both ours and a baseline", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
