@@ -12,11 +12,12 @@ random weights, the default FAVOR+ config (what `protein-performer generate` run
 2. Total time of ``ProteinLM.generate`` for N new tokens (``--gen-lengths``; sampling included).
    Target: N = 4,096 at most 10x N = 512 (linear).
 3. performer-pytorch's ``AutoregressiveWrapper.generate`` (installed by ``make bench-env``) on
-   the same architecture (dim 320, depth 6, 20 heads of 16, m = 256, ffn 4x). It re-runs the
-   whole prefix for every new token, so its total for N tokens is the sum of its forward times
-   over lengths 1..N: generate is timed directly at ``--pp-generate`` lengths, and its forward
-   at a grid of lengths up to the largest ``--pp-lengths``, whose piecewise-linear integral
-   estimates the total at every ``--pp-lengths`` value (the direct runs check the estimate).
+   the same architecture (dim 320, depth 6, 20 heads of 16, our default m = 48, ffn 4x). It
+   re-runs the whole prefix for every new token, so its total for N tokens is the sum of its
+   forward times over lengths 1..N: generate is timed directly at ``--pp-generate`` lengths,
+   and its forward at a grid of lengths up to the largest ``--pp-lengths``, whose
+   piecewise-linear integral estimates the total at every ``--pp-lengths`` value (the direct
+   runs check the estimate).
    Target: ours at least 50x faster at 4,096 tokens.
 
 Examples::
@@ -116,6 +117,8 @@ def performer_pytorch(lengths: list[int], direct: list[int]) -> tuple[dict, dict
         import performer_pytorch
         import torch
         from performer_pytorch.autoregressive_wrapper import AutoregressiveWrapper
+
+        from protein_performer.model.config import default_nb_features
     except ImportError:
         return {}, {}, "performer-pytorch not installed (make bench-env)"
     torch.manual_seed(0)
@@ -128,7 +131,7 @@ def performer_pytorch(lengths: list[int], direct: list[int]) -> tuple[dict, dict
         heads=SHAPE["heads"],
         dim_head=SHAPE["dim"] // SHAPE["heads"],
         causal=True,
-        nb_features=256,
+        nb_features=default_nb_features(SHAPE["dim"] // SHAPE["heads"]),
         ff_mult=SHAPE["ff_dim"] // SHAPE["dim"],
     ).eval()
     wrapper = AutoregressiveWrapper(net)

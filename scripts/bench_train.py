@@ -2,7 +2,7 @@
 """Training throughput and peak memory of the Performer LM: FAVOR+ against its exact twin.
 
 What is measured: one optimizer step (forward, loss, backward, AdamW step) of the *same*
-``PerformerLM`` (default 6 layers, dim 320, 20 heads, m=256: the ESM-2 8M shape) with
+``PerformerLM`` (default 6 layers, dim 320, 20 heads, the model's m: the ESM-2 8M shape) with
 ``attention=favor`` and ``attention=exact`` (SDPA), at L = 1024, 4096, 16384 with a fixed number
 of tokens per batch (B = tokens // L), for both objectives (mlm, clm). Tokens/s = B·L / median
 step time. The targets come from issue 4: favor >= 2x exact at L=4096 and >= 5x at L=16384.
