@@ -260,13 +260,9 @@ class FeatureMap:
         the forward's features); rscale (..., N, 1): a per-row factor (the causal backward).
         """
         if self.exp:
-            bias = (
-                self.bias
-                if offset is None
-                else offset
-                if self.bias is None
-                else self.bias + offset
-            )
+            bias = self.bias
+            if offset is not None:
+                bias = offset if bias is None else bias + offset
             t = self.project(z, bias, out)
             if shift is None:
                 shift = t.detach().amax(-1)
