@@ -642,7 +642,8 @@ def test_bidirectional_head_tiles_equal_the_reference(kernel, monkeypatch):
     blocks): values and gradients still equal the reference's, per-head FAVOR++ included."""
     import protein_performer.model.favor as favor
 
-    monkeypatch.setattr(favor, "_l2_bytes", lambda: 2 * 16 * 8 * 64)  # 64 rows of M=16 float64
+    # Caches for 64 rows of M=16 float64 features over all threads.
+    monkeypatch.setattr(favor, "_l2_bytes", lambda: 2 * 16 * 8 * 64 // torch.get_num_threads())
     B, H, L, d = 2, 3, 100, 8
     q, k, v = (t.requires_grad_() for t in qkv(B, H, L, d, seed=55, scale=1.2))
     om = draw_omega(16, d, generator=gen(56)).double()
