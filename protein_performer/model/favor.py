@@ -559,7 +559,7 @@ class _BidiFavor(torch.autograd.Function):
                 den[h, r] = safe_denominator(yq[..., dv:])
                 if shift is not None:
                     shifts[h, r] = shift
-                out[h, r] = yq[..., :dv] / den[h, r]
+                torch.div(yq[..., :dv], den[h, r], out=out[h, r])
         col = None if cols[0] is None else torch.cat(cols)  # (BH, 1, M|1)
         ctx.tile, ctx.fmap = (hb, block), fmap
         ctx.save_for_backward(q, k, v, keep, col, S, out, den, shifts)
