@@ -515,8 +515,8 @@ def _tile(BH: int, L: int, M: int, block: int, like: Tensor) -> tuple[int, int]:
 
     Why: each block makes several elementwise passes over its (heads, rows, M) features (row
     term, max, shift, exp); sized to the L2 caches of the threads that share the work, they run
-    from cache instead of memory (measured ~1.5-1.8x on the attention of ESM-2 8M-shaped protein
-    batches). On GPU all heads go at once. ``block`` stays an upper bound on the rows.
+    from cache instead of memory (the attention of an ESM-2 8M-shaped protein batch: 157 -> 79 ms,
+    docs/RESULTS.md). On GPU all heads go at once. ``block`` stays an upper bound on the rows.
     """
     if like.device.type != "cpu":
         return BH, block
