@@ -309,7 +309,12 @@ class FeatureMap:
         return torch.cat([proj.sin(), proj.cos()], dim=-1)
 
     def query_grad(
-        self, z: Tensor, f: Tensor, df: Tensor, rscale: Tensor | None = None, out=None
+        self,
+        z: Tensor,
+        f: Tensor,
+        df: Tensor,
+        rscale: Tensor | None = None,
+        out: Tensor | None = None,
     ) -> Tensor:
         """dz from dphi for query features f as :meth:`queries` returned them (df consumed);
         rscale: the per-row factor they were computed with (only relu needs to be told)."""
@@ -336,7 +341,9 @@ class FeatureMap:
             dz.addcmul_((f * df).sum(-1, keepdim=True), z, value=self.t2)
         return dz
 
-    def _grad(self, z: Tensor, f: Tensor, df: Tensor, keep: Tensor | None, out) -> Tensor:
+    def _grad(
+        self, z: Tensor, f: Tensor, df: Tensor, keep: Tensor | None, out: Tensor | None
+    ) -> Tensor:
         """dz through the projection: d loss / d(z Wa^T), then one matmul with Wa.
 
         exp: dproj = dphi * phi (written into df); trig: d sin = cos, d cos = -sin, read off the
