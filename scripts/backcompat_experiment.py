@@ -142,7 +142,7 @@ def base_overrides(args: argparse.Namespace) -> list[str]:
 def train_exact(args: argparse.Namespace) -> tuple[str, Any]:
     """Phase 1 through the training engineer's pure ``train(cfg)``; returns the last checkpoint
     and the composed config."""
-    from protein_performer.hydra_compose import compose_config
+    from protein_performer.training.compose import compose_config
     from protein_performer.training.train import train
 
     out = args.out_dir / "exact"
@@ -170,8 +170,8 @@ def fine_tune(args: argparse.Namespace, ckpt: str, loader: Any, weight: float) -
     import hydra
     import pytorch_lightning as pl
 
-    from protein_performer.hydra_compose import compose_config
     from protein_performer.training.callbacks import FeatureRedraw
+    from protein_performer.training.compose import compose_config
     from protein_performer.training.init_weights import load_initial_weights
 
     out = args.out_dir / f"favor_finetune_w{weight:g}"
@@ -402,7 +402,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         args.swap_seeds = 2
         args.redraw_interval = 10
     if args.exact_ckpt:
-        from protein_performer.checkpoints import safe_load
+        from protein_performer.io.checkpoints import safe_load
 
         if not args.exact_ckpt.is_file():
             p.error(f"--exact-ckpt {args.exact_ckpt}: no such file")
@@ -436,9 +436,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     import hydra
 
-    from protein_performer.hydra_compose import compose_config
-    from protein_performer.model.convert_esm import swap_attention
-    from protein_performer.model.loading import load_model
+    from protein_performer.interop.convert_esm import swap_attention
+    from protein_performer.interop.loading import load_model
+    from protein_performer.training.compose import compose_config
 
     start = time.perf_counter()
     if args.exact_ckpt:

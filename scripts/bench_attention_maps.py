@@ -67,7 +67,7 @@ def run_case(args: argparse.Namespace) -> dict:
     import numpy as np
     import torch
 
-    from protein_performer.inference.attention_maps import attention_maps
+    from protein_performer.contacts.attention import attention_maps
     from protein_performer.model.config import PerformerConfig
     from protein_performer.model.performer import PerformerLM
 

@@ -136,8 +136,8 @@ def real_proteins(path: Path, n: int) -> list[str]:
 
 def _protein_batches(seqs: list[str]) -> list[Any]:
     """The padded token batches ``embed`` would run (longest first, under its default budget)."""
+    from protein_performer.data.sampler import budget_batches
     from protein_performer.data.tokenizer import Alphabet
-    from protein_performer.inference.io import budget_batches
 
     alphabet = Alphabet()
     batches = budget_batches([len(s) + 2 for s in seqs], EMBED_BUDGET)

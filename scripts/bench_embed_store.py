@@ -37,8 +37,8 @@ def _model(directory: Path) -> Path:
     import torch
 
     from protein_performer.data.tokenizer import Alphabet
+    from protein_performer.interop.loading import LoadedModel, export_model
     from protein_performer.model.config import PerformerConfig
-    from protein_performer.model.loading import LoadedModel, export_model
     from protein_performer.model.performer import PerformerLM
 
     torch.manual_seed(0)
@@ -65,9 +65,9 @@ def run_case(case: dict) -> None:
     import torch
 
     import protein_performer as pp
+    from protein_performer.data.inputs import input_records
     from protein_performer.inference import embedding as emb_mod
     from protein_performer.inference.embedding import embed_fasta
-    from protein_performer.inference.io import input_records
 
     torch.set_num_threads(case["threads"])
     work = Path(case["dir"])

@@ -107,7 +107,7 @@ def fig4_study(
     """
     import torch
 
-    from protein_performer.model.favor import exact_attention
+    from protein_performer.model.exact import exact_attention
 
     draws: list[bool | None] = [True, False] if supports_iid() else [None]
     if draws == [None]:
@@ -215,7 +215,7 @@ def tau_study(
     """Relative error vs exact for each method and logit std; mean/std over seeds."""
     import torch
 
-    from protein_performer.model.favor import exact_attention
+    from protein_performer.model.exact import exact_attention
 
     methods = _methods(d, m, kernels)
     errs: dict[tuple[str, float], list[float]] = {}

@@ -45,8 +45,8 @@ def _ours() -> Any:
 
     from protein_performer.data.tokenizer import Alphabet
     from protein_performer.inference.api import ProteinLM
+    from protein_performer.interop.loading import LoadedModel
     from protein_performer.model.config import PerformerConfig
-    from protein_performer.model.loading import LoadedModel
     from protein_performer.model.performer import PerformerLM
 
     torch.manual_seed(0)

@@ -28,8 +28,8 @@ def _random_8m(directory: Path, objective: str) -> Path:
     import torch
 
     from protein_performer.data.tokenizer import Alphabet
+    from protein_performer.interop.loading import LoadedModel, export_model
     from protein_performer.model.config import PerformerConfig
-    from protein_performer.model.loading import LoadedModel, export_model
     from protein_performer.model.performer import PerformerLM
 
     torch.manual_seed(0)
@@ -53,7 +53,7 @@ def main() -> int:
     import numpy as np
 
     import protein_performer as pp
-    from protein_performer.inference.io import read_records
+    from protein_performer.data.inputs import read_records
 
     fasta = args.fasta or next(iter(sorted(DEMO.glob("*.fasta"))))
     n = 3 if args.quick else args.records

@@ -47,12 +47,12 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from protein_performer.contacts.predict import predict_contacts
 from protein_performer.data.tokenizer import Alphabet, pad_token_arrays
-from protein_performer.inference.contact_maps import predict_contacts
+from protein_performer.interop.convert_esm import load_any, swap_attention
+from protein_performer.interop.loading import LoadedModel
 from protein_performer.model.config import PerformerConfig
-from protein_performer.model.contact_regression import ContactRegression
-from protein_performer.model.convert_esm import load_any, swap_attention
-from protein_performer.model.loading import LoadedModel
+from protein_performer.model.contact_head import ContactRegression
 from protein_performer.model.performer import PerformerLM
 
 log = logging.getLogger("esm_favor_swap")
@@ -80,7 +80,7 @@ def random_esm2(dim: int, depth: int, heads: int, seed: int) -> PerformerLM:
 
 
 def read_sequences(path: Path, max_records: int, max_len: int) -> list[str]:
-    from protein_performer.inference.io import read_records
+    from protein_performer.data.inputs import read_records
 
     records = read_records(path, on_invalid="skip")[:max_records]
     return [r.sequence[: max_len - 2] for r in records]

@@ -97,7 +97,7 @@ def _cli(*args: str) -> list[str]:
 def _temp_size(output: Path, pid: int) -> int | None:
     """Bytes process ``pid`` has written so far to ``output``'s temporaries (files or
     directories; their names carry the writer's pid), None if it has none."""
-    from protein_performer.atomic import temp_prefix
+    from protein_performer.io.atomic import temp_prefix
 
     found = None
     prefix = temp_prefix(output, pid)
@@ -121,7 +121,7 @@ def _temp_size(output: Path, pid: int) -> int | None:
 
 def _temps(output: Path, pid: int | None = None) -> list[str]:
     """Names of ``output``'s temporaries (of process ``pid`` only, if given)."""
-    from protein_performer.atomic import temp_prefix
+    from protein_performer.io.atomic import temp_prefix
 
     prefix = f".{output.name}." if pid is None else temp_prefix(output, pid)
     return sorted(
@@ -159,7 +159,7 @@ def _train(work: Path) -> Scenario:
     state = {"step": 2}
 
     def fingerprint() -> int:
-        from protein_performer.checkpoints import load_lightning
+        from protein_performer.io.checkpoints import load_lightning
 
         return int(load_lightning(last)["global_step"])
 
@@ -206,8 +206,8 @@ def _model(work: Path) -> Path:
         import torch
 
         from protein_performer.data.tokenizer import Alphabet
+        from protein_performer.interop.loading import LoadedModel, export_model
         from protein_performer.model.config import PerformerConfig
-        from protein_performer.model.loading import LoadedModel, export_model
         from protein_performer.model.performer import PerformerLM
 
         torch.manual_seed(0)
@@ -244,7 +244,7 @@ def _export(work: Path) -> Scenario:
     model = _model(work)
 
     def fingerprint() -> float:
-        from protein_performer.model.loading import load_model
+        from protein_performer.interop.loading import load_model
 
         loaded = load_model(out, "cpu")
         return float(sum(float(p.detach().double().sum()) for p in loaded.model.parameters()))

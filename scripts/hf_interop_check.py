@@ -23,13 +23,13 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from protein_performer.contacts.predict import predict_contacts
 from protein_performer.data.tokenizer import Alphabet, pad_token_arrays
-from protein_performer.inference.contact_maps import predict_contacts
-from protein_performer.inference.export_hf import export_hf
+from protein_performer.interop.convert_esm import convert_esm
+from protein_performer.interop.export_hf import export_hf
+from protein_performer.interop.loading import LoadedModel, load_model
 from protein_performer.model.config import PerformerConfig
-from protein_performer.model.contact_regression import ContactRegression, model_identity
-from protein_performer.model.convert_esm import convert_esm
-from protein_performer.model.loading import LoadedModel, load_model
+from protein_performer.model.contact_head import ContactRegression, model_identity
 from protein_performer.model.performer import PerformerLM
 
 AMINO = list("ACDEFGHIKLMNPQRSTVWY")

@@ -381,9 +381,10 @@ def collect(run: Run, threads: int) -> dict[str, Any]:
 
 def baselines(store: Path, args: argparse.Namespace) -> dict[tuple[str, str], dict[str, Any]]:
     """Unigram baseline per (objective, split), on the positions ``eval`` scored."""
+    from _baseline import unigram_baseline
+
     from protein_performer.data.dataset import StoreSubset
     from protein_performer.data.store import TokenStore
-    from protein_performer.inference.baseline import unigram_baseline
 
     st = TokenStore(store)
     train = StoreSubset(st, st.indices("train"))
@@ -507,7 +508,7 @@ def plot_curves(
 def report(
     runs: list[Run], base: dict[tuple[str, str], dict[str, Any]], args: argparse.Namespace
 ) -> str:
-    from protein_performer.atomic import write_text_atomic
+    from protein_performer.io.atomic import write_text_atomic
 
     out = args.out.resolve()
     rows = [r.result for r in runs]

@@ -149,7 +149,7 @@ def make_wall_clock(filename: str = WALLCLOCK_FILE) -> Any:
 
 def run_variant(spec: dict[str, Any]) -> None:
     """Compose the run's config and call the project's ``train(cfg)``; save its return value."""
-    from protein_performer.hydra_compose import compose_config
+    from protein_performer.training.compose import compose_config
     from protein_performer.training.train import train
 
     out = Path(spec["output_dir"])
@@ -268,10 +268,11 @@ def unigram_baseline(
     The held-out records are re-read from the FASTA ``evaluate`` reads and masked with the same
     dataset rule and seed, so the positions are the ones the models were scored on.
     """
+    import _baseline as baseline
+
     from protein_performer.data.dataset import InMemorySource
+    from protein_performer.data.inputs import read_records
     from protein_performer.data.tokenizer import Alphabet
-    from protein_performer.inference import baseline
-    from protein_performer.inference.io import read_records
 
     alphabet = Alphabet()
     records = read_records(fasta)
@@ -357,7 +358,7 @@ def format_report(rows: list[dict[str, Any]], header: str, verdict: str) -> str:
 
 
 def run_study(args: argparse.Namespace) -> int:
-    from protein_performer.hydra_compose import compose_config
+    from protein_performer.training.compose import compose_config
 
     out = args.out.resolve()
     out.mkdir(parents=True, exist_ok=True)

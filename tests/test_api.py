@@ -14,7 +14,7 @@ import torch
 import protein_performer as pp
 from protein_performer.cli.main import main
 from protein_performer.data.tokenizer import STANDARD_AA
-from protein_performer.model.loading import export_model
+from protein_performer.interop.loading import export_model
 from tests.test_embedding import tiny_loaded
 
 SEQS = ["MKTAYIAKQRQISFVKSHFSRQ", "MLLAVLYCLAVF", "GS"]

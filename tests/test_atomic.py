@@ -1,4 +1,4 @@
-"""protein_performer.atomic: outputs appear complete or not at all."""
+"""protein_performer.io.atomic: outputs appear complete or not at all."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from protein_performer.atomic import atomic_file, default_file_mode, write_text_atomic
+from protein_performer.io.atomic import atomic_file, default_file_mode, write_text_atomic
 
 
 def test_failure_keeps_the_old_file_and_leaves_no_temporary(tmp_path: Path) -> None:
@@ -40,8 +40,8 @@ def test_stores_and_exports_follow_the_umask(tmp_path: Path, umask, file_mode, d
 
     from protein_performer.data.store import StoreWriter
     from protein_performer.data.tokenizer import Alphabet
+    from protein_performer.interop.loading import LoadedModel, export_model
     from protein_performer.model.config import PerformerConfig
-    from protein_performer.model.loading import LoadedModel, export_model
     from protein_performer.model.performer import PerformerLM
 
     old = os.umask(umask)
@@ -70,7 +70,7 @@ def test_stale_temporaries_of_dead_processes_are_removed(tmp_path: Path) -> None
     out = tmp_path / "result.csv"
     # A writer killed mid-write: its temporary stays behind, named by host and pid.
     code = (
-        "import os, sys; from pathlib import Path; from protein_performer.atomic import "
+        "import os, sys; from pathlib import Path; from protein_performer.io.atomic import "
         "atomic_file\nwith atomic_file(Path(sys.argv[1])) as tmp:\n"
         "    tmp.write_text('half'); os._exit(9)"
     )

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from protein_performer.contacts.attention import attention_maps, encode_sequence
 from protein_performer.errors import UserError
-from protein_performer.inference.attention_maps import attention_maps, encode_sequence
 from tests.test_model import tiny_model
 
 SEQ = "MKTAYIAKQRQISFVKSHFSRQLEERLGLIEVQAPILSRVGDGTQDNLSGAEK"
@@ -48,7 +48,7 @@ def test_maps_are_the_implied_attention(attention: str) -> None:
         v = attn._split_heads(attn.v_proj(x))  # (1, H, T, d)
         out = attn.favor(q, k, v) if attn.favor is not None else None
         if out is None:
-            from protein_performer.model.favor import exact_attention
+            from protein_performer.model.exact import exact_attention
 
             out = exact_attention(q, k, v)
     maps = attention_maps(model, SEQ, layers=[1], window=(3, 30), strip_special=False).maps[1]

@@ -15,10 +15,10 @@ import torch
 from test_ddp import torchrun
 from test_train import TINY as TRAIN_TINY
 
-from protein_performer.checkpoints import nonfinite_tensors, safe_load
 from protein_performer.errors import UserError
-from protein_performer.hydra_compose import compose_config
+from protein_performer.io.checkpoints import nonfinite_tensors, safe_load
 from protein_performer.training.checkpointing import TrainingDivergedError
+from protein_performer.training.compose import compose_config
 from protein_performer.training.train import train
 
 REPO = Path(__file__).resolve().parents[1]

@@ -14,7 +14,7 @@ import h5py
 import pytest
 
 from protein_performer.cli.main import main
-from protein_performer.model.loading import export_model
+from protein_performer.interop.loading import export_model
 from tests.test_embedding import tiny_loaded
 from tests.test_loading import fit_checkpoint
 
@@ -210,8 +210,9 @@ def test_console_script_corrupt_checkpoint(files, tmp_path: Path) -> None:
     assert not (tmp_path / "o.h5").exists()
 
 
-def test_inference_demo_step(files, tmp_path: Path) -> None:
-    from protein_performer.inference.demo import run_inference_demo
+def test_inference_demo_step(files, tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "scripts"))
+    from demo import run_inference_demo  # scripts/demo.py: the demo's inference step
 
     out = run_inference_demo(files["ckpt"], files["fasta"], tmp_path / "demo", progress=False)
     assert set(out) == {"embeddings", "scores", "export"}

@@ -11,12 +11,12 @@ import pytest
 import torch
 
 from protein_performer.cli.main import main
+from protein_performer.contacts.fit import METRICS
 from protein_performer.data.tokenizer import Alphabet
 from protein_performer.errors import UserError
-from protein_performer.inference.contacts import METRICS
+from protein_performer.interop.loading import LoadedModel, export_model
 from protein_performer.model.config import PerformerConfig
-from protein_performer.model.contact_regression import ContactRegression
-from protein_performer.model.loading import LoadedModel, export_model
+from protein_performer.model.contact_head import ContactRegression
 from protein_performer.model.performer import PerformerLM
 
 SHARED = Path(__file__).resolve().parents[2] / "shared" / "data" / "structures"

@@ -9,19 +9,19 @@ import numpy as np
 import pytest
 import torch
 
-from protein_performer.data.tokenizer import Alphabet
-from protein_performer.errors import UserError
-from protein_performer.inference import contact_maps
-from protein_performer.inference.contact_maps import (
+from protein_performer.contacts import predict as contact_maps
+from protein_performer.contacts.fit import model_maps
+from protein_performer.contacts.predict import (
     find_regression,
     predict_contacts,
     predict_contacts_fasta,
     read_contacts,
 )
-from protein_performer.inference.contacts import model_maps
+from protein_performer.data.tokenizer import Alphabet
+from protein_performer.errors import UserError
+from protein_performer.interop.loading import LoadedModel
 from protein_performer.model.config import PerformerConfig
-from protein_performer.model.contact_regression import ContactRegression, model_identity
-from protein_performer.model.loading import LoadedModel
+from protein_performer.model.contact_head import ContactRegression, model_identity
 from protein_performer.model.performer import PerformerLM
 
 AMINO = list("ACDEFGHIKLMNPQRSTVWY")
@@ -138,7 +138,7 @@ def test_api_method_returns_the_dense_map(tmp_path: Path) -> None:
 def test_cli_predict_contacts(tmp_path: Path, capsys) -> None:
     pytest.importorskip("h5py")
     from protein_performer.cli.main import main
-    from protein_performer.model.loading import export_model
+    from protein_performer.interop.loading import export_model
 
     loaded = _loaded("favor")
     model_dir = export_model(loaded, tmp_path / "model")
@@ -160,7 +160,7 @@ def test_cli_predict_contacts(tmp_path: Path, capsys) -> None:
 
 
 def test_regression_travels_with_checkpoints_and_exports(tmp_path: Path) -> None:
-    from protein_performer.model.loading import export_model, load_model
+    from protein_performer.interop.loading import export_model, load_model
 
     loaded = _loaded("favor")
     reg = _regression(loaded)
@@ -189,7 +189,7 @@ def test_regression_travels_with_checkpoints_and_exports(tmp_path: Path) -> None
 def test_cli_defaults_are_the_library_defaults() -> None:
     """predict-contacts spells its defaults out (so --help needs no torch): they must agree."""
     from protein_performer.cli import predict_contacts as cli
-    from protein_performer.inference.contacts import MIN_SEPARATION
+    from protein_performer.contacts.fit import MIN_SEPARATION
 
     assert cli.DEFAULT_DENSE_MAX_LENGTH == contact_maps.DEFAULT_DENSE_MAX_LENGTH
     assert cli.DEFAULT_TOP_K_PER_LENGTH == contact_maps.DEFAULT_TOP_K_PER_LENGTH
@@ -201,7 +201,7 @@ def test_embed_include_contacts_stores_the_predicted_maps(tmp_path: Path, capsys
     """`embed --include mean contacts`: the maps beside the embeddings are predict-contacts'."""
     from protein_performer.cli.main import main
     from protein_performer.inference.embedding import read_embeddings
-    from protein_performer.model.loading import export_model
+    from protein_performer.interop.loading import export_model
 
     loaded = _loaded("favor")
     loaded.contact_regression = _regression(loaded).to_dict()

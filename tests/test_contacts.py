@@ -12,8 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from protein_performer.errors import UserError
-from protein_performer.inference.contacts import (
+from protein_performer.contacts.fit import (
     default_regression_path,
     fit_regression,
     null_prediction,
@@ -22,8 +21,9 @@ from protein_performer.inference.contacts import (
     precision_at,
     training_pairs,
 )
+from protein_performer.errors import UserError
 from protein_performer.model.config import PerformerConfig
-from protein_performer.model.contact_regression import (
+from protein_performer.model.contact_head import (
     ContactRegression,
     apc,
     contact_features,

@@ -15,8 +15,8 @@ import pytest
 import torch
 
 from protein_performer.errors import UserError
-from protein_performer.model.convert_esm import convert_esm, read_esm
-from protein_performer.model.loading import load_model
+from protein_performer.interop.convert_esm import convert_esm, read_esm
+from protein_performer.interop.loading import load_model
 
 esm = pytest.importorskip("esm", reason="fair-esm is not installed (pip install fair-esm)")
 
@@ -337,7 +337,7 @@ def _single(seq: str) -> torch.Tensor:
 
 
 def test_contact_head_from_the_hf_cache_matches_transformers(tmp_path, monkeypatch):
-    from protein_performer.inference.contact_maps import predict_contacts
+    from protein_performer.contacts.predict import predict_contacts
 
     hf = _hf_model()
     snapshot = tmp_path / "hub" / "models--tiny--esm2_t2" / "snapshots" / "0123abc"
@@ -366,7 +366,7 @@ def test_contact_head_from_the_hf_cache_matches_transformers(tmp_path, monkeypat
 
 def test_fair_esm_contact_head_file_and_init_from(tmp_path):
     pytest.importorskip("pytorch_lightning")
-    from protein_performer.inference.contact_maps import predict_contacts
+    from protein_performer.contacts.predict import predict_contacts
     from protein_performer.training.init_weights import load_initial_weights
     from protein_performer.training.lit_module import ProteinLMModule
 

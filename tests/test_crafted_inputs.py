@@ -110,8 +110,8 @@ def child(out: Path) -> None:
 
     from protein_performer.cli.main import main
     from protein_performer.data.tokenizer import Alphabet
+    from protein_performer.interop.loading import LoadedModel, export_model
     from protein_performer.model.config import PerformerConfig
-    from protein_performer.model.loading import LoadedModel, export_model
     from protein_performer.model.performer import PerformerLM
 
     config = PerformerConfig(dim=32, depth=2, heads=2, ff_dim=64, nb_features=8)

@@ -50,7 +50,7 @@ class DDPProbe(pl.Callback):
 
 
 def worker(out_dir: Path) -> None:
-    from protein_performer.hydra_compose import compose_config
+    from protein_performer.training.compose import compose_config
     from protein_performer.training.train import train
 
     rank = int(os.environ["RANK"])

@@ -13,8 +13,8 @@ from torch.utils.data import DataLoader
 
 from protein_performer.data.tokenizer import Alphabet
 from protein_performer.errors import UserError
+from protein_performer.interop.loading import LoadedModel, export_model
 from protein_performer.model.config import PerformerConfig
-from protein_performer.model.loading import LoadedModel, export_model
 from protein_performer.model.performer import PerformerLM
 from protein_performer.training.distill import DistillSettings, distill_kl
 from protein_performer.training.init_weights import load_initial_weights
@@ -145,7 +145,7 @@ def test_distillation_pulls_favor_student_toward_teacher(teacher_dir) -> None:
 def test_finetune_experiment_with_distillation_through_hydra(teacher_dir, tmp_path) -> None:
     """``experiment=esm_favor_finetune`` + ``model.distill.weight``: the documented recovery path,
     composed by Hydra and run by ``train(cfg)``; the teacher defaults to ``init_from``."""
-    from protein_performer.hydra_compose import compose_config
+    from protein_performer.training.compose import compose_config
     from protein_performer.training.train import train
 
     repo = Path(__file__).resolve().parents[1]

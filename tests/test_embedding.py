@@ -9,13 +9,13 @@ import numpy as np
 import pytest
 import torch
 
+from protein_performer.data.sampler import budget_batches
 from protein_performer.data.tokenizer import Alphabet
 from protein_performer.errors import UserError
 from protein_performer.inference.api import ProteinLM
 from protein_performer.inference.embedding import embed_fasta, embed_sequences, read_embeddings
-from protein_performer.inference.io import budget_batches
+from protein_performer.interop.loading import LoadedModel
 from protein_performer.model.config import PerformerConfig
-from protein_performer.model.loading import LoadedModel
 from protein_performer.model.performer import PerformerLM
 
 TINY = {"dim": 16, "depth": 2, "heads": 2, "ff_dim": 32, "nb_features": 8}

@@ -7,7 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from protein_performer.model.loading import export_model
+from protein_performer.interop.loading import export_model
 from tests.test_embedding import tiny_loaded
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -10,12 +10,12 @@ import pytest
 import torch
 
 from protein_performer.cli.main import main
+from protein_performer.contacts.predict import predict_contacts
 from protein_performer.data.tokenizer import Alphabet
-from protein_performer.inference.contact_maps import predict_contacts
+from protein_performer.interop.convert_esm import swap_attention
+from protein_performer.interop.loading import LoadedModel, export_model, load_model
 from protein_performer.model.config import PerformerConfig
-from protein_performer.model.contact_regression import ContactRegression, model_identity
-from protein_performer.model.convert_esm import swap_attention
-from protein_performer.model.loading import LoadedModel, export_model, load_model
+from protein_performer.model.contact_head import ContactRegression, model_identity
 from protein_performer.model.performer import PerformerLM
 
 transformers = pytest.importorskip("transformers", reason="transformers is not installed")

@@ -13,12 +13,11 @@ import math
 import pytest
 import torch
 
+from protein_performer.model.exact import exact_attention, exact_attention_map
 from protein_performer.model.favor import (
     KERNELS,
     FavorAttention,
     draw_omega,
-    exact_attention,
-    exact_attention_map,
     favor_attention,
     favor_attention_reference,
     oprf_coefficients,
@@ -640,7 +639,7 @@ def test_fused_paths_equal_the_reference(kernel, causal, padded, dtype):
 def test_bidirectional_head_tiles_equal_the_reference(kernel, monkeypatch):
     """A small L2 cache makes the fused bidirectional path split heads into tiles (and rows into
     blocks): values and gradients still equal the reference's, per-head FAVOR++ included."""
-    import protein_performer.model.favor as favor
+    import protein_performer.model.favor.bidirectional as favor
 
     # Caches for 64 rows of M=16 float64 features over all threads.
     monkeypatch.setattr(favor, "_l2_bytes", lambda: 2 * 16 * 8 * 64 // torch.get_num_threads())
@@ -764,8 +763,12 @@ def test_initial_state_then_steps_equals_parallel(kernel):
     for t in range(P):
         stepped, _ = attn.step(stepped, q[:, :, t], k[:, :, t], v[:, :, t], mask[:, t])
     tol = 1e-7 if kernel == "trig" else 1e-10
-    assert torch.allclose(state.kv * torch.exp(state.mu)[..., None, None],
-                          stepped.kv * torch.exp(stepped.mu)[..., None, None], rtol=tol, atol=0)
+    assert torch.allclose(
+        state.kv * torch.exp(state.mu)[..., None, None],
+        stepped.kv * torch.exp(stepped.mu)[..., None, None],
+        rtol=tol,
+        atol=0,
+    )
     outs = []
     for t in range(P, L):
         state, o = attn.step(state, q[:, :, t], k[:, :, t], v[:, :, t], mask[:, t])

@@ -14,7 +14,7 @@ from torch.utils.data import DataLoader
 
 from protein_performer.data.dataset import ProteinCollator, ProteinDataset
 from protein_performer.errors import UserError
-from protein_performer.model.loading import (
+from protein_performer.interop.loading import (
     CONFIG_FILE,
     WEIGHTS_FILE,
     export_model,
@@ -240,7 +240,7 @@ def test_resolve_device(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_non_finite_weights_are_refused_on_load_and_never_saved(trained, tmp_path: Path) -> None:
-    from protein_performer.checkpoints import save_atomic
+    from protein_performer.io.checkpoints import save_atomic
 
     src = trained[0]
 

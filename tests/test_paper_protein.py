@@ -16,9 +16,9 @@ import pytest
 from protein_performer.data.dataset import ConcatSource, ProteinDataset
 from protein_performer.data.masking import IGNORE_INDEX
 from protein_performer.data.tokenizer import SEQUENCE_LETTERS, Alphabet
-from protein_performer.hydra_compose import compose_config
-from protein_performer.inference.baseline import unigram_baseline
+from protein_performer.training.compose import compose_config
 from protein_performer.training.train import train
+from scripts._baseline import unigram_baseline
 from tests.test_dataset import in_memory_source
 from tests.test_train import TINY
 

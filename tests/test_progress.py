@@ -7,7 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from protein_performer.progress import LineProgress, progress
+from protein_performer.io.progress import LineProgress, progress
 from tests.test_train import TINY
 
 REPO = Path(__file__).resolve().parents[1]
@@ -65,7 +65,7 @@ def test_training_log_gets_lines_not_bar_redraws(tmp_path: Path) -> None:
 
 def test_inference_log_is_small(tmp_path: Path) -> None:
     """A whole embed run shorter than the interval leaves one progress line, its summary."""
-    from protein_performer.model.loading import export_model
+    from protein_performer.interop.loading import export_model
     from tests.test_embedding import tiny_loaded
 
     model = export_model(tiny_loaded(), tmp_path / "m")

@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 
 from protein_performer.cli.main import main
-from protein_performer.model.loading import export_model
+from protein_performer.interop.loading import export_model
 from tests.test_embedding import tiny_loaded
 from tests.test_loading import fit_checkpoint
 

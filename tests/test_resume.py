@@ -13,8 +13,8 @@ import pytest
 import pytorch_lightning as pl
 import torch
 
-from protein_performer.checkpoints import safe_load
-from protein_performer.hydra_compose import compose_config
+from protein_performer.io.checkpoints import safe_load
+from protein_performer.training.compose import compose_config
 from protein_performer.training.train import train
 
 pytestmark = pytest.mark.slow

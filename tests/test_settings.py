@@ -14,7 +14,7 @@ import yaml
 from omegaconf import OmegaConf
 
 from protein_performer.errors import UserError
-from protein_performer.hydra_compose import compose_config
+from protein_performer.training.compose import compose_config
 from protein_performer.training.settings import check_training_config
 
 REPO = Path(__file__).resolve().parents[1]

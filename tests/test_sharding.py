@@ -19,12 +19,12 @@ import numpy as np
 import pytest
 
 from protein_performer.cli.main import main
+from protein_performer.contacts.predict import read_contacts
 from protein_performer.data.tokenizer import STANDARD_AA
-from protein_performer.inference.contact_maps import read_contacts
 from protein_performer.inference.embedding import read_embeddings
-from protein_performer.inference.sharding import finished_parts, parts_dir, windows
-from protein_performer.model.contact_regression import ContactRegression, model_identity
-from protein_performer.model.loading import export_model, load_model
+from protein_performer.interop.loading import export_model, load_model
+from protein_performer.io.sharding import finished_parts, parts_dir, windows
+from protein_performer.model.contact_head import ContactRegression, model_identity
 from tests.test_embedding import tiny_loaded
 
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}

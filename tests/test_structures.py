@@ -18,13 +18,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from protein_performer.errors import UserError
-from protein_performer.inference.structures import (
+from protein_performer.contacts.structures import (
     align_to_sequence,
     contact_target,
     read_chain,
     structure_format,
 )
+from protein_performer.errors import UserError
 
 TINY = Path(__file__).parent / "data" / "tiny_blank_chain.pdb"
 TINY_OBSERVED = "MKGAYLVKTWER"

@@ -14,9 +14,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from protein_performer.hydra_compose import compose_config
 from protein_performer.model.config import PerformerConfig
 from protein_performer.model.performer import PerformerLM
+from protein_performer.training.compose import compose_config
 from protein_performer.training.train import train
 
 REPO = Path(__file__).resolve().parents[1]
@@ -215,7 +215,7 @@ def test_instantiation_errors_name_the_config_key(tmp_path: Path) -> None:
 
 def test_conf_dir_from_environment(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     from protein_performer.errors import UserError
-    from protein_performer.hydra_compose import conf_dir
+    from protein_performer.training.compose import conf_dir
 
     copy = tmp_path / "conf"
     shutil.copytree(REPO / "conf", copy)

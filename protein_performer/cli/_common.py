@@ -18,7 +18,7 @@ from protein_performer.errors import UserError
 
 if TYPE_CHECKING:
     from protein_performer.inference.api import ProteinLM
-    from protein_performer.model.loading import LoadedModel
+    from protein_performer.interop.loading import LoadedModel
 
 ON_INVALID_HELP = "invalid FASTA records: stop with an error (default) or skip them"
 TOKS_PER_BATCH_HELP = "token budget per pass (default: 4096)"
@@ -175,7 +175,7 @@ def check_output(
 
 def load_checkpoint(args: argparse.Namespace) -> LoadedModel:
     """The model named by ``args.ckpt``, on ``args.device`` (with ``--threads`` applied)."""
-    from protein_performer.model.loading import load_model
+    from protein_performer.interop.loading import load_model
 
     apply_threads(args)
 
@@ -186,7 +186,7 @@ def load_lm(args: argparse.Namespace) -> ProteinLM:
     """``protein_performer.load`` of ``args.ckpt`` with the device, precision and threads asked
     (under torchrun/SLURM, ``--device cuda``/``auto`` means this rank's own GPU)."""
     from protein_performer.inference.api import load
-    from protein_performer.inference.sharding import detect_ranks
+    from protein_performer.io.sharding import detect_ranks
 
     return load(args.ckpt, detect_ranks().device(args.device), args.precision, args.threads)
 

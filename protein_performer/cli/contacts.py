@@ -120,11 +120,11 @@ def load_targets(
     """Parse and align every ``FILE[:CHAIN]``; ids are file stems (plus :CHAIN if given)."""
     from pathlib import Path
 
-    from protein_performer.inference.structures import contact_target
+    from protein_performer.contacts.structures import contact_target
 
     sequences: dict[str, str] = {}
     if fasta:
-        from protein_performer.inference.io import read_records
+        from protein_performer.data.inputs import read_records
 
         sequences = {r.id: r.sequence for r in read_records(Path(fasta), "error")}
     targets = []
@@ -145,12 +145,12 @@ def load_targets(
 
 
 def run(args: argparse.Namespace) -> int:
-    from protein_performer.inference.contacts import (
+    from protein_performer.contacts.fit import (
         DEFAULT_C,
         benchmark,
         format_summary,
     )
-    from protein_performer.model.contact_regression import ContactRegression
+    from protein_performer.model.contact_head import ContactRegression
 
     inputs = [args.ckpt, args.regression, args.fasta, *args.structures, *(args.fit_on or [])]
     check_output(args.out, [split_chain(s, None)[0] for s in inputs if s], args.overwrite)

@@ -73,7 +73,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from protein_performer.errors import UserError
-    from protein_performer.model.convert_esm import convert_esm
+    from protein_performer.interop.convert_esm import convert_esm
 
     if args.nb_features is not None and args.nb_features <= 0:
         raise UserError(f"--nb-features must be positive, got {args.nb_features}")

@@ -54,7 +54,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from protein_performer.errors import UserError
-    from protein_performer.model.loading import export_model, load_model
+    from protein_performer.interop.loading import export_model, load_model
 
     if args.as_exact and args.format != "hf":
         raise UserError("--as-exact is for --format hf (the native format keeps FAVOR+)")
@@ -62,7 +62,7 @@ def run(args: argparse.Namespace) -> int:
     loaded = load_model(args.ckpt, "cpu")
     attention = loaded.config.attention
     if args.format == "hf":
-        from protein_performer.inference.export_hf import export_hf
+        from protein_performer.interop.export_hf import export_hf
 
         out = export_hf(loaded, args.out, as_exact=args.as_exact, overwrite=args.overwrite)
         attention = "exact"

@@ -92,8 +92,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from protein_performer.inference.io import text_output
-    from protein_performer.progress import progress
+    from protein_performer.io.atomic import text_output
+    from protein_performer.io.progress import progress
 
     check_output(args.out, [args.ckpt], args.overwrite)
     lm = load_lm(args)

@@ -44,7 +44,7 @@ output layout (h5py; one array per field, records in FASTA order):
       f["pair_i"], f["pair_j"], f["pair_p"] [o[n]:o[n+1]]   0-based i < j, most probable first
   f.attrs                                  checkpoint, model_sha256, regression (JSON), dtype,
                                            dense_max_length, top_k_per_length, min_separation
-  Python: protein_performer.inference.contact_maps.read_contacts(path, ids=None)
+  Python: protein_performer.contacts.predict.read_contacts(path, ids=None)
 
 examples:
   protein-performer predict-contacts esm2_8M_exact proteins.fasta contacts.h5
@@ -108,7 +108,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from protein_performer.inference.contact_maps import find_regression, predict_contacts_fasta
+    from protein_performer.contacts.predict import find_regression, predict_contacts_fasta
 
     check_output(args.out, [args.ckpt, args.fasta, args.regression], args.overwrite)
     loaded = load_lm(args).loaded

@@ -42,7 +42,7 @@ examples:
 def _choices_epilog() -> str:
     # Listed from conf/ at --help time, so new experiment files show up without code changes.
     try:
-        from protein_performer.hydra_compose import conf_dir, list_choices
+        from protein_performer.training.compose import conf_dir, list_choices
     except ImportError:  # pragma: no cover - broken install; the run itself will say more
         return EXAMPLES
     try:

@@ -2,7 +2,7 @@
 
 ``visualize(cfg) -> {name: png path}`` is a pure function of a composed config
 (``conf/visualize.yaml``), so tests and notebooks call it directly; ``compose(overrides)`` composes
-with Hydra's compose API (``protein_performer.hydra_compose``). It lives here, on the floor that
+with Hydra's compose API (``protein_performer.training.compose``). It lives here, on the floor that
 may use both: inference loads the model and streams attention, viz/ draws the arrays.
 
 Memory stays O(window x L): attention rows are streamed layer by layer (``attention_maps``'s
@@ -98,7 +98,7 @@ def _sequence(cfg: Any) -> tuple[str, str]:
             raise UserError("give sequence=... or fasta=..., not both")
         return "sequence", str(cfg.sequence).strip().upper()
     if cfg.get("fasta"):
-        from protein_performer.inference.io import read_records
+        from protein_performer.data.inputs import read_records
 
         records = read_records(Path(str(cfg.fasta)), "error")
         want = cfg.get("record")
@@ -140,14 +140,14 @@ def _as_list(value: Any) -> list[int] | None:
 
 def _regression(cfg: Any, loaded: Any):
     """``regression=PATH``, else the model's own or the one beside the checkpoint, else None."""
-    from protein_performer.inference.contact_maps import find_regression
+    from protein_performer.contacts.predict import find_regression
 
     return find_regression(loaded, cfg.get("regression") or None, required=False)
 
 
 def unsupervised_contacts(maps: np.ndarray) -> np.ndarray:
     """Mean over layers and heads of APC(symmetrized maps): a fit-free contact score."""
-    from protein_performer.model.contact_regression import contact_features
+    from protein_performer.model.contact_head import contact_features
 
     return contact_features(maps).mean(-1)
 
@@ -157,12 +157,12 @@ def visualize(cfg: Any) -> dict[str, Path]:
     ``grid``, ``similarity`` and ``contacts`` that were drawn."""
     import numpy as np
 
-    from protein_performer.inference.attention_maps import (
+    from protein_performer.contacts.attention import (
         attention_maps,
         resolve_heads,
         resolve_layers,
     )
-    from protein_performer.model.loading import load_model
+    from protein_performer.interop.loading import load_model
     from protein_performer.viz import plots
     from protein_performer.viz.similarity import SimilarityAccumulator
 
@@ -170,7 +170,7 @@ def visualize(cfg: Any) -> dict[str, Path]:
     record_id, sequence = _sequence(cfg)
     target = None
     if cfg.get("structure") and bool(cfg.get("contacts", True)):
-        from protein_performer.inference.structures import contact_target
+        from protein_performer.contacts.structures import contact_target
 
         target = contact_target(
             str(cfg.structure), chain=cfg.get("chain"), sequence=sequence or None
@@ -228,7 +228,7 @@ def visualize(cfg: Any) -> dict[str, Path]:
             )
 
     if target is not None:
-        from protein_performer.inference.contacts import model_maps
+        from protein_performer.contacts.fit import model_maps
 
         regression = _regression(cfg, loaded)
         if regression is not None:
@@ -254,7 +254,7 @@ def visualize(cfg: Any) -> dict[str, Path]:
 
 def compose(overrides: Sequence[str] = ()) -> Any:
     """``conf/visualize.yaml`` with overrides (paths and the sequence taken verbatim)."""
-    from protein_performer.hydra_compose import compose_config
+    from protein_performer.training.compose import compose_config
 
     return compose_config(
         overrides,

@@ -46,7 +46,7 @@ from protein_performer.data.split import (
 from protein_performer.data.store import StoreWriter, TokenStore, check_output_dir
 from protein_performer.data.tokenizer import Alphabet
 from protein_performer.errors import UserError
-from protein_performer.progress import progress as progress_bar
+from protein_performer.io.progress import progress as progress_bar
 
 log = logging.getLogger(__name__)
 

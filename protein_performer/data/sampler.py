@@ -25,6 +25,8 @@ from collections.abc import Iterator, Sequence
 import numpy as np
 import torch.distributed as dist
 
+from protein_performer.errors import UserError
+
 
 class _EpochHook:
     """Stands where Lightning looks for ``batch_sampler.sampler.set_epoch``; forwards the call."""
@@ -197,3 +199,29 @@ class TokenBudgetBatchSampler:
 
     def __len__(self) -> int:
         return self._num_batches_total // self.num_replicas
+
+
+def budget_batches(lengths: Sequence[int], toks_per_batch: int) -> list[list[int]]:
+    """Indices grouped so each batch's padded size ``n * max_width`` stays under the budget.
+
+    Longest first, so an out-of-memory failure happens at the start rather than after an hour.
+    A single item wider than the budget gets a batch of its own and is never truncated: the
+    budget bounds batching, not sequence length.
+    """
+    if toks_per_batch <= 0:
+        raise UserError(f"--toks-per-batch must be positive, got {toks_per_batch}")
+    order = sorted(range(len(lengths)), key=lambda i: (-int(lengths[i]), i))
+    batches: list[list[int]] = []
+    current: list[int] = []
+    width = 0
+    for i in order:
+        w = int(lengths[i])
+        new_width = max(width, w)
+        if current and new_width * (len(current) + 1) > toks_per_batch:
+            batches.append(current)
+            current, new_width = [], w
+        current.append(i)
+        width = new_width
+    if current:
+        batches.append(current)
+    return batches

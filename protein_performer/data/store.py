@@ -40,10 +40,10 @@ from typing import Any, BinaryIO
 
 import numpy as np
 
-from protein_performer.atomic import exclusive_lock, fsync_path, make_temp_dir, replace_dir
 from protein_performer.data.split import SPLIT_CODES, SPLIT_NAMES
 from protein_performer.data.tokenizer import Alphabet
 from protein_performer.errors import UserError
+from protein_performer.io.atomic import exclusive_lock, fsync_path, make_temp_dir, replace_dir
 
 log = logging.getLogger(__name__)
 
@@ -426,7 +426,7 @@ def check_output_dir(out: Path, overwrite: bool) -> None:
 
 
 def _replace_dir(src: Path, dst: Path, overwrite: bool) -> None:
-    """Move ``src`` to ``dst`` (:func:`protein_performer.atomic.replace_dir`: an old store is
+    """Move ``src`` to ``dst`` (:func:`protein_performer.io.atomic.replace_dir`: an old store is
     exchanged atomically), so ``dst`` is always the complete old or the complete new store."""
     if dst.exists():
         check_output_dir(dst, overwrite)

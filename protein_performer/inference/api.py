@@ -32,9 +32,9 @@ from protein_performer.inference.scoring import (
     score_sequences,
     score_variants,
 )
-from protein_performer.inference.sharding import windows
+from protein_performer.interop.loading import LoadedModel, load_model
+from protein_performer.io.sharding import windows
 from protein_performer.model.config import PerformerConfig
-from protein_performer.model.loading import LoadedModel, load_model
 from protein_performer.model.performer import PerformerLM
 
 #: ``--precision`` names and the dtypes they stand for.
@@ -310,8 +310,8 @@ class ProteinLM:
         model's own contact regression (a converted ESM-2's head, or one fitted by
         ``protein-performer contacts``) or the regression file ``regression``. The map is
         L x L; to keep only the top pairs of a very long sequence, call
-        ``protein_performer.inference.contact_maps.predict_contacts`` with a dense limit."""
-        from protein_performer.inference.contact_maps import find_regression, predict_contacts
+        ``protein_performer.contacts.predict.predict_contacts`` with a dense limit."""
+        from protein_performer.contacts.predict import find_regression, predict_contacts
 
         ((_, text),) = list(_as_records([("sequence", seq)]))
         reg = find_regression(self.loaded, regression)

@@ -26,7 +26,7 @@ HDF5 layout (``FORMAT_NAME`` version ``FORMAT_VERSION``; N records, D = model wi
 group per record) are refused with a message saying to re-run ``embed``.
 
 Runs are written as parts (``OUT.parts/``, one per window of records) and merged at the end
-(:mod:`protein_performer.inference.sharding`): a killed run resumes with ``--resume`` and loses
+(:mod:`protein_performer.io.sharding`): a killed run resumes with ``--resume`` and loses
 at most one window, and ranks of a ``torchrun``/SLURM job each write their own parts.
 """
 
@@ -43,9 +43,12 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from protein_performer.atomic import output_file
+from protein_performer.data.inputs import InputRecord, input_records
+from protein_performer.data.sampler import budget_batches
 from protein_performer.errors import UserError
-from protein_performer.inference.columns import (
+from protein_performer.interop.loading import LoadedModel
+from protein_performer.io.atomic import output_file
+from protein_performer.io.columns import (
     HEADER_COLUMNS,
     RECORD_COLUMNS,
     Column,
@@ -56,8 +59,6 @@ from protein_performer.inference.columns import (
     record_columns,
     write_columns,
 )
-from protein_performer.inference.io import InputRecord, budget_batches, input_records
-from protein_performer.model.loading import LoadedModel
 
 if TYPE_CHECKING:
     from protein_performer.inference.api import ProteinLM
@@ -146,7 +147,7 @@ def _layout(attrs: dict[str, Any]) -> Layout:
     if "per_tok" in include:
         ragged["per_tok_offsets"] = tuple(Column(f"per_tok/{n}", np.float32, row) for n in layers)
     if "contacts" in include:
-        from protein_performer.inference.contact_maps import contact_ragged
+        from protein_performer.contacts.predict import contact_ragged
 
         ragged.update(contact_ragged(CONTACTS_DTYPE))
     return Layout([*RECORD_COLUMNS, *pooled], ragged)
@@ -168,7 +169,7 @@ def _features_sha256(model: torch.nn.Module) -> str:
 def file_attrs(lm: ProteinLM, layers: Sequence[int], include: Sequence[str]) -> dict[str, Any]:
     """The root attributes: what the embeddings came from and how they were made."""
     from protein_performer import __version__
-    from protein_performer.model.contact_regression import weights_sha256
+    from protein_performer.model.contact_head import weights_sha256
 
     precision = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}[lm.dtype]
     return {
@@ -247,7 +248,7 @@ def _write_part(
         }
         ragged["per_tok_offsets"] = (per_record["lengths"], tok)
     if maps:
-        from protein_performer.inference.contact_maps import contact_columns
+        from protein_performer.contacts.predict import contact_columns
 
         ragged.update(contact_columns(maps, CONTACTS_DTYPE))
     write_columns(path, layout, attrs, per_record, ragged)
@@ -289,14 +290,14 @@ def embed_fasta(
     leftover parts are refused unless ``overwrite``. Under ``torchrun``/SLURM every rank runs
     this with the same arguments.
     """
-    from protein_performer.inference.sharding import (
+    from protein_performer.io.progress import progress as progress_bar
+    from protein_performer.io.sharding import (
         finished_parts,
         parts_dir,
         rank_label,
         run_sharded,
         windows,
     )
-    from protein_performer.progress import progress as progress_bar
 
     path = Path(fasta).expanduser()
     dest = output_file(out)
@@ -308,8 +309,8 @@ def embed_fasta(
     attrs = file_attrs(lm, layers, include)
     regression = None
     if "contacts" in include:  # the model's own regression, or one line saying how to fit one
-        from protein_performer.inference.contact_maps import find_regression
-        from protein_performer.model.contact_regression import weights_sha256
+        from protein_performer.contacts.predict import find_regression
+        from protein_performer.model.contact_head import weights_sha256
 
         regression = find_regression(lm.loaded)
         regression.check_model(lm.loaded, weights_sha256(lm.model))
@@ -342,7 +343,7 @@ def embed_fasta(
         )
         maps = []
         if regression is not None:
-            from protein_performer.inference.contact_maps import predict_contacts
+            from protein_performer.contacts.predict import predict_contacts
 
             maps = [predict_contacts(lm.loaded, s, regression, checked=True) for _, s in pairs]
         _write_part(part, attrs, window, results, maps)
@@ -390,8 +391,8 @@ def read_embeddings(
     if kind == "contacts":
         import h5py
 
-        from protein_performer.inference.contact_maps import FORMAT_NAME as CONTACTS
-        from protein_performer.inference.contact_maps import read_contacts, read_maps
+        from protein_performer.contacts.predict import FORMAT_NAME as CONTACTS
+        from protein_performer.contacts.predict import read_contacts, read_maps
 
         with h5py.File(src, "r") as h5:
             is_contacts_file = h5.attrs.get("format") == CONTACTS

@@ -29,8 +29,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from protein_performer.atomic import write_text_atomic
 from protein_performer.errors import UserError
+from protein_performer.io.atomic import write_text_atomic
 
 log = logging.getLogger(__name__)
 
@@ -58,8 +58,8 @@ def _metrics(nll: float, tokens: int, correct: int) -> dict[str, float | None]:
 def _source(cfg: Any, alphabet: Any) -> tuple[Any, str]:
     """A record source for ``cfg.data``: a store split or every record of a FASTA."""
     from protein_performer.data.dataset import InMemorySource, StoreSubset
+    from protein_performer.data.inputs import read_records
     from protein_performer.data.store import TokenStore, is_store
-    from protein_performer.inference.io import read_records
 
     path = Path(str(cfg.data)).expanduser()
     if path.is_dir() or is_store(path):
@@ -85,10 +85,10 @@ def evaluate(cfg: Any) -> dict[str, Any]:
     ``cfg.out_dir`` and return the metrics (``overall``, ``bins``, settings, output paths)."""
     from protein_performer.data.dataset import ProteinCollator, ProteinDataset
     from protein_performer.data.masking import IGNORE_INDEX
-    from protein_performer.inference.io import budget_batches
+    from protein_performer.data.sampler import budget_batches
     from protein_performer.inference.scoring import masked_log_probs
-    from protein_performer.model.loading import load_model
-    from protein_performer.progress import progress as progress_bar
+    from protein_performer.interop.loading import load_model
+    from protein_performer.io.progress import progress as progress_bar
 
     loaded = load_model(str(cfg.ckpt), str(cfg.get("device", "auto")))
     source, described = _source(cfg, loaded.alphabet)
@@ -202,7 +202,7 @@ def evaluate(cfg: Any) -> dict[str, Any]:
 
 def compose(overrides: Sequence[str] = ()) -> Any:
     """``conf/eval.yaml`` composed with overrides; composition errors become ``UserError``."""
-    from protein_performer.hydra_compose import compose_config
+    from protein_performer.training.compose import compose_config
 
     # `data` is also the name of training's config group in conf/, so Hydra would read
     # `data=PATH` as a group choice; plain `data=`/`ckpt=` values are set after composing.

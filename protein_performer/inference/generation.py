@@ -23,7 +23,7 @@ import torch
 
 from protein_performer.data.tokenizer import STANDARD_AA
 from protein_performer.errors import UserError
-from protein_performer.model.loading import LoadedModel
+from protein_performer.interop.loading import LoadedModel
 
 
 @dataclass

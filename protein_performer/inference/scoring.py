@@ -46,16 +46,12 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
+from protein_performer.data.inputs import input_records, read_records
+from protein_performer.data.sampler import budget_batches
 from protein_performer.errors import UserError
-from protein_performer.inference.io import (
-    atomic_output,
-    budget_batches,
-    input_records,
-    read_records,
-    text_output,
-)
-from protein_performer.model.loading import LoadedModel
-from protein_performer.progress import progress as progress_bar
+from protein_performer.interop.loading import LoadedModel
+from protein_performer.io.atomic import atomic_output, text_output
+from protein_performer.io.progress import progress as progress_bar
 
 if TYPE_CHECKING:
     from protein_performer.inference.api import ProteinLM
@@ -258,11 +254,11 @@ def score_fasta(
     into ``out`` (CSV/TSV, or standard output for ``-``), one row per record in input order.
 
     Window by window into parts, merged at the end, so ranks of a ``torchrun``/SLURM job split
-    the records (:mod:`protein_performer.inference.sharding`); standard output takes one process.
+    the records (:mod:`protein_performer.io.sharding`); standard output takes one process.
     """
     import tempfile
 
-    from protein_performer.inference.sharding import (
+    from protein_performer.io.sharding import (
         detect_ranks,
         rank_label,
         run_sharded,

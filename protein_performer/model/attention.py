@@ -18,12 +18,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from protein_performer.model.config import PerformerConfig
-from protein_performer.model.favor import (
-    FavorAttention,
-    FavorState,
-    exact_attention,
-    exact_attention_map,
-)
+from protein_performer.model.exact import exact_attention, exact_attention_map
+from protein_performer.model.favor import FavorAttention, FavorState
 from protein_performer.model.rotary import RotaryEmbedding
 
 

@@ -20,8 +20,8 @@ import pytorch_lightning as pl
 import torch
 from pytorch_lightning.callbacks import Callback, ProgressBar
 
-from protein_performer.atomic import write_text_atomic
 from protein_performer.errors import UserError
+from protein_performer.io.atomic import write_text_atomic
 
 log = logging.getLogger(__name__)
 
@@ -299,7 +299,7 @@ class LineProgressBar(ProgressBar):
 
     def __init__(self, interval: float | None = None) -> None:
         super().__init__()
-        from protein_performer.progress import interval as default_interval
+        from protein_performer.io.progress import interval as default_interval
 
         self.every = default_interval() if interval is None else interval
         self._enabled = True
@@ -354,6 +354,6 @@ def progress_bar(refresh_rate: int = 1, interval: float | None = None) -> Progre
     """Lightning's tqdm bar on a terminal, :class:`LineProgressBar` in a log file."""
     from pytorch_lightning.callbacks import TQDMProgressBar
 
-    from protein_performer.progress import on_terminal
+    from protein_performer.io.progress import on_terminal
 
     return TQDMProgressBar(refresh_rate) if on_terminal() else LineProgressBar(interval)

@@ -29,9 +29,9 @@ from lightning_fabric.plugins import TorchCheckpointIO
 from pytorch_lightning.callbacks import Callback, ModelCheckpoint
 from pytorch_lightning.utilities.exceptions import SIGTERMException
 
-from protein_performer.atomic import remove_stale_temps
-from protein_performer.checkpoints import load_lightning, nonfinite_tensors, save_atomic
 from protein_performer.errors import UserError
+from protein_performer.io.atomic import remove_stale_temps
+from protein_performer.io.checkpoints import load_lightning, nonfinite_tensors, save_atomic
 
 log = logging.getLogger(__name__)
 
@@ -180,7 +180,7 @@ class RunCheckpoint(ModelCheckpoint):
 
 
 class SafeCheckpointIO(TorchCheckpointIO):
-    """Lightning's checkpoint I/O through ``protein_performer.checkpoints`` (atomic, safe)."""
+    """Lightning's checkpoint I/O through ``protein_performer.io.checkpoints`` (atomic, safe)."""
 
     def save_checkpoint(
         self, checkpoint: dict[str, Any], path: Any, storage_options: Any | None = None

@@ -73,7 +73,7 @@ def load_teacher(path: str | os.PathLike[str]) -> torch.nn.Module:
     Hugging Face directory); a FAVOR+ source is swapped to exact attention, since the point of
     the teacher is the function the weights compute without the kernel approximation.
     """
-    from protein_performer.model.convert_esm import load_any, swap_attention
+    from protein_performer.interop.convert_esm import load_any, swap_attention
 
     model = load_any(path).model
     if model.config.attention != "exact":

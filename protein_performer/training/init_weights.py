@@ -33,14 +33,14 @@ def _is_favor_buffer(name: str) -> bool:
 def load_initial_weights(module: Any, path: str | os.PathLike[str]) -> list[str]:
     """Copy the weights of ``path`` into ``module.model`` (a ``ProteinLMModule``'s PerformerLM).
 
-    ``path`` is anything ``protein_performer.model.loading.load_model`` reads (a ``.ckpt``,
+    ``path`` is anything ``protein_performer.interop.loading.load_model`` reads (a ``.ckpt``,
     an export directory such as ``protein-performer convert-esm`` writes) or, for convenience,
     an ESM-2 source (fair-esm ``.pt``, Hugging Face directory) converted on the fly. The
     source's contact regression, if any (ESM-2's contact head), goes into the module's
     checkpoints. Returns the names of the FAVOR+ buffers left as the module drew them.
     """
-    from protein_performer.model.convert_esm import load_any
-    from protein_performer.model.loading import diff_state
+    from protein_performer.interop.convert_esm import load_any
+    from protein_performer.interop.loading import diff_state
 
     source = load_any(path)
     model = module.model

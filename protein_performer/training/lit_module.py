@@ -21,8 +21,8 @@ from omegaconf import DictConfig, OmegaConf
 from torch.optim.lr_scheduler import LambdaLR
 from torchmetrics.aggregation import SumMetric
 
-from protein_performer.checkpoints import CONTACT_REGRESSION_KEY
 from protein_performer.errors import UserError
+from protein_performer.io.checkpoints import CONTACT_REGRESSION_KEY
 from protein_performer.model.config import PerformerConfig
 from protein_performer.model.performer import PerformerLM
 from protein_performer.training.distill import DistillSettings, distill_kl, load_teacher

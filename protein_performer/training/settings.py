@@ -2,7 +2,7 @@
 is built: ``data``, ``model.optim`` and the composed ``trainer`` (the model's own fields are
 ``PerformerConfig.validate``'s job, ``model.distill`` is ``DistillSettings``').
 
-Each group is a table of :class:`protein_performer.validation.Rule` (accepted types, range,
+Each group is a table of :class:`protein_performer.errors.Rule` (accepted types, range,
 documented sentinels such as ``-1`` for ``trainer.max_steps``), so a negative size, a
 probability outside [0, 1] or a string where a number belongs is one ``error:`` line naming
 the key, not a traceback from deep inside a sampler or an optimizer a minute later.
@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from protein_performer.validation import Rule, check_group, invalid
+from protein_performer.errors import Rule, check_group, invalid
 
 _FRACTION = Rule(float, 0.0, 1.0)
 _POSITIVE = Rule(int, 1)

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from protein_performer.errors import UserError
-from protein_performer.hydra_compose import compose_config, conf_dir
+from protein_performer.training.compose import compose_config, conf_dir
 
 if TYPE_CHECKING:
     from omegaconf import DictConfig

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import numpy as np
 
-from protein_performer.atomic import atomic_file
+from protein_performer.io.atomic import atomic_file
 
 #: The 20 standard amino acids in BLOSUM's customary order.
 AMINO_ACIDS = "ARNDCQEGHILKMFPSTWYV"
@@ -30,7 +30,7 @@ def _pyplot():
 
 
 def save_figure(fig, path: str | os.PathLike[str], dpi: int = 120) -> Path:
-    """Save as PNG atomically (:func:`protein_performer.atomic.atomic_file`), close the figure."""
+    """Save as PNG atomically (:func:`protein_performer.io.atomic.atomic_file`); close it."""
     plt = _pyplot()
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -20,7 +20,7 @@ reverse, recomputes each segment's prefix states from that boundary state, carri
 adjoint dS backwards, and finishes the segment's gradients at once. Nothing of size
 (chunks x M x dv) is stored across segments. The scan takes a segment's operands from a provider
 (:func:`scan_forward_segments`, :func:`scan_backward_segments`), so a caller computes the
-features of a segment's rows only when the scan reaches it (``favor._CausalFavor``).
+features of a segment's rows only when the scan reaches it (:mod:`.causal`).
 
 No host-device synchronisation inside the scan: whether a chunk's stabilizer jumps too far for
 the factorized intra-chunk weights is accumulated on the device and read once after the forward

@@ -35,9 +35,11 @@ from typing import Any
 import numpy as np
 import torch
 
+from protein_performer.contacts.attention import encode_sequence, run_with_qk
+from protein_performer.contacts.fit import MIN_SEPARATION, default_regression_path
 from protein_performer.errors import UserError
-from protein_performer.inference.attention_maps import encode_sequence, run_with_qk
-from protein_performer.inference.columns import (
+from protein_performer.interop.loading import LoadedModel
+from protein_performer.io.columns import (
     HEADER_COLUMNS,
     RECORD_COLUMNS,
     Column,
@@ -48,10 +50,8 @@ from protein_performer.inference.columns import (
     record_columns,
     write_columns,
 )
-from protein_performer.inference.contacts import MIN_SEPARATION, default_regression_path
-from protein_performer.model.contact_regression import ContactRegression, weights_sha256
+from protein_performer.model.contact_head import ContactRegression, weights_sha256
 from protein_performer.model.favor import MapFactors
-from protein_performer.model.loading import LoadedModel
 
 log = logging.getLogger(__name__)
 
@@ -383,7 +383,7 @@ def predict_contacts_fasta(
 ) -> ContactsSummary:
     """Contact maps of every record (FASTA or store) into one columnar HDF5 file.
 
-    Layout (:mod:`protein_performer.inference.columns`; one array per field)::
+    Layout (:mod:`protein_performer.io.columns`; one array per field)::
 
         /                 attrs: format, format_version, checkpoint, model_sha256, regression
                                  (its JSON), regression_source, dtype, dense_max_length,
@@ -403,11 +403,11 @@ def predict_contacts_fasta(
     Written like ``embed``'s file: windows of records (about ``toks_per_batch`` * 32 residues;
     dense maps are L^2 each, hence the small default) become parts, merged at the end, so
     ranks of a ``torchrun``/SLURM job split the records
-    (:mod:`protein_performer.inference.sharding`).
+    (:mod:`protein_performer.io.sharding`).
     """
-    from protein_performer.inference.io import input_records
-    from protein_performer.inference.sharding import rank_label, run_sharded, windows
-    from protein_performer.progress import progress as progress_bar
+    from protein_performer.data.inputs import input_records
+    from protein_performer.io.progress import progress as progress_bar
+    from protein_performer.io.sharding import rank_label, run_sharded, windows
 
     if dtype not in DTYPES:
         raise UserError(f"--dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")

@@ -11,7 +11,7 @@ Two on-disk forms load the same way (every inference command accepts either):
   version, the architecture, the vocabulary) + ``model.safetensors`` (weights only).
 
 Why so strict: a ``.ckpt`` is a pickle, and unpickling runs arbitrary code. Loading goes through
-``protein_performer.checkpoints.safe_load`` (``weights_only=True``, a small allowlist); anything
+``protein_performer.io.checkpoints.safe_load`` (``weights_only=True``, a small allowlist); anything
 else is refused with a message, never unpickled. A config read from a file is checked (types,
 ranges, the weights' shapes from the safetensors header, a size that fits in memory) before
 anything is allocated, and non-finite weights are refused. The FAVOR+ random features (``omega``
@@ -33,15 +33,15 @@ from typing import Any
 
 import torch
 
-from protein_performer.atomic import default_file_mode, fsync_path, make_temp_dir, replace_dir
-from protein_performer.checkpoints import (
+from protein_performer.data.tokenizer import Alphabet
+from protein_performer.errors import UserError, check_format_header
+from protein_performer.io.atomic import default_file_mode, fsync_path, make_temp_dir, replace_dir
+from protein_performer.io.checkpoints import (
     CONTACT_REGRESSION_KEY,
     check_finite,
     load_lightning,
     read_safetensors_header,
 )
-from protein_performer.data.tokenizer import Alphabet
-from protein_performer.errors import UserError, check_format_header
 from protein_performer.model.config import PerformerConfig
 from protein_performer.model.performer import PerformerLM
 

@@ -43,18 +43,18 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from protein_performer.atomic import write_text_atomic
 from protein_performer.errors import UserError
-from protein_performer.model.contact_regression import (
+from protein_performer.interop.loading import REGRESSION_FILE  # beside a .ckpt: <stem>.<it>
+from protein_performer.io.atomic import write_text_atomic
+from protein_performer.model.contact_head import (
     ContactRegression,
     contact_features,
     model_identity,
 )
-from protein_performer.model.loading import REGRESSION_FILE  # beside a .ckpt: <stem>.<it>
 
 if TYPE_CHECKING:
-    from protein_performer.inference.structures import ContactTarget
-    from protein_performer.model.loading import LoadedModel
+    from protein_performer.contacts.structures import ContactTarget
+    from protein_performer.interop.loading import LoadedModel
 
 log = logging.getLogger(__name__)
 
@@ -230,7 +230,7 @@ def model_maps(
     heads: Sequence[int] | None = None,
 ) -> np.ndarray:
     """(n_layers, n_heads, L, L) residue x residue maps (float32) of a loaded model."""
-    from protein_performer.inference.attention_maps import full_maps
+    from protein_performer.contacts.attention import full_maps
 
     return full_maps(loaded.model, sequence, layers=layers, heads=heads).numpy()
 

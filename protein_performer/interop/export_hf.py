@@ -26,9 +26,8 @@ import numpy as np
 import torch
 
 from protein_performer.errors import UserError
-from protein_performer.model.contact_regression import ContactRegression
-from protein_performer.model.convert_esm import ESM2_VOCAB, hf_name
-from protein_performer.model.loading import (
+from protein_performer.interop.convert_esm import ESM2_VOCAB, hf_name
+from protein_performer.interop.loading import (
     CONFIG_FILE,
     WEIGHTS_FILE,
     LoadedModel,
@@ -36,6 +35,7 @@ from protein_performer.model.loading import (
     tied_aliases,
     write_json,
 )
+from protein_performer.model.contact_head import ContactRegression
 
 VOCAB_FILE = "vocab.txt"
 SPECIAL_TOKENS = {

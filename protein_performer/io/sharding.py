@@ -195,7 +195,7 @@ def run_sharded(
     rank stops every rank with that error (no rank is left waiting at a barrier); the parts
     already finished stay for a resume, an empty parts directory goes.
     """
-    from protein_performer.atomic import output_file
+    from protein_performer.io.atomic import output_file
 
     ranks = detect_ranks()
     pdir = parts or parts_dir(output_file(out))

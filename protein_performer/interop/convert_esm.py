@@ -21,7 +21,7 @@ Training reads weights through :func:`load_any` (our ``.ckpt``/export, else an E
 converted in memory) and :func:`swap_attention`, so this module sits on the model floor with
 ``model.loading``, below training and inference.
 
-fair-esm checkpoints are pickles: they are read with ``protein_performer.checkpoints.safe_load``
+fair-esm checkpoints are pickles: they are read with ``protein_performer.io.checkpoints.safe_load``
 (``weights_only=True``; the fair-esm allowlist adds ``argparse.Namespace``, since ESM-2's
 ``cfg["model"]`` and ESM-1's ``args`` are Namespaces). HF directories are read
 with ``safetensors`` and ``json`` alone, so ``transformers`` is not needed at run time.
@@ -41,19 +41,18 @@ from typing import Any
 
 import torch
 
-from protein_performer.checkpoints import check_finite, safe_load
 from protein_performer.data.tokenizer import Alphabet
-from protein_performer.errors import UserError
-from protein_performer.model.config import ATTENTIONS, KERNELS, PerformerConfig
-from protein_performer.model.contact_regression import ContactRegression, model_identity
-from protein_performer.model.loading import (
+from protein_performer.errors import Rule, UserError, check_group
+from protein_performer.interop.loading import (
     LoadedModel,
     check_fits_in_memory,
     diff_state,
     export_model,
 )
+from protein_performer.io.checkpoints import check_finite, safe_load
+from protein_performer.model.config import ATTENTIONS, KERNELS, PerformerConfig
+from protein_performer.model.contact_head import ContactRegression, model_identity
 from protein_performer.model.performer import PerformerLM
-from protein_performer.validation import Rule, check_group
 
 log = logging.getLogger(__name__)
 
@@ -757,7 +756,7 @@ def swap_attention(
 def load_any(path: str | os.PathLike[str], seed: int = 0) -> LoadedModel:
     """Our ``.ckpt``/export directory via ``load_model``, else an ESM-2 source converted to an
     exact-attention model in memory (for scripts that accept either)."""
-    from protein_performer.model.loading import CONFIG_FILE, FORMAT_NAME, load_model
+    from protein_performer.interop.loading import CONFIG_FILE, FORMAT_NAME, load_model
 
     src = Path(path).expanduser()
     if src.suffix == ".ckpt":

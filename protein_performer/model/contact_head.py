@@ -28,8 +28,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from protein_performer.atomic import write_text_atomic
 from protein_performer.errors import UserError, check_format_header
+from protein_performer.io.atomic import write_text_atomic
 
 log = logging.getLogger(__name__)
 

@@ -23,7 +23,7 @@ from typing import Any
 
 import numpy as np
 
-from protein_performer.atomic import atomic_file, output_file
+from protein_performer.io.atomic import atomic_file, output_file
 
 #: Bytes per HDF5 chunk: appends and reads stay cheap without a chunk per record.
 CHUNK_BYTES = 1 << 18

@@ -17,9 +17,11 @@ import fcntl
 import os
 import re
 import socket
+import sys
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
+from typing import TextIO
 
 from protein_performer.errors import UserError
 
@@ -228,3 +230,34 @@ def exclusive_lock(path: Path, what: str) -> Iterator[None]:
     finally:
         lock.unlink(missing_ok=True)
         os.close(fd)
+
+
+@contextlib.contextmanager
+def atomic_output(path: str | os.PathLike[str]) -> Iterator[Path]:
+    """Yield a temporary path next to ``path``; rename it over ``path`` only on success.
+
+    :func:`atomic_file` behind the checks a CLI output needs first: a
+    directory or a missing parent directory is the user's mistake, said as such.
+    """
+    out = output_file(path)
+    with atomic_file(out) as tmp:
+        yield tmp
+
+
+@contextlib.contextmanager
+def text_output(path: str | os.PathLike[str]) -> Iterator[TextIO]:
+    """A text file written atomically (:func:`atomic_output`), or standard output for ``-``.
+
+    ``-`` lets a table or FASTA go into a pipe; a pipe closed early (``| head``) ends the
+    command quietly instead of with a traceback.
+    """
+    if str(path) == "-":
+        try:
+            yield sys.stdout
+            sys.stdout.flush()
+        except BrokenPipeError:
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, sys.stdout.fileno())  # no second error when Python flushes at exit
+        return
+    with atomic_output(path) as tmp, open(tmp, "w", newline="", encoding="utf-8") as fh:
+        yield fh

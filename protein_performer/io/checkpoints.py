@@ -28,8 +28,8 @@ from typing import Any
 
 import torch
 
-from protein_performer.atomic import atomic_file
 from protein_performer.errors import UserError
+from protein_performer.io.atomic import atomic_file
 
 _ZIP_MAGIC = b"PK\x03\x04"
 _PICKLE_MAGIC = b"\x80"  # pickle protocol >= 2: torch's legacy (non-zip) format

@@ -1,0 +1,60 @@
+"""What the inference commands read: the records of a FASTA file or a preprocessed store, in
+order, whichever the user gives (``embed``, ``score``, ``score-variants``, ``contacts predict``,
+``generate``, ``eval``)."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from pathlib import Path
+from typing import NamedTuple
+
+from protein_performer.errors import UserError
+
+
+class InputRecord(NamedTuple):
+    """What the writers need of a record, whether it came from FASTA or from a store."""
+
+    id: str
+    description: str
+    sequence: str
+    number: int  # 1-based position in its file or store
+
+
+def input_records(
+    path: str | os.PathLike[str], on_invalid: str = "error"
+) -> Iterator[InputRecord]:
+    """Stream the records of a FASTA file or of a preprocessed store directory, in order.
+
+    A store (``protein-performer preprocess``) is read record by record from its memory maps
+    (lengths known, O(1) access), so very large inputs cost no parsing and constant memory.
+    """
+    from protein_performer.data.fasta import read_fasta
+    from protein_performer.data.store import TokenStore, is_store
+
+    src = Path(path).expanduser()
+    if is_store(src):
+        store = TokenStore(src)
+        for i in range(len(store)):
+            yield InputRecord(store.id(i), store.description(i), store.sequence(i), i + 1)
+        return
+    if not src.is_file():
+        raise UserError(
+            f"{src} does not exist or is not a file; give a FASTA file or a store directory "
+            "from `protein-performer preprocess`"
+        )
+    for r in read_fasta(src, on_invalid=on_invalid):  # type: ignore[arg-type]
+        yield InputRecord(r.id, r.description, r.sequence, r.number)
+
+
+def read_records(fasta: str | os.PathLike[str], on_invalid: str = "error") -> list:
+    """All FASTA records in file order (``FastaRecord``); errors name file, record and line."""
+    from protein_performer.data.fasta import read_fasta
+
+    path = Path(fasta).expanduser()
+    if not path.is_file():
+        raise UserError(f"{path} does not exist or is not a file; give a FASTA file")
+    records = list(read_fasta(path, on_invalid=on_invalid))  # type: ignore[arg-type]
+    if not records:
+        raise UserError(f"{path}: no valid records to process")
+    return records

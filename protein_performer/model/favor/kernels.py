@@ -1,0 +1,416 @@
+"""The kernels' feature maps: random matrices, the FAVOR++ statistic, and phi with its
+stabilizers and gradients, written once for every path (reference, fused, maps, RNN step)."""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from protein_performer.model.config import KERNELS
+
+_EXP_KERNELS = ("softmax", "softmax_hyp", "softmax_opt")
+_NEG = -1e30  # finite stand-in for -inf in stabilizers, so that (-inf) - (-inf) never appears
+
+
+# --------------------------------------------------------------------------- random matrices
+
+
+def draw_omega(
+    nb_features: int,
+    dim: int,
+    *,
+    orthogonal: bool = True,
+    norm: str = "chi",
+    generator: torch.Generator | None = None,
+    dtype: torch.dtype = torch.float32,
+) -> Tensor:
+    """Random projection omega (m, d) whose rows are marginally N(0, I_d).
+
+    orthogonal: rows within each block of d are exactly orthogonal (Haar QR, sign-corrected),
+    which lowers the estimator's variance at no cost (FAVOR.md, ORF). norm="chi" gives each row
+    the norm of an independent Gaussian vector, keeping each row N(0, I) and the kernel unbiased;
+    norm="fixed" sets every norm to sqrt(d) (the biased "regularized" variant, opt-in only).
+    Drawn on the generator's device (CPU by default).
+    """
+    if norm not in ("chi", "fixed"):
+        raise ValueError(f"norm must be 'chi' or 'fixed', got {norm!r}")
+    device = generator.device if generator is not None else torch.device("cpu")
+    if not orthogonal:
+        return torch.randn(nb_features, dim, generator=generator, device=device).to(dtype)
+    nb_blocks = math.ceil(nb_features / dim)
+    gauss = torch.randn(nb_blocks, dim, dim, generator=generator, device=device)
+    qmat, rmat = torch.linalg.qr(gauss.double())  # (n, d, d)
+    qmat = qmat * torch.sign(torch.diagonal(rmat, dim1=-2, dim2=-1))[:, None, :]  # Haar
+    rows = qmat.transpose(1, 2).reshape(nb_blocks * dim, dim)[:nb_features]  # (m, d)
+    if norm == "chi":
+        norms = torch.randn(nb_features, dim, generator=generator, device=device).double()
+        norms = norms.norm(dim=1)
+    else:
+        norms = torch.full((nb_features,), math.sqrt(dim), dtype=torch.float64, device=device)
+    return (rows * norms[:, None]).to(dtype)
+
+
+# --------------------------------------------------------------------------- FAVOR++ (OPRF)
+
+
+def oprf_rho(x: Tensor, y: Tensor, x_keep: Tensor | None = None, y_keep: Tensor | None = None):
+    """Data statistic rho = mean_{i,j} ||x_i + y_j||^2 / d over real tokens. (..., L, d) -> (...).
+
+    x, y are scaled by d^-1/4. The mean over all pairs factorizes: E|x|^2 + E|y|^2 + 2 E[x]^T E[y],
+    so this is O(L d).
+    """
+
+    def moments(z: Tensor, keep: Tensor | None) -> tuple[Tensor, Tensor]:
+        if keep is None:
+            return z.pow(2).sum(-1).mean(-1), z.mean(-2)
+        w = keep.to(z.dtype)  # (..., L)
+        cnt = w.sum(-1).clamp_min(1.0)
+        sq = (z.pow(2).sum(-1) * w).sum(-1) / cnt
+        mean = (z * w[..., None]).sum(-2) / cnt[..., None]
+        return sq, mean
+
+    sx, mx = moments(x, x_keep)
+    sy, my = moments(y, y_keep)
+    return (sx + sy + 2 * (mx * my).sum(-1)) / x.shape[-1]
+
+
+def oprf_coefficients(rho: Tensor, dim: int) -> tuple[Tensor, Tensor, Tensor]:
+    """(A, B, log D) of the optimal positive random features for statistic rho.
+
+    f(w, x) = D exp(A|w|^2 + B w^T x - |x|^2 / 2), w ~ N(0, I_d). With B^2 = 1 - 4A and
+    D = (1 - 4A)^(d/4), E[f(w,x) f(w,y)] = exp(x^T y) for any A < 1/8. The log second moment,
+    averaged over pairs, is d log(1-4A) - d/2 log(1-8A) + 2 (1-4A)/(1-8A) rho d + const; its
+    minimiser in u = 1 - 8A solves u^2 - (1 + 2 rho) u - 2 rho = 0, i.e.
+    A = (1 - 2 rho - sqrt((2 rho + 1)^2 + 8 rho)) / 16 <= 0 (A = 0 is plain FAVOR+ at rho = 0).
+    This is the FAVOR++ optimum of Likhosherstov et al. 2022 (arXiv 2205.15317), with rho the
+    mean of |x_i + y_j|^2 / d over all query-key pairs of one attention instance (one batch
+    element and head), as :func:`oprf_rho` computes it.
+
+    When it helps at attention level: the optimum minimizes the pair-averaged *log* second
+    moment of the unnormalized kernel estimate. At small norms (logit std ~0.25-0.5, d = 16,
+    m = 64) that carries over to the attention output (tests: ~0.6x the positive-feature MSE).
+    At larger norms (logit std >= 1) the closed forms still predict a far lower mean variance,
+    but the positive estimator's mean error is then carried by rare omega draws (its variance
+    grows like exp(2|x + y|^2)), which a few dozen draws never sample, while OPRF's prefactor
+    (1 - 4A)^d (1 - 8A)^(-d/2) > 1 raises the typical error: sampled attention MSE then favours
+    plain positive features, and the softmax normalization, which cancels much of the shared
+    per-query noise, is not part of the objective either.
+    """
+    rho = torch.as_tensor(rho).clamp_min(0.0)
+    u = ((1 + 2 * rho) + torch.sqrt((1 + 2 * rho) ** 2 + 8 * rho)) / 2
+    a = (1 - u) / 8
+    return a, torch.sqrt(1 - 4 * a), (dim / 4) * torch.log1p(-4 * a)
+
+
+# --------------------------------------------------------------------------- the feature map
+
+
+class FeatureMap:
+    """phi(z) of one kernel for unscaled rows z (..., N, d), the temperature t folded in.
+
+    Every kernel's feature is exp(a(z) - s) * b(z), with a stabilizer s that cancels:
+
+    ===========  ==========================================  ==========================  ====
+    kernel       log part a(z)                               base b(z)                   M
+    ===========  ==========================================  ==========================  ====
+    softmax      z Wa^T - t2 |z|^2/2, Wa = t omega           1                           m
+    softmax_hyp  same, Wa = t [omega; -omega]                1                           2m
+    softmax_opt  z Wa^T + c - t2 |z|^2/2, Wa = t B omega,    1                           m
+                 c = A |omega|^2 + log D (per head)
+    trig         + t2 |z|^2/2 (one column)                   [sin, cos](z Wa^T)          2m
+    relu         none                                        ReLU(z Wa^T) + eps          m
+    ===========  ==========================================  ==========================  ====
+
+    with t2 = t^2. Constant factors (1/sqrt(m)) cancel in attention and are left out; only
+    :func:`random_features` adds them. Queries also drop every per-row factor (it cancels
+    between numerator and normalizer), so a query's exp part is stabilized by its row max. Keys
+    are stabilized by what the path allows: a running max over keys <= j (causal: no future
+    key enters a past output), or a per-column max over all keys (bidirectional). The gradient
+    methods give dz from dphi for features as computed here, treating the stabilizers as the
+    constants they are (they cancel exactly). Wa is (M, d), or (BH, M, d) for per-head FAVOR++.
+    """
+
+    def __init__(self, kernel: str, Wa: Tensor, bias: Tensor | None, t2: float, eps: float):
+        self.kernel, self.Wa, self.bias, self.t2, self.eps = kernel, Wa, bias, t2, eps
+        self.exp = kernel in _EXP_KERNELS
+
+    @classmethod
+    def build(
+        cls,
+        kernel: str,
+        omega: Tensor,
+        *,
+        rho: Tensor | None = None,
+        relu_eps: float = 1e-3,
+        temperature: float | None = None,
+    ) -> FeatureMap:
+        """The map of ``kernel`` for omega (m, d); t = d^-1/4 unless ``temperature`` is given.
+
+        rho: the FAVOR++ statistic, () or (BH,) (then Wa and the bias are per head).
+        """
+        check_kernel(kernel)
+        m, d = omega.shape
+        t = d**-0.25 if temperature is None else temperature
+        if kernel == "softmax_hyp":
+            return cls(kernel, torch.cat([omega, -omega]) * t, None, t * t, relu_eps)
+        if kernel != "softmax_opt":
+            return cls(kernel, omega * t, None, t * t, relu_eps)
+        if rho is None:
+            raise ValueError("softmax_opt needs the data statistic rho")
+        a, b, log_d = (c[..., None, None] for c in oprf_coefficients(rho.to(omega.dtype), d))
+        bias = a * omega.pow(2).sum(-1) + log_d  # (..., 1, m)
+        return cls(kernel, b * omega * t, bias, t * t, relu_eps)
+
+    @property
+    def width(self) -> int:
+        """M: the width of phi(z)."""
+        return 2 * self.Wa.shape[-2] if self.kernel == "trig" else self.Wa.shape[-2]
+
+    def heads(self, b0: int, b1: int) -> FeatureMap:
+        """The map of flattened heads b0:b1 (the same map unless it is per head)."""
+        if self.Wa.dim() == 2:
+            return self
+        bias = None if self.bias is None else self.bias[b0:b1]
+        return FeatureMap(self.kernel, self.Wa[b0:b1], bias, self.t2, self.eps)
+
+    def to(self, dtype: torch.dtype) -> FeatureMap:
+        bias = None if self.bias is None else self.bias.to(dtype)
+        return FeatureMap(self.kernel, self.Wa.to(dtype), bias, self.t2, self.eps)
+
+    def project(self, z: Tensor, bias: Tensor | None = None, out: Tensor | None = None) -> Tensor:
+        """z Wa^T (+ bias), (..., N, d) -> (..., N, Wa rows); one matmul when z is 3-d."""
+        W = self.Wa.mT
+        if W.dim() == 2 and bias is None:  # one GEMM over all rows of all heads
+            return torch.matmul(z, W, out=out)
+        if z.dim() == 3 and (bias is not None or out is not None):
+            BH, N, _ = z.shape
+            W = W.expand(BH, *W.shape[-2:])
+            if bias is None:
+                return torch.bmm(z, W, out=out)
+            return torch.baddbmm(bias.expand(BH, N, W.shape[-1]), z, W, out=out)
+        t = z @ W
+        return t if bias is None else t + bias
+
+    def queries(
+        self,
+        z: Tensor,
+        offset: Tensor | None = None,
+        shift: Tensor | None = None,
+        rscale: Tensor | None = None,
+        out: Tensor | None = None,
+    ) -> tuple[Tensor, Tensor | None]:
+        """Query features up to a per-row factor, (..., N, M), and the exp kernels' row shift.
+
+        offset (..., 1, M): per-column log scales moved over from the keys (bidirectional);
+        shift (..., N): the row max to subtract (computed unless given: a backward recomputing
+        the forward's features); rscale (..., N, 1): a positive per-row factor (the causal
+        backward), folded into the exp kernels' shift (one pass less).
+        """
+        if self.exp:
+            bias = self.bias
+            if offset is not None:
+                bias = offset if bias is None else bias + offset
+            t = self.project(z, bias, out)
+            if shift is None:
+                shift = t.detach().amax(-1)
+            if rscale is not None:
+                shift = shift - rscale[..., 0].log()
+            return t.sub_(shift[..., None]).exp_(), shift
+        f = self._base(self.project(z, out=out))
+        return f if rscale is None else f.mul_(rscale), shift
+
+    def key_logits(self, z: Tensor, keep: Tensor | None, out: Tensor | None = None) -> KeyLogits:
+        """The keys' log part a(z) as per-column logits plus a per-row term; pads get a row
+        term of -inf. The columns go into ``out`` when given."""
+        cols = self.project(z, self.bias, out) if self.exp else None
+        row = None
+        if self.kernel != "relu":
+            sign = -0.5 if self.exp else 0.5
+            row = z.pow(2).sum(-1, keepdim=True).mul_(sign * self.t2)  # (..., N, 1)
+            if keep is not None:
+                row.masked_fill_(~keep[..., None], float("-inf"))
+        return KeyLogits(cols, row)
+
+    def keys(
+        self, z: Tensor, logits: KeyLogits, stab: Tensor | None, keep: Tensor | None
+    ) -> Tensor:
+        """Key features exp(log part - stab) * base (pads 0), consuming ``logits`` (in place).
+
+        stab broadcasts against the log part: (..., N, 1) a running max, (..., 1, 1) a state's
+        max, or (..., 1, M|1) a column max (with the logits :func:`column_max` returned).
+        """
+        cols, row = logits
+        if row is None and cols is None:  # relu: bounded, no stabilizer
+            f = self._base(self.project(z))
+            return f if keep is None else f * keep[..., None]
+        if cols is None:  # trig
+            return self._base(self.project(z)) * (row - stab).exp_()
+        if row is None:  # the row term is already in the columns
+            return cols.sub_(stab).exp_()
+        return cols.add_(row - stab).exp_()
+
+    def _base(self, proj: Tensor) -> Tensor:
+        if self.kernel == "relu":
+            return F.relu(proj) + self.eps
+        return torch.cat([proj.sin(), proj.cos()], dim=-1)
+
+    def query_grad(
+        self,
+        z: Tensor,
+        f: Tensor,
+        df: Tensor,
+        rscale: Tensor | None = None,
+        out: Tensor | None = None,
+    ) -> Tensor:
+        """dz from dphi for query features f as :meth:`queries` returned them (df consumed);
+        rscale: the per-row factor they were computed with (only relu needs to be told)."""
+        if rscale is not None and self.kernel == "relu":
+            df = df * rscale
+        return self._grad(z, f, df, None, out)
+
+    def key_grad(
+        self, z: Tensor, f: Tensor, df: Tensor, keep: Tensor | None, out: Tensor | None = None
+    ) -> Tensor:
+        """dz from dphi for key features f as :meth:`keys` returned them (df consumed).
+
+        The log part's -/+ t2 |z|^2/2 adds -/+ t2 z times the row sum of dphi * phi; for the exp
+        kernels that sum rides in the projection's GEMM as one more column of ones.
+        """
+        if self.exp:
+            W1 = torch.cat([self.Wa, self.Wa.new_ones(*self.Wa.shape[:-1], 1)], dim=-1)
+            ext = torch.matmul(df.mul_(f), W1)  # (..., N, d+1): [dz | row sum]
+            dz = ext[..., :-1]
+            dz = dz.addcmul_(ext[..., -1:], z, value=-self.t2)
+            return dz if out is None else out.copy_(dz)
+        dz = self._grad(z, f, df, keep, out)
+        if self.kernel == "trig":
+            dz.addcmul_((f * df).sum(-1, keepdim=True), z, value=self.t2)
+        return dz
+
+    def _grad(
+        self, z: Tensor, f: Tensor, df: Tensor, keep: Tensor | None, out: Tensor | None
+    ) -> Tensor:
+        """dz through the projection: d loss / d(z Wa^T), then one matmul with Wa.
+
+        exp: dproj = dphi * phi (written into df); trig: d sin = cos, d cos = -sin, read off the
+        features themselves (any row factor rides along); relu: dphi where the projection > 0.
+        """
+        if self.exp:
+            dp = df.mul_(f)
+        elif self.kernel == "trig":
+            m = f.shape[-1] // 2
+            dp = df[..., :m] * f[..., m:] - df[..., m:] * f[..., :m]
+        else:
+            dp = df * (self.project(z) > 0)
+            if keep is not None:
+                dp = dp * keep[..., None]
+        return torch.matmul(dp, self.Wa, out=out)
+
+
+def check_kernel(kernel: str) -> None:
+    if kernel not in KERNELS:
+        raise ValueError(f"unknown kernel {kernel!r}; expected one of {KERNELS}")
+
+
+class KeyLogits(NamedTuple):
+    """The log part of key features, split so that no (N, M) pass is spent on a per-row term:
+    cols (..., N, M) (exp kernels; else None) + row (..., N, 1) (None for relu), pads -inf."""
+
+    cols: Tensor | None
+    row: Tensor | None
+
+    def merged(self) -> KeyLogits:
+        """The row term added into the columns (in place), for a per-column stabilizer."""
+        if self.cols is None or self.row is None:
+            return self
+        return KeyLogits(self.cols.add_(self.row), None)
+
+
+def running_max(logits: KeyLogits, mu_in: Tensor | None = None) -> Tensor | None:
+    """Causal key stabilizer mu (..., N): the running max over keys <= j of each key's largest
+    log part, continued from mu_in (...,) (an earlier part of the sequence); None for relu."""
+    cols, row = logits
+    if row is None:
+        return None
+    top = row.detach()[..., 0] if cols is None else cols.detach().amax(-1).add_(row[..., 0])
+    mu = top.clamp_min_(_NEG).cummax(dim=-1).values
+    return mu if mu_in is None else torch.maximum(mu, mu_in[..., None])
+
+
+def column_max(logits: KeyLogits) -> tuple[KeyLogits, Tensor | None]:
+    """Bidirectional key stabilizer (..., 1, M|1): the max over keys of each column's log part,
+    and the logits to use with it (exp kernels: the row term added into the columns in place);
+    None for relu."""
+    logits = logits.merged()
+    full = logits.row if logits.cols is None else logits.cols
+    if full is None:
+        return logits, None
+    return logits, full.detach().amax(-2, keepdim=True).clamp_min(_NEG)
+
+
+def random_features(
+    x: Tensor,
+    omega: Tensor,
+    kernel: str = "softmax",
+    *,
+    rho: Tensor | float | None = None,
+    relu_eps: float = 1e-3,
+) -> Tensor:
+    """Unstabilized phi(x), (..., L, d) -> (..., L, M), for x already scaled by d^-1/4.
+
+    For the softmax kernels phi(x)^T phi(y) is an unbiased estimate of exp(x^T y). Meant for
+    analysis and tests; the attention paths use the stabilized :class:`FeatureMap`.
+    """
+    r = None if rho is None else torch.as_tensor(rho, dtype=x.dtype, device=x.device)
+    fmap = FeatureMap.build(kernel, omega, rho=r, relu_eps=relu_eps, temperature=1.0)
+    f = fmap.keys(x, fmap.key_logits(x, None), 0.0, None)
+    m = omega.shape[0]
+    return f if kernel == "relu" else f / math.sqrt(2 * m if kernel == "softmax_hyp" else m)
+
+
+# --------------------------------------------------------------------------- inputs
+
+
+def flatten_heads(q: Tensor, k: Tensor, v: Tensor, key_padding_mask: Tensor | None):
+    """Upcast and flatten heads: (B, H, L, d) -> (BH, L, d), views when q, k, v are contiguous
+    float32; key_padding_mask (B, L) -> keep (BH, L)."""
+    B, H, L, _ = q.shape
+    dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
+    x, y, vv = (t.to(dtype).reshape(B * H, L, t.shape[-1]) for t in (q, k, v))
+    keep = None
+    if key_padding_mask is not None:
+        keep = (~key_padding_mask.bool())[:, None, :].expand(B, H, L).reshape(B * H, L)
+    return x, y, vv, keep
+
+
+def build_feature_map(
+    kernel: str,
+    omega: Tensor,
+    causal: bool,
+    rho: Tensor | float | None,
+    x: Tensor,
+    y: Tensor,
+    keep: Tensor | None,
+    relu_eps: float,
+) -> FeatureMap:
+    """The map for flattened unscaled x, y (BH, L, d); the FAVOR++ statistic per head comes from
+    the data (bidirectional) or is given (causal: a statistic of the sequence would leak)."""
+    check_kernel(kernel)
+    om = omega.to(device=x.device, dtype=x.dtype)
+    r = None
+    if kernel == "softmax_opt":
+        if rho is None:
+            if causal:
+                raise ValueError(
+                    "causal softmax_opt needs a fixed oprf_rho: a statistic of the whole sequence "
+                    "would leak future tokens into past outputs"
+                )
+            t = x.shape[-1] ** -0.25
+            r = oprf_rho(x.detach() * t, y.detach() * t, keep, keep)  # (BH,)
+        else:
+            r = torch.as_tensor(rho, dtype=x.dtype, device=x.device).expand(x.shape[0])
+    return FeatureMap.build(kernel, om, rho=r, relu_eps=relu_eps)

@@ -1,0 +1,284 @@
+"""The FAVOR+ entry points: :func:`favor_attention` (dispatch to the fused paths) and the
+module :class:`FavorAttention`, which owns omega, the FAVOR++ statistic and the RNN step."""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+from torch import Tensor, nn
+
+from protein_performer.model.config import default_nb_features
+from protein_performer.model.favor.bidirectional import _BidiFavor
+from protein_performer.model.favor.causal import _CausalFavor
+from protein_performer.model.favor.kernels import (
+    FeatureMap,
+    build_feature_map,
+    check_kernel,
+    draw_omega,
+    flatten_heads,
+    oprf_rho,
+    running_max,
+)
+from protein_performer.model.favor.maps import favor_attention_map
+from protein_performer.model.favor.reference import favor_attention_reference
+from protein_performer.model.favor.scan import safe_denominator
+
+
+def favor_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    omega: Tensor,
+    *,
+    kernel: str = "softmax",
+    causal: bool = False,
+    key_padding_mask: Tensor | None = None,
+    oprf_rho: Tensor | float | None = None,
+    chunk_size: int = 128,
+    block_size: int = 2048,
+    relu_eps: float = 1e-3,
+    segment_size: int = 8192,
+) -> Tensor:
+    """FAVOR attention, (B, H, L, d) -> (B, H, L, dv), linear in L in time and memory.
+
+    Causal mode runs the chunked scan of :mod:`favor_causal` through :class:`_CausalFavor`,
+    which computes the features one scan segment at a time; segment_size: tokens (over all
+    heads) per scan segment; it bounds the scan's transient memory (about
+    segment_size * (4 M + 2 C) floats in backward). Bidirectional mode runs
+    :class:`_BidiFavor` (features recomputed in backward, O(L d + block M) memory). When omega
+    or oprf_rho needs gradients, :func:`favor_attention_reference` (quadratic memory) runs
+    instead. oprf_rho: the FAVOR++ statistic; computed from the (non-pad) data when None
+    (bidirectional only). Features in float32 even under autocast; output in q's dtype.
+    """
+    check_kernel(kernel)
+    kw = dict(kernel=kernel, causal=causal, key_padding_mask=key_padding_mask, relu_eps=relu_eps)
+    if omega.requires_grad or (isinstance(oprf_rho, Tensor) and oprf_rho.requires_grad):
+        return favor_attention_reference(q, k, v, omega, oprf_rho=oprf_rho, **kw)
+    B, H, L, _ = q.shape
+    with torch.autocast(device_type=q.device.type, enabled=False):
+        x, y, vv, keep = flatten_heads(q, k, v, key_padding_mask)
+        fmap = build_feature_map(kernel, omega, causal, oprf_rho, x, y, keep, relu_eps)
+        if causal:
+            rows = max(int(chunk_size), int(segment_size))
+            out = _CausalFavor.apply(x, y, vv, fmap, keep, int(chunk_size), rows)
+        else:
+            out = _BidiFavor.apply(x, y, vv, fmap, keep, block_size)
+    return out.reshape(B, H, L, -1).to(q.dtype)
+
+
+def _in_backward_pass() -> bool:
+    """True while autograd's engine runs a backward pass on this thread.
+
+    Why: activation checkpointing (reentrant or not) re-runs the forward *inside* the backward
+    pass; a running statistic updated in forward must skip that replay or it counts a step
+    twice. torch exposes no public flag for "this is a checkpoint recomputation", but the
+    engine's thread-local graph task id is -1 exactly when no backward is running.
+    """
+    task_id = getattr(torch._C, "_current_graph_task_id", None)
+    return task_id is not None and task_id() != -1
+
+
+class FavorState(NamedTuple):
+    """RNN-mode state of causal FAVOR attention.
+
+    kv: (B, H, M, dv+1) sum over seen keys of phi(k_j)[v_j | 1]^T, scaled by exp(-mu);
+    mu: (B, H) running key stabilizer (max log-feature so far; 0 for relu).
+    """
+
+    kv: Tensor
+    mu: Tensor
+
+
+class FavorAttention(nn.Module):
+    """FAVOR attention with its random matrix omega as a persistent buffer.
+
+    omega is redrawn only by an explicit :meth:`redraw` call (a training hook decides when;
+    data-parallel ranks must pass identically seeded generators so all hold the same omega).
+    For causal ``softmax_opt`` a running statistic ``oprf_rho`` (EMA of batch statistics,
+    updated in training mode after each forward, once per step: the replay of the forward by
+    activation checkpointing inside backward is skipped) fixes the feature map, because a
+    statistic of the current sequence would leak future tokens; bidirectional mode uses each
+    sequence's own. nb_features=None: d ln d rounded up to a multiple of 16
+    (:func:`~protein_performer.model.config.default_nb_features`).
+    """
+
+    def __init__(
+        self,
+        dim_head: int,
+        nb_features: int | None = None,
+        causal: bool = False,
+        kernel: str = "softmax",
+        *,
+        orthogonal: bool = True,
+        norm: str = "chi",
+        chunk_size: int = 128,
+        block_size: int = 2048,
+        relu_eps: float = 1e-3,
+        oprf_momentum: float = 0.05,
+        generator: torch.Generator | None = None,
+    ) -> None:
+        super().__init__()
+        check_kernel(kernel)
+        self.dim_head = dim_head
+        self.nb_features = default_nb_features(dim_head) if nb_features is None else nb_features
+        self.causal = causal
+        self.kernel = kernel
+        self.orthogonal = orthogonal
+        self.norm = norm
+        self.chunk_size = chunk_size
+        self.block_size = block_size
+        self.relu_eps = relu_eps
+        self.oprf_momentum = oprf_momentum
+        self.register_buffer("omega", self._draw(generator), persistent=True)
+        if kernel == "softmax_opt":
+            self.register_buffer("oprf_rho", torch.zeros(()), persistent=True)
+
+    def _draw(self, generator: torch.Generator | None) -> Tensor:
+        return draw_omega(
+            self.nb_features,
+            self.dim_head,
+            orthogonal=self.orthogonal,
+            norm=self.norm,
+            generator=generator,
+        )
+
+    @torch.no_grad()
+    def redraw(self, generator: torch.Generator | None = None) -> None:
+        """Draw a new omega in place (same device and dtype as the buffer)."""
+        self.omega.copy_(self._draw(generator).to(self.omega))
+
+    @property
+    def feature_dim(self) -> int:
+        """M: the width of phi(x)."""
+        return 2 * self.nb_features if self.kernel in ("softmax_hyp", "trig") else self.nb_features
+
+    def _rho(self) -> Tensor | None:
+        return self.oprf_rho if (self.kernel == "softmax_opt" and self.causal) else None
+
+    def forward(
+        self, q: Tensor, k: Tensor, v: Tensor, key_padding_mask: Tensor | None = None
+    ) -> Tensor:
+        """(B, H, L, d) x3 -> (B, H, L, dv); key_padding_mask (B, L), True = pad."""
+        out = favor_attention(
+            q,
+            k,
+            v,
+            self.omega,
+            kernel=self.kernel,
+            causal=self.causal,
+            key_padding_mask=key_padding_mask,
+            oprf_rho=self._rho(),
+            chunk_size=self.chunk_size,
+            block_size=self.block_size,
+            relu_eps=self.relu_eps,
+        )
+        if self.training and self._rho() is not None and not _in_backward_pass():
+            self._update_rho(q, k, key_padding_mask)
+        return out
+
+    @torch.no_grad()
+    def _update_rho(self, q: Tensor, k: Tensor, key_padding_mask: Tensor | None) -> None:
+        x, y, _, keep = flatten_heads(q, k, k[..., :1], key_padding_mask)
+        t = q.shape[-1] ** -0.25
+        batch_rho = oprf_rho(x * t, y * t, keep, keep).mean().to(self.oprf_rho)
+        self.oprf_rho.lerp_(batch_rho, self.oprf_momentum)
+
+    def attention_map(
+        self,
+        q: Tensor,
+        k: Tensor,
+        key_padding_mask: Tensor | None = None,
+        query_slice: slice | None = None,
+    ) -> Tensor:
+        """Implied attention rows (B, H, W, L) (rows sum to 1, causal-masked when causal)."""
+        return favor_attention_map(
+            q,
+            k,
+            self.omega,
+            kernel=self.kernel,
+            causal=self.causal,
+            key_padding_mask=key_padding_mask,
+            query_slice=query_slice,
+            oprf_rho=self._rho(),
+            relu_eps=self.relu_eps,
+        )
+
+    def _feature_map(self, like: Tensor) -> FeatureMap:
+        om = self.omega.to(device=like.device, dtype=like.dtype)
+        rho = self.oprf_rho.to(like) if self.kernel == "softmax_opt" else None
+        return FeatureMap.build(self.kernel, om, rho=rho, relu_eps=self.relu_eps)
+
+    def _absorb(
+        self, state: FavorState | None, y: Tensor, vv: Tensor, keep: Tensor | None, B: int
+    ) -> FavorState:
+        """Add unscaled keys y (BH, L, d) with values vv (BH, L, dv) to the running state.
+
+        The stabilizer mu becomes the max of the old one and the new keys' largest log-feature,
+        and the old sum is rescaled to it: for L = 1 this is the RNN step, for a whole prompt
+        it is the state the step-by-step recursion would reach (a max is order-free).
+        """
+        fmap = self._feature_map(y)
+        logits = fmap.key_logits(y, keep)
+        mu = running_max(logits)
+        mu = y.new_zeros(y.shape[0]) if mu is None else mu[:, -1]  # (BH,)
+        if state is not None:
+            mu = torch.maximum(state.mu.reshape(-1).to(y), mu)
+        kf = fmap.keys(y, logits, mu[:, None, None], keep)  # (BH, L, M)
+        vx = torch.cat([vv, vv.new_ones(*vv.shape[:-1], 1)], dim=-1)  # (BH, L, dv+1)
+        kv = kf.mT @ vx  # (BH, M, dv+1)
+        if state is not None:
+            old = state.kv.reshape(kv.shape).to(y)
+            kv = kv + old * torch.exp(state.mu.reshape(-1).to(y) - mu)[:, None, None]
+        return FavorState(kv.reshape(B, -1, *kv.shape[1:]), mu.reshape(B, -1))
+
+    @torch.no_grad()
+    def initial_state(
+        self, k: Tensor, v: Tensor, key_padding_mask: Tensor | None = None
+    ) -> FavorState:
+        """The RNN-mode state after a whole prompt, k, v (B, H, L, d), in one parallel pass.
+
+        Generation runs the prompt through the parallel causal forward and continues from this
+        state with :meth:`step`; padded keys (key_padding_mask (B, L), True = pad) add nothing.
+        """
+        self._check_causal()
+        with torch.autocast(device_type=k.device.type, enabled=False):
+            _, y, vv, keep = flatten_heads(k, k, v, key_padding_mask)  # (BH, L, ·)
+            return self._absorb(None, y, vv, keep, k.shape[0])
+
+    @torch.no_grad()
+    def step(
+        self,
+        state: FavorState | None,
+        q_t: Tensor,
+        k_t: Tensor,
+        v_t: Tensor,
+        key_padding_mask: Tensor | None = None,
+    ) -> tuple[FavorState, Tensor]:
+        """One causal step: q_t, k_t, v_t (B, H, d) -> (new state, out_t (B, H, dv)).
+
+        state=None starts fresh; key_padding_mask (B,) True = this token is a pad (the state is
+        left unchanged). Matches the parallel causal forward (same stabilizer, same omega).
+        """
+        self._check_causal()
+        B, H = q_t.shape[:2]
+        with torch.autocast(device_type=q_t.device.type, enabled=False):
+            pad = None if key_padding_mask is None else key_padding_mask.reshape(B, 1)
+            x, y, vv, keep = flatten_heads(q_t[:, :, None], k_t[:, :, None], v_t[:, :, None], pad)
+            new_state = self._absorb(state, y, vv, keep, B)  # x, y, vv: (BH, 1, d)
+            qf, _ = self._feature_map(x).queries(x)  # (BH, 1, M)
+            kv = new_state.kv.reshape(B * H, *new_state.kv.shape[2:])  # (BH, M, dv+1)
+            yq = (qf @ kv)[:, 0]  # (BH, dv+1)
+            out = yq[:, :-1] / safe_denominator(yq[:, -1:])
+        return new_state, out.reshape(B, H, -1).to(q_t.dtype)
+
+    def _check_causal(self) -> None:
+        if not self.causal:
+            raise RuntimeError("RNN mode (step, initial_state) needs causal=True")
+
+    def extra_repr(self) -> str:
+        return (
+            f"dim_head={self.dim_head}, nb_features={self.nb_features}, causal={self.causal}, "
+            f"kernel={self.kernel!r}, orthogonal={self.orthogonal}, norm={self.norm!r}, "
+            f"chunk_size={self.chunk_size}"
+        )
