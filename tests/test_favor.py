@@ -7,14 +7,15 @@ the MSE estimate). Heavier studies carry @pytest.mark.slow.
 
 from __future__ import annotations
 
-import contextlib
 import math
 
 import pytest
 import torch
 
+from protein_performer.model.config import KERNELS as CONFIG_KERNELS
 from protein_performer.model.exact import exact_attention, exact_attention_map
 from protein_performer.model.favor import (
+    FEATURE_MAPS,
     KERNELS,
     FavorAttention,
     draw_omega,
@@ -24,19 +25,7 @@ from protein_performer.model.favor import (
     oprf_rho,
     random_features,
 )
-
-torch.set_num_threads(min(2, torch.get_num_threads()))
-
-
-@contextlib.contextmanager
-def single_thread():
-    """Many tiny float64 ops: one thread avoids oversubscription stalls on a shared machine."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
+from protein_performer.model.favor import kernels as favor_kernels
 
 
 def gen(seed: int) -> torch.Generator:
@@ -244,12 +233,11 @@ def test_oprf_beats_positive_at_attention_level_where_the_closed_form_predicts_i
     assert float(var_opt.mean() / var_pos.mean()) < 0.25
     ref = exact_attention(q, k, v)
     diffs = []
-    with single_thread():
-        for seed in range(3000, 3040):
-            om = draw_omega(m, d, generator=gen(seed)).double()
-            e_pos = (favor_attention(q, k, v, om, kernel="softmax") - ref).pow(2).mean()
-            e_opt = (favor_attention(q, k, v, om, kernel="softmax_opt") - ref).pow(2).mean()
-            diffs.append(float(e_pos - e_opt))
+    for seed in range(3000, 3040):
+        om = draw_omega(m, d, generator=gen(seed)).double()
+        e_pos = (favor_attention(q, k, v, om, kernel="softmax") - ref).pow(2).mean()
+        e_opt = (favor_attention(q, k, v, om, kernel="softmax_opt") - ref).pow(2).mean()
+        diffs.append(float(e_pos - e_opt))
     diff = torch.tensor(diffs, dtype=torch.float64)
     se = float(diff.std()) / math.sqrt(diff.numel())
     assert float(diff.mean()) > 3 * se, (float(diff.mean()), se)
@@ -318,9 +306,8 @@ def test_orthogonal_features_beat_iid_attention_level():
     q, k, v = normalized_qkv(256, 16, seed=18, logit_scale=0.25)
     ref = exact_attention(q, k, v)
     for m in (16, 32, 64):
-        with single_thread():
-            orf = attention_mse(q, k, v, ref, m, range(1000, 1100), orthogonal=True)
-            iid = attention_mse(q, k, v, ref, m, range(2000, 2100), orthogonal=False)
+        orf = attention_mse(q, k, v, ref, m, range(1000, 1100), orthogonal=True)
+        iid = attention_mse(q, k, v, ref, m, range(2000, 2100), orthogonal=False)
         se = math.sqrt(float(orf.var() / orf.numel() + iid.var() / iid.numel()))
         assert float(orf.mean()) < float(iid.mean()) - 2.5 * se, (m, float(orf.mean()), se)
 
@@ -693,8 +680,7 @@ def test_bidirectional_exp_backward_gradcheck_with_padding(kernel):
             a, b, c, om, kernel=kernel, key_padding_mask=mask, oprf_rho=rho, block_size=4
         )
 
-    with single_thread():
-        assert torch.autograd.gradcheck(fn, (q, k, v), fast_mode=False)
+    assert torch.autograd.gradcheck(fn, (q, k, v), fast_mode=False)
 
 
 @pytest.mark.parametrize("chunk,segment", [(1, 3), (4, 8), (5, 100)])
@@ -944,3 +930,36 @@ def test_model_with_gradient_checkpointing_updates_oprf_rho_once_per_step():
 def test_unknown_kernel_is_rejected():
     with pytest.raises(ValueError):
         FavorAttention(8, 16, kernel="gaussian")
+
+
+def test_config_names_the_registered_kernels():
+    assert set(KERNELS) == set(CONFIG_KERNELS) == set(FEATURE_MAPS)
+
+
+def test_a_kernel_class_is_picked_up_by_its_name(monkeypatch):
+    """Adding a kernel is one class: declared with a name, every path runs it by that name."""
+    monkeypatch.setattr(favor_kernels, "FEATURE_MAPS", dict(FEATURE_MAPS))
+
+    class DampedSoftmax(favor_kernels.Softmax, name="test_damped"):
+        """Positive features of a halved projection (a test map, not a softmax estimator)."""
+
+        @classmethod
+        def projection(cls, omega, t, rho):
+            return omega * (t / 2), None
+
+    assert favor_kernels.kernel_class("test_damped") is DampedSoftmax
+    assert "test_damped" not in FEATURE_MAPS
+    q, k, v = (t.requires_grad_() for t in qkv(1, 2, 19, 8, seed=70))
+    for causal in (False, True):
+        attn = module("test_damped", causal, chunk_size=4, block_size=5)
+        assert attn.feature_dim == 16
+        out = attn(q, k, v)
+        kw = dict(kernel="test_damped", causal=causal)
+        ref = favor_attention_reference(q, k, v, attn.omega, **kw)
+        plain = favor_attention(q, k, v, attn.omega, kernel="softmax", causal=causal)
+        assert torch.allclose(out, ref, atol=1e-10) and not torch.allclose(out, plain)
+        g_out = torch.autograd.grad(out.sum(), (q, k, v))
+        g_ref = torch.autograd.grad(ref.sum(), (q, k, v))
+        for a, b in zip(g_out, g_ref, strict=True):
+            assert torch.allclose(a, b, atol=1e-9)
+        assert torch.allclose(attn.attention_map(q, k) @ v, out, atol=1e-10)

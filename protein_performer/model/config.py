@@ -15,6 +15,8 @@ from protein_performer.errors import UserError
 
 OBJECTIVES = ("mlm", "clm")
 ATTENTIONS = ("favor", "exact")
+# The FAVOR+ kernels a config may name: the names of protein_performer.model.favor.FEATURE_MAPS,
+# written out so that validation and the CLI's choices need no torch (tests keep them equal).
 KERNELS = ("softmax", "softmax_hyp", "trig", "relu", "softmax_opt")
 
 

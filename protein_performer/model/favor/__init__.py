@@ -3,8 +3,9 @@
 Math: ../shared/FAVOR.md (Choromanski et al., ICLR 2021) and, for ``softmax_opt``, FAVOR++
 (Likhosherstov et al., "Chefs' Random Tables", NeurIPS 2022).
 
-- :mod:`.kernels`: random matrices, the FAVOR++ statistic and :class:`FeatureMap`, phi of every
-  kernel with its stabilizers and gradients, written once;
+- :mod:`.kernels`: random matrices, the FAVOR++ statistic and :class:`FeatureMap`, phi with its
+  stabilizers and gradients, written once: one subclass per kernel, registered by name in
+  :data:`FEATURE_MAPS` (a new kernel is a new class);
 - :mod:`.reference`: phi(Q) phi(K)^T masked and normalized with plain autograd (quadratic
   memory): the spec every fused path is tested against;
 - :mod:`.bidirectional` and :mod:`.causal`: the fused paths, linear in L in time and memory, each
@@ -23,10 +24,12 @@ back to q's dtype. Feature dimension M: m (= nb_features) for softmax, softmax_o
 for softmax_hyp and trig (each omega row gives a +/- or sin/cos pair).
 """
 
-from protein_performer.model.config import KERNELS
 from protein_performer.model.favor.kernels import (
+    FEATURE_MAPS,
+    KERNELS,
     FeatureMap,
     draw_omega,
+    kernel_class,
     oprf_coefficients,
     oprf_rho,
     random_features,
@@ -36,6 +39,7 @@ from protein_performer.model.favor.module import FavorAttention, FavorState, fav
 from protein_performer.model.favor.reference import favor_attention_reference
 
 __all__ = [
+    "FEATURE_MAPS",
     "KERNELS",
     "FavorAttention",
     "FavorState",
@@ -46,6 +50,7 @@ __all__ = [
     "favor_attention",
     "favor_attention_map",
     "favor_attention_reference",
+    "kernel_class",
     "oprf_coefficients",
     "oprf_rho",
     "random_features",

@@ -1,18 +1,17 @@
 """The kernels' feature maps: random matrices, the FAVOR++ statistic, and phi with its
-stabilizers and gradients, written once for every path (reference, fused, maps, RNN step)."""
+stabilizers and gradients, written once for every path (reference, fused, maps, RNN step): one
+small class per kernel, registered by name, so no path asks which kernel it holds."""
 
 from __future__ import annotations
 
+import abc
 import math
-from typing import NamedTuple
+from typing import ClassVar, NamedTuple
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from protein_performer.model.config import KERNELS
-
-_EXP_KERNELS = ("softmax", "softmax_hyp", "softmax_opt")
 _NEG = -1e30  # finite stand-in for -inf in stabilizers, so that (-inf) - (-inf) never appears
 
 
@@ -106,41 +105,46 @@ def oprf_coefficients(rho: Tensor, dim: int) -> tuple[Tensor, Tensor, Tensor]:
     return a, torch.sqrt(1 - 4 * a), (dim / 4) * torch.log1p(-4 * a)
 
 
-# --------------------------------------------------------------------------- the feature map
+# --------------------------------------------------------------------------- the feature maps
+
+#: kernel name -> its feature-map class; a subclass declared with ``name=`` registers itself.
+FEATURE_MAPS: dict[str, type[FeatureMap]] = {}
 
 
-class FeatureMap:
+class FeatureMap(abc.ABC):
     """phi(z) of one kernel for unscaled rows z (..., N, d), the temperature t folded in.
 
-    Every kernel's feature is exp(a(z) - s) * b(z), with a stabilizer s that cancels:
-
-    ===========  ==========================================  ==========================  ====
-    kernel       log part a(z)                               base b(z)                   M
-    ===========  ==========================================  ==========================  ====
-    softmax      z Wa^T - t2 |z|^2/2, Wa = t omega           1                           m
-    softmax_hyp  same, Wa = t [omega; -omega]                1                           2m
-    softmax_opt  z Wa^T + c - t2 |z|^2/2, Wa = t B omega,    1                           m
-                 c = A |omega|^2 + log D (per head)
-    trig         + t2 |z|^2/2 (one column)                   [sin, cos](z Wa^T)          2m
-    relu         none                                        ReLU(z Wa^T) + eps          m
-    ===========  ==========================================  ==========================  ====
-
-    with t2 = t^2. Constant factors (1/sqrt(m)) cancel in attention and are left out; only
-    :func:`random_features` adds them. Queries also drop every per-row factor (it cancels
-    between numerator and normalizer), so a query's exp part is stabilized by its row max. Keys
-    are stabilized by what the path allows: a running max over keys <= j (causal: no future
-    key enters a past output), or a per-column max over all keys (bidirectional). The gradient
-    methods give dz from dphi for features as computed here, treating the stabilizers as the
-    constants they are (they cancel exactly). Wa is (M, d), or (BH, M, d) for per-head FAVOR++.
+    Every kernel's feature is exp(a(z) - s) * b(z): a log part a, a base b and a stabilizer s
+    that cancels; one subclass per kernel, registered by name (:data:`FEATURE_MAPS`), owns its
+    projection Wa = t omega' (M' rows, (BH, M', d) when per head), log part, base and
+    gradients. Constant factors (1/sqrt(m)) cancel in attention and are left out; only
+    :meth:`unbiased` adds them. Queries also drop every per-row factor (it cancels between
+    numerator and normalizer). Keys are stabilized by what the path allows: a running max over
+    keys <= j (causal: no future key enters a past output), or a per-column max over all keys
+    (bidirectional). The gradient methods give dz from dphi for features as computed here,
+    treating the stabilizers as the constants they are (they cancel exactly). t2 = t^2.
     """
 
-    def __init__(self, kernel: str, Wa: Tensor, bias: Tensor | None, t2: float, eps: float):
-        self.kernel, self.Wa, self.bias, self.t2, self.eps = kernel, Wa, bias, t2, eps
-        self.exp = kernel in _EXP_KERNELS
+    name: ClassVar[str]
+    #: Features are exp(logits - shift) alone (b = 1): queries take a row shift and per-column
+    #: offsets, and the paths may compute the logits in place in a buffer of M columns.
+    exp: ClassVar[bool] = False
+    #: The map depends on the FAVOR++ data statistic rho (:func:`oprf_rho`).
+    needs_statistic: ClassVar[bool] = False
+    #: phi(x)^T phi(y) estimates the softmax kernel exp(x^T y) (not a generalized attention).
+    estimates_softmax: ClassVar[bool] = True
 
-    @classmethod
+    def __init_subclass__(cls, name: str | None = None, **kwargs) -> None:
+        super().__init_subclass__(**kwargs)
+        if name is not None:
+            cls.name = name
+            FEATURE_MAPS[name] = cls
+
+    def __init__(self, Wa: Tensor, bias: Tensor | None, t2: float, eps: float) -> None:
+        self.Wa, self.bias, self.t2, self.eps = Wa, bias, t2, eps
+
+    @staticmethod
     def build(
-        cls,
         kernel: str,
         omega: Tensor,
         *,
@@ -152,34 +156,43 @@ class FeatureMap:
 
         rho: the FAVOR++ statistic, () or (BH,) (then Wa and the bias are per head).
         """
-        check_kernel(kernel)
-        m, d = omega.shape
-        t = d**-0.25 if temperature is None else temperature
-        if kernel == "softmax_hyp":
-            return cls(kernel, torch.cat([omega, -omega]) * t, None, t * t, relu_eps)
-        if kernel != "softmax_opt":
-            return cls(kernel, omega * t, None, t * t, relu_eps)
-        if rho is None:
-            raise ValueError("softmax_opt needs the data statistic rho")
-        a, b, log_d = (c[..., None, None] for c in oprf_coefficients(rho.to(omega.dtype), d))
-        bias = a * omega.pow(2).sum(-1) + log_d  # (..., 1, m)
-        return cls(kernel, b * omega * t, bias, t * t, relu_eps)
+        cls = kernel_class(kernel)
+        t = omega.shape[1] ** -0.25 if temperature is None else temperature
+        Wa, bias = cls.projection(omega, t, rho)
+        return cls(Wa, bias, t * t, relu_eps)
+
+    @classmethod
+    def projection(
+        cls, omega: Tensor, t: float, rho: Tensor | None
+    ) -> tuple[Tensor, Tensor | None]:
+        """(Wa, bias of the log part) for omega (m, d) at temperature t."""
+        return omega * t, None
+
+    @classmethod
+    def feature_dim(cls, nb_features: int) -> int:
+        """M for m = nb_features omega rows, known before any map is built."""
+        return nb_features
 
     @property
     def width(self) -> int:
         """M: the width of phi(z)."""
-        return 2 * self.Wa.shape[-2] if self.kernel == "trig" else self.Wa.shape[-2]
+        return self.Wa.shape[-2]
 
     def heads(self, b0: int, b1: int) -> FeatureMap:
         """The map of flattened heads b0:b1 (the same map unless it is per head)."""
         if self.Wa.dim() == 2:
             return self
         bias = None if self.bias is None else self.bias[b0:b1]
-        return FeatureMap(self.kernel, self.Wa[b0:b1], bias, self.t2, self.eps)
+        return type(self)(self.Wa[b0:b1], bias, self.t2, self.eps)
 
     def to(self, dtype: torch.dtype) -> FeatureMap:
         bias = None if self.bias is None else self.bias.to(dtype)
-        return FeatureMap(self.kernel, self.Wa.to(dtype), bias, self.t2, self.eps)
+        return type(self)(self.Wa.to(dtype), bias, self.t2, self.eps)
+
+    def unbiased(self, f: Tensor) -> Tensor:
+        """Features f times the constant that makes phi(x)^T phi(y) an unbiased estimate of
+        the kernel, 1/sqrt(rows of Wa) (attention cancels it: only :func:`random_features`)."""
+        return f / math.sqrt(self.Wa.shape[-2])
 
     def project(self, z: Tensor, bias: Tensor | None = None, out: Tensor | None = None) -> Tensor:
         """z Wa^T (+ bias), (..., N, d) -> (..., N, Wa rows); one matmul when z is 3-d."""
@@ -195,6 +208,14 @@ class FeatureMap:
         t = z @ W
         return t if bias is None else t + bias
 
+    def _row_term(self, z: Tensor, keep: Tensor | None, sign: float) -> Tensor:
+        """sign * t2 |z|^2, (..., N, 1); pads -inf."""
+        row = z.pow(2).sum(-1, keepdim=True).mul_(sign * self.t2)
+        if keep is not None:
+            row.masked_fill_(~keep[..., None], float("-inf"))
+        return row
+
+    @abc.abstractmethod
     def queries(
         self,
         z: Tensor,
@@ -210,31 +231,13 @@ class FeatureMap:
         the forward's features); rscale (..., N, 1): a positive per-row factor (the causal
         backward), folded into the exp kernels' shift (one pass less).
         """
-        if self.exp:
-            bias = self.bias
-            if offset is not None:
-                bias = offset if bias is None else bias + offset
-            t = self.project(z, bias, out)
-            if shift is None:
-                shift = t.detach().amax(-1)
-            if rscale is not None:
-                shift = shift - rscale[..., 0].log()
-            return t.sub_(shift[..., None]).exp_(), shift
-        f = self._base(self.project(z, out=out))
-        return f if rscale is None else f.mul_(rscale), shift
 
+    @abc.abstractmethod
     def key_logits(self, z: Tensor, keep: Tensor | None, out: Tensor | None = None) -> KeyLogits:
         """The keys' log part a(z) as per-column logits plus a per-row term; pads get a row
         term of -inf. The columns go into ``out`` when given."""
-        cols = self.project(z, self.bias, out) if self.exp else None
-        row = None
-        if self.kernel != "relu":
-            sign = -0.5 if self.exp else 0.5
-            row = z.pow(2).sum(-1, keepdim=True).mul_(sign * self.t2)  # (..., N, 1)
-            if keep is not None:
-                row.masked_fill_(~keep[..., None], float("-inf"))
-        return KeyLogits(cols, row)
 
+    @abc.abstractmethod
     def keys(
         self, z: Tensor, logits: KeyLogits, stab: Tensor | None, keep: Tensor | None
     ) -> Tensor:
@@ -243,21 +246,8 @@ class FeatureMap:
         stab broadcasts against the log part: (..., N, 1) a running max, (..., 1, 1) a state's
         max, or (..., 1, M|1) a column max (with the logits :func:`column_max` returned).
         """
-        cols, row = logits
-        if row is None and cols is None:  # relu: bounded, no stabilizer
-            f = self._base(self.project(z))
-            return f if keep is None else f * keep[..., None]
-        if cols is None:  # trig
-            return self._base(self.project(z)) * (row - stab).exp_()
-        if row is None:  # the row term is already in the columns
-            return cols.sub_(stab).exp_()
-        return cols.add_(row - stab).exp_()
 
-    def _base(self, proj: Tensor) -> Tensor:
-        if self.kernel == "relu":
-            return F.relu(proj) + self.eps
-        return torch.cat([proj.sin(), proj.cos()], dim=-1)
-
+    @abc.abstractmethod
     def query_grad(
         self,
         z: Tensor,
@@ -267,53 +257,187 @@ class FeatureMap:
         out: Tensor | None = None,
     ) -> Tensor:
         """dz from dphi for query features f as :meth:`queries` returned them (df consumed);
-        rscale: the per-row factor they were computed with (only relu needs to be told)."""
-        if rscale is not None and self.kernel == "relu":
-            df = df * rscale
-        return self._grad(z, f, df, None, out)
+        rscale: the per-row factor they were computed with (only a kernel whose features do not
+        carry it themselves needs to be told)."""
 
+    @abc.abstractmethod
     def key_grad(
         self, z: Tensor, f: Tensor, df: Tensor, keep: Tensor | None, out: Tensor | None = None
     ) -> Tensor:
-        """dz from dphi for key features f as :meth:`keys` returned them (df consumed).
+        """dz from dphi for key features f as :meth:`keys` returned them (df consumed)."""
 
-        The log part's -/+ t2 |z|^2/2 adds -/+ t2 z times the row sum of dphi * phi; for the exp
-        kernels that sum rides in the projection's GEMM as one more column of ones.
-        """
-        if self.exp:
-            W1 = torch.cat([self.Wa, self.Wa.new_ones(*self.Wa.shape[:-1], 1)], dim=-1)
-            ext = torch.matmul(df.mul_(f), W1)  # (..., N, d+1): [dz | row sum]
-            dz = ext[..., :-1]
-            dz = dz.addcmul_(ext[..., -1:], z, value=-self.t2)
-            return dz if out is None else out.copy_(dz)
-        dz = self._grad(z, f, df, keep, out)
-        if self.kernel == "trig":
-            dz.addcmul_((f * df).sum(-1, keepdim=True), z, value=self.t2)
-        return dz
+
+class ExpFeatureMap(FeatureMap):
+    """The exp family: a(z) = z Wa^T + bias - t2 |z|^2/2, b = 1 (positive random features).
+
+    A query's features are stabilized by their row max (it cancels); for keys the per-row term
+    rides with the columns, and its gradient -t2 z times the row sum of dphi * phi rides in the
+    projection's GEMM as one more column of ones.
+    """
+
+    exp = True
+
+    def queries(self, z, offset=None, shift=None, rscale=None, out=None):
+        bias = self.bias
+        if offset is not None:
+            bias = offset if bias is None else bias + offset
+        t = self.project(z, bias, out)
+        if shift is None:
+            shift = t.detach().amax(-1)
+        if rscale is not None:
+            shift = shift - rscale[..., 0].log()
+        return t.sub_(shift[..., None]).exp_(), shift
+
+    def key_logits(self, z, keep, out=None):
+        return KeyLogits(self.project(z, self.bias, out), self._row_term(z, keep, -0.5))
+
+    def keys(self, z, logits, stab, keep):
+        cols, row = logits
+        if row is None:  # the row term is already in the columns
+            return cols.sub_(stab).exp_()
+        return cols.add_(row - stab).exp_()
+
+    def query_grad(self, z, f, df, rscale=None, out=None):
+        return torch.matmul(df.mul_(f), self.Wa, out=out)  # dproj = dphi * phi
+
+    def key_grad(self, z, f, df, keep, out=None):
+        W1 = torch.cat([self.Wa, self.Wa.new_ones(*self.Wa.shape[:-1], 1)], dim=-1)
+        ext = torch.matmul(df.mul_(f), W1)  # (..., N, d+1): [dz | row sum]
+        dz = ext[..., :-1]
+        dz = dz.addcmul_(ext[..., -1:], z, value=-self.t2)
+        return dz if out is None else out.copy_(dz)
+
+
+class Softmax(ExpFeatureMap, name="softmax"):
+    """Positive random features (FAVOR+, Lemma 1): Wa = t omega, M = m."""
+
+
+class SoftmaxHyp(ExpFeatureMap, name="softmax_hyp"):
+    """Hyperbolic positive features: Wa = t [omega; -omega], M = 2m (lower variance)."""
+
+    @classmethod
+    def projection(cls, omega, t, rho):
+        return torch.cat([omega, -omega]) * t, None
+
+    @classmethod
+    def feature_dim(cls, nb_features):
+        return 2 * nb_features
+
+
+class SoftmaxOpt(ExpFeatureMap, name="softmax_opt"):
+    """Optimal positive features (FAVOR++) for statistic rho: Wa = t B omega and a per-head
+    bias c = A |omega|^2 + log D (:func:`oprf_coefficients`), M = m."""
+
+    needs_statistic = True
+
+    @classmethod
+    def projection(cls, omega, t, rho):
+        if rho is None:
+            raise ValueError(f"{cls.name} needs the data statistic rho")
+        coefficients = oprf_coefficients(rho.to(omega.dtype), omega.shape[1])
+        a, b, log_d = (c[..., None, None] for c in coefficients)
+        bias = a * omega.pow(2).sum(-1) + log_d  # (..., 1, m)
+        return b * omega * t, bias
+
+
+class ElementwiseFeatureMap(FeatureMap):
+    """Features b(z Wa^T), b elementwise, times a per-row factor (trig, relu). A query's
+    features are b(z Wa^T) alone: the row factor cancels and there is no exp part to shift."""
+
+    @abc.abstractmethod
+    def _base(self, proj: Tensor) -> Tensor:
+        """b(z Wa^T), (..., N, Wa rows) -> (..., N, M)."""
+
+    @abc.abstractmethod
+    def _dproj(self, z: Tensor, f: Tensor, df: Tensor, keep: Tensor | None) -> Tensor:
+        """d loss / d(z Wa^T) from dphi, for features f."""
+
+    def queries(self, z, offset=None, shift=None, rscale=None, out=None):
+        f = self._base(self.project(z, out=out))
+        return f if rscale is None else f.mul_(rscale), shift
+
+    def query_grad(self, z, f, df, rscale=None, out=None):
+        return self._grad(z, f, df, None, out)
 
     def _grad(
         self, z: Tensor, f: Tensor, df: Tensor, keep: Tensor | None, out: Tensor | None
     ) -> Tensor:
-        """dz through the projection: d loss / d(z Wa^T), then one matmul with Wa.
-
-        exp: dproj = dphi * phi (written into df); trig: d sin = cos, d cos = -sin, read off the
-        features themselves (any row factor rides along); relu: dphi where the projection > 0.
-        """
-        if self.exp:
-            dp = df.mul_(f)
-        elif self.kernel == "trig":
-            m = f.shape[-1] // 2
-            dp = df[..., :m] * f[..., m:] - df[..., m:] * f[..., :m]
-        else:
-            dp = df * (self.project(z) > 0)
-            if keep is not None:
-                dp = dp * keep[..., None]
-        return torch.matmul(dp, self.Wa, out=out)
+        """dz through the projection: d loss / d(z Wa^T), then one matmul with Wa."""
+        return torch.matmul(self._dproj(z, f, df, keep), self.Wa, out=out)
 
 
-def check_kernel(kernel: str) -> None:
-    if kernel not in KERNELS:
-        raise ValueError(f"unknown kernel {kernel!r}; expected one of {KERNELS}")
+class Trig(ElementwiseFeatureMap, name="trig"):
+    """Trigonometric features: b = [sin, cos](z Wa^T), a(z) = + t2 |z|^2/2 (one column),
+    M = 2m; unbiased, but with unbounded relative error where the kernel is small."""
+
+    @classmethod
+    def feature_dim(cls, nb_features):
+        return 2 * nb_features
+
+    @property
+    def width(self):
+        return 2 * self.Wa.shape[-2]
+
+    def _base(self, proj):
+        return torch.cat([proj.sin(), proj.cos()], dim=-1)
+
+    def _dproj(self, z, f, df, keep):
+        # d sin = cos, d cos = -sin, read off the features (any row factor rides along)
+        m = f.shape[-1] // 2
+        return df[..., :m] * f[..., m:] - df[..., m:] * f[..., :m]
+
+    def key_logits(self, z, keep, out=None):
+        return KeyLogits(None, self._row_term(z, keep, 0.5))
+
+    def keys(self, z, logits, stab, keep):
+        return self._base(self.project(z)) * (logits.row - stab).exp_()
+
+    def key_grad(self, z, f, df, keep, out=None):
+        dz = self._grad(z, f, df, keep, out)
+        return dz.addcmul_((f * df).sum(-1, keepdim=True), z, value=self.t2)
+
+
+class Relu(ElementwiseFeatureMap, name="relu"):
+    """Generalized attention (Performer-ReLU): b = ReLU(z Wa^T) + eps, no log part, M = m.
+    Without an exp part it needs no stabilizer; it estimates no softmax, so it takes no
+    unbiasing constant either."""
+
+    estimates_softmax = False
+
+    def _base(self, proj):
+        return F.relu(proj) + self.eps
+
+    def _dproj(self, z, f, df, keep):
+        dp = df * (self.project(z) > 0)
+        return dp if keep is None else dp * keep[..., None]
+
+    def unbiased(self, f):
+        return f
+
+    def key_logits(self, z, keep, out=None):
+        return KeyLogits(None, None)
+
+    def keys(self, z, logits, stab, keep):
+        f = self._base(self.project(z))
+        return f if keep is None else f * keep[..., None]
+
+    def query_grad(self, z, f, df, rscale=None, out=None):
+        # no per-row factor rides in these features: the causal backward's rscale enters here
+        return self._grad(z, f, df if rscale is None else df * rscale, None, out)
+
+    def key_grad(self, z, f, df, keep, out=None):
+        return self._grad(z, f, df, keep, out)
+
+
+#: The registered kernels' names.
+KERNELS = tuple(FEATURE_MAPS)
+
+
+def kernel_class(kernel: str) -> type[FeatureMap]:
+    """The feature-map class registered as ``kernel``; ValueError naming the registered ones."""
+    if kernel not in FEATURE_MAPS:
+        raise ValueError(f"unknown kernel {kernel!r}; expected one of {tuple(FEATURE_MAPS)}")
+    return FEATURE_MAPS[kernel]
 
 
 class KeyLogits(NamedTuple):
@@ -367,9 +491,7 @@ def random_features(
     """
     r = None if rho is None else torch.as_tensor(rho, dtype=x.dtype, device=x.device)
     fmap = FeatureMap.build(kernel, omega, rho=r, relu_eps=relu_eps, temperature=1.0)
-    f = fmap.keys(x, fmap.key_logits(x, None), 0.0, None)
-    m = omega.shape[0]
-    return f if kernel == "relu" else f / math.sqrt(2 * m if kernel == "softmax_hyp" else m)
+    return fmap.unbiased(fmap.keys(x, fmap.key_logits(x, None), 0.0, None))
 
 
 # --------------------------------------------------------------------------- inputs
@@ -399,14 +521,14 @@ def build_feature_map(
 ) -> FeatureMap:
     """The map for flattened unscaled x, y (BH, L, d); the FAVOR++ statistic per head comes from
     the data (bidirectional) or is given (causal: a statistic of the sequence would leak)."""
-    check_kernel(kernel)
+    needs_statistic = kernel_class(kernel).needs_statistic
     om = omega.to(device=x.device, dtype=x.dtype)
     r = None
-    if kernel == "softmax_opt":
+    if needs_statistic:
         if rho is None:
             if causal:
                 raise ValueError(
-                    "causal softmax_opt needs a fixed oprf_rho: a statistic of the whole sequence "
+                    f"causal {kernel} needs a fixed oprf_rho: a statistic of the whole sequence "
                     "would leak future tokens into past outputs"
                 )
             t = x.shape[-1] ** -0.25

@@ -11,9 +11,9 @@ from torch import Tensor
 from protein_performer.model.favor.kernels import (
     FeatureMap,
     build_feature_map,
-    check_kernel,
     column_max,
     flatten_heads,
+    kernel_class,
     running_max,
 )
 from protein_performer.model.favor.scan import safe_denominator
@@ -36,7 +36,7 @@ def favor_attention_map(
     Same features and stabilizers as :func:`favor_attention`, so map @ V equals its output;
     memory O(W L + L M).
     """
-    check_kernel(kernel)
+    kernel_class(kernel)
     B, H, L, _ = q.shape
     sl = query_slice if query_slice is not None else slice(0, L)
     with torch.autocast(device_type=q.device.type, enabled=False):
