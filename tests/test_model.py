@@ -418,3 +418,51 @@ def test_nb_features_default_is_d_log_d_and_stored_resolved() -> None:
     model = PerformerLM(tiny_config(nb_features=None))
     favor = model.layers[0].self_attn.favor
     assert favor is not None and favor.omega.shape == (default_nb_features(8), 8)
+
+
+@pytest.mark.parametrize("attention", ["favor", "exact"])
+def test_cores_share_one_interface(attention: str) -> None:
+    """Both cores: steps (from a prompt's state or from nothing) equal the parallel causal
+    forward, and the map rows sum to 1 and reproduce it (map @ V)."""
+    core = tiny_model(objective="clm", attention=attention).layers[0].self_attn.core
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, 4, 9, 8, generator=g) for _ in range(3))  # (B, H, L, d)
+    pad = torch.zeros(2, 9, dtype=torch.bool)
+    pad[1, 7:] = True  # right padding, as in generation
+    real = ~pad[:, None, :, None]
+    ref = core(q, k, v, key_padding_mask=pad)
+    for start in (0, 5):
+        state = (
+            core.initial_state(k[:, :, :start], v[:, :, :start], pad[:, :start]) if start else None
+        )
+        outs = []
+        for t in range(start, 9):
+            state, out = core.step(state, q[:, :, t], k[:, :, t], v[:, :, t], pad[:, t])
+            outs.append(out)
+        got = torch.stack(outs, 2)  # (B, H, L - start, d)
+        keep = real[:, :, start:]
+        torch.testing.assert_close(got * keep, ref[:, :, start:] * keep)
+    maps = core.attention_map(q, k, key_padding_mask=pad)  # (B, H, L, L)
+    torch.testing.assert_close(maps.sum(-1), torch.ones(2, 4, 9))
+    assert torch.equal(maps.triu(1), torch.zeros_like(maps))
+    torch.testing.assert_close((maps @ v) * real, ref * real, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("objective,attention", VARIANTS)
+def test_map_blocks_are_the_residue_map(objective: str, attention: str) -> None:
+    """A core's contact-map blocks: S = A + A^T between residues (rows normalized over every
+    token) and its row sums; causal FAVOR+ has no block form and says so."""
+    core = tiny_model(objective=objective, attention=attention).layers[0].self_attn.core
+    g = torch.Generator().manual_seed(1)
+    q, k = (torch.randn(1, 1, 12, 8, generator=g) for _ in range(2))  # <cls> 10 residues <eos>
+    if attention == "favor" and objective == "clm":
+        with pytest.raises(UserError, match="causal FAVOR"):
+            core.map_blocks(q, k, 10, 4)
+        return
+    blocks = core.map_blocks(q, k, 10, 4)
+    a = core.attention_map(q, k)[0, 0, 1:11, 1:11]  # (L, L) residues
+    s = a + a.T
+    torch.testing.assert_close(blocks.sums, s.sum(-1))
+    acc = torch.zeros(3, 6)
+    blocks.add_upper_block(acc, 4, 2.0)  # rows 4..6, columns 4..9
+    torch.testing.assert_close(acc, 2.0 * s[4:7, 4:])

@@ -50,8 +50,8 @@ from protein_performer.io.columns import (
     record_columns,
     write_columns,
 )
+from protein_performer.model.attention import MapBlocks
 from protein_performer.model.contact_head import ContactRegression, weights_sha256
-from protein_performer.model.favor import MapFactors
 
 log = logging.getLogger(__name__)
 
@@ -61,9 +61,9 @@ DEFAULT_TOP_K_PER_LENGTH = 2.0
 #: the FAVOR+ features of the columns less often; this one is 128 MB.
 _BLOCK_ELEMENTS = 1 << 25
 HOW_TO_FIT = (
-    "fit one on structures with `protein-performer contacts CKPT STRUCTURE... --out DIR "
-    "--save-beside` (or pass --regression DIR/contact_regression.json); a model converted from "
-    "ESM-2 by `convert-esm` carries ESM-2's contact head"
+    "fit one on structures with `protein-performer contacts fit CKPT STRUCTURE... --out-dir "
+    "DIR --save-beside` (or pass --regression DIR/contact_regression.json); a model converted "
+    "from ESM-2 by `convert-esm` carries ESM-2's contact head"
 )
 
 
@@ -106,77 +106,6 @@ def find_regression(
 
 
 # --------------------------------------------------------------------------------------------
-# One head's residue x residue map, block by block
-# --------------------------------------------------------------------------------------------
-class _FavorHead:
-    """A bidirectional FAVOR+ head: blocks recomputed from q, k and the head's stabilizers."""
-
-    def __init__(self, module: torch.nn.Module, q: torch.Tensor, k: torch.Tensor, L: int):
-        favor = module.favor
-        self.L = L
-
-        def factors(fixed=None) -> MapFactors:
-            return MapFactors.from_heads(
-                q, k, favor.omega, kernel=favor.kernel, relu_eps=favor.relu_eps, fixed=fixed
-            )
-
-        self.factors = factors
-        f = factors()
-        self.stabilizers = f.stabilizers
-        res = slice(1, L + 1)
-        qn, kf = f.queries(res)[0], f.keys(res)[0]  # (L, M)
-        self.sums = qn @ kf.sum(0) + kf @ qn.sum(0)  # rows of A + columns of A, (L,)
-
-    def add_upper_block(self, acc: torch.Tensor, a: int, weight: float) -> None:
-        """acc += weight * S[a:b, a:], S[a:b, a:] = A[a:b, a:] + A[a:, a:b]^T, acc (b - a, L - a)
-        (two fused matmuls into the accumulator: no block-sized temporaries)."""
-        f = self.factors(self.stabilizers)
-        cols = slice(a + 1, self.L + 1)
-        qn, kf = f.queries(cols)[0], f.keys(cols)[0]  # (L - a, M)
-        w = acc.shape[0]
-        acc.addmm_(qn[:w], kf.T, alpha=weight).addmm_(kf[:w], qn.T, alpha=weight)
-
-
-class _ExactHead:
-    """An exact-softmax head: each row's log-normalizer from a first sweep, then any block."""
-
-    def __init__(self, q: torch.Tensor, k: torch.Tensor, L: int, causal: bool, window: int):
-        d = q.shape[-1]
-        self.q = q[0, 0].float() * d**-0.5  # (T, d)
-        self.k = k[0, 0].float()
-        self.L, self.causal = L, causal
-        self.lse = torch.empty(L, device=self.q.device)
-        rows = torch.zeros(L, device=self.q.device)
-        cols = torch.zeros(L, device=self.q.device)
-        for a in range(0, L, window):
-            b = min(L, a + window)
-            logits = self._logits(a, b, 0, L + 2)  # (W, T): every token is normalized over
-            self.lse[a:b] = torch.logsumexp(logits, -1)
-            att = torch.exp(logits - self.lse[a:b, None])[:, 1 : L + 1]  # (W, L)
-            rows[a:b] = att.sum(-1)
-            cols += att.sum(0)
-        self.sums = rows + cols
-
-    def _logits(self, a: int, b: int, c0: int, c1: int) -> torch.Tensor:
-        """Scores of residues [a, b) against tokens [c0, c1), causal positions masked."""
-        s = self.q[a + 1 : b + 1] @ self.k[c0:c1].T
-        if self.causal:
-            later = (
-                torch.arange(c0, c1, device=s.device)[None, :]
-                > torch.arange(a + 1, b + 1, device=s.device)[:, None]
-            )
-            s = s.masked_fill(later, float("-inf"))
-        return s
-
-    def add_upper_block(self, acc: torch.Tensor, a: int, weight: float) -> None:
-        L, b = self.L, a + acc.shape[0]
-        rows = torch.exp(self._logits(a, b, a + 1, L + 1) - self.lse[a:b, None])  # (W, L - a)
-        acc.add_(rows, alpha=weight)
-        cols = torch.exp(self._logits(a, L, a + 1, b + 1) - self.lse[a:, None])  # (L - a, W)
-        acc.add_(cols.T, alpha=weight)
-
-
-# --------------------------------------------------------------------------------------------
 # Prediction
 # --------------------------------------------------------------------------------------------
 def window_rows(length: int) -> int:
@@ -186,18 +115,12 @@ def window_rows(length: int) -> int:
 
 def _heads(
     loaded: LoadedModel, tokens: torch.Tensor, regression: ContactRegression, window: int
-) -> tuple[list[Any], list[float]]:
-    """Every head the regression weighs (nonzero coefficient) as a block source."""
-    cfg = loaded.config
-    if cfg.attention == "favor" and cfg.causal:
-        raise UserError(
-            f"{loaded.source}: contact maps of a causal FAVOR+ model are not supported (its "
-            "implied attention is not a product of two feature blocks); use a bidirectional "
-            "(MLM) model or exact attention"
-        )
+) -> tuple[list[MapBlocks], list[float]]:
+    """Every head the regression weighs (nonzero coefficient) as a block source, from its
+    layer's attention core (which refuses maps it cannot give in blocks)."""
     L = tokens.shape[1] - 2
     grid = regression.coef_grid()
-    heads: list[Any] = []
+    heads: list[MapBlocks] = []
     weights: list[float] = []
 
     def on_layer(layer: int, module, q, k, padding_mask) -> None:
@@ -206,18 +129,18 @@ def _heads(
             if grid[row, col] == 0:
                 continue
             qh, kh = q[:, h : h + 1].float(), k[:, h : h + 1].float()  # (1, 1, T, d)
-            if cfg.attention == "favor":
-                heads.append(_FavorHead(module, qh, kh, L))
-            else:
-                heads.append(_ExactHead(qh, kh, L, cfg.causal, window))
+            heads.append(module.core.map_blocks(qh, kh, L, window))
             weights.append(float(grid[row, col]))
 
-    run_with_qk(loaded.model, tokens, sorted(regression.layers), on_layer)
+    try:
+        run_with_qk(loaded.model, tokens, sorted(regression.layers), on_layer)
+    except UserError as exc:
+        raise UserError(f"{loaded.source}: {exc}") from None
     return heads, weights
 
 
 def _logit_windows(
-    heads: list[Any], weights: list[float], intercept: float, L: int, window: int
+    heads: list[MapBlocks], weights: list[float], intercept: float, L: int, window: int
 ) -> Iterator[tuple[int, torch.Tensor]]:
     """(a, logits of S[a:b, a:]) for consecutive windows [a, b) of rows."""
     if heads:

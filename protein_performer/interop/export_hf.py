@@ -32,10 +32,10 @@ from protein_performer.interop.loading import (
     WEIGHTS_FILE,
     LoadedModel,
     publish_directory,
-    tied_aliases,
     write_json,
 )
 from protein_performer.model.contact_head import ContactRegression
+from protein_performer.model.favor import kernel_class
 
 VOCAB_FILE = "vocab.txt"
 SPECIAL_TOKENS = {
@@ -75,10 +75,11 @@ def check_exportable(loaded: LoadedModel, as_exact: bool) -> None:
             "FAVOR+ approximates: outputs then differ by the FAVOR+ approximation error, like "
             "an exact-vs-FAVOR+ conversion of ESM-2), or keep --format native"
         )
-    if cfg.attention == "favor" and cfg.kernel == "relu":
+    if cfg.attention == "favor" and not kernel_class(cfg.kernel).estimates_softmax:
         raise UserError(
-            f"{loaded.source} uses the ReLU kernel (generalized attention), which approximates "
-            "no softmax: exact attention would compute another function; use --format native"
+            f"{loaded.source} uses the {cfg.kernel} kernel, a generalized attention (like "
+            "Performer-ReLU) that approximates no softmax: exact attention would compute another "
+            "function; use --format native"
         )
 
 
@@ -150,12 +151,11 @@ def export_hf(
     from safetensors.torch import save_file
 
     check_exportable(loaded, as_exact)
-    model = loaded.model
-    skip = tied_aliases(model)
+    # EsmForMaskedLM's weights are the parameters, the tied matrix once; FAVOR+'s buffers
+    # (random features, statistic) have no place there.
     state = {
         hf_name(k): v.detach().to("cpu", torch.float32).contiguous()
-        for k, v in model.state_dict().items()
-        if k not in skip and ".self_attn.favor." not in k
+        for k, v in loaded.model.named_parameters()
     }
     if loaded.contact_regression is not None:
         regression = ContactRegression.from_dict(loaded.contact_regression, loaded.source)

@@ -1,8 +1,10 @@
-"""Multi-head self-attention: projections, heads and rotary around the attention core.
+"""Multi-head self-attention: projections, heads and rotary around one attention core.
 
-The math (FAVOR+ or exact softmax) lives in ``favor.py``; this module only owns the projections
-(named like ESM-2's ``q_proj k_proj v_proj out_proj`` so its weights load by renaming) and, for
-FAVOR+, the random-feature buffer inside ``self.favor``.
+The math lives in the core, FAVOR+ (:class:`~protein_performer.model.favor.FavorAttention`) or
+exact softmax (:class:`~protein_performer.model.exact.ExactAttention`); both offer one interface
+(forward, RNN-mode state and step, attention rows, contact-map blocks), so this module never asks
+which it holds. It owns the projections, named like ESM-2's ``q_proj k_proj v_proj out_proj`` so
+its weights load by renaming.
 
 ESM-2 scales q by ``head_dim ** -0.5`` before rotary; rotary is linear, so rotating the unscaled
 q and letting the attention core apply ``1/sqrt(d)`` gives the same scores.
@@ -11,35 +13,47 @@ q and letting the attention core apply ``1/sqrt(d)`` gives the same scores.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import NamedTuple
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from protein_performer.model.config import PerformerConfig
-from protein_performer.model.exact import exact_attention, exact_attention_map
+from protein_performer.model.exact import ExactAttention, ExactMapBlocks, KVCache
 from protein_performer.model.favor import FavorAttention, FavorState
+from protein_performer.model.favor.module import FavorMapBlocks
 from protein_performer.model.rotary import RotaryEmbedding
 
-
-class KVCache(NamedTuple):
-    """RNN-mode state of exact causal attention: every key and value so far (a KV cache).
-
-    k, v: (B, H, T, d) rotated keys and values; keep: (B, T) False where the row had a pad.
-    """
-
-    k: torch.Tensor
-    v: torch.Tensor
-    keep: torch.Tensor
-
-
+#: The attention cores: one interface, two implementations.
+AttentionCore = FavorAttention | ExactAttention
 #: What one attention layer carries between generation steps.
 AttentionState = FavorState | KVCache
+#: One head's residue x residue map as blocks (``.sums``, ``.add_upper_block``), for contacts.
+MapBlocks = FavorMapBlocks | ExactMapBlocks
+
+
+def _build_core(config: PerformerConfig) -> AttentionCore:
+    """The attention core ``config.attention`` names."""
+    if config.attention == "exact":
+        return ExactAttention(causal=config.causal)
+    kwargs = {}
+    if config.favor_chunk_size is not None:
+        kwargs["chunk_size"] = config.favor_chunk_size
+    return FavorAttention(
+        dim_head=config.head_dim,
+        nb_features=config.nb_features,
+        causal=config.causal,
+        kernel=config.kernel,
+        **kwargs,
+    )
 
 
 class MultiHeadSelfAttention(nn.Module):
-    """Self-attention with rotary q/k; FAVOR+ or exact softmax by ``config.attention``."""
+    """Self-attention with rotary q/k around the core ``config.attention`` names.
+
+    The core is registered under the attention's name, its state-dict prefix: FAVOR+'s buffers
+    stay at ``...self_attn.favor.omega`` (checkpoints, ESM-2 conversions); the exact core has
+    no state, so it adds no entry. :attr:`core` is the one to call.
+    """
 
     def __init__(self, config: PerformerConfig) -> None:
         super().__init__()
@@ -52,18 +66,13 @@ class MultiHeadSelfAttention(nn.Module):
         self.v_proj = nn.Linear(dim, dim)
         self.out_proj = nn.Linear(dim, dim)
         self.rot_emb = RotaryEmbedding(self.head_dim, base=config.rotary_base)
-        self.favor: FavorAttention | None = None
-        if config.attention == "favor":
-            kwargs = {}
-            if config.favor_chunk_size is not None:
-                kwargs["chunk_size"] = config.favor_chunk_size
-            self.favor = FavorAttention(
-                dim_head=self.head_dim,
-                nb_features=config.nb_features,
-                causal=self.causal,
-                kernel=config.kernel,
-                **kwargs,
-            )
+        self._core_name = config.attention
+        self.add_module(self._core_name, _build_core(config))
+
+    @property
+    def core(self) -> AttentionCore:
+        """The attention core: FAVOR+ or exact softmax, behind one interface."""
+        return self._modules[self._core_name]
 
     def _split_heads(self, x: torch.Tensor) -> torch.Tensor:
         B, L, _ = x.shape
@@ -85,10 +94,7 @@ class MultiHeadSelfAttention(nn.Module):
         B, L, D = x.shape
         q, k = self.rotated_qk(x)
         v = self._split_heads(self.v_proj(x))
-        if self.favor is not None:
-            out = self.favor(q, k, v, key_padding_mask=padding_mask)
-        else:
-            out = exact_attention(q, k, v, causal=self.causal, key_padding_mask=padding_mask)
+        out = self.core(q, k, v, key_padding_mask=padding_mask)
         out = out.transpose(1, 2).reshape(B, L, D)  # (B, H, L, d) -> (B, L, D)
         out = self.out_proj(out)
         weights = self.attention_map(q, k, padding_mask, heads) if need_weights else None
@@ -105,17 +111,8 @@ class MultiHeadSelfAttention(nn.Module):
         B, L, D = x.shape
         q, k = self.rotated_qk(x)
         v = self._split_heads(self.v_proj(x))
-        if self.favor is not None:
-            out = self.favor(q, k, v, key_padding_mask=padding_mask)
-            state: AttentionState = self.favor.initial_state(k, v, padding_mask)
-        else:
-            out = exact_attention(q, k, v, causal=True, key_padding_mask=padding_mask)
-            keep = (
-                torch.ones(B, L, dtype=torch.bool, device=x.device)
-                if padding_mask is None
-                else ~padding_mask.bool()
-            )
-            state = KVCache(k, v, keep)
+        out = self.core(q, k, v, key_padding_mask=padding_mask)
+        state = self.core.initial_state(k, v, padding_mask)
         return self.out_proj(out.transpose(1, 2).reshape(B, L, D)), state
 
     def step(
@@ -136,14 +133,7 @@ class MultiHeadSelfAttention(nn.Module):
             positions,
         )  # (B, H, 1, d)
         v = self._split_heads(self.v_proj(x_t)[:, None])  # (B, H, 1, d)
-        if isinstance(state, FavorState):
-            assert self.favor is not None
-            state, out = self.favor.step(state, q[:, :, 0], k[:, :, 0], v[:, :, 0], pad)
-        else:
-            keep = torch.cat([state.keep, ~pad[:, None]], dim=1)  # (B, T+1)
-            state = KVCache(torch.cat([state.k, k], 2), torch.cat([state.v, v], 2), keep)
-            mask = keep[:, None, None, :]  # (B, 1, 1, T+1)
-            out = F.scaled_dot_product_attention(q, state.k, state.v, attn_mask=mask)[:, :, 0]
+        state, out = self.core.step(state, q[:, :, 0], k[:, :, 0], v[:, :, 0], pad)
         return self.out_proj(out.reshape(B, D)), state
 
     def rotated_qk(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -169,10 +159,6 @@ class MultiHeadSelfAttention(nn.Module):
         if heads is not None:
             index = torch.as_tensor(list(heads), device=q.device, dtype=torch.long)
             q, k = q.index_select(1, index), k.index_select(1, index)  # (B, H', L, d)
-        if self.favor is not None:
-            return self.favor.attention_map(
-                q, k, key_padding_mask=padding_mask, query_slice=query_slice
-            )
-        return exact_attention_map(
-            q, k, causal=self.causal, key_padding_mask=padding_mask, query_slice=query_slice
+        return self.core.attention_map(
+            q, k, key_padding_mask=padding_mask, query_slice=query_slice
         )

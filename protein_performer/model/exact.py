@@ -1,12 +1,18 @@
-"""Exact softmax attention: the reference FAVOR+ approximates and the exact twin's core."""
+"""Exact softmax attention: the reference FAVOR+ approximates and the exact twin's core.
+
+:class:`ExactAttention` has the interface of :class:`~protein_performer.model.favor.FavorAttention`
+(forward, RNN-mode state and step, attention rows, contact-map blocks), so the attention layer,
+contact maps and generation never ask which core they hold.
+"""
 
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
-from torch import Tensor
+from torch import Tensor, nn
 
 
 def exact_attention(
@@ -55,3 +61,145 @@ def exact_attention_map(
         allowed = allowed & ~key_padding_mask.bool()[:, None, None, :]
     w = torch.softmax(logits.masked_fill(~allowed, float("-inf")), dim=-1)
     return torch.nan_to_num(w, nan=0.0)
+
+
+class KVCache(NamedTuple):
+    """RNN-mode state of exact causal attention: every key and value so far (a KV cache).
+
+    k, v: (B, H, T, d) rotated keys and values; keep: (B, T) False where the row had a pad.
+    """
+
+    k: Tensor
+    v: Tensor
+    keep: Tensor
+
+
+class ExactMapBlocks:
+    """One exact-softmax head's residue x residue map as blocks, for contact maps.
+
+    Why two sweeps: a row's normalizer needs every key, so a first sweep over windows of rows
+    stores each row's log-normalizer (and the map's row and column sums, :attr:`sums`); any
+    block is then exp(scores - lse) of its rows alone, O(window x L) memory.
+    """
+
+    def __init__(self, q: Tensor, k: Tensor, L: int, causal: bool, window: int) -> None:
+        d = q.shape[-1]
+        self.q = q[0, 0].float() * d**-0.5  # (T, d)
+        self.k = k[0, 0].float()
+        self.L, self.causal = L, causal
+        self.lse = torch.empty(L, device=self.q.device)
+        rows = torch.zeros(L, device=self.q.device)
+        cols = torch.zeros(L, device=self.q.device)
+        for a in range(0, L, window):
+            b = min(L, a + window)
+            logits = self._logits(a, b, 0, L + 2)  # (W, T): every token is normalized over
+            self.lse[a:b] = torch.logsumexp(logits, -1)
+            att = torch.exp(logits - self.lse[a:b, None])[:, 1 : L + 1]  # (W, L)
+            rows[a:b] = att.sum(-1)
+            cols += att.sum(0)
+        self.sums = rows + cols  # rows of A + columns of A, (L,)
+
+    def _logits(self, a: int, b: int, c0: int, c1: int) -> Tensor:
+        """Scores of residues [a, b) against tokens [c0, c1), causal positions masked."""
+        s = self.q[a + 1 : b + 1] @ self.k[c0:c1].T
+        if self.causal:
+            later = (
+                torch.arange(c0, c1, device=s.device)[None, :]
+                > torch.arange(a + 1, b + 1, device=s.device)[:, None]
+            )
+            s = s.masked_fill(later, float("-inf"))
+        return s
+
+    def add_upper_block(self, acc: Tensor, a: int, weight: float) -> None:
+        """acc += weight * S[a:b, a:], S = A + A^T, acc (b - a, L - a): the rows' part, then the
+        columns' (A's rows below a restricted to columns [a, b))."""
+        L, b = self.L, a + acc.shape[0]
+        rows = torch.exp(self._logits(a, b, a + 1, L + 1) - self.lse[a:b, None])  # (W, L - a)
+        acc.add_(rows, alpha=weight)
+        cols = torch.exp(self._logits(a, L, a + 1, b + 1) - self.lse[a:, None])  # (L - a, W)
+        acc.add_(cols.T, alpha=weight)
+
+
+class ExactAttention(nn.Module):
+    """Exact softmax attention behind FAVOR+'s core interface; no parameters or buffers, so an
+    exact model's state dict (ESM-2 conversions included) has no attention-core entries."""
+
+    def __init__(self, causal: bool = False) -> None:
+        super().__init__()
+        self.causal = causal
+
+    def forward(
+        self, q: Tensor, k: Tensor, v: Tensor, key_padding_mask: Tensor | None = None
+    ) -> Tensor:
+        """(B, H, L, d) x3 -> (B, H, L, dv); key_padding_mask (B, L), True = pad."""
+        return exact_attention(q, k, v, causal=self.causal, key_padding_mask=key_padding_mask)
+
+    def redraw(self, generator: torch.Generator | None = None) -> None:
+        """Nothing to redraw: exact attention has no random features."""
+
+    @torch.no_grad()
+    def initial_state(
+        self, k: Tensor, v: Tensor, key_padding_mask: Tensor | None = None
+    ) -> KVCache:
+        """The KV cache after a whole prompt, k, v (B, H, L, d); padded keys are never attended."""
+        self._check_causal()
+        B, _, L, _ = k.shape
+        keep = (
+            torch.ones(B, L, dtype=torch.bool, device=k.device)
+            if key_padding_mask is None
+            else ~key_padding_mask.bool()
+        )
+        return KVCache(k, v, keep)
+
+    @torch.no_grad()
+    def step(
+        self,
+        state: KVCache | None,
+        q_t: Tensor,
+        k_t: Tensor,
+        v_t: Tensor,
+        key_padding_mask: Tensor | None = None,
+    ) -> tuple[KVCache, Tensor]:
+        """One causal step: q_t, k_t, v_t (B, H, d) -> (new state, out_t (B, H, dv)).
+
+        state=None starts fresh; key_padding_mask (B,) True = this token is a pad (its key is
+        cached but never attended).
+        """
+        self._check_causal()
+        B = q_t.shape[0]
+        k, v = k_t[:, :, None], v_t[:, :, None]  # (B, H, 1, d)
+        keep = (
+            torch.ones(B, 1, dtype=torch.bool, device=q_t.device)
+            if key_padding_mask is None
+            else ~key_padding_mask[:, None]
+        )
+        if state is not None:
+            k, v = torch.cat([state.k, k], 2), torch.cat([state.v, v], 2)
+            keep = torch.cat([state.keep, keep], dim=1)  # (B, T+1)
+        mask = keep[:, None, None, :]  # (B, 1, 1, T+1)
+        out = F.scaled_dot_product_attention(q_t[:, :, None], k, v, attn_mask=mask)[:, :, 0]
+        return KVCache(k, v, keep), out
+
+    def attention_map(
+        self,
+        q: Tensor,
+        k: Tensor,
+        key_padding_mask: Tensor | None = None,
+        query_slice: slice | None = None,
+    ) -> Tensor:
+        """Softmax rows (B, H, W, L) (rows sum to 1, causal-masked when causal)."""
+        return exact_attention_map(
+            q, k, causal=self.causal, key_padding_mask=key_padding_mask, query_slice=query_slice
+        )
+
+    def map_blocks(self, q: Tensor, k: Tensor, L: int, window: int) -> ExactMapBlocks:
+        """One head's map between the L residues of ``<cls> residues <eos>``, q, k (1, 1, L + 2,
+        d), rows normalized over all tokens, as blocks; window: rows per normalizer sweep."""
+        return ExactMapBlocks(q, k, L, self.causal, window)
+
+    def _check_causal(self) -> None:
+        if not self.causal:
+            raise RuntimeError("RNN mode (step, initial_state) needs causal=True")
+
+    def extra_repr(self) -> str:
+        return f"causal={self.causal}"

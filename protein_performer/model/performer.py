@@ -207,9 +207,7 @@ class PerformerLM(nn.Module):
         without a broadcast. A no-op for exact attention.
         """
         for layer in self.layers:
-            favor = layer.self_attn.favor
-            if favor is not None:
-                favor.redraw(generator=generator)
+            layer.self_attn.core.redraw(generator=generator)
 
     def num_parameters(self, trainable_only: bool = False) -> int:
         """Parameter count, the tied embedding/decoder matrix counted once."""

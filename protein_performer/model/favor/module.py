@@ -8,19 +8,20 @@ from typing import NamedTuple
 import torch
 from torch import Tensor, nn
 
+from protein_performer.errors import UserError
 from protein_performer.model.config import default_nb_features
 from protein_performer.model.favor.bidirectional import _BidiFavor
 from protein_performer.model.favor.causal import _CausalFavor
 from protein_performer.model.favor.kernels import (
     FeatureMap,
     build_feature_map,
-    check_kernel,
     draw_omega,
     flatten_heads,
+    kernel_class,
     oprf_rho,
     running_max,
 )
-from protein_performer.model.favor.maps import favor_attention_map
+from protein_performer.model.favor.maps import MapFactors, MapStabilizers, favor_attention_map
 from protein_performer.model.favor.reference import favor_attention_reference
 from protein_performer.model.favor.scan import safe_denominator
 
@@ -51,7 +52,7 @@ def favor_attention(
     instead. oprf_rho: the FAVOR++ statistic; computed from the (non-pad) data when None
     (bidirectional only). Features in float32 even under autocast; output in q's dtype.
     """
-    check_kernel(kernel)
+    kernel_class(kernel)
     kw = dict(kernel=kernel, causal=causal, key_padding_mask=key_padding_mask, relu_eps=relu_eps)
     if omega.requires_grad or (isinstance(oprf_rho, Tensor) and oprf_rho.requires_grad):
         return favor_attention_reference(q, k, v, omega, oprf_rho=oprf_rho, **kw)
@@ -90,6 +91,40 @@ class FavorState(NamedTuple):
     mu: Tensor
 
 
+class FavorMapBlocks:
+    """One bidirectional FAVOR+ head's residue x residue implied map as blocks, for contact maps.
+
+    The map is a product of query and key features (:class:`MapFactors`), so its row and column
+    sums (:attr:`sums`) cost O(L M) and any block is recomputed from the features of its rows
+    and the head's stabilizers, fixed once from the whole sequence.
+    """
+
+    def __init__(
+        self, q: Tensor, k: Tensor, L: int, omega: Tensor, kernel: str, relu_eps: float
+    ) -> None:
+        self.q, self.k, self.L = q, k, L
+        self.omega, self.kernel, self.relu_eps = omega, kernel, relu_eps
+        f = self._factors()
+        self.stabilizers = f.stabilizers
+        res = slice(1, L + 1)
+        qn, kf = f.queries(res)[0], f.keys(res)[0]  # (L, M)
+        self.sums = qn @ kf.sum(0) + kf @ qn.sum(0)  # rows of A + columns of A, (L,)
+
+    def _factors(self, fixed: MapStabilizers | None = None) -> MapFactors:
+        return MapFactors.from_heads(
+            self.q, self.k, self.omega, kernel=self.kernel, relu_eps=self.relu_eps, fixed=fixed
+        )
+
+    def add_upper_block(self, acc: Tensor, a: int, weight: float) -> None:
+        """acc += weight * S[a:b, a:], S[a:b, a:] = A[a:b, a:] + A[a:, a:b]^T, acc (b - a, L - a)
+        (two fused matmuls into the accumulator: no block-sized temporaries)."""
+        f = self._factors(self.stabilizers)
+        cols = slice(a + 1, self.L + 1)
+        qn, kf = f.queries(cols)[0], f.keys(cols)[0]  # (L - a, M)
+        w = acc.shape[0]
+        acc.addmm_(qn[:w], kf.T, alpha=weight).addmm_(kf[:w], qn.T, alpha=weight)
+
+
 class FavorAttention(nn.Module):
     """FAVOR attention with its random matrix omega as a persistent buffer.
 
@@ -119,7 +154,7 @@ class FavorAttention(nn.Module):
         generator: torch.Generator | None = None,
     ) -> None:
         super().__init__()
-        check_kernel(kernel)
+        self._map_class = kernel_class(kernel)
         self.dim_head = dim_head
         self.nb_features = default_nb_features(dim_head) if nb_features is None else nb_features
         self.causal = causal
@@ -131,7 +166,7 @@ class FavorAttention(nn.Module):
         self.relu_eps = relu_eps
         self.oprf_momentum = oprf_momentum
         self.register_buffer("omega", self._draw(generator), persistent=True)
-        if kernel == "softmax_opt":
+        if self._map_class.needs_statistic:
             self.register_buffer("oprf_rho", torch.zeros(()), persistent=True)
 
     def _draw(self, generator: torch.Generator | None) -> Tensor:
@@ -151,10 +186,10 @@ class FavorAttention(nn.Module):
     @property
     def feature_dim(self) -> int:
         """M: the width of phi(x)."""
-        return 2 * self.nb_features if self.kernel in ("softmax_hyp", "trig") else self.nb_features
+        return self._map_class.feature_dim(self.nb_features)
 
     def _rho(self) -> Tensor | None:
-        return self.oprf_rho if (self.kernel == "softmax_opt" and self.causal) else None
+        return self.oprf_rho if (self._map_class.needs_statistic and self.causal) else None
 
     def forward(
         self, q: Tensor, k: Tensor, v: Tensor, key_padding_mask: Tensor | None = None
@@ -206,7 +241,7 @@ class FavorAttention(nn.Module):
 
     def _feature_map(self, like: Tensor) -> FeatureMap:
         om = self.omega.to(device=like.device, dtype=like.dtype)
-        rho = self.oprf_rho.to(like) if self.kernel == "softmax_opt" else None
+        rho = self.oprf_rho.to(like) if self._map_class.needs_statistic else None
         return FeatureMap.build(self.kernel, om, rho=rho, relu_eps=self.relu_eps)
 
     def _absorb(
@@ -271,6 +306,18 @@ class FavorAttention(nn.Module):
             yq = (qf @ kv)[:, 0]  # (BH, dv+1)
             out = yq[:, :-1] / safe_denominator(yq[:, -1:])
         return new_state, out.reshape(B, H, -1).to(q_t.dtype)
+
+    def map_blocks(self, q: Tensor, k: Tensor, L: int, window: int) -> FavorMapBlocks:
+        """One head's implied map between the L residues of ``<cls> residues <eos>``, q, k
+        (1, 1, L + 2, d), rows normalized over all tokens, as blocks; window (rows per sweep of
+        the exact core) is not needed: the row and column sums are products of feature sums."""
+        if self.causal:
+            raise UserError(
+                "contact maps of a causal FAVOR+ model are not supported (its implied attention "
+                "is not a product of two feature blocks); use a bidirectional (MLM) model or "
+                "exact attention"
+            )
+        return FavorMapBlocks(q, k, L, self.omega, self.kernel, self.relu_eps)
 
     def _check_causal(self) -> None:
         if not self.causal:
