@@ -38,7 +38,7 @@ def conf_dir() -> Path:
     relative to this file; an installed copy elsewhere points the variable at its configs.
     """
     env = os.environ.get(CONF_DIR_ENV)
-    path = Path(env).expanduser() if env else Path(__file__).resolve().parents[1] / "conf"
+    path = Path(env).expanduser() if env else Path(__file__).resolve().parents[2] / "conf"
     if not (path / "train.yaml").is_file():
         where = f"${CONF_DIR_ENV}={env}" if env else "the repository"
         raise UserError(
