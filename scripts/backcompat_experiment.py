@@ -172,7 +172,7 @@ def fine_tune(args: argparse.Namespace, ckpt: str, loader: Any, weight: float) -
 
     from protein_performer.training.callbacks import FeatureRedraw
     from protein_performer.training.compose import compose_config
-    from protein_performer.training.init_weights import load_initial_weights
+    from protein_performer.training.init_weights import init_from
 
     out = args.out_dir / f"favor_finetune_w{weight:g}"
     overrides = [
@@ -196,7 +196,7 @@ def fine_tune(args: argparse.Namespace, ckpt: str, loader: Any, weight: float) -
     pl.seed_everything(args.seed, workers=True)
     datamodule = hydra.utils.instantiate(cfg.data)
     module = hydra.utils.instantiate(cfg.model)
-    load_initial_weights(module, ckpt)
+    init_from(module, ckpt)
     curve: list[dict] = []
     callbacks = [
         FeatureRedraw(interval=args.redraw_interval, seed=args.seed),  # first: draws step 0's ω
@@ -436,7 +436,6 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     import hydra
 
-    from protein_performer.interop.convert_esm import swap_attention
     from protein_performer.interop.loading import load_model
     from protein_performer.training.compose import compose_config
 
@@ -453,11 +452,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     datamodule = hydra.utils.instantiate(cfg.data)
     datamodule.setup("test")
     test_loader = datamodule.test_dataloader()
-    exact = load_model(ckpt, "cpu" if args.trainer == "cpu" else "auto").model
-    exact_ppl = heldout_ppl(exact, test_loader)
+    device = "cpu" if args.trainer == "cpu" else "auto"
+    exact = load_model(ckpt, device)
+    exact_ppl = heldout_ppl(exact.model, test_loader)
     swap_ppls = [
         heldout_ppl(
-            swap_attention(exact, "favor", args.kernel, args.nb_features, seed=s), test_loader
+            load_model(
+                exact,
+                device,
+                attention="favor",
+                kernel=args.kernel,
+                nb_features=args.nb_features,
+                seed=s,
+            ).model,
+            test_loader,
         )
         for s in range(args.swap_seeds)
     ]

@@ -49,8 +49,7 @@ import torch.nn.functional as F
 
 from protein_performer.contacts.predict import predict_contacts
 from protein_performer.data.tokenizer import Alphabet, pad_token_arrays
-from protein_performer.interop.convert_esm import load_any, swap_attention
-from protein_performer.interop.loading import LoadedModel
+from protein_performer.interop.loading import LoadedModel, load_model
 from protein_performer.model.config import PerformerConfig
 from protein_performer.model.contact_head import ContactRegression
 from protein_performer.model.performer import PerformerLM
@@ -239,11 +238,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         log.warning("no --checkpoint: %s; random weights make this study less meaningful", source)
         regression = None
     else:
-        loaded = load_any(args.checkpoint)
-        exact = swap_attention(loaded.model, "exact")
+        loaded = load_model(args.checkpoint, "cpu", attention="exact")
+        exact = loaded.model
         source = str(args.checkpoint)
         regression = loaded.contact_regression
     cfg = exact.config
+    held = LoadedModel(exact, cfg, Alphabet(), Path(source), torch.device("cpu"), "memory")
     if regression is None:
         n = cfg.depth * cfg.heads
         reg = ContactRegression(
@@ -275,7 +275,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             for m in args.ms:
                 for seed in range(args.seeds):
                     start = time.perf_counter()
-                    favor = swap_attention(exact, "favor", kernel, m, seed=seed)
+                    favor = load_model(
+                        held, "cpu", attention="favor", kernel=kernel, nb_features=m, seed=seed
+                    ).model
                     kl, top1 = compare(exact_logps, favor, token_batches, masks)
                     dp, overlap = contact_change(exact_contacts, contact_maps(favor, seqs, reg))
                     row = {

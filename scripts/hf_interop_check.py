@@ -25,9 +25,8 @@ import torch
 
 from protein_performer.contacts.predict import predict_contacts
 from protein_performer.data.tokenizer import Alphabet, pad_token_arrays
-from protein_performer.interop.convert_esm import convert_esm
 from protein_performer.interop.export_hf import export_hf
-from protein_performer.interop.loading import LoadedModel, load_model
+from protein_performer.interop.loading import LoadedModel, export_model, load_model
 from protein_performer.model.config import PerformerConfig
 from protein_performer.model.contact_head import ContactRegression, model_identity
 from protein_performer.model.performer import PerformerLM
@@ -112,7 +111,7 @@ def main(argv: list[str] | None = None) -> int:
     source = transformers.EsmForMaskedLM(hf_cfg).eval()
     _perturb(source, args.seed + 1)
     source.save_pretrained(tmp / "source")
-    convert_esm(tmp / "source", tmp / "converted")
+    export_model(load_model(tmp / "source", "cpu"), tmp / "converted")  # = convert-esm
     converted = load_model(tmp / "converted", "cpu")
     dp = contact_delta(converted, source, seqs)
     print(f"convert-esm (exact): predict_contacts vs transformers max |dp| = {dp:.3g}")

@@ -19,8 +19,6 @@ from tests.test_embedding import tiny_loaded
 
 SEQS = ["MKTAYIAKQRQISFVKSHFSRQ", "MLLAVLYCLAVF", "GS"]
 
-pytestmark = pytest.mark.usefixtures("one_thread")
-
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
@@ -44,6 +42,20 @@ def test_load_exposes_the_model(models) -> None:
         pp.load(models["mlm"] / "nope")
 
 
+def test_load_takes_the_loaders_attention_options(models) -> None:
+    """``pp.load`` is the one loader plus dtype and threads: the same options, the same model."""
+    from protein_performer.interop.loading import load_model
+
+    lm = pp.load(models["mlm"], device="cpu", attention="exact")
+    assert lm.config.attention == "exact" and lm.loaded.kind == "export"
+    exact = load_model(models["mlm"], "cpu", attention="exact").model
+    tokens = lm.alphabet.encode_batch(SEQS)
+    with torch.no_grad():
+        assert torch.equal(lm.model(tokens).logits, exact(tokens).logits)
+    with pytest.raises(pp.UserError, match="unknown kernel"):
+        pp.load(models["mlm"], device="cpu", kernel="cosine")
+
+
 def test_embed_equals_the_cli_file(models, tmp_path: Path) -> None:
     lm = pp.load(models["mlm"], device="cpu")
     out = tmp_path / "e.h5"
@@ -55,11 +67,13 @@ def test_embed_equals_the_cli_file(models, tmp_path: Path) -> None:
     assert mean.shape == (3, 16) and mean.dtype == np.float32
     assert [a.shape for a in per_tok] == [(len(s), 16) for s in SEQS]
     assert set(both) == {0, -1}
-    np.testing.assert_array_equal(pp.read_embeddings(out), mean)
-    for a, b in zip(pp.read_embeddings(out, kind="per_tok"), per_tok, strict=True):
+    ids, got = pp.read_embeddings(out)  # the ids come with the arrays, in file order
+    np.testing.assert_array_equal(got, mean)
+    assert ids == [f"s{i}" for i in range(len(SEQS))]
+    for a, b in zip(pp.read_embeddings(out, kind="per_tok").values, per_tok, strict=True):
         np.testing.assert_array_equal(a, b)
-    np.testing.assert_array_equal(pp.read_embeddings(out, kind="bos", layer=0), both[0])
-    np.testing.assert_array_equal(pp.read_embeddings(out, kind="bos"), both[-1])
+    np.testing.assert_array_equal(pp.read_embeddings(out, kind="bos", layer=0).values, both[0])
+    np.testing.assert_array_equal(pp.read_embeddings(out, kind="bos").values, both[-1])
 
 
 def test_score_equals_the_cli_table(models, tmp_path: Path) -> None:

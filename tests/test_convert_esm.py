@@ -1,4 +1,5 @@
-"""ESM-2 import: exactness against fair-esm and transformers, FAVOR+ swap, refusals, CLI.
+"""ESM-2 import through the one loader: exactness against fair-esm and transformers, FAVOR+
+swap, refusals, CLI (``convert-esm`` = load + export).
 
 The source models are small, randomly initialized ESM-2s built here (no downloads); LayerNorm
 and bias parameters are perturbed so that a swapped or dropped one shows in the outputs.
@@ -11,19 +12,24 @@ import json
 import shutil
 from pathlib import Path
 
+import esm
 import pytest
 import torch
 
 from protein_performer.errors import UserError
-from protein_performer.interop.convert_esm import convert_esm, read_esm
-from protein_performer.interop.loading import load_model
-
-esm = pytest.importorskip("esm", reason="fair-esm is not installed (pip install fair-esm)")
+from protein_performer.interop.loading import LoadedModel, export_model, load_model
 
 DEMO_FASTA = Path(__file__).resolve().parents[1] / "data" / "demo" / "some_proteins.fasta"
 TINY_PDB = Path(__file__).resolve().parent / "data" / "tiny_blank_chain.pdb"
 TOL = 1e-4
 SEQS = [("short", "MKTAYIAKQRQISFVK"), ("long", "MKTAYIAKQRQISFVKSHFSRQLEERLGLIEVQAPIL")]
+
+
+def _convert(src, out: Path, **options) -> LoadedModel:
+    """What ``convert-esm`` does: the one loader, then an export."""
+    loaded = load_model(src, "cpu", **options)
+    export_model(loaded, out)
+    return loaded
 
 
 def _perturb(model: torch.nn.Module, seed: int = 1) -> None:
@@ -97,7 +103,7 @@ def _max_diffs(ref_logits, ref_hidden, out) -> dict[str, float]:
 def test_fair_esm_exact(fair, tmp_path, layout):
     model, _ = fair
     src = _save_fair_esm(model, tmp_path / "esm2.pt", layout)
-    result = convert_esm(src, tmp_path / "out", attention="exact")
+    result = _convert(src, tmp_path / "out", attention="exact")
     assert result.kind == "fair-esm"
     cfg = result.config
     assert (cfg.dim, cfg.depth, cfg.heads, cfg.ff_dim) == (64, 2, 4, 256)
@@ -110,12 +116,13 @@ def test_fair_esm_exact(fair, tmp_path, layout):
     diffs = _max_diffs(ref["logits"], ref["representations"], out)
     assert set(diffs) == {"logits", "layer 0", "layer 1", "layer 2"}
     assert max(diffs.values()) <= TOL, diffs
+    with torch.no_grad():  # the .pt itself, read by the one loader, is the same model
+        assert torch.equal(load_model(src, "cpu").model(tokens).logits, out.logits)
 
 
 def test_hf_exact(tmp_path):
-    transformers = pytest.importorskip(
-        "transformers", reason="transformers is not installed (pip install transformers)"
-    )
+    import transformers
+
     torch.manual_seed(0)
     config = transformers.EsmConfig(
         vocab_size=33,
@@ -136,7 +143,7 @@ def test_hf_exact(tmp_path):
     _perturb(hf)
     hf.save_pretrained(tmp_path / "hf")
     assert (tmp_path / "hf" / "model.safetensors").is_file()
-    result = convert_esm(tmp_path / "hf", tmp_path / "out")
+    result = _convert(tmp_path / "hf", tmp_path / "out")
     assert result.kind == "hf" and result.config.token_dropout
     loaded = load_model(tmp_path / "out", "cpu")
     tokens = _tokens()
@@ -156,8 +163,8 @@ def test_favor_swap_close_and_reproducible(tmp_path):
             layer.self_attn.q_proj.weight.mul_(0.2)
             layer.self_attn.k_proj.weight.mul_(0.2)
     src = _save_fair_esm(model, tmp_path / "esm2.pt")
-    convert_esm(src, tmp_path / "exact")
-    res = convert_esm(src, tmp_path / "favor", attention="favor", nb_features=256, seed=3)
+    _convert(src, tmp_path / "exact")
+    res = _convert(src, tmp_path / "favor", attention="favor", nb_features=256, seed=3)
     assert res.config.attention == "favor" and res.config.nb_features == 256
     tokens = _tokens()
     exact = load_model(tmp_path / "exact", "cpu").model
@@ -170,8 +177,8 @@ def test_favor_swap_close_and_reproducible(tmp_path):
     assert rel < 0.05, rel
     assert torch.equal(lf, again)  # omega is stored: reload gives the same outputs
     # Same seed -> bit-identical export; another seed -> other features.
-    convert_esm(src, tmp_path / "favor2", attention="favor", nb_features=256, seed=3)
-    convert_esm(src, tmp_path / "favor3", attention="favor", nb_features=256, seed=4)
+    _convert(src, tmp_path / "favor2", attention="favor", nb_features=256, seed=3)
+    _convert(src, tmp_path / "favor3", attention="favor", nb_features=256, seed=4)
     omega = "layers.0.self_attn.favor.omega"
     sd = [load_model(tmp_path / d, "cpu").model.state_dict()[omega] for d in ("favor", "favor2")]
     assert torch.equal(sd[0], sd[1])
@@ -198,9 +205,9 @@ def test_unknown_and_missing_keys(fair, tmp_path):
         del d["model"]["encoder.sentence_encoder.layers.1.fc2.bias"]
 
     with pytest.raises(UserError, match=r"does not know: layers\.0\.adapter\.weight"):
-        read_esm(_rewrite(src, tmp_path / "extra.pt", add_key))
+        load_model(_rewrite(src, tmp_path / "extra.pt", add_key), "cpu")
     with pytest.raises(UserError, match=r"1 missing: layers\.1\.fc2\.bias"):
-        convert_esm(_rewrite(src, tmp_path / "miss.pt", drop_key), tmp_path / "out")
+        _convert(_rewrite(src, tmp_path / "miss.pt", drop_key), tmp_path / "out")
     assert not (tmp_path / "out").exists()
 
 
@@ -213,14 +220,14 @@ def test_esm1b_checkpoint_refused(tmp_path):
     args = argparse.Namespace(arch="roberta_large", layers=1, embed_dim=16, attention_heads=2)
     torch.save({"model": state, "args": args}, tmp_path / "esm1b_t33_650M_UR50S.pt")
     with pytest.raises(UserError, match="ESM-1.*not\\s+ESM-2"):
-        read_esm(tmp_path / "esm1b_t33_650M_UR50S.pt")
+        load_model(tmp_path / "esm1b_t33_650M_UR50S.pt", "cpu")
     hf = tmp_path / "hf_esm1b"
     hf.mkdir()
     (hf / "config.json").write_text(
         json.dumps({"model_type": "esm", "position_embedding_type": "absolute"})
     )
     with pytest.raises(UserError, match="ESM-1/ESM-1b-style"):
-        read_esm(hf)
+        load_model(hf, "cpu")
 
 
 class _Opaque:
@@ -230,14 +237,15 @@ class _Opaque:
 def test_pickled_code_refused(tmp_path):
     torch.save({"model": {}, "args": Path("x")}, tmp_path / "ok_types.pt")  # paths are allowed
     with pytest.raises(UserError, match="no architecture|no transformer layers"):
-        read_esm(tmp_path / "ok_types.pt")
+        load_model(tmp_path / "ok_types.pt", "cpu")
     torch.save({"model": {}, "args": _Opaque()}, tmp_path / "evil.pt")
     with pytest.raises(UserError, match="other than tensors.*refusing to load"):
-        read_esm(tmp_path / "evil.pt")
+        load_model(tmp_path / "evil.pt", "cpu")
 
 
 def test_cli_end_to_end(fair, tmp_path, capsys):
-    h5py = pytest.importorskip("h5py")
+    import h5py
+
     from protein_performer.cli.main import main
 
     _, src = fair
@@ -274,31 +282,32 @@ def test_cli_end_to_end(fair, tmp_path, capsys):
     mutations = tmp_path / "dms.csv"
     mutations.write_text("mutant,fit\nM1A,0.1\nK2E,0.5\nT3P:A4G,-0.2\n")
     variants = tmp_path / "variants.csv"
-    argv = ["score-variants", str(out), "--wt", str(wt), "--mutations", str(mutations)]
-    argv += ["--out", str(variants), "--label-col", "fit", "--no-progress"]
+    argv = ["score-variants", str(out), str(wt), str(mutations), str(variants)]
+    argv += ["--label-col", "fit", "--no-progress"]
     assert main(argv) == 0
     assert len(variants.read_text().strip().splitlines()) == 4
-    argv = ["eval", f"ckpt={out}", f"data={fasta}", f"out_dir={tmp_path / 'ev'}", "progress=false"]
+    argv = ["eval", str(out), str(fasta), "--out-dir", str(tmp_path / "ev"), "--no-progress"]
     assert main(argv) == 0
     assert (tmp_path / "ev" / "metrics.json").is_file()
     pdbs = [shutil.copy(TINY_PDB, tmp_path / f"tiny{i}.pdb") for i in range(2)]
-    assert main(["contacts", str(out), *map(str, pdbs), "--out", str(tmp_path / "c")]) == 0
+    assert (
+        main(["contacts", "fit", str(out), *map(str, pdbs), "--out-dir", str(tmp_path / "c")]) == 0
+    )
     assert any((tmp_path / "c").iterdir())
 
 
 def test_init_from_converted_weights(fair, tmp_path):
-    pytest.importorskip("pytorch_lightning")
     from omegaconf import OmegaConf
 
-    from protein_performer.training.init_weights import load_initial_weights, maybe_init_from
+    from protein_performer.training.init_weights import init_from, maybe_init_from
     from protein_performer.training.lit_module import ProteinLMModule
 
     _, src = fair
-    convert_esm(src, tmp_path / "exact")
+    _convert(src, tmp_path / "exact")
     shape = dict(dim=64, depth=2, heads=4, ff_dim=256, token_dropout=True)
     module = ProteinLMModule({**shape, "attention": "favor", "nb_features": 16})
     omega = module.model.layers[0].self_attn.favor.omega.clone()
-    kept = load_initial_weights(module, tmp_path / "exact")
+    kept = init_from(module, tmp_path / "exact")
     assert kept == [f"layers.{i}.self_attn.favor.omega" for i in range(2)]
     source = load_model(tmp_path / "exact", "cpu").model.state_dict()
     for name, value in module.model.state_dict().items():
@@ -308,16 +317,17 @@ def test_init_from_converted_weights(fair, tmp_path):
 
     wrong = ProteinLMModule({**shape, "dim": 32, "ff_dim": 128})
     with pytest.raises(UserError, match="do not fit model.config"):
-        load_initial_weights(wrong, tmp_path / "exact")
+        init_from(wrong, tmp_path / "exact")
     with pytest.raises(UserError, match="heads=4"):
-        load_initial_weights(ProteinLMModule({**shape, "heads": 8}), tmp_path / "exact")
+        init_from(ProteinLMModule({**shape, "heads": 8}), tmp_path / "exact")
     with pytest.raises(UserError, match="add init_from=PATH"):
         maybe_init_from(module, OmegaConf.create({"init_from": None, "init_from_required": True}))
     assert maybe_init_from(module, OmegaConf.create({"init_from": None})) is None
 
 
 def _hf_model(seed: int = 0):
-    transformers = pytest.importorskip("transformers")
+    import transformers
+
     torch.manual_seed(seed)
     config = transformers.EsmConfig(
         vocab_size=33, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
@@ -346,10 +356,13 @@ def test_contact_head_from_the_hf_cache_matches_transformers(tmp_path, monkeypat
     (snapshot.parents[1] / "refs" / "main").write_text("0123abc")
     monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
     with pytest.raises(UserError, match="not in the local Hugging Face cache"):
-        read_esm("tiny/not_there")
-    result = convert_esm("tiny/esm2_t2", tmp_path / "exact")
-    assert result.contact_head and (tmp_path / "exact" / "contact_regression.json").is_file()
+        load_model("tiny/not_there", "cpu")
+    result = _convert("tiny/esm2_t2", tmp_path / "exact")
+    assert result.contact_regression is not None
+    assert (tmp_path / "exact" / "contact_regression.json").is_file()
     loaded = load_model(tmp_path / "exact", "cpu")
+    direct = load_model("tiny/esm2_t2", "cpu")  # the cached id, without converting first
+    assert direct.kind == "hf" and direct.contact_regression == loaded.contact_regression
     for _, seq in SEQS:
         tokens = _single(seq)
         with torch.no_grad():
@@ -358,23 +371,22 @@ def test_contact_head_from_the_hf_cache_matches_transformers(tmp_path, monkeypat
         assert ours.shape == ref.shape == (len(seq), len(seq))
         assert abs(ours - ref.numpy()).max() <= TOL
     # The FAVOR+ conversion carries the same head; its maps are approximate, its layout the same.
-    convert_esm("tiny/esm2_t2", tmp_path / "favor", attention="favor", nb_features=32)
+    _convert("tiny/esm2_t2", tmp_path / "favor", attention="favor", nb_features=32)
     favor = load_model(tmp_path / "favor", "cpu")
     assert favor.contact_regression["coef"] == loaded.contact_regression["coef"]
     assert predict_contacts(favor, SEQS[0][1]).dense.shape == (16, 16)
 
 
 def test_fair_esm_contact_head_file_and_init_from(tmp_path):
-    pytest.importorskip("pytorch_lightning")
     from protein_performer.contacts.predict import predict_contacts
-    from protein_performer.training.init_weights import load_initial_weights
+    from protein_performer.training.init_weights import init_from
     from protein_performer.training.lit_module import ProteinLMModule
 
     model = _fair_esm_model()
     src = _save_fair_esm(model, tmp_path / "esm2_t2.pt")
     head = {k: v for k, v in model.state_dict().items() if k.startswith("contact_head")}
     torch.save({"model": head}, tmp_path / "esm2_t2-contact-regression.pt")  # fair-esm's layout
-    convert_esm(src, tmp_path / "exact")
+    _convert(src, tmp_path / "exact")
     loaded = load_model(tmp_path / "exact", "cpu")
     seq = SEQS[1][1]
     with torch.no_grad():
@@ -383,7 +395,7 @@ def test_fair_esm_contact_head_file_and_init_from(tmp_path):
 
     shape = dict(dim=64, depth=2, heads=4, ff_dim=256, token_dropout=True)
     module = ProteinLMModule({**shape, "attention": "favor", "nb_features": 16})
-    load_initial_weights(module, tmp_path / "exact")
+    init_from(module, tmp_path / "exact")
     assert module.contact_regression == loaded.contact_regression
     checkpoint: dict = {}
     module.on_save_checkpoint(checkpoint)

@@ -17,7 +17,7 @@ from protein_performer.interop.loading import LoadedModel, export_model
 from protein_performer.model.config import PerformerConfig
 from protein_performer.model.performer import PerformerLM
 from protein_performer.training.distill import DistillSettings, distill_kl
-from protein_performer.training.init_weights import load_initial_weights
+from protein_performer.training.init_weights import init_from
 from protein_performer.training.lit_module import ProteinLMModule
 
 SHAPE = {"dim": 32, "depth": 2, "heads": 4, "ff_dim": 64, "nb_features": 16}
@@ -58,7 +58,7 @@ def _student(teacher_dir: Path, attention: str, weight: float, T: float = 1.0):
         {"lr": 3e-3, "warmup_steps": 1},
         {"teacher": str(teacher_dir), "weight": weight, "temperature": T},
     )
-    load_initial_weights(module, teacher_dir)
+    init_from(module, teacher_dir)
     return module
 
 

@@ -6,19 +6,16 @@ from __future__ import annotations
 from pathlib import Path
 
 import numpy as np
-import pytest
 import torch
+import transformers
 
 from protein_performer.cli.main import main
 from protein_performer.contacts.predict import predict_contacts
 from protein_performer.data.tokenizer import Alphabet
-from protein_performer.interop.convert_esm import swap_attention
 from protein_performer.interop.loading import LoadedModel, export_model, load_model
 from protein_performer.model.config import PerformerConfig
 from protein_performer.model.contact_head import ContactRegression, model_identity
 from protein_performer.model.performer import PerformerLM
-
-transformers = pytest.importorskip("transformers", reason="transformers is not installed")
 
 SEQS = ["MKTAYIAKQRQISFVK", "MKTAYIAKQRQISFVKSHFSRQLEERLGLIEVQAPIL"]
 TOL = 1e-4
@@ -80,7 +77,7 @@ def test_favor_needs_as_exact_and_causal_is_refused(tmp_path: Path, capsys) -> N
     assert "--as-exact" in capsys.readouterr().err and not out.exists()
     assert main(["export", str(src), str(out), "--format", "hf", "--as-exact"]) == 0
     hf = transformers.EsmForMaskedLM.from_pretrained(out).eval()
-    exact = swap_attention(load_model(src, "cpu").model, "exact")
+    exact = load_model(src, "cpu", attention="exact").model
     tokens = _tokens()
     with torch.no_grad():
         delta = hf(input_ids=tokens, attention_mask=tokens.ne(1).long()).logits

@@ -1,4 +1,5 @@
-"""model.loading: rebuild from a real Lightning checkpoint, export round trip, clear errors."""
+"""interop.loading, the one loader: rebuild from a real Lightning checkpoint, export round trip,
+attention swaps on request, clear errors."""
 
 from __future__ import annotations
 
@@ -30,9 +31,6 @@ SEQS = [("a", "MKTAYIAKQRQISFVKSHFSRQ"), ("b", "MLLAVLYCLAVFALSS"), ("c", "GSHMK
 TOKENS = torch.tensor(
     [[0, 20, 15, 11, 5, 19, 12, 5, 15, 16, 10, 2], [0, 6, 6, 7, 2, 1, 1, 1, 1, 1, 1, 1]]
 )
-
-
-pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 class _PathState(pl.Callback):
@@ -107,6 +105,42 @@ def test_export_round_trip_gives_identical_logits(trained, tmp_path: Path) -> No
     assert not torch.allclose(_logits(loaded.model), _logits(module.model))
     # No temporary directory left next to the export.
     assert sorted(p.name for p in tmp_path.iterdir()) == ["exported"]
+
+
+def _omega(loaded) -> torch.Tensor:
+    return loaded.model.layers[0].self_attn.favor.omega
+
+
+def test_attention_options_swap_the_core_and_nothing_else(trained) -> None:
+    path, module = trained
+    same = load_model(path, "cpu", attention="favor")  # as stored: the trained features kept
+    assert torch.equal(_logits(same.model), _logits(module.model))
+    exact = load_model(path, "cpu", attention="exact")
+    assert exact.config.attention == "exact" and exact.kind == "lightning"
+    assert exact.config.nb_features == same.config.nb_features
+    in_memory = load_model(same, "cpu", attention="exact")  # a model in memory: no re-read
+    assert torch.equal(_logits(in_memory.model), _logits(exact.model))
+    assert same.config.attention == "favor"  # the source is left as it was
+    drawn = [load_model(path, "cpu", nb_features=16, seed=s) for s in (0, 0, 1)]
+    assert drawn[0].config.nb_features == 16 and _omega(drawn[0]).shape[0] == 16
+    assert torch.equal(_omega(drawn[0]), _omega(drawn[1]))
+    assert not torch.equal(_omega(drawn[0]), _omega(drawn[2]))
+    for options, match in (
+        ({"attention": "flash"}, "unknown attention 'flash'"),
+        ({"kernel": "cosine"}, "unknown kernel"),
+        ({"nb_features": 0}, "nb_features must be a positive integer"),
+    ):
+        with pytest.raises(UserError, match=match):
+            load_model(path, "cpu", **options)
+
+
+def test_a_missing_path_shaped_like_a_model_id_names_both_readings(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(UserError, match=r"runs/last\.ckpt: no such file.*Hugging Face cache"):
+        load_model("runs/last.ckpt", "cpu")
 
 
 def test_export_with_foreign_or_future_format_is_refused(trained, tmp_path: Path) -> None:

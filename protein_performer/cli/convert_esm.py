@@ -1,4 +1,5 @@
-"""``protein-performer convert-esm SRC OUT``: pretrained ESM-2 weights as an exported model."""
+"""``protein-performer convert-esm SRC OUT``: pretrained ESM-2 weights as an exported model:
+the one loader (``load_model`` with the attention options) followed by ``export_model``."""
 
 from __future__ import annotations
 
@@ -19,7 +20,10 @@ local Hugging Face cache (HF_HUB_CACHE, HF_HOME; nothing is downloaded). ESM-1 a
 
 ESM-2's contact head (its logistic regression over all layer x head attention maps; for fair-esm
 the <name>-contact-regression.pt file beside the .pt) is kept as the model's contact regression
-(OUT/contact_regression.json): predict-contacts, export and init_from fine-tunes carry it.
+(OUT/contact_regression.json): `contacts predict`, export and init_from fine-tunes carry it.
+
+Every command taking CKPT also reads these sources directly (exact attention); converting
+stores the result once, with the attention options below.
 
 --attention exact reproduces ESM-2's outputs (logits and hidden states to float32 round-off).
 --attention favor runs the same weights with FAVOR+ linear attention: any length, approximate
@@ -47,14 +51,15 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--attention",
         choices=ATTENTIONS,
-        default="exact",
-        help="exact (reproduces ESM-2) or favor (linear time, approximate); default: exact",
+        default=None,
+        help="exact (reproduces ESM-2) or favor (linear time, approximate); default: exact "
+        "for ESM-2 weights, the stored one for a protein-performer model",
     )
     p.add_argument(
         "--kernel",
         choices=KERNELS,
-        default="softmax",
-        help="FAVOR+ feature map (default: softmax); ignored for exact",
+        default=None,
+        help="FAVOR+ feature map (default: softmax, or the stored one); ignored for exact",
     )
     p.add_argument(
         "--nb-features",
@@ -72,28 +77,34 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from protein_performer.errors import UserError
-    from protein_performer.interop.convert_esm import convert_esm
+    from protein_performer.interop.loading import export_model, load_model
 
-    if args.nb_features is not None and args.nb_features <= 0:
-        raise UserError(f"--nb-features must be positive, got {args.nb_features}")
     check_output(args.out, [args.src], args.overwrite)
-    result = convert_esm(
+    loaded = load_model(
         args.src,
-        args.out,
+        "cpu",
         attention=args.attention,
         kernel=args.kernel,
         nb_features=args.nb_features,
         seed=args.seed,
-        overwrite=args.overwrite,
-        progress=print,
     )
-    attn = result.config.attention
-    if attn == "favor":
-        attn = f"favor ({result.config.kernel}, m={result.config.nb_features}, seed {args.seed})"
-    head = ", with its contact head" if result.contact_head else ", no contact head found"
+    cfg = loaded.config
+    what = f"{loaded.kind} ESM-2" if loaded.kind in ("fair-esm", "hf") else f"{loaded.kind} model"
     print(
-        f"converted {result.kind} ESM-2 ({result.num_parameters:,} parameters, {attn} "
-        f"attention{head}) -> {result.out}"
+        f"read {what}: {cfg.depth} layers, dim {cfg.dim}, {cfg.heads} heads, "
+        f"token_dropout={cfg.token_dropout}"
+    )
+    out = export_model(loaded, args.out, overwrite=args.overwrite)
+    attn = cfg.attention
+    if attn == "favor":
+        attn = f"favor ({cfg.kernel}, m={cfg.nb_features}, seed {args.seed})"
+    head = (
+        ", with its contact head"
+        if loaded.contact_regression is not None
+        else ", no contact head found"
+    )
+    print(
+        f"converted {what} ({loaded.model.num_parameters():,} parameters, {attn} "
+        f"attention{head}) -> {out}"
     )
     return 0

@@ -21,6 +21,7 @@ import torch
 
 from protein_performer.data.tokenizer import STANDARD_AA, Alphabet
 from protein_performer.errors import UserError
+from protein_performer.inference.context import FamilyContext, Homologs, build_context
 from protein_performer.inference.embedding import HIDDEN_KINDS, embed_sequences, resolve_layers
 from protein_performer.inference.generation import Generated, SamplingOptions, iter_generate
 from protein_performer.inference.scoring import (
@@ -63,14 +64,23 @@ def resolve_dtype(dtype: torch.dtype | str | None) -> torch.dtype:
 
 
 def load(
-    path: str | os.PathLike[str],
+    source: str | os.PathLike[str] | LoadedModel,
     device: str | torch.device = "auto",
     dtype: torch.dtype | str | None = None,
     threads: int | None = None,
+    *,
+    attention: str | None = None,
+    kernel: str | None = None,
+    nb_features: int | None = None,
+    seed: int = 0,
 ) -> ProteinLM:
-    """Load any checkpoint the CLI accepts (a training ``.ckpt``, an ``export``/``convert-esm``
-    directory) for inference on ``device``, with weights in ``dtype`` (fp32 by default).
+    """Load any model source the CLI accepts (a training ``.ckpt``, an ``export``/``convert-esm``
+    directory, a fair-esm ESM-2 ``.pt``, a Hugging Face ESM-2 directory or cached model id) for
+    inference on ``device``, with weights in ``dtype`` (fp32 by default).
 
+    ``attention``, ``kernel``, ``nb_features`` and ``seed`` are those of
+    ``protein_performer.interop.loading.load_model`` (the one loader this wraps): e.g.
+    ``attention="favor"`` runs ESM-2's weights with FAVOR+ features drawn from ``seed``.
     Half precision halves memory on GPUs; FAVOR+ features and the rotary tables are still
     computed in fp32 (the exponentials need its range). ``threads`` sets torch's intra-op
     threads for the process (default: torch's choice; on a shared machine 1-2 is often faster).
@@ -80,7 +90,9 @@ def load(
             raise UserError(f"threads must be a positive integer, got {threads}")
         torch.set_num_threads(threads)
     target = resolve_dtype(dtype)
-    loaded = load_model(path, device)
+    loaded = load_model(
+        source, device, attention=attention, kernel=kernel, nb_features=nb_features, seed=seed
+    )
     if target != torch.float32:
         # Parameters only: the FAVOR+ random features (buffers) stay fp32, as drawn and trained;
         # rounding them to 8 bits of mantissa would change the kernel, not just the arithmetic.
@@ -234,6 +246,29 @@ class ProteinLM:
             return stack(rows)
         return {k: stack([r[k] for r in rows]) for k in dict.fromkeys(layers)}
 
+    # ----------------------------------------------------------------------------- context
+    def context(self, homologs: Homologs, max_tokens: int | None = None) -> FamilyContext:
+        """Read a family once, for ``score``/``score_variants``/``generate(context=...)``.
+
+        ``homologs``: strings, (id, sequence) pairs or a FASTA path, in order of relevance;
+        read as one row ``<cls> m1 <eos> <cls> m2 <eos> ...`` (one prefill). Members past
+        ``max_tokens`` (default: the trained row length if the config records it, else no
+        limit) are left out and logged. Causal models only (a masked LM: ``UserError``).
+        The result is immutable: score any number of candidates against it.
+        """
+        return build_context(self.loaded, homologs, max_tokens)
+
+    def _check_context(self, context: FamilyContext | None) -> None:
+        if context is not None and not isinstance(context, FamilyContext):
+            raise UserError(
+                f"context must come from lm.context(homologs), got {type(context).__name__}"
+            )
+        if context is not None and context.attention != self.config.attention:
+            raise UserError(
+                f"this context was built by a {context.attention!r} model, this model's "
+                f"attention is {self.config.attention!r}; build it with this model"
+            )
+
     # ----------------------------------------------------------------------------- scores
     def _strategy(self, strategy: str | None, choices: Sequence[str], masked: str) -> str:
         strategy = strategy or ("causal" if self.objective == "clm" else masked)
@@ -241,12 +276,19 @@ class ProteinLM:
         return strategy
 
     def iter_score(
-        self, records: Records, strategy: str | None = None, toks_per_batch: int = 4096
+        self,
+        records: Records,
+        strategy: str | None = None,
+        toks_per_batch: int = 4096,
+        *,
+        context: FamilyContext | None = None,
     ) -> Iterator[tuple[str, SequenceScore]]:
         """Yield ``(id, SequenceScore)`` in input order; see :meth:`score` for the strategies."""
         strategy = self._strategy(strategy, SEQUENCE_STRATEGIES, "pseudo-ppl")
+        self._check_context(context)
         for window in windows(_as_records(records), toks_per_batch, lambda r: len(r[1])):
-            for score in score_sequences(self.loaded, window, strategy, toks_per_batch):
+            scores = score_sequences(self.loaded, window, strategy, toks_per_batch, False, context)
+            for score in scores:
                 if not np.isfinite(score.log_likelihood):
                     raise UserError(
                         f"sequence {score.id}: the model gave a non-finite log-likelihood; its "
@@ -255,18 +297,22 @@ class ProteinLM:
                 yield score.id, score
 
     def score(
-        self, seqs: Records | str, strategy: str | None = None, toks_per_batch: int = 4096
+        self,
+        seqs: Records | str,
+        strategy: str | None = None,
+        toks_per_batch: int = 4096,
+        *,
+        context: FamilyContext | None = None,
     ) -> np.ndarray:
         """Mean log-likelihood per scored token, one per sequence (what ``score`` writes).
 
         ``pseudo-ppl`` (masked models; every residue masked once) scores the L residues;
         ``causal`` (causal models) the residues and the final ``<eos>``. Default: the one that
-        fits the model. Perplexity is ``exp(-score)``.
+        fits the model. Perplexity is ``exp(-score)``. With a family ``context``
+        (:meth:`context`), each sequence is scored as the next member after it.
         """
-        return np.array(
-            [s.mean_log_likelihood for _, s in self.iter_score(seqs, strategy, toks_per_batch)],
-            dtype=np.float64,
-        )
+        scores = self.iter_score(seqs, strategy, toks_per_batch, context=context)
+        return np.array([s.mean_log_likelihood for _, s in scores], dtype=np.float64)
 
     def score_variants(
         self,
@@ -276,14 +322,18 @@ class ProteinLM:
         offset: int = 1,
         toks_per_batch: int = 4096,
         progress: bool = False,
+        *,
+        context: FamilyContext | None = None,
     ) -> np.ndarray:
         """Log-ratio mutant vs wild type per mutant (``"A42G"``, ``"A42G:K45R"``, ``"wt"``).
 
         Strategies as ESM's variant-prediction example: ``masked-marginals`` (default for
         masked models), ``wt-marginals``, ``pseudo-ppl``; ``causal`` for causal models.
-        Positions are numbered so the wild type's first residue is ``offset``.
+        Positions are numbered so the wild type's first residue is ``offset``. With a family
+        ``context`` (causal), mutant and wild type are both scored as the next member after it.
         """
         strategy = self._strategy(strategy, VARIANT_STRATEGIES, "masked-marginals")
+        self._check_context(context)
         ((_, wt),) = list(_as_records([("wild type", wild_type)]))
         parsed = []
         for i, text in enumerate(mutants):
@@ -292,7 +342,9 @@ class ProteinLM:
             except ValueError as exc:
                 raise UserError(f"mutant {i} ({text!r}): {exc}") from None
         values = np.asarray(
-            score_variants(self.loaded, wt, parsed, strategy, toks_per_batch, progress),
+            score_variants(
+                self.loaded, wt, parsed, strategy, toks_per_batch, progress, context=context
+            ),
             dtype=np.float64,
         )
         if not np.all(np.isfinite(values)):
@@ -375,14 +427,17 @@ class ProteinLM:
         top_p: float | None = None,
         seed: int = 0,
         batch_size: int = 8,
+        *,
+        context: FamilyContext | None = None,
     ) -> Iterator[Generated]:
         """Yield :class:`Generated` records (sequence, how it ended, per-token log-probs)."""
+        self._check_context(context)
         opts = SamplingOptions(max_length, min_length, temperature, top_k, top_p)
         if isinstance(prompt, str):
             prompts: str | list[str] = prompt.strip().upper()
         else:
             prompts = [p.strip().upper() for p in prompt]
-        return iter_generate(self.loaded, n, opts, prompts, seed, batch_size)
+        return iter_generate(self.loaded, n, opts, prompts, seed, batch_size, context)
 
     def generate(
         self,
@@ -395,6 +450,8 @@ class ProteinLM:
         top_p: float | None = None,
         seed: int = 0,
         batch_size: int = 8,
+        *,
+        context: FamilyContext | None = None,
     ) -> list[str]:
         """Sample ``n`` sequences from a causal model in RNN mode (constant cost per token).
 
@@ -403,10 +460,22 @@ class ProteinLM:
         Only the 20 standard amino acids are emitted. ``temperature=0`` is greedy; ``top_k``
         and ``top_p`` (nucleus) restrict each draw. The same ``seed`` gives the same sequences
         whatever ``batch_size``: each sequence has its own stream, seeded from (seed, index).
+        With a family ``context`` (:meth:`context`) the sequences are new members of that
+        family, each generated as the next member after it (``prompt=""`` lets the model
+        choose the first residue too).
         """
         return [
             g.sequence
             for g in self.iter_generate(
-                n, max_length, min_length, prompt, temperature, top_k, top_p, seed, batch_size
+                n,
+                max_length,
+                min_length,
+                prompt,
+                temperature,
+                top_k,
+                top_p,
+                seed,
+                batch_size,
+                context=context,
             )
         ]

@@ -17,11 +17,11 @@ regression, stored with the export (``contact_regression.json``).
 A Hugging Face model id (``facebook/esm2_t6_8M_UR50D``) is resolved in the local Hugging Face
 cache only (``HF_HUB_CACHE``, ``HF_HOME``; nothing is downloaded).
 
-Training reads weights through :func:`load_any` (our ``.ckpt``/export, else an ESM-2 source
-converted in memory) and :func:`swap_attention`, so this module sits on the model floor with
-``model.loading``, below training and inference.
+Nothing here loads a model: the readers are private helpers of the one loader,
+``protein_performer.interop.loading.load_model``, which builds the model from an
+:class:`EsmSource`. This module imports nothing from the loader, so the loader can import it.
 
-fair-esm checkpoints are pickles: they are read with ``protein_performer.io.checkpoints.safe_load``
+fair-esm checkpoints are pickles, read with ``protein_performer.io.checkpoints.safe_load``
 (``weights_only=True``; the fair-esm allowlist adds ``argparse.Namespace``, since ESM-2's
 ``cfg["model"]`` and ESM-1's ``args`` are Namespaces). HF directories are read
 with ``safetensors`` and ``json`` alone, so ``transformers`` is not needed at run time.
@@ -31,10 +31,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import logging
 import os
 import re
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -43,18 +42,8 @@ import torch
 
 from protein_performer.data.tokenizer import Alphabet
 from protein_performer.errors import Rule, UserError, check_group
-from protein_performer.interop.loading import (
-    LoadedModel,
-    check_fits_in_memory,
-    diff_state,
-    export_model,
-)
-from protein_performer.io.checkpoints import check_finite, safe_load
-from protein_performer.model.config import ATTENTIONS, KERNELS, PerformerConfig
-from protein_performer.model.contact_head import ContactRegression, model_identity
-from protein_performer.model.performer import PerformerLM
-
-log = logging.getLogger(__name__)
+from protein_performer.io.checkpoints import safe_load
+from protein_performer.model.config import PerformerConfig
 
 #: ESM-2's vocabulary (fair-esm ``Alphabet.from_architecture("ESM-1b")``, HF ``vocab.txt``).
 ESM2_VOCAB: tuple[str, ...] = (
@@ -109,6 +98,29 @@ class EsmSource:
     state: dict[str, torch.Tensor]  # our names (``lm_head.weight`` excluded: it is tied)
     dropped: list[str] = field(default_factory=list)  # source keys deliberately not imported
     contact_head: tuple[torch.Tensor, torch.Tensor] | None = None  # weight (1, F), bias (1,)
+
+    def config(self, attention: str, kernel: str, nb_features: int | None) -> PerformerConfig:
+        """The source's architecture as a ``PerformerConfig`` (MLM, no dropout) with the
+        attention core asked for: the weights say the shape, the caller the kernel."""
+        try:
+            return PerformerConfig(
+                vocab_size=len(ESM2_VOCAB),
+                **ESM2_SPECIALS,
+                dim=self.dim,
+                depth=self.depth,
+                heads=self.heads,
+                ff_dim=self.ff_dim,
+                dropout=0.0,
+                objective="mlm",
+                attention=attention,
+                kernel=kernel,
+                nb_features=nb_features,
+                rotary_base=self.rotary_base,
+                layer_norm_eps=self.layer_norm_eps,
+                token_dropout=self.token_dropout,
+            ).validate()
+        except UserError as exc:
+            raise UserError(f"{self.path}: {exc}") from None
 
 
 def _pop_contact_head(
@@ -358,16 +370,10 @@ def _strip_fairseq_prefix(state: Mapping[str, Any]) -> dict[str, Any]:
     return {pattern.sub("", k): v for k, v in state.items()}
 
 
-def read_fair_esm(path: str | os.PathLike[str]) -> EsmSource:
-    """Read a fair-esm checkpoint as ``esm.pretrained.load_model_and_alphabet_local`` would."""
-    src = Path(path)
-    data = safe_load(src, "fair-esm", what="a fair-esm checkpoint (e.g. esm2_t6_8M_UR50D.pt)")
-    if not isinstance(data, Mapping) or not isinstance(data.get("model"), Mapping):
-        found = sorted(map(str, data))[:6] if isinstance(data, Mapping) else type(data).__name__
-        raise UserError(
-            f"{src}: not a fair-esm checkpoint (expected a dict with 'model' weights and 'cfg' "
-            f"or 'args'; found {found})"
-        )
+def _read_fair_esm(src: Path, data: Mapping[str, Any]) -> EsmSource:
+    """A fair-esm checkpoint's contents (``data``, read by the loader through ``safe_load``
+    with the fair-esm allowlist), as ``esm.pretrained.load_model_and_alphabet_local`` reads
+    them."""
     cfg = _as_dict(data.get("cfg"))
     model_cfg = _as_dict(cfg.get("model")) if cfg else None
     args = _as_dict(data.get("args"))
@@ -432,9 +438,8 @@ def read_fair_esm(path: str | os.PathLike[str]) -> EsmSource:
 # --------------------------------------------------------------------------------------------
 # Hugging Face EsmForMaskedLM directory
 # --------------------------------------------------------------------------------------------
-def read_hf(path: str | os.PathLike[str]) -> EsmSource:
+def _read_hf(src: Path) -> EsmSource:
     """Read ``config.json`` + ``model.safetensors`` (sharded ``*.safetensors`` too)."""
-    src = Path(path)
     config_path = src / "config.json"
     if not config_path.is_file():
         raise UserError(f"{src}: no config.json; not a Hugging Face model directory")
@@ -518,7 +523,7 @@ def read_hf(path: str | os.PathLike[str]) -> EsmSource:
 _HF_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 
 
-def hf_cache_dir() -> Path:
+def _hf_cache_dir() -> Path:
     """The Hugging Face hub cache, found as ``huggingface_hub`` finds it."""
     env = os.environ
     for name in ("HF_HUB_CACHE", "HUGGINGFACE_HUB_CACHE"):
@@ -530,10 +535,15 @@ def hf_cache_dir() -> Path:
     return xdg / "huggingface" / "hub"
 
 
-def resolve_hf_id(model_id: str) -> Path:
-    """The cached snapshot directory of a Hugging Face model id; never downloads."""
-    cache = hf_cache_dir()
-    repo = cache / f"models--{model_id.replace('/', '--')}"
+def _hf_snapshot(text: str) -> Path | None:
+    """The cached snapshot directory of ``text`` when it has a Hugging Face model id's shape
+    (``owner/name``), else None; never downloads. An id missing from the cache is an error
+    that also covers the reading as a local path, since ``runs/last.ckpt`` has that shape too.
+    """
+    if not _HF_ID.match(text):
+        return None
+    cache = _hf_cache_dir()
+    repo = cache / f"models--{text.replace('/', '--')}"
     ref = repo / "refs" / "main"
     snapshots = sorted(p for p in (repo / "snapshots").glob("*") if p.is_dir())
     if ref.is_file():
@@ -542,230 +552,9 @@ def resolve_hf_id(model_id: str) -> Path:
         snapshot = snapshots[0] if len(snapshots) == 1 else None
     if snapshot is None or not (snapshot / "config.json").is_file():
         raise UserError(
-            f"{model_id} is not in the local Hugging Face cache ({cache}); protein-performer "
-            f"never downloads weights: fetch it yourself (`hf download {model_id}`), point "
-            "HF_HOME or HF_HUB_CACHE at the cache holding it, or give a local directory"
+            f"{text}: no such file or directory, and as a model id not in the local Hugging "
+            f"Face cache ({cache}); protein-performer never downloads weights: fetch it "
+            f"yourself (`hf download {text}`), point HF_HOME or HF_HUB_CACHE at the cache "
+            "holding it, or give a local path"
         )
     return snapshot
-
-
-def read_esm(path: str | os.PathLike[str]) -> EsmSource:
-    """A fair-esm ``.pt`` file, a Hugging Face directory or a Hugging Face model id (resolved
-    in the local cache), whichever ``path`` is."""
-    src = Path(path).expanduser()
-    if not src.exists() and _HF_ID.match(str(path)):
-        src = resolve_hf_id(str(path))
-    if not src.exists():
-        raise UserError(
-            f"{src} does not exist: give a fair-esm checkpoint (e.g. esm2_t6_8M_UR50D.pt), a "
-            "Hugging Face EsmForMaskedLM directory (config.json + model.safetensors) or a "
-            "Hugging Face model id in the local cache (facebook/esm2_t6_8M_UR50D)"
-        )
-    if src.is_dir():
-        return read_hf(src)
-    if src.stat().st_size == 0:
-        raise UserError(f"{src} is empty (0 bytes): an interrupted download? re-download it")
-    return read_fair_esm(src)
-
-
-# --------------------------------------------------------------------------------------------
-# Building and exporting
-# --------------------------------------------------------------------------------------------
-def performer_config(
-    source: EsmSource,
-    attention: str = "exact",
-    kernel: str = "softmax",
-    nb_features: int | None = None,
-) -> PerformerConfig:
-    """The architecture of ``source`` as a ``PerformerConfig`` (MLM, no dropout)."""
-    if attention not in ATTENTIONS:
-        raise UserError(f"unknown attention {attention!r}; choose one of {', '.join(ATTENTIONS)}")
-    if kernel not in KERNELS:
-        raise UserError(f"unknown kernel {kernel!r}; choose one of {', '.join(KERNELS)}")
-    try:
-        return PerformerConfig(
-            vocab_size=len(ESM2_VOCAB),
-            **ESM2_SPECIALS,
-            dim=source.dim,
-            depth=source.depth,
-            heads=source.heads,
-            ff_dim=source.ff_dim,
-            dropout=0.0,
-            objective="mlm",
-            attention=attention,
-            kernel=kernel,
-            nb_features=nb_features,
-            rotary_base=source.rotary_base,
-            layer_norm_eps=source.layer_norm_eps,
-            token_dropout=source.token_dropout,
-        ).validate()
-    except UserError as exc:
-        raise UserError(f"{source.path}: {exc}") from None
-
-
-def _generated(name: str) -> bool:
-    """Buffers the converter creates rather than imports (FAVOR+ random features)."""
-    return ".self_attn.favor." in name
-
-
-def _not_imported(name: str) -> bool:
-    """Model entries no source supplies: FAVOR+ features and the tied LM-head alias."""
-    return _generated(name) or name == "lm_head.weight"
-
-
-def build_model(
-    source: EsmSource,
-    attention: str = "exact",
-    kernel: str = "softmax",
-    nb_features: int | None = None,
-    seed: int = 0,
-) -> LoadedModel:
-    """A ``PerformerLM`` holding the source's weights, eval mode, on CPU.
-
-    FAVOR+ features come from ``torch.Generator().manual_seed(seed)`` (layer by layer, as
-    ``redraw_features``), so the same source, flags and seed give bit-identical exports. The
-    global RNG is left untouched.
-    """
-    config = performer_config(source, attention, kernel, nb_features)
-    check_fits_in_memory(config, source.path)
-    check_finite(source.state, source.path)
-    with torch.random.fork_rng(devices=[]):
-        model = PerformerLM(config)
-    diff = diff_state(model, source.state, _not_imported)
-    missing, unexpected = sorted(diff.missing), sorted(diff.unexpected)
-    wrong = [f"{k} {theirs} vs {ours}" for k, theirs, ours in diff.mismatched]
-    problems = []
-    if missing:
-        problems.append(f"{len(missing)} missing: {_keys_message(missing)}")
-    if unexpected:
-        problems.append(f"{len(unexpected)} unexpected: {_keys_message(unexpected)}")
-    if wrong:
-        problems.append(f"{len(wrong)} with wrong shape: {_keys_message(wrong)}")
-    if problems:
-        raise UserError(
-            f"{source.path}: the weights do not form an ESM-2 of the declared shape "
-            f"({source.depth} layers, dim {source.dim}, {source.heads} heads): "
-            f"{' | '.join(problems)}"
-        )
-    model.load_state_dict(source.state, strict=False)
-    model.redraw_features(torch.Generator().manual_seed(seed))
-    model.eval()
-    loaded = LoadedModel(model, config, Alphabet(), source.path, torch.device("cpu"), source.kind)
-    if source.contact_head is not None:
-        loaded.contact_regression = _head_regression(source, loaded).to_dict()
-    return loaded
-
-
-def _head_regression(source: EsmSource, loaded: LoadedModel) -> ContactRegression:
-    """ESM-2's contact head as a regression: same features (every layer x head map,
-    layer-major, symmetrized, APC), same logistic link."""
-    weight, bias = source.contact_head  # type: ignore[misc]
-    coef = weight.detach().double().reshape(-1).numpy()
-    if coef.size != source.depth * source.heads or bias.numel() != 1:
-        raise UserError(
-            f"{source.path}: the contact head has {coef.size} weights and {bias.numel()} bias; "
-            f"ESM-2's reads {source.depth} layers x {source.heads} heads and has one bias"
-        )
-    return ContactRegression(
-        coef,
-        float(bias.reshape(-1)[0]),
-        list(range(1, source.depth + 1)),
-        list(range(source.heads)),
-        meta={"origin": f"ESM-2 contact head of {source.path.name}"},
-        **model_identity(loaded),
-    )
-
-
-@dataclass
-class ConversionResult:
-    out: Path
-    config: PerformerConfig
-    kind: str
-    num_parameters: int
-    dropped: list[str]
-    contact_head: bool  # ESM-2's contact head kept as the model's contact regression
-
-
-def convert_esm(
-    src: str | os.PathLike[str],
-    out: str | os.PathLike[str],
-    attention: str = "exact",
-    kernel: str = "softmax",
-    nb_features: int | None = None,
-    seed: int = 0,
-    overwrite: bool = False,
-    progress: Callable[[str], None] | None = None,
-) -> ConversionResult:
-    """Read ``src`` (fair-esm ``.pt`` or HF directory), build, export to ``out``."""
-    source = read_esm(src)
-    if progress:
-        progress(
-            f"read {source.kind} ESM-2: {source.depth} layers, dim {source.dim}, "
-            f"{source.heads} heads, token_dropout={source.token_dropout}"
-        )
-    loaded = build_model(source, attention, kernel, nb_features, seed)
-    path = export_model(loaded, out, overwrite=overwrite)
-    if source.dropped:
-        log.info("not imported (recomputed or unused): %s", _keys_message(sorted(source.dropped)))
-    return ConversionResult(
-        path,
-        loaded.config,
-        source.kind,
-        loaded.model.num_parameters(),
-        source.dropped,
-        loaded.contact_regression is not None,
-    )
-
-
-# --------------------------------------------------------------------------------------------
-# Swapping the attention core of a model that already holds weights
-# --------------------------------------------------------------------------------------------
-def swap_attention(
-    model: PerformerLM,
-    attention: str,
-    kernel: str | None = None,
-    nb_features: int | None = None,
-    seed: int = 0,
-) -> PerformerLM:
-    """A copy of ``model`` with the same weights and another attention core (eval mode).
-
-    The backward-compatibility question of the Performer paper (§4.3): every weight is shared,
-    only the attention kernel changes; FAVOR+ features are drawn from ``seed`` (the source's
-    own features, if any, are not carried over, so the result depends on ``seed`` alone).
-    """
-    import dataclasses
-
-    config = dataclasses.replace(
-        model.config,
-        attention=attention,
-        kernel=kernel or model.config.kernel,
-        nb_features=nb_features or model.config.nb_features,
-    )
-    with torch.random.fork_rng(devices=[]):
-        twin = PerformerLM(config).to(next(model.parameters()).device)
-    weights = {k: v for k, v in model.state_dict().items() if not _generated(k)}
-    diff = diff_state(twin, weights, _not_imported)
-    if diff:  # pragma: no cover - same architecture by design
-        raise RuntimeError(f"swap failed: {diff}")
-    twin.load_state_dict(weights, strict=False)
-    generator = torch.Generator(device=twin.embed_tokens.weight.device).manual_seed(seed)
-    twin.redraw_features(generator)
-    return twin.eval()
-
-
-def load_any(path: str | os.PathLike[str], seed: int = 0) -> LoadedModel:
-    """Our ``.ckpt``/export directory via ``load_model``, else an ESM-2 source converted to an
-    exact-attention model in memory (for scripts that accept either)."""
-    from protein_performer.interop.loading import CONFIG_FILE, FORMAT_NAME, load_model
-
-    src = Path(path).expanduser()
-    if src.suffix == ".ckpt":
-        return load_model(src, "cpu")
-    if src.is_dir() and (src / CONFIG_FILE).is_file():
-        try:
-            meta = json.loads((src / CONFIG_FILE).read_text(encoding="utf-8"))
-        except (UnicodeDecodeError, json.JSONDecodeError):
-            meta = {}
-        if isinstance(meta, dict) and meta.get("format") == FORMAT_NAME:
-            return load_model(src, "cpu")
-    return build_model(read_esm(src), attention="exact", seed=seed)

@@ -1,22 +1,28 @@
-"""Rebuild a model from a checkpoint alone, safely, and export it: weights I/O on the model
-floor, below training (``init_from``, the distillation teacher) and inference (every command
-taking CKPT), which both import it and nothing it imports.
+"""The one loader: every source a command or ``protein_performer.load`` accepts becomes a
+model through :func:`load_model`, so training (``init_from``, the distillation teacher) and
+inference (every command taking CKPT, ``convert-esm`` = load + export) read weights one way.
+Weights I/O sits on the model floor, below training and inference, which import it.
 
-Two on-disk forms load the same way (every inference command accepts either):
+Sources, told apart by their contents, not their names:
 
-* a Lightning ``.ckpt`` written by ``protein-performer train``: the architecture is
+* a Lightning checkpoint (``protein-performer train``): the architecture is
   ``checkpoint["performer_config"]`` (or, for older checkpoints, ``hyper_parameters["config"]``),
   the weights ``state_dict`` under the ``model.`` prefix;
-* an exported directory (``protein-performer export CKPT DIR``): ``config.json`` (format name and
-  version, the architecture, the vocabulary) + ``model.safetensors`` (weights only).
+* an exported directory (``export``, ``convert-esm``): ``config.json`` (format name and
+  version, the architecture, the vocabulary) + ``model.safetensors`` (weights only);
+* pretrained ESM-2: a fair-esm ``.pt``, a Hugging Face ``EsmForMaskedLM`` directory or a model
+  id in the local Hugging Face cache (never downloaded), read by ``interop.convert_esm``'s
+  private readers and built here (exact attention unless asked otherwise).
 
-Why so strict: a ``.ckpt`` is a pickle, and unpickling runs arbitrary code. Loading goes through
-``protein_performer.io.checkpoints.safe_load`` (``weights_only=True``, a small allowlist); anything
-else is refused with a message, never unpickled. A config read from a file is checked (types,
-ranges, the weights' shapes from the safetensors header, a size that fits in memory) before
-anything is allocated, and non-finite weights are refused. The FAVOR+ random features (``omega``
-buffers) are part of the weights in both forms, so a loaded model reproduces the trained one
-exactly; they are never redrawn on load.
+Why so strict: a ``.ckpt`` or ``.pt`` is a pickle, and unpickling runs arbitrary code. Files are
+read once through ``protein_performer.io.checkpoints.safe_load`` (``weights_only=True``, the
+fair-esm allowlist: the Lightning one plus ``argparse.Namespace``); anything else is refused
+with a message, never unpickled. A config read from a file is checked (types, ranges, the
+weights' shapes from the safetensors header, a size that fits in memory) before anything is
+allocated, and non-finite weights are refused. The FAVOR+ random features (``omega`` buffers)
+are part of the weights of our own checkpoints, so a loaded model reproduces the trained one
+exactly; they are drawn (from ``seed``) only when the attention asked for differs from the
+stored one, or for ESM-2 weights, which have none.
 """
 
 from __future__ import annotations
@@ -35,14 +41,22 @@ import torch
 
 from protein_performer.data.tokenizer import Alphabet
 from protein_performer.errors import UserError, check_format_header
+from protein_performer.interop.convert_esm import (
+    EsmSource,
+    _hf_snapshot,
+    _keys_message,
+    _read_fair_esm,
+    _read_hf,
+)
 from protein_performer.io.atomic import default_file_mode, fsync_path, make_temp_dir, replace_dir
 from protein_performer.io.checkpoints import (
     CONTACT_REGRESSION_KEY,
     check_finite,
-    load_lightning,
     read_safetensors_header,
+    safe_load,
 )
-from protein_performer.model.config import PerformerConfig
+from protein_performer.model.config import ATTENTIONS, KERNELS, PerformerConfig
+from protein_performer.model.contact_head import ContactRegression, model_identity
 from protein_performer.model.performer import PerformerLM
 
 log = logging.getLogger(__name__)
@@ -65,9 +79,9 @@ class LoadedModel:
     model: PerformerLM
     config: PerformerConfig
     alphabet: Alphabet
-    source: Path  # the .ckpt file or the export directory
+    source: Path  # the file or directory read (for a Hugging Face id, its cached snapshot)
     device: torch.device
-    kind: str  # "lightning" or "export"
+    kind: str  # "lightning", "export", "fair-esm" or "hf"
     #: The contact regression stored with the model (``ContactRegression.to_dict()``), if any.
     contact_regression: dict[str, Any] | None = None
 
@@ -183,8 +197,20 @@ def _check_weights_header(config: PerformerConfig, weights: Path) -> None:
 Read = tuple[PerformerConfig, dict[str, torch.Tensor], dict[str, Any] | None]
 
 
-def _read_lightning(path: Path) -> Read:
-    ckpt = load_lightning(path)
+def _read_lightning(path: Path, ckpt: Any) -> Read:
+    """A Lightning checkpoint's contents (read by :func:`_read_file`) -> config and weights."""
+    if not isinstance(ckpt, dict) or not isinstance(ckpt.get("state_dict"), dict):
+        what = (
+            f"a dict with keys {sorted(map(str, ckpt))[:8]}"
+            if isinstance(ckpt, dict)
+            else type(ckpt).__name__
+        )
+        raise UserError(
+            f"{path} is not a protein-performer Lightning checkpoint (no 'state_dict') nor a "
+            f"fair-esm ESM-2 one (no 'model'); it holds {what}. Give a .ckpt from "
+            "`protein-performer train`, a fair-esm .pt or an exported directory"
+        )
+    check_finite(ckpt["state_dict"], path)
     if "performer_config" in ckpt:
         config = _config_from(ckpt["performer_config"], path, "performer_config")
     else:
@@ -213,8 +239,9 @@ def _read_export(path: Path) -> Read:
     config_path, weights_path = path / CONFIG_FILE, path / WEIGHTS_FILE
     if not config_path.is_file():
         raise UserError(
-            f"{path} is a directory but not an exported model (no {CONFIG_FILE}); create one "
-            "with `protein-performer export CKPT DIR` or give a .ckpt file"
+            f"{path} is a directory but not an exported model (no {CONFIG_FILE}) nor a Hugging "
+            "Face EsmForMaskedLM directory; create one with `protein-performer export CKPT "
+            "DIR` or give a .ckpt file"
         )
     if not weights_path.is_file():
         raise UserError(f"{path}: {WEIGHTS_FILE} is missing next to {CONFIG_FILE}; re-export")
@@ -326,26 +353,167 @@ def _load_weights(model: PerformerLM, state: dict[str, torch.Tensor], path: Path
         model.lm_head.weight = model.embed_tokens.weight
 
 
-def load_model(path: str | os.PathLike[str], device: str | torch.device = "auto") -> LoadedModel:
-    """Rebuild the model of a ``.ckpt`` file or an export directory, in eval mode on ``device``.
+# --------------------------------------------------------------------------------------------
+# ESM-2 weights and attention swaps
+# --------------------------------------------------------------------------------------------
+def _generated(name: str) -> bool:
+    """Buffers drawn rather than imported (FAVOR+ random features)."""
+    return ".self_attn.favor." in name
 
-    Raises ``UserError`` (naming the path) for a missing, truncated, corrupt, foreign or
-    incompatible input, so CLIs report one line instead of a traceback.
+
+def _not_imported(name: str) -> bool:
+    """Model entries no ESM-2 source supplies: FAVOR+ features and the tied LM-head alias."""
+    return _generated(name) or name == "lm_head.weight"
+
+
+def _build_esm(source: EsmSource, config: PerformerConfig, seed: int) -> LoadedModel:
+    """A ``PerformerLM`` holding an ESM-2 source's weights, eval mode, on CPU.
+
+    FAVOR+ features come from ``torch.Generator().manual_seed(seed)`` (layer by layer, as
+    ``redraw_features``), so the same source, options and seed give bit-identical models on
+    any device. The global RNG is left untouched.
     """
-    src = Path(path).expanduser()
-    if not src.exists():
+    check_fits_in_memory(config, source.path)
+    check_finite(source.state, source.path)
+    with torch.random.fork_rng(devices=[]):
+        model = PerformerLM(config)
+    diff = diff_state(model, source.state, _not_imported)
+    missing, unexpected = sorted(diff.missing), sorted(diff.unexpected)
+    wrong = [f"{k} {theirs} vs {ours}" for k, theirs, ours in diff.mismatched]
+    problems = []
+    if missing:
+        problems.append(f"{len(missing)} missing: {_keys_message(missing)}")
+    if unexpected:
+        problems.append(f"{len(unexpected)} unexpected: {_keys_message(unexpected)}")
+    if wrong:
+        problems.append(f"{len(wrong)} with wrong shape: {_keys_message(wrong)}")
+    if problems:
         raise UserError(
-            f"{src} does not exist: give a .ckpt from `protein-performer train` (e.g. "
-            "outputs/<task>/<run>/checkpoints/last.ckpt) or a directory from "
-            "`protein-performer export`"
+            f"{source.path}: the weights do not form an ESM-2 of the declared shape "
+            f"({source.depth} layers, dim {source.dim}, {source.heads} heads): "
+            f"{' | '.join(problems)}"
         )
-    target = resolve_device(device)
-    if src.is_dir():
-        config, state, regression = _read_export(src)
-        kind = "export"
-    else:
-        config, state, regression = _read_lightning(src)
-        kind = "lightning"
+    model.load_state_dict(source.state, strict=False)
+    model.redraw_features(torch.Generator().manual_seed(seed))
+    model.eval()
+    loaded = LoadedModel(model, config, Alphabet(), source.path, torch.device("cpu"), source.kind)
+    if source.contact_head is not None:
+        loaded.contact_regression = _head_regression(source, loaded).to_dict()
+    if source.dropped:
+        log.info("not imported (recomputed or unused): %s", _keys_message(sorted(source.dropped)))
+    return loaded
+
+
+def _head_regression(source: EsmSource, loaded: LoadedModel) -> ContactRegression:
+    """ESM-2's contact head as a regression: same features (every layer x head map,
+    layer-major, symmetrized, APC), same logistic link."""
+    weight, bias = source.contact_head  # type: ignore[misc]
+    coef = weight.detach().double().reshape(-1).numpy()
+    if coef.size != source.depth * source.heads or bias.numel() != 1:
+        raise UserError(
+            f"{source.path}: the contact head has {coef.size} weights and {bias.numel()} bias; "
+            f"ESM-2's reads {source.depth} layers x {source.heads} heads and has one bias"
+        )
+    return ContactRegression(
+        coef,
+        float(bias.reshape(-1)[0]),
+        list(range(1, source.depth + 1)),
+        list(range(source.heads)),
+        meta={"origin": f"ESM-2 contact head of {source.path.name}"},
+        **model_identity(loaded),
+    )
+
+
+def _swap_attention(model: PerformerLM, config: PerformerConfig, seed: int) -> PerformerLM:
+    """A copy of ``model`` with the same weights and ``config``'s attention core (eval mode).
+
+    The backward-compatibility question of the Performer paper (§4.3): every weight is shared,
+    only the attention kernel changes; FAVOR+ features are drawn from ``seed`` with a generator
+    on the model's device (the source's own features are not carried over, so the result
+    depends on ``seed`` alone).
+    """
+    with torch.random.fork_rng(devices=[]):
+        twin = PerformerLM(config).to(next(model.parameters()).device)
+    weights = {k: v for k, v in model.state_dict().items() if not _generated(k)}
+    diff = diff_state(twin, weights, _not_imported)
+    if diff:  # pragma: no cover - same architecture by design
+        raise RuntimeError(f"swap failed: {diff}")
+    twin.load_state_dict(weights, strict=False)
+    generator = torch.Generator(device=twin.embed_tokens.weight.device).manual_seed(seed)
+    twin.redraw_features(generator)
+    return twin.eval()
+
+
+def _check_options(attention: str | None, kernel: str | None, nb_features: int | None) -> None:
+    if attention is not None and attention not in ATTENTIONS:
+        raise UserError(f"unknown attention {attention!r}; choose one of {', '.join(ATTENTIONS)}")
+    if kernel is not None and kernel not in KERNELS:
+        raise UserError(f"unknown kernel {kernel!r}; choose one of {', '.join(KERNELS)}")
+    if nb_features is not None and nb_features <= 0:
+        raise UserError(f"nb_features must be a positive integer, got {nb_features}")
+
+
+def _retarget(
+    loaded: LoadedModel,
+    attention: str | None,
+    kernel: str | None,
+    nb_features: int | None,
+    seed: int,
+) -> LoadedModel:
+    """``loaded`` with the attention asked for; unchanged (stored features kept) when the
+    options leave its config as it is."""
+    config = dataclasses.replace(
+        loaded.config,
+        attention=attention or loaded.config.attention,
+        kernel=kernel or loaded.config.kernel,
+        nb_features=nb_features or loaded.config.nb_features,
+    )
+    if config == loaded.config:
+        return loaded
+    try:
+        config.validate()
+    except UserError as exc:
+        raise UserError(f"{loaded.source}: {exc}") from None
+    model = _swap_attention(loaded.model, config, seed)
+    return dataclasses.replace(loaded, model=model, config=config)
+
+
+# --------------------------------------------------------------------------------------------
+# The loader
+# --------------------------------------------------------------------------------------------
+_ACCEPTED = (
+    "give a .ckpt from `protein-performer train` (e.g. outputs/<task>/<run>/checkpoints/"
+    "last.ckpt), a directory from `protein-performer export` or `convert-esm`, a fair-esm "
+    "ESM-2 .pt, a Hugging Face EsmForMaskedLM directory or a Hugging Face model id in the "
+    "local cache (facebook/esm2_t6_8M_UR50D)"
+)
+
+
+def _locate(source: str | os.PathLike[str]) -> Path:
+    """The existing file or directory ``source`` names (a Hugging Face id: its snapshot)."""
+    text = os.fspath(source)
+    src = Path(text).expanduser()
+    if src.exists():
+        return src
+    snapshot = _hf_snapshot(text)
+    if snapshot is None:
+        raise UserError(f"{src} does not exist: {_ACCEPTED}")
+    return snapshot
+
+
+def _is_hf_dir(path: Path) -> bool:
+    """A Hugging Face config (``model_type``) rather than our export header (``format``);
+    anything unreadable goes to the export reader, whose messages name the problem."""
+    try:
+        meta = json.loads((path / CONFIG_FILE).read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        return False
+    return isinstance(meta, dict) and "model_type" in meta and "format" not in meta
+
+
+def _read_ours(src: Path, kind: str, read: Read) -> LoadedModel:
+    """A model (eval mode, CPU) from our own config and weights."""
+    config, state, regression = read
     check_finite(state, src)
     alphabet = Alphabet()
     if config.vocab_size != len(alphabet):
@@ -355,9 +523,68 @@ def load_model(path: str | os.PathLike[str], device: str | torch.device = "auto"
         )
     model = PerformerLM(config)
     _load_weights(model, state, src)
-    model.to(target).eval()
-    log.debug("loaded %s (%s, %s) on %s", src, config.objective, config.attention, target)
-    return LoadedModel(model, config, alphabet, src, target, kind, regression)
+    model.eval()
+    return LoadedModel(model, config, alphabet, src, torch.device("cpu"), kind, regression)
+
+
+def load_model(
+    source: str | os.PathLike[str] | LoadedModel,
+    device: str | torch.device = "auto",
+    *,
+    attention: str | None = None,
+    kernel: str | None = None,
+    nb_features: int | None = None,
+    seed: int = 0,
+) -> LoadedModel:
+    """The model of ``source``, in eval mode on ``device``: the one loader.
+
+    ``source``: a Lightning ``.ckpt``, an export directory, a fair-esm ESM-2 ``.pt``, a Hugging
+    Face ``EsmForMaskedLM`` directory, a Hugging Face model id in the local cache, or a
+    ``LoadedModel`` already in memory (its module is moved, not copied, unless the attention
+    changes). ``attention`` (``exact``/``favor``), ``kernel`` and ``nb_features`` default to
+    the stored ones, and for ESM-2 weights to exact attention with the softmax kernel; a
+    changed core gets FAVOR+ features drawn from ``seed``: on CPU for files (the same features
+    on any device), on the model's device for a model in memory.
+
+    Raises ``UserError`` (naming the path) for a missing, truncated, corrupt, foreign or
+    incompatible input, so CLIs report one line instead of a traceback.
+    """
+    _check_options(attention, kernel, nb_features)
+    if isinstance(source, LoadedModel):
+        target = resolve_device(device)
+        loaded = _retarget(source, attention, kernel, nb_features, seed)
+    else:
+        src = _locate(source)
+        target = resolve_device(device)
+        if src.is_dir() and _is_hf_dir(src):
+            esm: EsmSource | None = _read_hf(src)
+        elif src.is_dir():
+            esm = None
+            loaded = _read_ours(src, "export", _read_export(src))
+        else:
+            data = safe_load(src, "fair-esm", what=_ACCEPTED.removeprefix("give "))
+            fair = isinstance(data, Mapping) and "state_dict" not in data
+            if fair and isinstance(data.get("model"), Mapping):
+                esm = _read_fair_esm(src, data)
+            else:
+                esm = None
+                loaded = _read_ours(src, "lightning", _read_lightning(src, data))
+        if esm is not None:
+            config = esm.config(attention or "exact", kernel or "softmax", nb_features)
+            loaded = _build_esm(esm, config, seed)
+        else:
+            loaded = _retarget(loaded, attention, kernel, nb_features, seed)
+    loaded.model.to(target).eval()
+    loaded.device = target
+    log.debug(
+        "loaded %s (%s, %s, %s) on %s",
+        loaded.source,
+        loaded.kind,
+        loaded.config.objective,
+        loaded.config.attention,
+        target,
+    )
+    return loaded
 
 
 # --------------------------------------------------------------------------------------------

@@ -20,12 +20,15 @@ from __future__ import annotations
 import dataclasses
 import os
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
 
 from protein_performer.errors import UserError
+
+if TYPE_CHECKING:
+    from protein_performer.model.performer import PerformerLM
 
 #: Settings used when ``model.distill`` leaves them out.
 DEFAULT_DISTILL: dict[str, Any] = {"teacher": None, "weight": 0.0, "temperature": 1.0}
@@ -66,18 +69,17 @@ class DistillSettings:
         return cls(str(teacher) if teacher else None, weight, temperature)
 
 
-def load_teacher(path: str | os.PathLike[str]) -> torch.nn.Module:
+def exact_teacher(path: str | os.PathLike[str]) -> PerformerLM:
     """The exact-attention twin of ``path``'s weights, frozen and in eval mode.
 
-    ``path`` is anything ``init_from`` accepts (``.ckpt``, export directory, ESM-2 ``.pt`` or
-    Hugging Face directory); a FAVOR+ source is swapped to exact attention, since the point of
-    the teacher is the function the weights compute without the kernel approximation.
+    ``path`` is anything ``init_from`` accepts (``.ckpt``, export directory, ESM-2 ``.pt``,
+    Hugging Face directory or cached id); a FAVOR+ source is swapped to exact attention, since
+    the point of the teacher is the function the weights compute without the kernel
+    approximation.
     """
-    from protein_performer.interop.convert_esm import load_any, swap_attention
+    from protein_performer.interop.loading import load_model
 
-    model = load_any(path).model
-    if model.config.attention != "exact":
-        model = swap_attention(model, "exact")
+    model = load_model(path, "cpu", attention="exact").model
     model.eval()
     for param in model.parameters():
         param.requires_grad_(False)

@@ -30,19 +30,18 @@ def _is_favor_buffer(name: str) -> bool:
     return ".self_attn.favor." in name
 
 
-def load_initial_weights(module: Any, path: str | os.PathLike[str]) -> list[str]:
+def init_from(module: Any, path: str | os.PathLike[str]) -> list[str]:
     """Copy the weights of ``path`` into ``module.model`` (a ``ProteinLMModule``'s PerformerLM).
 
-    ``path`` is anything ``protein_performer.interop.loading.load_model`` reads (a ``.ckpt``,
-    an export directory such as ``protein-performer convert-esm`` writes) or, for convenience,
-    an ESM-2 source (fair-esm ``.pt``, Hugging Face directory) converted on the fly. The
-    source's contact regression, if any (ESM-2's contact head), goes into the module's
-    checkpoints. Returns the names of the FAVOR+ buffers left as the module drew them.
+    ``path`` is any source the one loader, ``protein_performer.interop.loading.load_model``,
+    reads: a ``.ckpt``, an export directory such as ``protein-performer convert-esm`` writes,
+    or an ESM-2 source (fair-esm ``.pt``, Hugging Face directory or cached id) read as exact
+    attention. The source's contact regression, if any (ESM-2's contact head), goes into the
+    module's checkpoints. Returns the names of the FAVOR+ buffers left as the module drew them.
     """
-    from protein_performer.interop.convert_esm import load_any
-    from protein_performer.interop.loading import diff_state
+    from protein_performer.interop.loading import diff_state, load_model
 
-    source = load_any(path)
+    source = load_model(path, "cpu")
     model = module.model
     target_cfg, source_cfg = model.config, source.config
     if target_cfg.heads != source_cfg.heads:  # same shapes, different function: refuse
@@ -121,5 +120,5 @@ def maybe_init_from(module: Any, cfg: Any) -> str | None:
     path = cfg.get("init_from")
     if not path or cfg.get("ckpt_path"):
         return None
-    load_initial_weights(module, path)
+    init_from(module, path)
     return str(path)

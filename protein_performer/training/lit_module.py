@@ -25,7 +25,7 @@ from protein_performer.errors import UserError
 from protein_performer.io.checkpoints import CONTACT_REGRESSION_KEY
 from protein_performer.model.config import PerformerConfig
 from protein_performer.model.performer import PerformerLM
-from protein_performer.training.distill import DistillSettings, distill_kl, load_teacher
+from protein_performer.training.distill import DistillSettings, distill_kl, exact_teacher
 
 IGNORE_INDEX = -100
 
@@ -99,7 +99,7 @@ class ProteinLMModule(pl.LightningModule):
         self.model = PerformerLM(self.performer_config)
         # Not a registered submodule (object.__setattr__ bypasses nn.Module's registration):
         # kept out of the checkpoint, the optimizer and the summary.
-        teacher = load_teacher(self.distill.teacher) if self.distill.enabled else None
+        teacher = exact_teacher(self.distill.teacher) if self.distill.enabled else None
         if teacher is not None and teacher.config.objective != self.performer_config.objective:
             raise UserError(
                 f"model.distill.teacher={self.distill.teacher} is a {teacher.config.objective} "
