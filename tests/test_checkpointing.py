@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -12,12 +13,18 @@ from pathlib import Path
 import pytest
 import pytorch_lightning as pl
 import torch
+from pytorch_lightning.utilities.exceptions import SIGTERMException
 from test_ddp import torchrun
 from test_train import TINY as TRAIN_TINY
 
 from protein_performer.errors import UserError
 from protein_performer.io.checkpoints import nonfinite_tensors, safe_load
-from protein_performer.training.checkpointing import TrainingDivergedError
+from protein_performer.training.checkpointing import (
+    RunCheckpoint,
+    SafeCheckpointIO,
+    TrainingDivergedError,
+    last_checkpoint,
+)
 from protein_performer.training.compose import compose_config
 from protein_performer.training.train import train
 
@@ -117,6 +124,7 @@ def test_resume_never_unpickles_code_even_with_the_torch_override(
         _train(tmp_path / "run2", "trainer.max_steps=2", f"ckpt_path={truncated}")
 
 
+@pytest.mark.slow  # a training subprocess; the in-process divergence tests are the fast check
 def test_cli_divergence_is_one_error_line(tmp_path: Path) -> None:
     cmd = [sys.executable, "-m", "protein_performer.cli.main", "train", *TINY, *DIVERGE]
     cmd += ["trainer.max_steps=20", f"hydra.run.dir={tmp_path / 'run'}"]
@@ -165,6 +173,151 @@ def test_ddp_ranks_stop_together_on_one_ranks_nan(tmp_path: Path) -> None:
     ckpts = list((tmp_path / "run" / "checkpoints").glob("*.ckpt"))
     assert ckpts and all(not nonfinite_tensors(safe_load(c)["state_dict"]) for c in ckpts)
     assert max(_step(c) for c in ckpts) == 2
+
+
+# ---- The save schedule, on Lightning's public API only --------------------------------------
+# A plain Lightning run (a linear model, 4 batches an epoch) with RunCheckpoint and a recording
+# checkpoint I/O: the order and steps of every save pin what RunCheckpoint relies on from
+# Lightning's hooks (on_validation_end before on_train_epoch_end at an epoch's end,
+# trainer.is_last_batch, SIGTERMException at a batch boundary). A Lightning upgrade that moves
+# any of these fails here, not silently in a user's run.
+
+
+def _seeded() -> torch.Generator:
+    return torch.Generator().manual_seed(0)
+
+
+class _Linear(pl.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layer = torch.nn.Linear(4, 1)
+        torch.nn.init.constant_(self.layer.weight, 1.0)  # a loss that falls: best-k improves
+
+    def training_step(self, batch, batch_idx):
+        return self.layer(batch).pow(2).mean()
+
+    def validation_step(self, batch, batch_idx):
+        self.log("val/loss", self.layer(batch).pow(2).mean())
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    def train_dataloader(self):
+        return torch.utils.data.DataLoader(torch.randn(16, 4, generator=_seeded()), batch_size=4)
+
+    def val_dataloader(self):
+        return torch.utils.data.DataLoader(torch.randn(4, 4, generator=_seeded()), batch_size=4)
+
+
+class _RecordingIO(SafeCheckpointIO):
+    def __init__(self) -> None:
+        super().__init__()
+        self.saves: list[tuple[str, int]] = []
+
+    def save_checkpoint(self, checkpoint, path, storage_options=None) -> None:
+        self.saves.append((Path(path).name, int(checkpoint["global_step"])))
+        super().save_checkpoint(checkpoint, path, storage_options)
+
+
+class _SigtermAt(pl.Callback):
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if trainer.global_step == self.step:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+
+def _saves(tmp_path: Path, *callbacks: pl.Callback, ckpt: dict | None = None, **trainer):
+    io = _RecordingIO()
+    checkpoint = RunCheckpoint(
+        dirpath=tmp_path / "checkpoints",
+        filename="best-{step}",
+        monitor="val/loss",
+        save_last=True,
+        auto_insert_metric_name=False,
+        **(ckpt or {}),
+    )
+    options = dict(max_epochs=2, val_check_interval=1.0, num_sanity_val_steps=0)
+    pl.Trainer(
+        default_root_dir=tmp_path,
+        accelerator="cpu",
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[checkpoint, *callbacks],
+        plugins=[io],
+        **{**options, **trainer},
+    ).fit(_Linear())
+    return io.saves, checkpoint
+
+
+@pytest.mark.parametrize(
+    ("trainer", "ckpt", "expected"),
+    [
+        # Validation at each epoch's end: the top-k save (epoch end), then last.ckpt after it.
+        pytest.param({}, {}, [("best-4", 4), ("last", 4), ("best-8", 8), ("last", 8)], id="epoch"),
+        # Mid-epoch validation: last.ckpt after it at once; at the end of fit once more.
+        pytest.param(
+            {"val_check_interval": 3, "max_epochs": 1},
+            {},
+            [("best-3", 3), ("last", 3), ("last", 4)],
+            id="mid-epoch",
+        ),
+        # Every 2 steps (mid-epoch at once; at the epoch's last batch after its validation);
+        # Lightning's top-k waits for the first val/loss, then saves at step 6 as it improved.
+        pytest.param(
+            {},
+            {"every_n_train_steps": 2},
+            [("last", 2), ("last", 4), ("best-6", 6), ("last", 6), ("last", 8)],
+            id="steps",
+        ),
+        # No validation: last.ckpt at every epoch end, no best-k (no metric).
+        pytest.param({"limit_val_batches": 0}, {}, [("last", 4), ("last", 8)], id="no-validation"),
+    ],
+)
+def test_save_schedule(tmp_path: Path, trainer: dict, ckpt: dict, expected: list) -> None:
+    saves, checkpoint = _saves(tmp_path, ckpt=ckpt, **trainer)
+    assert [(Path(name).stem, step) for name, step in saves] == expected
+    assert Path(checkpoint.last_model_path).name == "last.ckpt"
+    assert _step(Path(checkpoint.last_model_path)) == expected[-1][1]
+
+
+def test_sigterm_saves_last_at_the_batch_boundary(tmp_path: Path) -> None:
+    # Step 6 is mid-epoch, with no validation or interval save due: only the signal saves.
+    with pytest.raises(SIGTERMException):
+        _saves(tmp_path, _SigtermAt(6))
+    assert _step(tmp_path / "checkpoints" / "last.ckpt") == 6
+
+
+def test_ckpt_path_last_is_the_newest_last_or_hpc_checkpoint(tmp_path: Path) -> None:
+    _saves(tmp_path, max_epochs=1)
+    run = pl.Trainer(
+        default_root_dir=tmp_path, callbacks=[RunCheckpoint(dirpath=tmp_path / "checkpoints")]
+    )
+    ckpts = tmp_path / "checkpoints"
+    assert last_checkpoint(run) == str(ckpts / "last.ckpt")
+    for i, name in enumerate(["last-v1.ckpt", "../hpc_ckpt_2.ckpt", "best-9.ckpt"]):
+        path = ckpts / name
+        path.write_bytes(b"")
+        os.utime(path, (2e9 + i, 2e9 + i))
+        if name != "best-9.ckpt":
+            assert last_checkpoint(run) == os.path.normpath(path)
+    assert last_checkpoint(run) == os.path.normpath(ckpts / "../hpc_ckpt_2.ckpt")
+    empty = pl.Trainer(default_root_dir=tmp_path / "new", callbacks=[RunCheckpoint()])
+    assert last_checkpoint(empty) is None
+
+
+def test_run_checkpoint_overrides_no_private_lightning_member() -> None:
+    # Public API only: an override of a private ModelCheckpoint method would break silently.
+    from pytorch_lightning.callbacks import ModelCheckpoint
+
+    private = [
+        name
+        for name in vars(RunCheckpoint)
+        if name.startswith("_") and not name.startswith("__") and hasattr(ModelCheckpoint, name)
+    ]
+    assert private == []
 
 
 if __name__ == "__main__":

@@ -40,6 +40,11 @@ from protein_performer.errors import UserError
 log = logging.getLogger(__name__)
 
 _FRACTION_FOR = {"valid": "valid_frac", "test": "test_frac"}
+_FAMILY_NEEDS_STORE = (
+    "data.layout=family needs data.path to be one store: run `protein-performer preprocess "
+    "FASTA --out STORE --cluster-split 0.5` and set data.path=STORE (families are built inside "
+    "the store's splits, so none crosses them)"
+)
 
 
 def _as_paths(path: str | Path | Sequence[str | Path]) -> list[Path]:
@@ -59,6 +64,10 @@ class ProteinDataModule(pl.LightningDataModule):
     (per device); ``limit_records`` keeps the first N records of the input (quick runs).
     ``concat=True`` trains on each split's records joined with ``<eos>`` and cut into rows of
     exactly ``max_len`` tokens (:class:`ConcatSource`), as in the Performer paper's L=8192 run.
+    ``layout="family"`` makes each row one family's members, ``<cls> A <eos> <cls> B <eos>...``
+    up to ``family_max_tokens`` (:class:`~protein_performer.data.family.FamilyDataset`); the
+    families (``family_method`` search or cluster at ``family_identity``, MMseqs2) are built
+    inside each split of a store and cached there (``data.homology.store_families``).
     """
 
     def __init__(
@@ -78,6 +87,10 @@ class ProteinDataModule(pl.LightningDataModule):
         limit_records: int | None = None,
         split_by: str = "auto",
         concat: bool = False,
+        layout: str = "single",
+        family_max_tokens: int = 8192,
+        family_method: str = "search",
+        family_identity: float = 0.3,
     ) -> None:
         super().__init__()
         self.paths = _as_paths(path)
@@ -108,6 +121,19 @@ class ProteinDataModule(pl.LightningDataModule):
         self.limit_records = limit_records
         self.split_by = split_by
         self.concat = bool(concat)
+        if layout not in ("single", "family"):
+            raise UserError(f"data.layout must be single or family, got {layout!r}")
+        if layout == "family" and self.concat:
+            raise UserError(
+                "data.layout=family and data.concat=true both define a row: choose one"
+            )
+        self.layout = layout
+        self.family_max_tokens = int(family_max_tokens)
+        self.family_method = family_method
+        self.family_identity = float(family_identity)
+        self._families: dict[str, Any] = {}
+        if layout == "family" and (len(self.paths) != 1 or self.paths[0].is_file()):
+            raise UserError(_FAMILY_NEEDS_STORE)
         self.alphabet = Alphabet()
         self.collator = ProteinCollator(self.alphabet)
         self.sources: dict[str, RecordSource] | None = None
@@ -203,7 +229,12 @@ class ProteinDataModule(pl.LightningDataModule):
         for split in needed:
             self._check_nonempty(split)
         for split in SPLITS:
-            if split not in self.datasets and len(self.sources[split]):
+            if split in self.datasets or not len(self.sources[split]):
+                continue
+            if self.layout == "family":
+                if split in needed:  # families cost an MMseqs2 run: only the splits in use
+                    self.datasets[split] = self._family_dataset(split)
+            else:
                 self.datasets[split] = ProteinDataset(
                     self.sources[split],
                     objective=self.objective,  # type: ignore[arg-type]
@@ -213,6 +244,53 @@ class ProteinDataModule(pl.LightningDataModule):
                     seed=self.seed,
                     alphabet=self.alphabet,
                 )
+
+    # ---- family layout -----------------------------------------------------------------------
+    def prepare_data(self) -> None:
+        """Build and cache the families once (Lightning runs this on one process per node,
+        before ``setup`` on every rank), so DDP ranks do not all run MMseqs2."""
+        if self.layout == "family":
+            for split in ("train", "valid"):
+                self._store_families(split)
+
+    def _store_families(self, split: str) -> Any:
+        from protein_performer.data.homology import store_families
+        from protein_performer.data.preprocess import default_workers
+        from protein_performer.data.store import TokenStore
+
+        if not (len(self.paths) == 1 and self.paths[0].is_dir()):
+            raise UserError(_FAMILY_NEEDS_STORE)
+        if split not in self._families:
+            store = TokenStore(self.paths[0])
+            if "clusters" not in store.meta.get("split", {}):
+                log.warning(
+                    "store %s was not split with --cluster-split: valid/test records may "
+                    "have close relatives in training families",
+                    self.paths[0],
+                )
+            self._families[split] = store_families(
+                store, split, self.family_method, self.family_identity, default_workers()
+            )
+        return self._families[split]
+
+    def _family_dataset(self, split: str) -> ProteinDataset:
+        from protein_performer.data.family import FamilyDataset
+
+        assert self.sources is not None
+        source = self.sources[split]
+        assert isinstance(source, StoreSubset)
+        families = self._store_families(split).restrict(source.indices)
+        return FamilyDataset(
+            source,
+            families,
+            objective=self.objective,  # type: ignore[arg-type]
+            max_len=self.max_len,
+            row_tokens=self.family_max_tokens,
+            crop="random" if split == "train" else "fixed",
+            mlm_prob=self.mlm_prob,
+            seed=self.seed,
+            alphabet=self.alphabet,
+        )
 
     # ---- loaders -----------------------------------------------------------------------------
     def _replicas(self) -> tuple[int, int]:
@@ -263,12 +341,13 @@ class ProteinDataModule(pl.LightningDataModule):
         return loader
 
     # ---- checkpointed state ------------------------------------------------------------------
-    # Lightning saves and restores a stateful train loader itself (the fit loop's
-    # ``combined_loader`` state), but drops the restored state when the train loader was built
-    # before the checkpoint was restored, which ``trainer.estimated_stepping_batches`` in
-    # ``configure_optimizers`` (our LR schedule) does: Lightning-AI/pytorch-lightning#20550. So
-    # the datamodule carries the loader's position too, restored before the loader is built
-    # (or before its first batch: loading twice, here and by Lightning, is harmless).
+    # Lightning saves and restores a stateful train loader itself, but drops the restored
+    # state when the train loader was built before the checkpoint was restored, which
+    # ``trainer.estimated_stepping_batches`` in ``configure_optimizers`` (our LR schedule) does:
+    # Lightning-AI/pytorch-lightning#20550. So the datamodule carries the loader's position too,
+    # through LightningDataModule's public ``state_dict`` / ``load_state_dict`` hooks, and hands
+    # it to the loader whenever that is built (loading twice, here and by Lightning, is
+    # harmless, and the loader applies it at its first batch whatever the order).
     def _fit_train_loader(self) -> ResumableDataLoader | None:
         trainer = getattr(self, "trainer", None)
         loader = getattr(trainer, "train_dataloader", None) if trainer is not None else None

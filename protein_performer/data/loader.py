@@ -1,28 +1,26 @@
 """A train DataLoader whose position in the epoch survives a checkpoint (mid-epoch resume).
 
-Lightning 2.x saves ``state_dict()`` of every train dataloader that has ``state_dict`` and
-``load_state_dict`` (``_Stateful``) under the fit loop's ``combined_loader`` key, and on a
-restart calls ``load_state_dict`` in ``FitLoop.setup_data`` *before* the first ``iter()`` and
-before ``set_epoch`` (``FitLoop.on_advance_start``). It also restores its own batch counters, so
-it expects the loader to continue where the checkpoint left it: after ``k`` batches of an epoch
-it asks for only ``len(loader) - k`` more.
+:class:`ResumableDataLoader` keeps ``{epoch, batches_yielded}``: the number of batches its
+iterator has *handed to the caller* this epoch (batches prefetched by worker processes are not
+counted), and on resume makes the :class:`TokenBudgetBatchSampler` start at batch ``k`` of that
+epoch. The batch order depends only on ``(seed, epoch)`` and items on ``(seed, epoch, index)``,
+so the continued epoch is exactly the rest of the interrupted one; a position at the end of an
+epoch resumes with the next epoch, whole.
 
-:class:`ResumableDataLoader` therefore keeps ``{epoch, batches_yielded}``: the number of batches
-its iterator has *handed to the caller* this epoch (batches prefetched by worker processes are
-not counted), and on resume makes the :class:`TokenBudgetBatchSampler` start at batch ``k``
-of that epoch. The batch order depends only on ``(seed, epoch)`` and items on
-``(seed, epoch, index)``, so the continued epoch is exactly the rest of the interrupted one.
-
-``iter()`` is lazy: the sampler (and any worker prefetching) starts at the first ``next()``, so
-the epoch Lightning sets after its first ``iter()`` is the one used (without this, a resumed
-run with ``num_workers > 0`` would prefetch epoch 0's batches for the restored epoch).
+What it relies on from Lightning is public and documented: a train loader with ``state_dict`` /
+``load_state_dict`` is a resumable ("stateful") loader, whose state Lightning checkpoints and
+restores, and whose fit loop then asks for only the rest of the epoch; ``set_epoch`` reaches the
+sampler at every epoch start. It does not rely on *when* Lightning calls these: the loaded
+position is applied at the first ``next()`` of the iteration whose epoch it belongs to (``iter()``
+is lazy: the sampler, and any worker prefetching, starts at the first ``next()``), so any order
+of ``load_state_dict``, ``iter()`` and ``set_epoch`` gives the same batches, and loading the same
+state twice is harmless. ``ProteinDataModule`` also carries the position through its own
+``state_dict`` / ``load_state_dict`` hooks, because Lightning drops a restored loader state when
+the train loader was built before the restore (``trainer.estimated_stepping_batches`` in
+``configure_optimizers``: Lightning-AI/pytorch-lightning#20550).
 
 Under DDP every rank yields the same number of batches per epoch, so rank 0's state (the one in
 the checkpoint) is every rank's; each rank skips its own first ``k`` batches.
-
-Lightning drops the restored loader state when the train loader was built before the restore
-(``trainer.estimated_stepping_batches`` in ``configure_optimizers``: Lightning-AI/pytorch-lightning
-#20550), so ``ProteinDataModule`` also checkpoints this state and hands it to the loader.
 """
 
 from __future__ import annotations
@@ -74,9 +72,9 @@ class ResumableDataLoader(DataLoader):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Continue from ``state_dict`` at the next iteration of the same epoch.
 
-        Also sets the sampler's epoch, so the loader resumes by itself; under Lightning the
-        ``set_epoch`` that follows gives the same epoch when the checkpoint was taken mid-epoch,
-        and the next epoch (the skip then no longer applies) when it was taken at the epoch end.
+        Also sets the sampler's epoch, so the loader resumes by itself: the same epoch from a
+        mid-epoch position, the next one from the end of an epoch. A ``set_epoch`` that
+        follows (Lightning's) gives the same epoch; a different one drops the position.
         """
         epoch = int(state_dict["epoch"])
         skip = int(state_dict["batches_yielded"])
@@ -96,6 +94,10 @@ class ResumableDataLoader(DataLoader):
                 skip,
                 epoch,
             )
+        if skip >= len(sampler) and expected[0] in (None, len(sampler)):
+            # A finished epoch: continue with the next one, whole, whether or not a set_epoch
+            # follows (Lightning's, for the next epoch, says the same).
+            epoch, skip = epoch + 1, 0
         self._resume = {**state_dict, "epoch": epoch, "batches_yielded": skip}
         self._epoch, self._yielded = epoch, skip
         sampler.set_epoch(epoch)
@@ -114,7 +116,7 @@ class ResumableDataLoader(DataLoader):
         return self._iterate()
 
     def _iterate(self) -> Iterator[Any]:
-        # Runs at the first next(): after Lightning's set_epoch (see the module docstring).
+        # Runs at the first next(), after any set_epoch (see the module docstring).
         sampler = self.token_sampler
         epoch = sampler.epoch
         start = self._start_batch(epoch)

@@ -21,8 +21,9 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-#: ``ckpt_path`` values Lightning resolves: the newest last.ckpt (or SLURM hpc checkpoint) of
-#: this run directory, or the SLURM requeue checkpoint.
+#: ``ckpt_path`` keywords: ``last`` (resolved here by ``checkpointing.last_checkpoint``: the
+#: newest last.ckpt or SLURM hpc checkpoint of this run directory) and ``hpc`` (Lightning's: the
+#: SLURM requeue checkpoint).
 RESUME_KEYWORDS = ("last", "hpc")
 #: Exit status of a run stopped by SIGTERM after saving last.ckpt (128 + SIGTERM, as the shell
 #: reports a process killed by it): not 0, so a job chain does not take it for a finished run.
@@ -86,10 +87,15 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     ``global_rank`` (under DDP every rank returns; only rank 0 has written the files).
     """
     import pytorch_lightning as pl
+    from pytorch_lightning.utilities import rank_zero_warn
     from pytorch_lightning.utilities.exceptions import SIGTERMException
 
     from protein_performer.training.callbacks import TrainingCurvePlot
-    from protein_performer.training.checkpointing import DivergenceGuard, SafeCheckpointIO
+    from protein_performer.training.checkpointing import (
+        DivergenceGuard,
+        SafeCheckpointIO,
+        last_checkpoint,
+    )
     from protein_performer.training.init_weights import check_init_from, maybe_init_from
     from protein_performer.training.settings import check_training_config
 
@@ -130,6 +136,14 @@ def train(cfg: DictConfig) -> dict[str, Any]:
             module.performer_config.objective,
         )
 
+    if ckpt_path == "last":
+        ckpt_path = last_checkpoint(trainer)
+        if ckpt_path is None:
+            # Not an error: one command serves the first launch and every relaunch.
+            rank_zero_warn(
+                "ckpt_path=last: there is no last checkpoint in this run directory yet; "
+                "training starts from scratch"
+            )
     try:
         trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt_path, weights_only=True)
     except SIGTERMException:
