@@ -4,7 +4,7 @@ usage: python examples/quickstart.py MLM_CKPT [CLM_CKPT]
 
 MLM_CKPT is a masked-LM checkpoint (e.g. the one `make demo` trains:
 outputs/demo/<run>/checkpoints/last.ckpt); CLM_CKPT, optional, a causal one
-(`protein-performer train experiment=small_clm`) to sample from.
+(`protein-performer train experiment=demo_clm`) to sample from.
 """
 
 import sys

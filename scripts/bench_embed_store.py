@@ -102,10 +102,11 @@ def run_case(case: dict) -> None:
     total_s = time.perf_counter() - t0
     model_s = min(model_s, model_only()[1])  # warm-up and load hit the first pass only
     t0 = time.perf_counter()
-    emb = pp.read_embeddings(out)
+    stored_ids, emb = pp.read_embeddings(out)
     read_s = time.perf_counter() - t0
     ids = [r.id for r in input_records(fasta)]
     assert summary.num_records == n == len(emb) and np.isfinite(emb).all()
+    assert stored_ids == ids
     common.emit(
         {
             "n": n,

@@ -121,10 +121,13 @@ def step_inference(res: TrainResult) -> dict[str, Path]:
 
 def step_plots(res: TrainResult) -> dict[str, Path]:
     """Attention grid and amino-acid similarity PNGs for the first demo protein."""
-    from protein_performer.cli.visualize import compose, visualize
+    from protein_performer.cli.main import main
 
-    overrides = [f"ckpt={res.checkpoint}", f"fasta={DEMO_FASTA}", "device=cpu"]
-    return visualize(compose([*overrides, f"out_dir={res.output_dir / 'plots'}"]))
+    out = res.output_dir / "plots"
+    argv = ["visualize", str(res.checkpoint), str(DEMO_FASTA), "--device", "cpu"]
+    if main([*argv, "--out-dir", str(out), "--overwrite"]) != 0:
+        raise UserError("visualize failed (its error is above)")
+    return {"grid": out / "attention_grid.png", "similarity": out / "aa_similarity.png"}
 
 
 def main(argv: list[str] | None = None) -> int:

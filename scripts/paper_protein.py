@@ -248,15 +248,21 @@ def train_cmd(run: Run) -> list[str]:
 def eval_cmd(run: Run, store: Path, split: str, args: argparse.Namespace) -> list[str]:
     return cli(
         "eval",
-        f"ckpt={run.run_dir / 'checkpoints' / 'last.ckpt'}",
-        f"data={store}",
-        f"split={split}",
-        f"max_len={args.max_len}",
-        f"limit={args.eval_limit}" if args.eval_limit else "limit=null",
-        f"seed={args.eval_seed}",
-        f"device={'cpu' if args.trainer == 'cpu' else 'auto'}",
-        "progress=false",
-        f"out_dir={run.run_dir / f'eval_{split}'}",
+        str(run.run_dir / "checkpoints" / "last.ckpt"),
+        str(store),
+        "--split",
+        split,
+        "--max-len",
+        str(args.max_len),
+        *(["--limit", str(args.eval_limit)] if args.eval_limit else []),
+        "--seed",
+        str(args.eval_seed),
+        "--device",
+        "cpu" if args.trainer == "cpu" else "auto",
+        "--no-progress",
+        "--out-dir",
+        str(run.run_dir / f"eval_{split}"),
+        "--overwrite",
     )
 
 

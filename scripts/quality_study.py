@@ -286,21 +286,18 @@ def evaluate_checkpoint(
     ckpt: Path, fasta: Path, out_dir: Path, max_len: int, mlm_prob: float, seed: int, device: str
 ) -> dict[str, Any]:
     """``protein_performer.inference.evaluate`` on the held-out FASTA (fixed-seed masks)."""
-    from protein_performer.inference.evaluate import compose, evaluate
+    from protein_performer.inference.evaluate import evaluate
+    from protein_performer.interop.loading import load_model
 
-    cfg = compose(
-        [
-            f"ckpt={ckpt}",
-            f"data={fasta}",
-            f"max_len={max_len}",
-            f"mlm_prob={mlm_prob}",
-            f"seed={seed}",
-            f"out_dir={out_dir}",
-            f"device={device}",
-            "progress=false",
-        ]
+    return evaluate(
+        load_model(ckpt, device),
+        fasta,
+        out_dir,
+        max_len=max_len,
+        mlm_prob=mlm_prob,
+        seed=seed,
+        progress=False,
     )
-    return evaluate(cfg)
 
 
 def read_wallclock(run_dir: Path) -> list[dict[str, Any]]:

@@ -21,9 +21,6 @@ from tests.test_loading import fit_checkpoint
 WT = "MKTAYIAKQRQISFVKSHFSRQ"
 
 
-pytestmark = pytest.mark.usefixtures("one_thread")
-
-
 @pytest.fixture(scope="module")
 def files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     tmp = tmp_path_factory.mktemp("cli")
@@ -119,76 +116,74 @@ def test_score_both_objectives(files, tmp_path: Path, capsys) -> None:
     assert not (tmp_path / "x.csv").exists()
 
 
-def test_score_variants(files, tmp_path: Path, capsys) -> None:
+def test_score_variants(files, tmp_path: Path, capsys, monkeypatch) -> None:
     out = tmp_path / "v.csv"
-    assert (
-        main(
-            [
-                "score-variants",
-                str(files["ckpt"]),
-                "--wt",
-                str(files["wt"]),
-                "--mutations",
-                str(files["dms"]),
-                "--out",
-                str(out),
-                "--label-col",
-                "fit",
-                "--no-progress",
-            ]
-        )
-        == 0
-    )
+    argv = ["score-variants", str(files["ckpt"]), str(files["wt"]), str(files["dms"])]
+    assert main([*argv, str(out), "--label-col", "fit", "--no-progress"]) == 0
     printed = capsys.readouterr()
     assert "scored 3 of 4 row(s) with masked-marginals" in printed.out
     assert "Spearman rho vs 'fit'" in printed.out and "(n = 3)" in printed.out
     with open(out, newline="") as fh:
         rows = list(csv.reader(fh))
     assert rows[0] == ["mutant", "fit", "masked-marginals"] and rows[3][2] == ""
-    argv = ["score-variants", str(files["ckpt"]), "--wt", str(files["wt"]), "--mutations"]
-    assert main([*argv, str(files["dms"]), "--out", "-", "--no-progress"]) == 0
+    assert main([*argv, "-", "--no-progress"]) == 0
     printed = capsys.readouterr()  # the table on stdout, the summary on stderr
     assert list(csv.reader(printed.out.splitlines())) == rows
     assert "scored 3 of 4 row(s)" in printed.err
+    # `-` as the wild type reads FASTA from standard input: the same table.
+    stdin(monkeypatch, files["wt"].read_bytes())
+    wt_argv = ["score-variants", str(files["ckpt"]), "-", str(files["dms"])]
+    assert main([*wt_argv, str(tmp_path / "s.csv"), "--no-progress"]) == 0
+    with open(tmp_path / "s.csv", newline="") as fh:
+        assert [r[:3] for r in csv.reader(fh)] == rows
 
 
-def test_export_and_eval(files, tmp_path: Path, capsys) -> None:
+def stdin(monkeypatch: pytest.MonkeyPatch, data: bytes) -> None:
+    """Standard input holding ``data``, as a pipe would give it."""
+    import io
+
+    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(data)))
+
+
+def test_fasta_from_stdin_errors_name_stdin(files, tmp_path: Path, capsys, monkeypatch) -> None:
+    stdin(monkeypatch, b">a\nMKTAYIAK\n>b\nMK1LV\n")
+    out = tmp_path / "s.csv"
+    assert main(["score", str(files["ckpt"]), "-", str(out), "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: <stdin>:4: record #2 'b'") and "Traceback" not in err
+    assert not out.exists()
+
+
+def test_export_and_eval(files, tmp_path: Path, capsys, monkeypatch) -> None:
     out = tmp_path / "exp"
     assert main(["export", str(files["ckpt"]), str(out)]) == 0
     assert (out / "config.json").is_file() and (out / "model.safetensors").is_file()
     assert main(["export", str(files["ckpt"]), str(out)]) == 2
     assert "--overwrite" in capsys.readouterr().err
-    assert (
-        main(
-            [
-                "eval",
-                f"ckpt={out}",
-                f"data={files['fasta']}",
-                f"out_dir={tmp_path / 'ev'}",
-                "progress=false",
-                "bins=[15]",
-            ]
-        )
-        == 0
-    )
+    ev = tmp_path / "ev"
+    argv = ["eval", str(out), str(files["fasta"]), "--out-dir", str(ev), "--no-progress"]
+    assert main([*argv, "--bins", "15"]) == 0
     printed = capsys.readouterr().out
     assert "<=15" in printed and ">15" in printed
-    metrics = json.loads((tmp_path / "ev" / "metrics.json").read_text())
+    metrics = json.loads((ev / "metrics.json").read_text())
     assert metrics["overall"]["records"] == 2
     assert [b["records"] for b in metrics["bins"]] == [1, 1]
-    assert (tmp_path / "ev" / "bins.csv").read_text().startswith("bin,records,tokens")
-    assert main(["eval", f"data={files['fasta']}"]) == 2
-    assert "ckpt=" in capsys.readouterr().err
-    # The positional form of the other inference commands means the same (threads too).
+    assert (ev / "bins.csv").read_text().startswith("bin,records,tokens")
+    assert main([*argv, "--bins", "15"]) == 2  # the same files again: only with --overwrite
+    assert "--overwrite" in capsys.readouterr().err
+    assert main([*argv, "--bins", "15", "--overwrite", "--threads", "1"]) == 0
+    assert json.loads((ev / "metrics.json").read_text()) == metrics
+    # FASTA from standard input: the same numbers.
+    stdin(monkeypatch, files["fasta"].read_bytes())
     ev2 = tmp_path / "ev2"
-    argv = [str(out), str(files["fasta"]), f"out_dir={ev2}", "progress=false", "bins=[15]"]
-    assert main(["eval", "--threads", "1", *argv]) == 0
-    assert json.loads((ev2 / "metrics.json").read_text()) == metrics
+    argv = ["eval", str(out), "-", "--out-dir", str(ev2), "--no-progress", "--bins", "15"]
+    assert main(argv) == 0
+    got = json.loads((ev2 / "metrics.json").read_text())
+    assert got["overall"] == metrics["overall"] and got["bins"] == metrics["bins"]
     capsys.readouterr()
-    assert main(["eval", str(out), str(files["fasta"]), str(out)]) == 2
-    assert "at most 2 positional" in capsys.readouterr().err
-    assert main(["eval", str(out), f"ckpt={out}", f"data={files['fasta']}"]) == 2
-    assert "ckpt given twice" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exc:
+        main(["eval", str(out)])  # FASTA missing: argparse's usage and error, exit 2
+    assert exc.value.code == 2 and "FASTA|STORE" in capsys.readouterr().err
 
 
 def test_console_script_corrupt_checkpoint(files, tmp_path: Path) -> None:
@@ -221,6 +216,7 @@ def test_inference_demo_step(files, tmp_path: Path, monkeypatch) -> None:
         assert [r["id"] for r in csv.DictReader(fh)] == ["sp|P1|A_HUMAN", "b"]
 
 
+@pytest.mark.slow  # a subprocess piped into a closed reader
 def test_closed_pipe_ends_quietly(files, tmp_path: Path) -> None:
     """`protein-performer ... | head` closes the pipe early: exit 0, no traceback."""
     env = {**os.environ, "OMP_NUM_THREADS": "1"}

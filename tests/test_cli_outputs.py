@@ -31,11 +31,13 @@ def _commands(f: dict[str, Path], out: Path) -> list[list[str]]:
     return [
         ["embed", ckpt, fasta, str(out)],
         ["score", ckpt, fasta, str(out)],
-        ["score-variants", ckpt, "--wt", fasta, "--mutations", csv, "--out", str(out)],
+        ["score-variants", ckpt, fasta, csv, str(out)],
         ["export", ckpt, str(out)],
-        ["contacts", ckpt, fasta, "--out", str(out)],
+        ["contacts", "fit", ckpt, fasta, "--out-dir", str(out)],
         ["preprocess", fasta, "--out", str(out)],
         ["convert-esm", ckpt, str(out)],
+        ["contacts", "predict", ckpt, fasta, str(out)],
+        ["generate", ckpt, str(out), "--num", "1", "--max-length", "5"],
     ]
 
 
@@ -46,7 +48,8 @@ def _run(argv: list[str], capsys: pytest.CaptureFixture[str]) -> str:
     return err
 
 
-NAMES = ["embed", "score", "score-variants", "export", "contacts", "preprocess", "convert-esm"]
+NAMES = ["embed", "score", "score-variants", "export", "contacts-fit", "preprocess", "convert-esm"]
+NAMES += ["contacts-predict", "generate"]
 
 
 @pytest.mark.parametrize("index", range(len(NAMES)), ids=NAMES)
@@ -62,7 +65,7 @@ def test_every_writing_command_applies_the_rule(files, tmp_path, capsys, index) 
     argv = _commands(files, files["existing"])[index]
     assert "already exists: pass --overwrite" in _run(argv, capsys)
     assert files["existing"].read_text() == "keep me\n"
-    if index == 2:  # score-variants: --out naming the mutation table
+    if index == 2:  # score-variants: OUT naming the mutation table
         assert "never replaces an input" in _run(_commands(files, files["csv"])[2], capsys)
 
 

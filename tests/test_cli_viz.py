@@ -1,4 +1,4 @@
-"""``protein-performer contacts`` and ``visualize`` end to end on a tiny fresh model."""
+"""``protein-performer contacts fit`` and ``visualize`` end to end on a tiny fresh model."""
 
 from __future__ import annotations
 
@@ -13,7 +13,6 @@ import torch
 from protein_performer.cli.main import main
 from protein_performer.contacts.fit import METRICS
 from protein_performer.data.tokenizer import Alphabet
-from protein_performer.errors import UserError
 from protein_performer.interop.loading import LoadedModel, export_model
 from protein_performer.model.config import PerformerConfig
 from protein_performer.model.contact_head import ContactRegression
@@ -23,9 +22,6 @@ SHARED = Path(__file__).resolve().parents[2] / "shared" / "data" / "structures"
 TINY_PDB = Path(__file__).parent / "data" / "tiny_blank_chain.pdb"
 SMALL = ["2N2U_A.pdb", "1LCD_A.pdb", "1A8O_A.pdb"]  # the three smallest shared chains
 SEQ = "MKTAYIAKQRQISFVKSHFSRQLEERLGLIEVQAPILSRVGDGTQDNLSGAEKAVQVKVKALPDAQFEVVHSLAKWKRQTLGQ"
-
-
-pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")
@@ -54,9 +50,10 @@ def test_contacts_cross_fit_then_apply(model_dir, structures, tmp_path: Path, ca
     out = tmp_path / "c"
     argv = [
         "contacts",
+        "fit",
         str(model_dir),
         *map(str, structures),
-        "--out",
+        "--out-dir",
         str(out),
         "--device",
         "cpu",
@@ -80,7 +77,7 @@ def test_contacts_cross_fit_then_apply(model_dir, structures, tmp_path: Path, ca
     applied = tmp_path / "a"
     regression = str(out / "contact_regression.json")
     tiny = f"{TINY_PDB}:_"
-    argv = ["contacts", str(model_dir), str(structures[0]), tiny, "--out", str(applied)]
+    argv = ["contacts", "fit", str(model_dir), str(structures[0]), tiny, "--out-dir", str(applied)]
     assert main([*argv, "--regression", regression]) == 0
     rows = read_csv(applied / "precision.csv")
     assert [r["protein"] for r in rows] == ["2N2U_A", "tiny_blank_chain:_", "mean"]
@@ -88,7 +85,7 @@ def test_contacts_cross_fit_then_apply(model_dir, structures, tmp_path: Path, ca
     assert not (applied / "contact_regression.json").exists()  # nothing fitted
 
     fitted = tmp_path / "f"
-    argv = ["contacts", str(model_dir), str(structures[2]), "--out", str(fitted)]
+    argv = ["contacts", "fit", str(model_dir), str(structures[2]), "--out-dir", str(fitted)]
     assert main([*argv, "--fit-on", *map(str, structures[:2])]) == 0
     assert (
         ContactRegression.load(fitted / "contact_regression.json").meta["evaluation"] == "fit-on"
@@ -97,13 +94,14 @@ def test_contacts_cross_fit_then_apply(model_dir, structures, tmp_path: Path, ca
 
 def test_contacts_errors(model_dir, tmp_path: Path, capsys) -> None:
     out = str(tmp_path / "e")
-    assert main(["contacts", str(model_dir), str(TINY_PDB), "--out", out]) == 2
+    fit = ["contacts", "fit", str(model_dir)]
+    assert main([*fit, str(TINY_PDB), "--out-dir", out]) == 2
     assert "at least 2 structures" in capsys.readouterr().err
-    assert main(["contacts", str(model_dir), str(tmp_path / "nope.pdb"), "--out", out]) == 2
+    assert main([*fit, str(tmp_path / "nope.pdb"), "--out-dir", out]) == 2
     assert "not found" in capsys.readouterr().err
     bad = tmp_path / "bad.json"
     bad.write_text(json.dumps({"format": "other"}))
-    argv = ["contacts", str(model_dir), str(TINY_PDB), "--out", out, "--regression", str(bad)]
+    argv = [*fit, str(TINY_PDB), "--out-dir", out, "--regression", str(bad)]
     assert main(argv) == 2
     assert "not a contact regression" in capsys.readouterr().err
 
@@ -119,59 +117,65 @@ def assert_png(path: Path) -> None:
 
 def test_visualize_sequence_and_structure(model_dir, tmp_path: Path, capsys) -> None:
     out = tmp_path / "v"
-    argv = ["visualize", f"ckpt={model_dir}", f"sequence={SEQ}", f"out_dir={out}", "device=cpu"]
-    assert main([*argv, "window=[10,60]", "layers=[-1]"]) == 0
+    argv = ["visualize", str(model_dir), "--sequence", SEQ, "--out-dir", str(out)]
+    assert main([*argv, "--device", "cpu", "--window", "10", "60", "--layers", "-1"]) == 0
     printed = capsys.readouterr().out
     assert "grid:" in printed and "similarity:" in printed
     assert_png(out / "attention_grid.png")
     assert_png(out / "aa_similarity.png")
     assert not (out / "contacts.png").exists()
-
-    from protein_performer.cli.visualize import compose, visualize
+    assert main(argv) == 2  # the PNGs exist: replaced only with --overwrite
+    assert "--overwrite" in capsys.readouterr().err
 
     fasta = tmp_path / "x.fasta"
     fasta.write_text(f">first\n{SEQ}\n>tiny desc\nMKGAYLPDEVKTWER\n")
-    cfg = compose(
-        [f"ckpt={model_dir}", f"fasta={fasta}", "record=tiny", f"structure={TINY_PDB}",
-         "chain=_", "similarity=false", f"out_dir={tmp_path / 'w'}", "heads=[1]"]
-    )  # fmt: skip
-    files = visualize(cfg)  # the record, with the structure aligned onto it (gap 7-9)
-    assert set(files) == {"grid", "contacts"}
-    assert_png(files["contacts"])
-    cfg.record = "first"  # a record the structure does not belong to: a clear error
-    with pytest.raises(UserError, match="do not match"):
-        visualize(cfg)
-    cfg.fasta = None
-    cfg.record = None
-    files = visualize(cfg)  # the structure's own sequence
-    assert set(files) == {"grid", "contacts"}
-    assert_png(files["contacts"])
-    assert_png(files["grid"])
+    w = tmp_path / "w"
+    base = ["visualize", str(model_dir), "--structure", str(TINY_PDB), "--chain", "_"]
+    base += ["--no-similarity", "--heads", "1", "--out-dir", str(w), "--overwrite"]
+    assert main([*base[:2], str(fasta), *base[2:], "--record", "tiny"]) == 0
+    printed = capsys.readouterr().out  # the record, with the structure aligned onto it (gap 7-9)
+    assert "grid:" in printed and "contacts:" in printed and "similarity:" not in printed
+    assert_png(w / "contacts.png")
+    # a record the structure does not belong to: a clear error
+    assert main([*base[:2], str(fasta), *base[2:], "--record", "first"]) == 2
+    assert "do not match" in capsys.readouterr().err
+    (w / "contacts.png").unlink()
+    assert main(base) == 0  # the structure's own sequence
+    assert_png(w / "contacts.png")
+    assert_png(w / "attention_grid.png")
 
 
-def test_visualize_positional_and_record_by_accession(model_dir, tmp_path: Path, capsys) -> None:
-    """`visualize CKPT FASTA record=...` with the id, the accession or the entry name."""
+def test_visualize_positional_and_record_by_accession(
+    model_dir, tmp_path: Path, capsys, monkeypatch
+) -> None:
+    """`visualize CKPT FASTA --record ...` with the id, the accession or the entry name."""
+    import io
+    import sys
+
     fasta = tmp_path / "x.fasta"
     fasta.write_text(f">sp|P69905|HBA_HUMAN Hemoglobin\n{SEQ}\n>other\nMKGAYLPDEVKTWER\n")
     for record in ("sp|P69905|HBA_HUMAN", "P69905", "HBA_HUMAN"):
         out = tmp_path / record.replace("|", "_")
-        argv = [str(model_dir), str(fasta), f"record={record}", f"out_dir={out}"]
-        assert main(["visualize", *argv, "similarity=false", "--threads", "1"]) == 0
+        argv = [str(model_dir), str(fasta), "--record", record, "--out-dir", str(out)]
+        assert main(["visualize", *argv, "--no-similarity", "--threads", "1"]) == 0
         assert_png(out / "attention_grid.png")
     capsys.readouterr()
-    assert main(["visualize", str(model_dir), str(fasta), "record=P99999"]) == 2
+    assert main(["visualize", str(model_dir), str(fasta), "--record", "P99999"]) == 2
     assert "no record 'P99999' (by id, accession or entry name" in capsys.readouterr().err
+    # FASTA from standard input (`-`): the same picture's record, and errors name <stdin>.
+    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(fasta.read_bytes())))
+    out = tmp_path / "stdin"
+    argv = ["visualize", str(model_dir), "-", "--record", "P69905", "--out-dir", str(out)]
+    assert main([*argv, "--no-similarity"]) == 0
+    assert_png(out / "attention_grid.png")
+    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(fasta.read_bytes())))
+    assert main(["visualize", str(model_dir), "-", "--record", "P99999"]) == 2
+    assert capsys.readouterr().err.startswith("error: <stdin>: no record 'P99999'")
 
 
 def test_visualize_errors(model_dir, tmp_path: Path, capsys) -> None:
-    assert main(["visualize", f"out_dir={tmp_path}"]) == 2
-    assert "ckpt=" in capsys.readouterr().err
-    argv = [
-        "visualize",
-        f"ckpt={model_dir}",
-        "sequence=MKV",
-        "window=[0,9]",
-        f"out_dir={tmp_path}",
-    ]
-    assert main(argv) == 2
+    assert main(["visualize", str(model_dir), "--out-dir", str(tmp_path)]) == 2
+    assert "--sequence" in capsys.readouterr().err
+    argv = ["visualize", str(model_dir), "--sequence", "MKV", "--window", "0", "9"]
+    assert main([*argv, "--out-dir", str(tmp_path)]) == 2
     assert "window" in capsys.readouterr().err

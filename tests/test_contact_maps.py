@@ -79,7 +79,8 @@ def test_streamed_equals_full_maps_and_sparse_is_top_k(
 
 
 def test_fasta_to_columnar_hdf5(tmp_path: Path) -> None:
-    h5py = pytest.importorskip("h5py")
+    import h5py
+
     loaded = _loaded("favor")
     reg = _regression(loaded)
     seqs = {"short": _sequence(20, 1), "long": _sequence(70, 2), "mid": _sequence(40, 3)}
@@ -136,7 +137,6 @@ def test_api_method_returns_the_dense_map(tmp_path: Path) -> None:
 
 
 def test_cli_predict_contacts(tmp_path: Path, capsys) -> None:
-    pytest.importorskip("h5py")
     from protein_performer.cli.main import main
     from protein_performer.interop.loading import export_model
 
@@ -145,10 +145,10 @@ def test_cli_predict_contacts(tmp_path: Path, capsys) -> None:
     fasta = tmp_path / "in.fasta"
     fasta.write_text(f">a\n{_sequence(25, 1)}\n>b\n{_sequence(60, 2)}\n")
     out = tmp_path / "c.h5"
-    argv = ["predict-contacts", str(model_dir), str(fasta), str(out), "--no-progress"]
+    argv = ["contacts", "predict", str(model_dir), str(fasta), str(out), "--no-progress"]
     assert main(argv) == 2  # no regression yet: one line saying how to fit one
     err = capsys.readouterr().err
-    assert err.startswith("error:") and "protein-performer contacts" in err
+    assert err.startswith("error:") and "protein-performer contacts fit" in err
     assert err.count("\n") == 1
     reg_path = _regression(loaded).save(tmp_path / "reg.json")
     argv += ["--regression", str(reg_path), "--dense-max-length", "40", "--dtype", "float32"]
@@ -187,8 +187,8 @@ def test_regression_travels_with_checkpoints_and_exports(tmp_path: Path) -> None
 
 
 def test_cli_defaults_are_the_library_defaults() -> None:
-    """predict-contacts spells its defaults out (so --help needs no torch): they must agree."""
-    from protein_performer.cli import predict_contacts as cli
+    """`contacts predict` spells its defaults out (so --help needs no torch): they must agree."""
+    from protein_performer.cli import contacts as cli
     from protein_performer.contacts.fit import MIN_SEPARATION
 
     assert cli.DEFAULT_DENSE_MAX_LENGTH == contact_maps.DEFAULT_DENSE_MAX_LENGTH
@@ -198,7 +198,7 @@ def test_cli_defaults_are_the_library_defaults() -> None:
 
 
 def test_embed_include_contacts_stores_the_predicted_maps(tmp_path: Path, capsys) -> None:
-    """`embed --include mean contacts`: the maps beside the embeddings are predict-contacts'."""
+    """`embed --include mean contacts`: the maps beside the embeddings are `contacts predict`'s."""
     from protein_performer.cli.main import main
     from protein_performer.inference.embedding import read_embeddings
     from protein_performer.interop.loading import export_model
@@ -212,13 +212,15 @@ def test_embed_include_contacts_stores_the_predicted_maps(tmp_path: Path, capsys
     both, alone = tmp_path / "both.h5", tmp_path / "contacts.h5"
     argv = [str(model), str(fasta)]
     assert main(["embed", *argv, str(both), "--include", "mean", "contacts", "--no-progress"]) == 0
-    assert main(["predict-contacts", *argv, str(alone), "--no-progress"]) == 0
-    maps, want = read_embeddings(both, kind="contacts"), read_contacts(alone)
-    assert list(maps) == list(want) == ["a", "b"]
-    for rid in seqs:
-        np.testing.assert_array_equal(maps[rid].dense, want[rid].dense)
-    assert read_embeddings(both).shape == (2, 32)
-    assert list(read_embeddings(alone, kind="contacts")) == ["a", "b"]  # either file type
+    assert main(["contacts", "predict", *argv, str(alone), "--no-progress"]) == 0
+    ids, maps = read_embeddings(both, kind="contacts")
+    want = read_contacts(alone)
+    assert ids == list(want) == ["a", "b"]
+    for rid, got in zip(ids, maps, strict=True):
+        np.testing.assert_array_equal(got.dense, want[rid].dense)
+    ids, emb = read_embeddings(both)
+    assert ids == ["a", "b"] and emb.shape == (2, 32)
+    assert read_embeddings(alone, kind="contacts").ids == ["a", "b"]  # either file type
     plain = tmp_path / "plain"
     export_model(_loaded("favor"), plain)
     capsys.readouterr()

@@ -29,9 +29,6 @@ GS
 """
 
 
-pytestmark = pytest.mark.usefixtures("one_thread")
-
-
 def tiny_loaded(objective: str = "mlm", seed: int = 0, **kw) -> LoadedModel:
     torch.manual_seed(seed)
     config = PerformerConfig.from_dict({**TINY, "objective": objective, **kw})
@@ -92,10 +89,11 @@ def test_hdf5_layout_and_values(fasta: Path, tmp_path: Path) -> None:
             np.testing.assert_allclose(per_tok, full[1 : len(seq) + 1].numpy(), atol=1e-6)
             np.testing.assert_allclose(f["bos/2"][n], full[0].numpy(), atol=1e-6)
     assert not (tmp_path / "emb.h5.parts").exists()
-    got = read_embeddings(out, ids=["short", "sp|P12345|ABC_HUMAN"], kind="bos", layer=-1)
+    ids, got = read_embeddings(out, ids=["short", "sp|P12345|ABC_HUMAN"], kind="bos", layer=-1)
+    assert ids == ["short", "sp|P12345|ABC_HUMAN"]
     with h5py.File(out) as f:
         np.testing.assert_array_equal(got, f["bos/2"][:][[2, 0]])
-    assert read_embeddings(out, kind="per_tok", layer=0)[2].shape == (2, 16)
+    assert read_embeddings(out, kind="per_tok", layer=0).values[2].shape == (2, 16)
 
 
 def test_sequence_longer_than_any_training_length(tmp_path: Path) -> None:
@@ -111,7 +109,7 @@ def test_sequence_longer_than_any_training_length(tmp_path: Path) -> None:
         toks_per_batch=512,
         progress=False,
     )
-    (arr,) = read_embeddings(tmp_path / "o.h5", kind="per_tok")
+    _, (arr,) = read_embeddings(tmp_path / "o.h5", kind="per_tok")
     assert arr.shape == (3000, 16) and np.isfinite(arr).all()
 
 

@@ -19,8 +19,6 @@ from protein_performer.interop.loading import export_model
 from protein_performer.model.config import KERNELS
 from tests.test_embedding import tiny_loaded
 
-pytestmark = pytest.mark.usefixtures("one_thread")
-
 VARIANTS = [("favor", k) for k in KERNELS] + [("exact", "softmax")]
 
 
@@ -104,11 +102,11 @@ def test_masked_model_cannot_generate() -> None:
 
 def test_generate_cli(tmp_path: Path, capsys) -> None:
     ckpt = export_model(causal_lm().loaded, tmp_path / "m")
-    base = ["generate", str(ckpt), "--num", "5", "--max-length", "30", "--seed", "7"]
     outs = []
     for bs in ("1", "4"):
         out = tmp_path / f"g{bs}.fasta"
-        assert main([*base, "--batch-size", bs, "--out", str(out), "--no-progress"]) == 0
+        base = ["generate", str(ckpt), str(out), "--num", "5", "--max-length", "30", "--seed", "7"]
+        assert main([*base, "--batch-size", bs, "--no-progress"]) == 0
         outs.append(out.read_bytes())
     assert outs[0] == outs[1]
     lines = outs[0].decode().splitlines()
@@ -122,10 +120,12 @@ def test_generate_cli(tmp_path: Path, capsys) -> None:
         assert f"length={len(seq)}" in header
         assert header.endswith(f"mean_log_likelihood={row.split(',')[4]}")
     capsys.readouterr()
-    assert main([*base, "--batch-size", "2", "--out", "-", "--no-progress"]) == 0
+    base[2] = "-"
+    assert main([*base, "--batch-size", "2", "--no-progress"]) == 0
     assert capsys.readouterr().out.encode() == outs[0]
 
 
+@pytest.mark.slow  # a subprocess; test_masked_model_cannot_generate is the fast check
 def test_generate_cli_refuses_a_masked_model_in_one_line(tmp_path: Path) -> None:
     ckpt = export_model(tiny_loaded("mlm"), tmp_path / "m")
     proc = subprocess.run(
@@ -135,12 +135,11 @@ def test_generate_cli_refuses_a_masked_model_in_one_line(tmp_path: Path) -> None
             "protein_performer.cli.main",
             "generate",
             str(ckpt),
+            str(tmp_path / "x.fasta"),
             "--num",
             "1",
             "--max-length",
             "5",
-            "--out",
-            str(tmp_path / "x.fasta"),
         ],
         capture_output=True,
         text=True,

@@ -58,7 +58,8 @@ def readme_lines() -> list[str]:
 def skipped(line: str) -> str | None:
     if "../shared" in line and not (ROOT.parent / "shared").is_dir():
         return "../shared is not checked out beside the repository"
-    if ("--cluster-split" in line or "=store " in line) and shutil.which("mmseqs") is None:
+    mmseqs_keys = ("--cluster-split", " store ", "layout=family", "homologs ")
+    if any(k in line for k in mmseqs_keys) and shutil.which("mmseqs") is None:
         return "MMseqs2 is not installed"
     return next((why for key, why in SKIP.items() if key in line), None)
 

@@ -67,6 +67,7 @@ def test_windows_follow_the_token_budget() -> None:
     assert [x for w in got for x in w] == items
 
 
+@pytest.mark.slow  # kill -9 loop on a subprocess
 def test_resume_after_kill_equals_an_uninterrupted_run(
     model: Path, tmp_path: Path, capsys
 ) -> None:
@@ -106,7 +107,9 @@ def test_resume_after_kill_equals_an_uninterrupted_run(
 
     whole = tmp_path / "whole.h5"
     assert main(["embed", str(model), str(fasta), str(whole), "--no-progress"]) == 0
-    np.testing.assert_allclose(read_embeddings(out), read_embeddings(whole), atol=1e-6)
+    (ids, got), (want_ids, want) = read_embeddings(out), read_embeddings(whole)
+    assert ids == want_ids
+    np.testing.assert_allclose(got, want, atol=1e-6)
 
     # A grown input: --resume adds only the new records, at the end.
     more = tmp_path / "more.fasta"
@@ -142,7 +145,8 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.mark.parametrize("command", ["embed", "score", "predict-contacts"])
+@pytest.mark.slow  # 2 torchrun ranks per command
+@pytest.mark.parametrize("command", ["embed", "score", "contacts predict"])
 def test_two_torchrun_ranks_equal_one_process(model: Path, tmp_path: Path, command: str) -> None:
     fasta = tmp_path / "in.fasta"
     ids = write_fasta(fasta, 120 if command == "embed" else 24)  # pseudo-ppl: L passes each
@@ -150,7 +154,7 @@ def test_two_torchrun_ranks_equal_one_process(model: Path, tmp_path: Path, comma
     one, two = tmp_path / f"one{suffix}", tmp_path / f"two{suffix}"
     common = [str(model), str(fasta)]
     opts = ["--toks-per-batch", "16" if command == "embed" else "4", "--no-progress"]
-    if command == "predict-contacts":  # a regression over the tiny model's 2 x 2 heads
+    if command == "contacts predict":  # a regression over the tiny model's 2 x 2 heads
         loaded = load_model(model, "cpu")
         reg = ContactRegression(
             np.array([0.5, -1.0, 2.0, 0.1]), -1.0, [1, 2], [0, 1], **model_identity(loaded)
@@ -162,11 +166,11 @@ def test_two_torchrun_ranks_equal_one_process(model: Path, tmp_path: Path, comma
             "40",
             "--no-progress",
         ]
-    assert cli(command, *common, str(one), *opts).returncode == 0
+    assert cli(*command.split(), *common, str(one), *opts).returncode == 0
     launch = [
         sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", "2",
         "--master-addr", "127.0.0.1", "--master-port", str(_free_port()),
-        "-m", "protein_performer.cli.main", command, *common, str(two), *opts,
+        "-m", "protein_performer.cli.main", *command.split(), *common, str(two), *opts,
     ]  # fmt: skip
     proc = subprocess.run(launch, capture_output=True, text=True, timeout=300, env=ENV)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
@@ -182,7 +186,7 @@ def test_two_torchrun_ranks_equal_one_process(model: Path, tmp_path: Path, comma
             )
         return
     assert ids_of(two) == ids_of(one) == ids
-    if command == "predict-contacts":
+    if command == "contacts predict":
         a, b = read_contacts(one), read_contacts(two)
         assert list(a) == list(b) == ids
         for rid in ids:
@@ -192,7 +196,9 @@ def test_two_torchrun_ranks_equal_one_process(model: Path, tmp_path: Path, comma
                 if x is not None:
                     np.testing.assert_allclose(x, y, atol=1e-3)  # float16 values
         return
-    np.testing.assert_allclose(read_embeddings(two), read_embeddings(one), atol=1e-6)
+    (ids, got), (want_ids, want) = read_embeddings(two), read_embeddings(one)
+    assert ids == want_ids
+    np.testing.assert_allclose(got, want, atol=1e-6)
 
 
 def test_sharded_outputs_in_a_missing_directory_are_one_error_line(

@@ -1,8 +1,9 @@
 """Argument definitions and loading shared by the ``protein-performer`` subcommands.
 
-One definition per argument that several commands take (CKPT, ``--device``,
-``--toks-per-batch``, ``--on-invalid``, ``--no-progress``, ``--overwrite``), so their spelling,
-defaults and help read the same everywhere, plus the load-the-checkpoint step of the inference
+One definition per argument that several commands take (CKPT, ``--toks-per-batch``,
+``--on-invalid``, ``--no-progress``, and :func:`add_model_options`: ``--device``,
+``--precision``, ``--threads``, ``--overwrite``), so their spelling, defaults and help read the
+same everywhere, plus the load-the-checkpoint step of the inference
 commands and the output rule of every writing command (:func:`check_output`).
 """
 
@@ -10,7 +11,7 @@ from __future__ import annotations
 
 import argparse
 import os
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -18,10 +19,13 @@ from protein_performer.errors import UserError
 
 if TYPE_CHECKING:
     from protein_performer.inference.api import ProteinLM
-    from protein_performer.interop.loading import LoadedModel
 
 ON_INVALID_HELP = "invalid FASTA records: stop with an error (default) or skip them"
 TOKS_PER_BATCH_HELP = "token budget per pass (default: 4096)"
+FASTA_HELP = "input FASTA(.gz); - reads standard input"
+FASTA_OR_STORE_HELP = (
+    "input FASTA(.gz) (- reads standard input) or a store directory from `preprocess`"
+)
 
 
 def add_command(
@@ -52,72 +56,6 @@ def add_toks_per_batch(p: argparse.ArgumentParser, help: str = TOKS_PER_BATCH_HE
     p.add_argument("--toks-per-batch", type=int, default=4096, help=help)
 
 
-def add_device(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto (default)")
-
-
-def add_precision(p: argparse.ArgumentParser) -> None:
-    """``--precision``: the weights' dtype."""
-    p.add_argument(
-        "--precision",
-        choices=("fp32", "bf16", "fp16"),
-        default="fp32",
-        help="weights' precision; bf16/fp16 halve memory on GPUs, FAVOR+ features stay fp32 "
-        "(default: fp32)",
-    )
-
-
-def add_threads(p: argparse.ArgumentParser) -> None:
-    """``--threads``: torch's intra-op CPU threads, set by :func:`apply_threads`."""
-    p.add_argument(
-        "--threads",
-        type=int,
-        default=None,
-        metavar="N",
-        help="CPU threads for torch (default: torch's choice, which OMP_NUM_THREADS sets; on "
-        "a busy machine 1 is often fastest)",
-    )
-
-
-def add_precision_threads(p: argparse.ArgumentParser) -> None:
-    add_precision(p)
-    add_threads(p)
-
-
-def apply_threads(args: argparse.Namespace) -> None:
-    """Set torch's threads from ``--threads`` (commands that do not go through ``load``)."""
-    if getattr(args, "threads", None) is None:
-        return
-    if args.threads < 1:
-        raise UserError(f"--threads must be a positive integer, got {args.threads}")
-    import torch
-
-    torch.set_num_threads(args.threads)
-
-
-def positional_overrides(
-    args: argparse.Namespace, names: Sequence[str], command: str
-) -> list[str]:
-    """Hydra overrides with leading positional arguments turned into ``name=value``.
-
-    ``eval CKPT FASTA key=value`` reads like the other inference commands and means
-    ``eval ckpt=CKPT data=FASTA key=value``; the ``key=value`` form still works.
-    """
-    out, given = list(args.overrides), []
-    while out and "=" not in out[0] and not out[0].startswith("-"):
-        given.append(out.pop(0))
-    if len(given) > len(names):
-        raise UserError(
-            f"{command} takes at most {len(names)} positional argument(s) "
-            f"({' '.join(n.upper() for n in names)}), got {len(given)}: {' '.join(given)}"
-        )
-    for name, value in zip(names, given, strict=False):
-        if any(o.split("=", 1)[0] == name for o in out):
-            raise UserError(f"{name} given twice: as {value!r} and as {name}=...; give one")
-        out.insert(0, f"{name}={value}")  # path keys are taken verbatim, not Hydra-parsed
-    return out
-
-
 def add_on_invalid(p: argparse.ArgumentParser, help: str = ON_INVALID_HELP) -> None:
     p.add_argument("--on-invalid", choices=("error", "skip"), default="error", help=help)
 
@@ -129,13 +67,34 @@ def add_no_progress(p: argparse.ArgumentParser, help: str = "hide the progress b
 def add_fasta_run_options(
     p: argparse.ArgumentParser, toks_help: str = TOKS_PER_BATCH_HELP
 ) -> None:
-    """What a model run over a FASTA file takes: ``--toks-per-batch``, ``--device``,
-    ``--precision``, ``--threads``, ``--on-invalid`` and ``--no-progress``, in that order."""
+    """What a model run over a FASTA file takes besides :func:`add_model_options`:
+    ``--toks-per-batch``, ``--on-invalid`` and ``--no-progress``, in that order."""
     add_toks_per_batch(p, help=toks_help)
-    add_device(p)
-    add_precision_threads(p)
     add_on_invalid(p)
     add_no_progress(p)
+
+
+def add_model_options(p: argparse.ArgumentParser, overwrite: str = "OUT") -> None:
+    """``--device``, ``--precision``, ``--threads`` and ``--overwrite``: every command that runs
+    a model takes these four, registered here only, so they read the same everywhere.
+    ``overwrite`` names what ``--overwrite`` replaces."""
+    p.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto (default)")
+    p.add_argument(
+        "--precision",
+        choices=("fp32", "bf16", "fp16"),
+        default="fp32",
+        help="weights' precision; bf16/fp16 halve memory on GPUs, FAVOR+ features stay fp32 "
+        "(default: fp32)",
+    )
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        metavar="N",
+        help="CPU threads for torch (default: torch's choice, which OMP_NUM_THREADS sets; on "
+        "a busy machine 1 is often fastest)",
+    )
+    add_overwrite(p, overwrite)
 
 
 def add_overwrite(p: argparse.ArgumentParser, what: str = "the output") -> None:
@@ -173,26 +132,17 @@ def check_output(
         )
 
 
-def load_checkpoint(args: argparse.Namespace) -> LoadedModel:
-    """The model named by ``args.ckpt``, on ``args.device`` (with ``--threads`` applied)."""
-    from protein_performer.interop.loading import load_model
-
-    apply_threads(args)
-
-    return load_model(args.ckpt, args.device)
-
-
 def load_lm(args: argparse.Namespace) -> ProteinLM:
     """``protein_performer.load`` of ``args.ckpt`` with the device, precision and threads asked
-    (under torchrun/SLURM, ``--device cuda``/``auto`` means this rank's own GPU)."""
+    (under torchrun/SLURM, ``--device cuda``/``auto`` means this rank's own GPU): every command
+    that runs a model loads it here, so each accepts every source the one loader reads."""
     from protein_performer.inference.api import load
     from protein_performer.io.sharding import detect_ranks
 
     return load(args.ckpt, detect_ranks().device(args.device), args.precision, args.threads)
 
 
-def load_with_strategy(args: argparse.Namespace, masked: str) -> tuple[ProteinLM, str]:
-    """The model (``load_lm``) and the scoring strategy: ``args.strategy`` if given, else
-    ``causal`` for causal-LM checkpoints and ``masked`` for masked-LM ones."""
-    lm = load_lm(args)
-    return lm, args.strategy or ("causal" if lm.objective == "clm" else masked)
+def pick_strategy(lm: ProteinLM, strategy: str | None, masked: str) -> str:
+    """``strategy`` if given, else ``causal`` for causal-LM models and ``masked`` for masked-LM
+    ones: the name a command reports, chosen as the API chooses it."""
+    return strategy or ("causal" if lm.objective == "clm" else masked)

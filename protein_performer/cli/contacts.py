@@ -1,21 +1,44 @@
-"""``protein-performer contacts CKPT STRUCTURE... --out DIR``: contact precision vs a null."""
+"""``protein-performer contacts fit|predict``: contact maps from attention, ESM's recipe.
+
+``contacts fit CKPT STRUCTURE... --out-dir DIR`` fits the logistic regression on structures and
+reports its precision next to a shuffled null; ``contacts predict CKPT FASTA OUT`` applies a
+regression (the model's own or a fitted one) to sequences without a structure.
+"""
 
 from __future__ import annotations
 
 import argparse
 
 from protein_performer.cli._common import (
+    FASTA_HELP,
     add_ckpt,
     add_command,
-    add_device,
-    add_overwrite,
-    add_threads,
+    add_model_options,
+    add_no_progress,
+    add_on_invalid,
     check_output,
-    load_checkpoint,
+    load_lm,
 )
 
-HELP = "contact precision (P@L, L/2, L/5) from attention maps vs a shuffled null"
+HELP = "contact maps from attention: `fit` a regression on structures, `predict` from FASTA"
 DESCRIPTION = """\
+Contact prediction from attention maps (ESM's recipe: every layer x head map, symmetrized and
+APC-corrected, into an L1 logistic regression), in two steps:
+
+  fit      fit the regression on PDB/mmCIF structures and report its precision vs a null
+  predict  contact probabilities of every record of a FASTA file, no structure needed
+
+`protein-performer contacts fit --help` and `contacts predict --help` say more.
+"""
+EPILOG = """\
+examples:
+  protein-performer contacts fit last.ckpt ../shared/data/structures/*.pdb --out-dir runs/c
+  protein-performer contacts predict last.ckpt proteins.fasta contacts.h5 \\
+      --regression runs/c/contact_regression.json
+"""
+
+FIT_HELP = "contact precision (P@L, L/2, L/5) from attention maps vs a shuffled null"
+FIT_DESCRIPTION = """\
 Contact prediction from attention maps (ESM's recipe: every layer x head map, symmetrized and
 APC-corrected, into an L1 logistic regression) and its precision on structures, with a null
 baseline beside it: the same maps with rows and columns shuffled by one seeded permutation.
@@ -35,30 +58,82 @@ Where the regression comes from (pick one):
                       the given order); then a final fit on all of them is saved for new
                       proteins. Needs at least 2 structures.
 
-Writes to --out: precision.csv (one row per protein and a 'mean' row: P@L, P@L/2, P@L/5 for
+Writes to --out-dir: precision.csv (one row per protein and a 'mean' row: P@L, P@L/2, P@L/5 for
 short 6-11, medium 12-23, long >=24 separations, each followed by its null_ column) and, when
 a regression was fitted, contact_regression.json (coefficients, intercept, layers, heads, the
 attention layout it reads and the SHA-256 of the weights it was fitted on; plain JSON, no
-pickle), which `predict-contacts --regression` applies to new sequences.
+pickle), which `contacts predict --regression` applies to new sequences.
 """
 
-EPILOG = """\
+FIT_EPILOG = """\
 examples:
-  protein-performer contacts last.ckpt ../shared/data/structures/*.pdb --out runs/contacts
-  protein-performer contacts last.ckpt test/*.pdb --fit-on train/*.pdb --out runs/c --save-beside
-  protein-performer contacts model_dir 1abc.cif:B --regression runs/c/contact_regression.json \\
-      --out runs/c_1abc
+  protein-performer contacts fit last.ckpt ../shared/data/structures/*.pdb --out-dir runs/contacts
+  protein-performer contacts fit last.ckpt test/*.pdb --fit-on train/*.pdb --out-dir runs/c \\
+      --save-beside
+  protein-performer contacts fit model_dir 1abc.cif:B \\
+      --regression runs/c/contact_regression.json --out-dir runs/c_1abc
 """
+
+
+PREDICT_HELP = "contact probabilities of every FASTA record into one HDF5 file (any length)"
+PREDICT_DESCRIPTION = """\
+Predict residue-residue contact probabilities for every record of a FASTA file (no structure
+needed) and write them to one HDF5 file, written atomically.
+
+The probabilities come from a logistic regression over the model's attention maps (every
+layer x head map, symmetrized and APC-corrected, ESM's recipe): the model's own (a model
+converted from ESM-2 by `convert-esm` carries ESM-2's contact head; `contacts fit --save-beside`
+stores a fitted one with the checkpoint) or the one given by --regression (a
+contact_regression.json written by `protein-performer contacts fit`).
+
+Up to --dense-max-length residues a record gets its whole (L, L) map (residues only, no
+BOS/EOS). Longer records get the top k*L pairs (i < j, j - i >= --min-separation), computed
+window by window from the (FAVOR+ implied) attention without ever forming an L x L array, so
+memory stays O(window x L).
+"""
+
+PREDICT_EPILOG = """\
+output layout (h5py; one array per field, records in FASTA order):
+  f["ids"], f["lengths"]                  (N,) record id, length L (FASTA order)
+  f["header_offsets"]                      (N+1,) record n's FASTA header is
+      f["header_bytes"][o[n]:o[n+1]].tobytes().decode()
+  f["dense_offsets"]                       (N+1,) record n's map is
+      f["dense_values"][o[n]:o[n+1]].reshape(L, L)   (empty for sparse records)
+  f["pair_offsets"]                        (N+1,) record n's top pairs are
+      f["pair_i"], f["pair_j"], f["pair_p"] [o[n]:o[n+1]]   0-based i < j, most probable first
+  f.attrs                                  checkpoint, model_sha256, regression (JSON), dtype,
+                                           dense_max_length, top_k_per_length, min_separation
+  Python: protein_performer.contacts.predict.read_contacts(path, ids=None)
+
+examples:
+  protein-performer contacts predict esm2_8M_exact proteins.fasta contacts.h5
+  protein-performer contacts predict last.ckpt titin.fasta titin.h5 --top-k-per-length 5 \\
+      --regression runs/contacts/contact_regression.json
+"""
+
+
+#: The library's defaults (``inference.contact_maps``/``contacts``), spelled out here so that
+#: ``--help`` does not import torch; ``tests/test_contact_maps.py`` checks they agree.
+DEFAULT_DENSE_MAX_LENGTH = 4096
+DEFAULT_TOP_K_PER_LENGTH = 2.0
+DEFAULT_MIN_SEPARATION = 6
+DTYPE_CHOICES = ("float16", "float32")
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p = add_command(subparsers, "contacts", HELP, DESCRIPTION, EPILOG)
+    steps = p.add_subparsers(dest="step", metavar="STEP", required=True)
+    add_fit_parser(steps)
+    add_predict_parser(steps)
+
+
+def add_fit_parser(steps: argparse._SubParsersAction) -> None:
+    p = add_command(steps, "fit", FIT_HELP, FIT_DESCRIPTION, FIT_EPILOG)
     add_ckpt(p)
     p.add_argument(
         "structures", metavar="STRUCTURE", nargs="+", help="PDB/mmCIF files, FILE[:CHAIN]"
     )
-    p.add_argument("--out", required=True, metavar="DIR", help="output directory")
-    add_overwrite(p, "the files in --out")
+    p.add_argument("--out-dir", required=True, metavar="DIR", help="output directory")
     source = p.add_mutually_exclusive_group()
     source.add_argument(
         "--fit-on", nargs="+", metavar="STRUCTURE", help="fit the regression on these structures"
@@ -73,7 +148,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         "--fasta",
         default=None,
         metavar="FASTA",
-        help="sequences keyed by structure file stem (e.g. chains.fasta with 1GBT_A)",
+        help="sequences keyed by structure file stem (e.g. chains.fasta with 1GBT_A; - reads "
+        "standard input)",
     )
     p.add_argument(
         "--sequence-source",
@@ -98,10 +174,53 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         action="store_true",
         help="also write the fitted regression beside the checkpoint (visualize picks it up)",
     )
-    add_device(p)
-    add_threads(p)
     p.add_argument("--seed", type=int, default=0, help="seed of the null permutations and fit")
-    p.set_defaults(func=run)
+    add_model_options(p, "the files in --out-dir")
+    p.set_defaults(func=run_fit)
+
+
+def add_predict_parser(steps: argparse._SubParsersAction) -> None:
+    p = add_command(steps, "predict", PREDICT_HELP, PREDICT_DESCRIPTION, PREDICT_EPILOG)
+    add_ckpt(p)
+    p.add_argument("fasta", metavar="FASTA", help=FASTA_HELP)
+    p.add_argument("out", metavar="OUT", help="output HDF5 file, e.g. contacts.h5")
+    p.add_argument(
+        "--regression",
+        metavar="PATH",
+        default=None,
+        help="a contact_regression.json (default: the model's own)",
+    )
+    p.add_argument(
+        "--dtype",
+        choices=DTYPE_CHOICES,
+        default="float16",
+        help="stored probabilities (default: float16)",
+    )
+    p.add_argument(
+        "--dense-max-length",
+        type=int,
+        default=DEFAULT_DENSE_MAX_LENGTH,
+        metavar="L",
+        help=f"longest record stored as a full map (default: {DEFAULT_DENSE_MAX_LENGTH})",
+    )
+    p.add_argument(
+        "--top-k-per-length",
+        type=float,
+        default=DEFAULT_TOP_K_PER_LENGTH,
+        metavar="K",
+        help=f"longer records keep the top K*L pairs (default: {DEFAULT_TOP_K_PER_LENGTH:g})",
+    )
+    p.add_argument(
+        "--min-separation",
+        type=int,
+        default=DEFAULT_MIN_SEPARATION,
+        metavar="S",
+        help=f"top pairs have j - i >= S (default: {DEFAULT_MIN_SEPARATION})",
+    )
+    add_on_invalid(p)
+    add_no_progress(p)
+    add_model_options(p)
+    p.set_defaults(func=run_predict)
 
 
 def split_chain(spec: str, default_chain: str | None) -> tuple[str, str | None]:
@@ -126,7 +245,7 @@ def load_targets(
     if fasta:
         from protein_performer.data.inputs import read_records
 
-        sequences = {r.id: r.sequence for r in read_records(Path(fasta), "error")}
+        sequences = {r.id: r.sequence for r in read_records(fasta, "error")}
     targets = []
     for spec in specs:
         path, ch = split_chain(spec, chain)
@@ -144,7 +263,7 @@ def load_targets(
     return targets
 
 
-def run(args: argparse.Namespace) -> int:
+def run_fit(args: argparse.Namespace) -> int:
     from protein_performer.contacts.fit import (
         DEFAULT_C,
         benchmark,
@@ -153,7 +272,7 @@ def run(args: argparse.Namespace) -> int:
     from protein_performer.model.contact_head import ContactRegression
 
     inputs = [args.ckpt, args.regression, args.fasta, *args.structures, *(args.fit_on or [])]
-    check_output(args.out, [split_chain(s, None)[0] for s in inputs if s], args.overwrite)
+    check_output(args.out_dir, [split_chain(s, None)[0] for s in inputs if s], args.overwrite)
     targets = load_targets(args.structures, args.chain, args.fasta, args.sequence_source)
     fit_targets = (
         load_targets(args.fit_on, args.chain, args.fasta, args.sequence_source)
@@ -161,11 +280,11 @@ def run(args: argparse.Namespace) -> int:
         else None
     )
     regression = ContactRegression.load(args.regression) if args.regression else None
-    loaded = load_checkpoint(args)
+    loaded = load_lm(args).loaded
     result = benchmark(
         loaded,
         targets,
-        args.out,
+        args.out_dir,
         fit_targets=fit_targets,
         regression=regression,
         folds=args.folds,
@@ -177,4 +296,30 @@ def run(args: argparse.Namespace) -> int:
     print(format_summary(result))
     for name, path in result.files.items():
         print(f"{name}: {path}")
+    return 0
+
+
+def run_predict(args: argparse.Namespace) -> int:
+    from protein_performer.contacts.predict import find_regression, predict_contacts_fasta
+
+    check_output(args.out, [args.ckpt, args.fasta, args.regression], args.overwrite)
+    loaded = load_lm(args).loaded
+    regression = find_regression(loaded, args.regression)
+    summary = predict_contacts_fasta(
+        loaded,
+        args.fasta,
+        args.out,
+        regression,
+        dtype=args.dtype,
+        dense_max_length=args.dense_max_length,
+        top_k_per_length=args.top_k_per_length,
+        min_separation=args.min_separation,
+        on_invalid=args.on_invalid,
+        progress=not args.no_progress,
+        regression_source=str(args.regression or "the model's own"),
+    )
+    print(
+        f"contacts of {summary.num_records} record(s) ({summary.dense} dense, {summary.sparse} "
+        f"top pairs) -> {summary.path}"
+    )
     return 0

@@ -5,10 +5,11 @@ from __future__ import annotations
 import argparse
 
 from protein_performer.cli._common import (
+    FASTA_OR_STORE_HELP,
     add_ckpt,
     add_command,
     add_fasta_run_options,
-    add_overwrite,
+    add_model_options,
     check_output,
     load_lm,
 )
@@ -33,7 +34,7 @@ records in input order (as one process would write them).
 """
 
 EPILOG = """\
-output layout (h5py; or protein_performer.read_embeddings(OUT, ids=None, kind="mean", layer=-1)):
+output layout (h5py; or ids, emb = protein_performer.read_embeddings(OUT, kind="mean")):
   f["ids"]                    (N,)         record ids, input order
   f["lengths"]                (N,)         residues per record
   f["mean/6"], f["bos/6"]     (N, D)       mean over residues / the <cls> position, layer 6
@@ -41,8 +42,8 @@ output layout (h5py; or protein_performer.read_embeddings(OUT, ids=None, kind="m
                                            f["per_tok/6"][o[n]:o[n+1]], o = f["per_tok_offsets"]
   f["header_bytes"], f["header_offsets"]   the FASTA header lines, UTF-8, back to back
   f["dense_values"], f["dense_offsets"]     --include contacts: contact probabilities, as
-                                           predict-contacts writes them (read_embeddings(OUT,
-                                           kind="contacts") -> {id: map})
+                                           contacts predict writes them (read_embeddings(OUT,
+                                           kind="contacts") -> (ids, maps))
   f.attrs                     checkpoint, model_sha256, precision, repr_layers, include, ...
   Layers use ESM numbering (0 = embeddings, depth = final); stored under the resolved number.
 
@@ -57,9 +58,7 @@ examples:
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p = add_command(subparsers, "embed", HELP, DESCRIPTION, EPILOG)
     add_ckpt(p)
-    p.add_argument(
-        "fasta", metavar="FASTA", help="input FASTA(.gz), or a store directory from `preprocess`"
-    )
+    p.add_argument("fasta", metavar="FASTA", help=FASTA_OR_STORE_HELP)
     p.add_argument("out", metavar="OUT", help="output HDF5 file, e.g. embeddings.h5")
     p.add_argument(
         "--repr-layers",
@@ -75,12 +74,12 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         choices=("mean", "per_tok", "bos", "contacts"),
         default=["mean"],
         help="what to save per layer (default: mean); contacts: the (L, L) contact map from the "
-        "model's contact regression, as predict-contacts writes it",
+        "model's contact regression, as `contacts predict` writes it",
     )
     add_fasta_run_options(
         p, toks_help="token budget per forward pass; longer sequences run alone (default: 4096)"
     )
-    add_overwrite(p, "OUT")
+    add_model_options(p)
     p.add_argument(
         "--resume",
         action="store_true",

@@ -1,63 +1,121 @@
-"""``protein-performer eval CKPT FASTA_OR_STORE [key=value ...]``."""
+"""``protein-performer eval CKPT FASTA|STORE``: perplexity and accuracy per length bin."""
 
 from __future__ import annotations
 
 import argparse
+import time
 
 from protein_performer.cli._common import (
+    FASTA_OR_STORE_HELP,
+    add_ckpt,
     add_command,
-    add_threads,
-    apply_threads,
-    positional_overrides,
+    add_model_options,
+    add_no_progress,
+    add_on_invalid,
+    add_toks_per_batch,
+    check_output,
+    load_lm,
 )
 
-HELP = "perplexity/accuracy per length bin (CKPT FASTA, plus Hydra key=value overrides)"
+HELP = "perplexity/accuracy per length bin on a FASTA file or a store split"
 DESCRIPTION = """\
-Perplexity and accuracy of a checkpoint on a FASTA file or a preprocessed store split, overall
-and per length bin (<=256, 257-512, 513-1024, >1024 residues by default). Configured by Hydra
-(conf/eval.yaml) with key=value overrides; CKPT and FASTA may come first without a key, like
-the other inference commands (`eval CKPT FASTA` = `eval ckpt=CKPT data=FASTA`):
-
-  ckpt=PATH        a .ckpt file or an exported model directory (required)
-  data=PATH        a FASTA(.gz) file (all records) or a store directory (required)
-  split=valid      store split: train, valid, test or all
-  max_len=N        crop longer records to their first N-2 residues (default: no cropping)
-  limit=N          only the first N records
-  pll=true         masked LM: exact pseudo-perplexity instead of seeded 15% masking (slow)
-  seed=0 mlm_prob=0.15 bins=[256,512,1024] toks_per_batch=8192 device=auto out_dir=DIR
+Perplexity and accuracy of a checkpoint on a FASTA file (all records) or on a split of a store
+from `preprocess`, overall and per length bin (<=256, 257-512, 513-1024, >1024 residues by
+default).
 
 MLM checkpoints are measured on masked positions drawn with a fixed seed (the same positions
-for every checkpoint); CLM checkpoints on every next-token prediction, <eos> included.
-Writes metrics.json and bins.csv to out_dir (default outputs/eval/<timestamp>/).
+for every checkpoint: --seed, --mlm-prob; 80% <mask>, 10% random, 10% kept), or with --pll on
+exact pseudo-perplexity (every residue masked once; L passes per record, slow). CLM
+checkpoints on every next-token prediction, <eos> included.
+
+Writes metrics.json and bins.csv to --out-dir (default outputs/eval/<time>/) and prints the
+table.
 """
 
 EPILOG = """\
 examples:
   protein-performer eval outputs/demo/<run>/checkpoints/last.ckpt data/demo/train.fasta
-  protein-performer eval model_dir stores/uniref50 split=test max_len=2048 --threads 2
-  protein-performer eval ckpt=model_dir data=stores/uniref50 split=test
+  protein-performer eval model_dir stores/uniref50 --split test --max-len 2048 --threads 2
+  protein-performer eval model_dir proteins.fasta --pll --out-dir runs/eval_pll
 """
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
-    p = add_command(
-        subparsers,
-        "eval",
-        HELP,
-        DESCRIPTION,
-        EPILOG,
-        usage="%(prog)s [-h] [--threads N] (CKPT FASTA | ckpt=PATH data=PATH) [OVERRIDE ...]",
+    p = add_command(subparsers, "eval", HELP, DESCRIPTION, EPILOG)
+    add_ckpt(p)
+    p.add_argument("data", metavar="FASTA|STORE", help=FASTA_OR_STORE_HELP)
+    p.add_argument(
+        "--split",
+        default="valid",
+        help="store split: train, valid, test, ood or all (default: valid; ignored for FASTA)",
     )
-    add_threads(p)
-    p.set_defaults(func=run, accepts_overrides=True)
+    p.add_argument(
+        "--max-len",
+        type=int,
+        default=None,
+        metavar="N",
+        help="longest model input incl. <cls>/<eos>: longer records keep their first N-2 "
+        "residues (default: no cropping; FAVOR+ is linear in length)",
+    )
+    p.add_argument("--limit", type=int, default=None, metavar="N", help="only the first N records")
+    p.add_argument(
+        "--pll",
+        action="store_true",
+        help="masked LMs: exact pseudo-perplexity instead of seeded masking (slow)",
+    )
+    p.add_argument("--seed", type=int, default=0, help="seed of the fixed MLM masks (default: 0)")
+    p.add_argument(
+        "--mlm-prob",
+        type=float,
+        default=0.15,
+        metavar="P",
+        help="fraction of residues masked (MLM; default: 0.15)",
+    )
+    p.add_argument(
+        "--bins",
+        type=int,
+        nargs="+",
+        default=[256, 512, 1024],
+        metavar="EDGE",
+        help="upper edges of the length bins in residues (default: 256 512 1024)",
+    )
+    p.add_argument(
+        "--out-dir",
+        default=None,
+        metavar="DIR",
+        help="where metrics.json and bins.csv go (default: outputs/eval/<time>)",
+    )
+    add_toks_per_batch(p, help="token budget per forward pass (default: 8192)")
+    p.set_defaults(toks_per_batch=8192)
+    add_on_invalid(p)
+    add_no_progress(p)
+    add_model_options(p, "metrics.json and bins.csv in --out-dir")
+    p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
-    from protein_performer.inference.evaluate import format_table
-    from protein_performer.inference.evaluate import run as run_eval
+    from pathlib import Path
 
-    apply_threads(args)
-    result = run_eval(positional_overrides(args, ("ckpt", "data"), "eval"))
+    from protein_performer.inference.evaluate import evaluate, format_table
+
+    out_dir = Path(args.out_dir or f"outputs/eval/{time.strftime('%Y-%m-%d_%H-%M-%S')}")
+    for name in ("metrics.json", "bins.csv"):
+        check_output(out_dir / name, [args.ckpt, args.data], args.overwrite)
+    result = evaluate(
+        load_lm(args).loaded,
+        args.data,
+        out_dir,
+        split=args.split,
+        max_len=args.max_len,
+        limit=args.limit,
+        toks_per_batch=args.toks_per_batch,
+        seed=args.seed,
+        mlm_prob=args.mlm_prob,
+        pll=args.pll,
+        bins=args.bins,
+        on_invalid=args.on_invalid,
+        progress=not args.no_progress,
+    )
     print(format_table(result))
     print(f"metrics: {result['files']['metrics']}")
     print(f"bins: {result['files']['bins']}")

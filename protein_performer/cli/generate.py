@@ -1,4 +1,4 @@
-"""``protein-performer generate CKPT --num N --max-length L --out OUT.fasta``: sample sequences."""
+"""``protein-performer generate CKPT OUT.fasta --num N --max-length L``: sample sequences."""
 
 from __future__ import annotations
 
@@ -8,10 +8,8 @@ import sys
 from protein_performer.cli._common import (
     add_ckpt,
     add_command,
-    add_device,
+    add_model_options,
     add_no_progress,
-    add_overwrite,
-    add_precision_threads,
     check_output,
     load_lm,
 )
@@ -35,15 +33,16 @@ mean log-likelihood per token, the number `protein-performer score` gives for it
 
 EPILOG = """\
 examples:
-  protein-performer generate clm.ckpt --num 8 --max-length 300 --out samples.fasta
-  protein-performer generate clm.ckpt --num 100 --max-length 500 --min-length 50 \\
-      --prompt MKT --temperature 0.8 --top-p 0.95 --seed 1 --out -
+  protein-performer generate clm.ckpt samples.fasta --num 8 --max-length 300
+  protein-performer generate clm.ckpt - --num 100 --max-length 500 --min-length 50 \\
+      --prompt MKT --temperature 0.8 --top-p 0.95 --seed 1
 """
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p = add_command(subparsers, "generate", HELP, DESCRIPTION, EPILOG)
     add_ckpt(p)
+    p.add_argument("out", metavar="OUT", help="output FASTA; - for standard output")
     p.add_argument("--num", type=int, required=True, metavar="N", help="sequences to sample")
     p.add_argument(
         "--max-length",
@@ -81,13 +80,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         metavar="B",
         help="sequences decoded together (memory, not results; default: 8)",
     )
-    p.add_argument(
-        "--out", required=True, metavar="OUT", help="output FASTA; - for standard output"
-    )
-    add_device(p)
-    add_precision_threads(p)
     add_no_progress(p)
-    add_overwrite(p, "OUT")
+    add_model_options(p)
     p.set_defaults(func=run)
 
 

@@ -20,6 +20,7 @@ from protein_performer.errors import UserError
 SUBCOMMAND_MODULES: tuple[str, ...] = (
     "preprocess",
     "stats",
+    "homologs",
     "train",
     "eval",
     "embed",
@@ -29,7 +30,6 @@ SUBCOMMAND_MODULES: tuple[str, ...] = (
     "export",
     "convert_esm",
     "contacts",
-    "predict_contacts",
     "visualize",
 )
 

@@ -6,12 +6,14 @@ import argparse
 import sys
 
 from protein_performer.cli._common import (
+    FASTA_OR_STORE_HELP,
     add_ckpt,
     add_command,
     add_fasta_run_options,
-    add_overwrite,
+    add_model_options,
     check_output,
-    load_with_strategy,
+    load_lm,
+    pick_strategy,
 )
 
 HELP = "per-sequence log-likelihood / perplexity (pseudo-ppl or causal)"
@@ -38,9 +40,7 @@ examples:
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p = add_command(subparsers, "score", HELP, DESCRIPTION, EPILOG)
     add_ckpt(p)
-    p.add_argument(
-        "fasta", metavar="FASTA", help="input FASTA(.gz), or a store directory from `preprocess`"
-    )
+    p.add_argument("fasta", metavar="FASTA", help=FASTA_OR_STORE_HELP)
     p.add_argument(
         "out", metavar="OUT", help="output table (.csv, or .tsv for tabs; - for standard output)"
     )
@@ -51,7 +51,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         help="default: pseudo-ppl for masked-LM, causal for causal-LM checkpoints",
     )
     add_fasta_run_options(p)
-    add_overwrite(p, "OUT")
+    add_model_options(p)
     p.set_defaults(func=run)
 
 
@@ -59,7 +59,8 @@ def run(args: argparse.Namespace) -> int:
     from protein_performer.inference.scoring import score_fasta
 
     check_output(args.out, [args.ckpt, args.fasta], args.overwrite)
-    lm, strategy = load_with_strategy(args, "pseudo-ppl")
+    lm = load_lm(args)
+    strategy = pick_strategy(lm, args.strategy, "pseudo-ppl")
     summary = score_fasta(
         lm,
         args.fasta,

@@ -1,4 +1,4 @@
-"""``protein-performer score-variants CKPT --wt WT.fasta --mutations DMS.csv --out OUT.csv``."""
+"""``protein-performer score-variants CKPT WT.fasta MUTATIONS.csv OUT.csv``: DMS tables."""
 
 from __future__ import annotations
 
@@ -8,13 +8,12 @@ import sys
 from protein_performer.cli._common import (
     add_ckpt,
     add_command,
-    add_device,
+    add_model_options,
     add_no_progress,
-    add_overwrite,
-    add_precision_threads,
     add_toks_per_batch,
     check_output,
-    load_with_strategy,
+    load_lm,
+    pick_strategy,
 )
 
 HELP = "variant-effect scores for a mutation table (DMS), with Spearman vs labels"
@@ -29,30 +28,27 @@ strategies:
   causal            (causal LM) LL(mutant) - LL(wt), one pass per mutant
 
 Mutations look like A42G; multi-mutants join them with ':' (A42G:K45R); 'WT' scores 0.
-Positions are numbered so the first residue of the --wt sequence is --offset. A row whose
+Positions are numbered so the first residue of the WT sequence is --offset. A row whose
 wild-type letter or position does not match gets an empty score and is listed in a warning by
 its CSV line number (the header is line 1); nothing is skipped silently.
 """
 
 EPILOG = """\
 examples:
-  protein-performer score-variants mlm.ckpt --wt BLAT_ECOLX_wt_offset24.fasta \\
-      --mutations BLAT_ECOLX_Ranganathan2015.csv --out scored.csv --offset 24 --label-col 2500
-  protein-performer score-variants clm.ckpt --wt wt.fasta --mutations dms.tsv --out out.tsv \\
-      --strategy causal
+  protein-performer score-variants mlm.ckpt BLAT_ECOLX_wt_offset24.fasta \\
+      BLAT_ECOLX_Ranganathan2015.csv scored.csv --offset 24 --label-col 2500
+  protein-performer score-variants clm.ckpt wt.fasta dms.tsv out.tsv --strategy causal
 """
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p = add_command(subparsers, "score-variants", HELP, DESCRIPTION, EPILOG)
     add_ckpt(p)
-    p.add_argument("--wt", required=True, metavar="FASTA", help="wild type (one record)")
     p.add_argument(
-        "--mutations", required=True, metavar="CSV", help="table of mutations (.csv or .tsv)"
+        "wt", metavar="WT", help="wild type: a FASTA file with one record; - reads standard input"
     )
-    p.add_argument(
-        "--out", required=True, metavar="CSV", help="output table (.csv or .tsv; - for stdout)"
-    )
+    p.add_argument("mutations", metavar="MUTATIONS", help="table of mutations (.csv or .tsv)")
+    p.add_argument("out", metavar="OUT", help="output table (.csv or .tsv; - for stdout)")
     p.add_argument(
         "--strategy",
         choices=("masked-marginals", "wt-marginals", "pseudo-ppl", "causal"),
@@ -76,10 +72,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     )
     add_toks_per_batch(p)
     p.add_argument("--limit-rows", type=int, default=None, help="score only the first N rows")
-    add_device(p)
-    add_precision_threads(p)
     add_no_progress(p)
-    add_overwrite(p, "--out")
+    add_model_options(p)
     p.set_defaults(func=run)
 
 
@@ -87,7 +81,8 @@ def run(args: argparse.Namespace) -> int:
     from protein_performer.inference.scoring import score_variants_file
 
     check_output(args.out, [args.ckpt, args.wt, args.mutations], args.overwrite)
-    lm, strategy = load_with_strategy(args, "masked-marginals")
+    lm = load_lm(args)
+    strategy = pick_strategy(lm, args.strategy, "masked-marginals")
     summary = score_variants_file(
         lm,
         args.wt,

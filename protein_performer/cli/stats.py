@@ -170,7 +170,7 @@ def collect(path: Path, on_invalid: str = "error") -> dict[str, Any]:
 
     if path.is_dir():
         return store_stats(path)
-    if not path.exists():
+    if str(path) != "-" and not path.exists():
         raise UserError(f"{path}: no such file or directory (expected FASTA(.gz) or a store)")
     return fasta_stats(path, on_invalid)
 

@@ -25,11 +25,17 @@ sequence, a header without id, a duplicate id) and text before the first header 
 :class:`FastaFormatError`, or with ``on_invalid="skip"`` are skipped and counted in an
 :class:`InvalidReport`. File-level problems (missing or empty file, no records, binary data,
 invalid UTF-8, truncated or corrupt gzip) always raise.
+
+``-`` as a path is standard input, for every reader here (so for every command that reads
+FASTA): it is copied once per process to a temporary file (:func:`stdin_copy`), because a
+file-level error is located by re-reading and some callers read twice; errors name it
+``<stdin>``.
 """
 
 from __future__ import annotations
 
 import bisect
+import contextlib
 import gzip
 import logging
 import os
@@ -66,6 +72,46 @@ _FILE_HINT = (
     "this is a file-level problem that --on-invalid skip cannot skip; fix or re-create the file"
 )
 _EMPTY = "header with no sequence (an empty record)"
+#: The path that means standard input, and the name errors give it.
+STDIN = "-"
+STDIN_NAME = "<stdin>"
+_stdin_copies: list[tuple[object, str]] = []  # (the stdin object read, its copy)
+
+
+def display_name(path: PathLike) -> str:
+    """The name a message gives ``path``: ``<stdin>`` for ``-``."""
+    text = os.fspath(path)
+    return STDIN_NAME if text == STDIN else text
+
+
+def stdin_copy() -> str:
+    """Standard input copied to a temporary file (removed at exit), once per process: what
+    ``-`` reads, so a second read and the location of a file-level error work as on a file."""
+    import sys
+
+    src = sys.stdin.buffer if hasattr(sys.stdin, "buffer") else sys.stdin
+    for seen, copy in _stdin_copies:
+        if seen is src:
+            return copy
+    import atexit
+    import shutil
+    import tempfile
+
+    fd, copy = tempfile.mkstemp(prefix="protein-performer-stdin-", suffix=".fasta")
+    try:
+        with os.fdopen(fd, "wb") as dst:
+            shutil.copyfileobj(src, dst, 1 << 20)
+    except OSError as exc:
+        os.unlink(copy)
+        raise UserError(f"cannot read standard input: {exc}") from exc
+    atexit.register(_remove_quietly, copy)
+    _stdin_copies.append((src, copy))
+    return copy
+
+
+def _remove_quietly(path: str) -> None:
+    with contextlib.suppress(OSError):
+        os.unlink(path)
 
 
 # --------------------------------------------------------------------------------------------
@@ -104,7 +150,7 @@ class FastaFormatError(UserError):
         file_level: bool = False,
         hint: str | None = None,
     ) -> None:
-        self.path = path
+        self.path = display_name(path)
         self.line = line
         self.reason = reason
         self.record_number = record_number
@@ -305,7 +351,7 @@ class DuplicateIds:
         """The error for record ``number`` of ``file``, whose id record ordinal ``first`` had."""
         f = bisect.bisect_right(self.starts, first) - 1
         path = self.paths[file]
-        where = "" if self.paths[f] == path else f" of {self.paths[f]}"
+        where = "" if self.paths[f] == path else f" of {display_name(self.paths[f])}"
         return FastaFormatError(
             path,
             line,
@@ -320,8 +366,9 @@ class DuplicateIds:
 # Opening, scanning and block reading
 # --------------------------------------------------------------------------------------------
 def _open_binary(path: str) -> BinaryIO:
-    """Open plain or gzip (by magic bytes) for binary reading, with user-facing errors."""
-    p = Path(path)
+    """Open plain or gzip (by magic bytes) for binary reading, with user-facing errors; ``-``
+    opens the copy of standard input."""
+    p = Path(stdin_copy() if os.fspath(path) == STDIN else path)
     if not p.exists():
         raise UserError(f"no such file: {path}")
     if p.is_dir():

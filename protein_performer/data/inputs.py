@@ -1,13 +1,13 @@
 """What the inference commands read: the records of a FASTA file or a preprocessed store, in
-order, whichever the user gives (``embed``, ``score``, ``score-variants``, ``contacts predict``,
-``generate``, ``eval``)."""
+order, whichever the user gives (``embed``, ``score``, ``score-variants``, ``contacts``,
+``eval``, ``visualize``). ``-`` is standard input (read as FASTA, see ``data.fasta``)."""
 
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 from protein_performer.errors import UserError
 
@@ -29,9 +29,13 @@ def input_records(
     A store (``protein-performer preprocess``) is read record by record from its memory maps
     (lengths known, O(1) access), so very large inputs cost no parsing and constant memory.
     """
-    from protein_performer.data.fasta import read_fasta
+    from protein_performer.data.fasta import STDIN, read_fasta
     from protein_performer.data.store import TokenStore, is_store
 
+    if os.fspath(path) == STDIN:
+        for r in read_fasta(STDIN, on_invalid=on_invalid):  # type: ignore[arg-type]
+            yield InputRecord(r.id, r.description, r.sequence, r.number)
+        return
     src = Path(path).expanduser()
     if is_store(src):
         store = TokenStore(src)
@@ -48,13 +52,31 @@ def input_records(
 
 
 def read_records(fasta: str | os.PathLike[str], on_invalid: str = "error") -> list:
-    """All FASTA records in file order (``FastaRecord``); errors name file, record and line."""
-    from protein_performer.data.fasta import read_fasta
+    """All FASTA records in file order (``FastaRecord``; ``-``: standard input); errors name
+    file, record and line."""
+    from protein_performer.data.fasta import STDIN, display_name, read_fasta
 
-    path = Path(fasta).expanduser()
-    if not path.is_file():
+    path: str | Path = STDIN if os.fspath(fasta) == STDIN else Path(fasta).expanduser()
+    if path != STDIN and not Path(path).is_file():
         raise UserError(f"{path} does not exist or is not a file; give a FASTA file")
     records = list(read_fasta(path, on_invalid=on_invalid))  # type: ignore[arg-type]
     if not records:
-        raise UserError(f"{path}: no valid records to process")
+        raise UserError(f"{display_name(path)}: no valid records to process")
     return records
+
+
+def find_record(records: Sequence[Any], want: str | None, source: str | os.PathLike[str]) -> Any:
+    """The record whose id, UniProt accession or entry name is ``want`` (the first record when
+    ``want`` is None); a miss is one error naming ``source`` and the first ids."""
+    from protein_performer.data.fasta import display_name
+
+    if want is None:
+        return records[0]
+    for r in records:  # the id as written, or its UniProt accession or entry name
+        if want in (r.id, r.header.accession, r.header.entry_name):
+            return r
+    shown = ", ".join(r.id for r in records[:5])
+    raise UserError(
+        f"{display_name(source)}: no record {want!r} (by id, accession or entry name; ids "
+        f"start: {shown}, ...)"
+    )

@@ -38,7 +38,7 @@ import os
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
 import torch
@@ -373,17 +373,30 @@ def embed_fasta(
 # --------------------------------------------------------------------------------------------
 # Reading
 # --------------------------------------------------------------------------------------------
+class Embeddings(NamedTuple):
+    """What :func:`read_embeddings` returns: ``ids, values = read_embeddings(path)``;
+    ``dict(zip(*read_embeddings(path)))`` maps id -> value."""
+
+    ids: list[str]  # record ids, in the order of the values
+    values: Any  # (n, D) array (mean, bos), or a list of (L_i, D) arrays / contact maps
+
+    @classmethod
+    def of(cls, by_id: dict[str, Any]) -> Embeddings:
+        return cls(list(by_id), list(by_id.values()))
+
+
 def read_embeddings(
     path: str | os.PathLike[str],
     ids: Sequence[str] | None = None,
     kind: str = "mean",
     layer: int = -1,
-) -> np.ndarray | list[np.ndarray] | dict[str, Any]:
-    """Embeddings from an ``embed`` file: (n, D) for ``mean``/``bos``, a list of (L_i, D) for
-    ``per_tok``, in the order of ``ids`` (all records, in file order, when None).
+) -> Embeddings:
+    """``(ids, values)`` from an ``embed`` file, so each row is known by its record: values are
+    (n, D) for ``mean``/``bos``, a list of (L_i, D) for ``per_tok``, in the order of ``ids``
+    (all records, in file order, when None).
 
-    ``layer`` uses ESM's numbering (-1 = last). ``kind="contacts"`` gives a dict id -> contact
-    map, from ``embed --include contacts`` or from a ``predict-contacts`` file.
+    ``layer`` uses ESM's numbering (-1 = last). ``kind="contacts"`` gives a list of contact
+    maps, from ``embed --include contacts`` or from a ``contacts predict`` file.
     """
     src = Path(path).expanduser()
     if not src.is_file():
@@ -397,20 +410,22 @@ def read_embeddings(
         with h5py.File(src, "r") as h5:
             is_contacts_file = h5.attrs.get("format") == CONTACTS
         if is_contacts_file:
-            return read_contacts(src, ids)
+            return Embeddings.of(read_contacts(src, ids))
     with _open_embeddings(src) as h5:
         include = json.loads(h5.attrs["include"])
         if kind not in include:
             raise UserError(f"{src} holds {', '.join(include)}, not {kind!r}")
         if kind == "contacts":
-            return read_maps(h5, src, ids)
+            return Embeddings.of(read_maps(h5, src, ids))
         stored = [int(x) for x in h5.attrs["repr_layers"]]
         depth = int(json.loads(h5.attrs["model_config"])["depth"])
         want = layer + depth + 1 if layer < 0 else layer
         if want not in stored:
             raise UserError(f"{src}: layer {layer} was not saved (layers: {stored})")
         all_ids = read_ids(h5)
+        everything = ids is None
         if ids is None:
+            ids = all_ids
             rows = np.arange(len(all_ids))
         else:
             where = {rid: n for n, rid in enumerate(all_ids)}
@@ -421,12 +436,12 @@ def read_embeddings(
         data = h5[f"{kind}/{want}"]
         if kind == "per_tok":
             off = h5["per_tok_offsets"][:]
-            return [data[int(off[n]) : int(off[n + 1])] for n in rows]
-        if ids is None:
-            return data[:]
+            return Embeddings(list(ids), [data[int(off[n]) : int(off[n + 1])] for n in rows])
+        if everything:
+            return Embeddings(all_ids, data[:])
         order = np.argsort(rows, kind="stable")
         unique, inverse = np.unique(rows[order], return_inverse=True)
         picked = data[unique] if len(unique) else np.zeros((0, data.shape[1]), np.float32)
         result = np.empty((len(rows), data.shape[1]), dtype=np.float32)
         result[order] = picked[inverse]
-        return result
+        return Embeddings(list(ids), result)

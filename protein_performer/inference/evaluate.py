@@ -1,14 +1,14 @@
 """Perplexity and accuracy of a checkpoint on held-out data, overall and per length bin.
 
-A pure ``evaluate(cfg) -> dict`` (tests and notebooks call it with a composed config) and a thin
-``run(overrides)`` that composes ``conf/eval.yaml`` with Hydra's compose API.
+``evaluate(loaded, data, out_dir, ...)`` is a plain function of a loaded model and keyword
+settings (the ``eval`` command's flags), so tests, scripts and notebooks call it directly.
 
 What is measured, by objective:
 
 * MLM, default: the training-time masking (15% selected; 80/10/10) drawn from a fixed seed per
   record (``default_rng([seed, 0, index])``, the dataset's own rule), so two checkpoints are
   compared on the very same masked positions. Loss, perplexity and accuracy over those positions.
-* MLM, ``pll=true``: exact pseudo-perplexity, every residue masked once (L passes per record).
+* MLM, ``pll=True``: exact pseudo-perplexity, every residue masked once (L passes per record).
 * CLM: every next-token prediction, ``<eos>`` included.
 
 Length bins group records by their residue count, because the interesting question for a
@@ -22,9 +22,10 @@ import io
 import json
 import logging
 import math
+import os
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -32,10 +33,14 @@ import torch
 from protein_performer.errors import UserError
 from protein_performer.io.atomic import write_text_atomic
 
+if TYPE_CHECKING:
+    from protein_performer.interop.loading import LoadedModel
+
 log = logging.getLogger(__name__)
 
-CONFIG_NAME = "eval"
 BIN_COLUMNS = ("bin", "records", "tokens", "loss", "ppl", "acc")
+#: Upper edges of the default length bins: <=256, 257-512, 513-1024, >1024 residues.
+DEFAULT_BINS = (256, 512, 1024)
 
 
 def bin_labels(edges: Sequence[int]) -> list[str]:
@@ -55,53 +60,74 @@ def _metrics(nll: float, tokens: int, correct: int) -> dict[str, float | None]:
     return {"loss": loss, "ppl": math.exp(loss), "acc": correct / tokens}
 
 
-def _source(cfg: Any, alphabet: Any) -> tuple[Any, str]:
-    """A record source for ``cfg.data``: a store split or every record of a FASTA."""
+def _source(
+    data: str | os.PathLike[str], split: str, limit: int | None, on_invalid: str, alphabet: Any
+) -> tuple[Any, str]:
+    """A record source for ``data``: a store split or every record of a FASTA (``-``: stdin)."""
     from protein_performer.data.dataset import InMemorySource, StoreSubset
     from protein_performer.data.inputs import read_records
     from protein_performer.data.store import TokenStore, is_store
 
-    path = Path(str(cfg.data)).expanduser()
-    if path.is_dir() or is_store(path):
+    path = Path(data).expanduser()
+    if os.fspath(data) != "-" and (path.is_dir() or is_store(path)):
         store = TokenStore(path)
         try:
-            indices = store.indices(str(cfg.split))
+            indices = store.indices(split)
         except ValueError as exc:
-            raise UserError(f"split={cfg.split}: {exc}") from None
-        if cfg.get("limit") is not None:
-            indices = indices[: int(cfg.limit)]
+            raise UserError(f"--split {split}: {exc}") from None
+        if limit is not None:
+            indices = indices[:limit]
         if len(indices) == 0:
-            raise UserError(f"{path}: split {cfg.split!r} has no records")
-        return StoreSubset(store, indices), f"store split {cfg.split}"
-    records = read_records(path, str(cfg.get("on_invalid", "error")))
-    if cfg.get("limit") is not None:
-        records = records[: int(cfg.limit)]
+            raise UserError(f"{path}: split {split!r} has no records")
+        return StoreSubset(store, indices), f"store split {split}"
+    records = read_records(data, on_invalid)
+    if limit is not None:
+        records = records[:limit]
     ids = [r.id for r in records]
     return InMemorySource(ids, [alphabet.encode(r.sequence) for r in records]), "fasta (all)"
 
 
-def evaluate(cfg: Any) -> dict[str, Any]:
-    """Evaluate ``cfg.ckpt`` on ``cfg.data``; write ``metrics.json`` and ``bins.csv`` to
-    ``cfg.out_dir`` and return the metrics (``overall``, ``bins``, settings, output paths)."""
+def evaluate(
+    loaded: LoadedModel,
+    data: str | os.PathLike[str],
+    out_dir: str | os.PathLike[str],
+    *,
+    split: str = "valid",
+    max_len: int | None = None,
+    limit: int | None = None,
+    toks_per_batch: int = 8192,
+    seed: int = 0,
+    mlm_prob: float = 0.15,
+    pll: bool = False,
+    bins: Sequence[int] = DEFAULT_BINS,
+    on_invalid: str = "error",
+    progress: bool = True,
+) -> dict[str, Any]:
+    """Evaluate ``loaded`` on ``data`` (a FASTA file, ``-`` for standard input, or a store
+    directory, of which ``split`` is read); write ``metrics.json`` and ``bins.csv`` to
+    ``out_dir`` and return the metrics (``overall``, ``bins``, settings, output paths).
+
+    ``max_len`` counts ``<cls>``/``<eos>``: longer records keep their first ``max_len - 2``
+    residues (None: no cropping). ``seed``/``mlm_prob`` fix the MLM masks, so two checkpoints
+    are compared on the same positions; ``pll`` scores exact pseudo-perplexity instead.
+    ``bins`` are the length bins' upper edges in residues."""
     from protein_performer.data.dataset import ProteinCollator, ProteinDataset
     from protein_performer.data.masking import IGNORE_INDEX
     from protein_performer.data.sampler import budget_batches
     from protein_performer.inference.scoring import masked_log_probs
-    from protein_performer.interop.loading import load_model
     from protein_performer.io.progress import progress as progress_bar
 
-    loaded = load_model(str(cfg.ckpt), str(cfg.get("device", "auto")))
-    source, described = _source(cfg, loaded.alphabet)
+    source, described = _source(data, split, limit, on_invalid, loaded.alphabet)
     objective = loaded.config.objective
     lengths = np.asarray(source.lengths, dtype=np.int64)
-    max_len = int(cfg.max_len) if cfg.get("max_len") is not None else int(lengths.max()) + 2
-    edges = sorted(int(e) for e in cfg.get("bins", [256, 512, 1024]))
+    max_len = int(max_len) if max_len is not None else int(lengths.max()) + 2
+    edges = sorted(int(e) for e in bins)
     labels = bin_labels(edges)
     bin_of = np.searchsorted(np.asarray(edges), lengths, side="left")  # <= edge -> that bin
-    pll = bool(cfg.get("pll", False)) and objective == "mlm"
-    if bool(cfg.get("pll", False)) and objective != "mlm":
-        log.warning("pll=true applies to MLM checkpoints only; scoring all positions (CLM)")
-    budget = int(cfg.get("toks_per_batch", 8192))
+    if pll and objective != "mlm":
+        log.warning("pseudo-perplexity applies to MLM checkpoints only; scoring all positions")
+    pll = pll and objective == "mlm"
+    budget = int(toks_per_batch)
 
     per_record = np.zeros((len(source), 3), dtype=np.float64)  # nll, tokens, correct
     dataset = ProteinDataset(
@@ -109,14 +135,12 @@ def evaluate(cfg: Any) -> dict[str, Any]:
         objective,
         max_len=max_len,
         crop="fixed",
-        mlm_prob=float(cfg.get("mlm_prob", 0.15)),
-        seed=int(cfg.get("seed", 0)),
+        mlm_prob=float(mlm_prob),
+        seed=int(seed),
         alphabet=loaded.alphabet,
     )
     collate = ProteinCollator(loaded.alphabet)
-    bar = progress_bar(
-        int(np.minimum(lengths, max_len - 2).sum()), "res", "eval", bool(cfg.get("progress", True))
-    )
+    bar = progress_bar(int(np.minimum(lengths, max_len - 2).sum()), "res", "eval", progress)
     with bar, torch.inference_mode():
         if pll:
             for i in range(len(source)):
@@ -171,14 +195,14 @@ def evaluate(cfg: Any) -> dict[str, Any]:
         "exact pseudo-perplexity (every residue masked once)"
         if pll
         else (
-            f"masked positions (mlm_prob={cfg.get('mlm_prob', 0.15)}, seed={cfg.get('seed', 0)})"
+            f"masked positions (mlm_prob={mlm_prob}, seed={seed})"
             if objective == "mlm"
             else "all next-token predictions incl. <eos>"
         )
     )
     result: dict[str, Any] = {
         "checkpoint": str(loaded.source),
-        "data": str(cfg.data),
+        "data": str(data),
         "source": described,
         "objective": objective,
         "method": method,
@@ -186,7 +210,7 @@ def evaluate(cfg: Any) -> dict[str, Any]:
         "overall": overall,
         "bins": bins,
     }
-    out_dir = Path(str(cfg.out_dir)).expanduser()
+    out_dir = Path(out_dir).expanduser()
     out_dir.mkdir(parents=True, exist_ok=True)
     metrics_path, bins_path = out_dir / "metrics.json", out_dir / "bins.csv"
     write_text_atomic(metrics_path, json.dumps(result, indent=2) + "\n")
@@ -198,22 +222,6 @@ def evaluate(cfg: Any) -> dict[str, Any]:
     write_text_atomic(bins_path, table.getvalue())
     result["files"] = {"metrics": str(metrics_path), "bins": str(bins_path)}
     return result
-
-
-def compose(overrides: Sequence[str] = ()) -> Any:
-    """``conf/eval.yaml`` composed with overrides; composition errors become ``UserError``."""
-    from protein_performer.training.compose import compose_config
-
-    # `data` is also the name of training's config group in conf/, so Hydra would read
-    # `data=PATH` as a group choice; plain `data=`/`ckpt=` values are set after composing.
-    return compose_config(
-        overrides,
-        name=CONFIG_NAME,
-        direct_keys=("data", "ckpt"),
-        required=("ckpt", "data"),
-        example="protein-performer eval ckpt=PATH/last.ckpt data=proteins.fasta",
-        override_example="split=test max_len=1024",
-    )
 
 
 def format_table(result: dict[str, Any]) -> str:
@@ -232,11 +240,3 @@ def format_table(result: dict[str, Any]) -> str:
             f"{fmt(row['loss'], '.4f'):>8} {fmt(row['ppl'], '.3f'):>9} {fmt(row['acc'], '.4f'):>7}"
         )
     return "\n".join(lines)
-
-
-def run(overrides: Sequence[str]) -> dict[str, Any]:
-    """Compose, evaluate and log where the files went (the CLI prints the table)."""
-    cfg = compose(overrides)
-    result = evaluate(cfg)
-    log.info("wrote %s and %s", result["files"]["metrics"], result["files"]["bins"])
-    return result

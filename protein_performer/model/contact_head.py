@@ -210,7 +210,7 @@ class ContactRegression:
                 raise UserError(
                     f"the contact regression reads another attention layout than {source} "
                     f"({'; '.join(bad)}: regression vs model); fit one for this model with "
-                    "`protein-performer contacts CKPT STRUCTURE... --out DIR`"
+                    "`protein-performer contacts fit CKPT STRUCTURE... --out-dir DIR`"
                 )
         elif self.config_fingerprint not in (None, config_fingerprint(config)):
             log.warning(
@@ -227,7 +227,7 @@ class ContactRegression:
                 log.warning(
                     "the contact regression was fitted on other weights (%s, sha256 %s...) than "
                     "%s (%s...): fine if they are a fine-tune whose attention kept its meaning; "
-                    "refit with `protein-performer contacts` to be sure",
+                    "refit with `protein-performer contacts fit` to be sure",
                     origin,
                     self.model_sha256[:12],
                     source,
