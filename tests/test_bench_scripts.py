@@ -13,10 +13,8 @@ from pathlib import Path
 
 import pytest
 
-pytest.importorskip(
-    "protein_performer.model.favor",
-    reason="protein_performer.model.favor is not importable yet: the benchmarks need it",
-)
+# Each benchmark case is a fresh interpreter; tests/test_scripts.py checks every CLI by default.
+pytestmark = pytest.mark.slow
 
 
 def _rows(path: Path) -> list[dict[str, str]]:
@@ -134,3 +132,14 @@ def test_bench_embed_store_quick(tmp_path: Path, run_script) -> None:
     rows = [line.split("|")[1:-1] for line in report.splitlines() if line.startswith("| 1000")]
     assert len(rows) == 1 and all(cell.strip() for cell in rows[0])
     assert "extrapolated to UniRef50" in report
+
+
+def test_bench_context_quick(tmp_path: Path, run_script) -> None:
+    run_script("bench_context.py", "--quick", "--out", str(tmp_path), timeout=900)
+    rows = _rows(tmp_path / "context.csv")
+    assert {(r["impl"], r["tokens"]) for r in rows} == {
+        (impl, t) for impl in ("favor", "exact") for t in ("1024", "4096")
+    }
+    assert all(r["status"] == "ok" and _finite(r["ms_per_candidate"]) for r in rows)
+    favor = {r["context_kib"] for r in rows if r["impl"] == "favor"}
+    assert len(favor) == 1  # the FAVOR+ context does not grow

@@ -17,6 +17,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -24,6 +25,9 @@ import torch
 from protein_performer.data.tokenizer import STANDARD_AA
 from protein_performer.errors import UserError
 from protein_performer.interop.loading import LoadedModel
+
+if TYPE_CHECKING:
+    from protein_performer.inference.context import FamilyContext
 
 
 @dataclass
@@ -100,8 +104,12 @@ def generate_batch(
     prompts: Sequence[str],
     opts: SamplingOptions,
     seed: int,
+    context: FamilyContext | None = None,
 ) -> list[Generated]:
-    """Sample one sequence per (index, prompt); see the module docstring for the recursion."""
+    """Sample one sequence per (index, prompt); see the module docstring for the recursion.
+
+    With a family ``context`` each prompt runs as the next member after it, from its states
+    (never written), so the sequences are new members of that family."""
     a = loaded.alphabet
     model = loaded.model
     device = loaded.device
@@ -118,13 +126,16 @@ def generate_batch(
     for row, ids in enumerate(prompt_ids):
         tokens[row, : len(ids)] = torch.as_tensor(ids, device=device)
     lengths = torch.tensor([len(p) for p in prompt_ids], device=device)
-    logits, states = model.prefill(tokens)  # (B, T, V)
+    if context is None:
+        logits, states = model.prefill(tokens)  # (B, T, V)
+    else:
+        logits, states = model.extend(tokens, context.states, context.offset, return_states=True)
     last = logits[torch.arange(B, device=device), lengths - 1].float()  # (B, V)
 
     seqs = [list(p) for p in prompts]
     lps: list[list[float]] = [[] for _ in range(B)]
     ended = ["" for _ in range(B)]
-    positions = lengths.clone()
+    positions = lengths.clone() if context is None else lengths + context.offset
     while True:
         last_cpu = last.cpu()
         log_p = torch.log_softmax(last_cpu, dim=-1)
@@ -163,8 +174,10 @@ def iter_generate(
     prompt: str | Sequence[str] = "",
     seed: int = 0,
     batch_size: int = 8,
+    context: FamilyContext | None = None,
 ) -> Iterator[Generated]:
-    """``n`` sequences in index order, ``batch_size`` at a time (memory: one batch).
+    """``n`` sequences in index order, ``batch_size`` at a time (memory: one batch), after a
+    family ``context`` when given.
 
     Arguments are checked here, before the first sequence is asked for.
     """
@@ -192,7 +205,7 @@ def iter_generate(
             raise UserError(
                 f"prompt {i} has {len(p)} residues, more than max_length={opts.max_length}"
             )
-    return _batches(loaded, n, opts, prompts, seed, batch_size)
+    return _batches(loaded, n, opts, prompts, seed, batch_size, context)
 
 
 def _batches(
@@ -202,7 +215,8 @@ def _batches(
     prompts: list[str],
     seed: int,
     batch_size: int,
+    context: FamilyContext | None = None,
 ) -> Iterator[Generated]:
     for start in range(0, n, batch_size):
         idx = list(range(start, min(n, start + batch_size)))
-        yield from generate_batch(loaded, idx, [prompts[i] for i in idx], opts, seed)
+        yield from generate_batch(loaded, idx, [prompts[i] for i in idx], opts, seed, context)

@@ -55,6 +55,7 @@ from protein_performer.io.progress import progress as progress_bar
 
 if TYPE_CHECKING:
     from protein_performer.inference.api import ProteinLM
+    from protein_performer.inference.context import FamilyContext
 
 log = logging.getLogger(__name__)
 
@@ -89,6 +90,15 @@ def check_strategy(loaded: LoadedModel, strategy: str, choices: Sequence[str]) -
         raise UserError(
             f"strategy {strategy!r} needs a {kind[need]} checkpoint, but {loaded.source} is a "
             f"{kind[have]} model; use --strategy {' or '.join(fitting)}"
+        )
+
+
+def _check_context(strategy: str, context: FamilyContext | None) -> None:
+    """Only the causal strategy reads a family context (it continues the context's state)."""
+    if context is not None and strategy != "causal":
+        raise UserError(
+            f"strategy {strategy!r} cannot use a family context: only 'causal' (a causal model "
+            "continuing the context) can"
         )
 
 
@@ -156,8 +166,11 @@ def causal_log_likelihoods(
     seqs: Sequence[str],
     toks_per_batch: int = 4096,
     progress: object | None = None,
+    context: FamilyContext | None = None,
 ) -> list[np.ndarray]:
-    """Per sequence, (L + 1,) ``log p(token_t | tokens_<t)`` for the residues and ``<eos>``.
+    """Per sequence, (L + 1,) ``log p(token_t | tokens_<t)`` for the residues and ``<eos>``;
+    with a family ``context``, each sequence as the next member after it (the same terms,
+    conditioned; the budget counts the context tokens each candidate attends).
 
     One parallel forward per batch: causal FAVOR+ runs as a chunked prefix scan that is linear
     in L, so scoring a whole sequence this way is faster than stepping the RNN-mode state token
@@ -165,10 +178,14 @@ def causal_log_likelihoods(
     RNN mode pays off only for generation, where tokens arrive one at a time).
     """
     results: list[np.ndarray | None] = [None] * len(seqs)
-    for batch in budget_batches([len(s) + 2 for s in seqs], toks_per_batch):
+    extra = 0 if context is None else context.attended_tokens
+    for batch in budget_batches([len(s) + 2 + extra for s in seqs], toks_per_batch):
         tokens = loaded.alphabet.encode_batch([seqs[i] for i in batch])  # (B, T)
         tokens = tokens.to(loaded.device)
-        logits = loaded.model(tokens).logits  # (B, T, V)
+        if context is None:
+            logits = loaded.model(tokens).logits  # (B, T, V)
+        else:
+            logits, _ = loaded.model.extend(tokens, context.states, context.offset)
         lp = torch.log_softmax(logits[:, :-1].float(), dim=-1)  # predicts tokens 1..T-1
         picked = lp.gather(-1, tokens[:, 1:, None])[..., 0].cpu().numpy()  # (B, T-1)
         for row, i in enumerate(batch):
@@ -213,13 +230,16 @@ def score_sequences(
     strategy: str = "pseudo-ppl",
     toks_per_batch: int = 4096,
     progress: bool = False,
+    context: FamilyContext | None = None,
 ) -> list[SequenceScore]:
-    """Score ``(id, sequence)`` pairs with ``strategy`` (see the module docstring)."""
+    """Score ``(id, sequence)`` pairs with ``strategy`` (see the module docstring), after a
+    family ``context`` when given (causal only)."""
     check_strategy(loaded, strategy, SEQUENCE_STRATEGIES)
+    _check_context(strategy, context)
     seqs = [s for _, s in records]
     with progress_bar(sum(len(s) for s in seqs), "res", strategy, progress) as bar:
         if strategy == "causal":
-            terms = causal_log_likelihoods(loaded, seqs, toks_per_batch, progress=bar)
+            terms = causal_log_likelihoods(loaded, seqs, toks_per_batch, bar, context)
         else:
             terms = [pseudo_log_likelihoods(loaded, s, toks_per_batch, bar) for s in seqs]
     return [
@@ -249,6 +269,7 @@ def score_fasta(
     toks_per_batch: int = 4096,
     on_invalid: str = "error",
     progress: bool = True,
+    context: FamilyContext | None = None,
 ) -> ScoreSummary:
     """Score every record of ``fasta`` (a FASTA file or a store directory; ``lm.iter_score``)
     into ``out`` (CSV/TSV, or standard output for ``-``), one row per record in input order.
@@ -277,7 +298,7 @@ def score_fasta(
         pairs = [(r.id, r.sequence) for r in window]
         with atomic_output(part) as tmp, open(tmp, "w", newline="", encoding="utf-8") as fh:
             writer = csv.writer(fh, delimiter=delimiter)
-            for _, score in lm.iter_score(pairs, strategy, toks_per_batch):
+            for _, score in lm.iter_score(pairs, strategy, toks_per_batch, context=context):
                 writer.writerow(score.row())
                 mine.num_records += 1
                 mine.log_likelihood += score.log_likelihood
@@ -382,9 +403,12 @@ def score_variants(
     strategy: str = "masked-marginals",
     toks_per_batch: int = 4096,
     progress: bool = False,
+    context: FamilyContext | None = None,
 ) -> list[float]:
-    """One log-ratio score (mutant vs wild type) per parsed variant, by ``strategy``."""
+    """One log-ratio score (mutant vs wild type) per parsed variant, by ``strategy``; with a
+    family ``context`` (causal only), both scored as the next member after it."""
     check_strategy(loaded, strategy, VARIANT_STRATEGIES)
+    _check_context(strategy, context)
     tok = loaded.alphabet.tok_to_idx
     if strategy in ("masked-marginals", "wt-marginals"):
         if strategy == "wt-marginals":
@@ -423,7 +447,8 @@ def score_variants(
     with progress_bar(total, "res", strategy, progress) as bar:
         if strategy == "causal":
             lls = [
-                float(t.sum()) for t in causal_log_likelihoods(loaded, unique, toks_per_batch, bar)
+                float(t.sum())
+                for t in causal_log_likelihoods(loaded, unique, toks_per_batch, bar, context)
             ]
         else:
             lls = [
@@ -498,6 +523,7 @@ def score_variants_file(
     toks_per_batch: int = 4096,
     limit_rows: int | None = None,
     progress: bool = True,
+    context: FamilyContext | None = None,
 ) -> VariantSummary:
     """Score every row of a DMS table; write all input columns plus the score (atomically).
 
@@ -563,7 +589,9 @@ def score_variants_file(
             parsed.append(None)
             skipped.append((line, text, str(exc)))
     valid = [v for v in parsed if v is not None]
-    values = lm.score_variants(wt_seq, valid, strategy, offset, toks_per_batch, progress)
+    values = lm.score_variants(
+        wt_seq, valid, strategy, offset, toks_per_batch, progress, context=context
+    )
     it = iter(values.tolist())
     scores: list[float | None] = [None if v is None else next(it) for v in parsed]
 

@@ -29,6 +29,9 @@ AttentionCore = FavorAttention | ExactAttention
 AttentionState = FavorState | KVCache
 #: One head's residue x residue map as blocks (``.sums``, ``.add_upper_block``), for contacts.
 MapBlocks = FavorMapBlocks | ExactMapBlocks
+#: Rotary positions: None (0, 1, ... along the row), an int offset (the first token's
+#: position), or a tensor (B, L) of per-token positions.
+Positions = int | torch.Tensor | None
 
 
 def _build_core(config: PerformerConfig) -> AttentionCore:
@@ -84,15 +87,17 @@ class MultiHeadSelfAttention(nn.Module):
         padding_mask: torch.Tensor | None = None,
         need_weights: bool = False,
         heads: Sequence[int] | None = None,
+        positions: Positions = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """``x`` (B, L, D), ``padding_mask`` (B, L) True = pad -> output (B, L, D) and, if
         ``need_weights``, the attention map (B, H', L, L) of ``heads`` (all heads if None).
+        ``positions``: see :data:`Positions` (None: the row's own).
 
         The FAVOR+ map is the one the model implicitly uses (normalized feature products), never
         materialized in the forward pass itself.
         """
         B, L, D = x.shape
-        q, k = self.rotated_qk(x)
+        q, k = self.rotated_qk(x, positions)
         v = self._split_heads(self.v_proj(x))
         out = self.core(q, k, v, key_padding_mask=padding_mask)
         out = out.transpose(1, 2).reshape(B, L, D)  # (B, H, L, d) -> (B, L, D)
@@ -101,7 +106,10 @@ class MultiHeadSelfAttention(nn.Module):
         return out, weights
 
     def prefill(
-        self, x: torch.Tensor, padding_mask: torch.Tensor | None = None
+        self,
+        x: torch.Tensor,
+        padding_mask: torch.Tensor | None = None,
+        positions: Positions = None,
     ) -> tuple[torch.Tensor, AttentionState]:
         """Causal forward over a prompt (B, L, D) that also returns the state to continue from.
 
@@ -109,11 +117,31 @@ class MultiHeadSelfAttention(nn.Module):
         exact: the parallel forward plus the KV cache. Padded keys never enter the state.
         """
         B, L, D = x.shape
-        q, k = self.rotated_qk(x)
+        q, k = self.rotated_qk(x, positions)
         v = self._split_heads(self.v_proj(x))
         out = self.core(q, k, v, key_padding_mask=padding_mask)
         state = self.core.initial_state(k, v, padding_mask)
         return self.out_proj(out.transpose(1, 2).reshape(B, L, D)), state
+
+    def extend(
+        self,
+        x: torch.Tensor,
+        state: AttentionState | None,
+        positions: Positions,
+        padding_mask: torch.Tensor | None = None,
+        return_state: bool = False,
+    ) -> tuple[torch.Tensor, AttentionState | None]:
+        """Causal attention of new tokens x (B, L, D) continuing from ``state`` (batch 1 or
+        B; None: a fresh start) -> (B, L, D) and, if ``return_state``, the state after them.
+
+        ``state`` is read, never written: a family context's state serves every candidate
+        (broadcast over the batch). Padded keys never enter the output or the new state.
+        """
+        B, L, D = x.shape
+        q, k = self.rotated_qk(x, positions)
+        v = self._split_heads(self.v_proj(x))
+        out, new_state = self.core.extend(state, q, k, v, padding_mask, return_state)
+        return self.out_proj(out.transpose(1, 2).reshape(B, L, D)), new_state
 
     def step(
         self,
@@ -136,15 +164,23 @@ class MultiHeadSelfAttention(nn.Module):
         state, out = self.core.step(state, q[:, :, 0], k[:, :, 0], v[:, :, 0], pad)
         return self.out_proj(out.reshape(B, D)), state
 
-    def rotated_qk(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def rotated_qk(
+        self, x: torch.Tensor, positions: Positions = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """(B, L, D) -> q, k (B, H, L, d) after rotary, unscaled: what the attention core sees.
 
         Public so that ``inference.attention_maps`` can capture them from a forward hook
-        without repeating the projection and rotary logic.
+        without repeating the projection and rotary logic. ``positions``: see
+        :data:`Positions` (None: 0, 1, ... along the row, for one lone sequence the same as
+        member positions).
         """
         q = self._split_heads(self.q_proj(x))
         k = self._split_heads(self.k_proj(x))
-        return self.rot_emb(q, k)
+        if positions is None:
+            return self.rot_emb(q, k)
+        if isinstance(positions, int):
+            return self.rot_emb(q, k, offset=positions)
+        return self.rot_emb.at_positions(q, k, positions)
 
     def attention_map(
         self,

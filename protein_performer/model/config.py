@@ -15,6 +15,8 @@ from protein_performer.errors import UserError
 
 OBJECTIVES = ("mlm", "clm")
 ATTENTIONS = ("favor", "exact")
+#: Rotary position schemes: along the whole row, or restarting at each member's <cls>.
+POSITIONS = ("sequence", "member")
 # The FAVOR+ kernels a config may name: the names of protein_performer.model.favor.FEATURE_MAPS,
 # written out so that validation and the CLI's choices need no torch (tests keep them equal).
 KERNELS = ("softmax", "softmax_hyp", "trig", "relu", "softmax_opt")
@@ -75,6 +77,13 @@ class PerformerConfig:
     favor_chunk_size: int | None = None
     # Base of the rotary position embedding frequencies (ESM-2: 10000).
     rotary_base: float = 10000.0
+    # Rotary positions: "sequence" (0, 1, 2, ... along the whole row, ESM-2's) or "member"
+    # (restart at 0 at every <cls>: each member of a family row sees a lone sequence's
+    # positions, PoET-style). Context scoring continues what training used.
+    positions: str = "sequence"
+    # Tokens per training row of family context (the data's family_max_tokens), when known:
+    # the default limit of a family context at inference. None: unknown (no limit).
+    context_tokens: int | None = None
     # LayerNorm epsilon (ESM-2 uses torch's default, 1e-5).
     layer_norm_eps: float = 1e-5
     # ESM-2's token dropout: zero <mask> embeddings and rescale by the observed mask ratio.
@@ -154,6 +163,12 @@ class PerformerConfig:
                 "favor_chunk_size must be a positive integer or null, "
                 f"got {self.favor_chunk_size!r}"
             )
+        if self.positions not in POSITIONS:
+            fail(f"unknown positions {self.positions!r}; choose one of {', '.join(POSITIONS)}")
+        if self.context_tokens is not None and (
+            not _is_int(self.context_tokens) or self.context_tokens <= 0
+        ):
+            fail(f"context_tokens must be a positive integer or null, got {self.context_tokens!r}")
         if not self.rotary_base > 0:
             fail(f"rotary_base must be positive, got {self.rotary_base!r}")
         if not self.layer_norm_eps > 0:

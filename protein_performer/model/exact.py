@@ -63,6 +63,10 @@ def exact_attention_map(
     return torch.nan_to_num(w, nan=0.0)
 
 
+#: Most mask entries one SDPA call of :meth:`ExactAttention.extend` builds (64 Mi booleans).
+_MASK_ELEMENTS = 1 << 26
+
+
 class KVCache(NamedTuple):
     """RNN-mode state of exact causal attention: every key and value so far (a KV cache).
 
@@ -179,6 +183,58 @@ class ExactAttention(nn.Module):
         mask = keep[:, None, None, :]  # (B, 1, 1, T+1)
         out = F.scaled_dot_product_attention(q_t[:, :, None], k, v, attn_mask=mask)[:, :, 0]
         return KVCache(k, v, keep), out
+
+    @torch.no_grad()
+    def extend(
+        self,
+        state: KVCache | None,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        key_padding_mask: Tensor | None = None,
+        return_state: bool = False,
+    ) -> tuple[Tensor, KVCache | None]:
+        """Causal outputs (B, H, L, dv) of new tokens q, k, v (B, H, L, d) after the cache
+        ``state`` (batch 1, broadcast over B, or B; None: the parallel forward), and the cache
+        after them if ``return_state``. ``state`` is never written.
+
+        The new tokens attend over concat(cache, new): the cache fully visible (its pads
+        excluded), causal among the new tokens. Right padding of the new tokens needs no mask
+        of its own (a real query never reaches a later key), so the common case is one
+        (L, T + L) mask shared by the batch.
+        """
+        self._check_causal()
+        if state is None:
+            out = self.forward(q, k, v, key_padding_mask)
+            new = self.initial_state(k, v, key_padding_mask) if return_state else None
+            return out, new
+        B, H, L, _ = q.shape
+        T = state.k.shape[-2]
+        kk = torch.cat([state.k.expand(B, -1, -1, -1), k], dim=2)  # (B, H, T + L, d)
+        vv = torch.cat([state.v.expand(B, -1, -1, -1), v], dim=2)
+        new_keep = (
+            torch.ones(B, L, dtype=torch.bool, device=q.device)
+            if key_padding_mask is None
+            else ~key_padding_mask.bool()
+        )
+        keep = torch.cat([state.keep.expand(B, -1), new_keep], dim=1)  # (B, T + L)
+        shared = bool(state.keep.all()) and bool((new_keep[:, 1:] <= new_keep[:, :-1]).all())
+        # Queries in blocks so that a mask stays under _MASK_ELEMENTS (a long prefill segment
+        # after a long cache would otherwise need an L x (T + L) mask); block [a, b) reads the
+        # keys before T + b only.
+        block = max(1, _MASK_ELEMENTS // (T + L))
+        outs = []
+        for a in range(0, L, block):
+            b = min(L, a + block)
+            causal = torch.ones(b - a, T + b, dtype=torch.bool, device=q.device).tril_(T + a)
+            mask = causal if shared else causal & keep[:, None, None, : T + b]  # (B|1,1,W,T+b)
+            outs.append(
+                F.scaled_dot_product_attention(
+                    q[:, :, a:b], kk[:, :, : T + b], vv[:, :, : T + b], attn_mask=mask
+                )
+            )
+        out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)  # (B, H, L, dv)
+        return out, (KVCache(kk, vv, keep) if return_state else None)
 
     def attention_map(
         self,

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from protein_performer.model.attention import AttentionState, MultiHeadSelfAttention
+from protein_performer.model.attention import AttentionState, MultiHeadSelfAttention, Positions
 from protein_performer.model.config import PerformerConfig
 
 
@@ -37,9 +37,14 @@ class TransformerLayer(nn.Module):
         padding_mask: torch.Tensor | None,
         need_weights: bool,
         heads: Sequence[int] | None,
+        positions: Positions = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         attn_out, weights = self.self_attn(
-            self.self_attn_layer_norm(x), padding_mask, need_weights=need_weights, heads=heads
+            self.self_attn_layer_norm(x),
+            padding_mask,
+            need_weights=need_weights,
+            heads=heads,
+            positions=positions,
         )
         return self._feed_forward(x + self.dropout(attn_out)), weights
 
@@ -48,10 +53,26 @@ class TransformerLayer(nn.Module):
         return x + self.dropout(self.fc2(h))
 
     def prefill(
-        self, x: torch.Tensor, padding_mask: torch.Tensor | None
+        self, x: torch.Tensor, padding_mask: torch.Tensor | None, positions: Positions = None
     ) -> tuple[torch.Tensor, AttentionState]:
         """The block over a prompt (B, L, D), plus its attention state (RNN mode, inference)."""
-        attn_out, state = self.self_attn.prefill(self.self_attn_layer_norm(x), padding_mask)
+        attn_out, state = self.self_attn.prefill(
+            self.self_attn_layer_norm(x), padding_mask, positions
+        )
+        return self._feed_forward(x + attn_out), state
+
+    def extend(
+        self,
+        x: torch.Tensor,
+        state: AttentionState | None,
+        positions: Positions,
+        padding_mask: torch.Tensor | None,
+        return_state: bool,
+    ) -> tuple[torch.Tensor, AttentionState | None]:
+        """The block for new tokens (B, L, D) after ``state`` (read only; inference)."""
+        attn_out, state = self.self_attn.extend(
+            self.self_attn_layer_norm(x), state, positions, padding_mask, return_state
+        )
         return self._feed_forward(x + attn_out), state
 
     def step(
@@ -69,15 +90,17 @@ class TransformerLayer(nn.Module):
         padding_mask: torch.Tensor | None = None,
         need_weights: bool = False,
         heads: Sequence[int] | None = None,
+        positions: Positions = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """``x`` (B, L, D) -> (B, L, D) and the attention map (B, H', L, L) if ``need_weights``.
 
         With ``gradient_checkpointing`` (and only when a backward pass can follow) the block's
         activations are recomputed in backward; non-reentrant checkpointing replays dropout with
-        the saved RNG state, so gradients equal the unchecked ones.
+        the saved RNG state, so gradients equal the unchecked ones. ``positions``: rotary
+        positions (None: the row's own; see ``attention.Positions``).
         """
         if self.gradient_checkpointing and self.training and torch.is_grad_enabled():
             return checkpoint(
-                self._block, x, padding_mask, need_weights, heads, use_reentrant=False
+                self._block, x, padding_mask, need_weights, heads, positions, use_reentrant=False
             )
-        return self._block(x, padding_mask, need_weights, heads)
+        return self._block(x, padding_mask, need_weights, heads, positions)

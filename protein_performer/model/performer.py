@@ -15,10 +15,11 @@ import torch
 from torch import nn
 
 from protein_performer.errors import UserError
-from protein_performer.model.attention import AttentionState
+from protein_performer.model.attention import AttentionState, Positions
 from protein_performer.model.config import PerformerConfig
 from protein_performer.model.heads import LMHead
 from protein_performer.model.layers import TransformerLayer
+from protein_performer.model.rotary import member_positions
 
 #: ESM-2's training mask rate times its <mask> share (15% selected, 80% of them -> <mask>).
 _MASK_RATIO_TRAIN = 0.15 * 0.8
@@ -85,6 +86,15 @@ class PerformerLM(nn.Module):
             resolved.add(j)
         return resolved
 
+    def rotary_positions(self, tokens: torch.Tensor, offset: int = 0) -> Positions:
+        """The rotary positions of tokens (B, L) whose first token sits at row position
+        ``offset``: None for a row of its own in "sequence" mode (the fast path, today's
+        numbers), the offset when continuing a row, per-token positions (B, L) restarting at
+        every ``<cls>`` in "member" mode (``offset`` then applies before the first ``<cls>``)."""
+        if self.config.positions == "member":
+            return member_positions(tokens, self.config.cls_idx, offset)
+        return offset or None
+
     def embed(self, tokens: torch.Tensor, padding_mask: torch.Tensor) -> torch.Tensor:
         """Token embeddings with ESM-2's token dropout and zeroed padding, (B, T) -> (B, T, D)."""
         x = self.embed_tokens(tokens)
@@ -127,6 +137,7 @@ class PerformerLM(nn.Module):
                 )
 
         x = self.embed(tokens, padding_mask)  # (B, T, D)
+        positions = self.rotary_positions(tokens)
         hidden: dict[int, torch.Tensor] = {}
         if 0 in want_hidden:
             hidden[0] = x
@@ -135,7 +146,13 @@ class PerformerLM(nn.Module):
         maps: dict[int, torch.Tensor] = {}
         depth = len(self.layers)
         for i, layer in enumerate(self.layers, start=1):
-            x, weights = layer(x, attn_mask, need_weights=i in want_attn, heads=attention_heads)
+            x, weights = layer(
+                x,
+                attn_mask,
+                need_weights=i in want_attn,
+                heads=attention_heads,
+                positions=positions,
+            )
             if weights is not None:
                 maps[i] = weights
             if i in want_hidden and i != depth:
@@ -169,11 +186,47 @@ class PerformerLM(nn.Module):
         if padding_mask is None:
             padding_mask = tokens.eq(self.config.pad_idx)
         x = self.embed(tokens, padding_mask)  # (B, T, D)
+        positions = self.rotary_positions(tokens)
         states = []
         for layer in self.layers:
-            x, state = layer.prefill(x, padding_mask if padding_mask.any() else None)
+            x, state = layer.prefill(x, padding_mask if padding_mask.any() else None, positions)
             states.append(state)
         return self.lm_head(self.emb_layer_norm_after(x)), states
+
+    @torch.no_grad()
+    def extend(
+        self,
+        tokens: torch.Tensor,
+        states: Sequence[AttentionState] | None,
+        offset: int = 0,
+        padding_mask: torch.Tensor | None = None,
+        return_states: bool = False,
+    ) -> tuple[torch.Tensor, list[AttentionState] | None]:
+        """Causal forward of tokens (B, L), right-padded, continuing a row from per-layer
+        ``states`` (batch 1, broadcast over B, or B; None: a fresh row) that hold ``offset``
+        tokens -> logits (B, L, V) and, if ``return_states``, the states after the tokens.
+
+        Why: a family context is read once into states; every candidate then costs its own
+        tokens alone (FAVOR+: a fixed-size state; exact: its KV cache). The states are never
+        written in place, so one context serves any number of candidates. Equals the causal
+        forward of the whole row, up to float rounding.
+        """
+        self._require_causal()
+        if padding_mask is None:
+            padding_mask = tokens.eq(self.config.pad_idx)
+        padding_mask = padding_mask.to(device=tokens.device, dtype=torch.bool)
+        x = self.embed(tokens, padding_mask)  # (B, L, D)
+        positions = self.rotary_positions(tokens, offset)
+        if positions is None:
+            positions = 0
+        attn_mask = padding_mask if padding_mask.any() else None
+        layer_states = [None] * len(self.layers) if states is None else list(states)
+        new_states: list[AttentionState] = []
+        for layer, state in zip(self.layers, layer_states, strict=True):
+            x, state = layer.extend(x, state, positions, attn_mask, return_states)
+            new_states.append(state)
+        logits = self.lm_head(self.emb_layer_norm_after(x))
+        return logits, (new_states if return_states else None)
 
     @torch.no_grad()
     def step(

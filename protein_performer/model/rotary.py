@@ -87,14 +87,34 @@ class RotaryEmbedding(nn.Module):
     def at_positions(
         self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Rotate one token per row, q and k (B, H, 1, d), each row at its own position (B,).
+        """Rotate q and k at explicit positions: one token per row, q and k (B, H, 1, d) at
+        positions (B,), or every token, (B, H, L, d) at positions (B, L).
 
         RNN-mode decoding of prompts of different lengths puts every row at another position;
-        the rotation is the one :meth:`forward` gives that position in a whole sequence.
+        positions that restart at each family member (``PerformerConfig.positions="member"``)
+        put every token at its own. The rotation is the one :meth:`forward` gives that
+        position in a whole sequence (the same table entries).
         """
         compute = torch.promote_types(k.dtype, torch.float32)
         cos, sin = self.tables(int(positions.max()) + 1, k.device, compute)
-        cos, sin = cos[positions][:, None, None], sin[positions][:, None, None]  # (B, 1, 1, d)
+        if positions.ndim == 2:
+            cos, sin = cos[positions][:, None], sin[positions][:, None]  # (B, 1, L, d)
+        else:
+            cos, sin = cos[positions][:, None, None], sin[positions][:, None, None]  # (B,1,1,d)
         q_rot = apply_rotary(q.to(compute), cos, sin).to(q.dtype)
         k_rot = apply_rotary(k.to(compute), cos, sin).to(k.dtype)
         return q_rot, k_rot
+
+
+def member_positions(tokens: torch.Tensor, cls_idx: int, offset: int = 0) -> torch.Tensor:
+    """Rotary positions (B, L) that restart at 0 at every ``<cls>`` of tokens (B, L).
+
+    Why: in a row of family members ``<cls> m1 <eos> <cls> m2 <eos> ...`` each member then
+    sees the positions a lone sequence sees (PoET's within-sequence positions), derived from
+    the tokens so the data needs no position field. Tokens before the row's first ``<cls>``
+    continue from ``offset`` (the position of the first token within its member).
+    """
+    L = tokens.shape[-1]
+    idx = torch.arange(L, device=tokens.device)
+    start = torch.where(tokens == cls_idx, idx, -1).cummax(-1).values  # (B, L) last <cls> <= t
+    return torch.where(start >= 0, idx - start, idx + offset)

@@ -307,6 +307,67 @@ class FavorAttention(nn.Module):
             out = yq[:, :-1] / safe_denominator(yq[:, -1:])
         return new_state, out.reshape(B, H, -1).to(q_t.dtype)
 
+    @torch.no_grad()
+    def extend(
+        self,
+        state: FavorState | None,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        key_padding_mask: Tensor | None = None,
+        return_state: bool = False,
+    ) -> tuple[Tensor, FavorState | None]:
+        """Causal outputs (B, H, L, dv) of new tokens q, k, v (B, H, L, d) after ``state``
+        (batch 1, broadcast over B, or B; None: the parallel forward), and the state after
+        them if ``return_state``. ``state`` is never written.
+
+        Chunk by chunk (``chunk_size`` tokens): token t's sums are the state's term
+        qf_t . S exp(mu_S - mu_t) plus the chunk's causal terms (qf_t . kf_j) exp(mu_j - mu_t),
+        mu the running key max continued from the state's (no future information, every
+        factor <= 1), normalized by the same sums of [v | 1]; the chunk is then absorbed into
+        S for the next one. Padded keys (key_padding_mask (B, L), True = pad) add nothing.
+        """
+        self._check_causal()
+        if state is None:
+            out = self.forward(q, k, v, key_padding_mask)
+            new = self.initial_state(k, v, key_padding_mask) if return_state else None
+            return out, new
+        B, H, L, _ = q.shape
+        with torch.autocast(device_type=q.device.type, enabled=False):
+            dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
+            x, y, vv = (t.to(dtype) for t in (q, k, v))  # (B, H, L, d)
+            keep = None
+            if key_padding_mask is not None:
+                keep = (~key_padding_mask.bool())[:, None, :].expand(B, H, L)  # (B, H, L)
+            fmap = self._feature_map(x)
+            kv, mu = state.kv.to(x), state.mu.to(x)  # (B | 1, H, M, dv+1), (B | 1, H)
+            outs = []
+            for a in range(0, L, self.chunk_size):
+                sl = slice(a, min(L, a + self.chunk_size))
+                ys, ks = y[..., sl, :], None if keep is None else keep[..., sl]
+                logits = fmap.key_logits(ys, ks)
+                mu_t = running_max(logits, mu)  # (B, H, C): the max over the state and keys <= t
+                if mu_t is None:  # relu: no stabilizer
+                    mu_t = mu[..., None].expand(B, H, ys.shape[-2])
+                kf = fmap.keys(ys, logits, mu_t[..., None], ks)  # (B, H, C, M), relative to mu_t
+                qf, _ = fmap.queries(x[..., sl, :])  # (B, H, C, M)
+                vx = torch.cat([vv[..., sl, :], vv.new_ones(B, H, ys.shape[-2], 1)], dim=-1)
+                decay = mu_t[..., None, :] - mu_t[..., :, None]  # (B, H, t, j): mu_j - mu_t
+                tril = torch.ones_like(decay, dtype=torch.bool).tril_()
+                w = (qf @ kf.mT) * decay.masked_fill_(~tril, float("-inf")).exp_()  # (B,H,C,C)
+                num = (qf @ kv) * torch.exp(mu[..., None] - mu_t)[..., None]  # (B, H, C, dv+1)
+                num = num + w @ vx
+                outs.append(num[..., :-1] / safe_denominator(num[..., -1:]))
+                if sl.stop < L or return_state:  # absorb the chunk, relative to its last mu
+                    last = mu_t[..., -1]  # (B, H)
+                    kf = kf * torch.exp(mu_t - last[..., None])[..., None]
+                    kv = kv * torch.exp(mu - last)[..., None, None] + kf.mT @ vx
+                    mu = last
+            out = torch.cat(outs, dim=-2).to(q.dtype)  # (B, H, L, dv)
+        if not return_state:
+            return out, None
+        return out, FavorState(kv.expand(B, *kv.shape[1:]), mu.expand(B, H))
+
     def map_blocks(self, q: Tensor, k: Tensor, L: int, window: int) -> FavorMapBlocks:
         """One head's implied map between the L residues of ``<cls> residues <eos>``, q, k
         (1, 1, L + 2, d), rows normalized over all tokens, as blocks; window (rows per sweep of

@@ -1,0 +1,269 @@
+#!/usr/bin/env python
+"""Family-context scoring: cost per candidate after a context of T tokens, FAVOR+ vs exact.
+
+The ESM-2 8M shape (6 layers, dim 320, 20 heads, ffn 1280), causal, random weights, the default
+config (FAVOR+ softmax, m = 48) and its exact twin (SDPA with a KV cache). Per context length T
+(random 300-aa members ``<cls> m <eos>`` up to T tokens) and thread count, in a fresh process
+per (attention, threads, T) case:
+
+* build: ``lm.context(members)``, one prefill (s);
+* per candidate: ``lm.score(candidates, context=ctx)`` over ``--candidates`` random 300-aa
+  candidates (default budget of 4,096 tokens per batch; the exact twin's budget counts the
+  context each candidate attends, so it scores one at a time at long T), total / count;
+* concatenation: one causal forward of context + candidate per candidate, which is what a
+  model without a reusable state does (``--rerun-reps`` timings, best kept);
+* peak RSS of the whole process (context build included) and of the scoring phase alone.
+
+Targets (issue 21): FAVOR+ per-candidate time at 64k / at 1k <= 1.3x; >= 20x faster per
+candidate than the exact twin (with its KV cache) at 16k; peak memory of scoring 1,000
+candidates at 64k < 1 GiB.
+
+Examples::
+
+    python scripts/bench_context.py --quick
+    python scripts/bench_context.py --threads 1 2 --out .bench/context
+    python scripts/bench_context.py --lengths 1024 16384 --impls favor --candidates 1000
+"""
+
+from __future__ import annotations
+
+import csv
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import _common as common
+
+SHAPE = {"dim": 320, "depth": 6, "heads": 20, "ff_dim": 1280}
+MEMBER = 300  # residues per context member and per candidate
+FIELDS = (
+    "impl",
+    "threads",
+    "tokens",
+    "status",
+    "build_s",
+    "ms_per_candidate",
+    "rerun_ms_per_candidate",
+    "candidates",
+    "context_kib",
+    "peak_rss_mib",
+    "score_peak_mib",
+    "note",
+)
+
+
+def _lm(attention: str) -> Any:
+    import torch
+
+    from protein_performer.data.tokenizer import Alphabet
+    from protein_performer.inference.api import ProteinLM
+    from protein_performer.interop.loading import LoadedModel
+    from protein_performer.model.config import PerformerConfig
+    from protein_performer.model.performer import PerformerLM
+
+    torch.manual_seed(0)
+    config = PerformerConfig(**SHAPE, objective="clm", attention=attention)
+    model = PerformerLM(config).eval()
+    return ProteinLM(
+        LoadedModel(model, config, Alphabet(), Path("random"), torch.device("cpu"), "memory")
+    )
+
+
+def _sequences(n: int, seed: int, last: int = MEMBER) -> list[str]:
+    """n random sequences of MEMBER residues, the last one of ``last``."""
+    import numpy as np
+
+    from protein_performer.data.tokenizer import STANDARD_AA
+
+    rng = np.random.default_rng(seed)
+    sizes = [MEMBER] * (n - 1) + [last] if n else []
+    return ["".join(rng.choice(list(STANDARD_AA), size=size)) for size in sizes]
+
+
+def _family(tokens: int, seed: int) -> list[str]:
+    """Members ``<cls> m <eos>`` of MEMBER residues filling exactly ``tokens`` tokens (the
+    last one shorter)."""
+    full, rest = divmod(tokens, MEMBER + 2)
+    if rest >= 3:
+        return _sequences(full + 1, seed, last=rest - 2)
+    return _sequences(full, seed)
+
+
+def run_case(case: dict[str, Any]) -> None:
+    """Child: one (impl, threads, tokens) case; emits one RESULT line."""
+    import torch
+
+    torch.set_num_threads(case["threads"])
+    row: dict[str, Any] = {k: case.get(k) for k in ("impl", "threads", "tokens")}
+    limit = int(case["mem_limit_gib"] * 2**30) if case["mem_limit_gib"] else None
+    with common.PeakSampler(limit) as sampler, torch.inference_mode():
+        lm = _lm(case["impl"])
+        members = _family(case["tokens"], case["seed"])
+        candidates = _sequences(case["candidates"], case["seed"] + 1)
+        lm.context(members[:2])  # warm-up (tables, allocator)
+        t0 = time.perf_counter()
+        ctx = lm.context(members, max_tokens=case["tokens"])
+        row["build_s"] = time.perf_counter() - t0
+        row["tokens"], row["context_kib"] = ctx.n_tokens, ctx.nbytes / 2**10
+        lm.score(candidates[:1], context=ctx)  # warm-up
+        peak = common.start_phase(sampler, torch.device("cpu"))
+        t0 = time.perf_counter()
+        lm.score(candidates, context=ctx)
+        row["ms_per_candidate"] = 1e3 * (time.perf_counter() - t0) / len(candidates)
+        row["score_peak_mib"] = peak() / 2**20
+        row["candidates"] = len(candidates)
+        if case["rerun_reps"]:
+            row["rerun_ms_per_candidate"] = 1e3 * _rerun(lm, members, candidates[0], case)
+        row["peak_rss_mib"] = max(sampler.peak, common.maxrss_bytes()) / 2**20
+    row["status"] = "ok"
+    common.emit(row)
+
+
+def _rerun(lm: Any, members: list[str], candidate: str, case: dict[str, Any]) -> float:
+    """Best time of one causal forward over context + candidate (no reusable state)."""
+    import torch
+
+    a = lm.alphabet
+    ids: list[int] = []
+    for s in [*members, candidate]:
+        ids += [a.cls_idx, *a.encode(s).tolist(), a.eos_idx]
+    tokens = torch.tensor([ids])
+    times = []
+    for _ in range(case["rerun_reps"]):
+        t0 = time.perf_counter()
+        lm.model(tokens)
+        times.append(time.perf_counter() - t0)
+    return min(times)
+
+
+def run_parent(args: Any) -> int:
+    rows: list[dict[str, Any]] = []
+    for threads in args.threads:
+        for impl in args.impls:
+            for tokens in args.lengths:
+                exact = impl == "exact"
+                n = args.exact_candidates if exact else args.candidates
+                reps = args.rerun_reps if not exact or tokens <= args.exact_rerun_max else 0
+                case = {
+                    "impl": impl,
+                    "threads": threads,
+                    "tokens": tokens,
+                    "candidates": n,
+                    "rerun_reps": reps,
+                    "seed": args.seed,
+                    "mem_limit_gib": args.mem_limit_gib or common.default_mem_limit_gib(),
+                }
+                if exact and tokens > args.exact_max:
+                    rows.append({**case, "status": "skipped", "note": "> --exact-max"})
+                    continue
+                print(f"case {impl} threads={threads} T={tokens} ...", file=sys.stderr)
+                results, note = common.spawn_case(__file__, case, args.timeout)
+                row = results[-1] if results else {**case, "status": "failed"}
+                row["note"] = note or row.get("note", "")
+                rows.append(row)
+                print(f"  {row}", file=sys.stderr)
+    with (args.out / "context.csv").open("w", newline="") as fh:
+        writer = csv.DictWriter(fh, fieldnames=FIELDS, extrasaction="ignore")
+        writer.writeheader()
+        writer.writerows(rows)
+    report = _report(rows, args)
+    (args.out / "context.md").write_text(report)
+    print(report)
+    return 0
+
+
+def _get(rows: list[dict], impl: str, threads: int, tokens: int, key: str) -> float | None:
+    for r in rows:
+        key_row = (r["impl"], r["threads"], r.get("tokens"))
+        if key_row == (impl, threads, tokens) and r.get("status") == "ok":
+            return r.get(key)
+    return None
+
+
+def _fmt(x: float | None, spec: str = ".1f") -> str:
+    return "" if x is None else format(x, spec)
+
+
+def _report(rows: list[dict[str, Any]], args: Any) -> str:
+    lines = [f"{SHAPE}, causal, default config, {MEMBER}-aa members and candidates", ""]
+    lengths = sorted({int(r["tokens"]) for r in rows if r.get("status") == "ok"})
+    for threads in args.threads:
+        lines += [
+            f"threads {threads}",
+            "",
+            "| context tokens | FAVOR+ build s | FAVOR+ ms/cand | exact build s | "
+            "exact (KV cache) ms/cand | exact / FAVOR+ | FAVOR+ concat ms/cand | "
+            "concat / FAVOR+ | exact concat ms/cand | FAVOR+ state KiB | exact cache KiB |",
+            "|---|---|---|---|---|---|---|---|---|---|---|",
+        ]
+        for T in lengths:
+            f = {k: _get(rows, "favor", threads, T, k) for k in FIELDS}
+            e = {k: _get(rows, "exact", threads, T, k) for k in FIELDS}
+            fm, em, fr = f["ms_per_candidate"], e["ms_per_candidate"], f["rerun_ms_per_candidate"]
+            lines.append(
+                f"| {T} | {_fmt(f['build_s'], '.2f')} | {_fmt(fm)} | {_fmt(e['build_s'], '.2f')} "
+                f"| {_fmt(em)} | {_fmt(em / fm if em and fm else None, '.1f')}x | {_fmt(fr)} | "
+                f"{_fmt(fr / fm if fr and fm else None, '.1f')}x | "
+                f"{_fmt(e['rerun_ms_per_candidate'])} | {_fmt(f['context_kib'], '.0f')} | "
+                f"{_fmt(e['context_kib'], '.0f')} |"
+            )
+        lines.append("")
+        if lengths:
+            lo, hi = lengths[0], lengths[-1]
+            a = _get(rows, "favor", threads, lo, "ms_per_candidate")
+            b = _get(rows, "favor", threads, hi, "ms_per_candidate")
+            if a and b:
+                lines.append(
+                    f"FAVOR+ per candidate at {hi} / at {lo}: {b / a:.2f}x (target <= 1.3x at "
+                    f"64k / 1k): {common.verdict(b / a <= 1.3)}"
+                )
+            mid = 16384 if 16384 in lengths else max(t for t in lengths if t <= 16384)
+            fm = _get(rows, "favor", threads, mid, "ms_per_candidate")
+            em = _get(rows, "exact", threads, mid, "ms_per_candidate")
+            if fm and em:
+                lines.append(
+                    f"exact / FAVOR+ per candidate at {mid}: {em / fm:.1f}x (target >= 20x at "
+                    f"16k): {common.verdict(em / fm >= 20)}"
+                )
+            peak = _get(rows, "favor", threads, hi, "peak_rss_mib")
+            n = _get(rows, "favor", threads, hi, "candidates")
+            if peak:
+                lines.append(
+                    f"FAVOR+ peak RSS, {n} candidates at {hi} (build included): {peak:.0f} MiB "
+                    f"(target < 1024 MiB at 64k): {common.verdict(peak < 1024)}"
+                )
+        lines.append("")
+    skipped = [r for r in rows if r.get("status") != "ok"]
+    for r in skipped:
+        lines.append(
+            f"{r['impl']} threads={r['threads']} T={r['tokens']}: {r['status']} "
+            f"{r.get('note', '')}"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def main() -> int:
+    p = common.bench_parser(__doc__, "", ".bench/context")
+    p.add_argument("--lengths", type=int, nargs="+", default=[1024, 4096, 16384, 65536])
+    p.add_argument("--impls", nargs="+", default=["favor", "exact"], choices=("favor", "exact"))
+    p.add_argument("--threads", type=int, nargs="+", default=[1, 2])
+    p.add_argument("--candidates", type=int, default=1000, help="FAVOR+ candidates per case")
+    p.add_argument("--exact-candidates", type=int, default=8, help="exact candidates per case")
+    p.add_argument("--exact-max", type=int, default=65536, help="longest exact context")
+    p.add_argument("--rerun-reps", type=int, default=1, help="concatenation forwards timed")
+    p.add_argument(
+        "--exact-rerun-max", type=int, default=16384, help="longest exact concatenation timed"
+    )
+    p.add_argument("--timeout", type=float, default=3600.0, help="seconds per case")
+    common.add_mem_limit_arg(p)
+    common.add_final_args(p, "two short contexts, a few candidates, 1 thread: a smoke run")
+    args = p.parse_args()
+    if args.quick:
+        args.lengths, args.threads = [1024, 4096], [1]
+        args.candidates, args.exact_candidates, args.timeout = 16, 2, 600.0
+    return common.dispatch(args, run_case, run_parent)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,221 @@
+"""Family context (inference/context.py, PerformerLM.extend, the cores' extend): scoring after
+a cached context equals the causal forward of the concatenated row; the context is immutable
+and of fixed size for FAVOR+; masked models refuse one; generation after it is seeded."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from protein_performer.data.tokenizer import STANDARD_AA, Alphabet
+from protein_performer.errors import UserError
+from protein_performer.inference.api import ProteinLM
+from protein_performer.inference.context import FamilyContext
+from protein_performer.interop.loading import LoadedModel
+from protein_performer.model.config import PerformerConfig
+from protein_performer.model.favor import KERNELS
+from protein_performer.model.performer import PerformerLM
+from protein_performer.model.rotary import member_positions
+
+FAMILY = [
+    ("h1", "MKTAYIAKQRQISFVKSHFSRQ"),
+    ("h2", "MKTAYLAKQRQISFVKSHFARQLEE"),
+    ("h3", "MRTAYIAKQRQLSFVKSHF"),
+]
+CANDIDATES = ["MKTAYIAKQRQISFVKSHFSRQ", "MKSAYIAKQ", "MKTAYIAKQRQISWVKSHFSRQAAG"]
+VARIANTS = [(a, k) for a in ("favor", "exact") for k in (KERNELS if a == "favor" else ["-"])]
+
+
+def tiny_lm(
+    attention: str = "favor",
+    kernel: str = "softmax",
+    positions: str = "sequence",
+    objective: str = "clm",
+    seed: int = 0,
+    chunk: int | None = 8,
+) -> ProteinLM:
+    torch.manual_seed(seed)
+    config = PerformerConfig(
+        dim=32,
+        depth=2,
+        heads=4,
+        ff_dim=64,
+        objective=objective,
+        attention=attention,
+        kernel=kernel if attention == "favor" else "softmax",
+        nb_features=16,
+        positions=positions,
+        favor_chunk_size=chunk,
+    )
+    model = PerformerLM(config).eval()
+    for layer in model.layers:  # a stabilizer that matters: softmax_opt's fixed statistic
+        core = layer.self_attn.core
+        if hasattr(core, "oprf_rho"):
+            core.oprf_rho.fill_(0.7)
+    loaded = LoadedModel(model, config, Alphabet(), Path("tiny"), torch.device("cpu"), "memory")
+    return ProteinLM(loaded)
+
+
+def concatenated_scores(lm: ProteinLM, family: list[tuple[str, str]], seq: str) -> float:
+    """Mean log-likelihood of seq's residues and <eos> in one causal forward of the row."""
+    a = lm.alphabet
+    ids: list[int] = []
+    for _, s in family:
+        ids += [a.cls_idx, *a.encode(s).tolist(), a.eos_idx]
+    start = len(ids)
+    ids += [a.cls_idx, *a.encode(seq).tolist(), a.eos_idx]
+    tokens = torch.tensor([ids])
+    with torch.inference_mode():
+        lp = torch.log_softmax(lm.model(tokens).logits[0].float(), -1)  # (T, V)
+    picked = lp[start : len(ids) - 1].gather(-1, tokens[0, start + 1 :, None])[:, 0]
+    return float(picked.mean())
+
+
+@pytest.mark.parametrize("positions", ["sequence", "member"])
+@pytest.mark.parametrize(("attention", "kernel"), VARIANTS)
+def test_context_scores_equal_the_concatenated_forward(attention, kernel, positions):
+    lm = tiny_lm(attention, kernel, positions)
+    ctx = lm.context(FAMILY)
+    got = lm.score(CANDIDATES, context=ctx)
+    want = [concatenated_scores(lm, FAMILY, s) for s in CANDIDATES]
+    np.testing.assert_allclose(got, want, atol=1e-4, rtol=0)
+    # and the context matters: without it the numbers differ
+    assert not np.allclose(lm.score(CANDIDATES), got, atol=1e-4)
+
+
+@pytest.mark.parametrize("attention", ["favor", "exact"])
+def test_extend_in_segments_equals_one_forward(attention):
+    """The model-level primitive: a row read in pieces from states equals the row at once,
+    also for a batch of continuations with right padding (the state broadcast over it)."""
+    lm = tiny_lm(attention, chunk=4)
+    model, a = lm.model, lm.alphabet
+    row = torch.tensor([[a.cls_idx, *a.encode("MKTAYIAKQRQISFVKSHF").tolist(), a.eos_idx]])
+    with torch.inference_mode():
+        whole = model(row).logits
+        first, states = model.extend(row[:, :9], None, 0, return_states=True)
+        second, _ = model.extend(row[:, 9:], states, 9)
+        torch.testing.assert_close(torch.cat([first, second], 1), whole, atol=1e-5, rtol=1e-5)
+        batch = torch.full((2, 12), a.pad_idx)
+        batch[0, :12] = row[0, 9:]
+        batch[1, :5] = row[0, 9:14]
+        both, _ = model.extend(batch, states, 9)
+        torch.testing.assert_close(both[0], whole[0, 9:], atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(both[1, :5], whole[0, 9:14], atol=1e-5, rtol=1e-5)
+
+
+def test_member_positions_restart_at_every_cls():
+    tokens = torch.tensor([[5, 6, 0, 7, 8, 2, 0, 9, 2]])
+    assert member_positions(tokens, 0, offset=3).tolist() == [[3, 4, 0, 1, 2, 3, 0, 1, 2]]
+    lm = tiny_lm(positions="member")
+    one = lm.alphabet.encode_batch(["MKTAYIAKQ"])
+    seq = tiny_lm(positions="sequence")
+    with torch.inference_mode():  # a lone sequence: the same positions in both modes
+        torch.testing.assert_close(lm.model(one).logits, seq.model(one).logits, atol=0, rtol=0)
+
+
+def test_config_positions_default_and_old_checkpoints():
+    config = PerformerConfig()
+    assert config.positions == "sequence" and config.context_tokens is None
+    old = {k: v for k, v in config.to_dict().items() if k not in ("positions", "context_tokens")}
+    assert PerformerConfig.from_dict(old).positions == "sequence"
+    with pytest.raises(UserError, match="positions"):
+        PerformerConfig(positions="row").validate()
+
+
+@pytest.mark.parametrize("attention", ["favor", "exact"])
+def test_context_is_immutable(attention):
+    lm = tiny_lm(attention)
+    ctx = lm.context(FAMILY)
+    before = [t.clone() for s in ctx.states for t in s]
+    first = lm.score(CANDIDATES[:1], context=ctx)[0]
+    rng = np.random.default_rng(0)
+    many = ["".join(rng.choice(list(STANDARD_AA), size=rng.integers(3, 9))) for _ in range(1000)]
+    scores = lm.score(many, toks_per_batch=2048, context=ctx)
+    assert np.isfinite(scores).all()
+    lm.generate(n=2, max_length=6, context=ctx, seed=1)
+    last = lm.score(CANDIDATES[:1], context=ctx)[0]
+    assert first == last
+    after = [t for s in ctx.states for t in s]
+    assert all(torch.equal(x, y) for x, y in zip(before, after, strict=True))
+
+
+def test_favor_context_bytes_do_not_grow_with_the_context():
+    lm = tiny_lm("favor", chunk=None)
+    rng = np.random.default_rng(0)
+
+    def family(tokens: int) -> list[str]:
+        n = tokens // 100
+        return ["".join(rng.choice(list(STANDARD_AA), size=98)) for _ in range(n)]
+
+    small, large = lm.context(family(1000)), lm.context(family(64000))
+    assert small.n_tokens == 1000 and large.n_tokens == 64000
+    assert small.nbytes == large.nbytes > 0
+    exact = tiny_lm("exact")
+    assert exact.context(family(1000)).nbytes > small.nbytes  # a KV cache grows instead
+
+
+def test_max_tokens_drops_whole_members_and_reports(caplog):
+    lm = tiny_lm()
+    with caplog.at_level("WARNING"):
+        ctx = lm.context(FAMILY, max_tokens=60)
+    assert ctx.members == ("h1", "h2") and ctx.dropped == ("h3",) and ctx.n_tokens == 24 + 27
+    assert "1 of 3 homolog(s) left out" in caplog.text
+    with pytest.raises(UserError, match="smaller than the first homolog"):
+        lm.context(FAMILY, max_tokens=10)
+
+
+def test_context_from_a_fasta_file(tmp_path):
+    fasta = tmp_path / "family.fasta"
+    fasta.write_text("".join(f">{rid} some description\n{seq}\n" for rid, seq in FAMILY))
+    lm = tiny_lm()
+    ctx = lm.context(fasta)
+    assert isinstance(ctx, FamilyContext) and ctx.members == ("h1", "h2", "h3")
+    np.testing.assert_array_equal(
+        lm.score(CANDIDATES, context=ctx), lm.score(CANDIDATES, context=lm.context(FAMILY))
+    )
+
+
+def test_masked_model_refuses_a_context():
+    lm = tiny_lm(objective="mlm")
+    with pytest.raises(UserError, match="masked LM .* needs a causal model"):
+        lm.context(FAMILY)
+
+
+def test_score_variants_with_context_is_the_difference_of_scores():
+    lm = tiny_lm()
+    ctx = lm.context(FAMILY)
+    wt = CANDIDATES[0]
+    got = lm.score_variants(wt, ["wt", "K2R", "M1A:K2R"], context=ctx)
+    ll = {}
+    for s in (wt, "M" + "R" + wt[2:], "A" + "R" + wt[2:]):
+        ll[s] = lm.score(s, context=ctx)[0] * (len(s) + 1)
+    assert got[0] == 0.0
+    np.testing.assert_allclose(
+        got[1:], [ll["MR" + wt[2:]] - ll[wt], ll["AR" + wt[2:]] - ll[wt]], atol=1e-4
+    )
+    assert not np.allclose(got, lm.score_variants(wt, ["wt", "K2R", "M1A:K2R"]), atol=1e-6)
+
+
+@pytest.mark.parametrize("attention", ["favor", "exact"])
+def test_generate_with_context_is_seeded_and_standard(attention):
+    lm = tiny_lm(attention)
+    ctx = lm.context(FAMILY)
+    one = lm.generate(n=4, max_length=20, context=ctx, seed=3, batch_size=4)
+    again = lm.generate(n=4, max_length=20, context=ctx, seed=3, batch_size=1)
+    assert one == again
+    assert all(set(s) <= set(STANDARD_AA) and 1 <= len(s) <= 20 for s in one)
+    assert one != lm.generate(n=4, max_length=20, seed=3, batch_size=4)
+
+
+def test_exact_extend_in_query_blocks(monkeypatch):
+    """A long prefill segment after a long cache attends in query blocks (bounded masks)."""
+    from protein_performer.model import exact
+
+    lm = tiny_lm("exact")
+    want = lm.score(CANDIDATES, context=lm.context(FAMILY))
+    monkeypatch.setattr(exact, "_MASK_ELEMENTS", 200)
+    got = lm.score(CANDIDATES, context=lm.context(FAMILY))
+    np.testing.assert_allclose(got, want, atol=1e-5, rtol=0)
