@@ -219,3 +219,64 @@ def test_exact_extend_in_query_blocks(monkeypatch):
     monkeypatch.setattr(exact, "_MASK_ELEMENTS", 200)
     got = lm.score(CANDIDATES, context=lm.context(FAMILY))
     np.testing.assert_allclose(got, want, atol=1e-5, rtol=0)
+
+
+def test_cli_context_flags(tmp_path, capsys):
+    """`score`, `score-variants` and `generate` with --context read the family once and give
+    the API's numbers; --max-context-tokens alone and a masked model are one error line."""
+    import csv
+
+    from protein_performer.cli.main import main
+    from protein_performer.interop.loading import export_model
+
+    lm = tiny_lm()
+    ckpt = export_model(lm.loaded, tmp_path / "clm")
+    homologs = tmp_path / "homologs.fasta"
+    homologs.write_text("".join(f">{i}\n{s}\n" for i, s in FAMILY))
+    cands = tmp_path / "cands.fasta"
+    cands.write_text("".join(f">c{i}\n{s}\n" for i, s in enumerate(CANDIDATES)))
+    out = tmp_path / "s.csv"
+    argv = ["score", str(ckpt), str(cands), str(out), "--context", str(homologs), "--no-progress"]
+    assert main([*argv, "--device", "cpu"]) == 0
+    assert "context: 3 homolog(s)" in capsys.readouterr().err
+    with open(out, newline="") as fh:
+        got = [float(r["mean_log_likelihood"]) for r in csv.DictReader(fh)]
+    ctx = lm.context(str(homologs))
+    want = lm.score(CANDIDATES, strategy="causal", context=ctx)
+    assert np.allclose(got, want, atol=1e-5)
+    assert not np.allclose(got, lm.score(CANDIDATES, strategy="causal"), atol=1e-3)
+
+    wt = tmp_path / "wt.fasta"
+    wt.write_text(f">wt\n{CANDIDATES[0]}\n")
+    dms = tmp_path / "dms.csv"
+    dms.write_text("mutant\nK2R\nT3S\n")
+    v = tmp_path / "v.csv"
+    argv = ["score-variants", str(ckpt), str(wt), str(dms), str(v), "--context", str(homologs)]
+    assert main([*argv, "--device", "cpu"]) == 0
+    with open(v, newline="") as fh:
+        scores = [float(r["causal"]) for r in csv.DictReader(fh)]
+    want = lm.score_variants(CANDIDATES[0], ["K2R", "T3S"], context=ctx)
+    assert np.allclose(scores, want, atol=1e-5)
+
+    g = tmp_path / "g.fasta"
+    argv = ["generate", str(ckpt), str(g), "--num", "2", "--max-length", "12"]
+    assert main([*argv, "--context", str(homologs), "--max-context-tokens", "30"]) == 0
+    assert "1 homolog(s), 24 tokens" in capsys.readouterr().err  # h1 only: 22 aa + 2
+    assert g.read_text().count(">") == 2
+
+    capsys.readouterr()
+    assert (
+        main(
+            ["score", str(ckpt), str(cands), str(tmp_path / "x.csv"), "--max-context-tokens", "9"]
+        )
+        == 2
+    )
+    assert capsys.readouterr().err.startswith("error: --max-context-tokens needs --context")
+    mlm = export_model(tiny_lm(objective="mlm").loaded, tmp_path / "mlm")
+    assert (
+        main(["score", str(mlm), str(cands), str(tmp_path / "y.csv"), "--context", str(homologs)])
+        == 2
+    )
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and "Traceback" not in err
+    assert not (tmp_path / "y.csv").exists()

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 from collections.abc import Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -19,6 +20,7 @@ from protein_performer.errors import UserError
 
 if TYPE_CHECKING:
     from protein_performer.inference.api import ProteinLM
+    from protein_performer.inference.context import FamilyContext
 
 ON_INVALID_HELP = "invalid FASTA records: stop with an error (default) or skip them"
 TOKS_PER_BATCH_HELP = "token budget per pass (default: 4096)"
@@ -146,3 +148,40 @@ def pick_strategy(lm: ProteinLM, strategy: str | None, masked: str) -> str:
     """``strategy`` if given, else ``causal`` for causal-LM models and ``masked`` for masked-LM
     ones: the name a command reports, chosen as the API chooses it."""
     return strategy or ("causal" if lm.objective == "clm" else masked)
+
+
+def add_context(p: argparse.ArgumentParser) -> None:
+    """``--context`` / ``--max-context-tokens``: a family read once as context (causal models)."""
+    p.add_argument(
+        "--context",
+        metavar="HOMOLOGS",
+        default=None,
+        help="FASTA of homologs (e.g. from `protein-performer homologs`; - reads standard input) "
+        "read once as family context: each sequence is treated as the family's next member "
+        "(causal models)",
+    )
+    p.add_argument(
+        "--max-context-tokens",
+        type=int,
+        default=None,
+        metavar="N",
+        help="context tokens kept, whole homologs in order (default: the trained row length "
+        "when the checkpoint records it, else all; longer is allowed: a FAVOR+ model's cost "
+        "per sequence does not grow with it)",
+    )
+
+
+def load_context(lm: ProteinLM, args: argparse.Namespace) -> FamilyContext | None:
+    """The family context ``--context`` names, read once and reported in one line; None without
+    it (``--max-context-tokens`` alone is refused: it would silently do nothing)."""
+    if args.context is None:
+        if args.max_context_tokens is not None:
+            raise UserError("--max-context-tokens needs --context HOMOLOGS.fasta")
+        return None
+    ctx = lm.context(args.context, max_tokens=args.max_context_tokens)
+    left = f", {len(ctx.dropped)} left out by the token limit" if ctx.dropped else ""
+    print(
+        f"context: {len(ctx.members)} homolog(s), {ctx.n_tokens} tokens from {args.context}{left}",
+        file=sys.stderr,
+    )
+    return ctx

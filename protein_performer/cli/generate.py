@@ -8,9 +8,11 @@ import sys
 from protein_performer.cli._common import (
     add_ckpt,
     add_command,
+    add_context,
     add_model_options,
     add_no_progress,
     check_output,
+    load_context,
     load_lm,
 )
 
@@ -80,6 +82,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         metavar="B",
         help="sequences decoded together (memory, not results; default: 8)",
     )
+    add_context(p)
     add_no_progress(p)
     add_model_options(p)
     p.set_defaults(func=run)
@@ -89,8 +92,9 @@ def run(args: argparse.Namespace) -> int:
     from protein_performer.io.atomic import text_output
     from protein_performer.io.progress import progress
 
-    check_output(args.out, [args.ckpt], args.overwrite)
+    check_output(args.out, [args.ckpt, args.context], args.overwrite)
     lm = load_lm(args)
+    context = load_context(lm, args)
     samples = lm.iter_generate(
         n=args.num,
         max_length=args.max_length,
@@ -101,13 +105,14 @@ def run(args: argparse.Namespace) -> int:
         top_p=args.top_p,
         seed=args.seed,
         batch_size=args.batch_size,
+        context=context,
     )
     with (
         text_output(args.out) as fh,
         progress(args.num, "seq", "generate", not args.no_progress) as bar,
     ):
         for g in samples:
-            mean_ll = float(lm.score([g.sequence], strategy="causal")[0])
+            mean_ll = float(lm.score([g.sequence], strategy="causal", context=context)[0])
             fh.write(
                 f">gen{g.index} index={g.index} seed={g.seed} length={len(g.sequence)} "
                 f"ended={g.ended} mean_log_likelihood={mean_ll:.6f}\n{g.sequence}\n"

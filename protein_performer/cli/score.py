@@ -9,9 +9,11 @@ from protein_performer.cli._common import (
     FASTA_OR_STORE_HELP,
     add_ckpt,
     add_command,
+    add_context,
     add_fasta_run_options,
     add_model_options,
     check_output,
+    load_context,
     load_lm,
     pick_strategy,
 )
@@ -34,6 +36,7 @@ EPILOG = """\
 examples:
   protein-performer score mlm.ckpt proteins.fasta scores.csv
   protein-performer score clm.ckpt proteins.fasta scores.tsv --strategy causal --device cuda
+  protein-performer score clm.ckpt candidates.fasta scores.csv --context homologs.fasta
 """
 
 
@@ -50,6 +53,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         default=None,
         help="default: pseudo-ppl for masked-LM, causal for causal-LM checkpoints",
     )
+    add_context(p)
     add_fasta_run_options(p)
     add_model_options(p)
     p.set_defaults(func=run)
@@ -58,8 +62,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     from protein_performer.inference.scoring import score_fasta
 
-    check_output(args.out, [args.ckpt, args.fasta], args.overwrite)
+    check_output(args.out, [args.ckpt, args.fasta, args.context], args.overwrite)
     lm = load_lm(args)
+    context = load_context(lm, args)
     strategy = pick_strategy(lm, args.strategy, "pseudo-ppl")
     summary = score_fasta(
         lm,
@@ -69,6 +74,7 @@ def run(args: argparse.Namespace) -> int:
         toks_per_batch=args.toks_per_batch,
         on_invalid=args.on_invalid,
         progress=not args.no_progress,
+        context=context,
     )
     print(
         f"scored {summary.num_records} record(s) with {strategy}: mean log-likelihood per "

@@ -8,10 +8,12 @@ import sys
 from protein_performer.cli._common import (
     add_ckpt,
     add_command,
+    add_context,
     add_model_options,
     add_no_progress,
     add_toks_per_batch,
     check_output,
+    load_context,
     load_lm,
     pick_strategy,
 )
@@ -72,6 +74,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     )
     add_toks_per_batch(p)
     p.add_argument("--limit-rows", type=int, default=None, help="score only the first N rows")
+    add_context(p)
     add_no_progress(p)
     add_model_options(p)
     p.set_defaults(func=run)
@@ -80,8 +83,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     from protein_performer.inference.scoring import score_variants_file
 
-    check_output(args.out, [args.ckpt, args.wt, args.mutations], args.overwrite)
+    check_output(args.out, [args.ckpt, args.wt, args.mutations, args.context], args.overwrite)
     lm = load_lm(args)
+    context = load_context(lm, args)
     strategy = pick_strategy(lm, args.strategy, "masked-marginals")
     summary = score_variants_file(
         lm,
@@ -96,6 +100,7 @@ def run(args: argparse.Namespace) -> int:
         toks_per_batch=args.toks_per_batch,
         limit_rows=args.limit_rows,
         progress=not args.no_progress,
+        context=context,
     )
     say = sys.stderr if args.out == "-" else sys.stdout  # stdout may be the table itself
     where = "standard output" if args.out == "-" else summary.out
