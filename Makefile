@@ -2,6 +2,8 @@
 # Each creates or reuses .venv and installs what it needs (CPU torch 2.13.0; see README for GPU).
 # pytest's exit status passes through unchanged: 5 (no tests collected) fails, since both
 # targets expect tests (skipped tests still count as collected).
+# `make test` skips tests marked slow (benchmarks, scripts end to end, multi-process runs) and
+# prints the 15 slowest; `make test-slow` runs only those.
 PY ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
@@ -25,7 +27,7 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(BIN)/ruff check protein_performer tests scripts examples
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q --durations=15
 
 test-slow: $(STAMP)
 	$(BIN)/python -m pytest -q -m slow

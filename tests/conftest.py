@@ -8,24 +8,26 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 
 RunScript = Callable[..., subprocess.CompletedProcess]
 
 
-@pytest.fixture
-def one_thread() -> Iterator[None]:
-    """One intra-op thread for the test (modules opt in with ``usefixtures``).
+@pytest.fixture(autouse=True)
+def torch_threads(request: pytest.FixtureRequest) -> Iterator[int]:
+    """One intra-op thread per test unless it asks for more with ``@pytest.mark.threads(n)``;
+    the previous setting is restored afterwards, also when the code under test changed it.
 
     Tiny models gain nothing from intra-op threads, and on a loaded machine OpenMP spinning
-    makes each op ~100x slower; the previous setting is restored afterwards.
+    makes each op ~100x slower.
     """
-    import torch
-
+    marker = request.node.get_closest_marker("threads")
+    threads = int(marker.args[0]) if marker else 1
     before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
+    torch.set_num_threads(threads)
+    yield threads
     torch.set_num_threads(before)
 
 

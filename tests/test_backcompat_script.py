@@ -12,6 +12,11 @@ import json
 import math
 from pathlib import Path
 
+import pytest
+
+# Trains, swaps and fine-tunes in a subprocess; tests/test_scripts.py checks its CLI by default.
+pytestmark = pytest.mark.slow
+
 ROOT = Path(__file__).resolve().parents[1]
 DEMO = ROOT / "data" / "demo" / "train.fasta"
 QUICK = ["--quick", "--threads", "1", "--data", str(DEMO)]

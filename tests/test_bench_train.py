@@ -13,7 +13,8 @@ from pathlib import Path
 
 import pytest
 
-pytest.importorskip("psutil", reason="the benchmark's memory sampler needs psutil")
+# Each benchmark case is a fresh interpreter; tests/test_scripts.py checks every CLI by default.
+pytestmark = pytest.mark.slow
 
 
 @pytest.mark.parametrize("script", ["bench_train.py", "quality_study.py"])

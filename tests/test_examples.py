@@ -7,12 +7,15 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from protein_performer.interop.loading import export_model
 from tests.test_embedding import tiny_loaded
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
+@pytest.mark.slow  # the example end to end in its own interpreter; test_api covers its calls
 def test_quickstart(tmp_path: Path) -> None:
     mlm = export_model(tiny_loaded("mlm"), tmp_path / "mlm")
     clm = export_model(tiny_loaded("clm"), tmp_path / "clm")

@@ -9,6 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "scripts" / "gpu_check.sh"
 
@@ -19,6 +21,7 @@ def _run(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, env=env, timeout=900)
 
 
+@pytest.mark.slow  # every benchmark, each case a fresh interpreter
 def test_quick_cpu_run_prints_the_ratio_table(tmp_path: Path) -> None:
     proc = _run("--device", "cpu", "--quick", "--out", str(tmp_path))
     assert proc.returncode == 0, proc.stderr[-3000:]

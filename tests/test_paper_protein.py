@@ -34,7 +34,6 @@ BUDGETED = [
 ]
 
 
-@pytest.mark.usefixtures("one_thread")
 def test_cpu_budget_stops_training_and_logs_validations(tmp_path: Path) -> None:
     """2 CPU-seconds of training: stops there (not at max_steps), validates at the stop too,
     and the logged training time excludes validation."""
@@ -98,6 +97,7 @@ def test_unigram_baseline_positions_and_values() -> None:
     assert mlm["tokens"] == masked > 0
 
 
+@pytest.mark.slow  # own interpreter; tests/test_scripts.py checks every script's --help at once
 def test_help(run_script) -> None:
     out = run_script("paper_protein.py", "--help").stdout
     assert "CPU time" in out and "--quick" in out and "--trainer" in out

@@ -307,6 +307,7 @@ def fork_workers(monkeypatch: pytest.MonkeyPatch) -> None:
         monkeypatch.setattr(pp, "_START_METHOD", "fork")
 
 
+@pytest.mark.slow  # worker processes; test_workers_give_byte_identical_store is the fast check
 @pytest.mark.usefixtures("fork_workers")
 def test_workers_report_the_first_error_in_file_order(tmp_path: Path) -> None:
     # Errors in later ranges, the earliest one first in file order; duplicates across ranges
@@ -334,6 +335,7 @@ def test_workers_report_the_first_error_in_file_order(tmp_path: Path) -> None:
     assert "binary data" in msgs["binary"] and f"binary.fasta:{nul_line}:" in msgs["binary"]
 
 
+@pytest.mark.slow  # worker processes
 @pytest.mark.usefixtures("fork_workers")
 def test_workers_skip_mode_matches(tmp_path: Path) -> None:
     fa = tmp_path / "bad.fasta"

@@ -17,6 +17,9 @@ from protein_performer.cli.main import main
 REPO = Path(__file__).resolve().parents[1]
 DEMO = REPO / "data" / "demo" / "train.fasta"
 
+# Kill loops and racing runs, each a preprocess subprocess with worker processes.
+pytestmark = pytest.mark.slow
+
 # Many small byte ranges on two spawned workers: the run lasts long enough to be killed inside.
 SLOW_RUN = """
 import sys

@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from protein_performer.io.progress import LineProgress, progress
 from tests.test_train import TINY
 
@@ -33,6 +35,7 @@ def test_line_progress_prints_at_most_every_interval(monkeypatch, capsys) -> Non
     assert capsys.readouterr().err == ""
 
 
+@pytest.mark.slow  # a training subprocess
 def test_training_log_gets_lines_not_bar_redraws(tmp_path: Path) -> None:
     overrides = [o for o in TINY if "progress_bar" not in o]
     argv = [
@@ -63,6 +66,7 @@ def test_training_log_gets_lines_not_bar_redraws(tmp_path: Path) -> None:
     assert any(line.startswith("done: step 6/6") for line in err.splitlines())
 
 
+@pytest.mark.slow  # an embedding subprocess
 def test_inference_log_is_small(tmp_path: Path) -> None:
     """A whole embed run shorter than the interval leaves one progress line, its summary."""
     from protein_performer.interop.loading import export_model

@@ -107,6 +107,30 @@ def _is_training(line: str) -> bool:
     return line.startswith("protein-performer train ")
 
 
+def test_readme_lines_parse(tmp_path: Path, capsys) -> None:
+    """The fast check of every line run below: its subcommand and flags parse as ``main`` parses
+    them, and a training line's overrides compose, without running anything."""
+    from protein_performer.cli.main import build_parser
+    from protein_performer.training.compose import compose_config
+
+    parser, values = build_parser(), {"dir": str(ROOT), "CKPT": "m.ckpt", "CLM_CKPT": "c.ckpt"}
+    checked = 0
+    for line in readme_lines():
+        if skipped(line):
+            continue
+        argv = fill(line, values)
+        try:
+            args, extra = parser.parse_known_args(argv)
+        except SystemExit:
+            pytest.fail(f"{line}\n{capsys.readouterr().err}")
+        assert not extra or getattr(args, "accepts_overrides", False), (line, extra)
+        if _is_training(line):
+            compose_config(argv[1:], output_dir=tmp_path)
+        checked += 1
+    assert checked >= 10
+
+
+@pytest.mark.slow  # every line in turn (minutes); test_readme_lines_parse is the fast check
 def test_readme_inference_and_data_lines_run(scratch: dict, monkeypatch, capsys) -> None:
     """Inference and data lines in this process (the CLI's own entry point; no interpreter
     start-up per line), in order, in the scratch checkout; `train ... debug=fdr` as a process."""

@@ -25,9 +25,6 @@ WT = "MKTAYIAKQRQISFVKSHFSRQ"
 SHARED = Path(__file__).resolve().parents[1] / ".." / "shared" / "data" / "dms"
 
 
-pytestmark = pytest.mark.usefixtures("one_thread")
-
-
 def read_csv(path: Path, delimiter: str = ",") -> list[list[str]]:
     with open(path, newline="", encoding="utf-8") as fh:
         return list(csv.reader(fh, delimiter=delimiter))

@@ -122,7 +122,8 @@ def test_short_run_writes_checkpoints_metrics_and_tests(tmp_path: Path) -> None:
 
 
 def test_wandb_logger_offline(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    wandb = pytest.importorskip("wandb")
+    import wandb
+
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_DIR", str(tmp_path))
     monkeypatch.setenv("WANDB_SILENT", "true")
@@ -161,6 +162,7 @@ def test_cli_bad_override_is_a_clear_error(tmp_path: Path) -> None:
     assert not (tmp_path / "outputs").exists()  # rejected before Hydra made a run directory
 
 
+@pytest.mark.slow  # a training subprocess; test_cli_bad_override_is_a_clear_error is fast
 def test_cli_error_inside_the_run_is_a_clear_error(tmp_path: Path) -> None:
     # Raised inside the Hydra task (after Hydra made the run directory), not at composition.
     missing = tmp_path / "nope.ckpt"
@@ -230,6 +232,7 @@ def test_conf_dir_from_environment(tmp_path: Path, monkeypatch: pytest.MonkeyPat
         conf_dir()
 
 
+@pytest.mark.slow  # a training subprocess; test_wandb_logger_offline runs the logger in-process
 def test_wandb_without_an_account_is_one_error_line(tmp_path: Path) -> None:
     env = {k: v for k, v in os.environ.items() if not k.startswith("WANDB_")}
     env.update(HOME=str(tmp_path), OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
