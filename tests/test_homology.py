@@ -69,6 +69,7 @@ def clustered(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, dic
     return fasta, out, family
 
 
+@pytest.mark.slow  # MMseqs2 (~12 s fixed cost); the error paths below are the fast checks
 def test_cluster_split_keeps_near_duplicates_together(
     clustered: tuple[Path, Path, dict[str, int]], tmp_path: Path
 ) -> None:
@@ -90,6 +91,7 @@ def test_cluster_split_keeps_near_duplicates_together(
     assert any(len(c) > 1 for c in _splits_by_family(TokenStore(plain), family).values())
 
 
+@pytest.mark.slow  # a second MMseqs2 run (~12 s)
 def test_cluster_split_is_deterministic(
     clustered: tuple[Path, Path, dict[str, int]], tmp_path: Path
 ) -> None:
@@ -109,6 +111,7 @@ def test_cluster_split_is_deterministic(
         assert (again / name).read_bytes() == (store_dir / name).read_bytes(), name
 
 
+@pytest.mark.slow  # the MMseqs2-clustered store
 def test_stats_shows_the_ood_split(
     clustered: tuple[Path, Path, dict[str, int]], capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -193,3 +196,94 @@ def test_cli_rejects_bad_fractions(tmp_path: Path, capsys: pytest.CaptureFixture
     rc = main(["preprocess", str(fasta), "--out", str(tmp_path / "s"), "--ood-frac", "0.97"])
     err = capsys.readouterr().err.strip()
     assert rc == 2 and err.startswith("error: ood_frac + valid_frac + test_frac must be < 1")
+
+
+# ---- protein-performer homologs ------------------------------------------------------------
+def _records(path: Path) -> list[tuple[str, str]]:
+    """(header line, sequence) pairs of a FASTA file, parsed by hand (one line per sequence)."""
+    lines = path.read_text().splitlines()
+    return [(lines[i][1:], lines[i + 1]) for i in range(0, len(lines), 2)]
+
+
+def _query(tmp_path: Path, db: Path, rid: str) -> Path:
+    query = tmp_path / "query.fasta"
+    header, seq = next(r for r in _records(db) if r[0].split()[0] == rid)
+    query.write_text(f">{header}\n{seq}\n")
+    return query
+
+
+@pytest.mark.slow
+@needs_mmseqs
+def test_homologs_command_retrieves_the_family(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Real MMseqs2 on the planted families: family 5's query finds its two siblings (itself
+    left out), from a FASTA database and from a store, in both OUT spellings."""
+    db = tmp_path / "db.fasta"
+    family = _family_fasta(db)
+    query = _query(tmp_path, db, "tr|F05M0|F05M0_TEST")
+    siblings = {r for r, f in family.items() if f == 5} - {"tr|F05M0|F05M0_TEST"}
+    out = tmp_path / "hits.fasta"
+    assert main(["homologs", str(query), str(db), str(out), "--threads", "1"]) == 0
+    assert "wrote 2 homolog(s)" in capsys.readouterr().err
+    hits = _records(out)
+    by_id = {h.split()[0]: (h, s) for h, s in _records(db)}
+    assert {h.split()[0] for h, _ in hits} == siblings
+    assert all(by_id[h.split()[0]] == (h, s) for h, s in hits)  # headers and sequences as given
+
+    store = tmp_path / "store"
+    preprocess([db], store, progress=False)
+    out2 = tmp_path / "hits2.fasta"
+    argv = ["homologs", str(query), str(store), "--out", str(out2), "--keep-identical"]
+    assert main([*argv, "--max-seqs", "2", "--threads", "1"]) == 0
+    hits2 = _records(out2)
+    assert len(hits2) == 2 and hits2[0][0].split()[0] == "tr|F05M0|F05M0_TEST"  # best first
+    assert hits2[1][0].split()[0] in siblings
+    # Existing output: refused without --overwrite, before any search.
+    assert main([*argv, "--threads", "1"]) == 2
+    assert "already exists" in capsys.readouterr().err
+
+
+def test_homologs_never_writes_over_an_input(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    db = tmp_path / "db.fasta"
+    _family_fasta(db)
+    before = db.read_bytes()
+    query = _query(tmp_path, db, "tr|F01M0|F01M0_TEST")
+    assert main(["homologs", str(query), str(db), str(db), "--overwrite"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "never replaces an input" in err[0]
+    assert db.read_bytes() == before
+    assert main(["homologs", str(query), str(db)]) == 2
+    assert capsys.readouterr().err.startswith("error: no output given")
+
+
+def test_homologs_without_mmseqs_is_one_error_line(tmp_path: Path) -> None:
+    """The console script in a fresh process whose PATH has no mmseqs (nothing faked)."""
+    import subprocess
+    import sys
+
+    db = tmp_path / "db.fasta"
+    _family_fasta(db)
+    query = _query(tmp_path, db, "tr|F01M0|F01M0_TEST")
+    out = tmp_path / "hits.fasta"
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "protein_performer.cli.main",
+            "homologs",
+            str(query),
+            str(db),
+            str(out),
+        ],
+        env={"PATH": str(tmp_path), "HOME": str(tmp_path)},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    err = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and len(err) == 1, proc.stderr
+    assert err[0].startswith("error: homologs needs MMseqs2, but `mmseqs` is not on PATH")
+    assert "apt-get install mmseqs2" in err[0] and not out.exists()

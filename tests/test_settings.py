@@ -79,6 +79,7 @@ def test_documented_sentinels_and_defaults_pass(tmp_path: Path) -> None:
     check_training_config(compose_config([*BASE, *sentinels, *more], output_dir=tmp_path))
 
 
+@pytest.mark.slow  # a training subprocess; the in-process cases above are the fast check
 def test_cli_bad_value_exit_2_one_line(tmp_path: Path) -> None:
     cmd = [sys.executable, "-m", "protein_performer.cli.main", "train", *BASE]
     cmd += ["data.max_tokens=-1", f"hydra.run.dir={tmp_path / 'run'}"]

@@ -22,11 +22,13 @@ SUBCOMMAND_MODULES: tuple[str, ...] = (
     "stats",
     "homologs",
     "train",
+    "finetune",
     "eval",
     "embed",
     "score",
     "score_variants",
     "generate",
+    "predict",
     "export",
     "convert_esm",
     "contacts",
@@ -60,8 +62,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         level=logging.DEBUG if args.verbose else logging.INFO,
         format="%(levelname)s %(name)s: %(message)s",
     )
+    from protein_performer.cli._common import command_scope
+
     try:
-        return int(args.func(args) or 0)
+        with command_scope():  # output locks and a rank's process group end with the command
+            return int(args.func(args) or 0)
     except UserError as exc:
         if not getattr(exc, "quiet", False):  # a data-parallel rank other than 0 stays silent
             print(f"error: {exc}", file=sys.stderr)
@@ -75,6 +80,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         devnull = os.open(os.devnull, os.O_WRONLY)
         os.dup2(devnull, sys.stdout.fileno())
         return 0
+    except Exception as exc:  # a full disk outside the atomic writers: still one line
+        from protein_performer.io.atomic import disk_full_error, is_disk_full
+
+        if not is_disk_full(exc):
+            raise
+        where = getattr(exc, "filename", None) or getattr(exc, "filename2", None)
+        said = disk_full_error(where) if where else "no space left on device; free space"
+        print(f"error: {said}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

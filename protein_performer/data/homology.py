@@ -8,31 +8,39 @@ MMseqs2 is an optional external program, looked up on PATH; it is not a Python d
 
 from __future__ import annotations
 
+import hashlib
+import json
+import logging
 import os
 import shutil
 import subprocess
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from protein_performer.errors import UserError
+
+log = logging.getLogger(__name__)
 
 #: Alignment coverage of both sequences (MMseqs2's own default, stated so the metadata says it).
 COVERAGE = 0.8
-INSTALL_HINT = (
+INSTALL = (
     "install MMseqs2 (Debian/Ubuntu: apt-get install mmseqs2; conda: conda install -c bioconda "
-    "mmseqs2) or leave out --cluster-split"
+    "mmseqs2)"
 )
+INSTALL_HINT = f"{INSTALL} or leave out --cluster-split"
 
 
-def find_mmseqs() -> str:
-    """Path of the ``mmseqs`` executable, or one ``UserError`` saying how to get it."""
+def find_mmseqs(needs: str = "--cluster-split", hint: str = INSTALL_HINT) -> str:
+    """Path of the ``mmseqs`` executable, or one ``UserError`` naming what ``needs`` it and
+    how to get it."""
     exe = shutil.which("mmseqs")
     if exe is None:
-        raise UserError(
-            f"--cluster-split needs MMseqs2, but `mmseqs` is not on PATH: {INSTALL_HINT}"
-        )
+        raise UserError(f"{needs} needs MMseqs2, but `mmseqs` is not on PATH: {hint}")
     return exe
 
 
@@ -130,3 +138,452 @@ def cluster_sequences(
         "clustered_records": len(clusters),
     }
     return clusters, meta
+
+
+# --------------------------------------------------------------------------------------------
+# Families for training rows (data.layout=family), built inside one split
+# --------------------------------------------------------------------------------------------
+#: How families are built: ``search`` (each record's MMseqs2 hits in its split, as PoET builds
+#: its sets: one family per record, families overlap) or ``cluster`` (a lower-identity
+#: clustering of the split: each record in exactly one family).
+FAMILY_METHODS: tuple[str, ...] = ("search", "cluster")
+#: Subdirectory of a store that caches its families (``preprocess --overwrite`` drops it with
+#: the store, so a cache never outlives the records it indexes).
+FAMILY_DIR = "families"
+#: Prefilter hits per query for ``search`` (MMseqs2's default): caps a family near 300.
+FAMILY_MAX_SEQS = 300
+_SEARCH_FORMAT = "query,target,fident,evalue,bits"
+
+
+class Families:
+    """Groups of record indices in CSR form: family ``f`` is ``members[offsets[f]:offsets[f+1]]``
+    and is named after record ``keys[f]`` (the cluster representative, or the search query).
+
+    Three flat int64 arrays, not a list of lists, so a UniRef-scale family table pickles into
+    DataLoader workers and loads from the cache without a Python object per member.
+    """
+
+    def __init__(
+        self,
+        keys: np.ndarray,
+        offsets: np.ndarray,
+        members: np.ndarray,
+        meta: dict[str, Any] | None = None,
+    ) -> None:
+        self.keys = np.asarray(keys, dtype=np.int64)
+        self.offsets = np.asarray(offsets, dtype=np.int64)
+        self.members = np.asarray(members, dtype=np.int64)
+        self.meta = dict(meta or {})
+        if len(self.offsets) != len(self.keys) + 1 or self.offsets[-1] != len(self.members):
+            raise ValueError("families: offsets must be (F + 1,) and end at len(members)")
+
+    @classmethod
+    def from_lists(
+        cls, groups: Sequence[Sequence[int]], keys: Sequence[int] | None = None, **meta: Any
+    ) -> Families:
+        """Families from lists of member indices (keys default to each list's first member)."""
+        sizes = np.fromiter(map(len, groups), dtype=np.int64, count=len(groups))
+        if np.any(sizes == 0):
+            raise ValueError("a family needs at least one member")
+        flat = [int(m) for g in groups for m in g]
+        offsets = np.concatenate(([0], np.cumsum(sizes))).astype(np.int64)
+        k = [int(g[0]) for g in groups] if keys is None else list(keys)
+        return cls(np.asarray(k, np.int64), offsets, np.asarray(flat, np.int64), meta)
+
+    def __len__(self) -> int:
+        return len(self.keys)
+
+    def __getitem__(self, f: int) -> np.ndarray:
+        return self.members[self.offsets[f] : self.offsets[f + 1]]
+
+    def sizes(self) -> np.ndarray:
+        """(F,) members per family."""
+        return np.diff(self.offsets)
+
+    def restrict(self, indices: np.ndarray) -> Families:
+        """The families over positions in ``indices`` (sorted record indices, e.g. a split
+        limited by ``data.limit_records``): members outside it are dropped, then empty
+        families; a family whose key was dropped is named after its first remaining member."""
+        indices = np.asarray(indices, dtype=np.int64)
+        members, inside = _positions(indices, self.members)
+        keys, key_in = _positions(indices, self.keys)
+        counts = np.bincount(
+            np.repeat(np.arange(len(self)), self.sizes())[inside], None, len(self)
+        )
+        members = members[inside]
+        keep = counts > 0
+        first = np.concatenate(([0], np.cumsum(counts)))[:-1][keep]
+        keys = np.where(key_in[keep], keys[keep], members[first])
+        offsets = np.concatenate(([0], np.cumsum(counts[keep]))).astype(np.int64)
+        return Families(keys, offsets, members, self.meta)
+
+    def save(self, path: Path) -> None:
+        """Write the arrays and the metadata (JSON) to ``path`` (.npz) atomically."""
+        from protein_performer.io.atomic import atomic_file
+
+        with atomic_file(path) as tmp, open(tmp, "wb") as fh:
+            np.savez(
+                fh,
+                keys=self.keys,
+                offsets=self.offsets,
+                members=self.members,
+                meta=np.array(json.dumps(self.meta, sort_keys=True)),
+            )
+
+    @classmethod
+    def load(cls, path: Path) -> Families:
+        with np.load(path, allow_pickle=False) as z:
+            return cls(z["keys"], z["offsets"], z["members"], json.loads(str(z["meta"])))
+
+
+def _positions(indices: np.ndarray, values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Position of each value in the sorted ``indices``, and whether it is there at all."""
+    if not len(indices):
+        return np.zeros(len(values), np.int64), np.zeros(len(values), bool)
+    pos = np.minimum(np.searchsorted(indices, values), len(indices) - 1)
+    return pos, indices[pos] == values
+
+
+def size_summary(sizes: np.ndarray) -> dict[str, Any]:
+    """Family-size distribution (what a layout=family run trains on), for logs and metadata."""
+    sizes = np.asarray(sizes, dtype=np.int64)
+    if not len(sizes):
+        return {"families": 0}
+    q = np.percentile(sizes, [50, 90, 99]).tolist()
+    return {
+        "families": int(len(sizes)),
+        "members": int(sizes.sum()),
+        "singletons": round(float(np.mean(sizes == 1)), 4),
+        "mean": round(float(sizes.mean()), 2),
+        "median": q[0],
+        "p90": q[1],
+        "p99": q[2],
+        "max": int(sizes.max()),
+    }
+
+
+def _run(cmd: list[str], what: str) -> None:
+    proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
+    if proc.returncode != 0:
+        tail = (proc.stderr or proc.stdout).strip().splitlines()[-3:]
+        raise UserError(
+            f"mmseqs {cmd[1]} failed (exit {proc.returncode}) on {what}: "
+            f"{' | '.join(tail) or 'no message'}"
+        )
+
+
+def search_command(
+    exe: str,
+    query: Path,
+    target: Path,
+    out: Path,
+    tmp: Path,
+    identity: float,
+    threads: int,
+    max_seqs: int = FAMILY_MAX_SEQS,
+    coverage: float = COVERAGE,
+) -> list[str]:
+    """The ``mmseqs easy-search`` call (tab-separated ``query target fident evalue bits``)."""
+    return [
+        exe,
+        "easy-search",
+        os.fspath(query),
+        os.fspath(target),
+        os.fspath(out),
+        os.fspath(tmp),
+        "--min-seq-id",
+        f"{identity:g}",
+        "-c",
+        f"{coverage:g}",
+        "--cov-mode",
+        "0",
+        "--max-seqs",
+        str(int(max_seqs)),
+        "--format-output",
+        _SEARCH_FORMAT,
+        "--threads",
+        str(max(1, threads)),
+        "-v",
+        "1",
+    ]
+
+
+def _read_hits(path: Path) -> dict[int, list[tuple[float, float, int, float]]]:
+    """``{query ordinal: [(evalue, -bits, target ordinal, fident), ...]}`` best first; ties
+    broken by target, so the order never depends on MMseqs2's threads."""
+    hits: dict[int, list[tuple[float, float, int, float]]] = {}
+    with path.open(encoding="ascii") as fh:
+        for line in fh:
+            q, t, fident, evalue, bits = line.rstrip("\n").split("\t")
+            hits.setdefault(int(q), []).append(
+                (float(evalue), -float(bits), int(t), float(fident))
+            )
+    for v in hits.values():
+        v.sort()
+    return hits
+
+
+def _write_ordinals(seqs: Iterable[str], out: Path) -> int:
+    n = 0
+    with out.open("w", encoding="ascii") as fh:
+        for n, s in enumerate(seqs, 1):
+            fh.write(f">{n - 1}\n{s}\n")
+    return n
+
+
+def build_families(
+    seqs: Sequence[str],
+    method: str = "search",
+    identity: float = 0.3,
+    threads: int = 1,
+) -> Families:
+    """Families over ``seqs`` (indices into it), by MMseqs2 ``search`` or ``cluster`` at
+    ``identity`` (coverage :data:`COVERAGE` of both sequences, as for the split); the result
+    depends only on the sequences and the parameters."""
+    if method not in FAMILY_METHODS:
+        raise UserError(f"unknown family method {method!r}: choose {' or '.join(FAMILY_METHODS)}")
+    if not 0.0 < identity <= 1.0:
+        raise UserError(f"family identity must be in (0, 1], got {identity}")
+    exe = find_mmseqs("data.layout=family", f"{INSTALL} or use data.layout=single")
+    meta: dict[str, Any] = {
+        "tool": f"mmseqs easy-{method}",
+        "version": mmseqs_version(exe),
+        "method": method,
+        "min_seq_id": identity,
+        "coverage": COVERAGE,
+        "cov_mode": 0,
+    }
+    if not seqs:
+        return Families(np.empty(0, np.int64), np.zeros(1, np.int64), np.empty(0, np.int64), meta)
+    with tempfile.TemporaryDirectory(prefix="pp_families_") as work:
+        fasta = Path(work) / "records.fasta"
+        _write_ordinals(seqs, fasta)
+        tmp = Path(work) / "tmp"
+        if method == "cluster":
+            prefix = Path(work) / "clu"
+            _run(cluster_command(exe, [fasta], prefix, tmp, identity, threads), "a split")
+            groups: dict[int, list[int]] = {}
+            with open(f"{prefix}_cluster.tsv", encoding="ascii") as fh:
+                for line in fh:
+                    rep, member = map(int, line.split("\t"))
+                    groups.setdefault(rep, []).append(member)
+            reps = sorted(groups)
+            lists = [[r, *sorted(m for m in groups[r] if m != r)] for r in reps]
+            families = Families.from_lists(lists, reps)
+        else:
+            meta["max_seqs"] = FAMILY_MAX_SEQS
+            hits_path = Path(work) / "hits.tsv"
+            _run(search_command(exe, fasta, fasta, hits_path, tmp, identity, threads), "a split")
+            hits = _read_hits(hits_path)
+            lists = []
+            for q in range(len(seqs)):
+                seen = {q}
+                fam = [q]
+                for _, _, t, _ in hits.get(q, ()):
+                    if t not in seen:
+                        seen.add(t)
+                        fam.append(t)
+                lists.append(fam)
+            families = Families.from_lists(lists)
+    meta["sizes"] = size_summary(families.sizes())
+    families.meta = meta
+    return families
+
+
+def _decoder(vocab: Sequence[str]) -> np.ndarray:
+    """Token id -> letter byte lookup table (specials, never stored as residues, map to X)."""
+    return np.frombuffer(
+        b"".join(t.encode("ascii") if len(t) == 1 else b"X" for t in vocab), dtype=np.uint8
+    )
+
+
+def _store_fingerprint(store: Any, indices: np.ndarray) -> str:
+    """Which records of which store a family cache indexes (their ids and lengths)."""
+    h = hashlib.blake2b(digest_size=16)
+    h.update(indices.astype("<i8").tobytes())
+    h.update(np.asarray(store.lengths)[indices].astype("<i4").tobytes())
+    for i in indices[:: max(1, len(indices) // 1000)].tolist():
+        h.update(store.id(i).encode("utf-8") + b"\n")
+    return h.hexdigest()
+
+
+def family_cache_path(store_dir: Path, split: str, method: str, identity: float) -> Path:
+    return Path(store_dir) / FAMILY_DIR / f"{split}.{method}.id{identity:g}.npz"
+
+
+def store_families(
+    store: Any,
+    split: str,
+    method: str = "search",
+    identity: float = 0.3,
+    threads: int = 1,
+) -> Families:
+    """Families of one split of a token store, over its global record indices.
+
+    Built from that split's records only, so a training family never holds a valid/test
+    record: the split (``preprocess --cluster-split``) kept clusters whole, and families
+    are a finer grouping inside one side of it. Cached under ``STORE/families/`` and reused
+    while it indexes the same records; a read-only store is searched again each time.
+    """
+    indices = np.asarray(store.indices(split), dtype=np.int64)
+    path = family_cache_path(store.path, split, method, identity)
+    fingerprint = _store_fingerprint(store, indices)
+    if path.is_file():
+        try:
+            cached = Families.load(path)
+        except (OSError, ValueError, KeyError) as exc:
+            log.warning("ignoring unreadable family cache %s (%s)", path, exc)
+        else:
+            if cached.meta.get("fingerprint") == fingerprint:
+                return cached
+    lut = _decoder(store.meta["vocab"])
+    seqs = [lut[store.tokens(int(i))].tobytes().decode("ascii") for i in indices]
+    local = build_families(seqs, method, identity, threads)
+    families = Families(
+        indices[local.keys],
+        local.offsets,
+        indices[local.members],
+        {**local.meta, "split": split, "fingerprint": fingerprint},
+    )
+    try:
+        path.parent.mkdir(exist_ok=True)
+        families.save(path)
+    except OSError as exc:
+        log.warning("could not cache families at %s (%s): they are rebuilt next time", path, exc)
+    log.info("%s families of %s (%s): %s", method, split, store.path, families.meta["sizes"])
+    return families
+
+
+# --------------------------------------------------------------------------------------------
+# Retrieval for users (``protein-performer homologs``)
+# --------------------------------------------------------------------------------------------
+#: Defaults match the training families, so retrieved context looks like a training row.
+HOMOLOG_MIN_SEQ_ID = 0.3
+HOMOLOG_MAX_SEQS = 500
+
+
+@dataclass(frozen=True)
+class Homolog:
+    """One database record found for the queries: its FASTA header line (without ``>``) and
+    sequence, and the best hit to any query."""
+
+    header: str
+    sequence: str
+    query: str
+    identity: float
+    evalue: float
+    bits: float
+
+
+def _fasta_records(path: Path, on_invalid: str) -> Iterator[tuple[str, str]]:
+    """(header line, sequence) of each valid record of a FASTA(.gz) file, streamed."""
+    from protein_performer.data.fasta import InvalidReport, read_fasta_blocks
+
+    for block in read_fasta_blocks(
+        path,
+        on_invalid=on_invalid,
+        report=InvalidReport(),
+        check_duplicates=False,  # type: ignore[arg-type]
+    ):
+        for rid, desc, seq in zip(block.ids, block.descs, block.seqs, strict=True):
+            yield (f"{rid} {desc}" if desc else rid), seq
+
+
+def find_homologs(
+    query: str | os.PathLike[str],
+    db: str | os.PathLike[str],
+    *,
+    max_seqs: int = HOMOLOG_MAX_SEQS,
+    min_seq_id: float = HOMOLOG_MIN_SEQ_ID,
+    threads: int = 1,
+    keep_identical: bool = False,
+    on_invalid: str = "error",
+) -> list[Homolog]:
+    """The database records MMseqs2 (``easy-search``) finds for the query FASTA, best first
+    (lowest E-value to any query, then highest bit score), at most ``max_seqs``.
+
+    ``db`` is a FASTA(.gz) file or a store from ``preprocess`` (every split: it is the user's
+    database, not a training run). A database record identical to a query (the query itself,
+    most often) is left out unless ``keep_identical``: as context it would only repeat the
+    query. The database is streamed twice (to MMseqs2, then for the hits' records), so its
+    size costs disk, not memory.
+    """
+    from protein_performer.data.store import TokenStore, is_store
+
+    query, db = Path(query), Path(db)
+    if max_seqs < 1:
+        raise UserError(f"--max-seqs must be at least 1, got {max_seqs}")
+    if not 0.0 <= min_seq_id <= 1.0:
+        raise UserError(f"--min-seq-id must be in [0, 1], got {min_seq_id}")
+    if not query.is_file():
+        raise UserError(f"{query}: no such file (expected the query FASTA)")
+    store = None
+    if db.is_dir():
+        if not is_store(db):
+            raise UserError(
+                f"{db} is a directory but not a store from `protein-performer preprocess`: "
+                "give a FASTA file or a store"
+            )
+        store = TokenStore(db)
+    elif not db.is_file():
+        raise UserError(f"{db}: no such file or store (expected a FASTA file or a store)")
+    exe = find_mmseqs("homologs", INSTALL)
+    queries = list(_fasta_records(query, on_invalid))
+    if not queries:
+        raise UserError(f"{query} holds no valid record: give at least one query sequence")
+    with tempfile.TemporaryDirectory(prefix="pp_homologs_") as work:
+        q_fasta, t_fasta = Path(work) / "query.fasta", Path(work) / "db.fasta"
+        _write_ordinals((s for _, s in queries), q_fasta)
+        if store is not None:
+            lut = _decoder(store.meta["vocab"])
+            n_db = _write_ordinals(
+                (lut[store.tokens(i)].tobytes().decode("ascii") for i in range(len(store))),
+                t_fasta,
+            )
+        else:
+            n_db = _write_ordinals((s for _, s in _fasta_records(db, on_invalid)), t_fasta)
+        if n_db == 0:
+            raise UserError(f"{db} holds no valid record to search")
+        out = Path(work) / "hits.tsv"
+        # The prefilter keeps max_seqs per query: one more, since the query may find itself.
+        cmd = search_command(
+            exe, q_fasta, t_fasta, out, Path(work) / "tmp", min_seq_id, threads, max_seqs + 1
+        )
+        _run(cmd, f"{query} against {db}")
+        best: dict[int, tuple[float, float, int, float, int]] = {}
+        for q, hits in _read_hits(out).items():
+            for evalue, neg_bits, t, fident in hits:
+                cand = (evalue, neg_bits, t, fident, q)
+                if t not in best or cand < best[t]:
+                    best[t] = cand
+    query_seqs = {s for _, s in queries}
+    ranked = sorted(best.values())
+    wanted = {c[2]: c for c in ranked}
+    found: dict[int, tuple[str, str]] = {}
+    if store is not None:
+        lut = _decoder(store.meta["vocab"])
+        for t in wanted:
+            found[t] = (store.header_line(t), lut[store.tokens(t)].tobytes().decode("ascii"))
+    else:
+        for t, rec in enumerate(_fasta_records(db, on_invalid)):
+            if t in wanted:
+                found[t] = rec
+    out_hits: list[Homolog] = []
+    for evalue, neg_bits, t, fident, q in ranked:
+        header, seq = found[t]
+        if not keep_identical and seq in query_seqs:
+            continue
+        qid = queries[q][0].split(maxsplit=1)[0]
+        out_hits.append(Homolog(header, seq, qid, fident, evalue, -neg_bits))
+        if len(out_hits) == max_seqs:
+            break
+    return out_hits
+
+
+def write_homologs(hits: Sequence[Homolog], out: str | os.PathLike[str]) -> None:
+    """The hits as FASTA, in order, with their own header lines (atomically; ``-``: stdout)."""
+    from protein_performer.io.atomic import text_output
+
+    with text_output(out) as fh:
+        for h in hits:
+            fh.write(f">{h.header}\n{h.sequence}\n")

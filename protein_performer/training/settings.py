@@ -27,11 +27,15 @@ DATA: dict[str, Rule] = {
     "valid_frac": _FRACTION,
     "test_frac": _FRACTION,
     "num_workers": Rule(int, 0),
-    "seed": Rule(int, nullable=True),
+    "seed": Rule(int, 0, 2**32 - 1, nullable=True),
     "on_invalid": Rule(str, choices=("error", "skip")),
     "pin_memory": Rule(bool),
     "limit_records": Rule(int, 1, nullable=True),
     "concat": Rule(bool),
+    "layout": Rule(str, choices=("single", "family")),
+    "family_max_tokens": Rule(int, 3),  # <cls> + one residue + <eos>
+    "family_method": Rule(str, choices=("search", "cluster")),
+    "family_identity": Rule(float, 0.0, 1.0, low_open=True),
 }
 
 OPTIM: dict[str, Rule] = {
@@ -94,8 +98,16 @@ def _plain(node: Any) -> Any:
     return node
 
 
+#: Top-level keys of ``train.yaml``. ``seed`` seeds numpy too, which takes [0, 2**32).
+TOP: dict[str, Rule] = {
+    "seed": Rule(int, 0, 2**32 - 1, nullable=True),
+    "overwrite": Rule(bool),
+}
+
+
 def check_training_config(cfg: Mapping[str, Any]) -> None:
     """The checks of every group a training run composes, first failure as a ``UserError``."""
+    check_group({k: cfg.get(k) for k in TOP if k in cfg}, "", TOP)
     check_group(_plain(cfg.get("data")), "data.", DATA)
     model = cfg.get("model") or {}
     optim = _plain(model.get("optim")) if isinstance(model, Mapping) else None

@@ -1,0 +1,95 @@
+"""``protein-performer homologs QUERY.fasta DB OUT.fasta``: retrieve a family context by search.
+
+PoET-style models read a protein's homologs as context; users without a homolog set get one
+here, as PoET's users retrieve theirs from UniRef with MMseqs2. The logic is
+``data.homology.find_homologs``; this module parses arguments and writes the file.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from protein_performer.cli._common import add_command, add_on_invalid, add_overwrite, check_output
+
+DESCRIPTION = """\
+Search the query sequence(s) against a database with MMseqs2 (`mmseqs easy-search`, which must
+be on PATH) and write the hits as FASTA, best first (lowest E-value to any query), each with its
+own header. A database record identical to a query is left out unless --keep-identical.
+The defaults (identity >= 0.3, coverage >= 0.8 of both sequences) are those of the training
+families of data.layout=family, so the retrieved context looks like a training row.
+"""
+EPILOG = """\
+examples:
+  protein-performer homologs query.fasta uniprot_sprot.fasta hits.fasta
+  protein-performer homologs query.fasta store/ --out hits.fasta --max-seqs 100 --min-seq-id 0.5
+"""
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    from protein_performer.data.homology import HOMOLOG_MAX_SEQS, HOMOLOG_MIN_SEQ_ID
+
+    p = add_command(
+        subparsers,
+        "homologs",
+        help="retrieve a query's homologs from a FASTA file or store with MMseqs2",
+        description=DESCRIPTION,
+        epilog=EPILOG,
+    )
+    p.add_argument("query", metavar="QUERY", help="query FASTA(.gz): one or more sequences")
+    p.add_argument("db", metavar="DB", help="database: a FASTA(.gz) file or a store directory")
+    p.add_argument("out", metavar="OUT", nargs="?", help="output FASTA; - for standard output")
+    p.add_argument("--out", dest="out_flag", metavar="OUT", help="the same as the positional OUT")
+    p.add_argument(
+        "--max-seqs",
+        type=int,
+        default=HOMOLOG_MAX_SEQS,
+        metavar="N",
+        help=f"write at most N hits (default {HOMOLOG_MAX_SEQS})",
+    )
+    p.add_argument(
+        "--min-seq-id",
+        type=float,
+        default=HOMOLOG_MIN_SEQ_ID,
+        metavar="X",
+        help=f"minimum sequence identity of a hit, in [0, 1] (default {HOMOLOG_MIN_SEQ_ID})",
+    )
+    p.add_argument(
+        "--threads", type=int, default=None, metavar="N", help="MMseqs2 threads (default: CPUs)"
+    )
+    p.add_argument(
+        "--keep-identical",
+        action="store_true",
+        help="keep database records identical to a query (left out by default)",
+    )
+    add_on_invalid(p)
+    add_overwrite(p, "OUT")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from protein_performer.data.homology import find_homologs, write_homologs
+    from protein_performer.data.preprocess import default_workers
+    from protein_performer.errors import UserError
+
+    if args.out and args.out_flag and args.out != args.out_flag:
+        raise UserError(f"two outputs given ({args.out} and --out {args.out_flag}): give one")
+    out = args.out or args.out_flag
+    if out is None:
+        raise UserError("no output given: add OUT.fasta (or --out OUT.fasta, - for stdout)")
+    if args.threads is not None and args.threads < 1:
+        raise UserError(f"--threads must be a positive integer, got {args.threads}")
+    check_output(out, [args.query, args.db], args.overwrite)
+    hits = find_homologs(
+        args.query,
+        args.db,
+        max_seqs=args.max_seqs,
+        min_seq_id=args.min_seq_id,
+        threads=args.threads or default_workers(),
+        keep_identical=args.keep_identical,
+        on_invalid=args.on_invalid,
+    )
+    write_homologs(hits, out)
+    where = "standard output" if out == "-" else out
+    print(f"wrote {len(hits)} homolog(s) -> {where}", file=sys.stderr)
+    return 0

@@ -1,0 +1,128 @@
+"""Family rows (``data.layout=family``): each training row is one family's members, PoET-style.
+
+A row is ``<cls> A... <eos> <cls> B... <eos> ...``: the members of one family
+(:class:`~protein_performer.data.homology.Families`) in a random order, each cropped to
+``max_len`` like a single-sequence item, added while they fit a row budget of ``row_tokens``.
+A family larger than a row is thus sampled (a new random subset every epoch); a small family
+makes a short row: small families are not packed together, since a row then mixes unrelated
+proteins and the context stops being a family (what the layout exists to teach).
+
+Items keep :class:`~protein_performer.data.dataset.ProteinDataset`'s contract (``tokens``,
+``targets``, ``id``), so the collator, the token-budget sampler and the Lightning module are
+unchanged; every random choice comes from ``np.random.default_rng([seed, epoch, index])``.
+``<cls>`` marks each member's start, which is all the model needs to place positions.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from protein_performer.data.dataset import Crop, Objective, ProteinDataset, RecordSource
+from protein_performer.data.homology import Families
+from protein_performer.data.masking import IGNORE_INDEX, causal_targets, mlm_mask
+from protein_performer.data.tokenizer import Alphabet
+from protein_performer.errors import UserError
+
+#: Default row budget: the Performer paper's concatenated rows, and PoET's context scale.
+DEFAULT_ROW_TOKENS = 8192
+
+
+class FamilyDataset(ProteinDataset):
+    """One item per family of ``families`` (indices into ``source``), built as described in
+    the module docstring.
+
+    Members are taken in a random order and skipped when they would overflow the row, so a
+    row fills up to ``row_tokens`` (only the tail of a full row favours short members).
+    Each member is cropped to ``min(max_len, row_tokens)`` tokens with ``crop`` (random
+    window in training, the N-terminus in evaluation). CLM targets run across the whole row
+    (the first residue of a member is predicted from the members before it), except where a
+    target says nothing: ``<eos>`` -> next ``<cls>`` (always the same) and the artificial ends
+    of a cropped member. MLM masks residues anywhere in the row, never the specials.
+    """
+
+    def __init__(
+        self,
+        source: RecordSource,
+        families: Families,
+        objective: Objective = "clm",
+        max_len: int = 1024,
+        row_tokens: int = DEFAULT_ROW_TOKENS,
+        crop: Crop = "random",
+        mlm_prob: float = 0.15,
+        seed: int = 0,
+        alphabet: Alphabet | None = None,
+    ) -> None:
+        if row_tokens < 3:
+            raise UserError(
+                f"data.family_max_tokens must be >= 3 (<cls>, one residue, <eos>), got "
+                f"{row_tokens}"
+            )
+        super().__init__(
+            source, objective, min(max_len, row_tokens), crop, mlm_prob, seed, alphabet
+        )
+        n = len(source)
+        if len(families.members) and (families.members.min() < 0 or families.members.max() >= n):
+            raise UserError(
+                f"the families index records outside the {n} of this split: rebuild them "
+                "(delete the store's families/ directory)"
+            )
+        self.families = families
+        self.row_tokens = int(row_tokens)
+
+    def __len__(self) -> int:
+        return len(self.families)
+
+    def model_lengths(self) -> np.ndarray:
+        """Upper bound of each row's width (all members, each cropped, capped at the budget):
+        the sampler packs batches with it; a sampled row is never longer."""
+        member = np.minimum(np.asarray(self.source.lengths, dtype=np.int64) + 2, self.max_len)
+        total = np.add.reduceat(member[self.families.members], self.families.offsets[:-1])
+        return np.minimum(total, self.row_tokens).astype(np.int32)
+
+    def row(self, index: int, epoch: int) -> tuple[np.ndarray, np.ndarray, list[int]]:
+        """The row's tokens (L,) int64 before masking, its CLM targets (L,), and the source
+        indices of its members in row order; the rng then goes on to mask (MLM)."""
+        rng = np.random.default_rng([self.seed, epoch, index])
+        members = self.families[index]
+        order = members[rng.permutation(len(members))]
+        a = self.alphabet
+        parts: list[np.ndarray] = []
+        ignore: list[int] = []  # row positions whose CLM target is meaningless
+        taken: list[int] = []
+        used = 0
+        for m in order.tolist():
+            width = min(self.source.length(m), self.max_len - 2) + 2
+            if used + width > self.row_tokens:
+                continue
+            residues = self.source.tokens(m)
+            start = self.crop_start(len(residues), rng)
+            window = np.asarray(residues[start : start + width - 2], dtype=np.int64)
+            if start > 0:
+                ignore.append(used)  # <cls> -> a residue mid-protein
+            if start + len(window) < len(residues):
+                ignore.append(used + width - 2)  # last residue -> an early <eos>
+            ignore.append(used + width - 1)  # <eos> -> the next <cls>
+            parts.append(np.concatenate(([a.cls_idx], window, [a.eos_idx])))
+            taken.append(m)
+            used += width
+            if self.row_tokens - used < 3:
+                break
+        tokens = np.concatenate(parts)  # (L,)
+        targets = causal_targets(tokens, a.pad_idx)
+        targets[ignore] = IGNORE_INDEX
+        return tokens, targets, taken
+
+    def __getitem__(self, key: int | tuple[int, int]) -> dict[str, Any]:
+        if isinstance(key, tuple):
+            index, epoch = int(key[0]), int(key[1])
+        else:
+            index, epoch = int(key), self.epoch
+        tokens, targets, _ = self.row(index, epoch)
+        if self.objective == "mlm":
+            # Its own stream, so the row's members do not depend on the objective.
+            rng = np.random.default_rng([self.seed, epoch, index, 1])
+            tokens, targets = mlm_mask(tokens, self.alphabet, rng, mask_prob=self.mlm_prob)
+        key_id = self.source.id(int(self.families.keys[index]))
+        return {"id": f"family:{key_id}", "tokens": tokens, "targets": targets}
