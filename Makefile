@@ -12,7 +12,7 @@ STAMP := $(VENV)/.installed
 # only the configured index is reachable, the second pip call falls back to it.
 TORCH_INDEX ?= https://download.pytorch.org/whl/cpu
 
-.PHONY: demo test test-slow lint bench-env clean-venv
+.PHONY: demo test test-slow test-browser lint bench-env clean-venv
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -31,6 +31,10 @@ test: $(STAMP)
 
 test-slow: $(STAMP)
 	$(BIN)/python -m pytest -q -m slow
+
+# The HTML report in real Chromium (slow-marked; skips where Debian's chromium is missing).
+test-browser: $(STAMP)
+	$(BIN)/python -m pytest -q -m slow tests/test_report_browser.py
 
 # Reference implementations for the benchmarks (performer-pytorch, fair-esm, transformers).
 bench-env: $(STAMP)

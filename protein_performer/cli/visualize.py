@@ -38,6 +38,13 @@ UniProt accession or entry name; the first record without it), --sequence, or th
   --regression PATH   contact regression JSON (default: the model's own or the one beside the
                       checkpoint, else an unsupervised mean-APC score)
 
+  --html PATH         write ONE self-contained interactive HTML report instead of the PNGs:
+                      every layer x head (selectors), their mean, the APC map, an entropy
+                      track, similarity vs BLOSUM62 and, with --structure, predicted vs true
+                      contacts; opens from disk with no internet. Map data stays under
+                      --html-budget-mb (default 20 MB; views are block-averaged above it, plus
+                      full-resolution windows), whatever the length
+
 Writes to --out-dir (default outputs/visualize/<time>/) attention_grid.png (layers x heads, the
 window's rows and columns), aa_similarity.png (20 x 20 attention log-odds between amino-acid
 types beside BLOSUM62, Pearson r in the title) and, with a structure, contacts.png (upper
@@ -51,6 +58,7 @@ examples:
   protein-performer visualize last.ckpt --sequence MKTAYIAKQRQISFVKSHFSRQLEERLGLIEVQ
   protein-performer visualize model_dir long.fasta --record Q8WZ42 --window 1000 1256
   protein-performer visualize last.ckpt --structure 1GBT_A.pdb --layers -1 --out-dir pics
+  protein-performer visualize last.ckpt proteins.fasta --record P69905 --html report.html
 """
 
 FILES = {
@@ -89,6 +97,14 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--no-similarity", action="store_true", help="no aa_similarity.png")
     p.add_argument("--no-contacts", action="store_true", help="no contacts.png")
     p.add_argument("--dpi", type=int, default=120, help="resolution (default: 120)")
+    p.add_argument("--html", metavar="PATH", help="write one interactive HTML report here")
+    p.add_argument(
+        "--html-budget-mb",
+        type=float,
+        default=20.0,
+        metavar="MB",
+        help="map data in the HTML report (default: 20; the file adds ~4.7 MB of Plotly)",
+    )
     p.add_argument(
         "--out-dir",
         default=None,
@@ -118,7 +134,41 @@ def pick_sequence(args: argparse.Namespace) -> tuple[str, str]:
     raise UserError("visualize needs FASTA (with --record ID), --sequence SEQ or --structure")
 
 
+def run_html(args: argparse.Namespace) -> int:
+    """The interactive report: arrays from ``inference.report_data``, HTML from ``viz.report``."""
+    from protein_performer.inference.report_data import build_report
+    from protein_performer.viz.report import write_report
+
+    out = Path(args.html)
+    check_output(out, [args.ckpt, args.fasta, args.structure, args.regression], args.overwrite)
+    record_id, sequence = pick_sequence(args)
+    target = None
+    if args.structure:
+        from protein_performer.contacts.structures import contact_target
+
+        target = contact_target(args.structure, chain=args.chain, sequence=sequence or None)
+        if not sequence:
+            record_id, sequence = target.id, target.sequence
+    if not sequence:
+        raise UserError("no sequence to visualize")
+    loaded = load_lm(args).loaded
+    start = time.perf_counter()
+    spec = build_report(
+        loaded, sequence, name=record_id or "sequence", target=target,
+        regression=args.regression, layers=args.layers, heads=args.heads,
+        budget_mb=args.html_budget_mb, first_window=args.window,
+    )  # fmt: skip
+    path = write_report(spec, out)
+    seconds = time.perf_counter() - start
+    print(f"html: {path} ({path.stat().st_size / 1e6:.1f} MB, built in {seconds:.1f} s)")
+    if target is None:
+        print("contacts: not in the report (no --structure given)")
+    return 0
+
+
 def run(args: argparse.Namespace) -> int:
+    if args.html:
+        return run_html(args)
     from protein_performer.inference.attention_views import (
         attention_views,
         contact_view,
@@ -197,4 +247,7 @@ def run(args: argparse.Namespace) -> int:
         )
     for key, path in files.items():
         print(f"{key}: {path}")
+    if not want["contacts"]:
+        why = "--no-contacts" if args.structure else "no --structure given (a PDB/mmCIF file)"
+        print(f"contacts: {FILES['contacts']} not drawn: {why}")
     return 0

@@ -14,6 +14,7 @@ from __future__ import annotations
 import os
 import re
 from collections.abc import Iterable, Iterator, Sequence
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -354,6 +355,47 @@ class ProteinLM:
             )
         return values
 
+    # ----------------------------------------------------------------------------- task head
+    def iter_predict(
+        self, records: Records, toks_per_batch: int = 4096
+    ) -> Iterator[tuple[str, np.ndarray]]:
+        """Yield ``(id, prediction)`` in input order (memory: one window); see :meth:`predict`."""
+        from protein_performer.inference.prediction import predict_sequences, task_head
+
+        task_head(self.loaded)  # a model without a head fails before reading any input
+        for window in windows(_as_records(records), toks_per_batch, lambda r: len(r[1])):
+            values = predict_sequences(self.loaded, [s for _, s in window], toks_per_batch)
+            for (rid, _), value in zip(window, values, strict=True):
+                if not np.isfinite(value).all():
+                    raise UserError(
+                        f"sequence {rid}: the model gave non-finite predictions; its weights or "
+                        "precision are broken (try --precision fp32)"
+                    )
+                yield rid, value
+
+    def predict(
+        self, seqs: Records | str, toks_per_batch: int = 4096
+    ) -> np.ndarray | list[np.ndarray]:
+        """A fine-tuned model's head on ``seqs`` (``protein-performer finetune``), float32:
+        regression -> (N,) for one target, (N, T) for several; classification -> class
+        probabilities (N, C) (classes in ``lm.task_labels`` order); residue classification ->
+        a list of (L_i, C) probabilities. Any length, one pass per sequence."""
+        from protein_performer.inference.prediction import task_head
+
+        head = task_head(self.loaded)
+        rows = [v for _, v in self.iter_predict(seqs, toks_per_batch)]
+        if head.per_residue:
+            return rows
+        width = head.config.num_outputs
+        arr = np.stack(rows) if rows else np.zeros((0, width), np.float32)
+        return arr[:, 0] if head.config.task == "regression" and width == 1 else arr
+
+    @property
+    def task_labels(self) -> list[str] | None:
+        """A fine-tuned model's target names (regression) or classes in index order."""
+        head = getattr(self.loaded, "task", None)
+        return None if head is None else list(head.config.labels)
+
     # ----------------------------------------------------------------------------- contacts
     def predict_contacts(
         self, seq: str, regression: str | os.PathLike[str] | None = None
@@ -369,6 +411,40 @@ class ProteinLM:
         reg = find_regression(self.loaded, regression)
         cmap = predict_contacts(self.loaded, text, reg, dense_max_length=len(text))
         return cmap.dense
+
+    # ----------------------------------------------------------------------------- report
+    def report(
+        self,
+        seq: str,
+        structure: str | os.PathLike[str] | None = None,
+        path: str | os.PathLike[str] = "report.html",
+        *,
+        chain: str | None = None,
+        regression: str | os.PathLike[str] | None = None,
+        layers: Sequence[int] | None = None,
+        heads: Sequence[int] | None = None,
+        budget_mb: float = 20.0,
+        name: str | None = None,
+    ) -> Path:
+        """Write one self-contained interactive HTML report of ``seq`` (attention of every
+        layer x head, their mean, the APC map, a per-residue entropy track, amino-acid
+        similarity vs BLOSUM62; with ``structure``, predicted vs true contacts) to ``path``.
+        Map data stays under ``budget_mb`` whatever the length (views are binned above it)."""
+        from protein_performer.inference.report_data import build_report
+        from protein_performer.viz.report import write_report
+
+        ((rid, text),) = list(_as_records([(name or "sequence", seq)]))
+        target = None
+        if structure is not None:
+            from protein_performer.contacts.structures import contact_target
+
+            target = contact_target(structure, chain=chain, sequence=text)
+        spec = build_report(
+            self.loaded, text, name=rid, target=target,
+            regression=None if regression is None else str(regression),
+            layers=layers, heads=heads, budget_mb=budget_mb,
+        )  # fmt: skip
+        return write_report(spec, path)
 
     # ----------------------------------------------------------------------------- fill-in
     def _tokens_with_masks(self, text: str) -> list[int]:

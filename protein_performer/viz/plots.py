@@ -136,11 +136,16 @@ def contact_comparison(
     L = pred.shape[0]
     i, j = np.indices((L, L))
     upper, lower = j - i >= min_sep, i - j >= min_sep
-    # Scores are drawn min..99.5th percentile: an unsupervised score or a weak model's
-    # probabilities would otherwise be invisible on a 0..1 scale.
+    # Probabilities on a fixed 0..1 scale (a weak model must look weak); an unsupervised score
+    # has no fixed range and is drawn min..99.5th percentile, said on the colorbar.
     shown = pred[upper & valid]
-    lo = float(shown.min()) if shown.size else 0.0
-    hi = float(np.percentile(shown, 99.5)) if shown.size else 1.0
+    probability = "probability" in quantity
+    if probability:
+        lo, hi, stretch = 0.0, 1.0, "fixed 0-1 scale"
+    else:
+        lo = float(shown.min()) if shown.size else 0.0
+        hi = float(np.percentile(shown, 99.5)) if shown.size else 1.0
+        stretch = f"stretched to {lo:.3g}..{hi:.3g} (min..99.5th percentile)"
     predicted = np.where(upper & valid, pred, np.nan)
     truth = np.where(lower & valid, contacts.astype(float), np.nan)
     unknown = np.where(~valid & (upper | lower), 1.0, np.nan)
@@ -153,7 +158,7 @@ def contact_comparison(
     ax.imshow(truth, cmap="Greys", vmin=0.0, vmax=1.0, interpolation="nearest", extent=extent)
     ax.imshow(unknown, cmap="Greys", vmin=0.0, vmax=4.0, interpolation="nearest", extent=extent)
     bar = fig.colorbar(im, ax=ax, fraction=0.046, pad=0.03)
-    bar.set_label(f"{quantity} (upper triangle)", fontsize=8)
+    bar.set_label(f"{quantity} (upper triangle)\n{stretch}", fontsize=8)
     ui, uj = np.nonzero(upper & valid)
     top = np.argsort(-pred[ui, uj], kind="stable")[:L]
     hit = contacts[ui[top], uj[top]]
@@ -214,7 +219,8 @@ def similarity_vs_blosum(
     plt = _pyplot()
     ref = blosum62()
     r = matrix_correlation(similarity, ref)
-    fig, axes = plt.subplots(1, 2, figsize=(11, 5))
+    # Constrained layout keeps the left colorbar's label clear of the right panel's y label.
+    fig, axes = plt.subplots(1, 2, figsize=(12, 5.2), layout="constrained")
     panels = (
         (axes[0], similarity, "from attention", "attention log-odds"),
         (axes[1], ref, "BLOSUM62", "BLOSUM62 substitution score"),
@@ -224,6 +230,7 @@ def similarity_vs_blosum(
         im = ax.imshow(mat, cmap="RdBu_r", vmin=-lim, vmax=lim)
         ax.set_xticks(range(20), list(AMINO_ACIDS), fontsize=7)
         ax.set_yticks(range(20), list(AMINO_ACIDS), fontsize=7)
+        ax.tick_params(labelleft=True, labelbottom=True)  # letters on both axes of both panels
         ax.set_xlabel("amino acid")
         ax.set_ylabel("amino acid")
         ax.set_title(name, fontsize=9)
