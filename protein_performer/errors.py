@@ -83,11 +83,16 @@ class Rule:
                 self.kind, f"a {self.kind.__name__}"
             )
             if self.low is not None:
-                text += f" {'>' if self.low_open else '>='} {self.low:g}"
+                text += f" {'>' if self.low_open else '>='} {_number(self.low)}"
             if self.high is not None:
-                text += f"{' and' if self.low is not None else ''} <= {self.high:g}"
+                text += f"{' and' if self.low is not None else ''} <= {_number(self.high)}"
         extra = [repr(s) for s in self.also] + (["null"] if self.nullable else [])
         return text + (f" (or {' or '.join(extra)})" if extra else "")
+
+
+def _number(value: float) -> str:
+    """An integer bound in full (4294967295, not 4.29497e+09), a float compactly."""
+    return str(value) if isinstance(value, int) else f"{value:g}"
 
 
 def invalid(key: str, value: Any, what: str) -> UserError:

@@ -91,3 +91,31 @@ def test_favor_needs_as_exact_and_causal_is_refused(tmp_path: Path, capsys) -> N
     argv = ["export", str(relu), str(tmp_path / "r"), "--format", "hf", "--as-exact"]
     assert main(argv) == 2
     assert "ReLU" in capsys.readouterr().err
+
+
+def test_default_load_predicts_contacts_and_no_regression_warns(tmp_path: Path, caplog) -> None:
+    # transformers' default (sdpa) attention returns no maps: the exported config asks for
+    # eager, so a plain from_pretrained(DIR) gives the contact head what it reads.
+    src = _model_dir(tmp_path, "native")
+    out = tmp_path / "hf"
+    assert main(["export", str(src), str(out), "--format", "hf"]) == 0
+    hf = transformers.EsmForMaskedLM.from_pretrained(out).eval()
+    assert hf.config._attn_implementation == "eager"
+    seq = SEQS[0]
+    ids = torch.as_tensor(Alphabet().encode_with_specials(seq), dtype=torch.long)[None]
+    with torch.no_grad():
+        ref = hf.predict_contacts(ids, torch.ones_like(ids))[0].numpy()
+    assert np.abs(predict_contacts(load_model(src, "cpu"), seq).dense - ref).max() <= TOL
+
+    bare = load_model(src, "cpu")
+    bare.contact_regression = None
+    with caplog.at_level("WARNING"):
+        assert main(["export", str(src), str(tmp_path / "bare"), "--format", "hf"]) == 0
+    assert not any("contact regression" in r.getMessage() for r in caplog.records)
+    export_model(bare, tmp_path / "bare_native")
+    with caplog.at_level("WARNING"):
+        argv = ["export", str(tmp_path / "bare_native"), str(tmp_path / "bare_hf"), "--format"]
+        assert main([*argv, "hf"]) == 0
+    assert any("at random" in r.getMessage() for r in caplog.records)
+    config = (tmp_path / "bare_hf" / "config.json").read_text()
+    assert "meaningless" in config

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import csv
 import json
 import os
 import signal
@@ -159,6 +160,20 @@ def test_sigterm_saves_last_and_ckpt_path_last_resumes_the_same_curve(tmp_path: 
     assert sorted(b) == sorted(a) == list(range(1, 17))
     for step in range(1, 17):
         assert b[step] == pytest.approx(a[step], rel=1e-5), step
+
+    # metrics.csv holds the whole history, each step once (Lightning's CSVLogger deleted the
+    # first launch's rows on resume), and the same rows as the unbroken run's.
+    def logged(run_dir: str | Path) -> dict[int, float]:
+        with open(Path(run_dir) / "csv" / "metrics.csv", newline="") as fh:
+            rows = [r for r in csv.DictReader(fh) if r["train/loss"]]
+        steps = [int(r["step"]) for r in rows]
+        assert len(steps) == len(set(steps)), steps
+        return {int(r["step"]): float(r["train/loss"]) for r in rows}
+
+    full, resumed = logged(unbroken["output_dir"]), logged(run_dir)
+    assert len(full) == 16 and sorted(resumed) == sorted(full)
+    for step, value in full.items():
+        assert resumed[step] == pytest.approx(value, rel=1e-5), step
 
 
 def weights_step(path: Path) -> int:

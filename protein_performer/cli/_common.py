@@ -10,9 +10,10 @@ commands and the output rule of every writing command (:func:`check_output`).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -106,14 +107,75 @@ def add_overwrite(p: argparse.ArgumentParser, what: str = "the output") -> None:
     )
 
 
+#: What the running command holds until it returns (output locks, a rank's process group).
+_SCOPE: list[contextlib.ExitStack] = []
+
+
+@contextlib.contextmanager
+def command_scope() -> Iterator[None]:
+    """The lifetime of one command (``main`` runs each in one): what :func:`hold` takes is
+    released when the command ends, by an error too."""
+    with contextlib.ExitStack() as stack:
+        _SCOPE.append(stack)
+        try:
+            yield
+        finally:
+            _SCOPE.remove(stack)
+
+
+def hold(cm: contextlib.AbstractContextManager[Any]) -> None:
+    """Enter ``cm`` for the rest of the running command (outside :func:`command_scope`, a
+    direct call of a command's ``run``: until the process exits)."""
+    if not _SCOPE:
+        _SCOPE.append(contextlib.ExitStack())  # never closed: the process's exit releases it
+    _SCOPE[-1].enter_context(cm)
+
+
+def join_ranks(args: argparse.Namespace) -> None:
+    """Under torchrun/srun, meet the other ranks before any work and check that every rank was
+    given the same options (one line naming the first difference); a no-op in one process.
+
+    The process group lives as long as the command, so a rank that fails later (a bad
+    checkpoint on one node) makes the others stop instead of waiting for it."""
+    from protein_performer.io.sharding import Job, detect_ranks
+
+    ranks = detect_ranks()
+    if not ranks.distributed:
+        return
+    local = {"func", "overrides", "verbose", "no_progress", "threads", "device"}
+    options = {k: v for k, v in sorted(vars(args).items()) if k not in local}
+    hold(Job(ranks, {k: repr(v) for k, v in options.items()}))
+
+
+def rank_line(records: int, did: str) -> bool:
+    """On a rank other than 0 of a sharded job, say what this rank did (``rank 1: no records``
+    on an idle one) and return True: rank 0 alone reports the merged output."""
+    from protein_performer.io.sharding import detect_ranks
+
+    rank = detect_ranks().rank
+    if rank == 0:
+        return False
+    print(
+        f"rank {rank}: {did} {records} record(s) into parts that rank 0 merges"
+        if records
+        else f"rank {rank}: no records"
+    )
+    return True
+
+
 def check_output(
     out: str | os.PathLike[str] | None,
     inputs: Iterable[str | os.PathLike[str] | None],
     overwrite: bool,
+    what: str = "its output",
 ) -> None:
     """The rule every writing command applies before any work: the output is never one of the
     inputs (the same file, through any link, or a directory holding one), and an existing
-    output is replaced only with ``--overwrite``. ``-`` (standard output) is always fine."""
+    output is replaced only with ``--overwrite``. ``-`` (standard output) is always fine.
+
+    Then the output is locked for the rest of the command (:func:`hold`): a second run writing
+    it, with ``--overwrite`` or ``--resume`` too, gets one line naming this one's pid and host
+    instead of racing it. Under torchrun/srun rank 0 holds the lock for the job."""
     if out is None or os.fspath(out) == "-":
         return
     path = Path(out).expanduser()
@@ -128,6 +190,11 @@ def check_output(
                 f"{out} is {'the' if same else 'a directory holding the'} input "
                 f"{given}: an output never replaces an input; choose another output path"
             )
+    from protein_performer.io.atomic import exclusive_lock
+    from protein_performer.io.sharding import detect_ranks
+
+    if detect_ranks().rank == 0 and path.parent.is_dir():  # a missing directory: said later
+        hold(exclusive_lock(path, what))
     if (path.exists() or path.is_symlink()) and not overwrite:
         raise UserError(
             f"{out} already exists: pass --overwrite to replace it, or choose another output"
@@ -185,3 +252,29 @@ def load_context(lm: ProteinLM, args: argparse.Namespace) -> FamilyContext | Non
         file=sys.stderr,
     )
     return ctx
+
+
+#: Seeds reach numpy, which takes [0, 2**32): one range for every ``--seed`` flag.
+MAX_SEED = 2**32 - 1
+
+
+def seed_arg(text: str) -> int:
+    """``--seed``: an integer in [0, 2**32), refused by argparse (one line) otherwise."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if not 0 <= value <= MAX_SEED:
+        raise argparse.ArgumentTypeError(f"must be in [0, {MAX_SEED}], got {value}")
+    return value
+
+
+def positive_int(text: str) -> int:
+    """A count flag (``--limit-rows``) that must be at least 1: 0 or -1 never means "all"."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value

@@ -17,7 +17,10 @@ from protein_performer.cli._common import (
     add_no_progress,
     add_on_invalid,
     check_output,
+    join_ranks,
     load_lm,
+    rank_line,
+    seed_arg,
 )
 
 HELP = "contact maps from attention: `fit` a regression on structures, `predict` from FASTA"
@@ -174,7 +177,9 @@ def add_fit_parser(steps: argparse._SubParsersAction) -> None:
         action="store_true",
         help="also write the fitted regression beside the checkpoint (visualize picks it up)",
     )
-    p.add_argument("--seed", type=int, default=0, help="seed of the null permutations and fit")
+    p.add_argument(
+        "--seed", type=seed_arg, default=0, help="seed of the null permutations and fit"
+    )
     add_model_options(p, "the files in --out-dir")
     p.set_defaults(func=run_fit)
 
@@ -302,6 +307,7 @@ def run_fit(args: argparse.Namespace) -> int:
 def run_predict(args: argparse.Namespace) -> int:
     from protein_performer.contacts.predict import find_regression, predict_contacts_fasta
 
+    join_ranks(args)
     check_output(args.out, [args.ckpt, args.fasta, args.regression], args.overwrite)
     loaded = load_lm(args).loaded
     regression = find_regression(loaded, args.regression)
@@ -318,6 +324,8 @@ def run_predict(args: argparse.Namespace) -> int:
         progress=not args.no_progress,
         regression_source=str(args.regression or "the model's own"),
     )
+    if rank_line(summary.dense + summary.sparse, "predicted the contacts of"):
+        return 0
     print(
         f"contacts of {summary.num_records} record(s) ({summary.dense} dense, {summary.sparse} "
         f"top pairs) -> {summary.path}"

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import argparse
 
-from protein_performer.cli._common import add_command, add_overwrite, check_output
+from protein_performer.cli._common import add_command, add_overwrite, check_output, seed_arg
 
 HELP = "import ESM-2 weights (fair-esm .pt or Hugging Face directory)"
 DESCRIPTION = """\
@@ -70,7 +70,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         "for head size d, 48 for ESM-2's 16-wide heads); ignored for exact",
     )
     p.add_argument(
-        "--seed", type=int, default=0, help="seed of the FAVOR+ random features (default: 0)"
+        "--seed", type=seed_arg, default=0, help="seed of the FAVOR+ random features (default: 0)"
     )
     add_overwrite(p, "an existing export in OUT")
     p.set_defaults(func=run)

@@ -15,6 +15,7 @@ from protein_performer.cli._common import (
     add_toks_per_batch,
     check_output,
     load_lm,
+    seed_arg,
 )
 
 HELP = "perplexity/accuracy per length bin on a FASTA file or a store split"
@@ -63,7 +64,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         action="store_true",
         help="masked LMs: exact pseudo-perplexity instead of seeded masking (slow)",
     )
-    p.add_argument("--seed", type=int, default=0, help="seed of the fixed MLM masks (default: 0)")
+    p.add_argument(
+        "--seed", type=seed_arg, default=0, help="seed of the fixed MLM masks (default: 0)"
+    )
     p.add_argument(
         "--mlm-prob",
         type=float,

@@ -14,6 +14,7 @@ from protein_performer.cli._common import (
     check_output,
     load_context,
     load_lm,
+    seed_arg,
 )
 
 HELP = "sample protein sequences from a causal model (RNN mode, constant cost per token)"
@@ -74,7 +75,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--top-p", type=float, default=None, metavar="P", help="nucleus: smallest set of mass P"
     )
-    p.add_argument("--seed", type=int, default=0, metavar="S", help="random seed (default: 0)")
+    p.add_argument(
+        "--seed", type=seed_arg, default=0, metavar="S", help="random seed (default: 0)"
+    )
     p.add_argument(
         "--batch-size",
         type=int,

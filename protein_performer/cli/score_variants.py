@@ -16,6 +16,7 @@ from protein_performer.cli._common import (
     load_context,
     load_lm,
     pick_strategy,
+    positive_int,
 )
 
 HELP = "variant-effect scores for a mutation table (DMS), with Spearman vs labels"
@@ -73,7 +74,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         "--score-col", default=None, help="name of the added column (default: strategy)"
     )
     add_toks_per_batch(p)
-    p.add_argument("--limit-rows", type=int, default=None, help="score only the first N rows")
+    p.add_argument(
+        "--limit-rows", type=positive_int, default=None, help="score only the first N rows"
+    )
     add_context(p)
     add_no_progress(p)
     add_model_options(p)

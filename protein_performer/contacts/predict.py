@@ -44,6 +44,7 @@ from protein_performer.io.columns import (
     RECORD_COLUMNS,
     Column,
     Layout,
+    checked_offsets,
     header_column,
     merge_columns,
     read_ids,
@@ -398,12 +399,21 @@ def read_contacts(
 
     from protein_performer.errors import check_format_header
 
-    with h5py.File(Path(path).expanduser(), "r") as h5:
-        header = {k: h5.attrs.get(k) for k in ("format", "format_version")}
-        if header["format_version"] is not None:
-            header["format_version"] = int(header["format_version"])
-        check_format_header(header, path, FORMAT_NAME, FORMAT_VERSION, "predict-contacts file")
-        return read_maps(h5, path, ids)
+    src = Path(path).expanduser()
+    if not src.is_file():
+        raise UserError(f"{src} does not exist or is not a file")
+    try:
+        with h5py.File(src, "r") as h5:
+            header = {k: h5.attrs.get(k) for k in ("format", "format_version")}
+            if header["format_version"] is not None:
+                header["format_version"] = int(header["format_version"])
+            check_format_header(header, src, FORMAT_NAME, FORMAT_VERSION, "predict-contacts file")
+            return read_maps(h5, src, ids)
+    except (OSError, KeyError, ValueError) as exc:  # truncated or damaged: h5py's own errors
+        raise UserError(
+            f"{src}: not a readable predict-contacts file ({str(exc).splitlines()[0][:200]}); "
+            "it is truncated or damaged: re-run predict-contacts"
+        ) from None
 
 
 def read_maps(
@@ -412,13 +422,22 @@ def read_maps(
     ids: Sequence[str] | None = None,  # noqa: ANN401
 ) -> dict[str, ContactMap]:
     """The maps of ``ids`` (all when None) from an open file with :func:`contact_ragged`."""
+    if isinstance(ids, str):  # one id, not its letters
+        ids = [ids]
     all_ids = read_ids(h5)
     where = {rid: n for n, rid in enumerate(all_ids)}
     missing = [rid for rid in ids or () if rid not in where]
     if missing:
         raise UserError(f"{path}: no record(s) {', '.join(missing[:5])}")
-    lengths = h5["lengths"][:]
-    doff, poff = h5["dense_offsets"][:], h5["pair_offsets"][:]
+    lengths = np.asarray(h5["lengths"][:], dtype=np.int64)
+    if lengths.shape != (len(all_ids),) or (lengths < 0).any():
+        raise UserError(f"{path}: lengths do not match the ids: the file is damaged; re-create it")
+    count = len(all_ids)
+    doff = checked_offsets(h5, "dense_offsets", count, h5["dense_values"].shape[0], path)
+    poff = checked_offsets(h5, "pair_offsets", count, h5["pair_i"].shape[0], path)
+    dense = np.diff(doff.astype(np.int64))
+    if ((dense != 0) & (dense != lengths * lengths)).any():
+        raise UserError(f"{path}: dense_offsets disagrees with the record lengths; re-create it")
     out: dict[str, ContactMap] = {}
     for rid in ids if ids is not None else all_ids:
         n = where[rid]

@@ -53,12 +53,14 @@ from protein_performer.io.columns import (
     RECORD_COLUMNS,
     Column,
     Layout,
+    checked_offsets,
     header_column,
     merge_columns,
     read_ids,
     record_columns,
     write_columns,
 )
+from protein_performer.io.json_safe import parse_json
 
 if TYPE_CHECKING:
     from protein_performer.inference.api import ProteinLM
@@ -251,7 +253,106 @@ def _write_part(
         from protein_performer.contacts.predict import contact_columns
 
         ragged.update(contact_columns(maps, CONTACTS_DTYPE))
-    write_columns(path, layout, attrs, per_record, ragged)
+    extra = {PART_DIGESTS: sequence_digests([r.sequence for r in records])}
+    write_columns(path, layout, attrs, per_record, ragged, extra)
+
+
+# --------------------------------------------------------------------------------------------
+# What a part was made from (--resume keeps only parts that match the input)
+# --------------------------------------------------------------------------------------------
+#: A part's per-record sequence digests (N, 16) and the run (model and options) it belongs to.
+PART_DIGESTS = "part_sequence_sha256"
+PART_RUN = "part_run_id"
+
+
+def sequence_digests(seqs: Sequence[str]) -> np.ndarray:
+    """(N, 16) uint8: the first 16 bytes of each sequence's SHA-256."""
+    import hashlib
+
+    out = np.zeros((len(seqs), 16), dtype=np.uint8)
+    for n, seq in enumerate(seqs):
+        out[n] = np.frombuffer(hashlib.sha256(seq.encode()).digest()[:16], dtype=np.uint8)
+    return out
+
+
+def run_id(attrs: dict[str, Any]) -> str:
+    """The identity of a run's parts: what the vectors depend on (model, features, options)."""
+    import hashlib
+
+    keys = (*_SAME_RUN, "contact_regression")
+    same = {k: np.asarray(attrs[k]).tolist() for k in keys if k in attrs}
+    return hashlib.sha256(json.dumps(same, sort_keys=True).encode()).hexdigest()[:16]
+
+
+@dataclass
+class PartCheck:
+    """What ``--resume`` made of the parts it found."""
+
+    kept: list[Path]  # parts whose every record is in the input, with the same sequence
+    reused: int = 0  # records in them
+    redone: int = 0  # records of dropped parts that the input still holds (computed again)
+    dropped: int = 0  # parts of another run or input, or of protein-performer < 0.3
+    damaged: int = 0  # parts that do not read (set aside as NAME.damaged)
+
+
+def check_parts(parts: Sequence[Path], attrs: dict[str, Any], records: Any) -> PartCheck:  # noqa: ANN401
+    """Keep the parts made by this run (same model and options: :func:`run_id`) whose records
+    are all in the input ``records`` with the same sequence; set aside the others.
+
+    A part that does not read is renamed ``NAME.damaged`` (not fatal: its records are redone);
+    a part of another run, holding a record the input lacks or whose sequence changed, or
+    written before parts recorded their sources (protein-performer < 0.3) is renamed
+    ``NAME.dropped`` and its records that the input holds are computed again.
+    """
+    import h5py
+
+    want = run_id(attrs)
+    check = PartCheck([])
+    owner: dict[str, int] = {}  # id -> index into candidates
+    digests: dict[str, bytes] = {}
+    candidates: list[tuple[Path, list[str]]] = []
+    for part in parts:
+        try:
+            with h5py.File(part, "r") as h5:
+                ids = read_ids(h5)
+                same_run = h5.attrs.get(PART_RUN) == want and PART_DIGESTS in h5
+                sha = h5[PART_DIGESTS][:] if same_run else None
+                n = int(h5.attrs["num_records"])
+                whole = len(ids) == n and all(len(h5[c.name]) == n for c in RECORD_COLUMNS)
+        except (OSError, KeyError, ValueError, TypeError):
+            whole = False
+        if not whole or (sha is not None and sha.shape != (len(ids), 16)):
+            part.rename(part.with_name(part.name + ".damaged"))
+            check.damaged += 1
+            continue
+        if sha is None:
+            part.rename(part.with_name(part.name + ".dropped"))
+            check.dropped += 1
+            continue
+        candidates.append((part, ids))
+        for rid, digest in zip(ids, sha, strict=True):
+            owner[rid] = len(candidates) - 1
+            digests[rid] = digest.tobytes()
+    bad: set[int] = set()
+    seen: set[str] = set()
+    in_bad: list[str] = []
+    for rec in records:
+        k = owner.get(rec.id)
+        if k is None:
+            continue
+        seen.add(rec.id)
+        if sequence_digests([rec.sequence])[0].tobytes() != digests[rec.id]:
+            bad.add(k)
+    for k, (part, ids) in enumerate(candidates):
+        if k in bad or any(rid not in seen for rid in ids):
+            part.rename(part.with_name(part.name + ".dropped"))
+            check.dropped += 1
+            in_bad += [rid for rid in ids if rid in seen]
+        else:
+            check.kept.append(part)
+            check.reused += len(ids)
+    check.redone = len(in_bad)
+    return check
 
 
 # --------------------------------------------------------------------------------------------
@@ -268,6 +369,7 @@ class EmbedSummary:
     repr_layers: list[int]
     include: list[str]
     skipped: int = 0  # already in the file or its parts (--resume)
+    parts: PartCheck | None = None  # what --resume made of the parts it found
 
 
 def embed_fasta(
@@ -319,11 +421,31 @@ def embed_fasta(
     pdir = parts_dir(dest)
     old_parts = finished_parts(pdir)
     done: set[str] = set()
+    checked = None
+    part_attrs = {**attrs, PART_RUN: run_id(attrs)}
     if resume:
-        for src in ([dest] if dest.exists() else []) + old_parts:
-            with _open_embeddings(src) as h5:
-                _check_same_run(src, h5, attrs)
-                done.update(read_ids(h5))
+        if old_parts and os.fspath(fasta) == "-":
+            raise UserError(
+                "--resume with parts reads the input twice (to check the parts, then to add "
+                "what is missing): give the FASTA file, not standard input"
+            )
+        if dest.exists():
+            with _open_embeddings(dest) as h5:
+                _check_same_run(dest, h5, attrs)
+                there = dict(zip(read_ids(h5), h5["lengths"][:].tolist(), strict=True))
+            for rec in input_records(path, on_invalid) if there else ():
+                if there.get(rec.id, len(rec.sequence)) != len(rec.sequence):
+                    raise UserError(
+                        f"--resume: {dest} holds {rec.id} with {there[rec.id]} residues but "
+                        f"{path} has {len(rec.sequence)}: the input changed; start over with "
+                        "--overwrite"
+                    )
+            done.update(there)
+        if old_parts:
+            checked = check_parts(old_parts, attrs, input_records(path, on_invalid))
+            for part in checked.kept:
+                with _open_embeddings(part) as h5:
+                    done.update(read_ids(h5))
     elif not overwrite and (dest.exists() or old_parts):
         what = f"{dest} exists" if dest.exists() else f"{pdir} holds parts of an unfinished run"
         raise UserError(
@@ -346,7 +468,7 @@ def embed_fasta(
             from protein_performer.contacts.predict import predict_contacts
 
             maps = [predict_contacts(lm.loaded, s, regression, checked=True) for _, s in pairs]
-        _write_part(part, attrs, window, results, maps)
+        _write_part(part, part_attrs, window, results, maps)
         n = sum(len(r.sequence) for r in window)
         residues += n
         bar.update(n)
@@ -366,8 +488,9 @@ def embed_fasta(
             write_part,
             merge,
             fresh=not resume,
+            options={"run": part_attrs[PART_RUN], "resume": str(resume)},
         )
-    return EmbedSummary(dest, total, new, residues, layers, include, len(done))
+    return EmbedSummary(dest, total, new, residues, layers, include, len(done), checked)
 
 
 # --------------------------------------------------------------------------------------------
@@ -401,6 +524,19 @@ def read_embeddings(
     src = Path(path).expanduser()
     if not src.is_file():
         raise UserError(f"{src} does not exist or is not a file")
+    if isinstance(ids, str):  # one id, not its letters
+        ids = [ids]
+    try:
+        return _read_embeddings(src, ids, kind, layer)
+    except (OSError, KeyError, ValueError) as exc:  # truncated or damaged: h5py's own errors
+        raise UserError(
+            f"{src}: not a readable embeddings file ({str(exc).splitlines()[0][:200]}); it is "
+            "truncated or damaged: re-run embed"
+        ) from None
+
+
+def _read_embeddings(src: Path, ids: Sequence[str] | None, kind: str, layer: int) -> Embeddings:
+    """:func:`read_embeddings` once the path and ``ids`` are checked."""
     if kind == "contacts":
         import h5py
 
@@ -412,13 +548,18 @@ def read_embeddings(
         if is_contacts_file:
             return Embeddings.of(read_contacts(src, ids))
     with _open_embeddings(src) as h5:
-        include = json.loads(h5.attrs["include"])
+        include = parse_json(h5.attrs["include"], f"{src}: attribute include", "re-run embed")
+        if not isinstance(include, list):
+            raise UserError(f"{src}: attribute include is not a list; re-run embed")
         if kind not in include:
             raise UserError(f"{src} holds {', '.join(include)}, not {kind!r}")
         if kind == "contacts":
             return Embeddings.of(read_maps(h5, src, ids))
         stored = [int(x) for x in h5.attrs["repr_layers"]]
-        depth = int(json.loads(h5.attrs["model_config"])["depth"])
+        config = parse_json(h5.attrs["model_config"], f"{src}: model_config", "re-run embed")
+        depth = config.get("depth") if isinstance(config, dict) else None
+        if not isinstance(depth, int) or isinstance(depth, bool) or depth < 1:
+            raise UserError(f"{src}: model_config has no valid depth ({depth!r}); re-run embed")
         want = layer + depth + 1 if layer < 0 else layer
         if want not in stored:
             raise UserError(f"{src}: layer {layer} was not saved (layers: {stored})")
@@ -435,7 +576,8 @@ def read_embeddings(
             rows = np.asarray([where[rid] for rid in ids], dtype=np.int64)
         data = h5[f"{kind}/{want}"]
         if kind == "per_tok":
-            off = h5["per_tok_offsets"][:]
+            lengths = h5["lengths"][:]
+            off = checked_offsets(h5, "per_tok_offsets", len(all_ids), data.shape[0], src, lengths)
             return Embeddings(list(ids), [data[int(off[n]) : int(off[n + 1])] for n in rows])
         if everything:
             return Embeddings(all_ids, data[:])

@@ -530,6 +530,10 @@ def score_variants_file(
     The input is read as UTF-8 with an optional byte-order mark (spreadsheet exports);
     delimiter by extension (``.tsv``/``.tab`` -> tab, else comma), same for the output.
     """
+    if limit_rows is not None and (
+        not isinstance(limit_rows, int) or isinstance(limit_rows, bool) or limit_rows < 1
+    ):  # 0 or -1 read as "one row" before: never a silent partial score
+        raise UserError(f"limit_rows={limit_rows!r}: give a whole number >= 1, or None for all")
     check_strategy(lm.loaded, strategy, VARIANT_STRATEGIES)
     _, wt_seq = _wild_type(wt_fasta)
     path = Path(mutations).expanduser()

@@ -30,7 +30,6 @@ with ``safetensors`` and ``json`` alone, so ``transformers`` is not needed at ru
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import re
 from collections.abc import Mapping
@@ -43,6 +42,7 @@ import torch
 from protein_performer.data.tokenizer import Alphabet
 from protein_performer.errors import Rule, UserError, check_group
 from protein_performer.io.checkpoints import safe_load
+from protein_performer.io.json_safe import read_json
 from protein_performer.model.config import PerformerConfig
 
 #: ESM-2's vocabulary (fair-esm ``Alphabet.from_architecture("ESM-1b")``, HF ``vocab.txt``).
@@ -443,10 +443,7 @@ def _read_hf(src: Path) -> EsmSource:
     config_path = src / "config.json"
     if not config_path.is_file():
         raise UserError(f"{src}: no config.json; not a Hugging Face model directory")
-    try:
-        hf = json.loads(config_path.read_text(encoding="utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise UserError(f"{config_path}: not valid JSON ({exc})") from None
+    hf = read_json(config_path, "re-download or re-save the model")
     if not isinstance(hf, dict):
         raise UserError(
             f"{config_path}: expected a JSON object of config fields, got a list or value"

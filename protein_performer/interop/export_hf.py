@@ -16,7 +16,7 @@ approximates no softmax. Causal models are refused: HF's ESM is bidirectional.
 
 from __future__ import annotations
 
-import json
+import logging
 import os
 from collections.abc import Callable
 from pathlib import Path
@@ -34,8 +34,11 @@ from protein_performer.interop.loading import (
     publish_directory,
     write_json,
 )
+from protein_performer.io.json_safe import read_json
 from protein_performer.model.contact_head import ContactRegression
 from protein_performer.model.favor import kernel_class
+
+log = logging.getLogger(__name__)
 
 VOCAB_FILE = "vocab.txt"
 SPECIAL_TOKENS = {
@@ -45,6 +48,11 @@ SPECIAL_TOKENS = {
     "unk_token": "<unk>",
     "mask_token": "<mask>",
 }
+#: What the exported config says, and export warns, when the model has no contact regression.
+NO_CONTACT_HEAD = (
+    "none: transformers initializes esm.contact_head at random, so predict_contacts and "
+    "return_contacts give meaningless maps"
+)
 #: ESM-2's own config value (rotary positions make it irrelevant to the computation).
 MAX_POSITION_EMBEDDINGS = 1026
 
@@ -52,8 +60,8 @@ MAX_POSITION_EMBEDDINGS = 1026
 def is_hf_export(path: Path) -> bool:
     """A directory this exporter wrote (or any HF ESM model): replaceable with --overwrite."""
     try:
-        meta = json.loads((path / CONFIG_FILE).read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        meta = read_json(path / CONFIG_FILE)
+    except UserError:
         return False
     return isinstance(meta, dict) and meta.get("model_type") == "esm"
 
@@ -118,12 +126,21 @@ def hf_config(loaded: LoadedModel) -> dict[str, Any]:
         "vocab_list": None,
         "use_cache": True,
         "dtype": "float32",
+        # transformers' default (sdpa) attention returns no attention maps, and ESM's contact
+        # head reads them: predict_contacts would fail on a plain from_pretrained(DIR). Eager
+        # computes the same function; a caller can still ask for sdpa explicitly.
+        "attn_implementation": "eager",
         "protein_performer": {
             "version": __version__,
             "source": loaded.source.name,
             "attention": cfg.attention,
             "kernel": cfg.kernel if cfg.attention == "favor" else None,
             "nb_features": cfg.nb_features if cfg.attention == "favor" else None,
+            "contact_head": (
+                "the model's contact regression"
+                if loaded.contact_regression is not None
+                else NO_CONTACT_HEAD
+            ),
         },
     }
 
@@ -161,6 +178,13 @@ def export_hf(
         regression = ContactRegression.from_dict(loaded.contact_regression, loaded.source)
         regression.check_model(loaded)
         state.update(contact_head(regression, loaded.config.depth, loaded.config.heads))
+    else:
+        log.warning(
+            "%s has no contact regression: %s (fit one with `protein-performer contacts fit` "
+            "and export again for a working esm.contact_head)",
+            loaded.source,
+            NO_CONTACT_HEAD,
+        )
     tokenizer = {"tokenizer_class": "EsmTokenizer", "model_max_length": 10**30, **SPECIAL_TOKENS}
     files: dict[str, Callable[[Path], Any]] = {
         WEIGHTS_FILE: lambda p: save_file(state, str(p), metadata={"format": "pt"}),

@@ -34,10 +34,12 @@ import os
 import shutil
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from itertools import chain
 from pathlib import Path
 from typing import Any
 
 import torch
+from torch.overrides import TorchFunctionMode
 
 from protein_performer.data.tokenizer import Alphabet
 from protein_performer.errors import UserError, check_format_header
@@ -48,13 +50,22 @@ from protein_performer.interop.convert_esm import (
     _read_fair_esm,
     _read_hf,
 )
-from protein_performer.io.atomic import default_file_mode, fsync_path, make_temp_dir, replace_dir
+from protein_performer.interop.finetuned import is_finetuned, read_finetuned
+from protein_performer.io.atomic import (
+    default_file_mode,
+    disk_full_error,
+    fsync_path,
+    is_disk_full,
+    make_temp_dir,
+    replace_dir,
+)
 from protein_performer.io.checkpoints import (
     CONTACT_REGRESSION_KEY,
     check_finite,
     read_safetensors_header,
     safe_load,
 )
+from protein_performer.io.json_safe import read_json
 from protein_performer.model.config import ATTENTIONS, KERNELS, PerformerConfig
 from protein_performer.model.contact_head import ContactRegression, model_identity
 from protein_performer.model.performer import PerformerLM
@@ -84,6 +95,12 @@ class LoadedModel:
     kind: str  # "lightning", "export", "fair-esm" or "hf"
     #: The contact regression stored with the model (``ContactRegression.to_dict()``), if any.
     contact_regression: dict[str, Any] | None = None
+    #: A fine-tuned model's task head (``model.task_heads.TaskHead``; ``interop.finetuned``).
+    task: Any = None
+    #: A fine-tuned model's LoRA settings and PEFT ``LoraModel`` (None once merged or for
+    #: ``full``/``frozen`` fine-tunes).
+    lora: dict[str, Any] | None = None
+    adapters: Any = None
 
 
 # --------------------------------------------------------------------------------------------
@@ -131,16 +148,30 @@ def _physical_memory() -> int:
         return 1 << 62
 
 
+def _available_memory() -> tuple[int, str]:
+    """Bytes this process can allocate now and what they are: Linux's ``MemAvailable`` (free
+    plus reclaimable cache), else the machine's total. Total RAM alone let a model that fits
+    only on an idle machine start swapping, or be killed, minutes into building it."""
+    try:
+        with open("/proc/meminfo", encoding="ascii") as fh:
+            for line in fh:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024, "available"
+    except (OSError, ValueError, IndexError):
+        pass
+    return _physical_memory(), "total"
+
+
 def check_fits_in_memory(config: PerformerConfig, where: object) -> None:
-    """Refuse, before allocating anything, a model larger than this machine's memory: a
+    """Refuse, before allocating anything, a model larger than the memory available now: a
     damaged or crafted config (``depth: 200000``) must not take the machine down."""
     numel = config.estimated_numel()
-    need, have = 4 * numel, _physical_memory()
+    (have, what), need = _available_memory(), 4 * numel
     if need > have:
         raise UserError(
             f"{where}: the model config describes {numel:,} parameters ({need / 2**30:.1f} GiB "
-            f"in float32), more than this machine's {have / 2**30:.1f} GiB of memory: the "
-            "config is damaged, or the model needs a bigger machine"
+            f"in float32), more than this machine's {have / 2**30:.1f} GiB of {what} memory: "
+            "the config is damaged, or the model needs a bigger (or less busy) machine"
         )
 
 
@@ -158,17 +189,42 @@ def _config_from(data: Any, path: Path, where: str) -> PerformerConfig:
     return config
 
 
-def _check_weights_header(config: PerformerConfig, weights: Path) -> None:
-    """The weights file's tensor names and shapes (read from its header alone) against the
-    config's, so a file that does not fit is refused before any tensor is read."""
-    found = read_safetensors_header(weights)
+class _NoRandomInit(TorchFunctionMode):
+    """Skips random initialisation of meta tensors (there is nothing to fill): torch's first
+    ``normal_`` on the meta device imports its reference kernels, about 5 s of CPU, which every
+    load would otherwise pay just to learn the model's shapes."""
+
+    _SKIP = frozenset({"normal_", "uniform_", "trunc_normal_"})
+
+    def __torch_function__(
+        self,
+        func: Callable[..., Any],
+        types: Any,  # noqa: ANN401 - torch's protocol
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> Any:  # noqa: ANN401
+        kwargs = kwargs or {}
+        if getattr(func, "__name__", "") in self._SKIP:
+            tensor = args[0] if args else kwargs.get("tensor")
+            if isinstance(tensor, torch.Tensor) and tensor.is_meta:
+                return tensor
+        return func(*args, **kwargs)
+
+
+def _check_shapes(
+    config: PerformerConfig, found: Mapping[str, tuple[int, ...]], where: object, fix: str
+) -> None:
+    """Tensor names and shapes (a safetensors header, a checkpoint's state dict) against those
+    ``config`` implies, before the model is built: a config edited to ``depth: 20000`` beside
+    a normal state dict is refused at once, not after allocating 20000 layers."""
     one = dataclasses.replace(config, depth=1)
-    with torch.device("meta"):  # shapes without memory: one block stands for every block
+    # Shapes without memory: one block stands for every block.
+    with torch.device("meta"), _NoRandomInit():
         shapes = {k: tuple(v.shape) for k, v in PerformerLM(one).state_dict().items()}
     block = {k[len("layers.0.") :]: v for k, v in shapes.items() if k.startswith("layers.0.")}
     top = {k: v for k, v in shapes.items() if not k.startswith("layers.")}
-    problems: list[str] = []
-    seen = 0
+    unexpected: list[str] = []
+    wrong: list[str] = []
     for name, shape in found.items():
         parts = name.split(".", 2)
         if parts[0] == "layers" and len(parts) == 3 and parts[1].isdigit():
@@ -176,22 +232,44 @@ def _check_weights_header(config: PerformerConfig, weights: Path) -> None:
         else:
             want = top.get(name)
         if want is None:
-            problems.append(f"unexpected {name}")
-        elif want != shape:
-            problems.append(f"{name} {shape} vs config {want}")
-        else:
-            seen += 1
-    tied = 1 if "lm_head.weight" in top and "lm_head.weight" not in found else 0
-    if not problems and seen + tied != len(top) + config.depth * len(block):
+            unexpected.append(name)
+        elif want != tuple(shape):
+            wrong.append(f"{name} {tuple(shape)} vs model {want}")
+    expected = len(top) + config.depth * len(block)
+    matched = len(found) - len(unexpected)
+    tied = "lm_head.weight" in top and "lm_head.weight" not in found
+    missing: list[str] = []
+    if matched + tied < expected:
+        tops = (n for n in top if n not in found and n != "lm_head.weight")
+        # Generated lazily, stopping at the first few: a depth of 20000 is counted, not listed.
+        layers = (f"layers.{i}.{k}" for i in range(config.depth) for k in block)
+        for name in chain(tops, (n for n in layers if n not in found)):
+            missing.append(name)
+            if len(missing) == _SHOW_KEYS:
+                break
+    problems = []
+    if missing:
+        count = expected - matched - tied
+        problems.append(f"{count} missing key(s) for depth={config.depth}: {', '.join(missing)}")
+    if unexpected:
         problems.append(
-            f"{len(top) + config.depth * len(block) - seen - tied} tensor(s) missing for "
-            f"depth={config.depth}"
+            f"{len(unexpected)} unexpected key(s): {', '.join(unexpected[:_SHOW_KEYS])}"
         )
+    if wrong:
+        problems.append(f"{len(wrong)} shape mismatch(es): {'; '.join(wrong[:_SHOW_KEYS])}")
     if problems:
-        raise UserError(
-            f"{weights}: the weights do not fit {CONFIG_FILE} ({len(problems)} problem(s): "
-            f"{'; '.join(problems[:_SHOW_KEYS])}); the files do not belong together: re-export"
-        )
+        raise UserError(f"{where}: {' | '.join(problems)}; {fix}")
+
+
+def _check_weights_header(config: PerformerConfig, weights: Path) -> None:
+    """The weights file's tensor names and shapes (read from its header alone) against the
+    config's, so a file that does not fit is refused before any tensor is read."""
+    _check_shapes(
+        config,
+        read_safetensors_header(weights),
+        f"{weights}: the weights do not fit {CONFIG_FILE}",
+        "the files do not belong together: re-export",
+    )
 
 
 Read = tuple[PerformerConfig, dict[str, torch.Tensor], dict[str, Any] | None]
@@ -232,6 +310,12 @@ def _read_lightning(path: Path, ckpt: Any) -> Read:
             f"{sorted({k.split('.')[0] for k in ckpt['state_dict']})[:5]}); not a "
             "protein-performer checkpoint"
         )
+    _check_shapes(
+        config,
+        {k: tuple(v.shape) for k, v in state.items() if isinstance(v, torch.Tensor)},
+        f"{path}: the weights do not fit the stored model config",
+        "the file was edited or written by an incompatible version",
+    )
     return config, state, ckpt.get(CONTACT_REGRESSION_KEY)
 
 
@@ -245,10 +329,7 @@ def _read_export(path: Path) -> Read:
         )
     if not weights_path.is_file():
         raise UserError(f"{path}: {WEIGHTS_FILE} is missing next to {CONFIG_FILE}; re-export")
-    try:
-        meta = json.loads(config_path.read_text(encoding="utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise UserError(f"{config_path}: not valid JSON ({exc}); re-export the model") from None
+    meta = read_json(config_path, "re-export the model")
     check_format_header(meta, config_path, FORMAT_NAME, FORMAT_VERSION, "protein-performer export")
     vocab = meta.get("vocab")
     if vocab is not None and (not isinstance(vocab, list) or tuple(vocab) != Alphabet().tokens):
@@ -270,10 +351,7 @@ def _read_export(path: Path) -> Read:
         ) from None
     regression = None
     if (path / REGRESSION_FILE).is_file():
-        try:
-            regression = json.loads((path / REGRESSION_FILE).read_text(encoding="utf-8"))
-        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-            raise UserError(f"{path / REGRESSION_FILE}: not valid JSON ({exc})") from None
+        regression = read_json(path / REGRESSION_FILE, "re-export the model or refit it")
     return config, state, regression
 
 
@@ -505,8 +583,8 @@ def _is_hf_dir(path: Path) -> bool:
     """A Hugging Face config (``model_type``) rather than our export header (``format``);
     anything unreadable goes to the export reader, whose messages name the problem."""
     try:
-        meta = json.loads((path / CONFIG_FILE).read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        meta = read_json(path / CONFIG_FILE)
+    except UserError:
         return False
     return isinstance(meta, dict) and "model_type" in meta and "format" not in meta
 
@@ -566,6 +644,14 @@ def load_model(
             fair = isinstance(data, Mapping) and "state_dict" not in data
             if fair and isinstance(data.get("model"), Mapping):
                 esm = _read_fair_esm(src, data)
+            elif is_finetuned(data):  # `protein-performer finetune`: backbone + task head
+                esm = None
+                loaded = read_finetuned(src, data)
+                if attention or kernel or nb_features:
+                    raise UserError(
+                        f"{src} is a fine-tuned model: its head was trained on this attention "
+                        "core; load it without attention/kernel/nb_features"
+                    )
             else:
                 esm = None
                 loaded = _read_ours(src, "lightning", _read_lightning(src, data))
@@ -674,7 +760,9 @@ def publish_directory(
             os.chmod(tmp / name, default_file_mode())
             fsync_path(tmp / name)
         replace_dir(tmp, out)
-    except BaseException:
+    except BaseException as exc:
         shutil.rmtree(tmp, ignore_errors=True)
+        if is_disk_full(exc):  # safetensors says so in its own exception type
+            raise disk_full_error(out) from None
         raise
     return out

@@ -190,8 +190,9 @@ _MAX_HEADER = 100 << 20  # bytes: a safetensors header larger than this is not a
 def read_safetensors_header(path: str | os.PathLike[str]) -> dict[str, tuple[int, ...]]:
     """Tensor name -> shape from a ``.safetensors`` file's JSON header, reading only the header
     (never the tensors), so a config can be checked against the weights before allocating."""
-    import json
     import struct
+
+    from protein_performer.io.json_safe import parse_json
 
     src = Path(path)
     size = src.stat().st_size
@@ -203,10 +204,7 @@ def read_safetensors_header(path: str | os.PathLike[str]) -> dict[str, tuple[int
                 f"{src}: not a safetensors file (header length {n} in a {size}-byte file); the "
                 "file is truncated or damaged: re-export"
             )
-        try:
-            header = json.loads(fh.read(n))
-        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-            raise UserError(f"{src}: damaged safetensors header ({exc}); re-export") from None
+        header = parse_json(fh.read(n), f"{src}: safetensors header", "re-export")
     if not isinstance(header, dict):
         raise UserError(f"{src}: damaged safetensors header (not a mapping); re-export")
     shapes: dict[str, tuple[int, ...]] = {}

@@ -23,6 +23,7 @@ from typing import Any
 
 import numpy as np
 
+from protein_performer.errors import UserError
 from protein_performer.io.atomic import atomic_file, output_file
 
 #: Bytes per HDF5 chunk: appends and reads stay cheap without a chunk per record.
@@ -142,14 +143,40 @@ def write_columns(
     attrs: dict[str, Any],
     per_record: dict[str, Any],
     ragged: dict[str, tuple[np.ndarray, dict[str, np.ndarray]]],
+    extra: dict[str, np.ndarray] | None = None,
 ) -> int:
-    """One file of records (a part of a sharded run), written atomically."""
+    """One file of records (a part of a sharded run), written atomically. ``extra`` datasets
+    are stored beside the layout's (what a part was made from) and never merged.
+
+    The file is built in memory (a part is one window) and written with plain file I/O: HDF5
+    never meets a full disk, which leaves its library half-closed and crashes the interpreter
+    at exit (a segfault after the error line); here ENOSPC is an ordinary, clean error."""
+    import io
+
     import h5py
 
-    with atomic_file(path, suffix=".h5") as tmp, h5py.File(tmp, "w") as h5:
+    image = io.BytesIO()
+    with h5py.File(image, "w") as h5:
         cols = ColumnFile(h5, layout, attrs)
         cols.append(per_record, ragged)
-        return cols.finish()
+        for name, values in (extra or {}).items():
+            h5.create_dataset(name, data=values)
+        n = cols.finish()
+    with atomic_file(path, suffix=".h5") as tmp, open(tmp, "wb") as fh:
+        fh.write(image.getbuffer())
+    return n
+
+
+def _check_room(out: Path, sources: Sequence[Path]) -> None:
+    """Refuse a merge that cannot fit before HDF5 starts it (see :func:`write_columns`): the
+    merged file is about as large as its sources."""
+    import shutil
+
+    from protein_performer.io.atomic import disk_full_error
+
+    need = sum(src.stat().st_size for src in sources)
+    if need > shutil.disk_usage(out.parent).free:
+        raise disk_full_error(out)
 
 
 def merge_columns(
@@ -159,6 +186,7 @@ def merge_columns(
     written atomically. Returns the number of records."""
     import h5py
 
+    _check_room(output_file(out), sources)
     with atomic_file(output_file(out), suffix=".h5") as tmp, h5py.File(tmp, "w") as h5:
         cols = ColumnFile(h5, layout, attrs)
         for src in sources:
@@ -192,3 +220,36 @@ def record_columns(records: Sequence[Any]) -> dict[str, Any]:
         "lengths": np.asarray([len(r.sequence) for r in records], dtype=np.int64),
         "record_numbers": np.asarray([r.number for r in records], dtype=np.int64),
     }
+
+
+def checked_offsets(
+    h5: Any,  # noqa: ANN401 - an open h5py.File
+    name: str,
+    n_records: int,
+    total: int,
+    where: object,
+    sizes: np.ndarray | None = None,
+) -> np.ndarray:
+    """Column ``name`` of ragged offsets, checked before it slices anything: ``n_records + 1``
+    values from 0 up to ``total`` (the data's rows), never decreasing, and record n's span
+    equal to ``sizes[n]`` (0 allowed where ``sizes`` is None). A crafted or damaged column
+    would otherwise hand out another record's rows, silently."""
+    off = np.asarray(h5[name][:])
+    if off.ndim != 1 or off.shape[0] != n_records + 1 or not np.issubdtype(off.dtype, np.integer):
+        raise UserError(
+            f"{where}: {name} has shape {off.shape} ({off.dtype}), expected ({n_records + 1},) "
+            "integers: the file is damaged or edited; re-create it"
+        )
+    spans = np.diff(off.astype(np.int64))
+    bad = None
+    if n_records and off[0] != 0:
+        bad = "does not start at 0"
+    elif (spans < 0).any():
+        bad = "decreases"
+    elif int(off[-1]) > total:
+        bad = f"ends at {int(off[-1])}, past the {total} stored rows"
+    elif sizes is not None and not np.array_equal(spans, np.asarray(sizes, dtype=np.int64)):
+        bad = "disagrees with the record lengths"
+    if bad:
+        raise UserError(f"{where}: {name} {bad}: the file is damaged or edited; re-create it")
+    return off

@@ -30,6 +30,7 @@ import torch
 
 from protein_performer.errors import UserError, check_format_header
 from protein_performer.io.atomic import write_text_atomic
+from protein_performer.io.json_safe import read_json
 
 log = logging.getLogger(__name__)
 
@@ -173,12 +174,9 @@ class ContactRegression:
     @classmethod
     def load(cls, path: str | os.PathLike[str]) -> ContactRegression:
         path = Path(path).expanduser()
-        try:
-            data = json.loads(path.read_text(encoding="utf-8"))
-        except FileNotFoundError:
-            raise UserError(f"{path}: contact regression file not found") from None
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-            raise UserError(f"{path}: not a readable JSON contact regression ({exc})") from None
+        if not path.exists():
+            raise UserError(f"{path}: contact regression file not found")
+        data = read_json(path, "refit the contact regression")
         return cls.from_dict(data, path)
 
     @classmethod

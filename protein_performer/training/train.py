@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -79,6 +79,47 @@ def _existing(path: str | None) -> str | None:
     return path if path and Path(path).is_file() else None
 
 
+def _holds_run_dir(fn: Callable[[DictConfig], dict[str, Any]]) -> Callable[..., dict[str, Any]]:
+    """Lock the run directory (``paths.output_dir``) for the whole of ``fn``: a second
+    ``train`` into the same ``run_name`` (a relaunch while the first still runs) gets one line
+    naming the live process instead of writing checkpoints beside it. Only the job's first
+    process takes it (DDP ranks and Lightning's spawned children share the run)."""
+    import functools
+    import os
+
+    @functools.wraps(fn)
+    def wrapper(cfg: DictConfig) -> dict[str, Any]:
+        from protein_performer.io.atomic import exclusive_lock
+
+        first = all(os.environ.get(k, "0") == "0" for k in ("RANK", "LOCAL_RANK", "NODE_RANK"))
+        out = cfg.get("paths", {}).get("output_dir") if first else None
+        if out is None:
+            return fn(cfg)
+        run_dir = Path(str(out)).expanduser().absolute()
+        run_dir.parent.mkdir(parents=True, exist_ok=True)
+        with exclusive_lock(run_dir, "a training run"):
+            return fn(cfg)
+
+    return wrapper
+
+
+def _record_context_tokens(cfg: DictConfig) -> None:
+    """A family-row run (``data.layout=family``) stores its row length as the model's
+    ``context_tokens``, so the checkpoint tells ``lm.context()`` how much context training read
+    (an explicit ``model.config.context_tokens`` is kept)."""
+    from omegaconf import DictConfig, open_dict
+
+    data, model = cfg.get("data"), cfg.get("model")
+    config = model.get("config") if isinstance(model, DictConfig) else None
+    if not isinstance(data, DictConfig) or not isinstance(config, DictConfig):
+        return
+    if data.get("layout") != "family" or config.get("context_tokens") is not None:
+        return
+    with open_dict(config):
+        config.context_tokens = int(data.family_max_tokens)
+
+
+@_holds_run_dir
 def train(cfg: DictConfig) -> dict[str, Any]:
     """Fit (and optionally test) the model described by ``cfg``.
 
@@ -97,10 +138,9 @@ def train(cfg: DictConfig) -> dict[str, Any]:
         last_checkpoint,
     )
     from protein_performer.training.init_weights import check_init_from, maybe_init_from
+    from protein_performer.training.run_dir import check_fresh_run_dir
     from protein_performer.training.settings import check_training_config
 
-    if cfg.get("seed") is not None:
-        pl.seed_everything(int(cfg.seed), workers=True)
     ckpt_path = cfg.get("ckpt_path")
     if ckpt_path not in (None, *RESUME_KEYWORDS) and not Path(ckpt_path).is_file():
         raise UserError(
@@ -110,8 +150,13 @@ def train(cfg: DictConfig) -> dict[str, Any]:
         )
 
     check_training_config(cfg)  # values of data, model.optim and trainer, before any building
+    if ckpt_path is None:  # a new run: refuse to start over on a previous run's files
+        check_fresh_run_dir(cfg.paths.output_dir, overwrite=cfg.get("overwrite") is True)
+    if cfg.get("seed") is not None:
+        pl.seed_everything(cfg.seed, workers=True)  # an int in [0, 2**32) (checked above)
     check_init_from(cfg)  # before building anything: a fine-tune experiment without weights
     datamodule = _instantiate(cfg.data, "data")
+    _record_context_tokens(cfg)
     module = _instantiate(cfg.model, "model")
     maybe_init_from(module, cfg)  # init_from=PATH: start from existing (e.g. ESM-2) weights
     callbacks = _instantiate_dict(cfg, "callbacks")
