@@ -23,6 +23,7 @@ from typing import Any
 import numpy as np
 
 from protein_performer.errors import UserError
+from protein_performer.io.json_safe import parse_json
 
 log = logging.getLogger(__name__)
 
@@ -233,7 +234,7 @@ class Families:
     @classmethod
     def load(cls, path: Path) -> Families:
         with np.load(path, allow_pickle=False) as z:
-            return cls(z["keys"], z["offsets"], z["members"], json.loads(str(z["meta"])))
+            return cls(z["keys"], z["offsets"], z["members"], parse_json(str(z["meta"]), path))
 
 
 def _positions(indices: np.ndarray, values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

@@ -43,7 +43,15 @@ import numpy as np
 from protein_performer.data.split import SPLIT_CODES, SPLIT_NAMES
 from protein_performer.data.tokenizer import Alphabet
 from protein_performer.errors import UserError
-from protein_performer.io.atomic import exclusive_lock, fsync_path, make_temp_dir, replace_dir
+from protein_performer.io.atomic import (
+    disk_full_error,
+    exclusive_lock,
+    fsync_path,
+    is_disk_full,
+    make_temp_dir,
+    replace_dir,
+)
+from protein_performer.io.json_safe import read_json
 
 log = logging.getLogger(__name__)
 
@@ -338,10 +346,19 @@ class StoreWriter:
                 f.close()
 
     def _close_files(self) -> None:
-        if not self._closed:
-            for fh in self._files.values():
+        """Close every file, even when one fails (a full disk fails the final flush): the
+        first error is raised after all are closed, so an abort can still remove them."""
+        if self._closed:
+            return
+        self._closed = True
+        first: BaseException | None = None
+        for fh in self._files.values():
+            try:
                 fh.close()
-            self._closed = True
+            except OSError as exc:
+                first = first or exc
+        if first is not None:
+            raise first
 
     def commit(self, extra_meta: dict[str, Any] | None = None) -> Path:
         """Finish the files, write ``meta.json`` and atomically move the store into place."""
@@ -384,7 +401,8 @@ class StoreWriter:
 
     def abort(self) -> None:
         """Drop everything written so far."""
-        self._close_files()
+        with contextlib.suppress(OSError):  # the unwritten rest goes with the directory
+            self._close_files()
         shutil.rmtree(self.tmp, ignore_errors=True)
         self._lock.close()
 
@@ -395,6 +413,8 @@ class StoreWriter:
         if exc_type is not None or self.tmp.exists():
             # Either an error, or the block ended without commit(): nothing is published.
             self.abort()
+        if exc is not None and is_disk_full(exc):  # type: ignore[arg-type]
+            raise disk_full_error(self.out) from None
 
 
 def is_store(path: str | os.PathLike[str]) -> bool:
@@ -403,8 +423,8 @@ def is_store(path: str | os.PathLike[str]) -> bool:
     if not meta.is_file():
         return False
     try:
-        return json.loads(meta.read_text(encoding="utf-8")).get("format") == FORMAT_NAME
-    except (OSError, ValueError, AttributeError):
+        return read_json(meta).get("format") == FORMAT_NAME
+    except (UserError, AttributeError):
         return False
 
 
@@ -598,12 +618,7 @@ def _read_meta(path: Path) -> dict[str, Any]:
             f"{path} is not a preprocessed store (no {META}): run "
             f"`protein-performer preprocess ... --out {path}`"
         )
-    try:
-        meta = json.loads(meta_path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, ValueError) as exc:
-        raise UserError(
-            f"{meta_path} is unreadable or not JSON ({exc}); re-run preprocess"
-        ) from exc
+    meta = read_json(meta_path, fix="re-run preprocess")
     if not isinstance(meta, dict) or meta.get("format") != FORMAT_NAME:
         raise UserError(f"{meta_path} does not describe a protein_performer token store")
     version = meta.get("format_version")
