@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import sys
 
 from protein_performer.cli._common import (
     FASTA_OR_STORE_HELP,
@@ -11,7 +12,9 @@ from protein_performer.cli._common import (
     add_fasta_run_options,
     add_model_options,
     check_output,
+    join_ranks,
     load_lm,
+    rank_line,
 )
 
 HELP = "embed a FASTA file or store into one columnar HDF5 file (any length, resumable)"
@@ -26,7 +29,13 @@ window by window into parts (OUT.parts/), merged into OUT at the end: OUT appear
 complete, and a killed run continues with --resume, losing at most the window in flight.
 
 --resume skips ids already in OUT or in its parts and adds the rest (the input may have grown);
-it refuses when the model (its weights hash) or --repr-layers/--include/--precision differ.
+it refuses when the model (its weights hash) or --repr-layers/--include/--precision differ. A
+part is reused only when its every record is in the input with the same sequence (parts record
+their sequences' digests); the others are set aside (NAME.dropped, NAME.damaged) and redone.
+
+Several processes wait for each other at most PROTEIN_PERFORMER_INIT_TIMEOUT seconds to start
+(default 300) and PROTEIN_PERFORMER_WAIT_TIMEOUT at the end (default 48 h); a rank that fails
+stops the others.
 
 Several processes: launch the same command under torchrun or srun; records are split across
 ranks by token budget, each rank writes its own parts, rank 0 merges them into one OUT with the
@@ -91,6 +100,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     from protein_performer.inference.embedding import embed_fasta
 
+    join_ranks(args)
     check_output(args.out, [args.ckpt, args.fasta], args.overwrite or args.resume)
     summary = embed_fasta(
         load_lm(args),
@@ -104,6 +114,16 @@ def run(args: argparse.Namespace) -> int:
         resume=args.resume,
         overwrite=args.overwrite,
     )
+    if summary.parts is not None:
+        c = summary.parts
+        print(
+            f"resume: reused {len(c.kept)} part(s) ({c.reused} records), redoing {c.redone} "
+            f"record(s) of {c.dropped} part(s) dropped (another run or input, or written before "
+            f"0.3), {c.damaged} damaged part(s) set aside",
+            file=sys.stderr,
+        )
+    if rank_line(summary.new_records, "embedded"):
+        return 0
     skipped = f", {summary.skipped} already there" if summary.skipped else ""
     print(
         f"embedded {summary.new_records} record(s) ({summary.residues} residues{skipped}), "

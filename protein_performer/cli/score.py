@@ -13,9 +13,11 @@ from protein_performer.cli._common import (
     add_fasta_run_options,
     add_model_options,
     check_output,
+    join_ranks,
     load_context,
     load_lm,
     pick_strategy,
+    rank_line,
 )
 
 HELP = "per-sequence log-likelihood / perplexity (pseudo-ppl or causal)"
@@ -62,6 +64,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     from protein_performer.inference.scoring import score_fasta
 
+    join_ranks(args)
     check_output(args.out, [args.ckpt, args.fasta, args.context], args.overwrite)
     lm = load_lm(args)
     context = load_context(lm, args)
@@ -76,6 +79,8 @@ def run(args: argparse.Namespace) -> int:
         progress=not args.no_progress,
         context=context,
     )
+    if rank_line(summary.num_records, "scored"):
+        return 0
     print(
         f"scored {summary.num_records} record(s) with {strategy}: mean log-likelihood per "
         f"token {summary.mean_log_likelihood:.4f} -> "

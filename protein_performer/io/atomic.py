@@ -100,6 +100,44 @@ def remove_stale_temps(directory: Path, name: str | None = None) -> list[Path]:
     return removed
 
 
+#: errno values of a full disk (or a full quota, which the user meets the same way).
+_DISK_FULL = (errno.ENOSPC, errno.EDQUOT)
+
+
+def is_disk_full(exc: BaseException) -> bool:
+    """Whether ``exc`` (an OSError, or h5py's, which carries the errno only in its text) is a
+    full disk."""
+    if isinstance(exc, UserError):
+        return False
+    if isinstance(exc, OSError) and exc.errno in _DISK_FULL:
+        return True
+    text = str(exc)  # h5py, safetensors (its own type), torch.save (RuntimeError)
+    return any(s in text for s in ("No space left on device", "errno = 28", "os error 28"))
+
+
+def _device(path: Path) -> str:
+    """The mount point holding ``path`` and its device (``/scratch (/dev/sdb1)``): where the
+    user must free space."""
+    mount = Path(os.path.abspath(path))
+    while not os.path.ismount(mount) and mount != mount.parent:
+        mount = mount.parent
+    try:
+        with open("/proc/mounts", encoding="utf-8") as fh:
+            devices = {f[1]: f[0] for f in (line.split() for line in fh) if len(f) > 1}
+    except OSError:
+        devices = {}
+    dev = devices.get(str(mount))
+    return f"{mount} ({dev})" if dev and dev != str(mount) else str(mount)
+
+
+def disk_full_error(path: str | os.PathLike[str]) -> UserError:
+    """The one line for a write that ran out of space (what was partly written is removed)."""
+    return UserError(
+        f"no space left on {_device(Path(path))} writing {path}; nothing was left behind: free "
+        "space there or choose another output"
+    )
+
+
 def fsync_path(path: Path) -> None:
     """Flush a file's data, or a directory's entries, to disk (best effort for directories:
     some filesystems refuse to fsync a directory)."""
@@ -187,8 +225,10 @@ def atomic_file(path: Path, suffix: str = ".tmp", mode: int | None = None) -> It
         fsync_path(tmp)
         os.replace(tmp, path)
         fsync_path(path.parent)
-    except BaseException:
+    except BaseException as exc:
         tmp.unlink(missing_ok=True)
+        if is_disk_full(exc):
+            raise disk_full_error(path) from None
         raise
 
 
@@ -200,24 +240,57 @@ def write_text_atomic(path: Path, text: str) -> Path:
     return path
 
 
+#: Lock files this process holds (path -> depth): a command that locks its output and then
+#: calls a writer that locks the same output (``preprocess`` and its store) holds it once.
+_HELD: dict[str, int] = {}
+
+
+def _holder(lock: Path) -> str:
+    """Who holds ``lock``, as its holder wrote it (``pid N on HOST``), or ``another run``."""
+    try:
+        text = lock.read_text(encoding="utf-8").split()
+    except OSError:
+        return "another run"
+    if len(text) >= 2 and text[0].isdigit():
+        return f"another run (pid {text[0]} on {text[1]})"
+    return "another run"
+
+
 @contextlib.contextmanager
 def exclusive_lock(path: Path, what: str) -> Iterator[None]:
     """Hold an exclusive ``flock`` on a hidden lock file beside ``path`` for the block.
 
-    Two runs writing the same output would otherwise race; the second one gets one line. The
-    lock dies with its process (kill -9 included), so a crash never leaves it held; the file is
-    removed on release (a run that locked a file unlinked meanwhile sees it and retries).
+    Two runs writing the same output would otherwise race (the second one's ``--overwrite``
+    pulling the file from under the first); the second one gets one line naming the holder's
+    pid and host, which the holder writes into the lock file. The lock dies with its process
+    (kill -9 included), so a crash never leaves it held; the file is removed on release (a run
+    that locked a file unlinked meanwhile sees it and retries). Re-entrant within a process.
     """
     lock = path.parent / f".{path.name}.lock"
+    key = os.path.abspath(lock)
+    if key in _HELD:
+        _HELD[key] += 1
+        try:
+            yield
+        finally:
+            if key in _HELD:  # the outer holder may have let go first (an error on the way)
+                _HELD[key] -= 1
+        return
     while True:
-        fd = os.open(lock, os.O_RDWR | os.O_CREAT, default_file_mode())
+        try:
+            fd = os.open(lock, os.O_RDWR | os.O_CREAT, default_file_mode())
+        except FileNotFoundError:
+            raise UserError(
+                f"output directory {path.parent} does not exist; create it first"
+            ) from None
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             os.close(fd)
             raise UserError(
-                f"{path} is in use by another run writing {what} there; wait for it to finish "
-                "or choose another output"
+                f"{path} is in use by {_holder(lock)} writing {what} there; wait for it to "
+                "finish (or stop it) or choose another output; --overwrite and --resume never "
+                "take an output from a live run"
             ) from None
         try:
             if os.stat(lock).st_ino == os.fstat(fd).st_ino:
@@ -226,8 +299,15 @@ def exclusive_lock(path: Path, what: str) -> Iterator[None]:
             pass
         os.close(fd)  # locked a file its holder had just removed: take the new one
     try:
+        os.ftruncate(fd, 0)
+        os.write(fd, f"{os.getpid()} {_host()}\n".encode())
+    except OSError:  # a full disk: the lock holds all the same, only the holder stays unnamed
+        pass
+    _HELD[key] = 1
+    try:
         yield
     finally:
+        _HELD.pop(key, None)
         lock.unlink(missing_ok=True)
         os.close(fd)
 

@@ -25,7 +25,7 @@ import shutil
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import torch
 
@@ -36,8 +36,17 @@ log = logging.getLogger(__name__)
 #: Records held at once, in token budgets: enough to sort by length for tight batches, few
 #: enough that memory is bounded by a window, not by the input.
 WINDOW_BATCHES = 32
-#: A rank may wait this long at the final barrier for slower ranks (long proteins, big sets).
+#: Environment variables (seconds) bounding the waits of a sharded run. INIT: how long ranks
+#: wait for each other to start (a rank that never comes, e.g. one that failed before meeting
+#: the others under srun); WAIT: how long a rank that finished waits for slower ones (long
+#: proteins, big sets). A rank that fails says so to the others, who stop at once, and a rank
+#: that dies is noticed by its lost connection: these bound only ranks that stay silent.
+INIT_TIMEOUT_ENV = "PROTEIN_PERFORMER_INIT_TIMEOUT"
+WAIT_TIMEOUT_ENV = "PROTEIN_PERFORMER_WAIT_TIMEOUT"
+INIT_TIMEOUT = datetime.timedelta(minutes=5)
 BARRIER_TIMEOUT = datetime.timedelta(hours=48)
+#: Seconds between looks at whether another rank failed, while this one waits.
+POLL_SECONDS = 0.2
 _PART = re.compile(r"^run(\d{4})-w(\d{9})\.[a-z0-9]+$")
 
 R = TypeVar("R")
@@ -108,47 +117,178 @@ def rank_label(what: str) -> str:
     return f"{what}[rank {r.rank}/{r.world_size}]" if r.distributed else what
 
 
-class Job:
-    """Process group set-up and barriers for a sharded run (a no-op for one process)."""
+#: The store key where the first rank that fails leaves its line (one per process group).
+_FAILED = "protein_performer/failed"
 
-    def __init__(self, ranks: Ranks) -> None:
+
+def _timeout(env: str, default: datetime.timedelta) -> datetime.timedelta:
+    """``default``, or the seconds the environment variable ``env`` gives."""
+    text = os.environ.get(env)
+    if text is None or not text.strip():
+        return default
+    try:
+        seconds = float(text)
+    except ValueError:
+        seconds = -1.0
+    if not 0 < seconds < 1e9:
+        raise UserError(f"{env}={text!r}: give a positive number of seconds")
+    return datetime.timedelta(seconds=seconds)
+
+
+class Job:
+    """The process group of a sharded run, for as long as the block (a no-op for one process).
+
+    Every wait polls: a rank that fails posts its error line in the group's store, and the
+    others, waiting at a barrier or between windows, stop with it instead of waiting for a rank
+    that will never come; a rank that dies (kill -9) closes its connections, which the others
+    notice too. ``options`` (names -> text) must be the same on every rank: the first
+    difference is one line, before any work. A group that already exists (the CLI's, from
+    ``join_ranks``) is reused, so a command meets the others once, before loading its model.
+    """
+
+    _count = 0  # Jobs entered in this process: every rank enters them in the same order
+
+    def __init__(self, ranks: Ranks, options: dict[str, str] | None = None) -> None:
         self.ranks = ranks
+        self.options = options or {}
         self._own_group = False
+        self._store = None
+        self._failed_here = False
 
     def __enter__(self) -> Job:
         import torch.distributed as dist
 
-        if self.ranks.distributed and not dist.is_initialized():
-            dist.init_process_group(
-                "gloo",
-                rank=self.ranks.rank,
-                world_size=self.ranks.world_size,
-                timeout=BARRIER_TIMEOUT,
-            )
+        if not self.ranks.distributed:
+            return self
+        Job._count += 1
+        self._key = f"protein_performer/job{Job._count}"
+        if not dist.is_initialized():
+            self._init_group()
             self._own_group = True
+        from torch.distributed.distributed_c10d import _get_default_store
+
+        self._store = _get_default_store()
+        try:
+            self._agree()
+        except BaseException:
+            self.__exit__(*__import__("sys").exc_info())
+            raise
         return self
 
-    def __exit__(self, *exc: object) -> None:
+    def _init_group(self) -> None:
         import torch.distributed as dist
 
-        if self._own_group:
+        init = _timeout(INIT_TIMEOUT_ENV, INIT_TIMEOUT)
+        r = self.ranks
+        where = f"{os.environ.get('MASTER_ADDR', '?')}:{os.environ.get('MASTER_PORT', '?')}"
+        try:
+            store, _, _ = next(dist.rendezvous("env://", r.rank, r.world_size, timeout=init))
+            dist.init_process_group(
+                "gloo",
+                store=dist.PrefixStore("protein_performer", store),
+                rank=r.rank,
+                world_size=r.world_size,
+                timeout=_timeout(WAIT_TIMEOUT_ENV, BARRIER_TIMEOUT),
+            )
+        except (RuntimeError, ValueError) as exc:  # DistStoreError is a RuntimeError
+            raise UserError(
+                f"rank {r.rank}: the {r.world_size} ranks did not all meet at {where} within "
+                f"{init.total_seconds():g} s (a rank failed to start or is elsewhere; see the "
+                f"other ranks' error lines; {INIT_TIMEOUT_ENV} sets the wait): "
+                f"{str(exc).splitlines()[0][:200]}"
+            ) from None
+
+    def _agree(self) -> None:
+        """Compare every rank's options with rank 0's; one line names the first difference."""
+        import json
+
+        store, r = self._store, self.ranks
+        store.set(f"{self._key}/options/{r.rank}", json.dumps(self.options, sort_keys=True))
+        self.barrier()
+        mine = self.options
+        for other in range(r.world_size):
+            theirs = json.loads(store.get(f"{self._key}/options/{other}"))
+            if theirs == mine:
+                continue
+            diff = sorted(k for k in set(mine) | set(theirs) if mine.get(k) != theirs.get(k))
+            name = diff[0]
+            raise UserError(
+                f"ranks disagree on their options before any work: {name} is "
+                f"{mine.get(name, '(not set)')} on rank {r.rank} but "
+                f"{theirs.get(name, '(not set)')} on rank {other}; launch every rank with the "
+                "same command"
+            )
+
+    def __exit__(self, exc_type: object, exc: object, tb: object) -> None:
+        import torch.distributed as dist
+
+        if exc is not None and self.ranks.distributed:
+            self.fail(exc)
+        # After a failure a collective may still be pending, which destroying would wait for:
+        # the group then ends with the process.
+        if self._own_group and dist.is_initialized() and exc is None:
             dist.destroy_process_group()
+
+    def fail(self, exc: object) -> None:
+        """Tell the other ranks this one failed (best effort: the store may be gone)."""
+        if self._store is None or self._failed_here or isinstance(exc, _OtherRankError):
+            return
+        self._failed_here = True
+        text = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        try:
+            if not self._store.check([_FAILED]):
+                self._store.set(_FAILED, f"rank {self.ranks.rank}: {text}"[:500])
+        except Exception:  # noqa: BLE001 - the others then notice the closed connection
+            pass
+
+    def check(self) -> None:
+        """Raise if another rank failed: a rank between windows stops within one window."""
+        if self._store is None:
+            return
+        key = _FAILED
+        try:
+            failed = self._store.check([key])
+            said = self._store.get(key).decode() if failed else ""
+        except Exception:  # noqa: BLE001 - the store's host (rank 0 under srun) is gone
+            raise self._lost() from None
+        if failed:
+            raise _OtherRankError(f"rank {self.ranks.rank}: stopping because {said}")
+
+    def _lost(self) -> UserError:
+        return _OtherRankError(
+            f"rank {self.ranks.rank}: lost the connection to the other ranks (one of them "
+            "stopped or was killed; see its error line)"
+        )
+
+    def _wait(self, work: Any) -> None:  # noqa: ANN401 - a torch.distributed Work
+        """Wait for a collective, looking for another rank's failure meanwhile."""
+        import time
+
+        limit = _timeout(WAIT_TIMEOUT_ENV, BARRIER_TIMEOUT).total_seconds()
+        deadline = time.monotonic() + limit
+        while not work.is_completed():
+            self.check()
+            if time.monotonic() > deadline:
+                raise UserError(
+                    f"rank {self.ranks.rank}: waited {limit:g} s for the other ranks "
+                    f"({WAIT_TIMEOUT_ENV} sets the wait)"
+                )
+            time.sleep(POLL_SECONDS)
+        try:
+            work.wait()
+        except RuntimeError:  # a peer's connection closed: it died
+            self.check()  # its own line, if it could leave one
+            raise self._lost() from None
 
     def barrier(self) -> None:
         import torch.distributed as dist
 
         if self.ranks.distributed:
-            dist.barrier()
+            self._wait(dist.barrier(async_op=True))
 
-    def all_ok(self, ok: bool) -> bool:
-        """True when every rank's ``ok`` is: a rank that failed makes all of them stop."""
-        import torch.distributed as dist
 
-        if not self.ranks.distributed:
-            return ok
-        flag = torch.tensor([0 if ok else 1])
-        dist.all_reduce(flag)
-        return int(flag) == 0
+class _OtherRankError(UserError):
+    """This rank stops because another one failed (it must not post a failure of its own)."""
 
 
 def parts_dir(out: Path) -> Path:
@@ -179,6 +319,25 @@ def next_run(directory: Path) -> int:
     return max(runs, default=-1) + 1
 
 
+def spread(batches: Iterable[list[R]], ranks: Ranks) -> Iterator[list[R]]:
+    """``batches``, except that an input of a single window is cut by records into one window
+    per rank (in order), so no rank idles on a small input."""
+    it = iter(batches)
+    first = next(it, None)
+    if first is None:
+        return
+    second = next(it, None)
+    if second is not None or not ranks.distributed or len(first) < 2:
+        yield first
+        if second is not None:
+            yield second
+            yield from it
+        return
+    n = min(ranks.world_size, len(first))
+    for k in range(n):
+        yield first[k * len(first) // n : (k + 1) * len(first) // n]
+
+
 def run_sharded(
     out: Path,
     suffix: str,
@@ -187,48 +346,44 @@ def run_sharded(
     merge: Callable[[list[Path]], int],
     fresh: bool,
     parts: Path | None = None,
+    options: dict[str, str] | None = None,
 ) -> tuple[int, int]:
     """Run ``write_part`` on this rank's windows, then (rank 0) ``merge`` every part into ``out``.
 
     Returns (records this rank wrote, records in ``out`` after the merge; 0 on other ranks).
-    ``fresh`` drops parts left by an earlier run first (resume keeps them). A failure on any
-    rank stops every rank with that error (no rank is left waiting at a barrier); the parts
-    already finished stay for a resume, an empty parts directory goes.
+    ``fresh`` drops parts left by an earlier run first (resume keeps them). ``options`` must be
+    equal on every rank (checked before any work). A failure on any rank stops every rank
+    within a window or a poll (:class:`Job`); the parts already finished stay for a resume,
+    an empty parts directory goes.
     """
     from protein_performer.io.atomic import output_file
 
     ranks = detect_ranks()
     pdir = parts or parts_dir(output_file(out))
     new = 0
-    failure: BaseException | None = None
-    with Job(ranks) as job:
-        if ranks.rank == 0:
-            if fresh and pdir.exists():
-                shutil.rmtree(pdir)
-            pdir.mkdir(exist_ok=True)
-        job.barrier()
-        run = next_run(pdir)
-        job.barrier()  # every rank has its run number before any rank writes a part
+    with Job(ranks, options) as job:
         try:
-            for w, window in enumerate(batches):
+            if ranks.rank == 0:
+                if fresh and pdir.exists():
+                    shutil.rmtree(pdir)
+                pdir.mkdir(exist_ok=True)
+            job.barrier()
+            run = next_run(pdir)
+            job.barrier()  # every rank has its run number before any rank writes a part
+            for w, window in enumerate(spread(batches, ranks)):
+                job.check()
                 if w % ranks.world_size == ranks.rank:
                     write_part(pdir / part_name(run, w, suffix), window)
                     new += len(window)
-        except Exception as exc:  # every rank must learn of a failure, or the others wait
-            failure = exc
-        if not job.all_ok(failure is None):
-            _drop_if_empty(pdir, ranks)
-            raise failure or UserError("the run failed on another rank; see its error line")
-        total = 0
-        if ranks.rank == 0:
-            try:
+            job.barrier()  # every part is written
+            total = 0
+            if ranks.rank == 0:
                 total = merge(finished_parts(pdir))
                 shutil.rmtree(pdir)
-            except Exception as exc:  # the parts stay for a retry; the other ranks must not hang
-                failure = exc
-        if not job.all_ok(failure is None):
+            job.barrier()  # the others learn whether the merge worked
+        except BaseException:
             _drop_if_empty(pdir, ranks)
-            raise failure or UserError("merging the parts failed on rank 0; see its error line")
+            raise
     return new, total
 
 
