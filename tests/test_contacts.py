@@ -135,7 +135,7 @@ def test_json_round_trip_and_checks(tmp_path: Path, caplog) -> None:
     with pytest.raises(UserError, match="another attention layout"):
         back.check_model(SimpleNamespace(config=two_heads, model=None, source=Path("m3")))
     path.write_text("{not json")
-    with pytest.raises(UserError, match="not a readable JSON"):
+    with pytest.raises(UserError, match="not valid JSON"):
         ContactRegression.load(path)
     path.write_text(json.dumps({**data, "coef": [1.0]}))
     with pytest.raises(UserError, match="coefficients"):
