@@ -19,6 +19,16 @@ random weights, the default FAVOR+ config (what `protein-performer generate` run
    piecewise-linear integral estimates the total at every ``--pp-lengths`` value (the direct
    runs check the estimate).
    Target: ours at least 50x faster at 4,096 tokens.
+4. Peers, one run, interleaved (every cell times ours FAVOR+, our exact twin's KV cache and
+   transformers' ``GPT2LMHeadModel.generate`` with its KV cache, the ProtGPT2 path, on the same
+   dim/depth/heads/ffn and vocab 33, back to back; best of ``--repeats``): ms per generated
+   token, prefill and sampling included, at prompts ``--peer-prompts`` (16, 2,048), ``--new``
+   (256) new tokens, batches ``--batches`` (1, 16, 32), threads ``--peer-threads`` (1, 2), with
+   the ratios. Targets: prompt 16: FAVOR+ <= GPT-2 at batch 1 and 16/32; prompt 2,048: FAVOR+
+   >= 2x faster than GPT-2 at batch 1 and 16.
+5. The floor: one token reads every weight once, so ms/token >= weight bytes / memory
+   bandwidth (a STREAM-like copy of ``--stream-mib`` MiB, measured in the same run, per thread
+   count), for the 8M and the 35M shapes, against ours at batch 1, prompt 16. Aim: within 3x.
 
 Examples::
 
@@ -38,9 +48,12 @@ from typing import Any
 import _common as common
 
 SHAPE = {"dim": 320, "depth": 6, "heads": 20, "ff_dim": 1280}
+#: ESM-2 shapes for the floor: 8M and 35M.
+SHAPES = {"8M": SHAPE, "35M": {"dim": 480, "depth": 12, "heads": 20, "ff_dim": 1920}}
+RESIDUES = "ACDEFGHIKLMNPQRSTVWY"
 
 
-def _ours() -> Any:
+def _ours(attention: str = "favor", shape: dict[str, int] | None = None) -> Any:
     import torch
 
     from protein_performer.data.tokenizer import Alphabet
@@ -50,7 +63,7 @@ def _ours() -> Any:
     from protein_performer.model.performer import PerformerLM
 
     torch.manual_seed(0)
-    config = PerformerConfig(**SHAPE, objective="clm", attention="favor")
+    config = PerformerConfig(**(shape or SHAPE), objective="clm", attention=attention)
     model = PerformerLM(config).eval()
     return ProteinLM(
         LoadedModel(model, config, Alphabet(), Path("random"), torch.device("cpu"), "memory")
@@ -73,12 +86,12 @@ def per_token(lm: Any, positions: list[int], steps: int) -> list[dict[str, Any]]
             tokens = torch.randint(4, 24, (1, P))
             tokens[0, 0] = lm.alphabet.cls_idx
             _, states[P] = model.prefill(tokens)
-            _, states[P] = model.step(tok, torch.tensor([P]), states[P])  # warm-up
+            _, states[P] = model.step(tok, torch.tensor([P]), states[P], inplace=True)  # warm
         for i in range(steps):
             for P in positions:
                 peak = common.start_phase(sampler, torch.device("cpu")) if i == 0 else None
                 t0 = time.perf_counter()
-                _, states[P] = model.step(tok, torch.tensor([P + 1 + i]), states[P])
+                _, states[P] = model.step(tok, torch.tensor([P + 1 + i]), states[P], inplace=True)
                 times[P].append(time.perf_counter() - t0)
                 if peak is not None:
                     peaks[P] = peak()
@@ -169,6 +182,210 @@ def performer_pytorch(lengths: list[int], direct: list[int]) -> tuple[dict, dict
     return estimated, timed, ""
 
 
+def _gpt2(shape: dict[str, int], positions: int) -> Any:
+    """transformers' GPT-2 (ProtGPT2's architecture) on our shape, vocab 33; None if absent."""
+    try:
+        import torch
+        from transformers import GPT2Config, GPT2LMHeadModel
+    except ImportError:
+        return None
+    torch.manual_seed(0)
+    cfg = GPT2Config(
+        vocab_size=33,
+        n_positions=positions,
+        n_embd=shape["dim"],
+        n_layer=shape["depth"],
+        n_head=shape["heads"],
+        n_inner=shape["ff_dim"],
+        bos_token_id=0,
+        eos_token_id=2,
+        pad_token_id=1,
+    )
+    return GPT2LMHeadModel(cfg).eval()
+
+
+def weight_bytes(model: Any) -> int:
+    """Bytes of distinct parameters (a tied matrix once): what one token must read."""
+    seen, total = set(), 0
+    for p in model.parameters():
+        if p.data_ptr() not in seen:
+            seen.add(p.data_ptr())
+            total += p.numel() * p.element_size()
+    return total
+
+
+def copy_bandwidth(mib: int, threads: int, repeats: int = 5) -> float:
+    """STREAM-like copy bandwidth in bytes/s (read + written) at ``threads`` torch threads."""
+    import torch
+
+    torch.set_num_threads(threads)
+    n = mib * 2**20 // 4
+    a, b = torch.ones(n), torch.empty(n)
+    b.copy_(a)
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        b.copy_(a)
+        best = min(best, time.perf_counter() - t0)
+    return 2 * n * 4 / best
+
+
+def _time_ours(lm: Any, prompt: int, batch: int, new: int) -> float:
+    """Seconds for ``lm.generate`` of ``batch`` sequences, ``new`` tokens after a ``prompt``-token
+    row (``<cls>`` + prompt - 1 residues), sampling included."""
+    import random
+
+    rng = random.Random(prompt)
+    text = "".join(rng.choice(RESIDUES) for _ in range(prompt - 1))
+    n = len(text) + new
+    t0 = time.perf_counter()
+    seqs = lm.generate(n=batch, max_length=n, min_length=n, prompt=text, seed=0, batch_size=batch)
+    dt = time.perf_counter() - t0
+    assert all(len(q) == n for q in seqs)
+    return dt
+
+
+def _time_gpt2(model: Any, prompt: int, batch: int, new: int) -> float:
+    """Seconds for GPT-2's ``generate`` (sampling, KV cache) of ``new`` tokens per row."""
+    import torch
+
+    g = torch.Generator().manual_seed(prompt)
+    ids = torch.randint(4, 24, (batch, prompt), generator=g)
+    torch.manual_seed(0)
+    t0 = time.perf_counter()
+    with torch.inference_mode():
+        out = model.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            do_sample=True,
+            top_k=0,
+            max_new_tokens=new,
+            min_new_tokens=new,
+            use_cache=True,
+            pad_token_id=1,
+        )
+    dt = time.perf_counter() - t0
+    assert out.shape == (batch, prompt + new)
+    return dt
+
+
+def peers(args: Any) -> tuple[list[dict[str, Any]], str]:
+    """ms per generated token for ours FAVOR+, our exact twin and GPT-2, every cell's three
+    runs back to back (machine load hits all alike), best of ``args.repeats``."""
+    import torch
+
+    models = {"favor": _ours("favor"), "exact": _ours("exact")}
+    gpt2 = _gpt2(SHAPE, max(args.peer_prompts) + args.new + 1)
+    note = "" if gpt2 is not None else "transformers not installed: no GPT-2 column"
+    cells = [(t, p, b) for t in args.peer_threads for p in args.peer_prompts for b in args.batches]
+    best: dict[tuple, float] = {}
+    for t in args.peer_threads:  # warm-up: first calls allocate and pick kernels
+        torch.set_num_threads(t)
+        for lm in models.values():
+            _time_ours(lm, 16, 1, 4)
+        if gpt2 is not None:
+            _time_gpt2(gpt2, 16, 1, 4)
+    for _ in range(args.repeats):
+        for t, p, b in cells:
+            torch.set_num_threads(t)
+            runs: list[tuple[str, Any]] = [
+                (name, lambda lm=lm, p=p, b=b: _time_ours(lm, p, b, args.new))
+                for name, lm in models.items()
+            ]
+            if gpt2 is not None:
+                runs.append(("gpt2", lambda p=p, b=b: _time_gpt2(gpt2, p, b, args.new)))
+            for name, run in runs:
+                ms = 1e3 * run() / (b * args.new)
+                key = (t, p, b, name)
+                best[key] = min(best.get(key, float("inf")), ms)
+                print(
+                    f"  threads {t} prompt {p} batch {b} {name}: {ms:.3f} ms/token",
+                    file=sys.stderr,
+                )
+    rows = []
+    for t, p, b in cells:
+        row = {"threads": t, "prompt": p, "batch": b}
+        for name in ("favor", "exact", "gpt2"):
+            row[f"{name}_ms_per_token"] = best.get((t, p, b, name))
+        rows.append(row)
+    return rows, note
+
+
+def floors(args: Any) -> list[dict[str, Any]]:
+    """The weight-read floor per shape and thread count, against ours (FAVOR+, batch 1,
+    prompt 16), bandwidth measured here, interleaved with the generation runs."""
+    import torch
+
+    rows = []
+    lms = {name: _ours("favor", shape) for name, shape in SHAPES.items()}
+    for t in args.peer_threads:
+        torch.set_num_threads(t)
+        for name, lm in lms.items():
+            _time_ours(lm, 16, 1, 4)  # warm-up
+            bw = copy_bandwidth(args.stream_mib, t)
+            ms = min(1e3 * _time_ours(lm, 16, 1, args.new) / args.new for _ in range(args.repeats))
+            wb = weight_bytes(lm.model)
+            floor_ms = 1e3 * wb / bw
+            rows.append(
+                {
+                    "shape": name,
+                    "threads": t,
+                    "weights_mib": wb / 2**20,
+                    "copy_gb_s": bw / 1e9,
+                    "floor_ms_per_token": floor_ms,
+                    "favor_ms_per_token": ms,
+                    "over_floor": ms / floor_ms,
+                }
+            )
+            print(f"  floor {name} threads {t}: {floor_ms:.2f} ms, ours {ms:.2f}", file=sys.stderr)
+    return rows
+
+
+def _fmt(x: float | None, spec: str = ".3f") -> str:
+    return "" if x is None else format(x, spec)
+
+
+def _ratio(a: float | None, b: float | None) -> str:
+    return "" if a is None or b is None else f"{b / a:.2f}x"
+
+
+def peer_lines(
+    rows: list[dict[str, Any]], floor_rows: list[dict[str, Any]], note: str
+) -> list[str]:
+    lines = [
+        "",
+        "ms per generated token (prefill and sampling included; best of the repeats):",
+        "",
+        "| threads | prompt | batch | ours FAVOR+ | ours exact (KV cache) | GPT-2 (HF, KV cache) "
+        "| GPT-2 / FAVOR+ | exact / FAVOR+ |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        f, e, g = r["favor_ms_per_token"], r["exact_ms_per_token"], r["gpt2_ms_per_token"]
+        lines.append(
+            f"| {r['threads']} | {r['prompt']} | {r['batch']} | {_fmt(f)} | {_fmt(e)} | "
+            f"{_fmt(g)} | {_ratio(f, g)} | {_ratio(f, e)} |"
+        )
+    if note:
+        lines.append(note)
+    lines += [
+        "",
+        "floor: weight bytes / copy bandwidth (STREAM-like, this run), ours FAVOR+ at batch 1, "
+        "prompt 16:",
+        "",
+        "| shape | threads | weights MiB | copy GB/s | floor ms/token | ours ms/token "
+        "| ours / floor |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for r in floor_rows:
+        lines.append(
+            f"| {r['shape']} | {r['threads']} | {r['weights_mib']:.1f} | {r['copy_gb_s']:.1f} | "
+            f"{r['floor_ms_per_token']:.2f} | {r['favor_ms_per_token']:.2f} | "
+            f"{r['over_floor']:.1f}x |"
+        )
+    return lines
+
+
 def main() -> int:
     p = common.bench_parser(__doc__, "", ".bench/generate")
     p.add_argument("--positions", type=int, nargs="+", default=[256, 2048, 8192, 32768])
@@ -180,12 +397,19 @@ def main() -> int:
     )
     p.add_argument("--repeats", type=int, default=2, help="timings per length (best kept)")
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--peer-prompts", type=int, nargs="+", default=[16, 2048])
+    p.add_argument("--batches", type=int, nargs="+", default=[1, 16, 32])
+    p.add_argument("--peer-threads", type=int, nargs="+", default=[1, 2])
+    p.add_argument("--new", type=int, default=256, help="new tokens per peer run")
+    p.add_argument("--stream-mib", type=int, default=512, help="copy size for the bandwidth")
     common.add_final_args(p, "tiny lengths, seconds: a smoke run")
     args = p.parse_args()
     if args.quick:
         args.positions, args.steps = [16, 64], 4
         args.gen_lengths, args.pp_lengths, args.pp_generate = [16, 32], [32], [16]
         args.repeats = 1
+        args.peer_prompts, args.batches, args.peer_threads = [16, 64], [1, 2], [1]
+        args.new, args.stream_mib = 8, 64
     import torch
 
     torch.set_num_threads(args.threads)
@@ -196,6 +420,10 @@ def main() -> int:
     print("total generation time:", file=sys.stderr)
     ours = ours_total(lm, args.gen_lengths, args.repeats)
     est, timed, note = performer_pytorch(args.pp_lengths, args.pp_generate)
+    print("peers (interleaved):", file=sys.stderr)
+    peer_rows, peer_note = peers(args)
+    floor_rows = floors(args)
+    torch.set_num_threads(args.threads)
 
     with (args.out / "generate_per_token.csv").open("w", newline="") as fh:
         w = csv.DictWriter(fh, fieldnames=list(tokens[0]))
@@ -240,6 +468,12 @@ def main() -> int:
             lines.append(f"performer-pytorch at {n}: estimate / timed = {est[n] / t:.2f}")
     if note:
         lines.append(note)
+    lines += peer_lines(peer_rows, floor_rows, peer_note)
+    for name, rows in (("generate_peers.csv", peer_rows), ("generate_floor.csv", floor_rows)):
+        with (args.out / name).open("w", newline="") as fh:
+            w = csv.DictWriter(fh, fieldnames=list(rows[0]))
+            w.writeheader()
+            w.writerows(rows)
     report = "\n".join(lines) + "\n"
     (args.out / "generate.md").write_text(report)
     print(report)

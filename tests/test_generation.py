@@ -163,3 +163,56 @@ def test_state_is_constant_size() -> None:
         _, states = lm.model.step(torch.tensor([a.tok_to_idx["A"]]), pos, states)
         pos = pos + 1
     assert [s.kv.numel() for s in states] == sizes
+
+
+@pytest.mark.parametrize(("attention", "kernel"), VARIANTS)
+def test_steps_equal_the_forward_and_never_write_given_states(attention: str, kernel: str):
+    """PerformerLM.step, in place or not, after a prefill and after a batch-1 state broadcast
+    over the batch (a family context's): logits equal the parallel causal forward (<= 1e-4),
+    and the states it was given are never written (in place copies them on the first write)."""
+    lm = causal_lm(attention, kernel)
+    model = lm.model
+    g = torch.Generator().manual_seed(0)
+    row = torch.randint(4, 24, (2, 24), generator=g)
+    row[:, 0] = lm.alphabet.cls_idx
+    row[1, :8] = row[0, :8]  # a shared start: the broadcast case
+    ref = model(row).logits  # (2, 24, V), causal
+    P = 8
+    with torch.inference_mode():
+        shared = model.extend(row[:1, :P], None, return_states=True)[1]  # batch 1
+        for start in ("prefill", "broadcast"):
+            for inplace in (False, True):
+                if start == "prefill":
+                    given = model.prefill(row[:, :P])[1]
+                    states, first = given, P
+                else:
+                    given = shared
+                    logits, states = model.extend(row[:, P : P + 2], shared, P, None, True)
+                    torch.testing.assert_close(logits, ref[:, P : P + 2], atol=1e-4, rtol=0)
+                    first = P + 2
+                before = [t.clone() for s in given for t in s]
+                for t in range(first, 24):
+                    pos = torch.full((2,), t)
+                    out, states = model.step(row[:, t], pos, states, inplace=inplace)
+                    torch.testing.assert_close(out, ref[:, t], atol=1e-4, rtol=0)
+                after = [t for s in given for t in s]
+                assert all(torch.equal(x, y) for x, y in zip(before, after, strict=True))
+
+
+def test_sampling_rows_at_once_draws_what_each_row_draws_alone() -> None:
+    """The batched draw: every option, every row as if drawn alone (its own stream)."""
+    from protein_performer.inference.generation import SamplingOptions, _choose, record_generator
+
+    g = torch.Generator().manual_seed(1)
+    logits = torch.randn(6, 33, generator=g) * 3
+    allowed = torch.rand(6, 33, generator=g) > 0.3
+    for kw in ({}, {"top_k": 4}, {"top_p": 0.6}, {"top_k": 9, "top_p": 0.8, "temperature": 0.5},
+               {"temperature": 0}, {"top_k": 40}):  # fmt: skip
+        opts = SamplingOptions(max_length=10, **kw)
+        together = _choose(logits, allowed, opts, [record_generator(0, i) for i in range(6)])
+        alone = [
+            _choose(logits[i : i + 1], allowed[i : i + 1], opts, [record_generator(0, i)])[0]
+            for i in range(6)
+        ]
+        assert together == alone
+        assert all(bool(allowed[i, t]) for i, t in enumerate(together))

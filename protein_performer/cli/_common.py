@@ -94,8 +94,9 @@ def add_model_options(p: argparse.ArgumentParser, overwrite: str = "OUT") -> Non
         type=int,
         default=None,
         metavar="N",
-        help="CPU threads for torch (default: torch's choice, which OMP_NUM_THREADS sets; on "
-        "a busy machine 1 is often fastest)",
+        help="CPU threads for torch (default: OMP_NUM_THREADS if set, else the cores this "
+        "process may use less the load of other processes, at least 1; said in one line at "
+        "the start)",
     )
     add_overwrite(p, overwrite)
 
@@ -206,9 +207,18 @@ def load_lm(args: argparse.Namespace) -> ProteinLM:
     (under torchrun/SLURM, ``--device cuda``/``auto`` means this rank's own GPU): every command
     that runs a model loads it here, so each accepts every source the one loader reads."""
     from protein_performer.inference.api import load
+    from protein_performer.io.progress import announce
     from protein_performer.io.sharding import detect_ranks
+    from protein_performer.io.threads import set_threads
 
-    return load(args.ckpt, detect_ranks().device(args.device), args.precision, args.threads)
+    if args.threads is not None and args.threads < 1:
+        raise UserError(f"--threads must be a positive integer, got {args.threads}")
+    # The default is the cores free of other processes (io/threads.py), said in one line
+    # when the work starts (with the first progress output; none with --no-progress).
+    line = set_threads(args.threads)
+    if not getattr(args, "no_progress", False):
+        announce(line)
+    return load(args.ckpt, detect_ranks().device(args.device), args.precision)
 
 
 def pick_strategy(lm: ProteinLM, strategy: str | None, masked: str) -> str:

@@ -51,6 +51,7 @@ from protein_performer.io.columns import (
     record_columns,
     write_columns,
 )
+from protein_performer.io.progress import beat
 from protein_performer.model.attention import MapBlocks
 from protein_performer.model.contact_head import ContactRegression, weights_sha256
 
@@ -151,6 +152,7 @@ def _logit_windows(
         g = torch.where(total != 0, g, 0)  # (F,): APC's w_f / s_f
     for a in range(0, L, window):
         b = min(L, a + window)
+        beat(f"rows {a}/{L} of a {L}-residue contact map")
         if not heads:
             yield a, torch.full((b - a, L - a), intercept)
             continue
@@ -355,18 +357,20 @@ def predict_contacts_fasta(
     bar = progress_bar(None, "res", rank_label("contacts"), progress)
 
     def write_part(part: Path, window: list) -> None:
-        maps = [
-            predict_contacts(
-                loaded,
-                r.sequence,
-                regression,
-                dense_max_length=dense_max_length,
-                top_k_per_length=top_k_per_length,
-                min_separation=min_separation,
-                checked=True,
+        maps = []
+        for n, r in enumerate(window):
+            beat(f"{n}/{len(window)} records of this window")
+            maps.append(
+                predict_contacts(
+                    loaded,
+                    r.sequence,
+                    regression,
+                    dense_max_length=dense_max_length,
+                    top_k_per_length=top_k_per_length,
+                    min_separation=min_separation,
+                    checked=True,
+                )
             )
-            for r in window
-        ]
         kinds["dense"] += sum(m.dense is not None for m in maps)
         kinds["sparse"] += sum(m.dense is None for m in maps)
         ragged = {"header_offsets": header_column(window), **contact_columns(maps, dtype)}

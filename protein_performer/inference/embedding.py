@@ -61,6 +61,7 @@ from protein_performer.io.columns import (
     write_columns,
 )
 from protein_performer.io.json_safe import parse_json
+from protein_performer.io.progress import beat
 
 if TYPE_CHECKING:
     from protein_performer.inference.api import ProteinLM
@@ -113,10 +114,13 @@ def embed_sequences(
         raise UserError(f"embeddings take {', '.join(HIDDEN_KINDS)}; got {list(include)}")
     layers = resolve_layers(loaded, repr_layers)
     lengths = [len(s) + 2 for s in seqs]
+    done = 0
     for batch in budget_batches(lengths, toks_per_batch):
         tokens = loaded.alphabet.encode_batch([seqs[i] for i in batch])  # (B, T)
         tokens = tokens.to(loaded.device)
         out = loaded.model(tokens, repr_layers=layers)
+        done += len(batch)
+        beat(f"{done}/{len(seqs)} sequences of this window")
         for row, i in enumerate(batch):
             L = len(seqs[i])
             result: dict[str, dict[int, np.ndarray]] = {k: {} for k in include}

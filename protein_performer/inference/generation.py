@@ -25,6 +25,7 @@ import torch
 from protein_performer.data.tokenizer import STANDARD_AA
 from protein_performer.errors import UserError
 from protein_performer.interop.loading import LoadedModel
+from protein_performer.io.progress import beat
 
 if TYPE_CHECKING:
     from protein_performer.inference.context import FamilyContext
@@ -77,24 +78,36 @@ def _choose(
     logits: torch.Tensor,
     allowed: torch.Tensor,
     opts: SamplingOptions,
-    generator: torch.Generator,
-) -> int:
-    """One draw from ``logits`` (V,) restricted to ``allowed`` (V,) bool, in float64."""
+    generators: Sequence[torch.Generator],
+) -> list[int]:
+    """One draw per row from ``logits`` (R, V) restricted to ``allowed`` (R, V) bool, in
+    float64, row r from ``generators[r]`` (one uniform number each).
+
+    All rows at once (a batch's per-row draws were as costly as a small model's step); every
+    op is row-wise, so a row draws what it draws alone, whatever the batch."""
     z = logits.double().masked_fill(~allowed, float("-inf"))
     if opts.temperature == 0:
-        return int(z.argmax())
+        return z.argmax(-1).tolist()
     z = z / opts.temperature
-    if opts.top_k is not None and opts.top_k < int(allowed.sum()):
-        kth = torch.topk(z, opts.top_k).values[-1]
-        z = z.masked_fill(z < kth, float("-inf"))
+    if opts.top_k is not None:
+        cut = opts.top_k < allowed.sum(-1, keepdim=True)  # (R, 1): rows with more to drop
+        if bool(cut.any()):
+            kth = torch.topk(z, opts.top_k, dim=-1).values[:, -1:]
+            z = z.masked_fill(cut & (z < kth), float("-inf"))
     p = torch.softmax(z, dim=-1)
     if opts.top_p is not None and opts.top_p < 1:
-        order = torch.argsort(p, descending=True, stable=True)
-        before = torch.cumsum(p[order], 0) - p[order]  # mass of the better tokens
-        p[order[before >= opts.top_p]] = 0.0  # keep the smallest set reaching top_p
-    u = float(torch.rand((), generator=generator, dtype=torch.float64))
-    cdf = torch.cumsum(p, 0)
-    return min(int(torch.searchsorted(cdf, u * float(cdf[-1]), right=True)), len(p) - 1)
+        order = torch.argsort(p, dim=-1, descending=True, stable=True)
+        ranked = p.gather(-1, order)
+        before = torch.cumsum(ranked, -1) - ranked  # mass of the better tokens
+        # keep the smallest set reaching top_p
+        p = p.scatter(-1, order, ranked.masked_fill(before >= opts.top_p, 0.0))
+    u = torch.tensor(
+        [float(torch.rand((), generator=g, dtype=torch.float64)) for g in generators],
+        dtype=torch.float64,
+    )
+    cdf = torch.cumsum(p, -1)
+    picks = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True)[:, 0]
+    return picks.clamp_max(p.shape[-1] - 1).tolist()
 
 
 @torch.inference_mode()
@@ -141,15 +154,19 @@ def generate_batch(
         log_p = torch.log_softmax(last_cpu, dim=-1)
         next_tok = torch.full((B,), a.eos_idx, dtype=torch.long)
         for row in range(B):
-            if ended[row]:
-                continue
-            n = len(seqs[row])
-            if n >= opts.max_length:
+            if not ended[row] and len(seqs[row]) >= opts.max_length:
                 ended[row] = "max_length"
-                continue
-            allowed = with_eos if n >= opts.min_length else residues
-            tok = _choose(last_cpu[row], allowed, opts, gens[row])
-            lps[row].append(float(log_p[row, tok]))
+        rows = [row for row in range(B) if not ended[row]]
+        picks: list[int] = []
+        picked: list[float] = []
+        if rows:
+            allowed = torch.stack(
+                [with_eos if len(seqs[r]) >= opts.min_length else residues for r in rows]
+            )
+            picks = _choose(last_cpu[rows], allowed, opts, [gens[r] for r in rows])
+            picked = log_p[rows, picks].tolist()
+        for row, tok, lp in zip(rows, picks, picked, strict=True):
+            lps[row].append(lp)
             if tok == a.eos_idx:
                 ended[row] = "eos"
             else:
@@ -157,8 +174,10 @@ def generate_batch(
                 next_tok[row] = tok
         if all(ended):
             break
+        beat(f"{len(lps[rows[0]])} tokens into a batch of {B}")
         pad = torch.tensor([bool(e) for e in ended], device=device)
-        last, states = model.step(next_tok.to(device), positions, states, pad)
+        # The loop owns its states (a context's are copied on the first write): in place.
+        last, states = model.step(next_tok.to(device), positions, states, pad, inplace=True)
         last = last.float()
         positions = positions + 1
     return [

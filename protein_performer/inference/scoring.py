@@ -51,6 +51,7 @@ from protein_performer.data.sampler import budget_batches
 from protein_performer.errors import UserError
 from protein_performer.interop.loading import LoadedModel
 from protein_performer.io.atomic import atomic_output, text_output
+from protein_performer.io.progress import beat
 from protein_performer.io.progress import progress as progress_bar
 
 if TYPE_CHECKING:
@@ -146,6 +147,8 @@ def masked_log_probs(
             offset += len(p)
         if progress is not None:
             progress.update(len(chunk))  # type: ignore[attr-defined]
+        done = start + len(chunk)
+        beat(f"{done}/{len(position_sets)} masked passes over a {len(seq)}-residue sequence")
     return results
 
 
@@ -192,6 +195,8 @@ def causal_log_likelihoods(
             results[i] = picked[row, : len(seqs[i]) + 1].astype(np.float64)
         if progress is not None:
             progress.update(sum(len(seqs[i]) for i in batch))  # type: ignore[attr-defined]
+        done = sum(r is not None for r in results)
+        beat(f"{done}/{len(seqs)} sequences of this window")
     return results  # type: ignore[return-value]
 
 

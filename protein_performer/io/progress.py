@@ -3,6 +3,10 @@
 A tqdm bar redraws itself with carriage returns; in a SLURM log or a ``| tee`` file each redraw
 is kept, and a day-long run leaves megabytes of them. When stderr is not a terminal, progress is
 instead one plain line every ``PROGRESS_INTERVAL`` seconds (and one at the end).
+
+A command counts whole windows of records, which can take minutes each (a pseudo-perplexity
+score runs L forwards per record); the loops inside a window call :func:`beat` once per batch,
+so the log still gets a line every interval, saying where in the window the run is.
 """
 
 from __future__ import annotations
@@ -46,6 +50,7 @@ class LineProgress:
         self.every = interval()
         self.closed = False
         self._written: float | None = None  # the count the last line showed
+        _OPEN.append(self)
 
     def update(self, n: float = 1) -> None:
         self.n += n
@@ -54,20 +59,31 @@ class LineProgress:
             self._last = now
             self._write(now)
 
-    def _write(self, now: float) -> None:
+    def beat(self, note: str = "") -> None:
+        """A line with ``note`` (the work inside the current step) if none for an interval."""
+        now = time.monotonic()
+        if now - self._last >= self.every:
+            self._last = now
+            self._write(now, note)
+
+    def _write(self, now: float, note: str = "") -> None:
         from tqdm import tqdm
+
+        _flush_pending()
 
         meter = tqdm.format_meter(
             self.n, self.total, now - self.start, ncols=0, prefix=self.desc, unit=self.unit,
             unit_scale=self.unit in SCALED_UNITS,
         )  # fmt: skip
-        print(meter, file=sys.stderr, flush=True)
+        print(f"{meter} ({note})" if note else meter, file=sys.stderr, flush=True)
         self._written = self.n
 
     def close(self) -> None:
         """The final line, unless the last one already showed the final count."""
         if not self.closed:
             self.closed = True
+            if self in _OPEN:
+                _OPEN.remove(self)
             if self._written != self.n:
                 self._write(time.monotonic())
 
@@ -76,6 +92,35 @@ class LineProgress:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+#: The open line progresses, innermost last: where :func:`beat` goes.
+_OPEN: list[LineProgress] = []
+#: Lines for the start of the work, by topic, printed before the first progress output.
+_PENDING: dict[str, str] = {}
+
+
+def announce(line: str, topic: str = "threads") -> None:
+    """A line for the start of the work (the threads in use), printed with the first progress
+    output (a bar, a line or a :func:`beat` inside one): a command that stops at its input
+    checks prints its error alone. A later line on the same topic replaces one not printed
+    yet."""
+    _PENDING[topic] = line
+
+
+def _flush_pending() -> None:
+    while _PENDING:
+        print(_PENDING.pop(next(iter(_PENDING))), file=sys.stderr, flush=True)
+
+
+def beat(note: str = "") -> None:
+    """Signs of life from inside a long step (one batch of a window): in log mode the innermost
+    open progress prints its line, with ``note``, if it printed none for an interval; nothing
+    otherwise (a terminal's bar, no progress, or a line printed recently). Costs a clock read.
+    """
+    if _OPEN:
+        _flush_pending()
+        _OPEN[-1].beat(note)
 
 
 def progress(
@@ -87,5 +132,6 @@ def progress(
     if not enabled:
         return tqdm(total=total, disable=True)
     if on_terminal():
+        _flush_pending()
         return tqdm(total=total, unit=unit, unit_scale=unit in SCALED_UNITS, desc=desc)
     return LineProgress(total, unit, desc)

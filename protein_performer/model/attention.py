@@ -15,6 +15,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from protein_performer.model.config import PerformerConfig
@@ -119,8 +120,7 @@ class MultiHeadSelfAttention(nn.Module):
         B, L, D = x.shape
         q, k = self.rotated_qk(x, positions)
         v = self._split_heads(self.v_proj(x))
-        out = self.core(q, k, v, key_padding_mask=padding_mask)
-        state = self.core.initial_state(k, v, padding_mask)
+        out, state = self.core.prefill(q, k, v, padding_mask)
         return self.out_proj(out.transpose(1, 2).reshape(B, L, D)), state
 
     def extend(
@@ -143,26 +143,42 @@ class MultiHeadSelfAttention(nn.Module):
         out, new_state = self.core.extend(state, q, k, v, padding_mask, return_state)
         return self.out_proj(out.transpose(1, 2).reshape(B, L, D)), new_state
 
+    def _qkv_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """q, k and v projections stacked into one (3D, D) weight and (3D,) bias, for
+        :meth:`step`: one GEMM per token instead of three. Cached and keyed on the
+        parameters' storage and versions, so training, loading or moving the model rebuilds it
+        (decoding only: the forward passes use the Linear layers)."""
+        params = [m.weight for m in (self.q_proj, self.k_proj, self.v_proj)]
+        params += [m.bias for m in (self.q_proj, self.k_proj, self.v_proj)]
+        key = tuple((p.data_ptr(), p._version, p.dtype, p.device) for p in params)
+        cached = self.__dict__.get("_qkv_cache")
+        if cached is None or cached[0] != key:
+            with torch.no_grad():
+                weight = torch.cat([p.detach() for p in params[:3]])
+                bias = torch.cat([p.detach() for p in params[3:]])
+            cached = (key, weight, bias)
+            self.__dict__["_qkv_cache"] = cached
+        return cached[1], cached[2]
+
     def step(
         self,
         x_t: torch.Tensor,
         positions: torch.Tensor,
         state: AttentionState,
-        pad: torch.Tensor,
+        pad: torch.Tensor | None,
+        inplace: bool = False,
     ) -> tuple[torch.Tensor, AttentionState]:
         """One token per row, x_t (B, D) at ``positions`` (B,) -> (B, D) and the new state.
 
         Rows with ``pad`` (B,) True leave their state unchanged (finished sequences).
+        ``inplace``: the caller owns ``state`` (see the cores' ``step``).
         """
         B, D = x_t.shape
-        q, k = self.rot_emb.at_positions(
-            self._split_heads(self.q_proj(x_t)[:, None]),
-            self._split_heads(self.k_proj(x_t)[:, None]),
-            positions,
-        )  # (B, H, 1, d)
-        v = self._split_heads(self.v_proj(x_t)[:, None])  # (B, H, 1, d)
-        state, out = self.core.step(state, q[:, :, 0], k[:, :, 0], v[:, :, 0], pad)
-        return self.out_proj(out.reshape(B, D)), state
+        weight, bias = self._qkv_weights()
+        qkv = torch.addmm(bias, x_t, weight.T).view(B, 3, self.heads, self.head_dim)
+        qk = self.rot_emb.rotate_step(qkv[:, :2], positions).to(x_t.dtype)  # (B, 2, H, d)
+        state, out = self.core.step(state, qk[:, 0], qk[:, 1], qkv[:, 2], pad, inplace=inplace)
+        return F.linear(out.reshape(B, D), self.out_proj.weight, self.out_proj.bias), state
 
     def rotated_qk(
         self, x: torch.Tensor, positions: Positions = None

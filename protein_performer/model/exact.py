@@ -124,6 +124,31 @@ class ExactMapBlocks:
         acc.add_(cols.T, alpha=weight)
 
 
+def _append(old: Tensor, new: Tensor, dim: int) -> Tensor:
+    """``old`` with ``new`` appended along ``dim``, written into the spare room of the buffer
+    behind ``old`` when an earlier call allocated it (``_kv_buffer``); otherwise a new buffer
+    with a quarter more room (at least 64 tokens) is allocated and filled (amortized O(1) per
+    token, and a long prompt's cache is not doubled).
+    Only buffers made here are ever written, so a cache someone else holds stays intact."""
+    n, extra = old.shape[dim], new.shape[dim]
+    buf = getattr(old, "_kv_buffer", None)
+    if (
+        buf is None
+        or buf.shape[dim] < n + extra
+        or buf.dtype != new.dtype
+        or old.shape[:dim] != new.shape[:dim]
+        or buf.narrow(dim, 0, n).data_ptr() != old.data_ptr()
+    ):
+        shape = list(new.shape)
+        shape[dim] = n + extra + max(64, n // 4)
+        buf = new.new_empty(shape)
+        buf.narrow(dim, 0, n).copy_(old.expand(*new.shape[:dim], *old.shape[dim:]))
+    buf.narrow(dim, n, extra).copy_(new)
+    grown = buf.narrow(dim, 0, n + extra)
+    grown._kv_buffer = buf
+    return grown
+
+
 class ExactAttention(nn.Module):
     """Exact softmax attention behind FAVOR+'s core interface; no parameters or buffers, so an
     exact model's state dict (ESM-2 conversions included) has no attention-core entries."""
@@ -156,6 +181,13 @@ class ExactAttention(nn.Module):
         return KVCache(k, v, keep)
 
     @torch.no_grad()
+    def prefill(
+        self, q: Tensor, k: Tensor, v: Tensor, key_padding_mask: Tensor | None = None
+    ) -> tuple[Tensor, KVCache]:
+        """Causal outputs (B, H, L, dv) of a prompt and its KV cache (generation's start)."""
+        return self.forward(q, k, v, key_padding_mask), self.initial_state(k, v, key_padding_mask)
+
+    @torch.no_grad()
     def step(
         self,
         state: KVCache | None,
@@ -163,11 +195,16 @@ class ExactAttention(nn.Module):
         k_t: Tensor,
         v_t: Tensor,
         key_padding_mask: Tensor | None = None,
+        inplace: bool = False,
     ) -> tuple[KVCache, Tensor]:
         """One causal step: q_t, k_t, v_t (B, H, d) -> (new state, out_t (B, H, dv)).
 
         state=None starts fresh; key_padding_mask (B,) True = this token is a pad (its key is
-        cached but never attended).
+        cached but never attended). ``inplace``: the caller owns ``state`` (a generator's);
+        the token is then appended into spare room of a buffer an earlier in-place step
+        allocated (grown geometrically), instead of concatenating the whole cache again
+        (O(T) copied per token). The first step copies (copy on first write), so a cache from
+        ``prefill``, ``extend`` or a family context is never written.
         """
         self._check_causal()
         B = q_t.shape[0]
@@ -177,10 +214,19 @@ class ExactAttention(nn.Module):
             if key_padding_mask is None
             else ~key_padding_mask[:, None]
         )
-        if state is not None:
+        if state is None:
+            state = KVCache(k[:, :, :0], v[:, :, :0], keep[:, :0])
+        if inplace:
+            k, v, keep = (
+                _append(old, new, dim)
+                for old, new, dim in ((state.k, k, 2), (state.v, v, 2), (state.keep, keep, 1))
+            )
+        else:
             k, v = torch.cat([state.k, k], 2), torch.cat([state.v, v], 2)
             keep = torch.cat([state.keep, keep], dim=1)  # (B, T+1)
-        mask = keep[:, None, None, :]  # (B, 1, 1, T+1)
+        # No mask when every key is real (CPU: a cheap host check; a GPU would sync on it).
+        dense = q_t.device.type == "cpu" and bool(keep.all())
+        mask = None if dense else keep[:, None, None, :]  # (B, 1, 1, T+1)
         out = F.scaled_dot_product_attention(q_t[:, :, None], k, v, attn_mask=mask)[:, :, 0]
         return KVCache(k, v, keep), out
 

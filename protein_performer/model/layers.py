@@ -76,13 +76,23 @@ class TransformerLayer(nn.Module):
         return self._feed_forward(x + attn_out), state
 
     def step(
-        self, x_t: torch.Tensor, positions: torch.Tensor, state: AttentionState, pad: torch.Tensor
+        self,
+        x_t: torch.Tensor,
+        positions: torch.Tensor,
+        state: AttentionState,
+        pad: torch.Tensor | None,
+        inplace: bool = False,
     ) -> tuple[torch.Tensor, AttentionState]:
-        """The block for one token per row, x_t (B, D) (RNN mode, inference)."""
-        attn_out, state = self.self_attn.step(
-            self.self_attn_layer_norm(x_t), positions, state, pad
-        )
-        return self._feed_forward(x_t + attn_out), state
+        """The block for one token per row, x_t (B, D) (RNN mode, inference): the same ops as
+        :meth:`prefill` through the functional calls (no module dispatch, no dropout, which
+        inference never applies), since a token's cost is mostly per-op overhead."""
+        ln1, ln2 = self.self_attn_layer_norm, self.final_layer_norm
+        h = F.layer_norm(x_t, ln1.normalized_shape, ln1.weight, ln1.bias, ln1.eps)
+        attn_out, state = self.self_attn.step(h, positions, state, pad, inplace)
+        x_t = x_t + attn_out
+        h = F.layer_norm(x_t, ln2.normalized_shape, ln2.weight, ln2.bias, ln2.eps)
+        h = F.gelu(F.linear(h, self.fc1.weight, self.fc1.bias))
+        return x_t + F.linear(h, self.fc2.weight, self.fc2.bias), state
 
     def forward(
         self,

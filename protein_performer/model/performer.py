@@ -235,20 +235,31 @@ class PerformerLM(nn.Module):
         positions: torch.Tensor,
         states: list[AttentionState],
         pad: torch.Tensor | None = None,
+        inplace: bool = False,
     ) -> tuple[torch.Tensor, list[AttentionState]]:
         """One new token per row, tokens (B,) at positions (B,) -> logits (B, V), new states.
 
         Constant time and memory per token with FAVOR+. Rows with ``pad`` True (finished
-        sequences) leave their states unchanged; their logits are meaningless.
+        sequences) leave their states unchanged; their logits are meaningless. ``inplace``:
+        the caller owns ``states`` and will only use the returned ones (a generator's loop);
+        buffers an earlier in-place step allocated are then reused (FAVOR+: the state updated
+        in place; exact: the KV cache grown into spare room). States from ``prefill``,
+        ``extend`` or a family context are copied on the first write, never written.
         """
         self._require_causal()
-        if pad is None:
-            pad = torch.zeros_like(tokens, dtype=torch.bool)
-        # The embedding sees a real token (no padding), so token dropout's ratio stays finite.
-        x = self.embed(tokens[:, None], torch.zeros_like(pad)[:, None])[:, 0]  # (B, D)
+        if pad is not None and tokens.device.type == "cpu" and not bool(pad.any()):
+            pad = None  # no row finished: the layers skip the mask (a cheap check on CPU only)
+        x = self.embed_tokens(tokens)  # (B, D)
+        if self.config.token_dropout:
+            if bool((tokens == self.config.mask_idx).any()):
+                # The embedding sees a real token (no padding): the full rule, as forward.
+                real = torch.zeros_like(tokens, dtype=torch.bool)[:, None]
+                x = self.embed(tokens[:, None], real)[:, 0]
+            else:  # no <mask>: embed's scale (1 - ratio) / (1 - 0), the same product
+                x = x * (1 - _MASK_RATIO_TRAIN)
         new_states = []
         for layer, state in zip(self.layers, states, strict=True):
-            x, state = layer.step(x, positions, state, pad)
+            x, state = layer.step(x, positions, state, pad, inplace)
             new_states.append(state)
         return self.lm_head(self.emb_layer_norm_after(x)), new_states
 

@@ -66,9 +66,31 @@ class RotaryEmbedding(nn.Module):
             # Grow geometrically: token-by-token decoding asks for one more position each step.
             size = end if cached is None else max(end, 2 * cached[0].shape[0])
             cos, sin = rotary_tables(size, self.dim, self.base, device=device)
-            cached = (cos.to(dtype), sin.to(dtype))
+            half = torch.ones(self.dim, device=device)
+            half[: self.dim // 2] = -1.0
+            # The step's table: cos | sin with rotate_half's sign folded in (see rotate_step).
+            step = torch.cat([cos, sin * half], dim=-1)
+            cached = (cos.to(dtype), sin.to(dtype), step.to(dtype))
             self._cache[key] = cached
         return cached[0][offset:end], cached[1][offset:end]
+
+    def rotate_step(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Rotate one token per row, x (B, ..., d) at ``positions`` (B,): the step's q and k
+        in one call, with the values :meth:`at_positions` gives.
+
+        Why: decoding rotates once per token and layer; rotate_half(x) * sin is x rolled by
+        d/2 times a sine table with the sign folded in (the same products), so q and k (one
+        tensor) take one table lookup and four ops."""
+        compute = torch.promote_types(x.dtype, torch.float32)
+        self.tables(int(positions.max()) + 1, x.device, compute)
+        key = (torch.device(x.device), compute, torch.is_inference_mode_enabled())
+        rows = self._cache[key][2].index_select(0, positions)  # (B, 2d)
+        rows = rows.view(x.shape[0], *([1] * (x.ndim - 2)), 2 * self.dim)
+        cos, sin = rows[..., : self.dim], rows[..., self.dim :]
+        x = x.to(compute)
+        out = x * cos
+        out += x.roll(self.dim // 2, -1) * sin
+        return out
 
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, offset: int = 0

@@ -133,6 +133,8 @@ class FeatureMap(abc.ABC):
     needs_statistic: ClassVar[bool] = False
     #: phi(x)^T phi(y) estimates the softmax kernel exp(x^T y) (not a generalized attention).
     estimates_softmax: ClassVar[bool] = True
+    #: Keys carry a stabilizer (a log part): False where :func:`running_max` gives None.
+    stabilized: ClassVar[bool] = True
 
     def __init_subclass__(cls, name: str | None = None, **kwargs) -> None:
         super().__init_subclass__(**kwargs)
@@ -403,6 +405,7 @@ class Relu(ElementwiseFeatureMap, name="relu"):
     unbiasing constant either."""
 
     estimates_softmax = False
+    stabilized = False
 
     def _base(self, proj):
         return F.relu(proj) + self.eps
@@ -463,6 +466,15 @@ def running_max(logits: KeyLogits, mu_in: Tensor | None = None) -> Tensor | None
     top = row.detach()[..., 0] if cols is None else cols.detach().amax(-1).add_(row[..., 0])
     mu = top.clamp_min_(_NEG).cummax(dim=-1).values
     return mu if mu_in is None else torch.maximum(mu, mu_in[..., None])
+
+
+def step_max(logits: KeyLogits) -> Tensor | None:
+    """One key per row: its largest log part (...,) (pads -inf), the RNN step's stabilizer
+    candidate; None for relu. :func:`running_max` over a single key, without the scan."""
+    cols, row = logits
+    if row is None:
+        return None
+    return row[..., 0].clone() if cols is None else cols.amax(-1).add_(row[..., 0])
 
 
 def column_max(logits: KeyLogits) -> tuple[KeyLogits, Tensor | None]:

@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import NamedTuple
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 from protein_performer.errors import UserError
@@ -13,6 +14,7 @@ from protein_performer.model.config import default_nb_features
 from protein_performer.model.favor.bidirectional import _BidiFavor
 from protein_performer.model.favor.causal import _CausalFavor
 from protein_performer.model.favor.kernels import (
+    _NEG,
     FeatureMap,
     build_feature_map,
     draw_omega,
@@ -20,6 +22,7 @@ from protein_performer.model.favor.kernels import (
     kernel_class,
     oprf_rho,
     running_max,
+    step_max,
 )
 from protein_performer.model.favor.maps import MapFactors, MapStabilizers, favor_attention_map
 from protein_performer.model.favor.reference import favor_attention_reference
@@ -281,6 +284,25 @@ class FavorAttention(nn.Module):
             _, y, vv, keep = flatten_heads(k, k, v, key_padding_mask)  # (BH, L, ·)
             return self._absorb(None, y, vv, keep, k.shape[0])
 
+    def _step_map(self, device: torch.device, dtype: torch.dtype) -> FeatureMap:
+        """The feature map for :meth:`step`, built once per (omega, statistic, device, dtype).
+
+        Why: decoding calls step once per token and layer; rebuilding the map (omega cast,
+        projection, FAVOR++ coefficients) each time was a good part of a step's small ops. The
+        key holds the buffers' versions, so :meth:`redraw`, ``load_state_dict`` or a moved
+        model rebuild it."""
+        rho = self.oprf_rho if self._map_class.needs_statistic else None
+        versions = tuple((t.data_ptr(), t._version) for t in (self.omega, rho) if t is not None)
+        key = (*versions, device, dtype)
+        cached = self.__dict__.get("_step_cache")
+        if cached is None or cached[0] != key:
+            om = self.omega.to(device=device, dtype=dtype)
+            r = None if rho is None else rho.to(device=device, dtype=dtype)
+            fmap = FeatureMap.build(self.kernel, om, rho=r, relu_eps=self.relu_eps)
+            cached = (key, fmap)
+            self.__dict__["_step_cache"] = cached
+        return cached[1]
+
     @torch.no_grad()
     def step(
         self,
@@ -289,23 +311,141 @@ class FavorAttention(nn.Module):
         k_t: Tensor,
         v_t: Tensor,
         key_padding_mask: Tensor | None = None,
+        inplace: bool = False,
     ) -> tuple[FavorState, Tensor]:
         """One causal step: q_t, k_t, v_t (B, H, d) -> (new state, out_t (B, H, dv)).
 
         state=None starts fresh; key_padding_mask (B,) True = this token is a pad (the state is
         left unchanged). Matches the parallel causal forward (same stabilizer, same omega).
+
+        One token's keys, stabilizer and state update in a handful of ops, the heads treated
+        as rows of one map (the feature map is cached, :meth:`_step_map`). ``inplace``: the
+        caller owns ``state`` (a generator's, never a family context's); the sum is then
+        updated in place, but only in a tensor an earlier in-place step allocated itself: the
+        first step copies (copy on first write), so states from ``prefill``, ``extend`` or a
+        context are never written.
         """
         self._check_causal()
-        B, H = q_t.shape[:2]
+        B, H, _ = q_t.shape
         with torch.autocast(device_type=q_t.device.type, enabled=False):
-            pad = None if key_padding_mask is None else key_padding_mask.reshape(B, 1)
-            x, y, vv, keep = flatten_heads(q_t[:, :, None], k_t[:, :, None], v_t[:, :, None], pad)
-            new_state = self._absorb(state, y, vv, keep, B)  # x, y, vv: (BH, 1, d)
-            qf, _ = self._feature_map(x).queries(x)  # (BH, 1, M)
-            kv = new_state.kv.reshape(B * H, *new_state.kv.shape[2:])  # (BH, M, dv+1)
-            yq = (qf @ kv)[:, 0]  # (BH, dv+1)
-            out = yq[:, :-1] / safe_denominator(yq[:, -1:])
-        return new_state, out.reshape(B, H, -1).to(q_t.dtype)
+            dtype = torch.float64 if q_t.dtype == torch.float64 else torch.float32
+            fmap = self._step_map(q_t.device, dtype)
+            x, y, vv = q_t.to(dtype), k_t.to(dtype), v_t.to(dtype)  # (B, H, d): heads as rows
+            if fmap.exp and fmap.Wa.dim() == 2 and state is not None:
+                return self._exp_step(fmap, state, x, y, vv, key_padding_mask, inplace, q_t.dtype)
+            keep = None
+            if key_padding_mask is not None:
+                keep = (~key_padding_mask.bool())[:, None].expand(B, H)
+            logits = fmap.key_logits(y, keep)
+            top = step_max(logits)  # (B, H); None for relu (no stabilizer)
+            old_mu = None if state is None else state.mu.to(dtype)
+            if top is None:
+                mu = y.new_zeros(B, H) if old_mu is None else old_mu
+            else:
+                mu = top.clamp_min_(_NEG) if old_mu is None else torch.maximum(top, old_mu)
+            kf = fmap.keys(y, logits, mu[..., None], keep)  # (B, H, M)
+            vx = F.pad(vv, (0, 1), value=1.0)  # (B, H, dv+1): [v | 1]
+            M, C = kf.shape[-1], vx.shape[-1]
+            kf3, vx3 = kf.reshape(B * H, M, 1), vx.reshape(B * H, 1, C)
+            if state is None:
+                kv = (kf3 @ vx3).view(B, H, M, C)
+            else:
+                kv = state.kv
+                if kv.dtype != dtype or kv.device != kf.device:
+                    kv = kv.to(dtype=dtype, device=kf.device)
+                owned = inplace and getattr(kv, "_favor_owned", False)
+                if top is not None:
+                    decay = torch.exp(old_mu - mu)[..., None, None]  # (B, H, 1, 1), <= 1
+                    kv = kv.mul_(decay) if owned else kv * decay
+                elif not owned:
+                    kv = kv.clone()
+                kv = kv.expand(B, H, M, C) if kv.shape[0] != B else kv
+                if not kv.is_contiguous():
+                    kv = kv.contiguous()
+                kv.view(B * H, M, C).baddbmm_(kf3, vx3)
+            if inplace:
+                kv._favor_owned = True  # allocated here: later in-place steps may write it
+            qf, _ = fmap.queries(x)  # (B, H, M)
+            yq = (qf.reshape(B * H, 1, M) @ kv.view(B * H, M, C)).view(B, H, C)
+            out = yq[..., :-1] / safe_denominator(yq[..., -1:])
+        return FavorState(kv, mu), out.to(q_t.dtype)
+
+    @staticmethod
+    def _exp_step(
+        fmap: FeatureMap,
+        state: FavorState,
+        x: Tensor,
+        y: Tensor,
+        vv: Tensor,
+        key_padding_mask: Tensor | None,
+        inplace: bool,
+        out_dtype: torch.dtype,
+    ) -> tuple[FavorState, Tensor]:
+        """:meth:`step` for the exp kernels (softmax, softmax_hyp, softmax_opt), written out:
+        the same features and stabilizers as the map's methods in about half the ops (the
+        row term folded into one add, one clamp as the normalizer's guard: exp features are
+        never negative). x, y, vv (B, H, d) in the compute dtype."""
+        B, H, _ = x.shape
+        W = fmap.Wa.T  # (d, M)
+        pk = torch.matmul(y, W)  # (B, H, M): key logits
+        pq = torch.matmul(x, W)
+        if fmap.bias is not None:
+            pk += fmap.bias
+            pq += fmap.bias
+        row = torch.linalg.vecdot(y, y)[..., None]  # (B, H, 1): |k|^2
+        pk.add_(row, alpha=-0.5 * fmap.t2)
+        # On CPU a host check is cheap and saves whole passes; on a GPU it would be a sync.
+        cpu = x.device.type == "cpu"
+        if key_padding_mask is not None and (not cpu or bool(key_padding_mask.any())):
+            pk.masked_fill_(key_padding_mask.bool()[:, None, None], float("-inf"))
+        old_mu = state.mu.to(x.dtype)
+        mu = torch.maximum(pk.amax(-1), old_mu)  # (B, H): never below old_mu >= _NEG
+        kf = pk.sub_(mu[..., None]).exp_()  # (B, H, M), pads 0
+        # A new running max is rare after the first tokens: rescale the sum only then (a
+        # factor exp(0) = 1 changes nothing, so skipping it gives the same numbers).
+        rescale = not cpu or bool((mu != old_mu).any())
+        decay = (old_mu - mu).exp_()[..., None, None] if rescale else None  # (B, H, 1, 1)
+        kv = state.kv
+        if kv.dtype != x.dtype or kv.device != x.device:
+            kv = kv.to(dtype=x.dtype, device=x.device)
+        if inplace and getattr(kv, "_favor_owned", False):
+            if decay is not None:
+                kv.mul_(decay)
+        else:
+            kv = kv.clone() if decay is None else kv * decay
+            kv = kv.expand(B, *kv.shape[1:]).contiguous()
+        if inplace:
+            kv._favor_owned = True  # allocated here: later in-place steps may write it
+        M, C = kv.shape[-2:]
+        vx = F.pad(vv, (0, 1), value=1.0)  # (B, H, dv+1): [v | 1]
+        kv.addcmul_(kf[..., None], vx[..., None, :])  # + kf [v | 1]^T: one pass, no GEMM
+        qf = pq.sub_(pq.amax(-1, keepdim=True)).exp_()  # (B, H, M), row max 1
+        yq = torch.bmm(qf.view(B * H, 1, M), kv.view(B * H, M, C)).view(B, H, C)
+        out = yq[..., :-1] / yq[..., -1:].clamp_min(torch.finfo(torch.float32).tiny)
+        return FavorState(kv, mu), out.to(out_dtype)
+
+    @torch.no_grad()
+    def prefill(
+        self, q: Tensor, k: Tensor, v: Tensor, key_padding_mask: Tensor | None = None
+    ) -> tuple[Tensor, FavorState]:
+        """Causal outputs (B, H, L, dv) of a prompt q, k, v (B, H, L, d) and the state after
+        it (generation's start). A prompt of at most ``chunk_size`` tokens runs as one chunk of
+        :meth:`extend` from an empty state (one pass, a few dozen ops: the scan's segment
+        machinery costs more than such a prompt); a longer one, the parallel forward and
+        :meth:`initial_state`."""
+        self._check_causal()
+        B, H, L, _ = q.shape
+        long = L - self.chunk_size > 0
+        if long:
+            out = self.forward(q, k, v, key_padding_mask)
+            return out, self.initial_state(k, v, key_padding_mask)
+        dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
+        M, C = self.feature_dim, v.shape[-1] + 1
+        # The state before any key: no sum, a stabilizer below every key's (0 without one).
+        mu = q.new_full((1, H), _NEG if self._map_class.stabilized else 0.0, dtype=dtype)
+        empty = FavorState(q.new_zeros(1, H, M, C, dtype=dtype), mu)
+        out, state = self.extend(empty, q, k, v, key_padding_mask, return_state=True)
+        return out, state  # type: ignore[return-value]
 
     @torch.no_grad()
     def extend(

@@ -1,0 +1,70 @@
+"""How many CPU threads a command uses by default, and the one line that says so.
+
+torch's default is one intra-op thread per CPU the machine has. On a machine other processes
+keep busy that collapses: OpenMP threads wait for each other at every op, so a thread that
+loses its core stalls the others (measured in docs/RESULTS.md, issue 23). So the commands
+default to the cores this process may use (its CPU affinity, one thread per physical core),
+less the load of other processes when the whole machine is visible (a shared node; under a
+scheduler that binds the process to its CPUs, those CPUs are its own), at least 1.
+``OMP_NUM_THREADS`` and ``--threads N`` override it.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+
+def usable_cpus() -> set[int]:
+    """The CPUs this process may run on (its affinity; every CPU where that is unknown)."""
+    try:
+        return set(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return set(range(os.cpu_count() or 1))
+
+
+def physical_cores(cpus: set[int]) -> int:
+    """Physical cores among ``cpus`` (hyper-threads share one), from Linux's topology files;
+    the number of CPUs where those are missing."""
+    cores = set()
+    for cpu in cpus:
+        topo = Path(f"/sys/devices/system/cpu/cpu{cpu}/topology")
+        try:
+            package = (topo / "physical_package_id").read_text().strip()
+            core = (topo / "core_id").read_text().strip()
+        except OSError:
+            return len(cpus)
+        cores.add((package, core))
+    return len(cores) or len(cpus)
+
+
+def default_threads() -> tuple[int, str]:
+    """(threads, why) for a command given no ``--threads``."""
+    env = os.environ.get("OMP_NUM_THREADS", "").strip()
+    if env.isdigit() and int(env) > 0:
+        return int(env), "OMP_NUM_THREADS"
+    cpus = usable_cpus()
+    cores = physical_cores(cpus)
+    if len(cpus) < (os.cpu_count() or len(cpus)):
+        return cores, f"the {cores} core(s) this process is bound to"
+    try:
+        load = os.getloadavg()[0]
+    except (AttributeError, OSError):
+        return cores, f"{cores} core(s)"
+    n = max(1, min(cores, int(cores - load + 0.5)))
+    if n == cores:
+        return n, f"{cores} core(s), load {load:.1f}"
+    return n, f"{cores} core(s), less the load of other processes ({load:.1f})"
+
+
+def set_threads(requested: int | None) -> str:
+    """Set torch's intra-op threads (``requested``, else :func:`default_threads`) and return
+    the line that says how many and how to change it."""
+    import torch
+
+    if requested is not None:
+        torch.set_num_threads(requested)
+        return f"threads: {requested} (--threads)"
+    n, why = default_threads()
+    torch.set_num_threads(n)
+    return f"threads: {n} ({why}); change with --threads N"
