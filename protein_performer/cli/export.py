@@ -49,6 +49,12 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         action="store_true",
         help="--format hf of a FAVOR+ model: the same weights for exact softmax attention",
     )
+    p.add_argument(
+        "--merge",
+        action="store_true",
+        help="a fine-tuned checkpoint (`finetune`): fold its LoRA adapters into the base weights "
+        "and write OUT as one .ckpt that pp.load and `predict` open (same predictions)",
+    )
     p.set_defaults(func=run)
 
 
@@ -60,6 +66,8 @@ def run(args: argparse.Namespace) -> int:
         raise UserError("--as-exact is for --format hf (the native format keeps FAVOR+)")
     check_output(args.out, [args.ckpt], args.overwrite)
     loaded = load_model(args.ckpt, "cpu")
+    if args.merge or loaded.task is not None:
+        return _export_finetuned(loaded, args)
     attention = loaded.config.attention
     if args.format == "hf":
         from protein_performer.interop.export_hf import export_hf
@@ -73,5 +81,28 @@ def run(args: argparse.Namespace) -> int:
     print(
         f"exported {loaded.config.objective} model ({params:,} parameters, {attention} "
         f"attention, {head} contact regression) as {args.format} -> {out}"
+    )
+    return 0
+
+
+def _export_finetuned(loaded, args: argparse.Namespace) -> int:  # noqa: ANN001
+    """``--merge``: a fine-tuned model (head included) as one merged ``.ckpt``."""
+    from protein_performer.errors import UserError
+    from protein_performer.interop.finetuned import merge_lora, save_finetuned
+
+    if loaded.task is None:
+        raise UserError(f"{args.ckpt} is not a fine-tuned model: --merge is for `finetune` output")
+    if not args.merge:
+        raise UserError(
+            f"{args.ckpt} is a fine-tuned model: pass --merge to write it (LoRA folded into the "
+            "base) as one .ckpt, e.g. `protein-performer export FT.ckpt merged.ckpt --merge`"
+        )
+    if args.format != "native":
+        raise UserError("--merge writes the native .ckpt; --format hf has no task head")
+    had = loaded.lora is not None
+    out = save_finetuned(merge_lora(loaded), args.out)
+    print(
+        f"exported fine-tuned {loaded.task.config.task} model "
+        f"({'LoRA merged into the base' if had else 'no LoRA to merge'}) -> {out}"
     )
     return 0

@@ -1,0 +1,68 @@
+"""``protein-performer predict CKPT FASTA OUT``: a fine-tuned model's head on every record."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from protein_performer.cli._common import (
+    FASTA_OR_STORE_HELP,
+    add_ckpt,
+    add_command,
+    add_fasta_run_options,
+    add_model_options,
+    check_output,
+    load_lm,
+)
+
+HELP = "predictions of a fine-tuned model's head (regression, classes, per-residue classes)"
+DESCRIPTION = """\
+Run a fine-tuned checkpoint (`protein-performer finetune`) on every record of a FASTA file and
+write one row per record, in input order (CSV, or TSV when OUT ends in .tsv; - = standard
+output):
+  regression              id, length, one column per target
+  classification          id, length, predicted, p_<class> for every class
+  residue_classification  id, length, predicted (one label per residue), mean_confidence
+Any length in one pass (no cropping). Records are written in windows of parts merged at the
+end, so ranks of a torchrun/SLURM job split the records, as for `score`.
+"""
+
+EPILOG = """\
+examples:
+  protein-performer predict outputs/finetune/<run>/checkpoints/last.ckpt seqs.fasta out.csv
+  protein-performer predict merged.ckpt long_proteins.fasta out.tsv --device cuda
+"""
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    p = add_command(subparsers, "predict", HELP, DESCRIPTION, EPILOG)
+    add_ckpt(p)
+    p.add_argument("fasta", metavar="FASTA", help=FASTA_OR_STORE_HELP)
+    p.add_argument(
+        "out", metavar="OUT", help="output table (.csv, or .tsv for tabs; - for standard output)"
+    )
+    add_fasta_run_options(p)
+    add_model_options(p)
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from protein_performer.inference.prediction import predict_fasta, task_head
+
+    check_output(args.out, [args.ckpt, args.fasta], args.overwrite)
+    lm = load_lm(args)
+    head = task_head(lm.loaded)
+    summary = predict_fasta(
+        lm,
+        args.fasta,
+        args.out,
+        toks_per_batch=args.toks_per_batch,
+        on_invalid=args.on_invalid,
+        progress=not args.no_progress,
+    )
+    print(
+        f"predicted {summary.num_records} record(s) ({head.config.task}) -> "
+        f"{'standard output' if args.out == '-' else args.out}",
+        file=sys.stderr if args.out == "-" else sys.stdout,
+    )
+    return 0

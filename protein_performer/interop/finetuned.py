@@ -1,0 +1,163 @@
+"""Fine-tuned checkpoints (``protein-performer finetune``): read, LoRA rebuilt, merged, written.
+
+A fine-tuned checkpoint is a Lightning ``.ckpt`` whose state dict holds the backbone under
+``model.`` and the task head under ``head.``, plus ``performer_config``, ``task_head`` (a
+``HeadConfig``) and, for ``mode=lora``, ``lora`` (PEFT's ``LoraConfig`` fields). The backbone's
+LoRA layers are rebuilt with PEFT itself (``LoraModel``, the library that trained them), so the
+loaded model computes exactly what was trained; :func:`merge_lora` folds the adapters into the
+base weights with PEFT's ``merge_and_unload`` (plain ``nn.Linear`` again, same outputs).
+
+Read through ``io.checkpoints.safe_load`` like every other checkpoint (weights only); the head
+and LoRA configs are plain data, checked before anything is built.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from protein_performer.data.tokenizer import Alphabet
+from protein_performer.errors import UserError
+from protein_performer.io.checkpoints import CONTACT_REGRESSION_KEY, check_finite, save_atomic
+from protein_performer.model.performer import PerformerLM
+from protein_performer.model.task_heads import HeadConfig, TaskHead
+
+if TYPE_CHECKING:
+    from protein_performer.interop.loading import LoadedModel
+
+#: Checkpoint keys of a fine-tuned model.
+HEAD_KEY = "task_head"
+LORA_KEY = "lora"
+FINETUNE_KEY = "finetune"
+BACKBONE_PREFIX = "model."
+HEAD_PREFIX = "head."
+#: The backbone's projections LoRA adapts: attention q/k/v/out and the FFN's fc1/fc2.
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "out_proj", "fc1", "fc2")
+ADAPTER = "default"
+_LORA_FIELDS = {"r", "lora_alpha", "lora_dropout", "target_modules", "bias"}
+
+
+def is_finetuned(ckpt: Any) -> bool:
+    """Whether a checkpoint's contents are a fine-tuned model's (a head is stored)."""
+    return isinstance(ckpt, dict) and HEAD_KEY in ckpt
+
+
+def lora_config(settings: dict[str, Any]) -> Any:
+    """PEFT's ``LoraConfig`` from plain settings (what a checkpoint stores)."""
+    from peft import LoraConfig
+
+    unknown = sorted(set(settings) - _LORA_FIELDS)
+    if unknown:
+        raise UserError(
+            f"unknown LoRA setting(s) {', '.join(unknown)}; known: {sorted(_LORA_FIELDS)}"
+        )
+    values = {"target_modules": list(LORA_TARGETS), **settings}
+    values["target_modules"] = list(values["target_modules"])
+    return LoraConfig(**values)
+
+
+def add_lora(model: PerformerLM, settings: dict[str, Any]) -> Any:
+    """Wrap ``model``'s projections with LoRA adapters in place (PEFT's ``LoraModel``); only the
+    adapters stay trainable. Returns the ``LoraModel`` (needed to merge), which is not a
+    submodule of anything: the adapted layers live inside ``model`` itself."""
+    from peft import LoraModel
+
+    return LoraModel(model, lora_config(settings), ADAPTER)
+
+
+def read_finetuned(path: Path, ckpt: dict[str, Any]) -> LoadedModel:
+    """A fine-tuned checkpoint's contents -> a ``LoadedModel`` (CPU, eval) with ``task`` set."""
+    from protein_performer.interop.loading import LoadedModel, _config_from
+
+    state = ckpt.get("state_dict")
+    if not isinstance(state, dict):
+        raise UserError(f"{path}: a fine-tuned checkpoint without a state_dict; re-run finetune")
+    check_finite(state, path)
+    config = _config_from(ckpt.get("performer_config"), path, "performer_config")
+    head_data = ckpt.get(HEAD_KEY)
+    if not isinstance(head_data, dict):
+        raise UserError(f"{path}: '{HEAD_KEY}' must be a mapping of head config fields")
+    try:
+        head_config = HeadConfig.from_dict(head_data)
+    except (UserError, TypeError) as exc:
+        raise UserError(f"{path}: {HEAD_KEY}: {exc}") from None
+    model = PerformerLM(config)
+    lora = ckpt.get(LORA_KEY)
+    adapters = None
+    if lora is not None:
+        if not isinstance(lora, dict):
+            raise UserError(f"{path}: '{LORA_KEY}' must be a mapping of LoRA settings")
+        adapters = add_lora(model, lora)
+    head = TaskHead(head_config)
+    _load_part(model, state, BACKBONE_PREFIX, path, "backbone")
+    _load_part(head, state, HEAD_PREFIX, path, "head")
+    model.eval()
+    head.eval()
+    loaded = LoadedModel(
+        model, config, Alphabet(), path, torch.device("cpu"), "finetuned",
+        ckpt.get(CONTACT_REGRESSION_KEY),
+    )  # fmt: skip
+    loaded.task = head
+    loaded.lora = dict(lora) if lora is not None else None
+    loaded.adapters = adapters
+    return loaded
+
+
+def _load_part(module: torch.nn.Module, state: dict, prefix: str, path: Path, what: str) -> None:
+    part = {k[len(prefix) :]: v for k, v in state.items() if k.startswith(prefix)}
+    own = module.state_dict()
+    aliases = {"lm_head.weight"} if what == "backbone" else set()
+    missing = sorted(set(own) - set(part) - aliases)
+    unexpected = sorted(set(part) - set(own))
+    wrong = sorted(k for k in set(part) & set(own) if tuple(part[k].shape) != tuple(own[k].shape))
+    if missing or unexpected or wrong:
+        raise UserError(
+            f"{path}: the {what} weights do not fit the stored configs (missing {missing[:3]}, "
+            f"unexpected {unexpected[:3]}, wrong shape {wrong[:3]}); the file was edited or "
+            "written by an incompatible version"
+        )
+    module.load_state_dict(part, strict=False)
+
+
+def merge_lora(loaded: LoadedModel) -> LoadedModel:
+    """Fold LoRA adapters into the base weights (PEFT ``merge_and_unload``), in place; a model
+    without adapters is returned unchanged. Predictions stay the same up to float rounding."""
+    if getattr(loaded, "adapters", None) is None:
+        return loaded
+    loaded.model = loaded.adapters.merge_and_unload()
+    loaded.lora = loaded.adapters = None
+    return loaded
+
+
+def finetuned_checkpoint(loaded: LoadedModel, extra: dict[str, Any] | None = None) -> dict:
+    """The checkpoint dict of a fine-tuned model in memory (what :func:`read_finetuned` reads)."""
+    state = {
+        f"{BACKBONE_PREFIX}{k}": v.detach().cpu() for k, v in loaded.model.state_dict().items()
+    }
+    state.update(
+        {f"{HEAD_PREFIX}{k}": v.detach().cpu() for k, v in loaded.task.state_dict().items()}
+    )
+    ckpt: dict[str, Any] = {
+        "state_dict": state,
+        "performer_config": loaded.config.to_dict(),
+        HEAD_KEY: loaded.task.config.to_dict(),
+        **(extra or {}),
+    }
+    if getattr(loaded, "lora", None) is not None:
+        ckpt[LORA_KEY] = dict(loaded.lora)
+    if loaded.contact_regression is not None:
+        ckpt[CONTACT_REGRESSION_KEY] = loaded.contact_regression
+    return ckpt
+
+
+def save_finetuned(
+    loaded: LoadedModel, out: str | os.PathLike[str], extra: dict[str, Any] | None = None
+) -> Path:
+    """Write a fine-tuned model as a ``.ckpt`` that ``protein_performer.load`` opens
+    (atomically; non-finite weights refused)."""
+    if getattr(loaded, "task", None) is None:
+        raise UserError(f"{loaded.source} has no task head: only fine-tuned models are merged")
+    return save_atomic(finetuned_checkpoint(loaded, extra), Path(out).expanduser())
