@@ -34,7 +34,7 @@ test-slow: $(STAMP)
 
 # The HTML report in real Chromium (slow-marked; skips where Debian's chromium is missing).
 test-browser: $(STAMP)
-	$(BIN)/python -m pytest -q -m slow tests/test_report_browser.py
+	$(BIN)/python -m pytest -q -m slow tests/viz/test_report_browser.py
 
 # Reference implementations for the benchmarks (performer-pytorch, fair-esm, transformers).
 bench-env: $(STAMP)

@@ -20,7 +20,8 @@ from pathlib import Path
 
 import torch
 
-REPO = Path(__file__).resolve().parents[1]
+from tests.paths import REPO
+
 PEAK_GROWTH_MB = 150  # a tiny model's load is ~1 MB; one crafted allocation would be GBs
 
 

@@ -10,9 +10,10 @@ from pathlib import Path
 import pytest
 
 from protein_performer.interop.loading import export_model
-from tests.test_embedding import tiny_loaded
+from tests.inference.test_embedding import tiny_loaded
+from tests.paths import REPO
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = REPO
 
 
 @pytest.mark.slow  # the example end to end in its own interpreter; test_api covers its calls

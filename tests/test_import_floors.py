@@ -24,8 +24,10 @@ from pathlib import Path
 
 import pytest
 
+from tests.paths import REPO
+
 PACKAGE = "protein_performer"
-ROOT = Path(__file__).resolve().parents[1] / PACKAGE
+ROOT = REPO / PACKAGE
 #: Top-level modules that form the low floor (below io/).
 LOW = {"errors"}
 _BASE = ["low", "io", "data", "model", "interop"]

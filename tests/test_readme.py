@@ -23,10 +23,11 @@ import pytest
 
 from protein_performer.cli.main import main
 from protein_performer.interop.loading import export_model
-from tests.test_embedding import tiny_loaded
-from tests.test_loading import fit_checkpoint
+from tests.inference.test_embedding import tiny_loaded
+from tests.interop.test_loading import fit_checkpoint
+from tests.paths import REPO
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = REPO
 
 #: Substrings of README lines that are not run here, and why.
 SKIP = {

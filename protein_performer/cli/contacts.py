@@ -116,7 +116,7 @@ examples:
 
 
 #: The library's defaults (``inference.contact_maps``/``contacts``), spelled out here so that
-#: ``--help`` does not import torch; ``tests/test_contact_maps.py`` checks they agree.
+#: ``--help`` does not import torch; ``tests/contacts/test_contact_maps.py`` checks they agree.
 DEFAULT_DENSE_MAX_LENGTH = 4096
 DEFAULT_TOP_K_PER_LENGTH = 2.0
 DEFAULT_MIN_SEPARATION = 6

@@ -14,7 +14,7 @@
 Only Lightning's public API is used (``ModelCheckpoint``'s constructor arguments, public
 attributes and hooks, ``Callback`` hooks, ``Trainer.save_checkpoint``, public trainer
 properties, the ``CheckpointIO`` plugin), so a Lightning upgrade cannot silently bypass them;
-tests/test_checkpointing.py pins the save schedule this relies on.
+tests/training/test_checkpointing.py pins the save schedule this relies on.
 * :class:`SafeCheckpointIO` routes every save through ``checkpoints.save_atomic`` (temp file in
   the target's directory, fsync, rename; non-finite weights refused) and every load, resume
   included, through ``checkpoints.load_lightning`` (``weights_only=True``, allowlist).

@@ -1,0 +1,218 @@
+"""inference.generation: RNN-mode sampling equals the parallel model, is seeded, obeys limits."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+import protein_performer as pp
+from protein_performer.cli.main import main
+from protein_performer.data.tokenizer import STANDARD_AA
+from protein_performer.inference.api import ProteinLM
+from protein_performer.inference.scoring import causal_log_likelihoods
+from protein_performer.interop.loading import export_model
+from protein_performer.model.config import KERNELS
+from tests.inference.test_embedding import tiny_loaded
+
+VARIANTS = [("favor", k) for k in KERNELS] + [("exact", "softmax")]
+
+
+def causal_lm(attention: str = "favor", kernel: str = "softmax", seed: int = 0) -> ProteinLM:
+    loaded = tiny_loaded("clm", seed=seed, attention=attention, kernel=kernel)
+    if kernel == "softmax_opt":  # a trained model has a non-zero statistic: exercise it
+        for layer in loaded.model.layers:
+            layer.self_attn.favor.oprf_rho.fill_(0.4)
+    return ProteinLM(loaded)
+
+
+@pytest.mark.parametrize(("attention", "kernel"), VARIANTS)
+@pytest.mark.parametrize("prompt", ["", "MKTAY"])
+def test_step_log_probs_equal_the_parallel_forward(attention: str, kernel: str, prompt: str):
+    lm = causal_lm(attention, kernel)
+    for g in lm.iter_generate(n=3, max_length=40, prompt=prompt, seed=3, batch_size=3):
+        assert g.sequence.startswith(prompt)
+        (terms,) = causal_log_likelihoods(lm.loaded, [g.sequence])
+        n = len(g.token_log_probs)
+        assert n == len(g.sequence) - len(prompt) + (g.ended == "eos")
+        np.testing.assert_allclose(
+            g.token_log_probs, terms[len(prompt) : len(prompt) + n], atol=1e-4, rtol=0
+        )
+
+
+def test_same_seed_same_sequences_whatever_the_batch() -> None:
+    lm = causal_lm()
+    kw = {"n": 7, "max_length": 30, "seed": 11}
+    ref = lm.generate(**kw, batch_size=1)
+    assert lm.generate(**kw, batch_size=3) == ref
+    assert lm.generate(**kw, batch_size=7) == ref
+    assert lm.generate(**{**kw, "seed": 12}, batch_size=7) != ref
+    assert len(set(ref)) > 1  # records have their own streams
+
+
+def test_prompts_of_different_lengths_are_padded_correctly() -> None:
+    """A batch of right-padded prompts: each row generates what it generates alone."""
+    for attention in ("favor", "exact"):
+        lm = causal_lm(attention)
+        prompts = ["M", "MKTAYIAKQR", "MKV"]
+        together = lm.generate(n=3, max_length=25, prompt=prompts, seed=5, batch_size=3)
+        alone = lm.generate(n=3, max_length=25, prompt=prompts, seed=5, batch_size=1)
+        assert together == alone
+        assert [s[: len(p)] for s, p in zip(together, prompts, strict=True)] == prompts
+
+
+def test_lengths_and_alphabet() -> None:
+    lm = causal_lm()
+    for g in lm.iter_generate(n=6, max_length=12, min_length=12, seed=1):
+        assert len(g.sequence) == 12 and g.ended == "max_length"
+    for s in lm.generate(n=10, max_length=20, seed=2):
+        assert 1 <= len(s) <= 20 and set(s) <= set(STANDARD_AA)
+    with pytest.raises(pp.UserError, match="min_length"):
+        lm.generate(n=1, max_length=5, min_length=6)
+    with pytest.raises(pp.UserError, match="more than max_length"):
+        lm.generate(n=1, max_length=3, prompt="MKTAY")
+    with pytest.raises(pp.UserError, match="prompt 0: invalid residue 'J'"):
+        lm.generate(n=1, prompt="MJ")
+    with pytest.raises(pp.UserError, match="seed must be a non-negative"):
+        lm.generate(n=1, seed=-1)
+
+
+def test_greedy_and_truncation() -> None:
+    lm = causal_lm()
+    greedy = lm.generate(n=2, max_length=15, temperature=0, seed=0)
+    assert greedy[0] == greedy[1] == lm.generate(n=1, max_length=15, temperature=0, seed=9)[0]
+    assert lm.generate(n=2, max_length=15, top_k=1, seed=4) == greedy
+    assert lm.generate(n=2, max_length=15, top_p=1e-9, seed=4) == greedy
+
+
+def test_min_length_forbids_an_early_eos() -> None:
+    lm = causal_lm()
+    for g in lm.iter_generate(n=8, max_length=40, min_length=10, seed=6):
+        assert len(g.sequence) >= 10
+
+
+def test_masked_model_cannot_generate() -> None:
+    with pytest.raises(pp.UserError, match="masked LM.*needs a causal model"):
+        ProteinLM(tiny_loaded("mlm")).iter_generate(n=1)
+
+
+def test_generate_cli(tmp_path: Path, capsys) -> None:
+    ckpt = export_model(causal_lm().loaded, tmp_path / "m")
+    outs = []
+    for bs in ("1", "4"):
+        out = tmp_path / f"g{bs}.fasta"
+        base = ["generate", str(ckpt), str(out), "--num", "5", "--max-length", "30", "--seed", "7"]
+        assert main([*base, "--batch-size", bs, "--no-progress"]) == 0
+        outs.append(out.read_bytes())
+    assert outs[0] == outs[1]
+    lines = outs[0].decode().splitlines()
+    headers, seqs = lines[0::2], lines[1::2]
+    assert len(headers) == 5 and headers[0].startswith(">gen0 index=0 seed=7 length=")
+    fasta = tmp_path / "g1.fasta"
+    scores = tmp_path / "s.csv"
+    assert main(["score", str(ckpt), str(fasta), str(scores), "--no-progress"]) == 0
+    score_rows = scores.read_text().splitlines()[1:]
+    for header, seq, row in zip(headers, seqs, score_rows, strict=True):
+        assert f"length={len(seq)}" in header
+        assert header.endswith(f"mean_log_likelihood={row.split(',')[4]}")
+    capsys.readouterr()
+    base[2] = "-"
+    assert main([*base, "--batch-size", "2", "--no-progress"]) == 0
+    assert capsys.readouterr().out.encode() == outs[0]
+
+
+@pytest.mark.slow  # a subprocess; test_masked_model_cannot_generate is the fast check
+def test_generate_cli_refuses_a_masked_model_in_one_line(tmp_path: Path) -> None:
+    ckpt = export_model(tiny_loaded("mlm"), tmp_path / "m")
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "protein_performer.cli.main",
+            "generate",
+            str(ckpt),
+            str(tmp_path / "x.fasta"),
+            "--num",
+            "1",
+            "--max-length",
+            "5",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 2
+    assert proc.stderr.count("\n") == 1 and proc.stderr.startswith("error: ")
+    assert "generation needs a causal model" in proc.stderr
+    assert not (tmp_path / "x.fasta").exists()
+
+
+def test_state_is_constant_size() -> None:
+    """RNN mode keeps an (m x (d+1)) state per head whatever the context length."""
+    lm = causal_lm()
+    a = lm.alphabet
+    tokens = torch.tensor([[a.cls_idx, *a.encode("MKTAYIAK").tolist()]])
+    _, states = lm.model.prefill(tokens)
+    sizes = [s.kv.numel() for s in states]
+    pos = torch.tensor([tokens.shape[1]])
+    for _ in range(50):
+        _, states = lm.model.step(torch.tensor([a.tok_to_idx["A"]]), pos, states)
+        pos = pos + 1
+    assert [s.kv.numel() for s in states] == sizes
+
+
+@pytest.mark.parametrize(("attention", "kernel"), VARIANTS)
+def test_steps_equal_the_forward_and_never_write_given_states(attention: str, kernel: str):
+    """PerformerLM.step, in place or not, after a prefill and after a batch-1 state broadcast
+    over the batch (a family context's): logits equal the parallel causal forward (<= 1e-4),
+    and the states it was given are never written (in place copies them on the first write)."""
+    lm = causal_lm(attention, kernel)
+    model = lm.model
+    g = torch.Generator().manual_seed(0)
+    row = torch.randint(4, 24, (2, 24), generator=g)
+    row[:, 0] = lm.alphabet.cls_idx
+    row[1, :8] = row[0, :8]  # a shared start: the broadcast case
+    ref = model(row).logits  # (2, 24, V), causal
+    P = 8
+    with torch.inference_mode():
+        shared = model.extend(row[:1, :P], None, return_states=True)[1]  # batch 1
+        for start in ("prefill", "broadcast"):
+            for inplace in (False, True):
+                if start == "prefill":
+                    given = model.prefill(row[:, :P])[1]
+                    states, first = given, P
+                else:
+                    given = shared
+                    logits, states = model.extend(row[:, P : P + 2], shared, P, None, True)
+                    torch.testing.assert_close(logits, ref[:, P : P + 2], atol=1e-4, rtol=0)
+                    first = P + 2
+                before = [t.clone() for s in given for t in s]
+                for t in range(first, 24):
+                    pos = torch.full((2,), t)
+                    out, states = model.step(row[:, t], pos, states, inplace=inplace)
+                    torch.testing.assert_close(out, ref[:, t], atol=1e-4, rtol=0)
+                after = [t for s in given for t in s]
+                assert all(torch.equal(x, y) for x, y in zip(before, after, strict=True))
+
+
+def test_sampling_rows_at_once_draws_what_each_row_draws_alone() -> None:
+    """The batched draw: every option, every row as if drawn alone (its own stream)."""
+    from protein_performer.inference.generation import SamplingOptions, _choose, record_generator
+
+    g = torch.Generator().manual_seed(1)
+    logits = torch.randn(6, 33, generator=g) * 3
+    allowed = torch.rand(6, 33, generator=g) > 0.3
+    for kw in ({}, {"top_k": 4}, {"top_p": 0.6}, {"top_k": 9, "top_p": 0.8, "temperature": 0.5},
+               {"temperature": 0}, {"top_k": 40}):  # fmt: skip
+        opts = SamplingOptions(max_length=10, **kw)
+        together = _choose(logits, allowed, opts, [record_generator(0, i) for i in range(6)])
+        alone = [
+            _choose(logits[i : i + 1], allowed[i : i + 1], opts, [record_generator(0, i)])[0]
+            for i in range(6)
+        ]
+        assert together == alone
+        assert all(bool(allowed[i, t]) for i, t in enumerate(together))

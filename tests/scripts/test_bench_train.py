@@ -1,0 +1,67 @@
+"""Smoke tests for the training benchmark and the quality study: CLIs and the CSV contract.
+
+Why: both scripts are run rarely and by hand (on a quiet machine or a GPU), so a broken CLI or a
+renamed column would only surface then. Speed is not checked, only that the numbers exist and
+are finite. The quality study trains for minutes, so only its ``--help`` runs here.
+"""
+
+from __future__ import annotations
+
+import csv
+import math
+from pathlib import Path
+
+import pytest
+
+# Each benchmark case is a fresh interpreter; tests/scripts/test_scripts.py checks every CLI by default.
+pytestmark = pytest.mark.slow
+
+
+@pytest.mark.parametrize("script", ["bench_train.py", "quality_study.py"])
+def test_help(script: str, run_script) -> None:
+    assert "usage" in run_script(script, "--help").stdout
+
+
+def test_bench_train_quick(tmp_path: Path, run_script) -> None:
+    # One objective and one length: each case is a fresh interpreter (an `import torch` each).
+    proc = run_script(
+        "bench_train.py",
+        "--quick",
+        "--objectives",
+        "mlm",
+        "--lengths",
+        "64",
+        "--threads",
+        "1",
+        "--out",
+        str(tmp_path),
+    )
+    with (tmp_path / "train.csv").open() as fh:
+        reader = csv.DictReader(fh)
+        rows = list(reader)
+        columns = set(reader.fieldnames or ())
+    assert {
+        "objective",
+        "attention",
+        "L",
+        "B",
+        "status",
+        "steps_timed",
+        "step_time_s",
+        "tokens_per_s",
+        "peak_mem_mib",
+        "final_loss",
+    } <= columns
+    assert {r["attention"] for r in rows} == {"favor", "exact"}
+    for row in rows:
+        assert row["status"] == "ok", row
+        assert int(row["L"]) * int(row["B"]) == int(row["tokens_per_batch"])
+        for key in ("step_time_s", "tokens_per_s", "peak_mem_mib", "final_loss"):
+            assert math.isfinite(float(row[key])), (key, row)
+        assert float(row["tokens_per_s"]) > 0
+    assert "favor/exact speed" in proc.stdout
+    assert (tmp_path / "train.md").is_file()
+    with (tmp_path / "train_ratios.csv").open() as fh:
+        ratios = list(csv.DictReader(fh))
+    assert [(r["objective"], r["L"]) for r in ratios] == [("mlm", "64")]
+    assert math.isfinite(float(ratios[0]["speed_ratio"]))
