@@ -16,7 +16,7 @@ import pytest
 
 from tests.paths import REPO
 
-# Trains, swaps and fine-tunes in a subprocess; tests/scripts/test_scripts.py checks its CLI by default.
+# Trains, swaps and fine-tunes in a subprocess; test_scripts.py checks its CLI by default.
 pytestmark = pytest.mark.slow
 
 ROOT = REPO

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-# Each benchmark case is a fresh interpreter; tests/scripts/test_scripts.py checks every CLI by default.
+# Each benchmark case is a fresh interpreter; test_scripts.py checks every CLI by default.
 pytestmark = pytest.mark.slow
 
 

@@ -97,7 +97,7 @@ def test_unigram_baseline_positions_and_values() -> None:
     assert mlm["tokens"] == masked > 0
 
 
-@pytest.mark.slow  # own interpreter; tests/scripts/test_scripts.py checks every script's --help at once
+@pytest.mark.slow  # own interpreter; test_scripts.py checks every script's --help at once
 def test_help(run_script) -> None:
     out = run_script("paper_protein.py", "--help").stdout
     assert "CPU time" in out and "--quick" in out and "--trainer" in out
