@@ -116,12 +116,15 @@ _SCOPE: list[contextlib.ExitStack] = []
 def command_scope() -> Iterator[None]:
     """The lifetime of one command (``main`` runs each in one): what :func:`hold` takes is
     released when the command ends, by an error too."""
+    from protein_performer.io.progress import drop_pending
+
     with contextlib.ExitStack() as stack:
         _SCOPE.append(stack)
         try:
             yield
         finally:
             _SCOPE.remove(stack)
+            drop_pending()  # a `threads:` line never printed (--no-progress) stays this one's
 
 
 def hold(cm: contextlib.AbstractContextManager[Any]) -> None:

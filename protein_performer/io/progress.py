@@ -108,6 +108,11 @@ def announce(line: str, topic: str = "threads") -> None:
     _PENDING[topic] = line
 
 
+def drop_pending() -> None:
+    """Forget start-of-work lines not printed yet: they belong to the command that ends."""
+    _PENDING.clear()
+
+
 def _flush_pending() -> None:
     while _PENDING:
         print(_PENDING.pop(next(iter(_PENDING))), file=sys.stderr, flush=True)
