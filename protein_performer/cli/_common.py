@@ -95,7 +95,7 @@ def add_model_options(p: argparse.ArgumentParser, overwrite: str = "OUT") -> Non
         default=None,
         metavar="N",
         help="CPU threads for torch (default: OMP_NUM_THREADS if set, else the cores this "
-        "process may use less the load of other processes, at least 1; said in one line at "
+        "process may use less the other processes running now, at least 1; said in one line at "
         "the start)",
     )
     add_overwrite(p, overwrite)

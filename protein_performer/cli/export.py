@@ -89,6 +89,7 @@ def _export_finetuned(loaded, args: argparse.Namespace) -> int:  # noqa: ANN001
     """``--merge``: a fine-tuned model (head included) as one merged ``.ckpt``."""
     from protein_performer.errors import UserError
     from protein_performer.interop.finetuned import merge_lora, save_finetuned
+    from protein_performer.io.atomic import output_file
 
     if loaded.task is None:
         raise UserError(f"{args.ckpt} is not a fine-tuned model: --merge is for `finetune` output")
@@ -100,7 +101,7 @@ def _export_finetuned(loaded, args: argparse.Namespace) -> int:  # noqa: ANN001
     if args.format != "native":
         raise UserError("--merge writes the native .ckpt; --format hf has no task head")
     had = loaded.lora is not None
-    out = save_finetuned(merge_lora(loaded), args.out)
+    out = save_finetuned(merge_lora(loaded), output_file(args.out))  # a file, not a directory
     print(
         f"exported fine-tuned {loaded.task.config.task} model "
         f"({'LoRA merged into the base' if had else 'no LoRA to merge'}) -> {out}"

@@ -15,6 +15,7 @@ import os
 import shutil
 import subprocess
 import tempfile
+import zipfile
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -432,7 +433,7 @@ def store_families(
     if path.is_file():
         try:
             cached = Families.load(path)
-        except (OSError, ValueError, KeyError) as exc:
+        except (OSError, ValueError, KeyError, zipfile.BadZipFile, UserError) as exc:
             log.warning("ignoring unreadable family cache %s (%s)", path, exc)
         else:
             if cached.meta.get("fingerprint") == fingerprint:

@@ -32,6 +32,7 @@ at most one window, and ranks of a ``torchrun``/SLURM job each write their own p
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -299,9 +300,17 @@ class PartCheck:
     damaged: int = 0  # parts that do not read (set aside as NAME.damaged)
 
 
-def check_parts(parts: Sequence[Path], attrs: dict[str, Any], records: Any) -> PartCheck:  # noqa: ANN401
+def check_parts(
+    parts: Sequence[Path],
+    attrs: dict[str, Any],
+    records: Any,  # noqa: ANN401 - an iterable of InputRecord
+    set_aside: bool = True,
+) -> PartCheck:
     """Keep the parts made by this run (same model and options: :func:`run_id`) whose records
     are all in the input ``records`` with the same sequence; set aside the others.
+
+    Every rank of a sharded run checks the same parts and reaches the same verdict; only one
+    (``set_aside``: rank 0) renames, and a part another rank renamed first counts as set aside.
 
     A part that does not read is renamed ``NAME.damaged`` (not fatal: its records are redone);
     a part of another run, holding a record the input lacks or whose sequence changed, or
@@ -309,6 +318,11 @@ def check_parts(parts: Sequence[Path], attrs: dict[str, Any], records: Any) -> P
     ``NAME.dropped`` and its records that the input holds are computed again.
     """
     import h5py
+
+    def aside(part: Path, suffix: str) -> None:
+        if set_aside:
+            with contextlib.suppress(FileNotFoundError):
+                part.rename(part.with_name(part.name + suffix))
 
     want = run_id(attrs)
     check = PartCheck([])
@@ -326,11 +340,11 @@ def check_parts(parts: Sequence[Path], attrs: dict[str, Any], records: Any) -> P
         except (OSError, KeyError, ValueError, TypeError):
             whole = False
         if not whole or (sha is not None and sha.shape != (len(ids), 16)):
-            part.rename(part.with_name(part.name + ".damaged"))
+            aside(part, ".damaged")
             check.damaged += 1
             continue
         if sha is None:
-            part.rename(part.with_name(part.name + ".dropped"))
+            aside(part, ".dropped")
             check.dropped += 1
             continue
         candidates.append((part, ids))
@@ -349,7 +363,7 @@ def check_parts(parts: Sequence[Path], attrs: dict[str, Any], records: Any) -> P
             bad.add(k)
     for k, (part, ids) in enumerate(candidates):
         if k in bad or any(rid not in seen for rid in ids):
-            part.rename(part.with_name(part.name + ".dropped"))
+            aside(part, ".dropped")
             check.dropped += 1
             in_bad += [rid for rid in ids if rid in seen]
         else:
@@ -398,6 +412,7 @@ def embed_fasta(
     """
     from protein_performer.io.progress import progress as progress_bar
     from protein_performer.io.sharding import (
+        detect_ranks,
         finished_parts,
         parts_dir,
         rank_label,
@@ -446,7 +461,8 @@ def embed_fasta(
                     )
             done.update(there)
         if old_parts:
-            checked = check_parts(old_parts, attrs, input_records(path, on_invalid))
+            first = detect_ranks().rank == 0
+            checked = check_parts(old_parts, attrs, input_records(path, on_invalid), first)
             for part in checked.kept:
                 with _open_embeddings(part) as h5:
                     done.update(read_ids(h5))

@@ -4,8 +4,10 @@ torch's default is one intra-op thread per CPU the machine has. On a machine oth
 keep busy that collapses: OpenMP threads wait for each other at every op, so a thread that
 loses its core stalls the others (measured in docs/RESULTS.md, issue 23). So the commands
 default to the cores this process may use (its CPU affinity, one thread per physical core),
-less the load of other processes when the whole machine is visible (a shared node; under a
-scheduler that binds the process to its CPUs, those CPUs are its own), at least 1.
+less the processes running on it right now when the whole machine is visible (a shared node;
+under a scheduler that binds the process to its CPUs, those CPUs are its own), at least 1.
+"Right now" is the kernel's count of runnable tasks (``/proc/loadavg``), not the 1-minute
+load average, which would still count a command that just finished.
 ``OMP_NUM_THREADS`` and ``--threads N`` override it.
 """
 
@@ -47,14 +49,23 @@ def default_threads() -> tuple[int, str]:
     cores = physical_cores(cpus)
     if len(cpus) < (os.cpu_count() or len(cpus)):
         return cores, f"the {cores} core(s) this process is bound to"
-    try:
-        load = os.getloadavg()[0]
-    except (AttributeError, OSError):
+    others = running_elsewhere()
+    if others is None:
         return cores, f"{cores} core(s)"
-    n = max(1, min(cores, int(cores - load + 0.5)))
+    n = max(1, min(cores, cores - others))
     if n == cores:
-        return n, f"{cores} core(s), load {load:.1f}"
-    return n, f"{cores} core(s), less the load of other processes ({load:.1f})"
+        return n, f"{cores} core(s), {others} other process(es) running"
+    return n, f"{cores} core(s), less {others} other process(es) running now"
+
+
+def running_elsewhere() -> int | None:
+    """Tasks running or runnable now besides this one (``/proc/loadavg``'s fourth field);
+    None where the kernel does not say."""
+    try:
+        running = Path("/proc/loadavg").read_text().split()[3].split("/")[0]
+        return max(0, int(running) - 1)
+    except (OSError, IndexError, ValueError):
+        return None
 
 
 def set_threads(requested: int | None) -> str:

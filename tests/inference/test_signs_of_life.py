@@ -103,9 +103,11 @@ def test_default_threads_leave_room_for_other_processes(monkeypatch) -> None:
     monkeypatch.setattr(threads, "usable_cpus", lambda: set(range(8)))
     monkeypatch.setattr(threads, "physical_cores", lambda cpus: len(cpus))
     monkeypatch.setattr(threads.os, "cpu_count", lambda: 8)
-    for load, want in ((0.1, 8), (3.2, 5), (7.9, 1), (40.0, 1)):
-        monkeypatch.setattr(threads.os, "getloadavg", lambda load=load: (load, load, load))
+    for others, want in ((0, 8), (3, 5), (7, 1), (40, 1)):
+        monkeypatch.setattr(threads, "running_elsewhere", lambda n=others: n)
         assert threads.default_threads()[0] == want
+    monkeypatch.setattr(threads, "running_elsewhere", lambda: None)  # no /proc: all cores
+    assert threads.default_threads()[0] == 8
     monkeypatch.setattr(threads.os, "cpu_count", lambda: 64)  # bound to 8 of 64: its own
     assert threads.default_threads() == (8, "the 8 core(s) this process is bound to")
     monkeypatch.setenv("OMP_NUM_THREADS", "3")
