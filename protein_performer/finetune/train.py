@@ -31,7 +31,7 @@ from protein_performer.finetune.data import (
 from protein_performer.finetune.module import MODES, FinetuneModule
 from protein_performer.model.performer import PerformerLM
 from protein_performer.model.task_heads import HeadConfig, TaskHead, residue_mask
-from protein_performer.training.train import _holds_run_dir
+from protein_performer.training.train import holds_run_dir
 
 if TYPE_CHECKING:
     from omegaconf import DictConfig
@@ -155,7 +155,7 @@ def build_data(cfg: DictConfig) -> tuple[LabelledSet, dict[str, list[int]]]:
     return data, splits
 
 
-@_holds_run_dir
+@holds_run_dir
 def finetune(cfg: DictConfig) -> dict[str, Any]:
     """Fine-tune ``cfg.base`` on ``cfg.data.train``; returns ``metrics`` (last ``val/*``, and
     ``test/*`` of the best checkpoint when there is a test split), ``best_checkpoint``,

@@ -70,13 +70,13 @@ def add_lora(model: PerformerLM, settings: dict[str, Any]) -> Any:
 
 def read_finetuned(path: Path, ckpt: dict[str, Any]) -> LoadedModel:
     """A fine-tuned checkpoint's contents -> a ``LoadedModel`` (CPU, eval) with ``task`` set."""
-    from protein_performer.interop.loading import LoadedModel, _config_from
+    from protein_performer.interop.loading import LoadedModel, config_from
 
     state = ckpt.get("state_dict")
     if not isinstance(state, dict):
         raise UserError(f"{path}: a fine-tuned checkpoint without a state_dict; re-run finetune")
     check_finite(state, path)
-    config = _config_from(ckpt.get("performer_config"), path, "performer_config")
+    config = config_from(ckpt.get("performer_config"), path, "performer_config")
     head_data = ckpt.get(HEAD_KEY)
     if not isinstance(head_data, dict):
         raise UserError(f"{path}: '{HEAD_KEY}' must be a mapping of head config fields")

@@ -175,7 +175,7 @@ def check_fits_in_memory(config: PerformerConfig, where: object) -> None:
         )
 
 
-def _config_from(data: Any, path: Path, where: str) -> PerformerConfig:
+def config_from(data: Any, path: Path, where: str) -> PerformerConfig:
     """A validated config (types, ranges, a size that fits in memory) from a file's data."""
     if not isinstance(data, dict) or not all(isinstance(k, str) for k in data):
         raise UserError(
@@ -290,7 +290,7 @@ def _read_lightning(path: Path, ckpt: Any) -> Read:
         )
     check_finite(ckpt["state_dict"], path)
     if "performer_config" in ckpt:
-        config = _config_from(ckpt["performer_config"], path, "performer_config")
+        config = config_from(ckpt["performer_config"], path, "performer_config")
     else:
         hparams = ckpt.get("hyper_parameters")
         if not isinstance(hparams, dict) or "config" not in hparams:
@@ -298,7 +298,7 @@ def _read_lightning(path: Path, ckpt: Any) -> Read:
                 f"{path} stores no model config (neither 'performer_config' nor "
                 "hyper_parameters['config']): it was not written by protein-performer's training"
             )
-        config = _config_from(hparams["config"], path, "hyper_parameters.config")
+        config = config_from(hparams["config"], path, "hyper_parameters.config")
     state = {
         k[len(LIGHTNING_PREFIX) :]: v
         for k, v in ckpt["state_dict"].items()
@@ -337,7 +337,7 @@ def _read_export(path: Path) -> Read:
             f"{config_path}: the model's vocabulary differs from the ESM-2 vocabulary this "
             "version uses; it cannot be run with this tokenizer"
         )
-    config = _config_from(meta.get("config"), config_path, "config")
+    config = config_from(meta.get("config"), config_path, "config")
     _check_weights_header(config, weights_path)
     try:
         from safetensors import SafetensorError

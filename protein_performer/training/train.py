@@ -79,7 +79,7 @@ def _existing(path: str | None) -> str | None:
     return path if path and Path(path).is_file() else None
 
 
-def _holds_run_dir(fn: Callable[[DictConfig], dict[str, Any]]) -> Callable[..., dict[str, Any]]:
+def holds_run_dir(fn: Callable[[DictConfig], dict[str, Any]]) -> Callable[..., dict[str, Any]]:
     """Lock the run directory (``paths.output_dir``) for the whole of ``fn``: a second
     ``train`` into the same ``run_name`` (a relaunch while the first still runs) gets one line
     naming the live process instead of writing checkpoints beside it. Only the job's first
@@ -119,7 +119,7 @@ def _record_context_tokens(cfg: DictConfig) -> None:
         config.context_tokens = int(data.family_max_tokens)
 
 
-@_holds_run_dir
+@holds_run_dir
 def train(cfg: DictConfig) -> dict[str, Any]:
     """Fit (and optionally test) the model described by ``cfg``.
 
