@@ -77,10 +77,13 @@ class PerformerConfig:
     favor_chunk_size: int | None = None
     # Base of the rotary position embedding frequencies (ESM-2: 10000).
     rotary_base: float = 10000.0
-    # Rotary positions: "sequence" (0, 1, 2, ... along the whole row, ESM-2's) or "member"
-    # (restart at 0 at every <cls>: each member of a family row sees a lone sequence's
-    # positions, PoET-style). Context scoring continues what training used.
-    positions: str = "sequence"
+    # Rotary positions: "member" (restart at 0 at every <cls>: each member of a family row sees
+    # a lone sequence's positions, PoET-style; the better of the two on family rows,
+    # docs/RESULTS.md) or "sequence" (0, 1, 2, ... along the whole row). A row with one <cls>
+    # (a single protein, ESM-2's layout, a concatenated row) gets the same positions either
+    # way. Context scoring continues what training used; configs written before this field
+    # existed read as "sequence".
+    positions: str = "member"
     # Tokens per training row of family context (the data's family_max_tokens), when known:
     # the default limit of a family context at inference. None: unknown (no limit).
     context_tokens: int | None = None
@@ -193,7 +196,8 @@ class PerformerConfig:
     def from_dict(cls, data: dict[str, Any]) -> PerformerConfig:
         """Build and validate; unknown keys are an error so a typo never falls back to a default.
 
-        Missing keys take their defaults, so checkpoints written before a field existed still load.
+        Missing keys take their defaults, so checkpoints written before a field existed still load
+        (and compute as they did: ``positions`` then reads as "sequence").
         """
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(data) - known)
@@ -202,4 +206,4 @@ class PerformerConfig:
                 f"unknown model config key(s): {', '.join(unknown)}; "
                 f"valid keys are: {', '.join(sorted(known))}"
             )
-        return cls(**dict(data)).validate()
+        return cls(**{"positions": "sequence", **dict(data)}).validate()

@@ -118,7 +118,7 @@ def test_member_positions_restart_at_every_cls():
 
 def test_config_positions_default_and_old_checkpoints():
     config = PerformerConfig()
-    assert config.positions == "sequence" and config.context_tokens is None
+    assert config.positions == "member" and config.context_tokens is None
     old = {k: v for k, v in config.to_dict().items() if k not in ("positions", "context_tokens")}
     assert PerformerConfig.from_dict(old).positions == "sequence"
     with pytest.raises(UserError, match="positions"):
