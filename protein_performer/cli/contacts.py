@@ -115,7 +115,7 @@ examples:
 """
 
 
-#: The library's defaults (``inference.contact_maps``/``contacts``), spelled out here so that
+#: The library's defaults (``contacts.predict``/``contacts.fit``), spelled out here so that
 #: ``--help`` does not import torch; ``tests/contacts/test_contact_maps.py`` checks they agree.
 DEFAULT_DENSE_MAX_LENGTH = 4096
 DEFAULT_TOP_K_PER_LENGTH = 2.0

@@ -253,7 +253,7 @@ class ContactsSummary:
 
 def contact_ragged(dtype: str) -> dict[str, tuple[Column, ...]]:
     """The ragged columns of contact maps (``dense_*``, ``pair_*``), in files of
-    ``predict-contacts`` and of ``embed --include contacts`` alike."""
+    ``contacts predict`` and of ``embed --include contacts`` alike."""
     values = DTYPES[dtype]
     return {
         "dense_offsets": (Column("dense_values", values),),
@@ -398,7 +398,7 @@ def predict_contacts_fasta(
 def read_contacts(
     path: str | os.PathLike[str], ids: Sequence[str] | None = None
 ) -> dict[str, ContactMap]:
-    """The maps of ``ids`` (all when None) from a ``predict-contacts`` file."""
+    """The maps of ``ids`` (all when None) from a ``contacts predict`` file."""
     import h5py
 
     from protein_performer.errors import check_format_header
@@ -411,12 +411,12 @@ def read_contacts(
             header = {k: h5.attrs.get(k) for k in ("format", "format_version")}
             if header["format_version"] is not None:
                 header["format_version"] = int(header["format_version"])
-            check_format_header(header, src, FORMAT_NAME, FORMAT_VERSION, "predict-contacts file")
+            check_format_header(header, src, FORMAT_NAME, FORMAT_VERSION, "contacts predict file")
             return read_maps(h5, src, ids)
     except (OSError, KeyError, ValueError) as exc:  # truncated or damaged: h5py's own errors
         raise UserError(
-            f"{src}: not a readable predict-contacts file ({str(exc).splitlines()[0][:200]}); "
-            "it is truncated or damaged: re-run predict-contacts"
+            f"{src}: not a readable contacts file ({str(exc).splitlines()[0][:200]}); "
+            "it is truncated or damaged: re-run contacts predict"
         ) from None
 
 

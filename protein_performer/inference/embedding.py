@@ -72,10 +72,10 @@ log = logging.getLogger(__name__)
 FORMAT_NAME = "protein_performer.embeddings"
 FORMAT_VERSION = 2
 #: What the model's hidden states give per record, and what ``embed --include`` takes (contact
-#: maps from the model's contact regression, as ``predict-contacts`` writes them).
+#: maps from the model's contact regression, as ``contacts predict`` writes them).
 HIDDEN_KINDS = ("mean", "per_tok", "bos")
 INCLUDE_CHOICES = (*HIDDEN_KINDS, "contacts")
-#: Contact maps stored by ``embed --include contacts`` (predict-contacts' defaults).
+#: Contact maps stored by ``embed --include contacts`` (``contacts predict``'s defaults).
 CONTACTS_DTYPE = "float16"
 
 

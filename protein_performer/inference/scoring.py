@@ -492,7 +492,7 @@ def _wild_type(path: str | os.PathLike[str]) -> tuple[str, str]:
     records = read_records(path)
     if len(records) != 1:
         raise UserError(
-            f"{path}: --wt needs exactly one record (the wild type), found {len(records)}"
+            f"{path}: WT needs exactly one record (the wild type), found {len(records)}"
         )
     return records[0].id, records[0].sequence
 

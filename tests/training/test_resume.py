@@ -138,7 +138,7 @@ def test_sigterm_saves_last_and_ckpt_path_last_resumes_the_same_curve(tmp_path: 
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
     kill = [f"+callbacks.kill._target_={__name__}.SignalAt", "+callbacks.kill.step=6"]
     kill.append(f"+callbacks.kill.signum={int(signal.SIGTERM)}")
-    env["PYTHONPATH"] = str(Path(__file__).parent)
+    env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).parent), str(REPO)])
     first = subprocess.run(
         [*cmd, *kill], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600
     )
@@ -189,7 +189,7 @@ def test_slurm_requeue_signal_checkpoint_is_found_by_ckpt_path_last(tmp_path: Pa
         "SLURM_LOCALID": "0", "SLURM_NODEID": "0", "SLURM_NODELIST": "localhost",
     }  # fmt: skip
     env = {**os.environ, **slurm, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
-    env["PYTHONPATH"] = str(Path(__file__).parent)
+    env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).parent), str(REPO)])
     cmd = [sys.executable, "-m", "protein_performer.cli.main", "train", *BASE, "ckpt_path=last"]
     cmd += ["run_name=job4242", "trainer.max_epochs=-1", "trainer.max_steps=8"]
     signals = [
