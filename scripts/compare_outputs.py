@@ -1,0 +1,184 @@
+#!/usr/bin/env python
+"""Are a refactoring's computed outputs unchanged? Run the inference commands of two checkouts on
+the same tiny models and compare every output file, dataset by dataset.
+
+Three tiny random models (FAVOR+ MLM, FAVOR+ CLM, exact MLM) are exported once by the OLDER
+checkout (`--models`, with its package first on PYTHONPATH: newer versions read older exports,
+not the other way round). Each
+checkout's commands (`--run PYTHONPATH OUT [--old-cli]`) then embed, score, score variants,
+generate, fit and predict contacts, export to Hugging Face and evaluate on the bundled data;
+`--compare A B` lists every file or HDF5 dataset that differs (HDF5 attributes are shown apart:
+they carry versions). `--old-cli` spells the 0.2.0 commands (`predict-contacts`, `--out`).
+
+    PYTHONPATH=/path/to/old/checkout python scripts/compare_outputs.py --models /tmp/cmp/models
+    python scripts/compare_outputs.py --run /path/to/old/checkout /tmp/cmp/old --old-cli
+    python scripts/compare_outputs.py --run . /tmp/cmp/new
+    python scripts/compare_outputs.py --compare /tmp/cmp/old /tmp/cmp/new
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import _common as common
+
+DEMO = common.REPO / "data" / "demo" / "some_proteins.fasta"
+DMS = common.REPO.parent / "shared" / "data" / "dms"
+STRUCTURES = common.REPO.parent / "shared" / "data" / "structures"
+
+
+def make_models(out: Path) -> None:
+    """Export the three models with this checkout's code (seeded)."""
+    import torch
+
+    from protein_performer.data.tokenizer import Alphabet
+
+    try:
+        from protein_performer.interop.loading import LoadedModel, export_model
+    except ImportError:  # 0.2.0 kept weights I/O in model/
+        from protein_performer.model.loading import LoadedModel, export_model  # type: ignore
+    from protein_performer.model.config import PerformerConfig
+    from protein_performer.model.performer import PerformerLM
+
+    base = {"dim": 32, "depth": 2, "heads": 4, "ff_dim": 64}
+    kinds = {"mlm": {}, "clm": {"objective": "clm"}, "exact": {"attention": "exact"}}
+    for name, kw in kinds.items():
+        torch.manual_seed(0)
+        config = PerformerConfig.from_dict({**base, **kw})
+        model = PerformerLM(config).eval()
+        loaded = LoadedModel(model, config, Alphabet(), Path(name), torch.device("cpu"), "memory")
+        export_model(loaded, out / name)
+
+
+def commands(models: Path, old_cli: bool) -> list[list[str]]:
+    """The inference commands, spelled for the 0.2.0 CLI or this one."""
+    m = {k: str(models / k) for k in ("mlm", "clm", "exact")}
+    fasta, wt, csv = (
+        str(DEMO),
+        str(DMS / "BLAT_ECOLX_wt_offset24.fasta"),
+        str(DMS / "BLAT_ECOLX_Ranganathan2015.csv"),
+    )
+    pdbs = [str(p) for p in sorted(STRUCTURES.glob("*.pdb"))[:3]]
+    one = ["--threads", "1"]
+    variants = ["--offset", "24", "--label-col", "2500", "--limit-rows", "30", *one]
+    runs = [
+        ["embed", m["mlm"], fasta, "e.h5", "--repr-layers", "0", "-1", "--include", "mean"],
+        ["embed", m["exact"], fasta, "ex.h5", "--include", "mean", *one, "--no-progress"],
+        ["score", m["mlm"], fasta, "s.csv", "--strategy", "pseudo-ppl", *one, "--no-progress"],
+        ["score", m["clm"], fasta, "c.csv", "--strategy", "causal", *one, "--no-progress"],
+    ]
+    runs[0] += ["per_tok", "bos", *one, "--no-progress"]
+    regression = ["--regression", "cdir/contact_regression.json", *one]
+    if old_cli:
+        runs += [
+            ["score-variants", m["mlm"], "--wt", wt, "--mutations", csv, "--out", "v.csv",
+             *variants],
+            ["generate", m["clm"], "--num", "3", "--max-length", "40", "--seed", "0",
+             "--out", "g.fasta", *one],
+            ["contacts", m["mlm"], *pdbs, "--out", "cdir"],
+            ["predict-contacts", m["mlm"], fasta, "p.h5", *regression],
+            ["eval", m["mlm"], fasta, "hydra.run.dir=evaldir"],
+        ]  # fmt: skip
+    else:
+        runs += [
+            ["score-variants", m["mlm"], wt, csv, "v.csv", *variants],
+            ["generate", m["clm"], "g.fasta", "--num", "3", "--max-length", "40", "--seed", "0",
+             *one],
+            ["contacts", "fit", m["mlm"], *pdbs, "--out-dir", "cdir"],
+            ["contacts", "predict", m["mlm"], fasta, "p.h5", *regression],
+            ["eval", m["mlm"], fasta, "--out-dir", "evaldir"],
+        ]  # fmt: skip
+    runs.append(["export", m["mlm"], "hf", "--format", "hf", "--as-exact"])
+    return runs
+
+
+def run(checkout: Path, out: Path, models: Path, old_cli: bool) -> int:
+    """Run every command with ``checkout``'s package first on the path; returns the failures."""
+    out.mkdir(parents=True, exist_ok=True)
+    env = {**os.environ, "PYTHONPATH": str(checkout.resolve()), "OMP_NUM_THREADS": "1"}
+    failed = 0
+    with open(out / "log.txt", "w") as log:
+        for argv in commands(models, old_cli):
+            cmd = [sys.executable, "-m", "protein_performer.cli.main", *argv]
+            rc = subprocess.run(cmd, cwd=out, env=env, stdout=log, stderr=log, check=False)
+            print(f"rc={rc.returncode}: {' '.join(argv[:2])}")
+            failed += rc.returncode != 0
+    return failed
+
+
+def _digest(value: object) -> str:
+    import numpy as np
+
+    kind = getattr(getattr(value, "dtype", None), "kind", "")
+    data = repr(value.tolist()) if kind == "O" else value
+    raw = data.encode() if isinstance(data, str) else np.ascontiguousarray(data).tobytes()
+    return hashlib.sha256(raw).hexdigest()
+
+
+def _h5(path: Path) -> tuple[dict[str, str], dict[str, str]]:
+    import h5py
+
+    data: dict[str, str] = {}
+    with h5py.File(path, "r") as f:
+        f.visititems(
+            lambda name, obj: (
+                data.__setitem__(name, _digest(obj[()])) if isinstance(obj, h5py.Dataset) else None
+            )
+        )
+        attrs = {k: str(v) for k, v in f.attrs.items()}
+    return data, attrs
+
+
+def compare(a: Path, b: Path) -> int:
+    """Print what differs between two run folders; returns the number of differing data."""
+    bad = 0
+    files = sorted(p for p in a.rglob("*") if p.is_file() and p.name != "log.txt")
+    if not files:
+        print(f"{a} holds no outputs: did its run fail? (see {a / 'log.txt'})")
+        return 1
+    for pa in files:
+        rel = pa.relative_to(a)
+        pb = b / rel
+        if not pb.is_file():
+            print(f"missing in {b}: {rel}")
+            bad += 1
+        elif pa.suffix == ".h5":
+            (da, aa), (db, ab) = _h5(pa), _h5(pb)
+            for key in sorted(set(da) | set(db)):
+                if da.get(key) != db.get(key):
+                    print(f"data differ: {rel}:{key}")
+                    bad += 1
+            for key in sorted(k for k in set(aa) | set(ab) if aa.get(k) != ab.get(k)):
+                print(f"attribute differs (versions, new config keys): {rel}@{key}")
+        elif pa.read_bytes() != pb.read_bytes():
+            print(f"bytes differ: {rel}")
+            bad += 1
+    print(f"{bad} differing file(s) or dataset(s) among {len(files)} file(s)")
+    return bad
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument("--models", type=Path, default=Path("/tmp/cmp/models"), help="model folder")
+    p.add_argument("--run", nargs=2, metavar=("CHECKOUT", "OUT"), help="run a checkout's CLI")
+    p.add_argument("--old-cli", action="store_true", help="the 0.2.0 command spellings")
+    p.add_argument("--compare", nargs=2, type=Path, metavar=("A", "B"), help="compare runs")
+    args = p.parse_args(argv)
+    if args.compare:
+        return int(compare(*args.compare) > 0)
+    if args.run:
+        return int(run(Path(args.run[0]), Path(args.run[1]), args.models, args.old_cli) > 0)
+    make_models(args.models)
+    print(f"models -> {args.models}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
