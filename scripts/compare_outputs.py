@@ -144,6 +144,8 @@ def compare(a: Path, b: Path) -> int:
     for pa in files:
         rel = pa.relative_to(a)
         pb = b / rel
+        if not pb.is_file() and rel.parts[:2] == ("outputs", "eval"):  # 0.2.0's Hydra run dir
+            pb = b / "evaldir" / rel.name
         if not pb.is_file():
             print(f"missing in {b}: {rel}")
             bad += 1
