@@ -92,7 +92,12 @@ class PerformerLM(nn.Module):
         numbers), the offset when continuing a row, per-token positions (B, L) restarting at
         every ``<cls>`` in "member" mode (``offset`` then applies before the first ``<cls>``)."""
         if self.config.positions == "member":
-            return member_positions(tokens, self.config.cls_idx, offset)
+            cls = self.config.cls_idx
+            if not bool((tokens[:, 1:] == cls).any()):  # one protein a row: the fast path
+                first = tokens[:, 0] == cls
+                if bool(first.all()) or (offset == 0 and not bool(first.any())):
+                    return None
+            return member_positions(tokens, cls, offset)
         return offset or None
 
     def embed(self, tokens: torch.Tensor, padding_mask: torch.Tensor) -> torch.Tensor:
