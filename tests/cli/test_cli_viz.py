@@ -48,6 +48,7 @@ def read_csv(path: Path) -> list[dict[str, str]]:
         return list(csv.DictReader(fh))
 
 
+@pytest.mark.slow  # the default suite's time budget (make test <= 2 min)
 def test_contacts_cross_fit_then_apply(model_dir, structures, tmp_path: Path, capsys) -> None:
     out = tmp_path / "c"
     argv = [
@@ -147,6 +148,7 @@ def test_visualize_sequence_and_structure(model_dir, tmp_path: Path, capsys) -> 
     assert_png(w / "attention_grid.png")
 
 
+@pytest.mark.slow  # the default suite's time budget (make test <= 2 min)
 def test_visualize_positional_and_record_by_accession(
     model_dir, tmp_path: Path, capsys, monkeypatch
 ) -> None:

@@ -207,6 +207,7 @@ def test_random_split_is_seeded_and_sized(tmp_path: Path) -> None:
     assert sorted(a["train"] + a["valid"] + a["test"]) == list(range(50))
 
 
+@pytest.mark.slow  # the default suite's time budget (make test <= 2 min)
 @pytest.mark.skipif(shutil.which("mmseqs") is None, reason="MMseqs2 is not installed")
 def test_cluster_split_keeps_clusters_together(tmp_path: Path) -> None:
     rng = np.random.default_rng(0)

@@ -34,6 +34,7 @@ BUDGETED = [
 ]
 
 
+@pytest.mark.slow  # the default suite's time budget (make test <= 2 min)
 def test_cpu_budget_stops_training_and_logs_validations(tmp_path: Path) -> None:
     """2 CPU-seconds of training: stops there (not at max_steps), validates at the stop too,
     and the logged training time excludes validation."""

@@ -120,6 +120,7 @@ def test_short_run_writes_checkpoints_metrics_and_tests(tmp_path: Path) -> None:
     assert [v for _, v in curve["val/loss"]] == pytest.approx(logged, rel=1e-6)
 
 
+@pytest.mark.slow  # the default suite's time budget (make test <= 2 min)
 def test_wandb_logger_offline(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     import wandb
 
