@@ -247,18 +247,24 @@ def _check_shapes(
             missing.append(name)
             if len(missing) == _SHOW_KEYS:
                 break
-    problems = []
-    if missing:
-        count = expected - matched - tied
-        problems.append(f"{count} missing key(s) for depth={config.depth}: {', '.join(missing)}")
+    count = expected - matched - tied
+    named = f"{count} missing key(s) for depth={config.depth}: {', '.join(missing)}"
+    problems = _misfit(named if missing else "", unexpected, wrong)
+    if problems:
+        raise UserError(f"{where}: {' | '.join(problems)}; {fix}")
+
+
+def _misfit(missing: str, unexpected: list[str], wrong: list[str]) -> list[str]:
+    """The parts of a "weights do not fit" message: the missing keys' line as the caller words
+    it, then the first unexpected keys and shape mismatches."""
+    problems = [missing] if missing else []
     if unexpected:
         problems.append(
             f"{len(unexpected)} unexpected key(s): {', '.join(unexpected[:_SHOW_KEYS])}"
         )
     if wrong:
         problems.append(f"{len(wrong)} shape mismatch(es): {'; '.join(wrong[:_SHOW_KEYS])}")
-    if problems:
-        raise UserError(f"{where}: {' | '.join(problems)}; {fix}")
+    return problems
 
 
 def _check_weights_header(config: PerformerConfig, weights: Path) -> None:
@@ -407,15 +413,11 @@ def _load_weights(model: PerformerLM, state: dict[str, torch.Tensor], path: Path
     diff = diff_state(model, state, aliases.__contains__)
     missing, unexpected = diff.missing, diff.unexpected
     wrong = [f"{k} {theirs} vs model {ours}" for k, theirs, ours in diff.mismatched]
-    problems = []
-    if missing:
-        problems.append(f"{len(missing)} missing key(s): {', '.join(missing[:_SHOW_KEYS])}")
-    if unexpected:
-        problems.append(
-            f"{len(unexpected)} unexpected key(s): {', '.join(unexpected[:_SHOW_KEYS])}"
-        )
-    if wrong:
-        problems.append(f"{len(wrong)} shape mismatch(es): {'; '.join(wrong[:_SHOW_KEYS])}")
+    problems = _misfit(
+        f"{len(missing)} missing key(s): {', '.join(missing[:_SHOW_KEYS])}" if missing else "",
+        unexpected,
+        wrong,
+    )
     if problems:
         raise UserError(
             f"{path}: the weights do not fit the stored model config: {' | '.join(problems)}. "
