@@ -28,6 +28,16 @@ the value columns plus the normalizer column, c = the causal chunk size):
 - exact attention (SDPA): forward 4·L²·d (QKᵀ and AV), backward 8·L²·d (dV, dP, dQ, dK; the
   flash-style recomputation is not counted); causal counts L(L+1)/2 instead of L².
 
+Our implementations: ``ours`` is what ``FavorAttention`` runs by default, i.e. on CUDA the causal
+Triton kernels (``protein_performer/model/favor/triton_causal.py``) when triton is installed and
+the torch chunked scan otherwise; ``ours-torch`` forces the torch scan and ``triton`` the Triton
+kernels (on CPU under ``TRITON_INTERPRET=1``: a correctness smoke, not a timing). Both exist for
+the causal mode only (bidirectional has one path); the CSV's ``backend`` column says which
+causal path a row ran (the Triton kernels count their own chunk size, 64, in the FLOPs). On CUDA
+in bfloat16 or float16 every case runs with ``torch.set_float32_matmul_precision("high")``, as a
+mixed-precision training run would: FAVOR+ computes its features in float32, and both our paths
+(torch matmuls, the kernels' ``tl.dot``) then use TF32 tensor cores instead of IEEE float32.
+
 The useful fraction is useful FLOPs / measured time / the same run's matmul rate. It says how
 close the implementation gets to pure-matmul speed; exp, masking and memory traffic are overhead.
 For performer-pytorch causal the same formula with our chunk size is used (the work the algorithm
@@ -60,7 +70,11 @@ log = logging.getLogger("bench_attention")
 
 EPILOG = "Targets and the FLOP formula: see the module docstring."
 
-IMPLS = ("ours", "sdpa", "performer")
+IMPLS = ("ours", "ours-torch", "triton", "sdpa", "performer")
+DEFAULT_IMPLS = ("ours", "sdpa", "performer")
+#: Our implementations, and the causal path each forces (None: FavorAttention's own choice).
+OURS = {"ours": None, "ours-torch": "torch", "triton": "triton"}
+CAUSAL_ONLY = ("ours-torch", "triton")  # bidirectional FAVOR+ has a single path
 MODES = ("bidirectional", "causal")
 DEFAULT_CHUNK = 128  # used for the FLOP count when FavorAttention does not expose its chunk size
 CSV_FIELDS = (
@@ -84,6 +98,7 @@ CSV_FIELDS = (
     "useful_frac",
     "matmul_gflops",
     "chunk_size",
+    "backend",
     "note",
 )
 
@@ -101,8 +116,16 @@ def _build_fn(case: dict[str, Any], device: Any) -> tuple[Callable[..., Any], in
     impl, causal, d, m = case["impl"], case["causal"], case["d"], case["m"]
     if impl == "sdpa":
         return (lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=causal)), None
-    if impl == "ours":
+    if impl in OURS:
+        import os
+
         from protein_performer.model.favor import FavorAttention
+        from protein_performer.model.favor.causal import CAUSAL_IMPL_ENV
+
+        if OURS[impl] is not None:  # read at every causal forward; this process is the case's
+            os.environ[CAUSAL_IMPL_ENV] = OURS[impl]
+        if impl == "triton" and device.type == "cpu":  # before the kernels are decorated
+            os.environ["TRITON_INTERPRET"] = "1"
 
         attn = FavorAttention(
             dim_head=d,
@@ -120,6 +143,16 @@ def _build_fn(case: dict[str, Any], device: Any) -> tuple[Callable[..., Any], in
         attn = FastAttention(dim_heads=d, nb_features=m, causal=causal).to(device)
         return (lambda q, k, v: attn(q, k, v)), case.get("flop_chunk", DEFAULT_CHUNK)
     raise ValueError(f"unknown impl {impl!r}")
+
+
+def _backend(case: dict[str, Any]) -> str:
+    """Which causal path ours ran: the Triton kernels' module is imported only where taken."""
+    if case["impl"] not in OURS or not case["causal"]:
+        return ""
+    return "triton" if TRITON_MODULE in sys.modules else "torch"
+
+
+TRITON_MODULE = "protein_performer.model.favor.triton_causal"
 
 
 def useful_flops(
@@ -219,6 +252,8 @@ def run_case(case: dict[str, Any]) -> None:
         return
     device = torch.device(case["device"])
     dtype = getattr(torch, case["dtype"])
+    if device.type == "cuda" and dtype != torch.float32:
+        torch.set_float32_matmul_precision("high")  # TF32 for the float32 features
     B, H, L, d = case["B"], case["H"], case["L"], case["d"]
     gen = torch.Generator(device="cpu").manual_seed(case["seed"])
     q, k, v = (torch.randn(B, H, L, d, generator=gen).to(device, dtype) for _ in range(3))
@@ -231,6 +266,9 @@ def run_case(case: dict[str, Any]) -> None:
     out = fn(*tiny)
     out.backward(torch.randn_like(out))  # not .sum(): its expanded gradient takes another path
     del tiny, out
+    backend = _backend(case)
+    if backend == "triton":
+        chunk = sys.modules[TRITON_MODULE].CHUNK
 
     def fwd() -> None:
         with torch.no_grad():
@@ -269,6 +307,7 @@ def run_case(case: dict[str, Any]) -> None:
                     "useful_gflop": flops / 1e9,
                     "achieved_gflops": flops / median / 1e9,
                     "chunk_size": chunk,
+                    "backend": backend,
                 }
             )
 
@@ -302,6 +341,7 @@ class Row:
     useful_frac: float = math.nan
     matmul_gflops: float = math.nan
     chunk_size: int | None = None
+    backend: str = ""
     note: str = ""
 
 
@@ -331,6 +371,9 @@ def _lengths(args: argparse.Namespace) -> list[int]:
 def run_all(args: argparse.Namespace) -> list[Row]:
     """Runs the matmul reference and every requested case, each in a fresh process."""
     impls = [x for x in args.impls.split(",") if x]
+    unknown = sorted(set(impls) - set(IMPLS))
+    if unknown:
+        raise SystemExit(f"error: unknown --impls {','.join(unknown)}; choose from {IMPLS}")
     modes = [x for x in args.modes.split(",") if x]
     if "performer" in impls and not _performer_available():
         log.warning(
@@ -364,6 +407,8 @@ def run_all(args: argparse.Namespace) -> list[Row]:
     for mode in modes:
         causal = mode == "causal"
         for impl in impls:
+            if impl in CAUSAL_ONLY and not causal:
+                continue  # the same path as ours
             failed_at: str | None = None
             for L in lengths:
                 base = {
@@ -407,6 +452,7 @@ def run_all(args: argparse.Namespace) -> list[Row]:
                                 achieved_gflops=r["achieved_gflops"],
                                 useful_frac=r["achieved_gflops"] / matmul_gflops,
                                 chunk_size=r.get("chunk_size"),
+                                backend=r.get("backend", ""),
                             )
                         )
                     else:
@@ -454,7 +500,13 @@ def plot(rows: list[Row], path: Path, title: str) -> None:
     import matplotlib.pyplot as plt
 
     fig, (ax_t, ax_m) = plt.subplots(1, 2, figsize=(12, 4.8))
-    colors = {"ours": "tab:blue", "sdpa": "tab:orange", "performer": "tab:green"}
+    colors = {
+        "ours": "tab:blue",
+        "ours-torch": "tab:purple",
+        "triton": "tab:red",
+        "sdpa": "tab:orange",
+        "performer": "tab:green",
+    }
     series = sorted({(r.impl, r.causal) for r in rows})
     for impl, causal in series:
         for mode, ls in (("fwd+bwd", "-"), ("fwd", "--")):
@@ -616,7 +668,11 @@ def format_tables(rows: list[Row], matmul_gflops: float) -> str:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = common.bench_parser(__doc__, EPILOG, out=".bench/attention")
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
-    p.add_argument("--impls", default=",".join(IMPLS), help="comma list from: " + ",".join(IMPLS))
+    p.add_argument(
+        "--impls",
+        default=",".join(DEFAULT_IMPLS),
+        help="comma list from: " + ",".join(IMPLS) + " (ours-torch, triton: causal only)",
+    )
     p.add_argument("--modes", default=",".join(MODES), help="comma list from: " + ",".join(MODES))
     p.add_argument("--min-len", type=int, default=512)
     p.add_argument("--max-len", type=int, default=65536)

@@ -5,7 +5,9 @@ Reads ``DIR/attention/attention.csv`` (``bench_attention.py``), ``DIR/embed.csv`
 (``bench_embed.py``) and ``DIR/train/train.csv`` (``bench_train.py``), as
 ``scripts/gpu_check.sh`` writes them, and prints one markdown table: each row is a case measured
 for ours and for a baseline in the same run, with the baseline's time over ours (> 1: ours is
-faster). Missing files or cases are skipped with a note, so a partial run still reports.
+faster). Attention rows compare SDPA with ``ours`` (on CUDA the causal Triton kernel, its note
+says so), ``ours-torch`` (the torch scan) and ``triton``, whichever the run measured. Missing
+files or cases are skipped with a note, so a partial run still reports.
 
 Example::
 
@@ -30,16 +32,26 @@ def _rows(path: Path) -> list[dict[str, str]]:
         return [r for r in csv.DictReader(fh) if r.get("status") == "ok"]
 
 
+#: Our attention implementations (bench_attention.py --impls) and what the case label adds.
+OURS = {"ours": "", "ours-torch": ", torch scan", "triton": ", Triton kernel"}
+BACKENDS = {"triton": "Triton kernel", "torch": "torch scan"}
+
+
 def attention(rows: list[dict[str, str]]) -> list[tuple[str, str, float, float, str]]:
-    """(benchmark, case, ours s, baseline s, note): SDPA against ours, same L, mode and phase."""
+    """(benchmark, case, ours s, baseline s, note): SDPA (flash on CUDA) against each of our
+    implementations, same L, mode and phase; the note names the causal path that ran (on CUDA
+    ``ours`` is the Triton kernel when triton is installed: the Triton-vs-flash ratio)."""
     times = {(r["impl"], r["causal"], r["L"], r["mode"]): r for r in rows}
     out = []
     for (impl, causal, L, mode), r in sorted(times.items(), key=lambda kv: int(kv[0][2])):
         base = times.get(("sdpa", causal, L, mode))
-        if impl == "ours" and base:
+        if impl in OURS and base:
             kind = "causal" if causal == "True" else "bidirectional"
             note = f"useful FLOP fraction {float(r['useful_frac']):.2f}"
-            case = f"{kind} {mode}, L={L}, {r['dtype']}"
+            backend = BACKENDS.get(r.get("backend", ""))
+            if backend:
+                note = f"{backend}; {note}"
+            case = f"{kind} {mode}, L={L}, {r['dtype']}{OURS[impl]}"
             ours, theirs = float(r["time_s"]), float(base["time_s"])
             out.append(("attention vs SDPA", case, ours, theirs, note))
     return out

@@ -16,6 +16,21 @@ ROOT = REPO
 RunScript = Callable[..., subprocess.CompletedProcess]
 
 
+@pytest.fixture(autouse=True, scope="session")
+def cache_dir(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    """Per-machine measurements (the causal scan's tuned tiles) go to a fresh directory: the
+    suite neither reads a user's cache nor leaves one (subprocesses inherit the variable)."""
+    import os
+
+    before = os.environ.get("PROTEIN_PERFORMER_CACHE_DIR")
+    os.environ["PROTEIN_PERFORMER_CACHE_DIR"] = str(tmp_path_factory.mktemp("cache"))
+    yield
+    if before is None:
+        os.environ.pop("PROTEIN_PERFORMER_CACHE_DIR")
+    else:
+        os.environ["PROTEIN_PERFORMER_CACHE_DIR"] = before
+
+
 @pytest.fixture(autouse=True)
 def torch_threads(request: pytest.FixtureRequest) -> Iterator[int]:
     """One intra-op thread per test unless it asks for more with ``@pytest.mark.threads(n)``;

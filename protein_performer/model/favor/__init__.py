@@ -10,7 +10,8 @@ Math: ../shared/FAVOR.md (Choromanski et al., ICLR 2021) and, for ``softmax_opt`
   memory): the spec every fused path is tested against;
 - :mod:`.bidirectional` and :mod:`.causal`: the fused paths, linear in L in time and memory, each
   one autograd node that recomputes the features in backward; the causal one drives the chunked
-  scan of :mod:`.scan`;
+  scan of :mod:`.scan`, whose tile sizes :mod:`.tiles` tunes per machine; on CUDA the Triton
+  kernels of :mod:`.triton_causal` (feature map and stabilizer fused into the scan) run instead;
 - :mod:`.maps`: implied attention maps (the rows FAVOR+ uses without forming them);
 - :mod:`.module`: :func:`favor_attention` (dispatch) and :class:`FavorAttention`, which owns
   omega and the RNN step.

@@ -1,8 +1,11 @@
 """Causal FAVOR+ as one autograd node: the features of each scan segment computed when the
-chunked scan (:mod:`.scan`) reaches it, in forward and again in backward."""
+chunked scan (:mod:`.scan`) reaches it, in forward and again in backward; :func:`causal_favor`
+picks between it and the Triton kernels of :mod:`.triton_causal`."""
 
 from __future__ import annotations
 
+import os
+from types import ModuleType
 from typing import NamedTuple
 
 import torch
@@ -19,6 +22,49 @@ from protein_performer.model.favor.scan import (
     scan_forward_segments,
     workspace,
 )
+
+#: Environment variable that picks the causal implementation (:func:`causal_favor`): "auto"
+#: (the default), "triton" or "torch".
+CAUSAL_IMPL_ENV = "PROTEIN_PERFORMER_CAUSAL_IMPL"
+
+
+def causal_favor(
+    x: Tensor,
+    y: Tensor,
+    v: Tensor,
+    fmap: FeatureMap,
+    keep: Tensor | None,
+    chunk: int,
+    rows: int,
+) -> Tensor:
+    """Causal FAVOR+ of flattened heads (BH, L, .) -> (BH, L, dv) by the implementation that
+    fits: the Triton kernels (:mod:`.triton_causal`) for CUDA tensors they support when triton
+    imports, else :class:`_CausalFavor` (CPU: always, and triton is never imported).
+
+    ``PROTEIN_PERFORMER_CAUSAL_IMPL`` overrides "auto": "torch" keeps the torch scan on CUDA
+    (benchmarks), "triton" takes the kernels for every input they support, CPU tensors
+    included (the tests run them under ``TRITON_INTERPRET=1``) and fails if triton is missing.
+    """
+    impl = os.environ.get(CAUSAL_IMPL_ENV, "auto") or "auto"
+    if impl not in ("auto", "triton", "torch"):
+        raise ValueError(f"{CAUSAL_IMPL_ENV}={impl!r}: expected 'auto', 'triton' or 'torch'")
+    if impl == "triton" or (impl == "auto" and x.is_cuda):
+        kernels = _triton_kernels(required=impl == "triton")
+        if kernels is not None and kernels.supports(fmap, x, v):
+            return kernels.causal_favor_triton(x, y, v, fmap, keep)
+    return _CausalFavor.apply(x, y, v, fmap, keep, chunk, rows)
+
+
+def _triton_kernels(required: bool) -> ModuleType | None:
+    """:mod:`.triton_causal`, imported on first use; None when triton is not installed (an
+    ImportError when ``required``)."""
+    try:
+        from protein_performer.model.favor import triton_causal
+    except ImportError:
+        if required:
+            raise
+        return None
+    return triton_causal
 
 
 class _Rows:

@@ -464,7 +464,7 @@ def running_max(logits: KeyLogits, mu_in: Tensor | None = None) -> Tensor | None
     if row is None:
         return None
     top = row.detach()[..., 0] if cols is None else cols.detach().amax(-1).add_(row[..., 0])
-    mu = top.clamp_min_(_NEG).cummax(dim=-1).values
+    mu = top.clamp_min(_NEG).cummax(dim=-1).values  # not in place: top may be a view of row
     return mu if mu_in is None else torch.maximum(mu, mu_in[..., None])
 
 

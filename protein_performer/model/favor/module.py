@@ -12,7 +12,7 @@ from torch import Tensor, nn
 from protein_performer.errors import UserError
 from protein_performer.model.config import default_nb_features
 from protein_performer.model.favor.bidirectional import _BidiFavor
-from protein_performer.model.favor.causal import _CausalFavor
+from protein_performer.model.favor.causal import causal_favor
 from protein_performer.model.favor.kernels import (
     _NEG,
     FeatureMap,
@@ -27,6 +27,7 @@ from protein_performer.model.favor.kernels import (
 from protein_performer.model.favor.maps import MapFactors, MapStabilizers, favor_attention_map
 from protein_performer.model.favor.reference import favor_attention_reference
 from protein_performer.model.favor.scan import safe_denominator
+from protein_performer.model.favor.tiles import DEFAULT_TILES, causal_tiles
 
 
 def favor_attention(
@@ -39,17 +40,20 @@ def favor_attention(
     causal: bool = False,
     key_padding_mask: Tensor | None = None,
     oprf_rho: Tensor | float | None = None,
-    chunk_size: int = 128,
+    chunk_size: int | None = None,
     block_size: int = 2048,
     relu_eps: float = 1e-3,
-    segment_size: int = 8192,
+    segment_size: int | None = None,
 ) -> Tensor:
     """FAVOR attention, (B, H, L, d) -> (B, H, L, dv), linear in L in time and memory.
 
     Causal mode runs the chunked scan of :mod:`favor_causal` through :class:`_CausalFavor`,
     which computes the features one scan segment at a time; segment_size: tokens (over all
     heads) per scan segment; it bounds the scan's transient memory (about
-    segment_size * (4 M + 2 C) floats in backward). Bidirectional mode runs
+    segment_size * (4 M + 2 C) floats in backward); chunk_size / segment_size None: tuned for
+    this machine at first use (:mod:`.tiles`). On CUDA the Triton kernels of
+    :mod:`.triton_causal` run instead when triton is installed (:func:`causal_favor`; they
+    choose their own chunks and segments). Bidirectional mode runs
     :class:`_BidiFavor` (features recomputed in backward, O(L d + block M) memory). When omega
     or oprf_rho needs gradients, :func:`favor_attention_reference` (quadratic memory) runs
     instead. oprf_rho: the FAVOR++ statistic; computed from the (non-pad) data when None
@@ -64,11 +68,37 @@ def favor_attention(
         x, y, vv, keep = flatten_heads(q, k, v, key_padding_mask)
         fmap = build_feature_map(kernel, omega, causal, oprf_rho, x, y, keep, relu_eps)
         if causal:
+            if chunk_size is None or segment_size is None:
+                dv = vv.shape[-1]
+                probe = lambda: _TileProbe(kernel, omega, oprf_rho, relu_eps, x, dv)  # noqa: E731
+                tiled = causal_tiles(x, fmap.width, dv, probe)
+                chunk_size, segment_size = chunk_size or tiled[0], segment_size or tiled[1]
             rows = max(int(chunk_size), int(segment_size))
-            out = _CausalFavor.apply(x, y, vv, fmap, keep, int(chunk_size), rows)
+            out = causal_favor(x, y, vv, fmap, keep, int(chunk_size), rows)
         else:
             out = _BidiFavor.apply(x, y, vv, fmap, keep, block_size)
     return out.reshape(B, H, L, -1).to(q.dtype)
+
+
+class _TileProbe:
+    """One representative causal scan (8 heads x 4,096 tokens of the caller's head width,
+    features and dtype; with backward when gradients are on), timed by :func:`causal_tiles`
+    for each candidate (chunk, segment). Seeded: tuning never touches the global RNG."""
+
+    def __init__(self, kernel: str, omega: Tensor, rho, relu_eps: float, like: Tensor, dv: int):
+        g = torch.Generator(device=like.device).manual_seed(0)
+        self.grad = torch.is_grad_enabled() and like.requires_grad
+        kw = dict(generator=g, device=like.device, dtype=like.dtype)
+        x, y = (torch.randn(8, 4096, like.shape[-1], **kw) for _ in range(2))
+        self.v = torch.randn(8, 4096, dv, **kw).requires_grad_(self.grad)
+        self.x, self.y = x.requires_grad_(self.grad), y.requires_grad_(self.grad)
+        rho = None if rho is None else torch.as_tensor(rho).detach()
+        self.fmap = build_feature_map(kernel, omega.detach(), True, rho, x, y, None, relu_eps)
+
+    def __call__(self, chunk: int, segment: int) -> None:
+        out = causal_favor(self.x, self.y, self.v, self.fmap, None, chunk, max(chunk, segment))
+        if self.grad:
+            out.sum().backward()
 
 
 def _in_backward_pass() -> bool:
@@ -150,7 +180,7 @@ class FavorAttention(nn.Module):
         *,
         orthogonal: bool = True,
         norm: str = "chi",
-        chunk_size: int = 128,
+        chunk_size: int | None = None,
         block_size: int = 2048,
         relu_eps: float = 1e-3,
         oprf_momentum: float = 0.05,
@@ -164,7 +194,7 @@ class FavorAttention(nn.Module):
         self.kernel = kernel
         self.orthogonal = orthogonal
         self.norm = norm
-        self.chunk_size = chunk_size
+        self.chunk_size = chunk_size  # None: the causal scan's tiles are tuned (.tiles)
         self.block_size = block_size
         self.relu_eps = relu_eps
         self.oprf_momentum = oprf_momentum
@@ -190,6 +220,12 @@ class FavorAttention(nn.Module):
     def feature_dim(self) -> int:
         """M: the width of phi(x)."""
         return self._map_class.feature_dim(self.nb_features)
+
+    @property
+    def extend_chunk(self) -> int:
+        """Tokens per chunk of :meth:`extend` (and the longest prompt :meth:`prefill` runs as
+        one chunk): ``chunk_size``, or the default tile when the scan's tiles are tuned."""
+        return self.chunk_size or DEFAULT_TILES[0]
 
     def _rho(self) -> Tensor | None:
         return self.oprf_rho if (self._map_class.needs_statistic and self.causal) else None
@@ -429,13 +465,13 @@ class FavorAttention(nn.Module):
         self, q: Tensor, k: Tensor, v: Tensor, key_padding_mask: Tensor | None = None
     ) -> tuple[Tensor, FavorState]:
         """Causal outputs (B, H, L, dv) of a prompt q, k, v (B, H, L, d) and the state after
-        it (generation's start). A prompt of at most ``chunk_size`` tokens runs as one chunk of
+        it (generation's start). A prompt of at most ``extend_chunk`` tokens runs as one chunk of
         :meth:`extend` from an empty state (one pass, a few dozen ops: the scan's segment
         machinery costs more than such a prompt); a longer one, the parallel forward and
         :meth:`initial_state`."""
         self._check_causal()
         B, H, L, _ = q.shape
-        long = L - self.chunk_size > 0
+        long = L - self.extend_chunk > 0
         if long:
             out = self.forward(q, k, v, key_padding_mask)
             return out, self.initial_state(k, v, key_padding_mask)
@@ -461,7 +497,7 @@ class FavorAttention(nn.Module):
         (batch 1, broadcast over B, or B; None: the parallel forward), and the state after
         them if ``return_state``. ``state`` is never written.
 
-        Chunk by chunk (``chunk_size`` tokens): token t's sums are the state's term
+        Chunk by chunk (``extend_chunk`` tokens): token t's sums are the state's term
         qf_t . S exp(mu_S - mu_t) plus the chunk's causal terms (qf_t . kf_j) exp(mu_j - mu_t),
         mu the running key max continued from the state's (no future information, every
         factor <= 1), normalized by the same sums of [v | 1]; the chunk is then absorbed into
@@ -482,8 +518,8 @@ class FavorAttention(nn.Module):
             fmap = self._feature_map(x)
             kv, mu = state.kv.to(x), state.mu.to(x)  # (B | 1, H, M, dv+1), (B | 1, H)
             outs = []
-            for a in range(0, L, self.chunk_size):
-                sl = slice(a, min(L, a + self.chunk_size))
+            for a in range(0, L, self.extend_chunk):
+                sl = slice(a, min(L, a + self.extend_chunk))
                 ys, ks = y[..., sl, :], None if keep is None else keep[..., sl]
                 logits = fmap.key_logits(ys, ks)
                 mu_t = running_max(logits, mu)  # (B, H, C): the max over the state and keys <= t

@@ -1,0 +1,98 @@
+"""The causal scan's tiles: tuned once per machine and shape, cached, pinnable; the choice
+changes the order of sums, never the result."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+import torch
+
+from protein_performer.errors import UserError
+from protein_performer.model.favor import tiles
+from protein_performer.model.favor.module import FavorAttention
+
+
+@pytest.fixture
+def fresh(tmp_path, monkeypatch):
+    """An empty cache directory and no in-process memory of earlier tunings."""
+    monkeypatch.setenv("PROTEIN_PERFORMER_CACHE_DIR", str(tmp_path))
+    monkeypatch.delenv("PROTEIN_PERFORMER_FAVOR_TILES", raising=False)
+    monkeypatch.setattr(tiles, "_memo", {})
+    return tmp_path
+
+
+class Probe:
+    """A scan whose cost is known: (chunk, segment) = (64, 32768) is fastest."""
+
+    def __init__(self):
+        self.calls: list[tuple[int, int]] = []
+
+    def __call__(self, chunk: int, segment: int) -> None:
+        self.calls.append((chunk, segment))
+        cost = {64: 2, 128: 4, 256: 6}[chunk] + {2048: 2, 8192: 1, 32768: 0}[segment]
+        time.sleep(0.002 * cost)
+
+
+def big(requires_grad=False):
+    return torch.zeros(8, tiles.TUNE_MIN_TOKENS // 8, 16, requires_grad=requires_grad)
+
+
+def test_tunes_once_picks_the_fastest_and_caches_per_shape(fresh):
+    probe = Probe()
+    assert tiles.causal_tiles(big(), 32, 17, lambda: probe) == (64, 32768)
+    # chunk first at the default segment (3), then the best chunk's other segments (2); each
+    # timed after a warm-up, twice
+    assert len(set(probe.calls)) == 5 and len(probe.calls) == 15
+    stored = json.loads((fresh / "favor_tiles.json").read_text())
+    assert stored["format"] == tiles.FORMAT and list(stored["tiles"].values()) == [[64, 32768]]
+    # a new process (memo cleared) reads the file instead of timing
+    tiles._memo.clear()
+    again = Probe()
+    assert tiles.causal_tiles(big(), 32, 17, lambda: again) == (64, 32768) and not again.calls
+    # another shape or phase is another key
+    assert tiles.causal_tiles(big(requires_grad=True), 32, 17, lambda: again) == (64, 32768)
+    assert again.calls
+    assert len(json.loads((fresh / "favor_tiles.json").read_text())["tiles"]) == 2
+
+
+def test_small_problems_and_pins_skip_timing(fresh, monkeypatch):
+    def never():
+        raise AssertionError("no timing expected")
+
+    small = torch.zeros(2, 100, 16)
+    assert tiles.causal_tiles(small, 32, 17, never) == tiles.DEFAULT_TILES
+    monkeypatch.setenv("PROTEIN_PERFORMER_FAVOR_TILES", "32,1024")
+    assert tiles.causal_tiles(big(), 32, 17, never) == (32, 1024)
+    monkeypatch.setenv("PROTEIN_PERFORMER_FAVOR_TILES", "32")
+    with pytest.raises(UserError, match="two positive integers"):
+        tiles.causal_tiles(big(), 32, 17, never)
+
+
+def test_a_damaged_or_older_cache_is_retuned(fresh):
+    (fresh / "favor_tiles.json").write_text("{not json")
+    probe = Probe()
+    assert tiles.causal_tiles(big(), 32, 17, lambda: probe) == (64, 32768) and probe.calls
+    path = fresh / "favor_tiles.json"
+    path.write_text(json.dumps({"format": tiles.FORMAT + 1, "tiles": {}}))
+    tiles._memo.clear()
+    probe = Probe()
+    tiles.causal_tiles(big(), 32, 17, lambda: probe)
+    assert probe.calls and json.loads(path.read_text())["format"] == tiles.FORMAT
+
+
+def test_the_real_probe_tunes_and_the_result_matches_the_default_tiles(fresh, monkeypatch):
+    """A causal layer large enough to tune (8 heads x 4,096 tokens) times the real scan; its
+    output equals the one with the default tiles pinned to float32 rounding."""
+    torch.manual_seed(0)
+    attn = FavorAttention(8, nb_features=16, causal=True)
+    q, k, v = (torch.randn(1, 8, 4096, 8) for _ in range(3))
+    rng = torch.get_rng_state()
+    tuned = attn(q, k, v)
+    assert torch.equal(rng, torch.get_rng_state())  # tuning draws from its own generator
+    ((key, chosen),) = json.loads((fresh / "favor_tiles.json").read_text())["tiles"].items()
+    assert "|fwd" in key and chosen[0] in tiles.CHUNKS and chosen[1] in tiles.SEGMENTS
+    monkeypatch.setenv("PROTEIN_PERFORMER_FAVOR_TILES", "128,8192")
+    pinned = attn(q, k, v)
+    assert torch.allclose(tuned, pinned, atol=1e-5, rtol=1e-4)
