@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from collections.abc import Callable, Iterator
@@ -13,6 +14,11 @@ from tests.paths import REPO
 
 ROOT = REPO
 
+# No GPU in the test suite: Triton code (the causal kernels' tests) runs under its interpreter.
+# Set before anything imports triton (torch and peft may, while collecting), since triton reads
+# it when a function is decorated.
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
 RunScript = Callable[..., subprocess.CompletedProcess]
 
 
@@ -20,8 +26,6 @@ RunScript = Callable[..., subprocess.CompletedProcess]
 def cache_dir(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
     """Per-machine measurements (the causal scan's tuned tiles) go to a fresh directory: the
     suite neither reads a user's cache nor leaves one (subprocesses inherit the variable)."""
-    import os
-
     before = os.environ.get("PROTEIN_PERFORMER_CACHE_DIR")
     os.environ["PROTEIN_PERFORMER_CACHE_DIR"] = str(tmp_path_factory.mktemp("cache"))
     yield

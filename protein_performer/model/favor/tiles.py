@@ -130,6 +130,30 @@ def _measure(measure, device: torch.device) -> tuple[tuple[int, int], dict[str, 
     return best, {f"{c},{s}": round(t, 4) for (c, s), t in seen.items()}
 
 
+def _known(q: torch.Tensor, M: int, dv: int) -> tuple[str, tuple[int, int] | None]:
+    """(cache key, the tiles already decided for this call: pinned, small, remembered or
+    stored; None when they must be measured). Call with ``_lock`` held."""
+    pinned = _pinned()
+    if pinned is not None:
+        return "", pinned
+    BH, L, d = q.shape
+    if BH * L < TUNE_MIN_TOKENS:
+        return "", DEFAULT_TILES
+    key = _key(q.device, M, d, dv, torch.is_grad_enabled() and q.requires_grad)
+    if key not in _memo:
+        stored = _read(cache_dir() / "favor_tiles.json").get(key)
+        if isinstance(stored, list) and [type(x) for x in stored] == [int, int]:
+            _memo[key] = (stored[0], stored[1])
+    return key, _memo.get(key)
+
+
+def tiles_in_use(q: torch.Tensor, M: int, dv: int) -> tuple[int, int]:
+    """The (chunk, segment) a causal scan over q would run with now, without measuring
+    (benchmarks count the chunk's FLOPs with it)."""
+    with _lock:
+        return _known(q, M, dv)[1] or DEFAULT_TILES
+
+
 def causal_tiles(
     q: torch.Tensor, M: int, dv: int, probe: Callable[[], Callable[[int, int], None]]
 ) -> tuple[int, int]:
@@ -139,25 +163,14 @@ def causal_tiles(
     one representative scan (8 heads x 4,096 tokens of this shape, with backward when
     gradients are on).
     """
-    pinned = _pinned()
-    if pinned is not None:
-        return pinned
-    BH, L, d = q.shape
-    if BH * L < TUNE_MIN_TOKENS:
-        return DEFAULT_TILES
-    grad = torch.is_grad_enabled() and q.requires_grad
-    key = _key(q.device, M, d, dv, grad)
     with _lock:
-        if key in _memo:
-            return _memo[key]
-        path = cache_dir() / "favor_tiles.json"
-        stored = _read(path).get(key)
-        if isinstance(stored, list) and [type(x) for x in stored] == [int, int]:
-            _memo[key] = (stored[0], stored[1])
-            return _memo[key]
+        key, known = _known(q, M, dv)
+        if known is not None:
+            return known
         start = time.perf_counter()
         best, seen = _measure(probe(), q.device)
         _memo[key] = best
+        path = cache_dir() / "favor_tiles.json"
         tiles = {**_read(path), key: list(best)}
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
