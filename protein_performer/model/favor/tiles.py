@@ -3,9 +3,10 @@
 Why: the scan's cost is a handful of GEMMs whose shapes the chunk size C (the in-chunk C x C
 products against the (M, dv+1) state updates) and the segment size (tokens per scan segment,
 i.e. how much stays in cache) set; which pair is fastest depends on the CPU's caches and
-vector units, the thread count, the feature count M and the head width (measured: on one
-2-core machine fwd+bwd at L = 8,192 ran 1.5x faster at C = 64 than at C = 256). A constant
-is wrong somewhere, so the first large causal call times a few candidates on a problem of
+vector units, the thread count, the feature count M and the head width (measured on one
+2-core machine, 1 thread, 8 heads of 64, m = 272: fwd+bwd at L = 8,192 and 16,384 ran 1.5x
+and 1.65x faster with segments of 2,048 tokens than with the former constant 8,192; see
+docs/RESULTS.md). A constant is wrong somewhere, so the first large causal call times a few candidates on a problem of
 its own shape and the winner is stored in ``favor_tiles.json`` under the cache directory
 (``PROTEIN_PERFORMER_CACHE_DIR``, else ``$XDG_CACHE_HOME/protein_performer``, else
 ``~/.cache/protein_performer``). ``PROTEIN_PERFORMER_FAVOR_TILES=C,S`` pins the pair (no
@@ -39,7 +40,7 @@ DEFAULT_TILES = (128, 8192)
 #: Heads x tokens from which the tiles are tuned (a 4k-token, 8-head layer is 32,768).
 TUNE_MIN_TOKENS = 32768
 CHUNKS = (64, 128, 256)
-SEGMENTS = (2048, 8192, 32768)
+SEGMENTS = (1024, 2048, 8192)
 FORMAT = 1  # the cache file's layout; another value is ignored and re-tuned
 _memo: dict[str, tuple[int, int]] = {}
 _lock = threading.Lock()

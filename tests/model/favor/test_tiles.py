@@ -24,14 +24,14 @@ def fresh(tmp_path, monkeypatch):
 
 
 class Probe:
-    """A scan whose cost is known: (chunk, segment) = (64, 32768) is fastest."""
+    """A scan whose cost is known: (chunk, segment) = (64, 1024) is fastest."""
 
     def __init__(self):
         self.calls: list[tuple[int, int]] = []
 
     def __call__(self, chunk: int, segment: int) -> None:
         self.calls.append((chunk, segment))
-        cost = {64: 2, 128: 4, 256: 6}[chunk] + {2048: 2, 8192: 1, 32768: 0}[segment]
+        cost = {64: 2, 128: 4, 256: 6}[chunk] + {1024: 0, 2048: 2, 8192: 1}[segment]
         time.sleep(0.002 * cost)
 
 
@@ -41,18 +41,18 @@ def big(requires_grad=False):
 
 def test_tunes_once_picks_the_fastest_and_caches_per_shape(fresh):
     probe = Probe()
-    assert tiles.causal_tiles(big(), 32, 17, lambda: probe) == (64, 32768)
+    assert tiles.causal_tiles(big(), 32, 17, lambda: probe) == (64, 1024)
     # chunk first at the default segment (3), then the best chunk's other segments (2); each
     # timed after a warm-up, twice
     assert len(set(probe.calls)) == 5 and len(probe.calls) == 15
     stored = json.loads((fresh / "favor_tiles.json").read_text())
-    assert stored["format"] == tiles.FORMAT and list(stored["tiles"].values()) == [[64, 32768]]
+    assert stored["format"] == tiles.FORMAT and list(stored["tiles"].values()) == [[64, 1024]]
     # a new process (memo cleared) reads the file instead of timing
     tiles._memo.clear()
     again = Probe()
-    assert tiles.causal_tiles(big(), 32, 17, lambda: again) == (64, 32768) and not again.calls
+    assert tiles.causal_tiles(big(), 32, 17, lambda: again) == (64, 1024) and not again.calls
     # another shape or phase is another key
-    assert tiles.causal_tiles(big(requires_grad=True), 32, 17, lambda: again) == (64, 32768)
+    assert tiles.causal_tiles(big(requires_grad=True), 32, 17, lambda: again) == (64, 1024)
     assert again.calls
     assert len(json.loads((fresh / "favor_tiles.json").read_text())["tiles"]) == 2
 
@@ -73,7 +73,7 @@ def test_small_problems_and_pins_skip_timing(fresh, monkeypatch):
 def test_a_damaged_or_older_cache_is_retuned(fresh):
     (fresh / "favor_tiles.json").write_text("{not json")
     probe = Probe()
-    assert tiles.causal_tiles(big(), 32, 17, lambda: probe) == (64, 32768) and probe.calls
+    assert tiles.causal_tiles(big(), 32, 17, lambda: probe) == (64, 1024) and probe.calls
     path = fresh / "favor_tiles.json"
     path.write_text(json.dumps({"format": tiles.FORMAT + 1, "tiles": {}}))
     tiles._memo.clear()
