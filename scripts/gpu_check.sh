@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# FAVOR+ against SDPA (flash on CUDA) in bf16 on one machine, in under 5 minutes: the attention
+# FAVOR+ against SDPA (flash on CUDA) in bf16 on one machine (sized for under 10 minutes; not
+# yet timed on a GPU since the Triton kernels, whose first compile adds to it): the attention
 # core (causal and bidirectional, L = 4k..64k; causal both as `ours`, on CUDA the Triton kernel,
 # and as `ours-torch`, the torch chunked scan), embedding (300 real proteins and long
 # sequences; our exact twin and transformers' EsmModel) and training steps (FAVOR+ vs the exact
