@@ -9,17 +9,38 @@ by *random* split. Methods, each timed in CPU seconds (process time, all folds):
 * ``one-hot ridge``: ridge (RidgeCV) on the one-hot mutant sequence, the reviewer's baseline;
 * ``frozen ridge (MODEL)``: ridge on the model's mean last-layer embeddings;
 * ``lora (MODEL)`` / ``full (MODEL)``: ``protein-performer finetune`` (mode lora / full), one
-  run per fold (10% of the training fold as validation, the best checkpoint predicts the test
-  fold through ``pp.load(...).predict``).
+  run per fold (10% of the training fold as the inner validation split, the best checkpoint
+  predicts the test fold through ``pp.load(...).predict``).
 
-``--model CKPT`` (repeatable) names the pretrained models; without one (and with ``--quick``) a
-tiny random model stands in, which only checks that the pipeline runs. ``--quick`` also
-subsamples the variants and trains one epoch. The table goes to standard output (markdown) and,
-with ``--out``, to a JSON file.
+``--lrs 1e-3,3e-3,1e-2`` sweeps the learning rate of lora/full: each value is the head's LR,
+the adapters' (lora) or backbone's (full) LR keeps the ratio of ``conf/mode/MODE.yaml`` (lora
+1:1, full 1:10). Each candidate trains on the training folds minus the inner validation split;
+the one with the best Spearman on that inner split (never the test fold) predicts the test
+fold. ``--select first-fold`` picks once on fold 0's inner split and reuses that LR for the
+other folds (about 2x cheaper than ``each-fold``, the default).
+
+``--residue``: the residue-level check instead of the scan. Per-residue labels from the bundled
+structures (``../shared/data/structures``, parsed by ``contacts.structures.read_chain``):
+buried (``B``) when a residue's contact number (other residues' Cβ, Cα for Gly, within 10 Å of
+its own) is above its chain's median, else exposed (``E``). ``task=residue_classification``
+with mode frozen and lora on leave-chains-out folds (chains of one PDB entry stay together);
+per-residue accuracy, macro F1 and MCC over the pooled held-out residues, against the
+majority class and an amino-acid-identity baseline (each residue type's majority label in
+the training chains).
+
+``--model [NAME=]CKPT`` (repeatable) names the pretrained models (NAME labels the rows); without
+one (and with ``--quick``) a tiny random model stands in, which only checks that the pipeline
+runs. ``--quick`` also subsamples the variants and trains one epoch. The table goes to standard
+output (markdown) and, with ``--out``, to a JSON file. An ESM-2 8M-shape model (dim 320, 6
+blocks, 20 heads) trained briefly on the demo data is made with
+``protein-performer train experiment=demo run_name=esm8m_shape model.config.dim=320
+model.config.depth=6 model.config.heads=20 model.config.ff_dim=1280 model.config.nb_features=null
+...`` (the exact command is in docs/RESULTS.md).
 
     python scripts/finetune_benchmark.py --quick
-    python scripts/finetune_benchmark.py --model outputs/demo/<run>/checkpoints/last.ckpt \
-        --epochs 5 --out runs/finetune_benchmark.json
+    python scripts/finetune_benchmark.py --model demo=outputs/demo/<run>/checkpoints/last.ckpt \
+        --limit 1000 --epochs 6 --batch-size 8 --lrs 1e-3,3e-3,1e-2 --out runs/ft.json
+    python scripts/finetune_benchmark.py --residue --model demo=DEMO.ckpt --epochs 30
 """
 
 from __future__ import annotations
@@ -39,7 +60,11 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
 DMS = ROOT.parent / "shared" / "data" / "dms"
+STRUCTURES = ROOT.parent / "shared" / "data" / "structures"
 AA = "ACDEFGHIKLMNPQRSTVWY"
+#: Contact number radius (Å) and the per-residue classes of the residue check.
+BURIAL_RADIUS = 10.0
+BURIED, EXPOSED = "B", "E"
 
 
 def load_scan(
@@ -103,6 +128,103 @@ def ridge_cv(x: np.ndarray, y: np.ndarray, fold_list: list[np.ndarray]) -> np.nd
     return pred
 
 
+def mode_lr_ratio(mode: str) -> float:
+    """The backbone (or adapter) LR over the head LR in ``conf/mode/MODE.yaml``."""
+    from omegaconf import OmegaConf
+
+    conf = OmegaConf.load(ROOT / "conf" / "mode" / f"{mode}.yaml")
+    return float(conf.lr) / float(conf.head_lr)
+
+
+def lr_overrides(mode: str, lr: float | None) -> list[str]:
+    """Overrides that set head LR ``lr`` (and the mode's backbone LR in its default ratio)."""
+    if lr is None:
+        return []
+    return [f"mode.head_lr={lr:g}", f"mode.lr={lr * mode_lr_ratio(mode):g}"]
+
+
+def run_finetune(base: str, table: Path, out: Path, mode: str, args: argparse.Namespace,
+                 extra: list[str]) -> str:  # fmt: skip
+    """One ``finetune`` run on ``table`` (its split column); returns the best checkpoint."""
+    from protein_performer.finetune.train import finetune
+    from protein_performer.training.compose import compose_config
+
+    cfg = compose_config(
+        [
+            f"base={base}",
+            f"data.train={table}",
+            f"mode={mode}",
+            f"paths.output_dir={out}",
+            f"trainer.max_epochs={args.epochs}",
+            "test=false",
+            "trainer.enable_progress_bar=false",
+            "~callbacks.progress_bar",
+            "~callbacks.training_curve",
+            "trainer.enable_model_summary=false",
+            f"data.max_batch_size={args.batch_size}",
+            f"seed={args.seed}",
+            *extra,
+        ],
+        name="finetune",
+        direct_keys=("base", "data.train"),
+    )
+    result = finetune(cfg)
+    return result["best_checkpoint"] or result["last_checkpoint"]
+
+
+def inner_valid(train: np.ndarray, fold: int, seed: int, groups: np.ndarray | None = None,
+                frac: float = 0.1) -> set[int]:  # fmt: skip
+    """The inner validation split of a training fold (seeded by fold, so every LR candidate of
+    a fold sees the same one): ``frac`` of the records, or whole groups when given."""
+    rng = np.random.default_rng([seed, fold])
+    if groups is None:
+        return set(rng.choice(train, max(1, int(len(train) * frac)), replace=False).tolist())
+    names = sorted(set(groups[train].tolist()))
+    picked = set(rng.choice(names, max(1, round(len(names) * frac)), replace=False).tolist())
+    return {int(i) for i in train if groups[i] in picked}
+
+
+def swept_cv(
+    fit: Callable[[int, set[int], set[int], float | None], Callable[[list[int]], np.ndarray]],
+    score: Callable[[np.ndarray, list[int]], float],
+    n: int,
+    fold_list: list[np.ndarray],
+    lrs: list[float] | None,
+    select: str,
+    seed: int,
+    groups: np.ndarray | None = None,
+) -> tuple[list, list[dict]]:
+    """Out-of-fold predictions with the learning rate chosen on each training fold's inner
+    validation split. ``fit(fold, train, valid, lr)`` trains and returns a predictor of index
+    lists; ``score(pred, idx)`` rates a predictor on the inner split (higher is better).
+    Per fold: ``{"lr": the LR used (None: the mode's defaults), "inner": {LR: score}}``."""
+    pred: list = [None] * n
+    chosen: list[dict] = []
+    keep: float | None = None
+    for f, test in enumerate(fold_list):
+        train = np.setdiff1d(np.arange(n), test)
+        valid = inner_valid(train, f, seed, groups)
+        fit_idx = {int(i) for i in train} - valid
+        candidates: list[float | None] = [None] if not lrs else list(lrs)
+        if lrs and select == "first-fold" and f > 0:
+            candidates = [keep]
+        best: tuple[float, float | None, Callable] | None = None
+        inner = {}
+        for lr in candidates:
+            predictor = fit(f, fit_idx, valid, lr)
+            rating = score(predictor(sorted(valid)), sorted(valid))
+            inner["default" if lr is None else f"{lr:g}"] = rating
+            rating = -np.inf if not np.isfinite(rating) else rating
+            if best is None or rating > best[0]:
+                best = (rating, lr, predictor)
+        assert best is not None
+        keep = best[1]
+        chosen.append({"lr": keep, "inner": inner})
+        for i, v in zip(test.tolist(), best[2](test.tolist()), strict=True):
+            pred[i] = v
+    return pred, chosen
+
+
 def finetune_cv(
     base: str,
     mode: str,
@@ -111,48 +233,183 @@ def finetune_cv(
     fold_list: list[np.ndarray],
     args: argparse.Namespace,
     work: Path,
-) -> np.ndarray:
-    """Out-of-fold predictions of ``finetune`` runs (one per fold)."""
+) -> tuple[np.ndarray, list[dict]]:
+    """Out-of-fold predictions of ``finetune`` runs (one per fold and LR candidate), and the
+    LR each fold used (see :func:`swept_cv`)."""
     import protein_performer as pp
-    from protein_performer.finetune.train import finetune
-    from protein_performer.training.compose import compose_config
 
-    pred = np.zeros_like(y)
-    rng = np.random.default_rng(args.seed)
-    for f, test in enumerate(fold_list):
-        train = np.setdiff1d(np.arange(len(y)), test)
-        valid = set(rng.choice(train, max(1, len(train) // 10), replace=False).tolist())
-        table = work / f"{mode}_fold{f}.csv"
+    def fit(f: int, train: set[int], valid: set[int], lr: float | None):  # noqa: ANN202
+        tag = f"{mode}_fold{f}" + ("" if lr is None else f"_lr{lr:g}")
+        table = work / f"{tag}.csv"
         with open(table, "w", newline="") as fh:
             w = csv.writer(fh)
             w.writerow(["sequence", "label", "split"])
-            test_set = set(test.tolist())
-            for i, (s, v) in enumerate(zip(seqs, y, strict=True)):
-                split = "test" if i in test_set else "valid" if i in valid else "train"
-                w.writerow([s, f"{v:.6f}", split])
-        out = work / f"{mode}_fold{f}"
-        cfg = compose_config(
-            [
-                f"base={base}",
-                f"data.train={table}",
-                f"mode={mode}",
-                f"paths.output_dir={out}",
-                f"trainer.max_epochs={args.epochs}",
-                "test=false",
-                "trainer.enable_progress_bar=false",
-                "~callbacks.progress_bar",
-                "~callbacks.training_curve",
-                "trainer.enable_model_summary=false",
-                f"data.max_batch_size={args.batch_size}",
-                f"seed={args.seed}",
-            ],
-            name="finetune",
-            direct_keys=("base", "data.train"),
-        )
-        result = finetune(cfg)
-        lm = pp.load(result["best_checkpoint"] or result["last_checkpoint"], "cpu")
-        pred[test] = lm.predict([seqs[i] for i in test])
-    return pred
+            for i in sorted(train | valid):
+                w.writerow([seqs[i], f"{y[i]:.6f}", "valid" if i in valid else "train"])
+        lm = pp.load(run_finetune(base, table, work / tag, mode, args, lr_overrides(mode, lr)),
+                     "cpu")  # fmt: skip
+        return lambda idx: lm.predict([seqs[i] for i in idx])
+
+    pred, chosen = swept_cv(
+        fit, lambda p, idx: spearman(np.asarray(p), y[idx]), len(y), fold_list, args.lrs,
+        args.select, args.seed,
+    )  # fmt: skip
+    return np.asarray(pred, dtype=np.float64), chosen
+
+
+# --------------------------------------------------------------------------------------------
+# The residue-level check: buried vs exposed from the bundled structures
+# --------------------------------------------------------------------------------------------
+def contact_number(cb: np.ndarray, radius: float = BURIAL_RADIUS) -> np.ndarray:
+    """Per residue, how many other residues' Cβ (Cα for Gly) lie within ``radius`` Å of its
+    own: (N, 3) -> (N,)."""
+    dist = np.linalg.norm(cb[:, None, :] - cb[None, :, :], axis=-1)  # (N, N)
+    return (dist < radius).sum(1) - 1
+
+
+def burial_chains(structures: Path) -> list[dict]:
+    """The chains of ``structures/chains.csv`` with per-residue labels: ``B`` where the contact
+    number is above the chain's median, ``E`` elsewhere (so each chain is about half buried,
+    whatever its size). Sequences are the observed residues, as ``chains.fasta`` holds them."""
+    from protein_performer.contacts.structures import read_chain
+
+    chains = []
+    with open(structures / "chains.csv", newline="") as fh:
+        for row in csv.DictReader(fh):
+            chain = read_chain(structures / row["file"], row["chain"])
+            if chain.sequence != row["sequence"]:
+                raise SystemExit(f"error: {row['file']}: observed residues differ from chains.csv")
+            cn = contact_number(chain.cb)
+            labels = "".join(BURIED if c > np.median(cn) else EXPOSED for c in cn)
+            chains.append({"name": chain.name, "group": row["pdb_id"], "sequence": chain.sequence,
+                           "labels": labels})  # fmt: skip
+    return chains
+
+
+def residue_metrics(pred: list[str], truth: list[str]) -> dict[str, float]:
+    """Accuracy, macro F1 and MCC over every held-out residue (pooled across folds)."""
+    from sklearn.metrics import f1_score, matthews_corrcoef
+
+    p = np.array(list("".join(pred)))
+    t = np.array(list("".join(truth)))
+    return {"acc": float((p == t).mean()),
+            "f1": float(f1_score(t, p, average="macro", zero_division=0)),
+            "mcc": float(matthews_corrcoef(t, p))}  # fmt: skip
+
+
+def residue_baselines(chains: list[dict], fold_list: list[np.ndarray]) -> list[dict]:
+    """Out-of-fold predictions that read no model: the training chains' majority class, and
+    each amino acid's majority label in the training chains (hydrophobic residues are buried)."""
+    from collections import Counter
+
+    truth = [c["labels"] for c in chains]
+    majority, by_aa = [""] * len(chains), [""] * len(chains)
+    for test in fold_list:
+        train = np.setdiff1d(np.arange(len(chains)), test)
+        overall = Counter("".join(truth[i] for i in train)).most_common(1)[0][0]
+        votes: dict[str, Counter] = {}
+        for i in train:
+            for a, lab in zip(chains[i]["sequence"], truth[i], strict=True):
+                votes.setdefault(a, Counter())[lab] += 1
+        rule = {a: v.most_common(1)[0][0] for a, v in votes.items()}
+        for i in test:
+            seq = chains[i]["sequence"]
+            majority[i] = overall * len(seq)
+            by_aa[i] = "".join(rule.get(a, overall) for a in seq)
+    return [
+        {"method": "majority class", **residue_metrics(majority, truth), "cpu_s": 0.0},
+        {"method": "amino-acid identity", **residue_metrics(by_aa, truth), "cpu_s": 0.0},
+    ]
+
+
+def residue_cv(
+    base: str,
+    mode: str,
+    chains: list[dict],
+    fold_list: list[np.ndarray],
+    args: argparse.Namespace,
+    work: Path,
+) -> tuple[list[str], list[dict]]:
+    """Out-of-fold per-residue labels of ``finetune task=residue_classification`` runs; the LR
+    (with ``--lrs``) is picked by MCC on held-out training chains."""
+    import protein_performer as pp
+
+    truth = [c["labels"] for c in chains]
+    groups = np.array([c["group"] for c in chains])
+
+    def fit(f: int, train: set[int], valid: set[int], lr: float | None):  # noqa: ANN202
+        tag = f"res_{mode}_fold{f}" + ("" if lr is None else f"_lr{lr:g}")
+        table = work / f"{tag}.csv"
+        with open(table, "w", newline="") as fh:
+            w = csv.writer(fh)
+            w.writerow(["sequence", "burial", "split"])
+            for i in sorted(train | valid):
+                w.writerow([chains[i]["sequence"], truth[i], "valid" if i in valid else "train"])
+        extra = ["task=residue_classification", "data.labels=[burial]",
+                 f"data.classes=[{BURIED},{EXPOSED}]", *lr_overrides(mode, lr)]  # fmt: skip
+        lm = pp.load(run_finetune(base, table, work / tag, mode, args, extra), "cpu")
+        classes = lm.task_labels
+
+        def predict(idx: list[int]) -> list[str]:
+            probs = lm.predict([chains[i]["sequence"] for i in idx])
+            return ["".join(classes[k] for k in p.argmax(-1)) for p in probs]
+
+        return predict
+
+    def score(pred: list[str], idx: list[int]) -> float:
+        return residue_metrics(pred, [truth[i] for i in idx])["mcc"]
+
+    return swept_cv(fit, score, len(chains), fold_list, args.lrs, args.select, args.seed,
+                    groups)  # fmt: skip
+
+
+def residue_check(models: list[tuple[str, str]], args: argparse.Namespace,
+                  work: Path) -> list[dict]:  # fmt: skip
+    """The residue table: baselines, then frozen and lora per model (``--methods``)."""
+    from sklearn.model_selection import GroupKFold
+
+    chains = burial_chains(args.structures)
+    groups = [c["group"] for c in chains]
+    k = min(args.folds, len(set(groups)))
+    fold_list = [test for _, test in GroupKFold(n_splits=k).split(chains, groups=groups)]
+    truth = [c["labels"] for c in chains]
+    rows = residue_baselines(chains, fold_list)
+    for label, base in models:
+        for mode in ("frozen", "lora", "full"):
+            if mode not in args.methods:
+                continue
+            sub = work / f"{label}_{mode}"
+            sub.mkdir(parents=True, exist_ok=True)
+            start = time.process_time()
+            pred, chosen = residue_cv(base, mode, chains, fold_list, args, sub)
+            rows.append({"method": f"{mode} ({label})", **residue_metrics(pred, truth),
+                         "cpu_s": time.process_time() - start, "lrs": chosen})  # fmt: skip
+    n_res = sum(len(c["sequence"]) for c in chains)
+    buried = sum(c["labels"].count(BURIED) for c in chains) / n_res
+    print(f"buried vs exposed (contact number within {BURIAL_RADIUS:g} A above the chain's "
+          f"median): {len(chains)} chains, {n_res} residues ({buried:.1%} buried), {k} "
+          f"leave-chains-out folds, {args.epochs} epoch(s), batch {args.batch_size}")  # fmt: skip
+    print("| method | accuracy | macro F1 | MCC | LR (per fold) | CPU time |")
+    print("|---|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['method']} | {r['acc']:.3f} | {r['f1']:.3f} | {r['mcc']:.3f} | "
+              f"{lr_text(r.get('lrs'))} | {r['cpu_s']:.0f} s |")  # fmt: skip
+    return rows
+
+
+def lr_text(chosen: list[dict] | None) -> str:
+    """The LR each fold used, for the table: ``default`` or ``1e-3, 3e-3, ...``."""
+    if not chosen:
+        return "-"
+    if all(c["lr"] is None for c in chosen):
+        return "default"
+    return ", ".join(f"{c['lr']:g}" for c in chosen)
+
+
+def per_fold(pred: np.ndarray, y: np.ndarray, fold_list: list[np.ndarray]) -> list[float]:
+    """Spearman within each test fold. The pooled out-of-fold Spearman also rewards (or
+    punishes) how well the folds' separate models agree on an offset and scale; this does not."""
+    return [spearman(pred[test], y[test]) for test in fold_list]
 
 
 def spearman(a: np.ndarray, b: np.ndarray) -> float:
@@ -252,6 +509,29 @@ def memory_table(lengths: list[int]) -> list[dict]:
     return rows
 
 
+def parse_models(specs: list[str]) -> list[tuple[str, str]]:
+    """``[NAME=]CKPT`` -> (label, path); the label defaults to the checkpoint's file name."""
+    out = []
+    for spec in specs:
+        name, sep, path = spec.partition("=")
+        if not sep or "/" in name:
+            name, path = Path(spec).name, spec
+        out.append((name, path))
+    return out
+
+
+def parse_lrs(text: str | None) -> list[float] | None:
+    if not text:
+        return None
+    try:
+        lrs = [float(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise SystemExit(f"error: --lrs {text!r}: give numbers separated by commas") from None
+    if not lrs or any(not lr > 0 for lr in lrs):
+        raise SystemExit(f"error: --lrs {text!r}: learning rates must be positive")
+    return lrs
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -260,8 +540,8 @@ def main(argv: list[str] | None = None) -> int:
         "--model",
         action="append",
         default=[],
-        metavar="CKPT",
-        help="pretrained model(s) to probe and fine-tune (repeatable)",
+        metavar="[NAME=]CKPT",
+        help="pretrained model(s) to probe and fine-tune (repeatable); NAME labels the rows",
     )
     p.add_argument("--dms", type=Path, default=DMS, help="folder with the BLAT_ECOLX files")
     p.add_argument("--column", default="2500", help="label column (default: 2500)")
@@ -271,8 +551,31 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batch-size", type=int, default=16)
     p.add_argument(
         "--methods",
-        default="onehot,frozen,lora,full",
-        help="comma-separated subset of onehot,frozen,lora,full",
+        default=None,
+        help="comma-separated subset of onehot,frozen,lora,full (default: all; with "
+        "--residue: frozen,lora)",
+    )
+    p.add_argument(
+        "--lrs",
+        default=None,
+        metavar="LR,LR,...",
+        help="head learning rates to sweep for the fine-tuning runs (the backbone's keeps the "
+        "mode's default ratio), picked on an inner validation split of the training folds",
+    )
+    p.add_argument(
+        "--select",
+        choices=("each-fold", "first-fold"),
+        default="each-fold",
+        help="with --lrs: pick the LR in every fold, or once on fold 0 (cheaper)",
+    )
+    p.add_argument(
+        "--residue",
+        action="store_true",
+        help="the residue-level check (buried vs exposed on the bundled structures) instead "
+        "of the BLAT_ECOLX scan",
+    )
+    p.add_argument(
+        "--structures", type=Path, default=STRUCTURES, help="folder with chains.csv + PDB files"
     )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=None)
@@ -293,6 +596,9 @@ def main(argv: list[str] | None = None) -> int:
         "gradient checkpointing",
     )
     args = p.parse_args(argv)
+    args.lrs = parse_lrs(args.lrs)
+    default_methods = "frozen,lora" if args.residue else "onehot,frozen,lora,full"
+    args.methods = [m.strip() for m in (args.methods or default_methods).split(",") if m.strip()]
     logging.basicConfig(level=logging.WARNING)
     quiet = ("pytorch_lightning", "pytorch_lightning.utilities.rank_zero", "lightning_fabric",
              "lightning.pytorch.utilities.rank_zero", "protein_performer")  # fmt: skip
@@ -307,25 +613,32 @@ def main(argv: list[str] | None = None) -> int:
     if args.quick:
         args.limit = args.limit or 250
         args.epochs = 1
-    if not (args.dms / "BLAT_ECOLX_Ranganathan2015.csv").is_file():
-        print(f"error: {args.dms} has no BLAT_ECOLX_Ranganathan2015.csv", file=sys.stderr)
+    needed = args.structures / "chains.csv" if args.residue else (
+        args.dms / "BLAT_ECOLX_Ranganathan2015.csv")  # fmt: skip
+    if not needed.is_file():
+        print(f"error: {needed} does not exist", file=sys.stderr)
         return 2
-    methods = [m.strip() for m in args.methods.split(",") if m.strip()]
-    seqs, y, pos = load_scan(args.dms, args.column, args.limit, args.seed)
-    fold_sets = {k: folds(k, pos, args.folds, args.seed) for k in ("random", "position")}
-    rows = []
+    methods = args.methods
     with tempfile.TemporaryDirectory(prefix="pp_ft_bench_") as tmp:
         work = Path(tmp)
-        models = args.model or [tiny_model(work)]
+        models = parse_models(args.model) or [("tiny random", tiny_model(work))]
+        if args.residue:
+            rows = residue_check(models, args, work)
+            if args.out:
+                write_json(args, {"residue_rows": rows})
+            return 0
+        seqs, y, pos = load_scan(args.dms, args.column, args.limit, args.seed)
+        fold_sets = {k: folds(k, pos, args.folds, args.seed) for k in ("random", "position")}
+        rows = []
         if "onehot" in methods:
             x = one_hot(seqs)
             row = {"method": "one-hot ridge", "cpu_s": 0.0}
             for kind, fl in fold_sets.items():
                 pred, t = timed(lambda fl=fl: ridge_cv(x, y, fl))
                 row[kind], row["cpu_s"] = spearman(pred, y), row["cpu_s"] + t
+                row[f"{kind}_per_fold"] = per_fold(pred, y, fl)
             rows.append(row)
-        for m, base in enumerate(models):
-            label = Path(base).name if args.model else "tiny random"
+        for m, (label, base) in enumerate(models):
             if "frozen" in methods:
                 import protein_performer as pp
 
@@ -335,30 +648,36 @@ def main(argv: list[str] | None = None) -> int:
                 for kind, fl in fold_sets.items():
                     pred, t = timed(lambda fl=fl, emb=emb: ridge_cv(emb, y, fl))
                     row[kind], row["cpu_s"] = spearman(pred, y), row["cpu_s"] + t
+                    row[f"{kind}_per_fold"] = per_fold(pred, y, fl)
                 rows.append(row)
             for mode in ("lora", "full"):
                 if mode not in methods:
                     continue
-                row = {"method": f"{mode} ({label})", "cpu_s": 0.0}
+                row = {"method": f"{mode} ({label})", "cpu_s": 0.0, "lrs": {}}
                 for kind, fl in fold_sets.items():
                     sub = work / f"m{m}_{mode}_{kind}"
                     sub.mkdir()
-                    pred, t = timed(
-                        lambda fl=fl, sub=sub, mode=mode, base=base: finetune_cv(
-                            base, mode, seqs, y, fl, args, sub
-                        )
-                    )
-                    row[kind], row["cpu_s"] = spearman(pred, y), row["cpu_s"] + t
+                    start = time.process_time()
+                    pred, chosen = finetune_cv(base, mode, seqs, y, fl, args, sub)
+                    row[kind] = spearman(pred, y)
+                    row[f"{kind}_per_fold"] = per_fold(pred, y, fl)
+                    row["cpu_s"] += time.process_time() - start
+                    row["lrs"][kind] = chosen
                 rows.append(row)
     print(
         f"BLAT_ECOLX column {args.column}: {len(seqs)} variants, {args.folds}-fold CV, "
         f"{args.epochs} epoch(s) per fine-tune, torch threads {torch.get_num_threads()}, "
         f"load {os.getloadavg()[0]:.1f}"
     )
-    print("| method | Spearman (random folds) | Spearman (position folds) | CPU time |")
-    print("|---|---|---|---|")
+    print("| method | Spearman (random folds) | Spearman (position folds) | mean per fold "
+          "(random; position) | head LR per fold (random; position) | CPU time |")  # fmt: skip
+    print("|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['method']} | {r['random']:.3f} | {r['position']:.3f} | {r['cpu_s']:.0f} s |")
+        lrs = r.get("lrs") or {}
+        chosen = "; ".join(lr_text(lrs.get(k)) for k in ("random", "position")) if lrs else "-"
+        means = "; ".join(f"{np.mean(r[f'{k}_per_fold']):.3f}" for k in ("random", "position"))
+        print(f"| {r['method']} | {r['random']:.3f} | {r['position']:.3f} | {means} | {chosen} | "
+              f"{r['cpu_s']:.0f} s |")  # fmt: skip
     memory = None
     if args.memory is not None:
         memory = memory_table(args.memory or [1000, 4000])
@@ -370,20 +689,14 @@ def main(argv: list[str] | None = None) -> int:
                   f"{r['saved_mib']:.0f} MiB | {r['saved_kib_per_residue']:.0f} KiB | "
                   f"{r['peak_rss_mib']:.0f} MiB |")  # fmt: skip
     if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(
-            json.dumps(
-                {
-                    "args": {k: str(v) for k, v in vars(args).items()},
-                    "n": len(seqs),
-                    "rows": rows,
-                    "memory": memory,
-                },
-                indent=2,
-            )
-            + "\n"
-        )
+        write_json(args, {"n": len(seqs), "rows": rows, "memory": memory})
     return 0
+
+
+def write_json(args: argparse.Namespace, payload: dict) -> None:
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    data = {"args": {k: str(v) for k, v in vars(args).items()}, **payload}
+    args.out.write_text(json.dumps(data, indent=2) + "\n")
 
 
 if __name__ == "__main__":

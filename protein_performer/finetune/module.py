@@ -7,6 +7,16 @@ Spearman, Pearson and MSE for regression; accuracy, AUROC and MCC for classifica
 per-residue accuracy and macro F1 for residue classification. ``val/loss`` is the task's loss
 (what ``DivergenceGuard`` watches and the checkpoint keeps the best of).
 
+Regression targets are standardized: the head learns z-scores (the train split's mean and std
+per target), because raw labels of any scale (a fitness of -3..0, a melting point near 60, an
+offset of +1000) otherwise leave a head at Adam's default step sizes far from the targets for
+the whole run. The checkpoint stores the statistics (``finetune.target_mean`` /
+``target_std``) and its head's output layer with them folded in (``W * std``, ``b * std +
+mean``), so ``pp.load(...).predict`` returns label units without knowing about them; loading
+a checkpoint to resume or test unfolds them again. A checkpoint without the statistics (written
+before they existed) reads as mean 0, std 1: it was trained on raw labels. ``val/loss`` is the
+MSE in z-units (what training minimizes), ``val/mse`` is in label units.
+
 Modes: ``frozen`` batches carry cached features (``features``; the backbone never runs),
 ``lora`` and ``full`` carry ``tokens`` and run backbone + head end to end.
 """
@@ -14,7 +24,7 @@ Modes: ``frozen`` batches carry cached features (``features``; the backbone neve
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from functools import partial
 from typing import Any
 
@@ -43,6 +53,8 @@ from protein_performer.model.task_heads import (
 from protein_performer.training.lit_module import warmup_cosine
 
 MODES = ("frozen", "lora", "full")
+#: The head's output layer in the module's state dict (where the target statistics fold in).
+OUT_WEIGHT, OUT_BIAS = "head.out.weight", "head.out.bias"
 
 
 class FinetuneModule(pl.LightningModule):
@@ -57,6 +69,8 @@ class FinetuneModule(pl.LightningModule):
         optim: ``lr`` (backbone or adapters), ``head_lr``, ``weight_decay``, ``warmup_ratio``
             (of the total steps), ``min_lr_ratio``.
         gradient_checkpointing: recompute block activations in backward (long sequences).
+        target_stats: regression only: per-target ``(mean, std)`` of the train split; the head
+            learns ``(y - mean) / std``. None: mean 0, std 1 (raw labels).
     """
 
     def __init__(
@@ -68,6 +82,7 @@ class FinetuneModule(pl.LightningModule):
         optim: Mapping[str, Any] | None = None,
         gradient_checkpointing: bool = False,
         contact_regression: dict[str, Any] | None = None,
+        target_stats: tuple[Sequence[float], Sequence[float]] | None = None,
     ) -> None:
         super().__init__()
         if mode not in MODES:
@@ -86,6 +101,11 @@ class FinetuneModule(pl.LightningModule):
         elif mode == "frozen":
             self.model.requires_grad_(False)
         set_gradient_checkpointing(self.model, gradient_checkpointing and mode != "frozen")
+        # Not persistent: the checkpoint keeps them in FINETUNE_KEY, next to the folded head.
+        k = head.num_outputs
+        mean, std = target_stats if target_stats is not None else ([0.0] * k, [1.0] * k)
+        self.register_buffer("target_mean", _stat(mean, k, "mean"), persistent=False)
+        self.register_buffer("target_std", _stat(std, k, "std"), persistent=False)
         self._eval: list[tuple[np.ndarray, np.ndarray]] = []
 
     # ------------------------------------------------------------------------- forward
@@ -108,9 +128,19 @@ class FinetuneModule(pl.LightningModule):
             self.model.eval()  # the backbone is a fixed feature extractor: no dropout
         return self
 
+    @property
+    def standardizes(self) -> bool:
+        return self.head_config.task == "regression"
+
+    def standardize(self, labels: torch.Tensor) -> torch.Tensor:
+        """Regression labels in z-units (NaN stays NaN); other tasks' labels unchanged."""
+        if not self.standardizes:
+            return labels
+        return (labels - self.target_mean) / self.target_std
+
     def _loss(self, batch: Mapping[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         out = self(batch)
-        return head_loss(self.head_config.task, out, batch["labels"]), out
+        return head_loss(self.head_config.task, out, self.standardize(batch["labels"])), out
 
     def training_step(self, batch: Mapping[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
         loss, _ = self._loss(batch)
@@ -134,7 +164,15 @@ class FinetuneModule(pl.LightningModule):
         out = np.concatenate([o for o, _ in self._eval])
         labels = np.concatenate([y for _, y in self._eval])
         self._eval.clear()
-        for name, value in task_metrics(self.head_config.task, out, labels).items():
+        task = self.head_config.task
+        if self.standardizes:  # metrics in label units; the loss in the z-units trained on
+            mean = self.target_mean.cpu().numpy()
+            std = self.target_std.cpu().numpy()
+            metrics = task_metrics(task, out * std + mean, labels)
+            metrics["loss"] = task_metrics(task, out, (labels - mean) / std)["loss"]
+        else:
+            metrics = task_metrics(task, out, labels)
+        for name, value in metrics.items():
             self.log(f"{stage}/{name}", value, prog_bar=name in ("loss", "spearman", "acc"))
 
     def validation_step(self, batch: Mapping[str, torch.Tensor], batch_idx: int) -> None:
@@ -178,10 +216,64 @@ class FinetuneModule(pl.LightningModule):
         checkpoint["performer_config"] = self.model.config.to_dict()
         checkpoint[HEAD_KEY] = self.head_config.to_dict()
         checkpoint[FINETUNE_KEY] = {"mode": self.mode, "optim": dict(self.optim)}
+        if self.standardizes:
+            checkpoint[FINETUNE_KEY]["target_mean"] = self.target_mean.tolist()
+            checkpoint[FINETUNE_KEY]["target_std"] = self.target_std.tolist()
+            fold_targets(checkpoint["state_dict"], self.target_mean, self.target_std)
         if self.lora_settings is not None:
             checkpoint[LORA_KEY] = dict(self.lora_settings)
         if self.contact_regression is not None:
             checkpoint[CONTACT_REGRESSION_KEY] = self.contact_regression
+
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        # Called before Lightning loads the state dict (resume, test of the best checkpoint):
+        # the checkpoint's statistics win over this run's, and the head goes back to z-units.
+        if not self.standardizes:
+            return
+        mean, std = target_stats_of(checkpoint, self.head_config.num_outputs)
+        self.target_mean.copy_(mean)
+        self.target_std.copy_(std)
+        fold_targets(checkpoint["state_dict"], mean, std, inverse=True)
+
+
+def _stat(values: Sequence[float], k: int, what: str) -> torch.Tensor:
+    t = torch.as_tensor(list(values), dtype=torch.float32).flatten()
+    if t.numel() != k or not torch.isfinite(t).all() or (what == "std" and (t <= 0).any()):
+        raise UserError(f"target {what} {t.tolist()} does not fit {k} regression target(s)")
+    return t
+
+
+def label_stats(labels: np.ndarray) -> tuple[list[float], list[float]]:
+    """Per-target mean and std of regression labels (N, T), NaNs ignored. A target with fewer
+    than 2 values or no spread gets std 1 (nothing to scale), one with none mean 0."""
+    means, stds = [], []
+    for j in range(labels.shape[1]):
+        y = labels[:, j][~np.isnan(labels[:, j])].astype(np.float64)
+        means.append(float(y.mean()) if len(y) else 0.0)
+        sd = float(y.std()) if len(y) > 1 else 0.0
+        stds.append(sd if sd > 0 and math.isfinite(sd) else 1.0)
+    return means, stds
+
+
+def target_stats_of(checkpoint: Mapping[str, Any], k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The statistics a checkpoint's head was trained with; mean 0, std 1 when it stores none."""
+    stored = checkpoint.get(FINETUNE_KEY) or {}
+    mean = stored.get("target_mean", [0.0] * k)
+    std = stored.get("target_std", [1.0] * k)
+    return _stat(mean, k, "mean"), _stat(std, k, "std")
+
+
+def fold_targets(state: dict[str, torch.Tensor], mean: torch.Tensor, std: torch.Tensor,
+                 inverse: bool = False) -> None:  # fmt: skip
+    """Fold ``y = z * std + mean`` into the head's output layer (``inverse``: take it out), in
+    the state dict only: new tensors, the live parameters are not touched."""
+    w, b = state[OUT_WEIGHT], state[OUT_BIAS]
+    std = std.to(w.device, w.dtype)
+    mean = mean.to(b.device, b.dtype)
+    if inverse:
+        state[OUT_WEIGHT], state[OUT_BIAS] = w / std[:, None], (b - mean) / std
+    else:
+        state[OUT_WEIGHT], state[OUT_BIAS] = w * std[:, None], b * std + mean
 
 
 def task_metrics(task: str, out: np.ndarray, labels: np.ndarray) -> dict[str, float]:

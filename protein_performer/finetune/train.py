@@ -28,7 +28,7 @@ from protein_performer.finetune.data import (
     collate,
     read_labels,
 )
-from protein_performer.finetune.module import MODES, FinetuneModule
+from protein_performer.finetune.module import MODES, FinetuneModule, label_stats
 from protein_performer.model.performer import PerformerLM
 from protein_performer.model.task_heads import HeadConfig, TaskHead, residue_mask
 from protein_performer.training.train import holds_run_dir
@@ -198,13 +198,19 @@ def finetune(cfg: DictConfig) -> dict[str, Any]:
         dim=backbone.config.dim, pooling=t.pooling, layer=int(t.layer), hidden=int(t.hidden),
         dropout=float(t.dropout),
     ).validate()  # fmt: skip
+    stats = None
+    if t.name == "regression" and t.get("standardize", True):
+        # The train split's statistics only: valid and test labels never shape the model.
+        stats = label_stats(data.subset(splits["train"]).labels)
+        log.info("regression targets standardized with the train split's mean %s, std %s",
+                 [f"{m:.4g}" for m in stats[0]], [f"{v:.4g}" for v in stats[1]])  # fmt: skip
     gc = cfg.get("gradient_checkpointing", "auto")
     longest = max(len(data.sequences[i]) for i in splits["train"])
     gc = longest > AUTO_CHECKPOINT_LENGTH if gc == "auto" else bool(gc)
     module = FinetuneModule(
         backbone, head_config, mode, lora=cfg.mode.get("lora"),
         optim={**cfg.optim, "lr": cfg.mode.lr, "head_lr": cfg.mode.head_lr},
-        gradient_checkpointing=gc, contact_regression=regression,
+        gradient_checkpointing=gc, contact_regression=regression, target_stats=stats,
     )  # fmt: skip
     if mode == "frozen":
         # One pass, on the GPU when the run trains on one; the cached features stay in CPU memory.

@@ -73,7 +73,8 @@ class PerformerConfig:
     # Redraw the random features every N optimizer steps during training (0 = never). Read by the
     # training hook; stored here so a checkpoint records how its features were trained.
     feature_redraw_interval: int = 1000
-    # Block size of the chunked causal FAVOR+ scan (None = the attention core's default).
+    # Block size of the chunked causal FAVOR+ scan (None = tuned for the machine at first use:
+    # model/favor/tiles.py).
     favor_chunk_size: int | None = None
     # Base of the rotary position embedding frequencies (ESM-2: 10000).
     rotary_base: float = 10000.0

@@ -246,31 +246,77 @@ def test_collate_aligns_residue_labels_with_tokens() -> None:
 
 
 # ----------------------------------------------------------------------------- runs
-def _planted(tmp_path: Path, base: Path, shuffle: bool) -> float:
-    """A frozen probe on labels that are an exact linear function of the mean embeddings."""
+def _planted(
+    tmp_path: Path, base: Path, shuffle: bool, offset: float = 0.0, scale: float = 1.0
+) -> tuple[dict, list[str], np.ndarray]:
+    """A frozen probe on labels that are an exact linear function of the mean embeddings
+    (z-scored, then ``* scale + offset``): the run's result, the sequences and the labels."""
     seqs = random_seqs(160, 10, 40, seed=5)
     lm = pp.load(base, "cpu")
     emb = lm.embed(seqs)
     w = np.random.default_rng(0).normal(size=emb.shape[1])
     y = emb @ w
-    y = (y - y.mean()) / y.std()
+    y = (y - y.mean()) / y.std() * scale + offset
     if shuffle:
         y = np.random.default_rng(1).permutation(y)
     rows = [[s, f"{v:.6f}"] for s, v in zip(seqs, y, strict=True)]
-    table = write_table(tmp_path / f"planted_{shuffle}.csv", ["sequence", "label"], rows)
+    name = f"{shuffle}_{offset:g}"
+    table = write_table(tmp_path / f"planted_{name}.csv", ["sequence", "label"], rows)
     cfg = ft_config(
-        base, table, tmp_path / f"out_{shuffle}", "mode=frozen", "mode.head_lr=0.1",
+        base, table, tmp_path / f"out_{name}", "mode=frozen", "mode.head_lr=0.1",
         "task.dropout=0.0", "trainer.max_epochs=20", "data.valid_frac=0.25", "data.test_frac=0",
         "optim.weight_decay=0",
     )  # fmt: skip
-    return finetune(cfg)["metrics"]["val/spearman"]
+    return finetune(cfg), seqs, y
 
 
 def test_frozen_probe_recovers_a_planted_signal_and_not_shuffled_labels(
     tmp_path: Path, base: Path
 ) -> None:
-    assert _planted(tmp_path, base, shuffle=False) > 0.9
-    assert abs(_planted(tmp_path, base, shuffle=True)) < 0.5
+    assert _planted(tmp_path, base, shuffle=False)[0]["metrics"]["val/spearman"] > 0.9
+    assert abs(_planted(tmp_path, base, shuffle=True)[0]["metrics"]["val/spearman"]) < 0.5
+
+
+def test_regression_predictions_come_back_in_label_units(tmp_path: Path, base: Path) -> None:
+    """Targets are standardized for training (raw, the head would need ~1000 Adam steps of
+    lr 0.1 to reach the offset); the checkpoint predicts in the labels' units."""
+    result, seqs, y = _planted(tmp_path, base, shuffle=False, offset=1000.0, scale=50.0)
+    pred = pp.load(result["best_checkpoint"], "cpu").predict(seqs)
+    assert np.corrcoef(pred, y)[0, 1] > 0.9
+    assert abs(pred.mean() - 1000.0) < 10.0 and 35.0 < pred.std() < 65.0
+    assert np.sqrt(result["metrics"]["val/mse"]) < 25.0  # label units: half a std
+    assert result["metrics"]["val/loss"] < 0.25  # z-units
+    stats = safe_load(result["best_checkpoint"])["finetune"]  # the train split's
+    assert stats["target_mean"][0] == pytest.approx(1000.0, abs=15.0)
+    assert stats["target_std"][0] == pytest.approx(50.0, rel=0.2)
+
+
+def test_target_statistics_fold_into_the_head_and_back(base: Path) -> None:
+    from protein_performer.finetune.module import FinetuneModule, label_stats
+
+    labels = np.array([[1.0, np.nan], [3.0, 5.0], [5.0, 5.0]], np.float32)
+    mean, std = label_stats(labels)
+    assert mean == pytest.approx([3.0, 5.0]) and std == pytest.approx([np.sqrt(8 / 3), 1.0])
+    head = HeadConfig("regression", 2, ["a", "b"], 16, dropout=0.0)
+    module = FinetuneModule(pp.load(base, "cpu").model, head, "frozen", target_stats=(mean, std))
+    feats = torch.randn(4, 16)
+    z = module({"features": feats}).detach()
+    ckpt = {"state_dict": {k: v.clone() for k, v in module.state_dict().items()}}
+    module.on_save_checkpoint(ckpt)
+    assert ckpt["finetune"]["target_mean"] == pytest.approx(mean)
+    folded = torch.nn.functional.linear(
+        feats, ckpt["state_dict"]["head.out.weight"], ckpt["state_dict"]["head.out.bias"]
+    )
+    assert torch.allclose(folded, z * torch.tensor(std) + torch.tensor(mean), atol=1e-5)
+    fresh = FinetuneModule(pp.load(base, "cpu").model, head, "frozen")  # mean 0, std 1
+    fresh.on_load_checkpoint(ckpt)  # the checkpoint's statistics win
+    fresh.load_state_dict(ckpt["state_dict"])
+    assert torch.allclose(fresh.target_mean, torch.tensor(mean))
+    assert torch.allclose(fresh({"features": feats}), z, atol=1e-5)
+    old = {"state_dict": {k: v.clone() for k, v in module.state_dict().items()}}
+    module.on_load_checkpoint(old)  # written before the statistics existed: raw labels
+    assert module.target_mean.tolist() == [0.0, 0.0] and module.target_std.tolist() == [1, 1]
+    assert torch.equal(old["state_dict"]["head.out.weight"], module.head.out.weight)
 
 
 def test_lora_changes_only_adapter_weights(lora_run: dict, base: Path) -> None:
@@ -434,6 +480,33 @@ def test_benchmark_quick(tmp_path: Path) -> None:
     rows = json.loads(out.read_text())["rows"]
     assert [r["method"] for r in rows][:2] == ["one-hot ridge", "frozen ridge (tiny random)"]
     assert all(np.isfinite([r["random"], r["position"], r["cpu_s"]]).all() for r in rows)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(
+    not (SHARED / "data" / "structures" / "chains.csv").is_file(),
+    reason="../shared/data/structures is not checked out",
+)
+def test_benchmark_residue_quick(tmp_path: Path) -> None:
+    import json
+    import subprocess
+    import sys
+
+    script = REPO / "scripts" / "finetune_benchmark.py"
+    out = tmp_path / "r.json"
+    cmd = [sys.executable, str(script), "--residue", "--quick", "--folds", "2", "--lrs",
+           "1e-3,1e-2", "--threads", "1", "--out", str(out)]  # fmt: skip
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "15 chains, 3015 residues" in proc.stdout  # every bundled chain, every residue
+    rows = json.loads(out.read_text())["residue_rows"]
+    assert [r["method"] for r in rows] == [
+        "majority class", "amino-acid identity", "frozen (tiny random)", "lora (tiny random)",
+    ]  # fmt: skip
+    assert rows[0]["mcc"] == 0.0 and 0.45 < rows[0]["acc"] < 0.6  # buried = above the median
+    assert all(np.isfinite([r["acc"], r["f1"], r["mcc"]]).all() for r in rows)
+    for r in rows[2:]:  # an LR picked per fold, from the inner split's two candidates
+        assert len(r["lrs"]) == 2 and all(set(f["inner"]) == {"0.001", "0.01"} for f in r["lrs"])
 
 
 def test_a_diverging_run_stops_with_one_error(base: Path, fitness: Path, tmp_path: Path) -> None:
