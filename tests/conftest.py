@@ -14,10 +14,11 @@ from tests.paths import REPO
 
 ROOT = REPO
 
-# No GPU in the test suite: Triton code (the causal kernels' tests) runs under its interpreter.
-# Set before anything imports triton (torch and peft may, while collecting), since triton reads
-# it when a function is decorated.
-os.environ.setdefault("TRITON_INTERPRET", "1")
+# Without a GPU, Triton code (the causal kernels' tests) runs under its interpreter. Set before
+# anything imports triton (peft may, while collecting), since triton reads it when a function is
+# decorated; on a CUDA machine the kernels compile as they would for users.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 RunScript = Callable[..., subprocess.CompletedProcess]
 

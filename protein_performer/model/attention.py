@@ -39,15 +39,12 @@ def _build_core(config: PerformerConfig) -> AttentionCore:
     """The attention core ``config.attention`` names."""
     if config.attention == "exact":
         return ExactAttention(causal=config.causal)
-    kwargs = {}
-    if config.favor_chunk_size is not None:
-        kwargs["chunk_size"] = config.favor_chunk_size
     return FavorAttention(
         dim_head=config.head_dim,
         nb_features=config.nb_features,
         causal=config.causal,
         kernel=config.kernel,
-        **kwargs,
+        chunk_size=config.favor_chunk_size,
     )
 
 

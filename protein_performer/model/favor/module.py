@@ -3,6 +3,7 @@ module :class:`FavorAttention`, which owns omega, the FAVOR++ statistic and the 
 
 from __future__ import annotations
 
+from functools import partial
 from typing import NamedTuple
 
 import torch
@@ -12,7 +13,7 @@ from torch import Tensor, nn
 from protein_performer.errors import UserError
 from protein_performer.model.config import default_nb_features
 from protein_performer.model.favor.bidirectional import _BidiFavor
-from protein_performer.model.favor.causal import causal_favor
+from protein_performer.model.favor.causal import _CausalFavor, causal_favor
 from protein_performer.model.favor.kernels import (
     _NEG,
     FeatureMap,
@@ -47,13 +48,13 @@ def favor_attention(
 ) -> Tensor:
     """FAVOR attention, (B, H, L, d) -> (B, H, L, dv), linear in L in time and memory.
 
-    Causal mode runs the chunked scan of :mod:`favor_causal` through :class:`_CausalFavor`,
+    Causal mode runs the chunked scan of :mod:`.scan` through :class:`_CausalFavor`,
     which computes the features one scan segment at a time; segment_size: tokens (over all
     heads) per scan segment; it bounds the scan's transient memory (about
-    segment_size * (4 M + 2 C) floats in backward); chunk_size / segment_size None: tuned for
-    this machine at first use (:mod:`.tiles`). On CUDA the Triton kernels of
-    :mod:`.triton_causal` run instead when triton is installed (:func:`causal_favor`; they
-    choose their own chunks and segments). Bidirectional mode runs
+    segment_size * (4 M + 2 C) floats in backward); both None: tuned for this machine at first
+    use (:mod:`.tiles`), one given: the other at its default (128 rows, 8,192 tokens). On
+    CUDA the Triton kernels of :mod:`.triton_causal` run instead when triton is installed
+    (:func:`causal_favor`; they choose their own chunks and segments). Bidirectional mode runs
     :class:`_BidiFavor` (features recomputed in backward, O(L d + block M) memory). When omega
     or oprf_rho needs gradients, :func:`favor_attention_reference` (quadratic memory) runs
     instead. oprf_rho: the FAVOR++ statistic; computed from the (non-pad) data when None
@@ -68,13 +69,16 @@ def favor_attention(
         x, y, vv, keep = flatten_heads(q, k, v, key_padding_mask)
         fmap = build_feature_map(kernel, omega, causal, oprf_rho, x, y, keep, relu_eps)
         if causal:
-            if chunk_size is None or segment_size is None:
+
+            def tiles() -> tuple[int, int]:
+                chosen = (chunk_size or DEFAULT_TILES[0], segment_size or DEFAULT_TILES[1])
+                if chunk_size is not None or segment_size is not None:  # no tuning
+                    return int(chosen[0]), int(chosen[1])
                 dv = vv.shape[-1]
-                probe = lambda: _TileProbe(kernel, omega, oprf_rho, relu_eps, x, dv)  # noqa: E731
-                tiled = causal_tiles(x, fmap.width, dv, probe)
-                chunk_size, segment_size = chunk_size or tiled[0], segment_size or tiled[1]
-            rows = max(int(chunk_size), int(segment_size))
-            out = causal_favor(x, y, vv, fmap, keep, int(chunk_size), rows)
+                probe = partial(_TileProbe, kernel, omega, oprf_rho, relu_eps, x, dv)
+                return causal_tiles(x, fmap.width, dv, probe)
+
+            out = causal_favor(x, y, vv, fmap, keep, tiles)
         else:
             out = _BidiFavor.apply(x, y, vv, fmap, keep, block_size)
     return out.reshape(B, H, L, -1).to(q.dtype)
@@ -82,12 +86,14 @@ def favor_attention(
 
 class _TileProbe:
     """One representative causal scan (8 heads x 4,096 tokens of the caller's head width,
-    features and dtype; with backward when gradients are on), timed by :func:`causal_tiles`
+    features and dtype; with backward when ``grad``), timed by :func:`causal_tiles`
     for each candidate (chunk, segment). Seeded: tuning never touches the global RNG."""
 
-    def __init__(self, kernel: str, omega: Tensor, rho, relu_eps: float, like: Tensor, dv: int):
+    def __init__(
+        self, kernel: str, omega: Tensor, rho, relu_eps: float, like: Tensor, dv: int, grad: bool
+    ):
         g = torch.Generator(device=like.device).manual_seed(0)
-        self.grad = torch.is_grad_enabled() and like.requires_grad
+        self.grad = grad
         kw = dict(generator=g, device=like.device, dtype=like.dtype)
         x, y = (torch.randn(8, 4096, like.shape[-1], **kw) for _ in range(2))
         self.v = torch.randn(8, 4096, dv, **kw).requires_grad_(self.grad)
@@ -96,7 +102,8 @@ class _TileProbe:
         self.fmap = build_feature_map(kernel, omega.detach(), True, rho, x, y, None, relu_eps)
 
     def __call__(self, chunk: int, segment: int) -> None:
-        out = causal_favor(self.x, self.y, self.v, self.fmap, None, chunk, max(chunk, segment))
+        rows = max(chunk, segment)
+        out = _CausalFavor.apply(self.x, self.y, self.v, self.fmap, None, chunk, rows)
         if self.grad:
             out.sum().backward()
 

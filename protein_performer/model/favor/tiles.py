@@ -6,27 +6,36 @@ i.e. how much stays in cache) set; which pair is fastest depends on the CPU's ca
 vector units, the thread count, the feature count M and the head width (measured on one
 2-core machine, 1 thread, 8 heads of 64, m = 272: fwd+bwd at L = 8,192 and 16,384 ran 1.5x
 and 1.65x faster with segments of 2,048 tokens than with the former constant 8,192; see
-docs/RESULTS.md). A constant is wrong somewhere, so the first large causal call times a few candidates on a problem of
-its own shape and the winner is stored in ``favor_tiles.json`` under the cache directory
-(``PROTEIN_PERFORMER_CACHE_DIR``, else ``$XDG_CACHE_HOME/protein_performer``, else
-``~/.cache/protein_performer``). ``PROTEIN_PERFORMER_FAVOR_TILES=C,S`` pins the pair (no
-timing), e.g. for runs that must be bitwise reproducible across machines: tiles change the
-order of floating-point sums, not the math (outputs agree to float rounding).
+docs/RESULTS.md). A constant is wrong somewhere, so the first large causal call times a few
+candidates on a problem with its head width, feature count and dtype and stores the winner in
+``favor_tiles.json`` under the cache directory (``PROTEIN_PERFORMER_CACHE_DIR``, else
+``$XDG_CACHE_HOME/protein_performer``, else ``~/.cache/protein_performer``).
+``PROTEIN_PERFORMER_FAVOR_TILES=C,S`` pins the pair (no timing), e.g. for runs that must be
+bitwise reproducible across machines: tiles change the order of floating-point sums, not the
+math (outputs agree to float rounding).
 
-Problems smaller than :data:`TUNE_MIN_TOKENS` (heads x tokens) use :data:`DEFAULT_TILES`:
-there the scan is a small share of the model and timing it would cost more than it saves.
+Sequences shorter than :data:`TUNE_MIN_LENGTH` and problems smaller than
+:data:`TUNE_MIN_TOKENS` (heads x tokens) use :data:`DEFAULT_TILES`: there the scan is a small
+share of the model and timing it would cost more than it saves. A tuned pair replaces the
+default only when it is at least :data:`MARGIN` faster (timings are noisy; a noisy winner would
+be kept for good). Processes sharing the cache (torchrun ranks) take turns through a file
+lock: one tunes, the others read its result.
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
+import functools
 import json
 import logging
 import os
 import platform
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -37,13 +46,19 @@ log = logging.getLogger(__name__)
 
 #: (chunk, segment) for small problems and when nothing was tuned.
 DEFAULT_TILES = (128, 8192)
+#: Tokens per row from which the tiles are tuned (shorter rows pay little for the scan).
+TUNE_MIN_LENGTH = 2048
 #: Heads x tokens from which the tiles are tuned (a 4k-token, 8-head layer is 32,768).
 TUNE_MIN_TOKENS = 32768
 CHUNKS = (64, 128, 256)
 SEGMENTS = (1024, 2048, 8192)
-FORMAT = 1  # the cache file's layout; another value is ignored and re-tuned
+#: How much faster than :data:`DEFAULT_TILES` a tuned pair must be to replace it.
+MARGIN = 0.05
+FORMAT = 2  # the cache file's layout and candidates; another value is ignored and re-tuned
 _memo: dict[str, tuple[int, int]] = {}
 _lock = threading.Lock()
+#: What may go wrong with the cache file; tuning then runs on, kept in memory only.
+_CACHE_ERRORS = (OSError, RuntimeError, UserError)
 
 
 def cache_dir() -> Path:
@@ -71,6 +86,7 @@ def _pinned() -> tuple[int, int] | None:
     return chunk, segment
 
 
+@functools.cache
 def _processor(device: torch.device) -> str:
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
@@ -83,21 +99,44 @@ def _processor(device: torch.device) -> str:
     return platform.processor() or platform.machine()
 
 
-def _key(device: torch.device, M: int, d: int, dv: int, grad: bool) -> str:
+def _key(q: torch.Tensor, M: int, dv: int, grad: bool) -> str:
+    device, d = q.device, q.shape[-1]
     threads = torch.get_num_threads() if device.type == "cpu" else 0
     phase = "fwd+bwd" if grad else "fwd"
-    return f"{device.type}|{_processor(device)}|threads={threads}|M={M}|d={d}|dv={dv}|{phase}"
+    return (
+        f"{device.type}|{_processor(device)}|threads={threads}|{str(q.dtype)[6:]}|M={M}|d={d}"
+        f"|dv={dv}|{phase}"
+    )
 
 
-def _read(path: Path) -> dict[str, list[int]]:
+def _read(path: Path) -> dict[str, tuple[int, int]]:
+    """The stored pairs (only candidates: anything else is re-tuned); {} when unreadable."""
     try:
         data = json.loads(path.read_text())
-    except (OSError, ValueError):
+    except (*_CACHE_ERRORS, ValueError):
         return {}
     if not isinstance(data, dict) or data.get("format") != FORMAT:
         return {}
     tiles = data.get("tiles")
-    return tiles if isinstance(tiles, dict) else {}
+    valid = [DEFAULT_TILES, *((c, s) for c in CHUNKS for s in SEGMENTS)]
+    if not isinstance(tiles, dict):
+        return {}
+    return {k: tuple(v) for k, v in tiles.items() if isinstance(v, list) and tuple(v) in valid}
+
+
+@contextlib.contextmanager
+def _file_lock(path: Path) -> Iterator[None]:
+    """Holds ``path``'s lock file while this process tunes and writes (others wait, then read
+    the result); without one (a read-only cache) it simply goes on."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fh = open(path.with_name(path.name + ".lock"), "a")  # noqa: SIM115 - held below
+    except _CACHE_ERRORS:
+        yield
+        return
+    with fh:
+        fcntl.flock(fh, fcntl.LOCK_EX)
+        yield
 
 
 def _time(run, device: torch.device, reps: int = 2) -> float:
@@ -118,7 +157,7 @@ def _time(run, device: torch.device, reps: int = 2) -> float:
 def _measure(measure, device: torch.device) -> tuple[tuple[int, int], dict[str, float]]:
     """Chunk first (at the default segment), then the segment for the best chunk: 5 timings
     instead of the full 3 x 3 grid (the two interact little: the segment only sets how many
-    chunks share one pass)."""
+    chunks share one pass). The default pair is among them; another wins only by MARGIN."""
     seen: dict[tuple[int, int], float] = {}
     segment = DEFAULT_TILES[1]
     for chunk in CHUNKS:
@@ -128,57 +167,99 @@ def _measure(measure, device: torch.device) -> tuple[tuple[int, int], dict[str, 
         if (chunk, seg) not in seen:
             seen[chunk, seg] = _time(lambda s=seg: measure(chunk, s), device)
     best = min(seen, key=seen.__getitem__)
+    if seen[best] > (1 - MARGIN) * seen[DEFAULT_TILES]:
+        best = DEFAULT_TILES
     return best, {f"{c},{s}": round(t, 4) for (c, s), t in seen.items()}
 
 
-def _known(q: torch.Tensor, M: int, dv: int) -> tuple[str, tuple[int, int] | None]:
-    """(cache key, the tiles already decided for this call: pinned, small, remembered or
-    stored; None when they must be measured). Call with ``_lock`` held."""
+def _apart(fn: Callable[[], Any], grad: bool, device: torch.device) -> Any:
+    """``fn()`` in a thread of its own, with gradients on or off as ``grad`` says.
+
+    Why: grad mode, inference mode, autocast, saved-tensor hooks and the current CUDA device
+    are per thread. Tuning starts inside a model's forward, possibly under activation
+    checkpointing (whose hooks would capture the probe's saved tensors and re-run the block:
+    a deadlock), ``inference_mode`` or autocast; none of that may reach the probe, and the
+    probe's graph must not touch the caller's.
+    """
+    threads, result = torch.get_num_threads(), {}
+
+    def run() -> None:
+        try:
+            torch.set_num_threads(threads)  # OpenMP's setting is per thread too
+            if device.type == "cuda":
+                torch.cuda.set_device(device)
+            with torch.set_grad_enabled(grad):
+                result["value"] = fn()
+        except BaseException as exc:  # re-raised in the caller's thread
+            result["error"] = exc
+
+    worker = threading.Thread(target=run, name="favor-tiles")
+    worker.start()
+    worker.join()
+    if "error" in result:
+        raise result["error"]
+    return result["value"]
+
+
+def _fixed(q: torch.Tensor) -> tuple[int, int] | None:
+    """The tiles when no measurement applies: pinned, or a problem too small to tune."""
     pinned = _pinned()
     if pinned is not None:
-        return "", pinned
-    BH, L, d = q.shape
-    if BH * L < TUNE_MIN_TOKENS:
-        return "", DEFAULT_TILES
-    key = _key(q.device, M, d, dv, torch.is_grad_enabled() and q.requires_grad)
-    if key not in _memo:
-        stored = _read(cache_dir() / "favor_tiles.json").get(key)
-        if isinstance(stored, list) and [type(x) for x in stored] == [int, int]:
-            _memo[key] = (stored[0], stored[1])
-    return key, _memo.get(key)
+        return pinned
+    BH, L, _ = q.shape
+    return DEFAULT_TILES if L < TUNE_MIN_LENGTH or BH * L < TUNE_MIN_TOKENS else None
 
 
 def tiles_in_use(q: torch.Tensor, M: int, dv: int) -> tuple[int, int]:
     """The (chunk, segment) a causal scan over q would run with now, without measuring
     (benchmarks count the chunk's FLOPs with it)."""
+    fixed = _fixed(q)
+    if fixed is not None:
+        return fixed
+    key = _key(q, M, dv, torch.is_grad_enabled() and q.requires_grad)
     with _lock:
-        return _known(q, M, dv)[1] or DEFAULT_TILES
+        return _memo.get(key) or _read(cache_dir() / "favor_tiles.json").get(key) or DEFAULT_TILES
 
 
 def causal_tiles(
-    q: torch.Tensor, M: int, dv: int, probe: Callable[[], Callable[[int, int], None]]
+    q: torch.Tensor, M: int, dv: int, probe: Callable[[bool], Callable[[int, int], None]]
 ) -> tuple[int, int]:
     """(chunk, segment) for a causal scan over q (BH, L, d) with M features.
 
-    ``probe()`` builds, only when timing is needed, a callable ``(chunk, segment)`` that runs
-    one representative scan (8 heads x 4,096 tokens of this shape, with backward when
-    gradients are on).
+    ``probe(grad)`` builds, only when timing is needed, a callable ``(chunk, segment)`` that
+    runs one representative scan (8 heads x 4,096 tokens of this head width, features and
+    dtype, with backward when ``grad``: gradients are on and q needs them); both run apart
+    from the caller (:func:`_apart`).
     """
+    fixed = _fixed(q)
+    if fixed is not None:
+        return fixed
+    grad = torch.is_grad_enabled() and q.requires_grad
+    key = _key(q, M, dv, grad)
     with _lock:
-        key, known = _known(q, M, dv)
-        if known is not None:
-            return known
-        start = time.perf_counter()
-        best, seen = _measure(probe(), q.device)
-        _memo[key] = best
-        path = cache_dir() / "favor_tiles.json"
-        tiles = {**_read(path), key: list(best)}
+        if key in _memo:
+            return _memo[key]
         try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            write_text_atomic(path, json.dumps({"format": FORMAT, "tiles": tiles}, indent=1))
-            where = f"cached in {path}"
-        except OSError as exc:  # a read-only home still runs, it just tunes again next time
-            where = f"not cached ({exc.strerror or exc})"
+            path = cache_dir() / "favor_tiles.json"
+        except _CACHE_ERRORS:  # no home directory: tune, keep it in memory
+            path = None
+        with _file_lock(path) if path is not None else contextlib.nullcontext():
+            stored = _read(path) if path is not None else {}
+            if key in stored:
+                _memo[key] = stored[key]
+                return stored[key]
+            start = time.perf_counter()
+            best, seen = _apart(lambda: _measure(probe(grad), q.device), grad, q.device)
+            _memo[key] = best
+            where = "kept in memory only"
+            if path is not None:
+                tiles = {k: list(v) for k, v in {**_read(path), key: best}.items()}
+                text = json.dumps({"format": FORMAT, "tiles": tiles}, indent=1)
+                try:
+                    write_text_atomic(path, text)
+                    where = f"cached in {path}"
+                except _CACHE_ERRORS as exc:  # a read-only or full cache: tuned again next time
+                    where = f"not cached ({exc})"
         log.info(
             "FAVOR+ causal tiles for this machine: chunk %d, segment %d (tuned once in %.1f s, "
             "%s; seconds per candidate %s; pin with PROTEIN_PERFORMER_FAVOR_TILES=C,S)",

@@ -41,7 +41,7 @@ def big(requires_grad=False):
 
 def test_tunes_once_picks_the_fastest_and_caches_per_shape(fresh):
     probe = Probe()
-    assert tiles.causal_tiles(big(), 32, 17, lambda: probe) == (64, 1024)
+    assert tiles.causal_tiles(big(), 32, 17, lambda grad: probe) == (64, 1024)
     # chunk first at the default segment (3), then the best chunk's other segments (2); each
     # timed after a warm-up, twice
     assert len(set(probe.calls)) == 5 and len(probe.calls) == 15
@@ -50,9 +50,9 @@ def test_tunes_once_picks_the_fastest_and_caches_per_shape(fresh):
     # a new process (memo cleared) reads the file instead of timing
     tiles._memo.clear()
     again = Probe()
-    assert tiles.causal_tiles(big(), 32, 17, lambda: again) == (64, 1024) and not again.calls
+    assert tiles.causal_tiles(big(), 32, 17, lambda grad: again) == (64, 1024) and not again.calls
     # another shape or phase is another key
-    assert tiles.causal_tiles(big(requires_grad=True), 32, 17, lambda: again) == (64, 1024)
+    assert tiles.causal_tiles(big(requires_grad=True), 32, 17, lambda grad: again) == (64, 1024)
     assert again.calls
     assert len(json.loads((fresh / "favor_tiles.json").read_text())["tiles"]) == 2
 
@@ -63,6 +63,8 @@ def test_small_problems_and_pins_skip_timing(fresh, monkeypatch):
 
     small = torch.zeros(2, 100, 16)
     assert tiles.causal_tiles(small, 32, 17, never) == tiles.DEFAULT_TILES
+    many_short = torch.zeros(1280, 100, 16)  # a batch of short rows: the scan costs little
+    assert tiles.causal_tiles(many_short, 32, 17, never) == tiles.DEFAULT_TILES
     monkeypatch.setenv("PROTEIN_PERFORMER_FAVOR_TILES", "32,1024")
     assert tiles.causal_tiles(big(), 32, 17, never) == (32, 1024)
     monkeypatch.setenv("PROTEIN_PERFORMER_FAVOR_TILES", "32")
@@ -73,12 +75,12 @@ def test_small_problems_and_pins_skip_timing(fresh, monkeypatch):
 def test_a_damaged_or_older_cache_is_retuned(fresh):
     (fresh / "favor_tiles.json").write_text("{not json")
     probe = Probe()
-    assert tiles.causal_tiles(big(), 32, 17, lambda: probe) == (64, 1024) and probe.calls
+    assert tiles.causal_tiles(big(), 32, 17, lambda grad: probe) == (64, 1024) and probe.calls
     path = fresh / "favor_tiles.json"
     path.write_text(json.dumps({"format": tiles.FORMAT + 1, "tiles": {}}))
     tiles._memo.clear()
     probe = Probe()
-    tiles.causal_tiles(big(), 32, 17, lambda: probe)
+    tiles.causal_tiles(big(), 32, 17, lambda grad: probe)
     assert probe.calls and json.loads(path.read_text())["format"] == tiles.FORMAT
 
 
@@ -92,7 +94,56 @@ def test_the_real_probe_tunes_and_the_result_matches_the_default_tiles(fresh, mo
     tuned = attn(q, k, v)
     assert torch.equal(rng, torch.get_rng_state())  # tuning draws from its own generator
     ((key, chosen),) = json.loads((fresh / "favor_tiles.json").read_text())["tiles"].items()
-    assert "|fwd" in key and chosen[0] in tiles.CHUNKS and chosen[1] in tiles.SEGMENTS
+    assert key.endswith("|fwd") and chosen[0] in tiles.CHUNKS and chosen[1] in tiles.SEGMENTS
     monkeypatch.setenv("PROTEIN_PERFORMER_FAVOR_TILES", "128,8192")
     pinned = attn(q, k, v)
     assert torch.allclose(tuned, pinned, atol=1e-5, rtol=1e-4)
+
+
+def test_tuning_inside_checkpointing_and_inference_mode(fresh, monkeypatch):
+    """Tuning starts inside a model's forward: under activation checkpointing (whose hooks
+    would capture the probe's saved tensors) and under inference_mode it runs apart, and the
+    gradients equal those with the tiles pinned."""
+    from torch.utils.checkpoint import checkpoint
+
+    torch.manual_seed(1)
+    attn = FavorAttention(8, nb_features=16, causal=True)
+    q, k, v = (torch.randn(1, 8, 4096, 8, requires_grad=True) for _ in range(3))
+    with torch.inference_mode():
+        attn(q, k, v)
+    out = checkpoint(attn, q, k, v, use_reentrant=False)
+    out.square().sum().backward()
+    stored = json.loads((fresh / "favor_tiles.json").read_text())["tiles"]
+    assert sorted(key.rsplit("|", 1)[1] for key in stored) == ["fwd", "fwd+bwd"]
+    grads = [t.grad.clone() for t in (q, k, v)]
+    for t in (q, k, v):
+        t.grad = None
+    monkeypatch.setenv("PROTEIN_PERFORMER_FAVOR_TILES", "128,8192")
+    attn(q, k, v).square().sum().backward()
+    for got, want in zip(grads, (q.grad, k.grad, v.grad), strict=True):
+        assert torch.allclose(got, want, atol=1e-4, rtol=1e-3)
+
+
+class NearlyEven(Probe):
+    """Every pair 2% faster than the default: within the noise margin."""
+
+    def __call__(self, chunk: int, segment: int) -> None:
+        self.calls.append((chunk, segment))
+        time.sleep(0.025 * (1.0 if (chunk, segment) == tiles.DEFAULT_TILES else 0.98))
+
+
+def test_a_winner_within_the_noise_margin_keeps_the_default(fresh):
+    probe = NearlyEven()
+    assert tiles.causal_tiles(big(), 32, 17, lambda grad: probe) == tiles.DEFAULT_TILES
+    assert probe.calls
+
+
+def test_an_unwritable_cache_still_tunes(fresh, monkeypatch):
+    blocker = fresh / "file"
+    blocker.write_text("not a directory")
+    monkeypatch.setenv("PROTEIN_PERFORMER_CACHE_DIR", str(blocker / "cache"))
+    probe = Probe()
+    assert tiles.causal_tiles(big(), 32, 17, lambda grad: probe) == (64, 1024)
+    calls = len(probe.calls)
+    assert tiles.causal_tiles(big(), 32, 17, lambda grad: probe) == (64, 1024)
+    assert len(probe.calls) == calls  # kept in memory for this process

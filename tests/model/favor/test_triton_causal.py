@@ -19,6 +19,7 @@ import sys
 import pytest
 import torch
 
+from protein_performer.errors import UserError
 from protein_performer.model.favor import (
     KERNELS,
     FavorAttention,
@@ -227,7 +228,7 @@ def test_dispatch_takes_the_kernels_only_when_asked_on_cpu(tc, monkeypatch):
     favor_attention(q.double(), k.double(), v.double(), omega.double(), **kw)
     assert len(calls) == 1
     monkeypatch.setenv(favor_causal.CAUSAL_IMPL_ENV, "cuda")
-    with pytest.raises(ValueError, match="expected 'auto', 'triton' or 'torch'"):
+    with pytest.raises(UserError, match="expected 'auto', 'triton' or 'torch'"):
         favor_attention(q, k, v, omega, **kw)
 
 
