@@ -218,7 +218,12 @@ def tiles_in_use(q: torch.Tensor, M: int, dv: int) -> tuple[int, int]:
         return fixed
     key = _key(q, M, dv, torch.is_grad_enabled() and q.requires_grad)
     with _lock:
-        return _memo.get(key) or _read(cache_dir() / "favor_tiles.json").get(key) or DEFAULT_TILES
+        if key in _memo:
+            return _memo[key]
+        try:
+            return _read(cache_dir() / "favor_tiles.json").get(key, DEFAULT_TILES)
+        except _CACHE_ERRORS:
+            return DEFAULT_TILES
 
 
 def causal_tiles(
