@@ -201,6 +201,34 @@ def _stats_kernel(
 
 
 @triton.jit
+def _feature_block(
+    W, BIAS, i_m, i_s, i_bh, BH, D, DV, MW, MF, NMW, stride_w, stride_b,
+    HAS_BIAS: tl.constexpr, BD: tl.constexpr, BM: tl.constexpr, BV: tl.constexpr,
+):  # fmt: skip
+    """What the forward and backward kernels first set up for feature block i_m of head i_bh
+    in segment i_s: the trig phase (0 = sin, 1 = cos of projection block wb), the block's
+    feature mask, the head and value offsets and masks, its projection rows w (BM, BD) and
+    bias, and its rows of a per-segment state (offsets and mask)."""
+    half = i_m // NMW
+    wb = i_m - half * NMW
+    phase = half.to(tl.float32) * 1.5707963267948966
+    cols = wb * BM + tl.arange(0, BM)
+    cmask = cols < MW
+    offs_d = tl.arange(0, BD)
+    dmask = offs_d < D
+    offs_v = tl.arange(0, BV)
+    vmask = offs_v < DV
+    wptr = W + i_bh * stride_w + cols[:, None] * D + offs_d[None, :]
+    w = tl.load(wptr, mask=cmask[:, None] & dmask[None, :], other=0.0)
+    bias = tl.zeros([BM], tl.float32)
+    if HAS_BIAS:
+        bias = tl.load(BIAS + i_bh * stride_b + cols, mask=cmask, other=0.0)
+    soff = (i_s * BH + i_bh) * MF + half * MW + cols
+    smask = cmask[:, None] & vmask[None, :]
+    return phase, cmask, offs_d, dmask, offs_v, vmask, w, bias, soff, smask
+
+
+@triton.jit
 def _fwd_kernel(
     X, Y, V, KEEP, QS, MU, W, BIAS, H0, Z0, M0, O, DEN, HN, ZN,
     BH, L, D, DV, MW, MF, NMW, SEG, SEG0, stride_w, stride_b, t2, eps,
@@ -216,23 +244,10 @@ def _fwd_kernel(
     i_s = tl.program_id(1)
     i_bh = tl.program_id(2).to(tl.int64)
     seg = i_s + SEG0
-    half = i_m // NMW  # trig: 0 = sin, 1 = cos of projection block wb
-    wb = i_m - half * NMW
-    phase = half.to(tl.float32) * 1.5707963267948966
-    cols = wb * BM + tl.arange(0, BM)
-    cmask = cols < MW
-    offs_d = tl.arange(0, BD)
-    dmask = offs_d < D
-    offs_v = tl.arange(0, BV)
-    vmask = offs_v < DV
-    wptr = W + i_bh * stride_w + cols[:, None] * D + offs_d[None, :]
-    w = tl.load(wptr, mask=cmask[:, None] & dmask[None, :], other=0.0)  # (BM, BD)
+    phase, cmask, offs_d, dmask, offs_v, vmask, w, bias, soff, smask = _feature_block(
+        W, BIAS, i_m, i_s, i_bh, BH, D, DV, MW, MF, NMW, stride_w, stride_b, HAS_BIAS, BD, BM, BV
+    )
     wt = tl.trans(w)
-    bias = tl.zeros([BM], tl.float32)
-    if HAS_BIAS:
-        bias = tl.load(BIAS + i_bh * stride_b + cols, mask=cmask, other=0.0)
-    soff = (i_s * BH + i_bh) * MF + half * MW + cols  # this block's rows of a state
-    smask = cmask[:, None] & vmask[None, :]
     h = tl.zeros([BM, BV], tl.float32)
     z = tl.zeros([BM], tl.float32)
     m_prev = tl.full([], -1e30, tl.float32)  # the state's mu: none yet
@@ -308,23 +323,10 @@ def _bwd_kernel(
     i_s = tl.program_id(1)
     i_bh = tl.program_id(2).to(tl.int64)
     seg = i_s + SEG0
-    half = i_m // NMW
-    wb = i_m - half * NMW
-    phase = half.to(tl.float32) * 1.5707963267948966
-    cols = wb * BM + tl.arange(0, BM)
-    cmask = cols < MW
-    offs_d = tl.arange(0, BD)
-    dmask = offs_d < D
-    offs_v = tl.arange(0, BV)
-    vmask = offs_v < DV
-    wptr = W + i_bh * stride_w + cols[:, None] * D + offs_d[None, :]
-    w = tl.load(wptr, mask=cmask[:, None] & dmask[None, :], other=0.0)  # (BM, BD)
+    phase, cmask, offs_d, dmask, offs_v, vmask, w, bias, soff, smask = _feature_block(
+        W, BIAS, i_m, i_s, i_bh, BH, D, DV, MW, MF, NMW, stride_w, stride_b, HAS_BIAS, BD, BM, BV
+    )
     wt = tl.trans(w)
-    bias = tl.zeros([BM], tl.float32)
-    if HAS_BIAS:
-        bias = tl.load(BIAS + i_bh * stride_b + cols, mask=cmask, other=0.0)
-    soff = (i_s * BH + i_bh) * MF + half * MW + cols
-    smask = cmask[:, None] & vmask[None, :]
     c0 = seg * SEG
     c1 = tl.minimum(c0 + SEG, tl.cdiv(L, BT))
     base = i_bh * L
