@@ -143,6 +143,19 @@ def lr_overrides(mode: str, lr: float | None) -> list[str]:
     return [f"mode.head_lr={lr:g}", f"mode.lr={lr * mode_lr_ratio(mode):g}"]
 
 
+def fold_table(
+    path: Path, label: str, rows: list[tuple[str, str]], train: set[int], valid: set[int]
+) -> Path:
+    """The labels table of one fold's ``finetune`` run: its train and valid rows of
+    (sequence, label), with their split; the test rows stay out."""
+    with open(path, "w", newline="") as fh:
+        w = csv.writer(fh)
+        w.writerow(["sequence", label, "split"])
+        for i in sorted(train | valid):
+            w.writerow([*rows[i], "valid" if i in valid else "train"])
+    return path
+
+
 def run_finetune(base: str, table: Path, out: Path, mode: str, args: argparse.Namespace,
                  extra: list[str]) -> str:  # fmt: skip
     """One ``finetune`` run on ``table`` (its split column); returns the best checkpoint."""
@@ -240,12 +253,8 @@ def finetune_cv(
 
     def fit(f: int, train: set[int], valid: set[int], lr: float | None):  # noqa: ANN202
         tag = f"{mode}_fold{f}" + ("" if lr is None else f"_lr{lr:g}")
-        table = work / f"{tag}.csv"
-        with open(table, "w", newline="") as fh:
-            w = csv.writer(fh)
-            w.writerow(["sequence", "label", "split"])
-            for i in sorted(train | valid):
-                w.writerow([seqs[i], f"{y[i]:.6f}", "valid" if i in valid else "train"])
+        rows = [(seqs[i], f"{y[i]:.6f}") for i in range(len(seqs))]
+        table = fold_table(work / f"{tag}.csv", "label", rows, train, valid)
         lm = pp.load(run_finetune(base, table, work / tag, mode, args, lr_overrides(mode, lr)),
                      "cpu")  # fmt: skip
         return lambda idx: lm.predict([seqs[i] for i in idx])
@@ -339,12 +348,8 @@ def residue_cv(
 
     def fit(f: int, train: set[int], valid: set[int], lr: float | None):  # noqa: ANN202
         tag = f"res_{mode}_fold{f}" + ("" if lr is None else f"_lr{lr:g}")
-        table = work / f"{tag}.csv"
-        with open(table, "w", newline="") as fh:
-            w = csv.writer(fh)
-            w.writerow(["sequence", "burial", "split"])
-            for i in sorted(train | valid):
-                w.writerow([chains[i]["sequence"], truth[i], "valid" if i in valid else "train"])
+        rows = [(c["sequence"], label) for c, label in zip(chains, truth, strict=True)]
+        table = fold_table(work / f"{tag}.csv", "burial", rows, train, valid)
         extra = ["task=residue_classification", "data.labels=[burial]",
                  f"data.classes=[{BURIED},{EXPOSED}]", *lr_overrides(mode, lr)]  # fmt: skip
         lm = pp.load(run_finetune(base, table, work / tag, mode, args, extra), "cpu")

@@ -201,6 +201,23 @@ def _stats_kernel(
 
 
 @triton.jit
+def _absorb(h, z, m_prev, kf, mu, v, STAB: tl.constexpr, PREC: tl.constexpr):
+    """The state (h, z) after a chunk's keys kf (BT, BM) and values v: with a stabilizer,
+    relative to the chunk's last mu (every factor <= 1; returned as the new m_prev)."""
+    if STAB:
+        m_c = tl.max(mu, 0)
+        ks = kf * tl.exp(tl.minimum(mu - m_c, 0.0))[:, None]
+        fac = tl.exp(tl.minimum(m_prev - m_c, 0.0))
+        h = h * fac + tl.dot(tl.trans(ks), v, input_precision=PREC)
+        z = z * fac + tl.sum(ks, 0)
+        m_prev = m_c
+    else:
+        h += tl.dot(tl.trans(kf), v, input_precision=PREC)
+        z += tl.sum(kf, 0)
+    return h, z, m_prev
+
+
+@triton.jit
 def _feature_block(
     W, BIAS, i_m, i_s, i_bh, BH, D, DV, MW, MF, NMW, stride_w, stride_b,
     HAS_BIAS: tl.constexpr, BD: tl.constexpr, BM: tl.constexpr, BV: tl.constexpr,
@@ -290,16 +307,7 @@ def _fwd_kernel(
             ooff = (i_m * BH + i_bh) * L + offs_t
             tl.store(O + ooff[:, None] * DV + offs_v[None, :], o, mask=tvmask)
             tl.store(DEN + ooff, den, mask=tmask)
-        if STAB:  # the state after this chunk, relative to its last mu (all factors <= 1)
-            m_c = tl.max(mu, 0)
-            ks = kf * tl.exp(tl.minimum(mu - m_c, 0.0))[:, None]
-            fac = tl.exp(tl.minimum(m_prev - m_c, 0.0))
-            h = h * fac + tl.dot(tl.trans(ks), v, input_precision=PREC)
-            z = z * fac + tl.sum(ks, 0)
-            m_prev = m_c
-        else:
-            h += tl.dot(tl.trans(kf), v, input_precision=PREC)
-            z += tl.sum(kf, 0)
+        h, z, m_prev = _absorb(h, z, m_prev, kf, mu, v, STAB, PREC)
     if STATE_ONLY:
         tl.store(HN + soff[:, None] * DV + offs_v[None, :], h, mask=smask)
         tl.store(ZN + soff, z, mask=cmask)
@@ -370,16 +378,7 @@ def _bwd_kernel(
             dx = tl.dot(dp, w, input_precision=PREC)
             dptr = DQ + (goff + offs_t)[:, None] * D + offs_d[None, :]
             tl.store(dptr, dx, mask=tdmask)
-            if STAB:
-                m_c = tl.max(mu, 0)
-                ks = kf * tl.exp(tl.minimum(mu - m_c, 0.0))[:, None]
-                fac = tl.exp(tl.minimum(m_prev - m_c, 0.0))
-                h = h * fac + tl.dot(tl.trans(ks), v, input_precision=PREC)
-                z = z * fac + tl.sum(ks, 0)
-                m_prev = m_c
-            else:
-                h += tl.dot(tl.trans(kf), v, input_precision=PREC)
-                z += tl.sum(kf, 0)
+            h, z, m_prev = _absorb(h, z, m_prev, kf, mu, v, STAB, PREC)
     # the adjoint of the state, sum over later queries of phi(q_t) [gh_t | gam_t]^T, relative
     # to the last mu of the chunk being processed (every factor <= 1)
     dh = tl.zeros([BM, BV], tl.float32)
