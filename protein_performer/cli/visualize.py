@@ -11,6 +11,7 @@ import argparse
 import logging
 import time
 from pathlib import Path
+from typing import Any
 
 from protein_performer.cli._common import (
     FASTA_HELP,
@@ -134,16 +135,12 @@ def pick_sequence(args: argparse.Namespace) -> tuple[str, str]:
     raise UserError("visualize needs FASTA (with --record ID), --sequence SEQ or --structure")
 
 
-def run_html(args: argparse.Namespace) -> int:
-    """The interactive report: arrays from ``inference.report_data``, HTML from ``viz.report``."""
-    from protein_performer.inference.report_data import build_report
-    from protein_performer.viz.report import write_report
-
-    out = Path(args.html)
-    check_output(out, [args.ckpt, args.fasta, args.structure, args.regression], args.overwrite)
+def sequence_and_target(args: argparse.Namespace, with_structure: bool) -> tuple[str, str, Any]:
+    """(record id, sequence, contact target or None): the FASTA record asked for, or, with a
+    structure and no FASTA record, the structure chain's own sequence."""
     record_id, sequence = pick_sequence(args)
     target = None
-    if args.structure:
+    if with_structure:
         from protein_performer.contacts.structures import contact_target
 
         target = contact_target(args.structure, chain=args.chain, sequence=sequence or None)
@@ -151,6 +148,17 @@ def run_html(args: argparse.Namespace) -> int:
             record_id, sequence = target.id, target.sequence
     if not sequence:
         raise UserError("no sequence to visualize")
+    return record_id, sequence, target
+
+
+def run_html(args: argparse.Namespace) -> int:
+    """The interactive report: arrays from ``inference.report_data``, HTML from ``viz.report``."""
+    from protein_performer.inference.report_data import build_report
+    from protein_performer.viz.report import write_report
+
+    out = Path(args.html)
+    check_output(out, [args.ckpt, args.fasta, args.structure, args.regression], args.overwrite)
+    record_id, sequence, target = sequence_and_target(args, bool(args.structure))
     loaded = load_lm(args).loaded
     start = time.perf_counter()
     spec = build_report(
@@ -187,16 +195,7 @@ def run(args: argparse.Namespace) -> int:
     for name, wanted in want.items():
         if wanted:
             check_output(out_dir / FILES[name], inputs, args.overwrite)
-    record_id, sequence = pick_sequence(args)
-    target = None
-    if want["contacts"]:
-        from protein_performer.contacts.structures import contact_target
-
-        target = contact_target(args.structure, chain=args.chain, sequence=sequence or None)
-        if not sequence:
-            record_id, sequence = target.id, target.sequence
-    if not sequence:
-        raise UserError("no sequence to visualize")
+    record_id, sequence, target = sequence_and_target(args, want["contacts"])
     loaded = load_lm(args).loaded
     start, end = resolve_window(len(sequence), args.window, args.max_window)
     name = record_id or "sequence"
