@@ -257,14 +257,16 @@ def _holder(lock: Path) -> str:
 
 
 @contextlib.contextmanager
-def exclusive_lock(path: Path, what: str) -> Iterator[None]:
+def exclusive_lock(path: Path, what: str, wait: bool = False) -> Iterator[None]:
     """Hold an exclusive ``flock`` on a hidden lock file beside ``path`` for the block.
 
     Two runs writing the same output would otherwise race (the second one's ``--overwrite``
     pulling the file from under the first); the second one gets one line naming the holder's
-    pid and host, which the holder writes into the lock file. The lock dies with its process
-    (kill -9 included), so a crash never leaves it held; the file is removed on release (a run
-    that locked a file unlinked meanwhile sees it and retries). Re-entrant within a process.
+    pid and host, which the holder writes into the lock file; with ``wait`` it waits for the
+    lock instead (a shared cache, where the second one then reads what the first wrote). The
+    lock dies with its process (kill -9 included), so a crash never leaves it held; the file is
+    removed on release (a run that locked a file unlinked meanwhile sees it and retries).
+    Re-entrant within a process.
     """
     lock = path.parent / f".{path.name}.lock"
     key = os.path.abspath(lock)
@@ -284,7 +286,7 @@ def exclusive_lock(path: Path, what: str) -> Iterator[None]:
                 f"output directory {path.parent} does not exist; create it first"
             ) from None
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            fcntl.flock(fd, fcntl.LOCK_EX if wait else fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             os.close(fd)
             raise UserError(

@@ -25,7 +25,6 @@ lock: one tunes, the others read its result.
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import functools
 import json
 import logging
@@ -40,7 +39,7 @@ from typing import Any
 import torch
 
 from protein_performer.errors import UserError
-from protein_performer.io.atomic import write_text_atomic
+from protein_performer.io.atomic import exclusive_lock, write_text_atomic
 
 log = logging.getLogger(__name__)
 
@@ -126,16 +125,14 @@ def _read(path: Path) -> dict[str, tuple[int, int]]:
 
 @contextlib.contextmanager
 def _file_lock(path: Path) -> Iterator[None]:
-    """Holds ``path``'s lock file while this process tunes and writes (others wait, then read
-    the result); without one (a read-only cache) it simply goes on."""
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fh = open(path.with_name(path.name + ".lock"), "a")  # noqa: SIM115 - held below
-    except _CACHE_ERRORS:
-        yield
-        return
-    with fh:
-        fcntl.flock(fh, fcntl.LOCK_EX)
+    """Holds ``path``'s lock while this process tunes and writes (others wait, then read the
+    result); without one (a read-only cache) it simply goes on."""
+    with contextlib.ExitStack() as stack:
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            stack.enter_context(exclusive_lock(path, "tuned FAVOR+ tiles", wait=True))
+        except _CACHE_ERRORS:
+            pass
         yield
 
 

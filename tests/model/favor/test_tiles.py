@@ -147,3 +147,35 @@ def test_an_unwritable_cache_still_tunes(fresh, monkeypatch):
     calls = len(probe.calls)
     assert tiles.causal_tiles(big(), 32, 17, lambda grad: probe) == (64, 1024)
     assert len(probe.calls) == calls  # kept in memory for this process
+
+
+TUNE_IN_A_PROCESS = """
+import sys, time, torch
+from protein_performer.model.favor import tiles
+calls = []
+def probe(grad):
+    def run(chunk, segment):
+        calls.append((chunk, segment))
+        time.sleep(0.005 * ({64: 2, 128: 4, 256: 6}[chunk] + {1024: 0, 2048: 2, 8192: 1}[segment]))
+    return run
+print(tiles.causal_tiles(torch.zeros(8, 4096, 16), 32, 17, probe), len(calls))
+"""
+
+
+def test_processes_sharing_a_cache_tune_once(fresh):
+    """Two processes (torchrun ranks on one machine) start tuning at once: the file lock lets
+    one measure while the other waits, then reads its result instead of measuring again."""
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "PROTEIN_PERFORMER_CACHE_DIR": str(fresh)}
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", TUNE_IN_A_PROCESS], env=env, stdout=subprocess.PIPE, text=True
+        )
+        for _ in range(2)
+    ]
+    outs = sorted(proc.communicate(timeout=120)[0].strip() for proc in procs)
+    assert all(proc.returncode == 0 for proc in procs)
+    assert outs[0] == "(64, 1024) 0" and outs[1] == "(64, 1024) 15", outs
