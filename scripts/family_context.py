@@ -186,52 +186,8 @@ def plan_runs(args: argparse.Namespace, store: Path) -> list[Run]:
 
 def make_store(args: argparse.Namespace) -> Path:
     """Preprocess once with whole MMseqs2 clusters per split (``--split-by auto`` with
-    ``--cluster-split``: held-out families, unlike paper_protein.py's random test records); an
-    existing store made with other split settings is refused."""
-    store = args.out.resolve() / "store"
-    cmd = pp.cli(
-        "preprocess",
-        *args.data,
-        "--out",
-        str(store),
-        "--on-invalid",
-        "skip",
-        "--cluster-split",
-        f"{args.identity:g}",
-        "--ood-frac",
-        f"{args.ood_frac:g}",
-        "--valid-frac",
-        f"{args.valid_frac:g}",
-        "--test-frac",
-        f"{args.test_frac:g}",
-        "--workers",
-        str(max(1, args.mmseqs_threads)),
-        "--no-progress",
-    )
-    args.store_command = pp.shown(cmd, args.threads)
-    print(f"# store\n{args.store_command}", flush=True)
-    meta_path = store / "meta.json"
-    if meta_path.is_file():
-        split = json.loads(meta_path.read_text())["split"]
-        want = [args.valid_frac, args.test_frac, args.ood_frac, args.identity, "auto"]
-        have = [
-            split.get("valid_frac"),
-            split.get("test_frac"),
-            split.get("ood", {}).get("frac"),
-            split.get("clusters", {}).get("min_seq_id"),
-            split.get("mode"),
-        ]
-        if want != have:
-            raise SystemExit(
-                f"error: {store} was made with {have}, not {want} (valid, test, ood, identity, "
-                "split mode): remove it or pick another --out"
-            )
-        log.info("reusing %s", store)
-        return store
-    t0 = time.perf_counter()
-    pp.call(cmd, args.threads, args.out.resolve() / "logs" / "preprocess.log")
-    log.info("preprocessed in %.0f s", time.perf_counter() - t0)
-    return store
+    ``--cluster-split``: held-out families, unlike paper_protein.py's random test records)."""
+    return pp.make_store(args, split_by="auto", workers=max(1, args.mmseqs_threads))
 
 
 def train_cmd(run: Run) -> list[str]:

@@ -271,8 +271,10 @@ def eval_cmd(run: Run, store: Path, split: str, args: argparse.Namespace) -> lis
 # --------------------------------------------------------------------------------------------
 
 
-def make_store(args: argparse.Namespace) -> Path:
-    """Preprocess once; an existing store made with other split settings is refused."""
+def make_store(args: argparse.Namespace, split_by: str = "id", workers: int | None = None) -> Path:
+    """Preprocess once (``--split-by split_by`` with ``--cluster-split``; ``workers``: default
+    ``--threads``); an existing store made with other split settings is refused. Shared with
+    family_context.py, which holds out whole families (``auto``)."""
     store = args.out.resolve() / "store"
     cmd = cli(
         "preprocess",
@@ -282,7 +284,7 @@ def make_store(args: argparse.Namespace) -> Path:
         "--on-invalid",
         "skip",
         "--split-by",
-        "id",
+        split_by,
         "--cluster-split",
         f"{args.identity:g}",
         "--ood-frac",
@@ -292,7 +294,7 @@ def make_store(args: argparse.Namespace) -> Path:
         "--test-frac",
         f"{args.test_frac:g}",
         "--workers",
-        str(args.threads),
+        str(workers or args.threads),
         "--no-progress",
     )
     args.store_command = shown(cmd, args.threads)
@@ -305,12 +307,14 @@ def make_store(args: argparse.Namespace) -> Path:
             "test_frac": args.test_frac,
             "ood": args.ood_frac,
             "identity": args.identity,
+            "mode": split_by,
         }
         have = {
             "valid_frac": split.get("valid_frac"),
             "test_frac": split.get("test_frac"),
             "ood": split.get("ood", {}).get("frac"),
             "identity": split.get("clusters", {}).get("min_seq_id"),
+            "mode": split.get("mode"),
         }
         if want != have:
             raise SystemExit(
