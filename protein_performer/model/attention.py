@@ -22,6 +22,8 @@ from protein_performer.model.config import PerformerConfig
 from protein_performer.model.exact import ExactAttention, ExactMapBlocks, KVCache
 from protein_performer.model.favor import FavorAttention, FavorState
 from protein_performer.model.favor.module import FavorMapBlocks
+from protein_performer.model.linear.core import LinearAttention
+from protein_performer.model.linear.memory import PositionMemory
 from protein_performer.model.rotary import RotaryEmbedding
 
 #: The attention cores: one interface, two implementations.
@@ -36,15 +38,24 @@ Positions = int | torch.Tensor | None
 
 
 def _build_core(config: PerformerConfig) -> AttentionCore:
-    """The attention core ``config.attention`` names."""
+    """The attention core ``config.attention`` names, inside the position memory when
+    ``config.position_memory`` is set."""
     if config.attention == "exact":
-        return ExactAttention(causal=config.causal)
-    return FavorAttention(
-        dim_head=config.head_dim,
-        nb_features=config.nb_features,
-        causal=config.causal,
-        kernel=config.kernel,
-        chunk_size=config.favor_chunk_size,
+        core = ExactAttention(causal=config.causal)
+    elif config.attention == "linear":
+        core = LinearAttention(config.heads, config.head_dim, config.kernel, config.causal)
+    else:
+        core = FavorAttention(
+            dim_head=config.head_dim,
+            nb_features=config.nb_features,
+            causal=config.causal,
+            kernel=config.kernel,
+            chunk_size=config.favor_chunk_size,
+        )
+    if not config.position_memory:
+        return core
+    return PositionMemory(
+        core, config.heads, config.head_dim, config.position_memory, config.memory_window
     )
 
 
@@ -97,7 +108,10 @@ class MultiHeadSelfAttention(nn.Module):
         B, L, D = x.shape
         q, k = self.rotated_qk(x, positions)
         v = self._split_heads(self.v_proj(x))
-        out = self.core(q, k, v, key_padding_mask=padding_mask)
+        extra = {"positions": positions} if getattr(self.core, "needs_positions", False) else {}
+        out = self.core(q, k, v, key_padding_mask=padding_mask, **extra)
+        if isinstance(out, tuple):
+            out = out[0]
         out = out.transpose(1, 2).reshape(B, L, D)  # (B, H, L, d) -> (B, L, D)
         out = self.out_proj(out)
         weights = self.attention_map(q, k, padding_mask, heads) if need_weights else None

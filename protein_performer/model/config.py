@@ -14,12 +14,14 @@ from typing import Any
 from protein_performer.errors import UserError
 
 OBJECTIVES = ("mlm", "clm")
-ATTENTIONS = ("favor", "exact")
+ATTENTIONS = ("favor", "exact", "linear")
 #: Rotary position schemes: along the whole row, or restarting at each member's <cls>.
 POSITIONS = ("sequence", "member")
 # The FAVOR+ kernels a config may name: the names of protein_performer.model.favor.FEATURE_MAPS,
 # written out so that validation and the CLI's choices need no torch (tests keep them equal).
 KERNELS = ("softmax", "softmax_hyp", "trig", "relu", "softmax_opt")
+# The linear core's feature maps (protein_performer.model.linear.maps.LINEAR_MAPS).
+LINEAR_KERNELS = ("taylor", "hedgehog")
 
 
 def default_nb_features(head_dim: int) -> int:
@@ -62,9 +64,12 @@ class PerformerConfig:
     dropout: float = 0.0
     # "mlm" (bidirectional, masked LM) or "clm" (causal attention, next-token LM).
     objective: str = "mlm"
-    # "favor" (FAVOR+ linear attention) or "exact" (softmax via SDPA: baselines, ESM-2 import).
+    # "favor" (FAVOR+ linear attention), "exact" (softmax via SDPA: baselines, ESM-2 import) or
+    # "linear" (linear attention with a deterministic or learned map: kernel taylor or hedgehog).
     attention: str = "favor"
-    # FAVOR+ feature map: softmax, softmax_hyp, trig, relu or softmax_opt (ignored for exact).
+    # The feature map: for favor softmax, softmax_hyp, trig, relu or softmax_opt; for linear
+    # taylor (Based's 2nd-order Taylor series of exp) or hedgehog (a learned map per head);
+    # ignored for exact.
     kernel: str = "softmax"
     # Number of random features m per head; None = Theta(d log d) of the head size d (see
     # default_nb_features: 48 at ESM-2 8M's d=16, 272 at d=64). Resolved on construction, so a
@@ -88,6 +93,12 @@ class PerformerConfig:
     # Tokens per training row of family context (the data's family_max_tokens), when known:
     # the default limit of a family context at inference. None: unknown (no limit).
     context_tokens: int | None = None
+    # Member positions held by the position memory (model/linear/memory.py), mixed into every
+    # layer's attention: the family context's homologs read by aligned position, in a state
+    # of (P + 2W) x (head size + 1) per head whatever the number of members. 0 = off.
+    position_memory: int = 0
+    # W: the memory reads positions p - W .. p + W (a learned weight per offset and head).
+    memory_window: int = 8
     # LayerNorm epsilon (ESM-2 uses torch's default, 1e-5).
     layer_norm_eps: float = 1e-5
     # ESM-2's token dropout: zero <mask> embeddings and rescale by the observed mask ratio.
@@ -151,8 +162,16 @@ class PerformerConfig:
             fail(f"unknown objective {self.objective!r}; choose one of {', '.join(OBJECTIVES)}")
         if self.attention not in ATTENTIONS:
             fail(f"unknown attention {self.attention!r}; choose one of {', '.join(ATTENTIONS)}")
-        if self.kernel not in KERNELS:
-            fail(f"unknown kernel {self.kernel!r}; choose one of {', '.join(KERNELS)}")
+        kernels = LINEAR_KERNELS if self.attention == "linear" else KERNELS
+        if self.attention != "exact" and self.kernel not in kernels:
+            fail(
+                f"unknown kernel {self.kernel!r} for {self.attention} attention; choose one of "
+                f"{', '.join(kernels)}"
+            )
+        if self.position_memory < 0 or self.position_memory > 1 << 20:
+            fail(f"position_memory must be in 0..{1 << 20} (0 = off), got {self.position_memory}")
+        if not 0 <= self.memory_window <= 256:
+            fail(f"memory_window must be in 0..256, got {self.memory_window}")
         if not 0.0 <= self.dropout < 1.0:
             fail(f"dropout must be in [0, 1), got {self.dropout!r}")
         if not isinstance(self.feature_redraw_interval, int) or self.feature_redraw_interval < 0:
@@ -187,7 +206,10 @@ class PerformerConfig:
         favor = (
             self.heads * self.nb_features * (self.head_dim + 1) if self.attention == "favor" else 0
         )
-        return v * d + layers * (block + favor) + (d * d + d) + 4 * d + v
+        hd, h = self.head_dim, self.heads
+        linear = h * hd * (hd + 1) if self.attention == "linear" else 0
+        memory = h * (2 * self.memory_window + 2 + hd) if self.position_memory else 0
+        return v * d + layers * (block + favor + linear + memory) + (d * d + d) + 4 * d + v
 
     def to_dict(self) -> dict[str, Any]:
         """Plain dict of builtins (JSON/YAML-safe), the form checkpoints store."""

@@ -1,0 +1,94 @@
+"""The position memory against its definition, written out as an O(L^2) loop-free reference."""
+
+import pytest
+import torch
+
+from protein_performer.model.exact import ExactAttention
+from protein_performer.model.linear.core import LinearAttention
+from protein_performer.model.linear.memory import PositionMemory, member_layout
+from protein_performer.model.rotary import member_positions
+
+
+def _rows(seed: int):
+    """Two family rows of members of unequal lengths (member positions), the second padded."""
+    g = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(4, 24, (2, 41), generator=g)
+    for b, starts in enumerate([(0, 9, 20, 33), (0, 12, 25)]):
+        tokens[b, list(starts)] = 0
+    mask = torch.zeros(2, 41, dtype=torch.bool)
+    mask[1, 36:] = True
+    return member_positions(tokens, 0), mask
+
+
+def _reference(mem: PositionMemory, q, v, pos, mask, causal):
+    """sum_j w(p_j - p_t) [v_j | 1] over real keys j (j <= t when causal), |p_j - p_t| <= W,
+    both positions < P; then the gate's mix with the inner core's output."""
+    W, P = mem.window, mem.max_positions
+    vx = torch.cat([v, torch.ones_like(v[..., :1])], -1).double()
+    delta = pos[:, None, :] - pos[:, :, None]  # (B, t, j): p_j - p_t
+    ok = (delta.abs() <= W) & ~mask[:, None, :] & (pos[:, None, :] < P) & (pos[:, :, None] < P)
+    L = pos.shape[1]
+    if causal:
+        ok &= torch.ones(L, L, dtype=torch.bool).tril()
+    w = mem.offset_logits.double().exp()[:, (delta.clamp(-W, W) + W)]  # (H, B, t, j)
+    weights = w.permute(1, 0, 2, 3) * ok[:, None].double()  # (B, H, t, j)
+    read = weights @ vx
+    return read
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_memory_read_matches_its_definition(causal):
+    torch.manual_seed(0)
+    mem = PositionMemory(ExactAttention(causal=causal), 2, 6, max_positions=11, window=2)
+    with torch.no_grad():
+        mem.offset_logits.normal_()
+    pos, mask = _rows(0)
+    v = torch.randn(2, 2, 41, 6)
+    vx = torch.cat([v, torch.ones_like(v[..., :1])], -1)
+    read, _ = mem._read(vx, pos, ~mask, None)
+    ref = _reference(mem, None, v, pos, mask, causal)
+    torch.testing.assert_close(read.double(), ref, atol=1e-5, rtol=1e-5)
+
+
+def test_member_layout_counts_members():
+    pos, _ = _rows(1)
+    assert member_layout(pos)[0].tolist() == [0] * 9 + [1] * 11 + [2] * 13 + [3] * 8
+
+
+def test_memory_state_continues_the_row_and_has_a_fixed_size():
+    """A row split after its second member (a family context, then candidates) gives the same
+    outputs as the whole row, and the memory state's size does not depend on the row."""
+    torch.manual_seed(1)
+    inner = LinearAttention(2, 6, "taylor", causal=True, chunk_size=8)
+    mem = PositionMemory(inner, 2, 6, max_positions=16, window=3)
+    with torch.no_grad():
+        mem.offset_logits.normal_()
+        mem.gate_weight.normal_()
+    pos, _ = _rows(2)
+    pos = pos[:1]
+    q, k, v = (torch.randn(1, 2, 41, 6) for _ in range(3))
+    full, _ = mem(q, k, v, positions=pos)
+    a, state = mem(q[:, :, :20], k[:, :, :20], v[:, :, :20], positions=pos[:, :20],
+                   keep_state=True)
+    b, after = mem(q[:, :, 20:], k[:, :, 20:], v[:, :, 20:], state=state,
+                   positions=pos[:, 20:], keep_state=True)
+    torch.testing.assert_close(torch.cat([a, b], 2), full, atol=1e-5, rtol=1e-4)
+    assert state.mem.shape == after.mem.shape == (1, 2, 16 + 6, 7)
+    steps, s = [], None
+    for t in range(41):
+        sl = slice(t, t + 1)
+        o, s = mem(q[:, :, sl], k[:, :, sl], v[:, :, sl], state=s, positions=pos[:, sl],
+                   keep_state=True)
+        steps.append(o)
+    torch.testing.assert_close(torch.cat(steps, 2), full, atol=1e-5, rtol=1e-4)
+
+
+def test_no_memory_in_reach_leaves_the_core_output():
+    """Positions past P read nothing: the output is the inner core's, untouched."""
+    mem = PositionMemory(ExactAttention(causal=True), 2, 6, max_positions=4, window=1)
+    q, k, v = (torch.randn(1, 2, 10, 6) for _ in range(3))
+    pos = torch.arange(10)[None] + 50
+    out, _ = mem(q, k, v, positions=pos)
+    inner = ExactAttention(causal=True)(q, k, v)
+    inner = inner[0] if isinstance(inner, tuple) else inner
+    torch.testing.assert_close(out, inner)
