@@ -1,0 +1,361 @@
+"""Does a design read its family context? Recall at equal optimizer steps (issue 30).
+
+Every design trains the same model shape for the same number of optimizer steps on the same
+data through the real CLI (``protein-performer train experiment=demo_clm data.layout=family
+data.family_method=cluster``), with the exact-softmax twin as the ceiling:
+
+- **planted families**: real proteins of the shared corpus as ancestors, members drawn from
+  each ancestor at a given identity (substitutions, optionally indels), trained as family rows;
+  then held-out families' members scored with 0, 1, 4, 7 and 16 of their homologs before them in
+  the row (the forward of ``homologs + member``, which is what ``lm.context(...)`` continues);
+- **MQAR** (multi-query associative recall, Zoology) on the protein alphabet: key-value pairs
+  (two-residue keys, one-residue values), then queries of those keys; the accuracy of the value
+  after each query, against the number of pairs.
+
+The table reports perplexity per k, the share of the exact twin's log-perplexity drop from k=0
+to k=7 (and to k=16) that a design closes, and MQAR accuracy. Timings are
+not comparable across designs here (runs share the machine): ``scripts/bench_context.py``
+measures per-candidate cost and state size.
+
+    python scripts/bench_recall.py --quick                  # two designs, tiny, a few minutes
+    python scripts/bench_recall.py --out runs/recall        # the RESULTS table
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import random
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+CORPUS = REPO.parent / "shared" / "data" / "sequences" / "swissprot_opal_train.fasta"
+AMINO = "ACDEFGHIKLMNPQRSTVWY"
+
+#: name -> model overrides; the position memory holds the longest member (max_len).
+DESIGNS: dict[str, list[str]] = {
+    "exact": ["model.config.attention=exact"],
+    "favor": [],
+    "favor-m128-noredraw": [
+        "model.config.nb_features=128", "model.config.feature_redraw_interval=0",
+    ],
+    "favor-relu": ["model.config.kernel=relu", "model.config.feature_redraw_interval=0"],
+    "taylor": ["model.config.attention=linear", "model.config.kernel=taylor"],
+    "hedgehog": ["model.config.attention=linear", "model.config.kernel=hedgehog"],
+    "favor+memory": ["model.config.position_memory=512"],
+    "taylor+memory": [
+        "model.config.attention=linear", "model.config.kernel=taylor",
+        "model.config.position_memory=512",
+    ],
+}
+KS = (0, 1, 4, 7, 16)
+
+
+@dataclass(frozen=True)
+class Setting:
+    """One planted-family data set."""
+
+    identity: float
+    indel: float
+
+    @property
+    def name(self) -> str:
+        return f"id{round(self.identity * 100)}" + (f"-indel{self.indel:g}" if self.indel else "")
+
+
+def read_corpus(path: Path, min_len: int, max_len: int, n: int, seed: int) -> list[str]:
+    """n real proteins of min_len..max_len standard residues, a seeded sample of the corpus."""
+    from Bio import SeqIO
+
+    seqs = [
+        str(r.seq) for r in SeqIO.parse(path, "fasta")
+        if min_len <= len(r.seq) <= max_len and set(str(r.seq)) <= set(AMINO)
+    ]
+    random.Random(seed).shuffle(seqs)
+    if len(seqs) < n:
+        raise SystemExit(f"error: {path} has only {len(seqs)} usable proteins, need {n}")
+    return seqs[:n]
+
+
+def mutate(seq: str, identity: float, indel: float, rng: random.Random) -> str:
+    """A member of ``seq``'s family: each position substituted with probability 1 - identity
+    (another residue, uniformly), and with ``indel`` probability an insertion or a deletion."""
+    out = []
+    for a in seq:
+        r = rng.random()
+        if indel and r < indel / 2:
+            continue  # deletion
+        if indel and r < indel:
+            out.append(rng.choice(AMINO))  # insertion before the residue
+        out.append(a if rng.random() < identity else rng.choice(AMINO.replace(a, "")))
+    return "".join(out)
+
+
+def planted(ancestors: list[str], members: int, setting: Setting, seed: int) -> list[list[str]]:
+    rng = random.Random(seed)
+    return [[mutate(a, setting.identity, setting.indel, rng) for _ in range(members)]
+            for a in ancestors]
+
+
+def write_fasta(families: list[list[str]], path: Path, tag: str) -> None:
+    with open(path, "w") as fh:
+        for f, fam in enumerate(families):
+            for m, seq in enumerate(fam):
+                fh.write(f">{tag}{f:05d}_m{m} family {tag}{f:05d}\n{seq}\n")
+
+
+def cli(*args: str, log: Path) -> None:
+    env = {**os.environ, "WANDB_MODE": "offline", "OMP_NUM_THREADS": os.environ.get(
+        "OMP_NUM_THREADS", "1")}
+    cmd = [sys.executable, "-m", "protein_performer.cli.main", *args]
+    with open(log, "w") as fh:
+        done = subprocess.run(cmd, cwd=REPO, env=env, stdout=fh, stderr=subprocess.STDOUT)
+    if done.returncode:
+        raise SystemExit(f"error: {' '.join(cmd[2:5])} ... failed, see {log}")
+
+
+def train(
+    store: Path, run: Path, design: str, steps: int, extra: list[str], experiment: str
+) -> Path:
+    """Train one design; returns its last checkpoint (reused when the run finished before)."""
+    ckpt = run / "checkpoints" / "last.ckpt"
+    if (run / "done").exists() and ckpt.exists():
+        return ckpt
+    run.mkdir(parents=True, exist_ok=True)
+    cli(
+        "train", f"experiment={experiment}", f"data.path={store}", *extra,
+        f"trainer.max_steps={steps}", f"trainer.val_check_interval={steps}",
+        "trainer.enable_progress_bar=false", "model.optim.warmup_steps=30",
+        f"hydra.run.dir={run}", "logger=csv", "overwrite=true", *DESIGNS[design],
+        log=run / "train.log",
+    )
+    (run / "done").write_text("")
+    return ckpt
+
+
+def family_args(max_len: int, row_tokens: int) -> list[str]:
+    return [
+        "data.layout=family", "data.family_method=cluster", "data.family_identity=0.3",
+        f"data.family_max_tokens={row_tokens}", f"data.max_len={max_len}",
+        f"data.max_tokens={row_tokens}",
+    ]
+
+
+@torch.no_grad()
+def family_ppl(ckpt: Path, families: list[list[str]], ks: tuple[int, ...]) -> dict[int, float]:
+    """Perplexity of each family's last member with its first k members before it in the row
+    (k = 0: alone). Causal: over the member's residues and its <eos>. Masked: over 15% of its
+    residues (the same seeded positions for every k), masked together."""
+    import protein_performer as pp
+
+    lm = pp.load(str(ckpt), device="cpu", threads=1)
+    model, alphabet = lm.model, lm.alphabet
+    causal = model.config.causal
+    nll = {k: 0.0 for k in ks}
+    count = {k: 0 for k in ks}
+    for f, fam in enumerate(families):
+        target = fam[-1]
+        hidden = np.random.default_rng(f).random(len(target)) < 0.15
+        for k in ks:
+            ids: list[int] = []
+            for seq in [*fam[:k], target]:
+                ids += [alphabet.cls_idx, *alphabet.encode(seq).tolist(), alphabet.eos_idx]
+            tokens = torch.tensor([ids])
+            start = len(ids) - len(target) - 2  # the target's <cls>
+            if causal:
+                logits = model(tokens).logits[0].double()
+                logp = logits[start:-1].log_softmax(-1)
+                gold = tokens[0, start + 1:]
+            else:
+                where = torch.from_numpy(np.flatnonzero(hidden)) + start + 1
+                gold = tokens[0, where]
+                masked = tokens.clone()
+                masked[0, where] = alphabet.mask_idx
+                logp = model(masked).logits[0, where].double().log_softmax(-1)
+            nll[k] -= float(logp.gather(1, gold[:, None]).sum())
+            count[k] += len(gold)
+    return {k: math.exp(nll[k] / count[k]) for k in ks}
+
+
+def mqar_sequences(n: int, pairs: tuple[int, ...], seed: int) -> list[tuple[int, str, list[int]]]:
+    """(pairs, sequence, value positions of the queries): pairs of a two-residue key and a
+    one-residue value, then every key again in a random order, each followed by its value."""
+    rng = random.Random(seed)
+    keys = [a + b for a in AMINO for b in AMINO]
+    out = []
+    for i in range(n):
+        p = pairs[i % len(pairs)]
+        ks = rng.sample(keys, p)
+        vals = [rng.choice(AMINO) for _ in ks]
+        seq = "".join(k + v for k, v in zip(ks, vals, strict=True))
+        order = rng.sample(range(p), p)
+        query_pos = []
+        for j in order:
+            seq += ks[j]
+            query_pos.append(len(seq))  # index of the value in the sequence
+            seq += vals[j]
+        out.append((p, seq, query_pos))
+    return out
+
+
+@torch.no_grad()
+def mqar_accuracy(ckpt: Path, items: list[tuple[int, str, list[int]]]) -> dict[int, float]:
+    """Share of queries whose value is the model's top prediction, per number of pairs."""
+    import protein_performer as pp
+
+    lm = pp.load(str(ckpt), device="cpu", threads=1)
+    right: dict[int, int] = {}
+    total: dict[int, int] = {}
+    for p, seq, query_pos in items:
+        ids = [lm.alphabet.cls_idx, *lm.alphabet.encode(seq).tolist()]
+        logits = lm.model(torch.tensor([ids])).logits[0]
+        pred = logits.argmax(-1)  # position t predicts token t+1
+        for pos in query_pos:  # residue `pos` of seq is token pos + 1, predicted at pos
+            right[p] = right.get(p, 0) + int(pred[pos] == ids[pos + 1])
+            total[p] = total.get(p, 0) + 1
+    return {p: right[p] / total[p] for p in sorted(total)}
+
+
+def closed_share(ppl: dict[str, float], exact: dict[str, float], k: str) -> float:
+    """The share of the exact twin's log-perplexity drop from k=0 to k that a design closes."""
+    drop = math.log(exact["0"]) - math.log(exact[k])
+    return (math.log(ppl["0"]) - math.log(ppl[k])) / drop if drop > 0 else float("nan")
+
+
+def table(results: dict) -> str:
+    lines = []
+    for setting, rows in results["family"].items():
+        lines += [f"\n**Planted families, {setting}** ({results['steps']} steps each)\n",
+                  "| design | " + " | ".join(f"ppl k={k}" for k in KS)
+                  + " | share of exact's drop (k=0 -> 7) | share (k=0 -> 16) |",
+                  "|---|" + "---:|" * (len(KS) + 2)]
+        exact = rows.get("exact")
+        for design, ppl in rows.items():
+            share = closed_share(ppl, exact, "7") if exact else float("nan")
+            share16 = closed_share(ppl, exact, "16") if exact else float("nan")
+            lines.append(f"| {design} | " + " | ".join(f"{ppl[str(k)]:.2f}" for k in KS)
+                         + f" | {share:.0%} | {share16:.0%} |")
+    if results.get("mqar"):
+        pairs = sorted({int(p) for row in results["mqar"].values() for p in row})
+        lines += [f"\n**MQAR** ({results['mqar_steps']} steps each): accuracy by pairs\n",
+                  "| design | " + " | ".join(f"{p} pairs" for p in pairs) + " |",
+                  "|---|" + "---:|" * len(pairs)]
+        for design, acc in results["mqar"].items():
+            lines.append(f"| {design} | " + " | ".join(f"{acc[str(p)]:.2f}" for p in pairs) + " |")
+    return "\n".join(lines)
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter,
+                                 epilog=__doc__.split("\n\n", 1)[1])
+    ap.add_argument("--out", type=Path, default=REPO / "runs" / "recall")
+    ap.add_argument("--designs", default=",".join(DESIGNS), help="comma-separated, of: "
+                    + ", ".join(DESIGNS))
+    ap.add_argument("--settings", default="0.7:0,0.7:0.03",
+                    help="identity:indel-rate pairs, comma-separated (default 0.7:0,0.7:0.03)")
+    ap.add_argument("--steps", type=int, default=600, help="optimizer steps per run")
+    ap.add_argument("--families", type=int, default=300, help="training families")
+    ap.add_argument("--members", type=int, default=8, help="members per training family")
+    ap.add_argument("--eval-families", type=int, default=40)
+    ap.add_argument("--min-len", type=int, default=80)
+    ap.add_argument("--max-len", type=int, default=200, help="longest ancestor (residues)")
+    ap.add_argument("--objective", choices=("clm", "mlm"), default="clm",
+                    help="causal (experiment=demo_clm) or masked (experiment=demo) family rows")
+    ap.add_argument("--mqar-steps", type=int, default=400, help="0 = skip MQAR (causal only)")
+    ap.add_argument("--mqar-pairs", default="4,8,16,32")
+    ap.add_argument("--parallel", type=int, default=2, help="runs at once (1 thread each)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--quick", action="store_true",
+                    help="exact and favor, one setting, 60 steps, 30 families: a smoke run")
+    args = ap.parse_args(argv)
+    if args.quick:
+        args.designs, args.settings, args.steps, args.families = "exact,favor", "0.7:0", 60, 30
+        args.eval_families, args.mqar_steps, args.mqar_pairs = 6, 40, "4,8"
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    from concurrent.futures import ThreadPoolExecutor
+
+    args = parse_args(argv)
+    designs = args.designs.split(",")
+    unknown = [d for d in designs if d not in DESIGNS]
+    if unknown:
+        raise SystemExit(f"error: unknown design(s) {unknown}; choose from {list(DESIGNS)}")
+    settings = [Setting(*map(float, s.split(":"))) for s in args.settings.split(",")]
+    out = args.out.resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    need = args.families + args.eval_families
+    ancestors = read_corpus(CORPUS, args.min_len, args.max_len, need, args.seed)
+    row_tokens = 4096
+    member_len = int(args.max_len * 1.2) + 2
+    jobs = []
+    evals: dict[str, list[list[str]]] = {}
+    for setting in settings:
+        sdir = out / setting.name
+        sdir.mkdir(exist_ok=True)
+        train_fams = planted(ancestors[: args.families], args.members, setting, args.seed)
+        evals[setting.name] = planted(ancestors[args.families:], max(KS) + 1, setting,
+                                      args.seed + 1)
+        store = sdir / "store"
+        if not (store / "meta.json").exists():
+            write_fasta(train_fams, sdir / "train.fasta", "PLANT")
+            cli("preprocess", str(sdir / "train.fasta"), "--out", str(store), "--valid-frac",
+                "0.03", "--test-frac", "0.01", "--overwrite", "--no-progress",
+                log=sdir / "preprocess.log")
+        for design in designs:
+            jobs.append(("family", setting.name, design, store,
+                         family_args(member_len, row_tokens)))
+    mqar_items = []
+    experiment = "demo_clm" if args.objective == "clm" else "demo"
+    if args.mqar_steps and args.objective == "clm":
+        pairs = tuple(int(p) for p in args.mqar_pairs.split(","))
+        mdir = out / "mqar"
+        mdir.mkdir(exist_ok=True)
+        train_items = mqar_sequences(3000 if not args.quick else 300, pairs, args.seed)
+        mqar_items = mqar_sequences(200 if not args.quick else 40, pairs, args.seed + 1)
+        fasta = mdir / "train.fasta"
+        with open(fasta, "w") as fh:
+            for i, (_, seq, _) in enumerate(train_items):
+                fh.write(f">MQAR{i:05d}\n{seq}\n")
+        for design in designs:
+            jobs.append(("mqar", "mqar", design, fasta,
+                         ["data.max_len=256", "data.max_tokens=4096", "data.valid_frac=0.02",
+                          "data.test_frac=0.02"]))
+
+    def run(job):
+        kind, group, design, data, extra = job
+        steps = args.steps if kind == "family" else args.mqar_steps
+        ckpt = train(data, out / group / design, design, steps, extra, experiment)
+        if kind == "family":
+            return kind, group, design, {str(k): v for k, v in
+                                         family_ppl(ckpt, evals[group], KS).items()}
+        return kind, group, design, {str(k): v for k, v in mqar_accuracy(ckpt, mqar_items).items()}
+
+    results: dict = {"steps": args.steps, "mqar_steps": args.mqar_steps, "family": {}, "mqar": {}}
+    with ThreadPoolExecutor(args.parallel) as pool:
+        for kind, group, design, value in pool.map(run, jobs):
+            if kind == "family":
+                results["family"].setdefault(group, {})[design] = value
+            else:
+                results["mqar"][design] = value
+            print(f"{group} {design}: {value}", flush=True)
+            (out / "results.json").write_text(json.dumps(results, indent=1))
+    text = table(results)
+    (out / "table.md").write_text(text + "\n")
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    np.seterr(all="ignore")
+    sys.exit(main())
