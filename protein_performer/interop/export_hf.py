@@ -76,6 +76,12 @@ def check_exportable(loaded: LoadedModel, as_exact: bool) -> None:
         )
     if tuple(loaded.alphabet.tokens) != ESM2_VOCAB:
         raise UserError(f"{loaded.source}: the vocabulary is not ESM-2's; use --format native")
+    if cfg.attention == "linear" or cfg.position_memory:
+        what = "a position memory" if cfg.position_memory else f"{cfg.kernel} linear attention"
+        raise UserError(
+            f"{loaded.source} uses {what}, which Hugging Face's ESM cannot express (its learned "
+            "weights have no place there): use --format native"
+        )
     if cfg.attention == "favor" and not as_exact:
         raise UserError(
             f"{loaded.source} uses FAVOR+ attention, which transformers does not have. Pass "

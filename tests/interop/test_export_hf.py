@@ -119,3 +119,24 @@ def test_default_load_predicts_contacts_and_no_regression_warns(tmp_path: Path, 
     assert any("at random" in r.getMessage() for r in caplog.records)
     config = (tmp_path / "bare_hf" / "config.json").read_text()
     assert "meaningless" in config
+
+
+def test_linear_attention_and_position_memory_stay_native(tmp_path: Path, capsys) -> None:
+    """A learned linear map or a position memory has no place in EsmForMaskedLM: refused in one
+    line; the native export keeps them and reloads with the same logits."""
+    tokens = _tokens()
+    for name, extra in [("hedgehog", {"attention": "linear", "kernel": "hedgehog"}),
+                        ("memory", {"attention": "favor", "position_memory": 64})]:
+        src = _model_dir(tmp_path, name, **extra)
+        argv = ["export", str(src), str(tmp_path / f"{name}-hf"), "--format", "hf", "--as-exact"]
+        assert main(argv) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("error:") and "--format native" in err
+        loaded = load_model(src, "cpu")
+        again = load_model(export_model(loaded, tmp_path / f"{name}-again"), "cpu")
+        with torch.no_grad():
+            a, b = loaded.model(tokens).logits, again.model(tokens).logits
+        assert torch.equal(a, b)
+        kinds = {type(m).__name__ for m in again.model.modules()}
+        assert ("Hedgehog" in kinds) == (name == "hedgehog")
+        assert ("PositionMemory" in kinds) == (name == "memory")
