@@ -37,12 +37,12 @@ MapBlocks = FavorMapBlocks | ExactMapBlocks
 Positions = int | torch.Tensor | None
 
 
-def _build_core(config: PerformerConfig) -> AttentionCore:
-    """The attention core ``config.attention`` names, inside the position memory when
-    ``config.position_memory`` is set."""
-    if config.attention == "exact":
+def _build_core(config: PerformerConfig, attention: str) -> AttentionCore:
+    """The core ``attention`` names, inside the position memory when ``config.position_memory``
+    is set."""
+    if attention == "exact":
         core = ExactAttention(causal=config.causal)
-    elif config.attention == "linear":
+    elif attention == "linear":
         core = LinearAttention(config.heads, config.head_dim, config.kernel, config.causal)
     else:
         core = FavorAttention(
@@ -62,12 +62,13 @@ def _build_core(config: PerformerConfig) -> AttentionCore:
 class MultiHeadSelfAttention(nn.Module):
     """Self-attention with rotary q/k around the core ``config.attention`` names.
 
-    The core is registered under the attention's name, its state-dict prefix: FAVOR+'s buffers
+    ``layer`` (1-based) picks the core of hybrid stacks (``config.exact_every``). The core is
+    registered under the attention's name, its state-dict prefix: FAVOR+'s buffers
     stay at ``...self_attn.favor.omega`` (checkpoints, ESM-2 conversions); the exact core has
     no state, so it adds no entry. :attr:`core` is the one to call.
     """
 
-    def __init__(self, config: PerformerConfig) -> None:
+    def __init__(self, config: PerformerConfig, layer: int = 1) -> None:
         super().__init__()
         self.heads = config.heads
         self.head_dim = config.head_dim
@@ -78,8 +79,8 @@ class MultiHeadSelfAttention(nn.Module):
         self.v_proj = nn.Linear(dim, dim)
         self.out_proj = nn.Linear(dim, dim)
         self.rot_emb = RotaryEmbedding(self.head_dim, base=config.rotary_base)
-        self._core_name = config.attention
-        self.add_module(self._core_name, _build_core(config))
+        self._core_name = config.layer_attention(layer)
+        self.add_module(self._core_name, _build_core(config, self._core_name))
 
     @property
     def core(self) -> AttentionCore:

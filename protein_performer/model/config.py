@@ -93,6 +93,9 @@ class PerformerConfig:
     # Tokens per training row of family context (the data's family_max_tokens), when known:
     # the default limit of a family context at inference. None: unknown (no limit).
     context_tokens: int | None = None
+    # Hybrid stacks: every N-th layer, counting down from the last, uses exact attention (its
+    # KV cache grows with the context); 0 = every layer uses ``attention``.
+    exact_every: int = 0
     # Member positions held by the position memory (model/linear/memory.py), mixed into every
     # layer's attention: the family context's homologs read by aligned position, in a state
     # of (P + 2W) x (head size + 1) per head whatever the number of members. 0 = off.
@@ -168,6 +171,8 @@ class PerformerConfig:
                 f"unknown kernel {self.kernel!r} for {self.attention} attention; choose one of "
                 f"{', '.join(kernels)}"
             )
+        if not 0 <= self.exact_every <= self.depth:
+            fail(f"exact_every must be in 0..depth={self.depth}, got {self.exact_every}")
         if self.position_memory < 0 or self.position_memory > 1 << 20:
             fail(f"position_memory must be in 0..{1 << 20} (0 = off), got {self.position_memory}")
         if not 0 <= self.memory_window <= 256:
@@ -197,6 +202,13 @@ class PerformerConfig:
         if not self.layer_norm_eps > 0:
             fail(f"layer_norm_eps must be positive, got {self.layer_norm_eps!r}")
         return self
+
+    def layer_attention(self, layer: int) -> str:
+        """The attention of block ``layer`` (1-based): ``attention``, or exact in a hybrid
+        stack's every ``exact_every``-th block from the last."""
+        if self.exact_every and (self.depth - layer) % self.exact_every == 0:
+            return "exact"
+        return self.attention
 
     def estimated_numel(self) -> int:
         """Parameters and buffers the model will hold, from the config alone (no allocation):

@@ -20,10 +20,10 @@ from protein_performer.model.config import PerformerConfig
 class TransformerLayer(nn.Module):
     """x + Attn(LN(x)), then x + FFN(LN(x)) with an erf GELU (ESM-2's ``gelu``)."""
 
-    def __init__(self, config: PerformerConfig) -> None:
+    def __init__(self, config: PerformerConfig, layer: int = 1) -> None:
         super().__init__()
         self.self_attn_layer_norm = nn.LayerNorm(config.dim, eps=config.layer_norm_eps)
-        self.self_attn = MultiHeadSelfAttention(config)
+        self.self_attn = MultiHeadSelfAttention(config, layer)
         self.final_layer_norm = nn.LayerNorm(config.dim, eps=config.layer_norm_eps)
         self.fc1 = nn.Linear(config.dim, config.ff_dim)
         self.fc2 = nn.Linear(config.ff_dim, config.dim)

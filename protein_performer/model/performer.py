@@ -48,7 +48,8 @@ class PerformerLM(nn.Module):
         config.validate()
         self.config = config
         self.embed_tokens = nn.Embedding(config.vocab_size, config.dim, padding_idx=config.pad_idx)
-        self.layers = nn.ModuleList(TransformerLayer(config) for _ in range(config.depth))
+        layers = range(1, config.depth + 1)
+        self.layers = nn.ModuleList(TransformerLayer(config, i) for i in layers)
         self.emb_layer_norm_after = nn.LayerNorm(config.dim, eps=config.layer_norm_eps)
         self.lm_head = LMHead(
             config.dim, config.vocab_size, self.embed_tokens.weight, eps=config.layer_norm_eps

@@ -92,3 +92,15 @@ def test_no_memory_in_reach_leaves_the_core_output():
     inner = ExactAttention(causal=True)(q, k, v)
     inner = inner[0] if isinstance(inner, tuple) else inner
     torch.testing.assert_close(out, inner)
+
+
+def test_hybrid_stack_puts_exact_attention_in_every_nth_layer_from_the_last():
+    from protein_performer.model.config import PerformerConfig
+    from protein_performer.model.performer import PerformerLM
+
+    cfg = PerformerConfig(dim=32, depth=5, heads=2, ff_dim=64, objective="clm", exact_every=2,
+                          nb_features=16)
+    cores = [type(layer.self_attn.core).__name__ for layer in PerformerLM(cfg).layers]
+    assert cores == ["ExactAttention", "FavorAttention"] * 2 + ["ExactAttention"]
+    with pytest.raises(Exception, match="exact_every"):
+        PerformerConfig(depth=2, exact_every=3).validate()
