@@ -3,17 +3,19 @@
 Why: in a family row ``<cls> m1 <eos> <cls> m2 <eos> ...`` with member positions (rotary
 restarting at every ``<cls>``), homologs line up roughly by position, and copying from them is
 what exact attention learns first (issue 30). A linear-attention cousin of MSA column
-attention keeps, per head, one sum of [v | 1] per member position p: M[p] = sum over the keys
-seen at position p. A query at position p reads a learned soft kernel over nearby positions,
+attention keeps, per head, one sum of [k | v | 1] per member position p over the keys seen at
+p, so each position has a mean key K[p] and a mean value V[p]. A query at position p attends
+over the 2W + 1 positions around it,
 
-    mem_t = sum_D w_h(D) M[p_t + D] / sum_D w_h(D) count[p_t + D],   D in [-W, W],
+    mem_t = sum_D softmax_D(q_t . K[p_t + D] / sqrt(d) + b_h(D)) V[p_t + D],   D in [-W, W],
 
-so an indel that shifts a homolog by a few positions still matches, and a head can learn to
-read D = +1 (the residue after the aligned one: what a causal model must predict). The state is
-(P + 2W) x (dv + 1) per head, P the longest member it holds: constant in the number of members
-and in the context's length. A per-head gate from the query, g_t = sigmoid(q_t . u_h + b_h),
-mixes it with the core's own output: out = core + g (mem - core); where no memory entry is in
-reach (positions >= P, an empty memory) the output is the core's.
+with rotary keys, so q . K carries the offset D as exact attention's scores do: a head can learn
+to read D = +1 (the residue after the aligned one: what a causal model predicts), and content
+decides between nearby positions when an indel shifts a homolog. The state is
+(P + 2W) x (d + dv + 1) per head, P the longest member it holds: constant in the number of
+members and in the context's length. A per-head gate from the query,
+g_t = sigmoid(q_t . u_h + b_h), mixes it with the core's own output, out = core + g (mem - core);
+where no memory entry is in reach (positions >= P, an empty memory) the output is the core's.
 
 The causal parallel form splits the keys j <= t into the members before t's (a table per
 member, prefix-summed over members) and t's own member up to t (a causal window within the
@@ -28,12 +30,12 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from protein_performer.model.linear.core import _TINY, _compute_dtype
+from protein_performer.model.linear.core import _compute_dtype
 
 
 class MemoryState(NamedTuple):
     """The mixed core's state: the inner core's (``inner``) and the position memory
-    ``mem`` (B, H, P + 2W, dv + 1), slot p + W holding the sum of [v | 1] at position p."""
+    ``mem`` (B, H, P + 2W, d + dv + 1), slot p + W holding the sum of [k | v | 1] at p."""
 
     inner: Any
     mem: Tensor
@@ -68,7 +70,7 @@ class PositionMemory(nn.Module):
         self.causal = inner.causal
         self.max_positions = max_positions
         self.window = window
-        # w_h(D) = exp(offset_logits[h, D + W]); 0 = a flat window at first.
+        # b_h(D) = offset_logits[h, D + W], a learned bias per offset; 0 at first.
         self.offset_logits = nn.Parameter(torch.zeros(heads, 2 * window + 1))
         self.gate_weight = nn.Parameter(torch.zeros(heads, dim_head))
         self.gate_bias = nn.Parameter(torch.full((heads,), -1.0))
@@ -81,52 +83,56 @@ class PositionMemory(nn.Module):
         valid = keep & (positions >= 0) & (positions < self.max_positions)
         return (positions.clamp(0, self.max_positions - 1) + self.window), valid
 
-    def _read(
-        self,
-        vx: Tensor,
-        positions: Tensor,
-        keep: Tensor,
-        mem: Tensor | None,
-    ) -> tuple[Tensor, Tensor]:
-        """Memory sums (B, H, L, dv+1) for every token, and the memory after the tokens."""
-        B, H, L, C = vx.shape
+    def _gather(self, kvx: Tensor, positions: Tensor, keep: Tensor, mem: Tensor | None):
+        """Per offset D, the sums of [k | v | 1] at position p_t + D over the keys t may read,
+        (B, H, L, 2W+1, C), and the memory after the tokens (B, H, S, C)."""
+        B, H, L, C = kvx.shape
         W, S = self.window, self.max_positions + 2 * self.window
         slot, valid = self._slots(positions, keep)
-        w = self.offset_logits.to(vx.dtype).exp()  # (H, 2W+1)
-        vx = vx * valid[:, None, :, None].to(vx.dtype)
+        kvx = kvx * valid[:, None, :, None].to(kvx.dtype)
         member = member_layout(positions)  # (B, L)
         K = int(member.max()) + 1
-        # tables[b, h, i] = sums of the members before i (and the state), by slot
-        table = vx.new_zeros(B, H, K + 1, S, C)
+        # table[b, h, i] = sums of the members before i (and the state's), by slot
+        table = kvx.new_zeros(B, H, K + 1, S, C)
         flat = (member + 1) * S + slot  # (B, L) into the (K+1)*S slots
         table.view(B, H, (K + 1) * S, C).scatter_add_(
-            2, flat[:, None, :, None].expand(B, H, L, C), vx
+            2, flat[:, None, :, None].expand(B, H, L, C), kvx
         )
         table = table.cumsum(2)
         if mem is not None:
-            table = table + mem.to(vx)[:, :, None]
-        new_mem = table[:, :, K]  # (B, H, S, C): everything, state included
-        read = torch.zeros_like(vx)
-        base = member * S + slot  # the table before t's own member
-        view = table.view(B, H, (K + 1) * S, C)
+            table = table + mem.to(kvx)[:, :, None]
+        new_mem = table[:, :, K]  # (B, H, S, C): everything, the state included
+        if self.causal:  # the members before t's, then t's own keys j <= t
+            view, base = table.view(B, H, (K + 1) * S, C), member * S + slot
+        else:  # bidirectional: every token of every member, t's own member included
+            view, base = new_mem, slot
+        sums = []
         for d in range(-W, W + 1):
             index = (base + d)[:, None, :, None].expand(B, H, L, C)
-            read = read + w[:, d + W, None, None] * view.gather(2, index)
-        if self.causal:  # t's own member, keys j <= t (positions continue by 1 within it)
-            for d in range(0, W + 1):
-                if d >= L:
-                    break
-                same = (member[:, d:] == member[:, :-d or None])[:, None, :, None]
-                shifted = vx[:, :, : L - d] * same.to(vx.dtype)
-                read[:, :, d:] = read[:, :, d:] + w[:, W - d, None, None] * shifted
-        else:  # bidirectional: every token of every member, the own member included
-            read = torch.zeros_like(vx)
-            total = table[:, :, K]
-            for d in range(-W, W + 1):
-                index = (slot + d)[:, None, :, None].expand(B, H, L, C)
-                read = read + w[:, d + W, None, None] * total.gather(2, index)
-        read = read * valid[:, None, :, None].to(vx.dtype)  # nothing read past P
-        return read, new_mem
+            sums.append(view.gather(2, index))
+        if self.causal:  # positions continue by 1 within a member: key j = t - d is at p_t - d
+            for d in range(0, min(W, L - 1) + 1):
+                same = (member[:, d:] == member[:, : L - d])[:, None, :, None]
+                own = F.pad(kvx[:, :, : L - d] * same.to(kvx.dtype), (0, 0, d, 0))
+                sums[W - d] = sums[W - d] + own
+        return torch.stack(sums, 3) * valid[:, None, :, None, None].to(kvx.dtype), new_mem
+
+    def _read(self, q: Tensor, k: Tensor, v: Tensor, positions: Tensor, keep: Tensor,
+              mem: Tensor | None) -> tuple[Tensor, Tensor, Tensor]:
+        """The memory's output (B, H, L, dv), whether any entry was in reach (B, H, L, 1), and
+        the memory after the tokens: attention over the 2W+1 positions around p_t, each
+        position's key and value the mean over the members seen there."""
+        d = q.shape[-1]
+        kvx = torch.cat([k, v, torch.ones_like(v[..., :1])], -1)  # (B, H, L, d + dv + 1)
+        sums, new_mem = self._gather(kvx, positions, keep, mem)  # (B, H, L, 2W+1, C)
+        count = sums[..., -1]  # (B, H, L, 2W+1)
+        seen = count > 0
+        mean = sums[..., :-1] / count.clamp_min(1e-6)[..., None]
+        scores = (mean[..., :d] * q[..., None, :]).sum(-1) * d**-0.5  # (B, H, L, 2W+1)
+        scores = scores + self.offset_logits.to(q.dtype)[None, :, None, :]
+        weights = scores.masked_fill(~seen, float("-inf")).softmax(-1).nan_to_num(0.0)
+        out = (weights[..., None] * mean[..., d:]).sum(-2)  # (B, H, L, dv)
+        return out, seen.any(-1, keepdim=True), new_mem
 
     def forward(
         self,
@@ -159,15 +165,14 @@ class PositionMemory(nn.Module):
         )
         dtype = _compute_dtype(q)
         with torch.autocast(device_type=q.device.type, enabled=False):
-            vx = F.pad(v.to(dtype), (0, 1), value=1.0)  # (B, H, L, dv+1)
-            read, mem = self._read(vx, pos, keep, None if state is None else state.mem)
-            den = read[..., -1:]
-            mem_out = read[..., :-1] / den.clamp_min(_TINY)
+            x, y, vv = q.to(dtype), k.to(dtype), v.to(dtype)
+            mem_out, seen, mem = self._read(x, y, vv, pos, keep,
+                                            None if state is None else state.mem)
             gate = torch.sigmoid(
-                (q.to(dtype) * self.gate_weight.to(dtype)[:, None]).sum(-1, keepdim=True)
+                (x * self.gate_weight.to(dtype)[:, None]).sum(-1, keepdim=True)
                 + self.gate_bias.to(dtype)[:, None, None]
             )  # (B, H, L, 1)
-            gate = gate * (den > 0).to(dtype)  # no entry in reach: the core's output alone
+            gate = gate * seen.to(dtype)  # no entry in reach: the core's output alone
             mixed = out.to(dtype) + gate * (mem_out - out.to(dtype))
         new = MemoryState(inner_state, mem) if keep_state else None
         return mixed.to(q.dtype), new

@@ -20,34 +20,48 @@ def _rows(seed: int):
     return member_positions(tokens, 0), mask
 
 
-def _reference(mem: PositionMemory, q, v, pos, mask, causal):
-    """sum_j w(p_j - p_t) [v_j | 1] over real keys j (j <= t when causal), |p_j - p_t| <= W,
-    both positions < P; then the gate's mix with the inner core's output."""
+def _reference(mem: PositionMemory, q, k, v, pos, mask, inner_out):
+    """The definition, loop-free in O(L^2 W): for each offset D the mean key and value of the
+    real keys j (j <= t when causal) at position p_t + D, both positions < P; softmax over the
+    offsets that hold a key; the gate's mix with the inner core's output."""
     W, P = mem.window, mem.max_positions
-    vx = torch.cat([v, torch.ones_like(v[..., :1])], -1).double()
+    q, k, v = q.double(), k.double(), v.double()
+    d = q.shape[-1]
     delta = pos[:, None, :] - pos[:, :, None]  # (B, t, j): p_j - p_t
-    ok = (delta.abs() <= W) & ~mask[:, None, :] & (pos[:, None, :] < P) & (pos[:, :, None] < P)
+    ok = ~mask[:, None, :] & (pos[:, None, :] < P) & (pos[:, :, None] < P)
     L = pos.shape[1]
-    if causal:
+    if mem.causal:
         ok &= torch.ones(L, L, dtype=torch.bool).tril()
-    w = mem.offset_logits.double().exp()[:, (delta.clamp(-W, W) + W)]  # (H, B, t, j)
-    weights = w.permute(1, 0, 2, 3) * ok[:, None].double()  # (B, H, t, j)
-    read = weights @ vx
-    return read
+    offsets = torch.arange(-W, W + 1)
+    hit = (delta[..., None] == offsets) & ok[..., None]  # (B, t, j, D)
+    hit = hit[:, None].double()  # (B, 1, t, j, D)
+    count = hit.sum(3)  # (B, 1, t, D)
+    mean_k = torch.einsum("bxtjo,bhjd->bhtod", hit, k) / count.clamp_min(1e-12)[..., None]
+    mean_v = torch.einsum("bxtjo,bhjd->bhtod", hit, v) / count.clamp_min(1e-12)[..., None]
+    scores = (mean_k * q[:, :, :, None]).sum(-1) / d**0.5 + mem.offset_logits.double()[:, None]
+    weights = scores.masked_fill(count == 0, float("-inf")).softmax(-1).nan_to_num(0.0)
+    read = (weights[..., None] * mean_v).sum(-2)
+    gate = torch.sigmoid((q * mem.gate_weight.double()[:, None]).sum(-1, keepdim=True)
+                         + mem.gate_bias.double()[:, None, None])
+    gate = gate * (count > 0).any(-1, keepdim=True)
+    return inner_out.double() + gate * (read - inner_out.double())
 
 
 @pytest.mark.parametrize("causal", [True, False])
-def test_memory_read_matches_its_definition(causal):
+def test_memory_matches_its_definition(causal):
     torch.manual_seed(0)
     mem = PositionMemory(ExactAttention(causal=causal), 2, 6, max_positions=11, window=2)
     with torch.no_grad():
         mem.offset_logits.normal_()
+        mem.gate_weight.normal_()
     pos, mask = _rows(0)
-    v = torch.randn(2, 2, 41, 6)
-    vx = torch.cat([v, torch.ones_like(v[..., :1])], -1)
-    read, _ = mem._read(vx, pos, ~mask, None)
-    ref = _reference(mem, None, v, pos, mask, causal)
-    torch.testing.assert_close(read.double(), ref, atol=1e-5, rtol=1e-5)
+    q, k, v = (torch.randn(2, 2, 41, 6) for _ in range(3))
+    out, _ = mem(q, k, v, mask, positions=pos)
+    inner = ExactAttention(causal=causal)(q, k, v, mask)
+    inner = inner[0] if isinstance(inner, tuple) else inner
+    ref = _reference(mem, q, k, v, pos, mask, inner)
+    torch.testing.assert_close(out.double()[0], ref[0], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(out.double()[1, :, :36], ref[1, :, :36], atol=1e-5, rtol=1e-5)
 
 
 def test_member_layout_counts_members():
@@ -73,7 +87,7 @@ def test_memory_state_continues_the_row_and_has_a_fixed_size():
     b, after = mem(q[:, :, 20:], k[:, :, 20:], v[:, :, 20:], state=state,
                    positions=pos[:, 20:], keep_state=True)
     torch.testing.assert_close(torch.cat([a, b], 2), full, atol=1e-5, rtol=1e-4)
-    assert state.mem.shape == after.mem.shape == (1, 2, 16 + 6, 7)
+    assert state.mem.shape == after.mem.shape == (1, 2, 16 + 6, 6 + 6 + 1)
     steps, s = [], None
     for t in range(41):
         sl = slice(t, t + 1)
