@@ -267,6 +267,46 @@ def load_context(lm: ProteinLM, args: argparse.Namespace) -> FamilyContext | Non
     return ctx
 
 
+class Stopped(KeyboardInterrupt):
+    """SIGTERM turned into an exception, so a command's ``finally`` blocks and hints run."""
+
+
+#: Exit status of a command stopped by SIGTERM (128 + 15, as the shell reports it; as train).
+SIGTERM_EXIT = 143
+
+
+@contextlib.contextmanager
+def resume_hint(out: str | os.PathLike[str]) -> Iterator[None]:
+    """A run of a command with ``--resume`` that is stopped (Ctrl-C, SIGTERM) says what it
+    kept and how to continue, as ``train`` does: one line, exit status 130 or 143."""
+    import signal
+    import threading
+
+    from protein_performer.io.atomic import output_file
+    from protein_performer.io.sharding import finished_parts, parts_dir
+
+    def stop(signum: int, frame: object) -> None:
+        raise Stopped
+
+    main = threading.current_thread() is threading.main_thread()
+    before = signal.signal(signal.SIGTERM, stop) if main else None
+    try:
+        yield
+    except KeyboardInterrupt as exc:
+        pdir = parts_dir(output_file(out))
+        kept = len(finished_parts(pdir))
+        how = "SIGTERM" if isinstance(exc, Stopped) else "interrupted"
+        print(
+            f"{how}: {kept} finished part(s) kept in {pdir}; rerun the same command with "
+            "--resume to continue (only the window in flight is redone)",
+            file=sys.stderr,
+        )
+        raise SystemExit(SIGTERM_EXIT if isinstance(exc, Stopped) else 130) from None
+    finally:
+        if main:
+            signal.signal(signal.SIGTERM, signal.SIG_DFL if before is None else before)
+
+
 #: Seeds reach numpy, which takes [0, 2**32): one range for every ``--seed`` flag.
 MAX_SEED = 2**32 - 1
 

@@ -283,12 +283,15 @@ class ProteinLM:
         toks_per_batch: int = 4096,
         *,
         context: FamilyContext | None = None,
+        progress: Any = None,  # noqa: ANN401 - a tqdm-like bar
     ) -> Iterator[tuple[str, SequenceScore]]:
-        """Yield ``(id, SequenceScore)`` in input order; see :meth:`score` for the strategies."""
+        """Yield ``(id, SequenceScore)`` in input order; see :meth:`score` for the strategies.
+        ``progress``: a tqdm-like bar to advance by residues (pseudo-ppl: masked passes)."""
         strategy = self._strategy(strategy, SEQUENCE_STRATEGIES, "pseudo-ppl")
         self._check_context(context)
+        bar = False if progress is None else progress
         for window in windows(_as_records(records), toks_per_batch, lambda r: len(r[1])):
-            scores = score_sequences(self.loaded, window, strategy, toks_per_batch, False, context)
+            scores = score_sequences(self.loaded, window, strategy, toks_per_batch, bar, context)
             for score in scores:
                 if not np.isfinite(score.log_likelihood):
                     raise UserError(
@@ -408,7 +411,7 @@ class ProteinLM:
         from protein_performer.contacts.predict import find_regression, predict_contacts
 
         ((_, text),) = list(_as_records([("sequence", seq)]))
-        reg = find_regression(self.loaded, regression)
+        reg = find_regression(self.loaded, regression, caller="python")
         cmap = predict_contacts(self.loaded, text, reg, dense_max_length=len(text))
         return cmap.dense
 

@@ -33,6 +33,7 @@ unparseable) gets an empty score and is listed by its CSV line number, never a c
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import logging
 import math
@@ -41,12 +42,12 @@ import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 
-from protein_performer.data.inputs import input_records, read_records
+from protein_performer.data.inputs import input_records, read_records, total_in_background
 from protein_performer.data.sampler import budget_batches
 from protein_performer.errors import UserError
 from protein_performer.interop.loading import LoadedModel
@@ -234,15 +235,18 @@ def score_sequences(
     records: Sequence[tuple[str, str]],
     strategy: str = "pseudo-ppl",
     toks_per_batch: int = 4096,
-    progress: bool = False,
+    progress: bool | Any = False,  # noqa: ANN401 - or a caller's bar to advance
     context: FamilyContext | None = None,
 ) -> list[SequenceScore]:
     """Score ``(id, sequence)`` pairs with ``strategy`` (see the module docstring), after a
-    family ``context`` when given (causal only)."""
+    family ``context`` when given (causal only). ``progress``: a bar of its own, or the
+    caller's bar, advanced by residues (pseudo-ppl: masked passes) as batches finish."""
     check_strategy(loaded, strategy, SEQUENCE_STRATEGIES)
     _check_context(strategy, context)
     seqs = [s for _, s in records]
-    with progress_bar(sum(len(s) for s in seqs), "res", strategy, progress) as bar:
+    own = isinstance(progress, bool)
+    given = progress_bar(sum(len(s) for s in seqs), "res", strategy, progress) if own else None
+    with given or contextlib.nullcontext(progress) as bar:
         if strategy == "causal":
             terms = causal_log_likelihoods(loaded, seqs, toks_per_batch, bar, context)
         else:
@@ -301,14 +305,14 @@ def score_fasta(
 
     def write_part(part: Path, window: list) -> None:
         pairs = [(r.id, r.sequence) for r in window]
+        scores = lm.iter_score(pairs, strategy, toks_per_batch, context=context, progress=bar)
         with atomic_output(part) as tmp, open(tmp, "w", newline="", encoding="utf-8") as fh:
             writer = csv.writer(fh, delimiter=delimiter)
-            for _, score in lm.iter_score(pairs, strategy, toks_per_batch, context=context):
+            for _, score in scores:
                 writer.writerow(score.row())
                 mine.num_records += 1
                 mine.log_likelihood += score.log_likelihood
                 mine.n_scored += score.n_scored
-        bar.update(len(window))
 
     merged = ScoreSummary(0, 0.0, 0)
 
@@ -329,7 +333,10 @@ def score_fasta(
 
     records = input_records(path, on_invalid)
     batches = windows(records, toks_per_batch, lambda r: len(r.sequence))
-    bar = progress_bar(None, "seq", rank_label(strategy), progress)
+    # Residues (pseudo-ppl: one masked pass each) advance inside a window, batch by batch.
+    unit = "pass" if strategy == "pseudo-ppl" else "res"
+    bar = progress_bar(None, unit, rank_label(strategy), progress)
+    total_in_background(bar, path, "residues")
     with tempfile.TemporaryDirectory() as tmp, bar:
         dest = Path(tmp) / "scores" if to_stdout else Path(out).expanduser()
         parts = Path(tmp) / "parts" if to_stdout else None
@@ -515,6 +522,51 @@ def _spearman(scores: Sequence[float | None], labels: Sequence[str]) -> tuple[fl
     return (None if rho is None or not math.isfinite(rho) else float(rho)), len(xs)
 
 
+def matching_offset(texts: Sequence[str], wt_seq: str) -> tuple[int, int, int] | None:
+    """The ``offset`` under which most single mutations of ``texts`` name the wild type's
+    letter at their position: ``(offset, rows matching, rows parsed)``, or None when no
+    mutation parses. Every offset that puts a position on the sequence is tried."""
+    from collections import Counter
+
+    where: dict[str, np.ndarray] = {}
+    seq = np.frombuffer(wt_seq.encode(), dtype=np.uint8)
+    votes: Counter[int] = Counter()
+    parsed = 0
+    for text in texts:
+        offsets: set[int] | None = None
+        for part in re.split(r"[:;,\s]+", text.strip()):
+            m = _MUTATION.match(part)
+            if not part or not m:
+                continue
+            wt, pos = m.group(1).upper(), int(m.group(2))
+            if wt not in where:
+                where[wt] = np.flatnonzero(seq == ord(wt))
+            fits = set((pos - where[wt]).tolist())
+            offsets = fits if offsets is None else offsets & fits
+        if offsets is not None:
+            parsed += 1
+            votes.update(offsets)
+    if not votes:
+        return None
+    best, count = min(votes.items(), key=lambda kv: (-kv[1], abs(kv[0] - 1), kv[0]))
+    return best, count, parsed
+
+
+def offset_hint(texts: Sequence[str], wt_seq: str, offset: int, matched: int) -> str | None:
+    """``"with --offset 24 ... match"`` when another offset fits more of ``texts`` than the
+    ``matched`` rows ``offset`` fits (mutation numbering often starts before the sequence
+    given), else None."""
+    found = matching_offset(texts, wt_seq)
+    if found is None or found[0] == offset or found[1] <= matched:
+        return None
+    best, count, parsed = found
+    return (
+        f"with --offset {best} the wild-type letters of {count} of {parsed} parsed row(s) "
+        f"match ({matched} with --offset {offset}): pass --offset {best}, the number of the "
+        "sequence's first residue in the mutation names"
+    )
+
+
 def score_variants_file(
     lm: ProteinLM,
     wt_fasta: str | os.PathLike[str],
@@ -598,6 +650,16 @@ def score_variants_file(
             parsed.append(None)
             skipped.append((line, text, str(exc)))
     valid = [v for v in parsed if v is not None]
+    if not rows:
+        raise UserError(f"{path} has no rows to score (only its header)")
+    hint = None
+    if skipped:
+        hint = offset_hint([text for _, text, _ in skipped] + valid, wt_seq, offset, len(valid))
+    if not valid:
+        raise UserError(
+            f"{path}: none of its {len(rows)} row(s) fits the wild type with --offset {offset}; "
+            + (hint or "check the wild type and the mutation column (e.g. A42G)")
+        )
     values = lm.score_variants(
         wt_seq, valid, strategy, offset, toks_per_batch, progress, context=context
     )
@@ -618,4 +680,6 @@ def score_variants_file(
         summary.spearman, summary.spearman_n = _spearman(scores, labels)
     if skipped:
         log.warning("%s", summary.skipped_summary())
+    if hint:
+        log.warning("%s", hint)
     return summary
