@@ -247,6 +247,61 @@ class ProteinLM:
             return stack(rows)
         return {k: stack([r[k] for r in rows]) for k in dict.fromkeys(layers)}
 
+    # ----------------------------------------------------------------------------- raw outputs
+    @torch.inference_mode()
+    def logits(self, seqs: Records | str, toks_per_batch: int = 4096) -> list[np.ndarray]:
+        """The model's logits per sequence, float32 (T_i, V) over ``<cls> residues <eos>`` in
+        the vocabulary's order (``lm.alphabet``), as ESM's and Hugging Face's
+        ``model(tokens).logits``: row ``i + 1`` is residue ``i``. Unmasked, one pass per
+        batch (a masked LM's rows then score each residue while seeing it)."""
+        from protein_performer.data.sampler import budget_batches
+
+        records = list(_as_records(seqs))
+        lengths = [len(s) + 2 for _, s in records]
+        out: list[np.ndarray | None] = [None] * len(records)
+        for batch in budget_batches(lengths, toks_per_batch):
+            tokens = self.alphabet.encode_batch([records[i][1] for i in batch])  # (B, T)
+            logits = self.model(tokens.to(self.device)).logits.float().cpu().numpy()  # (B, T, V)
+            for row, i in enumerate(batch):
+                out[i] = logits[row, : lengths[i]]
+        for (rid, _), value in zip(records, out, strict=True):
+            if not np.isfinite(value).all():  # type: ignore[union-attr]
+                raise UserError(
+                    f"sequence {rid}: the model gave non-finite logits; its weights or "
+                    "precision are broken (try --precision fp32)"
+                )
+        return out  # type: ignore[return-value]
+
+    def attention(
+        self,
+        seq: str,
+        layers: Sequence[int] | None = None,
+        heads: Sequence[int] | None = None,
+        window: tuple[int, int] | None = None,
+    ) -> np.ndarray:
+        """Implied attention maps of one sequence, float32 (n_layers, n_heads, W, L) over
+        residues (no ``<cls>``/``<eos>``): row ``r`` is how residue ``start + r`` attends to
+        each residue, what ``visualize`` and the HTML report draw. FAVOR+ never forms the
+        matrix: each row is the attention's output for V = I, so a ``window=(start, end)`` of
+        query residues costs O(W x L) memory (default: all L rows). ``layers`` 1..depth
+        (negative from the end; default all), ``heads`` 0-based (default all), in sorted
+        order."""
+        from protein_performer.contacts.attention import attention_maps, resolve_layers
+
+        ((_, text),) = list(_as_records([("sequence", seq)]))
+        chosen = resolve_layers(self.model, None if layers is None else list(layers))
+        rows: dict[int, np.ndarray] = {}
+
+        def sink(layer: int, maps: Any) -> None:  # noqa: ANN401 - a (H', W, L) tensor
+            rows[layer] = maps.float().cpu().numpy()
+
+        with torch.inference_mode():
+            attention_maps(
+                self.model, text, layers=chosen, heads=None if heads is None else list(heads),
+                window=None if window is None else (int(window[0]), int(window[1])), sink=sink,
+            )  # fmt: skip
+        return np.stack([rows[layer] for layer in chosen])
+
     # ----------------------------------------------------------------------------- context
     def context(self, homologs: Homologs, max_tokens: int | None = None) -> FamilyContext:
         """Read a family once, for ``score``/``score_variants``/``generate(context=...)``.
