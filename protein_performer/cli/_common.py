@@ -22,6 +22,7 @@ from protein_performer.errors import UserError
 if TYPE_CHECKING:
     from protein_performer.inference.api import ProteinLM
     from protein_performer.inference.context import FamilyContext
+    from protein_performer.inference.ensemble import ContextEnsemble
 
 ON_INVALID_HELP = "invalid FASTA records: stop with an error (default) or skip them"
 TOKS_PER_BATCH_HELP = "token budget per pass (default: 4096)"
@@ -251,13 +252,95 @@ def add_context(p: argparse.ArgumentParser) -> None:
     )
 
 
-def load_context(lm: ProteinLM, args: argparse.Namespace) -> FamilyContext | None:
-    """The family context ``--context`` names, read once and reported in one line; None without
-    it (``--max-context-tokens`` alone is refused: it would silently do nothing)."""
+def _fractions(text: str) -> tuple[float, ...]:
+    try:
+        values = tuple(float(t) for t in text.split(",") if t.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected fractions such as 1.0,0.9,0.7, got {text!r}"
+        ) from None
+    if not values or not all(0 < v <= 1 for v in values):
+        raise argparse.ArgumentTypeError(f"each must be in (0, 1], got {text!r}")
+    return values
+
+
+def _counts(text: str) -> tuple[int, ...]:
+    try:
+        values = tuple(int(t) for t in text.split(",") if t.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected token counts such as 6144,12288, got {text!r}"
+        ) from None
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"each must be at least 1, got {text!r}")
+    return values
+
+
+def add_context_ensemble(p: argparse.ArgumentParser) -> None:
+    """``--context-max-identity``, ``--context-tokens``, ``--context-orders``,
+    ``--context-seed``: a PoET-style ensemble of prompts from one homolog file."""
+    p.add_argument(
+        "--context-max-identity",
+        type=_fractions,
+        default=None,
+        metavar="X,Y,...",
+        help="one prompt per value, each without the homologs more identical to the wild type "
+        "than it (identity by the package's aligner, MMseqs2's fident; 1.0 keeps all)",
+    )
+    p.add_argument(
+        "--context-tokens",
+        type=_counts,
+        default=None,
+        metavar="N,M,...",
+        help="one prompt per context token budget (whole homologs, in the prompt's order)",
+    )
+    p.add_argument(
+        "--context-orders",
+        type=positive_int,
+        default=None,
+        metavar="N",
+        help="N random orders of the homologs (from --context-seed), each also reversed: 2N "
+        "prompts per identity and budget (default: the file's order)",
+    )
+    p.add_argument(
+        "--context-seed", type=seed_arg, default=0, help="seed of the random orders (default 0)"
+    )
+
+
+def context_options(args: argparse.Namespace) -> dict[str, Any]:
+    """The ensemble options given (``lm.context``'s keywords); empty for one plain context."""
+    options: dict[str, Any] = {}
+    if getattr(args, "context_max_identity", None) is not None:
+        options["max_identity"] = args.context_max_identity
+    if getattr(args, "context_tokens", None) is not None:
+        options["tokens"] = args.context_tokens
+    if getattr(args, "context_orders", None) is not None:
+        options["orders"] = args.context_orders
+    if options:
+        options["seed"] = args.context_seed
+    return options
+
+
+def load_context(
+    lm: ProteinLM, args: argparse.Namespace, query: str | None = None
+) -> FamilyContext | ContextEnsemble | None:
+    """The family context ``--context`` names (an ensemble with ``--context-*`` lists), read
+    once and reported in one line; None without it (``--max-context-tokens`` or ``--context-*``
+    alone are refused: they would silently do nothing)."""
+    options = context_options(args)
     if args.context is None:
-        if args.max_context_tokens is not None:
-            raise UserError("--max-context-tokens needs --context HOMOLOGS.fasta")
+        if args.max_context_tokens is not None or options:
+            flag = "--max-context-tokens" if args.max_context_tokens is not None else "--context-*"
+            raise UserError(f"{flag} needs --context HOMOLOGS.fasta")
         return None
+    if options:
+        ens: Any = lm.context(args.context, args.max_context_tokens, query=query, **options)
+        sizes = ", ".join(f"{p.label}: {p.context.n_tokens}" for p in ens.prompts)
+        print(
+            f"context: {len(ens.prompts)} prompt(s) from {args.context} (tokens {sizes})",
+            file=sys.stderr,
+        )
+        return ens
     ctx = lm.context(args.context, max_tokens=args.max_context_tokens)
     left = f", {len(ctx.dropped)} left out by the token limit" if ctx.dropped else ""
     print(

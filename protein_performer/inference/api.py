@@ -24,6 +24,7 @@ from protein_performer.data.tokenizer import STANDARD_AA, Alphabet
 from protein_performer.errors import UserError
 from protein_performer.inference.context import FamilyContext, Homologs, build_context
 from protein_performer.inference.embedding import HIDDEN_KINDS, embed_sequences, resolve_layers
+from protein_performer.inference.ensemble import ContextEnsemble
 from protein_performer.inference.generation import Generated, SamplingOptions, iter_generate
 from protein_performer.inference.scoring import (
     SEQUENCE_STRATEGIES,
@@ -129,6 +130,13 @@ def _as_records(seqs: Records | str) -> Iterator[tuple[str, str]]:
         except ValueError as exc:
             raise UserError(f"sequence {i} ({rid}): {exc}") from None
         yield rid, seq
+
+
+def _prompts(context: FamilyContext | ContextEnsemble | None) -> list[FamilyContext | None]:
+    """The contexts to score with: an ensemble's prompts, else the one context (or None)."""
+    if isinstance(context, ContextEnsemble):
+        return [p.context for p in context.prompts]
+    return [context]
 
 
 def _pooling_kinds(pooling: str | None | Sequence[str | None]) -> tuple[list[str], bool]:
@@ -303,8 +311,25 @@ class ProteinLM:
         return np.stack([rows[layer] for layer in chosen])
 
     # ----------------------------------------------------------------------------- context
-    def context(self, homologs: Homologs, max_tokens: int | None = None) -> FamilyContext:
+    def context(
+        self,
+        homologs: Homologs,
+        max_tokens: int | None = None,
+        *,
+        query: str | None = None,
+        max_identity: Sequence[float] | None = None,
+        tokens: Sequence[int | None] | None = None,
+        orders: int = 0,
+        seed: int = 0,
+    ) -> FamilyContext | ContextEnsemble:
         """Read a family once, for ``score``/``score_variants``/``generate(context=...)``.
+
+        With any of ``max_identity`` (drop homologs more identical to ``query`` than each
+        value), ``tokens`` (context token budgets) or ``orders`` (N seeded random orders, each
+        also reversed), a PoET-style :class:`ContextEnsemble` instead: one prompt per
+        combination, scores averaged over them; it scores like one context (``generate``
+        takes one context: ``ens.prompts[i].context``). Built from (homologs, query, options,
+        seed) alone: the same inputs give the same prompts (``ens.record()``).
 
         ``homologs``: strings, (id, sequence) pairs or a FASTA path, in order of relevance;
         read as one row ``<cls> m1 <eos> <cls> m2 <eos> ...`` (one prefill). Members past
@@ -312,10 +337,19 @@ class ProteinLM:
         limit) are left out and logged. Causal models only (a masked LM: ``UserError``).
         The result is immutable: score any number of candidates against it.
         """
-        return build_context(self.loaded, homologs, max_tokens)
+        if max_identity is None and tokens is None and not orders:
+            return build_context(self.loaded, homologs, max_tokens)
+        from protein_performer.inference.ensemble import build_ensemble
 
-    def _check_context(self, context: FamilyContext | None) -> None:
-        if context is not None and not isinstance(context, FamilyContext):
+        if tokens is not None and max_tokens is not None:
+            raise UserError("give max_tokens or tokens (an ensemble's budgets), not both")
+        return build_ensemble(
+            self.loaded, homologs, query=query, max_identity=max_identity or (1.0,),
+            tokens=tokens or (max_tokens,), orders=orders, seed=seed,
+        )  # fmt: skip
+
+    def _check_context(self, context: FamilyContext | ContextEnsemble | None) -> None:
+        if context is not None and not isinstance(context, FamilyContext | ContextEnsemble):
             raise UserError(
                 f"context must come from lm.context(homologs), got {type(context).__name__}"
             )
@@ -337,7 +371,7 @@ class ProteinLM:
         strategy: str | None = None,
         toks_per_batch: int = 4096,
         *,
-        context: FamilyContext | None = None,
+        context: FamilyContext | ContextEnsemble | None = None,
         progress: Any = None,  # noqa: ANN401 - a tqdm-like bar
     ) -> Iterator[tuple[str, SequenceScore]]:
         """Yield ``(id, SequenceScore)`` in input order; see :meth:`score` for the strategies.
@@ -345,8 +379,16 @@ class ProteinLM:
         strategy = self._strategy(strategy, SEQUENCE_STRATEGIES, "pseudo-ppl")
         self._check_context(context)
         bar = False if progress is None else progress
+        prompts = _prompts(context)
         for window in windows(_as_records(records), toks_per_batch, lambda r: len(r[1])):
-            scores = score_sequences(self.loaded, window, strategy, toks_per_batch, bar, context)
+            runs = [
+                score_sequences(self.loaded, window, strategy, toks_per_batch, bar, ctx)
+                for ctx in prompts
+            ]  # an ensemble's scores: the mean over its prompts
+            scores = []
+            for i, first in enumerate(runs[0]):
+                mean = float(np.mean([run[i].log_likelihood for run in runs]))
+                scores.append(SequenceScore(first.id, first.length, first.n_scored, mean))
             for score in scores:
                 if not np.isfinite(score.log_likelihood):
                     raise UserError(
@@ -361,7 +403,7 @@ class ProteinLM:
         strategy: str | None = None,
         toks_per_batch: int = 4096,
         *,
-        context: FamilyContext | None = None,
+        context: FamilyContext | ContextEnsemble | None = None,
     ) -> np.ndarray:
         """Mean log-likelihood per scored token, one per sequence (what ``score`` writes).
 
@@ -382,7 +424,7 @@ class ProteinLM:
         toks_per_batch: int = 4096,
         progress: bool = False,
         *,
-        context: FamilyContext | None = None,
+        context: FamilyContext | ContextEnsemble | None = None,
     ) -> np.ndarray:
         """Log-ratio mutant vs wild type per mutant (``"A42G"``, ``"A42G:K45R"``, ``"wt"``).
 
@@ -400,12 +442,15 @@ class ProteinLM:
                 parsed.append(parse_mutant(text, wt, offset, self.alphabet))
             except ValueError as exc:
                 raise UserError(f"mutant {i} ({text!r}): {exc}") from None
-        values = np.asarray(
-            score_variants(
-                self.loaded, wt, parsed, strategy, toks_per_batch, progress, context=context
-            ),
-            dtype=np.float64,
-        )
+        values = np.mean(
+            [
+                score_variants(
+                    self.loaded, wt, parsed, strategy, toks_per_batch, progress, context=ctx
+                )
+                for ctx in _prompts(context)
+            ],
+            axis=0,
+        ).astype(np.float64)  # an ensemble's score: the mean over its prompts
         if not np.all(np.isfinite(values)):
             raise UserError(
                 "the model gave non-finite variant scores; its weights or precision are broken "
@@ -566,6 +611,11 @@ class ProteinLM:
     ) -> Iterator[Generated]:
         """Yield :class:`Generated` records (sequence, how it ended, per-token log-probs)."""
         self._check_context(context)
+        if isinstance(context, ContextEnsemble):
+            raise UserError(
+                "generate takes one context, not an ensemble of prompts: pass one of "
+                "ensemble.prompts[i].context"
+            )
         opts = SamplingOptions(max_length, min_length, temperature, top_k, top_p)
         if isinstance(prompt, str):
             prompts: str | list[str] = prompt.strip().upper()

@@ -160,7 +160,7 @@ def _layout(attrs: dict[str, Any]) -> Layout:
     return Layout([*RECORD_COLUMNS, *pooled], ragged)
 
 
-def _features_sha256(model: torch.nn.Module) -> str:
+def features_sha256(model: torch.nn.Module) -> str:
     """SHA-256 of the FAVOR+ random features (empty for exact attention): embeddings depend on
     them, so a resumed run must use the same ones."""
     import hashlib
@@ -185,7 +185,7 @@ def file_attrs(lm: ProteinLM, layers: Sequence[int], include: Sequence[str]) -> 
         "protein_performer_version": __version__,
         "checkpoint": str(lm.loaded.source),
         "model_sha256": weights_sha256(lm.model),
-        "features_sha256": _features_sha256(lm.model),
+        "features_sha256": features_sha256(lm.model),
         "objective": lm.config.objective,
         "attention": lm.config.attention,
         "dim": lm.config.dim,

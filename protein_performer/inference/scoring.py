@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import contextlib
 import csv
+import json
 import logging
 import math
 import os
@@ -58,6 +59,7 @@ from protein_performer.io.progress import progress as progress_bar
 if TYPE_CHECKING:
     from protein_performer.inference.api import ProteinLM
     from protein_performer.inference.context import FamilyContext
+    from protein_performer.inference.ensemble import ContextEnsemble
 
 log = logging.getLogger(__name__)
 
@@ -73,6 +75,8 @@ STRATEGY_OBJECTIVE = {
 SCORE_COLUMNS = ("id", "length", "n_scored", "log_likelihood", "mean_log_likelihood", "perplexity")
 _MUTATION = re.compile(r"^([A-Za-z])(-?\d+)([A-Za-z])$")
 _WILD_TYPE_NAMES = frozenset({"wt", "_wt", "wildtype", "wild-type"})
+#: The columns of a ProteinGym substitution file (``DMS_score_bin`` too, unused here).
+PROTEINGYM_COLUMNS = frozenset({"mutant", "DMS_score"})
 _SHOW_ROWS = 20  # rows named in the warning summary before "and N more"
 
 
@@ -481,6 +485,7 @@ class VariantSummary:
     spearman: float | None = None
     spearman_n: int = 0
     label_col: str | None = None
+    detected: str | None = None  # the line saying which columns were taken by default
 
     def skipped_summary(self) -> str:
         """One warning naming the CSV lines (1-based, the header is line 1) left unscored."""
@@ -495,7 +500,7 @@ class VariantSummary:
         )
 
 
-def _wild_type(path: str | os.PathLike[str]) -> tuple[str, str]:
+def wild_type(path: str | os.PathLike[str]) -> tuple[str, str]:
     records = read_records(path)
     if len(records) != 1:
         raise UserError(
@@ -514,12 +519,9 @@ def _spearman(scores: Sequence[float | None], labels: Sequence[str]) -> tuple[fl
         if s is not None and math.isfinite(y):
             xs.append(s)
             ys.append(y)
-    if len(xs) < 3:
-        return None, len(xs)
-    from scipy.stats import spearmanr
+    from protein_performer.inference.dms_metrics import spearman
 
-    rho = spearmanr(xs, ys).statistic
-    return (None if rho is None or not math.isfinite(rho) else float(rho)), len(xs)
+    return spearman(xs, ys), len(xs)
 
 
 def matching_offset(texts: Sequence[str], wt_seq: str) -> tuple[int, int, int] | None:
@@ -580,9 +582,14 @@ def score_variants_file(
     toks_per_batch: int = 4096,
     limit_rows: int | None = None,
     progress: bool = True,
-    context: FamilyContext | None = None,
+    context: FamilyContext | ContextEnsemble | None = None,
+    per_prompt: bool = False,
 ) -> VariantSummary:
     """Score every row of a DMS table; write all input columns plus the score (atomically).
+
+    With a context, what built it goes to ``OUT.context.json`` (:func:`context_record`); with
+    an ensemble and ``per_prompt``, one more column per prompt (``SCORE:LABEL``) beside the
+    mean.
 
     The input is read as UTF-8 with an optional byte-order mark (spreadsheet exports);
     delimiter by extension (``.tsv``/``.tab`` -> tab, else comma), same for the output.
@@ -592,7 +599,7 @@ def score_variants_file(
     ):  # 0 or -1 read as "one row" before: never a silent partial score
         raise UserError(f"limit_rows={limit_rows!r}: give a whole number >= 1, or None for all")
     check_strategy(lm.loaded, strategy, VARIANT_STRATEGIES)
-    _, wt_seq = _wild_type(wt_fasta)
+    _, wt_seq = wild_type(wt_fasta)
     path = Path(mutations).expanduser()
     if not path.is_file():
         raise UserError(f"{path} does not exist or is not a file; give the mutations CSV")
@@ -614,6 +621,13 @@ def score_variants_file(
         raise UserError(f"{path}: not UTF-8 text ({exc}); save the table as UTF-8 CSV") from None
     except csv.Error as exc:
         raise UserError(f"{path}: malformed CSV ({exc})") from None
+    detected = None
+    if label_col is None and set(header) >= PROTEINGYM_COLUMNS and mutation_col == "mutant":
+        label_col = "DMS_score"  # a ProteinGym DMS file, read as it is
+        detected = (
+            f"{path.name}: ProteinGym DMS columns found: mutations from 'mutant', Spearman vs "
+            "'DMS_score' (--label-col and --mutation-col choose others)"
+        )
     ragged = [(line, len(row)) for line, row in rows if len(row) != len(header)]
     if ragged:  # a cell too many or too few shifts every later column: never guess
         shown = ", ".join(f"line {line} has {n}" for line, n in ragged[:10])
@@ -660,21 +674,53 @@ def score_variants_file(
             f"{path}: none of its {len(rows)} row(s) fits the wild type with --offset {offset}; "
             + (hint or "check the wild type and the mutation column (e.g. A42G)")
         )
-    values = lm.score_variants(
-        wt_seq, valid, strategy, offset, toks_per_batch, progress, context=context
+    from protein_performer.inference.ensemble import ContextEnsemble, context_record
+
+    prompts = list(context.prompts) if isinstance(context, ContextEnsemble) and per_prompt else []
+    if per_prompt and not prompts:
+        raise UserError("per_prompt needs a context ensemble (--context with --context-* lists)")
+    each = [
+        lm.score_variants(
+            wt_seq, valid, strategy, offset, toks_per_batch, progress, context=p.context
+        )
+        for p in prompts
+    ]
+    values = (
+        np.mean(each, axis=0)
+        if each
+        else lm.score_variants(
+            wt_seq, valid, strategy, offset, toks_per_batch, progress, context=context
+        )
     )
-    it = iter(values.tolist())
-    scores: list[float | None] = [None if v is None else next(it) for v in parsed]
+    columns = [values, *each]
+    names = [score_col, *(f"{score_col}:{p.label}" for p in prompts)]
+    clash = [n for n in names[1:] if n in header]
+    if clash:
+        raise UserError(f"{path} already has a column {clash[0]!r}; choose another --score-col")
+
+    def spread(column: np.ndarray) -> list[float | None]:
+        it = iter(column.tolist())
+        return [None if v is None else next(it) for v in parsed]
+
+    table = [spread(c) for c in columns]
+    scores = table[0]
 
     width = len(header)
     with text_output(out) as fh:
         writer = csv.writer(fh, delimiter=_delimiter(out))
-        writer.writerow([*header, score_col])
-        for (_, row), s in zip(rows, scores, strict=True):
+        writer.writerow([*header, *names])
+        for n, (_, row) in enumerate(rows):
             cells = row + [""] * (width - len(row))
-            writer.writerow([*cells, "" if s is None else f"{s:.6f}"])
+            writer.writerow([*cells, *("" if c[n] is None else f"{c[n]:.6f}" for c in table)])
+    if context is not None and str(out) != "-":
+        from protein_performer.io.atomic import write_text_atomic
 
-    summary = VariantSummary(Path(out), len(rows), len(valid), skipped, label_col=label_col)
+        record = json.dumps(context_record(context), sort_keys=True, indent=1) + "\n"
+        write_text_atomic(Path(f"{out}.context.json"), record)
+
+    summary = VariantSummary(
+        Path(out), len(rows), len(valid), skipped, label_col=label_col, detected=detected
+    )
     if label_i is not None:
         labels = [row[label_i] if label_i < len(row) else "" for _, row in rows]
         summary.spearman, summary.spearman_n = _spearman(scores, labels)
