@@ -285,7 +285,8 @@ def add_context_ensemble(p: argparse.ArgumentParser) -> None:
         default=None,
         metavar="X,Y,...",
         help="one prompt per value, each without the homologs more identical to the wild type "
-        "than it (identity by the package's aligner, MMseqs2's fident; 1.0 keeps all)",
+        "than it (identity: identical pairs of a local BLOSUM62 alignment over the shorter "
+        "length, computed in-package; 1.0 keeps all)",
     )
     p.add_argument(
         "--context-tokens",

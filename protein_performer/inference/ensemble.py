@@ -16,8 +16,9 @@ file's bytes, the query, the options, the seed): the same inputs give the same p
 machine, and :meth:`ContextEnsemble.record` says which ones (written beside the output).
 
 Identity to the query is computed in-package, by Biopython's local aligner (BLOSUM62, gap open
-11, extend 1): identical aligned pairs over the alignment's columns, MMseqs2's ``fident``
-definition; no external tool, so the filter gives the same homologs wherever it runs.
+11, extend 1): identical aligned pairs over the length of the shorter of the two sequences (as
+CD-HIT counts it: a short chance match of an unrelated protein scores low, a fragment of the
+query scores 1); no external tool, so the filter gives the same homologs wherever it runs.
 """
 
 from __future__ import annotations
@@ -39,12 +40,15 @@ from protein_performer.inference.context import (
 )
 from protein_performer.interop.loading import LoadedModel
 
-ALIGNER = "biopython local alignment, BLOSUM62, gap open 11 extend 1; identity = fident"
+ALIGNER = (
+    "biopython local alignment, BLOSUM62, gap open 11 extend 1; identity = identical pairs / "
+    "shorter length"
+)
 
 
 def identity_to(query: str, homologs: Sequence[str]) -> np.ndarray:
-    """(n,) fraction of identical aligned pairs over the local alignment's columns (gaps
-    included), as MMseqs2's ``fident``; 0 where nothing aligns."""
+    """(n,) identical pairs of the best local alignment over the shorter sequence's length
+    (module docstring); 0 where nothing aligns."""
     from Bio.Align import PairwiseAligner, substitution_matrices
 
     aligner = PairwiseAligner(
@@ -58,7 +62,7 @@ def identity_to(query: str, homologs: Sequence[str]) -> np.ndarray:
         if aligner.score(query, seq) <= 0:
             continue
         alignment = aligner.align(query, seq)[0]
-        out[i] = alignment.counts().identities / alignment.length
+        out[i] = alignment.counts().identities / min(len(query), len(seq))
     return out
 
 
