@@ -252,28 +252,33 @@ def add_context(p: argparse.ArgumentParser) -> None:
     )
 
 
-def _fractions(text: str) -> tuple[float, ...]:
-    try:
-        values = tuple(float(t) for t in text.split(",") if t.strip())
-    except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"expected fractions such as 1.0,0.9,0.7, got {text!r}"
-        ) from None
-    if not values or not all(0 < v <= 1 for v in values):
-        raise argparse.ArgumentTypeError(f"each must be in (0, 1], got {text!r}")
-    return values
+def _number_list(cast: type, example: str, ok: Any, rule: str) -> Any:  # noqa: ANN401
+    """An argparse type for comma-separated numbers (``1.0,0.9``), each checked by ``ok``."""
+
+    def parse(text: str) -> tuple[Any, ...]:
+        try:
+            values = tuple(cast(t) for t in text.split(",") if t.strip())
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected e.g. {example}, got {text!r}") from None
+        if not values or not all(ok(v) for v in values):
+            raise argparse.ArgumentTypeError(f"each must be {rule}, got {text!r}")
+        return values
+
+    return parse
 
 
-def _counts(text: str) -> tuple[int, ...]:
-    try:
-        values = tuple(int(t) for t in text.split(",") if t.strip())
-    except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"expected token counts such as 6144,12288, got {text!r}"
-        ) from None
-    if not values or min(values) < 1:
-        raise argparse.ArgumentTypeError(f"each must be at least 1, got {text!r}")
-    return values
+_fractions = _number_list(float, "1.0,0.9,0.7", lambda v: 0 < v <= 1, "in (0, 1]")
+_counts = _number_list(int, "6144,12288", lambda v: v >= 1, "at least 1")
+
+
+def add_variant_strategy(p: argparse.ArgumentParser) -> None:
+    """``--strategy`` of the variant scorers (score-variants, benchmark proteingym)."""
+    p.add_argument(
+        "--strategy",
+        choices=("masked-marginals", "wt-marginals", "pseudo-ppl", "causal"),
+        default=None,
+        help="default: masked-marginals for masked-LM, causal for causal-LM checkpoints",
+    )
 
 
 def add_context_ensemble(p: argparse.ArgumentParser) -> None:

@@ -14,6 +14,7 @@ from protein_performer.cli._common import (
     add_model_options,
     add_no_progress,
     add_toks_per_batch,
+    add_variant_strategy,
     context_options,
     load_lm,
     pick_strategy,
@@ -65,12 +66,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     pg.add_argument("dms_dir", metavar="DMS_DIR", help="folder of the DMS files it names")
     pg.add_argument("out_dir", metavar="OUT_DIR", help="where scores and tables are written")
     add_ckpt(pg)
-    pg.add_argument(
-        "--strategy",
-        choices=("masked-marginals", "wt-marginals", "pseudo-ppl", "causal"),
-        default=None,
-        help="default: masked-marginals for masked-LM, causal for causal-LM checkpoints",
-    )
+    add_variant_strategy(pg)
     pg.add_argument(
         "--model-name",
         default=None,

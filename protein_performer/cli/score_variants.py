@@ -13,6 +13,7 @@ from protein_performer.cli._common import (
     add_model_options,
     add_no_progress,
     add_toks_per_batch,
+    add_variant_strategy,
     check_output,
     context_options,
     load_context,
@@ -56,12 +57,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     )
     p.add_argument("mutations", metavar="MUTATIONS", help="table of mutations (.csv or .tsv)")
     p.add_argument("out", metavar="OUT", help="output table (.csv or .tsv; - for stdout)")
-    p.add_argument(
-        "--strategy",
-        choices=("masked-marginals", "wt-marginals", "pseudo-ppl", "causal"),
-        default=None,
-        help="default: masked-marginals for masked-LM, causal for causal-LM checkpoints",
-    )
+    add_variant_strategy(p)
     p.add_argument(
         "--offset",
         type=int,
