@@ -120,7 +120,8 @@ def step_inference(res: TrainResult) -> dict[str, Path]:
 
 
 def step_plots(res: TrainResult) -> dict[str, Path]:
-    """Attention grid and amino-acid similarity PNGs for the first demo protein."""
+    """Attention grid and amino-acid similarity PNGs for the first demo protein (``visualize``
+    prints their paths, once)."""
     from protein_performer.cli.main import main
 
     out = res.output_dir / "plots"
@@ -156,8 +157,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         trained = step_train(overrides)
         report_train(trained)
-        for name, path in {**step_inference(trained), **step_plots(trained)}.items():
+        for name, path in step_inference(trained).items():
             print(f"{name}: {path}")
+        step_plots(trained)  # visualize prints where its figures are
     except UserError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

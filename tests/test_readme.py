@@ -45,6 +45,38 @@ SKIP = {
 PLACEHOLDERS = {"CKPT", "CLM_CKPT"}
 
 
+def _records(path: Path) -> int:
+    return path.read_text().count(">") if path.is_file() else 0
+
+
+def _rows(path: Path) -> int:
+    return max(0, len(path.read_text().splitlines()) - 1) if path.is_file() else 0
+
+
+#: README lines whose outputs a new user found empty or meaningless (issue 35), keyed by a
+#: substring of the line: what each must now produce, in the scratch checkout ``d``.
+NONEMPTY = {
+    "homologs data/demo/family_query.fasta store hits.fasta": (
+        "homolog hits", lambda d: _records(d / "hits.fasta") > 0),
+    "homologs data/demo/family_query.fasta data/demo/train.fasta homologs.fasta": (
+        "homolog hits", lambda d: _records(d / "homologs.fasta") > 0),
+    "predict outputs/finetune/blat": (
+        "a prediction per BLAT variant", lambda d: _rows(d / "blat_pred.csv") == 12),
+    "--offset 24 --label-col 2500 --limit-rows 20": (
+        "scored rows", lambda d: all(r.split(",")[-1] for r in (d / "variants.csv")
+                                     .read_text().splitlines()[1:])),
+    "BLAT_ECOLX_Stiffler_2015.csv pg_variants.csv": (
+        "200 scored rows", lambda d: _rows(d / "pg_variants.csv") == 200),
+    "benchmark proteingym": (
+        "an Average_Spearman", lambda d: (d / "pg_out" / "Spearman"
+            / "Summary_performance_DMS_substitutions_Spearman.csv").read_text()
+            .splitlines()[1].split(",")[3] != ""),
+    "variants_ens.csv": (
+        "ensemble scores and their record", lambda d: _rows(d / "variants_ens.csv") == 6
+        and (d / "variants_ens.csv.context.json").is_file()),
+}  # fmt: skip
+
+
 def readme_lines() -> list[str]:
     text = (ROOT / "README.md").read_text()
     lines = []
@@ -108,6 +140,14 @@ def _is_training(line: str) -> bool:
     return line.startswith("protein-performer train ")
 
 
+def test_every_once_empty_output_is_checked_on_a_readme_line() -> None:
+    """The checks of ``NONEMPTY`` name lines the README still has (a renamed example would
+    otherwise silently lose its check)."""
+    lines = readme_lines()
+    for key in NONEMPTY:
+        assert any(key in line for line in lines), key
+
+
 def test_readme_lines_parse(tmp_path: Path, capsys) -> None:
     """The fast check of every line run below: its subcommand and flags parse as ``main`` parses
     them, and a training line's overrides compose, without running anything."""
@@ -148,6 +188,9 @@ def test_readme_inference_and_data_lines_run(scratch: dict, monkeypatch, capsys)
         else:
             capsys.readouterr()
             assert main(argv) == 0, f"{line}\n{capsys.readouterr().err[-3000:]}"
+        for key, (what, check) in NONEMPTY.items():
+            if key in line:
+                assert check(scratch["dir"]), f"{line}\nproduced no {what}"
         ran += 1
     assert ran >= 10
 

@@ -22,6 +22,7 @@ from protein_performer.errors import UserError
 if TYPE_CHECKING:
     from protein_performer.inference.api import ProteinLM
     from protein_performer.inference.context import FamilyContext
+    from protein_performer.inference.ensemble import ContextEnsemble
 
 ON_INVALID_HELP = "invalid FASTA records: stop with an error (default) or skip them"
 TOKS_PER_BATCH_HELP = "token budget per pass (default: 4096)"
@@ -251,13 +252,101 @@ def add_context(p: argparse.ArgumentParser) -> None:
     )
 
 
-def load_context(lm: ProteinLM, args: argparse.Namespace) -> FamilyContext | None:
-    """The family context ``--context`` names, read once and reported in one line; None without
-    it (``--max-context-tokens`` alone is refused: it would silently do nothing)."""
+def _number_list(cast: type, example: str, ok: Any, rule: str) -> Any:  # noqa: ANN401
+    """An argparse type for comma-separated numbers (``1.0,0.9``), each checked by ``ok``."""
+
+    def parse(text: str) -> tuple[Any, ...]:
+        try:
+            values = tuple(cast(t) for t in text.split(",") if t.strip())
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected e.g. {example}, got {text!r}") from None
+        if not values or not all(ok(v) for v in values):
+            raise argparse.ArgumentTypeError(f"each must be {rule}, got {text!r}")
+        return values
+
+    return parse
+
+
+_fractions = _number_list(float, "1.0,0.9,0.7", lambda v: 0 < v <= 1, "in (0, 1]")
+_counts = _number_list(int, "6144,12288", lambda v: v >= 1, "at least 1")
+
+
+def add_variant_strategy(p: argparse.ArgumentParser) -> None:
+    """``--strategy`` of the variant scorers (score-variants, benchmark proteingym)."""
+    p.add_argument(
+        "--strategy",
+        choices=("masked-marginals", "wt-marginals", "pseudo-ppl", "causal"),
+        default=None,
+        help="default: masked-marginals for masked-LM, causal for causal-LM checkpoints",
+    )
+
+
+def add_context_ensemble(p: argparse.ArgumentParser) -> None:
+    """``--context-max-identity``, ``--context-tokens``, ``--context-orders``,
+    ``--context-seed``: a PoET-style ensemble of prompts from one homolog file."""
+    p.add_argument(
+        "--context-max-identity",
+        type=_fractions,
+        default=None,
+        metavar="X,Y,...",
+        help="one prompt per value, each without the homologs more identical to the wild type "
+        "than it (identity: identical pairs of a local BLOSUM62 alignment over the shorter "
+        "length, computed in-package; 1.0 keeps all)",
+    )
+    p.add_argument(
+        "--context-tokens",
+        type=_counts,
+        default=None,
+        metavar="N,M,...",
+        help="one prompt per context token budget (whole homologs, in the prompt's order)",
+    )
+    p.add_argument(
+        "--context-orders",
+        type=positive_int,
+        default=None,
+        metavar="N",
+        help="N random orders of the homologs (from --context-seed), each also reversed: 2N "
+        "prompts per identity and budget (default: the file's order)",
+    )
+    p.add_argument(
+        "--context-seed", type=seed_arg, default=0, help="seed of the random orders (default 0)"
+    )
+
+
+def context_options(args: argparse.Namespace) -> dict[str, Any]:
+    """The ensemble options given (``lm.context``'s keywords); empty for one plain context."""
+    options: dict[str, Any] = {}
+    if getattr(args, "context_max_identity", None) is not None:
+        options["max_identity"] = args.context_max_identity
+    if getattr(args, "context_tokens", None) is not None:
+        options["tokens"] = args.context_tokens
+    if getattr(args, "context_orders", None) is not None:
+        options["orders"] = args.context_orders
+    if options:
+        options["seed"] = args.context_seed
+    return options
+
+
+def load_context(
+    lm: ProteinLM, args: argparse.Namespace, query: str | None = None
+) -> FamilyContext | ContextEnsemble | None:
+    """The family context ``--context`` names (an ensemble with ``--context-*`` lists), read
+    once and reported in one line; None without it (``--max-context-tokens`` or ``--context-*``
+    alone are refused: they would silently do nothing)."""
+    options = context_options(args)
     if args.context is None:
-        if args.max_context_tokens is not None:
-            raise UserError("--max-context-tokens needs --context HOMOLOGS.fasta")
+        if args.max_context_tokens is not None or options:
+            flag = "--max-context-tokens" if args.max_context_tokens is not None else "--context-*"
+            raise UserError(f"{flag} needs --context HOMOLOGS.fasta")
         return None
+    if options:
+        ens: Any = lm.context(args.context, args.max_context_tokens, query=query, **options)
+        sizes = ", ".join(f"{p.label}: {p.context.n_tokens}" for p in ens.prompts)
+        print(
+            f"context: {len(ens.prompts)} prompt(s) from {args.context} (tokens {sizes})",
+            file=sys.stderr,
+        )
+        return ens
     ctx = lm.context(args.context, max_tokens=args.max_context_tokens)
     left = f", {len(ctx.dropped)} left out by the token limit" if ctx.dropped else ""
     print(
@@ -265,6 +354,46 @@ def load_context(lm: ProteinLM, args: argparse.Namespace) -> FamilyContext | Non
         file=sys.stderr,
     )
     return ctx
+
+
+class Stopped(KeyboardInterrupt):
+    """SIGTERM turned into an exception, so a command's ``finally`` blocks and hints run."""
+
+
+#: Exit status of a command stopped by SIGTERM (128 + 15, as the shell reports it; as train).
+SIGTERM_EXIT = 143
+
+
+@contextlib.contextmanager
+def resume_hint(out: str | os.PathLike[str]) -> Iterator[None]:
+    """A run of a command with ``--resume`` that is stopped (Ctrl-C, SIGTERM) says what it
+    kept and how to continue, as ``train`` does: one line, exit status 130 or 143."""
+    import signal
+    import threading
+
+    from protein_performer.io.atomic import output_file
+    from protein_performer.io.sharding import finished_parts, parts_dir
+
+    def stop(signum: int, frame: object) -> None:
+        raise Stopped
+
+    main = threading.current_thread() is threading.main_thread()
+    before = signal.signal(signal.SIGTERM, stop) if main else None
+    try:
+        yield
+    except KeyboardInterrupt as exc:
+        pdir = parts_dir(output_file(out))
+        kept = len(finished_parts(pdir))
+        how = "SIGTERM" if isinstance(exc, Stopped) else "interrupted"
+        print(
+            f"{how}: {kept} finished part(s) kept in {pdir}; rerun the same command with "
+            "--resume to continue (only the window in flight is redone)",
+            file=sys.stderr,
+        )
+        raise SystemExit(SIGTERM_EXIT if isinstance(exc, Stopped) else 130) from None
+    finally:
+        if main:
+            signal.signal(signal.SIGTERM, signal.SIG_DFL if before is None else before)
 
 
 #: Seeds reach numpy, which takes [0, 2**32): one range for every ``--seed`` flag.

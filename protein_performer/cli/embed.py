@@ -15,6 +15,7 @@ from protein_performer.cli._common import (
     join_ranks,
     load_lm,
     rank_line,
+    resume_hint,
 )
 
 HELP = "embed a FASTA file or store into one columnar HDF5 file (any length, resumable)"
@@ -102,18 +103,20 @@ def run(args: argparse.Namespace) -> int:
 
     join_ranks(args)
     check_output(args.out, [args.ckpt, args.fasta], args.overwrite or args.resume)
-    summary = embed_fasta(
-        load_lm(args),
-        args.fasta,
-        args.out,
-        repr_layers=args.repr_layers,
-        include=args.include,
-        toks_per_batch=args.toks_per_batch,
-        on_invalid=args.on_invalid,
-        progress=not args.no_progress,
-        resume=args.resume,
-        overwrite=args.overwrite,
-    )
+    lm = load_lm(args)
+    with resume_hint(args.out):
+        summary = embed_fasta(
+            lm,
+            args.fasta,
+            args.out,
+            repr_layers=args.repr_layers,
+            include=args.include,
+            toks_per_batch=args.toks_per_batch,
+            on_invalid=args.on_invalid,
+            progress=not args.no_progress,
+            resume=args.resume,
+            overwrite=args.overwrite,
+        )
     if summary.parts is not None:
         c = summary.parts
         print(

@@ -27,6 +27,7 @@ SUBCOMMAND_MODULES: tuple[str, ...] = (
     "embed",
     "score",
     "score_variants",
+    "benchmark",
     "generate",
     "predict",
     "export",

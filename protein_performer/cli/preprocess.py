@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import math
 
 from protein_performer.cli._common import (
     add_no_progress,
@@ -122,6 +123,14 @@ def _taxa(text: str) -> tuple[int, ...]:
         ) from None
 
 
+def _sig(x: float, digits: int = 3) -> str:
+    """``x`` with ``digits`` significant digits and no exponent: 0.0312, 4.56, 1,234 (a small
+    file clustered for seconds is 0.0312 MB/s, not 0.0)."""
+    if x == 0 or not math.isfinite(x):
+        return f"{x:.1f}"
+    return f"{x:,.{max(0, digits - 1 - math.floor(math.log10(abs(x))))}f}"
+
+
 def run(args: argparse.Namespace) -> int:
     from protein_performer.data.preprocess import default_workers, preprocess
 
@@ -147,5 +156,5 @@ def run(args: argparse.Namespace) -> int:
         print(f"skipped {s.skipped:,} invalid records" + (f" ({reasons})" if reasons else ""))
     else:
         print("skipped 0 invalid records")
-    print(f"{s.seconds:.1f} s, {s.input_bytes / 1e6:.1f} MB in, {s.mb_per_s:.1f} MB/s")
+    print(f"{s.seconds:.1f} s, {_sig(s.input_bytes / 1e6)} MB in, {_sig(s.mb_per_s)} MB/s")
     return 0

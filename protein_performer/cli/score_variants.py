@@ -9,10 +9,13 @@ from protein_performer.cli._common import (
     add_ckpt,
     add_command,
     add_context,
+    add_context_ensemble,
     add_model_options,
     add_no_progress,
     add_toks_per_batch,
+    add_variant_strategy,
     check_output,
+    context_options,
     load_context,
     load_lm,
     pick_strategy,
@@ -31,6 +34,8 @@ strategies:
   causal            (causal LM) LL(mutant) - LL(wt), one pass per mutant
 
 Mutations look like A42G; multi-mutants join them with ':' (A42G:K45R); 'WT' scores 0.
+A ProteinGym DMS file (columns mutant, DMS_score, DMS_score_bin) is read as it is: without
+--label-col, Spearman is computed against DMS_score, and one line says so.
 Positions are numbered so the first residue of the WT sequence is --offset. A row whose
 wild-type letter or position does not match gets an empty score and is listed in a warning by
 its CSV line number (the header is line 1); nothing is skipped silently.
@@ -52,12 +57,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     )
     p.add_argument("mutations", metavar="MUTATIONS", help="table of mutations (.csv or .tsv)")
     p.add_argument("out", metavar="OUT", help="output table (.csv or .tsv; - for stdout)")
-    p.add_argument(
-        "--strategy",
-        choices=("masked-marginals", "wt-marginals", "pseudo-ppl", "causal"),
-        default=None,
-        help="default: masked-marginals for masked-LM, causal for causal-LM checkpoints",
-    )
+    add_variant_strategy(p)
     p.add_argument(
         "--offset",
         type=int,
@@ -78,17 +78,27 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         "--limit-rows", type=positive_int, default=None, help="score only the first N rows"
     )
     add_context(p)
+    add_context_ensemble(p)
+    p.add_argument(
+        "--per-prompt",
+        action="store_true",
+        help="with a context ensemble, also one column per prompt (SCORE:LABEL) beside the mean",
+    )
     add_no_progress(p)
     add_model_options(p)
     p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
-    from protein_performer.inference.scoring import score_variants_file
+    from protein_performer.errors import UserError
+    from protein_performer.inference.scoring import score_variants_file, wild_type
 
     check_output(args.out, [args.ckpt, args.wt, args.mutations, args.context], args.overwrite)
+    if args.per_prompt and args.context is None:
+        raise UserError("--per-prompt needs --context HOMOLOGS.fasta and --context-* lists")
     lm = load_lm(args)
-    context = load_context(lm, args)
+    query = wild_type(args.wt)[1] if context_options(args) else None  # for the identity filter
+    context = load_context(lm, args, query=query)
     strategy = pick_strategy(lm, args.strategy, "masked-marginals")
     summary = score_variants_file(
         lm,
@@ -104,24 +114,28 @@ def run(args: argparse.Namespace) -> int:
         limit_rows=args.limit_rows,
         progress=not args.no_progress,
         context=context,
+        per_prompt=args.per_prompt,
     )
     say = sys.stderr if args.out == "-" else sys.stdout  # stdout may be the table itself
+    if summary.detected:
+        print(summary.detected, file=say)
+    label = summary.label_col
     where = "standard output" if args.out == "-" else summary.out
     print(
         f"scored {summary.scored} of {summary.rows} row(s) with {strategy} -> {where}"
         + (f" ({len(summary.skipped)} not scored, see the warning)" if summary.skipped else ""),
         file=say,
     )
-    if args.label_col is not None:
+    if label is not None:
         if summary.spearman is None:
             print(
-                f"Spearman rho vs {args.label_col!r}: not defined "
+                f"Spearman rho vs {label!r}: not defined "
                 f"({summary.spearman_n} scored row(s) with a numeric label)",
                 file=say,
             )
         else:
             print(
-                f"Spearman rho vs {args.label_col!r}: {summary.spearman:.4f} "
+                f"Spearman rho vs {label!r}: {summary.spearman:.4f} "
                 f"(n = {summary.spearman_n})",
                 file=say,
             )

@@ -62,11 +62,22 @@ DEFAULT_TOP_K_PER_LENGTH = 2.0
 #: Elements of the (window, L) accumulator: sets the rows per window. Larger windows recompute
 #: the FAVOR+ features of the columns less often; this one is 128 MB.
 _BLOCK_ELEMENTS = 1 << 25
-HOW_TO_FIT = (
-    "fit one on structures with `protein-performer contacts fit CKPT STRUCTURE... --out-dir "
-    "DIR --save-beside` (or pass --regression DIR/contact_regression.json); a model converted "
-    "from ESM-2 by `convert-esm` carries ESM-2's contact head"
-)
+#: How each caller hands over a regression file, for the one line a missing regression gives.
+PASS_REGRESSION = {
+    "cli": "or pass --regression DIR/contact_regression.json",
+    "python": "or pass regression='DIR/contact_regression.json'",
+    "embed": "embed reads only the model's own; `contacts predict --regression FILE` takes a file",
+}
+
+
+def how_to_fit(caller: str = "cli") -> str:
+    """What to do without a regression, in the words of the caller (``PASS_REGRESSION``): a
+    CLI flag, a Python argument, or nothing to pass (``embed`` reads the model's own)."""
+    return (
+        "fit one on structures with `protein-performer contacts fit CKPT STRUCTURE... --out-dir "
+        f"DIR --save-beside` ({PASS_REGRESSION[caller]}); a model converted from ESM-2 by "
+        "`convert-esm` carries ESM-2's contact head"
+    )
 
 
 @dataclass
@@ -88,12 +99,16 @@ class ContactMap:
 # Which regression
 # --------------------------------------------------------------------------------------------
 def find_regression(
-    loaded: LoadedModel, path: str | os.PathLike[str] | None = None, required: bool = True
+    loaded: LoadedModel,
+    path: str | os.PathLike[str] | None = None,
+    required: bool = True,
+    caller: str = "cli",
 ) -> ContactRegression | None:
     """``path`` if given, else the model's own: the file stored with it (in an export
     directory, or beside a ``.ckpt`` by ``contacts --save-beside``, which wins over a regression
     the checkpoint carries, e.g. ESM-2's head through ``init_from``), else the carried one. None
-    at all is one line saying how to get one (or None when not ``required``)."""
+    at all is one line saying how to get one, in the ``caller``'s words (:func:`how_to_fit`),
+    or None when not ``required``."""
     if path is not None:
         return ContactRegression.load(path)
     beside = default_regression_path(loaded.source)
@@ -104,7 +119,7 @@ def find_regression(
         return ContactRegression.from_dict(loaded.contact_regression, loaded.source)
     if not required:
         return None
-    raise UserError(f"{loaded.source} has no contact regression: {HOW_TO_FIT}")
+    raise UserError(f"{loaded.source} has no contact regression: {how_to_fit(caller)}")
 
 
 # --------------------------------------------------------------------------------------------
@@ -331,7 +346,7 @@ def predict_contacts_fasta(
     ranks of a ``torchrun``/SLURM job split the records
     (:mod:`protein_performer.io.sharding`).
     """
-    from protein_performer.data.inputs import input_records
+    from protein_performer.data.inputs import input_records, total_in_background
     from protein_performer.io.progress import progress as progress_bar
     from protein_performer.io.sharding import rank_label, run_sharded, windows
 
@@ -355,6 +370,7 @@ def predict_contacts_fasta(
     }
     kinds = {"dense": 0, "sparse": 0}
     bar = progress_bar(None, "res", rank_label("contacts"), progress)
+    total_in_background(bar, fasta, "residues")
 
     def write_part(part: Path, window: list) -> None:
         maps = []

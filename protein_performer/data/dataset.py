@@ -44,6 +44,35 @@ class RecordSource(Protocol):
     def lengths(self) -> np.ndarray: ...
 
 
+def unigram_perplexity(
+    train: RecordSource, valid: RecordSource, max_records: int = 5000, vocab: int = 33
+) -> float | None:
+    """Perplexity on ``valid``'s residues of the residue frequencies of ``train`` (add-one
+    smoothed): the honest floor of a protein LM's curve (a model that ignores context scores
+    this, not the 20 of a uniform guess; natural proteins are far from uniform). Up to
+    ``max_records`` evenly spaced records of each split are read (None when either is empty)."""
+
+    def counts(source: RecordSource) -> np.ndarray:
+        n = len(source)
+        picked = np.unique(np.linspace(0, n - 1, min(n, max_records)).astype(np.int64))
+        tokens = [np.asarray(source.tokens(int(i)), dtype=np.int64) for i in picked]
+        return np.bincount(np.concatenate(tokens), minlength=vocab) if tokens else np.zeros(vocab)
+
+    if not len(train) or not len(valid):
+        return None
+    seen, held = counts(train), counts(valid)
+    if not held.sum():
+        return None
+    letters = seen > 0
+    p = (seen + letters) / (seen + letters).sum()  # smoothed over the letters training saw
+    held = held.astype(np.float64)
+    unseen = held[~letters].sum()
+    logp = float((held[letters] * np.log(p[letters])).sum())
+    if unseen:  # a letter training never saw: as rare as the rarest seen, not impossible
+        logp += unseen * float(np.log(p[letters].min()))
+    return float(np.exp(-logp / held.sum()))
+
+
 class StoreSubset:
     """The records of a ``TokenStore`` listed in ``indices`` (e.g. ``store.indices("train")``).
 

@@ -251,7 +251,7 @@ def size_summary(sizes: np.ndarray) -> dict[str, Any]:
     sizes = np.asarray(sizes, dtype=np.int64)
     if not len(sizes):
         return {"families": 0}
-    q = np.percentile(sizes, [50, 90, 99]).tolist()
+    q = [round(float(v), 1) for v in np.percentile(sizes, [50, 90, 99])]  # not 112.10000000000014
     return {
         "families": int(len(sizes)),
         "members": int(sizes.sum()),

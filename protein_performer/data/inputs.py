@@ -51,6 +51,41 @@ def input_records(
         yield InputRecord(r.id, r.description, r.sequence, r.number)
 
 
+def input_totals(path: str | os.PathLike[str]) -> tuple[int, int] | None:
+    """(records, residues) of what :func:`input_records` reads, for a progress total: a store's
+    from its metadata, a FASTA file's by a byte scan; None for standard input (read once)."""
+    from protein_performer.data.fasta import STDIN, count_records_and_residues
+    from protein_performer.data.store import TokenStore, is_store
+
+    if os.fspath(path) == STDIN:
+        return None
+    src = Path(path).expanduser()
+    if is_store(src):
+        store = TokenStore(src)
+        return len(store), int(store.meta["num_residues"])
+    if not src.is_file():
+        return None
+    return count_records_and_residues(src)
+
+
+def total_in_background(bar: Any, path: str | os.PathLike[str], kind: str) -> None:  # noqa: ANN401
+    """Give a command's ``bar`` the input's records or residues (``kind``) as its total, from a
+    scan in the background (:func:`input_totals`); not under torchrun/srun, where each rank
+    does a share."""
+    from protein_performer.io.progress import total_later
+    from protein_performer.io.sharding import detect_ranks
+
+    if detect_ranks().distributed:
+        return
+    index = {"records": 0, "residues": 1}[kind]
+
+    def count() -> int | None:
+        totals = input_totals(path)
+        return None if totals is None else totals[index]
+
+    total_later(bar, count)
+
+
 def read_records(fasta: str | os.PathLike[str], on_invalid: str = "error") -> list:
     """All FASTA records in file order (``FastaRecord``; ``-``: standard input); errors name
     file, record and line."""

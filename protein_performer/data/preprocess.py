@@ -42,6 +42,7 @@ from protein_performer.data.split import (
     SPLIT_NAMES,
     Groups,
     Splitter,
+    taxid_of,
 )
 from protein_performer.data.store import StoreWriter, TokenStore, check_output_dir
 from protein_performer.data.tokenizer import Alphabet
@@ -253,7 +254,22 @@ def preprocess(
     summary.seconds = time.perf_counter() - t0
     if summary.skipped:
         log.warning("skipped %d invalid records (see meta.json 'invalid')", summary.skipped)
+    if ood_taxa and summary.splits.get("ood", 0) == 0:
+        log.warning("%s", _no_taxa_held_out(out, ood_taxa))
     return summary
+
+
+def _no_taxa_held_out(out: str | os.PathLike[str], ood_taxa: Sequence[int]) -> str:
+    """Why ``--ood-taxa`` held out nothing: no header carries a taxon, or none of those asked."""
+    store = TokenStore(out)
+    tagged = any(taxid_of(store.description(i)) is not None for i in range(len(store)))
+    asked = ",".join(str(t) for t in sorted(set(ood_taxa)))
+    if not tagged:
+        return (
+            f"--ood-taxa {asked} held out nothing: no record's header carries a taxon (OX= or "
+            "TaxID=, as UniProt and UniRef headers do); the ood split is empty"
+        )
+    return f"--ood-taxa {asked} held out nothing: no record is of these taxa"
 
 
 def _chunks(blocks: Iterable[RecordBlock]) -> Iterator[RecordBlock]:

@@ -167,6 +167,7 @@ def finetune(cfg: DictConfig) -> dict[str, Any]:
         SafeCheckpointIO,
         last_checkpoint,
     )
+    from protein_performer.training.quiet import quiet_lightning
     from protein_performer.training.train import (
         PREEMPTED_EXIT,
         _existing,
@@ -233,6 +234,7 @@ def finetune(cfg: DictConfig) -> dict[str, Any]:
 
         callbacks = [c for c in callbacks if not isinstance(c, ProgressBar)]
     loggers = _instantiate_dict(cfg, "logger")
+    quiet_lightning()
     trainer: pl.Trainer = _instantiate(
         cfg.trainer, "trainer", callbacks=[DivergenceGuard(), *callbacks],
         logger=loggers or False, plugins=[SafeCheckpointIO()],

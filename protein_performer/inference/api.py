@@ -24,6 +24,7 @@ from protein_performer.data.tokenizer import STANDARD_AA, Alphabet
 from protein_performer.errors import UserError
 from protein_performer.inference.context import FamilyContext, Homologs, build_context
 from protein_performer.inference.embedding import HIDDEN_KINDS, embed_sequences, resolve_layers
+from protein_performer.inference.ensemble import ContextEnsemble
 from protein_performer.inference.generation import Generated, SamplingOptions, iter_generate
 from protein_performer.inference.scoring import (
     SEQUENCE_STRATEGIES,
@@ -129,6 +130,13 @@ def _as_records(seqs: Records | str) -> Iterator[tuple[str, str]]:
         except ValueError as exc:
             raise UserError(f"sequence {i} ({rid}): {exc}") from None
         yield rid, seq
+
+
+def _prompts(context: FamilyContext | ContextEnsemble | None) -> list[FamilyContext | None]:
+    """The contexts to score with: an ensemble's prompts, else the one context (or None)."""
+    if isinstance(context, ContextEnsemble):
+        return [p.context for p in context.prompts]
+    return [context]
 
 
 def _pooling_kinds(pooling: str | None | Sequence[str | None]) -> tuple[list[str], bool]:
@@ -247,9 +255,81 @@ class ProteinLM:
             return stack(rows)
         return {k: stack([r[k] for r in rows]) for k in dict.fromkeys(layers)}
 
+    # ----------------------------------------------------------------------------- raw outputs
+    @torch.inference_mode()
+    def logits(self, seqs: Records | str, toks_per_batch: int = 4096) -> list[np.ndarray]:
+        """The model's logits per sequence, float32 (T_i, V) over ``<cls> residues <eos>`` in
+        the vocabulary's order (``lm.alphabet``), as ESM's and Hugging Face's
+        ``model(tokens).logits``: row ``i + 1`` is residue ``i``. Unmasked, one pass per
+        batch (a masked LM's rows then score each residue while seeing it)."""
+        from protein_performer.data.sampler import budget_batches
+
+        records = list(_as_records(seqs))
+        lengths = [len(s) + 2 for _, s in records]
+        out: list[np.ndarray | None] = [None] * len(records)
+        for batch in budget_batches(lengths, toks_per_batch):
+            tokens = self.alphabet.encode_batch([records[i][1] for i in batch])  # (B, T)
+            logits = self.model(tokens.to(self.device)).logits.float().cpu().numpy()  # (B, T, V)
+            for row, i in enumerate(batch):
+                out[i] = logits[row, : lengths[i]]
+        for (rid, _), value in zip(records, out, strict=True):
+            if not np.isfinite(value).all():  # type: ignore[union-attr]
+                raise UserError(
+                    f"sequence {rid}: the model gave non-finite logits; its weights or "
+                    "precision are broken (try --precision fp32)"
+                )
+        return out  # type: ignore[return-value]
+
+    def attention(
+        self,
+        seq: str,
+        layers: Sequence[int] | None = None,
+        heads: Sequence[int] | None = None,
+        window: tuple[int, int] | None = None,
+    ) -> np.ndarray:
+        """Implied attention maps of one sequence, float32 (n_layers, n_heads, W, L) over
+        residues (no ``<cls>``/``<eos>``): row ``r`` is how residue ``start + r`` attends to
+        each residue, what ``visualize`` and the HTML report draw. FAVOR+ never forms the
+        matrix: each row is the attention's output for V = I, so a ``window=(start, end)`` of
+        query residues costs O(W x L) memory (default: all L rows). ``layers`` 1..depth
+        (negative from the end; default all), ``heads`` 0-based (default all), in sorted
+        order."""
+        from protein_performer.contacts.attention import attention_maps, resolve_layers
+
+        ((_, text),) = list(_as_records([("sequence", seq)]))
+        chosen = resolve_layers(self.model, None if layers is None else list(layers))
+        rows: dict[int, np.ndarray] = {}
+
+        def sink(layer: int, maps: Any) -> None:  # noqa: ANN401 - a (H', W, L) tensor
+            rows[layer] = maps.float().cpu().numpy()
+
+        with torch.inference_mode():
+            attention_maps(
+                self.model, text, layers=chosen, heads=None if heads is None else list(heads),
+                window=None if window is None else (int(window[0]), int(window[1])), sink=sink,
+            )  # fmt: skip
+        return np.stack([rows[layer] for layer in chosen])
+
     # ----------------------------------------------------------------------------- context
-    def context(self, homologs: Homologs, max_tokens: int | None = None) -> FamilyContext:
+    def context(
+        self,
+        homologs: Homologs,
+        max_tokens: int | None = None,
+        *,
+        query: str | None = None,
+        max_identity: Sequence[float] | None = None,
+        tokens: Sequence[int | None] | None = None,
+        orders: int = 0,
+        seed: int = 0,
+    ) -> FamilyContext | ContextEnsemble:
         """Read a family once, for ``score``/``score_variants``/``generate(context=...)``.
+
+        With any of ``max_identity`` (drop homologs more identical to ``query`` than each
+        value), ``tokens`` (context token budgets) or ``orders`` (N seeded random orders, each
+        also reversed), a PoET-style :class:`ContextEnsemble` instead: one prompt per
+        combination, scores averaged over them; it scores like one context (``generate``
+        takes one context: ``ens.prompts[i].context``). Built from (homologs, query, options,
+        seed) alone: the same inputs give the same prompts (``ens.record()``).
 
         ``homologs``: strings, (id, sequence) pairs or a FASTA path, in order of relevance;
         read as one row ``<cls> m1 <eos> <cls> m2 <eos> ...`` (one prefill). Members past
@@ -257,10 +337,19 @@ class ProteinLM:
         limit) are left out and logged. Causal models only (a masked LM: ``UserError``).
         The result is immutable: score any number of candidates against it.
         """
-        return build_context(self.loaded, homologs, max_tokens)
+        if max_identity is None and tokens is None and not orders:
+            return build_context(self.loaded, homologs, max_tokens)
+        from protein_performer.inference.ensemble import build_ensemble
 
-    def _check_context(self, context: FamilyContext | None) -> None:
-        if context is not None and not isinstance(context, FamilyContext):
+        if tokens is not None and max_tokens is not None:
+            raise UserError("give max_tokens or tokens (an ensemble's budgets), not both")
+        return build_ensemble(
+            self.loaded, homologs, query=query, max_identity=max_identity or (1.0,),
+            tokens=tokens or (max_tokens,), orders=orders, seed=seed,
+        )  # fmt: skip
+
+    def _check_context(self, context: FamilyContext | ContextEnsemble | None) -> None:
+        if context is not None and not isinstance(context, FamilyContext | ContextEnsemble):
             raise UserError(
                 f"context must come from lm.context(homologs), got {type(context).__name__}"
             )
@@ -282,13 +371,24 @@ class ProteinLM:
         strategy: str | None = None,
         toks_per_batch: int = 4096,
         *,
-        context: FamilyContext | None = None,
+        context: FamilyContext | ContextEnsemble | None = None,
+        progress: Any = None,  # noqa: ANN401 - a tqdm-like bar
     ) -> Iterator[tuple[str, SequenceScore]]:
-        """Yield ``(id, SequenceScore)`` in input order; see :meth:`score` for the strategies."""
+        """Yield ``(id, SequenceScore)`` in input order; see :meth:`score` for the strategies.
+        ``progress``: a tqdm-like bar to advance by residues (pseudo-ppl: masked passes)."""
         strategy = self._strategy(strategy, SEQUENCE_STRATEGIES, "pseudo-ppl")
         self._check_context(context)
+        bar = False if progress is None else progress
+        prompts = _prompts(context)
         for window in windows(_as_records(records), toks_per_batch, lambda r: len(r[1])):
-            scores = score_sequences(self.loaded, window, strategy, toks_per_batch, False, context)
+            runs = [
+                score_sequences(self.loaded, window, strategy, toks_per_batch, bar, ctx)
+                for ctx in prompts
+            ]  # an ensemble's scores: the mean over its prompts
+            scores = []
+            for i, first in enumerate(runs[0]):
+                mean = float(np.mean([run[i].log_likelihood for run in runs]))
+                scores.append(SequenceScore(first.id, first.length, first.n_scored, mean))
             for score in scores:
                 if not np.isfinite(score.log_likelihood):
                     raise UserError(
@@ -303,7 +403,7 @@ class ProteinLM:
         strategy: str | None = None,
         toks_per_batch: int = 4096,
         *,
-        context: FamilyContext | None = None,
+        context: FamilyContext | ContextEnsemble | None = None,
     ) -> np.ndarray:
         """Mean log-likelihood per scored token, one per sequence (what ``score`` writes).
 
@@ -324,7 +424,7 @@ class ProteinLM:
         toks_per_batch: int = 4096,
         progress: bool = False,
         *,
-        context: FamilyContext | None = None,
+        context: FamilyContext | ContextEnsemble | None = None,
     ) -> np.ndarray:
         """Log-ratio mutant vs wild type per mutant (``"A42G"``, ``"A42G:K45R"``, ``"wt"``).
 
@@ -342,12 +442,15 @@ class ProteinLM:
                 parsed.append(parse_mutant(text, wt, offset, self.alphabet))
             except ValueError as exc:
                 raise UserError(f"mutant {i} ({text!r}): {exc}") from None
-        values = np.asarray(
-            score_variants(
-                self.loaded, wt, parsed, strategy, toks_per_batch, progress, context=context
-            ),
-            dtype=np.float64,
-        )
+        values = np.mean(
+            [
+                score_variants(
+                    self.loaded, wt, parsed, strategy, toks_per_batch, progress, context=ctx
+                )
+                for ctx in _prompts(context)
+            ],
+            axis=0,
+        ).astype(np.float64)  # an ensemble's score: the mean over its prompts
         if not np.all(np.isfinite(values)):
             raise UserError(
                 "the model gave non-finite variant scores; its weights or precision are broken "
@@ -408,7 +511,7 @@ class ProteinLM:
         from protein_performer.contacts.predict import find_regression, predict_contacts
 
         ((_, text),) = list(_as_records([("sequence", seq)]))
-        reg = find_regression(self.loaded, regression)
+        reg = find_regression(self.loaded, regression, caller="python")
         cmap = predict_contacts(self.loaded, text, reg, dense_max_length=len(text))
         return cmap.dense
 
@@ -508,6 +611,11 @@ class ProteinLM:
     ) -> Iterator[Generated]:
         """Yield :class:`Generated` records (sequence, how it ended, per-token log-probs)."""
         self._check_context(context)
+        if isinstance(context, ContextEnsemble):
+            raise UserError(
+                "generate takes one context, not an ensemble of prompts: pass one of "
+                "ensemble.prompts[i].context"
+            )
         opts = SamplingOptions(max_length, min_length, temperature, top_k, top_p)
         if isinstance(prompt, str):
             prompts: str | list[str] = prompt.strip().upper()

@@ -104,11 +104,13 @@ def build_context(
     homologs: Homologs,
     max_tokens: int | None = None,
     segment: int = PREFILL_SEGMENT,
+    warn: bool = True,
 ) -> FamilyContext:
     """Read ``homologs`` in order as one row ``<cls> m1 <eos> <cls> m2 <eos> ...`` into a
     :class:`FamilyContext`; members that would take the row past ``max_tokens`` are left out
     (logged; a linear model's cost does not grow with the context, so a larger limit is
-    allowed). None: the config's ``context_tokens`` if known, else no limit."""
+    allowed). None: the config's ``context_tokens`` if known, else no limit. ``warn=False``
+    for callers that cut on purpose (an ensemble's token budgets)."""
     config = loaded.config
     if not config.causal:
         raise UserError(
@@ -138,7 +140,7 @@ def build_context(
             f"{len(records[0][1]) + 2} tokens with <cls> and <eos>); raise the limit"
         )
     dropped = tuple(rid for rid, _ in records[len(members) :])
-    if dropped:
+    if dropped and warn:
         log.warning(
             "family context: %d of %d homolog(s) left out to stay within max_tokens=%d "
             "(kept %d tokens); raise max_tokens to read more",

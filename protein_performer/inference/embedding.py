@@ -44,7 +44,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import numpy as np
 import torch
 
-from protein_performer.data.inputs import InputRecord, input_records
+from protein_performer.data.inputs import InputRecord, input_records, total_in_background
 from protein_performer.data.sampler import budget_batches
 from protein_performer.errors import UserError
 from protein_performer.interop.loading import LoadedModel
@@ -160,7 +160,7 @@ def _layout(attrs: dict[str, Any]) -> Layout:
     return Layout([*RECORD_COLUMNS, *pooled], ragged)
 
 
-def _features_sha256(model: torch.nn.Module) -> str:
+def features_sha256(model: torch.nn.Module) -> str:
     """SHA-256 of the FAVOR+ random features (empty for exact attention): embeddings depend on
     them, so a resumed run must use the same ones."""
     import hashlib
@@ -185,7 +185,7 @@ def file_attrs(lm: ProteinLM, layers: Sequence[int], include: Sequence[str]) -> 
         "protein_performer_version": __version__,
         "checkpoint": str(lm.loaded.source),
         "model_sha256": weights_sha256(lm.model),
-        "features_sha256": _features_sha256(lm.model),
+        "features_sha256": features_sha256(lm.model),
         "objective": lm.config.objective,
         "attention": lm.config.attention,
         "dim": lm.config.dim,
@@ -433,7 +433,7 @@ def embed_fasta(
         from protein_performer.contacts.predict import find_regression
         from protein_performer.model.contact_head import weights_sha256
 
-        regression = find_regression(lm.loaded)
+        regression = find_regression(lm.loaded, caller="embed")
         regression.check_model(lm.loaded, weights_sha256(lm.model))
         attrs["contact_regression"] = json.dumps(regression.to_dict(), sort_keys=True)
         attrs["contacts_dtype"] = CONTACTS_DTYPE
@@ -474,6 +474,8 @@ def embed_fasta(
     pooling = tuple(None if k == "per_tok" else k for k in include if k in HIDDEN_KINDS)
     residues = 0
     bar = progress_bar(None, "res", rank_label("embed"), progress)
+    if not done:
+        total_in_background(bar, path, "residues")
 
     def write_part(part: Path, window: list[InputRecord]) -> None:
         nonlocal residues

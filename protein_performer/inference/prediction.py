@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from protein_performer.data.inputs import input_records
+from protein_performer.data.inputs import input_records, total_in_background
 from protein_performer.data.sampler import budget_batches
 from protein_performer.errors import UserError
 from protein_performer.interop.loading import LoadedModel
@@ -145,6 +145,7 @@ def predict_fasta(
     records = input_records(path, on_invalid)
     batches = windows(records, toks_per_batch, lambda r: len(r.sequence))
     bar = progress_bar(None, "seq", rank_label("predict"), progress)
+    total_in_background(bar, path, "records")
     with tempfile.TemporaryDirectory() as tmp, bar:
         dest = Path(tmp) / "predictions" if to_stdout else Path(out).expanduser()
         parts = Path(tmp) / "parts" if to_stdout else None

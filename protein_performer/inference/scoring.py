@@ -33,7 +33,9 @@ unparseable) gets an empty score and is listed by its CSV line number, never a c
 
 from __future__ import annotations
 
+import contextlib
 import csv
+import json
 import logging
 import math
 import os
@@ -41,12 +43,12 @@ import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 
-from protein_performer.data.inputs import input_records, read_records
+from protein_performer.data.inputs import input_records, read_records, total_in_background
 from protein_performer.data.sampler import budget_batches
 from protein_performer.errors import UserError
 from protein_performer.interop.loading import LoadedModel
@@ -57,6 +59,7 @@ from protein_performer.io.progress import progress as progress_bar
 if TYPE_CHECKING:
     from protein_performer.inference.api import ProteinLM
     from protein_performer.inference.context import FamilyContext
+    from protein_performer.inference.ensemble import ContextEnsemble
 
 log = logging.getLogger(__name__)
 
@@ -72,6 +75,8 @@ STRATEGY_OBJECTIVE = {
 SCORE_COLUMNS = ("id", "length", "n_scored", "log_likelihood", "mean_log_likelihood", "perplexity")
 _MUTATION = re.compile(r"^([A-Za-z])(-?\d+)([A-Za-z])$")
 _WILD_TYPE_NAMES = frozenset({"wt", "_wt", "wildtype", "wild-type"})
+#: The columns of a ProteinGym substitution file (``DMS_score_bin`` too, unused here).
+PROTEINGYM_COLUMNS = frozenset({"mutant", "DMS_score"})
 _SHOW_ROWS = 20  # rows named in the warning summary before "and N more"
 
 
@@ -234,15 +239,18 @@ def score_sequences(
     records: Sequence[tuple[str, str]],
     strategy: str = "pseudo-ppl",
     toks_per_batch: int = 4096,
-    progress: bool = False,
+    progress: bool | Any = False,  # noqa: ANN401 - or a caller's bar to advance
     context: FamilyContext | None = None,
 ) -> list[SequenceScore]:
     """Score ``(id, sequence)`` pairs with ``strategy`` (see the module docstring), after a
-    family ``context`` when given (causal only)."""
+    family ``context`` when given (causal only). ``progress``: a bar of its own, or the
+    caller's bar, advanced by residues (pseudo-ppl: masked passes) as batches finish."""
     check_strategy(loaded, strategy, SEQUENCE_STRATEGIES)
     _check_context(strategy, context)
     seqs = [s for _, s in records]
-    with progress_bar(sum(len(s) for s in seqs), "res", strategy, progress) as bar:
+    own = isinstance(progress, bool)
+    given = progress_bar(sum(len(s) for s in seqs), "res", strategy, progress) if own else None
+    with given or contextlib.nullcontext(progress) as bar:
         if strategy == "causal":
             terms = causal_log_likelihoods(loaded, seqs, toks_per_batch, bar, context)
         else:
@@ -301,14 +309,14 @@ def score_fasta(
 
     def write_part(part: Path, window: list) -> None:
         pairs = [(r.id, r.sequence) for r in window]
+        scores = lm.iter_score(pairs, strategy, toks_per_batch, context=context, progress=bar)
         with atomic_output(part) as tmp, open(tmp, "w", newline="", encoding="utf-8") as fh:
             writer = csv.writer(fh, delimiter=delimiter)
-            for _, score in lm.iter_score(pairs, strategy, toks_per_batch, context=context):
+            for _, score in scores:
                 writer.writerow(score.row())
                 mine.num_records += 1
                 mine.log_likelihood += score.log_likelihood
                 mine.n_scored += score.n_scored
-        bar.update(len(window))
 
     merged = ScoreSummary(0, 0.0, 0)
 
@@ -329,7 +337,10 @@ def score_fasta(
 
     records = input_records(path, on_invalid)
     batches = windows(records, toks_per_batch, lambda r: len(r.sequence))
-    bar = progress_bar(None, "seq", rank_label(strategy), progress)
+    # Residues (pseudo-ppl: one masked pass each) advance inside a window, batch by batch.
+    unit = "pass" if strategy == "pseudo-ppl" else "res"
+    bar = progress_bar(None, unit, rank_label(strategy), progress)
+    total_in_background(bar, path, "residues")
     with tempfile.TemporaryDirectory() as tmp, bar:
         dest = Path(tmp) / "scores" if to_stdout else Path(out).expanduser()
         parts = Path(tmp) / "parts" if to_stdout else None
@@ -474,6 +485,7 @@ class VariantSummary:
     spearman: float | None = None
     spearman_n: int = 0
     label_col: str | None = None
+    detected: str | None = None  # the line saying which columns were taken by default
 
     def skipped_summary(self) -> str:
         """One warning naming the CSV lines (1-based, the header is line 1) left unscored."""
@@ -488,7 +500,7 @@ class VariantSummary:
         )
 
 
-def _wild_type(path: str | os.PathLike[str]) -> tuple[str, str]:
+def wild_type(path: str | os.PathLike[str]) -> tuple[str, str]:
     records = read_records(path)
     if len(records) != 1:
         raise UserError(
@@ -507,12 +519,54 @@ def _spearman(scores: Sequence[float | None], labels: Sequence[str]) -> tuple[fl
         if s is not None and math.isfinite(y):
             xs.append(s)
             ys.append(y)
-    if len(xs) < 3:
-        return None, len(xs)
-    from scipy.stats import spearmanr
+    from protein_performer.inference.dms_metrics import spearman
 
-    rho = spearmanr(xs, ys).statistic
-    return (None if rho is None or not math.isfinite(rho) else float(rho)), len(xs)
+    return spearman(xs, ys), len(xs)
+
+
+def matching_offset(texts: Sequence[str], wt_seq: str) -> tuple[int, int, int] | None:
+    """The ``offset`` under which most single mutations of ``texts`` name the wild type's
+    letter at their position: ``(offset, rows matching, rows parsed)``, or None when no
+    mutation parses. Every offset that puts a position on the sequence is tried."""
+    from collections import Counter
+
+    where: dict[str, np.ndarray] = {}
+    seq = np.frombuffer(wt_seq.encode(), dtype=np.uint8)
+    votes: Counter[int] = Counter()
+    parsed = 0
+    for text in texts:
+        offsets: set[int] | None = None
+        for part in re.split(r"[:;,\s]+", text.strip()):
+            m = _MUTATION.match(part)
+            if not part or not m:
+                continue
+            wt, pos = m.group(1).upper(), int(m.group(2))
+            if wt not in where:
+                where[wt] = np.flatnonzero(seq == ord(wt))
+            fits = set((pos - where[wt]).tolist())
+            offsets = fits if offsets is None else offsets & fits
+        if offsets is not None:
+            parsed += 1
+            votes.update(offsets)
+    if not votes:
+        return None
+    best, count = min(votes.items(), key=lambda kv: (-kv[1], abs(kv[0] - 1), kv[0]))
+    return best, count, parsed
+
+
+def offset_hint(texts: Sequence[str], wt_seq: str, offset: int, matched: int) -> str | None:
+    """``"with --offset 24 ... match"`` when another offset fits more of ``texts`` than the
+    ``matched`` rows ``offset`` fits (mutation numbering often starts before the sequence
+    given), else None."""
+    found = matching_offset(texts, wt_seq)
+    if found is None or found[0] == offset or found[1] <= matched:
+        return None
+    best, count, parsed = found
+    return (
+        f"with --offset {best} the wild-type letters of {count} of {parsed} parsed row(s) "
+        f"match ({matched} with --offset {offset}): pass --offset {best}, the number of the "
+        "sequence's first residue in the mutation names"
+    )
 
 
 def score_variants_file(
@@ -528,9 +582,14 @@ def score_variants_file(
     toks_per_batch: int = 4096,
     limit_rows: int | None = None,
     progress: bool = True,
-    context: FamilyContext | None = None,
+    context: FamilyContext | ContextEnsemble | None = None,
+    per_prompt: bool = False,
 ) -> VariantSummary:
     """Score every row of a DMS table; write all input columns plus the score (atomically).
+
+    With a context, what built it goes to ``OUT.context.json`` (:func:`context_record`); with
+    an ensemble and ``per_prompt``, one more column per prompt (``SCORE:LABEL``) beside the
+    mean.
 
     The input is read as UTF-8 with an optional byte-order mark (spreadsheet exports);
     delimiter by extension (``.tsv``/``.tab`` -> tab, else comma), same for the output.
@@ -540,7 +599,7 @@ def score_variants_file(
     ):  # 0 or -1 read as "one row" before: never a silent partial score
         raise UserError(f"limit_rows={limit_rows!r}: give a whole number >= 1, or None for all")
     check_strategy(lm.loaded, strategy, VARIANT_STRATEGIES)
-    _, wt_seq = _wild_type(wt_fasta)
+    _, wt_seq = wild_type(wt_fasta)
     path = Path(mutations).expanduser()
     if not path.is_file():
         raise UserError(f"{path} does not exist or is not a file; give the mutations CSV")
@@ -562,6 +621,13 @@ def score_variants_file(
         raise UserError(f"{path}: not UTF-8 text ({exc}); save the table as UTF-8 CSV") from None
     except csv.Error as exc:
         raise UserError(f"{path}: malformed CSV ({exc})") from None
+    detected = None
+    if label_col is None and set(header) >= PROTEINGYM_COLUMNS and mutation_col == "mutant":
+        label_col = "DMS_score"  # a ProteinGym DMS file, read as it is
+        detected = (
+            f"{path.name}: ProteinGym DMS columns found: mutations from 'mutant', Spearman vs "
+            "'DMS_score' (--label-col and --mutation-col choose others)"
+        )
     ragged = [(line, len(row)) for line, row in rows if len(row) != len(header)]
     if ragged:  # a cell too many or too few shifts every later column: never guess
         shown = ", ".join(f"line {line} has {n}" for line, n in ragged[:10])
@@ -598,24 +664,68 @@ def score_variants_file(
             parsed.append(None)
             skipped.append((line, text, str(exc)))
     valid = [v for v in parsed if v is not None]
-    values = lm.score_variants(
-        wt_seq, valid, strategy, offset, toks_per_batch, progress, context=context
+    if not rows:
+        raise UserError(f"{path} has no rows to score (only its header)")
+    hint = None
+    if skipped:
+        hint = offset_hint([text for _, text, _ in skipped] + valid, wt_seq, offset, len(valid))
+    if not valid:
+        raise UserError(
+            f"{path}: none of its {len(rows)} row(s) fits the wild type with --offset {offset}; "
+            + (hint or "check the wild type and the mutation column (e.g. A42G)")
+        )
+    from protein_performer.inference.ensemble import ContextEnsemble, context_record
+
+    prompts = list(context.prompts) if isinstance(context, ContextEnsemble) and per_prompt else []
+    if per_prompt and not prompts:
+        raise UserError("per_prompt needs a context ensemble (--context with --context-* lists)")
+    each = [
+        lm.score_variants(
+            wt_seq, valid, strategy, offset, toks_per_batch, progress, context=p.context
+        )
+        for p in prompts
+    ]
+    values = (
+        np.mean(each, axis=0)
+        if each
+        else lm.score_variants(
+            wt_seq, valid, strategy, offset, toks_per_batch, progress, context=context
+        )
     )
-    it = iter(values.tolist())
-    scores: list[float | None] = [None if v is None else next(it) for v in parsed]
+    columns = [values, *each]
+    names = [score_col, *(f"{score_col}:{p.label}" for p in prompts)]
+    clash = [n for n in names[1:] if n in header]
+    if clash:
+        raise UserError(f"{path} already has a column {clash[0]!r}; choose another --score-col")
+
+    def spread(column: np.ndarray) -> list[float | None]:
+        it = iter(column.tolist())
+        return [None if v is None else next(it) for v in parsed]
+
+    table = [spread(c) for c in columns]
+    scores = table[0]
 
     width = len(header)
     with text_output(out) as fh:
         writer = csv.writer(fh, delimiter=_delimiter(out))
-        writer.writerow([*header, score_col])
-        for (_, row), s in zip(rows, scores, strict=True):
+        writer.writerow([*header, *names])
+        for n, (_, row) in enumerate(rows):
             cells = row + [""] * (width - len(row))
-            writer.writerow([*cells, "" if s is None else f"{s:.6f}"])
+            writer.writerow([*cells, *("" if c[n] is None else f"{c[n]:.6f}" for c in table)])
+    if context is not None and str(out) != "-":
+        from protein_performer.io.atomic import write_text_atomic
 
-    summary = VariantSummary(Path(out), len(rows), len(valid), skipped, label_col=label_col)
+        record = json.dumps(context_record(context), sort_keys=True, indent=1) + "\n"
+        write_text_atomic(Path(f"{out}.context.json"), record)
+
+    summary = VariantSummary(
+        Path(out), len(rows), len(valid), skipped, label_col=label_col, detected=detected
+    )
     if label_i is not None:
         labels = [row[label_i] if label_i < len(row) else "" for _, row in rows]
         summary.spearman, summary.spearman_n = _spearman(scores, labels)
     if skipped:
         log.warning("%s", summary.skipped_summary())
+    if hint:
+        log.warning("%s", hint)
     return summary

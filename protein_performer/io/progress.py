@@ -13,7 +13,9 @@ from __future__ import annotations
 
 import os
 import sys
+import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 #: Seconds between progress lines when stderr is not a terminal
@@ -126,6 +128,23 @@ def beat(note: str = "") -> None:
     if _OPEN:
         _flush_pending()
         _OPEN[-1].beat(note)
+
+
+def total_later(bar: Any, count: Callable[[], float | None]) -> None:  # noqa: ANN401
+    """Give ``bar`` its total once ``count()`` knows it (a scan of the input, in a background
+    thread), so the work starts at once and the bar shows an ETA from then on."""
+
+    def fill() -> None:
+        try:
+            total = count()
+        except Exception:  # noqa: BLE001 - a total is a nicety: the work reports input errors
+            return
+        if total is not None and not getattr(bar, "disable", False):
+            bar.total = total
+            if hasattr(bar, "refresh"):
+                bar.refresh()
+
+    threading.Thread(target=fill, name="progress-total", daemon=True).start()
 
 
 def progress(

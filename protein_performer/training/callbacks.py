@@ -98,10 +98,13 @@ class TrainingCurvePlot(Callback):
         self.train: list[tuple[int, float]] = []
         self.val: dict[str, list[tuple[int, float]]] = {"val/loss": [], "val/ppl": []}
         self.path: Path | None = None
+        self.unigram: float | None = None  # the reference line: see unigram_perplexity
         self._last_step = -1
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._last_step = trainer.global_step  # 0, or the step a resumed run starts from
+        if self.unigram is None and trainer.is_global_zero:
+            self.unigram = _unigram_of(trainer)
 
     def on_train_batch_end(
         self,
@@ -131,11 +134,12 @@ class TrainingCurvePlot(Callback):
 
     def state_dict(self) -> dict[str, Any]:
         # Saved in checkpoints so a resumed run's figure covers the whole run.
-        return {"train": self.train, "val": self.val}
+        return {"train": self.train, "val": self.val, "unigram": self.unigram}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.train = [tuple(p) for p in state_dict.get("train", [])]
         self.val = {k: [tuple(p) for p in v] for k, v in state_dict.get("val", self.val).items()}
+        self.unigram = state_dict.get("unigram")
 
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if not trainer.is_global_zero or not self.train:
@@ -143,10 +147,21 @@ class TrainingCurvePlot(Callback):
         out_dir = Path(self.dirpath or trainer.default_root_dir)
         out_dir.mkdir(parents=True, exist_ok=True)
         self.path = out_dir / f"{self.filename}.png"
-        curve = json.dumps({"train/loss": self.train, **self.val})
+        curve = json.dumps({"train/loss": self.train, **self.val, "unigram_ppl": self.unigram})
         write_text_atomic(out_dir / f"{self.filename}.json", curve)
-        plot_training_curve(self.train, self.val, self.path)
+        plot_training_curve(self.train, self.val, self.path, self.unigram)
         log.info("training curve: %s", self.path)
+
+
+def _unigram_of(trainer: pl.Trainer) -> float | None:
+    """The unigram perplexity of the run's data module (train frequencies on valid), or None
+    when it has no record sources (a data module of the user's own)."""
+    from protein_performer.data.dataset import unigram_perplexity
+
+    sources = getattr(getattr(trainer, "datamodule", None), "sources", None)
+    if not isinstance(sources, dict) or "train" not in sources or "valid" not in sources:
+        return None
+    return unigram_perplexity(sources["train"], sources["valid"])
 
 
 def _smooth(values: np.ndarray, window: int) -> np.ndarray:
@@ -165,8 +180,10 @@ def plot_training_curve(
     train: list[tuple[int, float]],
     val: dict[str, list[tuple[int, float]]],
     path: Path,
+    unigram: float | None = None,
 ) -> None:
-    """Two panels: train/val loss vs step (raw train faint, smoothed solid) and val/ppl vs step."""
+    """Two panels: train/val loss vs step (raw train faint, smoothed solid) and val/ppl vs step,
+    with ``unigram`` (the train set's residue frequencies' perplexity on valid) for reference."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -187,15 +204,17 @@ def plot_training_curve(
     if val["val/ppl"]:
         ps, pv = zip(*val["val/ppl"], strict=True)
         ax_ppl.plot(ps, pv, "o-", color="tab:orange", label="val/ppl")
-        # Uniform over the 20 standard amino acids: the floor a model must beat to learn anything.
-        ax_ppl.axhline(20.0, color="grey", ls="--", lw=0.8, label="uniform over 20 aa")
+        if unigram is not None:
+            # What residue frequencies alone give: a model must beat this to use any context.
+            label = f"unigram (train frequencies): {unigram:.2f}"
+            ax_ppl.axhline(unigram, color="grey", ls="--", lw=0.8, label=label)
         ax_ppl.legend()
     else:
         ax_ppl.text(0.5, 0.5, "no validation run", ha="center", va="center")
     ax_ppl.set(xlabel="optimizer step", ylabel="perplexity", title="validation perplexity")
     ax_ppl.grid(alpha=0.3)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=110, bbox_inches="tight")  # titles and legends never cut off
     plt.close(fig)
 
 

@@ -138,6 +138,7 @@ def train(cfg: DictConfig) -> dict[str, Any]:
         last_checkpoint,
     )
     from protein_performer.training.init_weights import check_init_from, maybe_init_from
+    from protein_performer.training.quiet import quiet_lightning
     from protein_performer.training.run_dir import check_fresh_run_dir
     from protein_performer.training.settings import check_training_config
 
@@ -150,6 +151,7 @@ def train(cfg: DictConfig) -> dict[str, Any]:
         )
 
     check_training_config(cfg)  # values of data, model.optim and trainer, before any building
+    quiet_lightning()
     if ckpt_path is None:  # a new run: refuse to start over on a previous run's files
         check_fresh_run_dir(cfg.paths.output_dir, overwrite=cfg.get("overwrite") is True)
     if cfg.get("seed") is not None:

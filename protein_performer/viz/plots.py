@@ -42,6 +42,14 @@ def save_figure(fig, path: str | os.PathLike[str], dpi: int = 120) -> Path:
     return path
 
 
+def wrap_title(text: str, width: int) -> str:
+    """``text`` with each line wrapped at ``width`` characters: a long record name or note
+    makes the title taller, never wider than the figure (where it would be cut off)."""
+    import textwrap
+
+    return "\n".join(textwrap.fill(line, width) for line in text.splitlines())
+
+
 def downsample(x: np.ndarray, max_size: int = MAX_PANEL) -> np.ndarray:
     """Block-average the last two axes so neither exceeds ``max_size`` (keeps mass patterns
     visible where plain striding would drop isolated peaks' neighbours)."""
@@ -107,8 +115,11 @@ def attention_grid(
             if b == nh - 1:
                 bar.set_label("attention weight", fontsize=6)
     fig.suptitle(
-        (title or f"attention, residues {row_start + 1}-{row_start + h}")
-        + "\ncolour: attention weight of query on key (each panel its own scale)",
+        wrap_title(
+            (title or f"attention, residues {row_start + 1}-{row_start + h}")
+            + "\ncolour: attention weight of query on key (each panel its own scale)",
+            int(fig.get_figwidth() * 12),  # about 12 characters per inch at 9 pt
+        ),
         fontsize=9,
     )
     fig.tight_layout()
@@ -180,9 +191,12 @@ def contact_comparison(
     ax.legend(handles=legend, loc="upper center", bbox_to_anchor=(0.5, -0.1), ncol=2, fontsize=7)
     precision = float(hit.mean()) if len(hit) else float("nan")
     ax.set_title(
-        (title + "\n" if title else "")
-        + f"pairs with |i - j| >= {min_sep}: predicted (upper) vs true (lower); "
-        + f"top-L precision P@L = {precision:.2f}",
+        wrap_title(
+            (title + "\n" if title else "")
+            + f"pairs with |i - j| >= {min_sep}: predicted (upper) vs true (lower); "
+            + f"top-L precision P@L = {precision:.2f}",
+            int(fig.get_figwidth() * 10),
+        ),
         fontsize=8,
     )
     return save_figure(fig, path, dpi)
@@ -236,9 +250,12 @@ def similarity_vs_blosum(
         ax.set_title(name, fontsize=9)
         fig.colorbar(im, ax=ax, fraction=0.046).set_label(quantity, fontsize=8)
     fig.suptitle(
-        (title + ": " if title else "")
-        + f"amino-acid similarity, Pearson r = {r:.3f} with BLOSUM62 over the 210 pairs "
-        "(1: same pattern, 0: unrelated)",
+        wrap_title(
+            (title + ": " if title else "")
+            + f"amino-acid similarity, Pearson r = {r:.3f} with BLOSUM62 over the 210 pairs "
+            "(1: same pattern, 0: unrelated)",
+            int(fig.get_figwidth() * 11),
+        ),
         fontsize=10,
     )
     return save_figure(fig, path, dpi), r

@@ -14,6 +14,7 @@ import torch
 import protein_performer as pp
 from protein_performer.cli.main import main
 from protein_performer.data.tokenizer import STANDARD_AA
+from protein_performer.inference.api import ProteinLM
 from protein_performer.interop.loading import export_model
 from tests.inference.test_embedding import tiny_loaded
 
@@ -201,3 +202,30 @@ def test_embed_and_score_read_a_preprocessed_store(models, tmp_path: Path) -> No
     with h5py.File(outs["fasta"][0]) as a, h5py.File(outs["store"][0]) as b:
         for name in ("ids", "lengths", "record_numbers", "header_bytes", "mean/2"):
             np.testing.assert_array_equal(a[name][:], b[name][:])
+
+
+def test_logits_equal_the_models_forward_whatever_the_batching() -> None:
+    lm = ProteinLM(tiny_loaded())
+    seqs = ["MKTAYIAKQRQ", "MLL", "ACDEFGHIKLMNPQRSTVWY"]
+    small, large = lm.logits(seqs, toks_per_batch=8), lm.logits(seqs, toks_per_batch=4096)
+    for seq, a, b in zip(seqs, small, large, strict=True):
+        tokens = torch.as_tensor(lm.alphabet.encode_with_specials(seq))[None]
+        with torch.no_grad():
+            want = lm.model(tokens).logits[0].float().numpy()  # (L + 2, V)
+        assert a.shape == (len(seq) + 2, lm.config.vocab_size)
+        np.testing.assert_allclose(a, want, atol=1e-5)
+        np.testing.assert_allclose(b, want, atol=1e-5)
+
+
+def test_attention_is_the_implied_maps_the_report_draws() -> None:
+    from protein_performer.contacts.attention import full_maps
+
+    lm = ProteinLM(tiny_loaded())
+    seq = "MKTAYIAKQRQISF"
+    everything = lm.attention(seq)
+    want = full_maps(lm.model, seq).numpy()  # (depth, heads, L, L)
+    np.testing.assert_allclose(everything, want, atol=1e-6)
+    part = lm.attention(seq, layers=[-1], heads=[1], window=(3, 7))
+    assert part.shape == (1, 1, 4, len(seq))
+    np.testing.assert_allclose(part[0, 0], want[-1, 1, 3:7], atol=1e-6)
+    assert np.all(part.sum(-1) < 1.0) and np.all(part >= 0)  # <cls>/<eos> weight left out

@@ -243,14 +243,16 @@ def test_tem1_dms_end_to_end(tmp_path: Path) -> None:
     rows = read_csv(out)
     assert rows[0][:3] == ["", "mutant", "0"] and rows[0][-1] == "masked-marginals"
     assert rows[1][1] == "H24C" and rows[1][-1] != ""
-    # Offset 1 instead of 24 misplaces every mutation: all rows reported, none crash.
-    wrong = score_variants_file(
-        ProteinLM(tiny_loaded()),
-        SHARED / "BLAT_ECOLX_wt_offset24.fasta",
-        SHARED / "BLAT_ECOLX_Ranganathan2015.csv",
-        tmp_path / "w.csv",
-        offset=1,
-        limit_rows=50,
-        progress=False,
-    )
-    assert wrong.scored < 50 and len(wrong.skipped) == 50 - wrong.scored
+    # Offset 1 instead of 24 misplaces every mutation: nothing scored is an error that names
+    # the offset that fits (issue 35), not an empty table and exit 0.
+    with pytest.raises(UserError, match="pass --offset 24"):
+        score_variants_file(
+            ProteinLM(tiny_loaded()),
+            SHARED / "BLAT_ECOLX_wt_offset24.fasta",
+            SHARED / "BLAT_ECOLX_Ranganathan2015.csv",
+            tmp_path / "w.csv",
+            offset=1,
+            limit_rows=50,
+            progress=False,
+        )
+    assert not (tmp_path / "w.csv").exists()

@@ -1,0 +1,128 @@
+"""ProteinGym's formats: its metrics as it defines them, its DMS files read as they are, and the
+benchmark runner (resumable per assay, the leaderboard's column names)."""
+
+from __future__ import annotations
+
+import csv
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from protein_performer.cli.main import main
+from protein_performer.inference.dms_metrics import (
+    leaderboard_average,
+    mcc,
+    ndcg,
+    spearman,
+    top_recall,
+)
+from protein_performer.inference.proteingym import summary_columns
+from tests.interop.test_loading import fit_checkpoint
+from tests.paths import REPO
+
+PG = REPO / "data" / "proteingym"
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return fit_checkpoint(tmp_path_factory.mktemp("fit"))[0]
+
+
+def test_ndcg_by_hand() -> None:
+    # 10 rows: k = floor(10 * 10%) = 1, so only the top-ranked row counts.
+    labels = np.array([0.0, 1, 2, 3, 4, 5, 6, 7, 8, 9])
+    gains = labels / 9  # min-max scaled
+    perfect = labels.copy()
+    assert ndcg(perfect, labels) == pytest.approx(1.0)
+    second = labels.copy()
+    second[8], second[9] = 9, 8  # the model's top row has gain 8/9
+    assert ndcg(second, labels) == pytest.approx(gains[8] / gains[9])
+    # 20 rows: k = 2, discounts 1 and 1/log2(3)
+    labels20 = np.arange(20.0)
+    scores = np.arange(20.0)
+    scores[[17, 19]] = scores[[19, 17]]  # top two by score: rows 17 (gain 17/19), 18
+    g = labels20 / 19
+    want = (g[17] + g[18] / math.log2(3)) / (g[19] + g[18] / math.log2(3))
+    assert ndcg(scores, labels20) == pytest.approx(want)
+
+
+def test_mcc_cuts_the_score_at_its_median_and_undefined_is_none() -> None:
+    fit = [0, 0, 1, 1]
+    assert mcc([0.1, 0.2, 0.3, 0.4], fit) == pytest.approx(1.0)
+    assert mcc([0.4, 0.3, 0.2, 0.1], fit) == pytest.approx(-1.0)
+    assert mcc([1, 2, 3, 4], [1, 1, 1, 1]) is None
+    assert spearman([1, 1, 1], [1, 2, 3]) is None
+    assert top_recall(np.arange(20.0), np.arange(20.0)) == 1.0
+
+
+def test_leaderboard_average_weights_proteins_and_selection_types_equally() -> None:
+    values = [0.2, 0.4, 0.9, 0.5]
+    proteins = ["A", "A", "B", "C"]
+    selection = ["Stability", "Stability", "Stability", "Binding"]
+    # Stability: mean(A = 0.3, B = 0.9) = 0.6; Binding: C = 0.5; average (0.6 + 0.5) / 2
+    assert leaderboard_average(values, proteins, selection) == pytest.approx(0.55)
+    assert leaderboard_average([None, 0.5], ["A", "B"], ["x", "y"]) == pytest.approx(0.5)
+
+
+def test_score_variants_reads_a_proteingym_file_as_it_is(
+    ckpt: Path, tmp_path: Path, capsys
+) -> None:
+    out = tmp_path / "out.csv"
+    argv = ["score-variants", str(ckpt), str(PG / "BLAT_ECOLX.fasta"),
+            str(PG / "BLAT_ECOLX_Stiffler_2015.csv"), str(out), "--no-progress"]  # fmt: skip
+    assert main(argv) == 0
+    said = capsys.readouterr().out
+    assert "ProteinGym DMS columns found" in said
+    assert "scored 200 of 200" in said and "Spearman rho vs 'DMS_score'" in said
+
+
+def test_multi_mutants_in_proteingym_notation(ckpt: Path, tmp_path: Path, capsys) -> None:
+    wt = "MKTAYIAKQRQISFVKSHFSRQ"
+    (tmp_path / "wt.fasta").write_text(f">wt\n{wt}\n")
+    dms = tmp_path / "dms.csv"
+    dms.write_text("mutant,DMS_score,DMS_score_bin\nK2R,1.0,1\nK2R:T3S,0.5,1\nY5G:K8R:Q9E,-1,0\n")
+    out = tmp_path / "out.csv"
+    argv = ["score-variants", str(ckpt), str(tmp_path / "wt.fasta"), str(dms), str(out)]
+    assert main([*argv, "--no-progress"]) == 0
+    assert "scored 3 of 3" in capsys.readouterr().out
+
+
+def _tables(out: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(out)): p.read_bytes() for p in sorted(out.rglob("*.csv"))}
+
+
+def test_benchmark_runs_every_assay_and_a_second_run_reproduces_it(
+    ckpt: Path, tmp_path: Path, capsys
+) -> None:
+    out = tmp_path / "pg"
+    argv = ["benchmark", "proteingym", str(PG / "reference_two_assays.csv"), str(PG), str(out),
+            str(ckpt), "--no-progress", "--device", "cpu"]  # fmt: skip
+    assert main(argv) == 0
+    first = capsys.readouterr()
+    assert "[1/2] BLAT_ECOLX_Stiffler_2015: 200 mutants" in first.err
+    assert "[2/2] BLAT_ECOLX_Stiffler_2015_cefotaxime: 119 mutants" in first.err
+    before = _tables(out)
+    (out / "scores" / "BLAT_ECOLX_Stiffler_2015_cefotaxime.csv").unlink()  # killed before it
+    assert main(argv) == 0
+    second = capsys.readouterr()
+    assert (
+        "(reused)" in second.err.splitlines()[0] and "(reused)" not in second.err.splitlines()[1]
+    )
+    assert _tables(out) == before  # the same bytes: numbers reproduced from the files
+    with open(out / "Spearman" / "Summary_performance_DMS_substitutions_Spearman.csv") as fh:
+        rows = list(csv.DictReader(fh))
+    assert list(rows[0]) == summary_columns("Spearman")
+    assert rows[0]["Model_name"] == "protein_performer" and rows[0]["Average_Spearman"]
+    with open(out / "AUC" / "DMS_substitutions_AUC_DMS_level.csv") as fh:
+        level = list(csv.DictReader(fh))
+    assert [r["DMS ID"] for r in level] == ["BLAT_ECOLX_Stiffler_2015",
+                                            "BLAT_ECOLX_Stiffler_2015_cefotaxime"]  # fmt: skip
+    assert all(0 <= float(r["protein_performer"]) <= 1 for r in level)
+    with open(out / "scores" / "BLAT_ECOLX_Stiffler_2015.csv") as fh:
+        scored = list(csv.DictReader(fh))
+    rho = spearman([float(r["protein_performer"]) for r in scored],
+                   [float(r["DMS_score"]) for r in scored])  # fmt: skip
+    with open(out / "Spearman" / "DMS_substitutions_Spearman_DMS_level.csv") as fh:
+        assert float(next(csv.DictReader(fh))["protein_performer"]) == round(rho, 3)
