@@ -92,6 +92,8 @@ LONG_CROP = 4096
 #: reads ~0.6M and barely leaves the unigram perplexity in that time).
 MODEL = ["dim=64", "depth=2", "heads=4", "ff_dim=256", "nb_features=48"]
 RESULT_FILE = "family_eval.json"
+#: Row key -> what ``family_eval.json`` calls the BLAT_ECOLX rho (without, with homologs).
+BLAT_KEYS = {"blat_rho": "rho", "blat_rho_context": "rho_context"}
 FIELDS = (
     "name",
     "rows",
@@ -120,13 +122,7 @@ def plan_runs(
     """Every training run, in launch order (seed-major, so a cut-short study has whole seeds),
     each scored on ``eval_set`` in a fresh process once trained."""
     shared = [
-        f"trainer={args.trainer}",
-        f"data.path={store}",
-        "data.num_workers=0",
-        "trainer.enable_progress_bar=false",
-        "trainer.num_sanity_val_steps=0",
-        "trainer.max_steps=20000",  # the LR schedule's length: far beyond any budget here
-        *budget.overrides(),
+        *h.store_overrides(args, store, budget),
         *(f"model.config.{kv}" for kv in (h.QUICK_MODEL if args.quick else MODEL)),
         "model.optim.warmup_steps=50",  # short: exact makes ~4x fewer steps on family rows
         f"data.max_len={args.single_len}",
@@ -456,8 +452,8 @@ def collect(run: h.Run) -> dict[str, Any]:
         for k in KS:
             row[f"{split}_ppl_k{k}"] = ev["family"][split][str(k)]["ppl"]
     blat = ev.get("blat", {})
-    row["blat_rho"] = blat.get("rho", math.nan)
-    row["blat_rho_context"] = blat.get("rho_context", math.nan)
+    for key, name in BLAT_KEYS.items():
+        row[key] = blat.get(name, math.nan)
     for lo, hi in BINS:
         row[f"long_ppl_{lo}_{hi}"] = ev.get("long", {}).get(f"{lo}-{hi}", {}).get("ppl", math.nan)
     return row
@@ -468,38 +464,29 @@ def collect(run: h.Run) -> dict[str, Any]:
 # --------------------------------------------------------------------------------------------
 
 
-def _groups(rows: list[dict[str, Any]]) -> list[tuple[str, str, str]]:
-    return list(dict.fromkeys((r["rows"], r["variant"], r["positions"]) for r in rows))
-
-
-def _label(variant: str, positions: str) -> str:
-    return variant + ("" if positions == "sequence" else f" (positions={positions})")
+def _groups(rows: list[dict[str, Any]]) -> list[tuple[str, list[dict[str, Any]]]]:
+    """(model label, its rows over seeds) per (rows, variant, positions), in run order."""
+    keys = dict.fromkeys((r["rows"], r["variant"], r["positions"]) for r in rows)
+    return [
+        (v + ("" if pos == "sequence" else f" (positions={pos})"),
+         h.select(rows, rows=rows_, variant=v, positions=pos))
+        for rows_, v, pos in keys
+    ]  # fmt: skip
 
 
 def family_table(rows: list[dict[str, Any]], data: dict[str, Any]) -> str:
     ks = " / ".join(map(str, KS))
-    lines = [
-        f"| model | rows | test-family ppl, k = {ks} | OOD-cluster ppl, k = {ks} "
-        "| test k16/k0 | OOD k16/k0 | steps | seeds |",
-        "|---|---|---|---|---:|---:|---:|---:|",
-    ]
-    for rows_, variant, positions in _groups(rows):
-        sel = h.select(rows, rows=rows_, variant=variant, positions=positions)
-        cells = []
-        for split in SPLITS:
-            cells.append(" / ".join(h.cell([r[f"{split}_ppl_k{k}"] for r in sel]) for k in KS))
-        for split in SPLITS:
-            cells.append(h.cell([r[f"{split}_ppl_k16"] / r[f"{split}_ppl_k0"] for r in sel], 1, 3))
-        lines.append(
-            f"| {_label(variant, positions)} | {rows_} | {' | '.join(cells)} "
-            f"| {h.cell([r['steps'] for r in sel], 1, 0)} | {len(sel)} |"
-        )
+    header = ["model", "rows", f"test-family ppl, k = {ks}", f"OOD-cluster ppl, k = {ks}"]
+    lines = []
+    for label, sel in _groups(rows):
+        ppl = [" / ".join(h.cell([r[f"{s}_ppl_k{k}"] for r in sel]) for k in KS) for s in SPLITS]
+        ratio = [h.cell([r[f"{s}_ppl_k16"] / r[f"{s}_ppl_k0"] for r in sel], 1, 3) for s in SPLITS]
+        steps = h.cell([r["steps"] for r in sel], 1, 0)
+        lines.append([label, sel[0]["rows"], *ppl, *ratio, steps, len(sel)])
     uni = data["unigram"]
-    lines.append(
-        f"| unigram baseline | - | {uni['test']:.2f} (every k) | {uni['ood']:.2f} (every k) "
-        "| - | - | - | - |"
-    )
-    return "\n".join(lines)
+    every = [f"{uni[s]:.2f} (every k)" for s in SPLITS]
+    lines.append(["unigram baseline", "-", *every, "-", "-", "-", "-"])
+    return h.markdown_table([*header, "test k16/k0", "OOD k16/k0", "steps", "seeds"], lines, 4)
 
 
 def counts_line(rows: list[dict[str, Any]], data: dict[str, Any]) -> str:
@@ -554,42 +541,28 @@ def positions_table(rows: list[dict[str, Any]]) -> tuple[str, str]:
 
 
 def blat_table(rows: list[dict[str, Any]], data: dict[str, Any]) -> str:
-    b = data["blat"]
-    n_h = len(b["homologs"])
+    n_h = len(data["blat"]["homologs"])
+    header = ["model", "rows", "Spearman rho, no context", f"rho, {n_h} homologs in context"]
     lines = [
-        f"| model | rows | Spearman rho, no context | rho, {n_h} homologs in context |",
-        "|---|---|---:|---:|",
+        [label, sel[0]["rows"], *(h.cell([r[k] for r in sel], 1, 3) for k in BLAT_KEYS)]
+        for label, sel in _groups(rows)
     ]
-    for rows_, variant, positions in _groups(rows):
-        sel = h.select(rows, rows=rows_, variant=variant, positions=positions)
-        lines.append(
-            f"| {_label(variant, positions)} | {rows_} | "
-            f"{h.cell([r['blat_rho'] for r in sel], 1, 3)} | "
-            f"{h.cell([r['blat_rho_context'] for r in sel], 1, 3)} |"
-        )
-    return "\n".join(lines)
+    return h.markdown_table(header, lines, 2)
 
 
 def long_table(rows: list[dict[str, Any]]) -> str:
-    heads = " | ".join(
-        f"{'<=' if lo == 1 else ''}{lo if lo > 1 else hi}{'-' + str(hi) if lo > 1 else ''} tokens"
-        for lo, hi in BINS
-    )
-    lines = [f"| model | {heads} |", "|---|" + "---:|" * len(BINS)]
-    single = [r for r in rows if r["rows"] == "single"]
-    for _, variant, positions in _groups(single):
-        sel = h.select(single, variant=variant, positions=positions)
-        cells = [h.cell([r[f"long_ppl_{lo}_{hi}"] for r in sel]) for lo, hi in BINS]
-        lines.append(f"| {_label(variant, positions)} | {' | '.join(cells)} |")
+    heads = [f"<={hi} tokens" if lo == 1 else f"{lo}-{hi} tokens" for lo, hi in BINS]
+    single = h.select(rows, rows="single")
+    lines = [
+        [label, *(h.cell([r[f"long_ppl_{lo}_{hi}"] for r in sel]) for lo, hi in BINS)]
+        for label, sel in _groups(single)
+    ]
     if single:
         long = single[0]["eval"].get("long", {})
-        counts = [
-            f"{long.get(f'{lo}-{hi}', {}).get('records', 0)} records / "
-            f"{long.get(f'{lo}-{hi}', {}).get('tokens', 0)} tokens"
-            for lo, hi in BINS
-        ]
-        lines.append(f"| (scored) | {' | '.join(counts)} |")
-    return "\n".join(lines)
+        n = [long.get(f"{lo}-{hi}", {}) for lo, hi in BINS]
+        lines.append(["(scored)", *(f"{c.get('records', 0)} records / "
+                                    f"{c.get('tokens', 0)} tokens" for c in n)])  # fmt: skip
+    return h.markdown_table(["model", *heads], lines)
 
 
 def findings(rows: list[dict[str, Any]]) -> list[str]:
@@ -625,10 +598,8 @@ def report(rows: list[dict[str, Any]], data: dict[str, Any], args: argparse.Name
         json.dumps({"runs": rows, "eval_set": {k: v for k, v in data.items() if k != "long"}})
         + "\n",
     )
-    clock = "wall-clock" if args.trainer == "gpu" else "CPU"
     header = (
-        f"{args.minutes:g} {clock} minutes of training per run, {args.threads} torch thread(s), "
-        f"seeds {','.join(map(str, args.seeds))}; causal; model "
+        f"{h.budget_line(args)}; causal; model "
         f"{' '.join(h.QUICK_MODEL if args.quick else MODEL)}; single rows <= {args.single_len} "
         f"tokens, family rows <= {args.family_tokens} tokens (members cropped to "
         f"{args.single_len}), families: MMseqs2 {args.family_method} at "

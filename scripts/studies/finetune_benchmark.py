@@ -631,26 +631,24 @@ def main(argv: list[str] | None = None) -> int:
         seqs, y, pos = load_scan(args.dms, args.column, args.limit, args.seed)
         fold_sets = {k: folds(k, pos, args.folds, args.seed) for k in ("random", "position")}
         rows = []
-        if "onehot" in methods:
-            x = one_hot(seqs)
-            row = {"method": "one-hot ridge", "cpu_s": 0.0}
+
+        def ridge_row(method: str, x: np.ndarray, cpu_s: float) -> dict:
+            """Ridge on features ``x``, both fold kinds; ``cpu_s`` the features' CPU time."""
+            row = {"method": method, "cpu_s": cpu_s}
             for kind, fl in fold_sets.items():
                 pred, t = timed(lambda fl=fl: ridge_cv(x, y, fl))
                 row[kind], row["cpu_s"] = h.spearman(pred, y), row["cpu_s"] + t
                 row[f"{kind}_per_fold"] = per_fold(pred, y, fl)
-            rows.append(row)
+            return row
+
+        if "onehot" in methods:
+            rows.append(ridge_row("one-hot ridge", one_hot(seqs), 0.0))
         for m, (label, base) in enumerate(models):
             if "frozen" in methods:
                 import protein_performer as pp
 
-                start = time.process_time()
-                emb = pp.load(base, "cpu").embed(seqs)
-                row = {"method": f"frozen ridge ({label})", "cpu_s": time.process_time() - start}
-                for kind, fl in fold_sets.items():
-                    pred, t = timed(lambda fl=fl, emb=emb: ridge_cv(emb, y, fl))
-                    row[kind], row["cpu_s"] = h.spearman(pred, y), row["cpu_s"] + t
-                    row[f"{kind}_per_fold"] = per_fold(pred, y, fl)
-                rows.append(row)
+                emb, t = timed(lambda base=base: pp.load(base, "cpu").embed(seqs))
+                rows.append(ridge_row(f"frozen ridge ({label})", emb, t))
             for mode in ("lora", "full"):
                 if mode not in methods:
                     continue

@@ -106,6 +106,22 @@ class Budget:
         return end["budget_s"] == want_s and (self.steps is None or end["step"] == self.steps)
 
 
+def store_overrides(args: argparse.Namespace, store: Path, budget: Budget) -> list[str]:
+    """What every run of a study on a ``preprocess`` store shares: ``--trainer``, the store, data
+    loaded in the training process (so CPU time counts it), no progress bar or sanity
+    validation, and the budget (for a time budget, an LR schedule of 20k steps: beyond reach)."""
+    schedule = ["trainer.max_steps=20000"] if budget.steps is None else []
+    return [
+        f"trainer={args.trainer}",
+        f"data.path={store}",
+        "data.num_workers=0",
+        "trainer.enable_progress_bar=false",
+        "trainer.num_sanity_val_steps=0",
+        *schedule,
+        *budget.overrides(),
+    ]
+
+
 @dataclass
 class Run:
     """One training run and the commands that follow it.
@@ -319,6 +335,15 @@ def finish_args(args: argparse.Namespace, quick: dict[str, tuple[Any, Any]]) -> 
 # --------------------------------------------------------------------------------------------
 # Tables
 # --------------------------------------------------------------------------------------------
+
+
+def budget_line(args: argparse.Namespace) -> str:
+    """What each run of a :func:`finish_args` study got, for the report's header."""
+    clock = "wall-clock" if args.trainer == "gpu" else "CPU"
+    return (
+        f"{args.minutes:g} {clock} minutes of training per run, {args.threads} torch thread(s), "
+        f"seeds {','.join(map(str, args.seeds))}"
+    )
 
 
 def mean_sd(values: Iterable[Any]) -> tuple[float, float]:

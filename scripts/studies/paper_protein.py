@@ -115,15 +115,7 @@ def eval_cmd(
 def plan_runs(args: argparse.Namespace, store: Path, budget: h.Budget) -> list[h.Run]:
     """Every training run of the study, in the order they are launched."""
     runs_dir = args.out.resolve() / "runs"
-    shared = [
-        f"trainer={args.trainer}",
-        f"data.path={store}",
-        "data.num_workers=0",
-        "trainer.enable_progress_bar=false",
-        "trainer.num_sanity_val_steps=0",
-        "trainer.max_steps=20000",  # the LR schedule's length: far beyond any budget here
-        *budget.overrides(),
-    ]
+    shared = h.store_overrides(args, store, budget)
 
     def run(part: str, variant: str, seed: int, overrides: list[str]) -> h.Run:
         name = f"{part}-{variant}-s{seed}"
@@ -324,11 +316,7 @@ def report(
 ) -> str:
     out = args.out.resolve()
     h.write_csv(out / "runs.csv", rows, FIELDS)
-    clock = "wall-clock" if args.trainer == "gpu" else "CPU"
-    header = (
-        f"{args.minutes:g} {clock} minutes of training per run, {args.threads} torch thread(s), "
-        f"seeds {','.join(map(str, args.seeds))}{' (quick: tiny models)' if args.quick else ''}"
-    )
+    header = h.budget_line(args) + (" (quick: tiny models)" if args.quick else "")
     lines = []
     if any(r["part"] in ("uni", "bid") for r in rows):
         lines += [
