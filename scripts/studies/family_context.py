@@ -671,8 +671,8 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, h.Bud
         "Budgets are CPU time of each training process (time.process_time, validation "
         "excluded) with --threads torch threads; see the module docstring.",
         out="outputs/family_context",
-        minutes=3.0,
         jobs=2,
+        minutes=3.0,
         quick_help="smoke run: tiny models, a 2,000-record corpus, 3 CPU-seconds per run, 1 seed",
     )
     p.add_argument("--mmseqs-threads", type=int, default=2, help="MMseqs2 threads")

@@ -359,8 +359,8 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, h.Bud
         "excluded) with --threads torch threads, so runs stay comparable on a shared "
         "machine; --trainer gpu switches to wall clock. See the module docstring.",
         out="outputs/paper_protein",
-        minutes=10.0,
         jobs=1,
+        minutes=10.0,
         quick_help="smoke run: tiny models, the bundled demo FASTA, 3 CPU-seconds per run, 1 seed",
     )
     p.add_argument(
