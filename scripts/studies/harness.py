@@ -381,7 +381,7 @@ def cell(values: Iterable[Any], scale: float = 1.0, digits: int = 2) -> str:
     return f"{m:.{digits}f}" + (f" ± {s:.{digits}f}" if math.isfinite(s) else "")
 
 
-def select(rows: list[dict[str, Any]], **match: Any) -> list[dict[str, Any]]:
+def select(rows: list[dict[str, Any]], /, **match: Any) -> list[dict[str, Any]]:
     return [r for r in rows if all(r.get(k) == v for k, v in match.items())]
 
 
