@@ -212,7 +212,8 @@ def run_all(
     if not runs:
         raise SystemExit("error: no finished run to report")
     for run in runs:
-        run.result = {**run.tags, **train_row(run, args.threads), **(collect or dict)(run)}
+        extra = collect(run) if collect else {}
+        run.result = {**run.tags, **train_row(run, args.threads), **extra}
     return runs
 
 
