@@ -25,11 +25,13 @@ import subprocess
 import sys
 from pathlib import Path
 
-import _common as common
+#: The repository checkout this script belongs to.
+REPO = Path(__file__).resolve().parents[1]
 
-DEMO = common.REPO / "data" / "demo" / "some_proteins.fasta"
-DMS = common.REPO.parent / "shared" / "data" / "dms"
-STRUCTURES = common.REPO.parent / "shared" / "data" / "structures"
+
+DEMO = REPO / "data" / "demo" / "some_proteins.fasta"
+DMS = REPO.parent / "shared" / "data" / "dms"
+STRUCTURES = REPO.parent / "shared" / "data" / "structures"
 
 
 def make_models(out: Path) -> None:

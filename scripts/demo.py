@@ -20,9 +20,10 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-import _common as common
-
 from protein_performer.errors import UserError
+
+#: The repository checkout this script belongs to.
+REPO = Path(__file__).resolve().parents[1]
 
 log = logging.getLogger("demo")
 
@@ -66,7 +67,7 @@ def report_train(res: TrainResult) -> None:
     print(f"run directory: {res.output_dir}")
 
 
-DEMO_FASTA = common.REPO / "data" / "demo" / "some_proteins.fasta"
+DEMO_FASTA = REPO / "data" / "demo" / "some_proteins.fasta"
 
 
 def run_inference_demo(
@@ -153,7 +154,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     torch.set_num_threads(args.threads)
-    common.setup_logging()
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     try:
         trained = step_train(overrides)
         report_train(trained)

@@ -32,8 +32,10 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-import _common as common
 import numpy as np
+
+#: The repository checkout this script belongs to.
+REPO = Path(__file__).resolve().parents[1]
 
 COMMANDS = ("train", "preprocess", "embed", "export")
 #: A small model whose checkpoint (~10 MB with the optimizer) takes several 1 MiB writes.
@@ -46,7 +48,7 @@ MODEL = [
 ]
 TRAIN = [
     "experiment=demo",
-    f"paths.root_dir={common.REPO}",
+    f"paths.root_dir={REPO}",
     *MODEL,
     "data.limit_records=200",
     "data.max_len=128",

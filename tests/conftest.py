@@ -54,9 +54,9 @@ def torch_threads(request: pytest.FixtureRequest) -> Iterator[int]:
 
 @pytest.fixture
 def run_script() -> RunScript:
-    """Run ``scripts/NAME *args`` with this interpreter from the repo root; a non-zero exit fails
-    the test with the script's output. Scripts run as subprocesses because that is how users run
-    them (their own argument parsing, thread settings and imports)."""
+    """Run ``scripts/DIR/NAME *args`` with this interpreter from the repo root; a non-zero exit
+    fails the test with the script's output. Scripts run as subprocesses because that is how
+    users run them (their own argument parsing, thread settings and imports)."""
 
     def run(script: str, *args: str, timeout: float = 180.0) -> subprocess.CompletedProcess[str]:
         proc = subprocess.run(

@@ -471,7 +471,7 @@ def test_benchmark_quick(tmp_path: Path) -> None:
     import subprocess
     import sys
 
-    script = REPO / "scripts" / "finetune_benchmark.py"
+    script = REPO / "scripts" / "studies" / "finetune_benchmark.py"
     out = tmp_path / "b.json"
     cmd = [sys.executable, str(script), "--quick", "--limit", "100", "--folds", "2",
            "--threads", "1", "--out", str(out)]  # fmt: skip
@@ -492,7 +492,7 @@ def test_benchmark_residue_quick(tmp_path: Path) -> None:
     import subprocess
     import sys
 
-    script = REPO / "scripts" / "finetune_benchmark.py"
+    script = REPO / "scripts" / "studies" / "finetune_benchmark.py"
     out = tmp_path / "r.json"
     cmd = [sys.executable, str(script), "--residue", "--quick", "--folds", "2", "--lrs",
            "1e-3,1e-2", "--threads", "1", "--out", str(out)]  # fmt: skip

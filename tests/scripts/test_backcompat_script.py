@@ -1,4 +1,5 @@
-"""The backward-compatibility experiment (scripts/backcompat_experiment.py) end to end, tiny.
+"""The backward-compatibility experiment (scripts/studies/backcompat_experiment.py) end to end,
+tiny.
 
 Runs on the bundled demo FASTA so CI exercises it without ../shared: exact training through
 ``train(cfg)``, the swap, and one fine-tune per distillation weight, then the same fine-tune
@@ -36,7 +37,7 @@ def _curves(path: Path) -> dict[float, list[tuple[int, float]]]:
 
 def test_backcompat_quick_and_resume_from_exact_ckpt(tmp_path: Path, run_script) -> None:
     first = tmp_path / "first"
-    proc = run_script("backcompat_experiment.py", *QUICK, "--out-dir", str(first))
+    proc = run_script("studies/backcompat_experiment.py", *QUICK, "--out-dir", str(first))
     assert "## Backward compatibility" in proc.stdout
     for name in ("recovery.md", "recovery.png", "recovery.csv", "summary.json"):
         assert (first / name).is_file(), name
@@ -62,7 +63,7 @@ def test_backcompat_quick_and_resume_from_exact_ckpt(tmp_path: Path, run_script)
     second = tmp_path / "second"
     ckpt = first / "exact" / "checkpoints" / "last.ckpt"
     run_script(
-        "backcompat_experiment.py",
+        "studies/backcompat_experiment.py",
         *QUICK,
         "--out-dir",
         str(second),

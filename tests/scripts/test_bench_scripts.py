@@ -27,7 +27,7 @@ def _finite(value: str) -> bool:
     return math.isfinite(float(value))
 
 
-@pytest.mark.parametrize("script", ["bench_attention.py", "bench_favor_accuracy.py"])
+@pytest.mark.parametrize("script", ["bench/bench_attention.py", "bench/bench_favor_accuracy.py"])
 def test_help(script: str, run_script) -> None:
     assert "usage" in run_script(script, "--help").stdout
 
@@ -35,7 +35,7 @@ def test_help(script: str, run_script) -> None:
 def test_bench_attention_quick(tmp_path: Path, run_script) -> None:
     # Only ours (both modes): every case is a fresh interpreter, so each costs an `import torch`.
     proc = run_script(
-        "bench_attention.py",
+        "bench/bench_attention.py",
         "--quick",
         "--impls",
         "ours",
@@ -74,7 +74,7 @@ def test_bench_attention_quick(tmp_path: Path, run_script) -> None:
 
 def test_bench_favor_accuracy_quick(tmp_path: Path, run_script) -> None:
     proc = run_script(
-        "bench_favor_accuracy.py",
+        "bench/bench_favor_accuracy.py",
         "--quick",
         "--seeds",
         "1",
@@ -103,7 +103,7 @@ def test_bench_favor_accuracy_quick(tmp_path: Path, run_script) -> None:
 
 
 def test_bench_generate_quick(tmp_path: Path, run_script) -> None:
-    run_script("bench_generate.py", "--quick", "--out", str(tmp_path), timeout=300)
+    run_script("bench/bench_generate.py", "--quick", "--out", str(tmp_path), timeout=300)
     rows = _rows(tmp_path / "generate_per_token.csv")
     assert [int(r["position"]) for r in rows] == [16, 64]
     assert all(_finite(r["ms_per_token"]) and float(r["ms_per_token"]) > 0 for r in rows)
@@ -112,7 +112,7 @@ def test_bench_generate_quick(tmp_path: Path, run_script) -> None:
 
 
 def test_bench_precision_quick(tmp_path: Path, run_script) -> None:
-    run_script("bench_precision.py", "--quick", "--threads", "1", "--out", str(tmp_path))
+    run_script("bench/bench_precision.py", "--quick", "--threads", "1", "--out", str(tmp_path))
     table = (tmp_path / "precision.md").read_text().splitlines()
     rows = {
         line.split("|")[1].strip(): line.split("|")[2:-1]
@@ -127,7 +127,7 @@ def test_bench_precision_quick(tmp_path: Path, run_script) -> None:
 
 
 def test_bench_embed_store_quick(tmp_path: Path, run_script) -> None:
-    run_script("bench_embed_store.py", "--quick", "--out", str(tmp_path), timeout=600)
+    run_script("bench/bench_embed_store.py", "--quick", "--out", str(tmp_path), timeout=600)
     report = (tmp_path / "embed_store.md").read_text()
     rows = [line.split("|")[1:-1] for line in report.splitlines() if line.startswith("| 1000")]
     assert len(rows) == 1 and all(cell.strip() for cell in rows[0])
@@ -135,7 +135,7 @@ def test_bench_embed_store_quick(tmp_path: Path, run_script) -> None:
 
 
 def test_bench_context_quick(tmp_path: Path, run_script) -> None:
-    run_script("bench_context.py", "--quick", "--out", str(tmp_path), timeout=900)
+    run_script("bench/bench_context.py", "--quick", "--out", str(tmp_path), timeout=900)
     rows = _rows(tmp_path / "context.csv")
     assert {(r["impl"], r["tokens"]) for r in rows} == {
         (impl, t) for impl in ("favor", "exact") for t in ("1024", "4096")

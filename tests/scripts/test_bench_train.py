@@ -17,7 +17,7 @@ import pytest
 pytestmark = pytest.mark.slow
 
 
-@pytest.mark.parametrize("script", ["bench_train.py", "quality_study.py"])
+@pytest.mark.parametrize("script", ["bench/bench_train.py", "studies/quality_study.py"])
 def test_help(script: str, run_script) -> None:
     assert "usage" in run_script(script, "--help").stdout
 
@@ -25,7 +25,7 @@ def test_help(script: str, run_script) -> None:
 def test_bench_train_quick(tmp_path: Path, run_script) -> None:
     # One objective and one length: each case is a fresh interpreter (an `import torch` each).
     proc = run_script(
-        "bench_train.py",
+        "bench/bench_train.py",
         "--quick",
         "--objectives",
         "mlm",

@@ -1,5 +1,5 @@
-"""``scripts/family_context.py`` (issue 21's study): ``--help`` (fast: no torch import), and the
-whole ``--quick`` pipeline end to end (slow: MMseqs2 preprocess and families, seven tiny
+"""``scripts/studies/family_context.py`` (issue 21's study): ``--help`` (fast: no torch import),
+and the whole ``--quick`` pipeline end to end (slow: MMseqs2 preprocess and families, seven tiny
 trainings through Hydra, scoring with family contexts through the API)."""
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import pytest
 
 from tests.paths import REPO
 
-SCRIPT = REPO / "scripts" / "family_context.py"
+SCRIPT = REPO / "scripts" / "studies" / "family_context.py"
 
 
 def test_help_names_the_protocol() -> None:
@@ -48,7 +48,7 @@ def test_train_records_the_family_row_length_as_context_tokens(tmp_path: Path) -
 @pytest.mark.slow
 @pytest.mark.skipif(shutil.which("mmseqs") is None, reason="needs MMseqs2 (`mmseqs` on PATH)")
 def test_quick_end_to_end(tmp_path: Path, run_script) -> None:
-    run_script("family_context.py", "--quick", "--out", str(tmp_path), timeout=1500)
+    run_script("studies/family_context.py", "--quick", "--out", str(tmp_path), timeout=1500)
     with (tmp_path / "family_context.csv").open() as fh:
         rows = list(csv.DictReader(fh))
     assert {(r["rows"], r["variant"], r["positions"]) for r in rows} == {

@@ -1,4 +1,4 @@
-"""scripts/gpu_check.sh: the one GPU command, run here on the CPU with tiny sizes, so that it
+"""scripts/bench/gpu_check.sh: the one GPU command, run here on the CPU with tiny sizes, so that it
 works the day a GPU appears (every benchmark it calls, the CSVs they write, the ratio table)."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import pytest
 
 from tests.paths import REPO
 
-SCRIPT = REPO / "scripts" / "gpu_check.sh"
+SCRIPT = REPO / "scripts" / "bench" / "gpu_check.sh"
 
 
 def _run(*args: str) -> subprocess.CompletedProcess:

@@ -1,5 +1,6 @@
 """The pieces of the paper's protein experiments: CPU-time budget, concatenated rows, unigram
-baseline, and ``scripts/paper_protein.py`` end to end (``--quick``, slow: it trains 9 models)."""
+baseline, and ``scripts/studies/paper_protein.py`` end to end (``--quick``, slow: it trains 9
+models)."""
 
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ from protein_performer.data.masking import IGNORE_INDEX
 from protein_performer.data.tokenizer import SEQUENCE_LETTERS, Alphabet
 from protein_performer.training.compose import compose_config
 from protein_performer.training.train import train
-from scripts._baseline import unigram_baseline
+from scripts.studies.harness import unigram_baseline
 from tests.data.test_dataset import in_memory_source
 from tests.training.test_train import TINY
 
@@ -100,14 +101,14 @@ def test_unigram_baseline_positions_and_values() -> None:
 
 @pytest.mark.slow  # own interpreter; test_scripts.py checks every script's --help at once
 def test_help(run_script) -> None:
-    out = run_script("paper_protein.py", "--help").stdout
+    out = run_script("studies/paper_protein.py", "--help").stdout
     assert "CPU time" in out and "--quick" in out and "--trainer" in out
 
 
 @pytest.mark.slow
 @pytest.mark.skipif(shutil.which("mmseqs") is None, reason="needs MMseqs2 (`mmseqs` on PATH)")
 def test_quick_end_to_end(tmp_path: Path, run_script) -> None:
-    run_script("paper_protein.py", "--quick", "--out", str(tmp_path), timeout=900)
+    run_script("studies/paper_protein.py", "--quick", "--out", str(tmp_path), timeout=900)
     with (tmp_path / "runs.csv").open() as fh:
         rows = list(csv.DictReader(fh))
     assert {(r["part"], r["variant"]) for r in rows} == {

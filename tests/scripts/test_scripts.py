@@ -1,6 +1,7 @@
-"""Every script in scripts/ answers ``--help`` (the README's promise) and imports its shared
-helpers (``scripts/_common.py``) by name, with no ``sys.path`` edits: run as
-``python scripts/X.py``, the script's own directory is already first on ``sys.path``."""
+"""Every script under scripts/ answers ``--help`` (the README's promise) and imports its shared
+helpers (``scripts/bench/_common.py``, ``scripts/studies/harness.py``) by name, with no
+``sys.path`` edits: run as ``python scripts/DIR/X.py``, the script's own directory is already
+first on ``sys.path``."""
 
 from __future__ import annotations
 
@@ -13,18 +14,24 @@ import pytest
 from tests.paths import REPO
 
 SCRIPTS = REPO / "scripts"
-NAMES = sorted(p.name for p in SCRIPTS.glob("*.py") if not p.name.startswith("_"))
+#: Every runnable script (what has a ``__main__``; the helper modules have none), as
+#: ``DIR/NAME`` relative to scripts/.
+NAMES = sorted(
+    str(p.relative_to(SCRIPTS))
+    for p in SCRIPTS.rglob("*.py")
+    if 'if __name__ == "__main__"' in p.read_text()
+)
 
 # Runs every script's ``__main__`` with ``--help`` in one interpreter (one ``import torch``, not
 # one per script): a child process, so that no script's imports or settings leak into pytest.
 _HELP_ALL = """
-import contextlib, io, json, runpy, sys
+import contextlib, io, json, os, runpy, sys
 scripts, names = sys.argv[1], sys.argv[2:]
-sys.path.insert(0, scripts)
 result = {}
 for name in names:
     out, code = io.StringIO(), "returned without exiting"
-    sys.argv = [name, "--help"]
+    sys.path.insert(0, os.path.dirname(f"{scripts}/{name}"))  # as `python scripts/DIR/X.py`
+    sys.argv = [os.path.basename(name), "--help"]
     with contextlib.redirect_stdout(out):
         try:
             runpy.run_path(f"{scripts}/{name}", run_name="__main__")
@@ -48,7 +55,7 @@ def test_every_script_answers_help_in_one_process() -> None:
     wrong = {
         name: (code, text[:200])
         for name, (code, text) in answers.items()
-        if code not in (0, None) or not text.startswith(f"usage: {name}")
+        if code not in (0, None) or not text.startswith(f"usage: {name.rsplit('/', 1)[-1]}")
     }
     assert not wrong, wrong
 
@@ -63,7 +70,7 @@ def test_help(script: str, run_script) -> None:
 def test_no_sys_path_edits() -> None:
     offenders = [
         p.name
-        for p in SCRIPTS.glob("*.py")
+        for p in SCRIPTS.rglob("*.py")
         if "sys.path.insert" in p.read_text() or "sys.path.append" in p.read_text()
     ]
     assert not offenders, offenders

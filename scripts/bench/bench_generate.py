@@ -32,8 +32,8 @@ random weights, the default FAVOR+ config (what `protein-performer generate` run
 
 Examples::
 
-    python scripts/bench_generate.py --quick
-    python scripts/bench_generate.py --threads 1 --out docs/bench
+    python scripts/bench/bench_generate.py --quick
+    python scripts/bench/bench_generate.py --threads 1 --out docs/bench
 """
 
 from __future__ import annotations

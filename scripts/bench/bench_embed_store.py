@@ -15,8 +15,8 @@ merged), in a fresh process per case so peak memory is its own:
 
 Examples::
 
-    python scripts/bench_embed_store.py --quick
-    python scripts/bench_embed_store.py --records 10000 100000 --threads 1 --out docs/bench
+    python scripts/bench/bench_embed_store.py --quick
+    python scripts/bench/bench_embed_store.py --records 10000 100000 --threads 1 --out docs/bench
 """
 
 from __future__ import annotations

@@ -10,8 +10,8 @@ Each case runs in a fresh subprocess so its peak RSS (``ru_maxrss``) is its own;
 peak is above the process's baseline after the model is built (on CUDA: the allocator's peak).
 Time includes the forward pass up to the requested layer (the maps need the layer's input).
 
-    python scripts/bench_attention_maps.py            # L = 1024, 4096 and titin[1000:1256]
-    python scripts/bench_attention_maps.py --quick    # L = 256, 512 and a 2,000-aa titin crop
+    python scripts/bench/bench_attention_maps.py          # L = 1024, 4096 and titin[1000:1256]
+    python scripts/bench/bench_attention_maps.py --quick  # L = 256, 512, a 2,000-aa titin crop
 """
 
 from __future__ import annotations

@@ -10,9 +10,9 @@ unique ids, then on the same file measures
      tree (the child plus its worker processes).
 Targets (issue 2): ours >= 0.5x the parse-only MB/s, and peak RSS < 1 GB.
 
-    python scripts/bench_preprocess.py --quick                   # seconds, a smoke test
-    python scripts/bench_preprocess.py --size-gb 2               # the real measurement
-    python scripts/bench_preprocess.py --size-gb 2 --workers 1 2 # compare worker counts
+    python scripts/bench/bench_preprocess.py --quick                   # seconds, a smoke test
+    python scripts/bench/bench_preprocess.py --size-gb 2               # the real measurement
+    python scripts/bench/bench_preprocess.py --size-gb 2 --workers 1 2 # compare worker counts
 
 Peak RSS of the tree is reported two ways: ``sampled`` sums the RSS of the child and all its
 descendants every 20 ms (psutil) and keeps the maximum; ``bound`` is the child's own peak plus

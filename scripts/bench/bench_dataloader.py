@@ -5,9 +5,9 @@ persistent workers) over a FASTA file (read into memory) or a preprocessed store
 real tokens/s (non-pad) and padded tokens/s (what the model computes on). Worker start-up and
 the first batch are timed separately so the steady-state rate is not diluted by them.
 
-    python scripts/bench_dataloader.py                      # swissprot sample, 2 workers
-    python scripts/bench_dataloader.py --store DIR --batches 500
-    python scripts/bench_dataloader.py --quick              # a few seconds, for CI
+    python scripts/bench/bench_dataloader.py                      # swissprot sample, 2 workers
+    python scripts/bench/bench_dataloader.py --store DIR --batches 500
+    python scripts/bench/bench_dataloader.py --quick              # a few seconds, for CI
 """
 
 from __future__ import annotations

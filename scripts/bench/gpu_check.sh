@@ -4,15 +4,15 @@
 # core (causal and bidirectional, L = 4k..64k; causal both as `ours`, on CUDA the Triton kernel,
 # and as `ours-torch`, the torch chunked scan), embedding (300 real proteins and long
 # sequences; our exact twin and transformers' EsmModel) and training steps (FAVOR+ vs the exact
-# twin), then one ratio table (scripts/ratio_table.py). Outputs under --out.
+# twin), then one ratio table (scripts/bench/ratio_table.py). Outputs under --out.
 #
-#   scripts/gpu_check.sh                          # on a CUDA machine
-#   scripts/gpu_check.sh --device cpu --quick     # tiny sizes in seconds (what the tests run)
+#   scripts/bench/gpu_check.sh                          # on a CUDA machine
+#   scripts/bench/gpu_check.sh --device cpu --quick     # tiny sizes in seconds (what the tests run)
 #
 # Options: --device cuda|cpu (default cuda), --quick, --out DIR (default .bench/gpu_check).
 # PYTHON picks the interpreter (default: python).
 set -euo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 device=cuda
 quick=0
 out=.bench/gpu_check
@@ -35,10 +35,10 @@ else
     embed=(--lengths 2048 8192 16384 --proteins 300 --repeats 3 --timeout 120)
     train=(--lengths 1024,4096 --tokens 16384 --steps 5 --budget-s 10 --timeout 120)
 fi
-"$py" scripts/bench_attention.py --device "$device" --dtype bfloat16 --impls ours,ours-torch,sdpa \
+"$py" scripts/bench/bench_attention.py --device "$device" --dtype bfloat16 --impls ours,ours-torch,sdpa \
     --modes causal,bidirectional "${attention[@]}" --out "$out/attention"
-"$py" scripts/bench_embed.py --device "$device" --dtype bfloat16 --impls performer exact hf \
+"$py" scripts/bench/bench_embed.py --device "$device" --dtype bfloat16 --impls performer exact hf \
     --no-titin "${embed[@]}" --out "$out/embed.csv"
-"$py" scripts/bench_train.py --device "$device" --precision bf16-mixed --attentions favor,exact \
+"$py" scripts/bench/bench_train.py --device "$device" --precision bf16-mixed --attentions favor,exact \
     --objectives mlm,clm "${train[@]}" --out "$out/train"
-"$py" scripts/ratio_table.py "$out"
+"$py" scripts/bench/ratio_table.py "$out"

@@ -33,9 +33,9 @@ minus the allocation before the first step.
 
 Examples::
 
-    python scripts/bench_train.py --quick                      # tiny model, seconds per case
-    python scripts/bench_train.py --threads 16 --timeout 1800  # the real CPU measurement
-    python scripts/bench_train.py --device cuda --precision bf16-mixed --out .bench/train_gpu
+    python scripts/bench/bench_train.py --quick                      # tiny model, seconds per case
+    python scripts/bench/bench_train.py --threads 16 --timeout 1800  # the real CPU measurement
+    python scripts/bench/bench_train.py --device cuda --precision bf16-mixed --out .bench/train_gpu
 """
 
 from __future__ import annotations

@@ -45,10 +45,10 @@ needs, not what that port does).
 
 Examples::
 
-    python scripts/bench_attention.py --help
-    python scripts/bench_attention.py --quick                 # tiny, seconds
-    python scripts/bench_attention.py --max-len 16384 --timeout 300
-    python scripts/bench_attention.py --device cuda --dtype bfloat16 --out .bench/gpu
+    python scripts/bench/bench_attention.py --help
+    python scripts/bench/bench_attention.py --quick                 # tiny, seconds
+    python scripts/bench/bench_attention.py --max-len 16384 --timeout 300
+    python scripts/bench/bench_attention.py --device cuda --dtype bfloat16 --out .bench/gpu
 """
 
 from __future__ import annotations

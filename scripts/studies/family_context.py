@@ -49,10 +49,10 @@ run directories with ``time_budget.json`` and ``family_eval.json``), ``logs/``,
 
 Examples::
 
-    python scripts/family_context.py --quick           # smoke run: tiny models, small corpus
-    python scripts/family_context.py --jobs 2          # the study (about 40 min on 2 cores)
-    python scripts/family_context.py --skip-existing   # train / score only what is missing
-    python scripts/family_context.py --report-only     # tables of the finished runs
+    python scripts/studies/family_context.py --quick          # smoke run: tiny models
+    python scripts/studies/family_context.py --jobs 2         # the study (~40 min on 2 cores)
+    python scripts/studies/family_context.py --skip-existing  # train / score what is missing
+    python scripts/studies/family_context.py --report-only    # tables of the finished runs
 """
 
 from __future__ import annotations
@@ -60,28 +60,22 @@ from __future__ import annotations
 import argparse
 import csv
 import hashlib
-import io
 import json
 import logging
 import math
 import os
-import shutil
 import statistics
 import sys
 import time
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import _common as common
-import paper_protein as pp
+import harness as h
 
 log = logging.getLogger("family_context")
 
-DEFAULT_DATA = pp.DEFAULT_DATA
-LONG_PROTEINS = common.SEQUENCES / "long_proteins.fasta"
-DMS = common.SEQUENCES.parent / "dms"
+LONG_PROTEINS = h.SEQUENCES / "long_proteins.fasta"
+DMS = h.SEQUENCES.parent / "dms"
 BLAT_WT = DMS / "BLAT_ECOLX_wt_offset24.fasta"
 BLAT_CSV = DMS / "BLAT_ECOLX_Ranganathan2015.csv"
 BLAT_OFFSET = 24
@@ -92,14 +86,14 @@ SPLITS = ("test", "ood")
 #: Length bins (tokens, with <cls> and <eos>) of the extrapolation table.
 BINS = ((1, 512), (513, 1024), (1025, 2048), (2049, 4096))
 LONG_CROP = 4096
-ATTENTION = pp.ATTENTION
 #: A small CPU model (~0.1M parameters: 2 layers, the minimum for copying from context; heads of
 #: width 16 as ESM-2 8M, m = 48 = the d log d default): ~30k training tokens per CPU-second with
 #: FAVOR+, so a 2-CPU-minute run reads ~3.5M tokens (paper_protein.py's 4-layer dim-128 model
 #: reads ~0.6M and barely leaves the unigram perplexity in that time).
 MODEL = ["dim=64", "depth=2", "heads=4", "ff_dim=256", "nb_features=48"]
-QUICK_MODEL = pp.QUICK_MODEL
 RESULT_FILE = "family_eval.json"
+#: Row key -> what ``family_eval.json`` calls the BLAT_ECOLX rho (without, with homologs).
+BLAT_KEYS = {"blat_rho": "rho", "blat_rho_context": "rho_context"}
 FIELDS = (
     "name",
     "rows",
@@ -117,44 +111,19 @@ FIELDS = (
 )
 
 
-@dataclass
-class Run:
-    """One training run and the scoring that follows it."""
-
-    rows: str  # single or family
-    variant: str  # exact, favor-softmax, favor-relu
-    positions: str  # sequence or member
-    seed: int
-    overrides: list[str]
-    run_dir: Path
-    result: dict[str, Any] = field(default_factory=dict)
-
-    @property
-    def model(self) -> str:
-        return self.variant + ("" if self.positions == "sequence" else f" ({self.positions})")
-
-    @property
-    def name(self) -> str:
-        pos = "" if self.positions == "sequence" else f"-{self.positions}"
-        return f"{self.rows}-{self.variant}{pos}-s{self.seed}"
-
-
 # --------------------------------------------------------------------------------------------
 # Plan
 # --------------------------------------------------------------------------------------------
 
 
-def plan_runs(args: argparse.Namespace, store: Path) -> list[Run]:
-    """Every training run, in launch order (seed-major, so a cut-short study has whole seeds)."""
+def plan_runs(
+    args: argparse.Namespace, store: Path, budget: h.Budget, eval_set: Path
+) -> list[h.Run]:
+    """Every training run, in launch order (seed-major, so a cut-short study has whole seeds),
+    each scored on ``eval_set`` in a fresh process once trained."""
     shared = [
-        f"trainer={args.trainer}",
-        f"data.path={store}",
-        "data.num_workers=0",
-        "trainer.enable_progress_bar=false",
-        "trainer.num_sanity_val_steps=0",
-        "trainer.max_steps=20000",  # the LR schedule's length: far beyond any budget here
-        *pp.budget_overrides(args),
-        *(f"model.config.{kv}" for kv in (QUICK_MODEL if args.quick else MODEL)),
+        *h.store_overrides(args, store, budget),
+        *(f"model.config.{kv}" for kv in (h.QUICK_MODEL if args.quick else MODEL)),
         "model.optim.warmup_steps=50",  # short: exact makes ~4x fewer steps on family rows
         f"data.max_len={args.single_len}",
         f"data.max_tokens={args.max_tokens}",
@@ -168,30 +137,32 @@ def plan_runs(args: argparse.Namespace, store: Path) -> list[Run]:
         f"data.family_identity={args.family_identity:g}",
     ]
     plan: list[tuple[str, str, str]] = [
-        (rows, variant, "sequence") for rows in ("single", "family") for variant in ATTENTION
+        (rows, variant, "sequence") for rows in ("single", "family") for variant in h.ATTENTION
     ]
     plan.append(("family", "favor-softmax", "member"))
     runs = []
     for seed in args.seeds:
         for rows, variant, positions in plan:
             head = family if rows == "family" else ["experiment=small_clm"]
-            overrides = [*head, *shared, *ATTENTION[variant], f"seed={seed}"]
+            overrides = [*head, *shared, *h.ATTENTION[variant], f"seed={seed}"]
             if rows == "family":
                 overrides.append(f"model.config.positions={positions}")
-            run = Run(rows, variant, positions, seed, overrides, Path())
-            run.run_dir = args.out.resolve() / "runs" / run.name
+            pos = "" if positions == "sequence" else f"-{positions}"
+            name = f"{rows}-{variant}{pos}-s{seed}"
+            tags = {"rows": rows, "variant": variant, "positions": positions, "seed": seed}
+            run = h.Run(name, overrides, args.out.resolve() / "runs" / name, tags)
+            spec = {
+                "ckpt": str(run.checkpoint),
+                "eval_set": str(eval_set),
+                "threads": args.threads,
+                "out": str(run.run_dir / RESULT_FILE),
+                "blat": True,
+                "long": rows == "single",
+            }
+            cmd = [sys.executable, str(Path(__file__).resolve()), "--score", json.dumps(spec)]
+            run.after.append(("score", cmd, run.run_dir / RESULT_FILE))
             runs.append(run)
     return runs
-
-
-def make_store(args: argparse.Namespace) -> Path:
-    """Preprocess once with whole MMseqs2 clusters per split (``--split-by auto`` with
-    ``--cluster-split``: held-out families, unlike paper_protein.py's random test records)."""
-    return pp.make_store(args, split_by="auto", workers=max(1, args.mmseqs_threads))
-
-
-def train_cmd(run: Run) -> list[str]:
-    return pp.cli("train", *run.overrides, f"hydra.run.dir={run.run_dir}")
 
 
 # --------------------------------------------------------------------------------------------
@@ -300,7 +271,7 @@ def blat_set(args: argparse.Namespace, train_fasta: Path) -> dict[str, Any]:
         )
         rows = [r for i, r in enumerate(rows) if i in keep]
     out = args.out.resolve() / "blat_homologs.fasta"
-    cmd = pp.cli(
+    cmd = h.cli(
         "homologs",
         str(BLAT_WT),
         str(train_fasta),
@@ -313,7 +284,7 @@ def blat_set(args: argparse.Namespace, train_fasta: Path) -> dict[str, Any]:
         str(max(1, args.mmseqs_threads)),
         "--overwrite",
     )
-    pp.call(cmd, args.threads, args.out.resolve() / "logs" / "homologs.log")
+    h.call(cmd, args.threads, args.out.resolve() / "logs" / "homologs.log")
     # No hit writes an empty file (a small corpus may hold no beta-lactamase).
     found = read_records(out) if out.stat().st_size else []
     homologs = [[r.id, r.sequence[: args.single_len - 2]] for r in found]
@@ -326,7 +297,7 @@ def blat_set(args: argparse.Namespace, train_fasta: Path) -> dict[str, Any]:
         "mutants": [r["mutant"] for r in rows],
         "labels": [float(r[BLAT_LABEL]) for r in rows],
         "homologs": homologs,
-        "command": pp.shown(cmd, args.threads),
+        "command": h.shown(cmd, args.threads),
     }
 
 
@@ -359,34 +330,29 @@ def long_set(store: Any, train_seqs: set[str], args: argparse.Namespace) -> list
     return out
 
 
-def unigram(store: Any, targets: dict[str, list[dict[str, Any]]]) -> dict[str, float]:
+def unigram(
+    store: Any, targets: dict[str, list[dict[str, Any]]], max_len: int
+) -> dict[str, float]:
     """Training-split residue frequencies (with <eos>) on the targets' scored tokens."""
-    import _baseline as baseline
-    import numpy as np
-
-    from protein_performer.data.dataset import StoreSubset
+    from protein_performer.data.dataset import InMemorySource, StoreSubset
     from protein_performer.data.tokenizer import Alphabet
 
     alphabet = Alphabet()
-    logp = baseline.unigram_log_probs(StoreSubset(store, store.indices("train")), "clm", alphabet)
+    train = StoreSubset(store, store.indices("train"))
     out = {}
     for split, ts in targets.items():
-        ll, n = 0.0, 0
-        for t in ts:
-            ids = np.asarray([*alphabet.encode(t["sequence"]).tolist(), alphabet.eos_idx])
-            ll += float(logp[ids].sum())
-            n += len(ids)
-        out[split] = math.exp(-ll / n) if n else math.nan
+        held = InMemorySource([t["id"] for t in ts], [alphabet.encode(t["sequence"]) for t in ts])
+        out[split] = h.unigram_baseline(train, held, "clm", max_len)["ppl"] if ts else math.nan
     return out
 
 
-def make_eval_set(store_dir: Path, args: argparse.Namespace) -> Path:
-    """Everything every model is scored on, in one JSON (built once, reused if present)."""
+def make_eval_set(store_dir: Path, path: Path, args: argparse.Namespace) -> None:
+    """Everything every model is scored on, in one JSON at ``path`` (built once: reused with
+    ``--skip-existing``)."""
     from protein_performer.data.store import TokenStore
 
-    path = args.out.resolve() / "eval_set.json"
     if path.is_file() and args.skip_existing:
-        return path
+        return
     families = split_families(store_dir, args)
     store = TokenStore(store_dir)
     targets = {s: pick_targets(store, families[s], args, s) for s in SPLITS}
@@ -394,7 +360,7 @@ def make_eval_set(store_dir: Path, args: argparse.Namespace) -> Path:
     train_seqs = export_split(store, "train", train_fasta)
     payload = {
         "targets": targets,
-        "unigram": unigram(store, targets),
+        "unigram": unigram(store, targets, args.single_len),
         "blat": blat_set(args, train_fasta),
         "long": long_set(store, train_seqs, args),
         "family_sizes": {s: f.meta["sizes"] for s, f in families.items()},
@@ -402,18 +368,11 @@ def make_eval_set(store_dir: Path, args: argparse.Namespace) -> Path:
         "single_len": args.single_len,
     }
     path.write_text(json.dumps(payload) + "\n")
-    return path
 
 
 # --------------------------------------------------------------------------------------------
 # Scoring one model (child process)
 # --------------------------------------------------------------------------------------------
-
-
-def spearman(x: list[float], y: list[float]) -> float:
-    from scipy.stats import spearmanr
-
-    return float(spearmanr(x, y).statistic)
 
 
 def score_model(spec: dict[str, Any]) -> None:
@@ -455,14 +414,14 @@ def score_model(spec: dict[str, Any]) -> None:
         t0 = time.perf_counter()
         b = data["blat"]
         plain = lm.score_variants(b["wild_type"], b["mutants"], "causal", offset=b["offset"])
-        out["blat"] = {"rho": spearman(list(plain), b["labels"]), "mutants": len(b["mutants"])}
+        out["blat"] = {"rho": h.spearman(list(plain), b["labels"]), "mutants": len(b["mutants"])}
         if b["homologs"]:
             ctx = lm.context([tuple(m) for m in b["homologs"]], max_tokens=unlimited)
             scores = lm.score_variants(
                 b["wild_type"], b["mutants"], "causal", offset=b["offset"], context=ctx
             )
             out["blat"].update(
-                rho_context=spearman(list(scores), b["labels"]),
+                rho_context=h.spearman(list(scores), b["labels"]),
                 homologs=len(ctx.members),
                 context_tokens=ctx.n_tokens,
             )
@@ -485,65 +444,16 @@ def score_model(spec: dict[str, Any]) -> None:
     Path(spec["out"]).write_text(json.dumps(out) + "\n")
 
 
-def eval_cmd(run: Run, eval_set: Path, args: argparse.Namespace) -> list[str]:
-    spec = {
-        "ckpt": str(run.run_dir / "checkpoints" / "last.ckpt"),
-        "eval_set": str(eval_set),
-        "threads": args.threads,
-        "out": str(run.run_dir / RESULT_FILE),
-        "blat": True,
-        "long": run.rows == "single",
-    }
-    return [sys.executable, str(Path(__file__).resolve()), "--score", json.dumps(spec)]
-
-
-# --------------------------------------------------------------------------------------------
-# Running
-# --------------------------------------------------------------------------------------------
-
-
-def execute(run: Run, eval_set: Path, args: argparse.Namespace) -> Run:
-    """Train (unless finished and ``--skip-existing``), then score in a fresh process."""
-    logs = args.out.resolve() / "logs"
-    budget = float(f"{args.minutes * 60:g}")
-    trained = args.skip_existing and pp.finished(run, budget)  # type: ignore[arg-type]
-    if not trained:
-        shutil.rmtree(run.run_dir, ignore_errors=True)
-        t0 = time.perf_counter()
-        log.info("training %s", run.name)
-        pp.call(train_cmd(run), args.threads, logs / f"{run.name}.train.log")
-        log.info("trained %s in %.1f min (wall)", run.name, (time.perf_counter() - t0) / 60)
-    if not (trained and (run.run_dir / RESULT_FILE).is_file()):
-        t0 = time.perf_counter()
-        pp.call(eval_cmd(run, eval_set, args), args.threads, logs / f"{run.name}.score.log")
-        log.info("scored %s in %.1f min (wall)", run.name, (time.perf_counter() - t0) / 60)
-    run.result = collect(run, args.threads)
-    return run
-
-
-def collect(run: Run, threads: int) -> dict[str, Any]:
-    """One CSV row (and the details) from ``time_budget.json`` and ``family_eval.json``."""
-    events = json.loads((run.run_dir / "time_budget.json").read_text())
-    end = next((e for e in reversed(events) if e["event"] == "end"), {})
+def collect(run: h.Run) -> dict[str, Any]:
+    """One CSV row (and the details) from ``family_eval.json``."""
     ev = json.loads((run.run_dir / RESULT_FILE).read_text())
-    row: dict[str, Any] = {
-        "name": run.name,
-        "rows": run.rows,
-        "variant": run.variant,
-        "positions": run.positions,
-        "seed": run.seed,
-        "steps": end.get("step", math.nan),
-        "train_cpu_s": end.get("train_s", math.nan),
-        "wall_s": end.get("wall_s", math.nan),
-        "command": pp.shown(train_cmd(run), threads),
-        "eval": ev,
-    }
+    row: dict[str, Any] = {"eval": ev}
     for split in SPLITS:
         for k in KS:
             row[f"{split}_ppl_k{k}"] = ev["family"][split][str(k)]["ppl"]
     blat = ev.get("blat", {})
-    row["blat_rho"] = blat.get("rho", math.nan)
-    row["blat_rho_context"] = blat.get("rho_context", math.nan)
+    for key, name in BLAT_KEYS.items():
+        row[key] = blat.get(name, math.nan)
     for lo, hi in BINS:
         row[f"long_ppl_{lo}_{hi}"] = ev.get("long", {}).get(f"{lo}-{hi}", {}).get("ppl", math.nan)
     return row
@@ -554,44 +464,29 @@ def collect(run: Run, threads: int) -> dict[str, Any]:
 # --------------------------------------------------------------------------------------------
 
 
-def _sel(records: list[dict[str, Any]], **match: Any) -> list[dict[str, Any]]:
-    return [r for r in records if all(r[k] == v for k, v in match.items())]
-
-
-def _groups(rows: list[dict[str, Any]]) -> list[tuple[str, str, str]]:
-    return list(dict.fromkeys((r["rows"], r["variant"], r["positions"]) for r in rows))
-
-
-def _label(variant: str, positions: str) -> str:
-    return variant + ("" if positions == "sequence" else f" (positions={positions})")
+def _groups(rows: list[dict[str, Any]]) -> list[tuple[str, list[dict[str, Any]]]]:
+    """(model label, its rows over seeds) per (rows, variant, positions), in run order."""
+    keys = dict.fromkeys((r["rows"], r["variant"], r["positions"]) for r in rows)
+    return [
+        (v + ("" if pos == "sequence" else f" (positions={pos})"),
+         h.select(rows, rows=rows_, variant=v, positions=pos))
+        for rows_, v, pos in keys
+    ]  # fmt: skip
 
 
 def family_table(rows: list[dict[str, Any]], data: dict[str, Any]) -> str:
     ks = " / ".join(map(str, KS))
-    lines = [
-        f"| model | rows | test-family ppl, k = {ks} | OOD-cluster ppl, k = {ks} "
-        "| test k16/k0 | OOD k16/k0 | steps | seeds |",
-        "|---|---|---|---|---:|---:|---:|---:|",
-    ]
-    for rows_, variant, positions in _groups(rows):
-        sel = _sel(rows, rows=rows_, variant=variant, positions=positions)
-        cells = []
-        for split in SPLITS:
-            cells.append(" / ".join(pp.cell([r[f"{split}_ppl_k{k}"] for r in sel]) for k in KS))
-        for split in SPLITS:
-            cells.append(
-                pp.cell([r[f"{split}_ppl_k16"] / r[f"{split}_ppl_k0"] for r in sel], 1, 3)
-            )
-        lines.append(
-            f"| {_label(variant, positions)} | {rows_} | {' | '.join(cells)} "
-            f"| {pp.cell([r['steps'] for r in sel], 1, 0)} | {len(sel)} |"
-        )
+    header = ["model", "rows", f"test-family ppl, k = {ks}", f"OOD-cluster ppl, k = {ks}"]
+    lines = []
+    for label, sel in _groups(rows):
+        ppl = [" / ".join(h.cell([r[f"{s}_ppl_k{k}"] for r in sel]) for k in KS) for s in SPLITS]
+        ratio = [h.cell([r[f"{s}_ppl_k16"] / r[f"{s}_ppl_k0"] for r in sel], 1, 3) for s in SPLITS]
+        steps = h.cell([r["steps"] for r in sel], 1, 0)
+        lines.append([label, sel[0]["rows"], *ppl, *ratio, steps, len(sel)])
     uni = data["unigram"]
-    lines.append(
-        f"| unigram baseline | - | {uni['test']:.2f} (every k) | {uni['ood']:.2f} (every k) "
-        "| - | - | - | - |"
-    )
-    return "\n".join(lines)
+    every = [f"{uni[s]:.2f} (every k)" for s in SPLITS]
+    lines.append(["unigram baseline", "-", *every, "-", "-", "-", "-"])
+    return h.markdown_table([*header, "test k16/k0", "OOD k16/k0", "steps", "seeds"], lines, 4)
 
 
 def counts_line(rows: list[dict[str, Any]], data: dict[str, Any]) -> str:
@@ -625,12 +520,12 @@ def positions_table(rows: list[dict[str, Any]]) -> tuple[str, str]:
     ]
     score: dict[str, float] = {}
     for positions in ("sequence", "member"):
-        sel = _sel(rows, rows="family", variant="favor-softmax", positions=positions)
+        sel = h.select(rows, rows="family", variant="favor-softmax", positions=positions)
         if not sel:
             continue
         logs = [math.log(r[f"{s}_ppl_k{k}"]) for r in sel for s in SPLITS for k in KS if k]
         score[positions] = statistics.fmean(logs)
-        cells = [pp.cell([r[f"{s}_ppl_k{k}"] for r in sel]) for s in SPLITS for k in KS]
+        cells = [h.cell([r[f"{s}_ppl_k{k}"] for r in sel]) for s in SPLITS for k in KS]
         lines.append(f"| {positions} | {' | '.join(cells)} | {score[positions]:.4f} |")
     if len(score) == 2:
         best = min(score, key=score.get)  # type: ignore[arg-type]
@@ -646,42 +541,28 @@ def positions_table(rows: list[dict[str, Any]]) -> tuple[str, str]:
 
 
 def blat_table(rows: list[dict[str, Any]], data: dict[str, Any]) -> str:
-    b = data["blat"]
-    n_h = len(b["homologs"])
+    n_h = len(data["blat"]["homologs"])
+    header = ["model", "rows", "Spearman rho, no context", f"rho, {n_h} homologs in context"]
     lines = [
-        f"| model | rows | Spearman rho, no context | rho, {n_h} homologs in context |",
-        "|---|---|---:|---:|",
+        [label, sel[0]["rows"], *(h.cell([r[k] for r in sel], 1, 3) for k in BLAT_KEYS)]
+        for label, sel in _groups(rows)
     ]
-    for rows_, variant, positions in _groups(rows):
-        sel = _sel(rows, rows=rows_, variant=variant, positions=positions)
-        lines.append(
-            f"| {_label(variant, positions)} | {rows_} | "
-            f"{pp.cell([r['blat_rho'] for r in sel], 1, 3)} | "
-            f"{pp.cell([r['blat_rho_context'] for r in sel], 1, 3)} |"
-        )
-    return "\n".join(lines)
+    return h.markdown_table(header, lines, 2)
 
 
 def long_table(rows: list[dict[str, Any]]) -> str:
-    heads = " | ".join(
-        f"{'<=' if lo == 1 else ''}{lo if lo > 1 else hi}{'-' + str(hi) if lo > 1 else ''} tokens"
-        for lo, hi in BINS
-    )
-    lines = [f"| model | {heads} |", "|---|" + "---:|" * len(BINS)]
-    single = [r for r in rows if r["rows"] == "single"]
-    for _, variant, positions in _groups(single):
-        sel = _sel(single, variant=variant, positions=positions)
-        cells = [pp.cell([r[f"long_ppl_{lo}_{hi}"] for r in sel]) for lo, hi in BINS]
-        lines.append(f"| {_label(variant, positions)} | {' | '.join(cells)} |")
+    heads = [f"<={hi} tokens" if lo == 1 else f"{lo}-{hi} tokens" for lo, hi in BINS]
+    single = h.select(rows, rows="single")
+    lines = [
+        [label, *(h.cell([r[f"long_ppl_{lo}_{hi}"] for r in sel]) for lo, hi in BINS)]
+        for label, sel in _groups(single)
+    ]
     if single:
         long = single[0]["eval"].get("long", {})
-        counts = [
-            f"{long.get(f'{lo}-{hi}', {}).get('records', 0)} records / "
-            f"{long.get(f'{lo}-{hi}', {}).get('tokens', 0)} tokens"
-            for lo, hi in BINS
-        ]
-        lines.append(f"| (scored) | {' | '.join(counts)} |")
-    return "\n".join(lines)
+        n = [long.get(f"{lo}-{hi}", {}) for lo, hi in BINS]
+        lines.append(["(scored)", *(f"{c.get('records', 0)} records / "
+                                    f"{c.get('tokens', 0)} tokens" for c in n)])  # fmt: skip
+    return h.markdown_table(["model", *heads], lines)
 
 
 def findings(rows: list[dict[str, Any]]) -> list[str]:
@@ -689,8 +570,8 @@ def findings(rows: list[dict[str, Any]]) -> list[str]:
     out = []
     for rows_ in ("family", "single"):
         parts = []
-        for variant in ATTENTION:
-            sel = _sel(rows, rows=rows_, variant=variant, positions="sequence")
+        for variant in h.ATTENTION:
+            sel = h.select(rows, rows=rows_, variant=variant, positions="sequence")
             if not sel:
                 continue
             change = {
@@ -707,26 +588,19 @@ def findings(rows: list[dict[str, Any]]) -> list[str]:
     return out
 
 
-def report(runs: list[Run], data: dict[str, Any], args: argparse.Namespace) -> str:
+def report(rows: list[dict[str, Any]], data: dict[str, Any], args: argparse.Namespace) -> str:
     from protein_performer.io.atomic import write_text_atomic
 
     out = args.out.resolve()
-    rows = [r.result for r in runs]
-    table = io.StringIO()
-    writer = csv.DictWriter(table, fieldnames=FIELDS, extrasaction="ignore")
-    writer.writeheader()
-    writer.writerows(rows)
-    write_text_atomic(out / "family_context.csv", table.getvalue())
+    h.write_csv(out / "family_context.csv", rows, FIELDS)
     write_text_atomic(
         out / "family_context.json",
         json.dumps({"runs": rows, "eval_set": {k: v for k, v in data.items() if k != "long"}})
         + "\n",
     )
-    clock = "wall-clock" if args.trainer == "gpu" else "CPU"
     header = (
-        f"{args.minutes:g} {clock} minutes of training per run, {args.threads} torch thread(s), "
-        f"seeds {','.join(map(str, args.seeds))}; causal; model "
-        f"{' '.join(QUICK_MODEL if args.quick else MODEL)}; single rows <= {args.single_len} "
+        f"{h.budget_line(args)}; causal; model "
+        f"{' '.join(h.QUICK_MODEL if args.quick else MODEL)}; single rows <= {args.single_len} "
         f"tokens, family rows <= {args.family_tokens} tokens (members cropped to "
         f"{args.single_len}), families: MMseqs2 {args.family_method} at "
         f"{args.family_identity:g} identity inside each split{' (quick)' if args.quick else ''}"
@@ -782,7 +656,7 @@ def report(runs: list[Run], data: dict[str, Any], args: argparse.Namespace) -> s
     ]
     lines += [f"    {r['command']}" for r in rows]
     text = "\n".join(lines) + "\n"
-    write_text_atomic(out / "family_context.md", f"# Family context study\n\n{text}")
+    h.write_markdown(out / "family_context.md", "Family context study", text)
     return text
 
 
@@ -791,24 +665,17 @@ def report(runs: list[Run], data: dict[str, Any], args: argparse.Namespace) -> s
 # --------------------------------------------------------------------------------------------
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(
-        description=__doc__.split("\n\n")[0],
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-        epilog=(
-            "Budgets are CPU time of each training process (time.process_time, validation "
-            "excluded) with --threads torch threads; see the module docstring."
-        ),
+def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, h.Budget]:
+    p = h.study_parser(
+        __doc__,
+        "Budgets are CPU time of each training process (time.process_time, validation "
+        "excluded) with --threads torch threads; see the module docstring.",
+        out="outputs/family_context",
+        jobs=2,
+        minutes=3.0,
+        quick_help="smoke run: tiny models, a 2,000-record corpus, 3 CPU-seconds per run, 1 seed",
     )
-    p.add_argument("--out", type=Path, default=Path("outputs/family_context"))
-    p.add_argument("--data", nargs="+", default=None, help="FASTA inputs (default: shared corpus)")
-    p.add_argument("--minutes", type=float, default=3.0, help="training CPU-minutes per run")
-    p.add_argument("--seeds", type=int, default=2, help="seeds 0..N-1 per variant (default 2)")
-    p.add_argument("--first-seed", type=int, default=0, help="seeds run from here")
-    p.add_argument("--threads", type=int, default=1, help="torch threads per process")
-    p.add_argument("--jobs", type=int, default=2, help="runs trained and scored at once")
     p.add_argument("--mmseqs-threads", type=int, default=2, help="MMseqs2 threads")
-    p.add_argument("--trainer", default="cpu", help="trainer config: cpu (default) or gpu")
     p.add_argument("--identity", type=float, default=0.5, help="MMseqs2 identity of the split")
     p.add_argument("--ood-frac", type=float, default=0.04, help="fraction of clusters in ood")
     p.add_argument("--valid-frac", type=float, default=0.01)
@@ -831,72 +698,41 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--blat-mutants", type=int, default=0, help="BLAT mutants scored (0: all)")
     p.add_argument("--long-per-bin", type=int, default=6, help="proteins per length bin")
     p.add_argument("--eval-seed", type=int, default=0, help="seed of target and context picks")
-    p.add_argument("--skip-existing", action="store_true", help="reuse finished runs")
-    p.add_argument("--report-only", action="store_true", help="tables of finished runs only")
-    p.add_argument(
-        "--quick",
-        action="store_true",
-        help="smoke run: tiny models, a 2,000-record corpus, 3 CPU-seconds per run, 1 seed",
-    )
     p.add_argument("--score", default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    quick = {
+        "minutes": (3.0, 0.05),
+        "seeds": (2, 1),
+        "targets": (40, 4),
+        "blat_mutants": (0, 200),
+        "long_per_bin": (6, 1),
+        "family_tokens": (2048, 1024),
+        "single_len": (512, 256),
+        "max_tokens": (8192, 2048),
+        "val_every": (200, 10),
+        "val_batches": (4, 2),
+        "min_family": (5, 2),
+    }
+    budget = h.finish_args(args, quick)
     if args.quick:
-        quick = {
-            "minutes": (3.0, 0.05),
-            "seeds": (2, 1),
-            "targets": (40, 4),
-            "blat_mutants": (0, 200),
-            "long_per_bin": (6, 1),
-            "family_tokens": (2048, 1024),
-            "single_len": (512, 256),
-            "max_tokens": (8192, 2048),
-            "val_every": (200, 10),
-            "val_batches": (4, 2),
-            "min_family": (5, 2),
-        }
-        for key, (default, value) in quick.items():
-            if getattr(args, key) == default:
-                setattr(args, key, value)
         args.valid_frac, args.test_frac, args.ood_frac = 0.05, 0.15, 0.1
-    if args.data:
-        args.data = [str(Path(x).resolve()) for x in args.data]
-    else:
-        data = pp.QUICK_DATA if args.quick else DEFAULT_DATA
-        args.data = [str((common.REPO / x).resolve()) for x in data]
-    args.seeds = list(range(args.first_seed, args.first_seed + args.seeds))
-    return args
+    return args, budget
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
-    common.setup_logging(common.TIMED_LOG_FORMAT)
+    args, budget = parse_args(argv)
+    h.setup_logging()
     if args.score is not None:
         score_model(json.loads(args.score))
         return 0
     args.out.mkdir(parents=True, exist_ok=True)
     os.environ.update(OMP_NUM_THREADS=str(args.threads), MKL_NUM_THREADS=str(args.threads))
-    store = make_store(args)
-    runs = plan_runs(args, store)
-    for run in runs:
-        print(f"# {run.name}\n{pp.shown(train_cmd(run), args.threads)}", flush=True)
-    if args.report_only:
-        budget = float(f"{args.minutes * 60:g}")
-        runs = [
-            r
-            for r in runs
-            if pp.finished(r, budget) and (r.run_dir / RESULT_FILE).is_file()  # type: ignore[arg-type]
-        ]
-        for run in runs:
-            run.result = collect(run, args.threads)
-        eval_set = args.out.resolve() / "eval_set.json"
-    else:
-        eval_set = make_eval_set(store, args)
-        with ThreadPoolExecutor(max_workers=max(1, args.jobs)) as pool:
-            runs = list(pool.map(lambda r: execute(r, eval_set, args), runs))
-    if not runs:
-        raise SystemExit("error: no finished run to report")
-    data = json.loads(eval_set.read_text())
-    print(report(runs, data, args))
+    store = h.preprocess(args, "auto", max(1, args.mmseqs_threads))
+    eval_set = args.out.resolve() / "eval_set.json"
+    if not args.report_only:
+        make_eval_set(store, eval_set, args)
+    runs = h.run_all(plan_runs(args, store, budget, eval_set), budget, args, collect)
+    print(report([r.result for r in runs], json.loads(eval_set.read_text()), args))
     return 0
 
 

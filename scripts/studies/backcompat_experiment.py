@@ -23,10 +23,10 @@ and starts from an earlier run's checkpoint (its step count is read from the che
 
 Examples::
 
-    python scripts/backcompat_experiment.py --help
-    python scripts/backcompat_experiment.py --quick            # wiring check, seconds
-    python scripts/backcompat_experiment.py --steps 3000 --ft-steps 300 --eval-every 25
-    python scripts/backcompat_experiment.py --distill-weights 0.5 --out-dir outputs/bc2 \\
+    python scripts/studies/backcompat_experiment.py --help
+    python scripts/studies/backcompat_experiment.py --quick            # wiring check, seconds
+    python scripts/studies/backcompat_experiment.py --steps 3000 --ft-steps 300 --eval-every 25
+    python scripts/studies/backcompat_experiment.py --distill-weights 0.5 --out-dir outputs/bc2 \\
         --exact-ckpt outputs/backcompat/exact/checkpoints/last.ckpt
 """
 
@@ -45,14 +45,14 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-import _common as common
+import harness as h
 import torch
 import torch.nn.functional as F
 
 log = logging.getLogger("backcompat")
 DEFAULT_DATA = [
-    common.SEQUENCES / "uniprot_mmseqs_train.fasta",
-    common.SEQUENCES / "swissprot_opal_train.fasta",
+    h.SEQUENCES / "uniprot_mmseqs_train.fasta",
+    h.SEQUENCES / "swissprot_opal_train.fasta",
 ]
 IGNORE_INDEX = -100
 
@@ -117,7 +117,7 @@ def base_overrides(args: argparse.Namespace) -> list[str]:
     overrides = [
         "experiment=small_mlm",
         f"trainer={args.trainer}",
-        f"paths.root_dir={common.REPO}",
+        f"paths.root_dir={h.REPO}",
         f"data.path=[{paths}]",
         f"data.max_len={args.max_len}",
         f"data.max_tokens={args.max_tokens}",
@@ -295,7 +295,7 @@ def write_report(
     lines += [
         "",
         f"Wall time: {timing}.",
-        "Figure: recovery.png. Reproduce: `python scripts/backcompat_experiment.py "
+        "Figure: recovery.png. Reproduce: `python scripts/studies/backcompat_experiment.py "
         + " ".join(args.argv)
         + "`.",
     ]
@@ -378,7 +378,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--trainer", default="cpu", help="trainer config group option (cpu, gpu)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
-    p.add_argument("--out-dir", type=Path, default=common.REPO / "outputs" / "backcompat")
+    p.add_argument("--out-dir", type=Path, default=h.REPO / "outputs" / "backcompat")
     p.add_argument(
         "--overwrite", action="store_true", help="replace earlier runs' outputs in --out-dir"
     )
@@ -419,7 +419,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    common.setup_logging()
+    h.setup_logging()
     args = parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)

@@ -37,10 +37,11 @@ blocks, 20 heads) trained briefly on the demo data is made with
 model.config.depth=6 model.config.heads=20 model.config.ff_dim=1280 model.config.nb_features=null
 ...`` (the exact command is in docs/RESULTS.md).
 
-    python scripts/finetune_benchmark.py --quick
-    python scripts/finetune_benchmark.py --model demo=outputs/demo/<run>/checkpoints/last.ckpt \
+    python scripts/studies/finetune_benchmark.py --quick
+    python scripts/studies/finetune_benchmark.py \
+        --model demo=outputs/demo/<run>/checkpoints/last.ckpt \
         --limit 1000 --epochs 6 --batch-size 8 --lrs 1e-3,3e-3,1e-2 --out runs/ft.json
-    python scripts/finetune_benchmark.py --residue --model demo=DEMO.ckpt --epochs 30
+    python scripts/studies/finetune_benchmark.py --residue --model demo=DEMO.ckpt --epochs 30
 """
 
 from __future__ import annotations
@@ -56,11 +57,12 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+import harness as h
 import numpy as np
 
-ROOT = Path(__file__).resolve().parents[1]
-DMS = ROOT.parent / "shared" / "data" / "dms"
-STRUCTURES = ROOT.parent / "shared" / "data" / "structures"
+ROOT = h.REPO
+DMS = h.SEQUENCES.parent / "dms"
+STRUCTURES = h.SEQUENCES.parent / "structures"
 AA = "ACDEFGHIKLMNPQRSTVWY"
 #: Contact number radius (Å) and the per-residue classes of the residue check.
 BURIAL_RADIUS = 10.0
@@ -260,7 +262,7 @@ def finetune_cv(
         return lambda idx: lm.predict([seqs[i] for i in idx])
 
     pred, chosen = swept_cv(
-        fit, lambda p, idx: spearman(np.asarray(p), y[idx]), len(y), fold_list, args.lrs,
+        fit, lambda p, idx: h.spearman(np.asarray(p), y[idx]), len(y), fold_list, args.lrs,
         args.select, args.seed,
     )  # fmt: skip
     return np.asarray(pred, dtype=np.float64), chosen
@@ -414,13 +416,7 @@ def lr_text(chosen: list[dict] | None) -> str:
 def per_fold(pred: np.ndarray, y: np.ndarray, fold_list: list[np.ndarray]) -> list[float]:
     """Spearman within each test fold. The pooled out-of-fold Spearman also rewards (or
     punishes) how well the folds' separate models agree on an offset and scale; this does not."""
-    return [spearman(pred[test], y[test]) for test in fold_list]
-
-
-def spearman(a: np.ndarray, b: np.ndarray) -> float:
-    from scipy.stats import spearmanr
-
-    return float(spearmanr(a, b).statistic)
+    return [h.spearman(pred[test], y[test]) for test in fold_list]
 
 
 def timed(fn: Callable[[], np.ndarray]) -> tuple[np.ndarray, float]:
@@ -635,26 +631,24 @@ def main(argv: list[str] | None = None) -> int:
         seqs, y, pos = load_scan(args.dms, args.column, args.limit, args.seed)
         fold_sets = {k: folds(k, pos, args.folds, args.seed) for k in ("random", "position")}
         rows = []
-        if "onehot" in methods:
-            x = one_hot(seqs)
-            row = {"method": "one-hot ridge", "cpu_s": 0.0}
+
+        def ridge_row(method: str, x: np.ndarray, cpu_s: float) -> dict:
+            """Ridge on features ``x``, both fold kinds; ``cpu_s`` the features' CPU time."""
+            row = {"method": method, "cpu_s": cpu_s}
             for kind, fl in fold_sets.items():
                 pred, t = timed(lambda fl=fl: ridge_cv(x, y, fl))
-                row[kind], row["cpu_s"] = spearman(pred, y), row["cpu_s"] + t
+                row[kind], row["cpu_s"] = h.spearman(pred, y), row["cpu_s"] + t
                 row[f"{kind}_per_fold"] = per_fold(pred, y, fl)
-            rows.append(row)
+            return row
+
+        if "onehot" in methods:
+            rows.append(ridge_row("one-hot ridge", one_hot(seqs), 0.0))
         for m, (label, base) in enumerate(models):
             if "frozen" in methods:
                 import protein_performer as pp
 
-                start = time.process_time()
-                emb = pp.load(base, "cpu").embed(seqs)
-                row = {"method": f"frozen ridge ({label})", "cpu_s": time.process_time() - start}
-                for kind, fl in fold_sets.items():
-                    pred, t = timed(lambda fl=fl, emb=emb: ridge_cv(emb, y, fl))
-                    row[kind], row["cpu_s"] = spearman(pred, y), row["cpu_s"] + t
-                    row[f"{kind}_per_fold"] = per_fold(pred, y, fl)
-                rows.append(row)
+                emb, t = timed(lambda base=base: pp.load(base, "cpu").embed(seqs))
+                rows.append(ridge_row(f"frozen ridge ({label})", emb, t))
             for mode in ("lora", "full"):
                 if mode not in methods:
                     continue
@@ -664,7 +658,7 @@ def main(argv: list[str] | None = None) -> int:
                     sub.mkdir()
                     start = time.process_time()
                     pred, chosen = finetune_cv(base, mode, seqs, y, fl, args, sub)
-                    row[kind] = spearman(pred, y)
+                    row[kind] = h.spearman(pred, y)
                     row[f"{kind}_per_fold"] = per_fold(pred, y, fl)
                     row["cpu_s"] += time.process_time() - start
                     row["lrs"][kind] = chosen

@@ -20,9 +20,9 @@ candidates at 64k < 1 GiB.
 
 Examples::
 
-    python scripts/bench_context.py --quick
-    python scripts/bench_context.py --threads 1 2 --out .bench/context
-    python scripts/bench_context.py --lengths 1024 16384 --impls favor --candidates 1000
+    python scripts/bench/bench_context.py --quick
+    python scripts/bench/bench_context.py --threads 1 2 --out .bench/context
+    python scripts/bench/bench_context.py --lengths 1024 16384 --impls favor --candidates 1000
 """
 
 from __future__ import annotations

@@ -24,9 +24,9 @@ esm2_t6_8M_UR50D.pt (or esm2_t12_35M_UR50D.pt) where you have one.
 
 Examples::
 
-    python scripts/esm_favor_swap.py --help
-    python scripts/esm_favor_swap.py --quick
-    python scripts/esm_favor_swap.py --checkpoint esm2_t6_8M_UR50D.pt --seeds 3 \\
+    python scripts/studies/esm_favor_swap.py --help
+    python scripts/studies/esm_favor_swap.py --quick
+    python scripts/studies/esm_favor_swap.py --checkpoint esm2_t6_8M_UR50D.pt --seeds 3 \\
         --out-dir outputs/esm_favor_swap/esm2_8M
 """
 
@@ -42,7 +42,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-import _common as common
+import harness as h
 import numpy as np
 import torch
 import torch.nn.functional as F
@@ -191,9 +191,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         default=None,
         help="fair-esm .pt, HF EsmForMaskedLM dir, or our export/.ckpt (default: random ESM-2)",
     )
-    p.add_argument(
-        "--fasta", type=Path, default=common.REPO / "data" / "demo" / "some_proteins.fasta"
-    )
+    p.add_argument("--fasta", type=Path, default=h.REPO / "data" / "demo" / "some_proteins.fasta")
     p.add_argument("--max-records", type=int, default=15)
     p.add_argument("--max-len", type=int, default=512, help="crop (incl. <cls>/<eos>)")
     p.add_argument("--kernels", nargs="+", choices=KERNELS, default=list(KERNELS))
@@ -208,7 +206,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         metavar=("DIM", "DEPTH", "HEADS"),
         help="shape of the random ESM-2 when no checkpoint is given (default: ESM-2 8M)",
     )
-    p.add_argument("--out-dir", type=Path, default=common.REPO / "outputs" / "esm_favor_swap")
+    p.add_argument("--out-dir", type=Path, default=h.REPO / "outputs" / "esm_favor_swap")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     p.add_argument(
         "--quick",
@@ -227,7 +225,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    common.setup_logging()
+    h.setup_logging()
     args = parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)

@@ -9,8 +9,8 @@ largest fp32 value. This is the measurement behind the precision table in ``docs
 
 Examples::
 
-    python scripts/bench_precision.py --quick
-    python scripts/bench_precision.py --ckpt outputs/demo/<run>/checkpoints/last.ckpt
+    python scripts/bench/bench_precision.py --quick
+    python scripts/bench/bench_precision.py --ckpt outputs/demo/<run>/checkpoints/last.ckpt
 """
 
 from __future__ import annotations

@@ -34,8 +34,8 @@ Outputs in ``--out``: ``fig4.csv``, ``tau.csv``, ``accuracy.md`` (also printed),
 
 Examples::
 
-    python scripts/bench_favor_accuracy.py --quick
-    python scripts/bench_favor_accuracy.py --seeds 15 --out .bench/accuracy
+    python scripts/bench/bench_favor_accuracy.py --quick
+    python scripts/bench/bench_favor_accuracy.py --seeds 15 --out .bench/accuracy
 """
 
 from __future__ import annotations

@@ -3,15 +3,15 @@
 
 Reads ``DIR/attention/attention.csv`` (``bench_attention.py``), ``DIR/embed.csv``
 (``bench_embed.py``) and ``DIR/train/train.csv`` (``bench_train.py``), as
-``scripts/gpu_check.sh`` writes them, and prints one markdown table: each row is a case measured
-for ours and for a baseline in the same run, with the baseline's time over ours (> 1: ours is
-faster). Attention rows compare SDPA with ``ours`` (on CUDA the causal Triton kernel, its note
-says so), ``ours-torch`` (the torch scan) and ``triton``, whichever the run measured. Missing
-files or cases are skipped with a note, so a partial run still reports.
+``scripts/bench/gpu_check.sh`` writes them, and prints one markdown table: each row is a case
+measured for ours and for a baseline in the same run, with the baseline's time over ours (> 1:
+ours is faster). Attention rows compare SDPA with ``ours`` (on CUDA the causal Triton kernel,
+its note says so), ``ours-torch`` (the torch scan) and ``triton``, whichever the run measured.
+Missing files or cases are skipped with a note, so a partial run still reports.
 
 Example::
 
-    python scripts/ratio_table.py .bench/gpu_check
+    python scripts/bench/ratio_table.py .bench/gpu_check
 """
 
 from __future__ import annotations

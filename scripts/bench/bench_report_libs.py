@@ -6,8 +6,8 @@ inlined, the array embedded as base64 typed data), each library in a fresh subpr
 peak memory (``ru_maxrss``) is its own. This is the measurement behind the report's choice of
 Plotly (see ``protein_performer/viz/report.py``).
 
-    python scripts/bench_report_libs.py            # N = 4000
-    python scripts/bench_report_libs.py --quick    # N = 500
+    python scripts/bench/bench_report_libs.py            # N = 4000
+    python scripts/bench/bench_report_libs.py --quick    # N = 500
 """
 
 from __future__ import annotations

@@ -1,9 +1,9 @@
-"""What the scripts share: the preamble every script starts from, and the helpers of the
-fresh-process benchmarks (``bench_attention.py``, ``bench_train.py``, ``bench_embed.py``, ...).
+"""What the benchmarks share: the preamble every benchmark starts from, and the helpers of the
+fresh-process ones (``bench_attention.py``, ``bench_train.py``, ``bench_embed.py``, ...).
 
-Scripts are run as ``python scripts/X.py`` from anywhere: Python puts this directory first on
-``sys.path``, so ``import _common`` works with no path edits, and ``protein_performer`` imports
-from the installed (editable) package.
+Benchmarks are run as ``python scripts/bench/X.py`` from anywhere: Python puts this directory
+first on ``sys.path``, so ``import _common`` works with no path edits, and ``protein_performer``
+imports from the installed (editable) package.
 
 The preamble: ``REPO`` (the checkout), ``SEQUENCES`` (the shared data sets beside it) and
 :func:`setup_logging` (INFO to stderr).
@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any
 
 #: The repository checkout this script belongs to.
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 #: The shared sequence data sets that sit beside the checkout (``../shared/data/sequences``).
 SEQUENCES = REPO.parent / "shared" / "data" / "sequences"
 #: The log line of every script unless it asks for another.

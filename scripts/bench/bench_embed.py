@@ -33,11 +33,11 @@ twin's time / ours >= 1.5 at L = 2,048 and >= 4 at L = 8,192.
 
 Examples::
 
-    python scripts/bench_embed.py --quick
-    python scripts/bench_embed.py --out bench_embed.csv --timeout 600
-    python scripts/bench_embed.py --device cuda --lengths 1024 4096 16384 32768
-    python scripts/bench_embed.py --impls performer exact hf --lengths 2048 8192 --proteins 300 \
-        --no-titin --threads 2
+    python scripts/bench/bench_embed.py --quick
+    python scripts/bench/bench_embed.py --out bench_embed.csv --timeout 600
+    python scripts/bench/bench_embed.py --device cuda --lengths 1024 4096 16384 32768
+    python scripts/bench/bench_embed.py --impls performer exact hf --lengths 2048 8192 \
+        --proteins 300 --no-titin --threads 2
 """
 
 from __future__ import annotations
