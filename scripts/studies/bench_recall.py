@@ -17,8 +17,8 @@ to k=7 (and to k=16) that a design closes, and MQAR accuracy. Timings are
 not comparable across designs here (runs share the machine): ``scripts/bench_context.py``
 measures per-candidate cost and state size.
 
-    python scripts/bench_recall.py --quick                  # two designs, tiny, a few minutes
-    python scripts/bench_recall.py --out runs/recall        # the RESULTS table
+    python scripts/studies/bench_recall.py --quick            # two designs, tiny, a few minutes
+    python scripts/studies/bench_recall.py --out runs/recall  # the RESULTS table
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 CORPUS = REPO.parent / "shared" / "data" / "sequences" / "swissprot_opal_train.fasta"
 AMINO = "ACDEFGHIKLMNPQRSTVWY"
 
