@@ -166,10 +166,11 @@ def test_state_is_constant_size() -> None:
 
 
 @pytest.mark.parametrize(("attention", "kernel"), VARIANTS)
-def test_steps_equal_the_forward_and_never_write_given_states(attention: str, kernel: str):
+def test_steps_equal_the_forward_and_write_given_states_only_in_place(attention: str, kernel: str):
     """PerformerLM.step, in place or not, after a prefill and after a batch-1 state broadcast
-    over the batch (a family context's): logits equal the parallel causal forward (<= 1e-4),
-    and the states it was given are never written (in place copies them on the first write)."""
+    over the batch (a family context's): logits equal the parallel causal forward (<= 1e-4);
+    the states it was given are written only when ``inplace`` gives them up, and a shared
+    batch-1 context state never is."""
     lm = causal_lm(attention, kernel)
     model = lm.model
     g = torch.Generator().manual_seed(0)
@@ -196,7 +197,8 @@ def test_steps_equal_the_forward_and_never_write_given_states(attention: str, ke
                     out, states = model.step(row[:, t], pos, states, inplace=inplace)
                     torch.testing.assert_close(out, ref[:, t], atol=1e-4, rtol=0)
                 after = [t for s in given for t in s]
-                assert all(torch.equal(x, y) for x, y in zip(before, after, strict=True))
+                if not inplace or start == "broadcast":
+                    assert all(torch.equal(x, y) for x, y in zip(before, after, strict=True))
 
 
 def test_sampling_rows_at_once_draws_what_each_row_draws_alone() -> None:

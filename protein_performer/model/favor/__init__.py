@@ -36,7 +36,8 @@ from protein_performer.model.favor.kernels import (
     random_features,
 )
 from protein_performer.model.favor.maps import MapFactors, MapStabilizers, favor_attention_map
-from protein_performer.model.favor.module import FavorAttention, FavorState, favor_attention
+from protein_performer.model.favor.module import FavorAttention, favor_attention
+from protein_performer.model.favor.recurrent import FavorState
 from protein_performer.model.favor.reference import favor_attention_reference
 
 __all__ = [

@@ -364,7 +364,7 @@ def test_rows_sum_to_one_and_attention_map_matches_forward(kernel, causal):
     q, k, v = qkv(B, H, L, d, seed=25)
     attn = module(kernel, causal, d=d, chunk_size=5, block_size=7)
     eye = torch.eye(L, dtype=torch.float64).expand(B, H, L, L)
-    implied = attn(q, k, eye)  # (B, H, L, L): row t = attention weights of query t
+    implied = attn(q, k, eye)[0]  # (B, H, L, L): row t = attention weights of query t
     assert torch.allclose(implied.sum(-1), torch.ones(B, H, L, dtype=torch.float64), atol=1e-9)
     if causal:
         assert float(implied.triu(1).abs().max()) < 1e-12
@@ -372,7 +372,7 @@ def test_rows_sum_to_one_and_attention_map_matches_forward(kernel, causal):
     assert amap.shape == (B, H, 14, L)
     assert torch.allclose(amap.sum(-1), torch.ones(B, H, 14, dtype=torch.float64), atol=1e-9)
     assert torch.allclose(amap, implied[:, :, 3:17], atol=1e-9)
-    assert torch.allclose(amap @ v, attn(q, k, v)[:, :, 3:17], atol=1e-9)
+    assert torch.allclose(amap @ v, attn(q, k, v)[0][:, :, 3:17], atol=1e-9)
 
 
 @pytest.mark.parametrize("causal", [False, True])
@@ -394,9 +394,9 @@ def test_exact_attention_map_matches_exact_attention(causal):
 def test_appending_future_tokens_leaves_past_outputs_unchanged(kernel, chunk):
     q, k, v = qkv(2, 2, 30, 8, seed=27)
     attn = module(kernel, True, chunk_size=chunk)
-    before = attn(q, k, v)
+    before = attn(q, k, v)[0]
     extra = qkv(2, 2, 11, 8, seed=28, scale=6.0)  # large-norm future keys test the stabilizer
-    after = attn(*(torch.cat([a, b], dim=2) for a, b in zip((q, k, v), extra, strict=True)))
+    after = attn(*(torch.cat([a, b], dim=2) for a, b in zip((q, k, v), extra, strict=True)))[0]
     assert torch.allclose(after[:, :, :30], before, rtol=1e-9, atol=1e-12)
 
 
@@ -407,9 +407,9 @@ def test_future_keys_do_not_move_past_gradients():
     k_long = torch.cat([k2, 5 * torch.randn(1, 2, 9, 8, dtype=torch.float64)], dim=2)
     q_long = torch.cat([q, torch.randn(1, 2, 9, 8, dtype=torch.float64)], dim=2)
     v_long = torch.cat([v, torch.randn(1, 2, 9, 8, dtype=torch.float64)], dim=2)
-    attn(q_long, k_long, v_long)[:, :, :20].sum().backward()
+    attn(q_long, k_long, v_long)[0][:, :, :20].sum().backward()
     k1 = k.clone().requires_grad_()
-    attn(q, k1, v).sum().backward()
+    attn(q, k1, v)[0].sum().backward()
     assert torch.allclose(k2.grad, k1.grad, atol=1e-10)
 
 
@@ -428,9 +428,9 @@ def test_padding_invariance(kernel, causal):
     mask[:, L:] = True
     # Sequence 1 is shorter: its own pads in the middle of the unpadded length too.
     mask[1, 8:] = True
-    out = attn(*padded, key_padding_mask=mask)
-    ref0 = attn(q[:1], k[:1], v[:1])
-    ref1 = attn(q[1:, :, :8], k[1:, :, :8], v[1:, :, :8])
+    out = attn(*padded, key_padding_mask=mask)[0]
+    ref0 = attn(q[:1], k[:1], v[:1])[0]
+    ref1 = attn(q[1:, :, :8], k[1:, :, :8], v[1:, :, :8])[0]
     assert torch.allclose(out[:1, :, :L], ref0, atol=1e-10)
     assert torch.allclose(out[1:, :, :8], ref1, atol=1e-10)
     assert torch.isfinite(out).all()
@@ -448,9 +448,9 @@ def test_left_padding_causal_is_finite_and_invariant(kernel):
     padded = [torch.cat([b, a], dim=2) for a, b in zip((q, k, v), pads, strict=True)]
     mask = torch.zeros(1, 16, dtype=torch.bool)
     mask[:, :6] = True
-    out = attn(*padded, key_padding_mask=mask)
+    out = attn(*padded, key_padding_mask=mask)[0]
     assert torch.isfinite(out).all()
-    assert torch.allclose(out[:, :, 6:], attn(q, k, v), atol=1e-10)
+    assert torch.allclose(out[:, :, 6:], attn(q, k, v)[0], atol=1e-10)
     assert float(out[:, :, :6].abs().max()) == 0.0
     ex = exact_attention(*padded, causal=True, key_padding_mask=mask)
     assert torch.isfinite(ex).all() and float(ex[:, :, :6].abs().max()) == 0.0
@@ -478,7 +478,7 @@ def test_chunked_causal_equals_dense_reference_values_and_grads(kernel, chunk):
     attn.chunk_size = chunk
     rho = 0.3 if kernel == "softmax_opt" else None
     ref = dense_reference(q, k, v, attn.omega, kernel, True, rho)
-    out = attn(q, k, v)
+    out = attn(q, k, v)[0]
     tol = 1e-6 if kernel == "trig" else 1e-9
     assert torch.allclose(out, ref, rtol=tol, atol=tol)
     w = torch.randn(out.shape, generator=gen(35), dtype=torch.float64)
@@ -554,7 +554,7 @@ def test_bidirectional_equals_dense_reference_values_and_grads(kernel):
     q, k, v = (t.requires_grad_() for t in qkv(1, 2, 37, 8, seed=36, scale=0.8))
     attn = module(kernel, False, block_size=10)
     ref = dense_reference(q, k, v, attn.omega, kernel, False)
-    out = attn(q, k, v)
+    out = attn(q, k, v)[0]
     assert torch.allclose(out, ref, atol=1e-10)
     g_out = torch.autograd.grad(out.pow(2).sum(), (q, k, v))
     g_ref = torch.autograd.grad(ref.pow(2).sum(), (q, k, v))
@@ -566,7 +566,7 @@ def test_softmax_opt_bidirectional_uses_per_head_statistics():
     q, k, v = qkv(1, 2, 30, 8, seed=37)
     attn = module("softmax_opt", False)
     rho = oprf_rho(q * 8**-0.25, k * 8**-0.25)  # (1, 2)
-    out = attn(q, k, v)
+    out = attn(q, k, v)[0]
     for h in range(2):
         ref = dense_reference(
             q[:, h], k[:, h], v[:, h], attn.omega, "softmax_opt", False, rho[0, h]
@@ -585,7 +585,7 @@ def test_softmax_opt_bidirectional_grads_equal_dense_reference():
         for h in range(2)
     ]
     ref = torch.stack(heads, dim=1)
-    out = attn(q, k, v)
+    out = attn(q, k, v)[0]
     assert torch.allclose(out, ref, atol=1e-10)
     g_out = torch.autograd.grad(out.pow(2).sum(), (q, k, v))
     g_ref = torch.autograd.grad(ref.pow(2).sum(), (q, k, v))
@@ -718,59 +718,70 @@ def test_causal_backward_gradcheck(chunk, segment, jumpy):
 # --------------------------------------------------------------------------- RNN mode
 
 
+def steps(attn, q, k, v, mask, state=None, start=0, inplace=False):
+    """Token-by-token forwards from ``state`` (None: the first token is a one-token prefill)
+    -> the outputs (B, H, L - start, dv) and the last state."""
+    outs = []
+    for t in range(start, q.shape[2]):
+        sl = slice(t, t + 1)
+        o, state = attn(q[:, :, sl], k[:, :, sl], v[:, :, sl], mask[:, sl], state,
+                        keep_state=True, inplace=inplace)  # fmt: skip
+        outs.append(o)
+    return torch.cat(outs, dim=2), state
+
+
+@pytest.mark.parametrize("inplace", [False, True])
 @pytest.mark.parametrize("kernel", KERNELS)
-def test_step_equals_parallel_causal(kernel):
+def test_step_equals_parallel_causal(kernel, inplace):
     B, H, L, d = 2, 2, 19, 8
     q, k, v = qkv(B, H, L, d, seed=40)
     attn = module(kernel, True, chunk_size=4)
     mask = torch.zeros(B, L, dtype=torch.bool)
     mask[1, 12:] = True
-    par = attn(q, k, v, key_padding_mask=mask)
-    state, outs = None, []
-    for t in range(L):
-        state, o = attn.step(
-            state, q[:, :, t], k[:, :, t], v[:, :, t], key_padding_mask=mask[:, t]
-        )
-        outs.append(o)
-    seq = torch.stack(outs, dim=2)
+    par = attn(q, k, v, key_padding_mask=mask)[0]
+    seq, state = steps(attn, q, k, v, mask, inplace=inplace)
     assert state.kv.shape == (B, H, attn.feature_dim, d + 1)
     tol = 1e-7 if kernel == "trig" else 1e-10
     assert torch.allclose(seq, par, rtol=tol, atol=tol)
 
 
 @pytest.mark.parametrize("kernel", KERNELS)
-def test_initial_state_then_steps_equals_parallel(kernel):
-    """A prompt absorbed in one parallel pass, then token steps: the parallel forward's outputs
-    and the step-by-step state (generation's prefill + decode), padded rows included."""
-    B, H, L, d, P = 2, 2, 17, 8, 9
+@pytest.mark.parametrize("P", [9, 17])
+def test_prefill_then_steps_and_extend_equal_parallel(kernel, P):
+    """A prompt's state from one forward (a short prompt through the recurrent chunks, a long
+    one, P > recurrent_chunk, through the scan and one parallel pass over its keys), then
+    token steps or one extend: the parallel forward's outputs and the step-by-step state
+    (generation's prefill + decode), padded rows included; extend never writes the state."""
+    B, H, L, d = 2, 2, 25, 8
     q, k, v = qkv(B, H, L, d, seed=43)
-    attn = module(kernel, True, chunk_size=4)
+    attn = module(kernel, True, chunk_size=12)
     mask = torch.zeros(B, L, dtype=torch.bool)
     mask[1, 6:P] = True  # row 1: a shorter prompt, right-padded up to P
-    par = attn(q, k, v, key_padding_mask=mask)
-    state = attn.initial_state(k[:, :, :P], v[:, :, :P], key_padding_mask=mask[:, :P])
-    stepped = None
-    for t in range(P):
-        stepped, _ = attn.step(stepped, q[:, :, t], k[:, :, t], v[:, :, t], mask[:, t])
+    par = attn(q, k, v, key_padding_mask=mask)[0]
+    head, state = attn(q[:, :, :P], k[:, :, :P], v[:, :, :P], mask[:, :P], keep_state=True)
+    _, stepped = steps(attn, q[:, :, :P], k[:, :, :P], v[:, :, :P], mask[:, :P])
     tol = 1e-7 if kernel == "trig" else 1e-10
+    assert torch.allclose(head, par[:, :, :P], rtol=tol, atol=tol)
     assert torch.allclose(
         state.kv * torch.exp(state.mu)[..., None, None],
         stepped.kv * torch.exp(stepped.mu)[..., None, None],
         rtol=tol,
         atol=0,
     )
-    outs = []
-    for t in range(P, L):
-        state, o = attn.step(state, q[:, :, t], k[:, :, t], v[:, :, t], mask[:, t])
-        outs.append(o)
-    assert torch.allclose(torch.stack(outs, dim=2), par[:, :, P:], rtol=tol, atol=tol)
+    kv = state.kv.clone()
+    rest = (q[:, :, P:], k[:, :, P:], v[:, :, P:], mask[:, P:])
+    tail, none = attn(*rest, state)
+    assert none is None and torch.equal(state.kv, kv)
+    assert torch.allclose(tail, par[:, :, P:], rtol=tol, atol=tol)
+    outs, _ = steps(attn, q, k, v, mask, state, start=P)
+    assert torch.allclose(outs, par[:, :, P:], rtol=tol, atol=tol)
 
 
-def test_step_rejects_bidirectional():
+def test_a_state_needs_a_causal_core():
     attn = module("softmax", False)
-    q = torch.randn(1, 1, 8, dtype=torch.float64)
+    q = torch.randn(1, 1, 1, 8, dtype=torch.float64)
     with pytest.raises(RuntimeError):
-        attn.step(None, q, q, q)
+        attn(q, q, q, keep_state=True)
 
 
 # --------------------------------------------------------------------------- check 9: numerics
@@ -782,7 +793,7 @@ def test_long_sequence_is_finite(causal):
     g = gen(41)
     q, k, v = (torch.randn(1, 1, L, 8, generator=g).requires_grad_() for _ in range(3))
     attn = FavorAttention(8, 16, causal=causal, generator=gen(42))
-    out = attn(q, k, v)
+    out = attn(q, k, v)[0]
     assert out.shape == (1, 1, L, 8) and torch.isfinite(out).all()
     out.pow(2).mean().backward()
     assert all(torch.isfinite(t.grad).all() for t in (q, k, v))
@@ -801,7 +812,7 @@ def test_large_norm_inputs_under_bf16_autocast_are_finite(kernel, causal):
         q, k, v = qkv(1, 2, 300, 16, seed=43, scale=scale, dtype=torch.float32)
         q, k, v = (t.bfloat16().requires_grad_() for t in (q, k, v))
         with torch.autocast("cpu", dtype=torch.bfloat16):
-            out = attn(q, k, v)
+            out = attn(q, k, v)[0]
         assert out.dtype == torch.bfloat16 and torch.isfinite(out.float()).all()
         out.float().sum().backward()
         assert all(torch.isfinite(t.grad.float()).all() for t in (q, k, v)), scale
@@ -813,8 +824,8 @@ def test_bf16_autocast_computes_features_in_float32(causal):
     q, k, v = (t.bfloat16() for t in qkv(1, 2, 64, 16, seed=45, scale=1.5, dtype=torch.float32))
     attn = FavorAttention(16, 64, causal=causal, generator=gen(46))
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        low = attn(q, k, v)
-    ref = attn(q.float(), k.float(), v.float())
+        low = attn(q, k, v)[0]
+    ref = attn(q.float(), k.float(), v.float())[0]
     assert low.dtype == torch.bfloat16
     err = (low.float() - ref).abs()
     assert bool((err <= 2**-8 * ref.abs() + 1e-6).all()), float(err.max())
@@ -838,7 +849,7 @@ def test_shapes_exact_attention_and_accuracy_at_large_m():
         )
         assert torch.allclose(ref, manual, atol=1e-10)
         attn = module("softmax_hyp", causal, d=16, m=2048)
-        out = attn(q, k, v)
+        out = attn(q, k, v)[0]
         assert out.shape == (2, 3, 50, 16)
         rel = (out - ref).norm() / ref.norm()
         base = (v.mean(-2, keepdim=True).expand_as(ref) - ref).norm() / ref.norm()
@@ -858,7 +869,7 @@ def test_redraw_changes_omega_reproducibly_and_lives_in_state_dict():
     fresh = FavorAttention(8, 24, generator=gen(51))
     fresh.load_state_dict(sd)
     q, k, v = qkv(1, 1, 10, 8, seed=52, dtype=torch.float32)
-    assert torch.equal(fresh(q, k, v), attn(q, k, v))
+    assert torch.equal(fresh(q, k, v)[0], attn(q, k, v)[0])
 
 
 def test_omega_rows_orthogonal_within_blocks_and_chi_norms():
@@ -896,7 +907,7 @@ def test_oprf_rho_updates_once_per_step_under_activation_checkpointing(use_reent
         attn = FavorAttention(8, 16, causal=True, kernel="softmax_opt", generator=gen(59)).train()
 
         def block(q, k, v, attn=attn):  # an op after attention makes the replay run through it
-            return attn(q, k, v).exp()
+            return attn(q, k, v)[0].exp()
 
         for _ in range(2):  # two training steps
             out = (
@@ -957,7 +968,7 @@ def test_a_kernel_class_is_picked_up_by_its_name(monkeypatch):
     for causal in (False, True):
         attn = module("test_damped", causal, chunk_size=4, block_size=5)
         assert attn.feature_dim == 16
-        out = attn(q, k, v)
+        out = attn(q, k, v)[0]
         kw = dict(kernel="test_damped", causal=causal)
         ref = favor_attention_reference(q, k, v, attn.omega, **kw)
         plain = favor_attention(q, k, v, attn.omega, kernel="softmax", causal=causal)
