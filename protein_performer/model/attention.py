@@ -31,6 +31,12 @@ from protein_performer.model.rotary import RotaryEmbedding, as_positions
 AttentionCore = FavorAttention | ExactAttention | LinearAttention | PositionMemory
 #: What one attention layer carries between calls (generation steps, a family context).
 AttentionState = FavorState | KVCache | LinearState | MemoryState
+def state_tensors(state: tuple) -> list[torch.Tensor]:
+    """The tensors of a state or of per-layer states, nested ones (the position memory's
+    ``inner``) included: what a state holds, for its size or a copy."""
+    return [t for s in state for t in (state_tensors(s) if isinstance(s, tuple) else [s])]
+
+
 #: One head's residue x residue map as blocks (``.sums``, ``.add_upper_block``), for contacts.
 MapBlocks = FavorMapBlocks | ExactMapBlocks
 #: Rotary positions: None (0, 1, ... along the row), an int offset (the first token's

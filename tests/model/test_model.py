@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from protein_performer.errors import UserError
+from protein_performer.model.attention import state_tensors
 from protein_performer.model.config import KERNELS, PerformerConfig, default_nb_features
 from protein_performer.model.performer import PerformerLM, PerformerOutput
 from protein_performer.model.rotary import RotaryEmbedding, apply_rotary, rotate_half
@@ -420,10 +421,6 @@ def test_nb_features_default_is_d_log_d_and_stored_resolved() -> None:
     assert favor is not None and favor.omega.shape == (default_nb_features(8), 8)
 
 
-def _leaves(state: tuple) -> list[torch.Tensor]:
-    """The tensors of a (nested) state tuple."""
-    return [t for part in state for t in (_leaves(part) if isinstance(part, tuple) else [part])]
-
 
 CORES = {
     "favor": {"attention": "favor"},
@@ -450,10 +447,10 @@ def test_cores_share_one_interface(name: str) -> None:
     for start in (1, 5):
         head, state = core(q[:, :, :start], k[:, :, :start], v[:, :, :start], pad[:, :start],
                            keep_state=True)  # fmt: skip
-        before = [t.clone() for t in _leaves(state)]
+        before = [t.clone() for t in state_tensors(state)]
         rest = (q[:, :, start:], k[:, :, start:], v[:, :, start:], pad[:, start:])
         tail, _ = core(*rest, state, positions=start)
-        assert all(map(torch.equal, before, _leaves(state)))
+        assert all(map(torch.equal, before, state_tensors(state)))
         outs = [head]
         for t in range(start, 9):
             sl = slice(t, t + 1)
