@@ -57,6 +57,7 @@ from protein_performer.io.columns import (
     checked_offsets,
     header_column,
     merge_columns,
+    open_columns,
     read_ids,
     record_columns,
     write_columns,
@@ -202,14 +203,9 @@ _SAME_RUN = ("precision", "repr_layers", "include", "model_sha256", "features_sh
 
 def _open_embeddings(path: Path) -> Any:  # noqa: ANN401 - h5py.File
     """An embeddings file opened for reading, its format checked (version 1 named as such)."""
-    import h5py
-
     from protein_performer.errors import check_format_header
 
-    try:
-        h5 = h5py.File(path, "r")
-    except OSError as exc:
-        raise UserError(f"{path}: not a readable HDF5 file ({exc}); re-run embed") from None
+    h5 = open_columns(path, "embeddings file", "re-run embed")
     header = {k: h5.attrs.get(k) for k in ("format", "format_version")}
     if header["format_version"] is not None:
         header["format_version"] = int(header["format_version"])
@@ -317,7 +313,6 @@ def check_parts(
     written before parts recorded their sources (protein-performer < 0.3) is renamed
     ``NAME.dropped`` and its records that the input holds are computed again.
     """
-    import h5py
 
     def aside(part: Path, suffix: str) -> None:
         if set_aside:
@@ -331,13 +326,13 @@ def check_parts(
     candidates: list[tuple[Path, list[str]]] = []
     for part in parts:
         try:
-            with h5py.File(part, "r") as h5:
+            with open_columns(part, "part", "it is set aside") as h5:
                 ids = read_ids(h5)
                 same_run = h5.attrs.get(PART_RUN) == want and PART_DIGESTS in h5
                 sha = h5[PART_DIGESTS][:] if same_run else None
                 n = int(h5.attrs["num_records"])
                 whole = len(ids) == n and all(len(h5[c.name]) == n for c in RECORD_COLUMNS)
-        except (OSError, KeyError, ValueError, TypeError):
+        except (OSError, KeyError, ValueError, TypeError, UserError):
             whole = False
         if not whole or (sha is not None and sha.shape != (len(ids), 16)):
             aside(part, ".damaged")

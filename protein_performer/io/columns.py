@@ -132,6 +132,48 @@ class ColumnFile:
         return self.n
 
 
+def _storage_outside(h5: Any) -> str | None:  # noqa: ANN401 - an open h5py.File
+    """What in the file reads data from somewhere else: a soft or external link, a dataset
+    stored in another file (external storage) or assembled from others (virtual); None if
+    nothing does. HDF5 follows them all silently, so a crafted file could hand back any
+    readable local file as numbers."""
+    import h5py
+
+    found: list[str] = []
+
+    def visit(name: str, link: Any) -> bool | None:  # noqa: ANN401
+        if not isinstance(link, h5py.HardLink):
+            found.append(f"{name} is a {type(link).__name__}")
+            return True
+        obj = h5[name]
+        if isinstance(obj, h5py.Dataset) and (obj.is_virtual or obj.external):
+            found.append(f"{name} is stored {'virtually' if obj.is_virtual else 'externally'}")
+            return True
+        return None
+
+    h5.visititems_links(visit)
+    return found[0] if found else None
+
+
+def open_columns(path: Path, what: str, fix: str) -> Any:  # noqa: ANN401 - h5py.File
+    """``path`` opened read-only, refused (one ``UserError``) when it is not HDF5 or reads
+    from outside itself (:func:`_storage_outside`); ``what`` names the kind of file."""
+    import h5py
+
+    try:
+        h5 = h5py.File(path, "r")
+    except OSError as exc:
+        raise UserError(f"{path}: not a readable HDF5 file ({exc}); {fix}") from None
+    outside = _storage_outside(h5)
+    if outside:
+        h5.close()
+        raise UserError(
+            f"{path}: {outside}, reading data from outside the file; a {what} never does: "
+            f"it is crafted, refusing to read it ({fix})"
+        )
+    return h5
+
+
 def read_ids(h5: Any) -> list[str]:  # noqa: ANN401 - an open h5py.File
     """The ``ids`` column of an open file, as str."""
     return list(h5["ids"].asstr()[:])

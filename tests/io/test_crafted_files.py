@@ -176,3 +176,38 @@ def test_limit_rows_and_seeds_are_checked(tmp_path: Path, capsys) -> None:
 
     with pytest.raises(UserError, match="limit_rows=0"):
         score_variants_file(ProteinLM(tiny_loaded()), "wt", "dms", "out", limit_rows=0)
+
+
+def _mean_name(path: Path) -> str:
+    with h5py.File(path) as h5:
+        return f"mean/{int(h5.attrs['repr_layers'][-1])}"
+
+
+@pytest.mark.parametrize("how", ["external", "virtual", "soft", "external-link"])
+def test_h5_reading_outside_itself_is_refused(
+    files: tuple[Path, Path], tmp_path: Path, how: str
+) -> None:
+    """A dataset stored in (or linked to) another local file would read that file as floats."""
+    secret = tmp_path / "secret.bin"
+    secret.write_bytes(np.arange(3 * 16, dtype=np.float32).tobytes())
+    other = tmp_path / "other.h5"
+    with h5py.File(other, "w") as h5:
+        h5.create_dataset("x", data=np.ones((3, 16), np.float32))
+    emb = tmp_path / f"{how}.h5"
+    shutil.copy(files[0], emb)
+    name = _mean_name(emb)
+    with h5py.File(emb, "r+") as h5:
+        del h5[name]
+        if how == "external":
+            h5.create_dataset(name, (3, 16), np.float32, external=[(str(secret), 0, 192)])
+        elif how == "virtual":
+            layout = h5py.VirtualLayout((3, 16), np.float32)
+            layout[:] = h5py.VirtualSource(str(other), "x", shape=(3, 16))
+            h5.create_virtual_dataset(name, layout)
+        elif how == "soft":
+            h5["copy"] = np.ones((3, 16), np.float32)
+            h5[name] = h5py.SoftLink("/copy")
+        else:
+            h5[name] = h5py.ExternalLink(str(other), "x")
+    with pytest.raises(UserError, match=f"{emb}: .*reading data from outside the file"):
+        read_embeddings(emb)
