@@ -55,6 +55,7 @@ from protein_performer.io.columns import (
     Column,
     Layout,
     checked_offsets,
+    checked_rows,
     header_column,
     merge_columns,
     open_columns,
@@ -591,9 +592,10 @@ def _read_embeddings(src: Path, ids: Sequence[str] | None, kind: str, layer: int
             if missing:
                 raise UserError(f"{src}: no record(s) {', '.join(missing[:5])}")
             rows = np.asarray([where[rid] for rid in ids], dtype=np.int64)
-        data = h5[f"{kind}/{want}"]
-        if kind == "per_tok":
-            lengths = h5["lengths"][:]
+        pooled = kind != "per_tok"
+        data = checked_rows(h5, f"{kind}/{want}", len(all_ids) if pooled else None, "f", 2)
+        if not pooled:
+            lengths = checked_rows(h5, "lengths", len(all_ids), "iu", 1)[:]
             off = checked_offsets(h5, "per_tok_offsets", len(all_ids), data.shape[0], src, lengths)
             return Embeddings(list(ids), [data[int(off[n]) : int(off[n + 1])] for n in rows])
         if everything:

@@ -132,22 +132,37 @@ class ColumnFile:
         return self.n
 
 
-def _storage_outside(h5: Any) -> str | None:  # noqa: ANN401 - an open h5py.File
-    """What in the file reads data from somewhere else: a soft or external link, a dataset
-    stored in another file (external storage) or assembled from others (virtual); None if
-    nothing does. HDF5 follows them all silently, so a crafted file could hand back any
-    readable local file as numbers."""
+#: The most a gzip-compressed dataset can expand (zlib's limit is about 1032 to 1).
+MAX_INFLATION = 1100
+
+
+def _unreadable(h5: Any) -> str | None:  # noqa: ANN401 - an open h5py.File
+    """Why the file must not be read, or None. HDF5 follows soft and external links, external
+    storage and virtual datasets silently, so a crafted file could hand back any readable local
+    file as numbers; and a dataset may declare more rows than the file stores (read as fill
+    values: a tiny file asking for gigabytes)."""
     import h5py
 
     found: list[str] = []
 
     def visit(name: str, link: Any) -> bool | None:  # noqa: ANN401
         if not isinstance(link, h5py.HardLink):
-            found.append(f"{name} is a {type(link).__name__}")
+            found.append(f"{name} is a {type(link).__name__}, reading data from outside the file")
             return True
-        obj = h5[name]
-        if isinstance(obj, h5py.Dataset) and (obj.is_virtual or obj.external):
-            found.append(f"{name} is stored {'virtually' if obj.is_virtual else 'externally'}")
+        ds = h5[name]
+        if not isinstance(ds, h5py.Dataset):
+            return None
+        if ds.is_virtual or ds.external:
+            how = "virtually" if ds.is_virtual else "externally"
+            found.append(f"{name} is stored {how}, reading data from outside the file")
+            return True
+        declared = int(np.prod(ds.shape, dtype=np.float64) * ds.dtype.itemsize)
+        stored = ds.id.get_storage_size()
+        if declared > stored * (MAX_INFLATION if ds.compression else 1):
+            found.append(
+                f"{name} declares shape {ds.shape} ({declared:,} bytes) but the file stores "
+                f"{stored:,} bytes of it"
+            )
             return True
         return None
 
@@ -156,27 +171,58 @@ def _storage_outside(h5: Any) -> str | None:  # noqa: ANN401 - an open h5py.File
 
 
 def open_columns(path: Path, what: str, fix: str) -> Any:  # noqa: ANN401 - h5py.File
-    """``path`` opened read-only, refused (one ``UserError``) when it is not HDF5 or reads
-    from outside itself (:func:`_storage_outside`); ``what`` names the kind of file."""
+    """``path`` opened read-only, refused (one ``UserError``) when it is not HDF5, reads from
+    outside itself or declares more than it holds (:func:`_unreadable`); ``what`` names the
+    kind of file."""
     import h5py
 
     try:
         h5 = h5py.File(path, "r")
     except OSError as exc:
         raise UserError(f"{path}: not a readable HDF5 file ({exc}); {fix}") from None
-    outside = _storage_outside(h5)
-    if outside:
+    why = _unreadable(h5)
+    if why:
         h5.close()
-        raise UserError(
-            f"{path}: {outside}, reading data from outside the file; a {what} never does: "
-            f"it is crafted, refusing to read it ({fix})"
-        )
+        raise UserError(f"{path}: {why}; a {what} never does: refusing to read it ({fix})")
     return h5
 
 
+def checked_rows(
+    h5: Any,  # noqa: ANN401 - an open h5py.File
+    name: str,
+    rows: int | None,
+    kind: str,
+    ndim: int,
+) -> Any:  # noqa: ANN401 - h5py.Dataset
+    """Dataset ``name`` once its shape (``ndim`` dimensions, ``rows`` rows: one per id, any
+    number when None) and
+    dtype (numpy ``kind`` letters, e.g. ``"f"``) are what the reader expects: otherwise rows
+    would be handed out under the wrong ids, silently."""
+    import h5py
+
+    ds = h5.get(name)
+    if not isinstance(ds, h5py.Dataset):
+        raise UserError(f"{h5.filename}: no dataset {name}: the file is damaged; re-create it")
+    if ds.ndim != ndim or (rows is not None and ds.shape[0] != rows) or ds.dtype.kind not in kind:
+        raise UserError(
+            f"{h5.filename}: {name} has shape {ds.shape} ({ds.dtype}) for {rows} record(s): "
+            "the file is damaged or edited; re-create it"
+        )
+    return ds
+
+
 def read_ids(h5: Any) -> list[str]:  # noqa: ANN401 - an open h5py.File
-    """The ``ids`` column of an open file, as str."""
-    return list(h5["ids"].asstr()[:])
+    """The ``ids`` column of an open file, as str (refused unless text, one dimension)."""
+    import h5py
+
+    ds = h5.get("ids")
+    if not isinstance(ds, h5py.Dataset) or ds.ndim != 1 or not h5py.check_string_dtype(ds.dtype):
+        what = f"{ds.shape} {ds.dtype}" if isinstance(ds, h5py.Dataset) else "missing"
+        raise UserError(
+            f"{h5.filename}: ids is not a column of text ({what}): the file is damaged or "
+            "edited; re-create it"
+        )
+    return list(ds.asstr()[:])
 
 
 def write_columns(

@@ -211,3 +211,33 @@ def test_h5_reading_outside_itself_is_refused(
             h5[name] = h5py.ExternalLink(str(other), "x")
     with pytest.raises(UserError, match=f"{emb}: .*reading data from outside the file"):
         read_embeddings(emb)
+
+
+def _replace(path: Path, name: str, **create: object) -> None:
+    with h5py.File(path, "r+") as h5:
+        del h5[name]
+        h5.create_dataset(name, **create)
+
+
+@pytest.mark.parametrize(
+    ("name", "create", "match"),
+    [
+        ("mean", {"data": np.ones((1, 16), np.float32)}, r"shape \(1, 16\) .* for 3 record"),
+        ("mean", {"data": np.asarray([b"a", b"b", b"c"])}, r"shape \(3,\) .* for 3 record"),
+        ("ids", {"data": np.arange(3)}, r"ids is not a column of text \(\(3,\) int64\)"),
+        (
+            "mean",
+            {"shape": (10**9, 16), "dtype": np.float32, "chunks": (64, 16)},
+            r"declares shape \(1000000000, 16\) \(64,000,000,000 bytes\) but the file stores 0",
+        ),
+    ],
+    ids=["rows-unlike-ids", "text-values", "integer-ids", "declared-1e9-rows"],
+)
+def test_h5_arrays_unlike_their_ids_are_refused(
+    files: tuple[Path, Path], tmp_path: Path, name: str, create: dict, match: str
+) -> None:
+    emb = tmp_path / "edited.h5"
+    shutil.copy(files[0], emb)
+    _replace(emb, _mean_name(emb) if name == "mean" else name, **create)
+    with pytest.raises(UserError, match=match):
+        read_embeddings(emb)
