@@ -231,10 +231,8 @@ def write_columns(
     attrs: dict[str, Any],
     per_record: dict[str, Any],
     ragged: dict[str, tuple[np.ndarray, dict[str, np.ndarray]]],
-    extra: dict[str, np.ndarray] | None = None,
 ) -> int:
-    """One file of records (a part of a sharded run), written atomically. ``extra`` datasets
-    are stored beside the layout's (what a part was made from) and never merged.
+    """One file of records (a part of a sharded run), written atomically.
 
     The file is built in memory (a part is one window) and written with plain file I/O: HDF5
     never meets a full disk, which leaves its library half-closed and crashes the interpreter
@@ -247,8 +245,6 @@ def write_columns(
     with h5py.File(image, "w") as h5:
         cols = ColumnFile(h5, layout, attrs)
         cols.append(per_record, ragged)
-        for name, values in (extra or {}).items():
-            h5.create_dataset(name, data=values)
         n = cols.finish()
     with atomic_file(path, suffix=".h5") as tmp, open(tmp, "wb") as fh:
         fh.write(image.getbuffer())
