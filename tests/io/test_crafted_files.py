@@ -241,3 +241,36 @@ def test_h5_arrays_unlike_their_ids_are_refused(
     _replace(emb, _mean_name(emb) if name == "mean" else name, **create)
     with pytest.raises(UserError, match=match):
         read_embeddings(emb)
+
+
+@pytest.mark.parametrize(
+    ("edit", "match"),
+    [
+        ({"coef": [float("nan")] + [0.0] * 7}, "must be finite"),
+        ({"intercept": float("inf")}, "must be finite"),
+        ({"coef": [1e308] * 8}, "must be finite and at most"),
+        ({"heads": [-1, 0, 1, 2]}, "out of range"),
+        ({"layers": [], "heads": [], "coef": []}, "out of range"),
+    ],
+    ids=["nan-coef", "inf-intercept", "1e308", "negative-head", "no-features"],
+)
+def test_crafted_regression_numbers_are_one_line(
+    tmp_path: Path, edit: dict, match: str, capsys
+) -> None:
+    """Through --regression and through an export's own contact_regression.json."""
+    import json
+
+    loaded = _loaded("exact")
+    bad = {**_regression(loaded).to_dict(), **edit}
+    reg = tmp_path / "reg.json"
+    reg.write_text(json.dumps(bad))
+    fasta = tmp_path / "in.fasta"
+    fasta.write_text(FASTA)
+    model_dir = export_model(loaded, tmp_path / "m")
+    argv = ["contacts", "predict", str(model_dir), str(fasta), str(tmp_path / "c.h5")]
+    assert main([*argv, "--regression", str(reg), "--no-progress"]) == 2
+    (model_dir / "contact_regression.json").write_text(json.dumps(bad))
+    embed = ["embed", str(model_dir), str(fasta), str(tmp_path / "e.h5"), "--no-progress"]
+    assert main([*embed, "--include", "contacts"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 2 and all(e.startswith("error: ") and match in e for e in err), err
