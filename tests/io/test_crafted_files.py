@@ -274,3 +274,25 @@ def test_crafted_regression_numbers_are_one_line(
     assert main([*embed, "--include", "contacts"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 2 and all(e.startswith("error: ") and match in e for e in err), err
+
+
+def test_safetensors_dtype_that_lies_is_refused(tmp_path: Path, capsys) -> None:
+    """``"dtype": "I32"`` on float data has the same size, so only the kind of number tells."""
+    import json
+    import struct
+
+    out = export_model(tiny_loaded(), tmp_path / "m")
+    weights = out / "model.safetensors"
+    data = weights.read_bytes()
+    n = struct.unpack("<Q", data[:8])[0]
+    header = json.loads(data[8 : 8 + n])
+    name = next(k for k, v in header.items() if k != "__metadata__" and v["dtype"] == "F32")
+    header[name]["dtype"] = "I32"
+    text = json.dumps(header, separators=(",", ":")).encode().ljust(n)
+    assert len(text) == n
+    weights.write_bytes(data[:8] + text + data[8 + n :])
+    fasta = tmp_path / "x.fasta"
+    fasta.write_text(FASTA)
+    assert main(["embed", str(out), str(fasta), str(tmp_path / "o.h5"), "--no-progress"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and f"{name} " in err[0] and "torch.int32 vs model" in err[0], err
