@@ -27,7 +27,7 @@ LINEAR_KERNELS = ("taylor", "hedgehog")
 def default_nb_features(head_dim: int) -> int:
     """m = d ln d rounded up to a multiple of 16 (at least 16): Theta(d log d) random features.
 
-    Why: theory asks for m = Theta(d log d), independent of L (../shared/FAVOR.md; Choromanski
+    Why: theory asks for m = Theta(d log d), independent of L (docs/FAVOR.md; Choromanski
     et al. 2021); a fixed m = 256 is 16x the width of ESM-2 8M's 16-wide heads and makes the
     feature work dominate at protein lengths. 48 at d=16, 112 at d=32, 272 at d=64.
     """
