@@ -24,6 +24,7 @@ from protein_performer.model.favor import FavorAttention, FavorState
 from protein_performer.model.favor.module import FavorMapBlocks
 from protein_performer.model.linear.core import LinearAttention
 from protein_performer.model.linear.memory import PositionMemory
+from protein_performer.model.linear.window import SlidingWindow
 from protein_performer.model.rotary import RotaryEmbedding
 
 #: The attention cores: one interface, two implementations.
@@ -38,12 +39,14 @@ Positions = int | torch.Tensor | None
 
 
 def _build_core(config: PerformerConfig, attention: str) -> AttentionCore:
-    """The core ``attention`` names, inside the position memory when ``config.position_memory``
-    is set."""
+    """The core ``attention`` names (linear: with its exact window when ``config.local_window``
+    is set), inside the position memory when ``config.position_memory`` is set."""
     if attention == "exact":
         core = ExactAttention(causal=config.causal)
     elif attention == "linear":
         core = LinearAttention(config.heads, config.head_dim, config.kernel, config.causal)
+        if config.local_window:
+            core = SlidingWindow(core, config.heads, config.local_window)
     else:
         core = FavorAttention(
             dim_head=config.head_dim,
