@@ -25,12 +25,15 @@ from protein_performer.model.favor import FavorAttention, FavorState
 from protein_performer.model.favor.module import FavorMapBlocks
 from protein_performer.model.linear.core import LinearAttention, LinearState
 from protein_performer.model.linear.memory import MemoryState, PositionMemory
+from protein_performer.model.linear.window import SlidingWindow, WindowState
 from protein_performer.model.rotary import RotaryEmbedding, as_positions
 
-#: The attention cores: one interface, four implementations.
-AttentionCore = FavorAttention | ExactAttention | LinearAttention | PositionMemory
+#: The attention cores: one interface, five implementations.
+AttentionCore = FavorAttention | ExactAttention | LinearAttention | SlidingWindow | PositionMemory
 #: What one attention layer carries between calls (generation steps, a family context).
-AttentionState = FavorState | KVCache | LinearState | MemoryState
+AttentionState = FavorState | KVCache | LinearState | WindowState | MemoryState
+
+
 def state_tensors(state: tuple) -> list[torch.Tensor]:
     """The tensors of a state or of per-layer states, nested ones (the position memory's
     ``inner``) included: what a state holds, for its size or a copy."""
@@ -46,12 +49,14 @@ Positions = int | torch.Tensor | None
 
 
 def _build_core(config: PerformerConfig, attention: str) -> AttentionCore:
-    """The core ``attention`` names, inside the position memory when ``config.position_memory``
-    is set."""
+    """The core ``attention`` names (linear: with its exact window when ``config.local_window``
+    is set), inside the position memory when ``config.position_memory`` is set."""
     if attention == "exact":
         core = ExactAttention(causal=config.causal)
     elif attention == "linear":
         core = LinearAttention(config.heads, config.head_dim, config.kernel, config.causal)
+        if config.local_window:
+            core = SlidingWindow(core, config.heads, config.local_window)
     else:
         core = FavorAttention(
             dim_head=config.head_dim,

@@ -27,7 +27,7 @@ LINEAR_KERNELS = ("taylor", "hedgehog")
 def default_nb_features(head_dim: int) -> int:
     """m = d ln d rounded up to a multiple of 16 (at least 16): Theta(d log d) random features.
 
-    Why: theory asks for m = Theta(d log d), independent of L (../shared/FAVOR.md; Choromanski
+    Why: theory asks for m = Theta(d log d), independent of L (docs/FAVOR.md; Choromanski
     et al. 2021); a fixed m = 256 is 16x the width of ESM-2 8M's 16-wide heads and makes the
     feature work dominate at protein lengths. 48 at d=16, 112 at d=32, 272 at d=64.
     """
@@ -102,6 +102,10 @@ class PerformerConfig:
     position_memory: int = 0
     # W: the memory reads positions p - W .. p + W (a learned weight per offset and head).
     memory_window: int = 8
+    # Linear attention only: the w nearest keys (t-w+1..t causal, within w-1 of t otherwise)
+    # attend exactly, summed with the linear term under one normalizer (LoLCATs' sliding
+    # window, model/linear/window.py); the state adds a ring of w keys. 0 = off.
+    local_window: int = 0
     # LayerNorm epsilon (ESM-2 uses torch's default, 1e-5).
     layer_norm_eps: float = 1e-5
     # ESM-2's token dropout: zero <mask> embeddings and rescale by the observed mask ratio.
@@ -177,6 +181,13 @@ class PerformerConfig:
             fail(f"position_memory must be in 0..{1 << 20} (0 = off), got {self.position_memory}")
         if not 0 <= self.memory_window <= 256:
             fail(f"memory_window must be in 0..256, got {self.memory_window}")
+        if not 0 <= self.local_window <= 4096:
+            fail(f"local_window must be in 0..4096 (0 = off), got {self.local_window}")
+        if self.local_window and self.attention != "linear":
+            fail(
+                f"local_window={self.local_window} needs attention=linear (the window shares "
+                f"the linear map's normalizer), got attention={self.attention}"
+            )
         if not 0.0 <= self.dropout < 1.0:
             fail(f"dropout must be in [0, 1), got {self.dropout!r}")
         if not isinstance(self.feature_redraw_interval, int) or self.feature_redraw_interval < 0:
@@ -221,7 +232,8 @@ class PerformerConfig:
         hd, h = self.head_dim, self.heads
         linear = h * hd * (hd + 1) if self.attention == "linear" else 0
         memory = h * (2 * self.memory_window + 2 + hd) if self.position_memory else 0
-        return v * d + layers * (block + favor + linear + memory) + (d * d + d) + 4 * d + v
+        per_layer = block + favor + linear + memory + (h if self.local_window else 0)
+        return v * d + layers * per_layer + (d * d + d) + 4 * d + v
 
     def to_dict(self) -> dict[str, Any]:
         """Plain dict of builtins (JSON/YAML-safe), the form checkpoints store."""

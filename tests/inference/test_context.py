@@ -30,9 +30,11 @@ CANDIDATES = ["MKTAYIAKQRQISFVKSHFSRQ", "MKSAYIAKQ", "MKTAYIAKQRQISWVKSHFSRQAAG"
 VARIANTS = [(a, k) for a in ("favor", "exact") for k in (KERNELS if a == "favor" else ["-"])]
 
 
-#: The newer cores, through the same model calls: linear attention and the position memory.
+#: The newer cores, through the same model calls: linear attention (alone and with its exact
+#: window) and the position memory.
 CORES = {
     "linear": {"attention": "linear", "kernel": "taylor"},
+    "window": {"attention": "linear", "kernel": "taylor", "local_window": 4},
     "memory": {"attention": "favor", "position_memory": 64},
 }
 
@@ -106,7 +108,7 @@ def test_context_scores_equal_the_concatenated_forward(attention, kernel, positi
 @pytest.mark.parametrize("positions", ["sequence", "member"])
 @pytest.mark.parametrize("name", CORES)
 def test_linear_and_memory_contexts_continue_the_row(name, positions):
-    """``lm.context`` with the linear core and with the position memory: scores after it equal
+    """``lm.context`` with the linear cores and with the position memory: scores after it equal
     the concatenated forward, and so do the log-probs of sequences generated after it (each
     token a step from the context's states: step == forward); the context is never written."""
     lm = tiny_lm(positions=positions, **CORES[name])

@@ -25,6 +25,7 @@ from tests.inference.test_embedding import tiny_loaded
 VARIANTS = [("favor", k, {}) for k in KERNELS] + [
     ("exact", "softmax", {}),
     ("linear", "taylor", {}),
+    ("linear", "taylor", {"local_window": 4}),
     ("favor", "softmax", {"position_memory": 64}),
 ]
 

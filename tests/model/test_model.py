@@ -426,6 +426,7 @@ CORES = {
     "favor": {"attention": "favor"},
     "exact": {"attention": "exact"},
     "linear": {"attention": "linear", "kernel": "taylor"},
+    "window": {"attention": "linear", "kernel": "taylor", "local_window": 4},
     "memory": {"attention": "favor", "position_memory": 8},
 }
 

@@ -1,4 +1,4 @@
-"""The spec: FAVOR+ with plain autograd and quadratic memory, as ../shared/FAVOR.md states it.
+"""The spec: FAVOR+ with plain autograd and quadratic memory, as docs/FAVOR.md states it.
 
 Every fused path is tested against it."""
 

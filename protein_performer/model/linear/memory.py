@@ -97,16 +97,20 @@ class PositionMemory(nn.Module):
             view, base = table.view(B, H, (K + 1) * S, C), member * S + slot
         else:  # bidirectional: every token of every member, t's own member included
             view, base = new_mem, slot
-        sums = []
-        for d in range(-W, W + 1):
-            index = (base + d)[:, None, :, None].expand(B, H, L, C)
-            sums.append(view.gather(2, index))
+        offsets = torch.arange(-W, W + 1, device=kvx.device)
+        index = (base[:, :, None] + offsets).reshape(B, 1, L * (2 * W + 1), 1)
+        sums = view.gather(2, index.expand(B, H, L * (2 * W + 1), C)).view(B, H, L, 2 * W + 1, C)
         if self.causal:  # positions continue by 1 within a member: key j = t - d is at p_t - d
-            for d in range(0, min(W, L - 1) + 1):
+            own = []
+            for d in range(0, W + 1):
+                if d >= L:
+                    own.append(torch.zeros_like(kvx))
+                    continue
                 same = (member[:, d:] == member[:, : L - d])[:, None, :, None]
-                own = F.pad(kvx[:, :, : L - d] * same.to(kvx.dtype), (0, 0, d, 0))
-                sums[W - d] = sums[W - d] + own
-        return torch.stack(sums, 3) * valid[:, None, :, None, None].to(kvx.dtype), new_mem
+                own.append(F.pad(kvx[:, :, : L - d] * same.to(kvx.dtype), (0, 0, d, 0)))
+            # offsets -W..0 hold the keys d = W..0 behind t; none ahead of t (causal)
+            sums = sums + F.pad(torch.stack(own[::-1], 3), (0, 0, 0, W))
+        return sums * valid[:, None, :, None, None].to(kvx.dtype), new_mem
 
     def _read(self, q: Tensor, k: Tensor, v: Tensor, positions: Tensor, keep: Tensor,
               mem: Tensor | None) -> tuple[Tensor, Tensor, Tensor]:
@@ -118,11 +122,12 @@ class PositionMemory(nn.Module):
         sums, new_mem = self._gather(kvx, positions, keep, mem)  # (B, H, L, 2W+1, C)
         count = sums[..., -1]  # (B, H, L, 2W+1)
         seen = count > 0
-        mean = sums[..., :-1] / count.clamp_min(1e-6)[..., None]
-        scores = (mean[..., :d] * q[..., None, :]).sum(-1) * d**-0.5  # (B, H, L, 2W+1)
+        inv = count.clamp_min(1e-6).reciprocal()
+        # q . mean key and the weighted mean values, contracting before dividing by the count
+        scores = torch.einsum("bhltd,bhld->bhlt", sums[..., :d], q) * inv * d**-0.5
         scores = scores + self.offset_logits.to(q.dtype)[None, :, None, :]
         weights = scores.masked_fill(~seen, float("-inf")).softmax(-1).nan_to_num(0.0)
-        out = (weights[..., None] * mean[..., d:]).sum(-2)  # (B, H, L, dv)
+        out = torch.einsum("bhlt,bhlte->bhle", weights * inv, sums[..., d:-1])  # (B, H, L, dv)
         return out, seen.any(-1, keepdim=True), new_mem
 
     def forward(

@@ -1,4 +1,4 @@
-"""Tests for the FAVOR attention core: the nine checks of ../shared/FAVOR.md and the API contract.
+"""Tests for the FAVOR attention core: the nine checks of docs/FAVOR.md and the API contract.
 
 Statistical tests are seeded and compare against the math with tolerances from the sample's own
 standard errors (|mean - truth| < 5 SE; empirical MSE vs Lemma 2's closed forms within 5 SE of

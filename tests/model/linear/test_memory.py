@@ -118,3 +118,19 @@ def test_hybrid_stack_puts_exact_attention_in_every_nth_layer_from_the_last():
     assert cores == ["ExactAttention", "FavorAttention"] * 2 + ["ExactAttention"]
     with pytest.raises(Exception, match="exact_every"):
         PerformerConfig(depth=2, exact_every=3).validate()
+
+
+def test_memory_state_has_the_same_bytes_after_1k_and_64k_context_tokens():
+    """The family state is constant in the context's length (issue 30's test): members of 100
+    tokens, 1,024 or 65,536 tokens of them."""
+    inner = LinearAttention(1, 4, "taylor", causal=True)
+    mem = PositionMemory(inner, 1, 4, max_positions=128, window=2)
+
+    def state_bytes(tokens: int) -> int:
+        pos = (torch.arange(tokens) % 100)[None]
+        q, k, v = (torch.randn(1, 1, tokens, 4) for _ in range(3))
+        _, state = mem(q, k, v, positions=pos, keep_state=True)
+        return state.mem.nbytes + state.inner.kv.nbytes
+
+    with torch.no_grad():
+        assert state_bytes(1024) == state_bytes(65536) == 4 * ((128 + 4) * 9 + 15 * 5)
