@@ -129,7 +129,10 @@ class MultiHeadSelfAttention(nn.Module):
         """
         B, L, D = x.shape
         if state is not None and L == 1:
-            q, k, v = self._step_qkv(x[:, 0], as_positions(positions, B, 1, x.device)[:, 0])
+            at = positions if isinstance(positions, torch.Tensor) else None
+            if at is None or at.numel() != B:
+                at = as_positions(positions, B, 1, x.device)
+            q, k, v = self._step_qkv(x.view(B, D), at.view(B))
         else:
             q, k = self.rotated_qk(x, positions)
             v = self._split_heads(self.v_proj(x))
@@ -174,7 +177,9 @@ class MultiHeadSelfAttention(nn.Module):
         weight, bias = self._qkv_weights()
         qkv = torch.addmm(bias, x_t, weight.T).view(B, 3, self.heads, self.head_dim)
         qk = self.rot_emb.rotate_step(qkv[:, :2], positions).to(x_t.dtype)  # (B, 2, H, d)
-        return qk[:, 0, :, None], qk[:, 1, :, None], qkv[:, 2, :, None]
+        # Views by method calls, not indexing: a slice index costs several times a select.
+        q, k = qk.unsqueeze(3).unbind(1)  # (B, H, 1, d) each
+        return q, k, qkv.select(1, 2).unsqueeze(2)
 
     def rotated_qk(
         self, x: torch.Tensor, positions: Positions = None
