@@ -431,6 +431,30 @@ CORES = {
 }
 
 
+@pytest.mark.parametrize("attention", ["favor", "exact"])
+def test_in_place_steps_reuse_their_buffers(attention: str) -> None:
+    """inplace=True gives the state up: FAVOR+ updates the prompt's own sum, exact grows its
+    cache into the spare room of one buffer (allocated by the first step); the outputs are
+    those of copying steps, which leave their states as they were."""
+    core = tiny_model(objective="clm", attention=attention).layers[0].self_attn.core
+    g = torch.Generator().manual_seed(1)
+    q, k, v = (torch.randn(1, 4, 40, 8, generator=g) for _ in range(3))
+    _, given = core(q[:, :, :4], k[:, :, :4], v[:, :, :4], keep_state=True)
+    copied = type(given)(*(t.clone() for t in given))
+    storages = set()
+    for t in range(4, 40):
+        sl = slice(t, t + 1)
+        before = [x.clone() for x in copied]
+        one, given = core(q[:, :, sl], k[:, :, sl], v[:, :, sl], None, given,
+                          keep_state=True, inplace=True)  # fmt: skip
+        two, after = core(q[:, :, sl], k[:, :, sl], v[:, :, sl], None, copied, keep_state=True)
+        assert torch.equal(one, two)
+        assert all(map(torch.equal, before, copied))
+        copied = after
+        storages.add(given[0].untyped_storage().data_ptr())
+    assert len(storages) == 1
+
+
 @pytest.mark.parametrize("name", CORES)
 def test_cores_share_one_interface(name: str) -> None:
     """Every core through its one call: a prefill (from no state, keeping it), then an extend
