@@ -2,11 +2,12 @@
 
 The math lives in the core, FAVOR+ (:class:`~protein_performer.model.favor.FavorAttention`),
 exact softmax (:class:`~protein_performer.model.exact.ExactAttention`), linear attention
-(:class:`~protein_performer.model.linear.LinearAttention`), any of them inside the position
-memory (:class:`~protein_performer.model.linear.PositionMemory`); all offer one interface (one
-forward with an optional state, attention rows, contact-map blocks), so this module never asks
-which it holds. It owns the projections, named like ESM-2's ``q_proj k_proj v_proj out_proj`` so
-its weights load by renaming.
+(:class:`~protein_performer.model.linear.core.LinearAttention`, alone or with its exact
+:class:`~protein_performer.model.linear.window.SlidingWindow`), any of them inside the position
+memory (:class:`~protein_performer.model.linear.memory.PositionMemory`); all offer one
+interface (one forward with an optional state, attention rows, contact-map blocks), so this
+module never asks which it holds. It owns the projections, named like ESM-2's
+``q_proj k_proj v_proj out_proj`` so its weights load by renaming.
 
 ESM-2 scales q by ``head_dim ** -0.5`` before rotary; rotary is linear, so rotating the unscaled
 q and letting the attention core apply ``1/sqrt(d)`` gives the same scores.
@@ -132,7 +133,7 @@ class MultiHeadSelfAttention(nn.Module):
             at = positions if isinstance(positions, torch.Tensor) else None
             if at is None or at.numel() != B:
                 at = as_positions(positions, B, 1, x.device)
-            q, k, v = self._step_qkv(x.view(B, D), at.view(B))
+            q, k, v = self._step_qkv(x.reshape(B, D), at.reshape(B))
         else:
             q, k = self.rotated_qk(x, positions)
             v = self._split_heads(self.v_proj(x))
