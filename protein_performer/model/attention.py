@@ -129,7 +129,7 @@ class MultiHeadSelfAttention(nn.Module):
         (normalized feature products), never materialized in the forward pass itself.
         """
         B, L, D = x.shape
-        if state is not None and L == 1:
+        if state is not None and L == 1 and self._fusable():
             at = positions if isinstance(positions, torch.Tensor) else None
             if at is None or at.numel() != B:
                 at = as_positions(positions, B, 1, x.device)
@@ -168,6 +168,11 @@ class MultiHeadSelfAttention(nn.Module):
             cached = (key, weight, bias)
             self.__dict__["_qkv_cache"] = cached
         return cached[1], cached[2]
+
+    def _fusable(self) -> bool:
+        """Whether q, k and v may come from one stacked GEMM: plain Linear layers (a LoRA
+        adapter, which replaces them, must run its own forward)."""
+        return all(type(m) is nn.Linear for m in (self.q_proj, self.k_proj, self.v_proj))
 
     def _step_qkv(
         self, x_t: torch.Tensor, positions: torch.Tensor

@@ -431,6 +431,31 @@ CORES = {
 }
 
 
+class _ShiftedLinear(torch.nn.Linear):
+    """A projection whose forward is not its weight alone (as a LoRA adapter's)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x) + 0.5
+
+
+def test_steps_run_a_replaced_projection_forward() -> None:
+    """A decoding step stacks q, k, v into one GEMM only for plain Linear layers: with a
+    replaced projection (LoRA's) the steps still equal the causal forward."""
+    model = tiny_model(objective="clm")
+    for layer in model.layers:
+        old = layer.self_attn.q_proj
+        new = _ShiftedLinear(old.in_features, old.out_features)
+        new.load_state_dict(old.state_dict())
+        layer.self_attn.q_proj = new
+    tokens = random_tokens(2, 12)
+    with torch.inference_mode():
+        ref = model(tokens).logits
+        logits, states = model.prefill(tokens[:, :6])
+        for t in range(6, 12):
+            out, states = model.step(tokens[:, t], torch.full((2,), t), states, inplace=True)
+            torch.testing.assert_close(out, ref[:, t], atol=1e-5, rtol=1e-5)
+
+
 @pytest.mark.parametrize("attention", ["favor", "exact"])
 def test_in_place_steps_reuse_their_buffers(attention: str) -> None:
     """inplace=True gives the state up: FAVOR+ updates the prompt's own sum, exact grows its
