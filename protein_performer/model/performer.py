@@ -22,7 +22,7 @@ from protein_performer.model.layers import TransformerLayer
 from protein_performer.model.rotary import member_positions
 
 #: ESM-2's training mask rate times its <mask> share (15% selected, 80% of them -> <mask>).
-_MASK_RATIO_TRAIN = 0.15 * 0.8
+MASK_RATIO_TRAIN = 0.15 * 0.8
 
 
 @dataclass
@@ -122,9 +122,9 @@ class PerformerLM(nn.Module):
                     else (~padding_mask).sum(-1).clamp_min(1)  # an all-pad row: 0, not nan
                 )
                 mask_ratio_observed = is_mask.sum(-1).to(x.dtype) / src_lengths
-                x = x * (1 - _MASK_RATIO_TRAIN) / (1 - mask_ratio_observed)[:, None, None]
+                x = x * (1 - MASK_RATIO_TRAIN) / (1 - mask_ratio_observed)[:, None, None]
             else:  # no <mask>: the rule's observed ratio is 0, the same product in fewer ops
-                x = x * (1 - _MASK_RATIO_TRAIN)
+                x = x * (1 - MASK_RATIO_TRAIN)
         if padding_mask is None:
             return x
         return x * (1 - padding_mask.unsqueeze(-1).type_as(x))
