@@ -17,7 +17,6 @@ from __future__ import annotations
 import logging
 import math
 import os
-import weakref
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -41,44 +40,48 @@ log = logging.getLogger(__name__)
 #: (:class:`~protein_performer.model.decode.CompiledStep`); anything else: eager steps.
 COMPILE_ENV = "PROTEIN_PERFORMER_COMPILE_STEP"
 
-#: model -> its compiled step, or None once it fell back (built on the first use).
-_COMPILED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-
 Step = Callable[..., tuple[torch.Tensor, list]]
 
 
 def decoding_step(model: PerformerLM) -> Step:
     """The step generation calls: ``model.step``, or with ``PROTEIN_PERFORMER_COMPILE_STEP=1``
-    a compiled one (compile time is paid on a batch size's first token, about 40 s for the
-    8M shape on one CPU thread, so it pays off over long runs only); a model it cannot run, or
-    a compiler that fails, keeps ``model.step`` and says why in one line."""
+    a compiled one, built once per model (kept on it) and compiled once per batch size, on its
+    first token (about 40 s for the 8M shape on one CPU thread: it pays off over long runs
+    only); a model it cannot run, or a compiler that fails, keeps ``model.step`` and says why
+    in one line."""
     if os.environ.get(COMPILE_ENV) != "1":
         return model.step
-    if model not in _COMPILED:
+    step = model.__dict__.get("_decoding_step")
+    if step is None:
         from protein_performer.model.decode import CompiledStep, unsupported
 
         reason = unsupported(model)
         if reason is not None:
             log.warning("%s: no compiled step (%s); decoding eagerly", COMPILE_ENV, reason)
-        _COMPILED[model] = None if reason else _with_fallback(model, CompiledStep(model))
-    return _COMPILED[model] or model.step
-
-
-def _with_fallback(model: PerformerLM, compiled: Step) -> Step:
-    """``compiled``, replaced by ``model.step`` for good when a call raises (no compiler, an
-    unsupported op): the first failing token is decoded eagerly, so the run goes on."""
-
-    def step(tokens, positions, states, pad=None, inplace=False):
-        if _COMPILED.get(model) is not None:
-            try:
-                return compiled(tokens, positions, states, pad)
-            except Exception as err:  # torch.compile's failures have no common type
-                log.warning("%s: the compiled step failed (%s); decoding eagerly", COMPILE_ENV,
-                            str(err).splitlines()[0] if str(err) else type(err).__name__)
-                _COMPILED[model] = None
-        return model.step(tokens, positions, states, pad, inplace=inplace)
-
+            step = model.step
+        else:
+            step = _EagerFallback(model, CompiledStep(model))
+        model.__dict__["_decoding_step"] = step
     return step
+
+
+class _EagerFallback:
+    """A compiled step, replaced by ``model.step`` for good when a call raises (no compiler, an
+    unsupported op); that token is decoded eagerly, so the run goes on."""
+
+    def __init__(self, model: PerformerLM, compiled: Step) -> None:
+        self.model, self.compiled = model, compiled
+
+    def __call__(self, tokens, positions, states, pad=None, inplace=False):
+        if self.compiled is not None:
+            try:
+                return self.compiled(tokens, positions, states, pad)
+            except Exception as err:  # torch.compile's failures have no common type
+                first = str(err).splitlines()[0] if str(err) else type(err).__name__
+                log.warning("%s: the compiled step failed (%s); decoding eagerly",
+                            COMPILE_ENV, first)  # fmt: skip
+                self.compiled = None
+        return self.model.step(tokens, positions, states, pad, inplace=inplace)
 
 
 @dataclass
