@@ -133,10 +133,11 @@ class PositionMemory(nn.Module):
         seen = count > 0
         inv = count.clamp_min(1e-6).reciprocal()
         # q . mean key and the weighted mean values, contracting before dividing by the count
-        scores = torch.einsum("bhltd,bhld->bhlt", sums[..., :d], q) * inv * d**-0.5
+        # (elementwise products: batched matmuls of 2W+1 rows are slower on CPU)
+        scores = (sums[..., :d] * q[..., None, :]).sum(-1) * inv * d**-0.5
         scores = scores + self.offset_logits.to(q.dtype)[None, :, None, :]
         weights = scores.masked_fill(~seen, float("-inf")).softmax(-1).nan_to_num(0.0)
-        out = torch.einsum("bhlt,bhlte->bhle", weights * inv, sums[..., d:-1])  # (B, H, L, dv)
+        out = ((weights * inv)[..., None] * sums[..., d:-1]).sum(-2)  # (B, H, L, dv)
         return out, seen.any(-1, keepdim=True), new_mem
 
     def forward(
