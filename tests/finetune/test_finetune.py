@@ -424,8 +424,7 @@ def test_resume_after_kill_equals_an_uninterrupted_run(
         "trainer.max_epochs=3",
         "data.max_batch_size=4",
         "test=false",
-        "task.dropout=0.0",
-    ]  # dropout draws from the global RNG, not checkpointed
+    ]  # the default dropout: the checkpoint carries the random states it draws from
     whole = finetune(ft_config(base, fitness, tmp_path / "whole", *common))
     kill = [
         "+callbacks.kill._target_=tests.finetune.test_finetune.KillAt",
