@@ -171,14 +171,20 @@ def rank_line(records: int, did: str) -> bool:
 def _check_stdout() -> None:
     """Refuse ``-`` when standard output is closed (``cmd >&-``: Python then has no
     ``sys.stdout``), before any work, instead of a traceback at the first write."""
+    import io
 
     try:
-        os.fstat(sys.stdout.fileno())
-    except (AttributeError, OSError, ValueError):
-        raise UserError(
-            "the output is '-' but standard output is closed; give an output file or "
-            "redirect standard output"
-        ) from None
+        if sys.stdout is not None:
+            os.fstat(sys.stdout.fileno())
+            return
+    except io.UnsupportedOperation:  # a stream in memory (a notebook, a test): it writes
+        return
+    except (OSError, ValueError):  # closed
+        pass
+    raise UserError(
+        "the output is '-' but standard output is closed; give an output file or redirect "
+        "standard output"
+    )
 
 
 def check_output(
