@@ -164,6 +164,7 @@ def finetune(cfg: DictConfig) -> dict[str, Any]:
 
     from protein_performer.training.checkpointing import (
         DivergenceGuard,
+        RandomStates,
         SafeCheckpointIO,
         last_checkpoint,
     )
@@ -236,7 +237,7 @@ def finetune(cfg: DictConfig) -> dict[str, Any]:
     loggers = _instantiate_dict(cfg, "logger")
     quiet_lightning()
     trainer: pl.Trainer = _instantiate(
-        cfg.trainer, "trainer", callbacks=[DivergenceGuard(), *callbacks],
+        cfg.trainer, "trainer", callbacks=[DivergenceGuard(), RandomStates(), *callbacks],
         logger=loggers or False, plugins=[SafeCheckpointIO()],
     )  # fmt: skip
     trainable = sum(p.numel() for p in module.parameters() if p.requires_grad)

@@ -134,6 +134,7 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     from protein_performer.training.callbacks import TrainingCurvePlot
     from protein_performer.training.checkpointing import (
         DivergenceGuard,
+        RandomStates,
         SafeCheckpointIO,
         last_checkpoint,
     )
@@ -171,7 +172,7 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     trainer: pl.Trainer = _instantiate(
         cfg.trainer,
         "trainer",
-        callbacks=[DivergenceGuard(), *callbacks],
+        callbacks=[DivergenceGuard(), RandomStates(), *callbacks],
         logger=loggers or False,
         plugins=[SafeCheckpointIO()],
     )

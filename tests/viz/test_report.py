@@ -162,3 +162,17 @@ def test_hostile_name_stays_text(loaded) -> None:
     assert "<img" not in text
     meta = re.search(r"<script type='application/json' id='report-meta'>(.*?)</script>", text)
     assert json.loads(meta.group(1))["name"] == HOSTILE
+
+
+@pytest.mark.parametrize("rid", ["$\\foo{$", "x" * 100_000], ids=["mathtext", "100kB"])
+def test_png_titles_take_any_record_id(loaded, tmp_path: Path, rid: str) -> None:
+    from PIL import Image
+
+    model_dir = export_model(loaded, tmp_path / "model")
+    fasta = tmp_path / "in.fasta"
+    fasta.write_text(f">{rid}\n{SEQ}\n")
+    out = tmp_path / "png"
+    argv = ["visualize", str(model_dir), str(fasta), "--device", "cpu", "--out-dir", str(out)]
+    assert main(argv) == 0
+    pngs = sorted(out.glob("*.png"))
+    assert pngs and all(max(Image.open(p).size) < 8000 for p in pngs)

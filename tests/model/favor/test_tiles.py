@@ -67,9 +67,10 @@ def test_small_problems_and_pins_skip_timing(fresh, monkeypatch):
     assert tiles.causal_tiles(many_short, 32, 17, never) == tiles.DEFAULT_TILES
     monkeypatch.setenv("PROTEIN_PERFORMER_FAVOR_TILES", "32,1024")
     assert tiles.causal_tiles(big(), 32, 17, never) == (32, 1024)
-    monkeypatch.setenv("PROTEIN_PERFORMER_FAVOR_TILES", "32")
-    with pytest.raises(UserError, match="two positive integers"):
-        tiles.causal_tiles(big(), 32, 17, never)
+    for text in ("32", "1000000000,8192", "128,1000000000000"):
+        monkeypatch.setenv("PROTEIN_PERFORMER_FAVOR_TILES", text)
+        with pytest.raises(UserError, match=r"integers in 1\.\.4096 and 1\.\.1048576"):
+            tiles.causal_tiles(big(), 32, 17, never)
 
 
 def test_a_damaged_or_older_cache_is_retuned(fresh):
@@ -82,6 +83,16 @@ def test_a_damaged_or_older_cache_is_retuned(fresh):
     probe = Probe()
     tiles.causal_tiles(big(), 32, 17, lambda grad: probe)
     assert probe.calls and json.loads(path.read_text())["format"] == tiles.FORMAT
+
+
+def test_a_cache_entry_of_floats_is_retuned(fresh):
+    """[64.0, 1024.0] equals a candidate in Python but crashed every long causal forward."""
+    key = tiles._key(big(), 32, 17, False)
+    path = fresh / "favor_tiles.json"
+    path.write_text(json.dumps({"format": tiles.FORMAT, "tiles": {key: [64.0, 1024.0]}}))
+    probe = Probe()
+    chosen = tiles.causal_tiles(big(), 32, 17, lambda grad: probe)
+    assert probe.calls and all(type(x) is int for x in chosen)
 
 
 def test_the_real_probe_tunes_and_the_result_matches_the_default_tiles(fresh, monkeypatch):
