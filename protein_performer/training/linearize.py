@@ -371,6 +371,7 @@ def fit_linear(
         stage, first, saved = "lora", 0, None
     model: nn.Module = student
     if options.lora_steps:
+        torch.manual_seed(options.seed + 1)  # the adapters' draw, the same in a resumed run
         adapters = add_lora(student, lora_settings(options))
         if saved is not None:
             own = dict(student.named_parameters())
