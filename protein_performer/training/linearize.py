@@ -24,7 +24,7 @@ import logging
 import math
 import os
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -56,6 +56,8 @@ DEMO_DATA = Path(__file__).resolve().parents[2] / "data" / "demo" / "train.fasta
 #: LoRA on the attention projections, LoLCATs' choice (r=8 on q/k/v/o).
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "out_proj")
 STATE_VERSION = 1
+#: What ``data`` may be: FASTA file(s), one store directory, or None (the demo set).
+Data = str | os.PathLike[str] | Sequence[str | os.PathLike[str]] | None
 
 
 @dataclass
@@ -147,12 +149,17 @@ def _teacher_from(src: str | os.PathLike[str] | LoadedModel, device: str) -> Loa
 # --------------------------------------------------------------------------------------------
 # Data: a deterministic stream of batches, so a resumed run sees the batches it would have
 # --------------------------------------------------------------------------------------------
-def data_module(data: str | os.PathLike[str] | None, options: LinearizeOptions,
-                objective: str) -> Any:
+def _data_paths(data: Data) -> list[str]:
+    """FASTA file(s) or one store as resolved path strings (the demo set when None)."""
+    given = [data] if data is None or isinstance(data, (str, os.PathLike)) else list(data)
+    return [str(Path(d or DEMO_DATA).expanduser().resolve()) for d in given]
+
+
+def data_module(data: Data, options: LinearizeOptions, objective: str) -> Any:
     from protein_performer.data.datamodule import ProteinDataModule
 
     dm = ProteinDataModule(
-        str(data or DEMO_DATA), objective=objective, max_len=options.max_len,
+        _data_paths(data), objective=objective, max_len=options.max_len,
         max_tokens=options.max_tokens, valid_frac=options.heldout_frac,
         test_frac=options.heldout_frac, seed=options.seed,
     )  # fmt: skip
@@ -256,7 +263,7 @@ def _saved_state(student: nn.Module, optimizer: torch.optim.Optimizer, stage: st
 
 def _run_key(src: Any, data: Any, options: LinearizeOptions) -> dict[str, Any]:
     where = src.source if isinstance(src, LoadedModel) else Path(src).expanduser().resolve()
-    return {"source": str(where), "data": str(Path(data or DEMO_DATA).resolve()),
+    return {"source": str(where), "data": _data_paths(data),
             "options": dataclasses.asdict(options)}
 
 
@@ -312,7 +319,7 @@ def lora_settings(options: LinearizeOptions) -> dict[str, Any]:
 def fit_linear(
     src: str | os.PathLike[str] | LoadedModel,
     out: str | os.PathLike[str],
-    data: str | os.PathLike[str] | None = None,
+    data: Data = None,
     options: LinearizeOptions | None = None,
     *,
     device: str = "cpu",
@@ -409,7 +416,7 @@ def fit_linear(
 def linearize(
     src: str | os.PathLike[str] | LoadedModel,
     out: str | os.PathLike[str],
-    data: str | os.PathLike[str] | None = None,
+    data: Data = None,
     *,
     device: str = "auto",
     resume: bool = False,
