@@ -24,7 +24,7 @@ import logging
 import math
 import os
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -326,11 +326,14 @@ def fit_linear(
     resume: bool = False,
     overwrite: bool = False,
     show_progress: bool = True,
+    after_transfer: Callable[[PerformerLM], None] | None = None,
 ) -> LinearizeResult:
     """Fit a linear-attention twin of ``src`` (any source the loader reads; an exact-attention
     model is its teacher) on ``data`` (FASTA or store; None: the demo set) and export it to
     ``out``. ``resume`` continues from ``out``'s resume state (the same source, data and
-    options); without it an existing state is an error, so a run never silently restarts."""
+    options); without it an existing state is an error, so a run never silently restarts.
+    ``after_transfer`` sees the model between the stages (a study measures transfer alone and
+    transfer + LoRA in one run)."""
     from protein_performer.interop.finetuned import add_lora
 
     options = (options or LinearizeOptions()).check()
@@ -376,6 +379,8 @@ def fit_linear(
         for p in cores.values():
             p.requires_grad_(False)
         stage, first, saved = "lora", 0, None
+    if after_transfer is not None:
+        after_transfer(student)
     model: nn.Module = student
     if options.lora_steps:
         torch.manual_seed(options.seed + 1)  # the adapters' draw, the same in a resumed run

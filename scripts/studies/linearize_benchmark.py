@@ -173,25 +173,30 @@ def main(argv: Sequence[str] | None = None) -> int:
                        max_len=args.max_len, max_tokens=args.max_tokens,
                        heldout_frac=args.heldout_frac, seed=args.seed,
                        save_every=10**9)  # fmt: skip
-        for lora in (0, args.lora_steps):
-            out = args.out_dir / f"{args.kernel}_w{w}_lora{lora}"
-            start = time.process_time()
-            result = lz.fit_linear(
-                ckpt, out, [str(p) for p in args.data],
-                lz.LinearizeOptions(steps=args.transfer_steps, lora_steps=lora,
-                                    lora_lr=args.lora_lr, kl_weight=args.kl_weight, **options),
-                device="cpu", show_progress=False,
-            )  # fmt: skip
-            cpu = time.process_time() - start
-            model = load_model(out, "cpu").model
-            fitted = sum(p.numel() for p in lz._core_params(model).values())
-            lora_params = 0
-            if lora:
-                d, r = exact.config.dim, lz.LinearizeOptions().lora_rank
-                lora_params = exact.config.depth * 4 * 2 * d * r
-            name = "attention transfer" + (f" + LoRA (MLM + {args.kl_weight:g} KL)" if lora
-                                           else "")
-            row(name, w, result.transfer_steps + result.lora_steps, fitted + lora_params, cpu,
+        out = args.out_dir / f"{args.kernel}_w{w}"
+        seen: dict[str, float] = {}
+
+        def transferred(model: torch.nn.Module, seen: dict[str, float] = seen) -> None:
+            seen["cpu"] = time.process_time()
+            seen["ppl"] = clock(model, test)
+
+        before, start = clock.seconds, time.process_time()
+        result = lz.fit_linear(
+            ckpt, out, [str(p) for p in args.data],
+            lz.LinearizeOptions(steps=args.transfer_steps, lora_steps=args.lora_steps,
+                                lora_lr=args.lora_lr, kl_weight=args.kl_weight, **options),
+            device="cpu", show_progress=False, after_transfer=transferred,
+        )  # fmt: skip
+        cpu = time.process_time() - start - (clock.seconds - before)
+        model = load_model(out, "cpu").model
+        fitted = sum(p.numel() for p in lz._core_params(model).values())
+        row("attention transfer", w, result.transfer_steps, fitted, seen["cpu"] - start,
+            seen["ppl"])
+        if args.lora_steps:
+            d, r = exact.config.dim, lz.LinearizeOptions().lora_rank
+            adapters = exact.config.depth * len(lz.LORA_TARGETS) * 2 * d * r
+            row(f"attention transfer + LoRA (MLM + {args.kl_weight:g} KL)", w,
+                result.transfer_steps + result.lora_steps, fitted + adapters, cpu,
                 clock(model, test))
 
     h.write_csv(args.out_dir / "linearize.csv", rows, FIELDS)
