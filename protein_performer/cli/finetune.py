@@ -1,5 +1,5 @@
 """``protein-performer finetune base=CKPT data.train=labels.csv task=... mode=...``: supervised
-fine-tuning from the Hydra configs ``conf/finetune.yaml``, ``conf/task/``, ``conf/mode/``."""
+fine-tuning from the package's Hydra configs ``finetune.yaml``, ``task/``, ``mode/``."""
 
 from __future__ import annotations
 
@@ -9,9 +9,10 @@ from protein_performer.cli._common import add_command
 
 HELP = "fine-tune a head on labelled sequences (frozen probe, LoRA or full; Hydra overrides)"
 DESCRIPTION = """\
-Fine-tune a pretrained model on labelled sequences. Configured by Hydra: conf/finetune.yaml
-plus the groups task/ (regression, classification, residue_classification), mode/ (frozen,
-lora, full), trainer/ and logger/, changed with key=value overrides:
+Fine-tune a pretrained model on labelled sequences. Configured by Hydra: finetune.yaml of the
+package's conf/ (or of $PROTEIN_PERFORMER_CONF_DIR) plus the groups task/ (regression,
+classification, residue_classification), mode/ (frozen, lora, full), trainer/ and logger/,
+changed with key=value overrides:
 
   base=CKPT              the pretrained model (a .ckpt, an export directory, ESM-2 weights)
   data.train=FILE        CSV/TSV: a sequence column (or id + data.fasta=FASTA), label
@@ -19,7 +20,7 @@ lora, full), trainer/ and logger/, changed with key=value overrides:
   task=NAME mode=NAME    what to predict and what trains (see below)
   task.pooling=mean|cls|attention   how a sequence task pools residues
   data.split_by=column|random|cluster (also --split-by; cluster needs MMseqs2)
-  experiment=NAME        a recipe from conf/finetune_experiment/ (one per task type)
+  experiment=NAME        a recipe from finetune_experiment/ (one per task type)
   run_name=NAME ckpt_path=last     resume a run after a crash or SIGTERM
 
 modes: frozen (backbone features cached once, only the head trains: seconds), lora (PEFT LoRA

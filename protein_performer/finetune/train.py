@@ -1,5 +1,5 @@
 """``finetune(cfg)``: the pure entry point of supervised fine-tuning (``protein-performer
-finetune``), composed from ``conf/finetune.yaml`` like ``train(cfg)`` from ``train.yaml``.
+finetune``), composed from ``finetune.yaml`` like ``train(cfg)`` from ``train.yaml``.
 
 Same trust guarantees as training because the same pieces run it: a real Lightning ``Trainer``
 with ``DivergenceGuard`` (NaN stop), ``RunCheckpoint`` (``last.ckpt`` at every validation, at

@@ -1,14 +1,18 @@
-"""Config composition for every Hydra-configured command (``train``, ``eval``, ``visualize``).
+"""Config composition for the Hydra-configured commands (``train`` and ``finetune``).
 
-One behaviour for all of them: Hydra's compose API (no ``@hydra.main``, so tests and notebooks
-call the pure functions with the result), composition errors as one-line ``UserError``, required
-keys named in the message with an example, and *direct* keys set after composing. Direct keys
-exist because a value like ``data=PATH`` collides with training's ``data/`` config group, and
-paths or sequences with characters Hydra's override grammar rejects (``=``, ``,``, brackets)
-should still work: such ``key=value`` items bypass the grammar and are stored as plain strings.
+One behaviour for both: Hydra's compose API (tests and notebooks call the pure functions with
+the result), composition errors as one-line ``UserError``, required keys named in the message
+with an example, and *direct* keys set after composing. Direct keys exist because a value like
+``data=PATH`` collides with training's ``data/`` config group, and paths or sequences with
+characters Hydra's override grammar rejects (``=``, ``,``, brackets) should still work: such
+``key=value`` items bypass the grammar and are stored as plain strings.
 
-This module owns where the configs live (:func:`conf_dir`) and imports nothing from training or
-inference, so both can compose without depending on each other.
+This module owns where the configs live: the package's ``protein_performer/conf/``, found on
+Hydra's package search path (``pkg://protein_performer.conf``) so that an installed wheel works
+outside the repository, or ``$PROTEIN_PERFORMER_CONF_DIR`` (a copy to customise). It registers
+the ``pp.package`` resolver through which configs name data shipped with the package (the demo
+set). It imports nothing from training or inference, so both can compose without depending on
+each other.
 """
 
 from __future__ import annotations
@@ -23,29 +27,50 @@ from protein_performer.errors import UserError
 if TYPE_CHECKING:
     from omegaconf import DictConfig
 
-#: Environment variable naming another config directory (a copy of ``conf/`` to customise).
+#: Environment variable naming another config directory (a copy of ``protein_performer/conf/``).
 CONF_DIR_ENV = "PROTEIN_PERFORMER_CONF_DIR"
+#: The package holding the shipped configs.
+CONF_PACKAGE = "protein_performer.conf"
 #: The training entry: composed for a run (with its ``hydra`` node, left unresolved so that
 #: ``${hydra:...}`` resolves once the run directory is known); the others are resolved at once.
 TRAIN = "train"
 _TRAIN_USAGE = " to change a key, +key=value to add one, group=option to pick a config"
+_PACKAGE_ROOT = Path(__file__).resolve().parents[1]
+
+
+def package_path(relative: str) -> str:
+    """A file or folder shipped inside the package (``data/demo``), as an absolute path: the
+    ``${pp.package:data/demo}`` of the configs, so the demo trains from any directory."""
+    return str(_PACKAGE_ROOT / relative)
+
+
+def register_resolvers() -> None:
+    """The configs' own interpolations (idempotent: composing twice must not fail)."""
+    from omegaconf import OmegaConf
+
+    if not OmegaConf.has_resolver("pp.package"):
+        OmegaConf.register_new_resolver("pp.package", package_path)
 
 
 def conf_dir() -> Path:
-    """The config directory: ``$PROTEIN_PERFORMER_CONF_DIR``, else the repository's ``conf/``.
-
-    ``conf/`` sits next to the package in the repository (it is not packaged), so it is found
-    relative to this file; an installed copy elsewhere points the variable at its configs.
-    """
+    """The config directory on disk: ``$PROTEIN_PERFORMER_CONF_DIR``, else the package's
+    ``conf/`` (for listing groups in ``--help`` and for messages)."""
     env = os.environ.get(CONF_DIR_ENV)
-    path = Path(env).expanduser() if env else Path(__file__).resolve().parents[2] / "conf"
+    path = Path(env).expanduser() if env else _PACKAGE_ROOT / "conf"
     if not (path / "train.yaml").is_file():
-        where = f"${CONF_DIR_ENV}={env}" if env else "the repository"
+        where = f"${CONF_DIR_ENV}={env}" if env else "the installed package"
         raise UserError(
             f"no Hydra config train.yaml in {path} (from {where}): set {CONF_DIR_ENV} to a "
-            "directory holding the project's conf/ files"
+            "directory holding a copy of protein_performer/conf/, or reinstall the package"
         )
     return path.resolve()
+
+
+def config_path() -> str:
+    """What Hydra searches: the package (``pkg://...``) unless ``$PROTEIN_PERFORMER_CONF_DIR``
+    names a directory (checked, so a wrong one is one line, not Hydra's traceback)."""
+    directory = conf_dir()
+    return str(directory) if os.environ.get(CONF_DIR_ENV) else f"pkg://{CONF_PACKAGE}"
 
 
 def list_choices(group: str) -> list[str]:
@@ -64,7 +89,7 @@ def compose_config(
     example: str = "",
     override_example: str = "",
 ) -> DictConfig:
-    """``conf/<name>.yaml`` composed with ``overrides``, composition errors as ``UserError``.
+    """``<conf>/<name>.yaml`` composed with ``overrides``, composition errors as ``UserError``.
 
     For ``train`` (the default) the config keeps Hydra's own node; with ``output_dir`` it is made
     runnable outside ``@hydra.main`` (tests, notebooks): the run directory is set and the config
@@ -73,7 +98,7 @@ def compose_config(
     when a ``required`` key is missing; ``override_example`` (e.g. ``split=test``) is shown after
     "use key=value" when composing fails.
     """
-    from hydra import compose, initialize_config_dir
+    from hydra import compose, initialize_config_dir, initialize_config_module
     from hydra.core.hydra_config import HydraConfig
     from hydra.errors import HydraException
     from omegaconf import OmegaConf, open_dict
@@ -82,6 +107,8 @@ def compose_config(
     directory = conf_dir()
     if not (directory / f"{name}.yaml").is_file():
         raise UserError(f"no {name}.yaml in {directory}")
+    register_resolvers()
+    source = config_path()
     run = name == TRAIN
     direct_set = set(direct_keys)
     direct: dict[str, str] = {}
@@ -93,7 +120,12 @@ def compose_config(
         else:
             rest.append(item)
     try:
-        with initialize_config_dir(str(directory), version_base="1.3"):
+        init = (
+            initialize_config_module(CONF_PACKAGE, version_base="1.3")
+            if source.startswith("pkg://")
+            else initialize_config_dir(source, version_base="1.3")
+        )
+        with init:
             cfg = compose(name, overrides=rest, return_hydra_config=run)
         for key, value in direct.items():
             OmegaConf.update(cfg, key, value)

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from protein_performer.errors import UserError
-from protein_performer.training.compose import compose_config, conf_dir
+from protein_performer.training.compose import compose_config, config_path, register_resolvers
 
 if TYPE_CHECKING:
     from omegaconf import DictConfig
@@ -244,13 +244,14 @@ def run_hydra(overrides: Sequence[str], prog: str = "protein-performer train") -
     import hydra
 
     overrides = list(overrides)
+    register_resolvers()
     if not any(arg.startswith("-") for arg in overrides):
         compose_config(overrides)
     outcome: dict[str, Any] = {}
 
     saved_argv = sys.argv
 
-    @hydra.main(version_base="1.3", config_path=str(conf_dir()), config_name="train")
+    @hydra.main(version_base="1.3", config_path=config_path(), config_name="train")
     def _task(cfg: DictConfig) -> None:
         # Lightning's DDP launcher starts the other ranks by re-running sys.argv (plus a fixed
         # hydra.run.dir): give it the real command line, not the one made up for Hydra below.

@@ -451,7 +451,7 @@ def test_resume_after_kill_equals_an_uninterrupted_run(
 def test_every_finetune_experiment_composes(base: Path, fitness: Path, tmp_path: Path) -> None:
     from protein_performer.cli.finetune import overrides_of
 
-    conf = REPO / "conf" / "finetune_experiment"
+    conf = REPO / "protein_performer" / "conf" / "finetune_experiment"
     names = sorted(p.stem for p in conf.glob("*.yaml"))
     assert names == ["classification", "regression", "residue_classification"]
     for name in names:
