@@ -104,7 +104,8 @@ def test_the_installed_wheel_trains_and_finetunes_outside_the_repository(
 
     helped = _run(venv, ["train", "--help"], tmp_path)
     assert helped.returncode == 0, helped.stderr
-    groups = next(line for line in helped.stdout.splitlines() if line.startswith("config groups (from"))
+    lines = helped.stdout.splitlines()
+    groups = next(line for line in lines if line.startswith("config groups (from"))
     assert str(venv) in groups and "demo, demo_clm" in helped.stdout
 
     trained = _run(venv, ["train", *TINY_DEMO], tmp_path)

@@ -25,9 +25,12 @@ changed with key=value overrides:
 
 modes: frozen (backbone features cached once, only the head trains: seconds), lora (PEFT LoRA
 adapters on attention q/k/v/out and FFN fc1/fc2 + the head), full (everything).
-Writes outputs/finetune/<run_name>/: checkpoints/ (best + last.ckpt, each opened by pp.load and
-`protein-performer predict`), metrics (csv/), the training curve. Metrics: val/loss plus
-spearman, pearson, mse (regression); acc, auroc, mcc (classification); acc, f1 (residues).
+Writes outputs/finetune/<run_name>/ (in the launch directory, or in $PROTEIN_PERFORMER_ROOT
+when set; hydra.run.dir=DIR names another): checkpoints/ (best + last.ckpt, each opened by
+pp.load and `protein-performer predict`), metrics (csv/), the training curve, the log and the
+composed config (.hydra/). threads=N sets torch's CPU threads (default: the free cores).
+Metrics: val/loss plus spearman, pearson, mse (regression); acc, auroc, mcc (classification);
+acc, f1 (residues).
 Rows without a label are skipped and counted (data.on_nan=error refuses them). A NaN loss
 stops the run with one error line (exit status 2); last.ckpt follows every validation.
 """
@@ -42,10 +45,6 @@ examples:
   protein-performer finetune experiment=regression base=m.ckpt data.train=f.csv run_name=r1 \\
       ckpt_path=last
 """
-
-#: Values given as key=value that must bypass Hydra's override grammar (paths).
-DIRECT_KEYS = ("base", "data.train", "data.fasta", "ckpt_path")
-
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p = add_command(
@@ -74,42 +73,15 @@ def overrides_of(args: argparse.Namespace) -> list[str]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from protein_performer.finetune.train import finetune
-    from protein_performer.training.compose import compose_config
+    from protein_performer.finetune.train import FINETUNE_ENTRY
+    from protein_performer.training.runner import launch
 
-    cfg = compose_config(
-        overrides_of(args),
-        name="finetune",
-        direct_keys=DIRECT_KEYS,
-        required=("base", "data.train"),
-        example="protein-performer finetune base=CKPT data.train=labels.csv task=regression "
-        "mode=lora",
-        override_example="task=regression mode=lora",
-    )
-    _require(cfg, ("base", "data.train"))
-    result = finetune(cfg)
+    result = launch(FINETUNE_ENTRY, overrides_of(args))
+    if result.get("global_rank", 0) != 0:  # one report per job, not one per DDP rank
+        return 0
     metrics = {k: v for k, v in result["metrics"].items() if k.startswith(("val/", "test/"))}
     print(" ".join(f"{k}={v:.4g}" for k, v in sorted(metrics.items()) if isinstance(v, float)))
     for key in ("best_checkpoint", "last_checkpoint"):
         if result.get(key):
             print(f"{key.replace('_', ' ')}: {result[key]}")
     return 0
-
-
-def _require(cfg, keys: tuple[str, ...]) -> None:  # noqa: ANN001 - a DictConfig
-    """``???`` keys, nested ones included (``data.train``), as one error with an example."""
-    from omegaconf import OmegaConf
-
-    from protein_performer.errors import UserError
-
-    missing = []
-    for key in keys:
-        parent, _, leaf = key.rpartition(".")
-        node = OmegaConf.select(cfg, parent) if parent else cfg
-        if node is None or OmegaConf.is_missing(node, leaf):
-            missing.append(key)
-    if missing:
-        raise UserError(
-            f"finetune needs {' and '.join(f'{k}=...' for k in missing)}, e.g. `protein-performer "
-            "finetune base=CKPT data.train=labels.csv task=regression mode=lora`"
-        )

@@ -31,10 +31,11 @@ if TYPE_CHECKING:
 CONF_DIR_ENV = "PROTEIN_PERFORMER_CONF_DIR"
 #: The package holding the shipped configs.
 CONF_PACKAGE = "protein_performer.conf"
-#: The training entry: composed for a run (with its ``hydra`` node, left unresolved so that
-#: ``${hydra:...}`` resolves once the run directory is known); the others are resolved at once.
+#: The training entry. Every entry (``train``, ``finetune``) is composed for a run: with its
+#: ``hydra`` node, left unresolved so that ``${hydra:...}`` resolves once the run directory is
+#: known.
 TRAIN = "train"
-_TRAIN_USAGE = " to change a key, +key=value to add one, group=option to pick a config"
+_USAGE = " to change a key, +key=value to add one, group=option to pick a config"
 _PACKAGE_ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -79,6 +80,36 @@ def list_choices(group: str) -> list[str]:
     return sorted(p.stem for p in directory.glob("*.yaml")) if directory.is_dir() else []
 
 
+def split_direct(
+    overrides: Iterable[str], direct_keys: Iterable[str]
+) -> tuple[dict[str, str], list[str]]:
+    """``key=value`` items whose key is direct (set after composing, as plain strings), and the
+    rest (for Hydra's grammar)."""
+    keys = set(direct_keys)
+    direct: dict[str, str] = {}
+    rest: list[str] = []
+    for item in overrides:
+        key, sep, value = item.partition("=")
+        if sep and key in keys:
+            direct[key] = value
+        else:
+            rest.append(item)
+    return direct, rest
+
+
+def missing_keys(cfg: DictConfig, keys: Iterable[str]) -> list[str]:
+    """The ``???`` ones among ``keys``, nested keys (``data.train``) included."""
+    from omegaconf import OmegaConf
+
+    missing = []
+    for key in keys:
+        parent, _, leaf = key.rpartition(".")
+        node = OmegaConf.select(cfg, parent) if parent else cfg
+        if node is None or OmegaConf.is_missing(node, leaf):
+            missing.append(key)
+    return missing
+
+
 def compose_config(
     overrides: Sequence[str] = (),
     output_dir: str | Path | None = None,
@@ -91,12 +122,11 @@ def compose_config(
 ) -> DictConfig:
     """``<conf>/<name>.yaml`` composed with ``overrides``, composition errors as ``UserError``.
 
-    For ``train`` (the default) the config keeps Hydra's own node; with ``output_dir`` it is made
-    runnable outside ``@hydra.main`` (tests, notebooks): the run directory is set and the config
-    registered as the current Hydra config, so ``${hydra:...}`` interpolations resolve. Other
-    entries are resolved before they are returned. ``example`` is a whole command line quoted
-    when a ``required`` key is missing; ``override_example`` (e.g. ``split=test``) is shown after
-    "use key=value" when composing fails.
+    The config keeps Hydra's own node; with ``output_dir`` it is made runnable outside
+    ``@hydra.main`` (tests, notebooks): the run directory is set and the config registered as
+    the current Hydra config, so ``${hydra:...}`` interpolations resolve. ``example`` is a whole
+    command line quoted when a ``required`` key is missing; ``override_example`` (e.g.
+    ``task=regression mode=lora``) is shown after "use key=value" when composing fails.
     """
     from hydra import compose, initialize_config_dir, initialize_config_module
     from hydra.core.hydra_config import HydraConfig
@@ -104,21 +134,12 @@ def compose_config(
     from omegaconf import OmegaConf, open_dict
     from omegaconf.errors import OmegaConfBaseException
 
+    source = config_path()
     directory = conf_dir()
     if not (directory / f"{name}.yaml").is_file():
         raise UserError(f"no {name}.yaml in {directory}")
     register_resolvers()
-    source = config_path()
-    run = name == TRAIN
-    direct_set = set(direct_keys)
-    direct: dict[str, str] = {}
-    rest: list[str] = []
-    for item in overrides:
-        key, sep, value = item.partition("=")
-        if sep and key in direct_set:
-            direct[key] = value
-        else:
-            rest.append(item)
+    direct, rest = split_direct(overrides, direct_keys)
     try:
         init = (
             initialize_config_module(CONF_PACKAGE, version_base="1.3")
@@ -126,21 +147,19 @@ def compose_config(
             else initialize_config_dir(source, version_base="1.3")
         )
         with init:
-            cfg = compose(name, overrides=rest, return_hydra_config=run)
+            cfg = compose(name, overrides=rest, return_hydra_config=True)
         for key, value in direct.items():
             OmegaConf.update(cfg, key, value)
-        missing = sorted(k for k in required if OmegaConf.is_missing(cfg, k))
+        missing = missing_keys(cfg, required)
         if missing:
             raise UserError(
                 f"{name} needs {' and '.join(f'{k}=...' for k in missing)}"
                 + (f", e.g. `{example}`" if example else "")
             )
-        if not run:
-            OmegaConf.resolve(cfg)
     except (HydraException, OmegaConfBaseException) as exc:
-        usage = _TRAIN_USAGE if run else f", e.g. {override_example}" if override_example else ""
+        usage = f", e.g. {override_example}" if override_example else _USAGE
         raise UserError(
-            f"bad {'training' if run else name} config: {_first_cause(exc, run)}\n"
+            f"bad {'training' if name == TRAIN else name} config: {_first_cause(exc)}\n"
             f"  overrides: {' '.join(overrides) or '(none)'}\n"
             f"  use key=value{usage} (see `protein-performer {name} --help`)"
         ) from None
@@ -152,10 +171,10 @@ def compose_config(
     return cfg
 
 
-def _first_cause(exc: BaseException, with_cause: bool) -> str:
+def _first_cause(exc: BaseException) -> str:
     """The error's text, with its cause when that says more (Hydra wraps the real reason)."""
-    text = str(exc).strip() if with_cause else str(exc)
+    text = str(exc).strip()
     cause = exc.__cause__
-    if with_cause and cause is not None and str(cause).strip() and str(cause).strip() not in text:
+    if cause is not None and str(cause).strip() and str(cause).strip() not in text:
         text = f"{text}: {str(cause).strip()}"
     return text
