@@ -231,6 +231,8 @@ def load_lm(args: argparse.Namespace) -> ProteinLM:
     """``protein_performer.load`` of ``args.ckpt`` with the device, precision and threads asked
     (under torchrun/SLURM, ``--device cuda``/``auto`` means this rank's own GPU): every command
     that runs a model loads it here, so each accepts every source the one loader reads."""
+    import torch
+
     from protein_performer.inference.api import load
     from protein_performer.io.progress import announce
     from protein_performer.io.sharding import detect_ranks
@@ -243,7 +245,9 @@ def load_lm(args: argparse.Namespace) -> ProteinLM:
     line = set_threads(args.threads)
     if not getattr(args, "no_progress", False):
         announce(line)
-    return load(args.ckpt, detect_ranks().device(args.device), args.precision)
+    # The threads are set: load keeps them (its own default would choose again).
+    return load(args.ckpt, detect_ranks().device(args.device), args.precision,
+                threads=torch.get_num_threads())  # fmt: skip
 
 
 def pick_strategy(lm: ProteinLM, strategy: str | None, masked: str) -> str:

@@ -397,24 +397,40 @@ def test_cli_finetune_residue_frozen_and_errors(base: Path, tmp_path: Path, caps
     t = write_table(tmp_path / "ss.csv", ["sequence", "ss"], rows)
     args = ["finetune", f"base={base}", f"data.train={t}", "task=residue_classification",
             "mode=frozen", "data.labels=[ss]", "trainer.max_epochs=2",
-            f"paths.output_dir={tmp_path / 'o'}", *QUIET]  # fmt: skip
+            f"hydra.run.dir={tmp_path / 'o'}", *QUIET]  # fmt: skip
     assert main(args) == 0
     printed = capsys.readouterr().out
     assert "val/acc=" in printed and "val/f1=" in printed and "last checkpoint:" in printed
+    # hydra.run.dir places the run as it places train's: log and composed config beside it.
+    assert (tmp_path / "o" / ".hydra" / "config.yaml").is_file()
+    assert (tmp_path / "o" / "finetune.log").is_file()
     lm = pp.load(tmp_path / "o" / "checkpoints" / "last.ckpt", "cpu")
     probs = lm.predict(["MKTA", "MLLAVLE"])
     assert [p.shape for p in probs] == [(4, 2), (7, 2)] and lm.task_labels == ["C", "H"]
     bad = write_table(tmp_path / "bad.csv", ["sequence", "ss"], [["MKT", "HH"]])
     assert main(args) == 2  # the same run directory again: refused, nothing overwritten
     assert "already holds a run" in capsys.readouterr().err
-    rest = [a for a in args[3:] if not a.startswith("paths.output_dir")]
-    assert (
-        main([*args[:2], f"data.train={bad}", f"paths.output_dir={tmp_path / 'o2'}", *rest]) == 2
-    )
+    rest = [a for a in args[3:] if not a.startswith("hydra.run.dir")]
+    assert main([*args[:2], f"data.train={bad}", f"hydra.run.dir={tmp_path / 'o2'}", *rest]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("error: ") and "bad.csv: row 2" in err[0]
     assert main(["finetune", f"base={base}"]) == 2
     assert "finetune needs data.train=" in capsys.readouterr().err
+
+
+def test_cli_finetune_run_name_lands_under_the_root(
+    base: Path, fitness: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The run-directory keys mean what they mean for train: <root>/outputs/finetune/<run_name>,
+    the root being $PROTEIN_PERFORMER_ROOT (else the launch directory)."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("PROTEIN_PERFORMER_ROOT", str(tmp_path / "root"))
+    args = ["finetune", f"base={base}", f"data.train={fitness}", "mode=frozen",
+            "trainer.max_epochs=1", "run_name=r1", *QUIET]  # fmt: skip
+    assert main(args) == 0
+    run = tmp_path / "root" / "outputs" / "finetune" / "r1"
+    assert (run / "checkpoints" / "last.ckpt").is_file() and (run / ".hydra").is_dir()
+    assert not (tmp_path / "outputs").exists()
 
 
 # ----------------------------------------------------------------------------- resume
@@ -465,7 +481,7 @@ def test_resume_after_kill_equals_an_uninterrupted_run(
 def test_every_finetune_experiment_composes(base: Path, fitness: Path, tmp_path: Path) -> None:
     from protein_performer.cli.finetune import overrides_of
 
-    conf = REPO / "conf" / "finetune_experiment"
+    conf = REPO / "protein_performer" / "conf" / "finetune_experiment"
     names = sorted(p.stem for p in conf.glob("*.yaml"))
     assert names == ["classification", "regression", "residue_classification"]
     for name in names:

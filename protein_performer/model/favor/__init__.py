@@ -1,6 +1,6 @@
 """FAVOR+ attention, one file per role (flash-linear-attention's ``fla/ops/<op>/`` layout).
 
-Math: docs/FAVOR.md in the repository (Choromanski et al., ICLR 2021) and, for ``softmax_opt``, FAVOR++
+Math: docs/FAVOR.md (Choromanski et al., ICLR 2021) and, for ``softmax_opt``, FAVOR++
 (Likhosherstov et al., "Chefs' Random Tables", NeurIPS 2022).
 
 - :mod:`.kernels`: random matrices, the FAVOR++ statistic and :class:`FeatureMap`, phi with its
