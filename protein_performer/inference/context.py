@@ -29,7 +29,7 @@ import torch
 
 from protein_performer.errors import UserError
 from protein_performer.interop.loading import LoadedModel
-from protein_performer.model.attention import AttentionState
+from protein_performer.model.attention import AttentionState, state_tensors
 
 log = logging.getLogger(__name__)
 
@@ -44,7 +44,8 @@ Homologs = str | os.PathLike[str] | Iterable[str] | Iterable[tuple[str, str]]
 class FamilyContext:
     """A family read once, to score or generate after: immutable, reusable.
 
-    states: per layer, batch 1 (FAVOR+: ``FavorState``, exact: ``KVCache``), never written;
+    states: per layer, batch 1 (the core's state: FAVOR+ ``FavorState``, exact ``KVCache``, ...),
+    never written;
     n_tokens: tokens in the context row; offset: the row position of a candidate's first token
     (``n_tokens`` with "sequence" positions, 0 with "member" positions, as training used);
     members / dropped: ids of the homologs read / left out by ``max_tokens``.
@@ -60,7 +61,7 @@ class FamilyContext:
     @property
     def nbytes(self) -> int:
         """Bytes held by the states (FAVOR+: the same for 1k and 64k context tokens)."""
-        return sum(t.numel() * t.element_size() for s in self.states for t in s)
+        return sum(t.numel() * t.element_size() for t in state_tensors(self.states))
 
     @property
     def attended_tokens(self) -> int:

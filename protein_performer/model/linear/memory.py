@@ -31,6 +31,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from protein_performer.model.linear.core import _compute_dtype
+from protein_performer.model.rotary import as_positions
 
 
 class MemoryState(NamedTuple):
@@ -49,18 +50,8 @@ def member_layout(positions: Tensor) -> Tensor:
     return new.long().cumsum(-1) - 1
 
 
-def as_positions(positions: Tensor | int | None, B: int, L: int, device) -> Tensor:
-    """Rotary positions in any of the attention layer's forms -> (B, L) long."""
-    if isinstance(positions, Tensor):
-        return positions.to(device=device, dtype=torch.long).expand(B, L)
-    start = 0 if positions is None else int(positions)
-    return (torch.arange(L, device=device) + start).expand(B, L)
-
-
 class PositionMemory(nn.Module):
     """Wraps an attention core (``inner``) with the member-position memory described above."""
-
-    needs_positions = True
 
     def __init__(
         self, inner: nn.Module, heads: int, dim_head: int, max_positions: int, window: int
@@ -153,16 +144,21 @@ class PositionMemory(nn.Module):
         positions: Tensor | int | None = None,
     ) -> tuple[Tensor, MemoryState | None]:
         """The inner core's output mixed with the memory's read (see the module docstring);
-        the same call shape as the cores, plus the rotary ``positions`` of the tokens."""
+        the cores' call, whose rotary ``positions`` (any form of
+        :func:`~protein_performer.model.rotary.as_positions`) place the tokens."""
         if not self.causal and (state is not None or keep_state):
             raise RuntimeError("RNN mode (a state) needs causal=True")
         B, H, L, _ = q.shape
-        inner_kwargs: dict[str, Any] = {}
-        if state is not None or keep_state:
-            inner_kwargs = {"state": None if state is None else state.inner,
-                            "keep_state": keep_state, "inplace": inplace}
-        result = self.inner(q, k, v, key_padding_mask, **inner_kwargs)
-        out, inner_state = result if isinstance(result, tuple) else (result, None)
+        out, inner_state = self.inner(
+            q,
+            k,
+            v,
+            key_padding_mask,
+            None if state is None else state.inner,
+            keep_state=keep_state,
+            inplace=inplace,
+            positions=positions,
+        )
         pos = as_positions(positions, B, L, q.device)
         keep = (
             torch.ones(B, L, dtype=torch.bool, device=q.device)

@@ -89,8 +89,6 @@ class SlidingWindow(nn.Module):
     """Wraps a :class:`~.core.LinearAttention` (``inner``) with the exact window described
     above; the same call shape and state contract as the cores."""
 
-    needs_positions = False
-
     def __init__(self, inner: LinearAttention, heads: int, window: int) -> None:
         super().__init__()
         self.inner = inner
@@ -119,10 +117,11 @@ class SlidingWindow(nn.Module):
         *,
         keep_state: bool = False,
         inplace: bool = False,
+        positions: Tensor | int | None = None,
     ) -> tuple[Tensor, WindowState | None]:
         """q, k, v (B, H, L, d) -> (B, H, L, dv) and, with ``keep_state``, the state after the
-        tokens; ``state`` (batch 1 or B) is read, never written (``inplace`` is accepted for
-        the interface)."""
+        tokens; ``state`` (batch 1 or B) is read, never written (``inplace`` and ``positions``
+        are part of the cores' call, not needed here)."""
         if not self.causal and (state is not None or keep_state):
             raise RuntimeError("RNN mode (a state) needs causal=True")
         B, H, L, _ = q.shape
