@@ -43,7 +43,7 @@ examples:
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
     from protein_performer.model.config import LINEAR_KERNELS
-    from protein_performer.training.linearize import LinearizeOptions
+    from protein_performer.training.linearize_options import LinearizeOptions
 
     d = LinearizeOptions()
     p = add_command(subparsers, "linearize", HELP, DESCRIPTION, EPILOG)
