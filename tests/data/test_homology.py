@@ -320,3 +320,20 @@ def test_a_hanging_mmseqs_says_so_and_stops_at_the_timeout(
     stat = Path(f"/proc/{int(pidfile.read_text())}/stat")
     time.sleep(0.2)
     assert not stat.exists() or stat.read_text().split(")")[1].split()[0] in "ZX"  # gone
+
+
+def test_homologs_with_no_hit_write_nothing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys
+) -> None:
+    """An empty FASTA would only be refused later by --context: one line now instead."""
+    from protein_performer.data import homology
+
+    db = tmp_path / "db.fasta"
+    _family_fasta(db)
+    query = _query(tmp_path, db, "tr|F01M0|F01M0_TEST")
+    monkeypatch.setattr(homology, "find_homologs", lambda *a, **k: [])
+    out = tmp_path / "hits.fasta"
+    assert main(["homologs", str(query), str(db), str(out)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "no homolog of" in err[0] and "nothing written" in err[0]
+    assert not out.exists()
