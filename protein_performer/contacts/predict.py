@@ -422,7 +422,7 @@ def read_contacts(
     if not src.is_file():
         raise UserError(f"{src} does not exist or is not a file")
     try:
-        with open_columns(src, "contacts predict file", "re-run contacts predict") as h5:
+        with open_columns(src, "contacts predict files", "re-run contacts predict") as h5:
             header = {k: h5.attrs.get(k) for k in ("format", "format_version")}
             if header["format_version"] is not None:
                 header["format_version"] = int(header["format_version"])

@@ -208,7 +208,7 @@ def _open_embeddings(path: Path) -> Any:  # noqa: ANN401 - h5py.File
     """An embeddings file opened for reading, its format checked (version 1 named as such)."""
     from protein_performer.errors import check_format_header
 
-    h5 = open_columns(path, "embeddings file", "re-run embed")
+    h5 = open_columns(path, "embeddings files", "re-run embed")
     header = {k: h5.attrs.get(k) for k in ("format", "format_version")}
     if header["format_version"] is not None:
         header["format_version"] = int(header["format_version"])
@@ -330,7 +330,7 @@ def check_parts(
     candidates: list[tuple[Path, list[str]]] = []
     for part in parts:
         try:
-            with open_columns(part, "part", "it is set aside") as h5:
+            with open_columns(part, "embed parts", "it is set aside") as h5:
                 ids = read_ids(h5)
                 same_run = h5.attrs.get(PART_RUN) == want and SEQ_DIGESTS in h5
                 sha = h5[SEQ_DIGESTS][:] if same_run else None
