@@ -460,6 +460,16 @@ def test_resume_after_kill_equals_an_uninterrupted_run(
     for k in a:
         assert torch.allclose(a[k], b[k], atol=1e-6), k
 
+    def curve(run: dict) -> dict[int, float]:  # logged train/loss by step
+        text = (Path(run["output_dir"]) / "csv" / "metrics.csv").read_text()
+        rows = csv.DictReader(text.splitlines())
+        return {int(r["step"]): float(r["train/loss"]) for r in rows if r["train/loss"]}
+
+    after = {step: loss for step, loss in curve(whole).items() if step > 11}
+    assert after and all(
+        curve(resumed)[step] == pytest.approx(loss, rel=1e-5) for step, loss in after.items()
+    )  # the resumed curve is the uninterrupted one from the first resumed step on
+
 
 # ----------------------------------------------------------------------------- benchmark
 def test_every_finetune_experiment_composes(base: Path, fitness: Path, tmp_path: Path) -> None:
