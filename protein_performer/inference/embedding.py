@@ -161,7 +161,7 @@ def _layout(attrs: dict[str, Any]) -> Layout:
         from protein_performer.contacts.predict import contact_ragged
 
         ragged.update(contact_ragged(CONTACTS_DTYPE))
-    return Layout([*RECORD_COLUMNS, Column(SEQ_DIGESTS, np.uint8, (16,)), *pooled], ragged)
+    return Layout([*_RECORD_COLUMNS, *pooled], ragged)
 
 
 def features_sha256(model: torch.nn.Module) -> str:
@@ -245,7 +245,7 @@ def _write_part(
     per_record = record_columns(records)
     per_record[SEQ_DIGESTS] = sequence_digests([r.sequence for r in records])
     ragged = {"header_offsets": header_column(records)}
-    for col in layout.per_record[len(RECORD_COLUMNS) + 1 :]:
+    for col in layout.per_record[len(_RECORD_COLUMNS) :]:
         kind, layer = col.name.split("/")
         per_record[col.name] = np.stack([res[kind][int(layer)] for res in results])
     if "per_tok_offsets" in layout.ragged:
@@ -268,6 +268,8 @@ def _write_part(
 #: options).
 SEQ_DIGESTS = "sequence_sha256"
 PART_RUN = "part_run_id"
+#: The per-record columns of every embeddings file and part, before the vectors.
+_RECORD_COLUMNS = (*RECORD_COLUMNS, Column(SEQ_DIGESTS, np.uint8, (16,)))
 
 
 def sequence_digests(seqs: Sequence[str]) -> np.ndarray:
