@@ -76,7 +76,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from protein_performer.data.homology import find_homologs, write_homologs
+    from protein_performer.data.homology import COVERAGE, find_homologs, write_homologs
     from protein_performer.data.preprocess import default_workers
     from protein_performer.errors import UserError
 
@@ -100,6 +100,12 @@ def run(args: argparse.Namespace) -> int:
         on_invalid=args.on_invalid,
         timeout=args.mmseqs_timeout,
     )
+    if not hits:  # an empty FASTA would only be refused later, by --context
+        raise UserError(
+            f"no homolog of {args.query} found in {args.db} at --min-seq-id "
+            f"{args.min_seq_id:g} (coverage {COVERAGE:g}); nothing written: lower --min-seq-id or "
+            "search a larger database"
+        )
     write_homologs(hits, out)
     where = "standard output" if out == "-" else out
     print(f"wrote {len(hits)} homolog(s) -> {where}", file=sys.stderr)

@@ -264,16 +264,21 @@ def size_summary(sizes: np.ndarray) -> dict[str, Any]:
     }
 
 
-def _last_line(fh: Any) -> str:  # noqa: ANN401 - an open text file
-    """The last line ``fh`` holds so far (MMseqs2 logs each step it runs: the stage)."""
+def _stage(fh: Any) -> str:  # noqa: ANN401 - an open text file
+    """The MMseqs2 step running now, from its log so far (at ``-v 3`` it prints each step as
+    ``MODULE PATH ...``: ``createdb``, ``prefilter``, ``align``, ``convertalis``)."""
     fh.seek(0)
-    lines = [ln.strip() for ln in fh.read().splitlines() if ln.strip()]
+    stage = "starting"
+    for line in fh.read().splitlines():
+        words = line.split(maxsplit=2)
+        if len(words) > 1 and words[0].isalnum() and words[0].islower() and "/" in words[1]:
+            stage = words[0]
     fh.seek(0, os.SEEK_END)
-    return lines[-1][:100] if lines else "no output yet"
+    return stage
 
 
 def _run(cmd: list[str], what: str, timeout: float | None = None) -> None:
-    """Run MMseqs2 with a line every progress interval (elapsed time, its last output line)
+    """Run MMseqs2 with a line every progress interval (its step, the time so far)
     and, with ``timeout`` seconds, stop it (its whole process group) when it runs past them:
     a hung ``mmseqs`` otherwise waited without limit, saying nothing."""
     import signal
@@ -297,11 +302,11 @@ def _run(cmd: list[str], what: str, timeout: float | None = None) -> None:
                     if timeout is not None and elapsed >= timeout:
                         raise UserError(
                             f"mmseqs {cmd[1]} on {what} did not finish within "
-                            f"--mmseqs-timeout {timeout:g} s (last: {_last_line(out)}); "
+                            f"--mmseqs-timeout {timeout:g} s (in its {_stage(out)} step); "
                             "stopped it. Raise the timeout or check MMseqs2"
                         ) from None
-                    log.info("mmseqs %s on %s: %.0f s so far (%s)",
-                             cmd[1], what, elapsed, _last_line(out))  # fmt: skip
+                    log.info("mmseqs %s on %s: %s step, %.0f s so far",
+                             cmd[1], what, _stage(out), elapsed)  # fmt: skip
         finally:
             if proc.poll() is None:
                 os.killpg(proc.pid, signal.SIGKILL)
@@ -348,7 +353,7 @@ def search_command(
         "--threads",
         str(max(1, threads)),
         "-v",
-        "1",
+        "3",  # each step named in the log: what the progress lines report
     ]
 
 

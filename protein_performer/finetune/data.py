@@ -322,7 +322,36 @@ def assign_splits(
 ) -> dict[str, list[int]]:
     """Record indices per split. ``split_by``: ``column`` (the table's), ``random`` (seeded),
     ``cluster`` (MMseqs2 clusters at ``identity``, whole clusters per split); None: the column
-    when there is one, else random."""
+    when there is one, else random. Valid and test rows that repeat a training sequence are
+    counted in one warning (:func:`warn_repeats`)."""
+    splits = _assign_splits(data, split_by, valid_frac, test_frac, seed, identity)
+    warn_repeats(data, splits)
+    return splits
+
+
+def warn_repeats(data: LabelledSet, splits: dict[str, list[int]]) -> dict[str, int]:
+    """Valid and test rows whose sequence is also a training row's, by split; one warning
+    when there are any: their metrics measure recall of the training labels, not prediction."""
+    train = {data.sequences[i] for i in splits["train"]}
+    repeats = {s: sum(data.sequences[i] in train for i in splits[s]) for s in ("valid", "test")}
+    if any(repeats.values()):
+        log.warning(
+            "%s: %s repeat a training sequence, so their metrics overstate what the model "
+            "predicts; deduplicate the table or split with --split-by cluster",
+            data.source,
+            " and ".join(f"{n} of {len(splits[s])} {s} row(s)" for s, n in repeats.items() if n),
+        )
+    return repeats
+
+
+def _assign_splits(
+    data: LabelledSet,
+    split_by: str | None,
+    valid_frac: float,
+    test_frac: float,
+    seed: int,
+    identity: float,
+) -> dict[str, list[int]]:
     split_by = split_by or ("column" if data.splits is not None else "random")
     if split_by not in SPLIT_BY:
         raise UserError(f"--split-by {split_by!r}: use one of {', '.join(SPLIT_BY)}")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
@@ -305,7 +306,8 @@ def test_a_hanging_mmseqs_says_so_and_stops_at_the_timeout(
     bindir.mkdir()
     fake = bindir / "mmseqs"
     pidfile = tmp_path / "child.pid"
-    fake.write_text(f"#!/bin/sh\necho prefilter\nsleep 60 &\necho $! > {pidfile}\nwait\n")
+    log = "createdb q.fa tmp/query\nConverting sequences\nprefilter tmp/query tmp/target"
+    fake.write_text(f"#!/bin/sh\necho '{log}'\nsleep 60 &\necho $! > {pidfile}\nwait\n")
     fake.chmod(0o755)
     monkeypatch.setenv("PATH", f"{bindir}{os.pathsep}{os.environ['PATH']}")
     monkeypatch.setenv("PROTEIN_PERFORMER_PROGRESS_INTERVAL", "0.2")
@@ -316,7 +318,25 @@ def test_a_hanging_mmseqs_says_so_and_stops_at_the_timeout(
     assert time.monotonic() - start < 15
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "did not finish within --mmseqs-timeout 1 s" in err[0], err
-    assert "so far (prefilter)" in caplog.text
+    assert "(in its prefilter step)" in err[0]
+    assert re.search(r"on \S+ against \S+: prefilter step, \d+ s so far", caplog.text)
     stat = Path(f"/proc/{int(pidfile.read_text())}/stat")
     time.sleep(0.2)
     assert not stat.exists() or stat.read_text().split(")")[1].split()[0] in "ZX"  # gone
+
+
+def test_homologs_with_no_hit_write_nothing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys
+) -> None:
+    """An empty FASTA would only be refused later by --context: one line now instead."""
+    from protein_performer.data import homology
+
+    db = tmp_path / "db.fasta"
+    _family_fasta(db)
+    query = _query(tmp_path, db, "tr|F01M0|F01M0_TEST")
+    monkeypatch.setattr(homology, "find_homologs", lambda *a, **k: [])
+    out = tmp_path / "hits.fasta"
+    assert main(["homologs", str(query), str(db), str(out)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "no homolog of" in err[0] and "nothing written" in err[0]
+    assert not out.exists()

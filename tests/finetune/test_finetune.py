@@ -476,6 +476,16 @@ def test_resume_after_kill_equals_an_uninterrupted_run(
     for k in a:
         assert torch.allclose(a[k], b[k], atol=1e-6), k
 
+    def curve(run: dict) -> dict[int, float]:  # logged train/loss by step
+        text = (Path(run["output_dir"]) / "csv" / "metrics.csv").read_text()
+        rows = csv.DictReader(text.splitlines())
+        return {int(r["step"]): float(r["train/loss"]) for r in rows if r["train/loss"]}
+
+    after = {step: loss for step, loss in curve(whole).items() if step > 11}
+    assert after and all(
+        curve(resumed)[step] == pytest.approx(loss, rel=1e-5) for step, loss in after.items()
+    )  # the resumed curve is the uninterrupted one from the first resumed step on
+
 
 # ----------------------------------------------------------------------------- benchmark
 def test_every_finetune_experiment_composes(base: Path, fitness: Path, tmp_path: Path) -> None:
@@ -545,3 +555,18 @@ def test_a_diverging_run_stops_with_one_error(base: Path, fitness: Path, tmp_pat
     with pytest.raises(UserError, match=r"training stopped at step \d+: .* is (nan|inf)"):
         finetune(cfg)
     assert not list((tmp_path / "checkpoints").glob("*.ckpt"))  # nothing non-finite written
+
+
+def test_test_rows_repeating_training_sequences_are_counted(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    t = write_table(
+        tmp_path / "t.csv",
+        ["sequence", "label", "split"],
+        [["MKT", 1, "train"], ["MAG", 2, "train"], ["MKT", 3, "test"], ["MLL", 4, "test"],
+         ["MAG", 5, "valid"], ["MVV", 6, "valid"]],
+    )  # fmt: skip
+    with caplog.at_level("WARNING", logger="protein_performer.finetune.data"):
+        splits = assign_splits(read_labels(t))
+    assert {k: len(v) for k, v in splits.items()} == {"train": 2, "valid": 2, "test": 2}
+    assert "1 of 2 valid row(s) and 1 of 2 test row(s) repeat a training sequence" in caplog.text

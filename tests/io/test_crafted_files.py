@@ -331,3 +331,26 @@ def test_zip_that_inflates_is_refused_before_unpickling(tmp_path: Path) -> None:
     with pytest.raises(UserError, match=r"inflate to [0-9,]+ bytes from a [0-9,]+-byte file"):
         safe_load(bomb)
     assert safe_load(plain)["state_dict"] == {}
+
+
+@pytest.mark.parametrize(
+    ("name", "match"),
+    [
+        ("dense_values", r"dense_values has shape \(\d+,\) \(\|S1\)"),
+        ("pair_j", r"pair_j has shape \(1,\) \(int32\) for 0 record"),
+    ],
+    ids=["text-values", "pairs-unlike-each-other"],
+)
+def test_contact_arrays_of_the_wrong_kind_or_length_are_refused(
+    files: tuple[Path, Path], tmp_path: Path, name: str, match: str
+) -> None:
+    """Text where numbers belong came back as bytes; a pair column longer than the others
+    misaligned the pairs."""
+    edited = tmp_path / "edited.h5"
+    shutil.copy(files[1], edited)
+    with h5py.File(edited) as h5:
+        n = len(h5["dense_values"])
+    values = np.asarray([b"a"] * n) if name == "dense_values" else np.zeros(1, np.int32)
+    _edit(edited, name, values)
+    with pytest.raises(UserError, match=match):
+        read_contacts(edited)
