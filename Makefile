@@ -12,7 +12,7 @@ STAMP := $(VENV)/.installed
 # only the configured index is reachable, the second pip call falls back to it.
 TORCH_INDEX ?= https://download.pytorch.org/whl/cpu
 
-.PHONY: demo test test-slow test-browser lint bench-env clean-venv
+.PHONY: demo test test-slow test-browser test-wheel lint bench-env clean-venv
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -35,6 +35,11 @@ test-slow: $(STAMP)
 # The HTML report in real Chromium (slow-marked; skips where Debian's chromium is missing).
 test-browser: $(STAMP)
 	$(BIN)/python -m pytest -q -m slow tests/viz/test_report_browser.py
+
+# A wheel built with `pip wheel`, installed in a fresh venv and run outside the repository
+# (train --help, train experiment=demo, finetune; slow-marked).
+test-wheel: $(STAMP)
+	$(BIN)/python -m pytest -q -m slow tests/test_wheel.py
 
 # Reference implementations for the benchmarks (performer-pytorch, fair-esm, transformers).
 bench-env: $(STAMP)

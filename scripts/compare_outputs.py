@@ -29,7 +29,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 
 
-DEMO = REPO / "data" / "demo" / "some_proteins.fasta"
+DEMO = REPO / "protein_performer" / "data" / "demo" / "some_proteins.fasta"
 DMS = REPO.parent / "shared" / "data" / "dms"
 STRUCTURES = REPO.parent / "shared" / "data" / "structures"
 

@@ -67,7 +67,7 @@ def report_train(res: TrainResult) -> None:
     print(f"run directory: {res.output_dir}")
 
 
-DEMO_FASTA = REPO / "data" / "demo" / "some_proteins.fasta"
+DEMO_FASTA = REPO / "protein_performer" / "data" / "demo" / "some_proteins.fasta"
 
 
 def run_inference_demo(

@@ -48,8 +48,15 @@ def torch_threads(request: pytest.FixtureRequest) -> Iterator[int]:
     threads = int(marker.args[0]) if marker else 1
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
+    # Code that chooses its own threads (train, pp.load) takes OMP_NUM_THREADS first.
+    env = os.environ.get("OMP_NUM_THREADS")
+    os.environ["OMP_NUM_THREADS"] = str(threads)
     yield threads
     torch.set_num_threads(before)
+    if env is None:
+        os.environ.pop("OMP_NUM_THREADS", None)
+    else:
+        os.environ["OMP_NUM_THREADS"] = env
 
 
 @pytest.fixture

@@ -25,7 +25,7 @@ from protein_performer.cli.main import main
 from protein_performer.interop.loading import export_model
 from tests.inference.test_embedding import tiny_loaded
 from tests.interop.test_loading import fit_checkpoint
-from tests.paths import REPO
+from tests.paths import DEMO_DATA, REPO
 
 ROOT = REPO
 
@@ -56,9 +56,10 @@ def _rows(path: Path) -> int:
 #: README lines whose outputs a new user found empty or meaningless (issue 35), keyed by a
 #: substring of the line: what each must now produce, in the scratch checkout ``d``.
 NONEMPTY = {
-    "homologs data/demo/family_query.fasta store hits.fasta": (
+    "homologs protein_performer/data/demo/family_query.fasta store hits.fasta": (
         "homolog hits", lambda d: _records(d / "hits.fasta") > 0),
-    "homologs data/demo/family_query.fasta data/demo/train.fasta homologs.fasta": (
+    "homologs protein_performer/data/demo/family_query.fasta protein_performer/data/demo/train"
+    ".fasta homologs.fasta": (
         "homolog hits", lambda d: _records(d / "homologs.fasta") > 0),
     "predict outputs/finetune/blat": (
         "a prediction per BLAT variant", lambda d: _rows(d / "blat_pred.csv") == 12),
@@ -100,9 +101,10 @@ def skipped(line: str) -> str | None:
 @pytest.fixture(scope="module")
 def scratch(tmp_path_factory: pytest.TempPathFactory) -> dict:
     base = tmp_path_factory.mktemp("readme")
-    work = base / "work"  # the reader's checkout: data/ here, ../shared beside it
-    work.mkdir()
+    work = base / "work"  # the reader's checkout: data/ and the demo's data here, ../shared beside
+    (work / "protein_performer" / "data").mkdir(parents=True)
     (work / "data").symlink_to(ROOT / "data")
+    (work / "protein_performer" / "data" / "demo").symlink_to(DEMO_DATA)
     if (ROOT.parent / "shared").is_dir():
         (base / "shared").symlink_to(ROOT.parent / "shared")
     ckpt, _ = fit_checkpoint(base / "fit")

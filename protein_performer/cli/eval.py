@@ -35,7 +35,8 @@ table.
 
 EPILOG = """\
 examples:
-  protein-performer eval outputs/demo/<run>/checkpoints/last.ckpt data/demo/train.fasta
+  protein-performer eval outputs/demo/<run>/checkpoints/last.ckpt \
+      protein_performer/data/demo/train.fasta
   protein-performer eval model_dir stores/uniref50 --split test --max-len 2048 --threads 2
   protein-performer eval model_dir proteins.fasta --pll --out-dir runs/eval_pll
 """

@@ -1,5 +1,5 @@
 """``protein-performer finetune base=CKPT data.train=labels.csv task=... mode=...``: supervised
-fine-tuning from the Hydra configs ``conf/finetune.yaml``, ``conf/task/``, ``conf/mode/``."""
+fine-tuning from the package's Hydra configs ``finetune.yaml``, ``task/``, ``mode/``."""
 
 from __future__ import annotations
 
@@ -9,9 +9,10 @@ from protein_performer.cli._common import add_command
 
 HELP = "fine-tune a head on labelled sequences (frozen probe, LoRA or full; Hydra overrides)"
 DESCRIPTION = """\
-Fine-tune a pretrained model on labelled sequences. Configured by Hydra: conf/finetune.yaml
-plus the groups task/ (regression, classification, residue_classification), mode/ (frozen,
-lora, full), trainer/ and logger/, changed with key=value overrides:
+Fine-tune a pretrained model on labelled sequences. Configured by Hydra: finetune.yaml of the
+package's conf/ (or of $PROTEIN_PERFORMER_CONF_DIR) plus the groups task/ (regression,
+classification, residue_classification), mode/ (frozen, lora, full), trainer/ and logger/,
+changed with key=value overrides:
 
   base=CKPT              the pretrained model (a .ckpt, an export directory, ESM-2 weights)
   data.train=FILE        CSV/TSV: a sequence column (or id + data.fasta=FASTA), label
@@ -19,14 +20,17 @@ lora, full), trainer/ and logger/, changed with key=value overrides:
   task=NAME mode=NAME    what to predict and what trains (see below)
   task.pooling=mean|cls|attention   how a sequence task pools residues
   data.split_by=column|random|cluster (also --split-by; cluster needs MMseqs2)
-  experiment=NAME        a recipe from conf/finetune_experiment/ (one per task type)
+  experiment=NAME        a recipe from finetune_experiment/ (one per task type)
   run_name=NAME ckpt_path=last     resume a run after a crash or SIGTERM
 
 modes: frozen (backbone features cached once, only the head trains: seconds), lora (PEFT LoRA
 adapters on attention q/k/v/out and FFN fc1/fc2 + the head), full (everything).
-Writes outputs/finetune/<run_name>/: checkpoints/ (best + last.ckpt, each opened by pp.load and
-`protein-performer predict`), metrics (csv/), the training curve. Metrics: val/loss plus
-spearman, pearson, mse (regression); acc, auroc, mcc (classification); acc, f1 (residues).
+Writes outputs/finetune/<run_name>/ (in the launch directory, or in $PROTEIN_PERFORMER_ROOT
+when set; hydra.run.dir=DIR names another): checkpoints/ (best + last.ckpt, each opened by
+pp.load and `protein-performer predict`), metrics (csv/), the training curve, the log and the
+composed config (.hydra/). threads=N sets torch's CPU threads (default: the free cores).
+Metrics: val/loss plus spearman, pearson, mse (regression); acc, auroc, mcc (classification);
+acc, f1 (residues).
 Rows without a label are skipped and counted (data.on_nan=error refuses them). A NaN loss
 stops the run with one error line (exit status 2); last.ckpt follows every validation.
 """
@@ -41,10 +45,6 @@ examples:
   protein-performer finetune experiment=regression base=m.ckpt data.train=f.csv run_name=r1 \\
       ckpt_path=last
 """
-
-#: Values given as key=value that must bypass Hydra's override grammar (paths).
-DIRECT_KEYS = ("base", "data.train", "data.fasta", "ckpt_path")
-
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p = add_command(
@@ -73,42 +73,15 @@ def overrides_of(args: argparse.Namespace) -> list[str]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from protein_performer.finetune.train import finetune
-    from protein_performer.training.compose import compose_config
+    from protein_performer.finetune.train import FINETUNE_ENTRY
+    from protein_performer.training.runner import launch
 
-    cfg = compose_config(
-        overrides_of(args),
-        name="finetune",
-        direct_keys=DIRECT_KEYS,
-        required=("base", "data.train"),
-        example="protein-performer finetune base=CKPT data.train=labels.csv task=regression "
-        "mode=lora",
-        override_example="task=regression mode=lora",
-    )
-    _require(cfg, ("base", "data.train"))
-    result = finetune(cfg)
+    result = launch(FINETUNE_ENTRY, overrides_of(args))
+    if result.get("global_rank", 0) != 0:  # one report per job, not one per DDP rank
+        return 0
     metrics = {k: v for k, v in result["metrics"].items() if k.startswith(("val/", "test/"))}
     print(" ".join(f"{k}={v:.4g}" for k, v in sorted(metrics.items()) if isinstance(v, float)))
     for key in ("best_checkpoint", "last_checkpoint"):
         if result.get(key):
             print(f"{key.replace('_', ' ')}: {result[key]}")
     return 0
-
-
-def _require(cfg, keys: tuple[str, ...]) -> None:  # noqa: ANN001 - a DictConfig
-    """``???`` keys, nested ones included (``data.train``), as one error with an example."""
-    from omegaconf import OmegaConf
-
-    from protein_performer.errors import UserError
-
-    missing = []
-    for key in keys:
-        parent, _, leaf = key.rpartition(".")
-        node = OmegaConf.select(cfg, parent) if parent else cfg
-        if node is None or OmegaConf.is_missing(node, leaf):
-            missing.append(key)
-    if missing:
-        raise UserError(
-            f"finetune needs {' and '.join(f'{k}=...' for k in missing)}, e.g. `protein-performer "
-            "finetune base=CKPT data.train=labels.csv task=regression mode=lora`"
-        )

@@ -1,4 +1,4 @@
-"""``protein-performer train [overrides]``: train a model from the Hydra configs in ``conf/``."""
+"""``protein-performer train [overrides]``: train a model from the package's Hydra configs."""
 
 from __future__ import annotations
 
@@ -8,8 +8,9 @@ from protein_performer.cli._common import add_command
 
 HELP = "train a model (Hydra overrides, e.g. experiment=demo)"
 DESCRIPTION = """\
-Train a Performer protein language model. The run is configured by Hydra: conf/train.yaml plus
-the config groups under conf/, changed with overrides on the command line:
+Train a Performer protein language model. The run is configured by Hydra: train.yaml plus the
+config groups of the package's conf/ (or of $PROTEIN_PERFORMER_CONF_DIR), changed with
+overrides on the command line:
 
   group=option     pick a config of a group (experiment, model, data, trainer, logger, debug)
   key=value        change one key, e.g. trainer.max_steps=1000 model.config.kernel=relu
@@ -19,8 +20,10 @@ the config groups under conf/, changed with overrides on the command line:
   run_name=NAME    the run directory's name (default: the launch time); a stable name lets the
                    same command resume after a crash, SIGTERM or SLURM requeue
 
-Each run writes outputs/<task_name>/<run_name>/: checkpoints/ (best + last.ckpt), metrics
-(csv/ by default), the training-curve PNG, the log and the composed config (.hydra/).
+Each run writes outputs/<task_name>/<run_name>/ (in the launch directory, or in
+$PROTEIN_PERFORMER_ROOT when set; hydra.run.dir=DIR names another): checkpoints/ (best +
+last.ckpt), metrics (csv/ by default), the training-curve PNG, the log and the composed config
+(.hydra/).
 last.ckpt follows every validation, the end of training and SIGTERM (exit status 143). A NaN
 or infinite loss stops the run with one error line (exit status 2).
 Hydra's own flags also work: --cfg job (print the composed config), -m (multirun sweep),
@@ -40,7 +43,7 @@ examples:
 
 
 def _choices_epilog() -> str:
-    # Listed from conf/ at --help time, so new experiment files show up without code changes.
+    # Listed from the config directory at --help time: new experiment files show up by themselves.
     try:
         from protein_performer.training.compose import conf_dir, list_choices
     except ImportError:  # pragma: no cover - broken install; the run itself will say more

@@ -45,8 +45,10 @@ from protein_performer.io.columns import (
     Column,
     Layout,
     checked_offsets,
+    checked_rows,
     header_column,
     merge_columns,
+    open_columns,
     read_ids,
     record_columns,
     write_columns,
@@ -416,13 +418,12 @@ def read_contacts(
 ) -> dict[str, ContactMap]:
     """The maps of ``ids`` (all when None) from a ``contacts predict`` file."""
     from protein_performer.errors import check_format_header
-    from protein_performer.io.columns import open_columns
 
     src = Path(path).expanduser()
     if not src.is_file():
         raise UserError(f"{src} does not exist or is not a file")
     try:
-        with open_columns(src, "contacts predict file", "re-run contacts predict") as h5:
+        with open_columns(src, "contacts predict files", "re-run contacts predict") as h5:
             header = {k: h5.attrs.get(k) for k in ("format", "format_version")}
             if header["format_version"] is not None:
                 header["format_version"] = int(header["format_version"])
@@ -452,8 +453,14 @@ def read_maps(
     if lengths.shape != (len(all_ids),) or (lengths < 0).any():
         raise UserError(f"{path}: lengths do not match the ids: the file is damaged; re-create it")
     count = len(all_ids)
-    doff = checked_offsets(h5, "dense_offsets", count, h5["dense_values"].shape[0], path)
-    poff = checked_offsets(h5, "pair_offsets", count, h5["pair_i"].shape[0], path)
+    # Values of the right kind, and the pairs' three columns of one length (a text column
+    # would come back as bytes, a short one would misalign the pairs).
+    dense = checked_rows(h5, "dense_values", None, "f", 1)
+    pair_i = checked_rows(h5, "pair_i", None, "iu", 1)
+    for name, kind in (("pair_j", "iu"), ("pair_p", "f")):
+        checked_rows(h5, name, len(pair_i), kind, 1)
+    doff = checked_offsets(h5, "dense_offsets", count, dense.shape[0], path)
+    poff = checked_offsets(h5, "pair_offsets", count, len(pair_i), path)
     dense = np.diff(doff.astype(np.int64))
     if ((dense != 0) & (dense != lengths * lengths)).any():
         raise UserError(f"{path}: dense_offsets disagrees with the record lengths; re-create it")

@@ -264,10 +264,57 @@ def size_summary(sizes: np.ndarray) -> dict[str, Any]:
     }
 
 
-def _run(cmd: list[str], what: str) -> None:
-    proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
+def _stage(fh: Any) -> str:  # noqa: ANN401 - an open text file
+    """The MMseqs2 step running now, from its log so far (at ``-v 3`` it prints each step as
+    ``MODULE PATH ...``: ``createdb``, ``prefilter``, ``align``, ``convertalis``)."""
+    fh.seek(0)
+    stage = "starting"
+    for line in fh.read().splitlines():
+        words = line.split(maxsplit=2)
+        if len(words) > 1 and words[0].isalnum() and words[0].islower() and "/" in words[1]:
+            stage = words[0]
+    fh.seek(0, os.SEEK_END)
+    return stage
+
+
+def _run(cmd: list[str], what: str, timeout: float | None = None) -> None:
+    """Run MMseqs2 with a line every progress interval (its step, the time so far)
+    and, with ``timeout`` seconds, stop it (its whole process group) when it runs past them:
+    a hung ``mmseqs`` otherwise waited without limit, saying nothing."""
+    import signal
+    import time
+
+    from protein_performer.io.progress import interval
+
+    with tempfile.TemporaryFile("w+") as out:
+        proc = subprocess.Popen(
+            cmd, stdout=out, stderr=subprocess.STDOUT, text=True, start_new_session=True
+        )
+        start, every = time.monotonic(), max(0.1, interval())
+        try:
+            while True:
+                left = None if timeout is None else start + timeout - time.monotonic()
+                try:
+                    proc.wait(timeout=every if left is None else max(0.0, min(every, left)))
+                    break
+                except subprocess.TimeoutExpired:
+                    elapsed = time.monotonic() - start
+                    if timeout is not None and elapsed >= timeout:
+                        raise UserError(
+                            f"mmseqs {cmd[1]} on {what} did not finish within "
+                            f"--mmseqs-timeout {timeout:g} s (in its {_stage(out)} step); "
+                            "stopped it. Raise the timeout or check MMseqs2"
+                        ) from None
+                    log.info("mmseqs %s on %s: %s step, %.0f s so far",
+                             cmd[1], what, _stage(out), elapsed)  # fmt: skip
+        finally:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+        out.seek(0)
+        output = out.read()
     if proc.returncode != 0:
-        tail = (proc.stderr or proc.stdout).strip().splitlines()[-3:]
+        tail = output.strip().splitlines()[-3:]
         raise UserError(
             f"mmseqs {cmd[1]} failed (exit {proc.returncode}) on {what}: "
             f"{' | '.join(tail) or 'no message'}"
@@ -306,7 +353,7 @@ def search_command(
         "--threads",
         str(max(1, threads)),
         "-v",
-        "1",
+        "3",  # each step named in the log: what the progress lines report
     ]
 
 
@@ -500,6 +547,7 @@ def find_homologs(
     threads: int = 1,
     keep_identical: bool = False,
     on_invalid: str = "error",
+    timeout: float | None = None,
 ) -> list[Homolog]:
     """The database records MMseqs2 (``easy-search``) finds for the query FASTA, best first
     (lowest E-value to any query, then highest bit score), at most ``max_seqs``.
@@ -508,7 +556,7 @@ def find_homologs(
     database, not a training run). A database record identical to a query (the query itself,
     most often) is left out unless ``keep_identical``: as context it would only repeat the
     query. The database is streamed twice (to MMseqs2, then for the hits' records), so its
-    size costs disk, not memory.
+    size costs disk, not memory. ``timeout``: seconds MMseqs2 may run (None: no limit).
     """
     from protein_performer.data.store import TokenStore, is_store
 
@@ -551,7 +599,7 @@ def find_homologs(
         cmd = search_command(
             exe, q_fasta, t_fasta, out, Path(work) / "tmp", min_seq_id, threads, max_seqs + 1
         )
-        _run(cmd, f"{query} against {db}")
+        _run(cmd, f"{query} against {db}", timeout)
         best: dict[int, tuple[float, float, int, float, int]] = {}
         for q, hits in _read_hits(out).items():
             for evalue, neg_bits, t, fident in hits:

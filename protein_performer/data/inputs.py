@@ -4,12 +4,15 @@ order, whichever the user gives (``embed``, ``score``, ``score-variants``, ``con
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any, NamedTuple
 
 from protein_performer.errors import UserError
+
+log = logging.getLogger(__name__)
 
 
 class InputRecord(NamedTuple):
@@ -21,14 +24,40 @@ class InputRecord(NamedTuple):
     number: int  # 1-based position in its file or store
 
 
+#: Letters of DNA/RNA: an input made only of these is most likely not protein.
+NUCLEOTIDES = "ACGTUN"
+
+
+def _note_nucleotides(records: Iterator[Any], source: object) -> Iterator[Any]:
+    """``records`` unchanged; once they are all read, one warning when every one holds only
+    A/C/G/T/U/N (DNA or RNA, which would be scored as protein without a word)."""
+    count, nucleotides = 0, True
+    for r in records:
+        count += 1
+        nucleotides = nucleotides and not r.sequence.upper().strip(NUCLEOTIDES)
+        yield r
+    if count and nucleotides:
+        log.warning(
+            "%s: all %d record(s) hold only A/C/G/T/U/N: this looks like DNA or RNA, read as "
+            "protein (A, C, G, T as amino acids); translate it first if it is",
+            source,
+            count,
+        )
+
+
 def input_records(
     path: str | os.PathLike[str], on_invalid: str = "error"
 ) -> Iterator[InputRecord]:
-    """Stream the records of a FASTA file or of a preprocessed store directory, in order.
+    """Stream the records of a FASTA file or of a preprocessed store directory, in order
+    (a DNA/RNA-looking input gets a warning at its end: :func:`_note_nucleotides`).
 
     A store (``protein-performer preprocess``) is read record by record from its memory maps
     (lengths known, O(1) access), so very large inputs cost no parsing and constant memory.
     """
+    return _note_nucleotides(_input_records(path, on_invalid), path)
+
+
+def _input_records(path: str | os.PathLike[str], on_invalid: str) -> Iterator[InputRecord]:
     from protein_performer.data.fasta import STDIN, read_fasta
     from protein_performer.data.store import TokenStore, is_store
 
@@ -94,7 +123,7 @@ def read_records(fasta: str | os.PathLike[str], on_invalid: str = "error") -> li
     path: str | Path = STDIN if os.fspath(fasta) == STDIN else Path(fasta).expanduser()
     if path != STDIN and not Path(path).is_file():
         raise UserError(f"{path} does not exist or is not a file; give a FASTA file")
-    records = list(read_fasta(path, on_invalid=on_invalid))  # type: ignore[arg-type]
+    records = list(_note_nucleotides(read_fasta(path, on_invalid=on_invalid), fasta))  # type: ignore[arg-type]
     if not records:
         raise UserError(f"{display_name(path)}: no valid records to process")
     return records

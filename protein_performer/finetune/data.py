@@ -28,7 +28,7 @@ import logging
 import math
 import os
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -117,6 +117,15 @@ def _residue_labels(text: str, length: int, where: str) -> list[str]:
     return values
 
 
+def _rows(src: Path, reader: Any) -> Iterator[list[str]]:  # noqa: ANN401 - a csv.reader
+    """``reader``'s rows, its ``csv.Error`` (a field over the csv module's 131,072-character
+    limit, a stray NUL) one ``UserError`` naming the line."""
+    try:
+        yield from reader
+    except csv.Error as exc:
+        raise UserError(f"{src}: line {reader.line_num}: {exc}; fix the row") from None
+
+
 def read_labels(
     path: str | os.PathLike[str],
     task: str = "regression",
@@ -140,11 +149,20 @@ def read_labels(
             f"{src} does not exist or is not a file: give a CSV/TSV of labels "
             "(data.train=labels.csv)"
         )
-    with open(src, encoding="utf-8-sig", newline="") as fh:
-        text = fh.read()
+    data = src.read_bytes()
+    try:
+        text = data.decode("utf-8-sig")
+    except UnicodeDecodeError as exc:
+        line = data.count(b"\n", 0, exc.start) + 1
+        raise UserError(
+            f"{src}: line {line} is not UTF-8 text (byte {data[exc.start]:#04x} at offset "
+            f"{exc.start}); save the table as UTF-8"
+        ) from None
     if not text.strip():
         raise UserError(f"{src} is empty: give a CSV/TSV with a header row")
-    reader = csv.reader(text.splitlines(), delimiter=_delimiter(src, text.splitlines()[0]))
+    reader = _rows(
+        src, csv.reader(text.splitlines(), delimiter=_delimiter(src, text.splitlines()[0]))
+    )
     header = [h.strip() for h in next(reader)]
     label_cols = [str(c) for c in label_cols]
     missing = [c for c in label_cols if c not in header]
@@ -304,7 +322,36 @@ def assign_splits(
 ) -> dict[str, list[int]]:
     """Record indices per split. ``split_by``: ``column`` (the table's), ``random`` (seeded),
     ``cluster`` (MMseqs2 clusters at ``identity``, whole clusters per split); None: the column
-    when there is one, else random."""
+    when there is one, else random. Valid and test rows that repeat a training sequence are
+    counted in one warning (:func:`warn_repeats`)."""
+    splits = _assign_splits(data, split_by, valid_frac, test_frac, seed, identity)
+    warn_repeats(data, splits)
+    return splits
+
+
+def warn_repeats(data: LabelledSet, splits: dict[str, list[int]]) -> dict[str, int]:
+    """Valid and test rows whose sequence is also a training row's, by split; one warning
+    when there are any: their metrics measure recall of the training labels, not prediction."""
+    train = {data.sequences[i] for i in splits["train"]}
+    repeats = {s: sum(data.sequences[i] in train for i in splits[s]) for s in ("valid", "test")}
+    if any(repeats.values()):
+        log.warning(
+            "%s: %s repeat a training sequence, so their metrics overstate what the model "
+            "predicts; deduplicate the table or split with --split-by cluster",
+            data.source,
+            " and ".join(f"{n} of {len(splits[s])} {s} row(s)" for s, n in repeats.items() if n),
+        )
+    return repeats
+
+
+def _assign_splits(
+    data: LabelledSet,
+    split_by: str | None,
+    valid_frac: float,
+    test_frac: float,
+    seed: int,
+    identity: float,
+) -> dict[str, list[int]]:
     split_by = split_by or ("column" if data.splits is not None else "random")
     if split_by not in SPLIT_BY:
         raise UserError(f"--split-by {split_by!r}: use one of {', '.join(SPLIT_BY)}")

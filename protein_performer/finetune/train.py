@@ -1,17 +1,18 @@
 """``finetune(cfg)``: the pure entry point of supervised fine-tuning (``protein-performer
-finetune``), composed from ``conf/finetune.yaml`` like ``train(cfg)`` from ``train.yaml``.
+finetune``), composed from ``finetune.yaml`` like ``train(cfg)`` from ``train.yaml``.
 
-Same trust guarantees as training because the same pieces run it: a real Lightning ``Trainer``
-with ``DivergenceGuard`` (NaN stop), ``RunCheckpoint`` (``last.ckpt`` at every validation, at
-the end and on SIGTERM), ``SafeCheckpointIO`` (atomic saves, ``weights_only`` loads) and the
-token-budget sampler with its resumable loader (a resumed run continues mid-epoch exactly).
+Same trust guarantees as training because the same skeleton runs it (``training/runner.py``:
+checks, seed, threads, trainer, fit, SIGTERM, test, one launch path): a real Lightning
+``Trainer`` with ``DivergenceGuard`` (NaN stop), ``RunCheckpoint`` (``last.ckpt`` at every
+validation, at the end and on SIGTERM), ``SafeCheckpointIO`` (atomic saves, ``weights_only``
+loads) and the token-budget sampler with its resumable loader (a resumed run continues
+mid-epoch exactly).
 The base model is read by the one loader (any source ``pp.load`` takes).
 """
 
 from __future__ import annotations
 
 import logging
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import pytorch_lightning as pl
@@ -31,7 +32,7 @@ from protein_performer.finetune.data import (
 from protein_performer.finetune.module import MODES, FinetuneModule, label_stats
 from protein_performer.model.performer import PerformerLM
 from protein_performer.model.task_heads import HeadConfig, TaskHead, residue_mask
-from protein_performer.training.train import holds_run_dir
+from protein_performer.training.runner import Entry, Job, holds_run_dir, run
 
 if TYPE_CHECKING:
     from omegaconf import DictConfig
@@ -157,40 +158,17 @@ def build_data(cfg: DictConfig) -> tuple[LabelledSet, dict[str, list[int]]]:
 
 @holds_run_dir
 def finetune(cfg: DictConfig) -> dict[str, Any]:
-    """Fine-tune ``cfg.base`` on ``cfg.data.train``; returns ``metrics`` (last ``val/*``, and
-    ``test/*`` of the best checkpoint when there is a test split), ``best_checkpoint``,
-    ``last_checkpoint`` and ``output_dir``. Both checkpoints open with ``pp.load``."""
-    from pytorch_lightning.utilities.exceptions import SIGTERMException
+    """Fine-tune ``cfg.base`` on ``cfg.data.train``: :func:`runner.run` with the fine-tuning
+    build. Returns its keys (``metrics``: last ``val/*``, and ``test/*`` of the best checkpoint
+    when there is a test split; both checkpoints open with ``pp.load``) plus ``splits``,
+    ``mode`` and ``trainable_parameters``."""
+    if cfg.mode.name not in MODES:
+        raise UserError(f"mode={cfg.mode.name!r} is not one of {', '.join(MODES)}")
+    return run(cfg, _build)
 
-    from protein_performer.training.checkpointing import (
-        DivergenceGuard,
-        SafeCheckpointIO,
-        last_checkpoint,
-    )
-    from protein_performer.training.quiet import quiet_lightning
-    from protein_performer.training.train import (
-        PREEMPTED_EXIT,
-        _existing,
-        _instantiate,
-        _instantiate_dict,
-        _scalar,
-    )
 
-    if cfg.get("seed") is not None:
-        pl.seed_everything(int(cfg.seed), workers=True)
+def _build(cfg: DictConfig) -> Job:
     mode = cfg.mode.name
-    if mode not in MODES:
-        raise UserError(f"mode={mode!r} is not one of {', '.join(MODES)}")
-    ckpt_path = cfg.get("ckpt_path")
-    if ckpt_path not in (None, "last") and not Path(ckpt_path).is_file():
-        raise UserError(
-            f"ckpt_path={ckpt_path} is not a file: give a last.ckpt of the run, or "
-            "ckpt_path=last with the run's run_name"
-        )
-    if ckpt_path is None:  # a new run: refuse to start over on a previous run's files
-        from protein_performer.training.run_dir import check_fresh_run_dir
-
-        check_fresh_run_dir(cfg.paths.output_dir, overwrite=cfg.get("overwrite") is True)
     data, splits = build_data(cfg)
     backbone, regression = load_base(str(cfg.base))
     t = cfg.task
@@ -228,41 +206,25 @@ def finetune(cfg: DictConfig) -> dict[str, Any]:
         datasets, t.name, int(cfg.data.max_tokens), int(cfg.data.max_batch_size),
         int(cfg.seed or 0),
     )  # fmt: skip
-    callbacks = _instantiate_dict(cfg, "callbacks")
-    if cfg.trainer.get("enable_progress_bar") is False:  # as train(): the flag alone suffices
-        from pytorch_lightning.callbacks import ProgressBar
-
-        callbacks = [c for c in callbacks if not isinstance(c, ProgressBar)]
-    loggers = _instantiate_dict(cfg, "logger")
-    quiet_lightning()
-    trainer: pl.Trainer = _instantiate(
-        cfg.trainer, "trainer", callbacks=[DivergenceGuard(), *callbacks],
-        logger=loggers or False, plugins=[SafeCheckpointIO()],
-    )  # fmt: skip
     trainable = sum(p.numel() for p in module.parameters() if p.requires_grad)
-    log.info("finetune %s (%s): %s trainable parameters, gradient checkpointing %s", t.name,
-             mode, f"{trainable:,}", "on" if gc else "off")  # fmt: skip
-    if ckpt_path == "last":
-        ckpt_path = last_checkpoint(trainer)
-    try:
-        trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt_path, weights_only=True)
-    except SIGTERMException:
-        log.warning("stopped by SIGTERM at step %d; rerun with ckpt_path=last to resume",
-                    trainer.global_step)  # fmt: skip
-        raise SystemExit(PREEMPTED_EXIT) from None
-    metrics = {k: _scalar(v) for k, v in trainer.callback_metrics.items()}
-    checkpoint = trainer.checkpoint_callback
-    best = _existing(getattr(checkpoint, "best_model_path", None))
-    last = _existing(getattr(checkpoint, "last_model_path", None))
-    if cfg.get("test") and splits["test"]:
-        for row in trainer.test(module, datamodule=datamodule, ckpt_path=best):
-            metrics.update({k: _scalar(v) for k, v in row.items()})
-    return {
-        "metrics": metrics,
-        "best_checkpoint": best,
-        "last_checkpoint": last,
-        "output_dir": str(trainer.default_root_dir),
-        "splits": {k: len(v) for k, v in splits.items()},
-        "mode": mode,
-        "trainable_parameters": trainable,
-    }
+    return Job(
+        module, datamodule,
+        f"finetune {t.name} ({mode}): {trainable:,} trainable parameters, gradient "
+        f"checkpointing {'on' if gc else 'off'}",
+        test=bool(cfg.get("test")) and bool(splits["test"]),
+        extra={"splits": {k: len(v) for k, v in splits.items()}, "mode": mode,
+               "trainable_parameters": trainable},
+    )  # fmt: skip
+
+
+#: ``protein-performer finetune``: the fine-tuning entry on the one launch path. Its paths
+#: bypass Hydra's override grammar (direct keys).
+FINETUNE_ENTRY = Entry(
+    "finetune",
+    finetune,
+    direct_keys=("base", "data.train", "data.fasta", "ckpt_path"),
+    required=("base", "data.train"),
+    example="protein-performer finetune base=CKPT data.train=labels.csv task=regression "
+    "mode=lora",
+    override_example="task=regression mode=lora",
+)

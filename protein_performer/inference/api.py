@@ -11,6 +11,7 @@ handled inside.
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 from collections.abc import Iterable, Iterator, Sequence
@@ -37,8 +38,11 @@ from protein_performer.inference.scoring import (
 )
 from protein_performer.interop.loading import LoadedModel, load_model
 from protein_performer.io.sharding import windows
+from protein_performer.io.threads import set_threads
 from protein_performer.model.config import PerformerConfig
 from protein_performer.model.performer import PerformerLM
+
+log = logging.getLogger(__name__)
 
 #: ``--precision`` names and the dtypes they stand for.
 PRECISIONS: dict[str, torch.dtype] = {
@@ -85,11 +89,16 @@ def load(
     ``attention="favor"`` runs ESM-2's weights with FAVOR+ features drawn from ``seed``.
     Half precision halves memory on GPUs; FAVOR+ features and the rotary tables are still
     computed in fp32 (the exponentials need its range). ``threads`` sets torch's intra-op
-    threads for the process (default: torch's choice; on a shared machine 1-2 is often faster).
+    threads for the process; by default they are chosen as the CLI chooses them, the cores free
+    of other processes, at least 1 (``OMP_NUM_THREADS`` wins), and logged in one line: torch's
+    own default, a thread per core, oversubscribes a busy machine and spins.
     """
-    if threads is not None:
-        if threads < 1:
-            raise UserError(f"threads must be a positive integer, got {threads}")
+    if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int)
+                                or threads < 1):  # fmt: skip
+        raise UserError(f"threads must be a positive integer, got {threads!r}")
+    if threads is None:
+        log.info("%s", set_threads(None, flag="threads=N"))
+    else:
         torch.set_num_threads(threads)
     target = resolve_dtype(dtype)
     loaded = load_model(

@@ -150,12 +150,24 @@ def build_context(
             max_tokens,
             total,
         )
+    if max_tokens is None:  # nothing bounds the read: say what it costs before paying it
+        log.info(
+            "family context: reading %d homolog(s), %s tokens (the model records no trained "
+            "row length; give max_tokens or --context-tokens to read fewer)",
+            len(members),
+            f"{total:,}",
+        )
+    from protein_performer.io.progress import progress
+
     states = None
     row = 0
-    for part in _segments([ids for _, ids in members], segment):
-        tokens = torch.tensor([part], dtype=torch.long, device=loaded.device)  # (1, S)
-        _, states = loaded.model.extend(tokens, states, offset=row, return_states=True)
-        row += len(part)
+    parts = list(_segments([ids for _, ids in members], segment))
+    with progress(total, "tok", "context", enabled=len(parts) > 1) as bar:
+        for part in parts:
+            tokens = torch.tensor([part], dtype=torch.long, device=loaded.device)  # (1, S)
+            _, states = loaded.model.extend(tokens, states, offset=row, return_states=True)
+            row += len(part)
+            bar.update(len(part))
     offset = total if config.positions == "sequence" else 0
     return FamilyContext(
         states=tuple(states),  # type: ignore[arg-type]

@@ -161,7 +161,7 @@ def _layout(attrs: dict[str, Any]) -> Layout:
         from protein_performer.contacts.predict import contact_ragged
 
         ragged.update(contact_ragged(CONTACTS_DTYPE))
-    return Layout([*RECORD_COLUMNS, Column(SEQ_DIGESTS, np.uint8, (16,)), *pooled], ragged)
+    return Layout([*_RECORD_COLUMNS, *pooled], ragged)
 
 
 def features_sha256(model: torch.nn.Module) -> str:
@@ -208,7 +208,7 @@ def _open_embeddings(path: Path) -> Any:  # noqa: ANN401 - h5py.File
     """An embeddings file opened for reading, its format checked (version 1 named as such)."""
     from protein_performer.errors import check_format_header
 
-    h5 = open_columns(path, "embeddings file", "re-run embed")
+    h5 = open_columns(path, "embeddings files", "re-run embed")
     header = {k: h5.attrs.get(k) for k in ("format", "format_version")}
     if header["format_version"] is not None:
         header["format_version"] = int(header["format_version"])
@@ -245,7 +245,7 @@ def _write_part(
     per_record = record_columns(records)
     per_record[SEQ_DIGESTS] = sequence_digests([r.sequence for r in records])
     ragged = {"header_offsets": header_column(records)}
-    for col in layout.per_record[len(RECORD_COLUMNS) + 1 :]:
+    for col in layout.per_record[len(_RECORD_COLUMNS) :]:
         kind, layer = col.name.split("/")
         per_record[col.name] = np.stack([res[kind][int(layer)] for res in results])
     if "per_tok_offsets" in layout.ragged:
@@ -268,6 +268,8 @@ def _write_part(
 #: options).
 SEQ_DIGESTS = "sequence_sha256"
 PART_RUN = "part_run_id"
+#: The per-record columns of every embeddings file and part, before the vectors.
+_RECORD_COLUMNS = (*RECORD_COLUMNS, Column(SEQ_DIGESTS, np.uint8, (16,)))
 
 
 def sequence_digests(seqs: Sequence[str]) -> np.ndarray:
@@ -330,7 +332,7 @@ def check_parts(
     candidates: list[tuple[Path, list[str]]] = []
     for part in parts:
         try:
-            with open_columns(part, "part", "it is set aside") as h5:
+            with open_columns(part, "embed parts", "it is set aside") as h5:
                 ids = read_ids(h5)
                 same_run = h5.attrs.get(PART_RUN) == want and SEQ_DIGESTS in h5
                 sha = h5[SEQ_DIGESTS][:] if same_run else None

@@ -173,7 +173,7 @@ def _unreadable(h5: Any) -> str | None:  # noqa: ANN401 - an open h5py.File
 def open_columns(path: Path, what: str, fix: str) -> Any:  # noqa: ANN401 - h5py.File
     """``path`` opened read-only, refused (one ``UserError``) when it is not HDF5, reads from
     outside itself or declares more than it holds (:func:`_unreadable`); ``what`` names the
-    kind of file."""
+    kind of file, in the plural."""
     import h5py
 
     try:
@@ -183,7 +183,7 @@ def open_columns(path: Path, what: str, fix: str) -> Any:  # noqa: ANN401 - h5py
     why = _unreadable(h5)
     if why:
         h5.close()
-        raise UserError(f"{path}: {why}; a {what} never does: refusing to read it ({fix})")
+        raise UserError(f"{path}: {why}; {what} never do that: refusing to read it ({fix})")
     return h5
 
 

@@ -8,7 +8,8 @@ less the processes running on it right now when the whole machine is visible (a 
 under a scheduler that binds the process to its CPUs, those CPUs are its own), at least 1.
 "Right now" is the kernel's count of runnable tasks (``/proc/loadavg``), not the 1-minute
 load average, which would still count a command that just finished.
-``OMP_NUM_THREADS`` and ``--threads N`` override it.
+``OMP_NUM_THREADS`` and ``--threads N`` override it. Training chooses the same way (its key is
+``threads=N``), counting its DataLoader worker processes against the same cores.
 """
 
 from __future__ import annotations
@@ -40,22 +41,24 @@ def physical_cores(cpus: set[int]) -> int:
     return len(cores) or len(cpus)
 
 
-def default_threads() -> tuple[int, str]:
-    """(threads, why) for a command given no ``--threads``."""
+def default_threads(reserve: int = 0) -> tuple[int, str]:
+    """(threads, why) for a command given no ``--threads``; ``reserve`` cores are left to this
+    command's own helper processes (DataLoader workers), at least 1 thread still."""
     env = os.environ.get("OMP_NUM_THREADS", "").strip()
     if env.isdigit() and int(env) > 0:
         return int(env), "OMP_NUM_THREADS"
     cpus = usable_cpus()
     cores = physical_cores(cpus)
+    workers = f", less {reserve} data worker(s)" if reserve else ""
     if len(cpus) < (os.cpu_count() or len(cpus)):
-        return cores, f"the {cores} core(s) this process is bound to"
+        return max(1, cores - reserve), f"the {cores} core(s) this process is bound to{workers}"
     others = running_elsewhere()
     if others is None:
-        return cores, f"{cores} core(s)"
-    n = max(1, min(cores, cores - others))
-    if n == cores:
-        return n, f"{cores} core(s), {others} other process(es) running"
-    return n, f"{cores} core(s), less {others} other process(es) running now"
+        return max(1, cores - reserve), f"{cores} core(s){workers}"
+    n = max(1, min(cores, cores - others - reserve))
+    if others == 0 or n == cores:
+        return n, f"{cores} core(s), {others} other process(es) running{workers}"
+    return n, f"{cores} core(s), less {others} other process(es) running now{workers}"
 
 
 def running_elsewhere() -> int | None:
@@ -68,14 +71,15 @@ def running_elsewhere() -> int | None:
         return None
 
 
-def set_threads(requested: int | None) -> str:
-    """Set torch's intra-op threads (``requested``, else :func:`default_threads`) and return
-    the line that says how many and how to change it."""
+def set_threads(requested: int | None, *, flag: str = "--threads N", reserve: int = 0) -> str:
+    """Set torch's intra-op threads (``requested``, else :func:`default_threads` leaving
+    ``reserve`` cores) and return the line that says how many and why, or how to change it
+    (``flag``: the command's own way to ask)."""
     import torch
 
     if requested is not None:
         torch.set_num_threads(requested)
-        return f"threads: {requested} (--threads)"
-    n, why = default_threads()
+        return f"threads: {requested} ({flag})"
+    n, why = default_threads(reserve)
     torch.set_num_threads(n)
-    return f"threads: {n} ({why}); change with --threads N"
+    return f"threads: {n} ({why}); change with {flag}"

@@ -38,6 +38,12 @@ def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
+#: The largest rotary base and LayerNorm epsilon a config may give (ESM-2: 10000 and 1e-5;
+#: long-context models use bases up to about 1e7).
+MAX_ROTARY_BASE = 1e9
+MAX_LAYER_NORM_EPS = 0.1
+
+
 @dataclass
 class PerformerConfig:
     """Everything needed to rebuild a ``PerformerLM``; stored verbatim in checkpoints."""
@@ -195,23 +201,29 @@ class PerformerConfig:
                 "feature_redraw_interval must be a non-negative integer (0 = never), "
                 f"got {self.feature_redraw_interval!r}"
             )
-        if self.favor_chunk_size is not None and (
-            not isinstance(self.favor_chunk_size, int) or self.favor_chunk_size <= 0
-        ):
-            fail(
-                "favor_chunk_size must be a positive integer or null, "
-                f"got {self.favor_chunk_size!r}"
-            )
+        if self.favor_chunk_size is not None:
+            from protein_performer.model.favor.tiles import MAX_CHUNK
+
+            if not _is_int(self.favor_chunk_size) or not 0 < self.favor_chunk_size <= MAX_CHUNK:
+                fail(
+                    f"favor_chunk_size must be an integer in 1..{MAX_CHUNK} or null, "
+                    f"got {self.favor_chunk_size!r}"
+                )
         if self.positions not in POSITIONS:
             fail(f"unknown positions {self.positions!r}; choose one of {', '.join(POSITIONS)}")
         if self.context_tokens is not None and (
             not _is_int(self.context_tokens) or self.context_tokens <= 0
         ):
             fail(f"context_tokens must be a positive integer or null, got {self.context_tokens!r}")
-        if not self.rotary_base > 0:
-            fail(f"rotary_base must be positive, got {self.rotary_base!r}")
-        if not self.layer_norm_eps > 0:
-            fail(f"layer_norm_eps must be positive, got {self.layer_norm_eps!r}")
+        # Beyond these the numbers mean nothing: frequencies that underflow to 0 (no positions),
+        # a LayerNorm whose epsilon swamps the variance (every output about 0).
+        if not 1.0 < self.rotary_base <= MAX_ROTARY_BASE:
+            fail(f"rotary_base must be in (1, {MAX_ROTARY_BASE:g}], got {self.rotary_base!r}")
+        if not 0.0 < self.layer_norm_eps <= MAX_LAYER_NORM_EPS:
+            fail(
+                f"layer_norm_eps must be in (0, {MAX_LAYER_NORM_EPS:g}], "
+                f"got {self.layer_norm_eps!r}"
+            )
         return self
 
     def layer_attention(self, layer: int) -> str:

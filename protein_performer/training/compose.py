@@ -1,14 +1,18 @@
-"""Config composition for every Hydra-configured command (``train``, ``eval``, ``visualize``).
+"""Config composition for the Hydra-configured commands (``train`` and ``finetune``).
 
-One behaviour for all of them: Hydra's compose API (no ``@hydra.main``, so tests and notebooks
-call the pure functions with the result), composition errors as one-line ``UserError``, required
-keys named in the message with an example, and *direct* keys set after composing. Direct keys
-exist because a value like ``data=PATH`` collides with training's ``data/`` config group, and
-paths or sequences with characters Hydra's override grammar rejects (``=``, ``,``, brackets)
-should still work: such ``key=value`` items bypass the grammar and are stored as plain strings.
+One behaviour for both: Hydra's compose API (tests and notebooks call the pure functions with
+the result), composition errors as one-line ``UserError``, required keys named in the message
+with an example, and *direct* keys set after composing. Direct keys exist because a value like
+``data=PATH`` collides with training's ``data/`` config group, and paths or sequences with
+characters Hydra's override grammar rejects (``=``, ``,``, brackets) should still work: such
+``key=value`` items bypass the grammar and are stored as plain strings.
 
-This module owns where the configs live (:func:`conf_dir`) and imports nothing from training or
-inference, so both can compose without depending on each other.
+This module owns where the configs live: the package's ``protein_performer/conf/``, found on
+Hydra's package search path (``pkg://protein_performer.conf``) so that an installed wheel works
+outside the repository, or ``$PROTEIN_PERFORMER_CONF_DIR`` (a copy to customise). It registers
+the ``pp.package`` resolver through which configs name data shipped with the package (the demo
+set). It imports nothing from training or inference, so both can compose without depending on
+each other.
 """
 
 from __future__ import annotations
@@ -23,35 +27,87 @@ from protein_performer.errors import UserError
 if TYPE_CHECKING:
     from omegaconf import DictConfig
 
-#: Environment variable naming another config directory (a copy of ``conf/`` to customise).
+#: Environment variable naming another config directory (a copy of ``protein_performer/conf/``).
 CONF_DIR_ENV = "PROTEIN_PERFORMER_CONF_DIR"
-#: The training entry: composed for a run (with its ``hydra`` node, left unresolved so that
-#: ``${hydra:...}`` resolves once the run directory is known); the others are resolved at once.
+#: The package holding the shipped configs.
+CONF_PACKAGE = "protein_performer.conf"
+#: The training entry. Every entry (``train``, ``finetune``) is composed for a run: with its
+#: ``hydra`` node, left unresolved so that ``${hydra:...}`` resolves once the run directory is
+#: known.
 TRAIN = "train"
-_TRAIN_USAGE = " to change a key, +key=value to add one, group=option to pick a config"
+_USAGE = " to change a key, +key=value to add one, group=option to pick a config"
+_PACKAGE_ROOT = Path(__file__).resolve().parents[1]
+
+
+def package_path(relative: str) -> str:
+    """A file or folder shipped inside the package (``data/demo``), as an absolute path: the
+    ``${pp.package:data/demo}`` of the configs, so the demo trains from any directory."""
+    return str(_PACKAGE_ROOT / relative)
+
+
+def register_resolvers() -> None:
+    """The configs' own interpolations (idempotent: composing twice must not fail)."""
+    from omegaconf import OmegaConf
+
+    if not OmegaConf.has_resolver("pp.package"):
+        OmegaConf.register_new_resolver("pp.package", package_path)
 
 
 def conf_dir() -> Path:
-    """The config directory: ``$PROTEIN_PERFORMER_CONF_DIR``, else the repository's ``conf/``.
-
-    ``conf/`` sits next to the package in the repository (it is not packaged), so it is found
-    relative to this file; an installed copy elsewhere points the variable at its configs.
-    """
+    """The config directory on disk: ``$PROTEIN_PERFORMER_CONF_DIR``, else the package's
+    ``conf/`` (for listing groups in ``--help`` and for messages)."""
     env = os.environ.get(CONF_DIR_ENV)
-    path = Path(env).expanduser() if env else Path(__file__).resolve().parents[2] / "conf"
+    path = Path(env).expanduser() if env else _PACKAGE_ROOT / "conf"
     if not (path / "train.yaml").is_file():
-        where = f"${CONF_DIR_ENV}={env}" if env else "the repository"
+        where = f"${CONF_DIR_ENV}={env}" if env else "the installed package"
         raise UserError(
             f"no Hydra config train.yaml in {path} (from {where}): set {CONF_DIR_ENV} to a "
-            "directory holding the project's conf/ files"
+            "directory holding a copy of protein_performer/conf/, or reinstall the package"
         )
     return path.resolve()
+
+
+def config_path() -> str:
+    """What Hydra searches: the package (``pkg://...``) unless ``$PROTEIN_PERFORMER_CONF_DIR``
+    names a directory (checked, so a wrong one is one line, not Hydra's traceback)."""
+    directory = conf_dir()
+    return str(directory) if os.environ.get(CONF_DIR_ENV) else f"pkg://{CONF_PACKAGE}"
 
 
 def list_choices(group: str) -> list[str]:
     """Config names of a group (``experiment``, ``trainer``, ...), for help texts."""
     directory = conf_dir() / group
     return sorted(p.stem for p in directory.glob("*.yaml")) if directory.is_dir() else []
+
+
+def split_direct(
+    overrides: Iterable[str], direct_keys: Iterable[str]
+) -> tuple[dict[str, str], list[str]]:
+    """``key=value`` items whose key is direct (set after composing, as plain strings), and the
+    rest (for Hydra's grammar)."""
+    keys = set(direct_keys)
+    direct: dict[str, str] = {}
+    rest: list[str] = []
+    for item in overrides:
+        key, sep, value = item.partition("=")
+        if sep and key in keys:
+            direct[key] = value
+        else:
+            rest.append(item)
+    return direct, rest
+
+
+def missing_keys(cfg: DictConfig, keys: Iterable[str]) -> list[str]:
+    """The ``???`` ones among ``keys``, nested keys (``data.train``) included."""
+    from omegaconf import OmegaConf
+
+    missing = []
+    for key in keys:
+        parent, _, leaf = key.rpartition(".")
+        node = OmegaConf.select(cfg, parent) if parent else cfg
+        if node is None or OmegaConf.is_missing(node, leaf):
+            missing.append(key)
+    return missing
 
 
 def compose_config(
@@ -64,51 +120,46 @@ def compose_config(
     example: str = "",
     override_example: str = "",
 ) -> DictConfig:
-    """``conf/<name>.yaml`` composed with ``overrides``, composition errors as ``UserError``.
+    """``<conf>/<name>.yaml`` composed with ``overrides``, composition errors as ``UserError``.
 
-    For ``train`` (the default) the config keeps Hydra's own node; with ``output_dir`` it is made
-    runnable outside ``@hydra.main`` (tests, notebooks): the run directory is set and the config
-    registered as the current Hydra config, so ``${hydra:...}`` interpolations resolve. Other
-    entries are resolved before they are returned. ``example`` is a whole command line quoted
-    when a ``required`` key is missing; ``override_example`` (e.g. ``split=test``) is shown after
-    "use key=value" when composing fails.
+    The config keeps Hydra's own node; with ``output_dir`` it is made runnable outside
+    ``@hydra.main`` (tests, notebooks): the run directory is set and the config registered as
+    the current Hydra config, so ``${hydra:...}`` interpolations resolve. ``example`` is a whole
+    command line quoted when a ``required`` key is missing; ``override_example`` (e.g.
+    ``task=regression mode=lora``) is shown after "use key=value" when composing fails.
     """
-    from hydra import compose, initialize_config_dir
+    from hydra import compose, initialize_config_dir, initialize_config_module
     from hydra.core.hydra_config import HydraConfig
     from hydra.errors import HydraException
     from omegaconf import OmegaConf, open_dict
     from omegaconf.errors import OmegaConfBaseException
 
+    source = config_path()
     directory = conf_dir()
     if not (directory / f"{name}.yaml").is_file():
         raise UserError(f"no {name}.yaml in {directory}")
-    run = name == TRAIN
-    direct_set = set(direct_keys)
-    direct: dict[str, str] = {}
-    rest: list[str] = []
-    for item in overrides:
-        key, sep, value = item.partition("=")
-        if sep and key in direct_set:
-            direct[key] = value
-        else:
-            rest.append(item)
+    register_resolvers()
+    direct, rest = split_direct(overrides, direct_keys)
     try:
-        with initialize_config_dir(str(directory), version_base="1.3"):
-            cfg = compose(name, overrides=rest, return_hydra_config=run)
+        init = (
+            initialize_config_module(CONF_PACKAGE, version_base="1.3")
+            if source.startswith("pkg://")
+            else initialize_config_dir(source, version_base="1.3")
+        )
+        with init:
+            cfg = compose(name, overrides=rest, return_hydra_config=True)
         for key, value in direct.items():
             OmegaConf.update(cfg, key, value)
-        missing = sorted(k for k in required if OmegaConf.is_missing(cfg, k))
+        missing = missing_keys(cfg, required)
         if missing:
             raise UserError(
                 f"{name} needs {' and '.join(f'{k}=...' for k in missing)}"
                 + (f", e.g. `{example}`" if example else "")
             )
-        if not run:
-            OmegaConf.resolve(cfg)
     except (HydraException, OmegaConfBaseException) as exc:
-        usage = _TRAIN_USAGE if run else f", e.g. {override_example}" if override_example else ""
+        usage = f", e.g. {override_example}" if override_example else _USAGE
         raise UserError(
-            f"bad {'training' if run else name} config: {_first_cause(exc, run)}\n"
+            f"bad {'training' if name == TRAIN else name} config: {_first_cause(exc)}\n"
             f"  overrides: {' '.join(overrides) or '(none)'}\n"
             f"  use key=value{usage} (see `protein-performer {name} --help`)"
         ) from None
@@ -120,10 +171,10 @@ def compose_config(
     return cfg
 
 
-def _first_cause(exc: BaseException, with_cause: bool) -> str:
+def _first_cause(exc: BaseException) -> str:
     """The error's text, with its cause when that says more (Hydra wraps the real reason)."""
-    text = str(exc).strip() if with_cause else str(exc)
+    text = str(exc).strip()
     cause = exc.__cause__
-    if with_cause and cause is not None and str(cause).strip() and str(cause).strip() not in text:
+    if cause is not None and str(cause).strip() and str(cause).strip() not in text:
         text = f"{text}: {str(cause).strip()}"
     return text

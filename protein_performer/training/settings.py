@@ -98,10 +98,12 @@ def _plain(node: Any) -> Any:
     return node
 
 
-#: Top-level keys of ``train.yaml``. ``seed`` seeds numpy too, which takes [0, 2**32).
+#: Top-level keys of every run config (``train.yaml``, ``finetune.yaml``). ``seed`` seeds
+#: numpy too, which takes [0, 2**32).
 TOP: dict[str, Rule] = {
     "seed": Rule(int, 0, 2**32 - 1, nullable=True),
     "overwrite": Rule(bool),
+    "threads": Rule(int, 1, nullable=True),
 }
 
 

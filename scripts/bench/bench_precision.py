@@ -21,7 +21,7 @@ from pathlib import Path
 
 import _common as common
 
-DEMO = common.REPO / "data" / "demo"
+DEMO = common.REPO / "protein_performer" / "data" / "demo"
 
 
 def _random_8m(directory: Path, objective: str) -> Path:

@@ -191,7 +191,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         default=None,
         help="fair-esm .pt, HF EsmForMaskedLM dir, or our export/.ckpt (default: random ESM-2)",
     )
-    p.add_argument("--fasta", type=Path, default=h.REPO / "data" / "demo" / "some_proteins.fasta")
+    demo = h.REPO / "protein_performer" / "data" / "demo"
+    p.add_argument("--fasta", type=Path, default=demo / "some_proteins.fasta")
     p.add_argument("--max-records", type=int, default=15)
     p.add_argument("--max-len", type=int, default=512, help="crop (incl. <cls>/<eos>)")
     p.add_argument("--kernels", nargs="+", choices=KERNELS, default=list(KERNELS))

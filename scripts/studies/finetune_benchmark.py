@@ -134,7 +134,7 @@ def mode_lr_ratio(mode: str) -> float:
     """The backbone (or adapter) LR over the head LR in ``conf/mode/MODE.yaml``."""
     from omegaconf import OmegaConf
 
-    conf = OmegaConf.load(ROOT / "conf" / "mode" / f"{mode}.yaml")
+    conf = OmegaConf.load(ROOT / "protein_performer" / "conf" / "mode" / f"{mode}.yaml")
     return float(conf.lr) / float(conf.head_lr)
 
 

@@ -47,7 +47,7 @@ DEFAULT_DATA = [
     str(SEQUENCES / "uniprot_mmseqs_train.fasta"),
     str(SEQUENCES / "swissprot_opal_train.fasta"),
 ]
-QUICK_DATA = [str(REPO / "data" / "demo" / "train.fasta")]
+QUICK_DATA = [str(REPO / "protein_performer" / "data" / "demo" / "train.fasta")]
 #: Attention variant -> overrides (everything else is shared by a study's variants).
 ATTENTION: dict[str, list[str]] = {
     "exact": ["model.config.attention=exact"],

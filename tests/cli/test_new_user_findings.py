@@ -26,7 +26,7 @@ from protein_performer.inference.scoring import matching_offset
 from protein_performer.io.progress import LineProgress, total_later
 from tests.inference.test_embedding import tiny_loaded
 from tests.interop.test_loading import fit_checkpoint
-from tests.paths import REPO
+from tests.paths import DEMO_DATA, REPO
 
 WT = "MKTAYIAKQRQISFVKSHFSRQ"
 
@@ -105,7 +105,7 @@ def test_count_records_and_residues_equals_the_parsed_file(
     records = list(input_records(path))
     residues = sum(len(r.sequence) for r in records)
     assert count_records_and_residues(path) == (len(records), residues)
-    demo = REPO / "data" / "demo" / "some_proteins.fasta"
+    demo = REPO / "protein_performer" / "data" / "demo" / "some_proteins.fasta"
     parsed = list(input_records(demo))
     assert count_records_and_residues(demo) == (15, sum(len(r.sequence) for r in parsed))
 
@@ -148,7 +148,7 @@ def test_lightning_tips_and_eval_mode_warnings_are_silenced() -> None:
 def test_ood_taxa_that_holds_out_nothing_says_why(tmp_path: Path, caplog) -> None:
     from protein_performer.data.preprocess import preprocess
 
-    src = REPO / "data" / "demo" / "some_proteins.fasta"  # UniRef50 ids, no TaxID=
+    src = DEMO_DATA / "some_proteins.fasta"  # UniRef50 ids, no TaxID=
     with caplog.at_level(logging.WARNING):
         summary = preprocess([src], tmp_path / "store", ood_taxa=[9606], progress=False)
     assert summary.splits["ood"] == 0

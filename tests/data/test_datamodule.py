@@ -14,18 +14,19 @@ from protein_performer.data.loader import ResumableDataLoader
 from protein_performer.data.sampler import TokenBudgetBatchSampler
 from protein_performer.errors import UserError
 from tests.data.test_dataset import in_memory_source
-from tests.paths import REPO
+from tests.paths import DEMO_DATA, REPO
 
 ROOT = REPO
 # 15 UniRef50 records (71-935 aa): the bundled copy, else the shared one.
 CANDIDATES = [
-    ROOT / "data/demo/some_proteins.fasta",
+    ROOT / "protein_performer/data/demo/some_proteins.fasta",
     ROOT / "../shared/data/demo/some_proteins.fasta",
 ]
 FASTA = next((p for p in CANDIDATES if p.is_file()), None)
 
 needs_fasta = pytest.mark.skipif(
-    FASTA is None, reason="some_proteins.fasta not found in data/demo/ nor ../shared/data/demo/"
+    FASTA is None,
+    reason="some_proteins.fasta not in protein_performer/data/demo/ nor ../shared/data/demo/",
 )
 
 
@@ -349,12 +350,15 @@ def test_store_path_gives_the_same_splits_as_fasta(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("name", ["default", "demo"])
-def test_hydra_data_configs_instantiate(name: str) -> None:
-    from hydra import compose, initialize_config_dir
+def test_hydra_data_configs_instantiate(name: str, tmp_path: Path) -> None:
     from hydra.utils import instantiate
 
-    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
-        cfg = compose("train", overrides=[f"data={name}", "paths.root_dir=/nonexistent", "seed=3"])
+    from protein_performer.training.compose import compose_config
+
+    overrides = [f"data={name}", "paths.root_dir=/nonexistent", "seed=3"]
+    cfg = compose_config(overrides, output_dir=tmp_path)
     dm = instantiate(cfg.data)
     assert isinstance(dm, ProteinDataModule) and dm.seed == 3 and dm.max_len <= 1024
-    assert str(dm.paths[0]).startswith("/nonexistent/data/")
+    # Your data is found under the root; the demo's ships inside the package.
+    expected = "/nonexistent/data/" if name == "default" else str(DEMO_DATA)
+    assert str(dm.paths[0]).startswith(expected)

@@ -19,10 +19,10 @@ from protein_performer.data.split import assign_split
 from protein_performer.data.store import TokenStore
 from protein_performer.data.tokenizer import Alphabet
 from protein_performer.errors import UserError
-from tests.paths import REPO
+from tests.paths import DEMO_DATA, REPO
 
 ROOT = REPO
-DEMO = ROOT / "data" / "demo" / "train.fasta"  # 2000 real UniProt records, bundled
+DEMO = DEMO_DATA / "train.fasta"  # 2000 real UniProt records, bundled
 
 UNIREF = """>UniRef50_A0A5A9P0L4 Peptidylprolyl isomerase n=1 Tax=Acipenser ruthenus TaxID=7906
 MKTAYIAKQRQISFVKSHFSRQ

@@ -15,7 +15,7 @@ import pytest
 from protein_performer.cli.main import main
 from tests.paths import REPO
 
-DEMO = REPO / "data" / "demo" / "train.fasta"
+DEMO = REPO / "protein_performer" / "data" / "demo" / "train.fasta"
 
 # Kill loops and racing runs, each a preprocess subprocess with worker processes.
 pytestmark = pytest.mark.slow

@@ -171,6 +171,21 @@ def test_read_labels_tasks_and_nan(tmp_path: Path, caplog: pytest.LogCaptureFixt
 
 
 @pytest.mark.parametrize(
+    ("data", "match"),
+    [
+        (b"sequence,label\nMKT,1\nMA\xffG,2\n", r"line 3 is not UTF-8 text \(byte 0xff"),
+        (b"sequence,label\nMKT,1\nMAG,2" + b"0" * 140_000 + b"\n", r"line 3: field larger"),
+    ],
+    ids=["not-utf8", "huge-field"],
+)
+def test_unreadable_label_tables_are_one_error(tmp_path: Path, data: bytes, match: str) -> None:
+    table = tmp_path / "t.csv"
+    table.write_bytes(data)
+    with pytest.raises(UserError, match=match):
+        read_labels(table)
+
+
+@pytest.mark.parametrize(
     "rows, task, match",
     [
         ([["MKT", "HH", "train"]], "residue_classification", r"row 2: 2 residue labels for a "
@@ -382,24 +397,40 @@ def test_cli_finetune_residue_frozen_and_errors(base: Path, tmp_path: Path, caps
     t = write_table(tmp_path / "ss.csv", ["sequence", "ss"], rows)
     args = ["finetune", f"base={base}", f"data.train={t}", "task=residue_classification",
             "mode=frozen", "data.labels=[ss]", "trainer.max_epochs=2",
-            f"paths.output_dir={tmp_path / 'o'}", *QUIET]  # fmt: skip
+            f"hydra.run.dir={tmp_path / 'o'}", *QUIET]  # fmt: skip
     assert main(args) == 0
     printed = capsys.readouterr().out
     assert "val/acc=" in printed and "val/f1=" in printed and "last checkpoint:" in printed
+    # hydra.run.dir places the run as it places train's: log and composed config beside it.
+    assert (tmp_path / "o" / ".hydra" / "config.yaml").is_file()
+    assert (tmp_path / "o" / "finetune.log").is_file()
     lm = pp.load(tmp_path / "o" / "checkpoints" / "last.ckpt", "cpu")
     probs = lm.predict(["MKTA", "MLLAVLE"])
     assert [p.shape for p in probs] == [(4, 2), (7, 2)] and lm.task_labels == ["C", "H"]
     bad = write_table(tmp_path / "bad.csv", ["sequence", "ss"], [["MKT", "HH"]])
     assert main(args) == 2  # the same run directory again: refused, nothing overwritten
     assert "already holds a run" in capsys.readouterr().err
-    rest = [a for a in args[3:] if not a.startswith("paths.output_dir")]
-    assert (
-        main([*args[:2], f"data.train={bad}", f"paths.output_dir={tmp_path / 'o2'}", *rest]) == 2
-    )
+    rest = [a for a in args[3:] if not a.startswith("hydra.run.dir")]
+    assert main([*args[:2], f"data.train={bad}", f"hydra.run.dir={tmp_path / 'o2'}", *rest]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("error: ") and "bad.csv: row 2" in err[0]
     assert main(["finetune", f"base={base}"]) == 2
     assert "finetune needs data.train=" in capsys.readouterr().err
+
+
+def test_cli_finetune_run_name_lands_under_the_root(
+    base: Path, fitness: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The run-directory keys mean what they mean for train: <root>/outputs/finetune/<run_name>,
+    the root being $PROTEIN_PERFORMER_ROOT (else the launch directory)."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("PROTEIN_PERFORMER_ROOT", str(tmp_path / "root"))
+    args = ["finetune", f"base={base}", f"data.train={fitness}", "mode=frozen",
+            "trainer.max_epochs=1", "run_name=r1", *QUIET]  # fmt: skip
+    assert main(args) == 0
+    run = tmp_path / "root" / "outputs" / "finetune" / "r1"
+    assert (run / "checkpoints" / "last.ckpt").is_file() and (run / ".hydra").is_dir()
+    assert not (tmp_path / "outputs").exists()
 
 
 # ----------------------------------------------------------------------------- resume
@@ -424,8 +455,7 @@ def test_resume_after_kill_equals_an_uninterrupted_run(
         "trainer.max_epochs=3",
         "data.max_batch_size=4",
         "test=false",
-        "task.dropout=0.0",
-    ]  # dropout draws from the global RNG, not checkpointed
+    ]  # the default dropout: the checkpoint carries the random states it draws from
     whole = finetune(ft_config(base, fitness, tmp_path / "whole", *common))
     kill = [
         "+callbacks.kill._target_=tests.finetune.test_finetune.KillAt",
@@ -446,12 +476,22 @@ def test_resume_after_kill_equals_an_uninterrupted_run(
     for k in a:
         assert torch.allclose(a[k], b[k], atol=1e-6), k
 
+    def curve(run: dict) -> dict[int, float]:  # logged train/loss by step
+        text = (Path(run["output_dir"]) / "csv" / "metrics.csv").read_text()
+        rows = csv.DictReader(text.splitlines())
+        return {int(r["step"]): float(r["train/loss"]) for r in rows if r["train/loss"]}
+
+    after = {step: loss for step, loss in curve(whole).items() if step > 11}
+    assert after and all(
+        curve(resumed)[step] == pytest.approx(loss, rel=1e-5) for step, loss in after.items()
+    )  # the resumed curve is the uninterrupted one from the first resumed step on
+
 
 # ----------------------------------------------------------------------------- benchmark
 def test_every_finetune_experiment_composes(base: Path, fitness: Path, tmp_path: Path) -> None:
     from protein_performer.cli.finetune import overrides_of
 
-    conf = REPO / "conf" / "finetune_experiment"
+    conf = REPO / "protein_performer" / "conf" / "finetune_experiment"
     names = sorted(p.stem for p in conf.glob("*.yaml"))
     assert names == ["classification", "regression", "residue_classification"]
     for name in names:
@@ -515,3 +555,18 @@ def test_a_diverging_run_stops_with_one_error(base: Path, fitness: Path, tmp_pat
     with pytest.raises(UserError, match=r"training stopped at step \d+: .* is (nan|inf)"):
         finetune(cfg)
     assert not list((tmp_path / "checkpoints").glob("*.ckpt"))  # nothing non-finite written
+
+
+def test_test_rows_repeating_training_sequences_are_counted(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    t = write_table(
+        tmp_path / "t.csv",
+        ["sequence", "label", "split"],
+        [["MKT", 1, "train"], ["MAG", 2, "train"], ["MKT", 3, "test"], ["MLL", 4, "test"],
+         ["MAG", 5, "valid"], ["MVV", 6, "valid"]],
+    )  # fmt: skip
+    with caplog.at_level("WARNING", logger="protein_performer.finetune.data"):
+        splits = assign_splits(read_labels(t))
+    assert {k: len(v) for k, v in splits.items()} == {"train": 2, "valid": 2, "test": 2}
+    assert "1 of 2 valid row(s) and 1 of 2 test row(s) repeat a training sequence" in caplog.text

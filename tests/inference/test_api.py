@@ -57,6 +57,33 @@ def test_load_takes_the_loaders_attention_options(models) -> None:
         pp.load(models["mlm"], device="cpu", kernel="cosine")
 
 
+def test_load_chooses_threads_as_the_cli_does(models, monkeypatch, caplog) -> None:
+    """No ``threads``: the free cores (a fake load: 6 cores, 4 other processes running), said
+    in one logged line; ``threads=N`` and ``OMP_NUM_THREADS`` win; a bad value is refused."""
+    import logging
+
+    from protein_performer.io import threads
+
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.setattr(threads, "usable_cpus", lambda: set(range(6)))
+    monkeypatch.setattr(threads, "physical_cores", lambda cpus: len(cpus))
+    monkeypatch.setattr(threads.os, "cpu_count", lambda: 6)
+    monkeypatch.setattr(threads, "running_elsewhere", lambda: 4)
+    with caplog.at_level(logging.INFO, logger="protein_performer.inference.api"):
+        pp.load(models["mlm"], device="cpu")
+    assert torch.get_num_threads() == 2
+    assert [r.getMessage() for r in caplog.records] == [
+        "threads: 2 (6 core(s), less 4 other process(es) running now); change with threads=N"
+    ]
+    pp.load(models["mlm"], device="cpu", threads=3)
+    assert torch.get_num_threads() == 3
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    pp.load(models["mlm"], device="cpu")
+    assert torch.get_num_threads() == 1
+    with pytest.raises(pp.UserError, match="threads must be a positive integer"):
+        pp.load(models["mlm"], device="cpu", threads=0)
+
+
 def test_embed_equals_the_cli_file(models, tmp_path: Path) -> None:
     lm = pp.load(models["mlm"], device="cpu")
     out = tmp_path / "e.h5"

@@ -320,3 +320,23 @@ def test_cli_context_flags(tmp_path, capsys):
     err = capsys.readouterr().err
     assert err.startswith("error: ") and "Traceback" not in err
     assert not (tmp_path / "y.csv").exists()
+
+
+def test_an_unbounded_context_says_what_it_reads_and_shows_progress(
+    caplog, capsys, monkeypatch
+) -> None:
+    """No trained row length: one line with the count before the prefill, then progress."""
+    import logging
+
+    from protein_performer.inference.context import build_context
+
+    monkeypatch.setenv("PROTEIN_PERFORMER_PROGRESS_INTERVAL", "0")
+    lm = tiny_lm()
+    assert lm.loaded.config.context_tokens is None
+    with caplog.at_level(logging.INFO, logger="protein_performer.inference.context"):
+        ctx = build_context(lm.loaded, FAMILY * 4, segment=32)
+    tokens = sum(len(s) + 2 for _, s in FAMILY * 4)
+    assert ctx.n_tokens == tokens
+    assert f"reading 12 homolog(s), {tokens} tokens" in caplog.text
+    err = capsys.readouterr().err
+    assert "context" in err and f"{tokens}" in err, err

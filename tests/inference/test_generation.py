@@ -277,3 +277,33 @@ def test_the_compile_switch_falls_back_in_one_line(monkeypatch, caplog) -> None:
         assert len(notes) == 1 and "\n" not in notes[0]
         assert ("no C++ compiler" if attention == "favor" else "ExactAttention") in notes[0]
 
+
+class _ClosedAfter:
+    """A standard output whose reader goes away after ``n`` writes (``| head``)."""
+
+    def __init__(self, n: int) -> None:
+        import os
+
+        self.left, self.fd = n, os.open(os.devnull, os.O_WRONLY)
+
+    def write(self, text: str) -> int:
+        if self.left == 0:
+            raise BrokenPipeError(32, "Broken pipe")
+        self.left -= 1
+        return len(text)
+
+    def flush(self) -> None:
+        if self.left == 0:
+            raise BrokenPipeError(32, "Broken pipe")
+
+    def fileno(self) -> int:
+        return self.fd
+
+
+def test_generate_into_a_closed_pipe_says_how_many(tmp_path: Path, capsys, monkeypatch) -> None:
+    ckpt = export_model(causal_lm().loaded, tmp_path / "m")
+    monkeypatch.setattr(sys, "stdout", _ClosedAfter(3))
+    argv = ["generate", str(ckpt), "-", "--num", "8", "--max-length", "12", "--no-progress"]
+    assert main(argv) == 0
+    err = capsys.readouterr().err
+    assert "generated 3 of 8 sequence(s): standard output was closed after them" in err, err

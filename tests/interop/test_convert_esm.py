@@ -20,7 +20,7 @@ from protein_performer.errors import UserError
 from protein_performer.interop.loading import LoadedModel, export_model, load_model
 from tests.paths import FIXTURES, REPO
 
-DEMO_FASTA = REPO / "data" / "demo" / "some_proteins.fasta"
+DEMO_FASTA = REPO / "protein_performer" / "data" / "demo" / "some_proteins.fasta"
 TINY_PDB = FIXTURES / "tiny_blank_chain.pdb"
 TOL = 1e-4
 SEQS = [("short", "MKTAYIAKQRQISFVK"), ("long", "MKTAYIAKQRQISFVKSHFSRQLEERLGLIEVQAPIL")]

@@ -296,3 +296,61 @@ def test_safetensors_dtype_that_lies_is_refused(tmp_path: Path, capsys) -> None:
     assert main(["embed", str(out), str(fasta), str(tmp_path / "o.h5"), "--no-progress"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and f"{name} " in err[0] and "torch.int32 vs model" in err[0], err
+
+
+def test_zero_stride_view_is_checked_through_its_storage(tmp_path: Path, capsys) -> None:
+    """A 1.6 kB file holding shape (1e6, 1e6) over one number: no 4 TB finite check."""
+    from protein_performer.io.checkpoints import load_lightning
+
+    path = tmp_path / "view.ckpt"
+    for value, match in ((float("nan"), "the weights are not finite"), (0.0, None)):
+        view = torch.full((1,), value).expand(10**6, 10**6)
+        torch.save({"state_dict": {"model.embed_tokens.weight": view}}, path)
+        assert path.stat().st_size < 4096
+        start = time.perf_counter()
+        if match:
+            with pytest.raises(UserError, match=match):
+                load_lightning(path)
+        else:
+            assert load_lightning(path)["state_dict"]["model.embed_tokens.weight"].shape[0] > 1
+        assert time.perf_counter() - start < 5
+
+
+def test_zip_that_inflates_is_refused_before_unpickling(tmp_path: Path) -> None:
+    import zipfile
+
+    from protein_performer.io.checkpoints import safe_load
+
+    plain = tmp_path / "plain.ckpt"
+    torch.save({"state_dict": {}, "pad": "a" * (40 << 20)}, plain)
+    bomb = tmp_path / "bomb.ckpt"
+    with zipfile.ZipFile(plain) as src, zipfile.ZipFile(bomb, "w", zipfile.ZIP_DEFLATED) as dst:
+        for info in src.infolist():
+            dst.writestr(info.filename, src.read(info))
+    assert bomb.stat().st_size < (1 << 20)
+    with pytest.raises(UserError, match=r"inflate to [0-9,]+ bytes from a [0-9,]+-byte file"):
+        safe_load(bomb)
+    assert safe_load(plain)["state_dict"] == {}
+
+
+@pytest.mark.parametrize(
+    ("name", "match"),
+    [
+        ("dense_values", r"dense_values has shape \(\d+,\) \(\|S1\)"),
+        ("pair_j", r"pair_j has shape \(1,\) \(int32\) for 0 record"),
+    ],
+    ids=["text-values", "pairs-unlike-each-other"],
+)
+def test_contact_arrays_of_the_wrong_kind_or_length_are_refused(
+    files: tuple[Path, Path], tmp_path: Path, name: str, match: str
+) -> None:
+    """Text where numbers belong came back as bytes; a pair column longer than the others
+    misaligned the pairs."""
+    edited = tmp_path / "edited.h5"
+    shutil.copy(files[1], edited)
+    with h5py.File(edited) as h5:
+        n = len(h5["dense_values"])
+    values = np.asarray([b"a"] * n) if name == "dense_values" else np.zeros(1, np.int32)
+    _edit(edited, name, values)
+    with pytest.raises(UserError, match=match):
+        read_contacts(edited)

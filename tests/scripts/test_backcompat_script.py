@@ -21,7 +21,7 @@ from tests.paths import REPO
 pytestmark = pytest.mark.slow
 
 ROOT = REPO
-DEMO = ROOT / "data" / "demo" / "train.fasta"
+DEMO = ROOT / "protein_performer" / "data" / "demo" / "train.fasta"
 QUICK = ["--quick", "--threads", "1", "--data", str(DEMO)]
 
 

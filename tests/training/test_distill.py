@@ -158,7 +158,7 @@ def test_finetune_experiment_with_distillation_through_hydra(teacher_dir, tmp_pa
             "model.distill.weight=0.5",
             *(f"model.config.{k}={v}" for k, v in SHAPE.items()),
             "model.config.token_dropout=false",
-            f"data.path=[{repo / 'data' / 'demo' / 'train.fasta'}]",
+            f"data.path=[{repo / 'protein_performer' / 'data' / 'demo' / 'train.fasta'}]",
             "data.limit_records=400",
             "data.max_len=64",
             "data.max_tokens=512",

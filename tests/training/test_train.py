@@ -189,7 +189,7 @@ def test_cli_help_lists_experiments() -> None:
 def test_every_experiment_composes(tmp_path: Path) -> None:
     from omegaconf import OmegaConf
 
-    for path in sorted((REPO / "conf" / "experiment").glob("*.yaml")):
+    for path in sorted((REPO / "protein_performer" / "conf" / "experiment").glob("*.yaml")):
         cfg = compose_config([f"experiment={path.stem}"], output_dir=tmp_path)
         body = OmegaConf.masked_copy(cfg, [k for k in cfg if k != "hydra"])
         resolved = OmegaConf.to_container(body, resolve=True, throw_on_missing=False)
@@ -220,7 +220,7 @@ def test_conf_dir_from_environment(tmp_path: Path, monkeypatch: pytest.MonkeyPat
     from protein_performer.training.compose import conf_dir
 
     copy = tmp_path / "conf"
-    shutil.copytree(REPO / "conf", copy)
+    shutil.copytree(REPO / "protein_performer" / "conf", copy)
     (copy / "experiment" / "mine.yaml").write_text(
         "# @package _global_\ntask_name: mine\n", encoding="utf-8"
     )

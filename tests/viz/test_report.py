@@ -162,3 +162,16 @@ def test_hostile_name_stays_text(loaded) -> None:
     assert "<img" not in text
     meta = re.search(r"<script type='application/json' id='report-meta'>(.*?)</script>", text)
     assert json.loads(meta.group(1))["name"] == HOSTILE
+
+
+@pytest.mark.parametrize("rid", ["$\\foo{$", "x" * 100_000], ids=["mathtext", "100kB"])
+def test_png_titles_take_any_record_id(tmp_path: Path, rid: str) -> None:
+    """A record id in a figure title: matplotlib's mathtext and a 100 kB id (a figure
+    128,803 pixels across before) draw as text of bounded size."""
+    from PIL import Image
+
+    from protein_performer.viz.plots import similarity_vs_blosum
+
+    matrix = np.random.default_rng(0).normal(size=(20, 20))
+    path, _ = similarity_vs_blosum(matrix, tmp_path / "s.png", title=f"{rid} (2 layers)", dpi=40)
+    assert max(Image.open(path).size) < 2000

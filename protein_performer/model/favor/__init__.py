@@ -1,7 +1,7 @@
 """FAVOR+ attention, one file per role (flash-linear-attention's ``fla/ops/<op>/`` layout).
 
-Math: docs/FAVOR.md in the repository (Choromanski et al., ICLR 2021) and, for ``softmax_opt``,
-FAVOR++ (Likhosherstov et al., "Chefs' Random Tables", NeurIPS 2022).
+Math: docs/FAVOR.md (Choromanski et al., ICLR 2021) and, for ``softmax_opt``, FAVOR++
+(Likhosherstov et al., "Chefs' Random Tables", NeurIPS 2022).
 
 - :mod:`.kernels`: random matrices, the FAVOR++ statistic and :class:`FeatureMap`, phi with its
   stabilizers and gradients, written once: one subclass per kernel, registered by name in
@@ -13,10 +13,8 @@ FAVOR++ (Likhosherstov et al., "Chefs' Random Tables", NeurIPS 2022).
   scan of :mod:`.scan`, whose tile sizes :mod:`.tiles` tunes per machine; on CUDA the Triton
   kernels of :mod:`.triton_causal` (feature map and stabilizer fused into the scan) run instead;
 - :mod:`.maps`: implied attention maps (the rows FAVOR+ uses without forming them);
-- :mod:`.recurrent`: the recurrent form as functions (the state after some keys, the outputs of
-  new tokens after a state, one decoding step), one state update for all of them;
 - :mod:`.module`: :func:`favor_attention` (dispatch) and :class:`FavorAttention`, which owns
-  omega and runs the parallel or the recurrent form from one ``forward`` (an optional state).
+  omega and the RNN step.
 
 Conventions: q, k, v are (B, H, L, d) and *unscaled*: the kernel approximates
 softmax(q k^T / sqrt(d)); the temperature t = d^-1/4 is folded into the projection (no scaled
@@ -38,8 +36,7 @@ from protein_performer.model.favor.kernels import (
     random_features,
 )
 from protein_performer.model.favor.maps import MapFactors, MapStabilizers, favor_attention_map
-from protein_performer.model.favor.module import FavorAttention, favor_attention
-from protein_performer.model.favor.recurrent import FavorState
+from protein_performer.model.favor.module import FavorAttention, FavorState, favor_attention
 from protein_performer.model.favor.reference import favor_attention_reference
 
 __all__ = [

@@ -16,10 +16,21 @@ math (outputs agree to float rounding).
 
 Sequences shorter than :data:`TUNE_MIN_LENGTH` and problems smaller than
 :data:`TUNE_MIN_TOKENS` (heads x tokens) use :data:`DEFAULT_TILES`: there the scan is a small
-share of the model and timing it would cost more than it saves. A tuned pair replaces the
-default only when it is at least :data:`MARGIN` faster (timings are noisy; a noisy winner would
-be kept for good). Processes sharing the cache (torchrun ranks) take turns through a file
-lock: one tunes, the others read its result.
+share of the model and timing it would cost more than it saves. Processes sharing the cache
+(torchrun ranks) take turns through a file lock: one tunes, the others read its result.
+
+Choices that stay right (a pair tuned on a busy machine was once kept for good, and was slower
+than the default on the quiet machine): the candidates are timed in :data:`REPEATS`
+interleaved rounds (every candidate once per round, the order rotated), so a load that comes
+and goes hits them alike; a pair replaces the default only when it is at least :data:`MARGIN`
+faster in every round. Each entry records when it was measured and the machine's load then.
+A measurement under load (other processes using more than :data:`BUSY_LOAD` of each core)
+keeps the default and is cached as provisional, measured again after
+:data:`RECHECK_PROVISIONAL` seconds; a cached winner older than :data:`RECHECK_WINNER` seconds
+is timed against the default again and dropped when it no longer wins.
+``PROTEIN_PERFORMER_FAVOR_RETUNE=1`` re-tunes on purpose (each shape this process meets is
+measured again and its entry replaced). The timings come from one function
+(``causal_tiles(..., clock=)``), so tests give it made-up times.
 """
 
 from __future__ import annotations
@@ -28,6 +39,7 @@ import contextlib
 import functools
 import json
 import logging
+import math
 import os
 import platform
 import threading
@@ -49,12 +61,26 @@ DEFAULT_TILES = (128, 8192)
 TUNE_MIN_LENGTH = 2048
 #: Heads x tokens from which the tiles are tuned (a 4k-token, 8-head layer is 32,768).
 TUNE_MIN_TOKENS = 32768
+#: The largest chunk and segment accepted (pinned, in a config or in the cache): a C x C
+#: product per head and chunk, so a chunk of 1e9 asked for hundreds of GB.
+MAX_CHUNK, MAX_SEGMENT = 4096, 1 << 20
 CHUNKS = (64, 128, 256)
 SEGMENTS = (1024, 2048, 8192)
-#: How much faster than :data:`DEFAULT_TILES` a tuned pair must be to replace it.
+_CANDIDATES = {DEFAULT_TILES, *((c, s) for c in CHUNKS for s in SEGMENTS)}
+#: How much faster than :data:`DEFAULT_TILES` a tuned pair must be, in every round, to replace it.
 MARGIN = 0.05
-FORMAT = 2  # the cache file's layout and candidates; another value is ignored and re-tuned
+#: Interleaved timing rounds of the candidates.
+REPEATS = 3
+#: Load per core from other processes (the 1-minute load average less this process's threads,
+#: over the cores) above which a measurement is provisional.
+BUSY_LOAD = 0.25
+#: Seconds after which a provisional entry is measured again, and a cached winner re-checked.
+RECHECK_PROVISIONAL, RECHECK_WINNER = 3600.0, 7 * 86400.0
+FORMAT = 3  # the cache file's layout and candidates; another value is ignored and re-tuned
 _memo: dict[str, tuple[int, int]] = {}
+Tiles = tuple[int, int]
+#: Seconds of one scan with the given tiles.
+Timing = Callable[[Tiles], float]
 _lock = threading.Lock()
 #: What may go wrong with the cache file; tuning then runs on, kept in memory only.
 _CACHE_ERRORS = (OSError, RuntimeError, UserError)
@@ -77,10 +103,10 @@ def _pinned() -> tuple[int, int] | None:
         chunk, segment = (int(p) for p in text.split(","))
     except ValueError:
         chunk = segment = 0
-    if chunk <= 0 or segment <= 0:
+    if not (0 < chunk <= MAX_CHUNK and 0 < segment <= MAX_SEGMENT):
         raise UserError(
-            f"PROTEIN_PERFORMER_FAVOR_TILES={text!r}: expected two positive integers "
-            "'CHUNK,SEGMENT', e.g. 128,8192"
+            f"PROTEIN_PERFORMER_FAVOR_TILES={text!r}: expected 'CHUNK,SEGMENT', integers in "
+            f"1..{MAX_CHUNK} and 1..{MAX_SEGMENT}, e.g. 128,8192"
         )
     return chunk, segment
 
@@ -108,19 +134,33 @@ def _key(q: torch.Tensor, M: int, dv: int, grad: bool) -> str:
     )
 
 
-def _read(path: Path) -> dict[str, tuple[int, int]]:
-    """The stored pairs (only candidates: anything else is re-tuned); {} when unreadable."""
+def _read(path: Path) -> dict[str, dict[str, Any]]:
+    """The stored entries (``tiles``, ``at``, ``provisional``...; only candidate pairs of
+    integers: anything else is re-tuned); {} when unreadable."""
     try:
         data = json.loads(path.read_text())
     except (*_CACHE_ERRORS, ValueError):
         return {}
     if not isinstance(data, dict) or data.get("format") != FORMAT:
         return {}
-    tiles = data.get("tiles")
-    valid = [DEFAULT_TILES, *((c, s) for c in CHUNKS for s in SEGMENTS)]
-    if not isinstance(tiles, dict):
-        return {}
-    return {k: tuple(v) for k, v in tiles.items() if isinstance(v, list) and tuple(v) in valid}
+    entries = data.get("tiles")
+    return {k: v for k, v in entries.items() if _valid(v)} if isinstance(entries, dict) else {}
+
+
+def _valid(entry: Any) -> bool:  # noqa: ANN401 - JSON
+    """An entry as :func:`causal_tiles` writes it. ``type(x) is int``: ``[64.0, 1024.0]``
+    equals a candidate in Python but would crash every scan."""
+    if not isinstance(entry, dict):
+        return False
+    pair, at = entry.get("tiles"), entry.get("at")
+    return (
+        isinstance(pair, list)
+        and all(type(x) is int for x in pair)
+        and tuple(pair) in _CANDIDATES
+        and type(at) in (int, float)
+        and math.isfinite(at)
+        and isinstance(entry.get("provisional"), bool)
+    )
 
 
 @contextlib.contextmanager
@@ -136,37 +176,87 @@ def _file_lock(path: Path) -> Iterator[None]:
         yield
 
 
-def _time(run, device: torch.device, reps: int = 2) -> float:
-    """Best of ``reps`` timings of ``run()`` after one warm-up."""
-    run()
-    best = float("inf")
-    for _ in range(reps):
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        start = time.perf_counter()
-        run()
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        best = min(best, time.perf_counter() - start)
-    return best
+def machine_load(threads: int) -> float:
+    """Load per core from other processes: the 1-minute load average less this process's
+    ``threads``, over the cores (0 where the system has no load average)."""
+    try:
+        average = os.getloadavg()[0]
+    except (OSError, AttributeError):
+        return 0.0
+    return max(0.0, average - threads) / (os.cpu_count() or 1)
 
 
-def _measure(measure, device: torch.device) -> tuple[tuple[int, int], dict[str, float]]:
-    """Chunk first (at the default segment), then the segment for the best chunk: 5 timings
-    instead of the full 3 x 3 grid (the two interact little: the segment only sets how many
-    chunks share one pass). The default pair is among them; another wins only by MARGIN."""
-    seen: dict[tuple[int, int], float] = {}
-    segment = DEFAULT_TILES[1]
-    for chunk in CHUNKS:
-        seen[chunk, segment] = _time(lambda c=chunk: measure(c, segment), device)
-    chunk = min((t, c) for (c, _), t in seen.items())[1]
-    for seg in SEGMENTS:
-        if (chunk, seg) not in seen:
-            seen[chunk, seg] = _time(lambda s=seg: measure(chunk, s), device)
-    best = min(seen, key=seen.__getitem__)
-    if seen[best] > (1 - MARGIN) * seen[DEFAULT_TILES]:
-        best = DEFAULT_TILES
-    return best, {f"{c},{s}": round(t, 4) for (c, s), t in seen.items()}
+def _timer(
+    measure: Callable[[int, int], None], device: torch.device, clock: Callable[[], float]
+) -> Timing:
+    """Seconds of one ``measure(chunk, segment)`` by ``clock``, each pair run once untimed
+    first (a warm-up)."""
+    warmed: set[Tiles] = set()
+
+    def sync() -> None:
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
+    def time_one(pair: Tiles) -> float:
+        if pair not in warmed:
+            measure(*pair)
+            warmed.add(pair)
+        sync()
+        start = clock()
+        measure(*pair)
+        sync()
+        return clock() - start
+
+    return time_one
+
+
+def _rounds(time_one: Timing, candidates: list[Tiles]) -> dict[Tiles, list[float]]:
+    """:data:`REPEATS` rounds, each timing every candidate once, the order rotated by one per
+    round: timing a candidate's repeats back to back let a burst of load pick the winner."""
+    times: dict[Tiles, list[float]] = {c: [] for c in candidates}
+    for r in range(REPEATS):
+        k = r % len(candidates)
+        for pair in candidates[k:] + candidates[:k]:
+            times[pair].append(time_one(pair))
+    return times
+
+
+def _wins(times: dict[Tiles, list[float]], pair: Tiles) -> bool:
+    """Whether ``pair`` beat the default by :data:`MARGIN` in every round."""
+    return all(
+        t <= (1 - MARGIN) * d for t, d in zip(times[pair], times[DEFAULT_TILES], strict=True)
+    )
+
+
+def _median(values: list[float]) -> float:
+    return sorted(values)[len(values) // 2]
+
+
+def _measure(time_one: Timing) -> tuple[Tiles, dict[str, list[float]]]:
+    """Chunk first (at the default segment), then the segment for the best chunk, the default
+    timed in both stages' rounds (the two interact little: the segment only sets how many
+    chunks share one pass); the winner is the fastest by median of the pairs that beat the
+    default in every round (:func:`_wins`), else the default."""
+    first = _rounds(time_one, [(c, DEFAULT_TILES[1]) for c in CHUNKS])
+    chunk = min(first, key=lambda p: _median(first[p]))[0]
+    second = _rounds(
+        time_one, list(dict.fromkeys([*((chunk, s) for s in SEGMENTS), DEFAULT_TILES]))
+    )
+    winners = [p for p in second if p != DEFAULT_TILES and _wins(second, p)]
+    best = min(winners, key=lambda p: _median(second[p])) if winners else DEFAULT_TILES
+    return best, _seconds({**first, **second})
+
+
+def _recheck(time_one: Timing, cached: Tiles) -> tuple[Tiles, dict[str, list[float]]]:
+    """A cached winner timed against the default in interleaved rounds: kept only while it
+    still wins (:func:`_wins`), else dropped for the default."""
+    times = _rounds(time_one, [cached, DEFAULT_TILES])
+    return (cached if _wins(times, cached) else DEFAULT_TILES), _seconds(times)
+
+
+def _seconds(times: dict[Tiles, list[float]]) -> dict[str, list[float]]:
+    """Timings as the cache and the log line show them: ``"chunk,segment": [per round]``."""
+    return {f"{c},{s}": [round(t, 4) for t in ts] for (c, s), ts in times.items()}
 
 
 def _apart(fn: Callable[[], Any], grad: bool, device: torch.device) -> Any:
@@ -218,20 +308,37 @@ def tiles_in_use(q: torch.Tensor, M: int, dv: int) -> tuple[int, int]:
         if key in _memo:
             return _memo[key]
         try:
-            return _read(cache_dir() / "favor_tiles.json").get(key, DEFAULT_TILES)
+            entry = _read(cache_dir() / "favor_tiles.json").get(key)
         except _CACHE_ERRORS:
             return DEFAULT_TILES
+        return tuple(entry["tiles"]) if entry else DEFAULT_TILES  # type: ignore[return-value]
+
+
+def _due(entry: dict[str, Any] | None, now: float) -> str | None:
+    """What an entry needs before use: ``"tune"`` (none, provisional and old, or a re-tune
+    asked for), ``"recheck"`` (a winner older than :data:`RECHECK_WINNER`), or None."""
+    if entry is None or os.environ.get("PROTEIN_PERFORMER_FAVOR_RETUNE", "") not in ("", "0"):
+        return "tune"
+    age = now - entry["at"]
+    if entry["provisional"]:
+        return "tune" if age >= RECHECK_PROVISIONAL else None
+    winner = tuple(entry["tiles"]) != DEFAULT_TILES
+    return "recheck" if winner and age >= RECHECK_WINNER else None
 
 
 def causal_tiles(
-    q: torch.Tensor, M: int, dv: int, probe: Callable[[bool], Callable[[int, int], None]]
+    q: torch.Tensor,
+    M: int,
+    dv: int,
+    probe: Callable[[bool], Callable[[int, int], None]],
+    clock: Callable[[], float] = time.perf_counter,
 ) -> tuple[int, int]:
     """(chunk, segment) for a causal scan over q (BH, L, d) with M features.
 
     ``probe(grad)`` builds, only when timing is needed, a callable ``(chunk, segment)`` that
     runs one representative scan (8 heads x 4,096 tokens of this head width, features and
     dtype, with backward when ``grad``: gradients are on and q needs them); both run apart
-    from the caller (:func:`_apart`).
+    from the caller (:func:`_apart`). ``clock`` times each run (tests pass made-up times).
     """
     fixed = _fixed(q)
     if fixed is not None:
@@ -246,27 +353,54 @@ def causal_tiles(
         except _CACHE_ERRORS:  # no home directory: tune, keep it in memory
             path = None
         with _file_lock(path) if path is not None else contextlib.nullcontext():
-            stored = _read(path) if path is not None else {}
-            if key in stored:
-                _memo[key] = stored[key]
-                return stored[key]
+            entry = _read(path).get(key) if path is not None else None
+            due = _due(entry, time.time())
+            if due is None:
+                _memo[key] = tuple(entry["tiles"])  # type: ignore[index]
+                return _memo[key]
             start = time.perf_counter()
-            best, seen = _apart(lambda: _measure(probe(grad), q.device), grad, q.device)
+            threads = torch.get_num_threads()
+
+            def measure() -> tuple[Tiles, dict[str, list[float]]]:
+                time_one = _timer(probe(grad), q.device, clock)
+                if due == "tune":
+                    return _measure(time_one)
+                return _recheck(time_one, tuple(entry["tiles"]))  # type: ignore[index, arg-type]
+
+            best, seen = _apart(measure, grad, q.device)
+            load = machine_load(threads)
+            provisional = load > BUSY_LOAD
+            if provisional:  # a loaded machine's timings are not trusted with a choice
+                best = DEFAULT_TILES
             _memo[key] = best
+            record = {
+                "tiles": list(best),
+                "at": round(time.time(), 1),
+                "measured": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+                "load_per_core": round(load, 3),
+                "cpus": os.cpu_count() or 1,
+                "provisional": provisional,
+                "seconds": seen,
+            }
             where = "kept in memory only"
             if path is not None:
-                tiles = {k: list(v) for k, v in {**_read(path), key: best}.items()}
-                text = json.dumps({"format": FORMAT, "tiles": tiles}, indent=1)
+                entries = {**_read(path), key: record}
+                text = json.dumps({"format": FORMAT, "tiles": entries}, indent=1)
                 try:
                     write_text_atomic(path, text)
-                    where = f"cached in {path}"
+                    where = f"cached in {path}" + (" as provisional" if provisional else "")
                 except _CACHE_ERRORS as exc:  # a read-only or full cache: tuned again next time
                     where = f"not cached ({exc})"
+        what = "re-checked" if due == "recheck" else "tuned"
         log.info(
-            "FAVOR+ causal tiles for this machine: chunk %d, segment %d (tuned once in %.1f s, "
-            "%s; seconds per candidate %s; pin with PROTEIN_PERFORMER_FAVOR_TILES=C,S)",
+            "FAVOR+ causal tiles for this machine: chunk %d, segment %d (%s in %.1f s under a "
+            "load of %.2f per core from other work, %s; seconds per candidate and round %s; "
+            "pin with PROTEIN_PERFORMER_FAVOR_TILES=C,S, re-tune with "
+            "PROTEIN_PERFORMER_FAVOR_RETUNE=1)",
             *best,
+            what,
             time.perf_counter() - start,
+            load,
             where,
             seen,
         )

@@ -7,12 +7,15 @@ attention keeps, per head, one sum of [k | v | 1] per member position p over the
 p, so each position has a mean key K[p] and a mean value V[p]. A query at position p attends
 over the 2W + 1 positions around it,
 
-    mem_t = sum_D softmax_D(q_t . K[p_t + D] / sqrt(d) + b_h(D)) V[p_t + D],   D in [-W, W],
+    mem_t = sum_D softmax_D(q_t . K[p_t + D] / sqrt(d) + b_h(D)) V[p_t + D + s],   D in [-W, W],
 
-with rotary keys, so q . K carries the offset D as exact attention's scores do: a head can learn
-to read D = +1 (the residue after the aligned one: what a causal model predicts), and content
-decides between nearby positions when an indel shifts a homolog. The state is
-(P + 2W) x (d + dv + 1) per head, P the longest member it holds: constant in the number of
+with s = 1 when causal: the key found is paired with its successor's value, the residue that
+follows the matched one in the homolog, which is what t predicts (an induction head, built in);
+s = 0 for a masked model, which predicts the residue at t itself. Keys are rotary, so q . K
+carries the offset D as exact attention's scores do: with aligned homologs a head can read
+D = 0 by position alone (the learned bias b_h), and when an indel shifts a homolog, content
+(the residue at t against the residues around p_t) finds the homologous position. The state is
+(P + 2W + 1) x (d + dv + 1) per head, P the longest member it holds: constant in the number of
 members and in the context's length. A per-head gate from the query,
 g_t = sigmoid(q_t . u_h + b_h), mixes it with the core's own output, out = core + g (mem - core);
 where no memory entry is in reach (positions >= P, an empty memory) the output is the core's.
@@ -36,7 +39,7 @@ from protein_performer.model.rotary import as_positions
 
 class MemoryState(NamedTuple):
     """The mixed core's state: the inner core's (``inner``) and the position memory
-    ``mem`` (B, H, P + 2W, d + dv + 1), slot p + W holding the sum of [k | v | 1] at p."""
+    ``mem`` (B, H, P + 2W + 1, d + dv + 1), slot p + W holding the sum of [k | v | 1] at p."""
 
     inner: Any
     mem: Tensor
@@ -78,7 +81,7 @@ class PositionMemory(nn.Module):
         """Per offset D, the sums of [k | v | 1] at position p_t + D over the keys t may read,
         (B, H, L, 2W+1, C), and the memory after the tokens (B, H, S, C)."""
         B, H, L, C = kvx.shape
-        W, S = self.window, self.max_positions + 2 * self.window
+        W, S = self.window, self.max_positions + 2 * self.window + self.causal
         slot, valid = self._slots(positions, keep)
         kvx = kvx * valid[:, None, :, None].to(kvx.dtype)
         member = member_layout(positions)  # (B, L)
@@ -97,9 +100,10 @@ class PositionMemory(nn.Module):
             view, base = table.view(B, H, (K + 1) * S, C), member * S + slot
         else:  # bidirectional: every token of every member, t's own member included
             view, base = new_mem, slot
-        offsets = torch.arange(-W, W + 1, device=kvx.device)
-        index = (base[:, :, None] + offsets).reshape(B, 1, L * (2 * W + 1), 1)
-        sums = view.gather(2, index.expand(B, H, L * (2 * W + 1), C)).view(B, H, L, 2 * W + 1, C)
+        n = 2 * W + 1 + self.causal  # causal: one slot more, the successor of p_t + W
+        offsets = torch.arange(-W, W + 1 + self.causal, device=kvx.device)
+        index = (base[:, :, None] + offsets).reshape(B, 1, L * n, 1)
+        sums = view.gather(2, index.expand(B, H, L * n, C)).view(B, H, L, n, C)
         if self.causal:  # positions continue by 1 within a member: key j = t - d is at p_t - d
             own = []
             for d in range(0, W + 1):
@@ -109,7 +113,7 @@ class PositionMemory(nn.Module):
                 same = (member[:, d:] == member[:, : L - d])[:, None, :, None]
                 own.append(F.pad(kvx[:, :, : L - d] * same.to(kvx.dtype), (0, 0, d, 0)))
             # offsets -W..0 hold the keys d = W..0 behind t; none ahead of t (causal)
-            sums = sums + F.pad(torch.stack(own[::-1], 3), (0, 0, 0, W))
+            sums = sums + F.pad(torch.stack(own[::-1], 3), (0, 0, 0, W + 1))
         return sums * valid[:, None, :, None, None].to(kvx.dtype), new_mem
 
     def _read(self, q: Tensor, k: Tensor, v: Tensor, positions: Tensor, keep: Tensor,
@@ -120,14 +124,17 @@ class PositionMemory(nn.Module):
         d = q.shape[-1]
         kvx = torch.cat([k, v, torch.ones_like(v[..., :1])], -1)  # (B, H, L, d + dv + 1)
         sums, new_mem = self._gather(kvx, positions, keep, mem)  # (B, H, L, 2W+1, C)
-        count = sums[..., -1]  # (B, H, L, 2W+1)
-        seen = count > 0
-        inv = count.clamp_min(1e-6).reciprocal()
-        # q . mean key and the weighted mean values, contracting before dividing by the count
-        scores = torch.einsum("bhltd,bhld->bhlt", sums[..., :d], q) * inv * d**-0.5
+        # keys at p_t + D; values at p_t + D + 1 when causal (the successor: what t predicts)
+        keys, values = (sums[..., :-1, :], sums[..., 1:, :]) if self.causal else (sums, sums)
+        k_count, v_count = keys[..., -1], values[..., -1]  # (B, H, L, 2W+1)
+        seen = (k_count > 0) & (v_count > 0)
+        # q . mean key and the weighted mean values, contracting before dividing by the counts
+        # (elementwise products: batched matmuls of 2W+1 rows are slower on CPU)
+        scores = (keys[..., :d] * q[..., None, :]).sum(-1) / k_count.clamp_min(1e-6) * d**-0.5
         scores = scores + self.offset_logits.to(q.dtype)[None, :, None, :]
         weights = scores.masked_fill(~seen, float("-inf")).softmax(-1).nan_to_num(0.0)
-        out = torch.einsum("bhlt,bhlte->bhle", weights * inv, sums[..., d:-1])  # (B, H, L, dv)
+        weights = weights / v_count.clamp_min(1e-6)
+        out = (weights[..., None] * values[..., d:-1]).sum(-2)  # (B, H, L, dv)
         return out, seen.any(-1, keepdim=True), new_mem
 
     def forward(

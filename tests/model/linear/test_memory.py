@@ -21,9 +21,10 @@ def _rows(seed: int):
 
 
 def _reference(mem: PositionMemory, q, k, v, pos, mask, inner_out):
-    """The definition, loop-free in O(L^2 W): for each offset D the mean key and value of the
-    real keys j (j <= t when causal) at position p_t + D, both positions < P; softmax over the
-    offsets that hold a key; the gate's mix with the inner core's output."""
+    """The definition, loop-free in O(L^2 W): for each offset D the mean key of the real keys
+    j (j <= t when causal) at position p_t + D and the mean value at p_t + D + 1 when causal
+    (at p_t + D when not), positions < P; softmax over the offsets that hold both; the gate's
+    mix with the inner core's output."""
     W, P = mem.window, mem.max_positions
     q, k, v = q.double(), k.double(), v.double()
     d = q.shape[-1]
@@ -33,11 +34,12 @@ def _reference(mem: PositionMemory, q, k, v, pos, mask, inner_out):
     if mem.causal:
         ok &= torch.ones(L, L, dtype=torch.bool).tril()
     offsets = torch.arange(-W, W + 1)
-    hit = (delta[..., None] == offsets) & ok[..., None]  # (B, t, j, D)
-    hit = hit[:, None].double()  # (B, 1, t, j, D)
-    count = hit.sum(3)  # (B, 1, t, D)
-    mean_k = torch.einsum("bxtjo,bhjd->bhtod", hit, k) / count.clamp_min(1e-12)[..., None]
-    mean_v = torch.einsum("bxtjo,bhjd->bhtod", hit, v) / count.clamp_min(1e-12)[..., None]
+    k_hit = ((delta[..., None] == offsets) & ok[..., None])[:, None].double()  # (B, 1, t, j, D)
+    v_hit = ((delta[..., None] == offsets + int(mem.causal)) & ok[..., None])[:, None].double()
+    k_count, v_count = k_hit.sum(3), v_hit.sum(3)  # (B, 1, t, D)
+    mean_k = torch.einsum("bxtjo,bhjd->bhtod", k_hit, k) / k_count.clamp_min(1e-12)[..., None]
+    mean_v = torch.einsum("bxtjo,bhjd->bhtod", v_hit, v) / v_count.clamp_min(1e-12)[..., None]
+    count = k_count * v_count
     scores = (mean_k * q[:, :, :, None]).sum(-1) / d**0.5 + mem.offset_logits.double()[:, None]
     weights = scores.masked_fill(count == 0, float("-inf")).softmax(-1).nan_to_num(0.0)
     read = (weights[..., None] * mean_v).sum(-2)
@@ -87,7 +89,7 @@ def test_memory_state_continues_the_row_and_has_a_fixed_size():
     b, after = mem(q[:, :, 20:], k[:, :, 20:], v[:, :, 20:], state=state,
                    positions=pos[:, 20:], keep_state=True)
     torch.testing.assert_close(torch.cat([a, b], 2), full, atol=1e-5, rtol=1e-4)
-    assert state.mem.shape == after.mem.shape == (1, 2, 16 + 6, 6 + 6 + 1)
+    assert state.mem.shape == after.mem.shape == (1, 2, 16 + 6 + 1, 6 + 6 + 1)
     steps, s = [], None
     for t in range(41):
         sl = slice(t, t + 1)
@@ -133,4 +135,4 @@ def test_memory_state_has_the_same_bytes_after_1k_and_64k_context_tokens():
         return state.mem.nbytes + state.inner.kv.nbytes
 
     with torch.no_grad():
-        assert state_bytes(1024) == state_bytes(65536) == 4 * ((128 + 4) * 9 + 15 * 5)
+        assert state_bytes(1024) == state_bytes(65536) == 4 * ((128 + 5) * 9 + 15 * 5)

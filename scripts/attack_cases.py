@@ -1,0 +1,308 @@
+#!/usr/bin/env python
+"""Crafted inputs of the round-three attack run (issue 34), run through the real CLI.
+
+``fault_injection.py`` kills commands inside their writes; this sibling hands them hostile
+files instead, so the next attack round starts from these cases. Each case builds its files
+from one tiny export (MLM and CLM), runs one command in a fresh process under a timeout and
+checks the promised outcome: one ``error:`` line with exit status 2 (and no traceback), or
+exit 0 with the documented warning or escape.
+
+    python scripts/attack_cases.py                       # every case (a few minutes)
+    python scripts/attack_cases.py --only h5-external report-script --out /tmp/attack
+
+Prints one line per case (ok / FAIL, exit status, the line that decided) and writes
+``report.json``; exits 1 when a case fails.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import struct
+import subprocess
+import sys
+import tempfile
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+#: The repository checkout this script belongs to.
+REPO = Path(__file__).resolve().parents[1]
+SEQ = "MKTAYIAKQRQISFVKSHFSRQLEERLGLIEVQAPILSRVGDGTQDNLSGAEKAVQ"
+HOSTILE_ID = "</script><script>alert(1)</script>"
+
+
+@dataclass
+class Case:
+    """One command on crafted files and what it must do."""
+
+    name: str
+    argv: list[str]
+    want: str  # "error": exit 2 and one error line; "ok": exit 0
+    says: str  # text the error line (or, for "ok", stderr) must hold
+    check: Callable[[], str | None] | None = None  # more to check after an "ok" run
+    shell_closes_stdout: bool = False
+
+
+def _cli(*args: str) -> list[str]:
+    return [sys.executable, "-m", "protein_performer.cli.main", *args]
+
+
+def _models(work: Path) -> tuple[Path, Path]:
+    """Tiny MLM and CLM exports (seeded)."""
+    import torch
+
+    from protein_performer.data.tokenizer import Alphabet
+    from protein_performer.interop.loading import LoadedModel, export_model
+    from protein_performer.model.config import PerformerConfig
+    from protein_performer.model.performer import PerformerLM
+
+    out = []
+    for objective in ("mlm", "clm"):
+        torch.manual_seed(0)
+        config = PerformerConfig(
+            dim=16, depth=2, heads=2, ff_dim=32, nb_features=8, objective=objective
+        )
+        loaded = LoadedModel(
+            PerformerLM(config).eval(), config, Alphabet(), work, torch.device("cpu"), "export"
+        )
+        out.append(export_model(loaded, work / objective))
+    return out[0], out[1]
+
+
+def _edit_config(model: Path, dest: Path, **edits: object) -> Path:
+    shutil.copytree(model, dest)
+    meta = json.loads((dest / "config.json").read_text())
+    meta["config"].update(edits)
+    (dest / "config.json").write_text(json.dumps(meta))
+    return dest
+
+
+def _lying_dtype(model: Path, dest: Path) -> Path:
+    """The first float tensor's safetensors header says I32 (same size, other meaning)."""
+    shutil.copytree(model, dest)
+    weights = dest / "model.safetensors"
+    data = weights.read_bytes()
+    n = struct.unpack("<Q", data[:8])[0]
+    header = json.loads(data[8 : 8 + n])
+    name = next(k for k, v in header.items() if k != "__metadata__" and v["dtype"] == "F32")
+    header[name]["dtype"] = "I32"
+    weights.write_bytes(data[:8] + json.dumps(header, separators=(",", ":")).encode().ljust(n)
+                        + data[8 + n :])  # fmt: skip
+    return dest
+
+
+def _embedded(model: Path, fasta: Path, out: Path) -> Path:
+    subprocess.run(_cli("embed", str(model), str(fasta), str(out), "--no-progress"),
+                   check=True, capture_output=True)  # fmt: skip
+    return out
+
+
+def _crafted_h5(model: Path, fasta: Path, work: Path, how: str) -> Path:
+    """A finished embed output with its mean array made to read elsewhere or declare more."""
+    import h5py
+    import numpy as np
+
+    out = _embedded(model, fasta, work / f"{how}.h5")
+    secret = work / "secret.bin"
+    secret.write_bytes(np.arange(64, dtype=np.float32).tobytes())
+    with h5py.File(out, "r+") as h5:
+        name = f"mean/{int(h5.attrs['repr_layers'][-1])}"
+        n, dim = h5[name].shape
+        del h5[name]
+        if how == "external":
+            h5.create_dataset(name, (n, dim), np.float32, external=[(str(secret), 0, 4 * n * dim)])
+        elif how == "soft-link":
+            h5["elsewhere"] = np.zeros((n, dim), np.float32)
+            h5[name] = h5py.SoftLink("/elsewhere")
+        else:  # a billion rows declared, none stored
+            h5.create_dataset(name, (10**9, dim), np.float32, chunks=(64, dim))
+    return out
+
+
+def _checkpoint(work: Path, name: str, state: dict) -> Path:
+    import torch
+
+    path = work / name
+    torch.save({"state_dict": state}, path)
+    return path
+
+
+def _zip_bomb(work: Path) -> Path:
+    """A torch checkpoint re-zipped with deflate: 40 MB of pickle in well under 1 MB."""
+    import zipfile
+
+    import torch
+
+    plain = work / "plain.ckpt"
+    torch.save({"state_dict": {}, "pad": "a" * (40 << 20)}, plain)
+    bomb = work / "bomb.ckpt"
+    with zipfile.ZipFile(plain) as src, zipfile.ZipFile(bomb, "w", zipfile.ZIP_DEFLATED) as dst:
+        for info in src.infolist():
+            dst.writestr(info.filename, src.read(info))
+    plain.unlink()
+    return bomb
+
+
+def _regression(model: Path, work: Path, name: str, **edits: object) -> Path:
+    """A valid contact regression of ``model``, then edited."""
+    from protein_performer.interop.loading import load_model
+    from protein_performer.model.contact_head import ContactRegression, model_identity
+
+    loaded = load_model(model, "cpu")
+    reg = ContactRegression([0.5, -0.5, 0.25, 0.0], -1.0, [1, 2], [0, 1], **model_identity(loaded))
+    path = work / f"{name}.json"
+    path.write_text(json.dumps({**reg.to_dict(), **edits}))
+    return path
+
+
+def _report_check(path: Path) -> Callable[[], str | None]:
+    def check() -> str | None:
+        import re
+
+        text = path.read_text(encoding="utf-8")
+        meta = re.search(r"<script type='application/json' id='report-meta'>(.*?)</script>", text)
+        if meta is None or json.loads(meta.group(1))["name"] != HOSTILE_ID:
+            return "the metadata JSON does not parse back to the record id"
+        return "the id closed a script block" if "<script>alert" in text else None
+
+    return check
+
+
+def _png_check(out_dir: Path) -> Callable[[], str | None]:
+    def check() -> str | None:
+        from PIL import Image
+
+        sizes = [Image.open(p).size for p in out_dir.glob("*.png")]
+        if not sizes:
+            return "no PNG written"
+        return None if max(max(s) for s in sizes) < 8000 else f"a figure of {max(sizes)} px"
+
+    return check
+
+
+def build(work: Path) -> list[Case]:
+    """Every case's files under ``work``, and the cases."""
+    mlm, clm = _models(work)
+    fasta = work / "in.fasta"
+    fasta.write_text(f">a one\n{SEQ}\n>b two\n{SEQ[::-1]}\n")
+    changed = work / "changed.fasta"
+    changed.write_text(f">a one\n{SEQ[::-1]}\n>b two\n{SEQ}\n")
+    hostile = work / "hostile.fasta"
+    hostile.write_text(f">{HOSTILE_ID}\n{SEQ}\n")
+    dna = work / "dna.fasta"
+    dna.write_text(">d\nACGTACGTACGTNNACGT\n>r\nACGUACGUAGCU\n")
+    stale = _embedded(mlm, fasta, work / "stale.h5")
+    import torch
+
+    view = torch.full((1,), float("nan")).expand(10**6, 10**6)
+    cases = [
+        Case("report-script", _cli("visualize", str(mlm), str(hostile), "--device", "cpu",
+             "--html", str(work / "r.html")), "ok", "", _report_check(work / "r.html")),
+        *(
+            Case(f"h5-{how}", _cli("embed", str(mlm), str(fasta),
+                 str(_crafted_h5(mlm, fasta, work, how)), "--resume", "--no-progress"),
+                 "error", says)
+            for how, says in (("external", "stored externally"), ("soft-link", "is a SoftLink"),
+                              ("declared-1e9", "declares shape (1000000000"))
+        ),
+        Case("resume-stale", _cli("embed", str(mlm), str(changed), str(stale), "--resume",
+             "--no-progress"), "error", "with another sequence than"),
+        *(
+            Case(f"regression-{name}", _cli("contacts", "predict", str(mlm), str(fasta),
+                 str(work / f"c-{name}.h5"), "--regression",
+                 str(_regression(mlm, work, name, **edit)), "--no-progress"), "error", says)
+            for name, edit, says in (
+                ("nan", {"coef": [float("nan"), 0, 0, 0]}, "must be finite"),
+                ("inf-intercept", {"intercept": float("inf")}, "must be finite"),
+                ("1e308", {"coef": [1e308] * 4}, "at most"),
+                ("bad-heads", {"heads": [-1, 0]}, "out of range"),
+            )
+        ),
+        Case("safetensors-dtype", _cli("embed", str(_lying_dtype(mlm, work / "lies")),
+             str(fasta), str(work / "l.h5")), "error", "torch.int32 vs model"),
+        Case("zero-stride-view", _cli("embed", str(_checkpoint(work, "view.ckpt",
+             {"model.embed_tokens.weight": view})), str(fasta), str(work / "v.h5")), "error",
+             "not finite"),
+        Case("zip-bomb", _cli("embed", str(_zip_bomb(work)), str(fasta), str(work / "z.h5")),
+             "error", "inflate to"),
+        *(
+            Case(f"config-{key}", _cli("embed", str(_edit_config(mlm, work / key, **{key: value})),
+                 str(fasta), str(work / f"{key}.h5")), "error", key)
+            for key, value in (("favor_chunk_size", 10**9), ("rotary_base", 1e308),
+                               ("layer_norm_eps", 1e308))
+        ),
+        Case("stdout-closed", _cli("generate", str(clm), "-", "--num", "1", "--max-length", "8"),
+             "error", "standard output is closed", shell_closes_stdout=True),
+        Case("dna-input", _cli("score", str(mlm), str(dna), str(work / "dna.csv"),
+             "--no-progress"), "ok", "looks like DNA or RNA"),
+        Case("output-dir-slash", _cli("score", str(mlm), str(fasta), f"{work}/not_yet/"),
+             "error", "is a directory"),
+    ]  # fmt: skip
+    labels = work / "labels.csv"
+    labels.write_bytes(b"sequence,label\nMKT,1\nMA\xffG,2\n")
+    cases.append(Case("labels-not-utf8", _cli("finetune", f"base={mlm}", f"data.train={labels}",
+                      f"paths.output_dir={work / 'ft'}"), "error", "is not UTF-8"))  # fmt: skip
+    for tag, rid in (("mathtext", "$\\foo{$"), ("100kB", "x" * 100_000)):
+        one = work / f"id-{tag}.fasta"
+        one.write_text(f">{rid}\n{SEQ}\n")
+        out = work / f"png-{tag}"
+        cases.append(Case(f"png-id-{tag}", _cli("visualize", str(mlm), str(one), "--device",
+                          "cpu", "--out-dir", str(out)), "ok", "", _png_check(out)))  # fmt: skip
+    return cases
+
+
+def run_case(case: Case, timeout: float) -> dict[str, object]:
+    """Run one case; its row of the report."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore",
+           "PYTHONPATH": str(REPO)}  # fmt: skip
+    argv = case.argv
+    if case.shell_closes_stdout:  # the command starts with file descriptor 1 closed
+        argv = ["sh", "-c", 'exec "$@" >&-', "sh", *argv]
+    try:
+        proc = subprocess.run(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                              env=env, timeout=timeout)  # fmt: skip
+    except subprocess.TimeoutExpired:
+        return {"case": case.name, "ok": False, "rc": None, "said": f"timed out after {timeout} s"}
+    err = proc.stderr or ""
+    errors = [line for line in err.splitlines() if line.startswith("error:")]
+    if case.want == "error":
+        ok = proc.returncode == 2 and len(errors) == 1 and case.says in errors[0]
+        ok = ok and "Traceback" not in err
+        said = errors[0] if errors else err.strip()[-300:]
+    else:
+        problem = case.check() if proc.returncode == 0 and case.check else None
+        ok = proc.returncode == 0 and case.says in err and problem is None
+        said = problem or (err.strip().splitlines() or [""])[-1][:300]
+    return {"case": case.name, "ok": ok, "rc": proc.returncode, "said": said}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--only", nargs="+", metavar="NAME", help="run only these cases")
+    p.add_argument("--out", type=Path, default=None, help="work directory (default: a temp dir)")
+    p.add_argument("--timeout", type=float, default=120.0, help="seconds per case (default 120)")
+    args = p.parse_args(argv)
+    work = args.out or Path(tempfile.mkdtemp(prefix="pp_attack_"))
+    work.mkdir(parents=True, exist_ok=True)
+    cases = build(work)
+    if args.only:
+        unknown = sorted(set(args.only) - {c.name for c in cases})
+        if unknown:
+            p.error(f"no case {', '.join(unknown)}; cases: {', '.join(c.name for c in cases)}")
+        cases = [c for c in cases if c.name in args.only]
+    rows = []
+    for case in cases:
+        row = run_case(case, args.timeout)
+        rows.append(row)
+        print(f"{'ok  ' if row['ok'] else 'FAIL'} {case.name:22s} exit {row['rc']}  {row['said']}")
+    (work / "report.json").write_text(json.dumps({"cases": rows}, indent=1))
+    failed = [r["case"] for r in rows if not r["ok"]]
+    print(f"{len(rows) - len(failed)} of {len(rows)} case(s) ok; report: {work / 'report.json'}")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
