@@ -134,3 +134,13 @@ def test_bad_input_is_one_error_line(teacher_dir, tmp_path, monkeypatch, capsys,
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("error:") and says in err[0], err
     assert not (tmp_path / "out").exists()
+
+
+def test_api_returns_the_linearized_model(teacher_dir, tmp_path):
+    import protein_performer as pp
+
+    lm = pp.linearize(teacher_dir / "exact", tmp_path / "lin", teacher_dir / "seqs.fasta",
+                      device="cpu", show_progress=False, steps=2, **OPTIONS)
+    assert isinstance(lm, pp.ProteinLM) and lm.config.attention == "linear"
+    with pytest.raises(UserError, match="unknown option"):
+        pp.linearize(teacher_dir / "exact", tmp_path / "x", steps=2, windw=3)
