@@ -41,7 +41,8 @@ def make_models(out: Path) -> None:
     from protein_performer.data.tokenizer import Alphabet
 
     try:
-        from protein_performer.interop.loading import LoadedModel, export_model
+        from protein_performer.interop.export import export_model
+        from protein_performer.interop.record import LoadedModel
     except ImportError:  # 0.2.0 kept weights I/O in model/
         from protein_performer.model.loading import LoadedModel, export_model  # type: ignore
     from protein_performer.model.config import PerformerConfig

@@ -20,7 +20,7 @@ from protein_performer.errors import UserError
 from protein_performer.finetune.data import assign_splits, collate, read_labels
 from protein_performer.finetune.module import task_metrics
 from protein_performer.finetune.train import finetune
-from protein_performer.interop.loading import export_model
+from protein_performer.interop.export import export_model
 from protein_performer.io.checkpoints import safe_load
 from protein_performer.model.task_heads import HeadConfig, TaskHead, TaskModel, head_loss
 from protein_performer.training.compose import compose_config

@@ -13,7 +13,8 @@ from torch.utils.data import DataLoader
 
 from protein_performer.data.tokenizer import Alphabet
 from protein_performer.errors import UserError
-from protein_performer.interop.loading import LoadedModel, export_model
+from protein_performer.interop.export import export_model
+from protein_performer.interop.record import LoadedModel
 from protein_performer.model.config import PerformerConfig
 from protein_performer.model.performer import PerformerLM
 from protein_performer.training.distill import DistillSettings, distill_kl
