@@ -11,18 +11,20 @@ from typing import TYPE_CHECKING, Any
 
 __version__ = "0.3.0"
 
-__all__ = ["ProteinLM", "UserError", "__version__", "load", "read_embeddings"]
+__all__ = ["ProteinLM", "UserError", "__version__", "linearize", "load", "read_embeddings"]
 
 if TYPE_CHECKING:
     from protein_performer.errors import UserError
     from protein_performer.inference.api import ProteinLM, load
     from protein_performer.inference.embedding import read_embeddings
+    from protein_performer.training.linearize import linearize
 
 _LAZY = {
     "load": "protein_performer.inference.api",
     "ProteinLM": "protein_performer.inference.api",
     "UserError": "protein_performer.errors",
     "read_embeddings": "protein_performer.inference.embedding",
+    "linearize": "protein_performer.training.linearize",
 }
 
 

@@ -168,6 +168,25 @@ def rank_line(records: int, did: str) -> bool:
     return True
 
 
+def _check_stdout() -> None:
+    """Refuse ``-`` when standard output is closed (``cmd >&-``: Python then has no
+    ``sys.stdout``), before any work, instead of a traceback at the first write."""
+    import io
+
+    try:
+        if sys.stdout is not None:
+            os.fstat(sys.stdout.fileno())
+            return
+    except io.UnsupportedOperation:  # a stream in memory (a notebook, a test): it writes
+        return
+    except (OSError, ValueError):  # closed
+        pass
+    raise UserError(
+        "the output is '-' but standard output is closed; give an output file or redirect "
+        "standard output"
+    )
+
+
 def check_output(
     out: str | os.PathLike[str] | None,
     inputs: Iterable[str | os.PathLike[str] | None],
@@ -181,6 +200,8 @@ def check_output(
     Then the output is locked for the rest of the command (:func:`hold`): a second run writing
     it, with ``--overwrite`` or ``--resume`` too, gets one line naming this one's pid and host
     instead of racing it. Under torchrun/srun rank 0 holds the lock for the job."""
+    if out is not None and os.fspath(out) == "-":
+        _check_stdout()
     if out is None or os.fspath(out) == "-":
         return
     path = Path(out).expanduser()

@@ -110,6 +110,7 @@ def run(args: argparse.Namespace) -> int:
         batch_size=args.batch_size,
         context=context,
     )
+    written = 0  # a reader that closes the pipe (| head) ends the loop early
     with (
         text_output(args.out) as fh,
         progress(args.num, "seq", "generate", not args.no_progress) as bar,
@@ -121,6 +122,11 @@ def run(args: argparse.Namespace) -> int:
                 f"ended={g.ended} mean_log_likelihood={mean_ll:.6f}\n{g.sequence}\n"
             )
             bar.update(1)
+            written += 1
     where = "standard output" if args.out == "-" else args.out
-    print(f"generated {args.num} sequence(s) -> {where}", file=sys.stderr)
+    if written < args.num:
+        print(f"generated {written} of {args.num} sequence(s): {where} was closed after them",
+              file=sys.stderr)  # fmt: skip
+    else:
+        print(f"generated {written} sequence(s) -> {where}", file=sys.stderr)
     return 0

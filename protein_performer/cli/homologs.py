@@ -62,6 +62,14 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         action="store_true",
         help="keep database records identical to a query (left out by default)",
     )
+    p.add_argument(
+        "--mmseqs-timeout",
+        type=float,
+        default=None,
+        metavar="SECONDS",
+        help="stop MMseqs2 after this many seconds (default: no limit; a line every 30 s "
+        "says how long it has run)",
+    )
     add_on_invalid(p)
     add_overwrite(p, "OUT")
     p.set_defaults(func=run)
@@ -79,6 +87,8 @@ def run(args: argparse.Namespace) -> int:
         raise UserError("no output given: add OUT.fasta (or --out OUT.fasta, - for stdout)")
     if args.threads is not None and args.threads < 1:
         raise UserError(f"--threads must be a positive integer, got {args.threads}")
+    if args.mmseqs_timeout is not None and not args.mmseqs_timeout > 0:
+        raise UserError(f"--mmseqs-timeout must be positive, got {args.mmseqs_timeout}")
     check_output(out, [args.query, args.db], args.overwrite)
     hits = find_homologs(
         args.query,
@@ -88,6 +98,7 @@ def run(args: argparse.Namespace) -> int:
         threads=args.threads or default_workers(),
         keep_identical=args.keep_identical,
         on_invalid=args.on_invalid,
+        timeout=args.mmseqs_timeout,
     )
     write_homologs(hits, out)
     where = "standard output" if out == "-" else out

@@ -32,6 +32,7 @@ SUBCOMMAND_MODULES: tuple[str, ...] = (
     "predict",
     "export",
     "convert_esm",
+    "linearize",
     "contacts",
     "visualize",
 )

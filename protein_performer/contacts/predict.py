@@ -415,15 +415,14 @@ def read_contacts(
     path: str | os.PathLike[str], ids: Sequence[str] | None = None
 ) -> dict[str, ContactMap]:
     """The maps of ``ids`` (all when None) from a ``contacts predict`` file."""
-    import h5py
-
     from protein_performer.errors import check_format_header
+    from protein_performer.io.columns import open_columns
 
     src = Path(path).expanduser()
     if not src.is_file():
         raise UserError(f"{src} does not exist or is not a file")
     try:
-        with h5py.File(src, "r") as h5:
+        with open_columns(src, "contacts predict file", "re-run contacts predict") as h5:
             header = {k: h5.attrs.get(k) for k in ("format", "format_version")}
             if header["format_version"] is not None:
                 header["format_version"] = int(header["format_version"])

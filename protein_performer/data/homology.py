@@ -264,10 +264,52 @@ def size_summary(sizes: np.ndarray) -> dict[str, Any]:
     }
 
 
-def _run(cmd: list[str], what: str) -> None:
-    proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
+def _last_line(fh: Any) -> str:  # noqa: ANN401 - an open text file
+    """The last line ``fh`` holds so far (MMseqs2 logs each step it runs: the stage)."""
+    fh.seek(0)
+    lines = [ln.strip() for ln in fh.read().splitlines() if ln.strip()]
+    fh.seek(0, os.SEEK_END)
+    return lines[-1][:100] if lines else "no output yet"
+
+
+def _run(cmd: list[str], what: str, timeout: float | None = None) -> None:
+    """Run MMseqs2 with a line every progress interval (elapsed time, its last output line)
+    and, with ``timeout`` seconds, stop it (its whole process group) when it runs past them:
+    a hung ``mmseqs`` otherwise waited without limit, saying nothing."""
+    import signal
+    import time
+
+    from protein_performer.io.progress import interval
+
+    with tempfile.TemporaryFile("w+") as out:
+        proc = subprocess.Popen(
+            cmd, stdout=out, stderr=subprocess.STDOUT, text=True, start_new_session=True
+        )
+        start, every = time.monotonic(), max(0.1, interval())
+        try:
+            while True:
+                left = None if timeout is None else start + timeout - time.monotonic()
+                try:
+                    proc.wait(timeout=every if left is None else max(0.0, min(every, left)))
+                    break
+                except subprocess.TimeoutExpired:
+                    elapsed = time.monotonic() - start
+                    if timeout is not None and elapsed >= timeout:
+                        raise UserError(
+                            f"mmseqs {cmd[1]} on {what} did not finish within "
+                            f"--mmseqs-timeout {timeout:g} s (last: {_last_line(out)}); "
+                            "stopped it. Raise the timeout or check MMseqs2"
+                        ) from None
+                    log.info("mmseqs %s on %s: %.0f s so far (%s)",
+                             cmd[1], what, elapsed, _last_line(out))  # fmt: skip
+        finally:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+        out.seek(0)
+        output = out.read()
     if proc.returncode != 0:
-        tail = (proc.stderr or proc.stdout).strip().splitlines()[-3:]
+        tail = output.strip().splitlines()[-3:]
         raise UserError(
             f"mmseqs {cmd[1]} failed (exit {proc.returncode}) on {what}: "
             f"{' | '.join(tail) or 'no message'}"
@@ -500,6 +542,7 @@ def find_homologs(
     threads: int = 1,
     keep_identical: bool = False,
     on_invalid: str = "error",
+    timeout: float | None = None,
 ) -> list[Homolog]:
     """The database records MMseqs2 (``easy-search``) finds for the query FASTA, best first
     (lowest E-value to any query, then highest bit score), at most ``max_seqs``.
@@ -508,7 +551,7 @@ def find_homologs(
     database, not a training run). A database record identical to a query (the query itself,
     most often) is left out unless ``keep_identical``: as context it would only repeat the
     query. The database is streamed twice (to MMseqs2, then for the hits' records), so its
-    size costs disk, not memory.
+    size costs disk, not memory. ``timeout``: seconds MMseqs2 may run (None: no limit).
     """
     from protein_performer.data.store import TokenStore, is_store
 
@@ -551,7 +594,7 @@ def find_homologs(
         cmd = search_command(
             exe, q_fasta, t_fasta, out, Path(work) / "tmp", min_seq_id, threads, max_seqs + 1
         )
-        _run(cmd, f"{query} against {db}")
+        _run(cmd, f"{query} against {db}", timeout)
         best: dict[int, tuple[float, float, int, float, int]] = {}
         for q, hits in _read_hits(out).items():
             for evalue, neg_bits, t, fident in hits:

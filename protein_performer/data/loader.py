@@ -29,6 +29,7 @@ import logging
 from collections.abc import Iterator
 from typing import Any
 
+import torch
 from torch.utils.data import DataLoader
 
 from protein_performer.data.sampler import TokenBudgetBatchSampler
@@ -41,6 +42,9 @@ class ResumableDataLoader(DataLoader):
     ``load_state_dict`` for Lightning's mid-epoch resumption (see the module docstring)."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
+        # Its own generator for the workers' base seed: drawn from the global one, each epoch's
+        # first batch would shift the dropout stream of a run resumed at an epoch's end.
+        kwargs.setdefault("generator", torch.Generator())
         super().__init__(*args, **kwargs)
         if not isinstance(self.batch_sampler, TokenBudgetBatchSampler):
             raise TypeError(

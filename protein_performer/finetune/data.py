@@ -28,7 +28,7 @@ import logging
 import math
 import os
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -117,6 +117,15 @@ def _residue_labels(text: str, length: int, where: str) -> list[str]:
     return values
 
 
+def _rows(src: Path, reader: Any) -> Iterator[list[str]]:  # noqa: ANN401 - a csv.reader
+    """``reader``'s rows, its ``csv.Error`` (a field over the csv module's 131,072-character
+    limit, a stray NUL) one ``UserError`` naming the line."""
+    try:
+        yield from reader
+    except csv.Error as exc:
+        raise UserError(f"{src}: line {reader.line_num}: {exc}; fix the row") from None
+
+
 def read_labels(
     path: str | os.PathLike[str],
     task: str = "regression",
@@ -140,11 +149,20 @@ def read_labels(
             f"{src} does not exist or is not a file: give a CSV/TSV of labels "
             "(data.train=labels.csv)"
         )
-    with open(src, encoding="utf-8-sig", newline="") as fh:
-        text = fh.read()
+    data = src.read_bytes()
+    try:
+        text = data.decode("utf-8-sig")
+    except UnicodeDecodeError as exc:
+        line = data.count(b"\n", 0, exc.start) + 1
+        raise UserError(
+            f"{src}: line {line} is not UTF-8 text (byte {data[exc.start]:#04x} at offset "
+            f"{exc.start}); save the table as UTF-8"
+        ) from None
     if not text.strip():
         raise UserError(f"{src} is empty: give a CSV/TSV with a header row")
-    reader = csv.reader(text.splitlines(), delimiter=_delimiter(src, text.splitlines()[0]))
+    reader = _rows(
+        src, csv.reader(text.splitlines(), delimiter=_delimiter(src, text.splitlines()[0]))
+    )
     header = [h.strip() for h in next(reader)]
     label_cols = [str(c) for c in label_cols]
     missing = [c for c in label_cols if c not in header]

@@ -29,7 +29,7 @@ import torch
 
 from protein_performer.errors import UserError
 from protein_performer.interop.record import LoadedModel
-from protein_performer.model.attention import AttentionState
+from protein_performer.model.attention import AttentionState, state_tensors
 
 log = logging.getLogger(__name__)
 
@@ -44,7 +44,8 @@ Homologs = str | os.PathLike[str] | Iterable[str] | Iterable[tuple[str, str]]
 class FamilyContext:
     """A family read once, to score or generate after: immutable, reusable.
 
-    states: per layer, batch 1 (FAVOR+: ``FavorState``, exact: ``KVCache``), never written;
+    states: per layer, batch 1 (the core's state: FAVOR+ ``FavorState``, exact ``KVCache``, ...),
+    never written;
     n_tokens: tokens in the context row; offset: the row position of a candidate's first token
     (``n_tokens`` with "sequence" positions, 0 with "member" positions, as training used);
     members / dropped: ids of the homologs read / left out by ``max_tokens``.
@@ -60,7 +61,7 @@ class FamilyContext:
     @property
     def nbytes(self) -> int:
         """Bytes held by the states (FAVOR+: the same for 1k and 64k context tokens)."""
-        return sum(t.numel() * t.element_size() for s in self.states for t in s)
+        return sum(t.numel() * t.element_size() for t in state_tensors(self.states))
 
     @property
     def attended_tokens(self) -> int:
@@ -149,12 +150,24 @@ def build_context(
             max_tokens,
             total,
         )
+    if max_tokens is None:  # nothing bounds the read: say what it costs before paying it
+        log.info(
+            "family context: reading %d homolog(s), %s tokens (the model records no trained "
+            "row length; give max_tokens or --context-tokens to read fewer)",
+            len(members),
+            f"{total:,}",
+        )
+    from protein_performer.io.progress import progress
+
     states = None
     row = 0
-    for part in _segments([ids for _, ids in members], segment):
-        tokens = torch.tensor([part], dtype=torch.long, device=loaded.device)  # (1, S)
-        _, states = loaded.model.extend(tokens, states, offset=row, return_states=True)
-        row += len(part)
+    parts = list(_segments([ids for _, ids in members], segment))
+    with progress(total, "tok", "context", enabled=len(parts) > 1) as bar:
+        for part in parts:
+            tokens = torch.tensor([part], dtype=torch.long, device=loaded.device)  # (1, S)
+            _, states = loaded.model.extend(tokens, states, offset=row, return_states=True)
+            row += len(part)
+            bar.update(len(part))
     offset = total if config.positions == "sequence" else 0
     return FamilyContext(
         states=tuple(states),  # type: ignore[arg-type]

@@ -14,6 +14,8 @@ HDF5 layout (``FORMAT_NAME`` version ``FORMAT_VERSION``; N records, D = model wi
     ids                     (N,) utf-8            record ids, in input order
     lengths                 (N,) int64            residues per record
     record_numbers          (N,) int64            1-based position in the input file or store
+    sequence_sha256         (N, 16) uint8         first 16 bytes of each sequence's SHA-256
+                                                  (what --resume compares with the input)
     header_bytes            (sum,) uint8, gzip    the FASTA header lines (no '>'), back to back
     header_offsets          (N+1,) int64          record n's header is header_bytes[o[n]:o[n+1]]
     mean/<layer>            (N, D) float32        mean over residues (no <cls>/<eos>/padding)
@@ -55,8 +57,10 @@ from protein_performer.io.columns import (
     Column,
     Layout,
     checked_offsets,
+    checked_rows,
     header_column,
     merge_columns,
+    open_columns,
     read_ids,
     record_columns,
     write_columns,
@@ -157,7 +161,7 @@ def _layout(attrs: dict[str, Any]) -> Layout:
         from protein_performer.contacts.predict import contact_ragged
 
         ragged.update(contact_ragged(CONTACTS_DTYPE))
-    return Layout([*RECORD_COLUMNS, *pooled], ragged)
+    return Layout([*RECORD_COLUMNS, Column(SEQ_DIGESTS, np.uint8, (16,)), *pooled], ragged)
 
 
 def features_sha256(model: torch.nn.Module) -> str:
@@ -202,14 +206,9 @@ _SAME_RUN = ("precision", "repr_layers", "include", "model_sha256", "features_sh
 
 def _open_embeddings(path: Path) -> Any:  # noqa: ANN401 - h5py.File
     """An embeddings file opened for reading, its format checked (version 1 named as such)."""
-    import h5py
-
     from protein_performer.errors import check_format_header
 
-    try:
-        h5 = h5py.File(path, "r")
-    except OSError as exc:
-        raise UserError(f"{path}: not a readable HDF5 file ({exc}); re-run embed") from None
+    h5 = open_columns(path, "embeddings file", "re-run embed")
     header = {k: h5.attrs.get(k) for k in ("format", "format_version")}
     if header["format_version"] is not None:
         header["format_version"] = int(header["format_version"])
@@ -244,8 +243,9 @@ def _write_part(
 ) -> None:
     layout = _layout(attrs)
     per_record = record_columns(records)
+    per_record[SEQ_DIGESTS] = sequence_digests([r.sequence for r in records])
     ragged = {"header_offsets": header_column(records)}
-    for col in layout.per_record[len(RECORD_COLUMNS) :]:
+    for col in layout.per_record[len(RECORD_COLUMNS) + 1 :]:
         kind, layer = col.name.split("/")
         per_record[col.name] = np.stack([res[kind][int(layer)] for res in results])
     if "per_tok_offsets" in layout.ragged:
@@ -258,15 +258,15 @@ def _write_part(
         from protein_performer.contacts.predict import contact_columns
 
         ragged.update(contact_columns(maps, CONTACTS_DTYPE))
-    extra = {PART_DIGESTS: sequence_digests([r.sequence for r in records])}
-    write_columns(path, layout, attrs, per_record, ragged, extra)
+    write_columns(path, layout, attrs, per_record, ragged)
 
 
 # --------------------------------------------------------------------------------------------
 # What a part was made from (--resume keeps only parts that match the input)
 # --------------------------------------------------------------------------------------------
-#: A part's per-record sequence digests (N, 16) and the run (model and options) it belongs to.
-PART_DIGESTS = "part_sequence_sha256"
+#: The records' sequence digests (N, 16), in parts and merged files; a part's run (model and
+#: options).
+SEQ_DIGESTS = "sequence_sha256"
 PART_RUN = "part_run_id"
 
 
@@ -317,7 +317,6 @@ def check_parts(
     written before parts recorded their sources (protein-performer < 0.3) is renamed
     ``NAME.dropped`` and its records that the input holds are computed again.
     """
-    import h5py
 
     def aside(part: Path, suffix: str) -> None:
         if set_aside:
@@ -331,13 +330,13 @@ def check_parts(
     candidates: list[tuple[Path, list[str]]] = []
     for part in parts:
         try:
-            with h5py.File(part, "r") as h5:
+            with open_columns(part, "part", "it is set aside") as h5:
                 ids = read_ids(h5)
-                same_run = h5.attrs.get(PART_RUN) == want and PART_DIGESTS in h5
-                sha = h5[PART_DIGESTS][:] if same_run else None
+                same_run = h5.attrs.get(PART_RUN) == want and SEQ_DIGESTS in h5
+                sha = h5[SEQ_DIGESTS][:] if same_run else None
                 n = int(h5.attrs["num_records"])
                 whole = len(ids) == n and all(len(h5[c.name]) == n for c in RECORD_COLUMNS)
-        except (OSError, KeyError, ValueError, TypeError):
+        except (OSError, KeyError, ValueError, TypeError, UserError):
             whole = False
         if not whole or (sha is not None and sha.shape != (len(ids), 16)):
             aside(part, ".damaged")
@@ -451,13 +450,21 @@ def embed_fasta(
         if dest.exists():
             with _open_embeddings(dest) as h5:
                 _check_same_run(dest, h5, attrs)
-                there = dict(zip(read_ids(h5), h5["lengths"][:].tolist(), strict=True))
-            for rec in input_records(path, on_invalid) if there else ():
-                if there.get(rec.id, len(rec.sequence)) != len(rec.sequence):
+                ids = read_ids(h5)
+                if SEQ_DIGESTS not in h5:
                     raise UserError(
-                        f"--resume: {dest} holds {rec.id} with {there[rec.id]} residues but "
-                        f"{path} has {len(rec.sequence)}: the input changed; start over with "
-                        "--overwrite"
+                        f"--resume: {dest} records no sequence digests (written by an older "
+                        "version), so its vectors cannot be checked against the input; start "
+                        "over with --overwrite"
+                    )
+                sha = checked_rows(h5, SEQ_DIGESTS, len(ids), "u", 2)[:]
+            there = {rid: digest.tobytes() for rid, digest in zip(ids, sha, strict=True)}
+            for rec in input_records(path, on_invalid) if there else ():
+                digest = there.get(rec.id)
+                if digest is not None and digest != sequence_digests([rec.sequence])[0].tobytes():
+                    raise UserError(
+                        f"--resume: {dest} holds {rec.id} with another sequence than {path} "
+                        "has: the input changed; start over with --overwrite"
                     )
             done.update(there)
         if old_parts:
@@ -596,9 +603,10 @@ def _read_embeddings(src: Path, ids: Sequence[str] | None, kind: str, layer: int
             if missing:
                 raise UserError(f"{src}: no record(s) {', '.join(missing[:5])}")
             rows = np.asarray([where[rid] for rid in ids], dtype=np.int64)
-        data = h5[f"{kind}/{want}"]
-        if kind == "per_tok":
-            lengths = h5["lengths"][:]
+        pooled = kind != "per_tok"
+        data = checked_rows(h5, f"{kind}/{want}", len(all_ids) if pooled else None, "f", 2)
+        if not pooled:
+            lengths = checked_rows(h5, "lengths", len(all_ids), "iu", 1)[:]
             off = checked_offsets(h5, "per_tok_offsets", len(all_ids), data.shape[0], src, lengths)
             return Embeddings(list(ids), [data[int(off[n]) : int(off[n + 1])] for n in rows])
         if everything:

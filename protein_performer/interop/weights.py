@@ -114,11 +114,12 @@ def tied_aliases(model: torch.nn.Module) -> set[str]:
 @dataclass
 class StateDiff:
     """How a state dict fails to fit a model: names the model has and the state lacks, names
-    the model has no place for, and (name, state's shape, model's shape) where shapes differ."""
+    the model has no place for, and (name, state's, model's) where shapes differ or the kinds
+    of number do (the dtypes then named too)."""
 
     missing: list[str]
     unexpected: list[str]
-    mismatched: list[tuple[str, tuple[int, ...], tuple[int, ...]]]
+    mismatched: list[tuple[str, str, str]]
 
     def __bool__(self) -> bool:
         return bool(self.missing or self.unexpected or self.mismatched)
@@ -133,15 +134,28 @@ def diff_state(
     strict=False)`` copies it in: every weight is compared, and only the names ``optional``
     accepts (a tied alias, FAVOR+ features drawn rather than loaded) may be absent."""
     expected = model.state_dict()
+    mismatched = []
+    for k, ours in expected.items():
+        theirs = state.get(k)
+        if theirs is None:
+            continue
+        # A float tensor stored as integers (a safetensors header whose dtype lies) would
+        # otherwise be read as integers and cast, silently.
+        kinds = _number_kind(theirs) != _number_kind(ours)
+        if kinds or tuple(theirs.shape) != tuple(ours.shape):
+            spec = (f"{tuple(t.shape)}" + (f" {t.dtype}" if kinds else "") for t in (theirs, ours))
+            mismatched.append((k, *spec))
     return StateDiff(
         missing=[k for k in expected if k not in state and not optional(k)],
         unexpected=[k for k in state if k not in expected],
-        mismatched=[
-            (k, tuple(state[k].shape), tuple(v.shape))
-            for k, v in expected.items()
-            if k in state and tuple(state[k].shape) != tuple(v.shape)
-        ],
+        mismatched=mismatched,
     )
+
+
+def _number_kind(tensor: torch.Tensor) -> str:
+    if tensor.dtype == torch.bool:
+        return "bool"
+    return "float" if tensor.is_floating_point() or tensor.is_complex() else "integer"
 
 
 def load_weights(model: PerformerLM, state: dict[str, torch.Tensor], path: Path) -> None:

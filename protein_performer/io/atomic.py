@@ -29,9 +29,11 @@ from protein_performer.errors import UserError
 
 def output_file(path: str | os.PathLike[str]) -> Path:
     """``path`` as an output file, or a ``UserError`` for the user's two usual mistakes: a
-    directory given as the file, and a parent directory that does not exist."""
+    directory given as the file, and a parent directory that does not exist. A trailing
+    separator names a directory too, existing or not (``Path`` drops it: ``export CKPT dir/
+    --merge`` wrote a file named ``dir``)."""
     out = Path(path).expanduser()
-    if out.is_dir():
+    if out.is_dir() or os.fspath(path).endswith(("/", os.sep)):
         raise UserError(f"{out} is a directory; give a file name for the output")
     if not out.parent.exists():
         raise UserError(f"output directory {out.parent} does not exist; create it first")

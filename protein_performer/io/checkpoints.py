@@ -37,6 +37,8 @@ _SHOW = 5  # offending names an error message lists
 _CHUNK = 1 << 20  # bytes per write() of a checkpoint
 #: A model's contact regression (``ContactRegression.to_dict()``, plain data) in a checkpoint.
 CONTACT_REGRESSION_KEY = "contact_regression"
+#: A zip checkpoint's entries may inflate to this many times the file, plus the slack.
+_MAX_INFLATION, _INFLATION_SLACK = 4, 16 << 20
 _ENV_VARS = ("TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD", "TORCH_FORCE_WEIGHTS_ONLY_LOAD")
 
 
@@ -86,6 +88,23 @@ def _first_line(exc: BaseException) -> str:
     return str(exc).splitlines()[0] if str(exc).strip() else type(exc).__name__
 
 
+def _check_inflation(src: Path) -> None:
+    """Refuse a zip whose entries inflate far beyond the file before anything is unpickled:
+    torch stores them uncompressed, and a 1 MB crafted file inflating to 1 GB peaked at 2.3 GB
+    before the allowlist refused it."""
+    size = src.stat().st_size
+    try:
+        with zipfile.ZipFile(src) as zf:
+            inflated = sum(info.file_size for info in zf.infolist())
+    except (zipfile.BadZipFile, OSError, ValueError):
+        return  # torch.load reports a damaged file in its own words
+    if inflated > _MAX_INFLATION * size + _INFLATION_SLACK:
+        raise UserError(
+            f"{src}: its zip entries inflate to {inflated:,} bytes from a {size:,}-byte file "
+            "(torch stores them uncompressed): it is crafted; refusing to load it"
+        )
+
+
 def safe_load(path: str | os.PathLike[str], source: str = "lightning", what: str = "") -> Any:
     """``torch.load(path, weights_only=True)`` with ``source``'s allowlist, on CPU.
 
@@ -106,6 +125,8 @@ def safe_load(path: str | os.PathLike[str], source: str = "lightning", what: str
             f"{src} is not a PyTorch checkpoint (it starts with {head!r}, not a zip or pickle "
             f"header); give {what}"
         )
+    if head.startswith(_ZIP_MAGIC):
+        _check_inflation(src)
     try:
         with (
             _no_weights_only_override(),
@@ -128,12 +149,23 @@ def safe_load(path: str | os.PathLike[str], source: str = "lightning", what: str
         ) from None
 
 
+def _finite(t: torch.Tensor) -> bool:
+    """Whether ``t`` holds no NaN or infinity. A view with more elements than its storage (a
+    zero stride: shape (1e6, 1e6) over one number) is checked through the storage, which bounds
+    the work by the bytes in the file, not by the shape."""
+    storage = t.untyped_storage()
+    count = storage.nbytes() // t.element_size()
+    if t.numel() > count and t.device.type != "meta":
+        t = torch.empty(0, dtype=t.dtype, device=t.device).set_(storage, 0, (count,))
+    return bool(t.isfinite().all())
+
+
 def nonfinite_tensors(state: Mapping[str, Any]) -> list[str]:
     """Names of floating-point tensors in ``state`` holding a NaN or an infinity."""
     return [
         name
         for name, t in state.items()
-        if isinstance(t, torch.Tensor) and t.is_floating_point() and not bool(t.isfinite().all())
+        if isinstance(t, torch.Tensor) and t.is_floating_point() and not _finite(t)
     ]
 
 

@@ -132,9 +132,97 @@ class ColumnFile:
         return self.n
 
 
+#: The most a gzip-compressed dataset can expand (zlib's limit is about 1032 to 1).
+MAX_INFLATION = 1100
+
+
+def _unreadable(h5: Any) -> str | None:  # noqa: ANN401 - an open h5py.File
+    """Why the file must not be read, or None. HDF5 follows soft and external links, external
+    storage and virtual datasets silently, so a crafted file could hand back any readable local
+    file as numbers; and a dataset may declare more rows than the file stores (read as fill
+    values: a tiny file asking for gigabytes)."""
+    import h5py
+
+    found: list[str] = []
+
+    def visit(name: str, link: Any) -> bool | None:  # noqa: ANN401
+        if not isinstance(link, h5py.HardLink):
+            found.append(f"{name} is a {type(link).__name__}, reading data from outside the file")
+            return True
+        ds = h5[name]
+        if not isinstance(ds, h5py.Dataset):
+            return None
+        if ds.is_virtual or ds.external:
+            how = "virtually" if ds.is_virtual else "externally"
+            found.append(f"{name} is stored {how}, reading data from outside the file")
+            return True
+        declared = int(np.prod(ds.shape, dtype=np.float64) * ds.dtype.itemsize)
+        stored = ds.id.get_storage_size()
+        if declared > stored * (MAX_INFLATION if ds.compression else 1):
+            found.append(
+                f"{name} declares shape {ds.shape} ({declared:,} bytes) but the file stores "
+                f"{stored:,} bytes of it"
+            )
+            return True
+        return None
+
+    h5.visititems_links(visit)
+    return found[0] if found else None
+
+
+def open_columns(path: Path, what: str, fix: str) -> Any:  # noqa: ANN401 - h5py.File
+    """``path`` opened read-only, refused (one ``UserError``) when it is not HDF5, reads from
+    outside itself or declares more than it holds (:func:`_unreadable`); ``what`` names the
+    kind of file."""
+    import h5py
+
+    try:
+        h5 = h5py.File(path, "r")
+    except OSError as exc:
+        raise UserError(f"{path}: not a readable HDF5 file ({exc}); {fix}") from None
+    why = _unreadable(h5)
+    if why:
+        h5.close()
+        raise UserError(f"{path}: {why}; a {what} never does: refusing to read it ({fix})")
+    return h5
+
+
+def checked_rows(
+    h5: Any,  # noqa: ANN401 - an open h5py.File
+    name: str,
+    rows: int | None,
+    kind: str,
+    ndim: int,
+) -> Any:  # noqa: ANN401 - h5py.Dataset
+    """Dataset ``name`` once its shape (``ndim`` dimensions, ``rows`` rows: one per id, any
+    number when None) and
+    dtype (numpy ``kind`` letters, e.g. ``"f"``) are what the reader expects: otherwise rows
+    would be handed out under the wrong ids, silently."""
+    import h5py
+
+    ds = h5.get(name)
+    if not isinstance(ds, h5py.Dataset):
+        raise UserError(f"{h5.filename}: no dataset {name}: the file is damaged; re-create it")
+    if ds.ndim != ndim or (rows is not None and ds.shape[0] != rows) or ds.dtype.kind not in kind:
+        raise UserError(
+            f"{h5.filename}: {name} has shape {ds.shape} ({ds.dtype}) for {rows} record(s): "
+            "the file is damaged or edited; re-create it"
+        )
+    return ds
+
+
 def read_ids(h5: Any) -> list[str]:  # noqa: ANN401 - an open h5py.File
-    """The ``ids`` column of an open file, as str."""
-    return list(h5["ids"].asstr()[:])
+    """The ``ids`` column of an open file, as str (refused unless text, one dimension)."""
+    import h5py
+
+    ds = h5.get("ids")
+    if not isinstance(ds, h5py.Dataset) or ds.ndim != 1 or not h5py.check_string_dtype(ds.dtype):
+        what = f"{ds.shape} {ds.dtype}" if isinstance(ds, h5py.Dataset) else "missing"
+        raise UserError(
+            f"{h5.filename}: ids is not a column of text ({what}): the file is damaged or "
+            "edited; re-create it"
+        )
+    return list(ds.asstr()[:])
 
 
 def write_columns(
@@ -143,10 +231,8 @@ def write_columns(
     attrs: dict[str, Any],
     per_record: dict[str, Any],
     ragged: dict[str, tuple[np.ndarray, dict[str, np.ndarray]]],
-    extra: dict[str, np.ndarray] | None = None,
 ) -> int:
-    """One file of records (a part of a sharded run), written atomically. ``extra`` datasets
-    are stored beside the layout's (what a part was made from) and never merged.
+    """One file of records (a part of a sharded run), written atomically.
 
     The file is built in memory (a part is one window) and written with plain file I/O: HDF5
     never meets a full disk, which leaves its library half-closed and crashes the interpreter
@@ -159,8 +245,6 @@ def write_columns(
     with h5py.File(image, "w") as h5:
         cols = ColumnFile(h5, layout, attrs)
         cols.append(per_record, ragged)
-        for name, values in (extra or {}).items():
-            h5.create_dataset(name, data=values)
         n = cols.finish()
     with atomic_file(path, suffix=".h5") as tmp, open(tmp, "wb") as fh:
         fh.write(image.getbuffer())

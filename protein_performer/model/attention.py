@@ -1,8 +1,10 @@
 """Multi-head self-attention: projections, heads and rotary around one attention core.
 
-The math lives in the core, FAVOR+ (:class:`~protein_performer.model.favor.FavorAttention`) or
-exact softmax (:class:`~protein_performer.model.exact.ExactAttention`); both offer one interface
-(forward, RNN-mode state and step, attention rows, contact-map blocks), so this module never asks
+The math lives in the core, FAVOR+ (:class:`~protein_performer.model.favor.FavorAttention`),
+exact softmax (:class:`~protein_performer.model.exact.ExactAttention`), linear attention
+(:class:`~protein_performer.model.linear.LinearAttention`), any of them inside the position
+memory (:class:`~protein_performer.model.linear.PositionMemory`); all offer one interface (one
+forward with an optional state, attention rows, contact-map blocks), so this module never asks
 which it holds. It owns the projections, named like ESM-2's ``q_proj k_proj v_proj out_proj`` so
 its weights load by renaming.
 
@@ -15,35 +17,46 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from protein_performer.model.config import PerformerConfig
 from protein_performer.model.exact import ExactAttention, ExactMapBlocks, KVCache
 from protein_performer.model.favor import FavorAttention, FavorState
 from protein_performer.model.favor.module import FavorMapBlocks
-from protein_performer.model.linear.core import LinearAttention
-from protein_performer.model.linear.memory import PositionMemory
-from protein_performer.model.rotary import RotaryEmbedding
+from protein_performer.model.linear.core import LinearAttention, LinearState
+from protein_performer.model.linear.memory import MemoryState, PositionMemory
+from protein_performer.model.linear.window import SlidingWindow, WindowState
+from protein_performer.model.rotary import RotaryEmbedding, as_positions
 
-#: The attention cores: one interface, two implementations.
-AttentionCore = FavorAttention | ExactAttention
-#: What one attention layer carries between generation steps.
-AttentionState = FavorState | KVCache
+#: The attention cores: one interface, five implementations.
+AttentionCore = FavorAttention | ExactAttention | LinearAttention | SlidingWindow | PositionMemory
+#: What one attention layer carries between calls (generation steps, a family context).
+AttentionState = FavorState | KVCache | LinearState | WindowState | MemoryState
+
+
+def state_tensors(state: tuple) -> list[torch.Tensor]:
+    """The tensors of a state or of per-layer states, nested ones (the position memory's
+    ``inner``) included: what a state holds, for its size or a copy."""
+    return [t for s in state for t in (state_tensors(s) if isinstance(s, tuple) else [s])]
+
+
 #: One head's residue x residue map as blocks (``.sums``, ``.add_upper_block``), for contacts.
 MapBlocks = FavorMapBlocks | ExactMapBlocks
 #: Rotary positions: None (0, 1, ... along the row), an int offset (the first token's
-#: position), or a tensor (B, L) of per-token positions.
+#: position), a tensor (B,) of each row's first position (a decoding step's), or a tensor
+#: (B, L) of per-token positions (see :func:`~protein_performer.model.rotary.as_positions`).
 Positions = int | torch.Tensor | None
 
 
 def _build_core(config: PerformerConfig, attention: str) -> AttentionCore:
-    """The core ``attention`` names, inside the position memory when ``config.position_memory``
-    is set."""
+    """The core ``attention`` names (linear: with its exact window when ``config.local_window``
+    is set), inside the position memory when ``config.position_memory`` is set."""
     if attention == "exact":
         core = ExactAttention(causal=config.causal)
     elif attention == "linear":
         core = LinearAttention(config.heads, config.head_dim, config.kernel, config.causal)
+        if config.local_window:
+            core = SlidingWindow(core, config.heads, config.local_window)
     else:
         core = FavorAttention(
             dim_head=config.head_dim,
@@ -98,66 +111,46 @@ class MultiHeadSelfAttention(nn.Module):
         need_weights: bool = False,
         heads: Sequence[int] | None = None,
         positions: Positions = None,
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """``x`` (B, L, D), ``padding_mask`` (B, L) True = pad -> output (B, L, D) and, if
-        ``need_weights``, the attention map (B, H', L, L) of ``heads`` (all heads if None).
-        ``positions``: see :data:`Positions` (None: the row's own).
+        state: AttentionState | None = None,
+        *,
+        keep_state: bool = False,
+        inplace: bool = False,
+    ) -> tuple[torch.Tensor, torch.Tensor | None, AttentionState | None]:
+        """``x`` (B, L, D), ``padding_mask`` (B, L) True = pad -> output (B, L, D), the
+        attention map (B, H', L, L) of ``heads`` (all heads if None) if ``need_weights``, and
+        the core's state after the tokens if ``keep_state``.
 
-        The FAVOR+ map is the one the model implicitly uses (normalized feature products), never
-        materialized in the forward pass itself.
+        ``positions``: see :data:`Positions` (None: the row's own). ``state`` continues an
+        earlier part of the row (read, never written unless ``inplace``: the caller gives it
+        up); see the cores' ``forward``. One token after a state (a decoding step) takes q, k
+        and v from one GEMM and rotates them in one call (:meth:`_step_qkv`), since a token's
+        cost is mostly per-op overhead. The FAVOR+ map is the one the model implicitly uses
+        (normalized feature products), never materialized in the forward pass itself.
         """
         B, L, D = x.shape
-        q, k = self.rotated_qk(x, positions)
-        v = self._split_heads(self.v_proj(x))
-        extra = {"positions": positions} if getattr(self.core, "needs_positions", False) else {}
-        out = self.core(q, k, v, key_padding_mask=padding_mask, **extra)
-        if isinstance(out, tuple):
-            out = out[0]
+        if state is not None and L == 1:
+            q, k, v = self._step_qkv(x[:, 0], as_positions(positions, B, 1, x.device)[:, 0])
+        else:
+            q, k = self.rotated_qk(x, positions)
+            v = self._split_heads(self.v_proj(x))
+        out, new_state = self.core(
+            q,
+            k,
+            v,
+            padding_mask,
+            state,
+            keep_state=keep_state,
+            inplace=inplace,
+            positions=positions,
+        )
         out = out.transpose(1, 2).reshape(B, L, D)  # (B, H, L, d) -> (B, L, D)
         out = self.out_proj(out)
         weights = self.attention_map(q, k, padding_mask, heads) if need_weights else None
-        return out, weights
-
-    def prefill(
-        self,
-        x: torch.Tensor,
-        padding_mask: torch.Tensor | None = None,
-        positions: Positions = None,
-    ) -> tuple[torch.Tensor, AttentionState]:
-        """Causal forward over a prompt (B, L, D) that also returns the state to continue from.
-
-        FAVOR+: the parallel forward plus the prefix-sum state of all prompt keys (one pass);
-        exact: the parallel forward plus the KV cache. Padded keys never enter the state.
-        """
-        B, L, D = x.shape
-        q, k = self.rotated_qk(x, positions)
-        v = self._split_heads(self.v_proj(x))
-        out, state = self.core.prefill(q, k, v, padding_mask)
-        return self.out_proj(out.transpose(1, 2).reshape(B, L, D)), state
-
-    def extend(
-        self,
-        x: torch.Tensor,
-        state: AttentionState | None,
-        positions: Positions,
-        padding_mask: torch.Tensor | None = None,
-        return_state: bool = False,
-    ) -> tuple[torch.Tensor, AttentionState | None]:
-        """Causal attention of new tokens x (B, L, D) continuing from ``state`` (batch 1 or
-        B; None: a fresh start) -> (B, L, D) and, if ``return_state``, the state after them.
-
-        ``state`` is read, never written: a family context's state serves every candidate
-        (broadcast over the batch). Padded keys never enter the output or the new state.
-        """
-        B, L, D = x.shape
-        q, k = self.rotated_qk(x, positions)
-        v = self._split_heads(self.v_proj(x))
-        out, new_state = self.core.extend(state, q, k, v, padding_mask, return_state)
-        return self.out_proj(out.transpose(1, 2).reshape(B, L, D)), new_state
+        return out, weights, new_state
 
     def _qkv_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
         """q, k and v projections stacked into one (3D, D) weight and (3D,) bias, for
-        :meth:`step`: one GEMM per token instead of three. Cached and keyed on the
+        :meth:`_step_qkv`: one GEMM per token instead of three. Cached and keyed on the
         parameters' storage and versions, so training, loading or moving the model rebuilds it
         (decoding only: the forward passes use the Linear layers)."""
         params = [m.weight for m in (self.q_proj, self.k_proj, self.v_proj)]
@@ -172,25 +165,16 @@ class MultiHeadSelfAttention(nn.Module):
             self.__dict__["_qkv_cache"] = cached
         return cached[1], cached[2]
 
-    def step(
-        self,
-        x_t: torch.Tensor,
-        positions: torch.Tensor,
-        state: AttentionState,
-        pad: torch.Tensor | None,
-        inplace: bool = False,
-    ) -> tuple[torch.Tensor, AttentionState]:
-        """One token per row, x_t (B, D) at ``positions`` (B,) -> (B, D) and the new state.
-
-        Rows with ``pad`` (B,) True leave their state unchanged (finished sequences).
-        ``inplace``: the caller owns ``state`` (see the cores' ``step``).
-        """
+    def _step_qkv(
+        self, x_t: torch.Tensor, positions: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """One token per row, x_t (B, D) at ``positions`` (B,) -> rotated q, k and v
+        (B, H, 1, d), the values :meth:`rotated_qk` gives."""
         B, D = x_t.shape
         weight, bias = self._qkv_weights()
         qkv = torch.addmm(bias, x_t, weight.T).view(B, 3, self.heads, self.head_dim)
         qk = self.rot_emb.rotate_step(qkv[:, :2], positions).to(x_t.dtype)  # (B, 2, H, d)
-        state, out = self.core.step(state, qk[:, 0], qk[:, 1], qkv[:, 2], pad, inplace=inplace)
-        return F.linear(out.reshape(B, D), self.out_proj.weight, self.out_proj.bias), state
+        return qk[:, 0, :, None], qk[:, 1, :, None], qkv[:, 2, :, None]
 
     def rotated_qk(
         self, x: torch.Tensor, positions: Positions = None
@@ -204,6 +188,8 @@ class MultiHeadSelfAttention(nn.Module):
         """
         q = self._split_heads(self.q_proj(x))
         k = self._split_heads(self.k_proj(x))
+        if isinstance(positions, torch.Tensor) and positions.ndim < 2:
+            positions = as_positions(positions, x.shape[0], x.shape[1], x.device)
         if positions is None:
             return self.rot_emb(q, k)
         if isinstance(positions, int):

@@ -38,6 +38,12 @@ def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
+#: The largest rotary base and LayerNorm epsilon a config may give (ESM-2: 10000 and 1e-5;
+#: long-context models use bases up to about 1e7).
+MAX_ROTARY_BASE = 1e9
+MAX_LAYER_NORM_EPS = 0.1
+
+
 @dataclass
 class PerformerConfig:
     """Everything needed to rebuild a ``PerformerLM``; stored verbatim in checkpoints."""
@@ -102,6 +108,10 @@ class PerformerConfig:
     position_memory: int = 0
     # W: the memory reads positions p - W .. p + W (a learned weight per offset and head).
     memory_window: int = 8
+    # Linear attention only: the w nearest keys (t-w+1..t causal, within w-1 of t otherwise)
+    # attend exactly, summed with the linear term under one normalizer (LoLCATs' sliding
+    # window, model/linear/window.py); the state adds a ring of w keys. 0 = off.
+    local_window: int = 0
     # LayerNorm epsilon (ESM-2 uses torch's default, 1e-5).
     layer_norm_eps: float = 1e-5
     # ESM-2's token dropout: zero <mask> embeddings and rescale by the observed mask ratio.
@@ -177,6 +187,13 @@ class PerformerConfig:
             fail(f"position_memory must be in 0..{1 << 20} (0 = off), got {self.position_memory}")
         if not 0 <= self.memory_window <= 256:
             fail(f"memory_window must be in 0..256, got {self.memory_window}")
+        if not 0 <= self.local_window <= 4096:
+            fail(f"local_window must be in 0..4096 (0 = off), got {self.local_window}")
+        if self.local_window and self.attention != "linear":
+            fail(
+                f"local_window={self.local_window} needs attention=linear (the window shares "
+                f"the linear map's normalizer), got attention={self.attention}"
+            )
         if not 0.0 <= self.dropout < 1.0:
             fail(f"dropout must be in [0, 1), got {self.dropout!r}")
         if not isinstance(self.feature_redraw_interval, int) or self.feature_redraw_interval < 0:
@@ -184,23 +201,29 @@ class PerformerConfig:
                 "feature_redraw_interval must be a non-negative integer (0 = never), "
                 f"got {self.feature_redraw_interval!r}"
             )
-        if self.favor_chunk_size is not None and (
-            not isinstance(self.favor_chunk_size, int) or self.favor_chunk_size <= 0
-        ):
-            fail(
-                "favor_chunk_size must be a positive integer or null, "
-                f"got {self.favor_chunk_size!r}"
-            )
+        if self.favor_chunk_size is not None:
+            from protein_performer.model.favor.tiles import MAX_CHUNK
+
+            if not _is_int(self.favor_chunk_size) or not 0 < self.favor_chunk_size <= MAX_CHUNK:
+                fail(
+                    f"favor_chunk_size must be an integer in 1..{MAX_CHUNK} or null, "
+                    f"got {self.favor_chunk_size!r}"
+                )
         if self.positions not in POSITIONS:
             fail(f"unknown positions {self.positions!r}; choose one of {', '.join(POSITIONS)}")
         if self.context_tokens is not None and (
             not _is_int(self.context_tokens) or self.context_tokens <= 0
         ):
             fail(f"context_tokens must be a positive integer or null, got {self.context_tokens!r}")
-        if not self.rotary_base > 0:
-            fail(f"rotary_base must be positive, got {self.rotary_base!r}")
-        if not self.layer_norm_eps > 0:
-            fail(f"layer_norm_eps must be positive, got {self.layer_norm_eps!r}")
+        # Beyond these the numbers mean nothing: frequencies that underflow to 0 (no positions),
+        # a LayerNorm whose epsilon swamps the variance (every output about 0).
+        if not 1.0 < self.rotary_base <= MAX_ROTARY_BASE:
+            fail(f"rotary_base must be in (1, {MAX_ROTARY_BASE:g}], got {self.rotary_base!r}")
+        if not 0.0 < self.layer_norm_eps <= MAX_LAYER_NORM_EPS:
+            fail(
+                f"layer_norm_eps must be in (0, {MAX_LAYER_NORM_EPS:g}], "
+                f"got {self.layer_norm_eps!r}"
+            )
         return self
 
     def layer_attention(self, layer: int) -> str:
@@ -221,7 +244,8 @@ class PerformerConfig:
         hd, h = self.head_dim, self.heads
         linear = h * hd * (hd + 1) if self.attention == "linear" else 0
         memory = h * (2 * self.memory_window + 2 + hd) if self.position_memory else 0
-        return v * d + layers * (block + favor + linear + memory) + (d * d + d) + 4 * d + v
+        per_layer = block + favor + linear + memory + (h if self.local_window else 0)
+        return v * d + layers * per_layer + (d * d + d) + 4 * d + v
 
     def to_dict(self) -> dict[str, Any]:
         """Plain dict of builtins (JSON/YAML-safe), the form checkpoints store."""

@@ -36,6 +36,8 @@ log = logging.getLogger(__name__)
 
 FORMAT_NAME = "protein_performer.contact_regression"
 FORMAT_VERSION = 1
+#: Larger than any coefficient or intercept a fit gives (features are attention values, O(1)).
+MAX_COEF = 1e6
 
 
 # --------------------------------------------------------------------------------------------
@@ -122,12 +124,25 @@ class ContactRegression:
     config_fingerprint: str | None = None  # written before 0.2 instead of layout
 
     def __post_init__(self) -> None:
+        """Refuse what would predict silent nonsense: NaN or infinite numbers (all-NaN or
+        all-1.0 maps), magnitudes no fit reaches (overflow), no or negative layers and heads."""
         self.coef = np.asarray(self.coef, dtype=np.float64).reshape(-1)
         if self.coef.size != len(self.layers) * len(self.heads):
             raise UserError(
                 f"contact regression has {self.coef.size} coefficients but "
                 f"{len(self.layers)} layers x {len(self.heads)} heads = "
                 f"{len(self.layers) * len(self.heads)} features"
+            )
+        numbers = np.append(self.coef, self.intercept)
+        if not np.isfinite(numbers).all() or np.abs(numbers).max() > MAX_COEF:
+            raise UserError(
+                "contact regression coefficients and intercept must be finite and at most "
+                f"{MAX_COEF:g} in size (largest: {np.abs(numbers).max():g})"
+            )
+        if not self.layers or not self.heads or min(self.layers) < 1 or min(self.heads) < 0:
+            raise UserError(
+                f"contact regression layers {self.layers} (from 1) and heads {self.heads} "
+                "(from 0) are out of range"
             )
 
     def coef_grid(self) -> np.ndarray:
@@ -196,6 +211,8 @@ class ContactRegression:
             )
         except (KeyError, TypeError, ValueError) as exc:
             raise UserError(f"{where}: malformed contact regression ({exc!r}); refit it") from None
+        except UserError as exc:
+            raise UserError(f"{where}: {exc}; refit it") from None
 
     def check_model(self, loaded: Any, sha256: str | None = None) -> None:
         """Refuse a model whose attention layout differs from the one the fit reads; warn when

@@ -1,8 +1,8 @@
 """Exact softmax attention: the reference FAVOR+ approximates and the exact twin's core.
 
 :class:`ExactAttention` has the interface of :class:`~protein_performer.model.favor.FavorAttention`
-(forward, RNN-mode state and step, attention rows, contact-map blocks), so the attention layer,
-contact maps and generation never ask which core they hold.
+(one forward with an optional state, attention rows, contact-map blocks), so the attention
+layer, contact maps and generation never ask which core they hold.
 """
 
 from __future__ import annotations
@@ -63,7 +63,7 @@ def exact_attention_map(
     return torch.nan_to_num(w, nan=0.0)
 
 
-#: Most mask entries one SDPA call of :meth:`ExactAttention.extend` builds (64 Mi booleans).
+#: Most mask entries one SDPA call of :meth:`ExactAttention._extend` builds (64 Mi booleans).
 _MASK_ELEMENTS = 1 << 26
 
 
@@ -124,28 +124,43 @@ class ExactMapBlocks:
         acc.add_(cols.T, alpha=weight)
 
 
+def _room(t: Tensor, dim: int) -> int:
+    """How many entries along ``dim`` the memory behind ``t`` holds: more than ``t.shape[dim]``
+    only when ``t`` is a leading slice along ``dim`` of a contiguous buffer (what
+    :func:`_append` leaves: its strides and its storage say so), else ``t.shape[dim]``."""
+    n = t.shape[dim]
+    if dim == 0 or t.stride(dim) == 0:
+        return n
+    room = t.stride(dim - 1) // t.stride(dim)
+    shape = [*t.shape[:dim], room, *t.shape[dim + 1 :]]
+    strides, size = [], 1
+    for extent in reversed(shape):
+        strides.append(size)
+        size *= extent
+    fits = t.storage_offset() + size <= t.untyped_storage().nbytes() // t.element_size()
+    return room if room > n and tuple(reversed(strides)) == t.stride() and fits else n
+
+
 def _append(old: Tensor, new: Tensor, dim: int) -> Tensor:
-    """``old`` with ``new`` appended along ``dim``, written into the spare room of the buffer
-    behind ``old`` when an earlier call allocated it (``_kv_buffer``); otherwise a new buffer
-    with a quarter more room (at least 64 tokens) is allocated and filled (amortized O(1) per
-    token, and a long prompt's cache is not doubled).
-    Only buffers made here are ever written, so a cache someone else holds stays intact."""
+    """``old`` with ``new`` appended along ``dim``, written into the spare room behind ``old``
+    when there is some (:func:`_room`); otherwise a new buffer with a quarter more room (at
+    least 64 tokens) is allocated and filled (amortized O(1) per token, and a long prompt's
+    cache is not doubled). Only for a cache its caller gave up (``inplace``)."""
     n, extra = old.shape[dim], new.shape[dim]
-    buf = getattr(old, "_kv_buffer", None)
+    shape = list(new.shape)
     if (
-        buf is None
-        or buf.shape[dim] < n + extra
-        or buf.dtype != new.dtype
-        or old.shape[:dim] != new.shape[:dim]
-        or buf.narrow(dim, 0, n).data_ptr() != old.data_ptr()
+        _room(old, dim) >= n + extra
+        and old.dtype == new.dtype
+        and old.shape[:dim] == new.shape[:dim]
     ):
-        shape = list(new.shape)
+        shape[dim] = n + extra
+        grown = old.as_strided(shape, old.stride())
+    else:
         shape[dim] = n + extra + max(64, n // 4)
         buf = new.new_empty(shape)
         buf.narrow(dim, 0, n).copy_(old.expand(*new.shape[:dim], *old.shape[dim:]))
-    buf.narrow(dim, n, extra).copy_(new)
-    grown = buf.narrow(dim, 0, n + extra)
-    grown._kv_buffer = buf
+        grown = buf.narrow(dim, 0, n + extra)
+    grown.narrow(dim, n, extra).copy_(new)
     return grown
 
 
@@ -158,20 +173,44 @@ class ExactAttention(nn.Module):
         self.causal = causal
 
     def forward(
-        self, q: Tensor, k: Tensor, v: Tensor, key_padding_mask: Tensor | None = None
-    ) -> Tensor:
-        """(B, H, L, d) x3 -> (B, H, L, dv); key_padding_mask (B, L), True = pad."""
-        return exact_attention(q, k, v, causal=self.causal, key_padding_mask=key_padding_mask)
+        self,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        key_padding_mask: Tensor | None = None,
+        state: KVCache | None = None,
+        *,
+        keep_state: bool = False,
+        inplace: bool = False,
+        positions: Tensor | int | None = None,
+    ) -> tuple[Tensor, KVCache | None]:
+        """(B, H, L, d) x3 -> (B, H, L, dv) and, with ``keep_state``, the KV cache after the
+        tokens; key_padding_mask (B, L), True = pad (padded keys are never attended).
+
+        ``state`` (batch 1, broadcast over B, or B) continues an earlier part of the row, as
+        FAVOR+'s core does; ``inplace``: the caller gives ``state`` up, so a one-token step is
+        appended into spare room of the cache's buffer (grown geometrically) instead of
+        concatenating the whole cache again (O(T) copied per token); otherwise ``state`` is
+        never written. ``positions`` is not needed here. The paths with a state are inference
+        (causal only, no gradients).
+        """
+        if state is None and not keep_state:
+            return exact_attention(q, k, v, self.causal, key_padding_mask), None
+        self._check_causal()
+        with torch.no_grad():
+            if state is None:
+                out = exact_attention(q, k, v, self.causal, key_padding_mask)
+                return out, self._cache(k, v, key_padding_mask)
+            if q.shape[2] == 1:
+                return self._step(state, q, k, v, key_padding_mask, keep_state, inplace)
+            return self._extend(state, q, k, v, key_padding_mask, keep_state)
 
     def redraw(self, generator: torch.Generator | None = None) -> None:
         """Nothing to redraw: exact attention has no random features."""
 
-    @torch.no_grad()
-    def initial_state(
-        self, k: Tensor, v: Tensor, key_padding_mask: Tensor | None = None
-    ) -> KVCache:
-        """The KV cache after a whole prompt, k, v (B, H, L, d); padded keys are never attended."""
-        self._check_causal()
+    @staticmethod
+    def _cache(k: Tensor, v: Tensor, key_padding_mask: Tensor | None) -> KVCache:
+        """The KV cache of k, v (B, H, L, d): every key, the pads marked."""
         B, _, L, _ = k.shape
         keep = (
             torch.ones(B, L, dtype=torch.bool, device=k.device)
@@ -180,42 +219,24 @@ class ExactAttention(nn.Module):
         )
         return KVCache(k, v, keep)
 
-    @torch.no_grad()
-    def prefill(
-        self, q: Tensor, k: Tensor, v: Tensor, key_padding_mask: Tensor | None = None
-    ) -> tuple[Tensor, KVCache]:
-        """Causal outputs (B, H, L, dv) of a prompt and its KV cache (generation's start)."""
-        return self.forward(q, k, v, key_padding_mask), self.initial_state(k, v, key_padding_mask)
-
-    @torch.no_grad()
-    def step(
-        self,
-        state: KVCache | None,
-        q_t: Tensor,
-        k_t: Tensor,
-        v_t: Tensor,
-        key_padding_mask: Tensor | None = None,
-        inplace: bool = False,
-    ) -> tuple[KVCache, Tensor]:
-        """One causal step: q_t, k_t, v_t (B, H, d) -> (new state, out_t (B, H, dv)).
-
-        state=None starts fresh; key_padding_mask (B,) True = this token is a pad (its key is
-        cached but never attended). ``inplace``: the caller owns ``state`` (a generator's);
-        the token is then appended into spare room of a buffer an earlier in-place step
-        allocated (grown geometrically), instead of concatenating the whole cache again
-        (O(T) copied per token). The first step copies (copy on first write), so a cache from
-        ``prefill``, ``extend`` or a family context is never written.
-        """
-        self._check_causal()
-        B = q_t.shape[0]
-        k, v = k_t[:, :, None], v_t[:, :, None]  # (B, H, 1, d)
+    @staticmethod
+    def _step(
+        state: KVCache,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        key_padding_mask: Tensor | None,
+        keep_state: bool,
+        inplace: bool,
+    ) -> tuple[Tensor, KVCache | None]:
+        """One token per row, q, k, v (B, H, 1, d), after the cache: a pad's key is cached but
+        never attended."""
+        B = q.shape[0]
         keep = (
-            torch.ones(B, 1, dtype=torch.bool, device=q_t.device)
+            torch.ones(B, 1, dtype=torch.bool, device=q.device)
             if key_padding_mask is None
-            else ~key_padding_mask[:, None]
+            else ~key_padding_mask.bool()
         )
-        if state is None:
-            state = KVCache(k[:, :, :0], v[:, :, :0], keep[:, :0])
         if inplace:
             k, v, keep = (
                 _append(old, new, dim)
@@ -225,35 +246,27 @@ class ExactAttention(nn.Module):
             k, v = torch.cat([state.k, k], 2), torch.cat([state.v, v], 2)
             keep = torch.cat([state.keep, keep], dim=1)  # (B, T+1)
         # No mask when every key is real (CPU: a cheap host check; a GPU would sync on it).
-        dense = q_t.device.type == "cpu" and bool(keep.all())
+        dense = q.device.type == "cpu" and bool(keep.all())
         mask = None if dense else keep[:, None, None, :]  # (B, 1, 1, T+1)
-        out = F.scaled_dot_product_attention(q_t[:, :, None], k, v, attn_mask=mask)[:, :, 0]
-        return KVCache(k, v, keep), out
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        return out, (KVCache(k, v, keep) if keep_state else None)
 
-    @torch.no_grad()
-    def extend(
-        self,
-        state: KVCache | None,
+    @staticmethod
+    def _extend(
+        state: KVCache,
         q: Tensor,
         k: Tensor,
         v: Tensor,
-        key_padding_mask: Tensor | None = None,
-        return_state: bool = False,
+        key_padding_mask: Tensor | None,
+        keep_state: bool,
     ) -> tuple[Tensor, KVCache | None]:
-        """Causal outputs (B, H, L, dv) of new tokens q, k, v (B, H, L, d) after the cache
-        ``state`` (batch 1, broadcast over B, or B; None: the parallel forward), and the cache
-        after them if ``return_state``. ``state`` is never written.
+        """New tokens q, k, v (B, H, L, d) after the cache.
 
-        The new tokens attend over concat(cache, new): the cache fully visible (its pads
-        excluded), causal among the new tokens. Right padding of the new tokens needs no mask
-        of its own (a real query never reaches a later key), so the common case is one
-        (L, T + L) mask shared by the batch.
+        They attend over concat(cache, new): the cache fully visible (its pads excluded),
+        causal among the new tokens. Right padding of the new tokens needs no mask of its own
+        (a real query never reaches a later key), so the common case is one (L, T + L) mask
+        shared by the batch.
         """
-        self._check_causal()
-        if state is None:
-            out = self.forward(q, k, v, key_padding_mask)
-            new = self.initial_state(k, v, key_padding_mask) if return_state else None
-            return out, new
         B, H, L, _ = q.shape
         T = state.k.shape[-2]
         kk = torch.cat([state.k.expand(B, -1, -1, -1), k], dim=2)  # (B, H, T + L, d)
@@ -280,7 +293,7 @@ class ExactAttention(nn.Module):
                 )
             )
         out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)  # (B, H, L, dv)
-        return out, (KVCache(kk, vv, keep) if return_state else None)
+        return out, (KVCache(kk, vv, keep) if keep_state else None)
 
     def attention_map(
         self,
@@ -301,7 +314,7 @@ class ExactAttention(nn.Module):
 
     def _check_causal(self) -> None:
         if not self.causal:
-            raise RuntimeError("RNN mode (step, initial_state) needs causal=True")
+            raise RuntimeError("RNN mode (a state) needs causal=True")
 
     def extra_repr(self) -> str:
         return f"causal={self.causal}"

@@ -37,62 +37,24 @@ class TransformerLayer(nn.Module):
         padding_mask: torch.Tensor | None,
         need_weights: bool,
         heads: Sequence[int] | None,
-        positions: Positions = None,
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        attn_out, weights = self.self_attn(
+        positions: Positions,
+        state: AttentionState | None,
+        keep_state: bool,
+        inplace: bool,
+    ) -> tuple[torch.Tensor, torch.Tensor | None, AttentionState | None]:
+        attn_out, weights, state = self.self_attn(
             self.self_attn_layer_norm(x),
             padding_mask,
-            need_weights=need_weights,
-            heads=heads,
-            positions=positions,
+            need_weights,
+            heads,
+            positions,
+            state,
+            keep_state=keep_state,
+            inplace=inplace,
         )
-        return self._feed_forward(x + self.dropout(attn_out)), weights
-
-    def _feed_forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.dropout(attn_out)
         h = F.gelu(self.fc1(self.final_layer_norm(x)))  # exact (erf) GELU, as ESM-2
-        return x + self.dropout(self.fc2(h))
-
-    def prefill(
-        self, x: torch.Tensor, padding_mask: torch.Tensor | None, positions: Positions = None
-    ) -> tuple[torch.Tensor, AttentionState]:
-        """The block over a prompt (B, L, D), plus its attention state (RNN mode, inference)."""
-        attn_out, state = self.self_attn.prefill(
-            self.self_attn_layer_norm(x), padding_mask, positions
-        )
-        return self._feed_forward(x + attn_out), state
-
-    def extend(
-        self,
-        x: torch.Tensor,
-        state: AttentionState | None,
-        positions: Positions,
-        padding_mask: torch.Tensor | None,
-        return_state: bool,
-    ) -> tuple[torch.Tensor, AttentionState | None]:
-        """The block for new tokens (B, L, D) after ``state`` (read only; inference)."""
-        attn_out, state = self.self_attn.extend(
-            self.self_attn_layer_norm(x), state, positions, padding_mask, return_state
-        )
-        return self._feed_forward(x + attn_out), state
-
-    def step(
-        self,
-        x_t: torch.Tensor,
-        positions: torch.Tensor,
-        state: AttentionState,
-        pad: torch.Tensor | None,
-        inplace: bool = False,
-    ) -> tuple[torch.Tensor, AttentionState]:
-        """The block for one token per row, x_t (B, D) (RNN mode, inference): the same ops as
-        :meth:`prefill` through the functional calls (no module dispatch, no dropout, which
-        inference never applies), since a token's cost is mostly per-op overhead."""
-        ln1, ln2 = self.self_attn_layer_norm, self.final_layer_norm
-        h = F.layer_norm(x_t, ln1.normalized_shape, ln1.weight, ln1.bias, ln1.eps)
-        attn_out, state = self.self_attn.step(h, positions, state, pad, inplace)
-        x_t = x_t + attn_out
-        h = F.layer_norm(x_t, ln2.normalized_shape, ln2.weight, ln2.bias, ln2.eps)
-        h = F.gelu(F.linear(h, self.fc1.weight, self.fc1.bias))
-        return x_t + F.linear(h, self.fc2.weight, self.fc2.bias), state
+        return x + self.dropout(self.fc2(h)), weights, state
 
     def forward(
         self,
@@ -101,16 +63,21 @@ class TransformerLayer(nn.Module):
         need_weights: bool = False,
         heads: Sequence[int] | None = None,
         positions: Positions = None,
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """``x`` (B, L, D) -> (B, L, D) and the attention map (B, H', L, L) if ``need_weights``.
+        state: AttentionState | None = None,
+        *,
+        keep_state: bool = False,
+        inplace: bool = False,
+    ) -> tuple[torch.Tensor, torch.Tensor | None, AttentionState | None]:
+        """``x`` (B, L, D) -> (B, L, D), the attention map (B, H', L, L) if ``need_weights``,
+        and the attention state after the tokens if ``keep_state``.
 
         With ``gradient_checkpointing`` (and only when a backward pass can follow) the block's
         activations are recomputed in backward; non-reentrant checkpointing replays dropout with
         the saved RNG state, so gradients equal the unchecked ones. ``positions``: rotary
-        positions (None: the row's own; see ``attention.Positions``).
+        positions (None: the row's own; see ``attention.Positions``); ``state``,
+        ``keep_state``, ``inplace``: see ``MultiHeadSelfAttention.forward``.
         """
+        args = (x, padding_mask, need_weights, heads, positions, state, keep_state, inplace)
         if self.gradient_checkpointing and self.training and torch.is_grad_enabled():
-            return checkpoint(
-                self._block, x, padding_mask, need_weights, heads, positions, use_reentrant=False
-            )
-        return self._block(x, padding_mask, need_weights, heads, positions)
+            return checkpoint(self._block, *args, use_reentrant=False)
+        return self._block(*args)

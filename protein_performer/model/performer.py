@@ -33,11 +33,13 @@ class PerformerOutput:
     output of block i, and the last block's entry is taken after the final LayerNorm.
     ``attentions`` maps a block number (1-based, as in ``hidden_states``) to (B, H', T, T), rows
     and columns of padded positions zeroed as ESM-2 does; None when no layer was requested.
+    ``state``: one attention state per layer after the tokens (``keep_state``), else None.
     """
 
     logits: torch.Tensor  # (B, T, V)
     hidden_states: dict[int, torch.Tensor]  # layer -> (B, T, D)
     attentions: dict[int, torch.Tensor] | None = None  # layer -> (B, H', T, T)
+    state: list[AttentionState] | None = None
 
 
 class PerformerLM(nn.Module):
@@ -87,18 +89,23 @@ class PerformerLM(nn.Module):
             resolved.add(j)
         return resolved
 
-    def rotary_positions(self, tokens: torch.Tensor, offset: int = 0) -> Positions:
+    def rotary_positions(self, tokens: torch.Tensor, offset: int | torch.Tensor = 0) -> Positions:
         """The rotary positions of tokens (B, L) whose first token sits at row position
-        ``offset``: None for a row of its own in "sequence" mode (the fast path, today's
-        numbers), the offset when continuing a row, per-token positions (B, L) restarting at
-        every ``<cls>`` in "member" mode (``offset`` then applies before the first ``<cls>``)."""
+        ``offset`` (an int, or a (B,) tensor: each row's): None for a row of its own in
+        "sequence" mode (the fast path, today's numbers), the offset when continuing a row,
+        per-token positions (B, L) restarting at every ``<cls>`` in "member" mode (``offset``
+        then applies before the first ``<cls>``)."""
         if self.config.positions == "member":
             cls = self.config.cls_idx
+            if isinstance(offset, torch.Tensor):
+                return member_positions(tokens, cls, offset[:, None])
             if not bool((tokens[:, 1:] == cls).any()):  # one protein a row: the fast path
                 first = tokens[:, 0] == cls
                 if bool(first.all()) or (offset == 0 and not bool(first.any())):
                     return None
             return member_positions(tokens, cls, offset)
+        if isinstance(offset, torch.Tensor):
+            return offset
         return offset or None
 
     def embed(self, tokens: torch.Tensor, padding_mask: torch.Tensor) -> torch.Tensor:
@@ -107,7 +114,7 @@ class PerformerLM(nn.Module):
         if self.config.token_dropout:
             is_mask = (tokens == self.config.mask_idx).unsqueeze(-1)  # (B, T, 1)
             x = x.masked_fill(is_mask, 0.0)
-            src_lengths = (~padding_mask).sum(-1)
+            src_lengths = (~padding_mask).sum(-1).clamp_min(1)  # an all-pad row: 0, not nan
             mask_ratio_observed = is_mask.squeeze(-1).sum(-1).to(x.dtype) / src_lengths
             x = x * (1 - _MASK_RATIO_TRAIN) / (1 - mask_ratio_observed)[:, None, None]
         return x * (1 - padding_mask.unsqueeze(-1).type_as(x))
@@ -119,6 +126,11 @@ class PerformerLM(nn.Module):
         repr_layers: Sequence[int] = (),
         attention_layers: Sequence[int] = (),
         attention_heads: Sequence[int] | None = None,
+        state: Sequence[AttentionState] | None = None,
+        *,
+        offset: int | torch.Tensor = 0,
+        keep_state: bool = False,
+        inplace: bool = False,
     ) -> PerformerOutput:
         """``tokens`` (B, T) -> logits (B, T, V) plus the requested hidden states and maps.
 
@@ -126,9 +138,21 @@ class PerformerLM(nn.Module):
         ``repr_layers`` take 0..depth (0 = embeddings) or negative indices (-1 = last);
         ``attention_layers`` take 1..depth or negative indices; ``attention_heads`` selects heads
         (all when None).
+
+        RNN mode (a causal model, as transformers' ``past_key_values``): ``state`` (per layer,
+        batch 1 broadcast over B, or B) continues a row whose tokens so far put ``tokens`` at
+        row position ``offset`` (an int, or a (B,) tensor: each row's); ``keep_state`` returns
+        the states after the tokens in ``.state``. Prefill is a call from no state with
+        ``keep_state``; extend one from a state; a decoding step one of a single token per row
+        (padded rows leave their states unchanged). ``state`` is never written unless
+        ``inplace``: the caller gives it up and uses only the returned one (a generator's loop),
+        so buffers are updated in place (FAVOR+: the sum; exact: the KV cache grown into spare
+        room). Equals the causal forward of the whole row, up to float rounding.
         """
         if tokens.ndim != 2:
             raise ValueError(f"tokens must be (batch, length), got shape {tuple(tokens.shape)}")
+        if state is not None or keep_state:
+            self._require_causal()
         if padding_mask is None:
             padding_mask = tokens.eq(self.config.pad_idx)
         padding_mask = padding_mask.to(device=tokens.device, dtype=torch.bool)
@@ -143,7 +167,7 @@ class PerformerLM(nn.Module):
                 )
 
         x = self.embed(tokens, padding_mask)  # (B, T, D)
-        positions = self.rotary_positions(tokens)
+        positions = self.rotary_positions(tokens, offset)
         hidden: dict[int, torch.Tensor] = {}
         if 0 in want_hidden:
             hidden[0] = x
@@ -151,14 +175,20 @@ class PerformerLM(nn.Module):
         attn_mask = padding_mask if padding_mask.any() else None
         maps: dict[int, torch.Tensor] = {}
         depth = len(self.layers)
-        for i, layer in enumerate(self.layers, start=1):
-            x, weights = layer(
+        states = [None] * depth if state is None else list(state)
+        new_states: list[AttentionState] = []
+        for i, (layer, layer_state) in enumerate(zip(self.layers, states, strict=True), start=1):
+            x, weights, layer_state = layer(
                 x,
                 attn_mask,
                 need_weights=i in want_attn,
                 heads=attention_heads,
                 positions=positions,
+                state=layer_state,
+                keep_state=keep_state,
+                inplace=inplace,
             )
+            new_states.append(layer_state)
             if weights is not None:
                 maps[i] = weights
             if i in want_hidden and i != depth:
@@ -173,7 +203,12 @@ class PerformerLM(nn.Module):
             keep = (~padding_mask).to(logits.dtype)  # (B, T)
             outer = (keep[:, :, None] * keep[:, None, :])[:, None]  # (B, 1, T, T)
             attentions = {i: maps[i] * outer.to(maps[i].dtype) for i in sorted(maps)}
-        return PerformerOutput(logits=logits, hidden_states=hidden, attentions=attentions)
+        return PerformerOutput(
+            logits=logits,
+            hidden_states=hidden,
+            attentions=attentions,
+            state=new_states if keep_state else None,
+        )
 
     def _require_causal(self) -> None:
         if not self.config.causal:
@@ -186,18 +221,10 @@ class PerformerLM(nn.Module):
     def prefill(
         self, tokens: torch.Tensor, padding_mask: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, list[AttentionState]]:
-        """Causal forward over prompts (B, T), right-padded -> logits (B, T, V) and per-layer
-        states for :meth:`step` (RNN mode: FAVOR+ prefix sums, or KV caches for exact)."""
-        self._require_causal()
-        if padding_mask is None:
-            padding_mask = tokens.eq(self.config.pad_idx)
-        x = self.embed(tokens, padding_mask)  # (B, T, D)
-        positions = self.rotary_positions(tokens)
-        states = []
-        for layer in self.layers:
-            x, state = layer.prefill(x, padding_mask if padding_mask.any() else None, positions)
-            states.append(state)
-        return self.lm_head(self.emb_layer_norm_after(x)), states
+        """Prompts (B, T), right-padded -> logits (B, T, V) and the per-layer states after
+        them: :meth:`forward` from no state, keeping it."""
+        out = self(tokens, padding_mask, keep_state=True)
+        return out.logits, out.state  # type: ignore[return-value]
 
     @torch.no_grad()
     def extend(
@@ -208,66 +235,38 @@ class PerformerLM(nn.Module):
         padding_mask: torch.Tensor | None = None,
         return_states: bool = False,
     ) -> tuple[torch.Tensor, list[AttentionState] | None]:
-        """Causal forward of tokens (B, L), right-padded, continuing a row from per-layer
-        ``states`` (batch 1, broadcast over B, or B; None: a fresh row) that hold ``offset``
-        tokens -> logits (B, L, V) and, if ``return_states``, the states after the tokens.
+        """Tokens (B, L), right-padded, continuing rows from ``states`` that hold ``offset``
+        tokens -> logits (B, L, V) and, if ``return_states``, the states after the tokens:
+        :meth:`forward` from a state, which it never writes.
 
         Why: a family context is read once into states; every candidate then costs its own
-        tokens alone (FAVOR+: a fixed-size state; exact: its KV cache). The states are never
-        written in place, so one context serves any number of candidates. Equals the causal
-        forward of the whole row, up to float rounding.
+        tokens alone (FAVOR+: a fixed-size state; exact: its KV cache), one context serving
+        any number of candidates.
         """
         self._require_causal()
-        if padding_mask is None:
-            padding_mask = tokens.eq(self.config.pad_idx)
-        padding_mask = padding_mask.to(device=tokens.device, dtype=torch.bool)
-        x = self.embed(tokens, padding_mask)  # (B, L, D)
-        positions = self.rotary_positions(tokens, offset)
-        if positions is None:
-            positions = 0
-        attn_mask = padding_mask if padding_mask.any() else None
-        layer_states = [None] * len(self.layers) if states is None else list(states)
-        new_states: list[AttentionState] = []
-        for layer, state in zip(self.layers, layer_states, strict=True):
-            x, state = layer.extend(x, state, positions, attn_mask, return_states)
-            new_states.append(state)
-        logits = self.lm_head(self.emb_layer_norm_after(x))
-        return logits, (new_states if return_states else None)
+        out = self(tokens, padding_mask, state=states, offset=offset, keep_state=return_states)
+        return out.logits, out.state
 
     @torch.no_grad()
     def step(
         self,
         tokens: torch.Tensor,
         positions: torch.Tensor,
-        states: list[AttentionState],
+        states: Sequence[AttentionState],
         pad: torch.Tensor | None = None,
         inplace: bool = False,
     ) -> tuple[torch.Tensor, list[AttentionState]]:
-        """One new token per row, tokens (B,) at positions (B,) -> logits (B, V), new states.
+        """One new token per row, tokens (B,) at positions (B,) -> logits (B, V), new states:
+        :meth:`forward` of one token.
 
         Constant time and memory per token with FAVOR+. Rows with ``pad`` True (finished
         sequences) leave their states unchanged; their logits are meaningless. ``inplace``:
-        the caller owns ``states`` and will only use the returned ones (a generator's loop);
-        buffers an earlier in-place step allocated are then reused (FAVOR+: the state updated
-        in place; exact: the KV cache grown into spare room). States from ``prefill``,
-        ``extend`` or a family context are copied on the first write, never written.
+        the caller gives ``states`` up and uses only the returned ones (a generator's loop).
         """
-        self._require_causal()
-        if pad is not None and tokens.device.type == "cpu" and not bool(pad.any()):
-            pad = None  # no row finished: the layers skip the mask (a cheap check on CPU only)
-        x = self.embed_tokens(tokens)  # (B, D)
-        if self.config.token_dropout:
-            if bool((tokens == self.config.mask_idx).any()):
-                # The embedding sees a real token (no padding): the full rule, as forward.
-                real = torch.zeros_like(tokens, dtype=torch.bool)[:, None]
-                x = self.embed(tokens[:, None], real)[:, 0]
-            else:  # no <mask>: embed's scale (1 - ratio) / (1 - 0), the same product
-                x = x * (1 - _MASK_RATIO_TRAIN)
-        new_states = []
-        for layer, state in zip(self.layers, states, strict=True):
-            x, state = layer.step(x, positions, state, pad, inplace)
-            new_states.append(state)
-        return self.lm_head(self.emb_layer_norm_after(x)), new_states
+        mask = None if pad is None else pad[:, None]
+        out = self(tokens[:, None], mask, state=states, offset=positions, keep_state=True,
+                   inplace=inplace)  # fmt: skip
+        return out.logits[:, 0], out.state  # type: ignore[return-value]
 
     @torch.no_grad()
     def redraw_features(self, generator: torch.Generator | None = None) -> None:

@@ -140,3 +140,18 @@ def member_positions(tokens: torch.Tensor, cls_idx: int, offset: int = 0) -> tor
     idx = torch.arange(L, device=tokens.device)
     start = torch.where(tokens == cls_idx, idx, -1).cummax(-1).values  # (B, L) last <cls> <= t
     return torch.where(start >= 0, idx - start, idx + offset)
+
+
+def as_positions(positions: torch.Tensor | int | None, B: int, L: int, device) -> torch.Tensor:
+    """Rotary positions (B, L) long of L tokens per row from any of the forms the attention
+    layer takes: None (0, 1, ...), an int or a 0-d tensor (the first token's position), a (B,)
+    tensor (each row's first position, e.g. a decoding step's), or (B, L) per token."""
+    if isinstance(positions, torch.Tensor) and positions.ndim == 2:
+        return positions.to(device=device, dtype=torch.long).expand(B, L)
+    steps = torch.arange(L, device=device)
+    if positions is None:
+        return steps.expand(B, L)
+    if isinstance(positions, int):
+        return (steps + positions).expand(B, L)
+    start = positions.to(device=device, dtype=torch.long).reshape(-1, 1)  # (B | 1, 1)
+    return (start + steps).expand(B, L)

@@ -107,6 +107,70 @@ class DivergenceGuard(Callback):
         self._stop_if(trainer, pl_module, "val/loss", None if value is None else float(value))
 
 
+#: Checkpoint key of the random states (torch CPU and CUDA, numpy, Python) at the save.
+RNG_KEY = "rng_states"
+
+
+def rng_states() -> dict[str, Any]:
+    """Every global random state a training step draws from (dropout: torch's), in types
+    ``torch.load(weights_only=True)`` reads back (numpy's key as a tensor)."""
+    import random
+
+    import numpy as np
+
+    kind, keys, pos, has_gauss, gauss = np.random.get_state()
+    return {
+        "torch": torch.get_rng_state(),
+        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
+        "numpy": [kind, torch.from_numpy(keys.astype(np.int64)), pos, has_gauss, gauss],
+        "python": random.getstate(),
+    }
+
+
+def set_rng_states(states: dict[str, Any]) -> None:
+    """Restore :func:`rng_states` (CUDA states only where as many devices are visible)."""
+    import random
+
+    import numpy as np
+
+    torch.set_rng_state(states["torch"])
+    cuda = states.get("cuda") or []
+    if cuda and torch.cuda.is_available() and torch.cuda.device_count() == len(cuda):
+        torch.cuda.set_rng_state_all(cuda)
+    kind, keys, pos, has_gauss, gauss = states["numpy"]
+    np.random.set_state((kind, keys.numpy().astype(np.uint32), pos, has_gauss, gauss))
+    version, internal, gauss_next = states["python"]
+    random.setstate((version, tuple(internal), gauss_next))
+
+
+class RandomStates(Callback):
+    """Checkpoints carry the random states, so a resumed run draws the dropout masks the
+    uninterrupted one drew (rank 0's states, as every rank is seeded alike).
+
+    They are restored just before the first training batch after the restore, not when the
+    checkpoint is read: what Lightning does in between (a sanity validation, building loaders)
+    draws from them too, and the uninterrupted run did none of it at that point."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.pending: dict[str, Any] | None = None
+
+    def on_save_checkpoint(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
+    ) -> None:
+        checkpoint[RNG_KEY] = rng_states()
+
+    def on_load_checkpoint(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
+    ) -> None:
+        self.pending = checkpoint.get(RNG_KEY)
+
+    def on_train_batch_start(self, trainer: pl.Trainer, *args: Any) -> None:  # noqa: ANN401
+        if self.pending is not None:
+            set_rng_states(self.pending)
+            self.pending = None
+
+
 def _refuse_nonfinite_weights(trainer: pl.Trainer, path: str | None) -> None:
     """Stop the run instead of saving non-finite weights; every rank takes the same decision.
 

@@ -172,8 +172,13 @@ def choose_threads(cfg: DictConfig) -> str:
 
 def build_trainer(cfg: DictConfig) -> tuple[pl.Trainer, list[Any]]:
     """The configured trainer with the trust pieces every run has: ``DivergenceGuard`` (NaN
-    stop) and ``SafeCheckpointIO`` (atomic saves, ``weights_only`` loads); and its callbacks."""
-    from protein_performer.training.checkpointing import DivergenceGuard, SafeCheckpointIO
+    stop), ``RandomStates`` (exact resume with dropout) and ``SafeCheckpointIO`` (atomic saves,
+    ``weights_only`` loads); and its callbacks."""
+    from protein_performer.training.checkpointing import (
+        DivergenceGuard,
+        RandomStates,
+        SafeCheckpointIO,
+    )
 
     callbacks = instantiate_dict(cfg, "callbacks")
     if cfg.trainer.get("enable_progress_bar") is False:
@@ -185,7 +190,7 @@ def build_trainer(cfg: DictConfig) -> tuple[pl.Trainer, list[Any]]:
     trainer = instantiate(
         cfg.trainer,
         "trainer",
-        callbacks=[DivergenceGuard(), *callbacks],
+        callbacks=[DivergenceGuard(), RandomStates(), *callbacks],
         logger=loggers or False,
         plugins=[SafeCheckpointIO()],
     )

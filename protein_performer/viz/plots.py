@@ -42,12 +42,20 @@ def save_figure(fig, path: str | os.PathLike[str], dpi: int = 120) -> Path:
     return path
 
 
+#: Characters of one title line kept (a 100 kB record id made a 128,803-pixel figure).
+MAX_TITLE_LINE = 300
+
+
 def wrap_title(text: str, width: int) -> str:
     """``text`` with each line wrapped at ``width`` characters: a long record name or note
-    makes the title taller, never wider than the figure (where it would be cut off)."""
+    makes the title taller, never wider than the figure (where it would be cut off). Lines
+    are cut at :data:`MAX_TITLE_LINE` and ``$`` is escaped: matplotlib reads ``$...$`` as
+    mathtext, and a record id like ``$\\foo{$`` was a traceback."""
     import textwrap
 
-    return "\n".join(textwrap.fill(line, width) for line in text.splitlines())
+    lines = (ln if len(ln) <= MAX_TITLE_LINE else ln[: MAX_TITLE_LINE - 1] + "\u2026"
+             for ln in text.splitlines())  # fmt: skip
+    return "\n".join(textwrap.fill(line, width) for line in lines).replace("$", r"\$")
 
 
 def downsample(x: np.ndarray, max_size: int = MAX_PANEL) -> np.ndarray:

@@ -444,9 +444,20 @@ def render_html(spec: ReportSpec) -> str:
         f"<title>{esc(spec.name)}: attention report</title><style>{_CSS}</style>"
         f"<script type='text/javascript'>{get_plotlyjs()}</script></head><body>"
         + "".join(parts) + f"<script>{glue}</script>"
-        + f"<script type='application/json' id='report-meta'>{json.dumps(_meta(spec))}</script>"
+        + f"<script type='application/json' id='report-meta'>{script_json(_meta(spec))}</script>"
         + "</body></html>"
     )  # fmt: skip
+
+
+#: Characters that can end a script block, written as JSON escapes (``json.dumps`` already
+#: escapes every non-ASCII character, U+2028/9 included).
+_SCRIPT_UNSAFE = str.maketrans({"<": "\\u003c", ">": "\\u003e", "&": "\\u0026"})
+
+
+def script_json(obj: object) -> str:
+    """JSON for a ``<script>`` block: a user's string holding ``</script>`` cannot close it
+    (the escapes leave the parsed value unchanged)."""
+    return json.dumps(obj).translate(_SCRIPT_UNSAFE)
 
 
 def _meta(spec: ReportSpec) -> dict:

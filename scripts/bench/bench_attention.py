@@ -140,7 +140,7 @@ def _build_fn(case: dict[str, Any], device: Any) -> tuple[Callable[..., Any], in
 
         torch.manual_seed(case["seed"])
         attn = FastAttention(dim_heads=d, nb_features=m, causal=causal).to(device)
-        return (lambda q, k, v: attn(q, k, v)), case.get("flop_chunk", DEFAULT_CHUNK)
+        return (lambda q, k, v: attn(q, k, v)[0]), case.get("flop_chunk", DEFAULT_CHUNK)
     raise ValueError(f"unknown impl {impl!r}")
 
 

@@ -14,6 +14,9 @@ per (attention, threads, T) case:
   model without a reusable state does (``--rerun-reps`` timings, best kept);
 * peak RSS of the whole process (context build included) and of the scoring phase alone.
 
+``--impls`` adds the designs of issue 30 (``favor+memory``: the position memory over FAVOR+, 1,024
+member positions), each reported with its own 64k / 1k ratio and state size.
+
 Targets (issue 21): FAVOR+ per-candidate time at 64k / at 1k <= 1.3x; >= 20x faster per
 candidate than the exact twin (with its KV cache) at 16k; peak memory of scoring 1,000
 candidates at 64k < 1 GiB.
@@ -23,6 +26,8 @@ Examples::
     python scripts/bench/bench_context.py --quick
     python scripts/bench/bench_context.py --threads 1 2 --out .bench/context
     python scripts/bench/bench_context.py --lengths 1024 16384 --impls favor --candidates 1000
+    python scripts/bench/bench_context.py --lengths 1024 65536 --impls favor favor+memory \\
+        --threads 1
 """
 
 from __future__ import annotations
@@ -37,6 +42,12 @@ import _common as common
 
 SHAPE = {"dim": 320, "depth": 6, "heads": 20, "ff_dim": 1280}
 MEMBER = 300  # residues per context member and per candidate
+#: --impls: name -> PerformerConfig fields over the default (FAVOR+ softmax)
+IMPLS: dict[str, dict[str, Any]] = {
+    "favor": {},
+    "exact": {"attention": "exact"},
+    "favor+memory": {"position_memory": 1024},
+}
 FIELDS = (
     "impl",
     "threads",
@@ -53,7 +64,7 @@ FIELDS = (
 )
 
 
-def _lm(attention: str) -> Any:
+def _lm(impl: str) -> Any:
     import torch
 
     from protein_performer.data.tokenizer import Alphabet
@@ -63,7 +74,7 @@ def _lm(attention: str) -> Any:
     from protein_performer.model.performer import PerformerLM
 
     torch.manual_seed(0)
-    config = PerformerConfig(**SHAPE, objective="clm", attention=attention)
+    config = PerformerConfig(**SHAPE, objective="clm", **IMPLS[impl])
     model = PerformerLM(config).eval()
     return ProteinLM(
         LoadedModel(model, config, Alphabet(), Path("random"), torch.device("cpu"), "memory")
@@ -211,13 +222,17 @@ def _report(rows: list[dict[str, Any]], args: Any) -> str:
         lines.append("")
         if lengths:
             lo, hi = lengths[0], lengths[-1]
-            a = _get(rows, "favor", threads, lo, "ms_per_candidate")
-            b = _get(rows, "favor", threads, hi, "ms_per_candidate")
-            if a and b:
-                lines.append(
-                    f"FAVOR+ per candidate at {hi} / at {lo}: {b / a:.2f}x (target <= 1.3x at "
-                    f"64k / 1k): {common.verdict(b / a <= 1.3)}"
-                )
+            for impl in (i for i in args.impls if i != "exact"):  # the constant-state designs
+                a = _get(rows, impl, threads, lo, "ms_per_candidate")
+                b = _get(rows, impl, threads, hi, "ms_per_candidate")
+                if a and b:
+                    lines.append(
+                        f"{impl} per candidate at {hi} / at {lo}: {b / a:.2f}x (target <= 1.3x "
+                        f"at 64k / 1k): {common.verdict(b / a <= 1.3)}; state "
+                        f"{_fmt(_get(rows, impl, threads, lo, 'context_kib'), '.0f')} KiB at "
+                        f"{lo}, {_fmt(_get(rows, impl, threads, hi, 'context_kib'), '.0f')} KiB "
+                        f"at {hi}"
+                    )
             mid = 16384 if 16384 in lengths else max(t for t in lengths if t <= 16384)
             fm = _get(rows, "favor", threads, mid, "ms_per_candidate")
             em = _get(rows, "exact", threads, mid, "ms_per_candidate")
@@ -246,7 +261,7 @@ def _report(rows: list[dict[str, Any]], args: Any) -> str:
 def main() -> int:
     p = common.bench_parser(__doc__, "", ".bench/context")
     p.add_argument("--lengths", type=int, nargs="+", default=[1024, 4096, 16384, 65536])
-    p.add_argument("--impls", nargs="+", default=["favor", "exact"], choices=("favor", "exact"))
+    p.add_argument("--impls", nargs="+", default=["favor", "exact"], choices=tuple(IMPLS))
     p.add_argument("--threads", type=int, nargs="+", default=[1, 2])
     p.add_argument("--candidates", type=int, default=1000, help="FAVOR+ candidates per case")
     p.add_argument("--exact-candidates", type=int, default=8, help="exact candidates per case")

@@ -149,7 +149,7 @@ def fig4_study(
                     for seed, ((q, k, v), ref) in enumerate(zip(inputs, refs, strict=True)):
                         _seeded_redraw(attn, seed)
                         with torch.no_grad():
-                            mses.append(float((attn(q, k, v) - ref).pow(2).mean()))
+                            mses.append(float((attn(q, k, v)[0] - ref).pow(2).mean()))
                     add(tau, feat, draw, m, mses)
         for m in ms:
             add(tau, "uniform", "mean of V", m, uniform)
@@ -184,7 +184,7 @@ def _methods(
             q: Tensor, k: Tensor, v: Tensor, seed: int, attn: torch.nn.Module = attn
         ) -> Tensor:
             _seeded_redraw(attn, seed)
-            return attn(q, k, v)
+            return attn(q, k, v)[0]
 
         methods[f"ours/{kernel}"] = ours
     try:

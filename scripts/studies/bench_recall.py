@@ -50,6 +50,11 @@ DESIGNS: dict[str, list[str]] = {
     "favor-relu": ["model.config.kernel=relu", "model.config.feature_redraw_interval=0"],
     "taylor": ["model.config.attention=linear", "model.config.kernel=taylor"],
     "hedgehog": ["model.config.attention=linear", "model.config.kernel=hedgehog"],
+    "taylor+window": [
+        "model.config.attention=linear", "model.config.kernel=taylor",
+        "model.config.local_window=64",
+    ],
+    "exact-every-3": ["model.config.exact_every=3"],
     "favor+memory": ["model.config.position_memory=512"],
     "taylor+memory": [
         "model.config.attention=linear", "model.config.kernel=taylor",

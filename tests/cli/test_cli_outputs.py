@@ -80,3 +80,16 @@ def test_overwrite_passes_the_check_but_never_for_an_input(files, capsys) -> Non
         "--overwrite",
     ]
     assert "already exists" not in _run(argv, capsys)  # got past the check to the checkpoint
+
+
+@pytest.mark.parametrize("command", ["generate", "score"])
+def test_standard_output_closed_is_one_line(files, capsys, monkeypatch, command) -> None:
+    """``cmd ... - >&-``: Python starts with no sys.stdout; refused before any work."""
+    import sys
+
+    argv = {
+        "generate": ["generate", str(files["ckpt"]), "-", "--num", "1", "--max-length", "5"],
+        "score": ["score", str(files["ckpt"]), str(files["fasta"]), "-"],
+    }[command]
+    monkeypatch.setattr(sys, "stdout", None)
+    assert "standard output is closed" in _run(argv, capsys)

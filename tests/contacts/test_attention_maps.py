@@ -43,7 +43,7 @@ def test_maps_are_the_implied_attention(attention: str) -> None:
         x = model.layers[0].self_attn_layer_norm(model.embed(tokens, pad))
         q, k = attn.rotated_qk(x)
         v = attn._split_heads(attn.v_proj(x))  # (1, H, T, d)
-        out = attn.core(q, k, v)
+        out = attn.core(q, k, v)[0]
     maps = attention_maps(model, SEQ, layers=[1], window=(3, 30), strip_special=False).maps[1]
     torch.testing.assert_close(maps @ v[0], out[0, :, 4:31], rtol=1e-4, atol=1e-5)
 

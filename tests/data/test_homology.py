@@ -287,3 +287,36 @@ def test_homologs_without_mmseqs_is_one_error_line(tmp_path: Path) -> None:
     assert proc.returncode == 2 and len(err) == 1, proc.stderr
     assert err[0].startswith("error: homologs needs MMseqs2, but `mmseqs` is not on PATH")
     assert "apt-get install mmseqs2" in err[0] and not out.exists()
+
+
+def test_a_hanging_mmseqs_says_so_and_stops_at_the_timeout(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, capsys
+) -> None:
+    """A fake ``mmseqs`` that hangs (its child too): lines while it runs, one error line at
+    --mmseqs-timeout, and no process left behind."""
+    import logging
+    import os
+    import time
+
+    db = tmp_path / "db.fasta"
+    _family_fasta(db)
+    query = _query(tmp_path, db, "tr|F01M0|F01M0_TEST")
+    bindir = tmp_path / "bin"
+    bindir.mkdir()
+    fake = bindir / "mmseqs"
+    pidfile = tmp_path / "child.pid"
+    fake.write_text(f"#!/bin/sh\necho prefilter\nsleep 60 &\necho $! > {pidfile}\nwait\n")
+    fake.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bindir}{os.pathsep}{os.environ['PATH']}")
+    monkeypatch.setenv("PROTEIN_PERFORMER_PROGRESS_INTERVAL", "0.2")
+    argv = ["homologs", str(query), str(db), str(tmp_path / "h.fasta"), "--mmseqs-timeout", "1"]
+    start = time.monotonic()
+    with caplog.at_level(logging.INFO, logger="protein_performer.data.homology"):
+        assert main(argv) == 2
+    assert time.monotonic() - start < 15
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "did not finish within --mmseqs-timeout 1 s" in err[0], err
+    assert "so far (prefilter)" in caplog.text
+    stat = Path(f"/proc/{int(pidfile.read_text())}/stat")
+    time.sleep(0.2)
+    assert not stat.exists() or stat.read_text().split(")")[1].split()[0] in "ZX"  # gone

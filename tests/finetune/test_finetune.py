@@ -171,6 +171,21 @@ def test_read_labels_tasks_and_nan(tmp_path: Path, caplog: pytest.LogCaptureFixt
 
 
 @pytest.mark.parametrize(
+    ("data", "match"),
+    [
+        (b"sequence,label\nMKT,1\nMA\xffG,2\n", r"line 3 is not UTF-8 text \(byte 0xff"),
+        (b"sequence,label\nMKT,1\nMAG,2" + b"0" * 140_000 + b"\n", r"line 3: field larger"),
+    ],
+    ids=["not-utf8", "huge-field"],
+)
+def test_unreadable_label_tables_are_one_error(tmp_path: Path, data: bytes, match: str) -> None:
+    table = tmp_path / "t.csv"
+    table.write_bytes(data)
+    with pytest.raises(UserError, match=match):
+        read_labels(table)
+
+
+@pytest.mark.parametrize(
     "rows, task, match",
     [
         ([["MKT", "HH", "train"]], "residue_classification", r"row 2: 2 residue labels for a "
@@ -440,8 +455,7 @@ def test_resume_after_kill_equals_an_uninterrupted_run(
         "trainer.max_epochs=3",
         "data.max_batch_size=4",
         "test=false",
-        "task.dropout=0.0",
-    ]  # dropout draws from the global RNG, not checkpointed
+    ]  # the default dropout: the checkpoint carries the random states it draws from
     whole = finetune(ft_config(base, fitness, tmp_path / "whole", *common))
     kill = [
         "+callbacks.kill._target_=tests.finetune.test_finetune.KillAt",

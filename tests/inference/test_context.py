@@ -15,6 +15,7 @@ from protein_performer.errors import UserError
 from protein_performer.inference.api import ProteinLM
 from protein_performer.inference.context import FamilyContext
 from protein_performer.interop.record import LoadedModel
+from protein_performer.model.attention import state_tensors
 from protein_performer.model.config import PerformerConfig
 from protein_performer.model.favor import KERNELS
 from protein_performer.model.performer import PerformerLM
@@ -29,6 +30,15 @@ CANDIDATES = ["MKTAYIAKQRQISFVKSHFSRQ", "MKSAYIAKQ", "MKTAYIAKQRQISWVKSHFSRQAAG"
 VARIANTS = [(a, k) for a in ("favor", "exact") for k in (KERNELS if a == "favor" else ["-"])]
 
 
+#: The newer cores, through the same model calls: linear attention (alone and with its exact
+#: window) and the position memory.
+CORES = {
+    "linear": {"attention": "linear", "kernel": "taylor"},
+    "window": {"attention": "linear", "kernel": "taylor", "local_window": 4},
+    "memory": {"attention": "favor", "position_memory": 64},
+}
+
+
 def tiny_lm(
     attention: str = "favor",
     kernel: str = "softmax",
@@ -36,6 +46,7 @@ def tiny_lm(
     objective: str = "clm",
     seed: int = 0,
     chunk: int | None = 8,
+    **extra,
 ) -> ProteinLM:
     torch.manual_seed(seed)
     config = PerformerConfig(
@@ -45,10 +56,11 @@ def tiny_lm(
         ff_dim=64,
         objective=objective,
         attention=attention,
-        kernel=kernel if attention == "favor" else "softmax",
+        kernel=kernel if attention != "exact" else "softmax",
         nb_features=16,
         positions=positions,
         favor_chunk_size=chunk,
+        **extra,
     )
     model = PerformerLM(config).eval()
     for layer in model.layers:  # a stabilizer that matters: softmax_opt's fixed statistic
@@ -59,19 +71,26 @@ def tiny_lm(
     return ProteinLM(loaded)
 
 
-def concatenated_scores(lm: ProteinLM, family: list[tuple[str, str]], seq: str) -> float:
-    """Mean log-likelihood of seq's residues and <eos> in one causal forward of the row."""
+def concatenated_terms(
+    lm: ProteinLM, family: list[tuple[str, str]], seq: str, eos: bool = True
+) -> np.ndarray:
+    """Log-likelihoods of seq's residues (and <eos>) in one causal forward of the row."""
     a = lm.alphabet
     ids: list[int] = []
     for _, s in family:
         ids += [a.cls_idx, *a.encode(s).tolist(), a.eos_idx]
     start = len(ids)
-    ids += [a.cls_idx, *a.encode(seq).tolist(), a.eos_idx]
+    ids += [a.cls_idx, *a.encode(seq).tolist(), *([a.eos_idx] if eos else [])]
     tokens = torch.tensor([ids])
     with torch.inference_mode():
         lp = torch.log_softmax(lm.model(tokens).logits[0].float(), -1)  # (T, V)
     picked = lp[start : len(ids) - 1].gather(-1, tokens[0, start + 1 :, None])[:, 0]
-    return float(picked.mean())
+    return picked.double().numpy()
+
+
+def concatenated_scores(lm: ProteinLM, family: list[tuple[str, str]], seq: str) -> float:
+    """Mean log-likelihood of seq's residues and <eos> in one causal forward of the row."""
+    return float(concatenated_terms(lm, family, seq).mean())
 
 
 @pytest.mark.parametrize("positions", ["sequence", "member"])
@@ -84,6 +103,27 @@ def test_context_scores_equal_the_concatenated_forward(attention, kernel, positi
     np.testing.assert_allclose(got, want, atol=1e-4, rtol=0)
     # and the context matters: without it the numbers differ
     assert not np.allclose(lm.score(CANDIDATES), got, atol=1e-4)
+
+
+@pytest.mark.parametrize("positions", ["sequence", "member"])
+@pytest.mark.parametrize("name", CORES)
+def test_linear_and_memory_contexts_continue_the_row(name, positions):
+    """``lm.context`` with the linear cores and with the position memory: scores after it equal
+    the concatenated forward, and so do the log-probs of sequences generated after it (each
+    token a step from the context's states: step == forward); the context is never written."""
+    lm = tiny_lm(positions=positions, **CORES[name])
+    ctx = lm.context(FAMILY)
+    before = [t.clone() for t in state_tensors(ctx.states)]
+    got = lm.score(CANDIDATES, context=ctx)
+    want = [concatenated_scores(lm, FAMILY, s) for s in CANDIDATES]
+    np.testing.assert_allclose(got, want, atol=1e-4, rtol=0)
+    assert not np.allclose(lm.score(CANDIDATES), got, atol=1e-4)
+    for prompt in ("", "MK"):
+        for g in lm.iter_generate(n=3, max_length=15, prompt=prompt, context=ctx, seed=3):
+            terms = concatenated_terms(lm, FAMILY, g.sequence, eos=g.ended == "eos")
+            np.testing.assert_allclose(g.token_log_probs, terms[len(prompt) :], atol=1e-4)
+    assert all(map(torch.equal, before, state_tensors(ctx.states)))
+
 
 
 @pytest.mark.parametrize("attention", ["favor", "exact"])
@@ -280,3 +320,23 @@ def test_cli_context_flags(tmp_path, capsys):
     err = capsys.readouterr().err
     assert err.startswith("error: ") and "Traceback" not in err
     assert not (tmp_path / "y.csv").exists()
+
+
+def test_an_unbounded_context_says_what_it_reads_and_shows_progress(
+    caplog, capsys, monkeypatch
+) -> None:
+    """No trained row length: one line with the count before the prefill, then progress."""
+    import logging
+
+    from protein_performer.inference.context import build_context
+
+    monkeypatch.setenv("PROTEIN_PERFORMER_PROGRESS_INTERVAL", "0")
+    lm = tiny_lm()
+    assert lm.loaded.config.context_tokens is None
+    with caplog.at_level(logging.INFO, logger="protein_performer.inference.context"):
+        ctx = build_context(lm.loaded, FAMILY * 4, segment=32)
+    tokens = sum(len(s) + 2 for _, s in FAMILY * 4)
+    assert ctx.n_tokens == tokens
+    assert f"reading 12 homolog(s), {tokens} tokens" in caplog.text
+    err = capsys.readouterr().err
+    assert "context" in err and f"{tokens}" in err, err

@@ -16,24 +16,36 @@ from protein_performer.data.tokenizer import STANDARD_AA
 from protein_performer.inference.api import ProteinLM
 from protein_performer.inference.scoring import causal_log_likelihoods
 from protein_performer.interop.export import export_model
+from protein_performer.model.attention import state_tensors
 from protein_performer.model.config import KERNELS
 from tests.inference.test_embedding import tiny_loaded
 
-VARIANTS = [("favor", k) for k in KERNELS] + [("exact", "softmax")]
+#: (attention, kernel, other config keys): every core, the linear one and the position memory
+#: through the same model calls.
+VARIANTS = [("favor", k, {}) for k in KERNELS] + [
+    ("exact", "softmax", {}),
+    ("linear", "taylor", {}),
+    ("linear", "taylor", {"local_window": 4}),
+    ("favor", "softmax", {"position_memory": 64}),
+]
 
 
-def causal_lm(attention: str = "favor", kernel: str = "softmax", seed: int = 0) -> ProteinLM:
-    loaded = tiny_loaded("clm", seed=seed, attention=attention, kernel=kernel)
+def causal_lm(
+    attention: str = "favor", kernel: str = "softmax", seed: int = 0, **extra
+) -> ProteinLM:
+    loaded = tiny_loaded("clm", seed=seed, attention=attention, kernel=kernel, **extra)
     if kernel == "softmax_opt":  # a trained model has a non-zero statistic: exercise it
         for layer in loaded.model.layers:
             layer.self_attn.favor.oprf_rho.fill_(0.4)
     return ProteinLM(loaded)
 
 
-@pytest.mark.parametrize(("attention", "kernel"), VARIANTS)
+@pytest.mark.parametrize(("attention", "kernel", "extra"), VARIANTS)
 @pytest.mark.parametrize("prompt", ["", "MKTAY"])
-def test_step_log_probs_equal_the_parallel_forward(attention: str, kernel: str, prompt: str):
-    lm = causal_lm(attention, kernel)
+def test_step_log_probs_equal_the_parallel_forward(
+    attention: str, kernel: str, extra: dict, prompt: str
+):
+    lm = causal_lm(attention, kernel, **extra)
     for g in lm.iter_generate(n=3, max_length=40, prompt=prompt, seed=3, batch_size=3):
         assert g.sequence.startswith(prompt)
         (terms,) = causal_log_likelihoods(lm.loaded, [g.sequence])
@@ -165,12 +177,15 @@ def test_state_is_constant_size() -> None:
     assert [s.kv.numel() for s in states] == sizes
 
 
-@pytest.mark.parametrize(("attention", "kernel"), VARIANTS)
-def test_steps_equal_the_forward_and_never_write_given_states(attention: str, kernel: str):
+@pytest.mark.parametrize(("attention", "kernel", "extra"), VARIANTS)
+def test_steps_equal_the_forward_and_write_given_states_only_in_place(
+    attention: str, kernel: str, extra: dict
+):
     """PerformerLM.step, in place or not, after a prefill and after a batch-1 state broadcast
-    over the batch (a family context's): logits equal the parallel causal forward (<= 1e-4),
-    and the states it was given are never written (in place copies them on the first write)."""
-    lm = causal_lm(attention, kernel)
+    over the batch (a family context's): logits equal the parallel causal forward (<= 1e-4);
+    the states it was given are written only when ``inplace`` gives them up, and a shared
+    batch-1 context state never is."""
+    lm = causal_lm(attention, kernel, **extra)
     model = lm.model
     g = torch.Generator().manual_seed(0)
     row = torch.randint(4, 24, (2, 24), generator=g)
@@ -190,13 +205,15 @@ def test_steps_equal_the_forward_and_never_write_given_states(attention: str, ke
                     logits, states = model.extend(row[:, P : P + 2], shared, P, None, True)
                     torch.testing.assert_close(logits, ref[:, P : P + 2], atol=1e-4, rtol=0)
                     first = P + 2
-                before = [t.clone() for s in given for t in s]
+                before = [t.clone() for t in state_tensors(given)]
                 for t in range(first, 24):
                     pos = torch.full((2,), t)
                     out, states = model.step(row[:, t], pos, states, inplace=inplace)
                     torch.testing.assert_close(out, ref[:, t], atol=1e-4, rtol=0)
-                after = [t for s in given for t in s]
-                assert all(torch.equal(x, y) for x, y in zip(before, after, strict=True))
+                after = state_tensors(given)
+                if not inplace or start == "broadcast":
+                    assert all(torch.equal(x, y) for x, y in zip(before, after, strict=True))
+
 
 
 def test_sampling_rows_at_once_draws_what_each_row_draws_alone() -> None:
@@ -216,3 +233,34 @@ def test_sampling_rows_at_once_draws_what_each_row_draws_alone() -> None:
         ]
         assert together == alone
         assert all(bool(allowed[i, t]) for i, t in enumerate(together))
+
+
+class _ClosedAfter:
+    """A standard output whose reader goes away after ``n`` writes (``| head``)."""
+
+    def __init__(self, n: int) -> None:
+        import os
+
+        self.left, self.fd = n, os.open(os.devnull, os.O_WRONLY)
+
+    def write(self, text: str) -> int:
+        if self.left == 0:
+            raise BrokenPipeError(32, "Broken pipe")
+        self.left -= 1
+        return len(text)
+
+    def flush(self) -> None:
+        if self.left == 0:
+            raise BrokenPipeError(32, "Broken pipe")
+
+    def fileno(self) -> int:
+        return self.fd
+
+
+def test_generate_into_a_closed_pipe_says_how_many(tmp_path: Path, capsys, monkeypatch) -> None:
+    ckpt = export_model(causal_lm().loaded, tmp_path / "m")
+    monkeypatch.setattr(sys, "stdout", _ClosedAfter(3))
+    argv = ["generate", str(ckpt), "-", "--num", "8", "--max-length", "12", "--no-progress"]
+    assert main(argv) == 0
+    err = capsys.readouterr().err
+    assert "generated 3 of 8 sequence(s): standard output was closed after them" in err, err

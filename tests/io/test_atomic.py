@@ -79,3 +79,12 @@ def test_stale_temporaries_of_dead_processes_are_removed(tmp_path: Path) -> None
     assert len(list(tmp_path.iterdir())) == 1 and not out.exists()
     write_text_atomic(out, "new\n")
     assert [p.name for p in tmp_path.iterdir()] == ["result.csv"]
+
+
+def test_an_output_file_ending_in_a_separator_is_a_directory(tmp_path) -> None:
+    from protein_performer.errors import UserError
+    from protein_performer.io.atomic import output_file
+
+    with pytest.raises(UserError, match="is a directory; give a file name"):
+        output_file(f"{tmp_path}/not_yet/")
+    assert output_file(tmp_path / "f.ckpt") == tmp_path / "f.ckpt"

@@ -177,3 +177,158 @@ def test_limit_rows_and_seeds_are_checked(tmp_path: Path, capsys) -> None:
 
     with pytest.raises(UserError, match="limit_rows=0"):
         score_variants_file(ProteinLM(tiny_loaded()), "wt", "dms", "out", limit_rows=0)
+
+
+def _mean_name(path: Path) -> str:
+    with h5py.File(path) as h5:
+        return f"mean/{int(h5.attrs['repr_layers'][-1])}"
+
+
+@pytest.mark.parametrize("how", ["external", "virtual", "soft", "external-link"])
+def test_h5_reading_outside_itself_is_refused(
+    files: tuple[Path, Path], tmp_path: Path, how: str
+) -> None:
+    """A dataset stored in (or linked to) another local file would read that file as floats."""
+    secret = tmp_path / "secret.bin"
+    secret.write_bytes(np.arange(3 * 16, dtype=np.float32).tobytes())
+    other = tmp_path / "other.h5"
+    with h5py.File(other, "w") as h5:
+        h5.create_dataset("x", data=np.ones((3, 16), np.float32))
+    emb = tmp_path / f"{how}.h5"
+    shutil.copy(files[0], emb)
+    name = _mean_name(emb)
+    with h5py.File(emb, "r+") as h5:
+        del h5[name]
+        if how == "external":
+            h5.create_dataset(name, (3, 16), np.float32, external=[(str(secret), 0, 192)])
+        elif how == "virtual":
+            layout = h5py.VirtualLayout((3, 16), np.float32)
+            layout[:] = h5py.VirtualSource(str(other), "x", shape=(3, 16))
+            h5.create_virtual_dataset(name, layout)
+        elif how == "soft":
+            h5["copy"] = np.ones((3, 16), np.float32)
+            h5[name] = h5py.SoftLink("/copy")
+        else:
+            h5[name] = h5py.ExternalLink(str(other), "x")
+    with pytest.raises(UserError, match=f"{emb}: .*reading data from outside the file"):
+        read_embeddings(emb)
+
+
+def _replace(path: Path, name: str, **create: object) -> None:
+    with h5py.File(path, "r+") as h5:
+        del h5[name]
+        h5.create_dataset(name, **create)
+
+
+@pytest.mark.parametrize(
+    ("name", "create", "match"),
+    [
+        ("mean", {"data": np.ones((1, 16), np.float32)}, r"shape \(1, 16\) .* for 3 record"),
+        ("mean", {"data": np.asarray([b"a", b"b", b"c"])}, r"shape \(3,\) .* for 3 record"),
+        ("ids", {"data": np.arange(3)}, r"ids is not a column of text \(\(3,\) int64\)"),
+        (
+            "mean",
+            {"shape": (10**9, 16), "dtype": np.float32, "chunks": (64, 16)},
+            r"declares shape \(1000000000, 16\) \(64,000,000,000 bytes\) but the file stores 0",
+        ),
+    ],
+    ids=["rows-unlike-ids", "text-values", "integer-ids", "declared-1e9-rows"],
+)
+def test_h5_arrays_unlike_their_ids_are_refused(
+    files: tuple[Path, Path], tmp_path: Path, name: str, create: dict, match: str
+) -> None:
+    emb = tmp_path / "edited.h5"
+    shutil.copy(files[0], emb)
+    _replace(emb, _mean_name(emb) if name == "mean" else name, **create)
+    with pytest.raises(UserError, match=match):
+        read_embeddings(emb)
+
+
+@pytest.mark.parametrize(
+    ("edit", "match"),
+    [
+        ({"coef": [float("nan")] + [0.0] * 7}, "must be finite"),
+        ({"intercept": float("inf")}, "must be finite"),
+        ({"coef": [1e308] * 8}, "must be finite and at most"),
+        ({"heads": [-1, 0, 1, 2]}, "out of range"),
+        ({"layers": [], "heads": [], "coef": []}, "out of range"),
+    ],
+    ids=["nan-coef", "inf-intercept", "1e308", "negative-head", "no-features"],
+)
+def test_crafted_regression_numbers_are_one_line(
+    tmp_path: Path, edit: dict, match: str, capsys
+) -> None:
+    """Through --regression and through an export's own contact_regression.json."""
+    import json
+
+    loaded = _loaded("exact")
+    bad = {**_regression(loaded).to_dict(), **edit}
+    reg = tmp_path / "reg.json"
+    reg.write_text(json.dumps(bad))
+    fasta = tmp_path / "in.fasta"
+    fasta.write_text(FASTA)
+    model_dir = export_model(loaded, tmp_path / "m")
+    argv = ["contacts", "predict", str(model_dir), str(fasta), str(tmp_path / "c.h5")]
+    assert main([*argv, "--regression", str(reg), "--no-progress"]) == 2
+    (model_dir / "contact_regression.json").write_text(json.dumps(bad))
+    embed = ["embed", str(model_dir), str(fasta), str(tmp_path / "e.h5"), "--no-progress"]
+    assert main([*embed, "--include", "contacts"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 2 and all(e.startswith("error: ") and match in e for e in err), err
+
+
+def test_safetensors_dtype_that_lies_is_refused(tmp_path: Path, capsys) -> None:
+    """``"dtype": "I32"`` on float data has the same size, so only the kind of number tells."""
+    import json
+    import struct
+
+    out = export_model(tiny_loaded(), tmp_path / "m")
+    weights = out / "model.safetensors"
+    data = weights.read_bytes()
+    n = struct.unpack("<Q", data[:8])[0]
+    header = json.loads(data[8 : 8 + n])
+    name = next(k for k, v in header.items() if k != "__metadata__" and v["dtype"] == "F32")
+    header[name]["dtype"] = "I32"
+    text = json.dumps(header, separators=(",", ":")).encode().ljust(n)
+    assert len(text) == n
+    weights.write_bytes(data[:8] + text + data[8 + n :])
+    fasta = tmp_path / "x.fasta"
+    fasta.write_text(FASTA)
+    assert main(["embed", str(out), str(fasta), str(tmp_path / "o.h5"), "--no-progress"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and f"{name} " in err[0] and "torch.int32 vs model" in err[0], err
+
+
+def test_zero_stride_view_is_checked_through_its_storage(tmp_path: Path, capsys) -> None:
+    """A 1.6 kB file holding shape (1e6, 1e6) over one number: no 4 TB finite check."""
+    from protein_performer.io.checkpoints import load_lightning
+
+    path = tmp_path / "view.ckpt"
+    for value, match in ((float("nan"), "the weights are not finite"), (0.0, None)):
+        view = torch.full((1,), value).expand(10**6, 10**6)
+        torch.save({"state_dict": {"model.embed_tokens.weight": view}}, path)
+        assert path.stat().st_size < 4096
+        start = time.perf_counter()
+        if match:
+            with pytest.raises(UserError, match=match):
+                load_lightning(path)
+        else:
+            assert load_lightning(path)["state_dict"]["model.embed_tokens.weight"].shape[0] > 1
+        assert time.perf_counter() - start < 5
+
+
+def test_zip_that_inflates_is_refused_before_unpickling(tmp_path: Path) -> None:
+    import zipfile
+
+    from protein_performer.io.checkpoints import safe_load
+
+    plain = tmp_path / "plain.ckpt"
+    torch.save({"state_dict": {}, "pad": "a" * (40 << 20)}, plain)
+    bomb = tmp_path / "bomb.ckpt"
+    with zipfile.ZipFile(plain) as src, zipfile.ZipFile(bomb, "w", zipfile.ZIP_DEFLATED) as dst:
+        for info in src.infolist():
+            dst.writestr(info.filename, src.read(info))
+    assert bomb.stat().st_size < (1 << 20)
+    with pytest.raises(UserError, match=r"inflate to [0-9,]+ bytes from a [0-9,]+-byte file"):
+        safe_load(bomb)
+    assert safe_load(plain)["state_dict"] == {}

@@ -140,6 +140,24 @@ def test_resume_refuses_another_model_or_options(model: Path, tmp_path: Path, ca
         assert err.count("\n") == 1 and err.startswith("error: --resume") and what in err
 
 
+def test_resume_into_a_finished_file_checks_sequences(model: Path, tmp_path: Path, capsys) -> None:
+    """Same ids, same lengths, other residues: the finished file's vectors are stale."""
+    fasta = tmp_path / "in.fasta"
+    write_fasta(fasta, 5)
+    out = tmp_path / "emb.h5"
+    assert main(["embed", str(model), str(fasta), str(out), "--no-progress"]) == 0
+    lines = fasta.read_text().splitlines()
+    lines[3] = lines[3][::-1]  # the second record, reversed
+    changed = tmp_path / "changed.fasta"
+    changed.write_text("\n".join(lines) + "\n")
+    capsys.readouterr()
+    assert main(["embed", str(model), str(changed), str(out), "--resume", "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "with another sequence than" in err, err
+    assert main(["embed", str(model), str(fasta), str(out), "--resume", "--no-progress"]) == 0
+    assert "embedded 0 record(s)" in capsys.readouterr().out
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

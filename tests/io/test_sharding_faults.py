@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 from protein_performer.cli.main import main
-from protein_performer.inference.embedding import PART_DIGESTS, PART_RUN, read_embeddings
+from protein_performer.inference.embedding import PART_RUN, SEQ_DIGESTS, read_embeddings
 from protein_performer.io.sharding import Ranks, finished_parts, parts_dir, spread
 from tests.io.test_sharding import ENV, _free_port, write_fasta
 
@@ -73,7 +73,7 @@ def test_resume_keeps_only_parts_that_match_the_input(
             "run0009-w000000000.h5"))  # fmt: skip
     else:  # written by the previous version: no digests, no run id
         with h5py.File(parts[0], "r+") as h5:
-            del h5[PART_DIGESTS]
+            del h5[SEQ_DIGESTS]
             del h5.attrs[PART_RUN]
     assert main(["embed", str(model), str(fasta), str(out), *OPTS, "--resume"]) == 0
     said = capsys.readouterr()

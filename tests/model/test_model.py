@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from protein_performer.errors import UserError
+from protein_performer.model.attention import state_tensors
 from protein_performer.model.config import KERNELS, PerformerConfig, default_nb_features
 from protein_performer.model.performer import PerformerLM, PerformerOutput
 from protein_performer.model.rotary import RotaryEmbedding, apply_rotary, rotate_half
@@ -420,32 +421,52 @@ def test_nb_features_default_is_d_log_d_and_stored_resolved() -> None:
     assert favor is not None and favor.omega.shape == (default_nb_features(8), 8)
 
 
-@pytest.mark.parametrize("attention", ["favor", "exact"])
-def test_cores_share_one_interface(attention: str) -> None:
-    """Both cores: steps (from a prompt's state or from nothing) equal the parallel causal
-    forward, and the map rows sum to 1 and reproduce it (map @ V)."""
-    core = tiny_model(objective="clm", attention=attention).layers[0].self_attn.core
+
+CORES = {
+    "favor": {"attention": "favor"},
+    "exact": {"attention": "exact"},
+    "linear": {"attention": "linear", "kernel": "taylor"},
+    "window": {"attention": "linear", "kernel": "taylor", "local_window": 4},
+    "memory": {"attention": "favor", "position_memory": 8},
+}
+
+
+@pytest.mark.parametrize("name", CORES)
+def test_cores_share_one_interface(name: str) -> None:
+    """Every core through its one call: a prefill (from no state, keeping it), then an extend
+    from that state or one-token steps (at their rotary positions), equal the parallel causal
+    forward; the state given is never written; the map rows sum to 1 and reproduce the
+    forward (map @ V; the memory mixes values by position, so not there)."""
+    core = tiny_model(objective="clm", **CORES[name]).layers[0].self_attn.core
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(2, 4, 9, 8, generator=g) for _ in range(3))  # (B, H, L, d)
     pad = torch.zeros(2, 9, dtype=torch.bool)
     pad[1, 7:] = True  # right padding, as in generation
     real = ~pad[:, None, :, None]
-    ref = core(q, k, v, key_padding_mask=pad)
-    for start in (0, 5):
-        state = (
-            core.initial_state(k[:, :, :start], v[:, :, :start], pad[:, :start]) if start else None
-        )
-        outs = []
+    ref, none = core(q, k, v, pad)
+    assert none is None
+    for start in (1, 5):
+        head, state = core(q[:, :, :start], k[:, :, :start], v[:, :, :start], pad[:, :start],
+                           keep_state=True)  # fmt: skip
+        before = [t.clone() for t in state_tensors(state)]
+        rest = (q[:, :, start:], k[:, :, start:], v[:, :, start:], pad[:, start:])
+        tail, _ = core(*rest, state, positions=start)
+        assert all(map(torch.equal, before, state_tensors(state)))
+        outs = [head]
         for t in range(start, 9):
-            state, out = core.step(state, q[:, :, t], k[:, :, t], v[:, :, t], pad[:, t])
+            sl = slice(t, t + 1)
+            out, state = core(q[:, :, sl], k[:, :, sl], v[:, :, sl], pad[:, sl], state,
+                              keep_state=True, inplace=True, positions=t)  # fmt: skip
             outs.append(out)
-        got = torch.stack(outs, 2)  # (B, H, L - start, d)
+        got = torch.cat(outs, 2)  # (B, H, L, d)
+        torch.testing.assert_close(got * real, ref * real)
         keep = real[:, :, start:]
-        torch.testing.assert_close(got * keep, ref[:, :, start:] * keep)
+        torch.testing.assert_close(tail * keep, ref[:, :, start:] * keep)
     maps = core.attention_map(q, k, key_padding_mask=pad)  # (B, H, L, L)
     torch.testing.assert_close(maps.sum(-1), torch.ones(2, 4, 9))
     assert torch.equal(maps.triu(1), torch.zeros_like(maps))
-    torch.testing.assert_close((maps @ v) * real, ref * real, atol=1e-5, rtol=1e-5)
+    if name != "memory":
+        torch.testing.assert_close((maps @ v) * real, ref * real, atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("objective,attention", VARIANTS)

@@ -320,3 +320,25 @@ def test_run_checkpoint_overrides_no_private_lightning_member() -> None:
 
 if __name__ == "__main__":
     ddp_worker(Path(sys.argv[1]))
+
+
+def test_random_states_survive_a_safe_load(tmp_path: Path) -> None:
+    """What a resumed step draws next (torch, numpy, Python) is what the saved run drew."""
+    import random
+
+    import numpy as np
+
+    from protein_performer.training.checkpointing import rng_states, set_rng_states
+
+    torch.manual_seed(3)
+    np.random.seed(3)
+    random.seed(3)
+    torch.save({"states": rng_states()}, tmp_path / "s.ckpt")
+    want = (torch.rand(4), np.random.rand(4), random.random())
+    torch.manual_seed(99)
+    np.random.seed(99)
+    random.seed(99)
+    set_rng_states(safe_load(tmp_path / "s.ckpt")["states"])
+    got = (torch.rand(4), np.random.rand(4), random.random())
+    assert torch.equal(got[0], want[0]) and np.array_equal(got[1], want[1])
+    assert got[2] == want[2]

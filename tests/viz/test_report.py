@@ -148,3 +148,32 @@ def test_cli_html_and_png_notes(loaded, tmp_path: Path, capsys) -> None:
     png = ["--out-dir", str(tmp_path / "png"), "--no-grid", "--no-similarity"]
     assert main([*argv, *png]) == 0
     assert "contacts: contacts.png not drawn: no --structure given" in capsys.readouterr().out
+
+
+HOSTILE = "</script><script>alert(1)</script><img src=x onerror=alert(2)>&amp;\u2028'\""
+
+
+def test_hostile_name_stays_text(loaded) -> None:
+    """A record id that closes a script block is text in the page and in the metadata."""
+    import json
+
+    text = render_html(build_report(loaded, SEQ, name=HOSTILE))
+    plain = render_html(build_report(loaded, SEQ, name="demo"))
+    assert text.count("<script") == plain.count("<script")  # ours only
+    assert "<img" not in text
+    meta = re.search(r"<script type='application/json' id='report-meta'>(.*?)</script>", text)
+    assert json.loads(meta.group(1))["name"] == HOSTILE
+
+
+@pytest.mark.parametrize("rid", ["$\\foo{$", "x" * 100_000], ids=["mathtext", "100kB"])
+def test_png_titles_take_any_record_id(loaded, tmp_path: Path, rid: str) -> None:
+    from PIL import Image
+
+    model_dir = export_model(loaded, tmp_path / "model")
+    fasta = tmp_path / "in.fasta"
+    fasta.write_text(f">{rid}\n{SEQ}\n")
+    out = tmp_path / "png"
+    argv = ["visualize", str(model_dir), str(fasta), "--device", "cpu", "--out-dir", str(out)]
+    assert main(argv) == 0
+    pngs = sorted(out.glob("*.png"))
+    assert pngs and all(max(Image.open(p).size) < 8000 for p in pngs)

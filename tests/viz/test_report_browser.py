@@ -134,3 +134,26 @@ def test_report_in_chromium(browser_page, model: LoadedModel, tmp_path: Path) ->
     ARTIFACTS.mkdir(parents=True, exist_ok=True)
     page.screenshot(path=str(ARTIFACTS / "report_chromium.png"), full_page=True)
     page.close()
+
+
+def test_hostile_strings_run_nothing(browser_page, model: LoadedModel, tmp_path: Path) -> None:
+    """A record id and a file name made to close the script block and add elements: the page
+    holds only the report's own scripts and elements, no dialog opens, the metadata parses."""
+    hostile = "</script><script>alert(1)</script><img src=x onerror=alert(2)>\u2028"
+    lm = ProteinLM(model)
+    plain = lm.report(SEQ, path=tmp_path / "plain.html", name="demo")
+    path = lm.report(SEQ, path=tmp_path / "<b onclick=alert(3)>'.html", name=hostile)
+    page = browser_page.new_page()
+    dialogs: list[str] = []
+    page.on("dialog", lambda d: (dialogs.append(d.message), d.dismiss()))
+    census = "() => [...document.querySelectorAll('*')].map(e => e.tagName).sort().join(',')"
+    seen = []
+    for p in (plain, path):
+        page.goto(p.as_uri(), wait_until="load")
+        page.wait_for_function("document.querySelectorAll('.js-plotly-plot').length >= 4")
+        seen.append(page.evaluate(census))
+    assert seen[0] == seen[1] and "IMG" not in seen[1]
+    assert not dialogs, dialogs
+    meta = page.evaluate("() => JSON.parse(document.getElementById('report-meta').textContent)")
+    assert meta["name"] == hostile
+    page.close()

@@ -1,33 +1,30 @@
 """The FAVOR+ entry points: :func:`favor_attention` (dispatch to the fused paths) and the
-module :class:`FavorAttention`, which owns omega, the FAVOR++ statistic and the RNN step."""
+module :class:`FavorAttention`, which owns omega and the FAVOR++ statistic and runs the
+parallel or the recurrent form (:mod:`.recurrent`) from one ``forward``."""
 
 from __future__ import annotations
 
 from functools import partial
-from typing import NamedTuple
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from protein_performer.errors import UserError
 from protein_performer.model.config import default_nb_features
+from protein_performer.model.favor import recurrent
 from protein_performer.model.favor.bidirectional import _BidiFavor
 from protein_performer.model.favor.causal import _CausalFavor, causal_favor
 from protein_performer.model.favor.kernels import (
-    _NEG,
     FeatureMap,
     build_feature_map,
     draw_omega,
     flatten_heads,
     kernel_class,
     oprf_rho,
-    running_max,
-    step_max,
 )
 from protein_performer.model.favor.maps import MapFactors, MapStabilizers, favor_attention_map
+from protein_performer.model.favor.recurrent import FavorState
 from protein_performer.model.favor.reference import favor_attention_reference
-from protein_performer.model.favor.scan import safe_denominator
 from protein_performer.model.favor.tiles import DEFAULT_TILES, causal_tiles
 
 
@@ -118,17 +115,6 @@ def _in_backward_pass() -> bool:
     """
     task_id = getattr(torch._C, "_current_graph_task_id", None)
     return task_id is not None and task_id() != -1
-
-
-class FavorState(NamedTuple):
-    """RNN-mode state of causal FAVOR attention.
-
-    kv: (B, H, M, dv+1) sum over seen keys of phi(k_j)[v_j | 1]^T, scaled by exp(-mu);
-    mu: (B, H) running key stabilizer (max log-feature so far; 0 for relu).
-    """
-
-    kv: Tensor
-    mu: Tensor
 
 
 class FavorMapBlocks:
@@ -229,34 +215,101 @@ class FavorAttention(nn.Module):
         return self._map_class.feature_dim(self.nb_features)
 
     @property
-    def extend_chunk(self) -> int:
-        """Tokens per chunk of :meth:`extend` (and the longest prompt :meth:`prefill` runs as
-        one chunk): ``chunk_size``, or the default tile when the scan's tiles are tuned."""
+    def recurrent_chunk(self) -> int:
+        """Tokens per chunk of the recurrent form (and the longest prompt it runs from no state
+        rather than the scan): ``chunk_size``, or the default tile when the scan's tiles are
+        tuned."""
         return self.chunk_size or DEFAULT_TILES[0]
 
     def _rho(self) -> Tensor | None:
         return self.oprf_rho if (self._map_class.needs_statistic and self.causal) else None
 
     def forward(
-        self, q: Tensor, k: Tensor, v: Tensor, key_padding_mask: Tensor | None = None
-    ) -> Tensor:
-        """(B, H, L, d) x3 -> (B, H, L, dv); key_padding_mask (B, L), True = pad."""
-        out = favor_attention(
-            q,
-            k,
-            v,
-            self.omega,
-            kernel=self.kernel,
-            causal=self.causal,
-            key_padding_mask=key_padding_mask,
-            oprf_rho=self._rho(),
-            chunk_size=self.chunk_size,
-            block_size=self.block_size,
-            relu_eps=self.relu_eps,
-        )
-        if self.training and self._rho() is not None and not _in_backward_pass():
-            self._update_rho(q, k, key_padding_mask)
-        return out
+        self,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        key_padding_mask: Tensor | None = None,
+        state: FavorState | None = None,
+        *,
+        keep_state: bool = False,
+        inplace: bool = False,
+        positions: Tensor | int | None = None,
+    ) -> tuple[Tensor, FavorState | None]:
+        """(B, H, L, d) x3 -> (B, H, L, dv) and, with ``keep_state``, the state after the
+        tokens; key_padding_mask (B, L), True = pad (padded keys add nothing).
+
+        ``state`` (batch 1, broadcast over B, or B) continues an earlier part of the row:
+        prefill is a call from no state with ``keep_state``, extend one from a state, a decoding
+        step one of a single token. ``inplace``: the caller gives ``state`` up, so a step may
+        update its sum in place (:func:`.recurrent.step`); otherwise ``state`` is never
+        written. ``positions`` (rotary) is part of the cores' call and not needed here. The
+        paths with a state are inference (RNN mode, causal only, no gradients).
+        """
+        if state is None and not keep_state:
+            out = favor_attention(
+                q,
+                k,
+                v,
+                self.omega,
+                kernel=self.kernel,
+                causal=self.causal,
+                key_padding_mask=key_padding_mask,
+                oprf_rho=self._rho(),
+                chunk_size=self.chunk_size,
+                block_size=self.block_size,
+                relu_eps=self.relu_eps,
+            )
+            if self.training and self._rho() is not None and not _in_backward_pass():
+                self._update_rho(q, k, key_padding_mask)
+            return out, None
+        return self._recurrent(q, k, v, key_padding_mask, state, keep_state, inplace)
+
+    @torch.no_grad()
+    def _recurrent(
+        self,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        key_padding_mask: Tensor | None,
+        state: FavorState | None,
+        keep_state: bool,
+        inplace: bool,
+    ) -> tuple[Tensor, FavorState | None]:
+        """:meth:`forward` with a state in or out. One token after a state is a step; a prompt
+        of more than ``recurrent_chunk`` tokens from no state runs the parallel forward and then
+        its keys' state (:func:`.recurrent.prompt_state`: one pass, the scan's speed); anything
+        else runs :func:`.recurrent.chunked` (a short prompt from the empty state: a few dozen
+        ops, less than the scan's segment machinery costs)."""
+        self._check_causal()
+        B, H, L, _ = q.shape
+        if state is None and self.recurrent_chunk < L:
+            out, _ = self.forward(q, k, v, key_padding_mask)
+            with torch.autocast(device_type=k.device.type, enabled=False):
+                _, y, vv, keep = flatten_heads(k, k, v, key_padding_mask)  # (BH, L, ·)
+                kv, mu = recurrent.prompt_state(self._feature_map(y), y, vv, keep)
+            return out, FavorState(kv.reshape(B, H, *kv.shape[1:]), mu.reshape(B, H))
+        with torch.autocast(device_type=q.device.type, enabled=False):
+            dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
+            x, y, vv = (t.to(dtype) for t in (q, k, v))  # (B, H, L, d)
+            if state is not None and L == 1:
+                pad = None if key_padding_mask is None else key_padding_mask[:, 0]
+                fmap = self._step_map(q.device, dtype)
+                out, new = recurrent.step(
+                    fmap, state, x[:, :, 0], y[:, :, 0], vv[:, :, 0], pad, inplace
+                )
+                return out[:, :, None].to(q.dtype), (new if keep_state else None)
+            if state is None:
+                stabilized = self._map_class.stabilized
+                state = recurrent.empty_state(H, self.feature_dim, v.shape[-1] + 1, stabilized, x)
+            keep = None
+            if key_padding_mask is not None:
+                keep = (~key_padding_mask.bool())[:, None, :].expand(B, H, L)  # (B, H, L)
+            fmap = self._feature_map(x)
+            out, new = recurrent.chunked(
+                fmap, state, x, y, vv, keep, self.recurrent_chunk, keep_state
+            )
+        return out.to(q.dtype), new
 
     @torch.no_grad()
     def _update_rho(self, q: Tensor, k: Tensor, key_padding_mask: Tensor | None) -> None:
@@ -290,43 +343,6 @@ class FavorAttention(nn.Module):
         rho = self.oprf_rho.to(like) if self._map_class.needs_statistic else None
         return FeatureMap.build(self.kernel, om, rho=rho, relu_eps=self.relu_eps)
 
-    def _absorb(
-        self, state: FavorState | None, y: Tensor, vv: Tensor, keep: Tensor | None, B: int
-    ) -> FavorState:
-        """Add unscaled keys y (BH, L, d) with values vv (BH, L, dv) to the running state.
-
-        The stabilizer mu becomes the max of the old one and the new keys' largest log-feature,
-        and the old sum is rescaled to it: for L = 1 this is the RNN step, for a whole prompt
-        it is the state the step-by-step recursion would reach (a max is order-free).
-        """
-        fmap = self._feature_map(y)
-        logits = fmap.key_logits(y, keep)
-        mu = running_max(logits)
-        mu = y.new_zeros(y.shape[0]) if mu is None else mu[:, -1]  # (BH,)
-        if state is not None:
-            mu = torch.maximum(state.mu.reshape(-1).to(y), mu)
-        kf = fmap.keys(y, logits, mu[:, None, None], keep)  # (BH, L, M)
-        vx = torch.cat([vv, vv.new_ones(*vv.shape[:-1], 1)], dim=-1)  # (BH, L, dv+1)
-        kv = kf.mT @ vx  # (BH, M, dv+1)
-        if state is not None:
-            old = state.kv.reshape(kv.shape).to(y)
-            kv = kv + old * torch.exp(state.mu.reshape(-1).to(y) - mu)[:, None, None]
-        return FavorState(kv.reshape(B, -1, *kv.shape[1:]), mu.reshape(B, -1))
-
-    @torch.no_grad()
-    def initial_state(
-        self, k: Tensor, v: Tensor, key_padding_mask: Tensor | None = None
-    ) -> FavorState:
-        """The RNN-mode state after a whole prompt, k, v (B, H, L, d), in one parallel pass.
-
-        Generation runs the prompt through the parallel causal forward and continues from this
-        state with :meth:`step`; padded keys (key_padding_mask (B, L), True = pad) add nothing.
-        """
-        self._check_causal()
-        with torch.autocast(device_type=k.device.type, enabled=False):
-            _, y, vv, keep = flatten_heads(k, k, v, key_padding_mask)  # (BH, L, ·)
-            return self._absorb(None, y, vv, keep, k.shape[0])
-
     def _step_map(self, device: torch.device, dtype: torch.dtype) -> FeatureMap:
         """The feature map for :meth:`step`, built once per (omega, statistic, device, dtype).
 
@@ -346,211 +362,6 @@ class FavorAttention(nn.Module):
             self.__dict__["_step_cache"] = cached
         return cached[1]
 
-    @torch.no_grad()
-    def step(
-        self,
-        state: FavorState | None,
-        q_t: Tensor,
-        k_t: Tensor,
-        v_t: Tensor,
-        key_padding_mask: Tensor | None = None,
-        inplace: bool = False,
-    ) -> tuple[FavorState, Tensor]:
-        """One causal step: q_t, k_t, v_t (B, H, d) -> (new state, out_t (B, H, dv)).
-
-        state=None starts fresh; key_padding_mask (B,) True = this token is a pad (the state is
-        left unchanged). Matches the parallel causal forward (same stabilizer, same omega).
-
-        One token's keys, stabilizer and state update in a handful of ops, the heads treated
-        as rows of one map (the feature map is cached, :meth:`_step_map`). ``inplace``: the
-        caller owns ``state`` (a generator's, never a family context's); the sum is then
-        updated in place, but only in a tensor an earlier in-place step allocated itself: the
-        first step copies (copy on first write), so states from ``prefill``, ``extend`` or a
-        context are never written.
-        """
-        self._check_causal()
-        B, H, _ = q_t.shape
-        with torch.autocast(device_type=q_t.device.type, enabled=False):
-            dtype = torch.float64 if q_t.dtype == torch.float64 else torch.float32
-            fmap = self._step_map(q_t.device, dtype)
-            x, y, vv = q_t.to(dtype), k_t.to(dtype), v_t.to(dtype)  # (B, H, d): heads as rows
-            if fmap.exp and fmap.Wa.dim() == 2 and state is not None:
-                return self._exp_step(fmap, state, x, y, vv, key_padding_mask, inplace, q_t.dtype)
-            keep = None
-            if key_padding_mask is not None:
-                keep = (~key_padding_mask.bool())[:, None].expand(B, H)
-            logits = fmap.key_logits(y, keep)
-            top = step_max(logits)  # (B, H); None for relu (no stabilizer)
-            old_mu = None if state is None else state.mu.to(dtype)
-            if top is None:
-                mu = y.new_zeros(B, H) if old_mu is None else old_mu
-            else:
-                mu = top.clamp_min_(_NEG) if old_mu is None else torch.maximum(top, old_mu)
-            kf = fmap.keys(y, logits, mu[..., None], keep)  # (B, H, M)
-            vx = F.pad(vv, (0, 1), value=1.0)  # (B, H, dv+1): [v | 1]
-            M, C = kf.shape[-1], vx.shape[-1]
-            kf3, vx3 = kf.reshape(B * H, M, 1), vx.reshape(B * H, 1, C)
-            if state is None:
-                kv = (kf3 @ vx3).view(B, H, M, C)
-            else:
-                kv = state.kv
-                if kv.dtype != dtype or kv.device != kf.device:
-                    kv = kv.to(dtype=dtype, device=kf.device)
-                owned = inplace and getattr(kv, "_favor_owned", False)
-                if top is not None:
-                    decay = torch.exp(old_mu - mu)[..., None, None]  # (B, H, 1, 1), <= 1
-                    kv = kv.mul_(decay) if owned else kv * decay
-                elif not owned:
-                    kv = kv.clone()
-                kv = kv.expand(B, H, M, C) if kv.shape[0] != B else kv
-                if not kv.is_contiguous():
-                    kv = kv.contiguous()
-                kv.view(B * H, M, C).baddbmm_(kf3, vx3)
-            if inplace:
-                kv._favor_owned = True  # allocated here: later in-place steps may write it
-            qf, _ = fmap.queries(x)  # (B, H, M)
-            yq = (qf.reshape(B * H, 1, M) @ kv.view(B * H, M, C)).view(B, H, C)
-            out = yq[..., :-1] / safe_denominator(yq[..., -1:])
-        return FavorState(kv, mu), out.to(q_t.dtype)
-
-    @staticmethod
-    def _exp_step(
-        fmap: FeatureMap,
-        state: FavorState,
-        x: Tensor,
-        y: Tensor,
-        vv: Tensor,
-        key_padding_mask: Tensor | None,
-        inplace: bool,
-        out_dtype: torch.dtype,
-    ) -> tuple[FavorState, Tensor]:
-        """:meth:`step` for the exp kernels (softmax, softmax_hyp, softmax_opt), written out:
-        the same features and stabilizers as the map's methods in about half the ops (the
-        row term folded into one add, one clamp as the normalizer's guard: exp features are
-        never negative). x, y, vv (B, H, d) in the compute dtype."""
-        B, H, _ = x.shape
-        W = fmap.Wa.T  # (d, M)
-        pk = torch.matmul(y, W)  # (B, H, M): key logits
-        pq = torch.matmul(x, W)
-        if fmap.bias is not None:
-            pk += fmap.bias
-            pq += fmap.bias
-        row = torch.linalg.vecdot(y, y)[..., None]  # (B, H, 1): |k|^2
-        pk.add_(row, alpha=-0.5 * fmap.t2)
-        # On CPU a host check is cheap and saves whole passes; on a GPU it would be a sync.
-        cpu = x.device.type == "cpu"
-        if key_padding_mask is not None and (not cpu or bool(key_padding_mask.any())):
-            pk.masked_fill_(key_padding_mask.bool()[:, None, None], float("-inf"))
-        old_mu = state.mu.to(x.dtype)
-        mu = torch.maximum(pk.amax(-1), old_mu)  # (B, H): never below old_mu >= _NEG
-        kf = pk.sub_(mu[..., None]).exp_()  # (B, H, M), pads 0
-        # A new running max is rare after the first tokens: rescale the sum only then (a
-        # factor exp(0) = 1 changes nothing, so skipping it gives the same numbers).
-        rescale = not cpu or bool((mu != old_mu).any())
-        decay = (old_mu - mu).exp_()[..., None, None] if rescale else None  # (B, H, 1, 1)
-        kv = state.kv
-        if kv.dtype != x.dtype or kv.device != x.device:
-            kv = kv.to(dtype=x.dtype, device=x.device)
-        if inplace and getattr(kv, "_favor_owned", False):
-            if decay is not None:
-                kv.mul_(decay)
-        else:
-            kv = kv.clone() if decay is None else kv * decay
-            kv = kv.expand(B, *kv.shape[1:]).contiguous()
-        if inplace:
-            kv._favor_owned = True  # allocated here: later in-place steps may write it
-        M, C = kv.shape[-2:]
-        vx = F.pad(vv, (0, 1), value=1.0)  # (B, H, dv+1): [v | 1]
-        kv.addcmul_(kf[..., None], vx[..., None, :])  # + kf [v | 1]^T: one pass, no GEMM
-        qf = pq.sub_(pq.amax(-1, keepdim=True)).exp_()  # (B, H, M), row max 1
-        yq = torch.bmm(qf.view(B * H, 1, M), kv.view(B * H, M, C)).view(B, H, C)
-        out = yq[..., :-1] / yq[..., -1:].clamp_min(torch.finfo(torch.float32).tiny)
-        return FavorState(kv, mu), out.to(out_dtype)
-
-    @torch.no_grad()
-    def prefill(
-        self, q: Tensor, k: Tensor, v: Tensor, key_padding_mask: Tensor | None = None
-    ) -> tuple[Tensor, FavorState]:
-        """Causal outputs (B, H, L, dv) of a prompt q, k, v (B, H, L, d) and the state after
-        it (generation's start). A prompt of at most ``extend_chunk`` tokens runs as one chunk of
-        :meth:`extend` from an empty state (one pass, a few dozen ops: the scan's segment
-        machinery costs more than such a prompt); a longer one, the parallel forward and
-        :meth:`initial_state`."""
-        self._check_causal()
-        B, H, L, _ = q.shape
-        long = L - self.extend_chunk > 0
-        if long:
-            out = self.forward(q, k, v, key_padding_mask)
-            return out, self.initial_state(k, v, key_padding_mask)
-        dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
-        M, C = self.feature_dim, v.shape[-1] + 1
-        # The state before any key: no sum, a stabilizer below every key's (0 without one).
-        mu = q.new_full((1, H), _NEG if self._map_class.stabilized else 0.0, dtype=dtype)
-        empty = FavorState(q.new_zeros(1, H, M, C, dtype=dtype), mu)
-        out, state = self.extend(empty, q, k, v, key_padding_mask, return_state=True)
-        return out, state  # type: ignore[return-value]
-
-    @torch.no_grad()
-    def extend(
-        self,
-        state: FavorState | None,
-        q: Tensor,
-        k: Tensor,
-        v: Tensor,
-        key_padding_mask: Tensor | None = None,
-        return_state: bool = False,
-    ) -> tuple[Tensor, FavorState | None]:
-        """Causal outputs (B, H, L, dv) of new tokens q, k, v (B, H, L, d) after ``state``
-        (batch 1, broadcast over B, or B; None: the parallel forward), and the state after
-        them if ``return_state``. ``state`` is never written.
-
-        Chunk by chunk (``extend_chunk`` tokens): token t's sums are the state's term
-        qf_t . S exp(mu_S - mu_t) plus the chunk's causal terms (qf_t . kf_j) exp(mu_j - mu_t),
-        mu the running key max continued from the state's (no future information, every
-        factor <= 1), normalized by the same sums of [v | 1]; the chunk is then absorbed into
-        S for the next one. Padded keys (key_padding_mask (B, L), True = pad) add nothing.
-        """
-        self._check_causal()
-        if state is None:
-            out = self.forward(q, k, v, key_padding_mask)
-            new = self.initial_state(k, v, key_padding_mask) if return_state else None
-            return out, new
-        B, H, L, _ = q.shape
-        with torch.autocast(device_type=q.device.type, enabled=False):
-            dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
-            x, y, vv = (t.to(dtype) for t in (q, k, v))  # (B, H, L, d)
-            keep = None
-            if key_padding_mask is not None:
-                keep = (~key_padding_mask.bool())[:, None, :].expand(B, H, L)  # (B, H, L)
-            fmap = self._feature_map(x)
-            kv, mu = state.kv.to(x), state.mu.to(x)  # (B | 1, H, M, dv+1), (B | 1, H)
-            outs = []
-            for a in range(0, L, self.extend_chunk):
-                sl = slice(a, min(L, a + self.extend_chunk))
-                ys, ks = y[..., sl, :], None if keep is None else keep[..., sl]
-                logits = fmap.key_logits(ys, ks)
-                mu_t = running_max(logits, mu)  # (B, H, C): the max over the state and keys <= t
-                if mu_t is None:  # relu: no stabilizer
-                    mu_t = mu[..., None].expand(B, H, ys.shape[-2])
-                kf = fmap.keys(ys, logits, mu_t[..., None], ks)  # (B, H, C, M), relative to mu_t
-                qf, _ = fmap.queries(x[..., sl, :])  # (B, H, C, M)
-                vx = torch.cat([vv[..., sl, :], vv.new_ones(B, H, ys.shape[-2], 1)], dim=-1)
-                decay = mu_t[..., None, :] - mu_t[..., :, None]  # (B, H, t, j): mu_j - mu_t
-                tril = torch.ones_like(decay, dtype=torch.bool).tril_()
-                w = (qf @ kf.mT) * decay.masked_fill_(~tril, float("-inf")).exp_()  # (B,H,C,C)
-                num = (qf @ kv) * torch.exp(mu[..., None] - mu_t)[..., None]  # (B, H, C, dv+1)
-                num = num + w @ vx
-                outs.append(num[..., :-1] / safe_denominator(num[..., -1:]))
-                if sl.stop < L or return_state:  # absorb the chunk, relative to its last mu
-                    last = mu_t[..., -1]  # (B, H)
-                    kf = kf * torch.exp(mu_t - last[..., None])[..., None]
-                    kv = kv * torch.exp(mu - last)[..., None, None] + kf.mT @ vx
-                    mu = last
-            out = torch.cat(outs, dim=-2).to(q.dtype)  # (B, H, L, dv)
-        if not return_state:
-            return out, None
-        return out, FavorState(kv.expand(B, *kv.shape[1:]), mu.expand(B, H))
-
     def map_blocks(self, q: Tensor, k: Tensor, L: int, window: int) -> FavorMapBlocks:
         """One head's implied map between the L residues of ``<cls> residues <eos>``, q, k
         (1, 1, L + 2, d), rows normalized over all tokens, as blocks; window (rows per sweep of
@@ -565,7 +376,7 @@ class FavorAttention(nn.Module):
 
     def _check_causal(self) -> None:
         if not self.causal:
-            raise RuntimeError("RNN mode (step, initial_state) needs causal=True")
+            raise RuntimeError("RNN mode (a state) needs causal=True")
 
     def extra_repr(self) -> str:
         return (

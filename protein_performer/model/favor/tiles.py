@@ -49,6 +49,9 @@ DEFAULT_TILES = (128, 8192)
 TUNE_MIN_LENGTH = 2048
 #: Heads x tokens from which the tiles are tuned (a 4k-token, 8-head layer is 32,768).
 TUNE_MIN_TOKENS = 32768
+#: The largest chunk and segment accepted (pinned, in a config or in the cache): a C x C
+#: product per head and chunk, so a chunk of 1e9 asked for hundreds of GB.
+MAX_CHUNK, MAX_SEGMENT = 4096, 1 << 20
 CHUNKS = (64, 128, 256)
 SEGMENTS = (1024, 2048, 8192)
 #: How much faster than :data:`DEFAULT_TILES` a tuned pair must be to replace it.
@@ -77,10 +80,10 @@ def _pinned() -> tuple[int, int] | None:
         chunk, segment = (int(p) for p in text.split(","))
     except ValueError:
         chunk = segment = 0
-    if chunk <= 0 or segment <= 0:
+    if not (0 < chunk <= MAX_CHUNK and 0 < segment <= MAX_SEGMENT):
         raise UserError(
-            f"PROTEIN_PERFORMER_FAVOR_TILES={text!r}: expected two positive integers "
-            "'CHUNK,SEGMENT', e.g. 128,8192"
+            f"PROTEIN_PERFORMER_FAVOR_TILES={text!r}: expected 'CHUNK,SEGMENT', integers in "
+            f"1..{MAX_CHUNK} and 1..{MAX_SEGMENT}, e.g. 128,8192"
         )
     return chunk, segment
 
@@ -120,7 +123,11 @@ def _read(path: Path) -> dict[str, tuple[int, int]]:
     valid = [DEFAULT_TILES, *((c, s) for c in CHUNKS for s in SEGMENTS)]
     if not isinstance(tiles, dict):
         return {}
-    return {k: tuple(v) for k, v in tiles.items() if isinstance(v, list) and tuple(v) in valid}
+    return {
+        k: tuple(v)
+        for k, v in tiles.items()
+        if isinstance(v, list) and all(type(x) is int for x in v) and tuple(v) in valid
+    }  # type(x) is int: [64.0, 1024.0] equals a candidate but would crash every scan
 
 
 @contextlib.contextmanager

@@ -74,9 +74,6 @@ class LinearAttention(nn.Module):
     """Linear attention behind the attention cores' interface (forward with an optional state,
     attention rows); ``kernel`` names a map of :data:`~.maps.LINEAR_MAPS`."""
 
-    #: The core takes rotary positions (only the position memory needs them).
-    needs_positions = False
-
     def __init__(
         self, heads: int, dim_head: int, kernel: str, causal: bool, chunk_size: int = 64
     ) -> None:
@@ -114,11 +111,12 @@ class LinearAttention(nn.Module):
         *,
         keep_state: bool = False,
         inplace: bool = False,
+        positions: Tensor | int | None = None,
     ) -> tuple[Tensor, LinearState | None]:
         """q, k, v (B, H, L, d) -> (B, H, L, dv) and, with ``keep_state``, the state after the
         tokens; ``state`` (batch 1 or B) continues an earlier part of the row and is never
-        written (``inplace`` is accepted for the interface: the sum is small, so a step
-        allocates a new one)."""
+        written (``inplace`` and ``positions`` are part of the cores' call: the sum is small,
+        so a step allocates a new one, and the map needs no positions)."""
         if not self.causal and (state is not None or keep_state):
             raise RuntimeError("RNN mode (a state) needs causal=True")
         with torch.autocast(device_type=q.device.type, enabled=False):

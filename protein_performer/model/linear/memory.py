@@ -31,6 +31,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from protein_performer.model.linear.core import _compute_dtype
+from protein_performer.model.rotary import as_positions
 
 
 class MemoryState(NamedTuple):
@@ -49,18 +50,8 @@ def member_layout(positions: Tensor) -> Tensor:
     return new.long().cumsum(-1) - 1
 
 
-def as_positions(positions: Tensor | int | None, B: int, L: int, device) -> Tensor:
-    """Rotary positions in any of the attention layer's forms -> (B, L) long."""
-    if isinstance(positions, Tensor):
-        return positions.to(device=device, dtype=torch.long).expand(B, L)
-    start = 0 if positions is None else int(positions)
-    return (torch.arange(L, device=device) + start).expand(B, L)
-
-
 class PositionMemory(nn.Module):
     """Wraps an attention core (``inner``) with the member-position memory described above."""
-
-    needs_positions = True
 
     def __init__(
         self, inner: nn.Module, heads: int, dim_head: int, max_positions: int, window: int
@@ -106,16 +97,20 @@ class PositionMemory(nn.Module):
             view, base = table.view(B, H, (K + 1) * S, C), member * S + slot
         else:  # bidirectional: every token of every member, t's own member included
             view, base = new_mem, slot
-        sums = []
-        for d in range(-W, W + 1):
-            index = (base + d)[:, None, :, None].expand(B, H, L, C)
-            sums.append(view.gather(2, index))
+        offsets = torch.arange(-W, W + 1, device=kvx.device)
+        index = (base[:, :, None] + offsets).reshape(B, 1, L * (2 * W + 1), 1)
+        sums = view.gather(2, index.expand(B, H, L * (2 * W + 1), C)).view(B, H, L, 2 * W + 1, C)
         if self.causal:  # positions continue by 1 within a member: key j = t - d is at p_t - d
-            for d in range(0, min(W, L - 1) + 1):
+            own = []
+            for d in range(0, W + 1):
+                if d >= L:
+                    own.append(torch.zeros_like(kvx))
+                    continue
                 same = (member[:, d:] == member[:, : L - d])[:, None, :, None]
-                own = F.pad(kvx[:, :, : L - d] * same.to(kvx.dtype), (0, 0, d, 0))
-                sums[W - d] = sums[W - d] + own
-        return torch.stack(sums, 3) * valid[:, None, :, None, None].to(kvx.dtype), new_mem
+                own.append(F.pad(kvx[:, :, : L - d] * same.to(kvx.dtype), (0, 0, d, 0)))
+            # offsets -W..0 hold the keys d = W..0 behind t; none ahead of t (causal)
+            sums = sums + F.pad(torch.stack(own[::-1], 3), (0, 0, 0, W))
+        return sums * valid[:, None, :, None, None].to(kvx.dtype), new_mem
 
     def _read(self, q: Tensor, k: Tensor, v: Tensor, positions: Tensor, keep: Tensor,
               mem: Tensor | None) -> tuple[Tensor, Tensor, Tensor]:
@@ -127,11 +122,13 @@ class PositionMemory(nn.Module):
         sums, new_mem = self._gather(kvx, positions, keep, mem)  # (B, H, L, 2W+1, C)
         count = sums[..., -1]  # (B, H, L, 2W+1)
         seen = count > 0
-        mean = sums[..., :-1] / count.clamp_min(1e-6)[..., None]
-        scores = (mean[..., :d] * q[..., None, :]).sum(-1) * d**-0.5  # (B, H, L, 2W+1)
+        inv = count.clamp_min(1e-6).reciprocal()
+        # q . mean key and the weighted mean values, contracting before dividing by the count
+        # (elementwise products: batched matmuls of 2W+1 rows are slower on CPU)
+        scores = (sums[..., :d] * q[..., None, :]).sum(-1) * inv * d**-0.5
         scores = scores + self.offset_logits.to(q.dtype)[None, :, None, :]
         weights = scores.masked_fill(~seen, float("-inf")).softmax(-1).nan_to_num(0.0)
-        out = (weights[..., None] * mean[..., d:]).sum(-2)  # (B, H, L, dv)
+        out = ((weights * inv)[..., None] * sums[..., d:-1]).sum(-2)  # (B, H, L, dv)
         return out, seen.any(-1, keepdim=True), new_mem
 
     def forward(
@@ -147,16 +144,21 @@ class PositionMemory(nn.Module):
         positions: Tensor | int | None = None,
     ) -> tuple[Tensor, MemoryState | None]:
         """The inner core's output mixed with the memory's read (see the module docstring);
-        the same call shape as the cores, plus the rotary ``positions`` of the tokens."""
+        the cores' call, whose rotary ``positions`` (any form of
+        :func:`~protein_performer.model.rotary.as_positions`) place the tokens."""
         if not self.causal and (state is not None or keep_state):
             raise RuntimeError("RNN mode (a state) needs causal=True")
         B, H, L, _ = q.shape
-        inner_kwargs: dict[str, Any] = {}
-        if state is not None or keep_state:
-            inner_kwargs = {"state": None if state is None else state.inner,
-                            "keep_state": keep_state, "inplace": inplace}
-        result = self.inner(q, k, v, key_padding_mask, **inner_kwargs)
-        out, inner_state = result if isinstance(result, tuple) else (result, None)
+        out, inner_state = self.inner(
+            q,
+            k,
+            v,
+            key_padding_mask,
+            None if state is None else state.inner,
+            keep_state=keep_state,
+            inplace=inplace,
+            positions=positions,
+        )
         pos = as_positions(positions, B, L, q.device)
         keep = (
             torch.ones(B, L, dtype=torch.bool, device=q.device)

@@ -67,9 +67,10 @@ def test_small_problems_and_pins_skip_timing(fresh, monkeypatch):
     assert tiles.causal_tiles(many_short, 32, 17, never) == tiles.DEFAULT_TILES
     monkeypatch.setenv("PROTEIN_PERFORMER_FAVOR_TILES", "32,1024")
     assert tiles.causal_tiles(big(), 32, 17, never) == (32, 1024)
-    monkeypatch.setenv("PROTEIN_PERFORMER_FAVOR_TILES", "32")
-    with pytest.raises(UserError, match="two positive integers"):
-        tiles.causal_tiles(big(), 32, 17, never)
+    for text in ("32", "1000000000,8192", "128,1000000000000"):
+        monkeypatch.setenv("PROTEIN_PERFORMER_FAVOR_TILES", text)
+        with pytest.raises(UserError, match=r"integers in 1\.\.4096 and 1\.\.1048576"):
+            tiles.causal_tiles(big(), 32, 17, never)
 
 
 def test_a_damaged_or_older_cache_is_retuned(fresh):
@@ -84,6 +85,16 @@ def test_a_damaged_or_older_cache_is_retuned(fresh):
     assert probe.calls and json.loads(path.read_text())["format"] == tiles.FORMAT
 
 
+def test_a_cache_entry_of_floats_is_retuned(fresh):
+    """[64.0, 1024.0] equals a candidate in Python but crashed every long causal forward."""
+    key = tiles._key(big(), 32, 17, False)
+    path = fresh / "favor_tiles.json"
+    path.write_text(json.dumps({"format": tiles.FORMAT, "tiles": {key: [64.0, 1024.0]}}))
+    probe = Probe()
+    chosen = tiles.causal_tiles(big(), 32, 17, lambda grad: probe)
+    assert probe.calls and all(type(x) is int for x in chosen)
+
+
 def test_the_real_probe_tunes_and_the_result_matches_the_default_tiles(fresh, monkeypatch):
     """A causal layer large enough to tune (8 heads x 4,096 tokens) times the real scan; its
     output equals the one with the default tiles pinned to float32 rounding."""
@@ -91,12 +102,12 @@ def test_the_real_probe_tunes_and_the_result_matches_the_default_tiles(fresh, mo
     attn = FavorAttention(8, nb_features=16, causal=True)
     q, k, v = (torch.randn(1, 8, 4096, 8) for _ in range(3))
     rng = torch.get_rng_state()
-    tuned = attn(q, k, v)
+    tuned = attn(q, k, v)[0]
     assert torch.equal(rng, torch.get_rng_state())  # tuning draws from its own generator
     ((key, chosen),) = json.loads((fresh / "favor_tiles.json").read_text())["tiles"].items()
     assert key.endswith("|fwd") and chosen[0] in tiles.CHUNKS and chosen[1] in tiles.SEGMENTS
     monkeypatch.setenv("PROTEIN_PERFORMER_FAVOR_TILES", "128,8192")
-    pinned = attn(q, k, v)
+    pinned = attn(q, k, v)[0]
     assert torch.allclose(tuned, pinned, atol=1e-5, rtol=1e-4)
 
 
@@ -111,7 +122,7 @@ def test_tuning_inside_checkpointing_and_inference_mode(fresh, monkeypatch):
     q, k, v = (torch.randn(1, 8, 4096, 8, requires_grad=True) for _ in range(3))
     with torch.inference_mode():
         attn(q, k, v)
-    out = checkpoint(attn, q, k, v, use_reentrant=False)
+    out, _ = checkpoint(attn, q, k, v, use_reentrant=False)
     out.square().sum().backward()
     stored = json.loads((fresh / "favor_tiles.json").read_text())["tiles"]
     assert sorted(key.rsplit("|", 1)[1] for key in stored) == ["fwd", "fwd+bwd"]
@@ -119,7 +130,7 @@ def test_tuning_inside_checkpointing_and_inference_mode(fresh, monkeypatch):
     for t in (q, k, v):
         t.grad = None
     monkeypatch.setenv("PROTEIN_PERFORMER_FAVOR_TILES", "128,8192")
-    attn(q, k, v).square().sum().backward()
+    attn(q, k, v)[0].square().sum().backward()
     for got, want in zip(grads, (q.grad, k.grad, v.grad), strict=True):
         assert torch.allclose(got, want, atol=1e-4, rtol=1e-3)
 

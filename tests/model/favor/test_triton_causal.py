@@ -243,10 +243,10 @@ def test_cpu_paths_never_reach_the_kernels(monkeypatch):
     monkeypatch.setattr(favor_causal, "_triton_kernels", refuse)
     attn = FavorAttention(8, 16, causal=True, chunk_size=4)
     q = torch.randn(1, 2, 9, 8, requires_grad=True)
-    attn(q, q, q).sum().backward()
+    attn(q, q, q)[0].sum().backward()
     with torch.no_grad():
-        _, state = attn.prefill(q, q, q)
-        attn.step(state, q[:, :, 0], q[:, :, 0], q[:, :, 0])
+        _, state = attn(q, q, q, keep_state=True)
+        attn(q[:, :, :1], q[:, :, :1], q[:, :, :1], state=state)
 
 
 @pytest.mark.slow  # a fresh interpreter (an `import torch`)
@@ -255,7 +255,7 @@ def test_cpu_causal_forward_and_backward_never_import_triton():
     code = (
         "import sys, torch; from protein_performer.model.favor import FavorAttention; "
         "a = FavorAttention(8, 16, causal=True); q = torch.randn(1, 2, 9, 8, requires_grad=True); "
-        "a(q, q, q).sum().backward(); s, _ = a.step(None, q[:, :, 0], q[:, :, 0], q[:, :, 0]); "
+        "a(q, q, q)[0].sum().backward(); a(q[:, :, :1], q[:, :, :1], q, keep_state=True); "
         "print('triton' in sys.modules)"
     )
     env = {**os.environ, "OMP_NUM_THREADS": "1"}

@@ -57,7 +57,7 @@ def test_memory_matches_its_definition(causal):
     pos, mask = _rows(0)
     q, k, v = (torch.randn(2, 2, 41, 6) for _ in range(3))
     out, _ = mem(q, k, v, mask, positions=pos)
-    inner = ExactAttention(causal=causal)(q, k, v, mask)
+    inner = ExactAttention(causal=causal)(q, k, v, mask)[0]
     inner = inner[0] if isinstance(inner, tuple) else inner
     ref = _reference(mem, q, k, v, pos, mask, inner)
     torch.testing.assert_close(out.double()[0], ref[0], atol=1e-5, rtol=1e-5)
@@ -103,7 +103,7 @@ def test_no_memory_in_reach_leaves_the_core_output():
     q, k, v = (torch.randn(1, 2, 10, 6) for _ in range(3))
     pos = torch.arange(10)[None] + 50
     out, _ = mem(q, k, v, positions=pos)
-    inner = ExactAttention(causal=True)(q, k, v)
+    inner = ExactAttention(causal=True)(q, k, v)[0]
     inner = inner[0] if isinstance(inner, tuple) else inner
     torch.testing.assert_close(out, inner)
 
@@ -118,3 +118,19 @@ def test_hybrid_stack_puts_exact_attention_in_every_nth_layer_from_the_last():
     assert cores == ["ExactAttention", "FavorAttention"] * 2 + ["ExactAttention"]
     with pytest.raises(Exception, match="exact_every"):
         PerformerConfig(depth=2, exact_every=3).validate()
+
+
+def test_memory_state_has_the_same_bytes_after_1k_and_64k_context_tokens():
+    """The family state is constant in the context's length (issue 30's test): members of 100
+    tokens, 1,024 or 65,536 tokens of them."""
+    inner = LinearAttention(1, 4, "taylor", causal=True)
+    mem = PositionMemory(inner, 1, 4, max_positions=128, window=2)
+
+    def state_bytes(tokens: int) -> int:
+        pos = (torch.arange(tokens) % 100)[None]
+        q, k, v = (torch.randn(1, 1, tokens, 4) for _ in range(3))
+        _, state = mem(q, k, v, positions=pos, keep_state=True)
+        return state.mem.nbytes + state.inner.kv.nbytes
+
+    with torch.no_grad():
+        assert state_bytes(1024) == state_bytes(65536) == 4 * ((128 + 4) * 9 + 15 * 5)

@@ -1,0 +1,440 @@
+"""Linearize a softmax protein LM: attention transfer, then an optional LoRA fine-tune.
+
+Why: swapping a trained model's softmax for linear attention and fine-tuning the whole model
+(the FAVOR+ recipe, ``scripts/studies/backcompat_experiment.py``) costs full-model steps and
+still leaves a gap. Attention transfer (Hedgehog, arXiv 2402.04347; LoLCATs, arXiv 2410.10254)
+trains only the linear attention's own parameters (the Hedgehog map, the sliding window's
+scale: a few thousand numbers a layer), layer by layer, to reproduce each softmax layer's
+output on the softmax layer's own q, k, v. Every other weight is shared and frozen, so one
+teacher forward per batch gives every layer's inputs and targets, and the layers fit in
+parallel (the loss is a sum of independent per-layer MSEs). A short LoRA fine-tune on MLM
+(+ KL to the exact twin) then repairs what the maps could not; the adapters are merged, so
+the result is a plain linear-attention model.
+
+Stages run as a plain loop (no Lightning: the teacher's hooks and the per-layer losses do not
+fit a LightningModule's one loss), with what ``train`` promises: progress lines, a stop with
+one line on a non-finite loss, a resume state written atomically every ``save_every`` steps
+(``<OUT>.linearize.pt``), and the output directory published atomically at the end.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+import os
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from protein_performer.errors import UserError
+from protein_performer.interop.export import export_model
+from protein_performer.interop.loading import load_model
+from protein_performer.interop.record import LoadedModel, resolve_device
+from protein_performer.io.checkpoints import safe_load, save_atomic
+from protein_performer.io.progress import progress
+from protein_performer.model.config import LINEAR_KERNELS
+from protein_performer.model.performer import PerformerLM
+from protein_performer.training.distill import distill_kl
+
+if TYPE_CHECKING:
+    from protein_performer.inference.api import ProteinLM
+
+log = logging.getLogger(__name__)
+
+#: The bundled demo set: what a smoke run fits on when no ``data`` is given.
+DEMO_DATA = Path(__file__).resolve().parents[2] / "data" / "demo" / "train.fasta"
+#: LoRA on the attention projections, LoLCATs' choice (r=8 on q/k/v/o).
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "out_proj")
+STATE_VERSION = 1
+#: What ``data`` may be: FASTA file(s), one store directory, or None (the demo set).
+Data = str | os.PathLike[str] | Sequence[str | os.PathLike[str]] | None
+
+
+@dataclass
+class LinearizeOptions:
+    """What a linearization does; stored in the resume state, which must match to resume."""
+
+    kernel: str = "hedgehog"  # the linear map: hedgehog (learned) or taylor (fixed)
+    window: int = 64  # exact sliding window of the nearest keys (0 = none)
+    steps: int = 300  # attention-transfer steps (one batch each)
+    lr: float = 1e-2  # transfer learning rate (LoLCATs: 1e-2)
+    lora_steps: int = 0  # LoRA fine-tune steps after the transfer (0 = none)
+    lora_lr: float = 1e-3
+    lora_rank: int = 8
+    kl_weight: float = 0.0  # (1 - w) MLM + w KL(exact || linear) in the LoRA stage
+    max_len: int = 512
+    max_tokens: int = 8192
+    heldout_frac: float = 0.02  # valid and test fractions of a FASTA input (never fitted on)
+    seed: int = 0
+    save_every: int = 25
+
+    def check(self) -> LinearizeOptions:
+        def bad(msg: str) -> None:
+            raise UserError(f"linearize: {msg}")
+
+        if self.kernel not in LINEAR_KERNELS:
+            bad(f"unknown kernel {self.kernel!r}; choose one of {', '.join(LINEAR_KERNELS)}")
+        if self.kernel == "taylor" and not self.window:
+            bad(
+                "the taylor map has nothing to fit (no parameters) and --window 0 adds none; "
+                "use --kernel hedgehog or a window"
+            )
+        for name in ("window", "steps", "lora_steps"):
+            if getattr(self, name) < 0:
+                bad(f"{name} must be >= 0, got {getattr(self, name)}")
+        for name in ("lr", "lora_lr", "lora_rank", "max_tokens", "save_every"):
+            if not getattr(self, name) > 0:
+                bad(f"{name} must be positive, got {getattr(self, name)}")
+        if self.max_len < 3:
+            bad(f"max_len must be >= 3, got {self.max_len}")
+        if not 0.0 <= self.kl_weight <= 1.0:
+            bad(f"kl_weight must be in [0, 1], got {self.kl_weight}")
+        return self
+
+
+@dataclass
+class LinearizeResult:
+    out: Path
+    transfer_steps: int
+    lora_steps: int
+    seconds: float  # fitting time of this process (a resumed run counts its own part)
+    curve: list[dict[str, float]] = field(default_factory=list)  # per-step losses
+
+
+# --------------------------------------------------------------------------------------------
+# The student: the teacher's weights with a linear core
+# --------------------------------------------------------------------------------------------
+def _core_params(model: nn.Module) -> dict[str, nn.Parameter]:
+    """The linear cores' own parameters (what the transfer fits), by parameter name."""
+    return {n: p for n, p in model.named_parameters() if ".self_attn.linear." in n}
+
+
+def linear_student(teacher: PerformerLM, kernel: str, window: int) -> PerformerLM:
+    """A copy of ``teacher`` (an exact-attention model) with ``kernel`` linear attention and an
+    exact ``window``: every weight shared, the new cores at their initial values."""
+    config = dataclasses.replace(
+        teacher.config, attention="linear", kernel=kernel, local_window=window, exact_every=0
+    )
+    student = PerformerLM(config).to(next(teacher.parameters()).device)
+    missing, unexpected = student.load_state_dict(teacher.state_dict(), strict=False)
+    own = set(_core_params(student))
+    if unexpected or set(missing) - own - {"lm_head.weight"}:  # pragma: no cover - by design
+        raise RuntimeError(f"student does not fit the teacher: {missing}, {unexpected}")
+    return student
+
+
+def _teacher_from(src: str | os.PathLike[str] | LoadedModel, device: str) -> LoadedModel:
+    loaded = load_model(src, device, attention="exact")
+    if loaded.task is not None:
+        raise UserError(
+            f"{loaded.source} is a fine-tuned model with a task head; linearize its base model"
+        )
+    if loaded.config.position_memory:
+        raise UserError(f"{loaded.source}: a model with a position memory cannot be linearized")
+    for p in loaded.model.parameters():
+        p.requires_grad_(False)
+    return loaded
+
+
+# --------------------------------------------------------------------------------------------
+# Data: a deterministic stream of batches, so a resumed run sees the batches it would have
+# --------------------------------------------------------------------------------------------
+def _data_paths(data: Data) -> list[str]:
+    """FASTA file(s) or one store as resolved path strings (the demo set when None)."""
+    given = [data] if data is None or isinstance(data, (str, os.PathLike)) else list(data)
+    return [str(Path(d or DEMO_DATA).expanduser().resolve()) for d in given]
+
+
+def data_module(data: Data, options: LinearizeOptions, objective: str) -> Any:
+    from protein_performer.data.datamodule import ProteinDataModule
+
+    dm = ProteinDataModule(
+        _data_paths(data), objective=objective, max_len=options.max_len,
+        max_tokens=options.max_tokens, valid_frac=options.heldout_frac,
+        test_frac=options.heldout_frac, seed=options.seed,
+    )  # fmt: skip
+    dm.setup("fit")
+    return dm
+
+
+def batch_stream(dm: Any, options: LinearizeOptions, start: int) -> Iterator[dict[str, Any]]:
+    """The training split's batches from global step ``start`` on: epoch after epoch of
+    token-budget batches, reshuffled by (seed, epoch)."""
+    from protein_performer.data.sampler import TokenBudgetBatchSampler
+
+    dataset = dm.datasets["train"]
+    sampler = TokenBudgetBatchSampler(
+        dataset.model_lengths(), options.max_tokens, seed=options.seed, num_replicas=1, rank=0
+    )
+    per_epoch = len(sampler)
+    step = start
+    while True:
+        epoch, skip = divmod(step, per_epoch)
+        sampler.set_epoch(epoch)
+        dataset.set_epoch(epoch)
+        for i, indices in enumerate(sampler):
+            if i < skip:
+                continue
+            yield dm.collator([dataset[j] for j in indices])
+            step += 1
+        skip = 0
+
+
+# --------------------------------------------------------------------------------------------
+# Stage 1: attention transfer
+# --------------------------------------------------------------------------------------------
+@torch.no_grad()
+def teacher_attention(teacher: PerformerLM, batch: dict[str, Any]) -> tuple[Tensor, list]:
+    """One teacher forward: logits and, per layer, the core's (q, k, v, mask, output)."""
+    captured: list[tuple[Tensor, ...]] = []
+
+    def grab(module: nn.Module, args: tuple, kwargs: dict, out: Any) -> None:
+        q, k, v = args[:3]
+        mask = kwargs.get("key_padding_mask", args[3] if len(args) > 3 else None)
+        captured.append((q, k, v, mask, out[0] if isinstance(out, tuple) else out))
+
+    hooks = [
+        layer.self_attn.core.register_forward_hook(grab, with_kwargs=True)
+        for layer in teacher.layers
+    ]
+    try:
+        device = next(teacher.parameters()).device
+        logits = teacher(batch["tokens"].to(device), batch["padding_mask"].to(device)).logits
+    finally:
+        for hook in hooks:
+            hook.remove()
+    return logits, captured
+
+
+def transfer_loss(student: PerformerLM, captured: list, per_layer: bool = False) -> Any:
+    """Sum over layers of the MSE between the student core's output on the teacher's q, k, v
+    and the teacher core's output, over real tokens (``per_layer``: the list of them)."""
+    losses = []
+    for layer, (q, k, v, mask, want) in zip(student.layers, captured, strict=True):
+        got = layer.self_attn.core(q, k, v, key_padding_mask=mask)
+        got = got[0] if isinstance(got, tuple) else got
+        err = (got.float() - want.float()).pow(2).mean(-1)  # (B, H, L)
+        if mask is not None:
+            keep = (~mask.bool())[:, None, :].to(err.dtype)
+            losses.append((err * keep).sum() / (keep.sum() * err.shape[1]).clamp_min(1))
+        else:
+            losses.append(err.mean())
+    return losses if per_layer else torch.stack(losses).sum()
+
+
+# --------------------------------------------------------------------------------------------
+# The loop both stages share
+# --------------------------------------------------------------------------------------------
+def _diverged(stage: str, step: int, last: tuple[int, float] | None, flag: str) -> UserError:
+    since = f"last finite loss {last[1]:.4g} at step {last[0]}" if last else "no finite loss yet"
+    return UserError(
+        f"linearize stopped in the {stage} stage at step {step}: non-finite loss ({since}); "
+        f"try a lower {flag}, and rerun with --resume to continue from the last state saved "
+        "before the divergence (nothing non-finite was saved)"
+    )
+
+
+def state_path(out: str | os.PathLike[str]) -> Path:
+    """The resume state of a linearization into ``out``: beside it, removed when it is done."""
+    out = Path(out).expanduser()
+    return out.with_name(out.name + ".linearize.pt")
+
+
+def _saved_state(student: nn.Module, optimizer: torch.optim.Optimizer, stage: str, step: int,
+                 key: dict[str, Any], curve: list) -> dict[str, Any]:
+    trainable = {n: p.detach().cpu() for n, p in student.named_parameters() if p.requires_grad}
+    fitted = {n: p.detach().cpu() for n, p in _core_params(student).items()}
+    return {
+        "version": STATE_VERSION, "key": key, "stage": stage, "step": step,
+        "cores": fitted, "trainable": trainable, "optimizer": optimizer.state_dict(),
+        "curve": curve,
+    }  # fmt: skip
+
+
+def _run_key(src: Any, data: Any, options: LinearizeOptions) -> dict[str, Any]:
+    where = src.source if isinstance(src, LoadedModel) else Path(src).expanduser().resolve()
+    return {"source": str(where), "data": _data_paths(data),
+            "options": dataclasses.asdict(options)}
+
+
+def _read_state(path: Path, key: dict[str, Any]) -> dict[str, Any]:
+    state = safe_load(path, what="a linearize resume state")
+    if not isinstance(state, dict) or state.get("version") != STATE_VERSION:
+        raise UserError(f"{path} is not a linearize resume state of this version; delete it")
+    if state.get("key") != key:
+        raise UserError(
+            f"{path} holds a linearization with other source, data or options "
+            f"({state.get('key')}); rerun that command with --resume, or delete {path} to "
+            "start this one"
+        )
+    return state
+
+
+def _fit(params: list[nn.Parameter], loss_of: Any, batches: Iterator, stage: str, first: int,
+         steps: int, lr: float, save: Any, save_every: int, show: bool, curve: list,
+         optimizer_state: dict | None) -> None:
+    """``steps`` AdamW steps of ``loss_of(batch)`` from step ``first`` (a resume), saving every
+    ``save_every``; UserError on a non-finite loss, before anything non-finite is saved."""
+    optimizer = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
+    if optimizer_state is not None:
+        optimizer.load_state_dict(optimizer_state)
+    last: tuple[int, float] | None = None
+    flag = "--lr" if stage == "transfer" else "--lora-lr"
+    with progress(total=steps, unit="step", desc=stage, enabled=show) as bar:
+        bar.update(first)
+        for step in range(first, steps):
+            loss = loss_of(next(batches))
+            value = float(loss.detach())
+            if not math.isfinite(value):
+                raise _diverged(stage, step, last, flag)
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(params, 1.0)
+            optimizer.step()
+            if not all(bool(torch.isfinite(p).all()) for p in params):
+                raise _diverged(stage, step, last, flag)
+            last = (step + 1, value)
+            curve.append({"stage": stage, "step": step + 1, "loss": value})
+            bar.update(1)
+            if (step + 1) % save_every == 0 and step + 1 < steps:
+                save(optimizer, stage, step + 1)
+        save(optimizer, stage, steps)
+
+
+def lora_settings(options: LinearizeOptions) -> dict[str, Any]:
+    return {"r": options.lora_rank, "lora_alpha": 2 * options.lora_rank, "lora_dropout": 0.0,
+            "target_modules": list(LORA_TARGETS)}
+
+
+def fit_linear(
+    src: str | os.PathLike[str] | LoadedModel,
+    out: str | os.PathLike[str],
+    data: Data = None,
+    options: LinearizeOptions | None = None,
+    *,
+    device: str = "cpu",
+    resume: bool = False,
+    overwrite: bool = False,
+    show_progress: bool = True,
+    after_transfer: Callable[[PerformerLM], None] | None = None,
+) -> LinearizeResult:
+    """Fit a linear-attention twin of ``src`` (any source the loader reads; an exact-attention
+    model is its teacher) on ``data`` (FASTA or store; None: the demo set) and export it to
+    ``out``. ``resume`` continues from ``out``'s resume state (the same source, data and
+    options); without it an existing state is an error, so a run never silently restarts.
+    ``after_transfer`` sees the model between the stages (a study measures transfer alone and
+    transfer + LoRA in one run)."""
+    from protein_performer.interop.finetuned import add_lora
+
+    options = (options or LinearizeOptions()).check()
+    device = str(resolve_device(device))
+    started = time.perf_counter()
+    key = _run_key(src, data, options)
+    spot = state_path(out)
+    saved = None
+    if spot.exists():
+        if not resume:
+            raise UserError(
+                f"{spot} holds an unfinished linearization: rerun with --resume to continue "
+                "it, or delete it to start over"
+            )
+        saved = _read_state(spot, key)
+    teacher = _teacher_from(src, device)
+    torch.manual_seed(options.seed)
+    student = linear_student(teacher.model, options.kernel, options.window).train()
+    for p in student.parameters():
+        p.requires_grad_(False)
+    cores = _core_params(student)
+    if saved is not None:
+        for name, value in saved["cores"].items():
+            cores[name].data.copy_(value)
+    dm = data_module(data, options, teacher.config.objective)
+    curve: list[dict[str, float]] = list(saved["curve"]) if saved else []
+
+    def save(optimizer: torch.optim.Optimizer, stage: str, step: int) -> None:
+        save_atomic(_saved_state(student, optimizer, stage, step, key, curve), spot)
+
+    stage = saved["stage"] if saved else "transfer"
+    first = saved["step"] if saved else 0
+    if stage == "transfer":
+        for p in cores.values():
+            p.requires_grad_(True)
+
+        def transfer(batch: dict[str, Any]) -> Tensor:
+            return transfer_loss(student, teacher_attention(teacher.model, batch)[1])
+
+        _fit(list(cores.values()), transfer, batch_stream(dm, options, first), "transfer",
+             first, options.steps, options.lr, save, options.save_every, show_progress, curve,
+             saved["optimizer"] if saved else None)
+        for p in cores.values():
+            p.requires_grad_(False)
+        stage, first, saved = "lora", 0, None
+    if after_transfer is not None:
+        after_transfer(student)
+    model: nn.Module = student
+    if options.lora_steps:
+        torch.manual_seed(options.seed + 1)  # the adapters' draw, the same in a resumed run
+        adapters = add_lora(student, lora_settings(options))
+        if saved is not None:
+            own = dict(student.named_parameters())
+            for name, value in saved["trainable"].items():
+                own[name].data.copy_(value)
+        weight = options.kl_weight
+
+        def tune(batch: dict[str, Any]) -> Tensor:
+            tokens = batch["tokens"].to(device)
+            pad = batch["padding_mask"].to(device)
+            logits = student(tokens, pad).logits
+            mlm = F.cross_entropy(logits.float().flatten(0, 1),
+                                  batch["targets"].to(device).flatten(), ignore_index=-100)
+            if not weight:
+                return mlm
+            with torch.no_grad():
+                exact = teacher.model(tokens, pad).logits
+            return (1 - weight) * mlm + weight * distill_kl(logits, exact, pad, 1.0)
+
+        params = [p for p in student.parameters() if p.requires_grad]
+        _fit(params, tune, batch_stream(dm, options, options.steps + first), "lora", first,
+             options.lora_steps, options.lora_lr, save, options.save_every, show_progress,
+             curve, saved["optimizer"] if saved else None)
+        model = adapters.merge_and_unload()
+    model.eval()
+    result = LoadedModel(
+        model, model.config, teacher.alphabet, teacher.source, torch.device(device), "export"
+    )
+    written = export_model(result, out, overwrite=overwrite)
+    spot.unlink(missing_ok=True)
+    return LinearizeResult(written, options.steps, options.lora_steps,
+                           time.perf_counter() - started, curve)
+
+
+def linearize(
+    src: str | os.PathLike[str] | LoadedModel,
+    out: str | os.PathLike[str],
+    data: Data = None,
+    *,
+    device: str = "auto",
+    resume: bool = False,
+    overwrite: bool = False,
+    show_progress: bool = True,
+    **options: Any,
+) -> ProteinLM:
+    """``pp.linearize(src, out, data, steps=300, lora_steps=150, ...)``: :func:`fit_linear`
+    with :class:`LinearizeOptions` fields as keywords, returning the linearized model loaded
+    from ``out`` (what ``protein-performer linearize`` writes)."""
+    from protein_performer.inference.api import load
+
+    known = {f.name for f in dataclasses.fields(LinearizeOptions)}
+    unknown = sorted(set(options) - known)
+    if unknown:
+        raise UserError(f"linearize: unknown option(s) {unknown}; known: {sorted(known)}")
+    fit_linear(src, out, data, LinearizeOptions(**options), device=device, resume=resume,
+               overwrite=overwrite, show_progress=show_progress)
+    return load(out, device)

@@ -1,0 +1,217 @@
+#!/usr/bin/env python
+"""Linearizing a trained exact MLM: attention transfer (+ LoRA) against today's FAVOR+ recipe.
+
+On one exact-attention checkpoint (``--exact-ckpt``, e.g. ``backcompat_experiment.py``'s
+``exact/checkpoints/last.ckpt``; ``--quick`` trains a tiny one first), held-out perplexity
+against the exact model's, with the compute each row spent (optimizer steps, trainable
+parameters, CPU seconds of this process, held-out evaluation excluded):
+
+- swap only: the same weights under FAVOR+ (``--nb-features``) and under the untrained
+  linear map (``--kernel``, each ``--windows`` value);
+- today's recipe: the FAVOR+ model fine-tuned for ``--ft-steps`` full-model steps on MLM
+  + ``--distill-weight`` KL to the exact twin (``backcompat_experiment.fine_tune``), with the
+  first step it reached 1.02x;
+- attention transfer alone (``protein_performer.training.linearize``, ``--transfer-steps``),
+  then + LoRA (``--lora-steps``, ``--kl-weight``), once per ``--windows`` value.
+
+Held-out perplexity is ``backcompat_experiment.heldout_ppl`` over the test split of the same
+data and split the exact model was trained on (hash split; never fitted on by any row).
+
+Writes ``--out-dir``/``linearize.csv`` and ``linearize.md``.
+
+Examples::
+
+    python scripts/studies/linearize_benchmark.py --quick
+    python scripts/studies/linearize_benchmark.py --threads 1 \\
+        --exact-ckpt outputs/backcompat/exact/checkpoints/last.ckpt
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import shutil
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import backcompat_experiment as bc
+import harness as h
+import torch
+
+log = logging.getLogger("linearize_benchmark")
+FIELDS = ("method", "window", "steps", "trainable", "cpu_s", "ppl", "ratio", "reached_1.02x")
+
+
+class EvalClock:
+    """``bc.heldout_ppl`` with its CPU time kept apart, so rows count their fitting alone."""
+
+    def __init__(self) -> None:
+        self.seconds = 0.0
+        self._inner = bc.heldout_ppl
+
+    def __call__(self, model: torch.nn.Module, loader: Any) -> float:
+        start = time.process_time()
+        try:
+            return self._inner(model, loader)
+        finally:
+            self.seconds += time.process_time() - start
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0],
+        epilog=__doc__.split("\n\n", 1)[1],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--exact-ckpt", type=Path, default=None, help="the exact model (.ckpt)")
+    p.add_argument("--data", type=Path, nargs="+", default=bc.DEFAULT_DATA,
+                   help="the FASTA file(s) the exact model was trained on")
+    p.add_argument("--limit-records", type=int, default=None)
+    p.add_argument("--heldout-frac", type=float, default=0.02)
+    p.add_argument("--shape", nargs=3, type=int, default=(128, 4, 8),
+                   metavar=("DIM", "DEPTH", "HEADS"), help="the exact model's shape")
+    p.add_argument("--max-len", type=int, default=256)
+    p.add_argument("--max-tokens", type=int, default=8192)
+    p.add_argument("--nb-features", type=int, default=64, help="FAVOR+ m (swap, fine-tune)")
+    p.add_argument("--ft-steps", type=int, default=150, help="FAVOR+ fine-tune steps")
+    p.add_argument("--ft-lr", type=float, default=3e-4)
+    p.add_argument("--distill-weight", type=float, default=0.5, help="FAVOR+ fine-tune KL")
+    p.add_argument("--kernel", default="hedgehog", help="linear map (hedgehog, taylor)")
+    p.add_argument("--windows", type=int, nargs="+", default=[0, 64], help="exact windows")
+    p.add_argument("--transfer-steps", type=int, default=300)
+    p.add_argument("--transfer-lr", type=float, default=1e-2)
+    p.add_argument("--lora-steps", type=int, default=150)
+    p.add_argument("--lora-lr", type=float, default=1e-3)
+    p.add_argument("--kl-weight", type=float, default=0.5, help="LoRA stage KL weight")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--out-dir", type=Path, default=h.REPO / "outputs" / "linearize")
+    p.add_argument("--overwrite", action="store_true")
+    p.add_argument("--quick", action="store_true",
+                   help="wiring check: a tiny exact model trained for 40 steps, few steps each")
+    args = p.parse_args(argv)
+    if args.quick:
+        args.shape, args.limit_records, args.heldout_frac = (32, 2, 4), 600, 0.05
+        args.max_len, args.max_tokens = 128, 2048
+        args.nb_features, args.ft_steps, args.windows = 32, 6, [0, 8]
+        args.transfer_steps, args.lora_steps = 6, 4
+        args.data = [Path(p) for p in h.QUICK_DATA]
+    elif args.exact_ckpt is None:
+        p.error("give --exact-ckpt (or --quick)")
+    # what bc.fine_tune and bc.base_overrides read
+    args.trainer, args.kernel_favor = "cpu", "softmax"
+    args.ft_warmup, args.redraw_interval = 10, 100
+    args.distill_temperature = 1.0
+    args.eval_every = max(1, args.ft_steps // 6)
+    args.steps, args.lr = 40, 1e-3  # --quick's exact training
+    return args
+
+
+def favor_args(args: argparse.Namespace) -> argparse.Namespace:
+    """``args`` as ``bc.fine_tune`` reads them (its ``kernel`` is FAVOR+'s)."""
+    return argparse.Namespace(**{**vars(args), "kernel": args.kernel_favor})
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    h.setup_logging()
+    args = parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    if args.out_dir.exists() and any(args.out_dir.iterdir()):
+        if not args.overwrite:
+            print(f"error: {args.out_dir} holds an earlier run; pass --overwrite", file=sys.stderr)
+            return 2
+        shutil.rmtree(args.out_dir)
+    args.out_dir.mkdir(parents=True)
+
+    import hydra
+
+    from protein_performer.interop.loading import load_model
+    from protein_performer.training import linearize as lz
+    from protein_performer.training.compose import compose_config
+
+    fargs = favor_args(args)
+    ckpt = str(args.exact_ckpt) if args.exact_ckpt else bc.train_exact(fargs)[0]
+    cfg = compose_config(bc.base_overrides(fargs), output_dir=args.out_dir)
+    dm = hydra.utils.instantiate(cfg.data)
+    dm.setup("test")
+    test = dm.test_dataloader()
+    clock = EvalClock()
+    bc.heldout_ppl = clock  # the fine-tune's curve callback calls it through the module
+    exact = load_model(ckpt, "cpu")
+    exact_ppl = clock(exact.model, test)
+    rows: list[dict[str, Any]] = []
+
+    def row(method: str, window: Any, steps: int, trainable: int, cpu: float, ppl: float,
+            reached: Any = "") -> None:
+        rows.append({"method": method, "window": window, "steps": steps, "trainable": trainable,
+                     "cpu_s": round(cpu, 1), "ppl": round(ppl, 4),
+                     "ratio": round(ppl / exact_ppl, 4), "reached_1.02x": reached})
+        log.info("%s", rows[-1])
+
+    row("exact", "", 0, 0, 0.0, exact_ppl)
+    favor = load_model(exact, "cpu", attention="favor", kernel="softmax",
+                       nb_features=args.nb_features, seed=args.seed)
+    row("FAVOR+ swap", "", 0, 0, 0.0, clock(favor.model, test))
+    for w in args.windows:
+        swap = lz.linear_student(exact.model, args.kernel, w)
+        row(f"{args.kernel} swap (untrained map)", w, 0, 0, 0.0, clock(swap, test))
+
+    before, start = clock.seconds, time.process_time()
+    curve = bc.fine_tune(fargs, ckpt, test, args.distill_weight)
+    cpu = time.process_time() - start - (clock.seconds - before)
+    reached = bc.reached_step(curve, 1.02 * exact_ppl)
+    n_params = exact.model.num_parameters()
+    row(f"FAVOR+ fine-tune (MLM + {args.distill_weight:g} KL)", "", args.ft_steps, n_params,
+        cpu, curve[-1]["ppl"], "no" if reached is None else reached)
+
+    for w in args.windows:
+        options = dict(kernel=args.kernel, window=w, lr=args.transfer_lr,
+                       max_len=args.max_len, max_tokens=args.max_tokens,
+                       heldout_frac=args.heldout_frac, seed=args.seed,
+                       save_every=10**9)  # fmt: skip
+        out = args.out_dir / f"{args.kernel}_w{w}"
+        seen: dict[str, float] = {}
+
+        def transferred(model: torch.nn.Module, seen: dict[str, float] = seen) -> None:
+            seen["cpu"] = time.process_time()
+            seen["ppl"] = clock(model, test)
+
+        before, start = clock.seconds, time.process_time()
+        result = lz.fit_linear(
+            ckpt, out, [str(p) for p in args.data],
+            lz.LinearizeOptions(steps=args.transfer_steps, lora_steps=args.lora_steps,
+                                lora_lr=args.lora_lr, kl_weight=args.kl_weight, **options),
+            device="cpu", show_progress=False, after_transfer=transferred,
+        )  # fmt: skip
+        cpu = time.process_time() - start - (clock.seconds - before)
+        model = load_model(out, "cpu").model
+        fitted = sum(p.numel() for p in lz._core_params(model).values())
+        row("attention transfer", w, result.transfer_steps, fitted, seen["cpu"] - start,
+            seen["ppl"])
+        if args.lora_steps:
+            d, r = exact.config.dim, lz.LinearizeOptions().lora_rank
+            adapters = exact.config.depth * len(lz.LORA_TARGETS) * 2 * d * r
+            row(f"attention transfer + LoRA (MLM + {args.kl_weight:g} KL)", w,
+                result.transfer_steps + result.lora_steps, fitted + adapters, cpu,
+                clock(model, test))
+
+    h.write_csv(args.out_dir / "linearize.csv", rows, FIELDS)
+    text = (
+        f"Exact model: {ckpt} (held-out ppl {exact_ppl:.4f}); data "
+        f"{', '.join(str(p) for p in args.data)}; {torch.get_num_threads()} torch thread(s). "
+        "cpu_s: this process's CPU seconds fitting the row (held-out evaluation excluded); "
+        "trainable: parameters the row updates.\n\n"
+        + h.markdown_table(FIELDS, [[r[f] for f in FIELDS] for r in rows])
+        + "\n"
+    )
+    h.write_markdown(args.out_dir / "linearize.md", "Linearizing an exact MLM", text)
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,138 @@
+"""`linearize`: attention transfer moves a tiny exact model's linear twin towards its softmax
+outputs, the LoRA merge keeps predictions, a killed run resumes to the same result, bad input
+is one line."""
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from protein_performer.cli.main import main
+from protein_performer.data.tokenizer import Alphabet
+from protein_performer.errors import UserError
+from protein_performer.interop.export import export_model
+from protein_performer.interop.finetuned import add_lora
+from protein_performer.interop.loading import load_model
+from protein_performer.interop.record import LoadedModel
+from protein_performer.model.config import PerformerConfig
+from protein_performer.model.performer import PerformerLM
+from protein_performer.training import linearize as lz
+
+OPTIONS = dict(window=2, max_tokens=512, max_len=64, heldout_frac=0.1, save_every=2)
+
+
+@pytest.fixture(scope="module")
+def teacher_dir(tmp_path_factory) -> Path:
+    """A tiny exact MLM whose attention is peaked (large q/k weights), exported."""
+    torch.manual_seed(0)
+    cfg = PerformerConfig(dim=16, depth=2, heads=2, ff_dim=32, attention="exact")
+    model = PerformerLM(cfg).eval()
+    with torch.no_grad():
+        for layer in model.layers:
+            layer.self_attn.q_proj.weight.mul_(40)
+            layer.self_attn.k_proj.weight.mul_(40)
+    root = tmp_path_factory.mktemp("linearize")
+    loaded = LoadedModel(model, cfg, Alphabet(), root / "src", torch.device("cpu"), "export")
+    export_model(loaded, root / "exact")
+    rng = np.random.default_rng(0)
+    with open(root / "seqs.fasta", "w") as f:
+        for i in range(40):
+            f.write(f">s{i}\n{''.join(rng.choice(list('ACDEFGHIKLMNPQRSTVWY'), 30))}\n")
+    return root
+
+
+def _batch(seed: int = 1) -> dict:
+    tokens = torch.from_numpy(np.random.default_rng(seed).integers(4, 24, (4, 30)))
+    return {"tokens": tokens, "padding_mask": torch.zeros_like(tokens, dtype=torch.bool)}
+
+
+def test_transfer_moves_attention_towards_the_softmax_outputs(teacher_dir, tmp_path):
+    teacher = load_model(teacher_dir / "exact", "cpu")
+    _, captured = lz.teacher_attention(teacher.model, _batch())
+    swap = lz.linear_student(teacher.model, "hedgehog", 2)
+    with torch.no_grad():
+        before = [float(x) for x in lz.transfer_loss(swap, captured, per_layer=True)]
+    lz.fit_linear(teacher_dir / "exact", tmp_path / "lin", teacher_dir / "seqs.fasta",
+                  lz.LinearizeOptions(steps=12, lr=0.1, **OPTIONS), show_progress=False)
+    fitted = load_model(tmp_path / "lin", "cpu")
+    assert fitted.config.attention == "linear" and fitted.config.local_window == 2
+    with torch.no_grad():
+        after = [float(x) for x in lz.transfer_loss(fitted.model, captured, per_layer=True)]
+    # every layer closer, on a batch it never saw (12 steps at lr 0.1 gave 20% here)
+    assert all(a < 0.9 * b for a, b in zip(after, before, strict=True)), (before, after)
+    assert not lz.state_path(tmp_path / "lin").exists()  # the resume state goes with success
+
+
+def test_lora_merge_leaves_predictions_unchanged():
+    torch.manual_seed(0)
+    cfg = PerformerConfig(dim=16, depth=2, heads=2, ff_dim=32, attention="exact")
+    student = lz.linear_student(PerformerLM(cfg), "hedgehog", 2).eval()
+    adapters = add_lora(student, lz.lora_settings(lz.LinearizeOptions(lora_rank=4)))
+    with torch.no_grad():
+        for name, p in student.named_parameters():
+            if "lora_B" in name:  # PEFT starts B at 0: a trained adapter is not
+                p.normal_(0, 0.1)
+    tokens = _batch()["tokens"]
+    want = student(tokens).logits
+    merged = adapters.merge_and_unload()
+    assert not any("lora" in n for n, _ in merged.named_parameters())
+    torch.testing.assert_close(merged(tokens).logits, want, atol=1e-5, rtol=1e-5)
+    assert not torch.allclose(want, lz.linear_student(PerformerLM(cfg), "hedgehog", 2)(
+        tokens).logits)  # the adapters did change the model
+
+
+def test_killed_run_resumes_to_the_same_model(teacher_dir, tmp_path, monkeypatch):
+    options = lz.LinearizeOptions(steps=4, lora_steps=2, kl_weight=0.5, **OPTIONS)
+    src, data = teacher_dir / "exact", teacher_dir / "seqs.fasta"
+    whole = lz.fit_linear(src, tmp_path / "whole", data, options, show_progress=False)
+    real, calls = lz.transfer_loss, []
+
+    def dies_at_third(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(lz, "transfer_loss", dies_at_third)
+    with pytest.raises(KeyboardInterrupt):
+        lz.fit_linear(src, tmp_path / "cut", data, options, show_progress=False)
+    assert lz.state_path(tmp_path / "cut").is_file()  # saved after step 2
+    monkeypatch.setattr(lz, "transfer_loss", real)
+    with pytest.raises(UserError, match="--resume"):  # never a silent restart
+        lz.fit_linear(src, tmp_path / "cut", data, options, show_progress=False)
+    with pytest.raises(UserError, match="other source, data or options"):
+        lz.fit_linear(src, tmp_path / "cut", data, lz.LinearizeOptions(steps=5, **OPTIONS),
+                      resume=True, show_progress=False)
+    resumed = lz.fit_linear(src, tmp_path / "cut", data, options, resume=True,
+                            show_progress=False)
+    assert [r["step"] for r in resumed.curve] == [r["step"] for r in whole.curve]
+    a, b = load_model(whole.out, "cpu").model, load_model(resumed.out, "cpu").model
+    for (name, x), (_, y) in zip(a.state_dict().items(), b.state_dict().items(), strict=True):
+        torch.testing.assert_close(x, y, msg=name)
+
+
+def test_non_finite_loss_stops_with_one_line(teacher_dir, tmp_path, monkeypatch):
+    monkeypatch.setattr(lz, "transfer_loss", lambda *a, **k: torch.tensor(float("nan")))
+    with pytest.raises(UserError, match="non-finite loss .* --lr"):
+        lz.fit_linear(teacher_dir / "exact", tmp_path / "o", teacher_dir / "seqs.fasta",
+                      lz.LinearizeOptions(steps=3, **OPTIONS), show_progress=False)
+    assert not (tmp_path / "o").exists()
+
+
+@pytest.mark.parametrize(
+    "argv, says",
+    [
+        (["missing.pt", "out"], "missing.pt does not exist"),
+        (["garbage.pt", "out"], "garbage.pt"),
+        (["EXACT", "out", "--kernel", "taylor", "--window", "0"], "nothing to fit"),
+    ],
+)
+def test_bad_input_is_one_error_line(teacher_dir, tmp_path, monkeypatch, capsys, argv, says):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "garbage.pt").write_bytes(b"not a checkpoint")
+    argv = [str(teacher_dir / "exact") if a == "EXACT" else a for a in argv]
+    assert main(["linearize", *argv, "--no-progress"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error:") and says in err[0], err
+    assert not (tmp_path / "out").exists()
