@@ -48,7 +48,6 @@ MODEL = [
 ]
 TRAIN = [
     "experiment=demo",
-    f"paths.root_dir={REPO}",
     *MODEL,
     "data.limit_records=200",
     "data.max_len=128",

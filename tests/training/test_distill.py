@@ -154,7 +154,6 @@ def test_finetune_experiment_with_distillation_through_hydra(teacher_dir, tmp_pa
     cfg = compose_config(
         [
             "experiment=esm_favor_finetune",
-            f"paths.root_dir={repo}",
             f"init_from={teacher_dir}",
             "model.distill.weight=0.5",
             *(f"model.config.{k}={v}" for k, v in SHAPE.items()),
