@@ -1,6 +1,6 @@
 """A wheel built with ``pip wheel`` works outside the repository (issue 31, item 6).
 
-The wheel is built from the files a clone holds (``git ls-files``: no stale ``build/``), installed
+Fast: the package-data globs cover every config and demo file. Slow: the wheel is built from the files a clone holds (``git ls-files``: no stale ``build/``), installed
 without dependencies into a fresh venv whose dependencies come from the running interpreter's
 site-packages (a ``.pth`` line: the same torch, no download), and run from a directory that is
 not the repository with ``PYTHONPATH`` unset: ``train --help`` lists the shipped configs,
@@ -22,13 +22,29 @@ import pytest
 
 from tests.paths import REPO
 
-pytestmark = pytest.mark.slow
+PACKAGE = REPO / "protein_performer"
 
 #: The demo, as short as a run that writes a checkpoint can be.
 TINY_DEMO = [
     "experiment=demo", "trainer.max_steps=2", "trainer.val_check_interval=2",
     "trainer.limit_val_batches=1", "data.num_workers=0", "run_name=wheel",
 ]  # fmt: skip
+
+
+def test_package_data_ships_every_config_and_demo_file() -> None:
+    """pyproject's package-data globs (as setuptools applies them) cover every file under
+    conf/ and data/demo/: a config added one folder deeper would otherwise be left out."""
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+    meta = tomllib.loads((REPO / "pyproject.toml").read_text())
+    patterns = meta["tool"]["setuptools"]["package-data"]["protein_performer"]
+    shipped = {p for pattern in patterns for p in PACKAGE.glob(pattern) if p.is_file()}
+    wanted = {
+        p
+        for folder in ("conf", "data/demo")
+        for p in (PACKAGE / folder).rglob("*")
+        if p.is_file() and p.suffix != ".pyc" and p.name != "__init__.py"
+    }
+    assert wanted and wanted <= shipped, sorted(map(str, wanted - shipped))
 
 
 def _clone_files(dest: Path) -> None:
@@ -92,6 +108,7 @@ def _run(venv: Path, args: list[str], cwd: Path, **env: str) -> subprocess.Compl
     )  # fmt: skip
 
 
+@pytest.mark.slow
 def test_the_installed_wheel_trains_and_finetunes_outside_the_repository(
     venv: Path, tmp_path: Path
 ) -> None:
