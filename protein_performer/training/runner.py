@@ -284,9 +284,10 @@ def launch(entry: Entry, overrides: Sequence[str], prog: str | None = None) -> d
 
     Overrides are composed once with the compose API first, so a bad one (or a missing required
     key) becomes a ``UserError`` instead of Hydra's exit status 1; Hydra's own flags (``--cfg
-    job``, ``-m``, ...) skip that check and are left to Hydra. Direct keys are set after Hydra
-    composes. A ``UserError`` inside the run is carried out of Hydra's error handling and raised
-    here, so the CLI reports it as ``error: ...`` with status 2.
+    job``, ``-m``, ...) skip that check and are left to Hydra, every override included. Direct
+    keys are otherwise set after Hydra composes. A ``UserError`` inside the run is carried out
+    of Hydra's error handling and raised here, so the CLI reports it as ``error: ...`` with
+    status 2.
     """
     import hydra
     from omegaconf import OmegaConf
@@ -299,7 +300,8 @@ def launch(entry: Entry, overrides: Sequence[str], prog: str | None = None) -> d
             overrides, name=entry.name, direct_keys=entry.direct_keys, required=entry.required,
             example=entry.example, override_example=entry.override_example,
         )  # fmt: skip
-    direct, rest = split_direct(overrides, entry.direct_keys)
+    # With Hydra's flags (--cfg job, ...) every override goes to Hydra, so it shows them all.
+    direct, rest = ({}, overrides) if hydra_flags else split_direct(overrides, entry.direct_keys)
     outcome: dict[str, Any] = {}
     saved_argv = sys.argv
 
