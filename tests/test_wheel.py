@@ -1,7 +1,8 @@
 """A wheel built with ``pip wheel`` works outside the repository (issue 31, item 6).
 
-Fast: the package-data globs cover every config and demo file. Slow: the wheel is built from the files a clone holds (``git ls-files``: no stale ``build/``), installed
-without dependencies into a fresh venv whose dependencies come from the running interpreter's
+Fast: the package-data globs cover every config and demo file. Slow: the wheel is built from
+the files a clone holds (``git ls-files``: no stale ``build/``), installed without
+dependencies into a fresh venv whose dependencies come from the running interpreter's
 site-packages (a ``.pth`` line: the same torch, no download), and run from a directory that is
 not the repository with ``PYTHONPATH`` unset: ``train --help`` lists the shipped configs,
 ``train experiment=demo`` trains on the shipped demo data and ``finetune`` fine-tunes its
@@ -82,8 +83,10 @@ def venv(tmp_path_factory: pytest.TempPathFactory) -> Path:
     # No PYTHONPATH: a checkout on it would count as protein_performer already installed.
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     pip = [sys.executable, "-m", "pip"]
-    subprocess.run([*pip, "wheel", str(src), "--no-deps", "--no-build-isolation", "-q",
-                    "-w", str(dist)], check=True, cwd=base, env=env)  # fmt: skip
+    # Build isolation, as `pip wheel .` does: the backend pyproject.toml asks for, not whatever
+    # setuptools the test's environment happens to hold.
+    subprocess.run([*pip, "wheel", str(src), "--no-deps", "-q", "-w", str(dist)], check=True,
+                   cwd=base, env=env)  # fmt: skip
     (wheel,) = dist.glob("protein_performer-*.whl")
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(env_dir)], check=True)
     python = env_dir / "bin" / "python"
