@@ -418,6 +418,15 @@ def test_cli_finetune_residue_frozen_and_errors(base: Path, tmp_path: Path, caps
     assert "finetune needs data.train=" in capsys.readouterr().err
 
 
+def test_cli_finetune_cfg_job_prints_the_config_with_its_paths(tmp_path, monkeypatch, capsys):
+    """Hydra's own flags pass through the one launch path, direct keys included."""
+    monkeypatch.chdir(tmp_path)
+    assert main(["finetune", "base=m.ckpt", "data.train=a=b.csv", "--cfg", "job"]) == 0
+    out = capsys.readouterr().out
+    assert "base: m.ckpt" in out and "train: a=b.csv" in out
+    assert not (tmp_path / "outputs").exists()
+
+
 def test_cli_finetune_run_name_lands_under_the_root(
     base: Path, fitness: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
