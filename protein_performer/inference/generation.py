@@ -24,7 +24,7 @@ import torch
 
 from protein_performer.data.tokenizer import STANDARD_AA
 from protein_performer.errors import UserError
-from protein_performer.interop.loading import LoadedModel
+from protein_performer.interop.record import LoadedModel
 from protein_performer.io.progress import beat
 
 if TYPE_CHECKING:

@@ -34,12 +34,9 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from protein_performer.errors import UserError
-from protein_performer.interop.loading import (
-    LoadedModel,
-    export_model,
-    load_model,
-    resolve_device,
-)
+from protein_performer.interop.export import export_model
+from protein_performer.interop.loading import load_model
+from protein_performer.interop.record import LoadedModel, resolve_device
 from protein_performer.io.checkpoints import safe_load, save_atomic
 from protein_performer.io.progress import progress
 from protein_performer.model.performer import PerformerLM

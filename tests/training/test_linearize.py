@@ -11,8 +11,10 @@ import torch
 from protein_performer.cli.main import main
 from protein_performer.data.tokenizer import Alphabet
 from protein_performer.errors import UserError
+from protein_performer.interop.export import export_model
 from protein_performer.interop.finetuned import add_lora
-from protein_performer.interop.loading import LoadedModel, export_model, load_model
+from protein_performer.interop.loading import load_model
+from protein_performer.interop.record import LoadedModel
 from protein_performer.model.config import PerformerConfig
 from protein_performer.model.performer import PerformerLM
 from protein_performer.training import linearize as lz
