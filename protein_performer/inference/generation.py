@@ -14,8 +14,10 @@ logits, and so, rarely, in a draw).
 
 from __future__ import annotations
 
+import logging
 import math
-from collections.abc import Iterator, Sequence
+import os
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -26,9 +28,60 @@ from protein_performer.data.tokenizer import STANDARD_AA
 from protein_performer.errors import UserError
 from protein_performer.interop.record import LoadedModel
 from protein_performer.io.progress import beat
+from protein_performer.model.performer import PerformerLM
 
 if TYPE_CHECKING:
     from protein_performer.inference.context import FamilyContext
+
+
+log = logging.getLogger(__name__)
+
+#: "1": decode through one compiled graph per model and batch size
+#: (:class:`~protein_performer.model.decode.CompiledStep`); anything else: eager steps.
+COMPILE_ENV = "PROTEIN_PERFORMER_COMPILE_STEP"
+
+Step = Callable[..., tuple[torch.Tensor, list]]
+
+
+def decoding_step(model: PerformerLM) -> Step:
+    """The step generation calls: ``model.step``, or with ``PROTEIN_PERFORMER_COMPILE_STEP=1``
+    a compiled one, built once per model (kept on it) and compiled once per batch size, on its
+    first token (about 40 s for the 8M shape on one CPU thread: it pays off over long runs
+    only); a model it cannot run, or a compiler that fails, keeps ``model.step`` and says why
+    in one line."""
+    if os.environ.get(COMPILE_ENV) != "1":
+        return model.step
+    step = model.__dict__.get("_decoding_step")
+    if step is None:
+        from protein_performer.model.decode import CompiledStep, unsupported
+
+        reason = unsupported(model)
+        if reason is not None:
+            log.warning("%s: no compiled step (%s); decoding eagerly", COMPILE_ENV, reason)
+            step = model.step
+        else:
+            step = _EagerFallback(model, CompiledStep(model))
+        model.__dict__["_decoding_step"] = step
+    return step
+
+
+class _EagerFallback:
+    """A compiled step, replaced by ``model.step`` for good when a call raises (no compiler, an
+    unsupported op); that token is decoded eagerly, so the run goes on."""
+
+    def __init__(self, model: PerformerLM, compiled: Step) -> None:
+        self.model, self.compiled = model, compiled
+
+    def __call__(self, tokens, positions, states, pad=None, inplace=False):
+        if self.compiled is not None:
+            try:
+                return self.compiled(tokens, positions, states, pad)
+            except Exception as err:  # torch.compile's failures have no common type
+                first = str(err).splitlines()[0] if str(err) else type(err).__name__
+                log.warning("%s: the compiled step failed (%s); decoding eagerly",
+                            COMPILE_ENV, first)  # fmt: skip
+                self.compiled = None
+        return self.model.step(tokens, positions, states, pad, inplace=inplace)
 
 
 @dataclass
@@ -125,6 +178,7 @@ def generate_batch(
     (never written), so the sequences are new members of that family."""
     a = loaded.alphabet
     model = loaded.model
+    step = decoding_step(model)
     device = loaded.device
     B = len(indices)
     gens = [record_generator(seed, i) for i in indices]
@@ -176,8 +230,8 @@ def generate_batch(
             break
         beat(f"{len(lps[rows[0]])} tokens into a batch of {B}")
         pad = torch.tensor([bool(e) for e in ended], device=device)
-        # The loop owns its states (a context's are copied on the first write): in place.
-        last, states = model.step(next_tok.to(device), positions, states, pad, inplace=True)
+        # The loop owns its states (a context's are never given to a step): in place.
+        last, states = step(next_tok.to(device), positions, states, pad, inplace=True)
         last = last.float()
         positions = positions + 1
     return [

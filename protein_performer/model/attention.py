@@ -2,11 +2,12 @@
 
 The math lives in the core, FAVOR+ (:class:`~protein_performer.model.favor.FavorAttention`),
 exact softmax (:class:`~protein_performer.model.exact.ExactAttention`), linear attention
-(:class:`~protein_performer.model.linear.LinearAttention`), any of them inside the position
-memory (:class:`~protein_performer.model.linear.PositionMemory`); all offer one interface (one
-forward with an optional state, attention rows, contact-map blocks), so this module never asks
-which it holds. It owns the projections, named like ESM-2's ``q_proj k_proj v_proj out_proj`` so
-its weights load by renaming.
+(:class:`~protein_performer.model.linear.core.LinearAttention`, alone or with its exact
+:class:`~protein_performer.model.linear.window.SlidingWindow`), any of them inside the position
+memory (:class:`~protein_performer.model.linear.memory.PositionMemory`); all offer one
+interface (one forward with an optional state, attention rows, contact-map blocks), so this
+module never asks which it holds. It owns the projections, named like ESM-2's
+``q_proj k_proj v_proj out_proj`` so its weights load by renaming.
 
 ESM-2 scales q by ``head_dim ** -0.5`` before rotary; rotary is linear, so rotating the unscaled
 q and letting the attention core apply ``1/sqrt(d)`` gives the same scores.
@@ -128,8 +129,11 @@ class MultiHeadSelfAttention(nn.Module):
         (normalized feature products), never materialized in the forward pass itself.
         """
         B, L, D = x.shape
-        if state is not None and L == 1:
-            q, k, v = self._step_qkv(x[:, 0], as_positions(positions, B, 1, x.device)[:, 0])
+        if state is not None and L == 1 and self._fusable():
+            at = positions if isinstance(positions, torch.Tensor) else None
+            if at is None or at.numel() != B:
+                at = as_positions(positions, B, 1, x.device)
+            q, k, v = self._step_qkv(x.reshape(B, D), at.reshape(B))
         else:
             q, k = self.rotated_qk(x, positions)
             v = self._split_heads(self.v_proj(x))
@@ -165,6 +169,11 @@ class MultiHeadSelfAttention(nn.Module):
             self.__dict__["_qkv_cache"] = cached
         return cached[1], cached[2]
 
+    def _fusable(self) -> bool:
+        """Whether q, k and v may come from one stacked GEMM: plain Linear layers (a LoRA
+        adapter, which replaces them, must run its own forward)."""
+        return all(type(m) is nn.Linear for m in (self.q_proj, self.k_proj, self.v_proj))
+
     def _step_qkv(
         self, x_t: torch.Tensor, positions: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -174,7 +183,9 @@ class MultiHeadSelfAttention(nn.Module):
         weight, bias = self._qkv_weights()
         qkv = torch.addmm(bias, x_t, weight.T).view(B, 3, self.heads, self.head_dim)
         qk = self.rot_emb.rotate_step(qkv[:, :2], positions).to(x_t.dtype)  # (B, 2, H, d)
-        return qk[:, 0, :, None], qk[:, 1, :, None], qkv[:, 2, :, None]
+        # Views by method calls, not indexing: a slice index costs several times a select.
+        q, k = qk.unsqueeze(3).unbind(1)  # (B, H, 1, d) each
+        return q, k, qkv.select(1, 2).unsqueeze(2)
 
     def rotated_qk(
         self, x: torch.Tensor, positions: Positions = None

@@ -17,6 +17,12 @@ from protein_performer.model.attention import AttentionState, MultiHeadSelfAtten
 from protein_performer.model.config import PerformerConfig
 
 
+def _layer_norm(norm: nn.LayerNorm, x: torch.Tensor) -> torch.Tensor:
+    """``norm(x)`` without the module call (the same kernel): a decoding step's cost is mostly
+    per-op overhead. The projections stay module calls, which LoRA adapters replace."""
+    return F.layer_norm(x, norm.normalized_shape, norm.weight, norm.bias, norm.eps)
+
+
 class TransformerLayer(nn.Module):
     """x + Attn(LN(x)), then x + FFN(LN(x)) with an erf GELU (ESM-2's ``gelu``)."""
 
@@ -43,7 +49,7 @@ class TransformerLayer(nn.Module):
         inplace: bool,
     ) -> tuple[torch.Tensor, torch.Tensor | None, AttentionState | None]:
         attn_out, weights, state = self.self_attn(
-            self.self_attn_layer_norm(x),
+            _layer_norm(self.self_attn_layer_norm, x),
             padding_mask,
             need_weights,
             heads,
@@ -52,9 +58,14 @@ class TransformerLayer(nn.Module):
             keep_state=keep_state,
             inplace=inplace,
         )
-        x = x + self.dropout(attn_out)
-        h = F.gelu(self.fc1(self.final_layer_norm(x)))  # exact (erf) GELU, as ESM-2
-        return x + self.dropout(self.fc2(h)), weights, state
+        x = x + self._drop(attn_out)
+        h = F.gelu(self.fc1(_layer_norm(self.final_layer_norm, x)))  # erf GELU, as ESM-2
+        return x + self._drop(self.fc2(h)), weights, state
+
+    def _drop(self, x: torch.Tensor) -> torch.Tensor:
+        """Dropout in training; in eval the identity without the call, since a decoding step's
+        cost is mostly per-op overhead."""
+        return self.dropout(x) if self.training else x
 
     def forward(
         self,

@@ -22,7 +22,7 @@ from protein_performer.model.layers import TransformerLayer
 from protein_performer.model.rotary import member_positions
 
 #: ESM-2's training mask rate times its <mask> share (15% selected, 80% of them -> <mask>).
-_MASK_RATIO_TRAIN = 0.15 * 0.8
+MASK_RATIO_TRAIN = 0.15 * 0.8
 
 
 @dataclass
@@ -108,15 +108,25 @@ class PerformerLM(nn.Module):
             return offset
         return offset or None
 
-    def embed(self, tokens: torch.Tensor, padding_mask: torch.Tensor) -> torch.Tensor:
-        """Token embeddings with ESM-2's token dropout and zeroed padding, (B, T) -> (B, T, D)."""
+    def embed(self, tokens: torch.Tensor, padding_mask: torch.Tensor | None) -> torch.Tensor:
+        """Token embeddings with ESM-2's token dropout and zeroed padding, (B, T) -> (B, T, D);
+        ``padding_mask`` None: no pads (the same numbers as an all-False mask, fewer ops)."""
         x = self.embed_tokens(tokens)
         if self.config.token_dropout:
-            is_mask = (tokens == self.config.mask_idx).unsqueeze(-1)  # (B, T, 1)
-            x = x.masked_fill(is_mask, 0.0)
-            src_lengths = (~padding_mask).sum(-1).clamp_min(1)  # an all-pad row: 0, not nan
-            mask_ratio_observed = is_mask.squeeze(-1).sum(-1).to(x.dtype) / src_lengths
-            x = x * (1 - _MASK_RATIO_TRAIN) / (1 - mask_ratio_observed)[:, None, None]
+            is_mask = tokens == self.config.mask_idx  # (B, T)
+            if bool(is_mask.any()):
+                x = x.masked_fill(is_mask[..., None], 0.0)
+                src_lengths = (
+                    tokens.shape[-1]
+                    if padding_mask is None
+                    else (~padding_mask).sum(-1).clamp_min(1)  # an all-pad row: 0, not nan
+                )
+                mask_ratio_observed = is_mask.sum(-1).to(x.dtype) / src_lengths
+                x = x * (1 - MASK_RATIO_TRAIN) / (1 - mask_ratio_observed)[:, None, None]
+            else:  # no <mask>: the rule's observed ratio is 0, the same product in fewer ops
+                x = x * (1 - MASK_RATIO_TRAIN)
+        if padding_mask is None:
+            return x
         return x * (1 - padding_mask.unsqueeze(-1).type_as(x))
 
     def forward(
@@ -166,13 +176,13 @@ class PerformerLM(nn.Module):
                     f"(valid: 0..{self.config.heads - 1})"
                 )
 
-        x = self.embed(tokens, padding_mask)  # (B, T, D)
+        # As ESM-2: an all-False mask is dropped so the attention core can take its fast path.
+        attn_mask = padding_mask if padding_mask.any() else None
+        x = self.embed(tokens, attn_mask)  # (B, T, D)
         positions = self.rotary_positions(tokens, offset)
         hidden: dict[int, torch.Tensor] = {}
         if 0 in want_hidden:
             hidden[0] = x
-        # As ESM-2: an all-False mask is dropped so the attention core can take its fast path.
-        attn_mask = padding_mask if padding_mask.any() else None
         maps: dict[int, torch.Tensor] = {}
         depth = len(self.layers)
         states = [None] * depth if state is None else list(state)

@@ -81,16 +81,15 @@ class RotaryEmbedding(nn.Module):
         Why: decoding rotates once per token and layer; rotate_half(x) * sin is x rolled by
         d/2 times a sine table with the sign folded in (the same products), so q and k (one
         tensor) take one table lookup and four ops."""
-        compute = torch.promote_types(x.dtype, torch.float32)
-        self.tables(int(positions.max()) + 1, x.device, compute)
-        key = (torch.device(x.device), compute, torch.is_inference_mode_enabled())
-        rows = self._cache[key][2].index_select(0, positions)  # (B, 2d)
-        rows = rows.view(x.shape[0], *([1] * (x.ndim - 2)), 2 * self.dim)
-        cos, sin = rows[..., : self.dim], rows[..., self.dim :]
-        x = x.to(compute)
-        out = x * cos
-        out += x.roll(self.dim // 2, -1) * sin
-        return out
+        return rotate_rows(x, self.step_rows(positions, x.device, x.dtype))
+
+    def step_rows(self, positions: torch.Tensor, device, dtype: torch.dtype) -> torch.Tensor:
+        """The step's table rows (B, 2d) of ``positions`` (B,), cos | sin with rotate_half's
+        sign folded in, in the compute dtype of inputs of ``dtype``."""
+        compute = torch.promote_types(dtype, torch.float32)
+        self.tables(int(positions.max()) + 1, device, compute)
+        key = (torch.device(device), compute, torch.is_inference_mode_enabled())
+        return self._cache[key][2].index_select(0, positions)  # (B, 2d)
 
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, offset: int = 0
@@ -126,6 +125,18 @@ class RotaryEmbedding(nn.Module):
         q_rot = apply_rotary(q.to(compute), cos, sin).to(q.dtype)
         k_rot = apply_rotary(k.to(compute), cos, sin).to(k.dtype)
         return q_rot, k_rot
+
+
+def rotate_rows(x: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """x (B, ..., d) rotated by its row's ``rows`` (B, 2d) of :meth:`RotaryEmbedding.step_rows`:
+    rotate_half(x) * sin is x rolled by d/2 times the signed sine, four ops."""
+    d = x.shape[-1]
+    rows = rows.view(x.shape[0], *([1] * (x.ndim - 2)), 2 * d)
+    cos, sin = rows[..., :d], rows[..., d:]
+    x = x.to(rows.dtype)
+    out = x * cos
+    out += x.roll(d // 2, -1) * sin
+    return out
 
 
 def member_positions(tokens: torch.Tensor, cls_idx: int, offset: int = 0) -> torch.Tensor:

@@ -235,6 +235,49 @@ def test_sampling_rows_at_once_draws_what_each_row_draws_alone() -> None:
         assert all(bool(allowed[i, t]) for i, t in enumerate(together))
 
 
+def _generate_with_compile(monkeypatch, attention: str, compile_fn) -> tuple[list, list]:
+    """Sequences and log-probs with PROTEIN_PERFORMER_COMPILE_STEP=1 and ``torch.compile``
+    replaced by ``compile_fn``, and without the switch."""
+    from protein_performer.inference import generation
+
+    lm = causal_lm(attention)
+    kw = {"n": 4, "max_length": 25, "prompt": "MK", "seed": 5, "batch_size": 2}
+    plain = list(lm.iter_generate(**kw))
+    monkeypatch.setenv(generation.COMPILE_ENV, "1")
+    monkeypatch.setattr(torch, "compile", compile_fn)
+    switched = list(lm.iter_generate(**kw))
+    return plain, switched
+
+
+def test_the_compile_switch_decodes_the_same_sequences(monkeypatch) -> None:
+    """With the switch, generation runs the traced step (here uncompiled, its eager numbers):
+    the same sequences and log-probs as model.step."""
+    plain, switched = _generate_with_compile(monkeypatch, "favor", lambda fn, **kw: fn)
+    assert [g.sequence for g in switched] == [g.sequence for g in plain]
+    for a, b in zip(switched, plain, strict=True):
+        np.testing.assert_array_equal(a.token_log_probs, b.token_log_probs)
+
+
+def test_the_compile_switch_falls_back_in_one_line(monkeypatch, caplog) -> None:
+    """A compiler that fails, or a model the traced step cannot run, decodes eagerly after one
+    warning line; the sequences are the eager ones."""
+
+    def broken(fn, **kw):
+        def fail(*args):
+            raise RuntimeError("no C++ compiler\ndetails")
+
+        return fail
+
+    for attention in ("favor", "exact"):
+        caplog.clear()
+        with caplog.at_level("WARNING"):
+            plain, switched = _generate_with_compile(monkeypatch, attention, broken)
+        assert [g.sequence for g in switched] == [g.sequence for g in plain]
+        notes = [r.getMessage() for r in caplog.records if "COMPILE_STEP" in r.getMessage()]
+        assert len(notes) == 1 and "\n" not in notes[0]
+        assert ("no C++ compiler" if attention == "favor" else "ExactAttention") in notes[0]
+
+
 class _ClosedAfter:
     """A standard output whose reader goes away after ``n`` writes (``| head``)."""
 

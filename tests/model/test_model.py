@@ -431,6 +431,55 @@ CORES = {
 }
 
 
+class _ShiftedLinear(torch.nn.Linear):
+    """A projection whose forward is not its weight alone (as a LoRA adapter's)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x) + 0.5
+
+
+def test_steps_run_a_replaced_projection_forward() -> None:
+    """A decoding step stacks q, k, v into one GEMM only for plain Linear layers: with a
+    replaced projection (LoRA's) the steps still equal the causal forward."""
+    model = tiny_model(objective="clm")
+    for layer in model.layers:
+        old = layer.self_attn.q_proj
+        new = _ShiftedLinear(old.in_features, old.out_features)
+        new.load_state_dict(old.state_dict())
+        layer.self_attn.q_proj = new
+    tokens = random_tokens(2, 12)
+    with torch.inference_mode():
+        ref = model(tokens).logits
+        logits, states = model.prefill(tokens[:, :6])
+        for t in range(6, 12):
+            out, states = model.step(tokens[:, t], torch.full((2,), t), states, inplace=True)
+            torch.testing.assert_close(out, ref[:, t], atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("attention", ["favor", "exact"])
+def test_in_place_steps_reuse_their_buffers(attention: str) -> None:
+    """inplace=True gives the state up: FAVOR+ updates the prompt's own sum, exact grows its
+    cache into the spare room of one buffer (allocated by the first step); the outputs are
+    those of copying steps, which leave their states as they were."""
+    core = tiny_model(objective="clm", attention=attention).layers[0].self_attn.core
+    g = torch.Generator().manual_seed(1)
+    q, k, v = (torch.randn(1, 4, 40, 8, generator=g) for _ in range(3))
+    _, given = core(q[:, :, :4], k[:, :, :4], v[:, :, :4], keep_state=True)
+    copied = type(given)(*(t.clone() for t in given))
+    storages = set()
+    for t in range(4, 40):
+        sl = slice(t, t + 1)
+        before = [x.clone() for x in copied]
+        one, given = core(q[:, :, sl], k[:, :, sl], v[:, :, sl], None, given,
+                          keep_state=True, inplace=True)  # fmt: skip
+        two, after = core(q[:, :, sl], k[:, :, sl], v[:, :, sl], None, copied, keep_state=True)
+        assert torch.equal(one, two)
+        assert all(map(torch.equal, before, copied))
+        copied = after
+        storages.add(given[0].untyped_storage().data_ptr())
+    assert len(storages) == 1
+
+
 @pytest.mark.parametrize("name", CORES)
 def test_cores_share_one_interface(name: str) -> None:
     """Every core through its one call: a prefill (from no state, keeping it), then an extend

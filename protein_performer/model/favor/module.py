@@ -293,12 +293,11 @@ class FavorAttention(nn.Module):
             dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
             x, y, vv = (t.to(dtype) for t in (q, k, v))  # (B, H, L, d)
             if state is not None and L == 1:
-                pad = None if key_padding_mask is None else key_padding_mask[:, 0]
+                pad = None if key_padding_mask is None else key_padding_mask.select(1, 0)
                 fmap = self._step_map(q.device, dtype)
-                out, new = recurrent.step(
-                    fmap, state, x[:, :, 0], y[:, :, 0], vv[:, :, 0], pad, inplace
-                )
-                return out[:, :, None].to(q.dtype), (new if keep_state else None)
+                x, y, vv = (t.select(2, 0) for t in (x, y, vv))  # (B, H, ·)
+                out, new = recurrent.step(fmap, state, x, y, vv, pad, inplace)
+                return out.unsqueeze(2).to(q.dtype), (new if keep_state else None)
             if state is None:
                 stabilized = self._map_class.stabilized
                 state = recurrent.empty_state(H, self.feature_dim, v.shape[-1] + 1, stabilized, x)

@@ -131,6 +131,7 @@ def step(
     vv: Tensor,
     pad: Tensor | None,
     inplace: bool,
+    host_checks: bool | None = None,
 ) -> tuple[Tensor, FavorState]:
     """One token per row after ``state``: x, y, vv (B, H, ·) in the compute dtype, pad (B,) True
     where the token is a pad (its state unchanged) -> out (B, H, dv) and the new state.
@@ -138,9 +139,14 @@ def step(
     The heads are rows of one map, so a token is a handful of ops. ``inplace``: the caller gives
     ``state`` up (a generator's loop), so its sum is updated in place when it can be
     (:func:`_writable`); otherwise the step writes a new one and ``state`` is left as it was.
+    ``host_checks`` (default: on CPU) lets the exp kernels skip a pad mask or a rescale that
+    changes nothing, after a look at the values; without them (a compiled graph, a GPU) the
+    numbers are the same.
     """
+    if host_checks is None:
+        host_checks = x.device.type == "cpu"
     if fmap.exp and fmap.Wa.dim() == 2:
-        return _exp_step(fmap, state, x, y, vv, pad, inplace)
+        return _exp_step(fmap, state, x, y, vv, pad, inplace, host_checks)
     B, H, _ = x.shape
     keep = None if pad is None else (~pad.bool())[:, None].expand(B, H)
     logits = fmap.key_logits(y, keep)
@@ -177,6 +183,7 @@ def _exp_step(
     vv: Tensor,
     pad: Tensor | None,
     inplace: bool,
+    host_checks: bool,
 ) -> tuple[Tensor, FavorState]:
     """:func:`step` for the exp kernels (softmax, softmax_hyp, softmax_opt), written out: the
     same features and stabilizers as the map's methods in about half the ops (the row term
@@ -192,15 +199,14 @@ def _exp_step(
     row = torch.linalg.vecdot(y, y)[..., None]  # (B, H, 1): |k|^2
     pk.add_(row, alpha=-0.5 * fmap.t2)
     # On CPU a host check is cheap and saves whole passes; on a GPU it would be a sync.
-    cpu = x.device.type == "cpu"
-    if pad is not None and (not cpu or bool(pad.any())):
+    if pad is not None and (not host_checks or bool(pad.any())):
         pk.masked_fill_(pad.bool()[:, None, None], float("-inf"))
     old_mu = state.mu.to(x.dtype)
     mu = torch.maximum(pk.amax(-1), old_mu)  # (B, H): never below old_mu >= _NEG
     kf = pk.sub_(mu[..., None]).exp_()  # (B, H, M), pads 0
     # A new running max is rare after the first tokens: rescale the sum only then (a
     # factor exp(0) = 1 changes nothing, so skipping it gives the same numbers).
-    rescale = not cpu or bool((mu != old_mu).any())
+    rescale = not host_checks or bool((mu != old_mu).any())
     decay = (old_mu - mu).exp_()[..., None, None] if rescale else None  # (B, H, 1, 1)
     kv = state.kv
     if _writable(kv, B, x.dtype, x.device, inplace):
