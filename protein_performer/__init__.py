@@ -17,15 +17,28 @@ if TYPE_CHECKING:
     from protein_performer.errors import UserError
     from protein_performer.inference.api import ProteinLM, load
     from protein_performer.inference.embedding import read_embeddings
-    from protein_performer.training.linearize import linearize
 
 _LAZY = {
     "load": "protein_performer.inference.api",
     "ProteinLM": "protein_performer.inference.api",
     "UserError": "protein_performer.errors",
     "read_embeddings": "protein_performer.inference.embedding",
-    "linearize": "protein_performer.training.linearize",
 }
+
+
+def linearize(
+    src: Any, out: Any, data: Any = None, *, device: str = "auto", resume: bool = False,
+    overwrite: bool = False, show_progress: bool = True, **options: Any
+) -> ProteinLM:
+    """``protein-performer linearize SRC OUT`` (``training.linearize.fit_linear``) with the
+    ``LinearizeOptions`` fields as keywords; returns ``load(out, device)``. Here, not in a
+    module, because it joins training (the fit) and inference (the loaded model)."""
+    from protein_performer.inference.api import load
+    from protein_performer.training.linearize import LinearizeOptions, fit_linear
+
+    fit_linear(src, out, data, LinearizeOptions.of(**options), device=device, resume=resume,
+               overwrite=overwrite, show_progress=show_progress)
+    return load(out, device)
 
 
 def __getattr__(name: str) -> Any:

@@ -36,14 +36,22 @@ STRUCTURES = REPO.parent / "shared" / "data" / "structures"
 
 def make_models(out: Path) -> None:
     """Export the three models with this checkout's code (seeded)."""
+    import importlib
+
     import torch
 
     from protein_performer.data.tokenizer import Alphabet
 
-    try:
-        from protein_performer.interop.loading import LoadedModel, export_model
-    except ImportError:  # 0.2.0 kept weights I/O in model/
-        from protein_performer.model.loading import LoadedModel, export_model  # type: ignore
+    # Where each version keeps them: 0.4.0 (interop/ by job), 0.3.0 (interop/loading.py),
+    # 0.2.0 (weights I/O in model/).
+    for record, export in (("interop.record", "interop.export"), ("interop.loading",) * 2,
+                           ("model.loading",) * 2):  # fmt: skip
+        try:
+            LoadedModel = importlib.import_module(f"protein_performer.{record}").LoadedModel
+            export_model = importlib.import_module(f"protein_performer.{export}").export_model
+            break
+        except (ImportError, AttributeError):
+            continue
     from protein_performer.model.config import PerformerConfig
     from protein_performer.model.performer import PerformerLM
 

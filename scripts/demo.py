@@ -86,7 +86,7 @@ def run_inference_demo(
     from protein_performer.inference.api import load
     from protein_performer.inference.embedding import embed_fasta
     from protein_performer.inference.scoring import score_fasta
-    from protein_performer.interop.loading import export_model
+    from protein_performer.interop.export import export_model
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)

@@ -48,7 +48,6 @@ MODEL = [
 ]
 TRAIN = [
     "experiment=demo",
-    f"paths.root_dir={REPO}",
     *MODEL,
     "data.limit_records=200",
     "data.max_len=128",
@@ -208,7 +207,8 @@ def _model(work: Path) -> Path:
         import torch
 
         from protein_performer.data.tokenizer import Alphabet
-        from protein_performer.interop.loading import LoadedModel, export_model
+        from protein_performer.interop.export import export_model
+        from protein_performer.interop.record import LoadedModel
         from protein_performer.model.config import PerformerConfig
         from protein_performer.model.performer import PerformerLM
 

@@ -114,7 +114,8 @@ def child(out: Path) -> None:
 
     from protein_performer.cli.main import main
     from protein_performer.data.tokenizer import Alphabet
-    from protein_performer.interop.loading import LoadedModel, export_model
+    from protein_performer.interop.export import export_model
+    from protein_performer.interop.record import LoadedModel
     from protein_performer.model.config import PerformerConfig
     from protein_performer.model.performer import PerformerLM
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from protein_performer.interop.loading import export_model
+from protein_performer.interop.export import export_model
 from tests.inference.test_embedding import tiny_loaded
 from tests.paths import REPO
 

@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 
 from protein_performer.cli.main import main
-from protein_performer.interop.loading import export_model
+from protein_performer.interop.export import export_model
 from tests.inference.test_embedding import tiny_loaded
 from tests.interop.test_loading import fit_checkpoint
 from tests.paths import DEMO_DATA, REPO

@@ -77,7 +77,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from protein_performer.interop.loading import export_model, load_model
+    from protein_performer.interop.export import export_model
+    from protein_performer.interop.loading import load_model
 
     check_output(args.out, [args.src], args.overwrite)
     loaded = load_model(

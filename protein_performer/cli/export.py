@@ -60,7 +60,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from protein_performer.errors import UserError
-    from protein_performer.interop.loading import export_model, load_model
+    from protein_performer.interop.export import export_model
+    from protein_performer.interop.loading import load_model
 
     if args.as_exact and args.format != "hf":
         raise UserError("--as-exact is for --format hf (the native format keeps FAVOR+)")

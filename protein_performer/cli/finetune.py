@@ -46,6 +46,7 @@ examples:
       ckpt_path=last
 """
 
+
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p = add_command(
         subparsers, "finetune", HELP, DESCRIPTION, EPILOG, usage="%(prog)s [-h] [OVERRIDE ...]"
@@ -77,7 +78,8 @@ def run(args: argparse.Namespace) -> int:
     from protein_performer.training.runner import launch
 
     result = launch(FINETUNE_ENTRY, overrides_of(args))
-    if result.get("global_rank", 0) != 0:  # one report per job, not one per DDP rank
+    # Nothing to report after Hydra's own flags (--cfg job), nor from DDP ranks other than 0.
+    if not result or result.get("global_rank", 0) != 0:
         return 0
     metrics = {k: v for k, v in result["metrics"].items() if k.startswith(("val/", "test/"))}
     print(" ".join(f"{k}={v:.4g}" for k, v in sorted(metrics.items()) if isinstance(v, float)))

@@ -44,7 +44,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from protein_performer.errors import UserError
-from protein_performer.interop.loading import REGRESSION_FILE  # beside a .ckpt: <stem>.<it>
+from protein_performer.interop.ours import REGRESSION_FILE  # beside a .ckpt: <stem>.<it>
 from protein_performer.io.atomic import write_text_atomic
 from protein_performer.model.contact_head import (
     ContactRegression,
@@ -54,7 +54,7 @@ from protein_performer.model.contact_head import (
 
 if TYPE_CHECKING:
     from protein_performer.contacts.structures import ContactTarget
-    from protein_performer.interop.loading import LoadedModel
+    from protein_performer.interop.record import LoadedModel
 
 log = logging.getLogger(__name__)
 

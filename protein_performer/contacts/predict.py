@@ -38,7 +38,7 @@ import torch
 from protein_performer.contacts.attention import encode_sequence, run_with_qk
 from protein_performer.contacts.fit import MIN_SEPARATION, default_regression_path
 from protein_performer.errors import UserError
-from protein_performer.interop.loading import LoadedModel
+from protein_performer.interop.record import LoadedModel
 from protein_performer.io.columns import (
     HEADER_COLUMNS,
     RECORD_COLUMNS,

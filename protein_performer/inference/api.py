@@ -36,7 +36,8 @@ from protein_performer.inference.scoring import (
     score_sequences,
     score_variants,
 )
-from protein_performer.interop.loading import LoadedModel, load_model
+from protein_performer.interop.loading import load_model
+from protein_performer.interop.record import LoadedModel
 from protein_performer.io.sharding import windows
 from protein_performer.io.threads import set_threads
 from protein_performer.model.config import PerformerConfig

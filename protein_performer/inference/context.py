@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 
 from protein_performer.errors import UserError
-from protein_performer.interop.loading import LoadedModel
+from protein_performer.interop.record import LoadedModel
 from protein_performer.model.attention import AttentionState, state_tensors
 
 log = logging.getLogger(__name__)

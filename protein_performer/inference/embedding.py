@@ -49,7 +49,7 @@ import torch
 from protein_performer.data.inputs import InputRecord, input_records, total_in_background
 from protein_performer.data.sampler import budget_batches
 from protein_performer.errors import UserError
-from protein_performer.interop.loading import LoadedModel
+from protein_performer.interop.record import LoadedModel
 from protein_performer.io.atomic import output_file
 from protein_performer.io.columns import (
     HEADER_COLUMNS,

@@ -38,7 +38,7 @@ from protein_performer.inference.context import (
     build_context,
     homolog_records,
 )
-from protein_performer.interop.loading import LoadedModel
+from protein_performer.interop.record import LoadedModel
 
 ALIGNER = (
     "biopython local alignment, BLOSUM62, gap open 11 extend 1; identity = identical pairs / "

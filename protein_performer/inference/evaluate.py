@@ -34,7 +34,7 @@ from protein_performer.errors import UserError
 from protein_performer.io.atomic import write_text_atomic
 
 if TYPE_CHECKING:
-    from protein_performer.interop.loading import LoadedModel
+    from protein_performer.interop.record import LoadedModel
 
 log = logging.getLogger(__name__)
 

@@ -26,7 +26,7 @@ import torch
 
 from protein_performer.data.tokenizer import STANDARD_AA
 from protein_performer.errors import UserError
-from protein_performer.interop.loading import LoadedModel
+from protein_performer.interop.record import LoadedModel
 from protein_performer.io.progress import beat
 from protein_performer.model.performer import PerformerLM
 

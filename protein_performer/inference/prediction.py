@@ -22,7 +22,7 @@ import torch
 from protein_performer.data.inputs import input_records, total_in_background
 from protein_performer.data.sampler import budget_batches
 from protein_performer.errors import UserError
-from protein_performer.interop.loading import LoadedModel
+from protein_performer.interop.record import LoadedModel
 from protein_performer.io.atomic import atomic_output, text_output
 from protein_performer.io.progress import progress as progress_bar
 from protein_performer.model.task_heads import TaskHead, residue_mask

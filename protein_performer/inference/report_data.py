@@ -43,7 +43,7 @@ from protein_performer.viz.report import (
 
 if TYPE_CHECKING:
     from protein_performer.contacts.structures import ContactTarget
-    from protein_performer.interop.loading import LoadedModel
+    from protein_performer.interop.record import LoadedModel
 
 log = logging.getLogger(__name__)
 

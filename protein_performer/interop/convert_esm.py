@@ -17,9 +17,10 @@ regression, stored with the export (``contact_regression.json``).
 A Hugging Face model id (``facebook/esm2_t6_8M_UR50D``) is resolved in the local Hugging Face
 cache only (``HF_HUB_CACHE``, ``HF_HOME``; nothing is downloaded).
 
-Nothing here loads a model: the readers are private helpers of the one loader,
-``protein_performer.interop.loading.load_model``, which builds the model from an
-:class:`EsmSource`. This module imports nothing from the loader, so the loader can import it.
+The readers (:func:`read_fair_esm`, :func:`read_hf`) give an :class:`EsmSource` and
+:func:`build_esm` the model; the two ESM-2 sources of the one loader (``fair_esm.py``,
+``hf_esm.py``) are those calls behind a ``detect``. This module imports nothing from the
+dispatcher (``loading.py``), so the dispatcher can import it.
 
 fair-esm checkpoints are pickles, read with ``protein_performer.io.checkpoints.safe_load``
 (``weights_only=True``; the fair-esm allowlist adds ``argparse.Namespace``, since ESM-2's
@@ -30,6 +31,7 @@ with ``safetensors`` and ``json`` alone, so ``transformers`` is not needed at ru
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import re
 from collections.abc import Mapping
@@ -41,9 +43,15 @@ import torch
 
 from protein_performer.data.tokenizer import Alphabet
 from protein_performer.errors import Rule, UserError, check_group
-from protein_performer.io.checkpoints import safe_load
+from protein_performer.interop.record import LoadedModel, LoadOptions, check_fits_in_memory
+from protein_performer.interop.weights import diff_state, not_imported
+from protein_performer.io.checkpoints import check_finite, safe_load
 from protein_performer.io.json_safe import read_json
 from protein_performer.model.config import PerformerConfig
+from protein_performer.model.contact_head import ContactRegression, model_identity
+from protein_performer.model.performer import PerformerLM
+
+log = logging.getLogger(__name__)
 
 #: ESM-2's vocabulary (fair-esm ``Alphabet.from_architecture("ESM-1b")``, HF ``vocab.txt``).
 ESM2_VOCAB: tuple[str, ...] = (
@@ -136,7 +144,7 @@ def _pop_contact_head(
     return weight, bias
 
 
-def _keys_message(keys: list[str]) -> str:
+def keys_message(keys: list[str]) -> str:
     more = f" (+{len(keys) - _SHOW_KEYS} more)" if len(keys) > _SHOW_KEYS else ""
     return ", ".join(keys[:_SHOW_KEYS]) + more
 
@@ -260,7 +268,7 @@ def _rename(
     if unknown:
         raise UserError(
             f"{path}: {len(unknown)} weight(s) this converter does not know: "
-            f"{_keys_message(sorted(unknown))}. Not an ESM-2 masked-LM checkpoint, or one with "
+            f"{keys_message(sorted(unknown))}. Not an ESM-2 masked-LM checkpoint, or one with "
             "extra modules (a fine-tuning head?); convert the plain ESM-2 weights instead"
         )
     embed = out.get("embed_tokens.weight")
@@ -370,7 +378,7 @@ def _strip_fairseq_prefix(state: Mapping[str, Any]) -> dict[str, Any]:
     return {pattern.sub("", k): v for k, v in state.items()}
 
 
-def _read_fair_esm(src: Path, data: Mapping[str, Any]) -> EsmSource:
+def read_fair_esm(src: Path, data: Mapping[str, Any]) -> EsmSource:
     """A fair-esm checkpoint's contents (``data``, read by the loader through ``safe_load``
     with the fair-esm allowlist), as ``esm.pretrained.load_model_and_alphabet_local`` reads
     them."""
@@ -409,7 +417,7 @@ def _read_fair_esm(src: Path, data: Mapping[str, Any]) -> EsmSource:
         )
     non_tensors = sorted(k for k, v in state.items() if not isinstance(v, torch.Tensor))
     if non_tensors:
-        raise UserError(f"{src}: non-tensor entries in 'model': {_keys_message(non_tensors)}")
+        raise UserError(f"{src}: non-tensor entries in 'model': {keys_message(non_tensors)}")
 
     _check_vocab(src, "fair-esm's ESM-2 alphabet", ESM2_VOCAB)
     return _source(
@@ -438,7 +446,7 @@ def _read_fair_esm(src: Path, data: Mapping[str, Any]) -> EsmSource:
 # --------------------------------------------------------------------------------------------
 # Hugging Face EsmForMaskedLM directory
 # --------------------------------------------------------------------------------------------
-def _read_hf(src: Path) -> EsmSource:
+def read_hf(src: Path) -> EsmSource:
     """Read ``config.json`` + ``model.safetensors`` (sharded ``*.safetensors`` too)."""
     config_path = src / "config.json"
     if not config_path.is_file():
@@ -532,7 +540,7 @@ def _hf_cache_dir() -> Path:
     return xdg / "huggingface" / "hub"
 
 
-def _hf_snapshot(text: str) -> Path | None:
+def hf_snapshot(text: str) -> Path | None:
     """The cached snapshot directory of ``text`` when it has a Hugging Face model id's shape
     (``owner/name``), else None; never downloads. An id missing from the cache is an error
     that also covers the reading as a local path, since ``runs/last.ckpt`` has that shape too.
@@ -555,3 +563,68 @@ def _hf_snapshot(text: str) -> Path | None:
             "holding it, or give a local path"
         )
     return snapshot
+
+
+# --------------------------------------------------------------------------------------------
+# The model
+# --------------------------------------------------------------------------------------------
+def build_esm(source: EsmSource, options: LoadOptions) -> LoadedModel:
+    """A ``PerformerLM`` holding an ESM-2 source's weights, eval mode, on CPU, with the attention
+    ``options`` ask for (default: exact attention, the softmax kernel).
+
+    FAVOR+ features come from ``torch.Generator().manual_seed(seed)`` (layer by layer, as
+    ``redraw_features``), so the same source, options and seed give bit-identical models on
+    any device. The global RNG is left untouched.
+    """
+    seed = options.seed
+    config = source.config(options.attention or "exact", options.kernel or "softmax",
+                           options.nb_features)  # fmt: skip
+    check_fits_in_memory(config, source.path)
+    check_finite(source.state, source.path)
+    with torch.random.fork_rng(devices=[]):
+        model = PerformerLM(config)
+    diff = diff_state(model, source.state, not_imported)
+    missing, unexpected = sorted(diff.missing), sorted(diff.unexpected)
+    wrong = [f"{k} {theirs} vs {ours}" for k, theirs, ours in diff.mismatched]
+    problems = []
+    if missing:
+        problems.append(f"{len(missing)} missing: {keys_message(missing)}")
+    if unexpected:
+        problems.append(f"{len(unexpected)} unexpected: {keys_message(unexpected)}")
+    if wrong:
+        problems.append(f"{len(wrong)} with wrong shape: {keys_message(wrong)}")
+    if problems:
+        raise UserError(
+            f"{source.path}: the weights do not form an ESM-2 of the declared shape "
+            f"({source.depth} layers, dim {source.dim}, {source.heads} heads): "
+            f"{' | '.join(problems)}"
+        )
+    model.load_state_dict(source.state, strict=False)
+    model.redraw_features(torch.Generator().manual_seed(seed))
+    model.eval()
+    loaded = LoadedModel(model, config, Alphabet(), source.path, torch.device("cpu"), source.kind)
+    if source.contact_head is not None:
+        loaded.contact_regression = head_regression(source, loaded).to_dict()
+    if source.dropped:
+        log.info("not imported (recomputed or unused): %s", keys_message(sorted(source.dropped)))
+    return loaded
+
+
+def head_regression(source: EsmSource, loaded: LoadedModel) -> ContactRegression:
+    """ESM-2's contact head as a regression: same features (every layer x head map,
+    layer-major, symmetrized, APC), same logistic link."""
+    weight, bias = source.contact_head  # type: ignore[misc]
+    coef = weight.detach().double().reshape(-1).numpy()
+    if coef.size != source.depth * source.heads or bias.numel() != 1:
+        raise UserError(
+            f"{source.path}: the contact head has {coef.size} weights and {bias.numel()} bias; "
+            f"ESM-2's reads {source.depth} layers x {source.heads} heads and has one bias"
+        )
+    return ContactRegression(
+        coef,
+        float(bias.reshape(-1)[0]),
+        list(range(1, source.depth + 1)),
+        list(range(source.heads)),
+        meta={"origin": f"ESM-2 contact head of {source.path.name}"},
+        **model_identity(loaded),
+    )

@@ -27,13 +27,10 @@ import torch
 
 from protein_performer.errors import UserError
 from protein_performer.interop.convert_esm import ESM2_VOCAB, hf_name
-from protein_performer.interop.loading import (
-    CONFIG_FILE,
-    WEIGHTS_FILE,
-    LoadedModel,
-    publish_directory,
-    write_json,
-)
+from protein_performer.interop.export import write_json
+from protein_performer.interop.ours import CONFIG_FILE, WEIGHTS_FILE
+from protein_performer.interop.record import LoadedModel
+from protein_performer.io.atomic import publish_directory
 from protein_performer.io.json_safe import read_json
 from protein_performer.model.contact_head import ContactRegression
 from protein_performer.model.favor import kernel_class

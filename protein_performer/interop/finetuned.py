@@ -1,4 +1,5 @@
-"""Fine-tuned checkpoints (``protein-performer finetune``): read, LoRA rebuilt, merged, written.
+"""Fine-tuned checkpoints (``protein-performer finetune``): one source of the one loader (read,
+LoRA rebuilt), and merged and written here too.
 
 A fine-tuned checkpoint is a Lightning ``.ckpt`` whose state dict holds the backbone under
 ``model.`` and the task head under ``head.``, plus ``performer_config``, ``task_head`` (a
@@ -15,18 +16,16 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from protein_performer.data.tokenizer import Alphabet
 from protein_performer.errors import UserError
+from protein_performer.interop.record import LoadedModel, LoadOptions, config_from
 from protein_performer.io.checkpoints import CONTACT_REGRESSION_KEY, check_finite, save_atomic
 from protein_performer.model.performer import PerformerLM
 from protein_performer.model.task_heads import HeadConfig, TaskHead
-
-if TYPE_CHECKING:
-    from protein_performer.interop.loading import LoadedModel
 
 #: Checkpoint keys of a fine-tuned model.
 HEAD_KEY = "task_head"
@@ -40,9 +39,20 @@ ADAPTER = "default"
 _LORA_FIELDS = {"r", "lora_alpha", "lora_dropout", "target_modules", "bias"}
 
 
-def is_finetuned(ckpt: Any) -> bool:
+def detect(path: Path, data: Any) -> bool:
     """Whether a checkpoint's contents are a fine-tuned model's (a head is stored)."""
-    return isinstance(ckpt, dict) and HEAD_KEY in ckpt
+    return isinstance(data, dict) and HEAD_KEY in data
+
+
+def read(path: Path, data: Any, options: LoadOptions) -> LoadedModel:
+    """The fine-tuned model as trained: its head was fitted to this attention core, so the
+    options that would swap it are refused."""
+    if options.changes_core():
+        raise UserError(
+            f"{path} is a fine-tuned model: its head was trained on this attention core; load "
+            "it without attention/kernel/nb_features"
+        )
+    return read_finetuned(path, data)
 
 
 def lora_config(settings: dict[str, Any]) -> Any:
@@ -70,8 +80,6 @@ def add_lora(model: PerformerLM, settings: dict[str, Any]) -> Any:
 
 def read_finetuned(path: Path, ckpt: dict[str, Any]) -> LoadedModel:
     """A fine-tuned checkpoint's contents -> a ``LoadedModel`` (CPU, eval) with ``task`` set."""
-    from protein_performer.interop.loading import LoadedModel, config_from
-
     state = ckpt.get("state_dict")
     if not isinstance(state, dict):
         raise UserError(f"{path}: a fine-tuned checkpoint without a state_dict; re-run finetune")
@@ -96,14 +104,11 @@ def read_finetuned(path: Path, ckpt: dict[str, Any]) -> LoadedModel:
     _load_part(head, state, HEAD_PREFIX, path, "head")
     model.eval()
     head.eval()
-    loaded = LoadedModel(
+    return LoadedModel(
         model, config, Alphabet(), path, torch.device("cpu"), "finetuned",
-        ckpt.get(CONTACT_REGRESSION_KEY),
+        ckpt.get(CONTACT_REGRESSION_KEY), task=head,
+        lora=dict(lora) if lora is not None else None, adapters=adapters,
     )  # fmt: skip
-    loaded.task = head
-    loaded.lora = dict(lora) if lora is not None else None
-    loaded.adapters = adapters
-    return loaded
 
 
 def _load_part(module: torch.nn.Module, state: dict, prefix: str, path: Path, what: str) -> None:
@@ -125,7 +130,7 @@ def _load_part(module: torch.nn.Module, state: dict, prefix: str, path: Path, wh
 def merge_lora(loaded: LoadedModel) -> LoadedModel:
     """Fold LoRA adapters into the base weights (PEFT ``merge_and_unload``), in place; a model
     without adapters is returned unchanged. Predictions stay the same up to float rounding."""
-    if getattr(loaded, "adapters", None) is None:
+    if loaded.adapters is None:
         return loaded
     loaded.model = loaded.adapters.merge_and_unload()
     loaded.lora = loaded.adapters = None
@@ -146,7 +151,7 @@ def finetuned_checkpoint(loaded: LoadedModel, extra: dict[str, Any] | None = Non
         HEAD_KEY: loaded.task.config.to_dict(),
         **(extra or {}),
     }
-    if getattr(loaded, "lora", None) is not None:
+    if loaded.lora is not None:
         ckpt[LORA_KEY] = dict(loaded.lora)
     if loaded.contact_regression is not None:
         ckpt[CONTACT_REGRESSION_KEY] = loaded.contact_regression
@@ -158,6 +163,6 @@ def save_finetuned(
 ) -> Path:
     """Write a fine-tuned model as a ``.ckpt`` that ``protein_performer.load`` opens
     (atomically; non-finite weights refused)."""
-    if getattr(loaded, "task", None) is None:
+    if loaded.task is None:
         raise UserError(f"{loaded.source} has no task head: only fine-tuned models are merged")
     return save_atomic(finetuned_checkpoint(loaded, extra), Path(out).expanduser())

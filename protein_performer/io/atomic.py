@@ -16,12 +16,13 @@ import errno
 import fcntl
 import os
 import re
+import shutil
 import socket
 import sys
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
-from typing import TextIO
+from typing import Any, TextIO
 
 from protein_performer.errors import UserError
 
@@ -345,3 +346,38 @@ def text_output(path: str | os.PathLike[str]) -> Iterator[TextIO]:
         return
     with atomic_output(path) as tmp, open(tmp, "w", newline="", encoding="utf-8") as fh:
         yield fh
+
+
+def publish_directory(
+    out_dir: str | os.PathLike[str],
+    files: Mapping[str, Callable[[Path], Any]],
+    overwrite: bool,
+    what: str,
+    is_ours: Callable[[Path], bool],
+) -> Path:
+    """Write ``files`` (name -> writer of that path) into a temporary sibling of ``out_dir`` and
+    put it in place atomically. A non-empty ``out_dir`` is replaced only when ``is_ours`` says
+    it holds ``what`` and ``overwrite`` is set: an unrelated directory is never deleted."""
+    out = Path(out_dir).expanduser()
+    if out.exists():
+        if not out.is_dir():
+            raise UserError(f"{out} exists and is not a directory; choose another output")
+        if any(out.iterdir()):
+            if not is_ours(out):
+                raise UserError(f"{out} is a non-empty directory that is not {what}; refusing")
+            if not overwrite:
+                raise UserError(f"{out} already holds {what}; pass --overwrite to replace it")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = make_temp_dir(out)
+    try:
+        for name, write in files.items():
+            write(tmp / name)
+            os.chmod(tmp / name, default_file_mode())
+            fsync_path(tmp / name)
+        replace_dir(tmp, out)
+    except BaseException as exc:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if is_disk_full(exc):  # safetensors says so in its own exception type
+            raise disk_full_error(out) from None
+        raise
+    return out

@@ -39,7 +39,8 @@ def init_from(module: Any, path: str | os.PathLike[str]) -> list[str]:
     attention. The source's contact regression, if any (ESM-2's contact head), goes into the
     module's checkpoints. Returns the names of the FAVOR+ buffers left as the module drew them.
     """
-    from protein_performer.interop.loading import diff_state, load_model
+    from protein_performer.interop.loading import load_model
+    from protein_performer.interop.weights import diff_state
 
     source = load_model(path, "cpu")
     model = module.model

@@ -27,27 +27,21 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 from protein_performer.errors import UserError
-from protein_performer.interop.loading import (
-    LoadedModel,
-    export_model,
-    load_model,
-    resolve_device,
-)
+from protein_performer.interop.export import export_model
+from protein_performer.interop.loading import load_model
+from protein_performer.interop.record import LoadedModel, resolve_device
 from protein_performer.io.checkpoints import safe_load, save_atomic
 from protein_performer.io.progress import progress
 from protein_performer.model.performer import PerformerLM
 from protein_performer.training.distill import distill_kl
 from protein_performer.training.linearize_options import LinearizeOptions
-
-if TYPE_CHECKING:
-    from protein_performer.inference.api import ProteinLM
 
 log = logging.getLogger(__name__)
 
@@ -375,27 +369,3 @@ def fit_linear(
     return LinearizeResult(written, options.steps, options.lora_steps,
                            time.perf_counter() - started, curve)
 
-
-def linearize(
-    src: str | os.PathLike[str] | LoadedModel,
-    out: str | os.PathLike[str],
-    data: Data = None,
-    *,
-    device: str = "auto",
-    resume: bool = False,
-    overwrite: bool = False,
-    show_progress: bool = True,
-    **options: Any,
-) -> ProteinLM:
-    """``pp.linearize(src, out, data, steps=300, lora_steps=150, ...)``: :func:`fit_linear`
-    with :class:`LinearizeOptions` fields as keywords, returning the linearized model loaded
-    from ``out`` (what ``protein-performer linearize`` writes)."""
-    from protein_performer.inference.api import load
-
-    known = {f.name for f in dataclasses.fields(LinearizeOptions)}
-    unknown = sorted(set(options) - known)
-    if unknown:
-        raise UserError(f"linearize: unknown option(s) {unknown}; known: {sorted(known)}")
-    fit_linear(src, out, data, LinearizeOptions(**options), device=device, resume=resume,
-               overwrite=overwrite, show_progress=show_progress)
-    return load(out, device)

@@ -284,9 +284,10 @@ def launch(entry: Entry, overrides: Sequence[str], prog: str | None = None) -> d
 
     Overrides are composed once with the compose API first, so a bad one (or a missing required
     key) becomes a ``UserError`` instead of Hydra's exit status 1; Hydra's own flags (``--cfg
-    job``, ``-m``, ...) skip that check and are left to Hydra. Direct keys are set after Hydra
-    composes. A ``UserError`` inside the run is carried out of Hydra's error handling and raised
-    here, so the CLI reports it as ``error: ...`` with status 2.
+    job``, ``-m``, ...) skip that check and are left to Hydra, direct keys quoted for its
+    grammar; otherwise direct keys are set after Hydra composes. A ``UserError`` inside the
+    run is carried out of Hydra's error handling and raised here, so the CLI reports it as
+    ``error: ...`` with status 2.
     """
     import hydra
     from omegaconf import OmegaConf
@@ -300,6 +301,9 @@ def launch(entry: Entry, overrides: Sequence[str], prog: str | None = None) -> d
             example=entry.example, override_example=entry.override_example,
         )  # fmt: skip
     direct, rest = split_direct(overrides, entry.direct_keys)
+    if hydra_flags:  # --cfg job and the like print before any task runs: Hydra sets them too
+        rest += [f"{key}={_quoted(value)}" for key, value in direct.items()]
+        direct = {}
     outcome: dict[str, Any] = {}
     saved_argv = sys.argv
 
@@ -323,3 +327,10 @@ def launch(entry: Entry, overrides: Sequence[str], prog: str | None = None) -> d
     if "error" in outcome:
         raise outcome["error"]
     return outcome.get("result", {})
+
+
+def _quoted(value: str) -> str:
+    """A value as a quoted string of Hydra's override grammar (``=``, ``,`` and brackets
+    allowed inside)."""
+    quote = "'" if "'" not in value else '"'
+    return f"{quote}{value}{quote}"

@@ -37,7 +37,8 @@ def _model(directory: Path) -> Path:
     import torch
 
     from protein_performer.data.tokenizer import Alphabet
-    from protein_performer.interop.loading import LoadedModel, export_model
+    from protein_performer.interop.export import export_model
+    from protein_performer.interop.record import LoadedModel
     from protein_performer.model.config import PerformerConfig
     from protein_performer.model.performer import PerformerLM
 

@@ -65,7 +65,7 @@ def _ours(attention: str = "favor", shape: dict[str, int] | None = None) -> Any:
 
     from protein_performer.data.tokenizer import Alphabet
     from protein_performer.inference.api import ProteinLM
-    from protein_performer.interop.loading import LoadedModel
+    from protein_performer.interop.record import LoadedModel
     from protein_performer.model.config import PerformerConfig
     from protein_performer.model.performer import PerformerLM
 

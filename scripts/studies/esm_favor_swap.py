@@ -49,7 +49,8 @@ import torch.nn.functional as F
 
 from protein_performer.contacts.predict import predict_contacts
 from protein_performer.data.tokenizer import Alphabet, pad_token_arrays
-from protein_performer.interop.loading import LoadedModel, load_model
+from protein_performer.interop.loading import load_model
+from protein_performer.interop.record import LoadedModel
 from protein_performer.model.config import PerformerConfig
 from protein_performer.model.contact_head import ContactRegression
 from protein_performer.model.performer import PerformerLM

@@ -19,7 +19,7 @@ from protein_performer.contacts.predict import (
 )
 from protein_performer.data.tokenizer import Alphabet
 from protein_performer.errors import UserError
-from protein_performer.interop.loading import LoadedModel
+from protein_performer.interop.record import LoadedModel
 from protein_performer.model.config import PerformerConfig
 from protein_performer.model.contact_head import ContactRegression, model_identity
 from protein_performer.model.performer import PerformerLM
@@ -138,7 +138,7 @@ def test_api_method_returns_the_dense_map(tmp_path: Path) -> None:
 
 def test_cli_predict_contacts(tmp_path: Path, capsys) -> None:
     from protein_performer.cli.main import main
-    from protein_performer.interop.loading import export_model
+    from protein_performer.interop.export import export_model
 
     loaded = _loaded("favor")
     model_dir = export_model(loaded, tmp_path / "model")
@@ -160,7 +160,8 @@ def test_cli_predict_contacts(tmp_path: Path, capsys) -> None:
 
 
 def test_regression_travels_with_checkpoints_and_exports(tmp_path: Path) -> None:
-    from protein_performer.interop.loading import export_model, load_model
+    from protein_performer.interop.export import export_model
+    from protein_performer.interop.loading import load_model
 
     loaded = _loaded("favor")
     reg = _regression(loaded)
@@ -201,7 +202,7 @@ def test_embed_include_contacts_stores_the_predicted_maps(tmp_path: Path, capsys
     """`embed --include mean contacts`: the maps beside the embeddings are `contacts predict`'s."""
     from protein_performer.cli.main import main
     from protein_performer.inference.embedding import read_embeddings
-    from protein_performer.interop.loading import export_model
+    from protein_performer.interop.export import export_model
 
     loaded = _loaded("favor")
     loaded.contact_regression = _regression(loaded).to_dict()

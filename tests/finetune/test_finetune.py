@@ -20,7 +20,7 @@ from protein_performer.errors import UserError
 from protein_performer.finetune.data import assign_splits, collate, read_labels
 from protein_performer.finetune.module import task_metrics
 from protein_performer.finetune.train import finetune
-from protein_performer.interop.loading import export_model
+from protein_performer.interop.export import export_model
 from protein_performer.io.checkpoints import safe_load
 from protein_performer.model.task_heads import HeadConfig, TaskHead, TaskModel, head_loss
 from protein_performer.training.compose import compose_config
@@ -416,6 +416,15 @@ def test_cli_finetune_residue_frozen_and_errors(base: Path, tmp_path: Path, caps
     assert len(err) == 1 and err[0].startswith("error: ") and "bad.csv: row 2" in err[0]
     assert main(["finetune", f"base={base}"]) == 2
     assert "finetune needs data.train=" in capsys.readouterr().err
+
+
+def test_cli_finetune_cfg_job_prints_the_config_with_its_paths(tmp_path, monkeypatch, capsys):
+    """Hydra's own flags pass through the one launch path, direct keys included."""
+    monkeypatch.chdir(tmp_path)
+    assert main(["finetune", "base=m.ckpt", "data.train=a=b.csv", "--cfg", "job"]) == 0
+    out = capsys.readouterr().out
+    assert "base: m.ckpt" in out and "train: a=b.csv" in out
+    assert not (tmp_path / "outputs").exists()
 
 
 def test_cli_finetune_run_name_lands_under_the_root(

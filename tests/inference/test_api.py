@@ -15,7 +15,7 @@ import protein_performer as pp
 from protein_performer.cli.main import main
 from protein_performer.data.tokenizer import STANDARD_AA
 from protein_performer.inference.api import ProteinLM
-from protein_performer.interop.loading import export_model
+from protein_performer.interop.export import export_model
 from tests.inference.test_embedding import tiny_loaded
 
 SEQS = ["MKTAYIAKQRQISFVKSHFSRQ", "MLLAVLYCLAVF", "GS"]

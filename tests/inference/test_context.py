@@ -14,7 +14,7 @@ from protein_performer.data.tokenizer import STANDARD_AA, Alphabet
 from protein_performer.errors import UserError
 from protein_performer.inference.api import ProteinLM
 from protein_performer.inference.context import FamilyContext
-from protein_performer.interop.loading import LoadedModel
+from protein_performer.interop.record import LoadedModel
 from protein_performer.model.attention import state_tensors
 from protein_performer.model.config import PerformerConfig
 from protein_performer.model.favor import KERNELS
@@ -267,7 +267,7 @@ def test_cli_context_flags(tmp_path, capsys):
     import csv
 
     from protein_performer.cli.main import main
-    from protein_performer.interop.loading import export_model
+    from protein_performer.interop.export import export_model
 
     lm = tiny_lm()
     ckpt = export_model(lm.loaded, tmp_path / "clm")

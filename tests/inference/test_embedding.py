@@ -14,7 +14,7 @@ from protein_performer.data.tokenizer import Alphabet
 from protein_performer.errors import UserError
 from protein_performer.inference.api import ProteinLM
 from protein_performer.inference.embedding import embed_fasta, embed_sequences, read_embeddings
-from protein_performer.interop.loading import LoadedModel
+from protein_performer.interop.record import LoadedModel
 from protein_performer.model.config import PerformerConfig
 from protein_performer.model.performer import PerformerLM
 

@@ -12,7 +12,7 @@ from protein_performer.cli.main import main
 from protein_performer.errors import UserError
 from protein_performer.inference.api import ProteinLM
 from protein_performer.inference.ensemble import ContextEnsemble, identity_to
-from protein_performer.interop.loading import export_model
+from protein_performer.interop.export import export_model
 from tests.inference.test_embedding import tiny_loaded
 
 WT = "MKTAYIAKQRQISFVKSHFSRQLEERLGLIEVQ"

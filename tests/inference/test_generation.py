@@ -15,7 +15,7 @@ from protein_performer.cli.main import main
 from protein_performer.data.tokenizer import STANDARD_AA
 from protein_performer.inference.api import ProteinLM
 from protein_performer.inference.scoring import causal_log_likelihoods
-from protein_performer.interop.loading import export_model
+from protein_performer.interop.export import export_model
 from protein_performer.model.attention import state_tensors
 from protein_performer.model.config import KERNELS
 from tests.inference.test_embedding import tiny_loaded

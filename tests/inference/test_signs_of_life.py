@@ -20,7 +20,7 @@ HEAVY = ("pytorch_lightning", "lightning", "hydra", "omegaconf", "transformers")
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from protein_performer.interop.loading import export_model
+    from protein_performer.interop.export import export_model
     from tests.inference.test_embedding import tiny_loaded
 
     root = tmp_path_factory.mktemp("models")

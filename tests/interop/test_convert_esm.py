@@ -17,7 +17,9 @@ import pytest
 import torch
 
 from protein_performer.errors import UserError
-from protein_performer.interop.loading import LoadedModel, export_model, load_model
+from protein_performer.interop.export import export_model
+from protein_performer.interop.loading import load_model
+from protein_performer.interop.record import LoadedModel
 from tests.paths import FIXTURES, REPO
 
 DEMO_FASTA = REPO / "protein_performer" / "data" / "demo" / "some_proteins.fasta"

@@ -12,7 +12,9 @@ import transformers
 from protein_performer.cli.main import main
 from protein_performer.contacts.predict import predict_contacts
 from protein_performer.data.tokenizer import Alphabet
-from protein_performer.interop.loading import LoadedModel, export_model, load_model
+from protein_performer.interop.export import export_model
+from protein_performer.interop.loading import load_model
+from protein_performer.interop.record import LoadedModel
 from protein_performer.model.config import PerformerConfig
 from protein_performer.model.contact_head import ContactRegression, model_identity
 from protein_performer.model.performer import PerformerLM

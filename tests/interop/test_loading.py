@@ -15,13 +15,10 @@ from torch.utils.data import DataLoader
 
 from protein_performer.data.dataset import ProteinCollator, ProteinDataset
 from protein_performer.errors import UserError
-from protein_performer.interop.loading import (
-    CONFIG_FILE,
-    WEIGHTS_FILE,
-    export_model,
-    load_model,
-    resolve_device,
-)
+from protein_performer.interop.export import export_model
+from protein_performer.interop.loading import load_model
+from protein_performer.interop.ours import CONFIG_FILE, WEIGHTS_FILE
+from protein_performer.interop.record import resolve_device
 from protein_performer.training.callbacks import FeatureRedraw
 from protein_performer.training.lit_module import ProteinLMModule
 from tests.data.test_dataset import in_memory_source

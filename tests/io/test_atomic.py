@@ -40,7 +40,8 @@ def test_stores_and_exports_follow_the_umask(tmp_path: Path, umask, file_mode, d
 
     from protein_performer.data.store import StoreWriter
     from protein_performer.data.tokenizer import Alphabet
-    from protein_performer.interop.loading import LoadedModel, export_model
+    from protein_performer.interop.export import export_model
+    from protein_performer.interop.record import LoadedModel
     from protein_performer.model.config import PerformerConfig
     from protein_performer.model.performer import PerformerLM
 

@@ -18,8 +18,9 @@ from protein_performer.contacts.predict import predict_contacts_fasta, read_cont
 from protein_performer.errors import UserError
 from protein_performer.inference.api import ProteinLM
 from protein_performer.inference.embedding import embed_fasta, read_embeddings
-from protein_performer.interop import loading
-from protein_performer.interop.loading import export_model, load_model
+from protein_performer.interop import record
+from protein_performer.interop.export import export_model
+from protein_performer.interop.loading import load_model
 from protein_performer.io.json_safe import parse_json
 from protein_performer.model.contact_head import ContactRegression
 from tests.contacts.test_contact_maps import _loaded, _regression
@@ -47,13 +48,13 @@ def test_a_deep_config_with_normal_weights_fails_before_building(tmp_path: Path)
 
 
 def test_memory_is_checked_against_available_memory(tmp_path: Path, monkeypatch) -> None:
-    monkeypatch.setattr(loading, "_available_memory", lambda: (1024, "available"))
+    monkeypatch.setattr(record, "_available_memory", lambda: (1024, "available"))
     with pytest.raises(UserError, match="GiB of available memory"):
         load_model(_checkpoint(tmp_path), "cpu")
 
 
 def test_available_memory_reads_meminfo() -> None:
-    have, what = loading._available_memory()
+    have, what = record._available_memory()
     assert have > 0 and what in ("available", "total")
 
 

@@ -22,7 +22,7 @@ import pytest
 
 from protein_performer.cli.main import main
 from protein_performer.errors import UserError
-from protein_performer.interop.loading import export_model
+from protein_performer.interop.export import export_model
 from protein_performer.io import atomic
 from tests.inference.test_embedding import tiny_loaded
 from tests.io.test_sharding import ENV, write_fasta

@@ -67,7 +67,7 @@ def test_training_log_gets_lines_not_bar_redraws(tmp_path: Path) -> None:
 @pytest.mark.slow  # an embedding subprocess
 def test_inference_log_is_small(tmp_path: Path) -> None:
     """A whole embed run shorter than the interval leaves one progress line, its summary."""
-    from protein_performer.interop.loading import export_model
+    from protein_performer.interop.export import export_model
     from tests.inference.test_embedding import tiny_loaded
 
     model = export_model(tiny_loaded(), tmp_path / "m")

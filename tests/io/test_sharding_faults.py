@@ -28,7 +28,7 @@ OPTS = ["--toks-per-batch", "4", "--no-progress"]  # windows of 128 tokens: ~3 r
 
 @pytest.fixture(scope="module")
 def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from protein_performer.interop.loading import export_model
+    from protein_performer.interop.export import export_model
     from tests.inference.test_embedding import tiny_loaded
 
     return export_model(tiny_loaded("mlm"), tmp_path_factory.mktemp("resume") / "model")

@@ -58,7 +58,6 @@ def worker(out_dir: Path) -> None:
     overrides = [
         "experiment=demo",
         "trainer=ddp",
-        f"paths.root_dir={REPO}",
         "trainer.accelerator=cpu",
         "trainer.devices=2",
         "trainer.precision=32-true",

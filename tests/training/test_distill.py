@@ -13,7 +13,8 @@ from torch.utils.data import DataLoader
 
 from protein_performer.data.tokenizer import Alphabet
 from protein_performer.errors import UserError
-from protein_performer.interop.loading import LoadedModel, export_model
+from protein_performer.interop.export import export_model
+from protein_performer.interop.record import LoadedModel
 from protein_performer.model.config import PerformerConfig
 from protein_performer.model.performer import PerformerLM
 from protein_performer.training.distill import DistillSettings, distill_kl
@@ -153,7 +154,6 @@ def test_finetune_experiment_with_distillation_through_hydra(teacher_dir, tmp_pa
     cfg = compose_config(
         [
             "experiment=esm_favor_finetune",
-            f"paths.root_dir={repo}",
             f"init_from={teacher_dir}",
             "model.distill.weight=0.5",
             *(f"model.config.{k}={v}" for k, v in SHAPE.items()),

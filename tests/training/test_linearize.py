@@ -11,8 +11,10 @@ import torch
 from protein_performer.cli.main import main
 from protein_performer.data.tokenizer import Alphabet
 from protein_performer.errors import UserError
+from protein_performer.interop.export import export_model
 from protein_performer.interop.finetuned import add_lora
-from protein_performer.interop.loading import LoadedModel, export_model, load_model
+from protein_performer.interop.loading import load_model
+from protein_performer.interop.record import LoadedModel
 from protein_performer.model.config import PerformerConfig
 from protein_performer.model.performer import PerformerLM
 from protein_performer.training import linearize as lz
@@ -134,3 +136,36 @@ def test_bad_input_is_one_error_line(teacher_dir, tmp_path, monkeypatch, capsys,
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("error:") and says in err[0], err
     assert not (tmp_path / "out").exists()
+
+
+def test_api_returns_the_linearized_model(teacher_dir, tmp_path):
+    import protein_performer as pp
+
+    lm = pp.linearize(teacher_dir / "exact", tmp_path / "lin", teacher_dir / "seqs.fasta",
+                      device="cpu", show_progress=False, steps=2, **OPTIONS)
+    assert isinstance(lm, pp.ProteinLM) and lm.config.attention == "linear"
+    with pytest.raises(UserError, match="unknown option"):
+        pp.linearize(teacher_dir / "exact", tmp_path / "x", steps=2, windw=3)
+
+
+def test_cli_stop_says_how_to_resume(teacher_dir, tmp_path, monkeypatch, capsys):
+    real, calls = lz.transfer_loss, []
+
+    def dies_at_third(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+        return real(*args, **kwargs)
+
+    argv = ["linearize", str(teacher_dir / "exact"), str(tmp_path / "lin"), "--data",
+            str(teacher_dir / "seqs.fasta"), "--steps", "4", "--window", "2", "--max-len", "64",
+            "--max-tokens", "512", "--save-every", "2", "--no-progress", "--device", "cpu"]
+    monkeypatch.setattr(lz, "transfer_loss", dies_at_third)
+    with pytest.raises(SystemExit) as stop:
+        main(argv)
+    assert stop.value.code == 130
+    assert "keeps the last saved state; rerun the same command with --resume" in (
+        capsys.readouterr().err)
+    monkeypatch.setattr(lz, "transfer_loss", real)
+    assert main([*argv, "--resume"]) == 0
+    assert "4 transfer + 0 LoRA steps" in capsys.readouterr().out

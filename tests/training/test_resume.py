@@ -26,7 +26,6 @@ pytestmark = pytest.mark.slow
 # features redrawn every 3 steps so the resumed run must also continue the redraw stream.
 BASE = [
     "experiment=demo",
-    f"paths.root_dir={REPO}",
     "model.config.dim=32",
     "model.config.depth=2",
     "model.config.heads=2",

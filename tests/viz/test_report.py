@@ -15,7 +15,8 @@ from protein_performer.data.tokenizer import Alphabet
 from protein_performer.inference.api import ProteinLM
 from protein_performer.inference.attention_views import unsupervised_contacts
 from protein_performer.inference.report_data import build_report, plan_resolution
-from protein_performer.interop.loading import LoadedModel, export_model
+from protein_performer.interop.export import export_model
+from protein_performer.interop.record import LoadedModel
 from protein_performer.model.config import PerformerConfig
 from protein_performer.model.performer import PerformerLM
 from protein_performer.viz.report import axis_labels, render_html

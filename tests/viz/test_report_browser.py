@@ -21,7 +21,7 @@ import torch
 from protein_performer.contacts.attention import attention_maps
 from protein_performer.data.tokenizer import Alphabet
 from protein_performer.inference.api import ProteinLM
-from protein_performer.interop.loading import LoadedModel
+from protein_performer.interop.record import LoadedModel
 from protein_performer.model.config import PerformerConfig
 from protein_performer.model.performer import PerformerLM
 from tests.paths import REPO
