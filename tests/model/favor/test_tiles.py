@@ -200,7 +200,7 @@ def test_a_loaded_machine_keeps_the_default_as_provisional(fresh, monkeypatch):
     tiles._memo.clear()
     probe = Probe()
     assert tune(probe) == tiles.DEFAULT_TILES and not probe.calls  # not yet re-checked
-    entry["at"] -= tiles.RECHECK_PROVISIONAL
+    entry["at"] -= tiles.RECHECK_PROVISIONAL + 1  # "at" is rounded to 0.1 s
     (fresh / PATH).write_text(json.dumps({"format": tiles.FORMAT, "tiles": {key: entry}}))
     tiles._memo.clear()
     assert tune(probe) == (64, 1024) and probe.calls
@@ -218,7 +218,7 @@ class Slower(Probe):
 def test_an_old_winner_is_rechecked_and_dropped_when_slower(fresh, probe, kept):
     assert tune(Probe()) == (64, 1024)
     ((key, entry),) = stored(fresh).items()
-    entry["at"] -= tiles.RECHECK_WINNER
+    entry["at"] -= tiles.RECHECK_WINNER + 1  # "at" is rounded to 0.1 s: older by a second
     (fresh / PATH).write_text(json.dumps({"format": tiles.FORMAT, "tiles": {key: entry}}))
     tiles._memo.clear()
     want = (64, 1024) if kept else tiles.DEFAULT_TILES
