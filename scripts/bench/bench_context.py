@@ -170,7 +170,7 @@ def run_parent(args: Any) -> int:
                     continue
                 print(f"case {impl} threads={threads} T={tokens} ...", file=sys.stderr)
                 results, note = common.spawn_case(__file__, case, args.timeout)
-                row = results[-1] if results else {**case, "status": "failed"}
+                row = {**case, **results[-1]} if results else {**case, "status": "failed"}
                 row["note"] = note or row.get("note", "")
                 rows.append(row)
                 print(f"  {row}", file=sys.stderr)

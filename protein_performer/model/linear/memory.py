@@ -36,6 +36,10 @@ from torch import Tensor, nn
 from protein_performer.model.linear.core import _compute_dtype
 from protein_performer.model.rotary import as_positions
 
+#: Tokens read at a time by a causal memory (its gathered sums are (2W + 2) x (d + dv + 1)
+#: numbers per token and head: bounded memory for a long context's prefill).
+READ_CHUNK = 2048
+
 
 class MemoryState(NamedTuple):
     """The mixed core's state: the inner core's (``inner``) and the position memory
@@ -137,6 +141,22 @@ class PositionMemory(nn.Module):
         out = (weights[..., None] * values[..., d:-1]).sum(-2)  # (B, H, L, dv)
         return out, seen.any(-1, keepdim=True), new_mem
 
+    def _read_chunks(self, q: Tensor, k: Tensor, v: Tensor, positions: Tensor, keep: Tensor,
+                     mem: Tensor | None) -> tuple[Tensor, Tensor, Tensor]:
+        """:meth:`_read` over the tokens in chunks of :data:`READ_CHUNK`, the memory carried
+        from one to the next (causal), so a 64k-token context needs the memory of one chunk."""
+        L = q.shape[2]
+        if not self.causal or L <= READ_CHUNK:
+            return self._read(q, k, v, positions, keep, mem)
+        outs, seens = [], []
+        for start in range(0, L, READ_CHUNK):
+            t = slice(start, start + READ_CHUNK)
+            out, seen, mem = self._read(q[:, :, t], k[:, :, t], v[:, :, t], positions[:, t],
+                                        keep[:, t], mem)
+            outs.append(out)
+            seens.append(seen)
+        return torch.cat(outs, 2), torch.cat(seens, 2), mem  # type: ignore[return-value]
+
     def forward(
         self,
         q: Tensor,
@@ -174,8 +194,8 @@ class PositionMemory(nn.Module):
         dtype = _compute_dtype(q)
         with torch.autocast(device_type=q.device.type, enabled=False):
             x, y, vv = q.to(dtype), k.to(dtype), v.to(dtype)
-            mem_out, seen, mem = self._read(x, y, vv, pos, keep,
-                                            None if state is None else state.mem)
+            mem_out, seen, mem = self._read_chunks(x, y, vv, pos, keep,
+                                                   None if state is None else state.mem)
             gate = torch.sigmoid(
                 (x * self.gate_weight.to(dtype)[:, None]).sum(-1, keepdim=True)
                 + self.gate_bias.to(dtype)[:, None, None]

@@ -136,3 +136,22 @@ def test_memory_state_has_the_same_bytes_after_1k_and_64k_context_tokens():
 
     with torch.no_grad():
         assert state_bytes(1024) == state_bytes(65536) == 4 * ((128 + 5) * 9 + 15 * 5)
+
+
+def test_a_long_causal_row_is_read_in_chunks_with_the_same_result(monkeypatch):
+    """Chunks of the row with the memory carried between them (a long context's prefill)
+    give the one-pass outputs and state."""
+    from protein_performer.model.linear import memory as memory_module
+
+    torch.manual_seed(3)
+    mem = PositionMemory(LinearAttention(2, 6, "taylor", causal=True), 2, 6, 16, window=3)
+    with torch.no_grad():
+        mem.offset_logits.normal_()
+        mem.gate_weight.normal_()
+    pos, mask = _rows(4)
+    q, k, v = (torch.randn(2, 2, 41, 6) for _ in range(3))
+    whole, state = mem(q, k, v, mask, positions=pos, keep_state=True)
+    monkeypatch.setattr(memory_module, "READ_CHUNK", 7)
+    chunked, chunked_state = mem(q, k, v, mask, positions=pos, keep_state=True)
+    torch.testing.assert_close(chunked, whole, atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(chunked_state.mem, state.mem, atol=1e-5, rtol=1e-4)
