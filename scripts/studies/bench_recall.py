@@ -266,7 +266,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--designs", default=",".join(DESIGNS), help="comma-separated, of: "
                     + ", ".join(DESIGNS))
     ap.add_argument("--settings", default="0.7:0,0.7:0.03",
-                    help="identity:indel-rate pairs, comma-separated (default 0.7:0,0.7:0.03)")
+                    help="identity:indel-rate pairs, comma-separated (default 0.7:0,0.7:0.03; "
+                    "'' = "
+                         "MQAR alone)")
     ap.add_argument("--steps", type=int, default=600, help="optimizer steps per run")
     ap.add_argument("--families", type=int, default=300, help="training families")
     ap.add_argument("--members", type=int, default=8, help="members per training family")
@@ -296,7 +298,7 @@ def main(argv: list[str] | None = None) -> int:
     unknown = [d for d in designs if d not in DESIGNS]
     if unknown:
         raise SystemExit(f"error: unknown design(s) {unknown}; choose from {list(DESIGNS)}")
-    settings = [Setting(*map(float, s.split(":"))) for s in args.settings.split(",")]
+    settings = [Setting(*map(float, s.split(":"))) for s in args.settings.split(",") if s]
     out = args.out.resolve()
     out.mkdir(parents=True, exist_ok=True)
     need = args.families + args.eval_families
