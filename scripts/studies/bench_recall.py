@@ -267,8 +267,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                     + ", ".join(DESIGNS))
     ap.add_argument("--settings", default="0.7:0,0.7:0.03",
                     help="identity:indel-rate pairs, comma-separated (default 0.7:0,0.7:0.03; "
-                    "'' = "
-                         "MQAR alone)")
+                    "'' = MQAR alone)")
     ap.add_argument("--steps", type=int, default=600, help="optimizer steps per run")
     ap.add_argument("--families", type=int, default=300, help="training families")
     ap.add_argument("--members", type=int, default=8, help="members per training family")
