@@ -55,7 +55,7 @@ examples:
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
     from protein_performer.model.config import LINEAR_KERNELS
-    from protein_performer.training.linearize import LinearizeOptions
+    from protein_performer.training.linearize_options import LinearizeOptions
 
     d = LinearizeOptions()
     p = add_command(subparsers, "linearize", HELP, DESCRIPTION, EPILOG)
@@ -125,7 +125,8 @@ def stop_hint(out: str) -> Iterator[None]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from protein_performer.training.linearize import LinearizeOptions, fit_linear
+    from protein_performer.training.linearize import fit_linear
+    from protein_performer.training.linearize_options import LinearizeOptions
 
     options = LinearizeOptions(
         kernel=args.kernel, window=args.window, steps=args.steps, lr=args.lr,
