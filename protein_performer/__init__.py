@@ -34,7 +34,8 @@ def linearize(
     ``LinearizeOptions`` fields as keywords; returns ``load(out, device)``. Here, not in a
     module, because it joins training (the fit) and inference (the loaded model)."""
     from protein_performer.inference.api import load
-    from protein_performer.training.linearize import LinearizeOptions, fit_linear
+    from protein_performer.training.linearize import fit_linear
+    from protein_performer.training.linearize_options import LinearizeOptions
 
     fit_linear(src, out, data, LinearizeOptions.of(**options), device=device, resume=resume,
                overwrite=overwrite, show_progress=show_progress)

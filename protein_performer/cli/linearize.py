@@ -125,7 +125,8 @@ def stop_hint(out: str) -> Iterator[None]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from protein_performer.training.linearize import LinearizeOptions, fit_linear
+    from protein_performer.training.linearize import fit_linear
+    from protein_performer.training.linearize_options import LinearizeOptions
 
     options = LinearizeOptions(
         kernel=args.kernel, window=args.window, steps=args.steps, lr=args.lr,

@@ -86,7 +86,14 @@ def linear_student(teacher: PerformerLM, kernel: str, window: int) -> PerformerL
 
 
 def _teacher_from(src: str | os.PathLike[str] | LoadedModel, device: str) -> LoadedModel:
-    loaded = load_model(src, device, attention="exact")
+    loaded = load_model(src, device)
+    if loaded.config.attention == "linear":
+        raise UserError(
+            f"{loaded.source} already has linear attention; linearize the softmax model it "
+            "came from"
+        )
+    if loaded.config.attention != "exact" and loaded.task is None:
+        loaded = load_model(loaded, device, attention="exact")  # FAVOR+ weights: in memory
     if loaded.task is not None:
         raise UserError(
             f"{loaded.source} is a fine-tuned model with a task head; linearize its base model"

@@ -1,5 +1,5 @@
-"""The options of ``protein-performer linearize`` (kept free of torch: the CLI's parser reads
-their defaults, and building the parser must stay light)."""
+"""What a linearization does (``training.linearize``), torch-free so the CLI's ``--help``
+shows the defaults without importing torch."""
 
 from __future__ import annotations
 

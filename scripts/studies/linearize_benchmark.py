@@ -125,7 +125,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"error: {args.out_dir} holds an earlier run; pass --overwrite", file=sys.stderr)
             return 2
         shutil.rmtree(args.out_dir)
-    args.out_dir.mkdir(parents=True)
+    args.out_dir.mkdir(parents=True, exist_ok=True)
 
     import hydra
 

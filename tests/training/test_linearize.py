@@ -126,12 +126,18 @@ def test_non_finite_loss_stops_with_one_line(teacher_dir, tmp_path, monkeypatch)
         (["missing.pt", "out"], "missing.pt does not exist"),
         (["garbage.pt", "out"], "garbage.pt"),
         (["EXACT", "out", "--kernel", "taylor", "--window", "0"], "nothing to fit"),
+        (["LINEAR", "out"], "already has linear attention"),
     ],
 )
 def test_bad_input_is_one_error_line(teacher_dir, tmp_path, monkeypatch, capsys, argv, says):
     monkeypatch.chdir(tmp_path)
     (tmp_path / "garbage.pt").write_bytes(b"not a checkpoint")
-    argv = [str(teacher_dir / "exact") if a == "EXACT" else a for a in argv]
+    if "LINEAR" in argv:
+        twin = lz.linear_student(load_model(teacher_dir / "exact", "cpu").model, "hedgehog", 0)
+        export_model(LoadedModel(twin, twin.config, Alphabet(), tmp_path / "l",
+                                 torch.device("cpu"), "export"), tmp_path / "linear")
+    names = {"EXACT": str(teacher_dir / "exact"), "LINEAR": str(tmp_path / "linear")}
+    argv = [names.get(a, a) for a in argv]
     assert main(["linearize", *argv, "--no-progress"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("error:") and says in err[0], err
