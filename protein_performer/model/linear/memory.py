@@ -83,7 +83,8 @@ class PositionMemory(nn.Module):
 
     def _gather(self, kvx: Tensor, positions: Tensor, keep: Tensor, mem: Tensor | None):
         """Per offset D, the sums of [k | v | 1] at position p_t + D over the keys t may read,
-        (B, H, L, 2W+1, C), and the memory after the tokens (B, H, S, C)."""
+        (B, H, L, n, C) with n = 2W + 1 (+1 causal: the successor slot), whether each token
+        reads and enters the memory (B, L), and the memory after the tokens (B, H, S, C)."""
         B, H, L, C = kvx.shape
         W, S = self.window, self.max_positions + 2 * self.window + self.causal
         slot, valid = self._slots(positions, keep)
@@ -118,7 +119,7 @@ class PositionMemory(nn.Module):
                 own.append(F.pad(kvx[:, :, : L - d] * same.to(kvx.dtype), (0, 0, d, 0)))
             # offsets -W..0 hold the keys d = W..0 behind t; none ahead of t (causal)
             sums = sums + F.pad(torch.stack(own[::-1], 3), (0, 0, 0, W + 1))
-        return sums * valid[:, None, :, None, None].to(kvx.dtype), new_mem
+        return sums, valid, new_mem
 
     def _read(self, q: Tensor, k: Tensor, v: Tensor, positions: Tensor, keep: Tensor,
               mem: Tensor | None) -> tuple[Tensor, Tensor, Tensor]:
@@ -127,11 +128,12 @@ class PositionMemory(nn.Module):
         position's key and value the mean over the members seen there."""
         d = q.shape[-1]
         kvx = torch.cat([k, v, torch.ones_like(v[..., :1])], -1)  # (B, H, L, d + dv + 1)
-        sums, new_mem = self._gather(kvx, positions, keep, mem)  # (B, H, L, 2W+1, C)
+        sums, valid, new_mem = self._gather(kvx, positions, keep, mem)  # (B, H, L, n, C)
         # keys at p_t + D; values at p_t + D + 1 when causal (the successor: what t predicts)
         keys, values = (sums[..., :-1, :], sums[..., 1:, :]) if self.causal else (sums, sums)
         k_count, v_count = keys[..., -1], values[..., -1]  # (B, H, L, 2W+1)
-        seen = (k_count > 0) & (v_count > 0)
+        # a token that is padding or past P reads nothing (its gathered slots are clamped)
+        seen = (k_count > 0) & (v_count > 0) & valid[:, None, :, None]
         # q . mean key and the weighted mean values, contracting before dividing by the counts
         # (elementwise products: batched matmuls of 2W+1 rows are slower on CPU)
         scores = (keys[..., :d] * q[..., None, :]).sum(-1) / k_count.clamp_min(1e-6) * d**-0.5
