@@ -40,21 +40,23 @@ REPO = Path(__file__).resolve().parents[2]
 CORPUS = REPO.parent / "shared" / "data" / "sequences" / "swissprot_opal_train.fasta"
 AMINO = "ACDEFGHIKLMNPQRSTVWY"
 
-#: name -> model overrides; the position memory holds the longest member (max_len).
+#: name -> model overrides. The causal experiments have the position memory on by default, so
+#: every other design turns it off; the memory holds the longest member (max_len).
+OFF = "model.config.position_memory=0"
 DESIGNS: dict[str, list[str]] = {
-    "exact": ["model.config.attention=exact"],
-    "favor": [],
+    "exact": ["model.config.attention=exact", OFF],
+    "favor": [OFF],
     "favor-m128-noredraw": [
-        "model.config.nb_features=128", "model.config.feature_redraw_interval=0",
+        "model.config.nb_features=128", "model.config.feature_redraw_interval=0", OFF,
     ],
-    "favor-relu": ["model.config.kernel=relu", "model.config.feature_redraw_interval=0"],
-    "taylor": ["model.config.attention=linear", "model.config.kernel=taylor"],
-    "hedgehog": ["model.config.attention=linear", "model.config.kernel=hedgehog"],
+    "favor-relu": ["model.config.kernel=relu", "model.config.feature_redraw_interval=0", OFF],
+    "taylor": ["model.config.attention=linear", "model.config.kernel=taylor", OFF],
+    "hedgehog": ["model.config.attention=linear", "model.config.kernel=hedgehog", OFF],
     "taylor+window": [
         "model.config.attention=linear", "model.config.kernel=taylor",
-        "model.config.local_window=64",
+        "model.config.local_window=64", OFF,
     ],
-    "exact-every-3": ["model.config.exact_every=3"],
+    "exact-every-3": ["model.config.exact_every=3", OFF],
     "favor+memory": ["model.config.position_memory=512"],
     "taylor+memory": [
         "model.config.attention=linear", "model.config.kernel=taylor",
