@@ -30,7 +30,6 @@ from __future__ import annotations
 from typing import Any, NamedTuple
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from protein_performer.model.linear.core import _compute_dtype
@@ -93,13 +92,13 @@ class PositionMemory(nn.Module):
         K = int(member.max()) + 1
         # table[b, h, i] = sums of the members before i (and the state's), by slot
         table = kvx.new_zeros(B, H, K + 1, S, C)
+        if mem is not None:  # row 0, "before the first member", holds the state
+            table[:, :, 0] = mem.to(kvx)
         flat = (member + 1) * S + slot  # (B, L) into the (K+1)*S slots
         table.view(B, H, (K + 1) * S, C).scatter_add_(
             2, flat[:, None, :, None].expand(B, H, L, C), kvx
         )
         table = table.cumsum(2)
-        if mem is not None:
-            table = table + mem.to(kvx)[:, :, None]
         new_mem = table[:, :, K]  # (B, H, S, C): everything, the state included
         if self.causal:  # the members before t's, then t's own keys j <= t
             view, base = table.view(B, H, (K + 1) * S, C), member * S + slot
@@ -107,18 +106,15 @@ class PositionMemory(nn.Module):
             view, base = new_mem, slot
         n = 2 * W + 1 + self.causal  # causal: one slot more, the successor of p_t + W
         offsets = torch.arange(-W, W + 1 + self.causal, device=kvx.device)
-        index = (base[:, :, None] + offsets).reshape(B, 1, L * n, 1)
-        sums = view.gather(2, index.expand(B, H, L * n, C)).view(B, H, L, n, C)
+        # rows of C numbers picked by one flat index (a gather over C would index every number)
+        rows = view.reshape(-1, C)  # (B * H * R, C), R rows per (b, h)
+        start = torch.arange(B * H, device=kvx.device).view(B, H, 1) * view.shape[2]
+        index = (start + (base[:, :, None] + offsets).reshape(B, 1, L * n)).reshape(-1)
+        sums = rows.index_select(0, index).view(B, H, L, n, C)
         if self.causal:  # positions continue by 1 within a member: key j = t - d is at p_t - d
-            own = []
-            for d in range(0, W + 1):
-                if d >= L:
-                    own.append(torch.zeros_like(kvx))
-                    continue
+            for d in range(0, min(W, L - 1) + 1):  # offset -d (slot W - d); none ahead of t
                 same = (member[:, d:] == member[:, : L - d])[:, None, :, None]
-                own.append(F.pad(kvx[:, :, : L - d] * same.to(kvx.dtype), (0, 0, d, 0)))
-            # offsets -W..0 hold the keys d = W..0 behind t; none ahead of t (causal)
-            sums = sums + F.pad(torch.stack(own[::-1], 3), (0, 0, 0, W + 1))
+                sums[:, :, d:, W - d] += kvx[:, :, : L - d] * same.to(kvx.dtype)
         return sums, valid, new_mem
 
     def _read(self, q: Tensor, k: Tensor, v: Tensor, positions: Tensor, keep: Tensor,
