@@ -49,32 +49,47 @@ def check_shapes(
     """Tensor names and shapes (a safetensors header, a checkpoint's state dict) against those
     ``config`` implies, before the model is built: a config edited to ``depth: 20000`` beside
     a normal state dict is refused at once, not after allocating 20000 layers."""
-    one = dataclasses.replace(config, depth=1)
-    # Shapes without memory: one block stands for every block.
+    # Shapes without memory: one block of each kind stands for every block of its kind (a
+    # hybrid stack's exact blocks differ: two blocks with exact_every = 2 hold both kinds).
+    few = min(config.exact_every, 2) if config.exact_every else 1
+    small = dataclasses.replace(config, depth=few, exact_every=few if config.exact_every else 0)
     with torch.device("meta"), NoRandomInit():
-        shapes = {k: tuple(v.shape) for k, v in PerformerLM(one).state_dict().items()}
-    block = {k[len("layers.0.") :]: v for k, v in shapes.items() if k.startswith("layers.0.")}
+        shapes = {k: tuple(v.shape) for k, v in PerformerLM(small).state_dict().items()}
+    kinds: dict[str, dict[str, tuple[int, ...]]] = {}
+    for j in range(few):
+        prefix = f"layers.{j}."
+        kinds.setdefault(small.layer_attention(j + 1), {
+            k[len(prefix):]: v for k, v in shapes.items() if k.startswith(prefix)
+        })
+
+    def block(i: int) -> dict[str, tuple[int, ...]]:
+        return kinds[config.layer_attention(i + 1)]
+
     top = {k: v for k, v in shapes.items() if not k.startswith("layers.")}
     unexpected: list[str] = []
     wrong: list[str] = []
     for name, shape in found.items():
         parts = name.split(".", 2)
         if parts[0] == "layers" and len(parts) == 3 and parts[1].isdigit():
-            want = block.get(parts[2]) if int(parts[1]) < config.depth else None
+            i = int(parts[1])
+            want = block(i).get(parts[2]) if i < config.depth else None
         else:
             want = top.get(name)
         if want is None:
             unexpected.append(name)
         elif want != tuple(shape):
             wrong.append(f"{name} {tuple(shape)} vs model {want}")
-    expected = len(top) + config.depth * len(block)
+    expected = len(top) + sum(  # a depth of 20000 is counted per kind, not per block
+        len(b) * sum(config.layer_attention(i + 1) == kind for i in range(config.depth))
+        for kind, b in kinds.items()
+    )
     matched = len(found) - len(unexpected)
     tied = "lm_head.weight" in top and "lm_head.weight" not in found
     missing: list[str] = []
     if matched + tied < expected:
         tops = (n for n in top if n not in found and n != "lm_head.weight")
         # Generated lazily, stopping at the first few: a depth of 20000 is counted, not listed.
-        layers = (f"layers.{i}.{k}" for i in range(config.depth) for k in block)
+        layers = (f"layers.{i}.{k}" for i in range(config.depth) for k in block(i))
         for name in chain(tops, (n for n in layers if n not in found)):
             missing.append(name)
             if len(missing) == SHOW_KEYS:

@@ -288,3 +288,25 @@ def test_non_finite_weights_are_refused_on_load_and_never_saved(trained, tmp_pat
         save_atomic(ckpt, target)
     assert target.read_bytes() == src.read_bytes()  # the previous checkpoint is untouched
     assert sorted(p.name for p in tmp_path.iterdir()) == ["last.ckpt", "nan.ckpt"]
+
+
+@pytest.mark.parametrize("exact_every", [1, 2, 3])
+def test_hybrid_stacks_load_back(tmp_path: Path, exact_every: int) -> None:
+    """A stack with exact blocks among FAVOR+ ones (their buffers differ) passes the shape
+    check and reloads with the same logits (the check built a one-block copy of the config,
+    which exact_every > 1 made invalid)."""
+    from protein_performer.data.tokenizer import Alphabet
+    from protein_performer.interop.record import LoadedModel
+    from protein_performer.model.config import PerformerConfig
+    from protein_performer.model.performer import PerformerLM
+
+    cfg = PerformerConfig(dim=32, depth=3, heads=2, ff_dim=64, nb_features=8,
+                          objective="clm", exact_every=exact_every)
+    torch.manual_seed(0)
+    model = PerformerLM(cfg).eval()
+    loaded = LoadedModel(model, cfg, Alphabet(), Path("hybrid"), torch.device("cpu"), "x")
+    out = export_model(loaded, tmp_path / "hybrid")
+    tokens = torch.randint(4, 24, (1, 12))
+    again = load_model(out, "cpu").model.eval()
+    with torch.no_grad():
+        torch.testing.assert_close(again(tokens).logits, model(tokens).logits)
