@@ -19,7 +19,7 @@ class LinearizeOptions:
     window: int = 64  # exact sliding window of the nearest keys (0 = none)
     steps: int = 300  # attention-transfer steps (one batch each)
     lr: float = 0.1  # transfer learning rate (LoLCATs: 1e-2 over far more steps; 0.1 fits
-    # 30 steps 2-4x closer than 1e-2 on a 300-step exact MLM, changes/linearize.md)
+    # 30 steps 2-4x closer than 1e-2 on a 300-step exact MLM, docs/RESULTS.md)
     lora_steps: int = 0  # LoRA fine-tune steps after the transfer (0 = none)
     lora_lr: float = 1e-3
     lora_rank: int = 8
