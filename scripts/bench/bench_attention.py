@@ -134,7 +134,11 @@ def _build_fn(case: dict[str, Any], device: Any) -> tuple[Callable[..., Any], in
             kernel=case["kernel"],
             **case.get("ours_kwargs", {}),
         ).to(device)
-        return attn, attn.chunk_size  # chunk None: tuned (.tiles)
+        def run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            return attn(q, k, v)[0]  # the cores return (out, state)
+
+        run.feature_dim = attn.feature_dim  # type: ignore[attr-defined]  (the tiles' key)
+        return run, attn.chunk_size  # chunk None: tuned (.tiles)
     if impl == "performer":
         from performer_pytorch import FastAttention
 
