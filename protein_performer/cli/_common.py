@@ -13,7 +13,7 @@ import argparse
 import contextlib
 import os
 import sys
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -390,14 +390,11 @@ SIGTERM_EXIT = 143
 
 
 @contextlib.contextmanager
-def resume_hint(out: str | os.PathLike[str]) -> Iterator[None]:
-    """A run of a command with ``--resume`` that is stopped (Ctrl-C, SIGTERM) says what it
-    kept and how to continue, as ``train`` does: one line, exit status 130 or 143."""
+def stop_hint(describe: Callable[[], str]) -> Iterator[None]:
+    """A command stopped by Ctrl-C or SIGTERM says ``"<how>: " + describe()`` (what it kept and
+    how to continue, read at the stop) in one line and exits 130 or 143, as ``train`` does."""
     import signal
     import threading
-
-    from protein_performer.io.atomic import output_file
-    from protein_performer.io.sharding import finished_parts, parts_dir
 
     def stop(signum: int, frame: object) -> None:
         raise Stopped
@@ -407,18 +404,28 @@ def resume_hint(out: str | os.PathLike[str]) -> Iterator[None]:
     try:
         yield
     except KeyboardInterrupt as exc:
-        pdir = parts_dir(output_file(out))
-        kept = len(finished_parts(pdir))
         how = "SIGTERM" if isinstance(exc, Stopped) else "interrupted"
-        print(
-            f"{how}: {kept} finished part(s) kept in {pdir}; rerun the same command with "
-            "--resume to continue (only the window in flight is redone)",
-            file=sys.stderr,
-        )
+        print(f"{how}: {describe()}", file=sys.stderr)
         raise SystemExit(SIGTERM_EXIT if isinstance(exc, Stopped) else 130) from None
     finally:
         if main:
             signal.signal(signal.SIGTERM, signal.SIG_DFL if before is None else before)
+
+
+def resume_hint(out: str | os.PathLike[str]) -> contextlib.AbstractContextManager[None]:
+    """:func:`stop_hint` for a command with ``--resume`` that writes parts: how many finished
+    parts it kept."""
+    from protein_performer.io.atomic import output_file
+    from protein_performer.io.sharding import finished_parts, parts_dir
+
+    def kept() -> str:
+        pdir = parts_dir(output_file(out))
+        return (
+            f"{len(finished_parts(pdir))} finished part(s) kept in {pdir}; rerun the same "
+            "command with --resume to continue (only the window in flight is redone)"
+        )
+
+    return stop_hint(kept)
 
 
 #: Seeds reach numpy, which takes [0, 2**32): one range for every ``--seed`` flag.

@@ -4,19 +4,13 @@ attention transfer (and an optional LoRA fine-tune): ``training.linearize`` does
 from __future__ import annotations
 
 import argparse
-import contextlib
-import signal
-import sys
-import threading
-from collections.abc import Iterator
 
 from protein_performer.cli._common import (
-    SIGTERM_EXIT,
-    Stopped,
     add_command,
     add_overwrite,
     check_output,
     seed_arg,
+    stop_hint,
 )
 
 HELP = "linear-attention twin of a softmax model (attention transfer, then LoRA)"
@@ -99,29 +93,13 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run)
 
 
-@contextlib.contextmanager
-def stop_hint(out: str) -> Iterator[None]:
-    """Ctrl-C or SIGTERM: one line saying where the last resume state is, exit 130 or 143 (as
-    ``train``)."""
+def _kept(out: str) -> str:
+    """What a stopped linearization kept (the stop line of :func:`stop_hint`)."""
     from protein_performer.training.linearize import state_path
 
-    def stop(signum: int, frame: object) -> None:
-        raise Stopped
-
-    main = threading.current_thread() is threading.main_thread()
-    before = signal.signal(signal.SIGTERM, stop) if main else None
-    try:
-        yield
-    except KeyboardInterrupt as exc:
-        spot = state_path(out)
-        kept = f"{spot} keeps the last saved state" if spot.exists() else "no state saved yet"
-        how = "SIGTERM" if isinstance(exc, Stopped) else "interrupted"
-        print(f"{how}: {kept}; rerun the same command with --resume to continue",
-              file=sys.stderr)
-        raise SystemExit(SIGTERM_EXIT if isinstance(exc, Stopped) else 130) from None
-    finally:
-        if main:
-            signal.signal(signal.SIGTERM, signal.SIG_DFL if before is None else before)
+    spot = state_path(out)
+    kept = f"{spot} keeps the last saved state" if spot.exists() else "no state saved yet"
+    return f"{kept}; rerun the same command with --resume to continue"
 
 
 def run(args: argparse.Namespace) -> int:
@@ -135,7 +113,7 @@ def run(args: argparse.Namespace) -> int:
         seed=args.seed, save_every=args.save_every,
     ).check()  # fmt: skip
     check_output(args.out, [args.src, args.data], args.overwrite)
-    with stop_hint(args.out):
+    with stop_hint(lambda: _kept(args.out)):
         result = fit_linear(
             args.src, args.out, args.data, options, device=args.device, resume=args.resume,
             overwrite=args.overwrite, show_progress=not args.no_progress,
