@@ -181,18 +181,26 @@ def check_finite(state: Mapping[str, Any], where: object) -> None:
         )
 
 
+def is_lightning(ckpt: Any) -> bool:
+    """Whether a loaded checkpoint has a Lightning ``state_dict``."""
+    return isinstance(ckpt, dict) and isinstance(ckpt.get("state_dict"), dict)
+
+
+def contents(ckpt: Any) -> str:
+    """What a loaded file holds, for a message: a dict's first keys or the object's type."""
+    if isinstance(ckpt, dict):
+        return f"a dict with keys {sorted(map(str, ckpt))[:8]}"
+    return type(ckpt).__name__
+
+
 def load_lightning(path: str | os.PathLike[str]) -> dict[str, Any]:
     """A Lightning checkpoint dict with finite weights (resume and inference read it so)."""
     ckpt = safe_load(path, "lightning")
-    if not isinstance(ckpt, dict) or not isinstance(ckpt.get("state_dict"), dict):
-        what = (
-            f"a dict with keys {sorted(map(str, ckpt))[:8]}"
-            if isinstance(ckpt, dict)
-            else type(ckpt).__name__
-        )
+    if not is_lightning(ckpt):
         raise UserError(
             f"{path} is not a protein-performer Lightning checkpoint (no 'state_dict'; it holds "
-            f"{what}); give a .ckpt from `protein-performer train` or an exported directory"
+            f"{contents(ckpt)}); give a .ckpt from `protein-performer train` or an exported "
+            "directory"
         )
     check_finite(ckpt["state_dict"], path)
     return ckpt
