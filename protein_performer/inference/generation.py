@@ -75,7 +75,7 @@ class _EagerFallback:
     def __call__(self, tokens, positions, states, pad=None, inplace=False):
         if self.compiled is not None:
             try:
-                return self.compiled(tokens, positions, states, pad)
+                return self.compiled(tokens, positions, states, pad, inplace)
             except Exception as err:  # torch.compile's failures have no common type
                 first = str(err).splitlines()[0] if str(err) else type(err).__name__
                 log.warning("%s: the compiled step failed (%s); decoding eagerly",
