@@ -68,6 +68,7 @@ class CompiledStep:
         if reason is not None:
             raise ValueError(f"no compiled step for this model: {reason}")
         self.model = model
+        self._params = tuple(model.parameters())  # walking the modules costs a layer's ops
         self._flat: Tensor | None = None
         self._key: tuple | None = None
         self._layout: tuple[tuple[tuple[int, ...], ...], ...] = ((), (), ())
@@ -78,7 +79,7 @@ class CompiledStep:
         """The flat buffer (see :meth:`_views` for its order), rebuilt when any parameter's
         storage or version changes (training, loading, a moved model)."""
         model = self.model
-        key = (*((p.data_ptr(), p._version) for p in model.parameters()), device)
+        key = (*((p.data_ptr(), p._version) for p in self._params), device)
         if self._flat is not None and self._key == key:
             return self._flat
         layers, maps = [], []

@@ -58,6 +58,8 @@ SHAPE = {"dim": 320, "depth": 6, "heads": 20, "ff_dim": 1280}
 #: ESM-2 shapes for the floor: 8M and 35M.
 SHAPES = {"8M": SHAPE, "35M": {"dim": 480, "depth": 12, "heads": 20, "ff_dim": 1920}}
 RESIDUES = "ACDEFGHIKLMNPQRSTVWY"
+#: The measurements of the docstring, 1-5, by name (``--parts``).
+PARTS = ("per-token", "totals", "performer-pytorch", "peers", "floor")
 
 
 def _ours(attention: str = "favor", shape: dict[str, int] | None = None) -> Any:
@@ -400,6 +402,60 @@ def peer_lines(
     return lines
 
 
+def per_token_lines(args: Any, tokens: list[dict[str, Any]]) -> list[str]:
+    """The per-token table (and its CSV, written here)."""
+    with (args.out / "generate_per_token.csv").open("w", newline="") as fh:
+        w = csv.DictWriter(fh, fieldnames=list(tokens[0]))
+        w.writeheader()
+        w.writerows(tokens)
+    lines = [
+        "",
+        "| context position | ms / token | peak MiB of a step | state KiB |",
+        "|---|---|---|---|",
+    ]
+    for r in tokens:
+        lines.append(
+            f"| {r['position']} | {r['ms_per_token']:.2f} | {r['peak_mib']:.1f} | "
+            f"{r['state_kib']:.0f} |"
+        )
+    first, last = tokens[0], tokens[-1]
+    lines.append(
+        f"\nper-token time at {last['position']} / at {first['position']}: "
+        f"{last['ms_per_token'] / first['ms_per_token']:.2f}x (target <= 1.3x)"
+    )
+    return lines
+
+
+def total_lines(args: Any, ours: dict, est: dict, timed: dict, note: str) -> list[str]:
+    """The totals table: ours against performer-pytorch's generate."""
+    lines = [
+        "",
+        "| tokens | ours s | performer-pytorch s (timed) | (estimated) | ratio |",
+        "|---|---|---|---|---|",
+    ]
+    for n in sorted(set(ours) | set(est) | set(timed)):
+        o = ours.get(n)
+        e = est.get(n)
+        t = timed.get(n)
+        ratio = (t or e) / o if o and (t or e) else None
+        lines.append(
+            f"| {n} | {'' if o is None else f'{o:.1f}'} | {'' if t is None else f'{t:.1f}'} | "
+            f"{'' if e is None else f'{e:.1f}'} | {'' if ratio is None else f'{ratio:.0f}x'} |"
+        )
+    if ours:
+        lo, hi = min(ours), max(ours)
+        lines.append(
+            f"\nours: {hi} tokens / {lo} tokens = {ours[hi] / ours[lo]:.2f}x "
+            f"(linear: {hi / lo:.0f}x)"
+        )
+    for n, t in timed.items():
+        if n in est:
+            lines.append(f"performer-pytorch at {n}: estimate / timed = {est[n] / t:.2f}")
+    if note:
+        lines.append(note)
+    return lines
+
+
 def main() -> int:
     p = common.bench_parser(__doc__, "", ".bench/generate")
     p.add_argument("--positions", type=int, nargs="+", default=[256, 2048, 8192, 32768])
@@ -416,6 +472,13 @@ def main() -> int:
     p.add_argument("--peer-threads", type=int, nargs="+", default=[1, 2])
     p.add_argument("--new", type=int, default=256, help="new tokens per peer run")
     p.add_argument("--stream-mib", type=int, default=512, help="copy size for the bandwidth")
+    p.add_argument(
+        "--parts",
+        nargs="+",
+        choices=PARTS,
+        default=list(PARTS),
+        help="which measurements to run (default: all; the numbers above)",
+    )
     p.add_argument(
         "--compile",
         action="store_true",
@@ -436,65 +499,37 @@ def main() -> int:
     torch.set_num_threads(args.threads)
     args.out.mkdir(parents=True, exist_ok=True)
     lm = _ours()
-    print("per-token cost (RNN mode):", file=sys.stderr)
-    tokens = per_token(lm, args.positions, args.steps)
-    print("total generation time:", file=sys.stderr)
-    ours = ours_total(lm, args.gen_lengths, args.repeats)
-    est, timed, note = performer_pytorch(args.pp_lengths, args.pp_generate)
-    print("peers (interleaved):", file=sys.stderr)
-    peer_rows, peer_note = peers(args)
-    floor_rows = floors(args)
+    parts = set(args.parts)
+    lines = [f"threads {args.threads}, {SHAPE}, FAVOR+ default config, batch 1"]
+    if "per-token" in parts:
+        print("per-token cost (RNN mode):", file=sys.stderr)
+        lines += per_token_lines(args, per_token(lm, args.positions, args.steps))
+    ours = est = timed = {}
+    note = ""
+    if "totals" in parts:
+        print("total generation time:", file=sys.stderr)
+        ours = ours_total(lm, args.gen_lengths, args.repeats)
+    if "performer-pytorch" in parts:
+        est, timed, note = performer_pytorch(args.pp_lengths, args.pp_generate)
+    if ours or est:
+        lines += total_lines(args, ours, est, timed, note)
+    peer_rows: list[dict[str, Any]] = []
+    floor_rows: list[dict[str, Any]] = []
+    peer_note = ""
+    if "peers" in parts:
+        print("peers (interleaved):", file=sys.stderr)
+        peer_rows, peer_note = peers(args)
+    if "floor" in parts:
+        floor_rows = floors(args)
     torch.set_num_threads(args.threads)
-
-    with (args.out / "generate_per_token.csv").open("w", newline="") as fh:
-        w = csv.DictWriter(fh, fieldnames=list(tokens[0]))
-        w.writeheader()
-        w.writerows(tokens)
-    lines = [
-        f"threads {args.threads}, {SHAPE}, FAVOR+ default config, batch 1",
-        "",
-        "| context position | ms / token | peak MiB of a step | state KiB |",
-        "|---|---|---|---|",
-    ]
-    for r in tokens:
-        lines.append(
-            f"| {r['position']} | {r['ms_per_token']:.2f} | {r['peak_mib']:.1f} | "
-            f"{r['state_kib']:.0f} |"
-        )
-    first, last = tokens[0], tokens[-1]
-    lines.append(
-        f"\nper-token time at {last['position']} / at {first['position']}: "
-        f"{last['ms_per_token'] / first['ms_per_token']:.2f}x (target <= 1.3x)"
-    )
-    lines += [
-        "",
-        "| tokens | ours s | performer-pytorch s (timed) | (estimated) | ratio |",
-        "|---|---|---|---|---|",
-    ]
-    for n in sorted(set(args.gen_lengths) | set(args.pp_lengths)):
-        o = ours.get(n)
-        e = est.get(n)
-        t = timed.get(n)
-        ratio = (t or e) / o if o and (t or e) else None
-        lines.append(
-            f"| {n} | {'' if o is None else f'{o:.1f}'} | {'' if t is None else f'{t:.1f}'} | "
-            f"{'' if e is None else f'{e:.1f}'} | {'' if ratio is None else f'{ratio:.0f}x'} |"
-        )
-    lo, hi = min(ours), max(ours)
-    lines.append(
-        f"\nours: {hi} tokens / {lo} tokens = {ours[hi] / ours[lo]:.2f}x (linear: {hi / lo:.0f}x)"
-    )
-    for n, t in timed.items():
-        if n in est:
-            lines.append(f"performer-pytorch at {n}: estimate / timed = {est[n] / t:.2f}")
-    if note:
-        lines.append(note)
-    lines += peer_lines(peer_rows, floor_rows, peer_note)
+    if peer_rows or floor_rows:
+        lines += peer_lines(peer_rows, floor_rows, peer_note)
     for name, rows in (("generate_peers.csv", peer_rows), ("generate_floor.csv", floor_rows)):
-        with (args.out / name).open("w", newline="") as fh:
-            w = csv.DictWriter(fh, fieldnames=list(rows[0]))
-            w.writeheader()
-            w.writerows(rows)
+        if rows:
+            with (args.out / name).open("w", newline="") as fh:
+                w = csv.DictWriter(fh, fieldnames=list(rows[0]))
+                w.writeheader()
+                w.writerows(rows)
     report = "\n".join(lines) + "\n"
     (args.out / "generate.md").write_text(report)
     print(report)

@@ -103,6 +103,7 @@ def test_the_compiled_step_equals_the_eager_one():
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.slow  # dynamo's first trace: seconds
 def test_one_graph_serves_every_prompt_length_and_position(monkeypatch):
     """A prefill's stabilizer is a strided slice whose strides depend on the prompt length,
     and a step's output is contiguous: the step must not be traced again for either."""
