@@ -46,7 +46,7 @@ Step = Callable[..., tuple[torch.Tensor, list]]
 def decoding_step(model: PerformerLM) -> Step:
     """The step generation calls: ``model.step``, or with ``PROTEIN_PERFORMER_COMPILE_STEP=1``
     a compiled one, built once per model (kept on it) and compiled once per batch size, on its
-    first token (about 40 s for the 8M shape on one CPU thread: it pays off over long runs
+    first token (tens of seconds for the 8M shape on one CPU thread: it pays off over long runs
     only); a model it cannot run, or a compiler that fails, keeps ``model.step`` and says why
     in one line."""
     if os.environ.get(COMPILE_ENV) != "1":
