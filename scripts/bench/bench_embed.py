@@ -8,11 +8,7 @@ What is compared (random weights everywhere: no download, and speed does not dep
   16: 48 random features for the 16-wide heads; ``--nb-features`` overrides);
 * ``exact``: the same ``PerformerLM`` with exact softmax attention (torch SDPA): our exact twin;
 * ``esm``: fair-esm's ``esm.model.esm2.ESM2`` (materialized L x L attention), as users run it;
-* ``hf``: transformers' ``EsmModel`` with ``attn_implementation="sdpa"``;
-* ``free``: ``performer`` with every attention core replaced by one that returns its values
-  (no token mixing; projections, rotary, norms, FFN and head as before): the ceiling, what ours
-  would cost if attention were free, so ``hf`` / ``free`` bounds the ``hf`` / ``performer``
-  ratio.
+* ``hf``: transformers' ``EsmModel`` with ``attn_implementation="sdpa"``.
 
 Length cases: one sequence per forward (batch 1), inference mode, float32 (``--dtype``; FAVOR+
 features stay float32), the last layer's representation requested. The ``proteins`` case
@@ -63,7 +59,7 @@ import _common as common
 
 log = logging.getLogger("bench_embed")
 
-IMPLS = ("performer", "exact", "hf", "esm", "free")
+IMPLS = ("performer", "exact", "hf", "esm")
 ESM2_8M = {"layers": 6, "dim": 320, "heads": 20, "ffn": 1280}
 TITIN = common.SEQUENCES / "long_proteins.fasta"
 PROTEINS = common.SEQUENCES / "swissprot_opal_train.fasta"
@@ -79,9 +75,7 @@ def _build(impl: str, length: int, nb_features: int | None = None) -> tuple[Any,
 
     Padded batches (``<pad>`` = 1 in every vocabulary here) mask their pads.
     """
-    if impl in ("performer", "exact", "free"):
-        from torch import nn
-
+    if impl in ("performer", "exact"):
         from protein_performer.model.config import PerformerConfig
         from protein_performer.model.performer import PerformerLM
 
@@ -91,19 +85,9 @@ def _build(impl: str, length: int, nb_features: int | None = None) -> tuple[Any,
             heads=ESM2_8M["heads"],
             ff_dim=ESM2_8M["ffn"],
             nb_features=nb_features,
-            attention="exact" if impl == "exact" else "favor",
+            attention="favor" if impl == "performer" else "exact",
         )
         model = PerformerLM(config)
-        if impl == "free":
-
-            class FreeCore(nn.Module):
-                """An attention core that costs nothing: (q, k, v, ...) -> (v, no state)."""
-
-                def forward(self, q: Any, k: Any, v: Any, *args: Any, **kw: Any) -> tuple:
-                    return v, None
-
-            for layer in model.layers:
-                layer.self_attn.core = FreeCore()
         return model, lambda t: model(t, repr_layers=[-1]).hidden_states[config.depth]
     if impl == "esm":
         import esm  # fair-esm
