@@ -119,3 +119,20 @@ def test_one_graph_serves_every_prompt_length_and_position(monkeypatch):
         tokens = torch.randint(4, 24, (1, length), generator=g)
         run(model, step, tokens.expand(3, -1), length - 2, length, inplace=True)
     assert counter.frame_count == 1
+
+
+@pytest.mark.slow  # dynamo traces the step once per kernel (seconds), no compiler
+@pytest.mark.parametrize(
+    ("kernel", "positions"), [("softmax_hyp", "sequence"), ("softmax_opt", "member")]
+)
+def test_every_exp_kernel_traces_to_the_eager_numbers(monkeypatch, kernel: str, positions: str):
+    real = torch.compile
+    monkeypatch.setattr(torch, "compile", lambda fn, **kw: real(fn, backend="eager", **kw))
+    model = causal(kernel=kernel, positions=positions)
+    g = torch.Generator().manual_seed(5)
+    tokens = torch.randint(4, 24, (3, 14), generator=g)
+    tokens[:, 0] = model.config.cls_idx
+    tokens[0, 7] = model.config.cls_idx  # a second member in row 0
+    want, _ = run(model, model.step, tokens, 4, 10)
+    got, _ = run(model, CompiledStep(model), tokens, 4, 10, inplace=True)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
