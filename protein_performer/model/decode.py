@@ -70,7 +70,7 @@ class CompiledStep:
         self.model = model
         self._params = tuple(model.parameters())  # walking the modules costs a layer's ops
         self._flat: Tensor | None = None
-        self._key: tuple | None = None
+        self._key: list | None = None
         self._layout: tuple[tuple[tuple[int, ...], ...], ...] = ((), (), ())
         self._maps: tuple[FeatureMap, ...] = ()
         self._fn = torch.compile(self._layers, dynamic=False) if compile else self._layers
@@ -79,7 +79,7 @@ class CompiledStep:
         """The flat buffer (see :meth:`_views` for its order), rebuilt when any parameter's
         storage or version changes (training, loading, a moved model)."""
         model = self.model
-        key = (*((p.data_ptr(), p._version) for p in self._params), device)
+        key = [device, *[p._version for p in self._params], *[p.data_ptr() for p in self._params]]
         if self._flat is not None and self._key == key:
             return self._flat
         layers, maps = [], []
@@ -128,7 +128,9 @@ class CompiledStep:
         pad = torch.zeros_like(tokens, dtype=torch.bool) if pad is None else pad.bool()
         flat = self._weights(device)
         kv = tuple(_owned(s.kv, B, inplace) for s in states)
-        mu = tuple(s.mu.to(torch.float32).expand(B, -1).contiguous() for s in states)
+        mu = tuple(
+            s.mu if _plain(s.mu, B) else s.mu.float().expand(B, -1).contiguous() for s in states
+        )
         logits, mu = self._fn(tokens, rows, pad, kv, mu, flat)
         return logits, [FavorState(a, b) for a, b in zip(kv, mu, strict=True)]
 
@@ -198,10 +200,16 @@ def _norm(norm: nn.LayerNorm) -> tuple[Tensor, Tensor]:
     return norm.weight, norm.bias
 
 
+def _plain(t: Tensor, B: int) -> bool:
+    """Whether a state tensor enters the graph as it is: (B, ...) float32, contiguous (checked
+    in Python: cheaper than the no-op casts per layer and token)."""
+    return t.shape[0] == B and t.dtype == torch.float32 and t.is_contiguous()
+
+
 def _owned(kv: Tensor, B: int, inplace: bool) -> Tensor:
     """A sum the traced step may write: ``kv`` itself when the caller gave it up and it is a
     plain (B, ...) float32 tensor, else a contiguous copy (a batch-1 state broadcast to B)."""
-    if inplace and kv.shape[0] == B and kv.dtype == torch.float32 and kv.is_contiguous():
+    if inplace and _plain(kv, B):
         return kv
     kv = kv.to(torch.float32).expand(B, *kv.shape[1:])
     return kv.clone(memory_format=torch.contiguous_format)
