@@ -1,15 +1,15 @@
 """A decoding step as one traced graph: PerformerLM's one-token call for torch.compile.
 
 Why: in eager mode a token of the 8M model is about 1,400 small ops (views, casts, the
-stabilizer's bookkeeping) around 25 matrix-vector products, and at batch 1 they cost as much
+stabilizer's bookkeeping) around 26 matrix-vector products, and at batch 1 they cost as much
 as the products (issue 33). :class:`CompiledStep` takes what a step needs out of the model
-once (the stacked q/k/v weights, each layer's FAVOR+ map), looks the rotary rows up outside
-the graph, and runs every layer as one function of tensors without host checks, so
-``torch.compile`` makes one graph per model and batch size. The function is made of the
-model's own parts (:func:`.favor.recurrent.step`, :func:`.rotary.rotate_rows`, the layers'
-modules): in eager mode (``compile=False``) it gives ``PerformerLM.step``'s numbers exactly,
-compiled the same to float rounding. A model it cannot run (:func:`unsupported`) keeps
-``PerformerLM.step``.
+once (every weight, transposed where a product reads it, and each layer's FAVOR+ map), looks
+the rotary rows up outside the graph, and runs every layer as one function of tensors without
+host checks, so ``torch.compile`` makes one graph per model and batch size, whatever the
+prompt and position. The attention math is the model's own (:func:`.favor.recurrent.step`,
+:func:`.rotary.rotate_rows`); the products read the transposed copy, so eager
+(``compile=False``) or compiled it gives ``PerformerLM.step``'s numbers to float rounding. A
+model it cannot run (:func:`unsupported`) keeps ``PerformerLM.step``.
 """
 
 from __future__ import annotations
@@ -44,8 +44,13 @@ def unsupported(model: PerformerLM) -> str | None:
         fmap = attn.core._step_map(model.embed_tokens.weight.device, torch.float32)
         if not (fmap.exp and fmap.Wa.dim() == 2):
             return f"layer {i}'s kernel {attn.core.kernel!r} has no exp step"
-        if not attn._fusable():
+        plain = attn._fusable() and all(
+            type(m) is nn.Linear for m in (attn.out_proj, layer.fc1, layer.fc2)
+        )
+        if not plain:  # the step reads the Linear weights, not the modules' forward
             return f"layer {i}'s projections are replaced (LoRA): merge the adapters first"
+    if type(model.lm_head.dense) is not nn.Linear:
+        return "the head's projection is replaced (LoRA): merge the adapters first"
     return None
 
 

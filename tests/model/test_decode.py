@@ -88,6 +88,9 @@ def test_models_it_cannot_run_are_named():
     assert "'relu'" in unsupported(causal(kernel="relu"))
     assert "masked LM" in unsupported(causal(objective="mlm"))
     assert unsupported(causal()) is None
+    wrapped = causal()
+    wrapped.layers[1].fc1 = torch.nn.Sequential(wrapped.layers[1].fc1)  # an adapter's stand-in
+    assert "layer 2's projections are replaced" in unsupported(wrapped)
     with pytest.raises(ValueError, match="no compiled step"):
         CompiledStep(causal(attention="exact"))
 
