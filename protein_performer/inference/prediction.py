@@ -9,9 +9,8 @@ writer streams windows of records into parts merged at the end, like ``score``, 
 
 from __future__ import annotations
 
-import csv
 import os
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -19,12 +18,12 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from protein_performer.data.inputs import input_records, total_in_background
+from protein_performer.data.inputs import InputRecord, input_records, total_in_background
 from protein_performer.data.sampler import budget_batches
 from protein_performer.errors import UserError
 from protein_performer.interop.record import LoadedModel
-from protein_performer.io.atomic import atomic_output, text_output
 from protein_performer.io.progress import progress as progress_bar
+from protein_performer.io.tables import ShardedTable
 from protein_performer.model.task_heads import TaskHead, residue_mask
 
 if TYPE_CHECKING:
@@ -93,10 +92,6 @@ class PredictSummary:
     num_records: int
 
 
-def _delimiter(path: str | os.PathLike[str]) -> str:
-    return "\t" if str(path).lower().endswith((".tsv", ".tab")) else ","
-
-
 def predict_fasta(
     lm: ProteinLM,
     fasta: str | os.PathLike[str],
@@ -107,47 +102,24 @@ def predict_fasta(
 ) -> PredictSummary:
     """Predict every record of ``fasta`` (FASTA or a store) into ``out`` (CSV/TSV; ``-``:
     standard output), one row per record in input order; sharded like ``score_fasta``."""
-    import tempfile
-
-    from protein_performer.io.sharding import detect_ranks, rank_label, run_sharded, windows
+    from protein_performer.io.sharding import rank_label, windows
 
     head = task_head(lm.loaded)
     path = Path(fasta).expanduser()
-    to_stdout = str(out) == "-"
-    if to_stdout and detect_ranks().distributed:
-        raise UserError("several ranks cannot share standard output; give OUT as a file")
-    delimiter = _delimiter(out)
-    done = PredictSummary(0)
+    table = ShardedTable(out, prediction_columns(head))
 
-    def write_part(part: Path, window: list) -> None:
+    def rows(window: list[InputRecord]) -> Iterator[list[str]]:
         pairs = [(r.id, r.sequence) for r in window]
-        with atomic_output(part) as tmp, open(tmp, "w", newline="", encoding="utf-8") as fh:
-            writer = csv.writer(fh, delimiter=delimiter)
-            for (rid, seq), (_, value) in zip(
-                pairs, lm.iter_predict(pairs, toks_per_batch), strict=True
-            ):
-                writer.writerow(prediction_row(head, rid, len(seq), value))
+        for (rid, seq), (_, value) in zip(
+            pairs, lm.iter_predict(pairs, toks_per_batch), strict=True
+        ):
+            yield prediction_row(head, rid, len(seq), value)
         bar.update(len(window))
-
-    def merge(parts: list[Path]) -> int:
-        if not parts:
-            raise UserError(f"{path}: no valid records to process")
-        with text_output(out) as fh:
-            writer = csv.writer(fh, delimiter=delimiter)
-            writer.writerow(prediction_columns(head))
-            for part in parts:
-                with open(part, newline="", encoding="utf-8") as src:
-                    for row in csv.reader(src, delimiter=delimiter):
-                        writer.writerow(row)
-                        done.num_records += 1
-        return done.num_records
 
     records = input_records(path, on_invalid)
     batches = windows(records, toks_per_batch, lambda r: len(r.sequence))
     bar = progress_bar(None, "seq", rank_label("predict"), progress)
     total_in_background(bar, path, "records")
-    with tempfile.TemporaryDirectory() as tmp, bar:
-        dest = Path(tmp) / "predictions" if to_stdout else Path(out).expanduser()
-        parts = Path(tmp) / "parts" if to_stdout else None
-        run_sharded(dest, ".csv", batches, write_part, merge, fresh=True, parts=parts)
-    return done
+    with bar:
+        _, total = table.write(batches, rows, path)
+    return PredictSummary(total)

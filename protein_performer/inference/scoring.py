@@ -40,7 +40,7 @@ import logging
 import math
 import os
 import re
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -48,13 +48,19 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from protein_performer.data.inputs import input_records, read_records, total_in_background
+from protein_performer.data.inputs import (
+    InputRecord,
+    input_records,
+    read_records,
+    total_in_background,
+)
 from protein_performer.data.sampler import budget_batches
 from protein_performer.errors import UserError
 from protein_performer.interop.record import LoadedModel
-from protein_performer.io.atomic import atomic_output, text_output
+from protein_performer.io.atomic import text_output
 from protein_performer.io.progress import beat
 from protein_performer.io.progress import progress as progress_bar
+from protein_performer.io.tables import ShardedTable, delimiter
 
 if TYPE_CHECKING:
     from protein_performer.inference.api import ProteinLM
@@ -106,10 +112,6 @@ def _check_context(strategy: str, context: FamilyContext | None) -> None:
             f"strategy {strategy!r} cannot use a family context: only 'causal' (a causal model "
             "continuing the context) can"
         )
-
-
-def _delimiter(path: str | os.PathLike[str]) -> str:
-    return "\t" if Path(path).suffix.lower() in (".tsv", ".tab") else ","
 
 
 # --------------------------------------------------------------------------------------------
@@ -290,50 +292,28 @@ def score_fasta(
     Window by window into parts, merged at the end, so ranks of a ``torchrun``/SLURM job split
     the records (:mod:`protein_performer.io.sharding`); standard output takes one process.
     """
-    import tempfile
-
-    from protein_performer.io.sharding import (
-        detect_ranks,
-        rank_label,
-        run_sharded,
-        windows,
-    )
+    from protein_performer.io.sharding import rank_label, windows
 
     check_strategy(lm.loaded, strategy, SEQUENCE_STRATEGIES)
     path = Path(fasta).expanduser()
-    to_stdout = str(out) == "-"
-    if to_stdout and detect_ranks().distributed:
-        raise UserError("several ranks cannot share standard output; give OUT as a file")
-    delimiter = _delimiter(out)
+    table = ShardedTable(out, SCORE_COLUMNS)
     mine = ScoreSummary(0, 0.0, 0)
-
-    def write_part(part: Path, window: list) -> None:
-        pairs = [(r.id, r.sequence) for r in window]
-        scores = lm.iter_score(pairs, strategy, toks_per_batch, context=context, progress=bar)
-        with atomic_output(part) as tmp, open(tmp, "w", newline="", encoding="utf-8") as fh:
-            writer = csv.writer(fh, delimiter=delimiter)
-            for _, score in scores:
-                writer.writerow(score.row())
-                mine.num_records += 1
-                mine.log_likelihood += score.log_likelihood
-                mine.n_scored += score.n_scored
-
     merged = ScoreSummary(0, 0.0, 0)
 
-    def merge(parts: list[Path]) -> int:
-        if not parts:
-            raise UserError(f"{path}: no valid records to process")
-        with text_output(out) as fh:
-            writer = csv.writer(fh, delimiter=delimiter)
-            writer.writerow(SCORE_COLUMNS)
-            for part in parts:
-                with open(part, newline="", encoding="utf-8") as src:
-                    for row in csv.reader(src, delimiter=delimiter):
-                        writer.writerow(row)
-                        merged.num_records += 1
-                        merged.n_scored += int(row[2])
-                        merged.log_likelihood += float(row[3])
-        return merged.num_records
+    def rows(window: list[InputRecord]) -> Iterator[list[str]]:
+        pairs = [(r.id, r.sequence) for r in window]
+        for _, score in lm.iter_score(
+            pairs, strategy, toks_per_batch, context=context, progress=bar
+        ):
+            mine.num_records += 1
+            mine.log_likelihood += score.log_likelihood
+            mine.n_scored += score.n_scored
+            yield score.row()
+
+    def add(row: list[str]) -> None:
+        merged.num_records += 1
+        merged.n_scored += int(row[2])
+        merged.log_likelihood += float(row[3])
 
     records = input_records(path, on_invalid)
     batches = windows(records, toks_per_batch, lambda r: len(r.sequence))
@@ -341,10 +321,8 @@ def score_fasta(
     unit = "pass" if strategy == "pseudo-ppl" else "res"
     bar = progress_bar(None, unit, rank_label(strategy), progress)
     total_in_background(bar, path, "residues")
-    with tempfile.TemporaryDirectory() as tmp, bar:
-        dest = Path(tmp) / "scores" if to_stdout else Path(out).expanduser()
-        parts = Path(tmp) / "parts" if to_stdout else None
-        run_sharded(dest, ".csv", batches, write_part, merge, fresh=True, parts=parts)
+    with bar:
+        table.write(batches, rows, path, add)
     return merged if merged.num_records else mine
 
 
@@ -606,7 +584,7 @@ def score_variants_file(
     score_col = score_col or strategy
     try:
         with open(path, newline="", encoding="utf-8-sig") as fh:
-            reader = csv.reader(fh, delimiter=_delimiter(path))
+            reader = csv.reader(fh, delimiter=delimiter(path))
             header = next(reader, None)
             if header is None:
                 raise UserError(f"{path} is empty: expected a header row with {mutation_col!r}")
@@ -707,7 +685,7 @@ def score_variants_file(
 
     width = len(header)
     with text_output(out) as fh:
-        writer = csv.writer(fh, delimiter=_delimiter(out))
+        writer = csv.writer(fh, delimiter=delimiter(out))
         writer.writerow([*header, *names])
         for n, (_, row) in enumerate(rows):
             cells = row + [""] * (width - len(row))
