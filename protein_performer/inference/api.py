@@ -25,7 +25,7 @@ from protein_performer.data.inputs import Records, as_records
 from protein_performer.data.tokenizer import STANDARD_AA, Alphabet
 from protein_performer.errors import UserError
 from protein_performer.inference.context import FamilyContext, Homologs, build_context
-from protein_performer.inference.embedding import HIDDEN_KINDS, embed_sequences, resolve_layers
+from protein_performer.inference.embedding import HIDDEN_KINDS, block_numbers, embed_sequences
 from protein_performer.inference.ensemble import ContextEnsemble
 from protein_performer.inference.generation import Generated, SamplingOptions, iter_generate
 from protein_performer.inference.scoring import (
@@ -187,9 +187,10 @@ class ProteinLM:
         """
         several_layers = not isinstance(layers, int)
         given = list(layers) if several_layers else [layers]  # type: ignore[list-item]
-        resolved = resolve_layers(self.loaded, given)
+        blocks = block_numbers(self.loaded, given)  # resolved once for the whole input
+        resolved = sorted(set(blocks))
         kinds, several_kinds = _pooling_kinds(pooling)
-        by_given = {g: resolve_layers(self.loaded, [g])[0] for g in given}
+        by_given = dict(zip(given, blocks, strict=True))
         for window in windows(as_records(records), toks_per_batch, lambda r: len(r[1])):
             seqs = [s for _, s in window]
             results = dict(embed_sequences(self.loaded, seqs, resolved, kinds, toks_per_batch))

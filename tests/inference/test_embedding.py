@@ -13,8 +13,10 @@ from protein_performer.data.sampler import budget_batches
 from protein_performer.data.tokenizer import Alphabet
 from protein_performer.errors import UserError
 from protein_performer.inference.api import ProteinLM
-from protein_performer.inference.embedding import embed_fasta, embed_sequences, read_embeddings
+from protein_performer.inference.embedding import embed_sequences, resolve_layers
 from protein_performer.interop.record import LoadedModel
+from protein_performer.jobs.embed import embed_fasta
+from protein_performer.jobs.embed_file import read_embeddings
 from protein_performer.model.config import PerformerConfig
 from protein_performer.model.performer import PerformerLM
 
@@ -116,8 +118,10 @@ def test_sequence_longer_than_any_training_length(tmp_path: Path) -> None:
 def test_batched_equals_one_by_one() -> None:
     loaded = tiny_loaded()
     seqs = ["MKTAYIAKQRQISFVKSHFSRQ", "MLL", "GSHMKKLLAVLYCLAVFAL", "W" * 40]
-    together = dict(embed_sequences(loaded, seqs, [1, -1], ["mean", "per_tok"], 10_000))
-    alone = dict(embed_sequences(loaded, seqs, [1, -1], ["mean", "per_tok"], 1))
+    layers = resolve_layers(loaded, [1, -1])
+    assert layers == [1, 2]
+    together = dict(embed_sequences(loaded, seqs, layers, ["mean", "per_tok"], 10_000))
+    alone = dict(embed_sequences(loaded, seqs, layers, ["mean", "per_tok"], 1))
     for i in range(len(seqs)):
         for kind in ("mean", "per_tok"):
             for layer in (1, 2):

@@ -14,11 +14,11 @@ from protein_performer.inference.api import ProteinLM
 from protein_performer.inference.scoring import (
     parse_mutant,
     pseudo_log_likelihoods,
-    score_fasta,
     score_sequences,
     score_variants,
-    score_variants_file,
 )
+from protein_performer.jobs.score import score_fasta
+from protein_performer.jobs.score_variants import score_variants_file
 from tests.inference.test_embedding import tiny_loaded
 from tests.paths import SHARED as SHARED_DIR
 
