@@ -202,7 +202,7 @@ def test_embed_include_contacts_stores_the_predicted_maps(tmp_path: Path, capsys
     """`embed --include mean contacts`: the maps beside the embeddings are `contacts predict`'s."""
     from protein_performer.cli.main import main
     from protein_performer.interop.export import export_model
-    from protein_performer.jobs.embed_file import read_embeddings
+    from protein_performer.jobs.embed import read_embeddings
 
     loaded = _loaded("favor")
     loaded.contact_regression = _regression(loaded).to_dict()

@@ -15,8 +15,7 @@ from protein_performer.errors import UserError
 from protein_performer.inference.api import ProteinLM
 from protein_performer.inference.embedding import embed_sequences, resolve_layers
 from protein_performer.interop.record import LoadedModel
-from protein_performer.jobs.embed import embed_fasta
-from protein_performer.jobs.embed_file import read_embeddings
+from protein_performer.jobs.embed import embed_fasta, read_embeddings
 from protein_performer.model.config import PerformerConfig
 from protein_performer.model.performer import PerformerLM
 

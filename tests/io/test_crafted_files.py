@@ -21,8 +21,7 @@ from protein_performer.interop import record
 from protein_performer.interop.export import export_model
 from protein_performer.interop.loading import load_model
 from protein_performer.io.json_safe import parse_json
-from protein_performer.jobs.embed import embed_fasta
-from protein_performer.jobs.embed_file import read_embeddings
+from protein_performer.jobs.embed import embed_fasta, read_embeddings
 from protein_performer.model.contact_head import ContactRegression
 from tests.contacts.test_contact_maps import _loaded, _regression
 from tests.inference.test_embedding import tiny_loaded
