@@ -51,3 +51,10 @@ def test_an_input_without_records_is_one_error_naming_it(tmp_path: Path) -> None
     with pytest.raises(UserError, match=r"^in\.fasta: no valid records to process$"):
         ShardedTable(tmp_path / "t.csv", ["id"]).write([], lambda w: [], "in.fasta")
     assert not (tmp_path / "t.csv").exists()
+
+
+def test_several_ranks_naming_standard_output_stop_before_any_work(monkeypatch) -> None:
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(UserError, match="several ranks cannot share standard output"):
+        ShardedTable("-", ["id"])
