@@ -3,8 +3,10 @@
 Notebook users get what fair-esm, Hugging Face and performer-pytorch give them, on our models:
 embeddings, (pseudo-)likelihood scores, variant effects, fill-in of ``<mask>`` and generation.
 Every CLI inference command is a thin wrapper over the streaming methods here (``iter_embed``,
-``iter_score``, ``score_variants``, ``iter_generate``), so the numbers a script gets and the
-numbers a file holds come from one code path. Sequences go in as plain strings or ``(id,
+``iter_score``, ``score_variants``, ``iter_predict``, ``iter_generate``; the file drivers of
+:mod:`protein_performer.jobs` sit above), so the numbers a script gets and the numbers a file
+holds come from one code path. The methods call the tasks of ``inference/`` (tensor work on the
+loaded model), which never call back up here. Sequences go in as plain strings or ``(id,
 sequence)`` pairs; batching by token budget, devices, ``torch.inference_mode`` and threads are
 handled inside.
 """
