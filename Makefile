@@ -2,8 +2,9 @@
 # Each creates or reuses .venv and installs what it needs (CPU torch 2.13.0; see README for GPU).
 # pytest's exit status passes through unchanged: 5 (no tests collected) fails, since both
 # targets expect tests (skipped tests still count as collected).
-# `make test` skips tests marked slow (benchmarks, scripts end to end, multi-process runs) and
-# prints the 15 slowest; `make test-slow` runs only those.
+# `make test` skips tests marked slow (benchmarks, scripts end to end, multi-process runs), runs
+# the rest in two pytest-xdist workers (one torch thread each, tests/conftest.py) and prints
+# the 15 slowest; `make test-slow` runs only the slow ones, in one process.
 PY ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
@@ -27,7 +28,7 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(BIN)/ruff check protein_performer tests scripts examples
-	$(BIN)/python -m pytest -q --durations=15
+	$(BIN)/python -m pytest -q -n 2 --durations=15
 
 test-slow: $(STAMP)
 	$(BIN)/python -m pytest -q -m slow

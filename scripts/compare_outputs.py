@@ -6,7 +6,8 @@ Three tiny random models (FAVOR+ MLM, FAVOR+ CLM, exact MLM) are exported once b
 checkout (`--models`, with its package first on PYTHONPATH: newer versions read older exports,
 not the other way round). Each
 checkout's commands (`--run PYTHONPATH OUT [--old-cli]`) then embed, score, score variants,
-generate, fit and predict contacts, export to Hugging Face and evaluate on the bundled data;
+generate, fit and predict contacts, export to Hugging Face, evaluate and (not with --old-cli)
+run the two-assay ProteinGym benchmark on the bundled data;
 `--compare A B` lists every file or HDF5 dataset that differs (HDF5 attributes are shown apart:
 they carry versions). `--old-cli` spells the 0.2.0 commands (`predict-contacts`, `--out`).
 
@@ -32,6 +33,7 @@ REPO = Path(__file__).resolve().parents[1]
 DEMO = REPO / "protein_performer" / "data" / "demo" / "some_proteins.fasta"
 DMS = REPO.parent / "shared" / "data" / "dms"
 STRUCTURES = REPO.parent / "shared" / "data" / "structures"
+PROTEINGYM = REPO / "data" / "proteingym"
 
 
 def make_models(out: Path) -> None:
@@ -81,6 +83,7 @@ def commands(models: Path, old_cli: bool) -> list[list[str]]:
         ["embed", m["exact"], fasta, "ex.h5", "--include", "mean", *one, "--no-progress"],
         ["score", m["mlm"], fasta, "s.csv", "--strategy", "pseudo-ppl", *one, "--no-progress"],
         ["score", m["clm"], fasta, "c.csv", "--strategy", "causal", *one, "--no-progress"],
+        ["score", m["clm"], fasta, "c.tsv", "--strategy", "causal", *one, "--no-progress"],
     ]
     runs[0] += ["per_tok", "bos", *one, "--no-progress"]
     regression = ["--regression", "cdir/contact_regression.json", *one]
@@ -102,6 +105,8 @@ def commands(models: Path, old_cli: bool) -> list[list[str]]:
             ["contacts", "fit", m["mlm"], *pdbs, "--out-dir", "cdir"],
             ["contacts", "predict", m["mlm"], fasta, "p.h5", *regression],
             ["eval", m["mlm"], fasta, "--out-dir", "evaldir"],
+            ["benchmark", "proteingym", str(PROTEINGYM / "reference_two_assays.csv"),
+             str(PROTEINGYM), "pg", m["mlm"], *one, "--no-progress"],
         ]  # fmt: skip
     runs.append(["export", m["mlm"], "hf", "--format", "hf", "--as-exact"])
     return runs

@@ -84,9 +84,9 @@ def run_inference_demo(
     model.safetensors, what a user would share). CPU by default: the demo model is tiny.
     """
     from protein_performer.inference.api import load
-    from protein_performer.inference.embedding import embed_fasta
-    from protein_performer.inference.scoring import score_fasta
     from protein_performer.interop.export import export_model
+    from protein_performer.jobs.embed import embed_fasta
+    from protein_performer.jobs.score import score_fasta
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)

@@ -1,7 +1,9 @@
 """The package's floors hold: every import runs downward.
 
     cli/  (and the package's lazy entry points in __init__.py)
-      -> inference/                         the API (ProteinLM) and its tasks (may draw: viz/)
+      -> jobs/                              the commands' file drivers, one module per job
+      -> inference/api.py                   the API (ProteinLM)
+      -> inference/                         its tasks: tensor work on LoadedModel (may draw: viz/)
       -> finetune/                          (fine-tuning: above training, below cli only)
       -> contacts/   training/              (siblings: neither imports the other)
       -> interop/                           weights in and out (one loader, ESM-2, HF)
@@ -41,13 +43,21 @@ ALLOWED: dict[str, set[str]] = {
     "training": {*_BASE, "training"},
     "contacts": {*_BASE, "contacts"},
     "finetune": {*_BASE, "training", "finetune"},
-    "inference": {*_BASE, "contacts", "inference", "viz"},  # viz: lm.report() draws
+    "inference": {*_BASE, "contacts", "inference", "viz"},  # viz: the report's views draw
+    "api": {*_BASE, "contacts", "inference", "viz", "api"},
+    "jobs": {*_BASE, "contacts", "inference", "api", "jobs"},
     "viz": {"low", "io", "viz"},
-    "cli": {*_BASE, "training", "finetune", "contacts", "inference", "viz", "cli", "package"},
-    "package": {*_BASE, "training", "finetune", "contacts", "inference", "viz", "cli", "package"},
-}
+    "cli": {*_BASE, "training", "finetune", "contacts", "inference", "api", "jobs", "viz", "cli",
+            "package"},
+    "package": {*_BASE, "training", "finetune", "contacts", "inference", "api", "jobs", "viz",
+                "cli", "package"},
+}  # fmt: skip
 #: What viz/ may import besides the standard library and the low floor.
 VIZ_THIRD_PARTY = {"numpy", "matplotlib", "Bio", "plotly"}
+
+
+#: Modules that are a floor of their own inside a folder: the API sits above its tasks.
+OWN_FLOOR = {f"{PACKAGE}.inference.api": "api"}
 
 
 def floor_of(module: str) -> str:
@@ -56,6 +66,8 @@ def floor_of(module: str) -> str:
     assert parts[0] == PACKAGE, module
     if len(parts) == 1:
         return "package"
+    if module in OWN_FLOOR:
+        return OWN_FLOOR[module]
     if parts[1] in LOW:
         return "low"
     if parts[1] in ALLOWED and parts[1] not in ("low", "package"):
@@ -86,13 +98,15 @@ def imports(module: str, source: str, is_package: bool = False) -> list[tuple[in
             else:
                 target = node.module or ""
             found.append((node.lineno, target))
-            # ``from protein_performer import inference`` names a subpackage; ``__version__``
-            # is the package's own attribute (its __init__ is loaded before any submodule)
-            if target == PACKAGE:
+            # ``from protein_performer import inference`` (or ``from ...inference import api``)
+            # names a submodule; ``__version__`` is the package's own attribute (its __init__
+            # is loaded before any submodule)
+            if target.split(".")[0] == PACKAGE:
+                folder = ROOT.parent.joinpath(*target.split("."))
                 found += [
-                    (node.lineno, f"{PACKAGE}.{alias.name}")
+                    (node.lineno, f"{target}.{alias.name}")
                     for alias in node.names
-                    if (ROOT / alias.name).is_dir() or (ROOT / f"{alias.name}.py").is_file()
+                    if (folder / alias.name).is_dir() or (folder / f"{alias.name}.py").is_file()
                 ]
     return found
 
@@ -149,6 +163,14 @@ def test_imports_run_downward() -> None:
         ("protein_performer.interop.loading", "from ..training import init_weights"),
         ("protein_performer.data.fasta", "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n"
          "    from protein_performer.cli import main"),
+        ("protein_performer.inference.scoring", "from typing import TYPE_CHECKING\n"
+         "if TYPE_CHECKING:\n    from protein_performer.inference.api import ProteinLM"),
+        ("protein_performer.inference.context", "from protein_performer.inference import api"),
+        ("protein_performer.inference.embedding", "from .api import ProteinLM"),
+        ("protein_performer.inference.embedding", "from protein_performer.jobs.embed import a"),
+        ("protein_performer.inference.api", "from protein_performer.jobs.score import a"),
+        ("protein_performer.jobs.score", "from protein_performer.cli._common import load_lm"),
+        ("protein_performer.jobs.embed", "from protein_performer.training import train"),
     ],
 )  # fmt: skip
 def test_a_crossed_floor_is_reported(module: str, source: str) -> None:
@@ -168,6 +190,10 @@ def test_a_crossed_floor_is_reported(module: str, source: str) -> None:
         ("protein_performer.interop.loading", "from protein_performer import __version__"),
         ("protein_performer.inference.api", "from protein_performer.contacts import predict"),
         ("protein_performer", "from protein_performer.inference.api import load"),
+        ("protein_performer.jobs.score", "from protein_performer.inference.api import ProteinLM"),
+        ("protein_performer.jobs.embed", "from protein_performer.inference.embedding import a"),
+        ("protein_performer.cli.embed", "from protein_performer.jobs.embed import embed_fasta"),
+        ("protein_performer.inference.api", "from protein_performer.inference.scoring import a"),
     ],
 )
 def test_a_downward_import_is_allowed(module: str, source: str) -> None:

@@ -87,7 +87,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from protein_performer.errors import UserError
-    from protein_performer.inference.proteingym import run_proteingym
+    from protein_performer.jobs.proteingym import run_proteingym
 
     options = context_options(args)
     if args.context_dir is None and options:

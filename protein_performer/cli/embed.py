@@ -99,7 +99,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from protein_performer.inference.embedding import embed_fasta
+    from protein_performer.jobs.embed import embed_fasta
 
     join_ranks(args)
     check_output(args.out, [args.ckpt, args.fasta], args.overwrite or args.resume)

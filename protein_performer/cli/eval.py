@@ -100,7 +100,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from protein_performer.inference.evaluate import evaluate, format_table
+    from protein_performer.jobs.evaluate import evaluate, format_table
 
     out_dir = Path(args.out_dir or f"outputs/eval/{time.strftime('%Y-%m-%d_%H-%M-%S')}")
     for name in ("metrics.json", "bins.csv"):

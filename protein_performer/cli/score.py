@@ -62,7 +62,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from protein_performer.inference.scoring import score_fasta
+    from protein_performer.jobs.score import score_fasta
 
     join_ranks(args)
     check_output(args.out, [args.ckpt, args.fasta, args.context], args.overwrite)

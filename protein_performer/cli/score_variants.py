@@ -91,7 +91,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from protein_performer.errors import UserError
-    from protein_performer.inference.scoring import score_variants_file, wild_type
+    from protein_performer.jobs.score_variants import score_variants_file, wild_type
 
     check_output(args.out, [args.ckpt, args.wt, args.mutations, args.context], args.overwrite)
     if args.per_prompt and args.context is None:

@@ -1,15 +1,17 @@
 """What the inference commands read: the records of a FASTA file or a preprocessed store, in
 order, whichever the user gives (``embed``, ``score``, ``score-variants``, ``contacts``,
-``eval``, ``visualize``). ``-`` is standard input (read as FASTA, see ``data.fasta``)."""
+``eval``, ``visualize``). ``-`` is standard input (read as FASTA, see ``data.fasta``). And what
+the Python API takes (:func:`as_records`): strings or (id, sequence) pairs, checked."""
 
 from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any, NamedTuple
 
+from protein_performer.data.tokenizer import Alphabet
 from protein_performer.errors import UserError
 
 log = logging.getLogger(__name__)
@@ -24,6 +26,8 @@ class InputRecord(NamedTuple):
     number: int  # 1-based position in its file or store
 
 
+#: What the Python API takes as sequences: strings, or (id, sequence) pairs.
+Records = Iterable[str] | Iterable[tuple[str, str]]
 #: Letters of DNA/RNA: an input made only of these is most likely not protein.
 NUCLEOTIDES = "ACGTUN"
 
@@ -144,3 +148,32 @@ def find_record(records: Sequence[Any], want: str | None, source: str | os.PathL
         f"{display_name(source)}: no record {want!r} (by id, accession or entry name; ids "
         f"start: {shown}, ...)"
     )
+
+
+def as_records(seqs: Records | str) -> Iterator[tuple[str, str]]:
+    """Strings or (id, sequence) pairs -> validated (id, SEQUENCE); a bad one names its index."""
+    if isinstance(seqs, str):
+        seqs = [seqs]
+    alphabet = Alphabet()
+    for i, item in enumerate(seqs):
+        if isinstance(item, str):
+            rid, seq = str(i), item
+        elif isinstance(item, tuple) and len(item) == 2:
+            rid, seq = str(item[0]), item[1]
+        elif hasattr(item, "id") and hasattr(item, "sequence"):  # a FastaRecord
+            rid, seq = item.id, item.sequence
+        else:
+            raise UserError(
+                f"sequence {i}: expected a string or an (id, sequence) pair, got "
+                f"{type(item).__name__}"
+            )
+        if not isinstance(seq, str):
+            raise UserError(f"sequence {i} ({rid}): expected a string, got {type(seq).__name__}")
+        seq = seq.strip().upper()
+        if not seq:
+            raise UserError(f"sequence {i} ({rid}) is empty")
+        try:
+            alphabet.encode(seq)
+        except ValueError as exc:
+            raise UserError(f"sequence {i} ({rid}): {exc}") from None
+        yield rid, seq

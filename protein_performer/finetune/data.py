@@ -38,6 +38,7 @@ import torch
 
 from protein_performer.data.tokenizer import Alphabet
 from protein_performer.errors import UserError
+from protein_performer.io.tables import delimiter
 from protein_performer.model.task_heads import IGNORE_INDEX, TASKS
 
 log = logging.getLogger(__name__)
@@ -80,14 +81,6 @@ class LabelledSet:
             self.label_names, [self.rows[i] for i in idx],
             None if self.splits is None else [self.splits[i] for i in idx], 0, self.source,
         )  # fmt: skip
-
-
-def _delimiter(path: Path, first_line: str) -> str:
-    if path.suffix.lower() in (".tsv", ".tab"):
-        return "\t"
-    if path.suffix.lower() == ".csv":
-        return ","
-    return "\t" if first_line.count("\t") > first_line.count(",") else ","
 
 
 def _is_nan(text: str) -> bool:
@@ -161,7 +154,7 @@ def read_labels(
     if not text.strip():
         raise UserError(f"{src} is empty: give a CSV/TSV with a header row")
     reader = _rows(
-        src, csv.reader(text.splitlines(), delimiter=_delimiter(src, text.splitlines()[0]))
+        src, csv.reader(text.splitlines(), delimiter=delimiter(src, text.splitlines()[0]))
     )
     header = [h.strip() for h in next(reader)]
     label_cols = [str(c) for c in label_cols]

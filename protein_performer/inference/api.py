@@ -3,8 +3,10 @@
 Notebook users get what fair-esm, Hugging Face and performer-pytorch give them, on our models:
 embeddings, (pseudo-)likelihood scores, variant effects, fill-in of ``<mask>`` and generation.
 Every CLI inference command is a thin wrapper over the streaming methods here (``iter_embed``,
-``iter_score``, ``score_variants``, ``iter_generate``), so the numbers a script gets and the
-numbers a file holds come from one code path. Sequences go in as plain strings or ``(id,
+``iter_score``, ``score_variants``, ``iter_predict``, ``iter_generate``; the file drivers of
+:mod:`protein_performer.jobs` sit above), so the numbers a script gets and the numbers a file
+holds come from one code path. The methods call the tasks of ``inference/`` (tensor work on the
+loaded model), which never call back up here. Sequences go in as plain strings or ``(id,
 sequence)`` pairs; batching by token budget, devices, ``torch.inference_mode`` and threads are
 handled inside.
 """
@@ -14,17 +16,18 @@ from __future__ import annotations
 import logging
 import os
 import re
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
+from protein_performer.data.inputs import Records, as_records
 from protein_performer.data.tokenizer import STANDARD_AA, Alphabet
 from protein_performer.errors import UserError
 from protein_performer.inference.context import FamilyContext, Homologs, build_context
-from protein_performer.inference.embedding import HIDDEN_KINDS, embed_sequences, resolve_layers
+from protein_performer.inference.embedding import HIDDEN_KINDS, block_numbers, embed_sequences
 from protein_performer.inference.ensemble import ContextEnsemble
 from protein_performer.inference.generation import Generated, SamplingOptions, iter_generate
 from protein_performer.inference.scoring import (
@@ -52,8 +55,6 @@ PRECISIONS: dict[str, torch.dtype] = {
     "fp16": torch.float16,
 }
 _SPECIAL = re.compile(r"(<[a-z_0-9]+>)")
-
-Records = Iterable[str] | Iterable[tuple[str, str]]
 
 
 def resolve_dtype(dtype: torch.dtype | str | None) -> torch.dtype:
@@ -111,35 +112,6 @@ def load(
         for p in loaded.model.parameters():
             p.data = p.data.to(target)
     return ProteinLM(loaded)
-
-
-def _as_records(seqs: Records | str) -> Iterator[tuple[str, str]]:
-    """Strings or (id, sequence) pairs -> validated (id, SEQUENCE); a bad one names its index."""
-    if isinstance(seqs, str):
-        seqs = [seqs]
-    alphabet = Alphabet()
-    for i, item in enumerate(seqs):
-        if isinstance(item, str):
-            rid, seq = str(i), item
-        elif isinstance(item, tuple) and len(item) == 2:
-            rid, seq = str(item[0]), item[1]
-        elif hasattr(item, "id") and hasattr(item, "sequence"):  # a FastaRecord
-            rid, seq = item.id, item.sequence
-        else:
-            raise UserError(
-                f"sequence {i}: expected a string or an (id, sequence) pair, got "
-                f"{type(item).__name__}"
-            )
-        if not isinstance(seq, str):
-            raise UserError(f"sequence {i} ({rid}): expected a string, got {type(seq).__name__}")
-        seq = seq.strip().upper()
-        if not seq:
-            raise UserError(f"sequence {i} ({rid}) is empty")
-        try:
-            alphabet.encode(seq)
-        except ValueError as exc:
-            raise UserError(f"sequence {i} ({rid}): {exc}") from None
-        yield rid, seq
 
 
 def _prompts(context: FamilyContext | ContextEnsemble | None) -> list[FamilyContext | None]:
@@ -217,10 +189,11 @@ class ProteinLM:
         """
         several_layers = not isinstance(layers, int)
         given = list(layers) if several_layers else [layers]  # type: ignore[list-item]
-        resolved = resolve_layers(self.loaded, given)
+        blocks = block_numbers(self.loaded, given)  # resolved once for the whole input
+        resolved = sorted(set(blocks))
         kinds, several_kinds = _pooling_kinds(pooling)
-        by_given = {g: resolve_layers(self.loaded, [g])[0] for g in given}
-        for window in windows(_as_records(records), toks_per_batch, lambda r: len(r[1])):
+        by_given = dict(zip(given, blocks, strict=True))
+        for window in windows(as_records(records), toks_per_batch, lambda r: len(r[1])):
             seqs = [s for _, s in window]
             results = dict(embed_sequences(self.loaded, seqs, resolved, kinds, toks_per_batch))
             for i, (rid, _) in enumerate(window):
@@ -274,7 +247,7 @@ class ProteinLM:
         batch (a masked LM's rows then score each residue while seeing it)."""
         from protein_performer.data.sampler import budget_batches
 
-        records = list(_as_records(seqs))
+        records = list(as_records(seqs))
         lengths = [len(s) + 2 for _, s in records]
         out: list[np.ndarray | None] = [None] * len(records)
         for batch in budget_batches(lengths, toks_per_batch):
@@ -306,7 +279,7 @@ class ProteinLM:
         order."""
         from protein_performer.contacts.attention import attention_maps, resolve_layers
 
-        ((_, text),) = list(_as_records([("sequence", seq)]))
+        ((_, text),) = list(as_records([("sequence", seq)]))
         chosen = resolve_layers(self.model, None if layers is None else list(layers))
         rows: dict[int, np.ndarray] = {}
 
@@ -390,7 +363,7 @@ class ProteinLM:
         self._check_context(context)
         bar = False if progress is None else progress
         prompts = _prompts(context)
-        for window in windows(_as_records(records), toks_per_batch, lambda r: len(r[1])):
+        for window in windows(as_records(records), toks_per_batch, lambda r: len(r[1])):
             runs = [
                 score_sequences(self.loaded, window, strategy, toks_per_batch, bar, ctx)
                 for ctx in prompts
@@ -445,7 +418,7 @@ class ProteinLM:
         """
         strategy = self._strategy(strategy, VARIANT_STRATEGIES, "masked-marginals")
         self._check_context(context)
-        ((_, wt),) = list(_as_records([("wild type", wild_type)]))
+        ((_, wt),) = list(as_records([("wild type", wild_type)]))
         parsed = []
         for i, text in enumerate(mutants):
             try:
@@ -476,7 +449,7 @@ class ProteinLM:
         from protein_performer.inference.prediction import predict_sequences, task_head
 
         task_head(self.loaded)  # a model without a head fails before reading any input
-        for window in windows(_as_records(records), toks_per_batch, lambda r: len(r[1])):
+        for window in windows(as_records(records), toks_per_batch, lambda r: len(r[1])):
             values = predict_sequences(self.loaded, [s for _, s in window], toks_per_batch)
             for (rid, _), value in zip(window, values, strict=True):
                 if not np.isfinite(value).all():
@@ -520,7 +493,7 @@ class ProteinLM:
         ``protein_performer.contacts.predict.predict_contacts`` with a dense limit."""
         from protein_performer.contacts.predict import find_regression, predict_contacts
 
-        ((_, text),) = list(_as_records([("sequence", seq)]))
+        ((_, text),) = list(as_records([("sequence", seq)]))
         reg = find_regression(self.loaded, regression, caller="python")
         cmap = predict_contacts(self.loaded, text, reg, dense_max_length=len(text))
         return cmap.dense
@@ -546,7 +519,7 @@ class ProteinLM:
         from protein_performer.inference.report_data import build_report
         from protein_performer.viz.report import write_report
 
-        ((rid, text),) = list(_as_records([(name or "sequence", seq)]))
+        ((rid, text),) = list(as_records([(name or "sequence", seq)]))
         target = None
         if structure is not None:
             from protein_performer.contacts.structures import contact_target

@@ -79,13 +79,13 @@ class FamilyContext:
 def homolog_records(homologs: Homologs) -> list[tuple[str, str]]:
     """Homologs as (id, SEQUENCE): a FASTA path (str or PathLike), one sequence string, or an
     iterable of strings / (id, sequence) pairs / FASTA records; a bad one names its index."""
-    from protein_performer.inference.api import _as_records
+    from protein_performer.data.inputs import as_records
 
     if isinstance(homologs, os.PathLike) or (isinstance(homologs, str) and _is_path(homologs)):
         from protein_performer.data.inputs import read_records
 
         return [(r.id, r.sequence.upper()) for r in read_records(homologs)]
-    return list(_as_records(homologs))  # type: ignore[arg-type]
+    return list(as_records(homologs))  # type: ignore[arg-type]
 
 
 def _is_path(text: str) -> bool:

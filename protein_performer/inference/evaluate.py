@@ -1,7 +1,8 @@
 """Perplexity and accuracy of a checkpoint on held-out data, overall and per length bin.
 
-``evaluate(loaded, data, out_dir, ...)`` is a plain function of a loaded model and keyword
-settings (the ``eval`` command's flags), so tests, scripts and notebooks call it directly.
+``measure(loaded, data, ...)`` is a plain function of a loaded model and keyword settings (the
+``eval`` command's flags), so tests, scripts and notebooks call it directly; the command's files
+(``metrics.json``, ``bins.csv``) are :func:`protein_performer.jobs.evaluate.evaluate`'s.
 
 What is measured, by objective:
 
@@ -17,9 +18,6 @@ Performer is whether quality holds up on long proteins, which a corpus mean hide
 
 from __future__ import annotations
 
-import csv
-import io
-import json
 import logging
 import math
 import os
@@ -31,14 +29,12 @@ import numpy as np
 import torch
 
 from protein_performer.errors import UserError
-from protein_performer.io.atomic import write_text_atomic
 
 if TYPE_CHECKING:
     from protein_performer.interop.record import LoadedModel
 
 log = logging.getLogger(__name__)
 
-BIN_COLUMNS = ("bin", "records", "tokens", "loss", "ppl", "acc")
 #: Upper edges of the default length bins: <=256, 257-512, 513-1024, >1024 residues.
 DEFAULT_BINS = (256, 512, 1024)
 
@@ -87,10 +83,9 @@ def _source(
     return InMemorySource(ids, [alphabet.encode(r.sequence) for r in records]), "fasta (all)"
 
 
-def evaluate(
+def measure(
     loaded: LoadedModel,
     data: str | os.PathLike[str],
-    out_dir: str | os.PathLike[str],
     *,
     split: str = "valid",
     max_len: int | None = None,
@@ -104,8 +99,8 @@ def evaluate(
     progress: bool = True,
 ) -> dict[str, Any]:
     """Evaluate ``loaded`` on ``data`` (a FASTA file, ``-`` for standard input, or a store
-    directory, of which ``split`` is read); write ``metrics.json`` and ``bins.csv`` to
-    ``out_dir`` and return the metrics (``overall``, ``bins``, settings, output paths).
+    directory, of which ``split`` is read): the metrics ``overall`` and per length bin
+    (``bins``), with the settings that made them.
 
     ``max_len`` counts ``<cls>``/``<eos>``: longer records keep their first ``max_len - 2``
     residues (None: no cropping). ``seed``/``mlm_prob`` fix the MLM masks, so two checkpoints
@@ -200,7 +195,7 @@ def evaluate(
             else "all next-token predictions incl. <eos>"
         )
     )
-    result: dict[str, Any] = {
+    return {
         "checkpoint": str(loaded.source),
         "data": str(data),
         "source": described,
@@ -210,33 +205,3 @@ def evaluate(
         "overall": overall,
         "bins": bins,
     }
-    out_dir = Path(out_dir).expanduser()
-    out_dir.mkdir(parents=True, exist_ok=True)
-    metrics_path, bins_path = out_dir / "metrics.json", out_dir / "bins.csv"
-    write_text_atomic(metrics_path, json.dumps(result, indent=2) + "\n")
-    table = io.StringIO()
-    writer = csv.writer(table)
-    writer.writerow(BIN_COLUMNS)
-    for row in [{"bin": "all", **overall}, *bins]:
-        writer.writerow(["" if row[c] is None else row[c] for c in BIN_COLUMNS])
-    write_text_atomic(bins_path, table.getvalue())
-    result["files"] = {"metrics": str(metrics_path), "bins": str(bins_path)}
-    return result
-
-
-def format_table(result: dict[str, Any]) -> str:
-    """The printed summary: one line per bin plus the overall line."""
-
-    def fmt(x: float | None, spec: str) -> str:
-        return "-" if x is None else format(x, spec)
-
-    lines = [
-        f"{result['checkpoint']} on {result['data']} ({result['source']}); {result['method']}",
-        f"{'bin':>12} {'records':>8} {'tokens':>10} {'loss':>8} {'ppl':>9} {'acc':>7}",
-    ]
-    for row in [*result["bins"], {"bin": "all", **result["overall"]}]:
-        lines.append(
-            f"{row['bin']:>12} {row['records']:>8} {row['tokens']:>10} "
-            f"{fmt(row['loss'], '.4f'):>8} {fmt(row['ppl'], '.3f'):>9} {fmt(row['acc'], '.4f'):>7}"
-        )
-    return "\n".join(lines)

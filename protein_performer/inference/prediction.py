@@ -2,33 +2,22 @@
 
 What a head returns, per sequence: regression -> its targets (T,); classification -> class
 probabilities (C,); residue classification -> per-residue class probabilities (L, C). Any
-length runs in one pass (FAVOR+ is linear in length; no cropping, no windows). The file
-writer streams windows of records into parts merged at the end, like ``score``, so ranks of a
-``torchrun``/SLURM job split the records and memory is bounded by a window.
+length runs in one pass (FAVOR+ is linear in length; no cropping, no windows). Tensor work on a
+:class:`~protein_performer.interop.record.LoadedModel` only; the ``predict`` command's table is
+:mod:`protein_performer.jobs.predict`.
 """
 
 from __future__ import annotations
 
-import csv
-import os
 from collections.abc import Sequence
-from dataclasses import dataclass
-from pathlib import Path
-from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
-from protein_performer.data.inputs import input_records, total_in_background
 from protein_performer.data.sampler import budget_batches
 from protein_performer.errors import UserError
 from protein_performer.interop.record import LoadedModel
-from protein_performer.io.atomic import atomic_output, text_output
-from protein_performer.io.progress import progress as progress_bar
 from protein_performer.model.task_heads import TaskHead, residue_mask
-
-if TYPE_CHECKING:
-    from protein_performer.inference.api import ProteinLM
 
 
 def task_head(loaded: LoadedModel) -> TaskHead:
@@ -65,89 +54,3 @@ def predict_sequences(
             v = values[k, 1 : 1 + len(seqs[i])] if head.per_residue else values[k]
             out[i] = np.ascontiguousarray(v, dtype=np.float32)
     return out  # type: ignore[return-value]
-
-
-def prediction_columns(head: TaskHead) -> list[str]:
-    """The header ``predict`` writes for this head."""
-    names = head.config.labels
-    if head.config.task == "regression":
-        return ["id", "length", *names]
-    if head.config.task == "classification":
-        return ["id", "length", "predicted", *(f"p_{n}" for n in names)]
-    return ["id", "length", "predicted", "mean_confidence"]
-
-
-def prediction_row(head: TaskHead, rid: str, length: int, value: np.ndarray) -> list[str]:
-    names = head.config.labels
-    if head.config.task == "regression":
-        return [rid, str(length), *(f"{x:.6g}" for x in value)]
-    if head.config.task == "classification":
-        return [rid, str(length), names[int(value.argmax())], *(f"{x:.6f}" for x in value)]
-    labels = [names[int(k)] for k in value.argmax(-1)]
-    sep = "" if all(len(n) == 1 for n in names) else " "
-    return [rid, str(length), sep.join(labels), f"{float(value.max(-1).mean()):.6f}"]
-
-
-@dataclass
-class PredictSummary:
-    num_records: int
-
-
-def _delimiter(path: str | os.PathLike[str]) -> str:
-    return "\t" if str(path).lower().endswith((".tsv", ".tab")) else ","
-
-
-def predict_fasta(
-    lm: ProteinLM,
-    fasta: str | os.PathLike[str],
-    out: str | os.PathLike[str],
-    toks_per_batch: int = 4096,
-    on_invalid: str = "error",
-    progress: bool = True,
-) -> PredictSummary:
-    """Predict every record of ``fasta`` (FASTA or a store) into ``out`` (CSV/TSV; ``-``:
-    standard output), one row per record in input order; sharded like ``score_fasta``."""
-    import tempfile
-
-    from protein_performer.io.sharding import detect_ranks, rank_label, run_sharded, windows
-
-    head = task_head(lm.loaded)
-    path = Path(fasta).expanduser()
-    to_stdout = str(out) == "-"
-    if to_stdout and detect_ranks().distributed:
-        raise UserError("several ranks cannot share standard output; give OUT as a file")
-    delimiter = _delimiter(out)
-    done = PredictSummary(0)
-
-    def write_part(part: Path, window: list) -> None:
-        pairs = [(r.id, r.sequence) for r in window]
-        with atomic_output(part) as tmp, open(tmp, "w", newline="", encoding="utf-8") as fh:
-            writer = csv.writer(fh, delimiter=delimiter)
-            for (rid, seq), (_, value) in zip(
-                pairs, lm.iter_predict(pairs, toks_per_batch), strict=True
-            ):
-                writer.writerow(prediction_row(head, rid, len(seq), value))
-        bar.update(len(window))
-
-    def merge(parts: list[Path]) -> int:
-        if not parts:
-            raise UserError(f"{path}: no valid records to process")
-        with text_output(out) as fh:
-            writer = csv.writer(fh, delimiter=delimiter)
-            writer.writerow(prediction_columns(head))
-            for part in parts:
-                with open(part, newline="", encoding="utf-8") as src:
-                    for row in csv.reader(src, delimiter=delimiter):
-                        writer.writerow(row)
-                        done.num_records += 1
-        return done.num_records
-
-    records = input_records(path, on_invalid)
-    batches = windows(records, toks_per_batch, lambda r: len(r.sequence))
-    bar = progress_bar(None, "seq", rank_label("predict"), progress)
-    total_in_background(bar, path, "records")
-    with tempfile.TemporaryDirectory() as tmp, bar:
-        dest = Path(tmp) / "predictions" if to_stdout else Path(out).expanduser()
-        parts = Path(tmp) / "parts" if to_stdout else None
-        run_sharded(dest, ".csv", batches, write_part, merge, fresh=True, parts=parts)
-    return done

@@ -13,7 +13,8 @@ Sequence scores (``protein-performer score``):
   ``n_scored``.
 
 Per sequence: ``id, length, n_scored, log_likelihood, mean_log_likelihood, perplexity`` with
-``perplexity = exp(-mean_log_likelihood)``; CSV, or TSV when the output ends in ``.tsv``/``.tab``.
+``perplexity = exp(-mean_log_likelihood)`` (:class:`SequenceScore`; the ``score`` command's
+table: :mod:`protein_performer.jobs.score`).
 
 Variant scores (``protein-performer score-variants``), strategies named as in ESM's
 variant-prediction example plus ``causal``, all as log-ratios mutant vs wild type:
@@ -27,41 +28,33 @@ variant-prediction example plus ``causal``, all as log-ratios mutant vs wild typ
 
 Mutations are ``A42G`` (wild-type letter, position, mutant letter), joined by ``:`` for multiple
 mutants (``A42G:K45R``); positions are numbered so the first residue of the wild type is
-``offset``. A row whose mutation does not fit the wild type (wrong letter, position outside,
-unparseable) gets an empty score and is listed by its CSV line number, never a crash.
+``offset`` (:func:`parse_mutant`; the ``score-variants`` command's table:
+:mod:`protein_performer.jobs.score_variants`).
+
+Tensor work on a :class:`~protein_performer.interop.record.LoadedModel` only: ``lm.score``,
+``lm.iter_score`` and ``lm.score_variants`` (:mod:`protein_performer.inference.api`) call it.
 """
 
 from __future__ import annotations
 
 import contextlib
-import csv
-import json
-import logging
 import math
-import os
 import re
 from collections.abc import Sequence
-from dataclasses import dataclass, field
-from pathlib import Path
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 
-from protein_performer.data.inputs import input_records, read_records, total_in_background
 from protein_performer.data.sampler import budget_batches
 from protein_performer.errors import UserError
 from protein_performer.interop.record import LoadedModel
-from protein_performer.io.atomic import atomic_output, text_output
 from protein_performer.io.progress import beat
 from protein_performer.io.progress import progress as progress_bar
 
 if TYPE_CHECKING:
-    from protein_performer.inference.api import ProteinLM
     from protein_performer.inference.context import FamilyContext
-    from protein_performer.inference.ensemble import ContextEnsemble
-
-log = logging.getLogger(__name__)
 
 SEQUENCE_STRATEGIES = ("pseudo-ppl", "causal")
 VARIANT_STRATEGIES = ("masked-marginals", "wt-marginals", "pseudo-ppl", "causal")
@@ -75,9 +68,6 @@ STRATEGY_OBJECTIVE = {
 SCORE_COLUMNS = ("id", "length", "n_scored", "log_likelihood", "mean_log_likelihood", "perplexity")
 _MUTATION = re.compile(r"^([A-Za-z])(-?\d+)([A-Za-z])$")
 _WILD_TYPE_NAMES = frozenset({"wt", "_wt", "wildtype", "wild-type"})
-#: The columns of a ProteinGym substitution file (``DMS_score_bin`` too, unused here).
-PROTEINGYM_COLUMNS = frozenset({"mutant", "DMS_score"})
-_SHOW_ROWS = 20  # rows named in the warning summary before "and N more"
 
 
 def check_strategy(loaded: LoadedModel, strategy: str, choices: Sequence[str]) -> None:
@@ -106,10 +96,6 @@ def _check_context(strategy: str, context: FamilyContext | None) -> None:
             f"strategy {strategy!r} cannot use a family context: only 'causal' (a causal model "
             "continuing the context) can"
         )
-
-
-def _delimiter(path: str | os.PathLike[str]) -> str:
-    return "\t" if Path(path).suffix.lower() in (".tsv", ".tab") else ","
 
 
 # --------------------------------------------------------------------------------------------
@@ -261,93 +247,6 @@ def score_sequences(
     ]
 
 
-@dataclass
-class ScoreSummary:
-    """What ``score_fasta`` wrote (rank 0: the whole file; other ranks: their own parts)."""
-
-    num_records: int
-    log_likelihood: float
-    n_scored: int
-
-    @property
-    def mean_log_likelihood(self) -> float:
-        return self.log_likelihood / self.n_scored if self.n_scored else float("nan")
-
-
-def score_fasta(
-    lm: ProteinLM,
-    fasta: str | os.PathLike[str],
-    out: str | os.PathLike[str],
-    strategy: str = "pseudo-ppl",
-    toks_per_batch: int = 4096,
-    on_invalid: str = "error",
-    progress: bool = True,
-    context: FamilyContext | None = None,
-) -> ScoreSummary:
-    """Score every record of ``fasta`` (a FASTA file or a store directory; ``lm.iter_score``)
-    into ``out`` (CSV/TSV, or standard output for ``-``), one row per record in input order.
-
-    Window by window into parts, merged at the end, so ranks of a ``torchrun``/SLURM job split
-    the records (:mod:`protein_performer.io.sharding`); standard output takes one process.
-    """
-    import tempfile
-
-    from protein_performer.io.sharding import (
-        detect_ranks,
-        rank_label,
-        run_sharded,
-        windows,
-    )
-
-    check_strategy(lm.loaded, strategy, SEQUENCE_STRATEGIES)
-    path = Path(fasta).expanduser()
-    to_stdout = str(out) == "-"
-    if to_stdout and detect_ranks().distributed:
-        raise UserError("several ranks cannot share standard output; give OUT as a file")
-    delimiter = _delimiter(out)
-    mine = ScoreSummary(0, 0.0, 0)
-
-    def write_part(part: Path, window: list) -> None:
-        pairs = [(r.id, r.sequence) for r in window]
-        scores = lm.iter_score(pairs, strategy, toks_per_batch, context=context, progress=bar)
-        with atomic_output(part) as tmp, open(tmp, "w", newline="", encoding="utf-8") as fh:
-            writer = csv.writer(fh, delimiter=delimiter)
-            for _, score in scores:
-                writer.writerow(score.row())
-                mine.num_records += 1
-                mine.log_likelihood += score.log_likelihood
-                mine.n_scored += score.n_scored
-
-    merged = ScoreSummary(0, 0.0, 0)
-
-    def merge(parts: list[Path]) -> int:
-        if not parts:
-            raise UserError(f"{path}: no valid records to process")
-        with text_output(out) as fh:
-            writer = csv.writer(fh, delimiter=delimiter)
-            writer.writerow(SCORE_COLUMNS)
-            for part in parts:
-                with open(part, newline="", encoding="utf-8") as src:
-                    for row in csv.reader(src, delimiter=delimiter):
-                        writer.writerow(row)
-                        merged.num_records += 1
-                        merged.n_scored += int(row[2])
-                        merged.log_likelihood += float(row[3])
-        return merged.num_records
-
-    records = input_records(path, on_invalid)
-    batches = windows(records, toks_per_batch, lambda r: len(r.sequence))
-    # Residues (pseudo-ppl: one masked pass each) advance inside a window, batch by batch.
-    unit = "pass" if strategy == "pseudo-ppl" else "res"
-    bar = progress_bar(None, unit, rank_label(strategy), progress)
-    total_in_background(bar, path, "residues")
-    with tempfile.TemporaryDirectory() as tmp, bar:
-        dest = Path(tmp) / "scores" if to_stdout else Path(out).expanduser()
-        parts = Path(tmp) / "parts" if to_stdout else None
-        run_sharded(dest, ".csv", batches, write_part, merge, fresh=True, parts=parts)
-    return merged if merged.num_records else mine
-
-
 # --------------------------------------------------------------------------------------------
 # Variants
 # --------------------------------------------------------------------------------------------
@@ -474,42 +373,11 @@ def score_variants(
     return [ll[s] - ll[wt_seq] for s in seqs]
 
 
-@dataclass
-class VariantSummary:
-    """What ``score_variants_file`` did: counts, skipped rows, and the correlation if asked."""
-
-    out: Path
-    rows: int
-    scored: int
-    skipped: list[tuple[int, str, str]] = field(default_factory=list)  # (line, mutant, reason)
-    spearman: float | None = None
-    spearman_n: int = 0
-    label_col: str | None = None
-    detected: str | None = None  # the line saying which columns were taken by default
-
-    def skipped_summary(self) -> str:
-        """One warning naming the CSV lines (1-based, the header is line 1) left unscored."""
-        shown = "; ".join(
-            f"line {line} ({mut!r}: {why})" for line, mut, why in self.skipped[:_SHOW_ROWS]
-        )
-        more = len(self.skipped) - _SHOW_ROWS
-        tail = f"; and {more} more" if more > 0 else ""
-        return (
-            f"{len(self.skipped)} of {self.rows} row(s) not scored (empty score; CSV line "
-            f"numbers, header = line 1): {shown}{tail}"
-        )
-
-
-def wild_type(path: str | os.PathLike[str]) -> tuple[str, str]:
-    records = read_records(path)
-    if len(records) != 1:
-        raise UserError(
-            f"{path}: WT needs exactly one record (the wild type), found {len(records)}"
-        )
-    return records[0].id, records[0].sequence
-
-
-def _spearman(scores: Sequence[float | None], labels: Sequence[str]) -> tuple[float | None, int]:
+def label_spearman(
+    scores: Sequence[float | None], labels: Sequence[str]
+) -> tuple[float | None, int]:
+    """Spearman rho of ``scores`` vs the labels that read as finite numbers (a table's cells),
+    over the rows scored, and how many rows that is."""
     xs, ys = [], []
     for s, lab in zip(scores, labels, strict=True):
         try:
@@ -567,165 +435,3 @@ def offset_hint(texts: Sequence[str], wt_seq: str, offset: int, matched: int) ->
         f"match ({matched} with --offset {offset}): pass --offset {best}, the number of the "
         "sequence's first residue in the mutation names"
     )
-
-
-def score_variants_file(
-    lm: ProteinLM,
-    wt_fasta: str | os.PathLike[str],
-    mutations: str | os.PathLike[str],
-    out: str | os.PathLike[str],
-    strategy: str = "masked-marginals",
-    offset: int = 1,
-    mutation_col: str = "mutant",
-    label_col: str | None = None,
-    score_col: str | None = None,
-    toks_per_batch: int = 4096,
-    limit_rows: int | None = None,
-    progress: bool = True,
-    context: FamilyContext | ContextEnsemble | None = None,
-    per_prompt: bool = False,
-) -> VariantSummary:
-    """Score every row of a DMS table; write all input columns plus the score (atomically).
-
-    With a context, what built it goes to ``OUT.context.json`` (:func:`context_record`); with
-    an ensemble and ``per_prompt``, one more column per prompt (``SCORE:LABEL``) beside the
-    mean.
-
-    The input is read as UTF-8 with an optional byte-order mark (spreadsheet exports);
-    delimiter by extension (``.tsv``/``.tab`` -> tab, else comma), same for the output.
-    """
-    if limit_rows is not None and (
-        not isinstance(limit_rows, int) or isinstance(limit_rows, bool) or limit_rows < 1
-    ):  # 0 or -1 read as "one row" before: never a silent partial score
-        raise UserError(f"limit_rows={limit_rows!r}: give a whole number >= 1, or None for all")
-    check_strategy(lm.loaded, strategy, VARIANT_STRATEGIES)
-    _, wt_seq = wild_type(wt_fasta)
-    path = Path(mutations).expanduser()
-    if not path.is_file():
-        raise UserError(f"{path} does not exist or is not a file; give the mutations CSV")
-    score_col = score_col or strategy
-    try:
-        with open(path, newline="", encoding="utf-8-sig") as fh:
-            reader = csv.reader(fh, delimiter=_delimiter(path))
-            header = next(reader, None)
-            if header is None:
-                raise UserError(f"{path} is empty: expected a header row with {mutation_col!r}")
-            rows: list[tuple[int, list[str]]] = []
-            for row in reader:
-                if not any(cell.strip() for cell in row):
-                    continue
-                rows.append((reader.line_num, row))
-                if limit_rows is not None and len(rows) >= limit_rows:
-                    break
-    except UnicodeDecodeError as exc:
-        raise UserError(f"{path}: not UTF-8 text ({exc}); save the table as UTF-8 CSV") from None
-    except csv.Error as exc:
-        raise UserError(f"{path}: malformed CSV ({exc})") from None
-    detected = None
-    if label_col is None and set(header) >= PROTEINGYM_COLUMNS and mutation_col == "mutant":
-        label_col = "DMS_score"  # a ProteinGym DMS file, read as it is
-        detected = (
-            f"{path.name}: ProteinGym DMS columns found: mutations from 'mutant', Spearman vs "
-            "'DMS_score' (--label-col and --mutation-col choose others)"
-        )
-    ragged = [(line, len(row)) for line, row in rows if len(row) != len(header)]
-    if ragged:  # a cell too many or too few shifts every later column: never guess
-        shown = ", ".join(f"line {line} has {n}" for line, n in ragged[:10])
-        more = f" (+{len(ragged) - 10} more)" if len(ragged) > 10 else ""
-        raise UserError(
-            f"{path}: {len(ragged)} malformed row(s) whose number of cells differs from the "
-            f"header's {len(header)}: {shown}{more}; fix or remove them (a delimiter inside a "
-            "cell needs quotes)"
-        )
-
-    def column(name: str, flag: str) -> int:
-        if name not in header:
-            raise UserError(
-                f"{path}: no column {name!r} ({flag}); columns are: "
-                + ", ".join(repr(h) for h in header)
-            )
-        return header.index(name)
-
-    mut_i = column(mutation_col, "--mutation-col")
-    label_i = column(label_col, "--label-col") if label_col is not None else None
-    if score_col in header:
-        raise UserError(
-            f"{path} already has a column {score_col!r}; choose another name with --score-col"
-        )
-
-    parsed: list[str | None] = []
-    skipped: list[tuple[int, str, str]] = []
-    for line, row in rows:
-        text = row[mut_i] if mut_i < len(row) else ""
-        try:
-            parse_mutant(text, wt_seq, offset, lm.alphabet)
-            parsed.append(text)
-        except ValueError as exc:
-            parsed.append(None)
-            skipped.append((line, text, str(exc)))
-    valid = [v for v in parsed if v is not None]
-    if not rows:
-        raise UserError(f"{path} has no rows to score (only its header)")
-    hint = None
-    if skipped:
-        hint = offset_hint([text for _, text, _ in skipped] + valid, wt_seq, offset, len(valid))
-    if not valid:
-        raise UserError(
-            f"{path}: none of its {len(rows)} row(s) fits the wild type with --offset {offset}; "
-            + (hint or "check the wild type and the mutation column (e.g. A42G)")
-        )
-    from protein_performer.inference.ensemble import ContextEnsemble, context_record
-
-    prompts = list(context.prompts) if isinstance(context, ContextEnsemble) and per_prompt else []
-    if per_prompt and not prompts:
-        raise UserError("per_prompt needs a context ensemble (--context with --context-* lists)")
-    each = [
-        lm.score_variants(
-            wt_seq, valid, strategy, offset, toks_per_batch, progress, context=p.context
-        )
-        for p in prompts
-    ]
-    values = (
-        np.mean(each, axis=0)
-        if each
-        else lm.score_variants(
-            wt_seq, valid, strategy, offset, toks_per_batch, progress, context=context
-        )
-    )
-    columns = [values, *each]
-    names = [score_col, *(f"{score_col}:{p.label}" for p in prompts)]
-    clash = [n for n in names[1:] if n in header]
-    if clash:
-        raise UserError(f"{path} already has a column {clash[0]!r}; choose another --score-col")
-
-    def spread(column: np.ndarray) -> list[float | None]:
-        it = iter(column.tolist())
-        return [None if v is None else next(it) for v in parsed]
-
-    table = [spread(c) for c in columns]
-    scores = table[0]
-
-    width = len(header)
-    with text_output(out) as fh:
-        writer = csv.writer(fh, delimiter=_delimiter(out))
-        writer.writerow([*header, *names])
-        for n, (_, row) in enumerate(rows):
-            cells = row + [""] * (width - len(row))
-            writer.writerow([*cells, *("" if c[n] is None else f"{c[n]:.6f}" for c in table)])
-    if context is not None and str(out) != "-":
-        from protein_performer.io.atomic import write_text_atomic
-
-        record = json.dumps(context_record(context), sort_keys=True, indent=1) + "\n"
-        write_text_atomic(Path(f"{out}.context.json"), record)
-
-    summary = VariantSummary(
-        Path(out), len(rows), len(valid), skipped, label_col=label_col, detected=detected
-    )
-    if label_i is not None:
-        labels = [row[label_i] if label_i < len(row) else "" for _, row in rows]
-        summary.spearman, summary.spearman_n = _spearman(scores, labels)
-    if skipped:
-        log.warning("%s", summary.skipped_summary())
-    if hint:
-        log.warning("%s", hint)
-    return summary

@@ -7,6 +7,9 @@ What is compared (random weights everywhere: no download, and speed does not dep
   with FAVOR+ attention and the default configuration (m = d ln d rounded up to a multiple of
   16: 48 random features for the 16-wide heads; ``--nb-features`` overrides);
 * ``exact``: the same ``PerformerLM`` with exact softmax attention (torch SDPA): our exact twin;
+* ``free``: the same ``PerformerLM`` with every attention core replaced by one that returns
+  its values unchanged (projections, rotary, FFN and norms kept): the time if attention cost
+  nothing, so HF's time / this one is the ceiling of HF / ours for any attention core;
 * ``esm``: fair-esm's ``esm.model.esm2.ESM2`` (materialized L x L attention), as users run it;
 * ``hf``: transformers' ``EsmModel`` with ``attn_implementation="sdpa"``.
 
@@ -59,7 +62,7 @@ import _common as common
 
 log = logging.getLogger("bench_embed")
 
-IMPLS = ("performer", "exact", "hf", "esm")
+IMPLS = ("performer", "exact", "free", "hf", "esm")
 ESM2_8M = {"layers": 6, "dim": 320, "heads": 20, "ffn": 1280}
 TITIN = common.SEQUENCES / "long_proteins.fasta"
 PROTEINS = common.SEQUENCES / "swissprot_opal_train.fasta"
@@ -75,7 +78,7 @@ def _build(impl: str, length: int, nb_features: int | None = None) -> tuple[Any,
 
     Padded batches (``<pad>`` = 1 in every vocabulary here) mask their pads.
     """
-    if impl in ("performer", "exact"):
+    if impl in ("performer", "exact", "free"):
         from protein_performer.model.config import PerformerConfig
         from protein_performer.model.performer import PerformerLM
 
@@ -88,6 +91,18 @@ def _build(impl: str, length: int, nb_features: int | None = None) -> tuple[Any,
             attention="favor" if impl == "performer" else "exact",
         )
         model = PerformerLM(config)
+        if impl == "free":
+            import torch
+
+            class FreeCore(torch.nn.Module):
+                """An attention core that costs nothing: its output is its values."""
+
+                def forward(self, q: Any, k: Any, v: Any, *args: Any, **kw: Any) -> tuple:  # noqa: ANN401
+                    return v, None
+
+            for layer in model.layers:
+                attn = layer.self_attn
+                attn._modules[attn._core_name] = FreeCore()
         return model, lambda t: model(t, repr_layers=[-1]).hidden_states[config.depth]
     if impl == "esm":
         import esm  # fair-esm
@@ -302,6 +317,12 @@ def summarize(rows: list[dict[str, Any]]) -> list[str]:
         )
     # Issue 14: the real proteins against transformers, long sequences against our exact twin.
     issue14 = (("hf", "proteins", 1.5), ("exact", "2048", 1.5), ("exact", "8192", 4))
+    free, hf = get("free", "proteins"), get("hf", "proteins")
+    if free and hf:
+        lines.append(
+            f"{free['length']} real proteins: hf-SDPA's time / free attention's = "
+            f"{hf['time_s'] / free['time_s']:.2f} (the ceiling of hf / ours: attention at no cost)"
+        )
     for base, case, target in issue14:
         ours, theirs = get("performer", case), get(base, case)
         if ours and theirs:

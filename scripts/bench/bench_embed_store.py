@@ -67,8 +67,8 @@ def run_case(case: dict) -> None:
 
     import protein_performer as pp
     from protein_performer.data.inputs import input_records
-    from protein_performer.inference import embedding as emb_mod
-    from protein_performer.inference.embedding import embed_fasta
+    from protein_performer.jobs import embed as emb_mod
+    from protein_performer.jobs.embed import embed_fasta
 
     torch.set_num_threads(case["threads"])
     work = Path(case["dir"])

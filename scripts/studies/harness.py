@@ -481,7 +481,7 @@ def unigram_baseline(
 def spearman(x: Sequence[float], y: Sequence[float]) -> float:
     """Spearman rho as ``protein-performer score --label-col`` reports it (NaN, not a number,
     where it is undefined)."""
-    from protein_performer.inference.scoring import _spearman
+    from protein_performer.inference.scoring import label_spearman
 
-    rho, _ = _spearman([float(v) for v in x], [str(float(v)) for v in y])
+    rho, _ = label_spearman([float(v) for v in x], [str(float(v)) for v in y])
     return math.nan if rho is None else rho

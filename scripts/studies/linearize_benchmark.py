@@ -10,14 +10,17 @@ parameters, CPU seconds of this process, held-out evaluation excluded):
   linear map (``--kernel``, each ``--windows`` value);
 - today's recipe: the FAVOR+ model fine-tuned for ``--ft-steps`` full-model steps on MLM
   + ``--distill-weight`` KL to the exact twin (``backcompat_experiment.fine_tune``), with the
-  first step it reached 1.02x;
+  first evaluated step at which it reached 1.02x and the CPU seconds up to that step (its
+  fitting time times that step's share of ``--ft-steps``);
 - attention transfer alone (``protein_performer.training.linearize``, ``--transfer-steps``),
   then + LoRA (``--lora-steps``, ``--kl-weight``), once per ``--windows`` value.
 
 Held-out perplexity is ``backcompat_experiment.heldout_ppl`` over the test split of the same
 data and split the exact model was trained on (hash split; never fitted on by any row).
 
-Writes ``--out-dir``/``linearize.csv`` and ``linearize.md``.
+The verdict line (the issue's target): which linearized rows reach <= 1.01x in fewer CPU
+seconds than the recipe needed for 1.02x. Writes ``--out-dir``/``linearize.csv`` and
+``linearize.md``.
 
 Examples::
 
@@ -42,7 +45,9 @@ import harness as h
 import torch
 
 log = logging.getLogger("linearize_benchmark")
-FIELDS = ("method", "window", "steps", "trainable", "cpu_s", "ppl", "ratio", "reached_1.02x")
+FIELDS = ("method", "window", "steps", "trainable", "cpu_s", "ppl", "ratio", "reached_1.02x",
+          "cpu_s_to_1.02x")
+TARGET, RECIPE_TARGET = 1.01, 1.02  # the issue: <= 1.01x for less than the recipe's 1.02x
 
 
 class EvalClock:
@@ -76,7 +81,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-len", type=int, default=256)
     p.add_argument("--max-tokens", type=int, default=8192)
     p.add_argument("--nb-features", type=int, default=64, help="FAVOR+ m (swap, fine-tune)")
-    p.add_argument("--ft-steps", type=int, default=150, help="FAVOR+ fine-tune steps")
+    p.add_argument("--ft-steps", type=int, default=300, help="FAVOR+ fine-tune steps")
     p.add_argument("--ft-lr", type=float, default=3e-4)
     p.add_argument("--distill-weight", type=float, default=0.5, help="FAVOR+ fine-tune KL")
     p.add_argument("--kernel", default="hedgehog", help="linear map (hedgehog, taylor)")
@@ -105,7 +110,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     args.trainer, args.kernel_favor = "cpu", "softmax"
     args.ft_warmup, args.redraw_interval = 10, 100
     args.distill_temperature = 1.0
-    args.eval_every = max(1, args.ft_steps // 6)
+    args.eval_every = max(1, args.ft_steps // 12)
     args.steps, args.lr = 40, 1e-3  # --quick's exact training
     return args
 
@@ -113,6 +118,25 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 def favor_args(args: argparse.Namespace) -> argparse.Namespace:
     """``args`` as ``bc.fine_tune`` reads them (its ``kernel`` is FAVOR+'s)."""
     return argparse.Namespace(**{**vars(args), "kernel": args.kernel_favor})
+
+
+def target_verdict(rows: list[dict[str, Any]], recipe_cpu: float | None) -> str:
+    """The issue's target in one line: linearized rows at <= 1.01x for less CPU than the
+    recipe's 1.02x (a recipe that never reached 1.02x leaves any such row ahead)."""
+    linear = [r for r in rows if r["method"].startswith("attention transfer")]
+    met = [r for r in linear if r["ratio"] <= TARGET
+           and (recipe_cpu is None or r["cpu_s"] < recipe_cpu)]  # fmt: skip
+    recipe = ("never reached 1.02x" if recipe_cpu is None
+              else f"reached 1.02x after {recipe_cpu:.0f} CPU s")  # fmt: skip
+    if not met:
+        best = min(linear, key=lambda r: r["ratio"], default=None)
+        closest = "" if best is None else (
+            f"; closest: {best['method']}, window {best['window']}, {best['ratio']}x "
+            f"in {best['cpu_s']} CPU s")  # fmt: skip
+        return f"target (<= {TARGET}x for less than the recipe, which {recipe}): missed{closest}"
+    names = "; ".join(f"{r['method']}, window {r['window']}: {r['ratio']}x in {r['cpu_s']} CPU s"
+                      for r in met)  # fmt: skip
+    return f"target (<= {TARGET}x for less than the recipe, which {recipe}): met by {names}"
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -146,10 +170,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     rows: list[dict[str, Any]] = []
 
     def row(method: str, window: Any, steps: int, trainable: int, cpu: float, ppl: float,
-            reached: Any = "") -> None:
+            reached: Any = "", cpu_to: Any = "") -> None:
         rows.append({"method": method, "window": window, "steps": steps, "trainable": trainable,
                      "cpu_s": round(cpu, 1), "ppl": round(ppl, 4),
-                     "ratio": round(ppl / exact_ppl, 4), "reached_1.02x": reached})
+                     "ratio": round(ppl / exact_ppl, 4), "reached_1.02x": reached,
+                     "cpu_s_to_1.02x": cpu_to})
         log.info("%s", rows[-1])
 
     row("exact", "", 0, 0, 0.0, exact_ppl)
@@ -163,10 +188,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     before, start = clock.seconds, time.process_time()
     curve = bc.fine_tune(fargs, ckpt, test, args.distill_weight)
     cpu = time.process_time() - start - (clock.seconds - before)
-    reached = bc.reached_step(curve, 1.02 * exact_ppl)
+    reached = bc.reached_step(curve, RECIPE_TARGET * exact_ppl)
+    recipe_cpu = None if reached is None else cpu * reached / args.ft_steps
     n_params = exact.model.num_parameters()
     row(f"FAVOR+ fine-tune (MLM + {args.distill_weight:g} KL)", "", args.ft_steps, n_params,
-        cpu, curve[-1]["ppl"], "no" if reached is None else reached)
+        cpu, curve[-1]["ppl"], "no" if reached is None else reached,
+        "" if recipe_cpu is None else round(recipe_cpu, 1))
 
     for w in args.windows:
         options = dict(kernel=args.kernel, window=w, lr=args.transfer_lr,
@@ -200,13 +227,15 @@ def main(argv: Sequence[str] | None = None) -> int:
                 clock(model, test))
 
     h.write_csv(args.out_dir / "linearize.csv", rows, FIELDS)
+    verdict = target_verdict(rows, recipe_cpu)
+    print(verdict)
     text = (
         f"Exact model: {ckpt} (held-out ppl {exact_ppl:.4f}); data "
         f"{', '.join(str(p) for p in args.data)}; {torch.get_num_threads()} torch thread(s). "
         "cpu_s: this process's CPU seconds fitting the row (held-out evaluation excluded); "
         "trainable: parameters the row updates.\n\n"
         + h.markdown_table(FIELDS, [[r[f] for f in FIELDS] for r in rows])
-        + "\n"
+        + f"\n\n{verdict}\n"
     )
     h.write_markdown(args.out_dir / "linearize.md", "Linearizing an exact MLM", text)
     print(text)

@@ -201,8 +201,8 @@ def test_cli_defaults_are_the_library_defaults() -> None:
 def test_embed_include_contacts_stores_the_predicted_maps(tmp_path: Path, capsys) -> None:
     """`embed --include mean contacts`: the maps beside the embeddings are `contacts predict`'s."""
     from protein_performer.cli.main import main
-    from protein_performer.inference.embedding import read_embeddings
     from protein_performer.interop.export import export_model
+    from protein_performer.jobs.embed import read_embeddings
 
     loaded = _loaded("favor")
     loaded.contact_regression = _regression(loaded).to_dict()

@@ -17,11 +17,11 @@ from protein_performer.cli.main import main
 from protein_performer.contacts.predict import predict_contacts_fasta, read_contacts
 from protein_performer.errors import UserError
 from protein_performer.inference.api import ProteinLM
-from protein_performer.inference.embedding import embed_fasta, read_embeddings
 from protein_performer.interop import record
 from protein_performer.interop.export import export_model
 from protein_performer.interop.loading import load_model
 from protein_performer.io.json_safe import parse_json
+from protein_performer.jobs.embed import embed_fasta, read_embeddings
 from protein_performer.model.contact_head import ContactRegression
 from tests.contacts.test_contact_maps import _loaded, _regression
 from tests.inference.test_embedding import tiny_loaded
@@ -173,7 +173,7 @@ def test_limit_rows_and_seeds_are_checked(tmp_path: Path, capsys) -> None:
         assert info.value.code == 2
         err = capsys.readouterr().err.strip().splitlines()[-1]
         assert err.startswith("protein-performer") and ("--limit-rows" in err or "--seed" in err)
-    from protein_performer.inference.scoring import score_variants_file
+    from protein_performer.jobs.score_variants import score_variants_file
 
     with pytest.raises(UserError, match="limit_rows=0"):
         score_variants_file(ProteinLM(tiny_loaded()), "wt", "dms", "out", limit_rows=0)

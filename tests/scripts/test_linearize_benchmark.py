@@ -21,4 +21,11 @@ def test_quick_linearize_benchmark_writes_every_row(run_script, tmp_path) -> Non
     assert all(math.isfinite(float(r["ppl"])) and float(r["ppl"]) > 1 for r in rows)
     lora = [r for r in rows if "LoRA" in r["method"]]
     assert all(int(r["steps"]) == 10 for r in lora)  # 6 transfer + 4 LoRA steps
-    assert "| exact |" in (tmp_path / "linearize.md").read_text()
+    text = (tmp_path / "linearize.md").read_text()
+    assert "| exact |" in text
+    assert "target (<= 1.01x for less than the recipe" in text  # the verdict line
+    favor = next(r for r in rows if r["method"].startswith("FAVOR+ fine-tune"))
+    if favor["reached_1.02x"] != "no":  # CPU to the target = that step's share of the fit
+        share = int(favor["reached_1.02x"]) / int(favor["steps"])
+        assert math.isclose(float(favor["cpu_s_to_1.02x"]), share * float(favor["cpu_s"]),
+                            rel_tol=0.02, abs_tol=0.1)

@@ -36,18 +36,19 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
 from protein_performer.errors import UserError
+from protein_performer.inference.api import ProteinLM
 from protein_performer.inference.dms_metrics import METRICS, assay_metrics, leaderboard_average
+from protein_performer.inference.embedding import features_sha256
 from protein_performer.io.atomic import text_output, write_text_atomic
+from protein_performer.model.contact_head import weights_sha256
 
-if TYPE_CHECKING:
-    from protein_performer.inference.api import ProteinLM
-
-log = logging.getLogger(__name__)
+#: The logger's name as the CLI has always printed it (``WARNING <name>: ...``).
+log = logging.getLogger("protein_performer.inference.proteingym")
 
 REFERENCE_COLUMNS = ("DMS_id", "DMS_filename", "target_seq")
 #: The leaderboard's per-assay columns after the model's, and its summary columns.
@@ -183,18 +184,6 @@ def _round(value: float | None) -> str:
     return "" if value is None else f"{round(value, 3):.3f}"
 
 
-def _run_record(lm: ProteinLM, strategy: str, context: dict[str, Any] | None) -> dict[str, Any]:
-    from protein_performer.inference.embedding import features_sha256
-    from protein_performer.model.contact_head import weights_sha256
-
-    return {
-        "model_sha256": weights_sha256(lm.model),
-        "features_sha256": features_sha256(lm.model),
-        "strategy": strategy,
-        "context": context,
-    }
-
-
 ContextFor = Callable[[Assay], tuple[Any, dict[str, Any] | None]]
 
 
@@ -228,11 +217,16 @@ def run_proteingym(
     (out / "scores").mkdir(parents=True, exist_ok=True)
     summary = BenchmarkSummary(out)
     say = sys.stderr
+    # What every assay's run file records of the model: hashed once for the run, not per assay.
+    model = {
+        "model_sha256": weights_sha256(lm.model),
+        "features_sha256": features_sha256(lm.model),
+    }
     for n, assay in enumerate(assays, start=1):
         start = time.perf_counter()
         mutants, labels, fit = read_assay(files[assay.dms_id])
         context, context_record = context_for(assay) if context_for else (None, None)
-        record = {**_run_record(lm, strategy, context_record), "rows": len(mutants)}
+        record = {**model, "strategy": strategy, "context": context_record, "rows": len(mutants)}
         scores_csv = out / "scores" / f"{assay.dms_id}.csv"
         scores_json = scores_csv.with_suffix(".json")
         scores = _reuse(scores_csv, scores_json, record, model_name, mutants, overwrite)

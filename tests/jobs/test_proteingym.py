@@ -18,7 +18,7 @@ from protein_performer.inference.dms_metrics import (
     spearman,
     top_recall,
 )
-from protein_performer.inference.proteingym import summary_columns
+from protein_performer.jobs.proteingym import summary_columns
 from tests.interop.test_loading import fit_checkpoint
 from tests.paths import REPO
 
