@@ -79,6 +79,7 @@ class CompiledStep:
         self._layout: tuple[tuple[tuple[int, ...], ...], ...] = ((), (), ())
         self._maps: tuple[FeatureMap, ...] = ()
         self._fn = torch.compile(self._layers, dynamic=False) if compile else self._layers
+        self._compiled_for: set[int] | None = set() if compile else None
 
     def _weights(self, device: torch.device) -> Tensor:
         """The flat buffer (see :meth:`_views` for its order), rebuilt when any parameter's
@@ -132,6 +133,9 @@ class CompiledStep:
         rows = model.layers[0].self_attn.rot_emb.step_rows(positions, device, torch.float32)
         pad = torch.zeros_like(tokens, dtype=torch.bool) if pad is None else pad.bool()
         flat = self._weights(device)
+        if self._compiled_for is not None and B not in self._compiled_for:
+            self._compiled_for.add(B)  # the first token of a batch size waits for the compiler
+            log.info("compiling the decoding step for batch size %d (once; tens of seconds)", B)
         kv = tuple(_owned(s.kv, B, inplace) for s in states)
         mu = tuple(
             s.mu if _plain(s.mu, B) else s.mu.float().expand(B, -1).contiguous() for s in states
