@@ -44,6 +44,8 @@ import backcompat_experiment as bc
 import harness as h
 import torch
 
+from protein_performer.training.linearize_options import LinearizeOptions
+
 log = logging.getLogger("linearize_benchmark")
 FIELDS = ("method", "window", "steps", "trainable", "cpu_s", "ppl", "ratio", "reached_1.02x",
           "cpu_s_to_1.02x")
@@ -86,7 +88,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--distill-weight", type=float, default=0.5, help="FAVOR+ fine-tune KL")
     p.add_argument("--kernel", default="hedgehog", help="linear map (hedgehog, taylor)")
     p.add_argument("--windows", type=int, nargs="+", default=[0, 64], help="exact windows")
-    p.add_argument("--transfer-steps", type=int, default=200)
+    p.add_argument("--transfer-steps", type=int, default=LinearizeOptions().steps,
+                   help="attention-transfer steps (default: linearize's)")
     p.add_argument("--transfer-lr", type=float, default=0.1)
     p.add_argument("--lora-steps", type=int, default=100)
     p.add_argument("--lora-lr", type=float, default=1e-3)
