@@ -1,7 +1,9 @@
 """What the inference commands read: the records of a FASTA file or a preprocessed store, in
 order, whichever the user gives (``embed``, ``score``, ``score-variants``, ``contacts``,
-``eval``, ``visualize``). ``-`` is standard input (read as FASTA, see ``data.fasta``). And what
-the Python API takes (:func:`as_records`): strings or (id, sequence) pairs, checked."""
+``eval``, ``visualize``). ``-`` is standard input (read as FASTA, see ``data.fasta``). The
+homologs of a family context (``--context``, ``lm.context``): :func:`read_homologs`, FASTA or an
+MSA. And what the Python API takes (:func:`as_records`): strings or (id, sequence) pairs,
+checked."""
 
 from __future__ import annotations
 
@@ -131,6 +133,57 @@ def read_records(fasta: str | os.PathLike[str], on_invalid: str = "error") -> li
     if not records:
         raise UserError(f"{display_name(path)}: no valid records to process")
     return records
+
+
+def read_homologs(path: str | os.PathLike[str]) -> list:
+    """The homologs of a family-context file, in order (:class:`~protein_performer.data.msa.
+    Member`: id, residues, coordinates or None); ``-``: standard input. One opener for every
+    kind the field writes:
+
+    * an MSA (``data.msa``): Stockholm (by its name or its first line), or an A2M/A3M (by its
+      name, or a FASTA file with gaps ``-``/``.``): gaps never become tokens, the first row is
+      the reference, each homolog residue carries its reference coordinate;
+    * the FASTA ``protein-performer homologs`` writes: each hit placed on its query by the
+      aligned ranges in its header (all hits of one query; of several, none is placed);
+    * any other FASTA: homologs without coordinates (upper-cased as every FASTA read).
+    """
+    from protein_performer.data.fasta import STDIN, display_name, read_fasta
+    from protein_performer.data.homology import hit_coordinates
+    from protein_performer.data.msa import (
+        Member,
+        a2m_members,
+        is_aligned,
+        msa_format,
+        read_stockholm,
+    )
+
+    text = os.fspath(path)
+    src: str | Path = STDIN if text == STDIN else Path(text).expanduser()
+    if src != STDIN and not Path(src).is_file():
+        raise UserError(f"{src} does not exist or is not a file; give a FASTA file or an MSA")
+    fmt = msa_format(src)
+    if fmt == "stockholm":
+        return read_stockholm(src)
+    reader = read_fasta(src, aligned=True, check_duplicates=False)  # type: ignore[arg-type]
+    records = list(_note_nucleotides(reader, display_name(src)))
+    if not records:
+        raise UserError(f"{display_name(src)}: no valid records to process")
+    if fmt in ("a2m", "a3m") or is_aligned([r.sequence for r in records]):
+        return a2m_members(records, display_name(src))
+    members = [Member(r.id, r.sequence.upper()) for r in records]
+    placed = [hit_coordinates(r.description, len(r.sequence)) for r in records]
+    queries = {p[0] for p in placed if p is not None}
+    if len(queries) > 1:
+        log.warning(
+            "%s: hits of %d queries (%s); their ranges place them on different sequences, so "
+            "they are read without coordinates (give one query's hits to place them)",
+            display_name(src), len(queries), ", ".join(sorted(queries)[:3]),
+        )  # fmt: skip
+        return members
+    return [
+        m if p is None else Member(m.id, m.sequence, p[1])
+        for m, p in zip(members, placed, strict=True)
+    ]
 
 
 def find_record(records: Sequence[Any], want: str | None, source: str | os.PathLike[str]) -> Any:

@@ -12,6 +12,16 @@ context and is read by every candidate.
 The states are never written: one :class:`FamilyContext` serves any number of candidates, its
 batch-1 states broadcast over each batch (no copy per candidate).
 
+Homologs may come with *coordinates* (an MSA, or the FASTA of ``homologs`` with its aligned
+ranges: :func:`~protein_performer.data.inputs.read_homologs`): per residue, the member position
+of the reference residue it aligns to. The prefill then hands them to the model
+(``PerformerLM.forward(coordinates=...)``), where a core that keys a memory by position (the
+position memory) keys the homolog residues by coordinate instead of by their own member
+positions; rotary positions stay the member positions. A candidate is never given coordinates:
+it is read at its member positions, which are the reference's coordinates when it is a variant
+of the reference (the wild type: the MSA's first row, ``homologs``' query), so a scored
+sequence is never placed by its own alignment.
+
 A masked (MLM) model has no context: its bidirectional attention has no left-to-right state to
 continue, and conditioning it would need the context re-encoded with every candidate. Asking
 for one is a :class:`~protein_performer.errors.UserError`.
@@ -25,8 +35,10 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 
+from protein_performer.data.msa import UNPLACED, Member
 from protein_performer.errors import UserError
 from protein_performer.interop.record import LoadedModel
 from protein_performer.model.attention import AttentionState, state_tensors
@@ -37,7 +49,9 @@ log = logging.getLogger(__name__)
 #: (FAVOR+: O(segment) whatever the context's length); segments start at a member's <cls>.
 PREFILL_SEGMENT = 4096
 
-Homologs = str | os.PathLike[str] | Iterable[str] | Iterable[tuple[str, str]]
+Homologs = (
+    str | os.PathLike[str] | Iterable[str] | Iterable[tuple[str, str]] | Iterable[Member]
+)
 
 
 @dataclass(frozen=True)
@@ -48,7 +62,9 @@ class FamilyContext:
     never written;
     n_tokens: tokens in the context row; offset: the row position of a candidate's first token
     (``n_tokens`` with "sequence" positions, 0 with "member" positions, as training used);
-    members / dropped: ids of the homologs read / left out by ``max_tokens``.
+    members / dropped: ids of the homologs read / left out by ``max_tokens``;
+    coordinates: per member read, its residues' reference coordinates (None: placed by its
+    member positions); empty when no homolog came aligned.
     """
 
     states: tuple[AttentionState, ...]
@@ -57,6 +73,12 @@ class FamilyContext:
     members: tuple[str, ...]
     dropped: tuple[str, ...]
     attention: str
+    coordinates: tuple[np.ndarray | None, ...] = ()
+
+    @property
+    def aligned(self) -> bool:
+        """Whether the states were keyed by coordinates (some member came aligned)."""
+        return any(c is not None for c in self.coordinates)
 
     @property
     def nbytes(self) -> int:
@@ -72,20 +94,26 @@ class FamilyContext:
     def __repr__(self) -> str:
         return (
             f"FamilyContext(members={len(self.members)}, dropped={len(self.dropped)}, "
-            f"n_tokens={self.n_tokens}, attention={self.attention!r}, nbytes={self.nbytes})"
+            f"n_tokens={self.n_tokens}, attention={self.attention!r}, aligned={self.aligned}, "
+            f"nbytes={self.nbytes})"
         )
 
 
-def homolog_records(homologs: Homologs) -> list[tuple[str, str]]:
-    """Homologs as (id, SEQUENCE): a FASTA path (str or PathLike), one sequence string, or an
-    iterable of strings / (id, sequence) pairs / FASTA records; a bad one names its index."""
-    from protein_performer.data.inputs import as_records
+def homolog_members(homologs: Homologs) -> list[Member]:
+    """Homologs as :class:`~protein_performer.data.msa.Member` (id, SEQUENCE, coordinates):
+    a file (FASTA or MSA, str or PathLike: :func:`~protein_performer.data.inputs.
+    read_homologs`), one sequence string, or an iterable of strings / (id, sequence) pairs /
+    FASTA records / members; a bad one names its index."""
+    from protein_performer.data.inputs import as_records, read_homologs
 
     if isinstance(homologs, os.PathLike) or (isinstance(homologs, str) and _is_path(homologs)):
-        from protein_performer.data.inputs import read_records
-
-        return [(r.id, r.sequence.upper()) for r in read_records(homologs)]
-    return list(as_records(homologs))  # type: ignore[arg-type]
+        return read_homologs(homologs)
+    if isinstance(homologs, str):
+        homologs = [homologs]
+    items = list(homologs)  # type: ignore[arg-type]
+    if items and all(isinstance(m, Member) for m in items):
+        return items
+    return [Member(rid, seq) for rid, seq in as_records(items)]
 
 
 def _is_path(text: str) -> bool:
@@ -119,7 +147,7 @@ def build_context(
             "model (objective clm), whose left-to-right attention state the candidates continue; "
             "score without a context, or train a causal model on family rows"
         )
-    records = homolog_records(homologs)
+    records = homolog_members(homologs)
     if not records:
         raise UserError("the family context has no homologs; give at least one sequence")
     if max_tokens is None:
@@ -127,20 +155,20 @@ def build_context(
     if max_tokens is not None and (isinstance(max_tokens, bool) or max_tokens < 1):
         raise UserError(f"max_tokens must be a positive integer, got {max_tokens!r}")
     a = loaded.alphabet
-    members: list[tuple[str, list[int]]] = []
+    members: list[Member] = []
     total = 0
-    for rid, seq in records:
-        ids = [a.cls_idx, *a.encode(seq).tolist(), a.eos_idx]
-        if max_tokens is not None and total + len(ids) > max_tokens:
+    for m in records:
+        width = len(m.sequence) + 2  # <cls> ... <eos>
+        if max_tokens is not None and total + width > max_tokens:
             break
-        members.append((rid, ids))
-        total += len(ids)
+        members.append(m)
+        total += width
     if not members:
         raise UserError(
-            f"max_tokens={max_tokens} is smaller than the first homolog ({records[0][0]}: "
-            f"{len(records[0][1]) + 2} tokens with <cls> and <eos>); raise the limit"
+            f"max_tokens={max_tokens} is smaller than the first homolog ({records[0].id}: "
+            f"{len(records[0].sequence) + 2} tokens with <cls> and <eos>); raise the limit"
         )
-    dropped = tuple(rid for rid, _ in records[len(members) :])
+    dropped = tuple(m.id for m in records[len(members) :])
     if dropped and warn:
         log.warning(
             "family context: %d of %d homolog(s) left out to stay within max_tokens=%d "
@@ -159,34 +187,59 @@ def build_context(
         )
     from protein_performer.io.progress import progress
 
+    aligned = any(m.coordinates is not None for m in members)
     states = None
     row = 0
-    parts = list(_segments([ids for _, ids in members], segment))
+    parts = list(_segments([len(m.sequence) + 2 for m in members], segment))
     with progress(total, "tok", "context", enabled=len(parts) > 1) as bar:
         for part in parts:
-            tokens = torch.tensor([part], dtype=torch.long, device=loaded.device)  # (1, S)
-            _, states = loaded.model.extend(tokens, states, offset=row, return_states=True)
-            row += len(part)
-            bar.update(len(part))
+            ids = [t for i in part for t in (a.cls_idx, *a.encode(members[i].sequence), a.eos_idx)]
+            tokens = torch.tensor([ids], dtype=torch.long, device=loaded.device)  # (1, S)
+            coords = None
+            if aligned:  # (1, S): each member's <cls> ... <eos> on the reference's positions
+                rows = [member_coordinates(members[i]) for i in part]
+                coords = torch.from_numpy(np.concatenate(rows))[None].to(loaded.device)
+            _, states = loaded.model.extend(
+                tokens, states, offset=row, return_states=True, coordinates=coords
+            )
+            row += len(ids)
+            bar.update(len(ids))
     offset = total if config.positions == "sequence" else 0
     return FamilyContext(
         states=tuple(states),  # type: ignore[arg-type]
         n_tokens=total,
         offset=offset,
-        members=tuple(rid for rid, _ in members),
+        members=tuple(m.id for m in members),
         dropped=dropped,
         attention=config.attention,
+        coordinates=tuple(m.coordinates for m in members) if aligned else (),
     )
 
 
-def _segments(members: Sequence[list[int]], segment: int) -> Iterable[list[int]]:
-    """Whole members packed into prefill segments of about ``segment`` tokens: a segment
-    starts at a ``<cls>``, so member positions need nothing from the segment before."""
+def member_coordinates(member: Member) -> np.ndarray:
+    """(L + 2,) int64 keys of a member's ``<cls> residues <eos>``: its member positions
+    0 .. L + 1 when it came unaligned (the fallback), else ``<cls>`` at 0 (every member's
+    start), the residues' coordinates, and ``<eos>`` one past the last residue's when that
+    one is placed (:data:`~protein_performer.data.msa.UNPLACED` otherwise)."""
+    n = len(member.sequence)
+    if member.coordinates is None:
+        return np.arange(n + 2, dtype=np.int64)
+    last = int(member.coordinates[-1])
+    eos = UNPLACED if last == UNPLACED else last + 1
+    return np.concatenate(([0], member.coordinates, [eos])).astype(np.int64)
+
+
+def _segments(widths: Sequence[int], segment: int) -> Iterable[list[int]]:
+    """Indices of whole members (``widths`` tokens each) packed into prefill segments of about
+    ``segment`` tokens: a segment starts at a ``<cls>``, so member positions need nothing from
+    the segment before."""
     part: list[int] = []
-    for ids in members:
-        if part and len(part) + len(ids) > segment:
+    used = 0
+    for i, width in enumerate(widths):
+        if part and used + width > segment:
             yield part
-            part = []
-        part.extend(ids)
+            part, used = [], 0
+        part.append(i)
+        used += width
     if part:
         yield part

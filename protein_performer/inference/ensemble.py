@@ -31,12 +31,13 @@ from typing import Any
 
 import numpy as np
 
+from protein_performer.data.msa import Member
 from protein_performer.errors import UserError
 from protein_performer.inference.context import (
     FamilyContext,
     Homologs,
     build_context,
-    homolog_records,
+    homolog_members,
 )
 from protein_performer.interop.record import LoadedModel
 
@@ -136,10 +137,10 @@ def context_record(context: FamilyContext | ContextEnsemble) -> dict[str, Any]:
     }
 
 
-def _digest(records: Sequence[tuple[str, str]]) -> str:
+def _digest(records: Sequence[Member]) -> str:
     h = hashlib.sha256()
-    for rid, seq in records:
-        h.update(f">{rid}\n{seq}\n".encode())
+    for m in records:
+        h.update(f">{m.id}\n{m.sequence}\n".encode())
     return h.hexdigest()
 
 
@@ -185,13 +186,13 @@ def build_ensemble(
         raise UserError(
             f"orders must be a whole number >= 0 (0: the file's order), got {orders!r}"
         )
-    records = homolog_records(homologs)
+    records = homolog_members(homologs)
     if not records:
         raise UserError("the family context has no homologs; give at least one sequence")
     filtering = any(t < 1 for t in max_identity)
     if filtering and query is None:
         raise UserError("max_identity below 1 needs the query (the wild type) to compare with")
-    ident = identity_to(query.upper(), [s for _, s in records]) if filtering else np.zeros(0)
+    ident = identity_to(query.upper(), [m.sequence for m in records]) if filtering else np.zeros(0)
     prompts = []
     for limit, budget in product(max_identity, tokens):
         kept = [r for i, r in enumerate(records) if limit >= 1 or ident[i] <= limit]

@@ -35,6 +35,12 @@ def delimiter(path: str | os.PathLike[str], first_line: str | None = None) -> st
     return "\t" if first_line.count("\t") > first_line.count(",") else ","
 
 
+def text_cell(value: str) -> str:
+    """A cell of free text (an id, a header) that a spreadsheet shows as text: one starting
+    with ``= + - @``, a tab or a CR gets a leading ``'`` (OWASP's CSV-injection rule)."""
+    return f"'{value}" if value[:1] in ("=", "+", "-", "@", "\t", "\r") else value
+
+
 class ShardedTable:
     """One table ``out`` (a file, or ``-`` for standard output) under ``header``, written
     window by window as parts and merged in input order.

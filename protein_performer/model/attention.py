@@ -116,6 +116,7 @@ class MultiHeadSelfAttention(nn.Module):
         *,
         keep_state: bool = False,
         inplace: bool = False,
+        coordinates: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None, AttentionState | None]:
         """``x`` (B, L, D), ``padding_mask`` (B, L) True = pad -> output (B, L, D), the
         attention map (B, H', L, L) of ``heads`` (all heads if None) if ``need_weights``, and
@@ -127,6 +128,11 @@ class MultiHeadSelfAttention(nn.Module):
         and v from one GEMM and rotates them in one call (:meth:`_step_qkv`), since a token's
         cost is mostly per-op overhead. The FAVOR+ map is the one the model implicitly uses
         (normalized feature products), never materialized in the forward pass itself.
+
+        ``coordinates`` (B, L) long: the position each token is keyed by in a core that keeps
+        a memory by position (a homolog residue's reference coordinate, -1: no position;
+        ``PerformerLM.forward``); handed only to a core that declares
+        ``reads_coordinates``, the others have no such memory. Rotary uses ``positions``.
         """
         B, L, D = x.shape
         if state is not None and L == 1 and self._fusable():
@@ -137,6 +143,9 @@ class MultiHeadSelfAttention(nn.Module):
         else:
             q, k = self.rotated_qk(x, positions)
             v = self._split_heads(self.v_proj(x))
+        placed = {}
+        if coordinates is not None and getattr(self.core, "reads_coordinates", False):
+            placed["coordinates"] = coordinates
         out, new_state = self.core(
             q,
             k,
@@ -146,6 +155,7 @@ class MultiHeadSelfAttention(nn.Module):
             keep_state=keep_state,
             inplace=inplace,
             positions=positions,
+            **placed,
         )
         out = out.transpose(1, 2).reshape(B, L, D)  # (B, H, L, d) -> (B, L, D)
         out = self.out_proj(out)

@@ -57,7 +57,15 @@ def member_layout(positions: Tensor) -> Tensor:
 
 
 class PositionMemory(nn.Module):
-    """Wraps an attention core (``inner``) with the member-position memory described above."""
+    """Wraps an attention core (``inner``) with the member-position memory described above.
+
+    Keyed by aligned coordinates when the call gives them (``coordinates`` (B, L): a family
+    context's homologs placed on a reference, -1 for a token that enters no position): the
+    slot of a token is then its coordinate, not its member position; members are still told
+    apart by their rotary positions (a ``<cls>`` restarts them)."""
+
+    #: Declared for the attention layer: this core takes ``coordinates`` (its slot keys).
+    reads_coordinates = True
 
     def __init__(
         self, inner: nn.Module, heads: int, dim_head: int, max_positions: int, window: int
@@ -80,13 +88,16 @@ class PositionMemory(nn.Module):
         valid = keep & (positions >= 0) & (positions < self.max_positions)
         return (positions.clamp(0, self.max_positions - 1) + self.window), valid
 
-    def _gather(self, kvx: Tensor, positions: Tensor, keep: Tensor, mem: Tensor | None):
+    def _gather(self, kvx: Tensor, positions: Tensor, keep: Tensor, mem: Tensor | None,
+                keys: Tensor | None = None):  # fmt: skip
         """Per offset D, the sums of [k | v | 1] at position p_t + D over the keys t may read,
         (B, H, L, n, C) with n = 2W + 1 (+1 causal: the successor slot), whether each token
-        reads and enters the memory (B, L), and the memory after the tokens (B, H, S, C)."""
+        reads and enters the memory (B, L), and the memory after the tokens (B, H, S, C).
+        ``keys``: the positions the slots are keyed by (aligned coordinates), when not the
+        member ``positions``."""
         B, H, L, C = kvx.shape
         W, S = self.window, self.max_positions + 2 * self.window + self.causal
-        slot, valid = self._slots(positions, keep)
+        slot, valid = self._slots(positions if keys is None else keys, keep)
         kvx = kvx * valid[:, None, :, None].to(kvx.dtype)
         member = member_layout(positions)  # (B, L)
         K = int(member.max()) + 1
@@ -111,20 +122,29 @@ class PositionMemory(nn.Module):
         start = torch.arange(B * H, device=kvx.device).view(B, H, 1) * view.shape[2]
         index = (start + (base[:, :, None] + offsets).reshape(B, 1, L * n)).reshape(-1)
         sums = rows.index_select(0, index).view(B, H, L, n, C)
-        if self.causal:  # positions continue by 1 within a member: key j = t - d is at p_t - d
+        if self.causal and keys is None:  # within a member key j = t - d is at p_t - d
             for d in range(0, min(W, L - 1) + 1):  # offset -d (slot W - d); none ahead of t
                 same = (member[:, d:] == member[:, : L - d])[:, None, :, None]
                 sums[:, :, d:, W - d] += kvx[:, :, : L - d] * same.to(kvx.dtype)
+        elif self.causal:  # keyed by coordinates: key j = t - d is at offset c_j - c_t
+            # (the W tokens before t; with more than W insertions on one column, older ones
+            # of t's own member are not read: an approximation for the context's own rows)
+            for d in range(0, min(W, L - 1) + 1):
+                offset = keys[:, : L - d] - keys[:, d:]  # (B, L - d)
+                ok = (member[:, d:] == member[:, : L - d]) & (offset.abs() <= W)
+                into = (offset.clamp(-W, W) + W)[:, None, :, None, None].expand(B, H, L - d, 1, C)
+                part = (kvx[:, :, : L - d] * ok[:, None, :, None].to(kvx.dtype))[:, :, :, None]
+                sums[:, :, d:].scatter_add_(3, into, part)
         return sums, valid, new_mem
 
     def _read(self, q: Tensor, k: Tensor, v: Tensor, positions: Tensor, keep: Tensor,
-              mem: Tensor | None) -> tuple[Tensor, Tensor, Tensor]:
+              mem: Tensor | None, keys: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
         """The memory's output (B, H, L, dv), whether any entry was in reach (B, H, L, 1), and
         the memory after the tokens: attention over the 2W+1 positions around p_t, each
         position's key and value the mean over the members seen there."""
         d = q.shape[-1]
         kvx = torch.cat([k, v, torch.ones_like(v[..., :1])], -1)  # (B, H, L, d + dv + 1)
-        sums, valid, new_mem = self._gather(kvx, positions, keep, mem)  # (B, H, L, n, C)
+        sums, valid, new_mem = self._gather(kvx, positions, keep, mem, keys)  # (B, H, L, n, C)
         # keys at p_t + D; values at p_t + D + 1 when causal (the successor: what t predicts)
         keys, values = (sums[..., :-1, :], sums[..., 1:, :]) if self.causal else (sums, sums)
         k_count, v_count = keys[..., -1], values[..., -1]  # (B, H, L, 2W+1)
@@ -140,17 +160,18 @@ class PositionMemory(nn.Module):
         return out, seen.any(-1, keepdim=True), new_mem
 
     def _read_chunks(self, q: Tensor, k: Tensor, v: Tensor, positions: Tensor, keep: Tensor,
-                     mem: Tensor | None) -> tuple[Tensor, Tensor, Tensor]:
+                     mem: Tensor | None, keys: Tensor | None = None
+                     ) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
         """:meth:`_read` over the tokens in chunks of :data:`READ_CHUNK`, the memory carried
         from one to the next (causal), so a 64k-token context needs the memory of one chunk."""
         L = q.shape[2]
         if not self.causal or L <= READ_CHUNK:
-            return self._read(q, k, v, positions, keep, mem)
+            return self._read(q, k, v, positions, keep, mem, keys)
         outs, seens = [], []
         for start in range(0, L, READ_CHUNK):
             t = slice(start, start + READ_CHUNK)
             out, seen, mem = self._read(q[:, :, t], k[:, :, t], v[:, :, t], positions[:, t],
-                                        keep[:, t], mem)
+                                        keep[:, t], mem, None if keys is None else keys[:, t])
             outs.append(out)
             seens.append(seen)
         return torch.cat(outs, 2), torch.cat(seens, 2), mem  # type: ignore[return-value]
@@ -166,10 +187,12 @@ class PositionMemory(nn.Module):
         keep_state: bool = False,
         inplace: bool = False,
         positions: Tensor | int | None = None,
+        coordinates: Tensor | None = None,
     ) -> tuple[Tensor, MemoryState | None]:
         """The inner core's output mixed with the memory's read (see the module docstring);
         the cores' call, whose rotary ``positions`` (any form of
-        :func:`~protein_performer.model.rotary.as_positions`) place the tokens."""
+        :func:`~protein_performer.model.rotary.as_positions`) place the tokens, and
+        ``coordinates`` (B, L), when given, key them in the memory (see the class)."""
         if not self.causal and (state is not None or keep_state):
             raise RuntimeError("RNN mode (a state) needs causal=True")
         B, H, L, _ = q.shape
@@ -192,8 +215,9 @@ class PositionMemory(nn.Module):
         dtype = _compute_dtype(q)
         with torch.autocast(device_type=q.device.type, enabled=False):
             x, y, vv = q.to(dtype), k.to(dtype), v.to(dtype)
+            keys = None if coordinates is None else coordinates.to(pos).expand(B, L)
             mem_out, seen, mem = self._read_chunks(x, y, vv, pos, keep,
-                                                   None if state is None else state.mem)
+                                                   None if state is None else state.mem, keys)
             gate = torch.sigmoid(
                 (x * self.gate_weight.to(dtype)[:, None]).sum(-1, keepdim=True)
                 + self.gate_bias.to(dtype)[:, None, None]
