@@ -263,6 +263,7 @@ def add_context(p: argparse.ArgumentParser) -> None:
         metavar="HOMOLOGS",
         default=None,
         help="FASTA of homologs (e.g. from `protein-performer homologs`; - reads standard input) "
+        "or an MSA (A2M/A3M, Stockholm: gaps are not tokens, the first row is the reference) "
         "read once as family context: each sequence is treated as the family's next member "
         "(causal models)",
     )

@@ -46,9 +46,13 @@ its median), NDCG (top 10% by score, DMS_score min-max scaled as gains) and Top_
 ProteinGym computes them; Average_<Metric> averages over assays of a protein and selection
 type, then proteins, then selection types, as the leaderboard. One line per assay as it ends.
 
---context-dir DIR reads DIR/<DMS_id>.fasta as each assay's homologs (causal models; the
---context-* options build each context as for score-variants --context).
+--context-dir DIR reads DIR/<DMS_id>.fasta (homologs) or DIR/<DMS_id>.a2m, .a3m, .sto (an MSA
+whose first row is the assay's wild type: ProteinGym's MSA files, renamed) as each assay's
+context (causal models; the --context-* options build each context as for score-variants
+--context).
 """
+#: The context files ``--context-dir`` looks for, ``<DMS_id>`` then one of these.
+CONTEXT_SUFFIXES = (".fasta", ".a2m", ".a3m", ".sto")
 PG_EPILOG = """\
 examples:
   protein-performer benchmark proteingym data/proteingym/reference_two_assays.csv \\
@@ -76,7 +80,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         "--context-dir",
         metavar="DIR",
         default=None,
-        help="DIR/<DMS_id>.fasta: each assay's homologs, read as family context (causal)",
+        help="DIR/<DMS_id>.fasta (or .a2m, .a3m, .sto: an MSA, the wild type first): each "
+        "assay's homologs, read as family context (causal)",
     )
     add_context_ensemble(pg)
     add_toks_per_batch(pg)
@@ -99,11 +104,15 @@ def run(args: argparse.Namespace) -> int:
         folder = Path(args.context_dir).expanduser()
 
         def context_for(assay):  # noqa: ANN001, ANN202 - an Assay -> (context, record)
-            path = folder / f"{assay.dms_id}.fasta"
-            if not path.is_file():
-                raise UserError(f"--context-dir {folder} has no {path.name} for {assay.dms_id}")
-            ctx = lm.context(path, query=assay.target_seq, **options)
-            return ctx, ctx.record()
+            from protein_performer.inference.ensemble import context_record
+
+            names = [f"{assay.dms_id}{ext}" for ext in CONTEXT_SUFFIXES]
+            found = [folder / n for n in names if (folder / n).is_file()]
+            if len(found) != 1:
+                have = "has none of" if not found else "has more than one of"
+                raise UserError(f"--context-dir {folder} {have} {', '.join(names)}")
+            ctx = lm.context(found[0], query=assay.target_seq, **options)
+            return ctx, context_record(ctx)
 
     name = args.model_name or "protein_performer"
     summary = run_proteingym(

@@ -1,0 +1,146 @@
+"""An MSA as family context (issue 41): gaps never become tokens, the reference is not read as a
+homolog, and a position memory keys the homologs by their aligned coordinates, so a variant of
+the reference reads shifted fragments that member positions cannot line up."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from protein_performer.data.msa import Member
+from protein_performer.data.tokenizer import STANDARD_AA, Alphabet
+from protein_performer.inference.api import ProteinLM
+from protein_performer.interop.record import LoadedModel
+from protein_performer.model.config import PerformerConfig
+from protein_performer.model.performer import PerformerLM
+from tests.inference.test_context import tiny_lm
+
+A2M = """>wt/1-12
+MKTAYIAKQRQI
+>h1
+--TAYIAKQR--
+>h2
+MKTaaAYIAKQRQ-.
+"""
+
+
+def test_an_a2m_context_reads_no_gap_and_no_reference(tmp_path: Path) -> None:
+    """Regression: an A2M given as context was read as FASTA, its '-'/'.' as tokens and its
+    reference as a homolog (the same row as this FASTA of gapped rows)."""
+    path = tmp_path / "family.a2m"
+    path.write_text(A2M)
+    lm = tiny_lm("favor", positions="member", position_memory=64)
+    ctx = lm.context(str(path))
+    assert ctx.members == ("h1", "h2")
+    assert ctx.n_tokens == (8 + 2) + (13 + 2)  # TAYIAKQR, MKTAAAYIAKQRQ: no gap, no wt
+    assert ctx.aligned and ctx.coordinates[0].tolist() == [3, 4, 5, 6, 7, 8, 9, 10]
+    plain = lm.context([("h1", "TAYIAKQR"), ("h2", "MKTAAAYIAKQRQ")])
+    assert plain.n_tokens == ctx.n_tokens and not plain.aligned
+    # The memory's state is keyed by the coordinates: it differs from member positions'.
+    assert not torch.allclose(ctx.states[0].mem, plain.states[0].mem)
+
+
+def test_cli_score_reads_an_a2m_as_an_msa(tmp_path: Path, capsys) -> None:
+    from protein_performer.cli.main import main
+    from protein_performer.interop.export import export_model
+
+    lm = tiny_lm("favor", positions="member", position_memory=64)
+    ckpt = export_model(lm.loaded, tmp_path / "clm")
+    path = tmp_path / "family.a2m"
+    path.write_text(A2M)
+    cands = tmp_path / "c.fasta"
+    cands.write_text(">wt\nMKTAYIAKQRQI\n")
+    argv = ["score", str(ckpt), str(cands), str(tmp_path / "s.csv"), "--context", str(path)]
+    assert main([*argv, "--no-progress", "--device", "cpu"]) == 0
+    assert "context: 2 homolog(s), 25 tokens" in capsys.readouterr().err
+    bad = tmp_path / "bad.a2m"
+    bad.write_text(">wt\nMKTAY\n>h1\nMKT\n")
+    assert main([*argv[:-1], str(bad), "--device", "cpu", "--overwrite"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"error: {bad}:3: record #2 'h1': 3 match")
+
+
+# --------------------------------------------------------------------------------------------
+# A hand-made model whose only skill is copying through the memory
+# --------------------------------------------------------------------------------------------
+def copying_lm() -> ProteinLM:
+    """One layer whose output is the position memory's read: q = k = 0 (scores are the offset
+    bias alone, peaked at D = 0), v = the token, the gate open, out_proj a gain, no FFN, the
+    LM head tied to one-hot embeddings. It predicts, at position p, the mean homolog residue
+    keyed at p + 1: the next residue exactly when the homologs are keyed where the candidate's
+    residues are."""
+    vocab, dim = 33, 64
+    config = PerformerConfig(
+        dim=dim, depth=1, heads=1, ff_dim=4, objective="clm", attention="exact",
+        positions="member", position_memory=128, memory_window=2,
+    )  # fmt: skip
+    model = PerformerLM(config).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.zero_()
+        model.embed_tokens.weight[:, :vocab] = 4 * torch.eye(vocab)
+        for norm in (model.layers[0].self_attn_layer_norm, model.layers[0].final_layer_norm,
+                     model.emb_layer_norm_after, model.lm_head.layer_norm):  # fmt: skip
+            norm.weight.fill_(1.0)
+        attn = model.layers[0].self_attn
+        attn.v_proj.weight.copy_(torch.eye(dim))
+        attn.out_proj.weight.copy_(5 * torch.eye(dim))
+        memory = attn.core
+        memory.offset_logits[0, memory.window] = 30.0  # D = 0
+        memory.gate_bias.fill_(30.0)
+        model.lm_head.dense.weight.copy_(torch.eye(dim))
+    loaded = LoadedModel(model, config, Alphabet(), Path("copying"), torch.device("cpu"), "memory")
+    return ProteinLM(loaded)
+
+
+def shifted_family(tmp_path: Path) -> tuple[str, Path, list[Member]]:
+    """A 60-residue wild type and three fragments of it starting 10, 25 and 40 residues in, as
+    an A2M (fragments padded with '-') and as the same homologs unaligned."""
+    rng = np.random.default_rng(7)
+    wt = "".join(rng.choice(list(STANDARD_AA), 60))
+    starts = (10, 25, 40)
+    rows = [f">wt\n{wt}\n"] + [f">f{s}\n{'-' * s}{wt[s:]}\n" for s in starts]
+    path = tmp_path / "fragments.a2m"
+    path.write_text("".join(rows))
+    return wt, path, [Member(f"f{s}", wt[s:]) for s in starts]
+
+
+def test_aligned_coordinates_read_shifted_fragments_member_positions_do_not(tmp_path) -> None:
+    """Issue 41's "done when": scoring the wild type and its variants after an A2M of shifted
+    fragments reads them at the wild type's coordinates; the same homologs placed by their
+    own member positions give the model nothing to copy."""
+    lm = copying_lm()
+    wt, a2m, unaligned = shifted_family(tmp_path)
+    aligned_ctx, member_ctx = lm.context(str(a2m)), lm.context(unaligned)
+    assert aligned_ctx.aligned and not member_ctx.aligned
+    aligned = lm.score([wt], context=aligned_ctx)[0]
+    member = lm.score([wt], context=member_ctx)[0]
+    alone = lm.score([wt])[0]
+    # (mean log-likelihoods: the first 10 residues, which no fragment covers, cost alike)
+    assert aligned - member > 10.0 and abs(member - alone) < 3.0, (aligned, member, alone)
+    # Variants: substitutions where the fragments cover the wild type are read as unlike the
+    # family at once with aligned coordinates; by member positions, not so.
+    mutants = [f"{wt[i]}{i + 1}{'W' if wt[i] != 'W' else 'C'}" for i in (20, 35, 50)]
+    got = lm.score_variants(wt, mutants, context=aligned_ctx)
+    by_member = lm.score_variants(wt, mutants, context=member_ctx)
+    assert np.all(got < -5.0) and np.all(got < by_member - 5.0), (got, by_member)
+
+
+def test_a_candidate_is_never_placed_by_its_own_alignment(tmp_path) -> None:
+    """No leak: the scores of candidates after an aligned context do not depend on how the
+    candidates themselves would align (they carry no coordinates; only the context does)."""
+    lm = copying_lm()
+    wt, a2m, _ = shifted_family(tmp_path)
+    ctx = lm.context(str(a2m))
+    tokens = lm.alphabet.encode_batch([wt])
+    want, _ = lm.loaded.model.extend(tokens, ctx.states, ctx.offset)
+    # the call a candidate gets: no coordinates, whatever the context holds
+    again, _ = lm.loaded.model.extend(tokens, ctx.states, ctx.offset, coordinates=None)
+    assert torch.equal(want, again)
+    assert lm.score([wt], context=ctx)[0] == pytest.approx(
+        float(torch.log_softmax(want[0, :-1].float(), -1).gather(-1, tokens[0, 1:, None]).mean()),
+        abs=1e-5,
+    )
