@@ -135,10 +135,11 @@ def read_records(fasta: str | os.PathLike[str], on_invalid: str = "error") -> li
     return records
 
 
-def read_homologs(path: str | os.PathLike[str]) -> list:
-    """The homologs of a family-context file, in order (:class:`~protein_performer.data.msa.
-    Member`: id, residues, coordinates or None); ``-``: standard input. One opener for every
-    kind the field writes:
+def read_homologs(path: str | os.PathLike[str]) -> tuple[Any, list]:
+    """The reference (an MSA's first row, at its coordinates; None for a FASTA) and the
+    homologs of a family-context file, in order (:class:`~protein_performer.data.msa.Member`:
+    id, residues, coordinates or None); ``-``: standard input. One opener for every kind the
+    field writes:
 
     * an MSA (``data.msa``): Stockholm (by its name or its first line), or an A2M/A3M (by its
       name, or a FASTA file with gaps ``-``/``.``): gaps never become tokens, the first row is
@@ -179,8 +180,8 @@ def read_homologs(path: str | os.PathLike[str]) -> list:
             "they are read without coordinates (give one query's hits to place them)",
             display_name(src), len(queries), ", ".join(sorted(queries)[:3]),
         )  # fmt: skip
-        return members
-    return [
+        return None, members
+    return None, [
         m if p is None else Member(m.id, m.sequence, p[1])
         for m, p in zip(members, placed, strict=True)
     ]

@@ -162,16 +162,18 @@ def _shift(rid: str, length: int) -> int:
 def _members(
     rows: Sequence[tuple[str, Any]], positions: list[tuple[np.ndarray, np.ndarray]],
     residues: list[str],
-) -> list[Member]:  # fmt: skip
-    """The homologs (all rows but the reference, the first) with their coordinates."""
+) -> tuple[Member, list[Member]]:  # fmt: skip
+    """The reference (the first row, at its own coordinates) and the homologs (the other rows)
+    with their coordinates."""
     ref_pos = positions[0][0]
     shift = _shift(rows[0][0], len(ref_pos)) + 1  # member position of reference residue 0
+    reference = Member(rows[0][0], residues[0], np.arange(len(ref_pos), dtype=np.int64) + shift)
     out = []
     for (rid, _), (pos, aligned), seq in zip(rows[1:], positions[1:], residues[1:], strict=True):
         coords = place(ref_pos, pos, aligned)
         coords[coords != UNPLACED] += shift
         out.append(Member(rid, seq, coords))
-    return out
+    return reference, out
 
 
 def _residues(row: str) -> str:
@@ -185,8 +187,9 @@ _DROP_GAPS = str.maketrans("", "", _GAPS)
 # --------------------------------------------------------------------------------------------
 # Readers
 # --------------------------------------------------------------------------------------------
-def a2m_members(records: Sequence[Any], path: str) -> list[Member]:
-    """The homologs of an A2M/A3M read with ``read_fasta(..., aligned=True)`` (records with
+def a2m_members(records: Sequence[Any], path: str) -> tuple[Member, list[Member]]:
+    """The reference and the homologs of an A2M/A3M read with ``read_fasta(..., aligned=True)``
+    (records with
     ``id``, ``sequence`` as written, ``number``, ``line``): every row needs the reference's
     number of match columns; a row without a residue is refused (it says nothing)."""
     if not records:
@@ -215,9 +218,9 @@ def a2m_members(records: Sequence[Any], path: str) -> list[Member]:
     return _members(rows, positions, residues)
 
 
-def read_stockholm(path: str | os.PathLike[str]) -> list[Member]:
-    """The homologs of a Stockholm file's first alignment (rows in order of first appearance;
-    interleaved blocks joined), placed column for column on the first row."""
+def read_stockholm(path: str | os.PathLike[str]) -> tuple[Member, list[Member]]:
+    """The reference and the homologs of a Stockholm file's first alignment (rows in order of
+    first appearance; interleaved blocks joined), placed column for column on the first row."""
     from protein_performer.data.fasta import _open_binary, display_name
 
     name = display_name(path)
@@ -230,8 +233,8 @@ def read_stockholm(path: str | os.PathLike[str]) -> list[Member]:
             raise MsaError(name, None, f"not UTF-8 text (byte {exc.start + 1})") from None
     start = next((i for i, ln in enumerate(lines) if ln.strip()), None)
     if start is None or not lines[start].startswith("# STOCKHOLM"):
-        raise MsaError(name, 1 if start is None else start + 1,
-                       "not a Stockholm file: the first line must be '# STOCKHOLM 1.0'")  # fmt: skip
+        first = 1 if start is None else start + 1
+        raise MsaError(name, first, "not Stockholm: the first line must be '# STOCKHOLM 1.0'")
     for no, line in enumerate(lines[start + 1 :], start + 2):
         text = line.strip()
         if text == "//":

@@ -26,7 +26,12 @@ import torch
 from protein_performer.data.inputs import Records, as_records
 from protein_performer.data.tokenizer import STANDARD_AA, Alphabet
 from protein_performer.errors import UserError
-from protein_performer.inference.context import FamilyContext, Homologs, build_context
+from protein_performer.inference.context import (
+    FamilyContext,
+    Homologs,
+    build_context,
+    check_reference,
+)
 from protein_performer.inference.embedding import HIDDEN_KINDS, block_numbers, embed_sequences
 from protein_performer.inference.ensemble import ContextEnsemble
 from protein_performer.inference.generation import Generated, SamplingOptions, iter_generate
@@ -314,7 +319,9 @@ class ProteinLM:
         takes one context: ``ens.prompts[i].context``). Built from (homologs, query, options,
         seed) alone: the same inputs give the same prompts (``ens.record()``).
 
-        ``homologs``: strings, (id, sequence) pairs or a FASTA path, in order of relevance;
+        ``homologs``: strings, (id, sequence) pairs or a path (FASTA, or an A2M/A3M/Stockholm
+        MSA whose first row is the reference: its homologs carry aligned coordinates, read by
+        a position memory; ``data.inputs.read_homologs``), in order of relevance;
         read as one row ``<cls> m1 <eos> <cls> m2 <eos> ...`` (one prefill). Members past
         ``max_tokens`` (default: the trained row length if the config records it, else no
         limit) are left out and logged. Causal models only (a masked LM: ``UserError``).
@@ -419,6 +426,8 @@ class ProteinLM:
         strategy = self._strategy(strategy, VARIANT_STRATEGIES, "masked-marginals")
         self._check_context(context)
         ((_, wt),) = list(as_records([("wild type", wild_type)]))
+        if context is not None:  # an aligned context places its homologs on its reference
+            check_reference(_prompts(context)[0], wt)  # type: ignore[arg-type]
         parsed = []
         for i, text in enumerate(mutants):
             try:

@@ -64,7 +64,8 @@ class FamilyContext:
     (``n_tokens`` with "sequence" positions, 0 with "member" positions, as training used);
     members / dropped: ids of the homologs read / left out by ``max_tokens``;
     coordinates: per member read, its residues' reference coordinates (None: placed by its
-    member positions); empty when no homolog came aligned.
+    member positions); empty when no homolog came aligned; reference: the MSA's first row at
+    its coordinates (what a candidate must match to be read there), None when unknown.
     """
 
     states: tuple[AttentionState, ...]
@@ -74,6 +75,7 @@ class FamilyContext:
     dropped: tuple[str, ...]
     attention: str
     coordinates: tuple[np.ndarray | None, ...] = ()
+    reference: Member | None = None
 
     @property
     def aligned(self) -> bool:
@@ -99,11 +101,12 @@ class FamilyContext:
         )
 
 
-def homolog_members(homologs: Homologs) -> list[Member]:
-    """Homologs as :class:`~protein_performer.data.msa.Member` (id, SEQUENCE, coordinates):
-    a file (FASTA or MSA, str or PathLike: :func:`~protein_performer.data.inputs.
-    read_homologs`), one sequence string, or an iterable of strings / (id, sequence) pairs /
-    FASTA records / members; a bad one names its index."""
+def homolog_members(homologs: Homologs) -> tuple[Member | None, list[Member]]:
+    """The reference (an MSA's first row; else None) and the homologs as
+    :class:`~protein_performer.data.msa.Member` (id, SEQUENCE, coordinates): from a file (FASTA
+    or MSA, str or PathLike: :func:`~protein_performer.data.inputs.read_homologs`), one
+    sequence string, or an iterable of strings / (id, sequence) pairs / FASTA records /
+    members; a bad one names its index."""
     from protein_performer.data.inputs import as_records, read_homologs
 
     if isinstance(homologs, os.PathLike) or (isinstance(homologs, str) and _is_path(homologs)):
@@ -112,8 +115,8 @@ def homolog_members(homologs: Homologs) -> list[Member]:
         homologs = [homologs]
     items = list(homologs)  # type: ignore[arg-type]
     if items and all(isinstance(m, Member) for m in items):
-        return items
-    return [Member(rid, seq) for rid, seq in as_records(items)]
+        return None, items
+    return None, [Member(rid, seq) for rid, seq in as_records(items)]
 
 
 def _is_path(text: str) -> bool:
@@ -134,12 +137,14 @@ def build_context(
     max_tokens: int | None = None,
     segment: int = PREFILL_SEGMENT,
     warn: bool = True,
+    reference: Member | None = None,
 ) -> FamilyContext:
     """Read ``homologs`` in order as one row ``<cls> m1 <eos> <cls> m2 <eos> ...`` into a
     :class:`FamilyContext`; members that would take the row past ``max_tokens`` are left out
     (logged; a linear model's cost does not grow with the context, so a larger limit is
     allowed). None: the config's ``context_tokens`` if known, else no limit. ``warn=False``
-    for callers that cut on purpose (an ensemble's token budgets)."""
+    for callers that cut on purpose (an ensemble's token budgets). ``reference``: the MSA's
+    first row when ``homologs`` are members cut from one (a file names its own)."""
     config = loaded.config
     if not config.causal:
         raise UserError(
@@ -147,7 +152,8 @@ def build_context(
             "model (objective clm), whose left-to-right attention state the candidates continue; "
             "score without a context, or train a causal model on family rows"
         )
-    records = homolog_members(homologs)
+    found, records = homolog_members(homologs)
+    reference = reference or found
     if not records:
         raise UserError("the family context has no homologs; give at least one sequence")
     if max_tokens is None:
@@ -213,7 +219,24 @@ def build_context(
         dropped=dropped,
         attention=config.attention,
         coordinates=tuple(m.coordinates for m in members) if aligned else (),
+        reference=reference if aligned else None,
     )
+
+
+def check_reference(context: FamilyContext, wild_type: str) -> None:
+    """One warning when an aligned context's reference is not ``wild_type`` at its coordinates:
+    the variants are then read at residues their homologs were not aligned to."""
+    ref = context.reference
+    if ref is None or ref.coordinates is None:
+        return
+    start = int(ref.coordinates[0]) - 1  # coordinates are member positions: residue i at i + 1
+    if wild_type[start : start + len(ref.sequence)] != ref.sequence:
+        log.warning(
+            "the context's reference %r (its first row, residues %d-%d) is not the wild type "
+            "there: its homologs are placed on the reference's residues, so the variants are "
+            "read at the wrong ones; give an MSA whose first row is the wild type",
+            ref.id, start + 1, start + len(ref.sequence),
+        )  # fmt: skip
 
 
 def member_coordinates(member: Member) -> np.ndarray:

@@ -91,6 +91,7 @@ class Prompt:
             "members": len(self.context.members),
             "n_tokens": self.context.n_tokens,
             "members_sha256": hashlib.sha256(members).hexdigest(),
+            "aligned": self.context.aligned,
         }
 
 
@@ -134,6 +135,7 @@ def context_record(context: FamilyContext | ContextEnsemble) -> dict[str, Any]:
         "members": len(context.members),
         "n_tokens": context.n_tokens,
         "members_sha256": hashlib.sha256(members).hexdigest(),
+        "aligned": context.aligned,
     }
 
 
@@ -186,7 +188,7 @@ def build_ensemble(
         raise UserError(
             f"orders must be a whole number >= 0 (0: the file's order), got {orders!r}"
         )
-    records = homolog_members(homologs)
+    reference, records = homolog_members(homologs)
     if not records:
         raise UserError("the family context has no homologs; give at least one sequence")
     filtering = any(t < 1 for t in max_identity)
@@ -202,7 +204,9 @@ def build_ensemble(
                 f"identical to the query (least: {ident.min():.3f}); raise the value"
             )
         for name, order in _orders(len(kept), orders, seed):
-            ctx = build_context(loaded, [kept[i] for i in order], budget, warn=False)
+            ctx = build_context(
+                loaded, [kept[i] for i in order], budget, warn=False, reference=reference
+            )
             prompts.append(Prompt(limit, budget, name, ctx))
     is_path = isinstance(homologs, str) or hasattr(homologs, "__fspath__")
     source = str(homologs) if is_path else "<sequences>"

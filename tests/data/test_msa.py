@@ -32,7 +32,9 @@ WANT = {
 }
 
 
-def _check(members) -> None:
+def _check(found) -> None:
+    reference, members = found
+    assert reference.id == "ref/1-10" and reference.coordinates.tolist() == list(range(1, 11))
     assert [m.id for m in members] == list(WANT)  # the reference is not a homolog
     for m in members:
         seq, coords = WANT[m.id]
@@ -60,7 +62,8 @@ def test_an_a3m_and_a_gapped_fasta_read_as_the_a2m(tmp_path: Path) -> None:
 def test_a_region_id_shifts_the_coordinates_to_the_full_protein(tmp_path: Path) -> None:
     path = tmp_path / "family.a2m"
     path.write_text(A2M.replace(">ref/1-10", ">ref/21-30"))
-    got = read_homologs(path)
+    reference, got = read_homologs(path)
+    assert reference.coordinates.tolist() == list(range(21, 31))
     assert got[0].coordinates.tolist() == [26, 27, 28, 29, 30]
     assert got[2].coordinates[:3].tolist() == [-1, -1, 21]
 
@@ -72,19 +75,20 @@ def test_stockholm_interleaved_blocks_are_placed_column_for_column(tmp_path: Pat
         "ref   MKTAY..\nh1    --TAYaa\n\n"
         "ref   IAKQR\nh1    IAK--\n#=GC RF xxxxx..xxxxx\n//\n"
     )
-    (h1,) = read_homologs(path)
+    _, (h1,) = read_homologs(path)
     assert h1.sequence == "TAYAAIAK"
     # T A Y at their columns; the two insertions nearer Y (left) and I (right); I A K
     assert h1.coordinates.tolist() == [3, 4, 5, 5, 6, 6, 7, 8]
     sniffed = tmp_path / "family.txt"
     sniffed.write_text(path.read_text())
-    assert read_homologs(sniffed)[0].coordinates.tolist() == h1.coordinates.tolist()
+    assert read_homologs(sniffed)[1][0].coordinates.tolist() == h1.coordinates.tolist()
 
 
 def test_a_plain_fasta_has_no_coordinates(tmp_path: Path) -> None:
     path = tmp_path / "h.fasta"
     path.write_text(">a\nmktayiak\n>b\nMKTAY\n")  # lower case alone is not an alignment
-    got = read_homologs(path)
+    reference, got = read_homologs(path)
+    assert reference is None
     assert [(m.sequence, m.coordinates) for m in got] == [("MKTAYIAK", None), ("MKTAY", None)]
 
 
@@ -97,7 +101,7 @@ def test_a_plain_fasta_has_no_coordinates(tmp_path: Path) -> None:
         ("one.a2m", ">ref\nMKTAY\n", "only the reference"),
         ("bad.sto", "# STOCKHOLM 1.0\nref MKTAY\nh1 MKT\n//\n", ":3: record #2 'h1': 3 columns"),
         ("bad.sto", "# STOCKHOLM 1.0\nref MKTAY\nh1 MK?AY\n//\n", ":3: invalid character '?'"),
-        ("bad.sto", ">ref\nMKTAY\n", ":1: not a Stockholm file"),
+        ("bad.sto", ">ref\nMKTAY\n", ":1: not Stockholm"),
     ],
 )
 def test_a_bad_msa_is_one_located_error(tmp_path: Path, name: str, text: str, where: str) -> None:
@@ -133,8 +137,9 @@ def test_homologs_fasta_carries_its_ranges_back_as_coordinates(tmp_path: Path) -
     assert "qstart=11 qend=18 tstart=2 tend=9 qlen=40 tlen=10" in text[0]
     rows = [line.split("\t") for line in tsv.read_text().splitlines()]
     assert rows[0][:4] == ["query", "target", "fident", "evalue"]
-    assert rows[1][:2] == ["q1", "sp|P1|A_HUMAN"] and rows[2][-6:] == ["4", "8", "1", "5", "40", "5"]
-    got = read_homologs(fasta)
+    assert rows[1][:2] == ["q1", "sp|P1|A_HUMAN"]
+    assert rows[2][-6:] == ["4", "8", "1", "5", "40", "5"]
+    _, got = read_homologs(fasta)
     assert got[0].coordinates.tolist() == [-1, 11, 12, 13, 14, 15, 16, 17, 18, -1]
     assert got[1].coordinates.tolist() == [4, 5, 6, 7, 8]
     assert hit_coordinates("no fields here", 5) is None
@@ -144,6 +149,6 @@ def test_hits_of_several_queries_are_read_without_coordinates(tmp_path, caplog) 
     fasta = tmp_path / "hits.fasta"
     write_homologs([_hit("a", "MKTAY", "q1", 1, 5, 1, 5), _hit("b", "MKTAY", "q2", 1, 5, 1, 5)],
                    fasta)  # fmt: skip
-    got = read_homologs(fasta)
+    _, got = read_homologs(fasta)
     assert all(m.coordinates is None for m in got)
     assert "hits of 2 queries" in caplog.text

@@ -144,3 +144,45 @@ def test_a_candidate_is_never_placed_by_its_own_alignment(tmp_path) -> None:
         float(torch.log_softmax(want[0, :-1].float(), -1).gather(-1, tokens[0, 1:, None]).mean()),
         abs=1e-5,
     )
+
+
+def test_a_wild_type_that_is_not_the_reference_is_warned_about(tmp_path, caplog) -> None:
+    lm = copying_lm()
+    wt, a2m, _ = shifted_family(tmp_path)
+    ctx = lm.context(str(a2m))
+    assert ctx.reference.sequence == wt and ctx.reference.coordinates[0] == 1
+    lm.score_variants(wt, ["wt"], context=ctx)
+    assert "is not the wild type" not in caplog.text
+    other = wt[:30] + ("W" if wt[30] != "W" else "C") + wt[31:]
+    lm.score_variants(other, ["wt"], context=ctx)
+    assert "the context's reference 'wt' (its first row, residues 1-60)" in caplog.text
+
+
+def test_benchmark_context_dir_reads_msas_and_plain_fasta(tmp_path, capsys) -> None:
+    """`benchmark proteingym --context-dir` takes <DMS_id>.a2m as well as .fasta; a plain
+    context (no --context-* option) runs too (it failed on its run record before)."""
+    import json
+
+    from protein_performer.cli.main import main
+    from protein_performer.interop.export import export_model
+    from tests.paths import REPO
+
+    pg = REPO / "data" / "proteingym"
+    lm = tiny_lm("favor", positions="member", position_memory=300)
+    ckpt = export_model(lm.loaded, tmp_path / "clm")
+    wt = (pg / "BLAT_ECOLX.fasta").read_text().split("\n", 1)[1].replace("\n", "")
+    folder = tmp_path / "ctx"
+    folder.mkdir()
+    (folder / "BLAT_ECOLX_Stiffler_2015.a2m").write_text(
+        f">BLAT_ECOLX\n{wt}\n"
+        f">frag\n{'-' * 40}{wt[40:120]}gsa{wt[120:200]}{'-' * (len(wt) - 200)}\n"
+        f">frag2\n{'-' * 100}{wt[100:]}\n"
+    )
+    (folder / "BLAT_ECOLX_Stiffler_2015_cefotaxime.fasta").write_text(f">h\n{wt[20:220]}\n")
+    out = tmp_path / "pg"
+    argv = ["benchmark", "proteingym", str(pg / "reference_two_assays.csv"), str(pg), str(out),
+            str(ckpt), "--context-dir", str(folder), "--no-progress", "--device", "cpu"]
+    assert main(argv) == 0, capsys.readouterr().err
+    records = {p.stem: json.loads(p.read_text()) for p in (out / "scores").glob("*.json")}
+    assert records["BLAT_ECOLX_Stiffler_2015"]["context"]["aligned"] is True
+    assert records["BLAT_ECOLX_Stiffler_2015_cefotaxime"]["context"]["aligned"] is False
