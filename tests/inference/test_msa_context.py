@@ -186,3 +186,36 @@ def test_benchmark_context_dir_reads_msas_and_plain_fasta(tmp_path, capsys) -> N
     records = {p.stem: json.loads(p.read_text()) for p in (out / "scores").glob("*.json")}
     assert records["BLAT_ECOLX_Stiffler_2015"]["context"]["aligned"] is True
     assert records["BLAT_ECOLX_Stiffler_2015_cefotaxime"]["context"]["aligned"] is False
+
+
+@pytest.mark.parametrize("segment", [4096, 20])
+@pytest.mark.parametrize("attention", ["favor", "exact"])
+def test_aligned_context_scores_equal_the_concatenated_forward(tmp_path, attention, segment):
+    """The state an aligned context leaves (read in one segment or several) is the row's: a
+    candidate scored after it gets the terms of one causal forward of context + candidate with
+    the homologs keyed by coordinates and the candidate by its member positions."""
+    from protein_performer.data.inputs import read_homologs
+    from protein_performer.inference.context import build_context, member_coordinates
+
+    lm = tiny_lm(attention, positions="member", position_memory=128, chunk=8)
+    wt, a2m, _ = shifted_family(tmp_path)
+    ctx = build_context(lm.loaded, str(a2m), segment=segment)
+    _, members = read_homologs(a2m)
+    a = lm.alphabet
+    ids = [t for m in members for t in (a.cls_idx, *a.encode(m.sequence), a.eos_idx)]
+    keys = [int(c) for m in members for c in member_coordinates(m)]
+    start = len(ids)
+    ids += [a.cls_idx, *a.encode(wt), a.eos_idx]
+    keys += list(range(len(wt) + 2))
+    tokens = torch.tensor([ids])
+    with torch.inference_mode():
+        logits = lm.model(tokens, coordinates=torch.tensor([keys])).logits[0]
+        unaligned = lm.model(tokens).logits[0]
+
+    def mean_ll(lg: torch.Tensor) -> float:
+        lp = torch.log_softmax(lg.float(), -1)[start:-1]
+        return float(lp.gather(-1, tokens[0, start + 1 :, None]).mean())
+
+    got = lm.score([wt], context=ctx)[0]
+    assert got == pytest.approx(mean_ll(logits), abs=1e-4)
+    assert abs(got - mean_ll(unaligned)) > 1e-4  # the coordinates changed what was read
