@@ -12,6 +12,7 @@ import hashlib
 import json
 import logging
 import os
+import re
 import shutil
 import subprocess
 import tempfile
@@ -513,13 +514,18 @@ HOMOLOG_MIN_SEQ_ID = 0.3
 HOMOLOG_MAX_SEQS = 500
 
 
-#: What MMseqs2 reports per hit for ``homologs``: the scores and the aligned ranges (1-based,
-#: inclusive), which also place each hit's residues on its query (``hit_coordinates``).
-_HOMOLOG_FORMAT = "query,target,fident,evalue,bits,qcov,tcov,qstart,qend,tstart,tend,qlen,tlen"
+#: What MMseqs2 reports per hit for ``homologs``: the scores, the aligned ranges (1-based,
+#: inclusive) and the alignment as a CIGAR string (``M`` both, ``I`` a query residue facing a
+#: gap, ``D`` a target residue facing one), which place each hit's residues on its query
+#: (``hit_coordinates``).
+_HOMOLOG_FORMAT = (
+    "query,target,fident,evalue,bits,qcov,tcov,qstart,qend,tstart,tend,qlen,tlen,cigar"
+)
 #: The header fields ``homologs`` appends to a hit's own header line, in order; the TSV's
 #: columns after ``query`` and ``target``.
 HIT_FIELDS = ("fident", "evalue", "bits", "qcov", "tcov", "qstart", "qend", "tstart", "tend",
-              "qlen", "tlen")  # fmt: skip
+              "qlen", "tlen", "cigar")  # fmt: skip
+_CIGAR = re.compile(r"(\d+)([MID])")
 
 
 @dataclass(frozen=True)
@@ -527,7 +533,8 @@ class Homolog:
     """One hit of one query: the database record's FASTA header line (without ``>``) and
     sequence, the query's id, and what MMseqs2 reports of the alignment (identity ``fident``,
     E-value, bit score, coverage of query and target, the aligned ranges ``qstart..qend`` of
-    the query and ``tstart..tend`` of the target, 1-based inclusive, and both lengths)."""
+    the query and ``tstart..tend`` of the target, 1-based inclusive, both lengths, and the
+    alignment as MMseqs2's CIGAR string)."""
 
     header: str
     sequence: str
@@ -543,6 +550,7 @@ class Homolog:
     tend: int
     qlen: int
     tlen: int
+    cigar: str = ""
 
     def fields(self) -> list[str]:
         """The :data:`HIT_FIELDS` as text (what the header and the TSV hold)."""
@@ -563,19 +571,22 @@ class Homolog:
 
 def hit_coordinates(description: str, length: int) -> tuple[str, np.ndarray] | None:
     """(query id, coordinates (length,) int64) of a hit ``homologs`` wrote, from the
-    ``query=`` and range fields of its header (the last of each, after the record's own
-    description), else None (a header without them).
+    ``query=``, range and ``cigar=`` fields of its header (the last of each, after the
+    record's own description), else None (a header without them).
 
-    Coordinates are the query's residue numbers (1-based: member positions, ``<cls>`` at 0):
-    the aligned range ``tstart..tend`` is stretched linearly onto ``qstart..qend`` (exact at
-    both ends; an indel inside the range shifts the residues between by at most its length),
-    and residues outside the aligned range are unplaced (-1): they aligned to nothing."""
+    Coordinates are the query's residue numbers (1-based: member positions, ``<cls>`` at 0).
+    With the CIGAR string, a target residue facing a query residue takes its number, one
+    facing a query gap (an insertion) the nearer of the query residues around the gap, as an
+    MSA's insertions (``data.msa``). Without it (a header cut short), the aligned range
+    ``tstart..tend`` is stretched linearly onto ``qstart..qend``: exact at both ends, off
+    inside by the indels between (``scripts/studies/hit_coordinates.py`` measures how far).
+    Residues outside the aligned range are unplaced (-1): they aligned to nothing."""
     found: dict[str, str] = {}
     for word in description.split():
         key, eq, value = word.partition("=")
-        if eq and key in ("query", "qstart", "qend", "tstart", "tend"):
+        if eq and key in ("query", "qstart", "qend", "tstart", "tend", "cigar"):
             found[key] = value
-    if len(found) < 5:
+    if not {"query", "qstart", "qend", "tstart", "tend"} <= set(found):
         return None
     try:
         qs, qe, ts, te = (int(found[k]) for k in ("qstart", "qend", "tstart", "tend"))
@@ -584,10 +595,37 @@ def hit_coordinates(description: str, length: int) -> tuple[str, np.ndarray] | N
     if not (1 <= ts <= te <= length and 1 <= qs <= qe):
         return None
     coords = np.full(length, -1, dtype=np.int64)
-    t = np.arange(ts, te + 1)
-    scale = (qe - qs) / (te - ts) if te > ts else 0.0
-    coords[ts - 1 : te] = np.rint(qs + (t - ts) * scale).astype(np.int64)
+    aligned = _cigar_coordinates(found.get("cigar", ""), qs, qe, te - ts + 1)
+    if aligned is None:
+        t = np.arange(ts, te + 1)
+        scale = (qe - qs) / (te - ts) if te > ts else 0.0
+        aligned = np.rint(qs + (t - ts) * scale).astype(np.int64)
+    coords[ts - 1 : te] = aligned
     return found["query"], coords
+
+
+def _cigar_coordinates(cigar: str, qs: int, qe: int, n: int) -> np.ndarray | None:
+    """(n,) the query residue number of each target residue of the aligned range, from a
+    CIGAR string (insertions to the nearer query residue around them, ties to the left);
+    None when there is none or it does not span the ranges (then the ranges are stretched)."""
+    ops = _CIGAR.findall(cigar)
+    if not ops or "".join(f"{k}{op}" for k, op in ops) != cigar:
+        return None
+    out: list[float] = []
+    q = qs - 1  # the query residue last passed
+    for count, op in ops:
+        k = int(count)
+        if op == "M":
+            out += range(q + 1, q + k + 1)
+            q += k
+        elif op == "I":  # query residues facing gaps
+            q += k
+        else:  # target residues facing a query gap: between q and q + 1
+            out += [q + (j + 1) / (k + 1) for j in range(k)]
+    if len(out) != n or q != qe:
+        return None
+    nearest = np.floor(np.asarray(out) + 0.5 - 1e-9)  # x.5 (a tie) goes to the left
+    return np.clip(nearest, qs, qe).astype(np.int64)
 
 
 def _fasta_records(path: Path, on_invalid: str) -> Iterator[tuple[str, str]]:
@@ -697,12 +735,15 @@ def _read_alignments(path: Path) -> dict[int, list[tuple[float, float, int, dict
     :data:`_HOMOLOG_FORMAT`, best first (ties broken by target: never by MMseqs2's threads)."""
     names = _HOMOLOG_FORMAT.split(",")
     ints = {"qstart", "qend", "tstart", "tend", "qlen", "tlen"}
+    texts = {"cigar"}
     hits: dict[int, list[tuple[float, float, int, dict[str, Any]]]] = {}
     with path.open(encoding="ascii") as fh:
         for line in fh:
             row = dict(zip(names, line.rstrip("\n").split("\t"), strict=True))
             q, t = int(row.pop("query")), int(row.pop("target"))
-            values = {k: int(v) if k in ints else float(v) for k, v in row.items()}
+            values = {
+                k: v if k in texts else int(v) if k in ints else float(v) for k, v in row.items()
+            }
             hits.setdefault(q, []).append((values["evalue"], -values["bits"], t, values))
     for v in hits.values():
         v.sort(key=lambda h: h[:3])

@@ -138,11 +138,26 @@ def test_homologs_fasta_carries_its_ranges_back_as_coordinates(tmp_path: Path) -
     rows = [line.split("\t") for line in tsv.read_text().splitlines()]
     assert rows[0][:4] == ["query", "target", "fident", "evalue"]
     assert rows[1][:2] == ["q1", "sp|P1|A_HUMAN"]
-    assert rows[2][-6:] == ["4", "8", "1", "5", "40", "5"]
+    assert rows[2][-7:] == ["4", "8", "1", "5", "40", "5", ""]
     _, got = read_homologs(fasta)
     assert got[0].coordinates.tolist() == [-1, 11, 12, 13, 14, 15, 16, 17, 18, -1]
     assert got[1].coordinates.tolist() == [4, 5, 6, 7, 8]
     assert hit_coordinates("no fields here", 5) is None
+
+
+def test_a_hits_cigar_places_its_residues_exactly() -> None:
+    """MMseqs2's CIGAR (M both, I a query residue facing a gap, D a target residue facing one):
+    matched residues at their query residue, insertions at the nearer one around them; the
+    ranges alone would stretch the target's 9 aligned residues over the query's 8."""
+    header = "query=q qstart=3 qend=10 tstart=2 tend=10 cigar=2M3D2M2I2M"
+    # target 2..10: M M (q3 q4), D D D (between q4 and q5: q4, q4|q5 tie -> q4, q5), M M (q5 q6),
+    # I I (q7 q8 skipped), M M (q9 q10)
+    _, got = hit_coordinates(header, 11)
+    assert got.tolist() == [-1, 3, 4, 4, 4, 5, 5, 6, 9, 10, -1]
+    _, stretched = hit_coordinates(header.rsplit(" ", 1)[0], 11)
+    assert stretched.tolist()[1:10] == [3, 4, 5, 6, 6, 7, 8, 9, 10]
+    # a CIGAR that does not span the ranges is not trusted: the ranges are stretched
+    assert hit_coordinates(header.replace("2M2I2M", "2M"), 11)[1].tolist() == stretched.tolist()
 
 
 def test_hits_of_several_queries_are_read_without_coordinates(tmp_path, caplog) -> None:
