@@ -20,10 +20,10 @@ query's best first (lowest E-value). Each header is the record's own, followed b
 what MMseqs2 reports of the alignment: fident (identity), evalue, bits, qcov and tcov
 (coverage), qstart qend tstart tend (the aligned ranges, 1-based), qlen tlen and cigar (the
 alignment); --tsv writes the same as a table. Given back as --context, a hit's residues are
-placed on its query's residues by that alignment (a position memory reads them there). A database record identical to
-its query is left out unless --keep-identical. The defaults (identity >= 0.3, coverage >= 0.8
-of both sequences) are those of the training families of data.layout=family, so the retrieved
-context looks like a training row.
+placed on its query's residues by that alignment (a position memory reads them there). A
+database record identical to its query is left out unless --keep-identical. The defaults
+(identity >= 0.3, coverage >= 0.8 of both sequences) are those of the training families of
+data.layout=family, so the retrieved context looks like a training row.
 """
 EPILOG = """\
 examples:

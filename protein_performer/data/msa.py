@@ -34,6 +34,7 @@ residues become upper-case tokens.
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 from collections.abc import Sequence
@@ -45,6 +46,8 @@ import numpy as np
 
 from protein_performer.data.tokenizer import SEQUENCE_LETTERS
 from protein_performer.errors import UserError
+
+log = logging.getLogger(__name__)
 
 #: The coordinate of a residue that aligns to no reference column.
 UNPLACED = -1
@@ -189,12 +192,13 @@ _DROP_GAPS = str.maketrans("", "", _GAPS)
 # --------------------------------------------------------------------------------------------
 def a2m_members(records: Sequence[Any], path: str) -> tuple[Member, list[Member]]:
     """The reference and the homologs of an A2M/A3M read with ``read_fasta(..., aligned=True)``
-    (records with
-    ``id``, ``sequence`` as written, ``number``, ``line``): every row needs the reference's
-    number of match columns; a row without a residue is refused (it says nothing)."""
+    (records with ``id``, ``sequence`` as written, ``number``, ``line``): every row needs the
+    reference's number of match columns; a homolog row without a residue says nothing and is
+    left out (one warning)."""
     if not records:
         raise MsaError(path, None, "no records: an alignment needs its reference (the first)")
     rows, positions, residues = [], [], []
+    empty: list[str] = []
     width = None
     for r in records:
         pos, aligned, columns = _a2m_positions(r.sequence)
@@ -208,14 +212,31 @@ def a2m_members(records: Sequence[Any], path: str) -> tuple[Member, list[Member]
                 r.number, r.id,
             )  # fmt: skip
         seq = _residues(r.sequence)
-        if not seq:
-            raise MsaError(path, r.line, "a row with gaps only (no residue)", r.number, r.id)
+        if not seq and _empty_row(empty, path, r.line, r.number, r.id, first=not rows):
+            continue
         rows.append((r.id, r))
         positions.append((pos, aligned))
         residues.append(seq)
+    _left_out(empty, path)
     if len(rows) < 2:
         raise MsaError(path, None, "only the reference (the first record): no homolog to read")
     return _members(rows, positions, residues)
+
+
+def _empty_row(empty: list[str], path: str, line: int, number: int, rid: str,
+               first: bool) -> bool:  # fmt: skip
+    """A row of gaps only: the reference's is an error (nothing to place on), a homolog's is
+    noted in ``empty`` and left out (True)."""
+    if first:
+        raise MsaError(path, line, "the reference (the first row) has gaps only", number, rid)
+    empty.append(f"{path}:{line}: record #{number} {rid!r}")
+    return True
+
+
+def _left_out(empty: list[str], path: str) -> None:
+    if empty:
+        log.warning("%s: left out %d homolog row(s) with gaps only (the first: %s)",
+                    path, len(empty), empty[0])  # fmt: skip
 
 
 def read_stockholm(path: str | os.PathLike[str]) -> tuple[Member, list[Member]]:
@@ -252,17 +273,20 @@ def read_stockholm(path: str | os.PathLike[str]) -> tuple[Member, list[Member]]:
         text_rows.setdefault(rid, []).append(row)
     if not text_rows:
         raise MsaError(name, None, "no sequence rows before '//'")
-    ids = list(text_rows)
-    rows = ["".join(text_rows[i]) for i in ids]
-    for n, (rid, row) in enumerate(zip(ids, rows, strict=True), 1):
-        if len(row) != len(rows[0]):
+    ids, rows, empty = [], [], []
+    for n, rid in enumerate(text_rows, 1):
+        row = "".join(text_rows[rid])
+        if rows and len(row) != len(rows[0]):
             raise MsaError(
                 name, first_line[rid],
                 f"{len(row)} columns, the reference (the first row) has {len(rows[0])}",
                 n, rid,
             )  # fmt: skip
-        if not row.strip(_GAPS):
-            raise MsaError(name, first_line[rid], "a row with gaps only (no residue)", n, rid)
+        if not row.strip(_GAPS) and _empty_row(empty, name, first_line[rid], n, rid, not rows):
+            continue
+        ids.append(rid)
+        rows.append(row)
+    _left_out(empty, name)
     if len(rows) < 2:
         raise MsaError(name, None, "only the reference (the first row): no homolog to read")
     positions = []

@@ -96,7 +96,7 @@ def test_a_plain_fasta_has_no_coordinates(tmp_path: Path) -> None:
     ("name", "text", "where"),
     [
         ("bad.a2m", ">ref\nMKTAY\n>h1\nMKT-\n", ":3: record #2 'h1': 4 match columns"),
-        ("bad.a2m", ">ref\nMKTAY\n>h1\n--..---\n", ":3: record #2 'h1': a row with gaps only"),
+        ("bad.a2m", ">ref\n--.---\n>h1\nMKTAY\n", ":1: record #1 'ref': the reference (the"),
         ("bad.a2m", ">ref\nMKTAY\n>h1\nMKJAY\n", ":4: record #2 'h1': unknown letter 'J'"),
         ("one.a2m", ">ref\nMKTAY\n", "only the reference"),
         ("bad.sto", "# STOCKHOLM 1.0\nref MKTAY\nh1 MKT\n//\n", ":3: record #2 'h1': 3 columns"),
@@ -111,6 +111,17 @@ def test_a_bad_msa_is_one_located_error(tmp_path: Path, name: str, text: str, wh
         read_homologs(path)
     message = str(exc.value)
     assert "\n" not in message and str(path) in message and where in message
+
+
+def test_a_homolog_row_of_gaps_only_is_left_out_with_a_warning(tmp_path, caplog) -> None:
+    a2m, sto = tmp_path / "f.a2m", tmp_path / "f.sto"
+    a2m.write_text(">ref\nMKTAY\n>e1\n--..---\n>h1\nMKTAY\n>e2\n-----\n")
+    sto.write_text("# STOCKHOLM 1.0\nref MKTAY\ne1 -..--\nh1 MKTAY\n//\n")
+    assert [m.id for m in read_homologs(a2m)[1]] == ["h1"]
+    assert "left out 2 homolog row(s) with gaps only (the first: " in caplog.text
+    assert f"{a2m}:3: record #2 'e1'" in caplog.text
+    assert [m.id for m in read_homologs(sto)[1]] == ["h1"]
+    assert f"{sto}:3: record #2 'e1'" in caplog.text
 
 
 def test_place_ties_go_left_and_terminals_are_unplaced() -> None:
