@@ -113,43 +113,76 @@ class MsaError(UserError):
 # --------------------------------------------------------------------------------------------
 # Placement: positions along the alignment -> reference coordinates
 # --------------------------------------------------------------------------------------------
-def _a2m_positions(row: str) -> tuple[np.ndarray, np.ndarray, int]:
-    """(positions along the match columns of the row's residues (float), whether each residue
-    is in a match column, the row's number of match columns). A residue in match column m is
-    at m; the j-th of k insertions between columns m - 1 and m at m - 1 + (j + 1) / (k + 1)."""
-    a = np.frombuffer(row.encode("ascii"), np.uint8)
-    upper = (a >= 65) & (a <= 90)
-    lower = (a >= 97) & (a <= 122)
-    match = upper | (a == 45)
-    columns = np.cumsum(match)  # match columns up to and including each character
-    residue = upper | lower
-    pos = (columns - 1).astype(np.float64)
-    gap_of = columns[lower]  # an insertion sits before match column `gap_of`
-    if gap_of.size:
-        first = np.searchsorted(gap_of, gap_of, "left")
-        count = np.searchsorted(gap_of, gap_of, "right") - first
-        j = np.arange(gap_of.size) - first
-        pos[lower] = gap_of - 1 + (j + 1) / (count + 1)
-    return pos[residue], match[residue], int(columns[-1]) if a.size else 0
+class _Layout:
+    """Every row of an alignment at once (one pass over all their characters, no Python loop
+    per row): per residue, its position along the alignment and whether it sits in a match
+    column; the rows' residue offsets; per row, its match columns and its residues as tokens.
+
+    ``columns_of``: "match" (A2M/A3M: a residue in match column m is at m, the j-th of k
+    insertions between columns m - 1 and m at m - 1 + (j + 1) / (k + 1)) or "all" (Stockholm:
+    every column is a column, a residue sits at its own)."""
+
+    def __init__(self, rows: Sequence[str], columns_of: str) -> None:
+        lengths = np.fromiter(map(len, rows), np.int64, len(rows))
+        starts = np.concatenate(([0], np.cumsum(lengths)))
+        a = np.frombuffer("".join(rows).encode("ascii"), np.uint8)
+        upper = (a >= 65) & (a <= 90)
+        lower = (a >= 97) & (a <= 122)
+        residue = upper | lower
+        row_of = np.repeat(np.arange(len(rows)), lengths)  # (chars,)
+        if columns_of == "match":
+            match = upper | (a == 45)
+            total = np.concatenate(([0], np.cumsum(match)))
+            columns = total[1:] - total[starts[:-1]][row_of]  # match columns so far, in-row
+            self.widths = total[starts[1:]] - total[starts[:-1]]  # (N,)
+            pos = (columns - 1).astype(np.float64)
+            gap_of = columns[lower]  # an insertion sits before match column `gap_of`
+            key = row_of[lower] * (int(self.widths.max(initial=0)) + 2) + gap_of  # sorted
+            first = np.searchsorted(key, key, "left")
+            count = np.searchsorted(key, key, "right") - first
+            pos[lower] = gap_of - 1 + (np.arange(key.size) - first + 1) / (count + 1)
+        else:
+            self.widths = lengths
+            pos = (np.arange(a.size) - starts[:-1][row_of]).astype(np.float64)
+        self.positions = pos[residue]  # (R,) residues of all rows, in order
+        self.aligned = upper[residue]
+        counts = np.bincount(row_of[residue], minlength=len(rows))
+        self.offsets = np.concatenate(([0], np.cumsum(counts)))  # (N + 1,)
+        self.residues = [r.translate(_DROP_GAPS).upper() for r in rows]
+
+    def row(self, i: int) -> slice:
+        return slice(int(self.offsets[i]), int(self.offsets[i + 1]))
 
 
-def place(reference: np.ndarray, positions: np.ndarray, aligned: np.ndarray) -> np.ndarray:
-    """Coordinates (n,) int64 of a row's residues at ``positions`` (n,) along the alignment:
-    the index of the nearest of the ``reference`` residues' positions (increasing; ties to the
-    left), :data:`UNPLACED` for residues before the row's first or after its last ``aligned``
-    residue (terminal insertions)."""
-    out = np.full(len(positions), UNPLACED, dtype=np.int64)
-    if not aligned.any() or not len(reference):
-        return out
+def place(
+    reference: np.ndarray, positions: np.ndarray, aligned: np.ndarray,
+    offsets: np.ndarray | None = None,
+) -> np.ndarray:  # fmt: skip
+    """Coordinates (n,) int64 of residues at ``positions`` (n,) along the alignment: the index
+    of the nearest of the ``reference`` residues' positions (increasing; ties to the left),
+    :data:`UNPLACED` for residues before their row's first or after its last ``aligned``
+    residue (terminal insertions). ``offsets`` (rows + 1,): where each row's residues start
+    (None: one row)."""
+    n = len(positions)
+    offsets = np.array([0, n]) if offsets is None else np.asarray(offsets)
+    if not len(reference) or not n:
+        return np.full(n, UNPLACED, dtype=np.int64)
     idx = np.searchsorted(reference, positions)
     left = np.clip(idx - 1, 0, len(reference) - 1)
     right = np.clip(idx, 0, len(reference) - 1)
     nearer_right = np.abs(reference[right] - positions) < np.abs(positions - reference[left])
     nearest = np.where(nearer_right, right, left)
-    inside = np.flatnonzero(aligned)
-    span = slice(int(inside[0]), int(inside[-1]) + 1)
-    out[span] = nearest[span]
-    return out
+    rows = len(offsets) - 1
+    row_of = np.repeat(np.arange(rows), np.diff(offsets))  # (n,)
+    inside = np.flatnonzero(aligned)  # sorted, and so are their rows
+    lo = np.searchsorted(row_of[inside], np.arange(rows), "left")
+    hi = np.searchsorted(row_of[inside], np.arange(rows), "right")
+    has = hi > lo
+    first = np.where(has, inside[np.minimum(lo, len(inside) - 1)], n)  # (rows,)
+    last = np.where(has, inside[np.maximum(hi - 1, 0)], -1)
+    k = np.arange(n)
+    within = (k >= first[row_of]) & (k <= last[row_of])
+    return np.where(within, nearest, UNPLACED).astype(np.int64)
 
 
 def _shift(rid: str, length: int) -> int:
@@ -162,29 +195,39 @@ def _shift(rid: str, length: int) -> int:
     return start - 1 if start >= 1 and end - start + 1 == length else 0
 
 
-def _members(
-    rows: Sequence[tuple[str, Any]], positions: list[tuple[np.ndarray, np.ndarray]],
-    residues: list[str],
-) -> tuple[Member, list[Member]]:  # fmt: skip
-    """The reference (the first row, at its own coordinates) and the homologs (the other rows)
-    with their coordinates."""
-    ref_pos = positions[0][0]
-    shift = _shift(rows[0][0], len(ref_pos)) + 1  # member position of reference residue 0
-    reference = Member(rows[0][0], residues[0], np.arange(len(ref_pos), dtype=np.int64) + shift)
-    out = []
-    for (rid, _), (pos, aligned), seq in zip(rows[1:], positions[1:], residues[1:], strict=True):
-        coords = place(ref_pos, pos, aligned)
-        coords[coords != UNPLACED] += shift
-        out.append(Member(rid, seq, coords))
-    return reference, out
-
-
-def _residues(row: str) -> str:
-    """A row's residues as tokens: gaps dropped, letters upper-cased."""
-    return row.translate(_DROP_GAPS).upper()
+def _members(ids: Sequence[str], layout: _Layout, keep: np.ndarray) -> tuple[Member, list[Member]]:
+    """The reference (the first row, at its own coordinates) and the homologs (the other rows
+    in ``keep``) with their coordinates."""
+    ref = layout.positions[layout.row(0)]
+    shift = _shift(ids[0], len(ref)) + 1  # the member position of reference residue 0
+    coords = place(ref, layout.positions, layout.aligned, layout.offsets)
+    coords[coords != UNPLACED] += shift
+    reference = Member(ids[0], layout.residues[0], np.arange(len(ref), dtype=np.int64) + shift)
+    return reference, [
+        Member(ids[i], layout.residues[i], coords[layout.row(i)]) for i in keep.tolist() if i
+    ]
 
 
 _DROP_GAPS = str.maketrans("", "", _GAPS)
+
+
+def _homolog_rows(
+    ids: Sequence[str], layout: _Layout, path: str, lines: Sequence[int]
+) -> np.ndarray:
+    """The rows to read (indices): all but the homolog rows of gaps only, which say nothing
+    and are left out with one warning; the reference's is an error (nothing to place on), as
+    is an alignment of the reference alone."""
+    empty = np.flatnonzero(np.diff(layout.offsets) == 0)
+    if len(empty) and empty[0] == 0:
+        raise MsaError(path, lines[0], "the reference (the first row) has gaps only", 1, ids[0])
+    if len(empty):
+        i = int(empty[0])
+        log.warning("%s: left out %d homolog row(s) with gaps only (the first: %s:%d: record "
+                    "#%d %r)", path, len(empty), path, lines[i], i + 1, ids[i])  # fmt: skip
+    keep = np.setdiff1d(np.arange(len(ids)), empty)
+    if len(keep) < 2:
+        raise MsaError(path, None, "only the reference (the first row): no homolog to read")
+    return keep
 
 
 # --------------------------------------------------------------------------------------------
@@ -197,46 +240,19 @@ def a2m_members(records: Sequence[Any], path: str) -> tuple[Member, list[Member]
     left out (one warning)."""
     if not records:
         raise MsaError(path, None, "no records: an alignment needs its reference (the first)")
-    rows, positions, residues = [], [], []
-    empty: list[str] = []
-    width = None
-    for r in records:
-        pos, aligned, columns = _a2m_positions(r.sequence)
-        if width is None:
-            width = columns
-        elif columns != width:
-            raise MsaError(
-                path, r.line,
-                f"{columns} match columns (upper-case letters and '-'), the reference (the "
-                f"first record) has {width}: not an A2M/A3M row of this alignment",
-                r.number, r.id,
-            )  # fmt: skip
-        seq = _residues(r.sequence)
-        if not seq and _empty_row(empty, path, r.line, r.number, r.id, first=not rows):
-            continue
-        rows.append((r.id, r))
-        positions.append((pos, aligned))
-        residues.append(seq)
-    _left_out(empty, path)
-    if len(rows) < 2:
-        raise MsaError(path, None, "only the reference (the first record): no homolog to read")
-    return _members(rows, positions, residues)
-
-
-def _empty_row(empty: list[str], path: str, line: int, number: int, rid: str,
-               first: bool) -> bool:  # fmt: skip
-    """A row of gaps only: the reference's is an error (nothing to place on), a homolog's is
-    noted in ``empty`` and left out (True)."""
-    if first:
-        raise MsaError(path, line, "the reference (the first row) has gaps only", number, rid)
-    empty.append(f"{path}:{line}: record #{number} {rid!r}")
-    return True
-
-
-def _left_out(empty: list[str], path: str) -> None:
-    if empty:
-        log.warning("%s: left out %d homolog row(s) with gaps only (the first: %s)",
-                    path, len(empty), empty[0])  # fmt: skip
+    layout = _Layout([r.sequence for r in records], "match")
+    wrong = np.flatnonzero(layout.widths != layout.widths[0])
+    if len(wrong):
+        r = records[int(wrong[0])]
+        raise MsaError(
+            path, r.line,
+            f"{layout.widths[wrong[0]]} match columns (upper-case letters and '-'), the "
+            f"reference (the first record) has {layout.widths[0]}: not an A2M/A3M row of this "
+            "alignment",
+            r.number, r.id,
+        )  # fmt: skip
+    ids = [r.id for r in records]
+    return _members(ids, layout, _homolog_rows(ids, layout, path, [r.line for r in records]))
 
 
 def read_stockholm(path: str | os.PathLike[str]) -> tuple[Member, list[Member]]:
@@ -273,27 +289,14 @@ def read_stockholm(path: str | os.PathLike[str]) -> tuple[Member, list[Member]]:
         text_rows.setdefault(rid, []).append(row)
     if not text_rows:
         raise MsaError(name, None, "no sequence rows before '//'")
-    ids, rows, empty = [], [], []
-    for n, rid in enumerate(text_rows, 1):
-        row = "".join(text_rows[rid])
-        if rows and len(row) != len(rows[0]):
+    ids = list(text_rows)
+    rows = ["".join(text_rows[rid]) for rid in ids]
+    for n, (rid, row) in enumerate(zip(ids, rows, strict=True), 1):
+        if len(row) != len(rows[0]):
             raise MsaError(
                 name, first_line[rid],
                 f"{len(row)} columns, the reference (the first row) has {len(rows[0])}",
                 n, rid,
             )  # fmt: skip
-        if not row.strip(_GAPS) and _empty_row(empty, name, first_line[rid], n, rid, not rows):
-            continue
-        ids.append(rid)
-        rows.append(row)
-    _left_out(empty, name)
-    if len(rows) < 2:
-        raise MsaError(name, None, "only the reference (the first row): no homolog to read")
-    positions = []
-    for row in rows:
-        a = np.frombuffer(row.encode("ascii"), np.uint8)
-        is_res = np.isin(a, np.frombuffer(_GAPS.encode(), np.uint8), invert=True)
-        columns = np.flatnonzero(is_res).astype(np.float64)
-        upper = (a[is_res] >= 65) & (a[is_res] <= 90)
-        positions.append((columns, upper))
-    return _members(list(zip(ids, rows, strict=True)), positions, [_residues(r) for r in rows])
+    layout = _Layout(rows, "all")
+    return _members(ids, layout, _homolog_rows(ids, layout, name, [first_line[i] for i in ids]))
