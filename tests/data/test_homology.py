@@ -309,6 +309,21 @@ def test_homologs_never_writes_over_an_input(
     assert capsys.readouterr().err.startswith("error: no output given")
 
 
+def test_homologs_tsv_is_a_file_of_its_own(tmp_path: Path, capsys) -> None:
+    """--tsv names its own output: not the FASTA, not standard output, never an input; all
+    refused before any search."""
+    db = tmp_path / "db.fasta"
+    _family_fasta(db)
+    query = _query(tmp_path, db, "tr|F01M0|F01M0_TEST")
+    out = tmp_path / "h.fasta"
+    for tsv, said in ((out, "a file of its own"), ("-", "a file of its own"),
+                      (db, "never replaces an input")):  # fmt: skip
+        assert main(["homologs", str(query), str(db), str(out), "--tsv", str(tsv)]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith("error: ") and said in err[0]
+    assert not out.exists()
+
+
 def test_homologs_without_mmseqs_is_one_error_line(tmp_path: Path) -> None:
     """The console script in a fresh process whose PATH has no mmseqs (nothing faked)."""
     import subprocess

@@ -219,3 +219,34 @@ def test_aligned_context_scores_equal_the_concatenated_forward(tmp_path, attenti
     got = lm.score([wt], context=ctx)[0]
     assert got == pytest.approx(mean_ll(logits), abs=1e-4)
     assert abs(got - mean_ll(unaligned)) > 1e-4  # the coordinates changed what was read
+
+
+def test_an_ensemble_over_an_msa_keeps_its_coordinates_and_reference(tmp_path) -> None:
+    """Every prompt of an ensemble built from an A2M reads the homologs at their coordinates
+    and knows the reference (orders and identity filters reorder members, not residues)."""
+    lm = copying_lm()
+    wt, a2m, _ = shifted_family(tmp_path)
+    ens = lm.context(str(a2m), query=wt, max_identity=[1.0], tokens=[200, None], orders=1)
+    assert len(ens.prompts) == 4  # 2 budgets x (1 order + its reverse)
+    for p in ens.prompts:
+        assert p.context.aligned and p.context.reference.sequence == wt
+        assert p.record()["aligned"] is True
+    whole = [p for p in ens.prompts if p.tokens is None]
+    assert all(len(p.context.members) == 3 for p in whole)
+    # the copying model reads the same columns whatever the members' order
+    got = lm.score([wt], context=whole[1].context)[0]
+    assert got == pytest.approx(lm.score([wt], context=lm.context(str(a2m)))[0], abs=1e-4)
+
+
+def test_an_a2m_on_standard_input_is_read_as_an_msa(tmp_path, monkeypatch) -> None:
+    import io
+    import sys
+
+    from protein_performer.data import fasta
+    from protein_performer.data.inputs import read_homologs
+
+    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(A2M.encode())))
+    monkeypatch.setattr(fasta, "_stdin_copies", [])
+    reference, members = read_homologs("-")
+    assert reference.id == "wt/1-12" and [m.id for m in members] == ["h1", "h2"]
+    assert members[0].coordinates.tolist() == [3, 4, 5, 6, 7, 8, 9, 10]
