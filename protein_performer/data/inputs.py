@@ -145,7 +145,9 @@ def read_homologs(path: str | os.PathLike[str]) -> tuple[Any, list]:
       name, or a FASTA file with gaps ``-``/``.``): gaps never become tokens, the first row is
       the reference, each homolog residue carries its reference coordinate;
     * the FASTA ``protein-performer homologs`` writes: each hit placed on its query by the
-      aligned ranges in its header (all hits of one query; of several, none is placed);
+      alignment in its header (``cigar=`` and the aligned ranges:
+      :func:`~protein_performer.data.homology.hit_coordinates`; all hits of one query; of
+      several, none is placed);
     * any other FASTA: homologs without coordinates (upper-cased as every FASTA read).
     """
     from protein_performer.data.fasta import STDIN, display_name, read_fasta

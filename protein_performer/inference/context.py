@@ -115,6 +115,12 @@ def homolog_members(homologs: Homologs) -> tuple[Member | None, list[Member]]:
         homologs = [homologs]
     items = list(homologs)  # type: ignore[arg-type]
     if items and all(isinstance(m, Member) for m in items):
+        for i, m in enumerate(items):  # coordinates come one per residue, or not at all
+            if m.coordinates is not None and np.shape(m.coordinates) != (len(m.sequence),):
+                raise UserError(
+                    f"homolog {i} ({m.id}): {np.shape(m.coordinates)} coordinates for "
+                    f"{len(m.sequence)} residues; give one per residue (or None)"
+                )
         return None, items
     return None, [Member(rid, seq) for rid, seq in as_records(items)]
 

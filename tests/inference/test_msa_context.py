@@ -250,3 +250,13 @@ def test_an_a2m_on_standard_input_is_read_as_an_msa(tmp_path, monkeypatch) -> No
     reference, members = read_homologs("-")
     assert reference.id == "wt/1-12" and [m.id for m in members] == ["h1", "h2"]
     assert members[0].coordinates.tolist() == [3, 4, 5, 6, 7, 8, 9, 10]
+
+
+def test_members_given_in_python_need_one_coordinate_per_residue() -> None:
+    from protein_performer.errors import UserError
+
+    lm = copying_lm()
+    with pytest.raises(UserError, match=r"homolog 0 \(h\): \(3,\) coordinates for 4 residues"):
+        lm.context([Member("h", "MKTA", np.array([1, 2, 3]))])
+    ctx = lm.context([Member("h", "MKTA", np.array([5, 6, 7, 8])), Member("u", "MKT")])
+    assert ctx.aligned and ctx.coordinates[1] is None
