@@ -580,7 +580,8 @@ def hit_coordinates(description: str, length: int) -> tuple[str, np.ndarray] | N
     MSA's insertions (``data.msa``). Without it (a header cut short), the aligned range
     ``tstart..tend`` is stretched linearly onto ``qstart..qend``: exact at both ends, off
     inside by the indels between (``scripts/studies/hit_coordinates.py`` measures how far).
-    Residues outside the aligned range are unplaced (-1): they aligned to nothing."""
+    One residue per query residue (``data.msa.one_per_column``: the facing one, else the
+    first); the others, and residues outside the aligned range, are unplaced (-1)."""
     found: dict[str, str] = {}
     for word in description.split():
         key, eq, value = word.partition("=")
@@ -594,20 +595,27 @@ def hit_coordinates(description: str, length: int) -> tuple[str, np.ndarray] | N
         return None
     if not (1 <= ts <= te <= length and 1 <= qs <= qe):
         return None
+    from protein_performer.data.msa import one_per_column
+
     coords = np.full(length, -1, dtype=np.int64)
-    aligned = _cigar_coordinates(found.get("cigar", ""), qs, qe, te - ts + 1)
-    if aligned is None:
+    exact = np.zeros(length, dtype=bool)
+    from_cigar = _cigar_coordinates(found.get("cigar", ""), qs, qe, te - ts + 1)
+    if from_cigar is None:
         t = np.arange(ts, te + 1)
         scale = (qe - qs) / (te - ts) if te > ts else 0.0
-        aligned = np.rint(qs + (t - ts) * scale).astype(np.int64)
-    coords[ts - 1 : te] = aligned
-    return found["query"], coords
+        coords[ts - 1 : te] = np.rint(qs + (t - ts) * scale).astype(np.int64)
+    else:
+        coords[ts - 1 : te], exact[ts - 1 : te] = from_cigar
+    return found["query"], one_per_column(coords, exact)
 
 
-def _cigar_coordinates(cigar: str, qs: int, qe: int, n: int) -> np.ndarray | None:
+def _cigar_coordinates(
+    cigar: str, qs: int, qe: int, n: int
+) -> tuple[np.ndarray, np.ndarray] | None:
     """(n,) the query residue number of each target residue of the aligned range, from a
-    CIGAR string (insertions to the nearer query residue around them, ties to the left);
-    None when there is none or it does not span the ranges (then the ranges are stretched)."""
+    CIGAR string (insertions to the nearer query residue around them, ties to the left), and
+    whether each faces that residue (``M``); None when there is none or it does not span the
+    ranges (then the ranges are stretched)."""
     ops = _CIGAR.findall(cigar)
     if not ops or "".join(f"{k}{op}" for k, op in ops) != cigar:
         return None
@@ -624,8 +632,9 @@ def _cigar_coordinates(cigar: str, qs: int, qe: int, n: int) -> np.ndarray | Non
             out += [q + (j + 1) / (k + 1) for j in range(k)]
     if len(out) != n or q != qe:
         return None
-    nearest = np.floor(np.asarray(out) + 0.5 - 1e-9)  # x.5 (a tie) goes to the left
-    return np.clip(nearest, qs, qe).astype(np.int64)
+    at = np.asarray(out)
+    nearest = np.floor(at + 0.5 - 1e-9)  # x.5 (a tie) goes to the left
+    return np.clip(nearest, qs, qe).astype(np.int64), at == np.round(at)
 
 
 def _fasta_records(path: Path, on_invalid: str) -> Iterator[tuple[str, str]]:

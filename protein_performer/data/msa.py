@@ -26,10 +26,12 @@ Placement rule (documented in the README): a residue in a column where the refer
 residue takes that residue's coordinate; a residue in an insertion, or in a column where the
 reference has a gap, takes the coordinate of the nearest reference residue along the alignment
 (an insertion of k residues between two columns sits at fractions 1/(k+1) ... k/(k+1) between
-them; ties go to the left). Residues before a row's first or after its last match-column
-residue (terminal insertions: outside what was aligned) get :data:`UNPLACED` (-1): they are
-tokens of the context, but enter no column. Gap characters (``-``, ``.``) never become tokens;
-residues become upper-case tokens.
+them; ties go to the left) unless a residue of its row already holds that coordinate: each
+coordinate holds at most one residue per row (:func:`one_per_column`: the aligned one, else the
+first), the others get :data:`UNPLACED` (-1), as do residues before a row's first or after its
+last match-column residue (terminal insertions: outside what was aligned). Unplaced residues
+are tokens of the context that enter no column. Gap characters (``-``, ``.``) never become
+tokens; residues become upper-case tokens.
 """
 
 from __future__ import annotations
@@ -182,7 +184,32 @@ def place(
     last = np.where(has, inside[np.maximum(hi - 1, 0)], -1)
     k = np.arange(n)
     within = (k >= first[row_of]) & (k <= last[row_of])
-    return np.where(within, nearest, UNPLACED).astype(np.int64)
+    coords = np.where(within, nearest, UNPLACED).astype(np.int64)
+    return one_per_column(coords, reference[nearest] == positions, offsets)
+
+
+def one_per_column(
+    coords: np.ndarray, exact: np.ndarray, offsets: np.ndarray | None = None
+) -> np.ndarray:
+    """``coords`` (n,) (non-decreasing along each row among the placed) with one residue per
+    row and coordinate kept: the one ``exact``-ly aligned to that reference residue, else the
+    first; the others :data:`UNPLACED`. Why: a column's slot is then a mean over rows, as a
+    member position is a mean over members, and coordinates rise strictly along a row, so a
+    causal read at a residue's column never meets a later residue of its own row."""
+    n = len(coords)
+    offsets = np.array([0, n]) if offsets is None else np.asarray(offsets)
+    idx = np.flatnonzero(coords != UNPLACED)
+    if not idx.size:
+        return coords
+    row = np.repeat(np.arange(len(offsets) - 1), np.diff(offsets))[idx]
+    order = np.lexsort((idx, ~exact[idx], coords[idx], row))  # exact first within a group
+    r, c = row[order], coords[idx][order]
+    first = np.ones(len(order), dtype=bool)
+    first[1:] = (r[1:] != r[:-1]) | (c[1:] != c[:-1])
+    out = np.full(n, UNPLACED, dtype=np.int64)
+    keep = idx[order[first]]
+    out[keep] = coords[keep]
+    return out
 
 
 def _shift(rid: str, length: int) -> int:

@@ -9,7 +9,8 @@ FASTA are searched against it with the parameters of ``homologs``
 (``data.homology.search_command``), MMseqs2 also writes each alignment (``qaln taln``), and
 every target residue that faces a query residue gets its placement compared with the query
 residue it faces. Beside them, what member positions give (a hit's own residue number), the
-placement a position memory uses without coordinates. The numbers to read: the share exactly
+placement a position memory uses without coordinates. The numbers to read: the share of the
+facing residues placed at all (one residue per query residue), and of those, the share exactly
 right and within the memory's window W (``memory_window``, 8).
 
     python scripts/studies/hit_coordinates.py \
@@ -75,6 +76,7 @@ def main() -> None:
                 for ln in out.read_text().splitlines()]  # fmt: skip
     errors: dict[str, list[np.ndarray]] = {"cigar": [], "stretched_ranges": [],
                                            "member_positions": []}  # fmt: skip
+    # -1 where a placement leaves a facing residue out (one residue per query residue)
     with_indel = hits = 0
     for r in rows:
         if r["query"] == r["target"]:
@@ -86,14 +88,17 @@ def main() -> None:
         for name, header in (("cigar", f"{ranges} cigar={r['cigar']}"),
                              ("stretched_ranges", ranges)):  # fmt: skip
             _, coords = hit_coordinates(header, tlen)  # type: ignore[misc]
-            errors[name].append(np.abs(coords[placed] - truth[placed]))
+            got = coords[placed]
+            errors[name].append(np.where(got >= 0, np.abs(got - truth[placed]), -1))
         errors["member_positions"].append(np.abs(np.flatnonzero(placed) + 1 - truth[placed]))
         with_indel += "-" in r["qaln"] or "-" in r["taln"]
         hits += 1
     merged = {k: np.concatenate(v) for k, v in errors.items()}
 
-    def shares(err: np.ndarray) -> dict[str, float]:
+    def shares(all_err: np.ndarray) -> dict[str, float]:
+        err = all_err[all_err >= 0]  # over the residues the placement put somewhere
         return {
+            "placed": round(float(np.mean(all_err >= 0)), 4),
             "exact": round(float(np.mean(err == 0)), 4),
             "within_2": round(float(np.mean(err <= 2)), 4),
             f"within_W{args.window}": round(float(np.mean(err <= args.window)), 4),

@@ -27,7 +27,7 @@ mmMKTAY...IAKQRkk
 """
 WANT = {
     "h1": ("IAKQR", [6, 7, 8, 9, 10]),
-    "h2": ("MKTAAAYIAKQ", [1, 2, 3, 3, 4, 4, 5, 6, 7, 8, 9]),
+    "h2": ("MKTAAAYIAKQ", [1, 2, 3, -1, -1, 4, 5, 6, 7, 8, 9]),  # one residue per column
     "h3": ("MMMKTAYIAKQRKK", [-1, -1, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, -1, -1]),
 }
 
@@ -77,8 +77,9 @@ def test_stockholm_interleaved_blocks_are_placed_column_for_column(tmp_path: Pat
     )
     _, (h1,) = read_homologs(path)
     assert h1.sequence == "TAYAAIAK"
-    # T A Y at their columns; the two insertions nearer Y (left) and I (right); I A K
-    assert h1.coordinates.tolist() == [3, 4, 5, 5, 6, 6, 7, 8]
+    # T A Y at their columns; the two insertions nearer Y (left) and I (right), whose columns
+    # Y and I hold: unplaced; I A K
+    assert h1.coordinates.tolist() == [3, 4, 5, -1, -1, 6, 7, 8]
     sniffed = tmp_path / "family.txt"
     sniffed.write_text(path.read_text())
     assert read_homologs(sniffed)[1][0].coordinates.tolist() == h1.coordinates.tolist()
@@ -127,7 +128,7 @@ def test_a_homolog_row_of_gaps_only_is_left_out_with_a_warning(tmp_path, caplog)
 def test_place_ties_go_left_and_terminals_are_unplaced() -> None:
     ref = np.array([0.0, 1.0, 2.0])
     got = place(ref, np.array([-0.5, 0.5, 1.6, 2.0, 3.0]), np.array([0, 0, 1, 1, 0], bool))
-    assert got.tolist() == [UNPLACED, UNPLACED, 2, 2, UNPLACED]
+    assert got.tolist() == [UNPLACED, UNPLACED, UNPLACED, 2, UNPLACED]  # 2.0 is exactly at 2
 
 
 def _hit(header: str, seq: str, query: str, qs: int, qe: int, ts: int, te: int) -> Homolog:
@@ -161,12 +162,12 @@ def test_a_hits_cigar_places_its_residues_exactly() -> None:
     matched residues at their query residue, insertions at the nearer one around them; the
     ranges alone would stretch the target's 9 aligned residues over the query's 8."""
     header = "query=q qstart=3 qend=10 tstart=2 tend=10 cigar=2M3D2M2I2M"
-    # target 2..10: M M (q3 q4), D D D (between q4 and q5: q4, q4|q5 tie -> q4, q5), M M (q5 q6),
-    # I I (q7 q8 skipped), M M (q9 q10)
+    # target 2..10: M M (q3 q4), D D D (between q4 and q5: q4, q4|q5 tie -> q4, q5, which
+    # the M residues hold: unplaced), M M (q5 q6), I I (q7 q8 skipped), M M (q9 q10)
     _, got = hit_coordinates(header, 11)
-    assert got.tolist() == [-1, 3, 4, 4, 4, 5, 5, 6, 9, 10, -1]
+    assert got.tolist() == [-1, 3, 4, -1, -1, -1, 5, 6, 9, 10, -1]
     _, stretched = hit_coordinates(header.rsplit(" ", 1)[0], 11)
-    assert stretched.tolist()[1:10] == [3, 4, 5, 6, 6, 7, 8, 9, 10]
+    assert stretched.tolist()[1:10] == [3, 4, 5, 6, -1, 7, 8, 9, 10]  # 6 twice: the first
     # a CIGAR that does not span the ranges is not trusted: the ranges are stretched
     assert hit_coordinates(header.replace("2M2I2M", "2M"), 11)[1].tolist() == stretched.tolist()
 
