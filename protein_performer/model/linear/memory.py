@@ -127,8 +127,8 @@ class PositionMemory(nn.Module):
                 same = (member[:, d:] == member[:, : L - d])[:, None, :, None]
                 sums[:, :, d:, W - d] += kvx[:, :, : L - d] * same.to(kvx.dtype)
         elif self.causal:  # keyed by coordinates: key j = t - d is at offset c_j - c_t
-            # (the W tokens before t; with more than W insertions on one column, older ones
-            # of t's own member are not read: an approximation for the context's own rows)
+            # (the W tokens before t: one of t's own member further back but within W
+            # columns, past unplaced insertions, is not read; a context row's approximation)
             for d in range(0, min(W, L - 1) + 1):
                 offset = keys[:, : L - d] - keys[:, d:]  # (B, L - d)
                 ok = (member[:, d:] == member[:, : L - d]) & (offset.abs() <= W)
