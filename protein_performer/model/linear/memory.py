@@ -15,8 +15,8 @@ s = 0 for a masked model, which predicts the residue at t itself. Keys are rotar
 carries the offset D as exact attention's scores do: with aligned homologs a head can read
 D = 0 by position alone (the learned bias b_h), and when an indel shifts a homolog, content
 (the residue at t against the residues around p_t) finds the homologous position. The state is
-(P + 2W + 1) x (d + dv + 1) per head, P the longest member it holds: constant in the number of
-members and in the context's length. A per-head gate from the query,
+P x (d + dv + 1) per head, P the longest member it holds (grown as a context brings longer
+ones, up to ``max_positions``): constant in the number of members and in the context's length. A per-head gate from the query,
 g_t = sigmoid(q_t . u_h + b_h), mixes it with the core's own output, out = core + g (mem - core);
 where no memory entry is in reach (positions >= P, an empty memory) the output is the core's.
 
@@ -30,19 +30,25 @@ from __future__ import annotations
 from typing import Any, NamedTuple
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 from protein_performer.model.linear.core import _compute_dtype
 from protein_performer.model.rotary import as_positions
 
-#: Tokens read at a time by a causal memory (its gathered sums are (2W + 2) x (d + dv + 1)
-#: numbers per token and head: bounded memory for a long context's prefill).
+#: Tokens read at a time by a causal memory (a long context's prefill in chunks, the memory
+#: carried from one to the next: bounded working memory).
 READ_CHUNK = 2048
+#: Member positions per tile of the banded read: a tile of T positions multiplies its queries
+#: with the T + n - 1 memory columns they reach (n = 2W + 2 causal, 2W + 1 masked), so the
+#: read is a few batched matrix products instead of a gather of n columns per token.
+TILE = 16
 
 
 class MemoryState(NamedTuple):
     """The mixed core's state: the inner core's (``inner``) and the position memory
-    ``mem`` (B, H, P + 2W + 1, d + dv + 1), slot p + W holding the sum of [k | v | 1] at p."""
+    ``mem`` (B, H, P, d + dv + 1), slot p holding the sum of [k | v | 1] at member position p;
+    P is the longest member held so far (it grows with the context, up to ``max_positions``)."""
 
     inner: Any
     mem: Tensor
@@ -54,6 +60,32 @@ def member_layout(positions: Tensor) -> Tensor:
     new = torch.ones_like(positions, dtype=torch.bool)
     new[:, 1:] = positions[:, 1:] != positions[:, :-1] + 1
     return new.long().cumsum(-1) - 1
+
+
+def _windows(x: Tensor, tile: int, n: int) -> Tensor:
+    """Columns (..., Pk, c) as overlapping tiles (..., Pk // tile, tile + n - 1, c): tile i holds
+    columns i*tile .. i*tile + tile + n - 2 (a view)."""
+    return x.unfold(-2, tile + n - 1, tile).transpose(-1, -2)
+
+
+def _band(s: Tensor, n: int) -> Tensor:
+    """The band s[..., i, i + j], j < n, of tile products (..., T, T + n - 1), as (..., T, n)."""
+    T = s.shape[-2]
+    flat = F.pad(s.flatten(-2), (0, T))
+    return flat.unflatten(-1, (T, s.shape[-1] + 1))[..., :n]
+
+
+def _unband(a: Tensor) -> Tensor:
+    """A band (..., T, n) as the tile matrix (..., T, T + n - 1) of :func:`_band`, zero off it."""
+    T, n = a.shape[-2:]
+    flat = F.pad(a, (0, T)).flatten(-2)[..., : T * (T + n - 1)]
+    return flat.unflatten(-1, (T, T + n - 1))
+
+
+def _slots(mem: Tensor, first: int, width: int) -> Tensor:
+    """Slots first .. first + width - 1 of a memory (B, H, P, C), zeros outside 0 .. P - 1."""
+    lo, hi = max(first, 0), max(min(first + width, mem.shape[2]), max(first, 0))
+    return F.pad(mem[:, :, lo:hi], (0, 0, lo - first, first + width - hi))
 
 
 class PositionMemory(nn.Module):
@@ -75,85 +107,101 @@ class PositionMemory(nn.Module):
     def redraw(self, generator: torch.Generator | None = None) -> None:
         self.inner.redraw(generator=generator)
 
-    def _slots(self, positions: Tensor, keep: Tensor) -> tuple[Tensor, Tensor]:
-        """Slot p + W of each token and whether it enters or reads the memory (real, p < P)."""
-        valid = keep & (positions >= 0) & (positions < self.max_positions)
-        return (positions.clamp(0, self.max_positions - 1) + self.window), valid
-
-    def _gather(self, kvx: Tensor, positions: Tensor, keep: Tensor, mem: Tensor | None):
-        """Per offset D, the sums of [k | v | 1] at position p_t + D over the keys t may read,
-        (B, H, L, n, C) with n = 2W + 1 (+1 causal: the successor slot), whether each token
-        reads and enters the memory (B, L), and the memory after the tokens (B, H, S, C)."""
-        B, H, L, C = kvx.shape
-        W, S = self.window, self.max_positions + 2 * self.window + self.causal
-        slot, valid = self._slots(positions, keep)
-        kvx = kvx * valid[:, None, :, None].to(kvx.dtype)
-        member = member_layout(positions)  # (B, L)
-        K = int(member.max()) + 1
-        # table[b, h, i] = sums of the members before i (and the state's), by slot
-        table = kvx.new_zeros(B, H, K + 1, S, C)
-        if mem is not None:  # row 0, "before the first member", holds the state
-            table[:, :, 0] = mem.to(kvx)
-        flat = (member + 1) * S + slot  # (B, L) into the (K+1)*S slots
-        table.view(B, H, (K + 1) * S, C).scatter_add_(
-            2, flat[:, None, :, None].expand(B, H, L, C), kvx
-        )
-        table = table.cumsum(2)
-        new_mem = table[:, :, K]  # (B, H, S, C): everything, the state included
-        if self.causal:  # the members before t's, then t's own keys j <= t
-            view, base = table.view(B, H, (K + 1) * S, C), member * S + slot
-        else:  # bidirectional: every token of every member, t's own member included
-            view, base = new_mem, slot
-        n = 2 * W + 1 + self.causal  # causal: one slot more, the successor of p_t + W
-        offsets = torch.arange(-W, W + 1 + self.causal, device=kvx.device)
-        # rows of C numbers picked by one flat index (a gather over C would index every number)
-        rows = view.reshape(-1, C)  # (B * H * R, C), R rows per (b, h)
-        start = torch.arange(B * H, device=kvx.device).view(B, H, 1) * view.shape[2]
-        index = (start + (base[:, :, None] + offsets).reshape(B, 1, L * n)).reshape(-1)
-        sums = rows.index_select(0, index).view(B, H, L, n, C)
-        if self.causal:  # positions continue by 1 within a member: key j = t - d is at p_t - d
-            for d in range(0, min(W, L - 1) + 1):  # offset -d (slot W - d); none ahead of t
-                same = (member[:, d:] == member[:, : L - d])[:, None, :, None]
-                sums[:, :, d:, W - d] += kvx[:, :, : L - d] * same.to(kvx.dtype)
-        return sums, valid, new_mem
-
     def _read(self, q: Tensor, k: Tensor, v: Tensor, positions: Tensor, keep: Tensor,
-              mem: Tensor | None) -> tuple[Tensor, Tensor, Tensor]:
+              mem: Tensor | None, want_state: bool) -> tuple[Tensor, Tensor, Tensor | None]:
         """The memory's output (B, H, L, dv), whether any entry was in reach (B, H, L, 1), and
-        the memory after the tokens: attention over the 2W+1 positions around p_t, each
-        position's key and value the mean over the members seen there."""
-        d = q.shape[-1]
-        kvx = torch.cat([k, v, torch.ones_like(v[..., :1])], -1)  # (B, H, L, d + dv + 1)
-        sums, valid, new_mem = self._gather(kvx, positions, keep, mem)  # (B, H, L, n, C)
-        # keys at p_t + D; values at p_t + D + 1 when causal (the successor: what t predicts)
-        keys, values = (sums[..., :-1, :], sums[..., 1:, :]) if self.causal else (sums, sums)
-        k_count, v_count = keys[..., -1], values[..., -1]  # (B, H, L, 2W+1)
-        # a token that is padding or past P reads nothing (its gathered slots are clamped)
-        seen = (k_count > 0) & (v_count > 0) & valid[:, None, :, None]
-        # q . mean key and the weighted mean values, contracting before dividing by the counts
-        # (elementwise products: batched matmuls of 2W+1 rows are slower on CPU)
-        scores = (keys[..., :d] * q[..., None, :]).sum(-1) / k_count.clamp_min(1e-6) * d**-0.5
-        scores = scores + self.offset_logits.to(q.dtype)[None, :, None, :]
-        weights = scores.masked_fill(~seen, float("-inf")).softmax(-1).nan_to_num(0.0)
+        (``want_state``) the memory after the tokens.
+
+        How: each member becomes a row of columns (its positions, laid side by side with the
+        row's other members, padded to the longest), so the sums a token reads are its
+        member's column p_t + D in the prefix over the members before it (E) or up to it (F,
+        offsets D <= 0 of t's own member, whose keys j <= t sit at p_t + D). Reading 2W + 1
+        neighbouring columns of a table is a band of a product with it: tiles of T query
+        positions times the T + n - 1 columns they reach (:func:`_band`), and the values back
+        through the same band (:func:`_unband`)."""
+        B, H, L, d = q.shape
+        W, causal, dv = self.window, self.causal, v.shape[-1]
+        n = 2 * W + 1 + causal  # causal: one column more, the successor of p_t + W
+        valid = keep & (positions >= 0) & (positions < self.max_positions)
+        member = member_layout(positions)
+        low = torch.where(valid, positions, self.max_positions).min()
+        stats = torch.stack([low, torch.where(valid, positions, -1).max(), member.max()])
+        base, top, last = stats.tolist()
+        if top < 0:  # nothing enters or reads: the memory stays as it was
+            if want_state and mem is None:
+                mem = q.new_zeros(B, H, 0, d + dv + 1)
+            return q.new_zeros(B, H, L, dv), q.new_zeros(B, H, L, 1, dtype=torch.bool), mem
+        M, P = last + 1, top - base + 1
+        T = min(TILE, P)
+        Pq = -(-P // T) * T
+        Pk = Pq + n - 1  # key columns: W before the first query position, W + causal after
+        rel = (positions - base).clamp(0, Pq - 1)
+        qcell = torch.where(valid, member * Pq + rel, M * Pq)[:, None, :, None]  # dump: M * Pq
+        kcell = torch.where(valid, member * Pk + rel + W, M * Pk)[:, None, :, None]
+        kvx = torch.cat([k, v, torch.ones_like(v[..., :1])], -1)  # (B, H, L, C)
+        C = kvx.shape[-1]
+        G = kvx.new_zeros(B, H, M * Pk + 1, C).scatter_add(2, kcell.expand(B, H, L, C), kvx)
+        G = G[:, :, :-1].view(B, H, M, Pk, C)  # each member's [k | v | 1] by column
+        Q = q.new_zeros(B, H, M * Pq + 1, d).scatter_add(2, qcell.expand(B, H, L, d), q)
+        Q = Q[:, :, :-1].view(B, H, M, Pq // T, T, d)
+        held = None if mem is None else _slots(mem, base - W, Pk)[:, :, None]
+        Fsum = G.cumsum(2) if held is None else G.cumsum(2) + held  # members up to each one
+        if causal:  # E: the members before each one; F: also its own, read at D <= 0
+            E = F.pad(Fsum[:, :, :-1], (0, 0, 0, 0, 1, 0)) if held is None else torch.cat(
+                [held, Fsum[:, :, :-1]], 2)
+            own = torch.arange(n, device=q.device) <= W
+            tables = (Fsum, E)
+        else:  # every member of the row, t's own included, at every offset
+            tables = (Fsum[:, :, -1:],)
+        wins = [_windows(t, T, n) for t in tables]
+        sums = [_band(Q @ w[..., :d].transpose(-1, -2), n) for w in wins]
+        counts = [t[..., -1].unfold(-1, n, 1).unflatten(-2, (Pq // T, T)) for t in tables]
+        if causal:
+            sums_k, count = torch.where(own, *sums), torch.where(own, *counts)
+            sums_k, k_count, v_count = sums_k[..., :-1], count[..., :-1], count[..., 1:]
+        else:
+            sums_k, k_count = sums[0], counts[0]
+            v_count = k_count
+        seen = (k_count > 0) & (v_count > 0)  # (B, H, M, nT, T, 2W + 1)
+        scores = sums_k / k_count.clamp_min(1e-6) * d**-0.5
+        scores = scores + self.offset_logits.to(q.dtype)[None, :, None, None, None]
+        # a finite fill: a query with nothing in reach gets uniform weights, then zeros
+        weights = scores.masked_fill(~seen, -1e30).softmax(-1) * seen
         weights = weights / v_count.clamp_min(1e-6)
-        out = (weights[..., None] * values[..., d:-1]).sum(-2)  # (B, H, L, dv)
-        return out, seen.any(-1, keepdim=True), new_mem
+        if causal:  # values one column to the right: the successor of each key
+            weights = F.pad(weights, (1, 0))
+            read = _unband(weights * own) @ wins[0][..., d:-1]
+            read = read + _unband(weights * ~own) @ wins[1][..., d:-1]
+        else:
+            read = _unband(weights) @ wins[0][..., d:-1]
+        out = F.pad(read.reshape(B, H, M * Pq, dv), (0, 0, 0, 1))
+        out = out.gather(2, qcell.expand(B, H, L, dv))
+        reach = seen.any(-1).expand(B, H, M, Pq // T, T).reshape(B, H, M * Pq)
+        reach = F.pad(reach, (0, 1)).gather(2, qcell[..., 0])
+        new_mem = None
+        if want_state:
+            added = G[:, :, :, W : W + P].sum(2)  # positions base .. top
+            size = max(top + 1, 0 if mem is None else mem.shape[2])
+            new_mem = F.pad(added, (0, 0, base, size - top - 1))
+            if mem is not None:
+                new_mem = new_mem + F.pad(mem, (0, 0, 0, size - mem.shape[2]))
+        return out, reach[..., None], new_mem
 
     def _read_chunks(self, q: Tensor, k: Tensor, v: Tensor, positions: Tensor, keep: Tensor,
-                     mem: Tensor | None) -> tuple[Tensor, Tensor, Tensor]:
+                     mem: Tensor | None, want_state: bool) -> tuple[Tensor, Tensor, Tensor | None]:
         """:meth:`_read` over the tokens in chunks of :data:`READ_CHUNK`, the memory carried
         from one to the next (causal), so a 64k-token context needs the memory of one chunk."""
         L = q.shape[2]
         if not self.causal or L <= READ_CHUNK:
-            return self._read(q, k, v, positions, keep, mem)
+            return self._read(q, k, v, positions, keep, mem, want_state)
         outs, seens = [], []
         for start in range(0, L, READ_CHUNK):
             t = slice(start, start + READ_CHUNK)
             out, seen, mem = self._read(q[:, :, t], k[:, :, t], v[:, :, t], positions[:, t],
-                                        keep[:, t], mem)
+                                        keep[:, t], mem, want_state or start + READ_CHUNK < L)
             outs.append(out)
             seens.append(seen)
-        return torch.cat(outs, 2), torch.cat(seens, 2), mem  # type: ignore[return-value]
+        return torch.cat(outs, 2), torch.cat(seens, 2), mem
 
     def forward(
         self,
@@ -192,8 +240,9 @@ class PositionMemory(nn.Module):
         dtype = _compute_dtype(q)
         with torch.autocast(device_type=q.device.type, enabled=False):
             x, y, vv = q.to(dtype), k.to(dtype), v.to(dtype)
-            mem_out, seen, mem = self._read_chunks(x, y, vv, pos, keep,
-                                                   None if state is None else state.mem)
+            mem_out, seen, mem = self._read_chunks(
+                x, y, vv, pos, keep, None if state is None else state.mem.to(dtype), keep_state
+            )
             gate = torch.sigmoid(
                 (x * self.gate_weight.to(dtype)[:, None]).sum(-1, keepdim=True)
                 + self.gate_bias.to(dtype)[:, None, None]

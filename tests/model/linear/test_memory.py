@@ -73,7 +73,8 @@ def test_member_layout_counts_members():
 
 def test_memory_state_continues_the_row_and_has_a_fixed_size():
     """A row split after its second member (a family context, then candidates) gives the same
-    outputs as the whole row, and the memory state's size does not depend on the row."""
+    outputs as the whole row; the memory state holds the longest member seen (11 tokens, then
+    13), not max_positions slots."""
     torch.manual_seed(1)
     inner = LinearAttention(2, 6, "taylor", causal=True, chunk_size=8)
     mem = PositionMemory(inner, 2, 6, max_positions=16, window=3)
@@ -89,7 +90,8 @@ def test_memory_state_continues_the_row_and_has_a_fixed_size():
     b, after = mem(q[:, :, 20:], k[:, :, 20:], v[:, :, 20:], state=state,
                    positions=pos[:, 20:], keep_state=True)
     torch.testing.assert_close(torch.cat([a, b], 2), full, atol=1e-5, rtol=1e-4)
-    assert state.mem.shape == after.mem.shape == (1, 2, 16 + 6 + 1, 6 + 6 + 1)
+    assert state.mem.shape == (1, 2, 11, 6 + 6 + 1)
+    assert after.mem.shape == (1, 2, 13, 6 + 6 + 1)
     steps, s = [], None
     for t in range(41):
         sl = slice(t, t + 1)
@@ -124,7 +126,7 @@ def test_hybrid_stack_puts_exact_attention_in_every_nth_layer_from_the_last():
 
 def test_memory_state_has_the_same_bytes_after_1k_and_64k_context_tokens():
     """The family state is constant in the context's length (issue 30's test): members of 100
-    tokens, 1,024 or 65,536 tokens of them."""
+    tokens, 1,024 or 65,536 tokens of them; its slots are the longest member's 100, not P."""
     inner = LinearAttention(1, 4, "taylor", causal=True)
     mem = PositionMemory(inner, 1, 4, max_positions=128, window=2)
 
@@ -135,7 +137,7 @@ def test_memory_state_has_the_same_bytes_after_1k_and_64k_context_tokens():
         return state.mem.nbytes + state.inner.kv.nbytes
 
     with torch.no_grad():
-        assert state_bytes(1024) == state_bytes(65536) == 4 * ((128 + 5) * 9 + 15 * 5)
+        assert state_bytes(1024) == state_bytes(65536) == 4 * (100 * 9 + 15 * 5)
 
 
 def test_a_long_causal_row_is_read_in_chunks_with_the_same_result(monkeypatch):
