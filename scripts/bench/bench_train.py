@@ -58,6 +58,10 @@ log = logging.getLogger("bench_train")
 EPILOG = "Method, memory definition and targets: see the module docstring."
 
 ATTENTIONS = ("favor", "exact")
+#: FAVOR+ with the position memory (issue 40), measured against plain FAVOR+ on family rows.
+MEMORY = "favor+memory"
+#: Issue 40: family-row training with the memory at >= 0.8x the steps/s of plain FAVOR+.
+MEMORY_TARGET = 0.8
 OBJECTIVES = ("mlm", "clm")
 #: Targets of issue 4: favor tokens/s over exact tokens/s at a given L (fwd+bwd+step).
 TARGETS: dict[int, float] = {4096: 2.0, 16384: 5.0}
@@ -70,8 +74,11 @@ MLM_PROB = 0.15
 # --------------------------------------------------------------------------------------------
 
 
-def synthetic_batch(objective: str, B: int, L: int, seed: int, config: Any) -> tuple[Any, Any]:
-    """Random residues of exactly L tokens (``<cls>`` residues ``<eos>``) and their targets.
+def synthetic_batch(
+    objective: str, B: int, L: int, seed: int, config: Any, member_len: int = 0
+) -> tuple[Any, Any]:
+    """Random residues of exactly L tokens (``<cls>`` residues ``<eos>``) and their targets;
+    with ``member_len``, family rows: a ``<cls>`` every member_len tokens, an ``<eos>`` before.
 
     Why not real data: the comparison is about attention cost at a given L, so every row must be
     exactly L long (no padding, no crop variation) and no data loader may sit in the loop.
@@ -86,6 +93,9 @@ def synthetic_batch(objective: str, B: int, L: int, seed: int, config: Any) -> t
     tokens = torch.randint(int(first), int(first) + len(STANDARD_AA), (B, L), generator=gen)
     tokens[:, 0] = config.cls_idx
     tokens[:, -1] = config.eos_idx
+    if member_len:
+        tokens[:, member_len::member_len] = config.cls_idx
+        tokens[:, member_len - 1 :: member_len] = config.eos_idx
     targets = torch.full_like(tokens, IGNORE_INDEX)
     if objective == "mlm":
         selected = torch.rand(B, L, generator=gen) < MLM_PROB
@@ -116,14 +126,17 @@ def run_case(case: dict[str, Any]) -> None:
         ff_dim=case["ff_dim"],
         nb_features=case["m"],
         objective=case["objective"],
-        attention=case["attention"],
+        attention="favor" if case["attention"] == MEMORY else case["attention"],
         kernel=case["kernel"],
         feature_redraw_interval=0,
+        position_memory=case["memory_positions"] if case["attention"] == MEMORY else 0,
     ).validate()
     model = PerformerLM(config).to(device).train()
     optimizer = torch.optim.AdamW(model.param_groups(0.01), lr=1e-4, betas=(0.9, 0.98))
     B, L = case["B"], case["L"]
-    tokens, targets = synthetic_batch(case["objective"], B, L, case["seed"], config)
+    tokens, targets = synthetic_batch(
+        case["objective"], B, L, case["seed"], config, case.get("member_len", 0)
+    )
     tokens, targets = tokens.to(device), targets.to(device)
     bf16 = case["precision"] == "bf16-mixed"
     losses: list[float] = []
@@ -235,7 +248,7 @@ def run_all(args: argparse.Namespace) -> list[Row]:
                 base = {
                     "objective": objective,
                     "attention": attention,
-                    "kernel": args.kernel if attention == "favor" else "-",
+                    "kernel": args.kernel if attention != "exact" else "-",
                     "L": L,
                     "B": B,
                     "tokens_per_batch": B * L,
@@ -260,6 +273,8 @@ def run_all(args: argparse.Namespace) -> list[Row]:
                     "steps": args.steps,
                     "budget_s": args.budget_s,
                     "mem_limit_gib": mem_limit,
+                    "member_len": args.member_len,
+                    "memory_positions": args.memory_positions,
                 }
                 t0 = time.perf_counter()
                 result, note = _spawn(case, args.timeout)
@@ -316,6 +331,8 @@ def ratios(rows: list[Row]) -> list[dict[str, Any]]:
     out = []
     for objective, L in sorted({(r.objective, r.L) for r in rows}):
         fav, ex = _find(rows, objective, "favor", L), _find(rows, objective, "exact", L)
+        mem_row = _find(rows, objective, MEMORY, L)
+        memory = mem_row.tokens_per_s / fav.tokens_per_s if fav and mem_row else math.nan
         speed = fav.tokens_per_s / ex.tokens_per_s if fav and ex else math.nan
         mem = (
             ex.peak_mem_mib / fav.peak_mem_mib if fav and ex and fav.peak_mem_mib > 0 else math.nan
@@ -337,6 +354,10 @@ def ratios(rows: list[Row]) -> list[dict[str, Any]]:
                 "mem_ratio": mem,
                 "target": f">= {target:g}x" if target else "-",
                 "verdict": verdict,
+                "memory_ratio": memory,
+                "memory_verdict": "-" if math.isnan(memory) else common.verdict(
+                    memory >= MEMORY_TARGET
+                ),
             }
         )
     return out
@@ -366,6 +387,17 @@ def format_tables(rows: list[Row], header: str) -> str:
             f"| {x['objective']} | {x['L']} | {x['favor_tok_s']:.0f} | {x['exact_tok_s']:.0f} "
             f"| {x['speed_ratio']:.2f} | {x['mem_ratio']:.2f} | {x['target']} | {x['verdict']} |"
         )
+    if any(not math.isnan(x["memory_ratio"]) for x in ratios(rows)):
+        lines += [
+            "",
+            f"| objective | L | {MEMORY} / favor speed | target | verdict |",
+            "|---|---:|---:|---|---|",
+        ]
+        for x in ratios(rows):
+            lines.append(
+                f"| {x['objective']} | {x['L']} | {x['memory_ratio']:.2f} "
+                f"| >= {MEMORY_TARGET:g}x | {x['memory_verdict']} |"
+            )
     return "\n".join(lines)
 
 
@@ -378,7 +410,23 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--tokens", type=int, default=16384, help="tokens per batch (B = tokens // L, >= 1)"
     )
     p.add_argument("--objectives", default=",".join(OBJECTIVES), help="comma list: mlm,clm")
-    p.add_argument("--attentions", default=",".join(ATTENTIONS), help="comma list: favor,exact")
+    p.add_argument(
+        "--attentions",
+        default=",".join(ATTENTIONS),
+        help=f"comma list: favor,exact,{MEMORY} (FAVOR+ with the position memory)",
+    )
+    p.add_argument(
+        "--member-len",
+        type=int,
+        default=0,
+        help="family rows: a member every N tokens (0: one protein a row)",
+    )
+    p.add_argument(
+        "--memory-positions",
+        type=int,
+        default=1024,
+        help=f"{MEMORY}: the memory's position_memory (member positions it holds)",
+    )
     p.add_argument("--depth", type=int, default=6)
     p.add_argument("--dim", type=int, default=320)
     p.add_argument("--heads", type=int, default=20)

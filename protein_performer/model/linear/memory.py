@@ -39,10 +39,10 @@ from protein_performer.model.rotary import as_positions
 #: Tokens read at a time by a causal memory (a long context's prefill in chunks, the memory
 #: carried from one to the next: bounded working memory).
 READ_CHUNK = 2048
-#: Member positions per tile of the banded read: a tile of T positions multiplies its queries
-#: with the T + n - 1 memory columns they reach (n = 2W + 2 causal, 2W + 1 masked), so the
-#: read is a few batched matrix products instead of a gather of n columns per token.
-TILE = 16
+#: Member positions per tile of the banded read (at least 2W + 1): a tile of T positions
+#: multiplies its queries with the 2T memory columns from its own (two matrix products), of
+#: which each query reads the n = 2W + 2 (causal; 2W + 1 masked) around its position.
+TILE = 24
 
 
 class MemoryState(NamedTuple):
@@ -62,24 +62,70 @@ def member_layout(positions: Tensor) -> Tensor:
     return new.long().cumsum(-1) - 1
 
 
-def _windows(x: Tensor, tile: int, n: int) -> Tensor:
-    """Columns (..., Pk, c) as overlapping tiles (..., Pk // tile, tile + n - 1, c): tile i holds
-    columns i*tile .. i*tile + tile + n - 2 (a view)."""
-    return x.unfold(-2, tile + n - 1, tile).transpose(-1, -2)
-
-
-def _band(s: Tensor, n: int) -> Tensor:
-    """The band s[..., i, i + j], j < n, of tile products (..., T, T + n - 1), as (..., T, n)."""
-    T = s.shape[-2]
-    flat = F.pad(s.flatten(-2), (0, T))
-    return flat.unflatten(-1, (T, s.shape[-1] + 1))[..., :n]
+def _band(full: Tensor, n: int) -> Tensor:
+    """Row i's columns i .. i + n - 1 of tile products full (N, T, 2T), as (N, T, n)."""
+    T = full.shape[1]
+    return F.pad(full.flatten(1), (0, T)).view(-1, T, 2 * T + 1)[..., :n]
 
 
 def _unband(a: Tensor) -> Tensor:
-    """A band (..., T, n) as the tile matrix (..., T, T + n - 1) of :func:`_band`, zero off it."""
-    T, n = a.shape[-2:]
-    flat = F.pad(a, (0, T)).flatten(-2)[..., : T * (T + n - 1)]
-    return flat.unflatten(-1, (T, T + n - 1))
+    """A band (N, T, n) as the (N, T, 2T) matrix of :func:`_band`, zero off the band."""
+    N, T, n = a.shape
+    return F.pad(a, (0, 2 * T + 1 - n)).flatten(1)[:, : 2 * T * T].view(N, T, 2 * T)
+
+
+def _scores(x: Tensor, y: Tensor, n: int) -> Tensor:
+    """out[i, a, j] = x[i, a] . y_flat[i T + a + j]: queries x (N, T, c) against the n columns
+    of y (N + 1, T, c) from their own on (y_flat: y's rows one after another)."""
+    return _band(torch.cat([x @ y[:-1].mT, x @ y[1:].mT], -1), n)
+
+
+def _apply(a: Tensor, y: Tensor) -> Tensor:
+    """out[i, a] = sum_j a[i, a, j] y_flat[i T + a + j], the adjoint of :func:`_scores` in x."""
+    full, T = _unband(a), a.shape[1]
+    return full[..., :T] @ y[:-1] + full[..., T:] @ y[1:]
+
+
+def _spread(a: Tensor, x: Tensor) -> Tensor:
+    """out_flat[i T + a + j] += a[i, a, j] x[i, a] as (N + 1, T, c): the adjoint in y."""
+    full, T = _unband(a), a.shape[1]
+    lo, hi = full[..., :T].mT @ x, full[..., T:].mT @ x
+    return F.pad(lo, (0, 0, 0, 0, 0, 1)) + F.pad(hi, (0, 0, 0, 0, 1, 0))
+
+
+class _Scores(torch.autograd.Function):
+    """:func:`_scores` with its backward as two more banded products (no (N, T, 2T) gradient
+    of a strided view)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, y: Tensor, n: int) -> Tensor:
+        ctx.save_for_backward(x, y)
+        return _scores(x, y, n)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, Tensor | None, None]:
+        x, y = ctx.saved_tensors
+        grad = grad.contiguous()
+        dx = _apply(grad, y) if ctx.needs_input_grad[0] else None
+        dy = _spread(grad, x) if ctx.needs_input_grad[1] else None
+        return dx, dy, None
+
+
+class _Apply(torch.autograd.Function):
+    """:func:`_apply` with its backward as banded products."""
+
+    @staticmethod
+    def forward(ctx: Any, a: Tensor, y: Tensor) -> Tensor:
+        ctx.save_for_backward(a, y)
+        return _apply(a, y)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, Tensor | None]:
+        a, y = ctx.saved_tensors
+        grad = grad.contiguous()
+        da = _scores(grad, y, a.shape[-1]) if ctx.needs_input_grad[0] else None
+        dy = _spread(a, grad) if ctx.needs_input_grad[1] else None
+        return da, dy
 
 
 def _slots(mem: Tensor, first: int, width: int) -> Tensor:
@@ -112,13 +158,13 @@ class PositionMemory(nn.Module):
         """The memory's output (B, H, L, dv), whether any entry was in reach (B, H, L, 1), and
         (``want_state``) the memory after the tokens.
 
-        How: each member becomes a row of columns (its positions, laid side by side with the
-        row's other members, padded to the longest), so the sums a token reads are its
-        member's column p_t + D in the prefix over the members before it (E) or up to it (F,
-        offsets D <= 0 of t's own member, whose keys j <= t sit at p_t + D). Reading 2W + 1
-        neighbouring columns of a table is a band of a product with it: tiles of T query
-        positions times the T + n - 1 columns they reach (:func:`_band`), and the values back
-        through the same band (:func:`_unband`)."""
+        How: each member becomes a row of R columns (its positions from the lowest in the
+        chunk, keys W columns to the right of their queries), the rows of every member, head
+        and batch row one after another. The sums t reads are then its member's columns
+        p_t + D of F, the prefix over the members up to its own, less its own member's G at
+        the offsets D > 0 that lie ahead of t. Reading the 2W + 1 columns around each query is
+        a band of tile products (:class:`_Scores`), and the values come back through the same
+        band (:class:`_Apply`): a few batched matrix products whatever W, forward and back."""
         B, H, L, d = q.shape
         W, causal, dv = self.window, self.causal, v.shape[-1]
         n = 2 * W + 1 + causal  # causal: one column more, the successor of p_t + W
@@ -127,57 +173,61 @@ class PositionMemory(nn.Module):
         low = torch.where(valid, positions, self.max_positions).min()
         stats = torch.stack([low, torch.where(valid, positions, -1).max(), member.max()])
         base, top, last = stats.tolist()
+        C = d + dv + 1
         if top < 0:  # nothing enters or reads: the memory stays as it was
             if want_state and mem is None:
-                mem = q.new_zeros(B, H, 0, d + dv + 1)
+                mem = q.new_zeros(B, H, 0, C)
             return q.new_zeros(B, H, L, dv), q.new_zeros(B, H, L, 1, dtype=torch.bool), mem
         M, P = last + 1, top - base + 1
-        T = min(TILE, P)
-        Pq = -(-P // T) * T
-        Pk = Pq + n - 1  # key columns: W before the first query position, W + causal after
-        rel = (positions - base).clamp(0, Pq - 1)
-        qcell = torch.where(valid, member * Pq + rel, M * Pq)[:, None, :, None]  # dump: M * Pq
-        kcell = torch.where(valid, member * Pk + rel + W, M * Pk)[:, None, :, None]
-        kvx = torch.cat([k, v, torch.ones_like(v[..., :1])], -1)  # (B, H, L, C)
-        C = kvx.shape[-1]
-        G = kvx.new_zeros(B, H, M * Pk + 1, C).scatter_add(2, kcell.expand(B, H, L, C), kvx)
-        G = G[:, :, :-1].view(B, H, M, Pk, C)  # each member's [k | v | 1] by column
-        Q = q.new_zeros(B, H, M * Pq + 1, d).scatter_add(2, qcell.expand(B, H, L, d), q)
-        Q = Q[:, :, :-1].view(B, H, M, Pq // T, T, d)
-        held = None if mem is None else _slots(mem, base - W, Pk)[:, :, None]
-        Fsum = G.cumsum(2) if held is None else G.cumsum(2) + held  # members up to each one
-        if causal:  # E: the members before each one; F: also its own, read at D <= 0
-            E = F.pad(Fsum[:, :, :-1], (0, 0, 0, 0, 1, 0)) if held is None else torch.cat(
-                [held, Fsum[:, :, :-1]], 2)
-            own = torch.arange(n, device=q.device) <= W
-            tables = (Fsum, E)
-        else:  # every member of the row, t's own included, at every offset
-            tables = (Fsum[:, :, -1:],)
-        wins = [_windows(t, T, n) for t in tables]
-        sums = [_band(Q @ w[..., :d].transpose(-1, -2), n) for w in wins]
-        counts = [t[..., -1].unfold(-1, n, 1).unflatten(-2, (Pq // T, T)) for t in tables]
-        if causal:
-            sums_k, count = torch.where(own, *sums), torch.where(own, *counts)
-            sums_k, k_count, v_count = sums_k[..., :-1], count[..., :-1], count[..., 1:]
+        T = max(TILE, n - 1)
+        R = (-(-P // T) + 1) * T  # a row: its query tiles, then one for the keys' overhang
+        rows = (torch.arange(B * H, device=q.device).view(B, H, 1) * M + member[:, None]) * R
+        col = (positions - base).clamp(0, R - 1 - W)[:, None]  # (B, 1, L)
+        keyed = (rows + col + W).view(-1)  # (B * H * L,) into (B * H * M * R) columns
+        # a padding token's query goes to its row's last column (never read), its key adds 0
+        asked = torch.where(valid[:, None], rows + col, rows + R - 1).view(-1)
+        kvx = torch.cat([k, v, torch.ones_like(v[..., :1])], -1)
+        kvx = kvx * valid[:, None, :, None].to(kvx.dtype)
+        G = kvx.new_zeros(B * H * M * R, C).index_add(0, keyed, kvx.reshape(-1, C))
+        Q = q.new_zeros(B * H * M * R, d).index_add(0, asked, q.reshape(-1, d))
+        G = G.view(B, H, M, R, C)
+        Fsum = G.cumsum(2)  # F: the members up to each one
+        if mem is not None:
+            Fsum = Fsum + _slots(mem, base - W, R)[:, :, None]
+        if not causal:  # every member of the row, t's own included, at every offset
+            Fsum = Fsum[:, :, -1:].expand(B, H, M, R, C)
+        y, x = Fsum.reshape(-1, T, C), Q.view(-1, T, d)[:-1]  # the last tile asks nothing
+        N = x.shape[0]
+
+        def counts(table: Tensor) -> Tensor:  # (N, T, n): the count at each column read
+            return table.reshape(-1)[: N * T + n - 1].unfold(0, n, 1).view(N, T, n)
+
+        sums, count = _Scores.apply(x, y[..., :d], n), counts(y[..., -1])
+        if causal:  # less t's own member ahead of t (offsets D > 0; the successor of D = 0)
+            ahead = torch.arange(n, device=q.device) > W
+            g = G.view(-1, T, C)
+            sums = sums - _Scores.apply(x, g[..., :d], n) * ahead
+            count = count - counts(g[..., -1]) * ahead
+            sums, k_count, v_count = sums[..., :-1], count[..., :-1], count[..., 1:]
         else:
-            sums_k, k_count = sums[0], counts[0]
-            v_count = k_count
-        seen = (k_count > 0) & (v_count > 0)  # (B, H, M, nT, T, 2W + 1)
-        scores = sums_k / k_count.clamp_min(1e-6) * d**-0.5
-        scores = scores + self.offset_logits.to(q.dtype)[None, :, None, None, None]
+            k_count = v_count = count
+        seen = (k_count > 0.5) & (v_count > 0.5)  # (N, T, 2W + 1)
+        scores = sums / k_count.clamp_min(1.0) * d**-0.5
+        head = torch.arange(N, device=q.device) // (M * R // T) % H  # each tile's head
+        scores = scores + self.offset_logits.to(q.dtype)[head][:, None]
         # a finite fill: a query with nothing in reach gets uniform weights, then zeros
         weights = scores.masked_fill(~seen, -1e30).softmax(-1) * seen
-        weights = weights / v_count.clamp_min(1e-6)
+        weights = weights / v_count.clamp_min(1.0)
         if causal:  # values one column to the right: the successor of each key
             weights = F.pad(weights, (1, 0))
-            read = _unband(weights * own) @ wins[0][..., d:-1]
-            read = read + _unband(weights * ~own) @ wins[1][..., d:-1]
+            read = _Apply.apply(weights, y[..., d:-1])
+            read = read - _Apply.apply(weights * ahead, g[..., d:-1])
         else:
-            read = _unband(weights) @ wins[0][..., d:-1]
-        out = F.pad(read.reshape(B, H, M * Pq, dv), (0, 0, 0, 1))
-        out = out.gather(2, qcell.expand(B, H, L, dv))
-        reach = seen.any(-1).expand(B, H, M, Pq // T, T).reshape(B, H, M * Pq)
-        reach = F.pad(reach, (0, 1)).gather(2, qcell[..., 0])
+            read = _Apply.apply(weights, y[..., d:-1])
+        index = torch.where(valid[:, None], rows + col, 0).view(-1)
+        out = read.view(-1, dv).index_select(0, index).view(B, H, L, dv)
+        reach = seen.any(-1).view(-1).index_select(0, index).view(B, H, L, 1)
+        reach = reach & valid[:, None, :, None]
         new_mem = None
         if want_state:
             added = G[:, :, :, W : W + P].sum(2)  # positions base .. top
@@ -185,7 +235,7 @@ class PositionMemory(nn.Module):
             new_mem = F.pad(added, (0, 0, base, size - top - 1))
             if mem is not None:
                 new_mem = new_mem + F.pad(mem, (0, 0, 0, size - mem.shape[2]))
-        return out, reach[..., None], new_mem
+        return out, reach, new_mem
 
     def _read_chunks(self, q: Tensor, k: Tensor, v: Tensor, positions: Tensor, keep: Tensor,
                      mem: Tensor | None, want_state: bool) -> tuple[Tensor, Tensor, Tensor | None]:
