@@ -39,12 +39,6 @@ from protein_performer.model.rotary import as_positions
 #: Tokens read at a time by a causal memory (a long context's prefill in chunks, the memory
 #: carried from one to the next: bounded working memory).
 READ_CHUNK = 2048
-#: Member positions per tile of the banded read (at least 2W + 1): a tile of T positions
-#: multiplies its queries with the 2T memory columns from its own (two matrix products), of
-#: which each query reads the n = 2W + 2 (causal; 2W + 1 masked) around its position.
-TILE = 24
-
-
 class MemoryState(NamedTuple):
     """The mixed core's state: the inner core's (``inner``) and the position memory
     ``mem`` (B, H, P, d + dv + 1), slot p holding the sum of [k | v | 1] at member position p;
@@ -62,70 +56,77 @@ def member_layout(positions: Tensor) -> Tensor:
     return new.long().cumsum(-1) - 1
 
 
-def _band(full: Tensor, n: int) -> Tensor:
-    """Row i's columns i .. i + n - 1 of tile products full (N, T, 2T), as (N, T, n)."""
+def _pairs(y: Tensor, T: int, N: int, shift: int) -> Tensor:
+    """Rows y (rows, c) as N overlapping windows (N, 2T, c), window i holding rows
+    i T + shift .. i T + shift + 2T - 1 (a view; y must hold (N + 1) T + shift rows)."""
+    return y.as_strided((N, 2 * T, y.shape[1]), (T * y.stride(0), y.stride(0), y.stride(1)),
+                        y.storage_offset() + shift * y.stride(0))
+
+
+def _band(full: Tensor, w: int) -> Tensor:
+    """Row a's columns a .. a + w - 1 of tile products full (N, T, 2T), as (N, T, w)."""
     T = full.shape[1]
-    return F.pad(full.flatten(1), (0, T)).view(-1, T, 2 * T + 1)[..., :n]
+    return F.pad(full.flatten(1), (0, T)).view(-1, T, 2 * T + 1)[..., :w]
 
 
 def _unband(a: Tensor) -> Tensor:
-    """A band (N, T, n) as the (N, T, 2T) matrix of :func:`_band`, zero off the band."""
-    N, T, n = a.shape
-    return F.pad(a, (0, 2 * T + 1 - n)).flatten(1)[:, : 2 * T * T].view(N, T, 2 * T)
-
-
-def _scores(x: Tensor, y: Tensor, n: int) -> Tensor:
-    """out[i, a, j] = x[i, a] . y_flat[i T + a + j]: queries x (N, T, c) against the n columns
-    of y (N + 1, T, c) from their own on (y_flat: y's rows one after another)."""
-    return _band(torch.cat([x @ y[:-1].mT, x @ y[1:].mT], -1), n)
-
-
-def _apply(a: Tensor, y: Tensor) -> Tensor:
-    """out[i, a] = sum_j a[i, a, j] y_flat[i T + a + j], the adjoint of :func:`_scores` in x."""
-    full, T = _unband(a), a.shape[1]
-    return full[..., :T] @ y[:-1] + full[..., T:] @ y[1:]
-
-
-def _spread(a: Tensor, x: Tensor) -> Tensor:
-    """out_flat[i T + a + j] += a[i, a, j] x[i, a] as (N + 1, T, c): the adjoint in y."""
-    full, T = _unband(a), a.shape[1]
-    lo, hi = full[..., :T].mT @ x, full[..., T:].mT @ x
-    return F.pad(lo, (0, 0, 0, 0, 0, 1)) + F.pad(hi, (0, 0, 0, 0, 1, 0))
+    """A band (N, T, w) as the (N, T, 2T) matrix of :func:`_band`, zero off the band."""
+    N, T, w = a.shape
+    return F.pad(a, (0, 2 * T + 1 - w)).flatten(1)[:, : 2 * T * T].view(N, T, 2 * T)
 
 
 class _Scores(torch.autograd.Function):
-    """:func:`_scores` with its backward as two more banded products (no (N, T, 2T) gradient
-    of a strided view)."""
+    """out[i, a, j] = x[i, a] . y[i T + a + shift + j], j < w: queries in tiles x (N, T, c)
+    against the w rows of y (rows, c) from their own (+ shift) on; a band of tile products
+    (each tile against the 2T rows it reaches), forward and back (w <= T + 1)."""
 
     @staticmethod
-    def forward(ctx: Any, x: Tensor, y: Tensor, n: int) -> Tensor:
+    def forward(ctx: Any, x: Tensor, y: Tensor, shift: int, w: int) -> Tensor:
         ctx.save_for_backward(x, y)
-        return _scores(x, y, n)
+        ctx.shift = shift
+        return _band(x @ _pairs(y, x.shape[1], x.shape[0], shift).mT, w)
 
     @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, Tensor | None, None]:
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, Tensor | None, None, None]:
         x, y = ctx.saved_tensors
-        grad = grad.contiguous()
-        dx = _apply(grad, y) if ctx.needs_input_grad[0] else None
-        dy = _spread(grad, x) if ctx.needs_input_grad[1] else None
-        return dx, dy, None
+        full = _unband(grad.contiguous())
+        N, T = x.shape[:2]
+        dx = full @ _pairs(y, T, N, ctx.shift) if ctx.needs_input_grad[0] else None
+        dy = _spread(full, x, y, ctx.shift) if ctx.needs_input_grad[1] else None
+        return dx, dy, None, None
 
 
 class _Apply(torch.autograd.Function):
-    """:func:`_apply` with its backward as banded products."""
+    """out[i, a] = sum_j a[i, a, j] y[i T + a + shift + j]: the values back through the band
+    of :class:`_Scores` (its adjoint in x), forward and back."""
 
     @staticmethod
-    def forward(ctx: Any, a: Tensor, y: Tensor) -> Tensor:
+    def forward(ctx: Any, a: Tensor, y: Tensor, shift: int) -> Tensor:
         ctx.save_for_backward(a, y)
-        return _apply(a, y)
+        ctx.shift = shift
+        return _unband(a) @ _pairs(y, a.shape[1], a.shape[0], shift)
 
     @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, Tensor | None]:
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, Tensor | None, None]:
         a, y = ctx.saved_tensors
+        N, T, w = a.shape
         grad = grad.contiguous()
-        da = _scores(grad, y, a.shape[-1]) if ctx.needs_input_grad[0] else None
-        dy = _spread(a, grad) if ctx.needs_input_grad[1] else None
-        return da, dy
+        da = None
+        if ctx.needs_input_grad[0]:
+            da = _band(grad @ _pairs(y, T, N, ctx.shift).mT, w)
+        dy = _spread(_unband(a), grad, y, ctx.shift) if ctx.needs_input_grad[1] else None
+        return da, dy, None
+
+
+def _spread(full: Tensor, x: Tensor, y: Tensor, shift: int) -> Tensor:
+    """The gradient of y (rows, c) of the band products: row i T + shift + r gets
+    full[i, :, r]^T x[i] (each tile's 2T rows overlap the next tile's first T)."""
+    N, T = x.shape[:2]
+    both = full.mT @ x  # (N, 2T, c)
+    out = y.new_zeros(y.shape)
+    out[shift : shift + N * T].view(N, T, -1).add_(both[:, :T])
+    out[shift + T : shift + (N + 1) * T].view(N, T, -1).add_(both[:, T:])
+    return out
 
 
 def _slots(mem: Tensor, first: int, width: int) -> Tensor:
@@ -160,11 +161,13 @@ class PositionMemory(nn.Module):
 
         How: each member becomes a row of R columns (its positions from the lowest in the
         chunk, keys W columns to the right of their queries), the rows of every member, head
-        and batch row one after another. The sums t reads are then its member's columns
-        p_t + D of F, the prefix over the members up to its own, less its own member's G at
-        the offsets D > 0 that lie ahead of t. Reading the 2W + 1 columns around each query is
-        a band of tile products (:class:`_Scores`), and the values come back through the same
-        band (:class:`_Apply`): a few batched matrix products whatever W, forward and back."""
+        and batch row one after another. Per column, F holds the mean [k | v] over the members
+        up to each one (its own included, what t reads at offsets D <= 0, where its own keys
+        j <= t sit) and E over the members before it (what t reads ahead of its position).
+        Reading the columns around each query is then a band of tile products
+        (:class:`_Scores`, one for F and one for E), and the values come back through the
+        same bands (:class:`_Apply`): four batched matrix products whatever W, forward and
+        back."""
         B, H, L, d = q.shape
         W, causal, dv = self.window, self.causal, v.shape[-1]
         n = 2 * W + 1 + causal  # causal: one column more, the successor of p_t + W
@@ -179,8 +182,10 @@ class PositionMemory(nn.Module):
                 mem = q.new_zeros(B, H, 0, C)
             return q.new_zeros(B, H, L, dv), q.new_zeros(B, H, L, 1, dtype=torch.bool), mem
         M, P = last + 1, top - base + 1
-        T = max(TILE, n - 1)
-        R = (-(-P // T) + 1) * T  # a row: its query tiles, then one for the keys' overhang
+        # a tile of T query positions reads the 2T columns from its first on, a band of
+        # w = W + 1 (causal: F, then E) or 2W + 1 (masked) of them per query (w <= T + 1)
+        T = max(W if causal else 2 * W, 1)
+        R = (-(-P // T) + 3) * T  # a row: its query tiles, then the keys' overhang
         rows = (torch.arange(B * H, device=q.device).view(B, H, 1) * M + member[:, None]) * R
         col = (positions - base).clamp(0, R - 1 - W)[:, None]  # (B, 1, L)
         keyed = (rows + col + W).view(-1)  # (B * H * L,) into (B * H * M * R) columns
@@ -191,39 +196,38 @@ class PositionMemory(nn.Module):
         G = kvx.new_zeros(B * H * M * R, C).index_add(0, keyed, kvx.reshape(-1, C))
         Q = q.new_zeros(B * H * M * R, d).index_add(0, asked, q.reshape(-1, d))
         G = G.view(B, H, M, R, C)
-        Fsum = G.cumsum(2)  # F: the members up to each one
+        Fsum = G.cumsum(2)  # the members up to each one
         if mem is not None:
             Fsum = Fsum + _slots(mem, base - W, R)[:, :, None]
         if not causal:  # every member of the row, t's own included, at every offset
             Fsum = Fsum[:, :, -1:].expand(B, H, M, R, C)
-        y, x = Fsum.reshape(-1, T, C), Q.view(-1, T, d)[:-1]  # the last tile asks nothing
+        tables = [Fsum, Fsum - G] if causal else [Fsum]  # F (and E)
+        x = Q.view(-1, T, d)[:-3]  # the last row's last three tiles ask nothing
         N = x.shape[0]
-
-        def counts(table: Tensor) -> Tensor:  # (N, T, n): the count at each column read
-            return table.reshape(-1)[: N * T + n - 1].unfold(0, n, 1).view(N, T, n)
-
-        sums, count = _Scores.apply(x, y[..., :d], n), counts(y[..., -1])
-        if causal:  # less t's own member ahead of t (offsets D > 0; the successor of D = 0)
+        means, have = [], []
+        for table in tables:  # per column: the mean [k | v], whether anything is there
+            count = table[..., -1:].reshape(-1, 1)
+            means.append(table[..., :-1].reshape(-1, d + dv) / count.clamp_min(1.0))
+            have.append((count[: N * T + n - 1, 0] > 0.5).unfold(0, n, 1).view(N, T, n))
+        if causal:  # keys at offsets 0..W from F, W+1..2W from E; values one column right
             ahead = torch.arange(n, device=q.device) > W
-            g = G.view(-1, T, C)
-            sums = sums - _Scores.apply(x, g[..., :d], n) * ahead
-            count = count - counts(g[..., -1]) * ahead
-            sums, k_count, v_count = sums[..., :-1], count[..., :-1], count[..., 1:]
+            held = torch.where(ahead, have[1], have[0])
+            parts = [_Scores.apply(x, means[0][:, :d], 0, W + 1),
+                     _Scores.apply(x, means[1][:, :d], W + 1, W)]
+            sums = torch.cat(parts, -1)
         else:
-            k_count = v_count = count
-        seen = (k_count > 0.5) & (v_count > 0.5)  # (N, T, 2W + 1)
-        scores = sums / k_count.clamp_min(1.0) * d**-0.5
+            held = have[0]
+            sums = _Scores.apply(x, means[0][:, :d], 0, n)
+        seen = held[..., : 2 * W + 1] & held[..., n - 2 * W - 1 :]  # key and value both held
         head = torch.arange(N, device=q.device) // (M * R // T) % H  # each tile's head
-        scores = scores + self.offset_logits.to(q.dtype)[head][:, None]
+        scores = sums * d**-0.5 + self.offset_logits.to(q.dtype)[head][:, None]
         # a finite fill: a query with nothing in reach gets uniform weights, then zeros
         weights = scores.masked_fill(~seen, -1e30).softmax(-1) * seen
-        weights = weights / v_count.clamp_min(1.0)
-        if causal:  # values one column to the right: the successor of each key
-            weights = F.pad(weights, (1, 0))
-            read = _Apply.apply(weights, y[..., d:-1])
-            read = read - _Apply.apply(weights * ahead, g[..., d:-1])
+        if causal:  # value column j + 1 of key j: 1..W from F, W+1..2W+1 from E
+            read = _Apply.apply(F.pad(weights[..., :W], (1, 0)), means[0][:, d:], 0)
+            read = read + _Apply.apply(weights[..., W:], means[1][:, d:], W + 1)
         else:
-            read = _Apply.apply(weights, y[..., d:-1])
+            read = _Apply.apply(weights, means[0][:, d:], 0)
         index = torch.where(valid[:, None], rows + col, 0).view(-1)
         out = read.view(-1, dv).index_select(0, index).view(B, H, L, dv)
         reach = seen.any(-1).view(-1).index_select(0, index).view(B, H, L, 1)
