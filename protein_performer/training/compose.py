@@ -11,8 +11,9 @@ This module owns where the configs live: the package's ``protein_performer/conf/
 Hydra's package search path (``pkg://protein_performer.conf``) so that an installed wheel works
 outside the repository, or ``$PROTEIN_PERFORMER_CONF_DIR`` (a copy to customise). It registers
 the ``pp.package`` resolver through which configs name data shipped with the package (the demo
-set), and ``pp.family_memory`` (the position memory where a model trains on family rows). It imports nothing from training or inference, so both can compose without depending on
-each other.
+set), and ``pp.family_memory`` (the position memory where a model trains on family rows). It
+imports nothing from training or inference, so both can compose without depending on each
+other.
 """
 
 from __future__ import annotations

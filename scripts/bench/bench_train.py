@@ -118,40 +118,51 @@ def run_case(case: dict[str, Any]) -> None:
     if case.get("threads"):
         torch.set_num_threads(int(case["threads"]))
     device = torch.device(case["device"])
-    torch.manual_seed(case["seed"])
-    config = PerformerConfig(
-        dim=case["dim"],
-        depth=case["depth"],
-        heads=case["heads"],
-        ff_dim=case["ff_dim"],
-        nb_features=case["m"],
-        objective=case["objective"],
-        attention="favor" if case["attention"] == MEMORY else case["attention"],
-        kernel=case["kernel"],
-        feature_redraw_interval=0,
-        position_memory=case["memory_positions"] if case["attention"] == MEMORY else 0,
-    ).validate()
-    model = PerformerLM(config).to(device).train()
-    optimizer = torch.optim.AdamW(model.param_groups(0.01), lr=1e-4, betas=(0.9, 0.98))
     B, L = case["B"], case["L"]
-    tokens, targets = synthetic_batch(
-        case["objective"], B, L, case["seed"], config, case.get("member_len", 0)
-    )
-    tokens, targets = tokens.to(device), targets.to(device)
     bf16 = case["precision"] == "bf16-mixed"
     losses: list[float] = []
 
-    def step() -> None:
-        optimizer.zero_grad(set_to_none=True)
-        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
-            logits = model(tokens).logits
-        # float32 loss under autocast, as the LightningModule does.
-        loss = F.cross_entropy(
-            logits.float().flatten(0, 1), targets.flatten(), ignore_index=IGNORE_INDEX
+    def side(attention: str) -> Any:
+        """One model, its optimizer and batch: the function that runs one optimizer step."""
+        torch.manual_seed(case["seed"])
+        config = PerformerConfig(
+            dim=case["dim"],
+            depth=case["depth"],
+            heads=case["heads"],
+            ff_dim=case["ff_dim"],
+            nb_features=case["m"],
+            objective=case["objective"],
+            attention="favor" if attention == MEMORY else attention,
+            kernel=case["kernel"],
+            feature_redraw_interval=0,
+            position_memory=case["memory_positions"] if attention == MEMORY else 0,
+        ).validate()
+        model = PerformerLM(config).to(device).train()
+        optimizer = torch.optim.AdamW(model.param_groups(0.01), lr=1e-4, betas=(0.9, 0.98))
+        tokens, targets = synthetic_batch(
+            case["objective"], B, L, case["seed"], config, case.get("member_len", 0)
         )
-        loss.backward()
-        optimizer.step()
-        losses.append(float(loss.detach()))  # .item() also syncs CUDA: the step is complete
+        tokens, targets = tokens.to(device), targets.to(device)
+
+        def step() -> float:
+            t0 = time.perf_counter()
+            optimizer.zero_grad(set_to_none=True)
+            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
+                logits = model(tokens).logits
+            # float32 loss under autocast, as the LightningModule does.
+            loss = F.cross_entropy(
+                logits.float().flatten(0, 1), targets.flatten(), ignore_index=IGNORE_INDEX
+            )
+            loss.backward()
+            optimizer.step()
+            losses.append(float(loss.detach()))  # .item() also syncs CUDA: the step is complete
+            return time.perf_counter() - t0
+
+        return step
+
+    step = side(case["attention"])
+    # --paired: plain FAVOR+ in the same process, its steps alternating with the memory's
+    twin = side("favor") if case.get("paired") and case["attention"] == MEMORY else None
 
     limit = int(case["mem_limit_gib"] * 2**30) if case.get("mem_limit_gib") else None
     cuda = device.type == "cuda"
@@ -161,12 +172,20 @@ def run_case(case: dict[str, Any]) -> None:
             t0 = time.perf_counter()
             for _ in range(case["warmup"]):
                 step()
+                if twin is not None:
+                    twin()
             log.debug("warmup %.2fs", time.perf_counter() - t0)
             times: list[float] = []
+            shares: list[float] = []  # per pair: the twin's step time over this one's
             while len(times) < case["steps"] and (not times or sum(times) < case["budget_s"]):
-                t0 = time.perf_counter()
-                step()
-                times.append(time.perf_counter() - t0)
+                if twin is None:
+                    times.append(step())
+                else:  # alternate which goes first, so a drifting load hits both alike
+                    first, second = (step, twin) if len(times) % 2 == 0 else (twin, step)
+                    a, b = first(), second()
+                    mine, theirs = (a, b) if first is step else (b, a)
+                    times.append(mine)
+                    shares.append(theirs / mine)
                 median = statistics.median(times)
                 common.emit(
                     {
@@ -178,6 +197,7 @@ def run_case(case: dict[str, Any]) -> None:
                         "peak_mem_mib": peak_bytes() / 2**20,
                         "final_loss": losses[-1],
                         "note": "" if math.isfinite(losses[-1]) else "non-finite loss",
+                        "paired_speed": statistics.median(shares) if shares else math.nan,
                     }
                 )
         except torch.OutOfMemoryError as exc:
@@ -214,6 +234,7 @@ class Row:
     peak_mem_mib: float = math.nan
     mem_kind: str = ""
     final_loss: float = math.nan
+    paired_speed: float = math.nan
     note: str = ""
 
 
@@ -243,7 +264,7 @@ def run_all(args: argparse.Namespace) -> list[Row]:
     rows: list[Row] = []
     for objective in objectives:
         for L in lengths:
-            for attention in attentions * args.rounds:
+            for attention in attentions:
                 B = batch_size(args.tokens, L)
                 base = {
                     "objective": objective,
@@ -274,6 +295,7 @@ def run_all(args: argparse.Namespace) -> list[Row]:
                     "budget_s": args.budget_s,
                     "mem_limit_gib": mem_limit,
                     "member_len": args.member_len,
+                    "paired": args.paired,
                     "memory_positions": args.memory_positions,
                 }
                 t0 = time.perf_counter()
@@ -289,6 +311,7 @@ def run_all(args: argparse.Namespace) -> list[Row]:
                         peak_mem_mib=result["peak_mem_mib"],
                         mem_kind="cuda_alloc_delta" if args.device == "cuda" else "rss_delta",
                         final_loss=result["final_loss"],
+                        paired_speed=result.get("paired_speed", math.nan),
                         note="; ".join(x for x in (result.get("note", ""), note) if x),
                     )
                 else:
@@ -331,12 +354,12 @@ def ratios(rows: list[Row]) -> list[dict[str, Any]]:
     out = []
     for objective, L in sorted({(r.objective, r.L) for r in rows}):
         fav, ex = _find(rows, objective, "favor", L), _find(rows, objective, "exact", L)
-        best = {
-            a: min((r.step_time_min_s for r in rows if (r.objective, r.attention, r.L) ==
-                    (objective, a, L) and r.steps_timed > 0), default=math.nan)
-            for a in ("favor", MEMORY)
-        }
-        memory = best["favor"] / best[MEMORY]  # nan unless both were measured
+        mem_row = _find(rows, objective, MEMORY, L)
+        memory = math.nan
+        if mem_row is not None and not math.isnan(mem_row.paired_speed):
+            memory = mem_row.paired_speed
+        elif mem_row is not None and fav is not None:
+            memory = mem_row.tokens_per_s / fav.tokens_per_s
         speed = fav.tokens_per_s / ex.tokens_per_s if fav and ex else math.nan
         mem = (
             ex.peak_mem_mib / fav.peak_mem_mib if fav and ex and fav.peak_mem_mib > 0 else math.nan
@@ -394,7 +417,7 @@ def format_tables(rows: list[Row], header: str) -> str:
     if any(not math.isnan(x["memory_ratio"]) for x in ratios(rows)):
         lines += [
             "",
-            f"| objective | L | {MEMORY} / favor speed (best steps) | target | verdict |",
+            f"| objective | L | {MEMORY} / favor speed | target | verdict |",
             "|---|---:|---:|---|---|",
         ]
         for x in ratios(rows):
@@ -420,7 +443,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help=f"comma list: favor,exact,{MEMORY} (FAVOR+ with the position memory)",
     )
     p.add_argument(
-        "--rounds", type=int, default=1, help="repeat the interleaved cases (best step counts)"
+        "--paired",
+        action="store_true",
+        help=f"{MEMORY}: time plain FAVOR+ in the same process, steps alternating",
     )
     p.add_argument(
         "--member-len",

@@ -16,13 +16,16 @@ carries the offset D as exact attention's scores do: with aligned homologs a hea
 D = 0 by position alone (the learned bias b_h), and when an indel shifts a homolog, content
 (the residue at t against the residues around p_t) finds the homologous position. The state is
 P x (d + dv + 1) per head, P the longest member it holds (grown as a context brings longer
-ones, up to ``max_positions``): constant in the number of members and in the context's length. A per-head gate from the query,
-g_t = sigmoid(q_t . u_h + b_h), mixes it with the core's own output, out = core + g (mem - core);
-where no memory entry is in reach (positions >= P, an empty memory) the output is the core's.
+ones, up to ``max_positions``): constant in the number of members and in the context's length.
+A per-head gate from the query, g_t = sigmoid(q_t . u_h + b_h), mixes it with the core's own
+output, out = core + g (mem - core); where no memory entry is in reach (positions >= P, an
+empty memory) the output is the core's.
 
-The causal parallel form splits the keys j <= t into the members before t's (a table per
-member, prefix-summed over members) and t's own member up to t (a causal window within the
-member), which is what the recurrent state accumulates one token at a time.
+The parallel form lays each member out as a row of columns (one per position), so a token's
+reads are its member's columns around its position in two prefix tables over the members (up
+to its own, and before it), and reading 2W + 1 neighbouring columns is a band of small matrix
+products with a hand-written backward (:meth:`PositionMemory._read`); the recurrent state is
+the last prefix, which is what it accumulates one token at a time.
 """
 
 from __future__ import annotations
@@ -39,6 +42,8 @@ from protein_performer.model.rotary import as_positions
 #: Tokens read at a time by a causal memory (a long context's prefill in chunks, the memory
 #: carried from one to the next: bounded working memory).
 READ_CHUNK = 2048
+
+
 class MemoryState(NamedTuple):
     """The mixed core's state: the inner core's (``inner``) and the position memory
     ``mem`` (B, H, P, d + dv + 1), slot p holding the sum of [k | v | 1] at member position p;
