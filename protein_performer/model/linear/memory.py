@@ -196,24 +196,31 @@ class PositionMemory(nn.Module):
         keyed = (rows + col + W).view(-1)  # (B * H * L,) into (B * H * M * R) columns
         # a padding token's query goes to its row's last column (never read), its key adds 0
         asked = torch.where(valid[:, None], rows + col, rows + R - 1).view(-1)
-        kvx = torch.cat([k, v, torch.ones_like(v[..., :1])], -1)
-        kvx = kvx * valid[:, None, :, None].to(kvx.dtype)
-        G = kvx.new_zeros(B * H * M * R, C).index_add(0, keyed, kvx.reshape(-1, C))
+        kv = torch.cat([k, v], -1) * valid[:, None, :, None].to(k.dtype)
+        G = kv.new_zeros(B * H * M * R, d + dv).index_add(0, keyed, kv.reshape(-1, d + dv))
         Q = q.new_zeros(B * H * M * R, d).index_add(0, asked, q.reshape(-1, d))
-        G = G.view(B, H, M, R, C)
-        Fsum = G.cumsum(2)  # the members up to each one
+        G = G.view(B, H, M, R, d + dv)
+        # the counts are the same in every head: (B, M, R), no gradient
+        slot = ((torch.arange(B, device=q.device)[:, None] * M + member) * R + col[:, 0] + W)
+        own = q.new_zeros(B * M * R).index_add(0, slot.view(-1), valid.to(q.dtype).view(-1))
+        own = own.view(B, M, R)
+        Fsum, Fcount = G.cumsum(2), own.cumsum(1)  # the members up to each one
         if mem is not None:
-            Fsum = Fsum + _slots(mem, base - W, R)[:, :, None]
+            held = _slots(mem, base - W, R)
+            Fsum = Fsum + held[:, :, None, :, :-1]
+            Fcount = Fcount + held[:, 0, None, :, -1]
         if not causal:  # every member of the row, t's own included, at every offset
-            Fsum = Fsum[:, :, -1:].expand(B, H, M, R, C)
-        tables = [Fsum, Fsum - G] if causal else [Fsum]  # F (and E)
+            Fsum = Fsum[:, :, -1:].expand(B, H, M, R, d + dv)
+            Fcount = Fcount[:, -1:].expand(B, M, R)
+        tables = [(Fsum, Fcount), (Fsum - G, Fcount - own)] if causal else [(Fsum, Fcount)]
+        nt = M * R // T  # tiles per (batch row, head)
         x = Q.view(-1, T, d)[:-3]  # the last row's last three tiles ask nothing
         N = x.shape[0]
         means, have = [], []
-        for table in tables:  # per column: the mean [k | v], whether anything is there
-            count = table[..., -1:].reshape(-1, 1)
-            means.append(table[..., :-1].reshape(-1, d + dv) / count.clamp_min(1.0))
-            have.append((count[: N * T + n - 1, 0] > 0.5).unfold(0, n, 1).view(N, T, n))
+        for table, count in tables:  # per column: the mean [k | v], whether anything is there
+            means.append((table / count.clamp_min(1.0)[:, None, :, :, None]).view(-1, d + dv))
+            flat = F.pad(count.reshape(B, M * R) > 0.5, (0, n - 1))
+            have.append(flat.unfold(1, n, 1).view(B, 1, nt, T, n))
         if causal:  # keys at offsets 0..W from F, W+1..2W from E; values one column right
             ahead = torch.arange(n, device=q.device) > W
             held = torch.where(ahead, have[1], have[0])
@@ -223,8 +230,10 @@ class PositionMemory(nn.Module):
         else:
             held = have[0]
             sums = _Scores.apply(x, means[0][:, :d], 0, n)
-        seen = held[..., : 2 * W + 1] & held[..., n - 2 * W - 1 :]  # key and value both held
-        head = torch.arange(N, device=q.device) // (M * R // T) % H  # each tile's head
+        # key and value both held, the same in every head
+        seen = (held[..., : 2 * W + 1] & held[..., n - 2 * W - 1 :]).expand(B, H, nt, T, -1)
+        seen = seen.reshape(-1, T, 2 * W + 1)[:N]
+        head = torch.arange(N, device=q.device) // nt % H  # each tile's head
         scores = sums * d**-0.5 + self.offset_logits.to(q.dtype)[head][:, None]
         # a finite fill: a query with nothing in reach gets uniform weights, then zeros
         weights = scores.masked_fill(~seen, -1e30).softmax(-1) * seen
@@ -239,7 +248,8 @@ class PositionMemory(nn.Module):
         reach = reach & valid[:, None, :, None]
         new_mem = None
         if want_state:
-            added = G[:, :, :, W : W + P].sum(2)  # positions base .. top
+            counts = own[:, :, W : W + P].sum(1)[:, None, :, None].expand(B, H, P, 1)
+            added = torch.cat([G[:, :, :, W : W + P].sum(2), counts], -1)  # base .. top
             size = max(top + 1, 0 if mem is None else mem.shape[2])
             new_mem = F.pad(added, (0, 0, base, size - top - 1))
             if mem is not None:
