@@ -193,63 +193,75 @@ class PositionMemory(nn.Module):
         R = (-(-P // T) + 3) * T  # a row: its query tiles, then the keys' overhang
         rows = (torch.arange(B * H, device=q.device).view(B, H, 1) * M + member[:, None]) * R
         col = (positions - base).clamp(0, R - 1 - W)[:, None]  # (B, 1, L)
-        keyed = (rows + col + W).view(-1)  # (B * H * L,) into (B * H * M * R) columns
-        # a padding token's query goes to its row's last column (never read), its key adds 0
-        asked = torch.where(valid[:, None], rows + col, rows + R - 1).view(-1)
-        kv = torch.cat([k, v], -1) * valid[:, None, :, None].to(k.dtype)
-        G = kv.new_zeros(B * H * M * R, d + dv).index_add(0, keyed, kv.reshape(-1, d + dv))
+        # a padding token goes to its row's last column: never read, never in the state
+        dump = rows + R - 1
+        keyed = torch.where(valid[:, None], rows + col + W, dump).view(-1)
+        asked = torch.where(valid[:, None], rows + col, dump).view(-1)
         Q = q.new_zeros(B * H * M * R, d).index_add(0, asked, q.reshape(-1, d))
-        G = G.view(B, H, M, R, d + dv)
         # the counts are the same in every head: (B, M, R), no gradient
         slot = ((torch.arange(B, device=q.device)[:, None] * M + member) * R + col[:, 0] + W)
         own = q.new_zeros(B * M * R).index_add(0, slot.view(-1), valid.to(q.dtype).view(-1))
         own = own.view(B, M, R)
-        Fsum, Fcount = G.cumsum(2), own.cumsum(1)  # the members up to each one
+        count = own.cumsum(1)  # the members up to each one
         if mem is not None:
             held = _slots(mem, base - W, R)
-            Fsum = Fsum + held[:, :, None, :, :-1]
-            Fcount = Fcount + held[:, 0, None, :, -1]
+            count = count + held[:, 0, None, :, -1]
         if not causal:  # every member of the row, t's own included, at every offset
-            Fsum = Fsum[:, :, -1:].expand(B, H, M, R, d + dv)
-            Fcount = Fcount[:, -1:].expand(B, M, R)
-        tables = [(Fsum, Fcount), (Fsum - G, Fcount - own)] if causal else [(Fsum, Fcount)]
+            count = count[:, -1:].expand(B, M, R)
         nt = M * R // T  # tiles per (batch row, head)
         x = Q.view(-1, T, d)[:-3]  # the last row's last three tiles ask nothing
         N = x.shape[0]
-        means, have = [], []
-        for table, count in tables:  # per column: the mean [k | v], whether anything is there
-            means.append((table / count.clamp_min(1.0)[:, None, :, :, None]).view(-1, d + dv))
-            flat = F.pad(count.reshape(B, M * R) > 0.5, (0, n - 1))
+        # keys and values apart (no slice of a shared table in the backward): per column the
+        # mean over the members up to each one (F) and, causal, before it (E)
+        tables: list[list[Tensor]] = [[], []]
+        grids = []
+        counts = [count, count - own] if causal else [count]
+        for i, (z, c) in enumerate(((k, d), (v, dv))):
+            Gz = z.new_zeros(B * H * M * R, c).index_add(0, keyed, z.reshape(-1, c))
+            Gz = Gz.view(B, H, M, R, c)
+            grids.append(Gz)
+            Fz = Gz.cumsum(2)
+            if mem is not None:
+                Fz = Fz + held[:, :, None, :, i * d : i * d + c]
+            if not causal:
+                Fz = Fz[:, :, -1:].expand(B, H, M, R, c)
+            for t, (table, n_of) in enumerate(zip([Fz, Fz - Gz], counts, strict=False)):
+                mean = table / n_of.clamp_min(1.0)[:, None, :, :, None]
+                tables[t].append(mean.view(-1, c))
+        have = []
+        for n_of in counts:  # whether anything is there, column by column
+            flat = F.pad(n_of.reshape(B, M * R) > 0.5, (0, n - 1))
             have.append(flat.unfold(1, n, 1).view(B, 1, nt, T, n))
         if causal:  # keys at offsets 0..W from F, W+1..2W from E; values one column right
             ahead = torch.arange(n, device=q.device) > W
-            held = torch.where(ahead, have[1], have[0])
-            parts = [_Scores.apply(x, means[0][:, :d], 0, W + 1),
-                     _Scores.apply(x, means[1][:, :d], W + 1, W)]
+            reach_cols = torch.where(ahead, have[1], have[0])
+            parts = [_Scores.apply(x, tables[0][0], 0, W + 1),
+                     _Scores.apply(x, tables[1][0], W + 1, W)]
             sums = torch.cat(parts, -1)
         else:
-            held = have[0]
-            sums = _Scores.apply(x, means[0][:, :d], 0, n)
+            reach_cols = have[0]
+            sums = _Scores.apply(x, tables[0][0], 0, n)
         # key and value both held, the same in every head
-        seen = (held[..., : 2 * W + 1] & held[..., n - 2 * W - 1 :]).expand(B, H, nt, T, -1)
-        seen = seen.reshape(-1, T, 2 * W + 1)[:N]
+        seen = reach_cols[..., : 2 * W + 1] & reach_cols[..., n - 2 * W - 1 :]
+        seen = seen.expand(B, H, nt, T, 2 * W + 1).reshape(-1, T, 2 * W + 1)[:N]
         head = torch.arange(N, device=q.device) // nt % H  # each tile's head
         scores = sums * d**-0.5 + self.offset_logits.to(q.dtype)[head][:, None]
         # a finite fill: a query with nothing in reach gets uniform weights, then zeros
         weights = scores.masked_fill(~seen, -1e30).softmax(-1) * seen
         if causal:  # value column j + 1 of key j: 1..W from F, W+1..2W+1 from E
-            read = _Apply.apply(F.pad(weights[..., :W], (1, 0)), means[0][:, d:], 0)
-            read = read + _Apply.apply(weights[..., W:], means[1][:, d:], W + 1)
+            read = _Apply.apply(F.pad(weights[..., :W], (1, 0)), tables[0][1], 0)
+            read = read + _Apply.apply(weights[..., W:], tables[1][1], W + 1)
         else:
-            read = _Apply.apply(weights, means[0][:, d:], 0)
+            read = _Apply.apply(weights, tables[0][1], 0)
         index = torch.where(valid[:, None], rows + col, 0).view(-1)
         out = read.view(-1, dv).index_select(0, index).view(B, H, L, dv)
         reach = seen.any(-1).view(-1).index_select(0, index).view(B, H, L, 1)
         reach = reach & valid[:, None, :, None]
         new_mem = None
         if want_state:
-            counts = own[:, :, W : W + P].sum(1)[:, None, :, None].expand(B, H, P, 1)
-            added = torch.cat([G[:, :, :, W : W + P].sum(2), counts], -1)  # base .. top
+            added = torch.cat([  # positions base .. top
+                grids[0][:, :, :, W : W + P].sum(2), grids[1][:, :, :, W : W + P].sum(2),
+                own[:, :, W : W + P].sum(1)[:, None, :, None].expand(B, H, P, 1)], -1)
             size = max(top + 1, 0 if mem is None else mem.shape[2])
             new_mem = F.pad(added, (0, 0, base, size - top - 1))
             if mem is not None:
