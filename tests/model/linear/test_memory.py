@@ -180,3 +180,25 @@ def test_a_long_causal_row_is_read_in_chunks_with_the_same_result(monkeypatch):
     chunked, chunked_state = mem(q, k, v, mask, positions=pos, keep_state=True)
     torch.testing.assert_close(chunked, whole, atol=1e-5, rtol=1e-4)
     torch.testing.assert_close(chunked_state.mem, state.mem, atol=1e-5, rtol=1e-4)
+
+
+def test_weights_do_not_depend_on_the_positions_held():
+    """A 0.5 memory checkpoint (P = 1,024, its state then sized by P) loads into a model that
+    holds fewer positions, strictly, and reads short members alike: the learned tensors are
+    per head and offset, never per position."""
+    from protein_performer.model.config import PerformerConfig
+    from protein_performer.model.performer import PerformerLM
+
+    torch.manual_seed(7)
+    shape = dict(dim=24, depth=2, heads=2, ff_dim=32, nb_features=16, objective="clm")
+    old = PerformerLM(PerformerConfig(**shape, position_memory=1024))
+    with torch.no_grad():
+        for p in old.parameters():
+            p.add_(0.1 * torch.randn_like(p))
+    new = PerformerLM(PerformerConfig(**shape, position_memory=64))
+    new.load_state_dict(old.state_dict(), strict=True)
+    tokens = torch.randint(4, 24, (1, 40))
+    tokens[0, [0, 20]] = 0
+    old.eval(), new.eval()
+    with torch.no_grad():
+        torch.testing.assert_close(new(tokens).logits, old(tokens).logits)
