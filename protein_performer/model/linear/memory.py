@@ -81,46 +81,65 @@ def _unband(a: Tensor) -> Tensor:
 
 
 class _Scores(torch.autograd.Function):
-    """out[i, a, j] = x[i, a] . y[i T + a + shift + j], j < w: queries in tiles x (N, T, c)
-    against the w rows of y (rows, c) from their own (+ shift) on; a band of tile products
-    (each tile against the 2T rows it reaches), forward and back (w <= T + 1)."""
+    """out[i, a, :] = the bands x[i, a] . y_s[i T + a + shift_s + j], j < width_s, of each
+    segment s, side by side: queries in tiles x (N, T, c) against the rows of tables y_s
+    (rows, c) around their own, each tile against the 2T rows it reaches (width <= T + 1),
+    forward and back as batched products."""
 
     @staticmethod
-    def forward(ctx: Any, x: Tensor, y: Tensor, shift: int, w: int) -> Tensor:
-        ctx.save_for_backward(x, y)
-        ctx.shift = shift
-        return _band(x @ _pairs(y, x.shape[1], x.shape[0], shift).mT, w)
-
-    @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, Tensor | None, None, None]:
-        x, y = ctx.saved_tensors
-        full = _unband(grad.contiguous())
+    def forward(ctx: Any, x: Tensor, segments: tuple[tuple[int, int], ...], *ys: Tensor
+                ) -> Tensor:
+        ctx.save_for_backward(x, *ys)
+        ctx.segments = segments
         N, T = x.shape[:2]
-        dx = full @ _pairs(y, T, N, ctx.shift) if ctx.needs_input_grad[0] else None
-        dy = _spread(full, x, y, ctx.shift) if ctx.needs_input_grad[1] else None
-        return dx, dy, None, None
+        return torch.cat([_band(x @ _pairs(y, T, N, shift).mT, width)
+                          for y, (shift, width) in zip(ys, segments, strict=True)], -1)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
+        x, *ys = ctx.saved_tensors
+        N, T = x.shape[:2]
+        dx, dys, at = None, [], 0
+        for y, (shift, width) in zip(ys, ctx.segments, strict=True):
+            full = _unband(grad[..., at : at + width])
+            at += width
+            if ctx.needs_input_grad[0]:
+                part = full @ _pairs(y, T, N, shift)
+                dx = part if dx is None else dx + part
+            dys.append(_spread(full, x, y, shift))
+        return (dx, None, *dys)
 
 
 class _Apply(torch.autograd.Function):
-    """out[i, a] = sum_j a[i, a, j] y[i T + a + shift + j]: the values back through the band
-    of :class:`_Scores` (its adjoint in x), forward and back."""
+    """out[i, a] = sum_s sum_j a[i, a, j_s] y_s[i T + a + shift_s + j]: the values back
+    through bands laid out as :class:`_Scores` lays them (its adjoint in x), forward and
+    back."""
 
     @staticmethod
-    def forward(ctx: Any, a: Tensor, y: Tensor, shift: int) -> Tensor:
-        ctx.save_for_backward(a, y)
-        ctx.shift = shift
-        return _unband(a) @ _pairs(y, a.shape[1], a.shape[0], shift)
+    def forward(ctx: Any, a: Tensor, segments: tuple[tuple[int, int], ...], *ys: Tensor
+                ) -> Tensor:
+        ctx.save_for_backward(a, *ys)
+        ctx.segments = segments
+        N, T = a.shape[:2]
+        out, at = None, 0
+        for y, (shift, width) in zip(ys, segments, strict=True):
+            part = _unband(a[..., at : at + width]) @ _pairs(y, T, N, shift)
+            at += width
+            out = part if out is None else out + part
+        return out
 
     @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, Tensor | None, None]:
-        a, y = ctx.saved_tensors
-        N, T, w = a.shape
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
+        a, *ys = ctx.saved_tensors
+        N, T = a.shape[:2]
         grad = grad.contiguous()
-        da = None
-        if ctx.needs_input_grad[0]:
-            da = _band(grad @ _pairs(y, T, N, ctx.shift).mT, w)
-        dy = _spread(_unband(a), grad, y, ctx.shift) if ctx.needs_input_grad[1] else None
-        return da, dy, None
+        bands, dys, at = [], [], 0
+        for y, (shift, width) in zip(ys, ctx.segments, strict=True):
+            if ctx.needs_input_grad[0]:
+                bands.append(_band(grad @ _pairs(y, T, N, shift).mT, width))
+            dys.append(_spread(_unband(a[..., at : at + width]), grad, y, shift))
+            at += width
+        return (torch.cat(bands, -1) if bands else None, None, *dys)
 
 
 def _spread(full: Tensor, x: Tensor, y: Tensor, shift: int) -> Tensor:
@@ -170,7 +189,7 @@ class PositionMemory(nn.Module):
         up to each one (its own included, what t reads at offsets D <= 0, where its own keys
         j <= t sit) and E over the members before it (what t reads ahead of its position).
         Reading the columns around each query is then a band of tile products
-        (:class:`_Scores`, one for F and one for E), and the values come back through the
+        (:class:`_Scores`, F's and E's side by side), and the values come back through the
         same bands (:class:`_Apply`): four batched matrix products whatever W, forward and
         back."""
         B, H, L, d = q.shape
@@ -226,8 +245,9 @@ class PositionMemory(nn.Module):
             if not causal:
                 Fz = Fz[:, :, -1:].expand(B, H, M, R, c)
             for t, (table, n_of) in enumerate(zip([Fz, Fz - Gz], counts, strict=False)):
-                mean = table / n_of.clamp_min(1.0)[:, None, :, :, None]
-                tables[t].append(mean.view(-1, c))
+                # keys' means carry the scores' 1 / sqrt(d): one number per column
+                scale = n_of.clamp_min(1.0) * (d**0.5 if i == 0 else 1.0)
+                tables[t].append((table / scale[:, None, :, :, None]).view(-1, c))
         have = []
         for n_of in counts:  # whether anything is there, column by column
             flat = F.pad(n_of.reshape(B, M * R) > 0.5, (0, n - 1))
@@ -235,24 +255,19 @@ class PositionMemory(nn.Module):
         if causal:  # keys at offsets 0..W from F, W+1..2W from E; values one column right
             ahead = torch.arange(n, device=q.device) > W
             reach_cols = torch.where(ahead, have[1], have[0])
-            parts = [_Scores.apply(x, tables[0][0], 0, W + 1),
-                     _Scores.apply(x, tables[1][0], W + 1, W)]
-            sums = torch.cat(parts, -1)
+            keys, values = ((0, W + 1), (W + 1, W)), ((1, W), (W + 1, W + 1))
         else:
             reach_cols = have[0]
-            sums = _Scores.apply(x, tables[0][0], 0, n)
+            keys = values = ((0, n),)
         # key and value both held, the same in every head
         seen = reach_cols[..., : 2 * W + 1] & reach_cols[..., n - 2 * W - 1 :]
         seen = seen.expand(B, H, nt, T, 2 * W + 1).reshape(-1, T, 2 * W + 1)[:N]
         head = torch.arange(N, device=q.device) // nt % H  # each tile's head
-        scores = sums * d**-0.5 + self.offset_logits.to(q.dtype)[head][:, None]
-        # a finite fill: a query with nothing in reach gets uniform weights, then zeros
-        weights = scores.masked_fill(~seen, -1e30).softmax(-1) * seen
-        if causal:  # value column j + 1 of key j: 1..W from F, W+1..2W+1 from E
-            read = _Apply.apply(F.pad(weights[..., :W], (1, 0)), tables[0][1], 0)
-            read = read + _Apply.apply(weights[..., W:], tables[1][1], W + 1)
-        else:
-            read = _Apply.apply(weights, tables[0][1], 0)
+        # a column out of reach gets weight 0; a query with none in reach reads junk that
+        # its gate (reach) then drops
+        bias = torch.where(seen, self.offset_logits.to(q.dtype)[head][:, None], -1e30)
+        weights = (_Scores.apply(x, keys, *tables[0][:1], *tables[1][:1]) + bias).softmax(-1)
+        read = _Apply.apply(weights, values, *tables[0][1:], *tables[1][1:])
         index = torch.where(valid[:, None], rows + col, 0).view(-1)
         out = read.view(-1, dv).index_select(0, index).view(B, H, L, dv)
         reach = seen.any(-1).view(-1).index_select(0, index).view(B, H, L, 1)
