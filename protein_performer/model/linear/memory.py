@@ -208,8 +208,8 @@ class PositionMemory(nn.Module):
         M, P = last + 1, top - base + 1
         # a tile of T query positions reads the 2T columns from its first on, a band of
         # w = W + 1 (causal: F, then E) or 2W + 1 (masked) of them per query (w <= T + 1)
-        T = max(W if causal else 2 * W, 1)
-        R = (-(-P // T) + 3) * T  # a row: its query tiles, then the keys' overhang
+        T = max(W + 1 if causal else 2 * W, 1)
+        R = (-(-P // T) + 2) * T  # a row: its query tiles, then the keys' overhang
         rows = (torch.arange(B * H, device=q.device).view(B, H, 1) * M + member[:, None]) * R
         col = (positions - base).clamp(0, R - 1 - W)[:, None]  # (B, 1, L)
         # a padding token goes to its row's last column: never read, never in the state
@@ -228,7 +228,7 @@ class PositionMemory(nn.Module):
         if not causal:  # every member of the row, t's own included, at every offset
             count = count[:, -1:].expand(B, M, R)
         nt = M * R // T  # tiles per (batch row, head)
-        x = Q.view(-1, T, d)[:-3]  # the last row's last three tiles ask nothing
+        x = Q.view(-1, T, d)[:-2]  # the last row's last two tiles ask nothing
         N = x.shape[0]
         # keys and values apart (no slice of a shared table in the backward): per column the
         # mean over the members up to each one (F) and, causal, before it (E)
@@ -344,7 +344,7 @@ class PositionMemory(nn.Module):
                 + self.gate_bias.to(dtype)[:, None, None]
             )  # (B, H, L, 1)
             gate = gate * seen.to(dtype)  # no entry in reach: the core's output alone
-            mixed = out.to(dtype) + gate * (mem_out - out.to(dtype))
+            mixed = torch.lerp(out.to(dtype), mem_out, gate)
         new = MemoryState(inner_state, mem) if keep_state else None
         return mixed.to(q.dtype), new
 
