@@ -34,6 +34,7 @@ Examples::
 from __future__ import annotations
 
 import csv
+import math
 import sys
 import time
 from pathlib import Path
@@ -120,9 +121,12 @@ def run_case(case: dict[str, Any]) -> None:
         row["tokens"], row["context_kib"] = ctx.n_tokens, ctx.nbytes / 2**10
         lm.score(candidates[:1], context=ctx)  # warm-up
         peak = common.start_phase(sampler, torch.device("cpu"))
-        t0 = time.perf_counter()
-        lm.score(candidates, context=ctx)
-        row["ms_per_candidate"] = 1e3 * (time.perf_counter() - t0) / len(candidates)
+        best = math.inf
+        for _ in range(case.get("score_reps", 1)):  # the best pass: load only slows one down
+            t0 = time.perf_counter()
+            lm.score(candidates, context=ctx)
+            best = min(best, time.perf_counter() - t0)
+        row["ms_per_candidate"] = 1e3 * best / len(candidates)
         row["score_peak_mib"] = peak() / 2**20
         row["candidates"] = len(candidates)
         if case["rerun_reps"]:
@@ -163,6 +167,7 @@ def run_parent(args: Any) -> int:
                     "tokens": tokens,
                     "candidates": n,
                     "rerun_reps": reps,
+                    "score_reps": args.score_reps,
                     "seed": args.seed,
                     "mem_limit_gib": args.mem_limit_gib or common.default_mem_limit_gib(),
                 }
@@ -276,6 +281,8 @@ def main() -> int:
     p.add_argument("--exact-candidates", type=int, default=8, help="exact candidates per case")
     p.add_argument("--exact-max", type=int, default=65536, help="longest exact context")
     p.add_argument("--rerun-reps", type=int, default=1, help="concatenation forwards timed")
+    p.add_argument("--score-reps", type=int, default=1,
+                   help="scoring passes over the candidates, the best kept (a shared machine)")
     p.add_argument(
         "--exact-rerun-max", type=int, default=16384, help="longest exact concatenation timed"
     )
