@@ -31,12 +31,13 @@ VARIANTS = [(a, k) for a in ("favor", "exact") for k in (KERNELS if a == "favor"
 
 
 #: The newer cores, through the same model calls: linear attention (alone and with its exact
-#: window) and the position memory.
+#: window) and the position memory (which needs member positions: a config says so).
 CORES = {
     "linear": {"attention": "linear", "kernel": "taylor"},
     "window": {"attention": "linear", "kernel": "taylor", "local_window": 4},
     "memory": {"attention": "favor", "position_memory": 64},
 }
+NEEDS_MEMBER = {"memory"}
 
 
 def tiny_lm(
@@ -111,6 +112,10 @@ def test_linear_and_memory_contexts_continue_the_row(name, positions):
     """``lm.context`` with the linear cores and with the position memory: scores after it equal
     the concatenated forward, and so do the log-probs of sequences generated after it (each
     token a step from the context's states: step == forward); the context is never written."""
+    if name in NEEDS_MEMBER and positions != "member":
+        with pytest.raises(UserError, match="needs positions=member"):
+            tiny_lm(positions=positions, **CORES[name])
+        return
     lm = tiny_lm(positions=positions, **CORES[name])
     ctx = lm.context(FAMILY)
     before = [t.clone() for t in state_tensors(ctx.states)]

@@ -126,7 +126,7 @@ def test_non_finite_loss_stops_with_one_line(teacher_dir, tmp_path, monkeypatch)
         (["missing.pt", "out"], "missing.pt does not exist"),
         (["garbage.pt", "out"], "garbage.pt"),
         (["EXACT", "out", "--kernel", "taylor", "--window", "0"], "nothing to fit"),
-        (["LINEAR", "out"], "already has linear attention"),
+        (["LINEAR", "out"], "approximates no softmax; linearize the softmax model"),
     ],
 )
 def test_bad_input_is_one_error_line(teacher_dir, tmp_path, monkeypatch, capsys, argv, says):

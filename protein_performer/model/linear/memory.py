@@ -32,8 +32,10 @@ from typing import Any, NamedTuple
 import torch
 from torch import Tensor, nn
 
-from protein_performer.model.linear.core import _compute_dtype
-from protein_performer.model.rotary import as_positions
+from protein_performer.model.cores.base import AttentionCore, CoreWrapper
+from protein_performer.model.cores.base import compute_dtype as _compute_dtype
+from protein_performer.model.cores.registry import register
+from protein_performer.model.rotary import as_positions, member_bounds
 
 #: Tokens read at a time by a causal memory (its gathered sums are (2W + 2) x (d + dv + 1)
 #: numbers per token and head: bounded memory for a long context's prefill).
@@ -53,14 +55,37 @@ def member_layout(positions: Tensor) -> Tensor:
     continue the previous token's (a ``<cls>`` resets it to 0), the first token in member 0."""
     new = torch.ones_like(positions, dtype=torch.bool)
     new[:, 1:] = positions[:, 1:] != positions[:, :-1] + 1
-    return new.long().cumsum(-1) - 1
+    return member_bounds(new)[0]
 
 
-class PositionMemory(nn.Module):
-    """Wraps an attention core (``inner``) with the member-position memory described above."""
+@register("memory")
+class PositionMemory(CoreWrapper):
+    """Wraps an attention core (``inner``) with the member-position memory described above
+    (``PerformerConfig.position_memory``); it finds members where positions restart, so it
+    needs member positions."""
+
+    order = 1  # around any core, the window included
+    needs_positions = "member"
+    label = "a position memory"
+
+    @classmethod
+    def enabled(cls, config) -> bool:  # noqa: ANN001 - a PerformerConfig
+        return bool(config.position_memory)
+
+    @classmethod
+    def from_config(  # noqa: ANN001 - a PerformerConfig
+        cls, config, inner: AttentionCore | None = None
+    ) -> PositionMemory:
+        assert inner is not None
+        return cls(inner, config.heads, config.head_dim, config.position_memory,
+                   config.memory_window)  # fmt: skip
+
+    @classmethod
+    def extra_numel(cls, config) -> int:  # noqa: ANN001
+        return config.heads * (2 * config.memory_window + 2 + config.head_dim)
 
     def __init__(
-        self, inner: nn.Module, heads: int, dim_head: int, max_positions: int, window: int
+        self, inner: AttentionCore, heads: int, dim_head: int, max_positions: int, window: int
     ) -> None:
         super().__init__()
         self.inner = inner
@@ -71,9 +96,6 @@ class PositionMemory(nn.Module):
         self.offset_logits = nn.Parameter(torch.zeros(heads, 2 * window + 1))
         self.gate_weight = nn.Parameter(torch.zeros(heads, dim_head))
         self.gate_bias = nn.Parameter(torch.full((heads,), -1.0))
-
-    def redraw(self, generator: torch.Generator | None = None) -> None:
-        self.inner.redraw(generator=generator)
 
     def _slots(self, positions: Tensor, keep: Tensor) -> tuple[Tensor, Tensor]:
         """Slot p + W of each token and whether it enters or reads the memory (real, p < P)."""
@@ -155,7 +177,7 @@ class PositionMemory(nn.Module):
             seens.append(seen)
         return torch.cat(outs, 2), torch.cat(seens, 2), mem  # type: ignore[return-value]
 
-    def forward(
+    def attend(
         self,
         q: Tensor,
         k: Tensor,
@@ -170,8 +192,6 @@ class PositionMemory(nn.Module):
         """The inner core's output mixed with the memory's read (see the module docstring);
         the cores' call, whose rotary ``positions`` (any form of
         :func:`~protein_performer.model.rotary.as_positions`) place the tokens."""
-        if not self.causal and (state is not None or keep_state):
-            raise RuntimeError("RNN mode (a state) needs causal=True")
         B, H, L, _ = q.shape
         out, inner_state = self.inner(
             q,
@@ -206,9 +226,6 @@ class PositionMemory(nn.Module):
     def attention_map(self, q, k, key_padding_mask=None, query_slice=None) -> Tensor:
         """The inner core's rows (the memory mixes values by position, not a map over keys)."""
         return self.inner.attention_map(q, k, key_padding_mask, query_slice)
-
-    def map_blocks(self, q: Tensor, k: Tensor, L: int, window: int):
-        return self.inner.map_blocks(q, k, L, window)
 
     def extra_repr(self) -> str:
         return f"max_positions={self.max_positions}, window={self.window}"
