@@ -200,6 +200,11 @@ def test_favor_context_bytes_do_not_grow_with_the_context():
     assert small.nbytes == large.nbytes > 0
     exact = tiny_lm("exact")
     assert exact.context(family(1000)).nbytes > small.nbytes  # a KV cache grows instead
+    # what a candidate token reads: nothing of a fixed-size state, the whole context as soon
+    # as one layer keeps a KV cache (a hybrid stack's exact layers: issue 40)
+    assert small.attended_tokens == 0
+    assert exact.context(family(1000)).attended_tokens == 1000
+    assert tiny_lm("favor", exact_every=2).context(family(1000)).attended_tokens == 1000
 
 
 def test_max_tokens_drops_whole_members_and_reports(caplog):

@@ -319,3 +319,30 @@ def test_a_config_of_a_hybrid_stack_counts_its_exact_layers():
     assert kinds == [ExactAttention, FavorAttention, ExactAttention]
     assert PerformerLM(config).num_parameters() <= config.estimated_numel()
     assert dataclasses.replace(config, exact_every=0).validate()
+
+
+def test_init_from_copies_every_learned_tensor_and_keeps_what_is_drawn(tmp_path):
+    """``init_from`` asks the cores what they draw: a memory model's gate and offsets are
+    copied (0.5 matched the path ``self_attn.favor`` and left them out), omega is kept."""
+    from protein_performer.interop.export import export_model
+    from protein_performer.interop.record import LoadedModel
+    from protein_performer.training.init_weights import init_from
+    from protein_performer.training.lit_module import ProteinLMModule
+
+    config = _config("favor", ("memory",))
+    torch.manual_seed(0)
+    source = PerformerLM(config)
+    with torch.no_grad():
+        for p in source.parameters():
+            p.add_(0.1)
+    src = export_model(
+        LoadedModel(source, config, Alphabet(), Path("s"), torch.device("cpu"), "x"),
+        tmp_path / "src",
+    )
+    module = ProteinLMModule(config.to_dict())
+    omega = module.model.layers[0].self_attn.core.inner.omega.clone()
+    kept = init_from(module, src)
+    assert kept == [f"layers.{i}.self_attn.core.inner.omega" for i in range(config.depth)]
+    core = module.model.layers[0].self_attn.core
+    assert torch.equal(core.gate_bias, source.layers[0].self_attn.core.gate_bias)
+    assert torch.equal(core.inner.omega, omega)
