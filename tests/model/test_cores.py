@@ -301,6 +301,9 @@ def test_files_of_0_5_load_with_their_old_key_paths(core, wrappers, tmp_path):
     tensors = {k: v.contiguous() for k, v in old.items() if k != "lm_head.weight"}
     save_file(tensors, str(weights), metadata={"format": FORMAT_NAME})
     want = model.state_dict()
+    resumed = PerformerLM(config)  # a training resume: Lightning's strict load_state_dict
+    resumed.load_state_dict(old, strict=True)
+    assert all(torch.equal(resumed.state_dict()[k], want[k]) for k in want)
     for src in (ckpt, out):
         got = load_model(src, "cpu").model.state_dict()
         assert got.keys() == want.keys()

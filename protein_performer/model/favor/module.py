@@ -233,6 +233,9 @@ class FavorAttention(AttentionCore):
     (:func:`~protein_performer.model.config.default_nb_features`).
     """
 
+    drawn = ("omega", "oprf_rho")
+    label = "FAVOR+ attention"
+
     def __init__(
         self,
         dim_head: int,
@@ -263,9 +266,6 @@ class FavorAttention(AttentionCore):
         self.register_buffer("omega", self._draw(generator), persistent=True)
         if self._map_class.needs_statistic:
             self.register_buffer("oprf_rho", torch.zeros(()), persistent=True)
-
-    drawn = ("omega", "oprf_rho")
-    label = "FAVOR+ attention"
 
     @property
     def softmax(self) -> str:  # type: ignore[override]
