@@ -44,8 +44,8 @@ from protein_performer.interop.convert_esm import hf_snapshot
 from protein_performer.interop.record import LoadedModel, LoadOptions, resolve_device
 from protein_performer.interop.weights import diff_state, not_imported
 from protein_performer.io.checkpoints import safe_load
-from protein_performer.model.config import ATTENTIONS, KERNELS, PerformerConfig
-from protein_performer.model.cores import drawn_keys
+from protein_performer.model.config import KERNELS, PerformerConfig
+from protein_performer.model.cores import drawn_keys, names
 from protein_performer.model.performer import PerformerLM
 
 log = logging.getLogger(__name__)
@@ -158,8 +158,8 @@ def _swap_attention(model: PerformerLM, config: PerformerConfig, seed: int) -> P
 
 
 def _check_options(attention: str | None, kernel: str | None, nb_features: int | None) -> None:
-    if attention is not None and attention not in ATTENTIONS:
-        raise UserError(f"unknown attention {attention!r}; choose one of {', '.join(ATTENTIONS)}")
+    if attention is not None and attention not in names():
+        raise UserError(f"unknown attention {attention!r}; choose one of {', '.join(names())}")
     if kernel is not None and kernel not in KERNELS:
         raise UserError(f"unknown kernel {kernel!r}; choose one of {', '.join(KERNELS)}")
     if nb_features is not None and nb_features <= 0:

@@ -349,3 +349,39 @@ def test_init_from_copies_every_learned_tensor_and_keeps_what_is_drawn(tmp_path)
     core = module.model.layers[0].self_attn.core
     assert torch.equal(core.gate_bias, source.layers[0].self_attn.core.gate_bias)
     assert torch.equal(core.inner.omega, omega)
+
+
+def test_a_new_core_is_one_class_and_one_register(monkeypatch):
+    """What a new module in model/cores/ does: a subclass with ``@register``; a config names
+    it, the model builds it, the memory wraps it, nothing else is edited."""
+    from protein_performer.model.cores import registry
+
+    monkeypatch.setattr(registry, "CORES", dict(registry.CORES))
+
+    @registry.register("uniform")
+    class Uniform(AttentionCore):
+        """Every real key weighs the same (causal: those up to the query)."""
+
+        def __init__(self, causal: bool) -> None:
+            super().__init__()
+            self.causal = causal
+
+        @classmethod
+        def from_config(cls, config):
+            return cls(config.causal)
+
+        def attention_map(self, q, k, key_padding_mask=None, query_slice=None):
+            w = torch.ones(q.shape[0], q.shape[1], q.shape[2], k.shape[2], dtype=q.dtype)
+            if self.causal:
+                w = w.tril()
+            if key_padding_mask is not None:
+                w = w.masked_fill(key_padding_mask[:, None, None, :], 0.0)
+            return w / w.sum(-1, keepdim=True)
+
+        def attend(self, q, k, v, key_padding_mask, state, *, keep_state, inplace, positions):
+            return self.attention_map(q, k, key_padding_mask) @ v, None
+
+    config = _config("favor", ("memory",), attention="uniform")
+    model = PerformerLM(config)
+    assert [type(c) for c in model_cores(model)[0].cores()] == [PositionMemory, Uniform]
+    assert torch.isfinite(model(torch.randint(4, 24, (2, 9))).logits).all()
