@@ -36,8 +36,6 @@ def state_tensors(state: tuple) -> list[torch.Tensor]:
     return [t for s in state for t in (state_tensors(s) if isinstance(s, tuple) else [s])]
 
 
-#: One head's residue x residue map as blocks (``.sums``, ``.add_upper_block``), for contacts.
-MapBlocks = Any
 #: Rotary positions: None (0, 1, ... along the row), an int offset (the first token's
 #: position), a tensor (B,) of each row's first position (a decoding step's), or a tensor
 #: (B, L) of per-token positions (see :func:`~protein_performer.model.rotary.as_positions`).

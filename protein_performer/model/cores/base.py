@@ -24,7 +24,7 @@ Wrappers (:class:`CoreWrapper`) hold an ``inner`` core and are cores themselves.
 
 from __future__ import annotations
 
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Protocol
 
 import torch
 from torch import Tensor, nn
@@ -46,6 +46,16 @@ def real_tokens(key_padding_mask: Tensor | None, B: int, L: int, device: torch.d
     if key_padding_mask is None:
         return torch.ones(B, L, dtype=torch.bool, device=device)
     return ~key_padding_mask.bool()
+
+
+class MapBlocks(Protocol):
+    """One head's residue x residue map as blocks, for contact maps (``map_blocks``)."""
+
+    #: Row sums plus column sums of the map, (L,).
+    sums: Tensor
+
+    def add_upper_block(self, acc: Tensor, a: int, weight: float) -> None:
+        """acc += weight * S[a:b, a:] with S = A + A^T, acc (b - a, L - a)."""
 
 
 class AttentionCore(nn.Module):
@@ -164,9 +174,9 @@ class AttentionCore(nn.Module):
         summing to 1: the weights the core uses (or implies)."""
         raise NotImplementedError
 
-    def map_blocks(self, q: Tensor, k: Tensor, L: int, window: int) -> Any:
-        """One head's residue x residue map as blocks (``.sums``, ``.add_upper_block``), for
-        contact maps; q, k (1, 1, L + 2, d)."""
+    def map_blocks(self, q: Tensor, k: Tensor, L: int, window: int) -> MapBlocks:
+        """One head's residue x residue map as blocks, for contact maps; q, k (1, 1, L + 2,
+        d) of ``<cls> residues <eos>``; window: rows per sweep where a core needs sweeps."""
         raise UserError(
             f"contact maps from {self.label or self.name} are not supported; use a FAVOR+ or "
             "exact model"
@@ -214,7 +224,7 @@ class CoreWrapper(AttentionCore):
     def redraw(self, generator: torch.Generator | None = None) -> None:
         self.inner.redraw(generator=generator)
 
-    def map_blocks(self, q: Tensor, k: Tensor, L: int, window: int) -> Any:
+    def map_blocks(self, q: Tensor, k: Tensor, L: int, window: int) -> MapBlocks:
         return self.inner.map_blocks(q, k, L, window)
 
     def cores(self) -> list[AttentionCore]:
