@@ -16,7 +16,7 @@ from torch import Tensor
 
 from protein_performer.errors import UserError
 from protein_performer.model.config import KERNELS, default_nb_features
-from protein_performer.model.cores.base import AttentionCore
+from protein_performer.model.cores.base import AttentionCore, compute_dtype
 from protein_performer.model.cores.registry import register
 from protein_performer.model.favor import recurrent
 from protein_performer.model.favor.bidirectional import _BidiFavor
@@ -382,7 +382,7 @@ class FavorAttention(AttentionCore):
                 kv, mu = recurrent.prompt_state(self._feature_map(y), y, vv, keep)
             return out, FavorState(kv.reshape(B, H, *kv.shape[1:]), mu.reshape(B, H))
         with torch.autocast(device_type=q.device.type, enabled=False):
-            dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
+            dtype = compute_dtype(q)
             x, y, vv = (t.to(dtype) for t in (q, k, v))  # (B, H, L, d)
             if state is not None and L == 1:
                 pad = None if key_padding_mask is None else key_padding_mask.select(1, 0)
