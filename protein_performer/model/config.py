@@ -119,7 +119,10 @@ class PerformerConfig:
     exact_every: int = 0
     # Member positions held by the position memory (model/linear/memory.py), mixed into every
     # layer's attention: the family context's homologs read by aligned position, in a state
-    # of (P + 2W) x (head size + 1) per head whatever the number of members. 0 = off.
+    # of P x (2 head sizes + 1) per head, P the longest member held (at most this), whatever
+    # the number of members. 0 = off. Training configs turn it on only for family rows
+    # (data.layout=family): > 0 says the model has a memory, and context_tokens (set by
+    # train() from data.family_max_tokens) that it was trained on family rows.
     position_memory: int = 0
     # W: the memory reads positions p - W .. p + W (a learned weight per offset and head).
     memory_window: int = 8

@@ -15,7 +15,8 @@ per (attention, threads, T) case:
 * peak RSS of the whole process (context build included) and of the scoring phase alone.
 
 ``--impls`` adds the designs of issue 30 (``favor+memory``: the position memory over FAVOR+, 1,024
-member positions), each reported with its own 64k / 1k ratio and state size.
+member positions), each reported with its own 64k / 1k ratio and state size, and the memory's
+time per candidate against FAVOR+'s at each length (issue 40: <= 1.3x).
 
 Targets (issue 21): FAVOR+ per-candidate time at 64k / at 1k <= 1.3x; >= 20x faster per
 candidate than the exact twin (with its KV cache) at 16k; peak memory of scoring 1,000
@@ -150,9 +151,9 @@ def _rerun(lm: Any, members: list[str], candidate: str, case: dict[str, Any]) ->
 
 def run_parent(args: Any) -> int:
     rows: list[dict[str, Any]] = []
-    for threads in args.threads:
-        for impl in args.impls:
-            for tokens in args.lengths:
+    for threads in args.threads:  # impls interleaved per length: a drifting load hits each
+        for tokens in args.lengths:
+            for impl in args.impls:
                 exact = impl == "exact"
                 n = args.exact_candidates if exact else args.candidates
                 reps = args.rerun_reps if not exact or tokens <= args.exact_rerun_max else 0
@@ -232,6 +233,14 @@ def _report(rows: list[dict[str, Any]], args: Any) -> str:
                         f"{_fmt(_get(rows, impl, threads, lo, 'context_kib'), '.0f')} KiB at "
                         f"{lo}, {_fmt(_get(rows, impl, threads, hi, 'context_kib'), '.0f')} KiB "
                         f"at {hi}"
+                    )
+            for T in lengths:  # issue 40: the memory per candidate within 1.3x of FAVOR+
+                fm = _get(rows, "favor", threads, T, "ms_per_candidate")
+                mm = _get(rows, "favor+memory", threads, T, "ms_per_candidate")
+                if fm and mm:
+                    lines.append(
+                        f"favor+memory / FAVOR+ per candidate at {T}: {mm / fm:.2f}x (target "
+                        f"<= 1.3x): {common.verdict(mm / fm <= 1.3)}"
                     )
             mid = 16384 if 16384 in lengths else max(t for t in lengths if t <= 16384)
             fm = _get(rows, "favor", threads, mid, "ms_per_candidate")
