@@ -18,6 +18,7 @@ import os
 import re
 import shutil
 import socket
+import stat
 import sys
 import tempfile
 from collections.abc import Callable, Iterator, Mapping
@@ -259,6 +260,37 @@ def _holder(lock: Path) -> str:
     return "another run"
 
 
+def _open_lock(lock: Path, path: Path) -> int:
+    """The descriptor of the lock file ``lock`` (of output ``path``), never through a link.
+
+    ``O_NOFOLLOW`` refuses a symbolic link planted under the lock's name (``ln -s ~/victim
+    .out.csv.lock`` would otherwise truncate the victim to our pid); an existing file is used
+    only when it is a plain file of this user with one name (a hard link to someone's file is
+    refused the same way). ``O_CLOEXEC``: a program this process runs never inherits it."""
+    flags = os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC
+    try:
+        fd = os.open(lock, flags, default_file_mode())
+    except FileNotFoundError:
+        where = path.parent
+        raise UserError(f"output directory {where} does not exist; create it first") from None
+    except OSError as exc:
+        if exc.errno != errno.ELOOP:
+            raise
+        raise UserError(
+            f"the lock file {lock} of {path} is a symbolic link; refusing to follow it (someone "
+            "may be trying to overwrite the file it points to): remove it or choose another output"
+        ) from None
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode) or st.st_nlink != 1 or st.st_uid != os.geteuid():
+        os.close(fd)
+        raise UserError(
+            f"the lock file {lock} of {path} is not a plain file of yours (a hard link, another "
+            "user's file or a special file); refusing to use it: remove it or choose another "
+            "output"
+        )
+    return fd
+
+
 @contextlib.contextmanager
 def exclusive_lock(path: Path, what: str, wait: bool = False) -> Iterator[None]:
     """Hold an exclusive ``flock`` on a hidden lock file beside ``path`` for the block.
@@ -282,12 +314,7 @@ def exclusive_lock(path: Path, what: str, wait: bool = False) -> Iterator[None]:
                 _HELD[key] -= 1
         return
     while True:
-        try:
-            fd = os.open(lock, os.O_RDWR | os.O_CREAT, default_file_mode())
-        except FileNotFoundError:
-            raise UserError(
-                f"output directory {path.parent} does not exist; create it first"
-            ) from None
+        fd = _open_lock(lock, path)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX if wait else fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -298,7 +325,7 @@ def exclusive_lock(path: Path, what: str, wait: bool = False) -> Iterator[None]:
                 "take an output from a live run"
             ) from None
         try:
-            if os.stat(lock).st_ino == os.fstat(fd).st_ino:
+            if os.lstat(lock).st_ino == os.fstat(fd).st_ino:
                 break
         except FileNotFoundError:
             pass
@@ -313,7 +340,9 @@ def exclusive_lock(path: Path, what: str, wait: bool = False) -> Iterator[None]:
         yield
     finally:
         _HELD.pop(key, None)
-        lock.unlink(missing_ok=True)
+        with contextlib.suppress(OSError):
+            if os.lstat(lock).st_ino == os.fstat(fd).st_ino:  # ours still, not a swapped-in name
+                lock.unlink()
         os.close(fd)
 
 

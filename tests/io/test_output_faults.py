@@ -111,6 +111,49 @@ def test_the_lock_is_released_and_reentrant(tmp_path: Path) -> None:
         pass
 
 
+def test_a_lock_never_follows_a_link(
+    model: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Issue 42 item 1: a symlink (or hard link) planted under the lock's name is refused in one
+    line; the file it points to keeps its bytes and the planted name stays as it was."""
+    victim = tmp_path / "victim.txt"
+    victim.write_text("precious\n")
+    fasta = tmp_path / "in.fasta"
+    write_fasta(fasta, 2)
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    os.symlink(victim, shared / ".out.csv.lock")
+    assert main(["score", str(model), str(fasta), str(shared / "out.csv")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error:") and err.count("\n") == 1 and "symbolic link" in err, err
+    assert victim.read_text() == "precious\n" and (shared / ".out.csv.lock").is_symlink()
+    assert not (shared / "out.csv").exists()
+    (shared / ".out.csv.lock").unlink()
+    os.link(victim, shared / ".out.csv.lock")  # a hard link: the same file by another name
+    with (
+        pytest.raises(UserError, match="not a plain file of yours"),
+        atomic.exclusive_lock(shared / "out.csv", "x"),
+    ):
+        pass
+    assert victim.read_text() == "precious\n"
+
+
+def test_the_lock_descriptor_is_close_on_exec(tmp_path: Path) -> None:
+    """A program the command starts (mmseqs, a spawned worker) never inherits the lock."""
+    out = tmp_path / "o.h5"
+    with atomic.exclusive_lock(out, "x"):
+        fds = [int(f) for f in os.listdir("/proc/self/fd")]
+        mine = [f for f in fds if _target(f) == str(tmp_path / ".o.h5.lock")]
+        assert len(mine) == 1 and not os.get_inheritable(mine[0])
+
+
+def _target(fd: int) -> str:
+    try:
+        return os.readlink(f"/proc/self/fd/{fd}")
+    except OSError:
+        return ""
+
+
 def test_an_injected_enospc_is_one_line_and_leaves_nothing(
     model: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch
 ) -> None:
