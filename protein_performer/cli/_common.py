@@ -14,7 +14,6 @@ import contextlib
 import os
 import sys
 from collections.abc import Callable, Iterable, Iterator
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from protein_performer.errors import UserError
@@ -192,39 +191,20 @@ def check_output(
     inputs: Iterable[str | os.PathLike[str] | None],
     overwrite: bool,
     what: str = "its output",
+    *,
+    exists_ok: bool = False,
 ) -> None:
-    """The rule every writing command applies before any work: the output is never one of the
-    inputs (the same file, through any link, or a directory holding one), and an existing
-    output is replaced only with ``--overwrite``. ``-`` (standard output) is always fine.
-
-    Then the output is locked for the rest of the command (:func:`hold`): a second run writing
-    it, with ``--overwrite`` or ``--resume`` too, gets one line naming this one's pid and host
-    instead of racing it. Under torchrun/srun rank 0 holds the lock for the job."""
+    """Claim ``out`` under the output policy (:mod:`protein_performer.io.outputs`) for the rest
+    of the command (:func:`hold`), before any work: never an input, a directory holding one or
+    a path inside an input directory, locked against a second run, replaced only with
+    ``--overwrite``. ``-`` (standard output) is always fine, when standard output is open."""
     if out is not None and os.fspath(out) == "-":
         _check_stdout()
     if out is None or os.fspath(out) == "-":
         return
-    path = Path(out).expanduser()
-    target = path.resolve()
-    for given in inputs:
-        if given is None or os.fspath(given) == "-" or not Path(given).expanduser().exists():
-            continue
-        src = Path(given).expanduser().resolve()
-        same = path.exists() and os.path.samefile(path, src)  # hard links too
-        if same or target in src.parents:
-            raise UserError(
-                f"{out} is {'the' if same else 'a directory holding the'} input "
-                f"{given}: an output never replaces an input; choose another output path"
-            )
-    from protein_performer.io.atomic import exclusive_lock
-    from protein_performer.io.sharding import detect_ranks
+    from protein_performer.io.outputs import claim_output
 
-    if detect_ranks().rank == 0 and path.parent.is_dir():  # a missing directory: said later
-        hold(exclusive_lock(path, what))
-    if (path.exists() or path.is_symlink()) and not overwrite:
-        raise UserError(
-            f"{out} already exists: pass --overwrite to replace it, or choose another output"
-        )
+    hold(claim_output(out, inputs, overwrite, what, exists_ok=exists_ok))
 
 
 def load_lm(args: argparse.Namespace) -> ProteinLM:

@@ -93,3 +93,25 @@ def test_standard_output_closed_is_one_line(files, capsys, monkeypatch, command)
     }[command]
     monkeypatch.setattr(sys, "stdout", None)
     assert "standard output is closed" in _run(argv, capsys)
+
+
+def test_an_output_inside_an_input_directory_is_refused(files, tmp_path, capsys) -> None:
+    """Issue 42 item 6: OUT inside an export directory given as CKPT, or inside a store given as
+    the input, is refused like OUT == input, --overwrite included; nothing there changes."""
+    export = tmp_path / "export"
+    export.mkdir()
+    (export / "model.safetensors").write_bytes(b"weights")
+    store = tmp_path / "store"
+    store.mkdir()
+    (store / "tokens.bin").write_bytes(b"tokens")
+    fasta = str(files["fasta"])
+    cases = [
+        ["embed", str(export), fasta, str(export / "model.safetensors"), "--overwrite"],
+        ["score", str(files["ckpt"]), str(store), str(store / "tokens.bin"), "--overwrite"],
+        ["score", str(export), fasta, str(export / "new.csv")],
+    ]
+    for argv in cases:
+        assert "inside the input directory" in _run(argv, capsys)
+    assert (export / "model.safetensors").read_bytes() == b"weights"
+    assert (store / "tokens.bin").read_bytes() == b"tokens"
+    assert sorted(p.name for p in export.iterdir()) == ["model.safetensors"]

@@ -1,0 +1,94 @@
+"""The output policy: the one rule every file or directory a command writes goes through.
+
+Before any work, each output (a table, an HDF5 file, an export or store directory, a run
+directory, a sidecar such as ``OUT.context.json``) is *claimed*:
+
+* it is never one of the inputs, nor a directory holding one, nor inside an input directory (an
+  export directory given as CKPT, a store, a folder of DMS files): the same file through any
+  link counts, and ``--overwrite`` never licenses it;
+* it is locked for the rest of the command (:func:`~protein_performer.io.atomic.exclusive_lock`:
+  never through a link), so a second run writing it gets one line naming the live one;
+* an existing output is replaced only with ``--overwrite`` (a resumable output directory, where a
+  rerun continues, says so with ``exists_ok``).
+
+The writers below it (:mod:`protein_performer.io.atomic`) then make every file appear complete
+or not at all. ``-`` (standard output) is always fine. :func:`claimed` lists what this process
+claimed, so a test can prove that every command's outputs went through here.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+
+from protein_performer.errors import UserError
+
+PathLike = str | os.PathLike[str]
+
+#: Every output claimed in this process (resolved), in order: what the policy has seen.
+_CLAIMED: list[Path] = []
+
+
+def claimed() -> list[Path]:
+    """The outputs claimed in this process so far (resolved paths), oldest first."""
+    return list(_CLAIMED)
+
+
+def refuse_inputs(out: PathLike, inputs: Iterable[PathLike | None]) -> None:
+    """A ``UserError`` when ``out`` is an input, holds one, or lies inside an input directory
+    (resolved through links; hard links count as the same file). ``-`` and missing inputs
+    (said by their reader) are skipped."""
+    path = Path(out).expanduser()
+    target = path.resolve()
+    for given in inputs:
+        if given is None or os.fspath(given) == "-" or not Path(given).expanduser().exists():
+            continue
+        src = Path(given).expanduser().resolve()
+        same = target == src or (path.exists() and os.path.samefile(path, src))
+        if same:
+            how = "the input"
+        elif target in src.parents:
+            how = "a directory holding the input"
+        elif src.is_dir() and src in target.parents:
+            how = "inside the input directory"
+        else:
+            continue
+        raise UserError(
+            f"{out} is {how} {given}: an output never replaces an input nor goes inside "
+            "one (--overwrite included); choose another output path"
+        )
+
+
+@contextlib.contextmanager
+def claim_output(
+    out: PathLike,
+    inputs: Iterable[PathLike | None],
+    overwrite: bool,
+    what: str = "its output",
+    *,
+    exists_ok: bool = False,
+) -> Iterator[Path]:
+    """Claim ``out`` for the block (module docstring): inputs refused, the lock held (rank 0 of
+    a sharded job holds it for the job), an existing ``out`` refused without ``overwrite``
+    unless ``exists_ok``. Yields the output's path."""
+    from protein_performer.io.atomic import exclusive_lock
+    from protein_performer.io.sharding import detect_ranks
+
+    path = Path(out).expanduser()
+    refuse_inputs(path, inputs)
+    with contextlib.ExitStack() as stack:
+        if detect_ranks().rank == 0 and path.parent.is_dir():  # a missing directory: said later
+            stack.enter_context(exclusive_lock(path, what))
+        if (path.exists() or path.is_symlink()) and not overwrite and not exists_ok:
+            raise UserError(
+                f"{out} already exists: pass --overwrite to replace it, or choose another output"
+            )
+        _CLAIMED.append(path.resolve())
+        yield path
+
+
+def sidecar(out: PathLike, suffix: str) -> Path:
+    """The sidecar file of output ``out`` (``OUT.context.json``): an output of its own."""
+    return Path(f"{os.fspath(Path(out).expanduser())}{suffix}")
