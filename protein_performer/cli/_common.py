@@ -344,6 +344,12 @@ def load_context(
             flag = "--max-context-tokens" if args.max_context_tokens is not None else "--context-*"
             raise UserError(f"{flag} needs --context HOMOLOGS.fasta")
         return None
+    stdin = [k for k in ("fasta", "wt", "mutations") if getattr(args, k, None) == "-"]
+    if args.context == "-" and stdin:
+        raise UserError(
+            f"--context - and {stdin[0].upper()} - would both read standard input; give one of "
+            "them as a file"
+        )
     if options:
         ens: Any = lm.context(args.context, args.max_context_tokens, query=query, **options)
         sizes = ", ".join(f"{p.label}: {p.context.n_tokens}" for p in ens.prompts)
