@@ -486,11 +486,12 @@ def _fmt(value: object) -> str:
 
 
 def _write_csv(path: Path, columns: Sequence[str], rows: Sequence[dict[str, Any]]) -> Path:
-    import csv
     import io
 
+    from protein_performer.io.tables import table_writer
+
     buf = io.StringIO()
-    writer = csv.writer(buf, lineterminator="\n")
+    writer = table_writer(buf, lineterminator="\n")
     writer.writerow(columns)
     for row in rows:
         writer.writerow([_fmt(row.get(c, "")) for c in columns])

@@ -45,6 +45,7 @@ from protein_performer.inference.api import ProteinLM
 from protein_performer.inference.dms_metrics import METRICS, assay_metrics, leaderboard_average
 from protein_performer.inference.embedding import features_sha256
 from protein_performer.io.atomic import text_output, write_text_atomic
+from protein_performer.io.tables import table_writer
 from protein_performer.model.contact_head import weights_sha256
 
 #: The logger's name as the CLI has always printed it (``WARNING <name>: ...``).
@@ -240,7 +241,7 @@ def run_proteingym(
             except UserError as exc:
                 raise UserError(f"{files[assay.dms_id]} ({assay.dms_id}): {exc}") from None
             with text_output(scores_csv) as fh:
-                writer = csv.writer(fh)
+                writer = table_writer(fh)
                 writer.writerow(["mutant", "DMS_score", "DMS_score_bin", model_name])
                 for i, m in enumerate(mutants):
                     b = "" if fit is None else fit[i]
@@ -318,7 +319,7 @@ def _write_tables(
         folder.mkdir(exist_ok=True)
         values = [r.metrics[metric] for r in results]
         with text_output(folder / f"DMS_substitutions_{metric}_DMS_level.csv") as fh:
-            writer = csv.writer(fh)
+            writer = table_writer(fh)
             writer.writerow(["DMS ID", model_name, *DMS_LEVEL_COLUMNS])
             for r, v in zip(results, values, strict=True):
                 a = r.assay
@@ -345,7 +346,7 @@ def _write_tables(
             row[col] = _round(_group_mean(results, values, lambda a, t=taxon: a.taxon == t))
         columns = summary_columns(metric)
         with text_output(folder / f"Summary_performance_DMS_substitutions_{metric}.csv") as fh:
-            writer = csv.writer(fh)
+            writer = table_writer(fh)
             writer.writerow(columns)
             writer.writerow([row.get(col, "") for col in columns])
     return averages

@@ -31,7 +31,7 @@ from protein_performer.inference.scoring import (
 )
 from protein_performer.io.atomic import text_output, write_text_atomic
 from protein_performer.io.outputs import sidecar
-from protein_performer.io.tables import delimiter
+from protein_performer.io.tables import delimiter, table_writer
 
 #: The logger's name as the CLI has always printed it (``WARNING <name>: ...``).
 log = logging.getLogger("protein_performer.inference.scoring")
@@ -217,7 +217,7 @@ def score_variants_file(
     if record_path is not None:  # never beside a table it does not describe, even after a kill
         record_path.unlink(missing_ok=True)
     with text_output(out) as fh:
-        writer = csv.writer(fh, delimiter=delimiter(out))
+        writer = table_writer(fh, delimiter(out))
         writer.writerow([*header, *names])
         for n, (_, row) in enumerate(rows):
             cells = row + [""] * (width - len(row))
