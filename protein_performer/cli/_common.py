@@ -56,7 +56,7 @@ def add_ckpt(p: argparse.ArgumentParser) -> None:
 
 
 def add_toks_per_batch(p: argparse.ArgumentParser, help: str = TOKS_PER_BATCH_HELP) -> None:
-    p.add_argument("--toks-per-batch", type=int, default=4096, help=help)
+    p.add_argument("--toks-per-batch", type=positive_int, default=4096, help=help)
 
 
 def add_on_invalid(p: argparse.ArgumentParser, help: str = ON_INVALID_HELP) -> None:
