@@ -113,11 +113,28 @@ _SCOPE: list[contextlib.ExitStack] = []
 
 
 @contextlib.contextmanager
-def command_scope() -> Iterator[None]:
+def command_scope(sigterm: bool = True) -> Iterator[None]:
     """The lifetime of one command (``main`` runs each in one): what :func:`hold` takes is
-    released when the command ends, by an error too."""
+    released when the command ends, by an error or a stop too. With ``sigterm`` (every command
+    but those whose trainer saves on SIGTERM itself), SIGTERM raises :class:`Stopped` in this
+    process, so its locks and temporaries go as they do on Ctrl-C (a forked child dies as
+    before)."""
+    import signal
+    import threading
+
     from protein_performer.io.progress import drop_pending
 
+    owner = os.getpid()
+
+    def stop(signum: int, frame: object) -> None:
+        if os.getpid() != owner:  # a forked worker: the default death
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+            os.kill(os.getpid(), signal.SIGTERM)
+            return
+        raise Stopped
+
+    install = sigterm and threading.current_thread() is threading.main_thread()
+    before = signal.signal(signal.SIGTERM, stop) if install else None
     with contextlib.ExitStack() as stack:
         _SCOPE.append(stack)
         try:
@@ -125,6 +142,8 @@ def command_scope() -> Iterator[None]:
         finally:
             _SCOPE.remove(stack)
             drop_pending()  # a `threads:` line never printed (--no-progress) stays this one's
+            if install:
+                signal.signal(signal.SIGTERM, signal.SIG_DFL if before is None else before)
 
 
 def hold(cm: contextlib.AbstractContextManager[Any]) -> None:

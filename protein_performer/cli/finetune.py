@@ -58,7 +58,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         help="same as data.split_by=...: the table's split column, a seeded random split, or "
         "MMseqs2 clusters kept whole (data.identity, default 0.9)",
     )
-    p.set_defaults(func=run, accepts_overrides=True)
+    p.set_defaults(func=run, accepts_overrides=True, own_sigterm=True)
 
 
 def overrides_of(args: argparse.Namespace) -> list[str]:

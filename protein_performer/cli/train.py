@@ -69,7 +69,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         _choices_epilog(),
         usage="%(prog)s [-h] [OVERRIDE ...]",
     )
-    p.set_defaults(func=run, accepts_overrides=True)
+    p.set_defaults(func=run, accepts_overrides=True, own_sigterm=True)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -243,3 +243,30 @@ def test_a_full_tmpfs_is_one_line_for_every_writer(model: Path, tmp_path: Path) 
             assert left == [], (argv[0], left)
             ballast.unlink(missing_ok=True)
             assert time.monotonic() - started < 120
+
+
+def test_sigterm_leaves_no_lock_behind(model: Path, tmp_path: Path) -> None:
+    """Issue 42 item 20: a command stopped by SIGTERM (here `score` waiting on its standard
+    input) releases its lock and removes it, exits 143 in one line, and writes no output."""
+    import signal
+
+    out = tmp_path / "out.csv"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "protein_performer.cli.main", "score", str(model), "-", str(out),
+         "--no-progress"],  # fmt: skip
+        stdin=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=ENV,
+    )
+    lock = tmp_path / ".out.csv.lock"
+    deadline = time.monotonic() + 60
+    while not lock.exists() and time.monotonic() < deadline and proc.poll() is None:
+        time.sleep(0.05)
+    assert lock.exists(), "the command never took its lock"
+    time.sleep(0.5)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 143, err
+    assert err.strip().splitlines()[-1] == "stopped by SIGTERM", err
+    assert sorted(p.name for p in tmp_path.iterdir()) == []
