@@ -117,17 +117,40 @@ def holds_run_dir(fn: Callable[[DictConfig], dict[str, Any]]) -> Callable[..., d
     @functools.wraps(fn)
     def wrapper(cfg: DictConfig) -> dict[str, Any]:
         from protein_performer.io.atomic import exclusive_lock
+        from protein_performer.io.outputs import refuse_inputs
 
         first = all(os.environ.get(k, "0") == "0" for k in ("RANK", "LOCAL_RANK", "NODE_RANK"))
         out = cfg.get("paths", {}).get("output_dir") if first else None
         if out is None:
             return fn(cfg)
         run_dir = Path(str(out)).expanduser().absolute()
+        refuse_inputs(run_dir, run_inputs(cfg))
         run_dir.parent.mkdir(parents=True, exist_ok=True)
         with exclusive_lock(run_dir, "a training run"):
             return fn(cfg)
 
     return wrapper
+
+
+#: The config keys that name a run's inputs (train and finetune): the run directory is an
+#: output under the one policy, never one of them, holding one or inside one.
+INPUT_KEYS = ("data.path", "data.train", "data.fasta", "init_from", "base",
+              "model.distill.teacher")  # fmt: skip
+
+
+def run_inputs(cfg: DictConfig) -> list[str]:
+    """The paths :data:`INPUT_KEYS` give in ``cfg`` (lists flattened; unset keys skipped)."""
+    from omegaconf import OmegaConf
+
+    found: list[str] = []
+    for key in INPUT_KEYS:
+        try:
+            value = OmegaConf.select(cfg, key, default=None, throw_on_missing=False)
+        except Exception:  # noqa: BLE001 - an interpolation that fails is said by its reader
+            continue
+        values = value if OmegaConf.is_list(value) or isinstance(value, list) else [value]
+        found += [str(v) for v in values if isinstance(v, str) and v not in ("", "???")]
+    return found
 
 
 def _scalar(value: Any) -> float | Any:

@@ -270,3 +270,25 @@ def test_sigterm_leaves_no_lock_behind(model: Path, tmp_path: Path) -> None:
     assert proc.returncode == 143, err
     assert err.strip().splitlines()[-1] == "stopped by SIGTERM", err
     assert sorted(p.name for p in tmp_path.iterdir()) == []
+
+
+def test_a_run_directory_is_never_inside_or_holding_its_data(tmp_path: Path) -> None:
+    """Issue 42 item 6 for train/finetune: the run directory (paths.output_dir) goes through
+    the one policy: inside the data store, or holding the init weights, is refused."""
+    from omegaconf import OmegaConf
+
+    from protein_performer.training.train import train
+
+    store = tmp_path / "store"
+    store.mkdir()
+    (store / "tokens.bin").write_bytes(b"t")
+    cfg = {"paths": {"output_dir": str(store / "run")}, "data": {"path": str(store)}}
+    with pytest.raises(UserError, match="inside the input directory"):
+        train(OmegaConf.create(cfg))
+    weights = tmp_path / "runs" / "x" / "init.ckpt"
+    weights.parent.mkdir(parents=True)
+    weights.write_bytes(b"w")
+    cfg = {"paths": {"output_dir": str(tmp_path / "runs")}, "init_from": str(weights)}
+    with pytest.raises(UserError, match="a directory holding the input"):
+        train(OmegaConf.create(cfg))
+    assert sorted(p.name for p in store.iterdir()) == ["tokens.bin"]
