@@ -13,7 +13,7 @@ import argparse
 import contextlib
 import os
 import sys
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 from protein_performer.errors import UserError
@@ -212,6 +212,7 @@ def check_output(
     what: str = "its output",
     *,
     exists_ok: bool = False,
+    sidecars: Sequence[str] = (),
 ) -> None:
     """Claim ``out`` under the output policy (:mod:`protein_performer.io.outputs`) for the rest
     of the command (:func:`hold`), before any work: never an input, a directory holding one or
@@ -223,7 +224,7 @@ def check_output(
         return
     from protein_performer.io.outputs import claim_output
 
-    hold(claim_output(out, inputs, overwrite, what, exists_ok=exists_ok))
+    hold(claim_output(out, inputs, overwrite, what, exists_ok=exists_ok, sidecars=sidecars))
 
 
 def load_lm(args: argparse.Namespace) -> ProteinLM:

@@ -260,6 +260,11 @@ def _holder(lock: Path) -> str:
     return "another run"
 
 
+def lock_path(path: Path) -> Path:
+    """The hidden lock file of output ``path`` (``.NAME.lock`` beside it)."""
+    return path.parent / f".{path.name}.lock"
+
+
 def _open_lock(lock: Path, path: Path) -> int:
     """The descriptor of the lock file ``lock`` (of output ``path``), never through a link.
 
@@ -303,7 +308,7 @@ def exclusive_lock(path: Path, what: str, wait: bool = False) -> Iterator[None]:
     removed on release (a run that locked a file unlinked meanwhile sees it and retries).
     Re-entrant within a process.
     """
-    lock = path.parent / f".{path.name}.lock"
+    lock = lock_path(path)
     key = os.path.abspath(lock)
     if key in _HELD:
         _HELD[key] += 1

@@ -20,13 +20,15 @@ from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 
 from protein_performer.errors import UserError
 
 PathLike = str | os.PathLike[str]
 
+#: The folder of finished windows beside a sharded output (``io.sharding.parts_dir``).
+PARTS = ".parts"
 #: Every output claimed in this process (resolved), in order: what the policy has seen.
 _CLAIMED: list[Path] = []
 
@@ -69,15 +71,19 @@ def claim_output(
     what: str = "its output",
     *,
     exists_ok: bool = False,
+    sidecars: Sequence[str] = (),
 ) -> Iterator[Path]:
-    """Claim ``out`` for the block (module docstring): inputs refused, the lock held (rank 0 of
-    a sharded job holds it for the job), an existing ``out`` refused without ``overwrite``
-    unless ``exists_ok``. Yields the output's path."""
-    from protein_performer.io.atomic import exclusive_lock
+    """Claim ``out`` for the block (module docstring): inputs refused, for ``out`` and for
+    what is written beside it (its lock, ``OUT.parts/`` and the ``sidecars`` suffixes, e.g.
+    ``.linearize.pt``), the lock held (rank 0 of a sharded job holds it for the job), an
+    existing ``out`` refused without ``overwrite`` unless ``exists_ok``. Yields the path."""
+    from protein_performer.io.atomic import exclusive_lock, lock_path
     from protein_performer.io.sharding import detect_ranks
 
     path = Path(out).expanduser()
-    refuse_inputs(path, inputs)
+    inputs = list(inputs)
+    for written in (path, lock_path(path), *(sidecar(path, s) for s in (PARTS, *sidecars))):
+        refuse_inputs(written, inputs)
     with contextlib.ExitStack() as stack:
         if detect_ranks().rank == 0 and path.parent.is_dir():  # a missing directory: said later
             stack.enter_context(exclusive_lock(path, what))

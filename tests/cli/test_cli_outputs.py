@@ -115,3 +115,20 @@ def test_an_output_inside_an_input_directory_is_refused(files, tmp_path, capsys)
     assert (export / "model.safetensors").read_bytes() == b"weights"
     assert (store / "tokens.bin").read_bytes() == b"tokens"
     assert sorted(p.name for p in export.iterdir()) == ["model.safetensors"]
+
+
+def test_what_is_written_beside_an_output_is_an_output_too(files, tmp_path, capsys) -> None:
+    """Issue 42 item 10: OUT.parts/, the lock .OUT.lock and OUT.linearize.pt are written beside
+    OUT, so none of them may be an input either."""
+    named = {n: tmp_path / n for n in ("o.csv.parts", ".o.csv.lock", "lin.linearize.pt")}
+    for path in named.values():
+        path.write_text(">a\nMKV\n")
+    ckpt = str(files["ckpt"])
+    cases = [
+        ["score", ckpt, str(named["o.csv.parts"]), str(tmp_path / "o.csv")],
+        ["score", ckpt, str(named[".o.csv.lock"]), str(tmp_path / "o.csv")],
+        ["linearize", ckpt, str(tmp_path / "lin"), "--data", str(named["lin.linearize.pt"])],
+    ]
+    for argv in cases:
+        assert "never replaces an input" in _run(argv, capsys)
+    assert all(p.read_text() == ">a\nMKV\n" for p in named.values())
