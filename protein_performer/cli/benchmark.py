@@ -61,6 +61,11 @@ examples:
 """
 
 
+#: The arguments naming what this command writes (per subcommand), each claimed under the
+#: output policy (protein_performer.io.outputs); tests/cli/test_cli_outputs.py checks them.
+OUTPUTS: dict[str, tuple[str, ...]] = {"proteingym": ("out_dir",)}
+
+
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p = add_command(subparsers, "benchmark", HELP, DESCRIPTION, "")
     sub = p.add_subparsers(dest="benchmark", metavar="BENCHMARK", required=True)
@@ -97,9 +102,9 @@ def run(args: argparse.Namespace) -> int:
         raise UserError("--context-* options need --context-dir DIR")
     name = args.model_name or "protein_performer"
     check_model_name(name)
-    read_reference(args.reference)  # its ids name files: checked before anything is loaded
     inputs = [args.reference, args.dms_dir, args.ckpt, args.context_dir]
     check_output(args.out_dir, inputs, args.overwrite, "benchmark scores", exists_ok=True)
+    read_reference(args.reference)  # its ids name files: checked before anything is loaded
     lm = load_lm(args)
     strategy = pick_strategy(lm, args.strategy, "masked-marginals")
     context_for = None

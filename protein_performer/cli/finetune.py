@@ -47,6 +47,12 @@ examples:
 """
 
 
+#: The arguments naming what this command writes (``paths.output_dir``: a Hydra key), each
+#: claimed under the output policy (protein_performer.io.outputs); tests/cli/test_cli_outputs.py
+#: checks them.
+OUTPUTS: tuple[str, ...] = ("paths.output_dir",)
+
+
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p = add_command(
         subparsers, "finetune", HELP, DESCRIPTION, EPILOG, usage="%(prog)s [-h] [OVERRIDE ...]"
