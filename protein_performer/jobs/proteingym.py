@@ -339,9 +339,11 @@ def _reuse(
     """The scores an earlier run with the same key (``record``: the model's digests, strategy,
     context, the wild type's and the DMS file's digests) wrote, or None to score.
 
-    Reused only when the run file vouches for the table's exact bytes (``scores_sha256``); a
-    table it does not vouch for (a run stopped between the two files, an edited table) is
-    scored again. A complete pair of another key is refused unless ``overwrite``."""
+    A run file of another key (another model, wild type, DMS file, options; or one written
+    before the key had digests) is refused unless ``overwrite``. With this run's key, the
+    table is reused only when the run file vouches for its exact bytes (``scores_sha256``);
+    one it does not vouch for (a run stopped between the two files, an edited table) is
+    scored again."""
     from protein_performer.io.json_safe import read_json
 
     if not scores_csv.is_file():
@@ -350,15 +352,7 @@ def _reuse(
         log.warning("%s has no run file %s; scoring it again", scores_csv, scores_json.name)
         return None
     found = read_json(scores_json, "delete it to score the assay again")
-    vouched = isinstance(found, dict) and found.get("scores_sha256") == _sha256(
-        scores_csv.read_bytes()
-    )
-    if not vouched:
-        log.warning(
-            "%s is not the table its run file %s vouches for (a run stopped between them?); "
-            "scoring it again", scores_csv, scores_json.name,
-        )  # fmt: skip
-        return None
+    found = found if isinstance(found, dict) else {}
     key = {k: v for k, v in found.items() if k != "scores_sha256"}
     if key != record:
         if overwrite:
@@ -369,6 +363,12 @@ def _reuse(
             f"(differs: {', '.join(differ)}; {scores_json}); pass --overwrite to score again, "
             "or choose another OUT_DIR"
         )
+    if found.get("scores_sha256") != _sha256(scores_csv.read_bytes()):
+        log.warning(
+            "%s is not the table its run file %s vouches for (a run stopped between them?); "
+            "scoring it again", scores_csv, scores_json.name,
+        )  # fmt: skip
+        return None
     with open(scores_csv, newline="", encoding="utf-8") as fh:
         header = next(csv.reader(fh), [])
     if header[3:] != [text_cell(model_name)]:  # the same scores under another --model-name
