@@ -12,8 +12,9 @@ directory, a sidecar such as ``OUT.context.json``) is *claimed*:
   rerun continues, says so with ``exists_ok``).
 
 The writers below it (:mod:`protein_performer.io.atomic`) then make every file appear complete
-or not at all. ``-`` (standard output) is always fine. :func:`claimed` lists what this process
-claimed, so a test can prove that every command's outputs went through here.
+or not at all. ``-`` (standard output) is always fine. Each CLI command declares its outputs
+(``OUTPUTS`` in its module), and ``tests/cli/test_cli_outputs.py`` walks the parsers to prove
+that every one of them is refused here when it would replace or enter an input.
 """
 
 from __future__ import annotations
@@ -29,14 +30,6 @@ PathLike = str | os.PathLike[str]
 
 #: The folder of finished windows beside a sharded output (``io.sharding.parts_dir``).
 PARTS = ".parts"
-#: Every output claimed in this process (resolved), in order: what the policy has seen.
-_CLAIMED: list[Path] = []
-
-
-def claimed() -> list[Path]:
-    """The outputs claimed in this process so far (resolved paths), oldest first."""
-    return list(_CLAIMED)
-
 
 def refuse_inputs(out: PathLike, inputs: Iterable[PathLike | None]) -> None:
     """A ``UserError`` when ``out`` is an input, holds one, or lies inside an input directory
@@ -91,7 +84,6 @@ def claim_output(
             raise UserError(
                 f"{out} already exists: pass --overwrite to replace it, or choose another output"
             )
-        _CLAIMED.append(path.resolve())
         yield path
 
 
