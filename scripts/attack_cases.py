@@ -281,7 +281,7 @@ def _absent(*paths: Path) -> Callable[[], str | None]:
     return check
 
 
-def _reference(path: Path, dms_id: str, target_seq: str | None = None) -> Path:
+def reference_file(path: Path, dms_id: str, target_seq: str | None = None) -> Path:
     """A one-assay ProteinGym reference (the repository's TEM-1 scan) with ``dms_id``."""
     import csv
 
@@ -334,7 +334,7 @@ def policy_cases(work: Path, mlm: Path, clm: Path, fasta: Path) -> list[Case]:
                       "out.csv")), "error", "symbolic link", _unchanged(victim)))  # fmt: skip
     # DMS_id used as a path.
     for tag, dms_id in (("abs", str(w / "PWNED")), ("dotdot", "../../dms/assay")):
-        ref = _reference(w / f"ref-{tag}.csv", dms_id)
+        ref = reference_file(w / f"ref-{tag}.csv", dms_id)
         cases.append(Case(f"dms-id-{tag}", _cli("benchmark", "proteingym", str(ref), str(pg),
                           str(w / f"pg-{tag}"), str(mlm)), "error", "cannot name a file",
                           _absent(w / "PWNED.csv", w / f"pg-{tag}")))  # fmt: skip
@@ -343,7 +343,7 @@ def policy_cases(work: Path, mlm: Path, clm: Path, fasta: Path) -> list[Case]:
     (o2 / "scores").mkdir(parents=True)
     assay = o2 / "scores" / "BLAT_ECOLX_Stiffler_2015.csv"
     shutil.copy(pg / assay.name, assay)
-    ref = _reference(w / "ref.csv", "BLAT_ECOLX_Stiffler_2015")
+    ref = reference_file(w / "ref.csv", "BLAT_ECOLX_Stiffler_2015")
     for tag, out in (("equal", o2 / "scores"), ("holding", o2)):
         cases.append(Case(f"benchmark-out-{tag}", _cli("benchmark", "proteingym", str(ref),
                           str(o2 / "scores"), str(out), str(mlm), "--overwrite"), "error",
@@ -367,7 +367,7 @@ def policy_cases(work: Path, mlm: Path, clm: Path, fasta: Path) -> list[Case]:
                               lambda d=dest: None if (d / "scores" / scores.name).read_bytes()
                               == good else "the table is not this model's scores"))  # fmt: skip
         else:
-            changed = _reference(w / "ref-changed.csv", "BLAT_ECOLX_Stiffler_2015", target)
+            changed = reference_file(w / "ref-changed.csv", "BLAT_ECOLX_Stiffler_2015", target)
             cases.append(Case("benchmark-target-seq", _cli("benchmark", "proteingym",
                               str(changed), str(pg), str(dest), str(mlm)), "error",
                               "differs: target_seq_sha256",

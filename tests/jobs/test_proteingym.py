@@ -20,6 +20,7 @@ from protein_performer.inference.dms_metrics import (
     top_recall,
 )
 from protein_performer.jobs.proteingym import summary_columns
+from scripts.attack_cases import reference_file
 from tests.interop.test_loading import fit_checkpoint
 from tests.paths import REPO
 
@@ -129,21 +130,6 @@ def test_benchmark_runs_every_assay_and_a_second_run_reproduces_it(
         assert float(next(csv.DictReader(fh))["protein_performer"]) == round(rho, 3)
 
 
-def _reference(path: Path, dms_id: str, filename: str = "BLAT_ECOLX_Stiffler_2015.csv",
-               target_seq: str | None = None) -> Path:  # fmt: skip
-    """A one-assay reference file like PG's, with the given id, file and wild type."""
-    with open(PG / "reference_two_assays.csv", newline="") as fh:
-        rows = list(csv.DictReader(fh))
-    row = {**rows[0], "DMS_id": dms_id, "DMS_filename": filename}
-    if target_seq is not None:
-        row["target_seq"] = target_seq
-    with open(path, "w", newline="") as fh:
-        writer = csv.DictWriter(fh, fieldnames=list(row))
-        writer.writeheader()
-        writer.writerow(row)
-    return path
-
-
 def _one_line(capsys) -> str:
     err = capsys.readouterr().err.strip()
     assert err.startswith("error:") and "\n" not in err, err
@@ -155,7 +141,7 @@ def _one_line(capsys) -> str:
 def test_a_dms_id_is_never_a_path(tmp_path: Path, capsys, dms_id: str) -> None:
     """Issue 42 item 3: an id that would write outside OUT_DIR is one line, nothing written."""
     dms_id = dms_id.replace("/ABS", str(tmp_path))
-    ref = _reference(tmp_path / "ref.csv", dms_id)
+    ref = reference_file(tmp_path / "ref.csv", dms_id)
     argv = ["benchmark", "proteingym", str(ref), str(PG), str(tmp_path / "out" / "pg"),
             str(tmp_path / "model.ckpt")]  # fmt: skip
     (tmp_path / "out").mkdir()
@@ -172,7 +158,7 @@ def test_benchmark_out_dir_never_holds_or_enters_its_inputs(ckpt: Path, tmp_path
     (o2 / "scores").mkdir(parents=True)
     name = "BLAT_ECOLX_Stiffler_2015.csv"
     (o2 / "scores" / name).write_bytes((PG / name).read_bytes())
-    ref = _reference(tmp_path / "ref.csv", "BLAT_ECOLX_Stiffler_2015")
+    ref = reference_file(tmp_path / "ref.csv", "BLAT_ECOLX_Stiffler_2015")
     before = (o2 / "scores" / name).read_bytes()
     for dms, out in ((o2 / "scores", o2), (o2 / "scores", o2 / "scores"),
                      (o2, o2 / "scores" / "deeper")):  # fmt: skip
@@ -187,7 +173,7 @@ def test_benchmark_reuse_is_keyed_by_digests(ckpt: Path, tmp_path: Path, capsys)
     """Issue 42 item 8: a table its run file does not vouch for (a kill between the two
     files) is scored again, and a changed wild type is another key (refused without
     --overwrite), never the old scores read back as this run's."""
-    ref = _reference(tmp_path / "ref.csv", "BLAT_ECOLX_Stiffler_2015")
+    ref = reference_file(tmp_path / "ref.csv", "BLAT_ECOLX_Stiffler_2015")
     out = tmp_path / "pg"
     argv = ["benchmark", "proteingym", str(ref), str(PG), str(out), str(ckpt), "--no-progress",
             "--device", "cpu"]  # fmt: skip
@@ -205,7 +191,7 @@ def test_benchmark_reuse_is_keyed_by_digests(ckpt: Path, tmp_path: Path, capsys)
     with open(PG / "reference_two_assays.csv", newline="") as fh:
         wt = next(csv.DictReader(fh))["target_seq"]
     changed = wt[:-1] + ("A" if wt[-1] != "A" else "G")
-    _reference(ref, "BLAT_ECOLX_Stiffler_2015", target_seq=changed)
+    reference_file(ref, "BLAT_ECOLX_Stiffler_2015", target_seq=changed)
     assert main(argv) == 2
     assert "differs: target_seq_sha256" in _one_line(capsys)
     assert table.read_bytes() == good
