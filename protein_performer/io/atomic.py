@@ -247,6 +247,22 @@ def write_text_atomic(path: Path, text: str) -> Path:
 #: Lock files this process holds (path -> depth): a command that locks its output and then
 #: calls a writer that locks the same output (``preprocess`` and its store) holds it once.
 _HELD: dict[str, int] = {}
+#: The descriptors of those locks, closed in every forked child (below).
+_LOCK_FDS: set[int] = set()
+
+
+def _drop_inherited_locks() -> None:
+    """In a forked child (a DataLoader worker, a pool process): close the copies of the
+    parent's lock descriptors. A ``flock`` lives as long as any descriptor of it, so a child
+    that kept them would hold the parent's outputs locked after the parent died (kill -9)."""
+    for fd in _LOCK_FDS:
+        with contextlib.suppress(OSError):
+            os.close(fd)
+    _LOCK_FDS.clear()
+    _HELD.clear()
+
+
+os.register_at_fork(after_in_child=_drop_inherited_locks)
 
 
 def _holder(lock: Path) -> str:
@@ -341,14 +357,17 @@ def exclusive_lock(path: Path, what: str, wait: bool = False) -> Iterator[None]:
     except OSError:  # a full disk: the lock holds all the same, only the holder stays unnamed
         pass
     _HELD[key] = 1
+    _LOCK_FDS.add(fd)
     try:
         yield
     finally:
         _HELD.pop(key, None)
-        with contextlib.suppress(OSError):
-            if os.lstat(lock).st_ino == os.fstat(fd).st_ino:  # ours still, not a swapped-in name
-                lock.unlink()
-        os.close(fd)
+        if fd in _LOCK_FDS:  # else a forked child leaving the block: its copy went at the fork
+            _LOCK_FDS.discard(fd)
+            with contextlib.suppress(OSError):
+                if os.lstat(lock).st_ino == os.fstat(fd).st_ino:  # ours, not a swapped-in name
+                    lock.unlink()
+            os.close(fd)
 
 
 @contextlib.contextmanager

@@ -292,3 +292,35 @@ def test_a_run_directory_is_never_inside_or_holding_its_data(tmp_path: Path) -> 
     with pytest.raises(UserError, match="a directory holding the input"):
         train(OmegaConf.create(cfg))
     assert sorted(p.name for p in store.iterdir()) == ["tokens.bin"]
+
+
+FORK_AND_DIE = """
+import os, signal, sys, time
+from pathlib import Path
+from protein_performer.io.atomic import exclusive_lock
+with exclusive_lock(Path(sys.argv[1]), "a test"):
+    child = os.fork()
+    if child == 0:  # a worker forked while the lock is held (a DataLoader worker)
+        time.sleep(30)
+        os._exit(0)
+    print(child, flush=True)
+    os.kill(os.getpid(), signal.SIGKILL)  # the parent dies at once, its worker lives on
+"""
+
+
+def test_a_forked_worker_never_holds_its_parents_lock(tmp_path: Path) -> None:
+    """Issue 42 item 1: forked children close their copies of the lock descriptors, so a run
+    killed with -9 frees its output at once even while its workers still run."""
+    out = tmp_path / "o.h5"
+    proc = subprocess.Popen([sys.executable, "-c", FORK_AND_DIE, str(out)],
+                            stdout=subprocess.PIPE, text=True, env=ENV)  # fmt: skip
+    assert proc.stdout is not None
+    child = int(proc.stdout.readline())
+    proc.wait(timeout=30)
+    try:
+        assert Path(f"/proc/{child}").exists()  # the worker still runs
+        with atomic.exclusive_lock(out, "x"):  # and the output is free: it holds no copy
+            pass
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(child, 9)
