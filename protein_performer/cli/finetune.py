@@ -47,10 +47,10 @@ examples:
 """
 
 
-#: The arguments naming what this command writes (``paths.output_dir``: a Hydra key), each
-#: claimed under the output policy (protein_performer.io.outputs); tests/cli/test_cli_outputs.py
-#: checks them.
-OUTPUTS: tuple[str, ...] = ("paths.output_dir",)
+#: The Hydra keys naming what this command writes (Hydra's run directory and the run's own),
+#: each claimed under the output policy (protein_performer.io.outputs) before Hydra creates
+#: anything; tests/cli/test_cli_outputs.py checks them.
+OUTPUTS: tuple[str, ...] = ("hydra.run.dir", "paths.output_dir")
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:

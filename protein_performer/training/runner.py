@@ -153,6 +153,38 @@ def run_inputs(cfg: DictConfig) -> list[str]:
     return found
 
 
+def check_run_dirs(cfg: DictConfig) -> None:
+    """The output policy for a launch, before ``@hydra.main`` creates anything: Hydra's run
+    directory (``hydra.run.dir``: ``.hydra/`` and the log file) and the run's own
+    (``paths.output_dir`` when it is set apart) are never an input, hold one or lie inside one.
+    ``cfg`` is a composed config with Hydra's node; it is not changed."""
+    import copy
+
+    from hydra.core.hydra_config import HydraConfig
+    from omegaconf import OmegaConf, open_dict
+    from omegaconf.errors import OmegaConfBaseException
+
+    from protein_performer.io.outputs import refuse_inputs
+
+    try:
+        probe = copy.deepcopy(cfg)
+        with open_dict(probe):
+            probe.hydra.runtime.cwd = os.getcwd()
+        HydraConfig.instance().set_config(probe)  # ${hydra:runtime.cwd} in paths.root_dir
+        run_dir = OmegaConf.select(probe, "hydra.run.dir")
+        probe = copy.deepcopy(cfg)
+        with open_dict(probe):
+            probe.hydra.runtime.cwd = os.getcwd()
+            probe.hydra.runtime.output_dir = str(run_dir)
+        HydraConfig.instance().set_config(probe)
+        outs = {str(run_dir), str(OmegaConf.select(probe, "paths.output_dir"))}
+    except OmegaConfBaseException:  # said by Hydra when it resolves the same keys
+        return
+    inputs = run_inputs(probe)
+    for out in outs:
+        refuse_inputs(Path(out).expanduser().absolute(), inputs)
+
+
 def _scalar(value: Any) -> float | Any:
     try:
         return float(value)
@@ -319,10 +351,11 @@ def launch(entry: Entry, overrides: Sequence[str], prog: str | None = None) -> d
     register_resolvers()
     hydra_flags = any(arg.startswith("-") for arg in overrides)
     if not hydra_flags:
-        compose_config(
+        composed = compose_config(
             overrides, name=entry.name, direct_keys=entry.direct_keys, required=entry.required,
             example=entry.example, override_example=entry.override_example,
         )  # fmt: skip
+        check_run_dirs(composed)  # before Hydra writes .hydra/ and the log file there
     direct, rest = split_direct(overrides, entry.direct_keys)
     if hydra_flags:  # --cfg job and the like print before any task runs: Hydra sets them too
         rest += [f"{key}={_quoted(value)}" for key, value in direct.items()]
