@@ -21,15 +21,16 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
 from protein_performer.errors import UserError
 from protein_performer.interop.record import LoadedModel
 from protein_performer.model.attention import AttentionState, state_tensors
+from protein_performer.model.cores import model_cores
+from protein_performer.model.rotary import member_bounds
 
 log = logging.getLogger(__name__)
 
@@ -48,7 +49,9 @@ class FamilyContext:
     never written;
     n_tokens: tokens in the context row; offset: the row position of a candidate's first token
     (``n_tokens`` with "sequence" positions, 0 with "member" positions, as training used);
-    members / dropped: ids of the homologs read / left out by ``max_tokens``.
+    members / dropped: ids of the homologs read / left out by ``max_tokens``; grows: whether a
+    layer's state grows with the context (an exact or hybrid stack's KV cache: asked of the
+    cores).
     """
 
     states: tuple[AttentionState, ...]
@@ -57,6 +60,7 @@ class FamilyContext:
     members: tuple[str, ...]
     dropped: tuple[str, ...]
     attention: str
+    grows: bool = False
 
     @property
     def nbytes(self) -> int:
@@ -65,9 +69,10 @@ class FamilyContext:
 
     @property
     def attended_tokens(self) -> int:
-        """Context tokens each candidate token reads: 0 for FAVOR+ (a fixed-size state), the
-        whole cache for exact attention; what a batch's token budget must count."""
-        return self.n_tokens if self.attention == "exact" else 0
+        """Context tokens each candidate token reads: 0 when every layer's state is fixed-size
+        (FAVOR+), the whole cache when some layer's grows (exact attention, a hybrid stack's
+        exact layers); what a batch's token budget must count."""
+        return self.n_tokens if self.grows else 0
 
     def __repr__(self) -> str:
         return (
@@ -77,21 +82,15 @@ class FamilyContext:
 
 
 def homolog_records(homologs: Homologs) -> list[tuple[str, str]]:
-    """Homologs as (id, SEQUENCE): a FASTA path (str or PathLike), one sequence string, or an
-    iterable of strings / (id, sequence) pairs / FASTA records; a bad one names its index."""
-    from protein_performer.data.inputs import as_records
+    """Homologs as (id, SEQUENCE): a FASTA path (a ``str`` or PathLike is always a path; ``-``
+    reads standard input; a missing file is an error), or an iterable of strings / (id,
+    sequence) pairs / FASTA records; a bad one names its index. A sequence is never guessed
+    from a string: a typo in a file name would otherwise become a 1-member family."""
+    from protein_performer.data.inputs import as_records, read_records
 
-    if isinstance(homologs, os.PathLike) or (isinstance(homologs, str) and _is_path(homologs)):
-        from protein_performer.data.inputs import read_records
-
+    if isinstance(homologs, str | os.PathLike):
         return [(r.id, r.sequence.upper()) for r in read_records(homologs)]
     return list(as_records(homologs))  # type: ignore[arg-type]
-
-
-def _is_path(text: str) -> bool:
-    """A string names a file when it exists, or looks like a path (a sequence never has a
-    separator or a dot)."""
-    return os.sep in text or "." in text or Path(text).expanduser().is_file()
 
 
 def default_max_tokens(loaded: LoadedModel) -> int | None:
@@ -161,7 +160,7 @@ def build_context(
 
     states = None
     row = 0
-    parts = list(_segments([ids for _, ids in members], segment))
+    parts = list(_segments([t for _, ids in members for t in ids], a.cls_idx, segment))
     with progress(total, "tok", "context", enabled=len(parts) > 1) as bar:
         for part in parts:
             tokens = torch.tensor([part], dtype=torch.long, device=loaded.device)  # (1, S)
@@ -176,17 +175,20 @@ def build_context(
         members=tuple(rid for rid, _ in members),
         dropped=dropped,
         attention=config.attention,
+        grows=any(core.state_grows for core in model_cores(loaded.model)),
     )
 
 
-def _segments(members: Sequence[list[int]], segment: int) -> Iterable[list[int]]:
-    """Whole members packed into prefill segments of about ``segment`` tokens: a segment
-    starts at a ``<cls>``, so member positions need nothing from the segment before."""
-    part: list[int] = []
-    for ids in members:
-        if part and len(part) + len(ids) > segment:
-            yield part
-            part = []
-        part.extend(ids)
-    if part:
-        yield part
+def _segments(row: list[int], cls_idx: int, segment: int) -> Iterable[list[int]]:
+    """The row packed into prefill segments of about ``segment`` tokens, cut only where a member
+    starts (:func:`~protein_performer.model.rotary.member_bounds`), so member positions need
+    nothing from the segment before."""
+    _, first = member_bounds(torch.tensor([row]) == cls_idx)
+    cuts = [*torch.unique(first[first > 0]).tolist(), len(row)]  # members' starts, the end
+    start = end = 0
+    for cut in cuts:
+        if cut - start > segment and end > start:
+            yield row[start:end]
+            start = end
+        end = cut
+    yield row[start:end]

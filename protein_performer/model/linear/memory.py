@@ -36,8 +36,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from protein_performer.model.linear.core import _compute_dtype
-from protein_performer.model.rotary import as_positions
+from protein_performer.model.cores.base import AttentionCore, CoreWrapper, real_tokens
+from protein_performer.model.cores.base import compute_dtype as _compute_dtype
+from protein_performer.model.cores.registry import register
+from protein_performer.model.rotary import as_positions, member_bounds
 
 #: Tokens read at a time by a causal memory (a long context's prefill in chunks, the memory
 #: carried from one to the next: bounded working memory).
@@ -58,7 +60,7 @@ def member_layout(positions: Tensor) -> Tensor:
     continue the previous token's (a ``<cls>`` resets it to 0), the first token in member 0."""
     new = torch.ones_like(positions, dtype=torch.bool)
     new[:, 1:] = positions[:, 1:] != positions[:, :-1] + 1
-    return new.long().cumsum(-1) - 1
+    return member_bounds(new)[0]
 
 
 def _pairs(y: Tensor, T: int, N: int, shift: int) -> Tensor:
@@ -159,11 +161,34 @@ def _slots(mem: Tensor, first: int, width: int) -> Tensor:
     return F.pad(mem[:, :, lo:hi], (0, 0, lo - first, first + width - hi))
 
 
-class PositionMemory(nn.Module):
-    """Wraps an attention core (``inner``) with the member-position memory described above."""
+@register("memory")
+class PositionMemory(CoreWrapper):
+    """Wraps an attention core (``inner``) with the member-position memory described above
+    (``PerformerConfig.position_memory``); it finds members where positions restart, so it
+    needs member positions."""
+
+    order = 1  # around any core, the window included
+    needs_positions = "member"
+    label = "a position memory"
+
+    @classmethod
+    def enabled(cls, config) -> bool:  # noqa: ANN001 - a PerformerConfig
+        return bool(config.position_memory)
+
+    @classmethod
+    def from_config(  # noqa: ANN001 - a PerformerConfig
+        cls, config, inner: AttentionCore | None = None
+    ) -> PositionMemory:
+        assert inner is not None
+        return cls(inner, config.heads, config.head_dim, config.position_memory,
+                   config.memory_window)  # fmt: skip
+
+    @classmethod
+    def extra_numel(cls, config) -> int:  # noqa: ANN001
+        return config.heads * (2 * config.memory_window + 2 + config.head_dim)
 
     def __init__(
-        self, inner: nn.Module, heads: int, dim_head: int, max_positions: int, window: int
+        self, inner: AttentionCore, heads: int, dim_head: int, max_positions: int, window: int
     ) -> None:
         super().__init__()
         self.inner = inner
@@ -174,9 +199,6 @@ class PositionMemory(nn.Module):
         self.offset_logits = nn.Parameter(torch.zeros(heads, 2 * window + 1))
         self.gate_weight = nn.Parameter(torch.zeros(heads, dim_head))
         self.gate_bias = nn.Parameter(torch.full((heads,), -1.0))
-
-    def redraw(self, generator: torch.Generator | None = None) -> None:
-        self.inner.redraw(generator=generator)
 
     def _read(self, q: Tensor, k: Tensor, v: Tensor, positions: Tensor, keep: Tensor,
               mem: Tensor | None, want_state: bool) -> tuple[Tensor, Tensor, Tensor | None]:
@@ -299,7 +321,7 @@ class PositionMemory(nn.Module):
             seens.append(seen)
         return torch.cat(outs, 2), torch.cat(seens, 2), mem
 
-    def forward(
+    def attend(
         self,
         q: Tensor,
         k: Tensor,
@@ -314,8 +336,6 @@ class PositionMemory(nn.Module):
         """The inner core's output mixed with the memory's read (see the module docstring);
         the cores' call, whose rotary ``positions`` (any form of
         :func:`~protein_performer.model.rotary.as_positions`) place the tokens."""
-        if not self.causal and (state is not None or keep_state):
-            raise RuntimeError("RNN mode (a state) needs causal=True")
         B, H, L, _ = q.shape
         out, inner_state = self.inner(
             q,
@@ -328,11 +348,7 @@ class PositionMemory(nn.Module):
             positions=positions,
         )
         pos = as_positions(positions, B, L, q.device)
-        keep = (
-            torch.ones(B, L, dtype=torch.bool, device=q.device)
-            if key_padding_mask is None
-            else ~key_padding_mask.bool()
-        )
+        keep = real_tokens(key_padding_mask, B, L, q.device)
         dtype = _compute_dtype(q)
         with torch.autocast(device_type=q.device.type, enabled=False):
             x, y, vv = q.to(dtype), k.to(dtype), v.to(dtype)
@@ -351,9 +367,6 @@ class PositionMemory(nn.Module):
     def attention_map(self, q, k, key_padding_mask=None, query_slice=None) -> Tensor:
         """The inner core's rows (the memory mixes values by position, not a map over keys)."""
         return self.inner.attention_map(q, k, key_padding_mask, query_slice)
-
-    def map_blocks(self, q: Tensor, k: Tensor, L: int, window: int):
-        return self.inner.map_blocks(q, k, L, window)
 
     def extra_repr(self) -> str:
         return f"max_positions={self.max_positions}, window={self.window}"
