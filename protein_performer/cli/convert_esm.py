@@ -40,6 +40,11 @@ examples:
 """
 
 
+#: The arguments naming what this command writes, each claimed under the output policy
+#: (protein_performer.io.outputs); tests/cli/test_cli_outputs.py checks them.
+OUTPUTS: tuple[str, ...] = ("out",)
+
+
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
     from protein_performer.model.config import ATTENTIONS, KERNELS
 
@@ -79,6 +84,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     from protein_performer.interop.export import export_model
     from protein_performer.interop.loading import load_model
+    from protein_performer.model.cores import drawn_keys
 
     check_output(args.out, [args.src], args.overwrite)
     loaded = load_model(
@@ -97,8 +103,8 @@ def run(args: argparse.Namespace) -> int:
     )
     out = export_model(loaded, args.out, overwrite=args.overwrite)
     attn = cfg.attention
-    if attn == "favor":
-        attn = f"favor ({cfg.kernel}, m={cfg.nb_features}, seed {args.seed})"
+    if drawn_keys(loaded.model):  # random features: say which and from what seed
+        attn = f"{attn} ({cfg.kernel}, m={cfg.nb_features}, seed {args.seed})"
     head = (
         ", with its contact head"
         if loaded.contact_regression is not None

@@ -54,8 +54,8 @@ from protein_performer.io.columns import (
     write_columns,
 )
 from protein_performer.io.progress import beat
-from protein_performer.model.attention import MapBlocks
 from protein_performer.model.contact_head import ContactRegression, weights_sha256
+from protein_performer.model.cores.base import MapBlocks
 
 log = logging.getLogger(__name__)
 

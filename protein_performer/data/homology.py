@@ -771,12 +771,10 @@ def write_homologs(
         for h in hits:
             fh.write(f">{h.header_line()}\n{h.sequence}\n")
     if tsv is not None:
-        import csv
-
-        from protein_performer.io.tables import text_cell
+        from protein_performer.io.tables import table_writer
 
         with text_output(tsv) as fh:
-            writer = csv.writer(fh, delimiter="\t", lineterminator="\n")
+            writer = table_writer(fh, "\t", "\n")
             writer.writerow(["query", "target", *HIT_FIELDS])
             for h in hits:
-                writer.writerow([text_cell(h.query), text_cell(h.target), *h.fields()])
+                writer.writerow([h.query, h.target, *h.fields()])

@@ -33,7 +33,6 @@ import logging
 import os
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 
 import numpy as np
 import torch
@@ -42,6 +41,7 @@ from protein_performer.data.msa import UNPLACED, Member
 from protein_performer.errors import UserError
 from protein_performer.interop.record import LoadedModel
 from protein_performer.model.attention import AttentionState, state_tensors
+from protein_performer.model.cores import model_cores
 
 log = logging.getLogger(__name__)
 
@@ -62,10 +62,11 @@ class FamilyContext:
     never written;
     n_tokens: tokens in the context row; offset: the row position of a candidate's first token
     (``n_tokens`` with "sequence" positions, 0 with "member" positions, as training used);
-    members / dropped: ids of the homologs read / left out by ``max_tokens``;
-    coordinates: per member read, its residues' reference coordinates (None: placed by its
-    member positions); empty when no homolog came aligned; reference: the MSA's first row at
-    its coordinates (what a candidate must match to be read there), None when unknown.
+    members / dropped: ids of the homologs read / left out by ``max_tokens``; grows: whether a
+    layer's state grows with the context (an exact or hybrid stack's KV cache: asked of the
+    cores); coordinates: per member read, its residues' reference coordinates (None: placed by
+    its member positions), empty when no homolog came aligned; reference: the MSA's first row
+    at its coordinates (what a candidate must match to be read there), None when unknown.
     """
 
     states: tuple[AttentionState, ...]
@@ -74,6 +75,7 @@ class FamilyContext:
     members: tuple[str, ...]
     dropped: tuple[str, ...]
     attention: str
+    grows: bool = False
     coordinates: tuple[np.ndarray | None, ...] = ()
     reference: Member | None = None
 
@@ -89,9 +91,10 @@ class FamilyContext:
 
     @property
     def attended_tokens(self) -> int:
-        """Context tokens each candidate token reads: 0 for FAVOR+ (a fixed-size state), the
-        whole cache for exact attention; what a batch's token budget must count."""
-        return self.n_tokens if self.attention == "exact" else 0
+        """Context tokens each candidate token reads: 0 when every layer's state is fixed-size
+        (FAVOR+), the whole cache when some layer's grows (exact attention, a hybrid stack's
+        exact layers); what a batch's token budget must count."""
+        return self.n_tokens if self.grows else 0
 
     def __repr__(self) -> str:
         return (
@@ -104,15 +107,15 @@ class FamilyContext:
 def homolog_members(homologs: Homologs) -> tuple[Member | None, list[Member]]:
     """The reference (an MSA's first row; else None) and the homologs as
     :class:`~protein_performer.data.msa.Member` (id, SEQUENCE, coordinates): from a file (FASTA
-    or MSA, str or PathLike: :func:`~protein_performer.data.inputs.read_homologs`), one
-    sequence string, or an iterable of strings / (id, sequence) pairs / FASTA records /
-    members; a bad one names its index."""
+    or MSA: :func:`~protein_performer.data.inputs.read_homologs`; a ``str`` or PathLike is
+    always a path, ``-`` standard input, a missing file an error), or an iterable of strings /
+    (id, sequence) pairs / FASTA records / members; a bad one names its index. A sequence is
+    never guessed from a string: a typo in a file name would otherwise become a 1-member
+    family."""
     from protein_performer.data.inputs import as_records, read_homologs
 
-    if isinstance(homologs, os.PathLike) or (isinstance(homologs, str) and _is_path(homologs)):
+    if isinstance(homologs, str | os.PathLike):
         return read_homologs(homologs)
-    if isinstance(homologs, str):
-        homologs = [homologs]
     items = list(homologs)  # type: ignore[arg-type]
     if items and all(isinstance(m, Member) for m in items):
         for i, m in enumerate(items):  # coordinates come one per residue, or not at all
@@ -123,12 +126,6 @@ def homolog_members(homologs: Homologs) -> tuple[Member | None, list[Member]]:
                 )
         return None, items
     return None, [Member(rid, seq) for rid, seq in as_records(items)]
-
-
-def _is_path(text: str) -> bool:
-    """A string names a file when it exists, or looks like a path (a sequence never has a
-    separator or a dot)."""
-    return os.sep in text or "." in text or Path(text).expanduser().is_file()
 
 
 def default_max_tokens(loaded: LoadedModel) -> int | None:
@@ -224,6 +221,7 @@ def build_context(
         members=tuple(m.id for m in members),
         dropped=dropped,
         attention=config.attention,
+        grows=any(core.state_grows for core in model_cores(loaded.model)),
         coordinates=tuple(m.coordinates for m in members) if aligned else (),
         reference=reference if aligned else None,
     )

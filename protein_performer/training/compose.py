@@ -11,8 +11,9 @@ This module owns where the configs live: the package's ``protein_performer/conf/
 Hydra's package search path (``pkg://protein_performer.conf``) so that an installed wheel works
 outside the repository, or ``$PROTEIN_PERFORMER_CONF_DIR`` (a copy to customise). It registers
 the ``pp.package`` resolver through which configs name data shipped with the package (the demo
-set). It imports nothing from training or inference, so both can compose without depending on
-each other.
+set), and ``pp.family_memory`` (the position memory where a model trains on family rows). It
+imports nothing from training or inference, so both can compose without depending on each
+other.
 """
 
 from __future__ import annotations
@@ -45,12 +46,21 @@ def package_path(relative: str) -> str:
     return str(_PACKAGE_ROOT / relative)
 
 
+def family_memory(layout: str, max_len: int) -> int:
+    """``${pp.family_memory:${data.layout},${data.max_len}}``, the default position memory:
+    one slot per member position (``max_len``) where a model trains on family rows, else 0
+    (a single-sequence row has no homolog to read, and the memory would only cost time)."""
+    return int(max_len) if layout == "family" else 0
+
+
 def register_resolvers() -> None:
     """The configs' own interpolations (idempotent: composing twice must not fail)."""
     from omegaconf import OmegaConf
 
     if not OmegaConf.has_resolver("pp.package"):
         OmegaConf.register_new_resolver("pp.package", package_path)
+    if not OmegaConf.has_resolver("pp.family_memory"):
+        OmegaConf.register_new_resolver("pp.family_memory", family_memory)
 
 
 def conf_dir() -> Path:

@@ -205,9 +205,9 @@ def test_half_precision_is_close_to_fp32(models, precision: str) -> None:
     full = pp.load(models["mlm"], device="cpu")
     half = pp.load(models["mlm"], device="cpu", dtype=precision)
     assert half.dtype == {"bf16": torch.bfloat16, "fp16": torch.float16}[precision]
-    omegas = [layer.self_attn.favor.omega for layer in half.model.layers]
+    omegas = [layer.self_attn.core.omega for layer in half.model.layers]
     assert all(o.dtype == torch.float32 for o in omegas)  # the random features stay as drawn
-    assert torch.equal(omegas[0], full.model.layers[0].self_attn.favor.omega)
+    assert torch.equal(omegas[0], full.model.layers[0].self_attn.core.omega)
     a, b = full.embed(SEQS, pooling=None), half.embed(SEQS, pooling=None)
     for x, y in zip(a, b, strict=True):
         assert y.dtype == np.float32

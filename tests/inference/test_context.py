@@ -31,12 +31,13 @@ VARIANTS = [(a, k) for a in ("favor", "exact") for k in (KERNELS if a == "favor"
 
 
 #: The newer cores, through the same model calls: linear attention (alone and with its exact
-#: window) and the position memory.
+#: window) and the position memory (which needs member positions: a config says so).
 CORES = {
     "linear": {"attention": "linear", "kernel": "taylor"},
     "window": {"attention": "linear", "kernel": "taylor", "local_window": 4},
     "memory": {"attention": "favor", "position_memory": 64},
 }
+NEEDS_MEMBER = {"memory"}
 
 
 def tiny_lm(
@@ -111,6 +112,10 @@ def test_linear_and_memory_contexts_continue_the_row(name, positions):
     """``lm.context`` with the linear cores and with the position memory: scores after it equal
     the concatenated forward, and so do the log-probs of sequences generated after it (each
     token a step from the context's states: step == forward); the context is never written."""
+    if name in NEEDS_MEMBER and positions != "member":
+        with pytest.raises(UserError, match="needs positions=member"):
+            tiny_lm(positions=positions, **CORES[name])
+        return
     lm = tiny_lm(positions=positions, **CORES[name])
     ctx = lm.context(FAMILY)
     before = [t.clone() for t in state_tensors(ctx.states)]
@@ -195,6 +200,11 @@ def test_favor_context_bytes_do_not_grow_with_the_context():
     assert small.nbytes == large.nbytes > 0
     exact = tiny_lm("exact")
     assert exact.context(family(1000)).nbytes > small.nbytes  # a KV cache grows instead
+    # what a candidate token reads: nothing of a fixed-size state, the whole context as soon
+    # as one layer keeps a KV cache (a hybrid stack's exact layers: issue 40)
+    assert small.attended_tokens == 0
+    assert exact.context(family(1000)).attended_tokens == 1000
+    assert tiny_lm("favor", exact_every=2).context(family(1000)).attended_tokens == 1000
 
 
 def test_max_tokens_drops_whole_members_and_reports(caplog):
@@ -340,3 +350,19 @@ def test_an_unbounded_context_says_what_it_reads_and_shows_progress(
     assert f"reading 12 homolog(s), {tokens} tokens" in caplog.text
     err = capsys.readouterr().err
     assert "context" in err and f"{tokens}" in err, err
+
+
+def test_a_string_is_a_path_never_a_guessed_sequence(tmp_path, monkeypatch):
+    """Issue 42 item 9: a missing file named without a dot or separator is an error, not a
+    1-member family; ``-`` reads standard input; sequences come as a list."""
+    import io
+
+    lm = tiny_lm()
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(UserError, match="MKTAYIAK does not exist"):
+        lm.context("MKTAYIAK")
+    fasta = "".join(f">{i}\n{s}\n" for i, s in FAMILY)
+    monkeypatch.setattr("sys.stdin", io.TextIOWrapper(io.BytesIO(fasta.encode())))
+    from_stdin = lm.context("-")
+    assert from_stdin.members == lm.context(FAMILY).members
+    assert len(lm.context(["MKTAYIAK"]).members) == 1

@@ -40,7 +40,8 @@ def test_an_a2m_context_reads_no_gap_and_no_reference(tmp_path: Path) -> None:
     plain = lm.context([("h1", "TAYIAKQR"), ("h2", "MKTAAAYIAKQRQ")])
     assert plain.n_tokens == ctx.n_tokens and not plain.aligned
     # The memory's state is keyed by the coordinates: it differs from member positions'.
-    assert not torch.allclose(ctx.states[0].mem, plain.states[0].mem)
+    aligned_mem, member_mem = ctx.states[0].mem, plain.states[0].mem
+    assert aligned_mem.shape != member_mem.shape or not torch.allclose(aligned_mem, member_mem)
 
 
 def test_cli_score_reads_an_a2m_as_an_msa(tmp_path: Path, capsys) -> None:
@@ -260,3 +261,45 @@ def test_members_given_in_python_need_one_coordinate_per_residue() -> None:
         lm.context([Member("h", "MKTA", np.array([1, 2, 3]))])
     ctx = lm.context([Member("h", "MKTA", np.array([5, 6, 7, 8])), Member("u", "MKT")])
     assert ctx.aligned and ctx.coordinates[1] is None
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_the_memory_keyed_by_coordinates_matches_its_definition(causal) -> None:
+    """The position memory with ``coordinates`` is its definition (tests/model/linear/
+    test_memory.py's reference) with the coordinates in place of the positions: keys j <= t
+    (causal) at coordinate c_t + D, values at c_t + D + 1; unplaced tokens (-1) neither enter
+    nor read. Members are still found by their member positions. Coordinates rise strictly
+    along a member, with gaps and unplaced tokens, as data.msa makes them."""
+    from protein_performer.model.exact import ExactAttention
+    from protein_performer.model.linear.memory import PositionMemory, member_layout
+    from tests.model.linear.test_memory import _reference, _rows
+
+    torch.manual_seed(1)
+    mem = PositionMemory(ExactAttention(causal=causal), 2, 6, max_positions=30, window=2)
+    with torch.no_grad():
+        mem.offset_logits.normal_()
+        mem.gate_weight.normal_()
+    pos, mask = _rows(3)
+    g = torch.Generator().manual_seed(4)
+    step = torch.randint(1, 3, pos.shape, generator=g)  # coordinates skip some columns
+    member = member_layout(pos)
+    start = torch.randint(1, 7, (2, int(member.max()) + 1), generator=g).gather(1, member)
+    first = pos == 0
+    coords = torch.zeros_like(pos)
+    for b in range(2):
+        c = 0
+        for t in range(pos.shape[1]):
+            c = 0 if first[b, t] else (int(start[b, t]) if pos[b, t] == 1 else c + int(step[b, t]))
+            coords[b, t] = c
+    unplaced = (torch.rand(pos.shape, generator=g) < 0.15) & ~first
+    coords[unplaced] = -1
+    q, k, v = (torch.randn(2, 2, 41, 6) for _ in range(3))
+    out, _ = mem(q, k, v, mask, positions=pos, coordinates=coords)
+    inner = ExactAttention(causal=causal)(q, k, v, mask)[0]
+    inner = inner[0] if isinstance(inner, tuple) else inner
+    ref = _reference(mem, q, k, v, coords.clamp_min(0), mask | unplaced, inner)
+    real = (~mask & ~unplaced)[:, None, :, None].expand_as(out)
+    torch.testing.assert_close(out.double()[real], ref[real], atol=1e-5, rtol=1e-5)
+    # an unplaced token reads nothing: its output is the inner core's
+    alone = (~mask & unplaced)[:, None, :, None].expand_as(out)
+    torch.testing.assert_close(out[alone], inner[alone], atol=1e-6, rtol=1e-6)
