@@ -324,9 +324,10 @@ class ProteinLM:
         takes one context: ``ens.prompts[i].context``). Built from (homologs, query, options,
         seed) alone: the same inputs give the same prompts (``ens.record()``).
 
-        ``homologs``: strings, (id, sequence) pairs or a path (FASTA, or an A2M/A3M/Stockholm
-        MSA whose first row is the reference: its homologs carry aligned coordinates, read by
-        a position memory; ``data.inputs.read_homologs``), in order of relevance;
+        ``homologs``: a list of strings or (id, sequence) pairs, or a path (a ``str`` is
+        always one; a FASTA, or an A2M/A3M/Stockholm MSA whose first row is the reference: its
+        homologs carry aligned coordinates, read by a position memory;
+        ``data.inputs.read_homologs``), in order of relevance;
         read as one row ``<cls> m1 <eos> <cls> m2 <eos> ...`` (one prefill). Members past
         ``max_tokens`` (default: the trained row length if the config records it, else no
         limit) are left out and logged. Causal models only (a masked LM: ``UserError``).
