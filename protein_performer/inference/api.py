@@ -26,7 +26,7 @@ import torch
 from protein_performer.data.inputs import Records, as_records
 from protein_performer.data.tokenizer import STANDARD_AA, Alphabet
 from protein_performer.errors import UserError, shown
-from protein_performer.inference.context import FamilyContext, Homologs, build_context
+from protein_performer.inference.context import FamilyContext, Homologs, build_context, core_kinds
 from protein_performer.inference.embedding import HIDDEN_KINDS, block_numbers, embed_sequences
 from protein_performer.inference.ensemble import ContextEnsemble
 from protein_performer.inference.generation import Generated, SamplingOptions, iter_generate
@@ -341,10 +341,14 @@ class ProteinLM:
             raise UserError(
                 f"context must come from lm.context(homologs), got {type(context).__name__}"
             )
-        if context is not None and context.attention != self.config.attention:
+        if context is None:
+            return
+        mine = core_kinds(self.model)
+        if context.cores != mine:  # asked of the cores: a memory or a hybrid stack too
+            theirs, ours = sorted(set(context.cores)), sorted(set(mine))
             raise UserError(
-                f"this context was built by a {context.attention!r} model, this model's "
-                f"attention is {self.config.attention!r}; build it with this model"
+                f"this context was built by a model with {', '.join(theirs)} attention, this "
+                f"model's is {', '.join(ours)}; build it with this model"
             )
 
     # ----------------------------------------------------------------------------- scores

@@ -51,7 +51,7 @@ class FamilyContext:
     (``n_tokens`` with "sequence" positions, 0 with "member" positions, as training used);
     members / dropped: ids of the homologs read / left out by ``max_tokens``; grows: whether a
     layer's state grows with the context (an exact or hybrid stack's KV cache: asked of the
-    cores).
+    cores); cores: per layer, the cores its state passes through (:func:`core_kinds`).
     """
 
     states: tuple[AttentionState, ...]
@@ -61,6 +61,7 @@ class FamilyContext:
     dropped: tuple[str, ...]
     attention: str
     grows: bool = False
+    cores: tuple[str, ...] = ()
 
     @property
     def nbytes(self) -> int:
@@ -176,7 +177,14 @@ def build_context(
         dropped=dropped,
         attention=config.attention,
         grows=any(core.state_grows for core in model_cores(loaded.model)),
+        cores=core_kinds(loaded.model),
     )
+
+
+def core_kinds(model: torch.nn.Module) -> tuple[str, ...]:
+    """Per layer, the registered names of its cores, outermost first (``memory+favor``): a
+    context's states fit only a model whose layers hold the same."""
+    return tuple("+".join(c.name for c in core.cores()) for core in model_cores(model))
 
 
 def _segments(row: list[int], cls_idx: int, segment: int) -> Iterable[list[int]]:
