@@ -31,6 +31,7 @@ from protein_performer.inference.context import (
     Homologs,
     build_context,
     check_reference,
+    core_kinds,
 )
 from protein_performer.inference.embedding import HIDDEN_KINDS, block_numbers, embed_sequences
 from protein_performer.inference.ensemble import ContextEnsemble
@@ -349,10 +350,14 @@ class ProteinLM:
             raise UserError(
                 f"context must come from lm.context(homologs), got {type(context).__name__}"
             )
-        if context is not None and context.attention != self.config.attention:
+        if context is None:
+            return
+        mine = core_kinds(self.model)
+        if context.cores != mine:  # asked of the cores: a memory or a hybrid stack too
+            theirs, ours = sorted(set(context.cores)), sorted(set(mine))
             raise UserError(
-                f"this context was built by a {context.attention!r} model, this model's "
-                f"attention is {self.config.attention!r}; build it with this model"
+                f"this context was built by a model with {', '.join(theirs)} attention, this "
+                f"model's is {', '.join(ours)}; build it with this model"
             )
 
     # ----------------------------------------------------------------------------- scores

@@ -64,9 +64,10 @@ class FamilyContext:
     (``n_tokens`` with "sequence" positions, 0 with "member" positions, as training used);
     members / dropped: ids of the homologs read / left out by ``max_tokens``; grows: whether a
     layer's state grows with the context (an exact or hybrid stack's KV cache: asked of the
-    cores); coordinates: per member read, its residues' reference coordinates (None: placed by
-    its member positions), empty when no homolog came aligned; reference: the MSA's first row
-    at its coordinates (what a candidate must match to be read there), None when unknown.
+    cores); cores: per layer, the cores its state passes through (:func:`core_kinds`);
+    coordinates: per member read, its residues' reference coordinates (None: placed by its
+    member positions), empty when no homolog came aligned; reference: the MSA's first row at
+    its coordinates (what a candidate must match to be read there), None when unknown.
     """
 
     states: tuple[AttentionState, ...]
@@ -76,6 +77,7 @@ class FamilyContext:
     dropped: tuple[str, ...]
     attention: str
     grows: bool = False
+    cores: tuple[str, ...] = ()
     coordinates: tuple[np.ndarray | None, ...] = ()
     reference: Member | None = None
 
@@ -222,9 +224,16 @@ def build_context(
         dropped=dropped,
         attention=config.attention,
         grows=any(core.state_grows for core in model_cores(loaded.model)),
+        cores=core_kinds(loaded.model),
         coordinates=tuple(m.coordinates for m in members) if aligned else (),
         reference=reference if aligned else None,
     )
+
+
+def core_kinds(model: torch.nn.Module) -> tuple[str, ...]:
+    """Per layer, the registered names of its cores, outermost first (``memory+favor``): a
+    context's states fit only a model whose layers hold the same."""
+    return tuple("+".join(c.name for c in core.cores()) for core in model_cores(model))
 
 
 def check_reference(context: FamilyContext, wild_type: str) -> None:

@@ -107,8 +107,8 @@ class ContextEnsemble:
     identities: tuple[float, ...]  # of the homologs in file order (empty without a query)
 
     @property
-    def attention(self) -> str:
-        return self.prompts[0].context.attention
+    def cores(self) -> tuple[str, ...]:
+        return self.prompts[0].context.cores
 
     def record(self) -> dict[str, Any]:
         """What built the ensemble, for the output's attributes (same inputs, same record)."""

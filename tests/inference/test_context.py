@@ -366,3 +366,14 @@ def test_a_string_is_a_path_never_a_guessed_sequence(tmp_path, monkeypatch):
     from_stdin = lm.context("-")
     assert from_stdin.members == lm.context(FAMILY).members
     assert len(lm.context(["MKTAYIAK"]).members) == 1
+
+
+def test_a_context_serves_only_a_model_with_the_same_cores():
+    """Asked of the cores, not the attention's name: a memory model's context (its states hold
+    the memory) is refused by a plain FAVOR+ model in one line (issue 40)."""
+    memory = tiny_lm(positions="member", position_memory=64)
+    plain = tiny_lm(positions="member")
+    ctx = memory.context(FAMILY)
+    assert ctx.cores == ("memory+favor",) * 2
+    with pytest.raises(UserError, match="memory\\+favor attention, this model's is favor"):
+        plain.score(CANDIDATES, context=ctx)
