@@ -16,6 +16,7 @@ from protein_performer.cli._common import (
     load_lm,
     seed_arg,
 )
+from protein_performer.cli._wrote import say_wrote
 
 HELP = "sample protein sequences from a causal model (RNN mode, constant cost per token)"
 DESCRIPTION = """\
@@ -128,5 +129,5 @@ def run(args: argparse.Namespace) -> int:
         print(f"generated {written} of {args.num} sequence(s): {where} was closed after them",
               file=sys.stderr)  # fmt: skip
     else:
-        print(f"generated {written} sequence(s) -> {where}", file=sys.stderr)
+        say_wrote(args.out, f"generated {written} sequence(s)")
     return 0

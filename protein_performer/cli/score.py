@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import sys
 
 from protein_performer.cli._common import (
     FASTA_OR_STORE_HELP,
@@ -19,6 +18,7 @@ from protein_performer.cli._common import (
     pick_strategy,
     rank_line,
 )
+from protein_performer.cli._wrote import say_wrote
 
 HELP = "per-sequence log-likelihood / perplexity (pseudo-ppl or causal)"
 DESCRIPTION = """\
@@ -81,10 +81,9 @@ def run(args: argparse.Namespace) -> int:
     )
     if rank_line(summary.num_records, "scored"):
         return 0
-    print(
-        f"scored {summary.num_records} record(s) with {strategy}: mean log-likelihood per "
-        f"token {summary.mean_log_likelihood:.4f} -> "
-        f"{'standard output' if args.out == '-' else args.out}",
-        file=sys.stderr if args.out == "-" else sys.stdout,
+    say_wrote(
+        args.out,
+        f"scored {summary.num_records} record(s) with {strategy}, mean log-likelihood per "
+        f"token {summary.mean_log_likelihood:.4f}",
     )
     return 0

@@ -21,6 +21,7 @@ from protein_performer.cli._common import (
     check_output,
     load_lm,
 )
+from protein_performer.cli._wrote import say_wrote
 from protein_performer.errors import UserError
 
 log = logging.getLogger(__name__)
@@ -168,7 +169,8 @@ def run_html(args: argparse.Namespace) -> int:
     )  # fmt: skip
     path = write_report(spec, out)
     seconds = time.perf_counter() - start
-    print(f"html: {path} ({path.stat().st_size / 1e6:.1f} MB, built in {seconds:.1f} s)")
+    say_wrote(path, f"the HTML report ({path.stat().st_size / 1e6:.1f} MB, built in "
+              f"{seconds:.1f} s)")
     if target is None:
         print("contacts: not in the report (no --structure given)")
     return 0
@@ -244,9 +246,8 @@ def run(args: argparse.Namespace) -> int:
             quantity=view.quantity,
             dpi=args.dpi,
         )
-    for key, path in files.items():
-        print(f"{key}: {path}")
     if not want["contacts"]:
         why = "--no-contacts" if args.structure else "no --structure given (a PDB/mmCIF file)"
         print(f"contacts: {FILES['contacts']} not drawn: {why}")
+    say_wrote(out_dir, f"{len(files)} figure(s): {', '.join(p.name for p in files.values())}")
     return 0

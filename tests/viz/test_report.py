@@ -143,7 +143,7 @@ def test_cli_html_and_png_notes(loaded, tmp_path: Path, capsys) -> None:
     argv = ["visualize", str(model_dir), "--sequence", SEQ, "--device", "cpu"]
     assert main([*argv, "--html", str(out), "--layers", "-1"]) == 0
     printed = capsys.readouterr().out
-    assert f"html: {out}" in printed and "no --structure given" in printed
+    assert f"wrote {out}: the HTML report" in printed and "no --structure given" in printed
     assert "<option value='2'>2</option>" in out.read_text(encoding="utf-8")
     png = ["--out-dir", str(tmp_path / "png"), "--no-grid", "--no-similarity"]
     assert main([*argv, *png]) == 0
