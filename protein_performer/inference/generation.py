@@ -256,8 +256,9 @@ def iter_generate(
     """
     if loaded.config.objective != "clm":
         raise UserError(
-            f"{loaded.source} is a masked LM (objective mlm): generation needs a causal model; "
-            "train one with `protein-performer train experiment=small_clm`"
+            f"{loaded.source} is a masked LM (objective mlm): generation needs a causal model "
+            "(objective clm); train one with `protein-performer train experiment=demo_clm` "
+            "(the CPU demo)"
         )
     opts.validate()
     if n < 0:
