@@ -171,8 +171,10 @@ def run_html(args: argparse.Namespace) -> int:
     seconds = time.perf_counter() - start
     say_wrote(path, f"the HTML report ({path.stat().st_size / 1e6:.1f} MB, built in "
               f"{seconds:.1f} s)")
-    if target is None:
-        print("contacts: not in the report (no --structure given)")
+    if spec.contacts is None:
+        print("contacts: not in the report (no --structure given and no contact regression)")
+    elif target is None:
+        print("contacts: the regression's predictions only (no --structure given to compare)")
     return 0
 
 

@@ -176,3 +176,27 @@ def test_png_titles_take_any_record_id(tmp_path: Path, rid: str) -> None:
     matrix = np.random.default_rng(0).normal(size=(20, 20))
     path, _ = similarity_vs_blosum(matrix, tmp_path / "s.png", title=f"{rid} (2 layers)", dpi=40)
     assert max(Image.open(path).size) < 2000
+
+
+def test_predicted_contacts_without_a_structure(loaded, tmp_path: Path, capsys) -> None:
+    """Issue 45 #10: `visualize --html --regression` with no structure shows the regression's
+    predicted contacts (nothing marked true or false), and says so."""
+    from protein_performer.model.contact_head import ContactRegression, model_identity
+
+    model_dir = export_model(loaded, tmp_path / "model")
+    reg = ContactRegression(np.full(4, 5.0), -3.0, [1, 2], [0, 1], **model_identity(loaded))
+    reg_path = reg.save(tmp_path / "reg.json")
+    out = tmp_path / "report.html"
+    argv = ["visualize", str(model_dir), "--sequence", SEQ, "--device", "cpu", "--html", str(out)]
+    assert main([*argv, "--regression", str(reg_path)]) == 0
+    printed = capsys.readouterr().out
+    assert "contacts: the regression's predictions only" in printed
+    text = out.read_text(encoding="utf-8")
+    assert "id='predicted-only'" in text and "fig-contacts" in text
+    assert "id='no-contacts'" not in text and "true contact (lower triangle)" not in text
+    spec = build_report(loaded, SEQ, regression=str(reg_path))
+    c = spec.contacts
+    assert c is not None and not c.structure and c.scale == (0.0, 1.0)
+    assert c.predicted.shape == (len(SEQ), len(SEQ)) and len(c.true_pairs) == 0
+    direct = ProteinLM(loaded).predict_contacts(SEQ, regression=str(reg_path))
+    np.testing.assert_allclose(c.predicted, direct, atol=1e-6)
