@@ -372,12 +372,13 @@ def load_context(
             file=sys.stderr,
         )
         return ens
-    ctx = lm.context(args.context, max_tokens=args.max_context_tokens)
-    left = f", {len(ctx.dropped)} left out by the token limit" if ctx.dropped else ""
-    print(
-        f"context: {len(ctx.members)} homolog(s), {ctx.n_tokens} tokens from {args.context}{left}",
-        file=sys.stderr,
-    )
+    from protein_performer.inference.context import default_max_tokens, limit_note
+
+    ctx = lm.context(args.context, max_tokens=args.max_context_tokens, warn=False)
+    limit = args.max_context_tokens or default_max_tokens(lm.loaded)
+    kept, given = len(ctx.members), len(ctx.members) + len(ctx.dropped)
+    note = limit_note(lm.loaded, kept, given, ctx.n_tokens, limit, "--max-context-tokens N")
+    print(f"context from {args.context}: {note}", file=sys.stderr)
     return ctx
 
 

@@ -26,7 +26,12 @@ import torch
 from protein_performer.data.inputs import Records, as_records
 from protein_performer.data.tokenizer import STANDARD_AA, Alphabet
 from protein_performer.errors import UserError
-from protein_performer.inference.context import FamilyContext, Homologs, build_context
+from protein_performer.inference.context import (
+    FamilyContext,
+    Homologs,
+    build_context,
+    untrained_context_warning,
+)
 from protein_performer.inference.embedding import HIDDEN_KINDS, block_numbers, embed_sequences
 from protein_performer.inference.ensemble import ContextEnsemble
 from protein_performer.inference.generation import Generated, SamplingOptions, iter_generate
@@ -137,6 +142,7 @@ class ProteinLM:
 
     def __init__(self, loaded: LoadedModel) -> None:
         self.loaded = loaded
+        self._context_warned = False  # the no-family-rows warning: once per object
 
     # ----------------------------------------------------------------------------- metadata
     @property
@@ -304,6 +310,7 @@ class ProteinLM:
         tokens: Sequence[int | None] | None = None,
         orders: int = 0,
         seed: int = 0,
+        warn: bool = True,
     ) -> FamilyContext | ContextEnsemble:
         """Read a family once, for ``score``/``score_variants``/``generate(context=...)``.
 
@@ -318,10 +325,17 @@ class ProteinLM:
         read as one row ``<cls> m1 <eos> <cls> m2 <eos> ...`` (one prefill). Members past
         ``max_tokens`` (default: the trained row length if the config records it, else no
         limit) are left out and logged. Causal models only (a masked LM: ``UserError``).
-        The result is immutable: score any number of candidates against it.
+        The result is immutable: score any number of candidates against it. A model whose
+        checkpoint records no family-row training gets one warning (per object). ``warn=False``
+        leaves the logging of what was read to the caller (the CLI's one line).
         """
+        if self.config.causal and not self._context_warned:
+            self._context_warned = True
+            said = untrained_context_warning(self.loaded)
+            if said:
+                log.warning(said)
         if max_identity is None and tokens is None and not orders:
-            return build_context(self.loaded, homologs, max_tokens)
+            return build_context(self.loaded, homologs, max_tokens, warn=warn)
         from protein_performer.inference.ensemble import build_ensemble
 
         if tokens is not None and max_tokens is not None:
