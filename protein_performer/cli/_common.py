@@ -306,18 +306,20 @@ def add_variant_strategy(p: argparse.ArgumentParser) -> None:
     )
 
 
-def add_context_ensemble(p: argparse.ArgumentParser) -> None:
+def add_context_ensemble(p: argparse.ArgumentParser, identity: bool = True) -> None:
     """``--context-max-identity``, ``--context-tokens``, ``--context-orders``,
-    ``--context-seed``: a PoET-style ensemble of prompts from one homolog file."""
-    p.add_argument(
-        "--context-max-identity",
-        type=_fractions,
-        default=None,
-        metavar="X,Y,...",
-        help="one prompt per value, each without the homologs more identical to the wild type "
-        "than it (identity: identical pairs of a local BLOSUM62 alignment over the shorter "
-        "length, computed in-package; 1.0 keeps all)",
-    )
+    ``--context-seed``: a PoET-style ensemble of prompts from one homolog file (without
+    ``--context-max-identity`` where the command has no wild type to compare with)."""
+    if identity:
+        p.add_argument(
+            "--context-max-identity",
+            type=_fractions,
+            default=None,
+            metavar="X,Y,...",
+            help="one prompt per value, each without the homologs more identical to the wild "
+            "type than it (identity: identical pairs of a local BLOSUM62 alignment over the "
+            "shorter length, computed in-package; 1.0 keeps all)",
+        )
     p.add_argument(
         "--context-tokens",
         type=_counts,

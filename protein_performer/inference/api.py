@@ -370,22 +370,25 @@ class ProteinLM:
         *,
         context: FamilyContext | ContextEnsemble | None = None,
         progress: Any = None,  # noqa: ANN401 - a tqdm-like bar
+        pll_rate: float | None = None,
     ) -> Iterator[tuple[str, SequenceScore]]:
         """Yield ``(id, SequenceScore)`` in input order; see :meth:`score` for the strategies.
-        ``progress``: a tqdm-like bar to advance by residues (pseudo-ppl: masked passes)."""
+        ``progress``: a tqdm-like bar to advance by residues scored."""
         strategy = self._strategy(strategy, SEQUENCE_STRATEGIES, "pseudo-ppl")
         self._check_context(context)
         bar = False if progress is None else progress
         prompts = _prompts(context)
         for window in windows(as_records(records), toks_per_batch, lambda r: len(r[1])):
             runs = [
-                score_sequences(self.loaded, window, strategy, toks_per_batch, bar, ctx)
+                score_sequences(self.loaded, window, strategy, toks_per_batch, bar, ctx,
+                                pll_rate)  # fmt: skip
                 for ctx in prompts
-            ]  # an ensemble's scores: the mean over its prompts
+            ]  # an ensemble's scores: the mean over its prompts, position by position
             scores = []
             for i, first in enumerate(runs[0]):
-                mean = float(np.mean([run[i].log_likelihood for run in runs]))
-                scores.append(SequenceScore(first.id, first.length, first.n_scored, mean))
+                terms = np.mean([run[i].terms for run in runs], axis=0)
+                scores.append(SequenceScore(first.id, first.length, first.n_scored,
+                                            float(terms.sum()), terms))  # fmt: skip
             for score in scores:
                 if not np.isfinite(score.log_likelihood):
                     raise UserError(
@@ -401,16 +404,34 @@ class ProteinLM:
         toks_per_batch: int = 4096,
         *,
         context: FamilyContext | ContextEnsemble | None = None,
-    ) -> np.ndarray:
+        per_position: bool = False,
+        pll_rate: float | None = None,
+        progress: bool = False,
+    ) -> np.ndarray | list[np.ndarray]:
         """Mean log-likelihood per scored token, one per sequence (what ``score`` writes).
 
         ``pseudo-ppl`` (masked models; every residue masked once) scores the L residues;
         ``causal`` (causal models) the residues and the final ``<eos>``. Default: the one that
         fits the model. Perplexity is ``exp(-score)``. With a family ``context``
-        (:meth:`context`), each sequence is scored as the next member after it.
+        (:meth:`context`), each sequence is scored as the next member after it (an ensemble:
+        the mean over its prompts). ``per_position=True``: instead, per sequence, the
+        log-likelihood of each scored token ((L,) for pseudo-ppl, (L + 1,) for causal: the
+        last is ``<eos>``), whose mean is the score. ``pll_rate`` (pseudo-ppl): mask every
+        ``round(1/rate)``-th residue together, about ``1/rate`` passes per protein instead of
+        L (an estimate; docs/RESULTS.md compares it with the exact value). ``progress``: a bar
+        (a line every 30 s in a log) with the ETA.
         """
-        scores = self.iter_score(seqs, strategy, toks_per_batch, context=context)
-        return np.array([s.mean_log_likelihood for _, s in scores], dtype=np.float64)
+        from protein_performer.io.progress import progress as progress_bar
+
+        items = list(as_records(seqs))
+        bar = progress_bar(sum(len(s) for _, s in items), "res", "score", progress)
+        with bar:
+            scores = [s for _, s in self.iter_score(items, strategy, toks_per_batch,
+                                                    context=context, progress=bar,
+                                                    pll_rate=pll_rate)]  # fmt: skip
+        if per_position:
+            return [s.terms for s in scores]
+        return np.array([s.mean_log_likelihood for s in scores], dtype=np.float64)
 
     def score_variants(
         self,
