@@ -18,6 +18,7 @@ from protein_performer.cli._common import (
     add_ckpt,
     add_command,
     add_model_options,
+    add_no_progress,
     check_output,
     load_lm,
 )
@@ -113,6 +114,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         metavar="DIR",
         help="where the PNGs go (default: outputs/visualize/<time>)",
     )
+    add_no_progress(p)
     add_model_options(p, "the PNGs in --out-dir")
     p.set_defaults(func=run)
 
@@ -166,7 +168,9 @@ def run_html(args: argparse.Namespace) -> int:
         loaded, sequence, name=record_id or "sequence", target=target,
         regression=args.regression, layers=args.layers, heads=args.heads,
         budget_mb=args.html_budget_mb, first_window=args.window,
+        progress=not args.no_progress,
     )  # fmt: skip
+    log.info("report: drawing the figures and writing %s", out)
     path = write_report(spec, out)
     seconds = time.perf_counter() - start
     say_wrote(path, f"the HTML report ({path.stat().st_size / 1e6:.1f} MB, built in "

@@ -210,14 +210,17 @@ def build_report(
     budget_mb: float = DEFAULT_BUDGET_MB,
     window: int = DEFAULT_WINDOW,
     first_window: Sequence[int] | None = None,
+    progress: bool = True,
 ) -> ReportSpec:
-    """Everything ``viz.report.write_report`` draws for one sequence (see the module doc)."""
+    """Everything ``viz.report.write_report`` draws for one sequence (see the module doc);
+    ``progress``: a bar over the layers' row tiles (a long protein takes tens of seconds)."""
     from protein_performer.contacts.attention import (
         encode_sequence,
         resolve_heads,
         resolve_layers,
         run_with_qk,
     )
+    from protein_performer.io.progress import progress as progress_bar
     from protein_performer.viz.similarity import SimilarityAccumulator
 
     model = loaded.model
@@ -247,9 +250,11 @@ def build_report(
             overview.add(a, layer_sum / F)
             sim.row_start = a
             sim.add(layer_sum[None])
+            bar.update(1)
 
     log.info("report: %d residues, %d maps, tiles of %d rows", L, F, tiles[0][1])
-    with torch.inference_mode():
+    bar = progress_bar(len(chosen_layers) * len(tiles), "tile", "report", progress)
+    with bar, torch.inference_mode():
         run_with_qk(model, tokens, chosen_layers, pass1)
     s = r.sum(1)  # (F,)
     g = np.where(s != 0, 1.0 / np.where(s != 0, s, 1.0), 0.0) / F  # (F,)
@@ -260,6 +265,8 @@ def build_report(
     windows: list[tuple[HeatView, HeatView]] = []
     if plan.n_windows:
         corners = choose_windows(apc_o, plan, first_window)
+        log.info("report: the exact maps of %d window(s) of %d residues", len(corners),
+                 plan.window)  # fmt: skip
         windows = _window_views(loaded, tokens, corners, plan.window, order, r, g)
 
     def view(key: str, z: np.ndarray, size: int, quantity: str) -> HeatView:

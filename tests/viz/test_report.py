@@ -200,3 +200,12 @@ def test_predicted_contacts_without_a_structure(loaded, tmp_path: Path, capsys) 
     assert c.predicted.shape == (len(SEQ), len(SEQ)) and len(c.true_pairs) == 0
     direct = ProteinLM(loaded).predict_contacts(SEQ, regression=str(reg_path))
     np.testing.assert_allclose(c.predicted, direct, atol=1e-6)
+
+
+def test_building_a_report_shows_progress(loaded, capsys, monkeypatch) -> None:
+    """Issue 45 #7: a long protein's report takes tens of seconds: a bar (in a log, a line
+    every interval) over the layers' row tiles says where it is."""
+    monkeypatch.setenv("PROTEIN_PERFORMER_PROGRESS_INTERVAL", "0")
+    build_report(loaded, SEQ)
+    lines = [x for x in capsys.readouterr().err.splitlines() if x.startswith("report:")]
+    assert lines and "tile" in lines[-1] and "100%" in lines[-1], lines
