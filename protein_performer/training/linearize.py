@@ -318,6 +318,9 @@ def fit_linear(
     if saved is not None:
         for name, value in saved["cores"].items():
             cores[name].data.copy_(value)
+    paths = _data_paths(data)
+    log.info("linearize: reading %s and splitting off held-out records", ", ".join(paths)
+             if data is not None else f"the bundled demo set ({paths[0]})")  # fmt: skip
     dm = data_module(data, options, teacher.config.objective)
     curve: list[dict[str, float]] = list(saved["curve"]) if saved else []
 

@@ -178,7 +178,7 @@ def test_cli_stop_says_how_to_resume(teacher_dir, tmp_path, monkeypatch, capsys)
 
 
 def test_the_readme_line_and_the_api_fit_the_bundled_set_from_anywhere(
-    teacher_dir, tmp_path, monkeypatch, capsys
+    teacher_dir, tmp_path, monkeypatch, capsys, caplog
 ):
     """Issue 45 #1: with no data, the bundled demo set (inside the package) is found from any
     directory: the README's own `linearize CKPT ...` line as written, and `pp.linearize(CKPT,
@@ -190,7 +190,9 @@ def test_the_readme_line_and_the_api_fit_the_bundled_set_from_anywhere(
     line = next(x for x in readme_lines() if x.startswith("protein-performer linearize CKPT"))
     assert "--data" not in line
     argv = fill(line, {"dir": str(tmp_path), "CKPT": str(teacher_dir / "exact"), "CLM_CKPT": ""})
-    assert main([*argv, "--no-progress", "--device", "cpu"]) == 0, capsys.readouterr().err
+    with caplog.at_level("INFO", logger="protein_performer.training.linearize"):
+        assert main([*argv, "--no-progress", "--device", "cpu"]) == 0, capsys.readouterr().err
+    assert "linearize: reading the bundled demo set" in caplog.text  # before a silent wait
     assert load_model(tmp_path / "linear_model", "cpu").config.attention == "linear"
     lm = pp.linearize(teacher_dir / "exact", tmp_path / "api", device="cpu",
                       show_progress=False, steps=1, max_len=64, max_tokens=512)
