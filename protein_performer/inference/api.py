@@ -318,7 +318,7 @@ class ProteinLM:
         value), ``tokens`` (context token budgets) or ``orders`` (N seeded random orders, each
         also reversed), a PoET-style :class:`ContextEnsemble` instead: one prompt per
         combination, scores averaged over them; it scores like one context (``generate``
-        takes one context: ``ens.prompts[i].context``). Built from (homologs, query, options,
+        spreads its sequences over the prompts in turn). Built from (homologs, query, options,
         seed) alone: the same inputs give the same prompts (``ens.record()``).
 
         ``homologs``: strings, (id, sequence) pairs or a FASTA path, in order of relevance;
@@ -625,21 +625,20 @@ class ProteinLM:
         seed: int = 0,
         batch_size: int = 8,
         *,
-        context: FamilyContext | None = None,
+        context: FamilyContext | ContextEnsemble | None = None,
     ) -> Iterator[Generated]:
-        """Yield :class:`Generated` records (sequence, how it ended, per-token log-probs)."""
+        """Yield :class:`Generated` records (sequence, how it ended, per-token log-probs);
+        with an ensemble ``context``, sequence ``i`` follows prompt ``i mod len(prompts)``."""
         self._check_context(context)
+        contexts: Any = context
         if isinstance(context, ContextEnsemble):
-            raise UserError(
-                "generate takes one context, not an ensemble of prompts: pass one of "
-                "ensemble.prompts[i].context"
-            )
+            contexts = [p.context for p in context.prompts]
         opts = SamplingOptions(max_length, min_length, temperature, top_k, top_p)
         if isinstance(prompt, str):
             prompts: str | list[str] = prompt.strip().upper()
         else:
             prompts = [p.strip().upper() for p in prompt]
-        return iter_generate(self.loaded, n, opts, prompts, seed, batch_size, context)
+        return iter_generate(self.loaded, n, opts, prompts, seed, batch_size, contexts)
 
     def generate(
         self,
@@ -653,7 +652,7 @@ class ProteinLM:
         seed: int = 0,
         batch_size: int = 8,
         *,
-        context: FamilyContext | None = None,
+        context: FamilyContext | ContextEnsemble | None = None,
     ) -> list[str]:
         """Sample ``n`` sequences from a causal model in RNN mode (constant cost per token).
 
@@ -664,7 +663,8 @@ class ProteinLM:
         whatever ``batch_size``: each sequence has its own stream, seeded from (seed, index).
         With a family ``context`` (:meth:`context`) the sequences are new members of that
         family, each generated as the next member after it (``prompt=""`` lets the model
-        choose the first residue too).
+        choose the first residue too); with an ensemble, sequence ``i`` after prompt
+        ``i mod len(prompts)``.
         """
         return [
             g.sequence
