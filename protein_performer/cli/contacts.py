@@ -36,7 +36,7 @@ APC-corrected, into an L1 logistic regression), in two steps:
 """
 EPILOG = """\
 examples:
-  protein-performer contacts fit last.ckpt ../shared/data/structures/*.pdb --out-dir runs/c
+  protein-performer contacts fit last.ckpt structures/*.pdb --out-dir runs/c
   protein-performer contacts predict last.ckpt proteins.fasta contacts.h5 \\
       --regression runs/c/contact_regression.json
 """
@@ -71,7 +71,7 @@ pickle), which `contacts predict --regression` applies to new sequences.
 
 FIT_EPILOG = """\
 examples:
-  protein-performer contacts fit last.ckpt ../shared/data/structures/*.pdb --out-dir runs/contacts
+  protein-performer contacts fit last.ckpt structures/*.pdb --out-dir runs/contacts
   protein-performer contacts fit last.ckpt test/*.pdb --fit-on train/*.pdb --out-dir runs/c \\
       --save-beside
   protein-performer contacts fit model_dir 1abc.cif:B \\

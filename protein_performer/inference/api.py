@@ -62,6 +62,11 @@ PRECISIONS: dict[str, torch.dtype] = {
 _SPECIAL = re.compile(r"(<[a-z_0-9]+>)")
 
 
+def precision_name(dtype: torch.dtype) -> str:
+    """The ``--precision`` name of a dtype (what an embeddings file records)."""
+    return next(name for name, d in PRECISIONS.items() if d == dtype)
+
+
 def resolve_dtype(dtype: torch.dtype | str | None) -> torch.dtype:
     """``None``/``"fp32"`` -> float32, ``"bf16"`` -> bfloat16, ``"fp16"`` -> float16."""
     if dtype is None:
