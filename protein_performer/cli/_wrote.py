@@ -10,6 +10,8 @@ from __future__ import annotations
 import os
 import sys
 from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
 
 PathLike = str | os.PathLike[str]
 
@@ -21,3 +23,14 @@ def say_wrote(paths: PathLike | Sequence[PathLike], detail: str = "") -> None:
     piped = any(os.fspath(p) == "-" for p in items)
     print(f"wrote {', '.join(names)}" + (f": {detail}" if detail else ""),
           file=sys.stderr if piped else sys.stdout)
+
+
+def say_wrote_run(result: dict[str, Any]) -> None:
+    """``train`` / ``finetune``: the run directory, with its checkpoints and metrics."""
+    out = result.get("output_dir")
+    if not out:
+        return
+    ckpts = sorted(p.name for p in Path(out, "checkpoints").glob("*.ckpt"))
+    held = [f"{len(ckpts)} checkpoint(s)" + (f" ({', '.join(ckpts)})" if ckpts else "")]
+    held += [n for n in ("csv/metrics.csv", "training_curve.png") if Path(out, n).is_file()]
+    say_wrote(out, ", ".join(held))
