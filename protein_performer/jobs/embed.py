@@ -522,7 +522,8 @@ def _read_embeddings(src: Path, ids: Sequence[str] | None, kind: str, layer: int
             ids = all_ids
             rows = np.arange(len(all_ids))
         else:
-            found = [IdLookup(all_ids).find(rid) for rid in ids]
+            lookup = IdLookup(all_ids)
+            found = [lookup.find(rid) for rid in ids]
             missing = [rid for rid, n in zip(ids, found, strict=True) if n is None]
             if missing:
                 raise UserError(
