@@ -110,15 +110,21 @@ class IdLookup:
     the first record carrying the accession or entry name."""
 
     def __init__(self, ids: Iterable[str]) -> None:
+        self.ids = list(ids)
         self.exact: dict[str, int] = {}
-        self.alias: dict[str, int] = {}
-        for n, rid in enumerate(ids):
+        for n, rid in enumerate(self.ids):
             self.exact.setdefault(rid, n)
-            info = parse_header(rid)
-            for key in (info.accession, info.entry_name):
-                if key:
-                    self.alias.setdefault(key, n)
+        self.alias: dict[str, int] | None = None  # parsed on the first miss only
 
     def find(self, want: str) -> int | None:
         """The position of the record ``want`` names, None when none does."""
-        return self.exact.get(want, self.alias.get(want))
+        if want in self.exact:
+            return self.exact[want]
+        if self.alias is None:
+            self.alias = {}
+            for n, rid in enumerate(self.ids):
+                info = parse_header(rid)
+                for key in (info.accession, info.entry_name):
+                    if key:
+                        self.alias.setdefault(key, n)
+        return self.alias.get(want)
