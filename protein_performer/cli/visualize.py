@@ -44,7 +44,8 @@ UniProt accession or entry name; the first record without it), --sequence, or th
   --html PATH         write ONE self-contained interactive HTML report instead of the PNGs:
                       every layer x head (selectors), their mean, the APC map, an entropy
                       track, similarity vs BLOSUM62 and, with --structure, predicted vs true
-                      contacts; opens from disk with no internet. Map data stays under
+                      contacts (without one, a regression's predicted contacts alone); opens
+                      from disk with no internet. Map data stays under
                       --html-budget-mb (default 20 MB; views are block-averaged above it, plus
                       full-resolution windows), whatever the length
 
