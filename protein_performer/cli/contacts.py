@@ -124,6 +124,11 @@ DEFAULT_MIN_SEPARATION = 6
 DTYPE_CHOICES = ("float16", "float32")
 
 
+#: The arguments naming what this command writes (per subcommand), each claimed under the
+#: output policy (protein_performer.io.outputs); tests/cli/test_cli_outputs.py checks them.
+OUTPUTS: dict[str, tuple[str, ...]] = {"fit": ("out_dir",), "predict": ("out",)}
+
+
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p = add_command(subparsers, "contacts", HELP, DESCRIPTION, EPILOG)
     steps = p.add_subparsers(dest="step", metavar="STEP", required=True)

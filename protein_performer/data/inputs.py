@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 from protein_performer.data.tokenizer import Alphabet
-from protein_performer.errors import UserError
+from protein_performer.errors import UserError, shown
 
 log = logging.getLogger(__name__)
 
@@ -144,10 +144,10 @@ def find_record(records: Sequence[Any], want: str | None, source: str | os.PathL
     found = IdLookup(r.id for r in records).find(want)
     if found is not None:
         return records[found]
-    shown = ", ".join(r.id for r in records[:5])
+    listed = ", ".join(shown(r.id) for r in records[:5])
     raise UserError(
         f"{display_name(source)}: no record {want!r} (by id, accession or entry name; ids "
-        f"start: {shown}, ...)"
+        f"start: {listed}, ...)"
     )
 
 
@@ -162,10 +162,10 @@ def as_records(seqs: Records | str) -> Iterator[tuple[str, str]]:
             rid, seq = str(i), item
         elif isinstance(item, tuple) and len(item) == 2:
             rid, seq = str(item[0]), item[1]
-            where = f"sequence {i} (id {rid!r})"
+            where = f"sequence {i} (id {shown(rid)})"
         elif hasattr(item, "id") and hasattr(item, "sequence"):  # a FastaRecord
             rid, seq = item.id, item.sequence
-            where = f"sequence {i} (id {rid!r})"
+            where = f"sequence {i} (id {shown(rid)})"
         else:
             raise UserError(
                 f"{where}: expected a string or an (id, sequence) pair, got {type(item).__name__}"

@@ -25,7 +25,7 @@ import torch
 
 from protein_performer.data.inputs import Records, as_records
 from protein_performer.data.tokenizer import STANDARD_AA, Alphabet
-from protein_performer.errors import UserError
+from protein_performer.errors import UserError, shown
 from protein_performer.inference.context import (
     FamilyContext,
     Homologs,
@@ -211,8 +211,8 @@ class ProteinLM:
                 out = results.pop(i)
                 if not all(np.isfinite(a).all() for d in out.values() for a in d.values()):
                     raise UserError(
-                        f"sequence {rid}: the model gave non-finite embeddings; its weights or "
-                        "precision are broken (try --precision fp32)"
+                        f"sequence {shown(rid)}: the model gave non-finite embeddings; its "
+                        "weights or precision are broken (try --precision fp32)"
                     )
                 if several_kinds:
                     yield rid, out
@@ -269,7 +269,7 @@ class ProteinLM:
         for (rid, _), value in zip(records, out, strict=True):
             if not np.isfinite(value).all():  # type: ignore[union-attr]
                 raise UserError(
-                    f"sequence {rid}: the model gave non-finite logits; its weights or "
+                    f"sequence {shown(rid)}: the model gave non-finite logits; its weights or "
                     "precision are broken (try --precision fp32)"
                 )
         return out  # type: ignore[return-value]
@@ -397,8 +397,9 @@ class ProteinLM:
             for score in scores:
                 if not np.isfinite(score.log_likelihood):
                     raise UserError(
-                        f"sequence {score.id}: the model gave a non-finite log-likelihood; its "
-                        "weights or precision are broken (try --precision fp32)"
+                        f"sequence {shown(score.id)}: the model gave a non-finite "
+                        "log-likelihood; its weights or precision are broken (try --precision "
+                        "fp32)"
                     )
                 yield score.id, score
 
@@ -494,8 +495,8 @@ class ProteinLM:
             for (rid, _), value in zip(window, values, strict=True):
                 if not np.isfinite(value).all():
                     raise UserError(
-                        f"sequence {rid}: the model gave non-finite predictions; its weights or "
-                        "precision are broken (try --precision fp32)"
+                        f"sequence {shown(rid)}: the model gave non-finite predictions; its "
+                        "weights or precision are broken (try --precision fp32)"
                     )
                 yield rid, value
 

@@ -47,7 +47,7 @@ import numpy as np
 
 from protein_performer.data.headers import IdLookup
 from protein_performer.data.inputs import InputRecord, input_records, total_in_background
-from protein_performer.errors import UserError
+from protein_performer.errors import UserError, shown
 from protein_performer.inference.api import ProteinLM, precision_name
 from protein_performer.inference.embedding import HIDDEN_KINDS, features_sha256, resolve_layers
 from protein_performer.io.atomic import output_file
@@ -387,8 +387,8 @@ def embed_fasta(
                 digest = there.get(rec.id)
                 if digest is not None and digest != sequence_digests([rec.sequence])[0].tobytes():
                     raise UserError(
-                        f"--resume: {dest} holds {rec.id} with another sequence than {path} "
-                        "has: the input changed; start over with --overwrite"
+                        f"--resume: {dest} holds {shown(rec.id)} with another sequence than "
+                        f"{path} has: the input changed; start over with --overwrite"
                     )
             done.update(there)
         if old_parts:

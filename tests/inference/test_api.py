@@ -147,7 +147,7 @@ def test_bad_sequences_name_their_index(models) -> None:
     bad = r"sequence 1 \(0-based index in the list\): invalid residue 'J' at position 3"
     with pytest.raises(pp.UserError, match=bad):  # issue 45 #8: not "sequence 1 (1)"
         lm.embed(["MKT", "MKJ"])
-    with pytest.raises(pp.UserError, match=r"sequence 0 \(id 'x'\) is empty"):
+    with pytest.raises(pp.UserError, match=r"sequence 0 \(id x\) is empty"):
         lm.score([("x", "  ")])
     with pytest.raises(pp.UserError, match="pooling"):
         lm.embed(["MKT"], pooling="max")

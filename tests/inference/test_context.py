@@ -376,3 +376,19 @@ def test_cli_says_what_the_context_read_once(tmp_path, capsys, caplog) -> None:
     assert said.count("of 3 homolog(s)") == 1 and "left out" not in said, said
     assert "the other 1 would pass 60 tokens, the row length this model was trained on; " \
         "--max-context-tokens N reads more" in said
+
+
+def test_a_string_is_a_path_never_a_guessed_sequence(tmp_path, monkeypatch):
+    """Issue 42 item 9: a missing file named without a dot or separator is an error, not a
+    1-member family; ``-`` reads standard input; sequences come as a list."""
+    import io
+
+    lm = tiny_lm()
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(UserError, match="MKTAYIAK does not exist"):
+        lm.context("MKTAYIAK")
+    fasta = "".join(f">{i}\n{s}\n" for i, s in FAMILY)
+    monkeypatch.setattr("sys.stdin", io.TextIOWrapper(io.BytesIO(fasta.encode())))
+    from_stdin = lm.context("-")
+    assert from_stdin.members == lm.context(FAMILY).members
+    assert len(lm.context(["MKTAYIAK"]).members) == 1
