@@ -392,3 +392,14 @@ def test_a_string_is_a_path_never_a_guessed_sequence(tmp_path, monkeypatch):
     from_stdin = lm.context("-")
     assert from_stdin.members == lm.context(FAMILY).members
     assert len(lm.context(["MKTAYIAK"]).members) == 1
+
+
+def test_context_and_fasta_cannot_both_read_standard_input():
+    """Issue 42 item 9: `--context -` with FASTA `-` is one line, not a second read of stdin."""
+    import argparse
+
+    from protein_performer.cli._common import load_context
+
+    args = argparse.Namespace(context="-", fasta="-", max_context_tokens=None)
+    with pytest.raises(UserError, match="would both read standard input"):
+        load_context(tiny_lm(), args)
