@@ -56,7 +56,7 @@ def test_cli_score_reads_an_a2m_as_an_msa(tmp_path: Path, capsys) -> None:
     cands.write_text(">wt\nMKTAYIAKQRQI\n")
     argv = ["score", str(ckpt), str(cands), str(tmp_path / "s.csv"), "--context", str(path)]
     assert main([*argv, "--no-progress", "--device", "cpu"]) == 0
-    assert "context: 2 homolog(s), 25 tokens" in capsys.readouterr().err
+    assert "read 2 of 2 homolog(s) (25 tokens)" in capsys.readouterr().err
     bad = tmp_path / "bad.a2m"
     bad.write_text(">wt\nMKTAY\n>h1\nMKT\n")
     assert main([*argv[:-1], str(bad), "--device", "cpu", "--overwrite"]) == 2
