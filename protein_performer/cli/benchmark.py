@@ -4,7 +4,6 @@ scores of every assay a ProteinGym reference file lists, in the leaderboard's CS
 from __future__ import annotations
 
 import argparse
-import sys
 from pathlib import Path
 
 from protein_performer.cli._common import (
@@ -20,6 +19,7 @@ from protein_performer.cli._common import (
     load_lm,
     pick_strategy,
 )
+from protein_performer.cli._wrote import say_wrote
 
 HELP = "benchmarks in their field's formats (ProteinGym's zero-shot DMS substitutions)"
 DESCRIPTION = """\
@@ -127,9 +127,8 @@ def run(args: argparse.Namespace) -> int:
         f"{k} {'n/a' if v is None else f'{v:.3f}'}" for k, v in summary.averages.items()
     )
     reused = sum(r.reused for r in summary.results)
-    print(
-        f"{len(summary.results)} assay(s) ({reused} reused) with {strategy}: average {shown} "
-        f"-> {summary.out_dir}",
-        file=sys.stdout,
+    say_wrote(
+        summary.out_dir,
+        f"{len(summary.results)} assay(s) ({reused} reused) with {strategy}: average {shown}",
     )
     return 0

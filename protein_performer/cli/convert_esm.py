@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 
 from protein_performer.cli._common import add_command, add_overwrite, check_output, seed_arg
+from protein_performer.cli._wrote import say_wrote
 
 HELP = "import ESM-2 weights (fair-esm .pt or Hugging Face directory)"
 DESCRIPTION = """\
@@ -110,8 +111,9 @@ def run(args: argparse.Namespace) -> int:
         if loaded.contact_regression is not None
         else ", no contact head found"
     )
-    print(
+    say_wrote(
+        out,
         f"converted {what} ({loaded.model.num_parameters():,} parameters, {attn} "
-        f"attention{head}) -> {out}"
+        f"attention{head})",
     )
     return 0

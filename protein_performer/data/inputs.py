@@ -137,12 +137,13 @@ def find_record(records: Sequence[Any], want: str | None, source: str | os.PathL
     """The record whose id, UniProt accession or entry name is ``want`` (the first record when
     ``want`` is None); a miss is one error naming ``source`` and the first ids."""
     from protein_performer.data.fasta import display_name
+    from protein_performer.data.headers import IdLookup
 
     if want is None:
         return records[0]
-    for r in records:  # the id as written, or its UniProt accession or entry name
-        if want in (r.id, r.header.accession, r.header.entry_name):
-            return r
+    found = IdLookup(r.id for r in records).find(want)
+    if found is not None:
+        return records[found]
     listed = ", ".join(shown(r.id) for r in records[:5])
     raise UserError(
         f"{display_name(source)}: no record {want!r} (by id, accession or entry name; ids "
@@ -156,25 +157,26 @@ def as_records(seqs: Records | str) -> Iterator[tuple[str, str]]:
         seqs = [seqs]
     alphabet = Alphabet()
     for i, item in enumerate(seqs):
+        where = f"sequence {i} (0-based index in the list)"
         if isinstance(item, str):
             rid, seq = str(i), item
         elif isinstance(item, tuple) and len(item) == 2:
             rid, seq = str(item[0]), item[1]
+            where = f"sequence {i} (id {shown(rid)})"
         elif hasattr(item, "id") and hasattr(item, "sequence"):  # a FastaRecord
             rid, seq = item.id, item.sequence
+            where = f"sequence {i} (id {shown(rid)})"
         else:
             raise UserError(
-                f"sequence {i}: expected a string or an (id, sequence) pair, got "
-                f"{type(item).__name__}"
+                f"{where}: expected a string or an (id, sequence) pair, got {type(item).__name__}"
             )
         if not isinstance(seq, str):
-            got = type(seq).__name__
-            raise UserError(f"sequence {i} ({shown(rid)}): expected a string, got {got}")
+            raise UserError(f"{where}: expected a string, got {type(seq).__name__}")
         seq = seq.strip().upper()
         if not seq:
-            raise UserError(f"sequence {i} ({shown(rid)}) is empty")
+            raise UserError(f"{where} is empty")
         try:
             alphabet.encode(seq)
         except ValueError as exc:
-            raise UserError(f"sequence {i} ({shown(rid)}): {exc}") from None
+            raise UserError(f"{where}: {exc}") from None
         yield rid, seq

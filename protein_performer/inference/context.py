@@ -94,6 +94,27 @@ def homolog_records(homologs: Homologs) -> list[tuple[str, str]]:
     return list(as_records(homologs))  # type: ignore[arg-type]
 
 
+def trained_on_family_rows(loaded: LoadedModel) -> bool:
+    """Whether the checkpoint says its model learnt from family rows: ``train
+    data.layout=family`` stores the row length as ``config.context_tokens`` (since 0.2; an
+    explicit ``model.config.context_tokens`` counts too). A model without it (the single-row
+    demos, converted ESM-2, checkpoints older than the record) is not known to use a context."""
+    return loaded.config.context_tokens is not None
+
+
+def untrained_context_warning(loaded: LoadedModel) -> str | None:
+    """The one warning for a context given to a model with no family-row training on record,
+    None when the checkpoint records it."""
+    if trained_on_family_rows(loaded):
+        return None
+    return (
+        f"{loaded.source.name} records no training on family rows (its config has no "
+        "context_tokens, which `train ... data.layout=family` stores): a family context given "
+        "to it may change scores and samples little or not at all. Train on family rows "
+        "(README: Family rows and homolog retrieval) for a model that uses its homologs"
+    )
+
+
 def default_max_tokens(loaded: LoadedModel) -> int | None:
     """The trained row length when the config records it (``context_tokens``), else None."""
     return loaded.config.context_tokens
@@ -142,15 +163,9 @@ def build_context(
         )
     dropped = tuple(rid for rid, _ in records[len(members) :])
     if dropped and warn:
-        log.warning(
-            "family context: %d of %d homolog(s) left out to stay within max_tokens=%d "
-            "(kept %d tokens); raise max_tokens to read more",
-            len(dropped),
-            len(records),
-            max_tokens,
-            total,
-        )
-    if max_tokens is None:  # nothing bounds the read: say what it costs before paying it
+        log.warning("family context: %s", limit_note(loaded, len(members), len(records), total,
+                                                    max_tokens, "max_tokens=N"))
+    if max_tokens is None and warn:  # nothing bounds the read: say what it costs first
         log.info(
             "family context: reading %d homolog(s), %s tokens (the model records no trained "
             "row length; give max_tokens or --context-tokens to read fewer)",
@@ -185,6 +200,25 @@ def core_kinds(model: torch.nn.Module) -> tuple[str, ...]:
     """Per layer, the registered names of its cores, outermost first (``memory+favor``): a
     context's states fit only a model whose layers hold the same."""
     return tuple("+".join(c.name for c in core.cores()) for core in model_cores(model))
+
+
+def limit_note(
+    loaded: LoadedModel, kept: int, given: int, tokens: int, limit: int | None, flag: str
+) -> str:
+    """``read K of N homologs (T tokens)``, and when some were left out, why (which limit) and
+    how to read more (``flag``: the option that raises it where the reader is)."""
+    said = f"read {kept} of {given} homolog(s) ({tokens:,} tokens)"
+    if kept == given or limit is None:
+        return said
+    whose = (
+        "the row length this model was trained on"
+        if limit == loaded.config.context_tokens
+        else "the token limit given"
+    )
+    return (
+        f"{said}: the other {given - kept} would pass {limit:,} tokens, {whose}; {flag} reads "
+        "more (a FAVOR+ model's cost per candidate does not grow with it)"
+    )
 
 
 def _segments(row: list[int], cls_idx: int, segment: int) -> Iterable[list[int]]:

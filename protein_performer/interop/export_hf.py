@@ -47,8 +47,8 @@ SPECIAL_TOKENS = {
 }
 #: What the exported config says, and export warns, when the model has no contact regression.
 NO_CONTACT_HEAD = (
-    "none: transformers initializes esm.contact_head at random, so predict_contacts and "
-    "return_contacts give meaningless maps"
+    "none (transformers initializes esm.contact_head at random, so predict_contacts and "
+    "return_contacts give meaningless maps)"
 )
 #: ESM-2's own config value (rotary positions make it irrelevant to the computation).
 MAX_POSITION_EMBEDDINGS = 1026
@@ -185,10 +185,11 @@ def export_hf(
         state.update(contact_head(regression, loaded.config.depth, loaded.config.heads))
     else:
         log.warning(
-            "%s has no contact regression: %s (fit one with `protein-performer contacts fit` "
-            "and export again for a working esm.contact_head)",
+            "%s has no contact regression, so the export's esm.contact_head is transformers' "
+            "random initialization: predict_contacts and return_contacts give meaningless maps "
+            "(the weights and logits are fine). For working contacts, fit a regression with "
+            "`protein-performer contacts fit` and export again",
             loaded.source,
-            NO_CONTACT_HEAD,
         )
     tokenizer = {"tokenizer_class": "EsmTokenizer", "model_max_length": 10**30, **SPECIAL_TOKENS}
     files: dict[str, Callable[[Path], Any]] = {

@@ -23,6 +23,7 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from protein_performer.data.bundled import package_root
 from protein_performer.errors import UserError
 
 if TYPE_CHECKING:
@@ -37,13 +38,12 @@ CONF_PACKAGE = "protein_performer.conf"
 #: known.
 TRAIN = "train"
 _USAGE = " to change a key, +key=value to add one, group=option to pick a config"
-_PACKAGE_ROOT = Path(__file__).resolve().parents[1]
 
 
 def package_path(relative: str) -> str:
     """A file or folder shipped inside the package (``data/demo``), as an absolute path: the
     ``${pp.package:data/demo}`` of the configs, so the demo trains from any directory."""
-    return str(_PACKAGE_ROOT / relative)
+    return str(package_root() / relative)
 
 
 def family_memory(layout: str, max_len: int) -> int:
@@ -67,7 +67,7 @@ def conf_dir() -> Path:
     """The config directory on disk: ``$PROTEIN_PERFORMER_CONF_DIR``, else the package's
     ``conf/`` (for listing groups in ``--help`` and for messages)."""
     env = os.environ.get(CONF_DIR_ENV)
-    path = Path(env).expanduser() if env else _PACKAGE_ROOT / "conf"
+    path = Path(env).expanduser() if env else package_root() / "conf"
     if not (path / "train.yaml").is_file():
         where = f"${CONF_DIR_ENV}={env}" if env else "the installed package"
         raise UserError(

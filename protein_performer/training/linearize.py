@@ -33,6 +33,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from protein_performer.data.bundled import DEMO_TRAIN, bundled_path
 from protein_performer.errors import UserError
 from protein_performer.interop.export import export_model
 from protein_performer.interop.loading import load_model
@@ -46,8 +47,6 @@ from protein_performer.training.linearize_options import LinearizeOptions
 
 log = logging.getLogger(__name__)
 
-#: The bundled demo set: what a smoke run fits on when no ``data`` is given.
-DEMO_DATA = Path(__file__).resolve().parents[2] / "data" / "demo" / "train.fasta"
 #: LoRA on the attention projections, LoLCATs' choice (r=8 on q/k/v/o).
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "out_proj")
 STATE_VERSION = 1
@@ -117,8 +116,10 @@ def _teacher_from(src: str | os.PathLike[str] | LoadedModel, device: str) -> Loa
 # --------------------------------------------------------------------------------------------
 def _data_paths(data: Data) -> list[str]:
     """FASTA file(s) or one store as resolved path strings (the demo set when None)."""
-    given = [data] if data is None or isinstance(data, (str, os.PathLike)) else list(data)
-    return [str(Path(d or DEMO_DATA).expanduser().resolve()) for d in given]
+    if data is None:
+        return [str(bundled_path(DEMO_TRAIN))]
+    given = [data] if isinstance(data, (str, os.PathLike)) else list(data)
+    return [str(Path(d).expanduser().resolve()) for d in given]
 
 
 def data_module(data: Data, options: LinearizeOptions, objective: str) -> Any:
@@ -331,6 +332,9 @@ def fit_linear(
     if saved is not None:
         for name, value in upgrade_keys(saved["cores"]).items():
             cores[name].data.copy_(value)
+    paths = _data_paths(data)
+    log.info("linearize: reading %s and splitting off held-out records", ", ".join(paths)
+             if data is not None else f"the bundled demo set ({paths[0]})")  # fmt: skip
     dm = data_module(data, options, teacher.config.objective)
     curve: list[dict[str, float]] = list(saved["curve"]) if saved else []
 

@@ -144,9 +144,10 @@ def test_iter_embed_streams_window_by_window(models) -> None:
 
 def test_bad_sequences_name_their_index(models) -> None:
     lm = pp.load(models["mlm"], device="cpu")
-    with pytest.raises(pp.UserError, match=r"sequence 1 \(1\): invalid residue 'J' at position 3"):
+    bad = r"sequence 1 \(0-based index in the list\): invalid residue 'J' at position 3"
+    with pytest.raises(pp.UserError, match=bad):  # issue 45 #8: not "sequence 1 (1)"
         lm.embed(["MKT", "MKJ"])
-    with pytest.raises(pp.UserError, match=r"sequence 0 \(x\) is empty"):
+    with pytest.raises(pp.UserError, match=r"sequence 0 \(id x\) is empty"):
         lm.score([("x", "  ")])
     with pytest.raises(pp.UserError, match="pooling"):
         lm.embed(["MKT"], pooling="max")

@@ -202,3 +202,25 @@ def test_a_memory_clm_linearizes_with_its_memory_kept():
     assert captured[0][4] is not None  # the positions the memory reads
     losses = lz.transfer_loss(student, captured, per_layer=True)
     assert len(losses) == 2 and all(torch.isfinite(x) for x in losses)
+
+
+def test_the_readme_line_and_the_api_fit_the_bundled_set_from_anywhere(
+    teacher_dir, tmp_path, monkeypatch, capsys, caplog
+):
+    """Issue 45 #1: with no data, the bundled demo set (inside the package) is found from any
+    directory: the README's own `linearize CKPT ...` line as written, and `pp.linearize(CKPT,
+    out)`."""
+    import protein_performer as pp
+    from tests.test_readme import fill, readme_lines
+
+    monkeypatch.chdir(tmp_path)
+    line = next(x for x in readme_lines() if x.startswith("protein-performer linearize CKPT"))
+    assert "--data" not in line
+    argv = fill(line, {"dir": str(tmp_path), "CKPT": str(teacher_dir / "exact"), "CLM_CKPT": ""})
+    with caplog.at_level("INFO", logger="protein_performer.training.linearize"):
+        assert main([*argv, "--no-progress", "--device", "cpu"]) == 0, capsys.readouterr().err
+    assert "linearize: reading the bundled demo set" in caplog.text  # before a silent wait
+    assert load_model(tmp_path / "linear_model", "cpu").config.attention == "linear"
+    lm = pp.linearize(teacher_dir / "exact", tmp_path / "api", device="cpu",
+                      show_progress=False, steps=1, max_len=64, max_tokens=512)
+    assert lm.config.attention == "linear"
