@@ -276,10 +276,17 @@ class PositionMemory(CoreWrapper):
                 Fz = Fz + held[:, :, None, :, i * d : i * d + c]
             if not causal:
                 Fz = Fz[:, :, -1:].expand(B, H, M, R, c)
-            for t, (table, n_of) in enumerate(zip([Fz, Fz - Gz], counts, strict=False)):
-                # keys' means carry the scores' 1 / sqrt(d): one number per column
-                scale = n_of.clamp_min(1.0) * (d**0.5 if i == 0 else 1.0)
-                tables[t].append((table / scale[:, None, :, :, None]).view(-1, c))
+            # keys' means carry the scores' 1 / sqrt(d): one number per column
+            unit = d**0.5 if i == 0 else 1.0
+            mean = Fz / (count.clamp_min(1.0) * unit)[:, None, :, :, None]
+            tables[0].append(mean.view(-1, c))
+            if causal:  # E: F one member up, the state's means (or nothing) before the first
+                first = mean.new_zeros(1, 1, 1, 1, 1).expand(B, H, 1, R, c)
+                if mem is not None:
+                    first = (held[..., i * d : i * d + c] / (held[..., -1:].clamp_min(1.0)
+                                                             * unit))[:, :, None]
+                    first = first.expand(B, H, 1, R, c)
+                tables[1].append(torch.cat([first, mean[:, :, :-1]], 2).view(-1, c))
         have = []
         for n_of in counts:  # whether anything is there, column by column
             flat = F.pad(n_of.reshape(B, M * R) > 0.5, (0, n - 1))
