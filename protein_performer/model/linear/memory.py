@@ -72,14 +72,17 @@ def _pairs(y: Tensor, T: int, N: int, shift: int) -> Tensor:
 
 def _band(full: Tensor, w: int) -> Tensor:
     """Row a's columns a .. a + w - 1 of tile products full (N, T, 2T), as (N, T, w)."""
-    T = full.shape[1]
-    return F.pad(full.flatten(1), (0, T)).view(-1, T, 2 * T + 1)[..., :w]
+    N, T = full.shape[:2]
+    full = full.contiguous()  # (a, a + j) sits at a (2T + 1) + j: a strided view, no copy
+    return full.as_strided((N, T, w), (2 * T * T, 2 * T + 1, 1), full.storage_offset())
 
 
 def _unband(a: Tensor) -> Tensor:
     """A band (N, T, w) as the (N, T, 2T) matrix of :func:`_band`, zero off the band."""
     N, T, w = a.shape
-    return F.pad(a, (0, 2 * T + 1 - w)).flatten(1)[:, : 2 * T * T].view(N, T, 2 * T)
+    full = a.new_zeros(N, T, 2 * T)  # contiguous: the batched products run fastest on it
+    full.as_strided((N, T, w), (2 * T * T, 2 * T + 1, 1)).copy_(a)
+    return full
 
 
 class _Scores(torch.autograd.Function):
@@ -328,7 +331,11 @@ class PositionMemory(CoreWrapper):
         """:meth:`_read` over the tokens in chunks of :data:`READ_CHUNK`, the memory carried
         from one to the next (causal), so a 64k-token context needs the memory of one chunk."""
         L = q.shape[2]
-        if not self.causal or L <= READ_CHUNK:
+        # a training row's backward keeps every chunk's tables anyway: chunks would bound
+        # nothing there, only add work (the gradients' zero-filled slices, the carried state)
+        trains = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad
+                                               or v.requires_grad)
+        if not self.causal or L <= READ_CHUNK or trains:
             return self._read(q, k, v, positions, keep, mem, want_state, keys)
         outs, seens = [], []
         for start in range(0, L, READ_CHUNK):
