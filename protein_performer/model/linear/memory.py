@@ -46,6 +46,26 @@ from protein_performer.model.rotary import as_positions, member_bounds
 READ_CHUNK = 2048
 
 
+class _Layout(NamedTuple):
+    """Where a read's tokens go (:meth:`PositionMemory._layout`): ``valid`` (B, L) the tokens
+    that enter a position, positions ``base`` .. ``top`` held, M members a row, P positions,
+    tiles of T, rows of R columns, each token's key row (``keyed``) and query row (``asked``)
+    in the tables (B H L,), the tokens per column ``own`` (B, M, R) and the row each token's
+    output is read from (``index``)."""
+
+    valid: Tensor
+    base: int
+    top: int
+    M: int
+    P: int
+    T: int
+    R: int
+    keyed: Tensor
+    asked: Tensor
+    own: Tensor
+    index: Tensor
+
+
 class MemoryState(NamedTuple):
     """The mixed core's state: the inner core's (``inner``) and the position memory
     ``mem`` (B, H, P, d + dv + 1), slot p holding the sum of [k | v | 1] at member position p;
@@ -208,13 +228,77 @@ class PositionMemory(CoreWrapper):
         self.gate_weight = nn.Parameter(torch.zeros(heads, dim_head))
         self.gate_bias = nn.Parameter(torch.full((heads,), -1.0))
 
+    def _layout(self, positions: Tensor, keep: Tensor, keys: Tensor | None, heads: int,
+                dtype: torch.dtype) -> _Layout | None:  # fmt: skip
+        """Where every token goes in the tables of :meth:`_read` (None: no token enters a
+        position): a function of the positions and the padding alone, the same in every layer
+        (:meth:`attend` shares it across the layers of one batch)."""
+        B, L = positions.shape
+        W, causal = self.window, self.causal
+        device = positions.device
+        member = member_layout(positions)
+        if keys is not None:
+            positions = keys
+        valid = keep & (positions >= 0) & (positions < self.max_positions)
+        low = torch.where(valid, positions, self.max_positions).min()
+        stats = torch.stack([low, torch.where(valid, positions, -1).max(), member.max()])
+        base, top, last = stats.tolist()
+        if top < 0:
+            return None
+        M, P = last + 1, top - base + 1
+        # a tile of T query positions reads the 2T columns from its first on, a band of
+        # w = W + 1 (causal: F, then E) or 2W + 1 (masked) of them per query (w <= T + 1)
+        T = max(W + 1 if causal else 2 * W, 1)
+        R = (-(-P // T) + 2) * T  # a row: its query tiles, then the keys' overhang
+        rows = (torch.arange(B * heads, device=device).view(B, heads, 1) * M
+                + member[:, None]) * R  # fmt: skip
+        col = (positions - base).clamp(0, R - 1 - W)[:, None]  # (B, 1, L)
+        # a padding token goes to its row's last column: never read, never in the state
+        dump = rows + R - 1
+        keyed = torch.where(valid[:, None], rows + col + W, dump).view(-1)
+        asked = torch.where(valid[:, None], rows + col, dump).view(-1)
+        # the counts are the same in every head: (B, M, R), no gradient
+        slot = ((torch.arange(B, device=device)[:, None] * M + member) * R + col[:, 0] + W)
+        own = torch.zeros(B * M * R, dtype=dtype, device=device)
+        own = own.index_add(0, slot.view(-1), valid.to(dtype).view(-1)).view(B, M, R)
+        index = torch.where(valid[:, None], rows + col, 0).view(-1)
+        return _Layout(valid, base, top, M, P, T, R, keyed, asked, own, index)
+
+    def _reach(self, lay: _Layout, count: Tensor, heads: int) -> tuple[Tensor, Tensor]:
+        """Which of each query tile's band columns hold both a key and a value (N, T, 2W + 1)
+        (the same in every head), and whether a token has any (B, H, L, 1), from the
+        tables' counts (B, M, R) (members up to each one, the state's included; masked: all
+        of the row's)."""
+        W, causal = self.window, self.causal
+        B, M, R = count.shape
+        T = lay.T
+        n = 2 * W + 1 + causal  # causal: one column more, the successor of p_t + W
+        nt = M * R // T  # tiles per (batch row, head)
+        N = B * heads * nt - 2  # the last row's last two tiles ask nothing
+        have = []
+        for n_of in [count, count - lay.own] if causal else [count]:
+            flat = F.pad(n_of.reshape(B, M * R) > 0.5, (0, n - 1))
+            have.append(flat.unfold(1, n, 1).view(B, 1, nt, T, n))
+        if causal:  # keys at offsets 0..W from F, W+1..2W from E; values one column right
+            ahead = torch.arange(n, device=count.device) > W
+            reach_cols = torch.where(ahead, have[1], have[0])
+        else:
+            reach_cols = have[0]
+        # key and value both held, the same in every head
+        seen = reach_cols[..., : 2 * W + 1] & reach_cols[..., n - 2 * W - 1 :]
+        seen = seen.expand(B, heads, nt, T, 2 * W + 1).reshape(-1, T, 2 * W + 1)[:N]
+        L = lay.valid.shape[1]
+        reach = seen.any(-1).view(-1).index_select(0, lay.index).view(B, heads, L, 1)
+        return seen, reach & lay.valid[:, None, :, None]
+
     def _read(self, q: Tensor, k: Tensor, v: Tensor, positions: Tensor, keep: Tensor,
-              mem: Tensor | None, want_state: bool, keys: Tensor | None = None
-              ) -> tuple[Tensor, Tensor, Tensor | None]:  # fmt: skip
+              mem: Tensor | None, want_state: bool, keys: Tensor | None = None,
+              shared: dict | None = None) -> tuple[Tensor, Tensor, Tensor | None]:  # fmt: skip
         """The memory's output (B, H, L, dv), whether any entry was in reach (B, H, L, 1), and
         (``want_state``) the memory after the tokens. ``keys``: the positions the columns are
         keyed by (aligned coordinates), when not the member ``positions``; members are found
-        where the member positions restart either way.
+        where the member positions restart either way. ``shared``: where the layout of a
+        stateless read is kept for the next layer's (the same tokens).
 
         How: each member becomes a row of R columns (its positions from the lowest in the
         chunk, keys W columns to the right of their queries), the rows of every member, head
@@ -227,41 +311,27 @@ class PositionMemory(CoreWrapper):
         back."""
         B, H, L, d = q.shape
         W, causal, dv = self.window, self.causal, v.shape[-1]
-        n = 2 * W + 1 + causal  # causal: one column more, the successor of p_t + W
-        member = member_layout(positions)
-        if keys is not None:
-            positions = keys
-        valid = keep & (positions >= 0) & (positions < self.max_positions)
-        low = torch.where(valid, positions, self.max_positions).min()
-        stats = torch.stack([low, torch.where(valid, positions, -1).max(), member.max()])
-        base, top, last = stats.tolist()
         C = d + dv + 1
-        if top < 0:  # nothing enters or reads: the memory stays as it was
+        cached = shared is not None and mem is None and "layout" in shared
+        lay = shared["layout"] if cached else self._layout(positions, keep, keys, H, q.dtype)
+        if lay is None:  # nothing enters or reads: the memory stays as it was
             if want_state and mem is None:
                 mem = q.new_zeros(B, H, 0, C)
             return q.new_zeros(B, H, L, dv), q.new_zeros(B, H, L, 1, dtype=torch.bool), mem
-        M, P = last + 1, top - base + 1
-        # a tile of T query positions reads the 2T columns from its first on, a band of
-        # w = W + 1 (causal: F, then E) or 2W + 1 (masked) of them per query (w <= T + 1)
-        T = max(W + 1 if causal else 2 * W, 1)
-        R = (-(-P // T) + 2) * T  # a row: its query tiles, then the keys' overhang
-        rows = (torch.arange(B * H, device=q.device).view(B, H, 1) * M + member[:, None]) * R
-        col = (positions - base).clamp(0, R - 1 - W)[:, None]  # (B, 1, L)
-        # a padding token goes to its row's last column: never read, never in the state
-        dump = rows + R - 1
-        keyed = torch.where(valid[:, None], rows + col + W, dump).view(-1)
-        asked = torch.where(valid[:, None], rows + col, dump).view(-1)
-        Q = q.new_zeros(B * H * M * R, d).index_add(0, asked, q.reshape(-1, d))
-        # the counts are the same in every head: (B, M, R), no gradient
-        slot = ((torch.arange(B, device=q.device)[:, None] * M + member) * R + col[:, 0] + W)
-        own = q.new_zeros(B * M * R).index_add(0, slot.view(-1), valid.to(q.dtype).view(-1))
-        own = own.view(B, M, R)
+        base, top, M, P, T, R, own = lay.base, lay.top, lay.M, lay.P, lay.T, lay.R, lay.own
         count = own.cumsum(1)  # the members up to each one
         if mem is not None:
             held = _slots(mem, base - W, R)
             count = count + held[:, 0, None, :, -1]
         if not causal:  # every member of the row, t's own included, at every offset
             count = count[:, -1:].expand(B, M, R)
+        if cached:
+            seen, reach = shared["reach"]
+        else:
+            seen, reach = self._reach(lay, count, H)
+            if shared is not None and mem is None:
+                shared["layout"], shared["reach"] = lay, (seen, reach)
+        Q = q.new_zeros(B * H * M * R, d).index_add(0, lay.asked, q.reshape(-1, d))
         nt = M * R // T  # tiles per (batch row, head)
         x = Q.view(-1, T, d)[:-2]  # the last row's last two tiles ask nothing
         N = x.shape[0]
@@ -269,9 +339,8 @@ class PositionMemory(CoreWrapper):
         # mean over the members up to each one (F) and, causal, before it (E)
         tables: list[list[Tensor]] = [[], []]
         grids = []
-        counts = [count, count - own] if causal else [count]
         for i, (z, c) in enumerate(((k, d), (v, dv))):
-            Gz = z.new_zeros(B * H * M * R, c).index_add(0, keyed, z.reshape(-1, c))
+            Gz = z.new_zeros(B * H * M * R, c).index_add(0, lay.keyed, z.reshape(-1, c))
             Gz = Gz.view(B, H, M, R, c)
             grids.append(Gz)
             Fz = Gz.cumsum(2)
@@ -290,30 +359,17 @@ class PositionMemory(CoreWrapper):
                                                              * unit))[:, :, None]
                     first = first.expand(B, H, 1, R, c)
                 tables[1].append(torch.cat([first, mean[:, :, :-1]], 2).view(-1, c))
-        have = []
-        for n_of in counts:  # whether anything is there, column by column
-            flat = F.pad(n_of.reshape(B, M * R) > 0.5, (0, n - 1))
-            have.append(flat.unfold(1, n, 1).view(B, 1, nt, T, n))
         if causal:  # keys at offsets 0..W from F, W+1..2W from E; values one column right
-            ahead = torch.arange(n, device=q.device) > W
-            reach_cols = torch.where(ahead, have[1], have[0])
-            keys, values = ((0, W + 1), (W + 1, W)), ((1, W), (W + 1, W + 1))
+            keys_at, values_at = ((0, W + 1), (W + 1, W)), ((1, W), (W + 1, W + 1))
         else:
-            reach_cols = have[0]
-            keys = values = ((0, n),)
-        # key and value both held, the same in every head
-        seen = reach_cols[..., : 2 * W + 1] & reach_cols[..., n - 2 * W - 1 :]
-        seen = seen.expand(B, H, nt, T, 2 * W + 1).reshape(-1, T, 2 * W + 1)[:N]
+            keys_at = values_at = ((0, 2 * W + 1),)
         head = torch.arange(N, device=q.device) // nt % H  # each tile's head
         # a column out of reach gets weight 0; a query with none in reach reads junk that
         # its gate (reach) then drops
         bias = torch.where(seen, self.offset_logits.to(q.dtype)[head][:, None], -1e30)
-        weights = (_Scores.apply(x, keys, *tables[0][:1], *tables[1][:1]) + bias).softmax(-1)
-        read = _Apply.apply(weights, values, *tables[0][1:], *tables[1][1:])
-        index = torch.where(valid[:, None], rows + col, 0).view(-1)
-        out = read.view(-1, dv).index_select(0, index).view(B, H, L, dv)
-        reach = seen.any(-1).view(-1).index_select(0, index).view(B, H, L, 1)
-        reach = reach & valid[:, None, :, None]
+        weights = (_Scores.apply(x, keys_at, *tables[0][:1], *tables[1][:1]) + bias).softmax(-1)
+        read = _Apply.apply(weights, values_at, *tables[0][1:], *tables[1][1:])
+        out = read.view(-1, dv).index_select(0, lay.index).view(B, H, L, dv)
         new_mem = None
         if want_state:
             added = torch.cat([  # positions base .. top
@@ -326,7 +382,8 @@ class PositionMemory(CoreWrapper):
         return out, reach, new_mem
 
     def _read_chunks(self, q: Tensor, k: Tensor, v: Tensor, positions: Tensor, keep: Tensor,
-                     mem: Tensor | None, want_state: bool, keys: Tensor | None = None
+                     mem: Tensor | None, want_state: bool, keys: Tensor | None = None,
+                     shared: dict | None = None
                      ) -> tuple[Tensor, Tensor, Tensor | None]:  # fmt: skip
         """:meth:`_read` over the tokens in chunks of :data:`READ_CHUNK`, the memory carried
         from one to the next (causal), so a 64k-token context needs the memory of one chunk."""
@@ -336,7 +393,7 @@ class PositionMemory(CoreWrapper):
         trains = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad
                                                or v.requires_grad)
         if not self.causal or L <= READ_CHUNK or trains:
-            return self._read(q, k, v, positions, keep, mem, want_state, keys)
+            return self._read(q, k, v, positions, keep, mem, want_state, keys, shared)
         outs, seens = [], []
         for start in range(0, L, READ_CHUNK):
             t = slice(start, start + READ_CHUNK)
@@ -378,12 +435,14 @@ class PositionMemory(CoreWrapper):
         pos = as_positions(positions, B, L, q.device)
         keep = real_tokens(key_padding_mask, B, L, q.device)
         dtype = _compute_dtype(q)
+        shared = None if state is not None else self._shared(
+            positions, key_padding_mask, coordinates, (B, H, L, dtype, q.device))
         with torch.autocast(device_type=q.device.type, enabled=False):
             x, y, vv = q.to(dtype), k.to(dtype), v.to(dtype)
             keys = None if coordinates is None else coordinates.to(pos).expand(B, L)
             mem_out, seen, mem = self._read_chunks(
                 x, y, vv, pos, keep, None if state is None else state.mem.to(dtype), keep_state,
-                keys,
+                keys, shared,
             )
             gate = torch.sigmoid(
                 (x * self.gate_weight.to(dtype)[:, None]).sum(-1, keepdim=True)
@@ -393,6 +452,22 @@ class PositionMemory(CoreWrapper):
             mixed = torch.lerp(out.to(dtype), mem_out, gate)
         new = MemoryState(inner_state, mem) if keep_state else None
         return mixed.to(q.dtype), new
+
+    def _shared(self, positions: Tensor | int | None, mask: Tensor | None,
+                coordinates: Tensor | None, shape: tuple) -> dict | None:  # fmt: skip
+        """Where a stateless read keeps its layout for the next layer's: a dict held by the
+        ``positions`` tensor (every layer of one forward gets the same one), fresh when
+        anything the layout depends on differs (None: positions not a tensor)."""
+        if not isinstance(positions, Tensor):
+            return None
+        token = (positions._version, None if mask is None else mask._version, shape,
+                 self.max_positions, self.window, self.causal)  # fmt: skip
+        held = getattr(positions, "_memory_layout", None)
+        if held is not None and held[0] is mask and held[1] is coordinates and held[2] == token:
+            return held[3]
+        shared: dict = {}
+        positions._memory_layout = (mask, coordinates, token, shared)
+        return shared
 
     def attention_map(self, q, k, key_padding_mask=None, query_slice=None) -> Tensor:
         """The inner core's rows (the memory mixes values by position, not a map over keys)."""
