@@ -97,12 +97,22 @@ def _band(full: Tensor, w: int) -> Tensor:
     return full.as_strided((N, T, w), (2 * T * T, 2 * T + 1, 1), full.storage_offset())
 
 
-def _unband(a: Tensor) -> Tensor:
-    """A band (N, T, w) as the (N, T, 2T) matrix of :func:`_band`, zero off the band."""
-    N, T, w = a.shape
-    full = a.new_zeros(N, T, 2 * T)  # contiguous: the batched products run fastest on it
-    full.as_strided((N, T, w), (2 * T * T, 2 * T + 1, 1)).copy_(a)
+def _unband(a: Tensor, widths: tuple[int, ...]) -> Tensor:
+    """Bands a (N, T, sum of widths), side by side, as the matrices of :func:`_band`, zero off
+    their bands, side by side in one contiguous (N, T, 2T x segments) tensor (the batched
+    products run fastest on it; a view per segment)."""
+    N, T = a.shape[:2]
+    S = 2 * T * len(widths)
+    full = a.new_zeros(N, T, S)
+    at = 0
+    for s, w in enumerate(widths):
+        full.as_strided((N, T, w), (T * S, S + 1, 1), 2 * T * s).copy_(a[..., at : at + w])
+        at += w
     return full
+
+
+def _widths(segments: tuple[tuple[int, int], ...]) -> tuple[int, ...]:
+    return tuple(width for _, width in segments)
 
 
 class _Scores(torch.autograd.Function):
@@ -123,16 +133,9 @@ class _Scores(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
         x, *ys = ctx.saved_tensors
-        N, T = x.shape[:2]
-        dx, dys, at = None, [], 0
-        for y, (shift, width) in zip(ys, ctx.segments, strict=True):
-            full = _unband(grad[..., at : at + width])
-            at += width
-            if ctx.needs_input_grad[0]:
-                part = full @ _pairs(y, T, N, shift)
-                dx = part if dx is None else dx + part
-            dys.append(_spread(full, x, y, shift))
-        return (dx, None, *dys)
+        full = _unband(grad, _widths(ctx.segments))
+        dx = _products(full, ctx.segments, ys) if ctx.needs_input_grad[0] else None
+        return (dx, None, *_spread(full, x, ctx.segments, ys))
 
 
 class _Apply(torch.autograd.Function):
@@ -143,39 +146,55 @@ class _Apply(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, a: Tensor, segments: tuple[tuple[int, int], ...], *ys: Tensor
                 ) -> Tensor:
-        ctx.save_for_backward(a, *ys)
+        full = _unband(a, _widths(segments))
+        ctx.save_for_backward(full, *ys)
         ctx.segments = segments
-        N, T = a.shape[:2]
-        out, at = None, 0
-        for y, (shift, width) in zip(ys, segments, strict=True):
-            part = _unband(a[..., at : at + width]) @ _pairs(y, T, N, shift)
-            at += width
-            out = part if out is None else out + part
-        return out
+        return _products(full, segments, ys)
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
-        a, *ys = ctx.saved_tensors
-        N, T = a.shape[:2]
+        full, *ys = ctx.saved_tensors
+        N, T = full.shape[:2]
         grad = grad.contiguous()
-        bands, dys, at = [], [], 0
-        for y, (shift, width) in zip(ys, ctx.segments, strict=True):
-            if ctx.needs_input_grad[0]:
-                bands.append(_band(grad @ _pairs(y, T, N, shift).mT, width))
-            dys.append(_spread(_unband(a[..., at : at + width]), grad, y, shift))
-            at += width
-        return (torch.cat(bands, -1) if bands else None, None, *dys)
+        da = None
+        if ctx.needs_input_grad[0]:
+            da = torch.cat([_band(grad @ _pairs(y, T, N, shift).mT, width)
+                            for y, (shift, width) in zip(ys, ctx.segments, strict=True)], -1)
+        return (da, None, *_spread(full, grad, ctx.segments, ys))
 
 
-def _spread(full: Tensor, x: Tensor, y: Tensor, shift: int) -> Tensor:
-    """The gradient of y (rows, c) of the band products: row i T + shift + r gets
-    full[i, :, r]^T x[i] (each tile's 2T rows overlap the next tile's first T)."""
-    N, T = x.shape[:2]
-    both = full.mT @ x  # (N, 2T, c)
-    out = y.new_zeros(y.shape)
-    out[shift : shift + N * T].view(N, T, -1).add_(both[:, :T])
-    out[shift + T : shift + (N + 1) * T].view(N, T, -1).add_(both[:, T:])
+def _products(full: Tensor, segments: tuple[tuple[int, int], ...], ys: list[Tensor]) -> Tensor:
+    """sum_s full_s @ (the 2T rows of y_s each tile reaches), full as :func:`_unband` lays it
+    out: (N, T, c)."""
+    N, T = full.shape[:2]
+    out = None
+    for s, (y, (shift, _)) in enumerate(zip(ys, segments, strict=True)):
+        part = full[..., 2 * T * s : 2 * T * (s + 1)]
+        pairs = _pairs(y, T, N, shift)
+        out = part @ pairs if out is None else out.baddbmm_(part, pairs)
+    assert out is not None
     return out
+
+
+def _spread(full: Tensor, x: Tensor, segments: tuple[tuple[int, int], ...], ys: list[Tensor]
+            ) -> list[Tensor]:  # fmt: skip
+    """The gradients of the tables y_s (rows, c) of the band products: row i T + shift_s + r
+    gets full_s[i, :, r]^T x[i] (each tile's 2T rows overlap the next tile's first T); one
+    batched product for every segment."""
+    N, T = x.shape[:2]
+    both = full.mT @ x  # (N, 2T x segments, c)
+    outs = []
+    for s, (y, (shift, _)) in enumerate(zip(ys, segments, strict=True)):
+        lo, hi = both[:, 2 * T * s : 2 * T * s + T], both[:, 2 * T * s + T : 2 * T * (s + 1)]
+        out = y.new_empty(y.shape)
+        out[:shift].zero_()
+        out[shift + (N + 1) * T :].zero_()
+        tiles = out[shift : shift + (N + 1) * T].view(N + 1, T, -1)
+        tiles[0].copy_(lo[0])
+        torch.add(lo[1:], hi[:-1], out=tiles[1:N])
+        tiles[N].copy_(hi[-1])
+        outs.append(out)
+    return outs
 
 
 def _slots(mem: Tensor, first: int, width: int) -> Tensor:
