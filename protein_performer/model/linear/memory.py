@@ -116,59 +116,59 @@ def _widths(segments: tuple[tuple[int, int], ...]) -> tuple[int, ...]:
 
 
 class _Scores(torch.autograd.Function):
-    """out[i, a, :] = the bands x[i, a] . y_s[i T + a + shift_s + j], j < width_s, of each
-    segment s, side by side: queries in tiles x (N, T, c) against the rows of tables y_s
+    """out[i, a, :] = the bands x[i, a] . y[i T + a + shift_s + j], j < width_s, of each
+    segment s, side by side: queries in tiles x (N, T, c) against the rows of a table y
     (rows, c) around their own, each tile against the 2T rows it reaches (width <= T + 1),
     forward and back as batched products."""
 
     @staticmethod
-    def forward(ctx: Any, x: Tensor, segments: tuple[tuple[int, int], ...], *ys: Tensor
-                ) -> Tensor:
-        ctx.save_for_backward(x, *ys)
+    def forward(ctx: Any, x: Tensor, segments: tuple[tuple[int, int], ...], y: Tensor
+                ) -> Tensor:  # fmt: skip
+        ctx.save_for_backward(x, y)
         ctx.segments = segments
         N, T = x.shape[:2]
         return torch.cat([_band(x @ _pairs(y, T, N, shift).mT, width)
-                          for y, (shift, width) in zip(ys, segments, strict=True)], -1)
+                          for shift, width in segments], -1)  # fmt: skip
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
-        x, *ys = ctx.saved_tensors
+        x, y = ctx.saved_tensors
         full = _unband(grad, _widths(ctx.segments))
-        dx = _products(full, ctx.segments, ys) if ctx.needs_input_grad[0] else None
-        return (dx, None, *_spread(full, x, ctx.segments, ys))
+        dx = _products(full, ctx.segments, y) if ctx.needs_input_grad[0] else None
+        return dx, None, _spread(full, x, ctx.segments, y)
 
 
 class _Apply(torch.autograd.Function):
-    """out[i, a] = sum_s sum_j a[i, a, j_s] y_s[i T + a + shift_s + j]: the values back
+    """out[i, a] = sum_s sum_j a[i, a, j_s] y[i T + a + shift_s + j]: the values back
     through bands laid out as :class:`_Scores` lays them (its adjoint in x), forward and
     back."""
 
     @staticmethod
-    def forward(ctx: Any, a: Tensor, segments: tuple[tuple[int, int], ...], *ys: Tensor
-                ) -> Tensor:
+    def forward(ctx: Any, a: Tensor, segments: tuple[tuple[int, int], ...], y: Tensor
+                ) -> Tensor:  # fmt: skip
         full = _unband(a, _widths(segments))
-        ctx.save_for_backward(full, *ys)
+        ctx.save_for_backward(full, y)
         ctx.segments = segments
-        return _products(full, segments, ys)
+        return _products(full, segments, y)
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
-        full, *ys = ctx.saved_tensors
+        full, y = ctx.saved_tensors
         N, T = full.shape[:2]
         grad = grad.contiguous()
         da = None
         if ctx.needs_input_grad[0]:
             da = torch.cat([_band(grad @ _pairs(y, T, N, shift).mT, width)
-                            for y, (shift, width) in zip(ys, ctx.segments, strict=True)], -1)
-        return (da, None, *_spread(full, grad, ctx.segments, ys))
+                            for shift, width in ctx.segments], -1)  # fmt: skip
+        return da, None, _spread(full, grad, ctx.segments, y)
 
 
-def _products(full: Tensor, segments: tuple[tuple[int, int], ...], ys: list[Tensor]) -> Tensor:
-    """sum_s full_s @ (the 2T rows of y_s each tile reaches), full as :func:`_unband` lays it
-    out: (N, T, c)."""
+def _products(full: Tensor, segments: tuple[tuple[int, int], ...], y: Tensor) -> Tensor:
+    """sum_s full_s @ (the 2T rows of y each tile reaches from shift_s), full as
+    :func:`_unband` lays it out: (N, T, c)."""
     N, T = full.shape[:2]
     out = None
-    for s, (y, (shift, _)) in enumerate(zip(ys, segments, strict=True)):
+    for s, (shift, _) in enumerate(segments):
         part = full[..., 2 * T * s : 2 * T * (s + 1)]
         pairs = _pairs(y, T, N, shift)
         out = part @ pairs if out is None else out.baddbmm_(part, pairs)
@@ -176,25 +176,30 @@ def _products(full: Tensor, segments: tuple[tuple[int, int], ...], ys: list[Tens
     return out
 
 
-def _spread(full: Tensor, x: Tensor, segments: tuple[tuple[int, int], ...], ys: list[Tensor]
-            ) -> list[Tensor]:  # fmt: skip
-    """The gradients of the tables y_s (rows, c) of the band products: row i T + shift_s + r
+def _spread(full: Tensor, x: Tensor, segments: tuple[tuple[int, int], ...], y: Tensor
+            ) -> Tensor:  # fmt: skip
+    """The gradient of the table y (rows, c) of the band products: row i T + shift_s + r
     gets full_s[i, :, r]^T x[i] (each tile's 2T rows overlap the next tile's first T); one
     batched product for every segment."""
     N, T = x.shape[:2]
     both = full.mT @ x  # (N, 2T x segments, c)
-    outs = []
-    for s, (y, (shift, _)) in enumerate(zip(ys, segments, strict=True)):
+    out = None
+    for s, (shift, _) in enumerate(segments):
         lo, hi = both[:, 2 * T * s : 2 * T * s + T], both[:, 2 * T * s + T : 2 * T * (s + 1)]
-        out = y.new_empty(y.shape)
-        out[:shift].zero_()
-        out[shift + (N + 1) * T :].zero_()
-        tiles = out[shift : shift + (N + 1) * T].view(N + 1, T, -1)
-        tiles[0].copy_(lo[0])
-        torch.add(lo[1:], hi[:-1], out=tiles[1:N])
-        tiles[N].copy_(hi[-1])
-        outs.append(out)
-    return outs
+        if out is None:  # written, not added: no zeros but outside the tiles
+            out = y.new_empty(y.shape)
+            out[:shift].zero_()
+            out[shift + (N + 1) * T :].zero_()
+            tiles = out[shift : shift + (N + 1) * T].view(N + 1, T, -1)
+            tiles[0].copy_(lo[0])
+            torch.add(lo[1:], hi[:-1], out=tiles[1:N])
+            tiles[N].copy_(hi[-1])
+        else:
+            tiles = out[shift : shift + (N + 1) * T].view(N + 1, T, -1)
+            tiles[:N].add_(lo)
+            tiles[1:].add_(hi)
+    assert out is not None
+    return out
 
 
 def _slots(mem: Tensor, first: int, width: int) -> Tensor:
@@ -269,43 +274,47 @@ class PositionMemory(CoreWrapper):
         # w = W + 1 (causal: F, then E) or 2W + 1 (masked) of them per query (w <= T + 1)
         T = max(W + 1 if causal else 2 * W, 1)
         R = (-(-P // T) + 2) * T  # a row: its query tiles, then the keys' overhang
-        rows = (torch.arange(B * heads, device=device).view(B, heads, 1) * M
-                + member[:, None]) * R  # fmt: skip
+        # M + 1 rows a (batch row, head): row 0 for the state (or nothing) before the first
+        # member, so a member's E (what the members before it hold) is the F of the row above
+        rows = (torch.arange(B * heads, device=device).view(B, heads, 1) * (M + 1)
+                + member[:, None] + 1) * R  # fmt: skip
         col = (positions - base).clamp(0, R - 1 - W)[:, None]  # (B, 1, L)
         # a padding token goes to its row's last column: never read, never in the state
         dump = rows + R - 1
         keyed = torch.where(valid[:, None], rows + col + W, dump).view(-1)
         asked = torch.where(valid[:, None], rows + col, dump).view(-1)
-        # the counts are the same in every head: (B, M, R), no gradient
-        slot = ((torch.arange(B, device=device)[:, None] * M + member) * R + col[:, 0] + W)
-        own = torch.zeros(B * M * R, dtype=dtype, device=device)
-        own = own.index_add(0, slot.view(-1), valid.to(dtype).view(-1)).view(B, M, R)
-        index = torch.where(valid[:, None], rows + col, 0).view(-1)
-        return _Layout(valid, base, top, M, P, T, R, keyed, asked, own, index)
+        # the counts are the same in every head: (B, M + 1, R), no gradient
+        slot = (torch.arange(B, device=device)[:, None] * (M + 1) + member + 1) * R + col[:, 0]
+        own = torch.zeros(B * (M + 1) * R, dtype=dtype, device=device)
+        own = own.index_add(0, (slot + W).view(-1), valid.to(dtype).view(-1))
+        # the queries' tiles start at the first member's row (R rows in)
+        index = torch.where(valid[:, None], rows + col - R, 0).view(-1)
+        return _Layout(valid, base, top, M, P, T, R, keyed, asked, own.view(B, M + 1, R), index)
 
     def _reach(self, lay: _Layout, count: Tensor, heads: int) -> tuple[Tensor, Tensor]:
         """Which of each query tile's band columns hold both a key and a value (N, T, 2W + 1)
         (the same in every head), and whether a token has any (B, H, L, 1), from the
-        tables' counts (B, M, R) (members up to each one, the state's included; masked: all
-        of the row's)."""
+        tables' counts (B, M + 1, R) (members up to each row's, the state's included; masked:
+        all of the row's)."""
         W, causal = self.window, self.causal
-        B, M, R = count.shape
+        B, rows, R = count.shape
         T = lay.T
         n = 2 * W + 1 + causal  # causal: one column more, the successor of p_t + W
-        nt = M * R // T  # tiles per (batch row, head)
-        N = B * heads * nt - 2  # the last row's last two tiles ask nothing
-        have = []
-        for n_of in [count, count - lay.own] if causal else [count]:
-            flat = F.pad(n_of.reshape(B, M * R) > 0.5, (0, n - 1))
-            have.append(flat.unfold(1, n, 1).view(B, 1, nt, T, n))
+        nt = rows * R // T  # tiles per (batch row, head)
+        held = count.reshape(B, rows * R) > 0.5
+        # a query reads F in its own row and (causal) E in the row above, R columns back
+        have = [F.pad(held, (0, n - 1))] + ([F.pad(held, (R, n - 1))] if causal else [])
+        have = [h[:, : rows * R + n - 1].unfold(1, n, 1).view(B, 1, nt, T, n) for h in have]
         if causal:  # keys at offsets 0..W from F, W+1..2W from E; values one column right
             ahead = torch.arange(n, device=count.device) > W
             reach_cols = torch.where(ahead, have[1], have[0])
         else:
             reach_cols = have[0]
-        # key and value both held, the same in every head
+        # key and value both held, the same in every head; the tiles of the first row of
+        # the first (batch row, head) ask nothing, nor the last row's last two
         seen = reach_cols[..., : 2 * W + 1] & reach_cols[..., n - 2 * W - 1 :]
-        seen = seen.expand(B, heads, nt, T, 2 * W + 1).reshape(-1, T, 2 * W + 1)[:N]
+        seen = seen.expand(B, heads, nt, T, 2 * W + 1).reshape(-1, T, 2 * W + 1)
+        seen = seen[R // T : -2]
         L = lay.valid.shape[1]
         reach = seen.any(-1).view(-1).index_select(0, lay.index).view(B, heads, L, 1)
         return seen, reach & lay.valid[:, None, :, None]
@@ -338,56 +347,49 @@ class PositionMemory(CoreWrapper):
                 mem = q.new_zeros(B, H, 0, C)
             return q.new_zeros(B, H, L, dv), q.new_zeros(B, H, L, 1, dtype=torch.bool), mem
         base, top, M, P, T, R, own = lay.base, lay.top, lay.M, lay.P, lay.T, lay.R, lay.own
-        count = own.cumsum(1)  # the members up to each one
+        count = own.cumsum(1)  # the members up to each row's (B, M + 1, R)
         if mem is not None:
             held = _slots(mem, base - W, R)
             count = count + held[:, 0, None, :, -1]
         if not causal:  # every member of the row, t's own included, at every offset
-            count = count[:, -1:].expand(B, M, R)
+            count = count[:, -1:].expand(B, M + 1, R)
         if cached:
             seen, reach = shared["reach"]
         else:
             seen, reach = self._reach(lay, count, H)
             if shared is not None and mem is None:
                 shared["layout"], shared["reach"] = lay, (seen, reach)
-        Q = q.new_zeros(B * H * M * R, d).index_add(0, lay.asked, q.reshape(-1, d))
-        nt = M * R // T  # tiles per (batch row, head)
-        x = Q.view(-1, T, d)[:-2]  # the last row's last two tiles ask nothing
+        size = B * H * (M + 1) * R
+        Q = q.new_zeros(size, d).index_add(0, lay.asked, q.reshape(-1, d))
+        x = Q.view(-1, T, d)[R // T : -2]  # from the first member's row; the last two ask nothing
         N = x.shape[0]
         # keys and values apart (no slice of a shared table in the backward): per column the
-        # mean over the members up to each one (F) and, causal, before it (E)
-        tables: list[list[Tensor]] = [[], []]
-        grids = []
+        # mean over the members up to each row's, row 0 the state's (or nothing): a member's
+        # own row is its F, the row above its E
+        tables, grids = [], []
         for i, (z, c) in enumerate(((k, d), (v, dv))):
-            Gz = z.new_zeros(B * H * M * R, c).index_add(0, lay.keyed, z.reshape(-1, c))
-            Gz = Gz.view(B, H, M, R, c)
+            Gz = z.new_zeros(size, c).index_add(0, lay.keyed, z.reshape(-1, c))
+            Gz = Gz.view(B, H, M + 1, R, c)
             grids.append(Gz)
             Fz = Gz.cumsum(2)
             if mem is not None:
                 Fz = Fz + held[:, :, None, :, i * d : i * d + c]
             if not causal:
-                Fz = Fz[:, :, -1:].expand(B, H, M, R, c)
+                Fz = Fz[:, :, -1:].expand(B, H, M + 1, R, c)
             # keys' means carry the scores' 1 / sqrt(d): one number per column
             unit = d**0.5 if i == 0 else 1.0
-            mean = Fz / (count.clamp_min(1.0) * unit)[:, None, :, :, None]
-            tables[0].append(mean.view(-1, c))
-            if causal:  # E: F one member up, the state's means (or nothing) before the first
-                first = mean.new_zeros(1, 1, 1, 1, 1).expand(B, H, 1, R, c)
-                if mem is not None:
-                    first = (held[..., i * d : i * d + c] / (held[..., -1:].clamp_min(1.0)
-                                                             * unit))[:, :, None]
-                    first = first.expand(B, H, 1, R, c)
-                tables[1].append(torch.cat([first, mean[:, :, :-1]], 2).view(-1, c))
+            tables.append((Fz / (count.clamp_min(1.0) * unit)[:, None, :, :, None]).view(-1, c))
         if causal:  # keys at offsets 0..W from F, W+1..2W from E; values one column right
-            keys_at, values_at = ((0, W + 1), (W + 1, W)), ((1, W), (W + 1, W + 1))
+            keys_at, values_at = ((R, W + 1), (W + 1, W)), ((R + 1, W), (W + 1, W + 1))
         else:
-            keys_at = values_at = ((0, 2 * W + 1),)
-        head = torch.arange(N, device=q.device) // nt % H  # each tile's head
+            keys_at = values_at = ((R, 2 * W + 1),)
+        nt = (M + 1) * R // T  # tiles per (batch row, head)
+        head = (torch.arange(N, device=q.device) + R // T) // nt % H  # each tile's head
         # a column out of reach gets weight 0; a query with none in reach reads junk that
         # its gate (reach) then drops
         bias = torch.where(seen, self.offset_logits.to(q.dtype)[head][:, None], -1e30)
-        weights = (_Scores.apply(x, keys_at, *tables[0][:1], *tables[1][:1]) + bias).softmax(-1)
-        read = _Apply.apply(weights, values_at, *tables[0][1:], *tables[1][1:])
+        weights = (_Scores.apply(x, keys_at, tables[0]) + bias).softmax(-1)
+        read = _Apply.apply(weights, values_at, tables[1])
         out = read.view(-1, dv).index_select(0, lay.index).view(B, H, L, dv)
         new_mem = None
         if want_state:
