@@ -179,26 +179,21 @@ def _products(full: Tensor, segments: tuple[tuple[int, int], ...], y: Tensor) ->
 def _spread(full: Tensor, x: Tensor, segments: tuple[tuple[int, int], ...], y: Tensor
             ) -> Tensor:  # fmt: skip
     """The gradient of the table y (rows, c) of the band products: row i T + shift_s + r
-    gets full_s[i, :, r]^T x[i] (each tile's 2T rows overlap the next tile's first T); one
-    batched product for every segment."""
+    gets full_s[i, :, r]^T x[i] (each tile's 2T rows overlap the next tile's first T),
+    written by batched products straight into it (no temporaries)."""
     N, T = x.shape[:2]
-    both = full.mT @ x  # (N, 2T x segments, c)
-    out = None
+    out = y.new_empty(y.shape)
+    first = segments[0][0]
+    out[:first].zero_()  # what the first segment's tiles do not write
+    out[first + N * T :].zero_()
     for s, (shift, _) in enumerate(segments):
-        lo, hi = both[:, 2 * T * s : 2 * T * s + T], both[:, 2 * T * s + T : 2 * T * (s + 1)]
-        if out is None:  # written, not added: no zeros but outside the tiles
-            out = y.new_empty(y.shape)
-            out[:shift].zero_()
-            out[shift + (N + 1) * T :].zero_()
-            tiles = out[shift : shift + (N + 1) * T].view(N + 1, T, -1)
-            tiles[0].copy_(lo[0])
-            torch.add(lo[1:], hi[:-1], out=tiles[1:N])
-            tiles[N].copy_(hi[-1])
+        part = full[..., 2 * T * s : 2 * T * (s + 1)].mT  # (N, 2T, T)
+        tiles = out[shift : shift + (N + 1) * T].view(N + 1, T, -1)
+        if s == 0:
+            torch.bmm(part[:, :T], x, out=tiles[:N])
         else:
-            tiles = out[shift : shift + (N + 1) * T].view(N + 1, T, -1)
-            tiles[:N].add_(lo)
-            tiles[1:].add_(hi)
-    assert out is not None
+            tiles[:N].baddbmm_(part[:, :T], x)
+        tiles[1:].baddbmm_(part[:, T:], x)
     return out
 
 
