@@ -383,7 +383,7 @@ class PositionMemory(CoreWrapper):
         # a column out of reach gets weight 0; a query with none in reach reads junk that
         # its gate (reach) then drops
         bias = torch.where(seen, self.offset_logits.to(q.dtype)[head][:, None], -1e30)
-        weights = (_Scores.apply(x, keys_at, tables[0]) + bias).softmax(-1)
+        weights = _Scores.apply(x, keys_at, tables[0]).add_(bias).softmax(-1)
         read = _Apply.apply(weights, values_at, tables[1])
         out = read.view(-1, dv).index_select(0, lay.index).view(B, H, L, dv)
         new_mem = None
@@ -460,10 +460,10 @@ class PositionMemory(CoreWrapper):
                 x, y, vv, pos, keep, None if state is None else state.mem.to(dtype), keep_state,
                 keys, shared,
             )
-            gate = torch.sigmoid(
-                (x * self.gate_weight.to(dtype)[:, None]).sum(-1, keepdim=True)
+            gate = torch.sigmoid(  # (B, H, L, 1)
+                x @ self.gate_weight.to(dtype)[:, :, None]
                 + self.gate_bias.to(dtype)[:, None, None]
-            )  # (B, H, L, 1)
+            )
             gate = gate * seen.to(dtype)  # no entry in reach: the core's output alone
             mixed = torch.lerp(out.to(dtype), mem_out, gate)
         new = MemoryState(inner_state, mem) if keep_state else None
