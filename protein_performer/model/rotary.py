@@ -146,13 +146,19 @@ def member_bounds(starts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
     The one place members are worked out: the model's member positions (a ``<cls>`` starts
     a member), the position memory's layout (a position that does not continue the previous
-    one starts a member) and a family context's prefill segments all call it.
+    one starts a member; through :func:`member_index`) and a family context's prefill
+    segments all call it.
     """
     L = starts.shape[-1]
     idx = torch.arange(L, device=starts.device)
     first = torch.where(starts, idx, -1).cummax(-1).values  # last start <= t
-    index = starts.long().cumsum(-1) - starts[..., :1].long()
-    return index, first
+    return member_index(starts), first
+
+
+def member_index(starts: torch.Tensor) -> torch.Tensor:
+    """The member index (B, L) of :func:`member_bounds` alone (no first tokens: a cumulative
+    max costs more than everything else the position memory's layout does)."""
+    return starts.long().cumsum(-1) - starts[..., :1].long()
 
 
 def member_positions(tokens: torch.Tensor, cls_idx: int, offset: int = 0) -> torch.Tensor:

@@ -39,7 +39,7 @@ from torch import Tensor, nn
 from protein_performer.model.cores.base import AttentionCore, CoreWrapper, real_tokens
 from protein_performer.model.cores.base import compute_dtype as _compute_dtype
 from protein_performer.model.cores.registry import register
-from protein_performer.model.rotary import as_positions, member_bounds
+from protein_performer.model.rotary import as_positions, member_index
 
 #: Tokens read at a time by a causal memory (a long context's prefill in chunks, the memory
 #: carried from one to the next: bounded working memory).
@@ -80,7 +80,7 @@ def member_layout(positions: Tensor) -> Tensor:
     continue the previous token's (a ``<cls>`` resets it to 0), the first token in member 0."""
     new = torch.ones_like(positions, dtype=torch.bool)
     new[:, 1:] = positions[:, 1:] != positions[:, :-1] + 1
-    return member_bounds(new)[0]
+    return member_index(new)
 
 
 def _pairs(y: Tensor, T: int, N: int, shift: int) -> Tensor:
