@@ -325,13 +325,13 @@ class PositionMemory(CoreWrapper):
 
         How: each member becomes a row of R columns (its positions from the lowest in the
         chunk, keys W columns to the right of their queries), the rows of every member, head
-        and batch row one after another. Per column, F holds the mean [k | v] over the members
-        up to each one (its own included, what t reads at offsets D <= 0, where its own keys
-        j <= t sit) and E over the members before it (what t reads ahead of its position).
-        Reading the columns around each query is then a band of tile products
-        (:class:`_Scores`, F's and E's side by side), and the values come back through the
-        same bands (:class:`_Apply`): four batched matrix products whatever W, forward and
-        back."""
+        and batch row one after another, after a row for the state. Per column, a member's
+        row holds the mean [k | v] over the members up to it (F: its own included, what t
+        reads at offsets D <= 0, where its own keys j <= t sit), so the row above holds the
+        members before it (E: what t reads ahead of its position). Reading the columns around
+        each query is then a band of tile products on one table (:class:`_Scores`, F's and
+        E's side by side), and the values come back through the same bands
+        (:class:`_Apply`): a few batched matrix products whatever W, forward and back."""
         B, H, L, d = q.shape
         W, causal, dv = self.window, self.causal, v.shape[-1]
         C = d + dv + 1
