@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from protein_performer.errors import UserError
+from protein_performer.training.targets import check_config_targets
 
 if TYPE_CHECKING:
     from omegaconf import DictConfig
@@ -150,6 +151,7 @@ def compose_config(
             cfg = compose(name, overrides=rest, return_hydra_config=True)
         for key, value in direct.items():
             OmegaConf.update(cfg, key, value)
+        check_config_targets(cfg)
         missing = missing_keys(cfg, required)
         if missing:
             raise UserError(

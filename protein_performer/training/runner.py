@@ -27,6 +27,7 @@ from protein_performer.training.compose import (
     register_resolvers,
     split_direct,
 )
+from protein_performer.training.targets import check_override_targets
 
 if TYPE_CHECKING:
     import pytorch_lightning as pl
@@ -142,11 +143,14 @@ def _existing(path: str | None) -> str | None:
 
 
 def check_run(cfg: DictConfig) -> None:
-    """Before anything is built: the run keys' values, ``ckpt_path`` names a checkpoint (or a
-    keyword), and a new run does not start over on a previous run's files."""
+    """Before anything is built: what the config may instantiate, the run keys' values,
+    ``ckpt_path`` names a checkpoint (or a keyword), and a new run does not start over on a
+    previous run's files."""
     from protein_performer.training.run_dir import check_fresh_run_dir
     from protein_performer.training.settings import TOP
+    from protein_performer.training.targets import check_config_targets
 
+    check_config_targets(cfg)
     check_group({k: cfg.get(k) for k in TOP if k in cfg}, "", TOP)
     ckpt_path = cfg.get("ckpt_path")
     if ckpt_path not in (None, *RESUME_KEYWORDS) and not Path(ckpt_path).is_file():
@@ -295,7 +299,9 @@ def launch(entry: Entry, overrides: Sequence[str], prog: str | None = None) -> d
     overrides = list(overrides)
     register_resolvers()
     hydra_flags = any(arg.startswith("-") for arg in overrides)
-    if not hydra_flags:
+    if hydra_flags:  # Hydra composes (sweeps): its own callbacks are built before any task
+        check_override_targets(overrides)
+    else:
         compose_config(
             overrides, name=entry.name, direct_keys=entry.direct_keys, required=entry.required,
             example=entry.example, override_example=entry.override_example,
