@@ -11,6 +11,7 @@ there is built on purpose.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
@@ -52,6 +53,11 @@ ALLOWED_TARGETS: dict[str, tuple[str, ...]] = {
         "hydra.experimental.callbacks.LogJobReturnCallback",
     ),
 }
+#: Environment variable naming more modules or classes (comma-separated, ``mylab.callbacks``)
+#: that the ``callbacks`` and ``logger`` groups may build: the user's own, vouched for by the
+#: environment they run in (who can set it can run code anyway), never by a config file.
+EXTRA_ENV = "PROTEIN_PERFORMER_EXTRA_TARGETS"
+_EXTENSIBLE = ("callbacks", "logger")
 #: What ``hydra.utils.get_class`` may import (``path:``): importing a module runs its code.
 CLASS_PATHS = ("protein_performer.", "torch.nn.")
 _GET_CLASS = "hydra.utils.get_class"
@@ -81,6 +87,10 @@ def check_target(key: str, target: Any) -> None:
     group that holds it, or a ``UserError`` naming the key."""
     group = key.lstrip("+~").split(".", 1)[0]
     prefixes = ALLOWED_TARGETS.get(group)
+    if prefixes is not None and group in _EXTENSIBLE:
+        extra = os.environ.get(EXTRA_ENV, "")
+        for name in filter(None, (p.strip().rstrip(".") for p in extra.split(","))):
+            prefixes = (*prefixes, name, f"{name}.")
     where = f"config key {key}={target}"
     if prefixes is None:
         groups = ", ".join(g for g in ALLOWED_TARGETS if g != "hydra")
@@ -89,9 +99,10 @@ def check_target(key: str, target: Any) -> None:
             "(configs instantiate only what their group is for)"
         )
     if not isinstance(target, str) or not _allowed(target, prefixes):
+        own = f"; add your own modules with {EXTRA_ENV}=mymodule" if group in _EXTENSIBLE else ""
         raise UserError(
             f"{where} is refused: `{group}` may only build {_shown(prefixes)} "
-            "(configs instantiate only what their group is for)"
+            f"(configs instantiate only what their group is for{own})"
         )
 
 
