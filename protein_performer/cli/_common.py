@@ -381,10 +381,6 @@ def load_context(
     return ctx
 
 
-class Stopped(KeyboardInterrupt):
-    """SIGTERM turned into an exception, so a command's ``finally`` blocks and hints run."""
-
-
 #: Exit status of a command stopped by SIGTERM (128 + 15, as the shell reports it; as train).
 SIGTERM_EXIT = 143
 
@@ -393,23 +389,15 @@ SIGTERM_EXIT = 143
 def stop_hint(describe: Callable[[], str]) -> Iterator[None]:
     """A command stopped by Ctrl-C or SIGTERM says ``"<how>: " + describe()`` (what it kept and
     how to continue, read at the stop) in one line and exits 130 or 143, as ``train`` does."""
-    import signal
-    import threading
+    from protein_performer.io.processes import Stopped, sigterm_raises
 
-    def stop(signum: int, frame: object) -> None:
-        raise Stopped
-
-    main = threading.current_thread() is threading.main_thread()
-    before = signal.signal(signal.SIGTERM, stop) if main else None
     try:
-        yield
+        with sigterm_raises():
+            yield
     except KeyboardInterrupt as exc:
         how = "SIGTERM" if isinstance(exc, Stopped) else "interrupted"
         print(f"{how}: {describe()}", file=sys.stderr)
         raise SystemExit(SIGTERM_EXIT if isinstance(exc, Stopped) else 130) from None
-    finally:
-        if main:
-            signal.signal(signal.SIGTERM, signal.SIG_DFL if before is None else before)
 
 
 def resume_hint(out: str | os.PathLike[str]) -> contextlib.AbstractContextManager[None]:

@@ -73,7 +73,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         if not getattr(exc, "quiet", False):  # a data-parallel rank other than 0 stays silent
             print(f"error: {exc}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as exc:
+        from protein_performer.io.processes import Stopped
+
+        if isinstance(exc, Stopped):  # SIGTERM during a child process or a scratch directory
+            print("stopped by SIGTERM (with its child processes)", file=sys.stderr)
+            return 143
         print("interrupted", file=sys.stderr)
         return 130
     except BrokenPipeError:
