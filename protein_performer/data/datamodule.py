@@ -13,7 +13,9 @@ and masks), so their losses are comparable between epochs and runs.
 
 from __future__ import annotations
 
+import functools
 import logging
+import os
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -36,6 +38,7 @@ from protein_performer.data.loader import ResumableDataLoader
 from protein_performer.data.sampler import TokenBudgetBatchSampler
 from protein_performer.data.tokenizer import Alphabet
 from protein_performer.errors import UserError
+from protein_performer.io.processes import ignore_group_stop
 
 log = logging.getLogger(__name__)
 
@@ -53,6 +56,18 @@ def _as_paths(path: str | Path | Sequence[str | Path]) -> list[Path]:
     if not items:
         raise UserError("data.path is empty: give a preprocessed store directory or FASTA file(s)")
     return [Path(str(p)).expanduser() for p in items]
+
+
+def worker_init(worker_id: int, rank: int = 0) -> None:
+    """The DataLoader workers' start: they ignore a process group's SIGTERM (the main process
+    saves ``last.ckpt`` and stops them), then Lightning's own seeding when ``seed_everything(
+    workers=True)`` asked for it (Lightning adds it only to loaders without a ``worker_init_fn``).
+    """
+    from lightning_fabric.utilities.seed import pl_worker_init_function
+
+    ignore_group_stop(worker_id)
+    if int(os.environ.get("PL_SEED_WORKERS", 0)):
+        pl_worker_init_function(worker_id, rank)
 
 
 class ProteinDataModule(pl.LightningDataModule):
@@ -329,6 +344,7 @@ class ProteinDataModule(pl.LightningDataModule):
             num_workers=self.num_workers,
             pin_memory=self.pin_memory,
             persistent_workers=self.num_workers > 0,
+            worker_init_fn=functools.partial(worker_init, rank=self._replicas()[1]),
         )
 
     def train_dataloader(self) -> DataLoader:
