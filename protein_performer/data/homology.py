@@ -176,6 +176,8 @@ class Families:
         self.meta = dict(meta or {})
         if len(self.offsets) != len(self.keys) + 1 or self.offsets[-1] != len(self.members):
             raise ValueError("families: offsets must be (F + 1,) and end at len(members)")
+        if self.offsets[0] != 0 or np.any(np.diff(self.offsets) < 0):
+            raise ValueError("families: offsets must start at 0 and never decrease")
 
     @classmethod
     def from_lists(
@@ -444,8 +446,12 @@ def store_families(
         except (OSError, ValueError, KeyError, zipfile.BadZipFile, UserError) as exc:
             log.warning("ignoring unreadable family cache %s (%s)", path, exc)
         else:
-            if cached.meta.get("fingerprint") == fingerprint:
+            inside = _positions(indices, cached.members)[1].all()
+            inside = inside and _positions(indices, cached.keys)[1].all()
+            if cached.meta.get("fingerprint") == fingerprint and inside:
                 return cached
+            if not inside:
+                log.warning("ignoring family cache %s: it names records outside %s", path, split)
     lut = _decoder(store.meta["vocab"])
     seqs = [lut[store.tokens(int(i))].tobytes().decode("ascii") for i in indices]
     local = build_families(seqs, method, identity, threads)
