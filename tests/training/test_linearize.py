@@ -2,6 +2,7 @@
 outputs, the LoRA merge keeps predictions, a killed run resumes to the same result, bad input
 is one line."""
 
+import re
 from pathlib import Path
 
 import numpy as np
@@ -175,3 +176,44 @@ def test_cli_stop_says_how_to_resume(teacher_dir, tmp_path, monkeypatch, capsys)
     monkeypatch.setattr(lz, "transfer_loss", real)
     assert main([*argv, "--resume"]) == 0
     assert "4 transfer + 0 LoRA steps" in capsys.readouterr().out
+
+
+def _first_core(state: dict) -> str:
+    return sorted(state["cores"])[0]
+
+
+@pytest.mark.parametrize(
+    ("edit", "says"),
+    [
+        (lambda s: s["cores"][_first_core(s)].fill_(float("nan")), "is not finite"),
+        (lambda s: s.update(step=4), "does not record the 4 transfer step"),
+        (lambda s: s.update(step=10**6), "outside 0..4"),
+        (lambda s: s["cores"].update(bogus=torch.zeros(2)), "not this model's (bogus"),
+        (lambda s: s["cores"].update({_first_core(s): torch.zeros(3, 3)}), "has shape (3, 3)"),
+        (lambda s: s["curve"][0].update(loss=float("inf")), "non-finite loss"),
+    ],
+)
+def test_a_corrupt_resume_state_is_one_line(teacher_dir, tmp_path, monkeypatch, edit, says):
+    """A state that would export non-finite weights, claim steps never fitted or name other
+    tensors is refused before anything is fitted or written."""
+    options = lz.LinearizeOptions(steps=4, lora_steps=0, **OPTIONS)
+    src, data = teacher_dir / "exact", teacher_dir / "seqs.fasta"
+    real, calls = lz.transfer_loss, []
+
+    def dies_at_third(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(lz, "transfer_loss", dies_at_third)
+    with pytest.raises(KeyboardInterrupt):
+        lz.fit_linear(src, tmp_path / "cut", data, options, show_progress=False)
+    monkeypatch.setattr(lz, "transfer_loss", real)
+    spot = lz.state_path(tmp_path / "cut")
+    state = torch.load(spot, weights_only=True)
+    edit(state)
+    torch.save(state, spot)
+    with pytest.raises(UserError, match=re.escape(says)):
+        lz.fit_linear(src, tmp_path / "cut", data, options, resume=True, show_progress=False)
+    assert not (tmp_path / "cut").exists()
