@@ -248,30 +248,6 @@ def write_text_atomic(path: Path, text: str) -> Path:
 _HELD: dict[str, int] = {}
 
 
-def _drop_inherited_locks() -> None:
-    """In a forked child (DataLoader workers, ``fork`` pools): close the descriptors of the
-    parent's lock files. An ``flock`` lives as long as any descriptor of it, so workers kept
-    the run directory of a ``kill -9``-ed ``train`` locked (naming the dead pid) until they
-    noticed; the child never holds what its parent locked."""
-    if not _HELD:
-        return
-    held = set()
-    for key in _HELD:
-        with contextlib.suppress(OSError):
-            st = os.stat(key)
-            held.add((st.st_dev, st.st_ino))
-    _HELD.clear()
-    fd_dir = "/proc/self/fd" if os.path.isdir("/proc/self/fd") else "/dev/fd"
-    for name in os.listdir(fd_dir):
-        with contextlib.suppress(OSError, ValueError):
-            st = os.fstat(int(name))
-            if (st.st_dev, st.st_ino) in held:
-                os.close(int(name))
-
-
-os.register_at_fork(after_in_child=_drop_inherited_locks)
-
-
 def _holder(lock: Path) -> str:
     """Who holds ``lock``, as its holder wrote it (``pid N on HOST``), or ``another run``."""
     try:

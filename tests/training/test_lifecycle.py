@@ -1,6 +1,5 @@
-"""A training run and its helper processes (issue 42 #19, issue 45 #2): a scheduler's stop of the
-whole process group saves ``last.ckpt``; DataLoader workers never keep the run directory locked
-after the run is gone."""
+"""A training run and its helper processes (issue 45 #2): a scheduler's stop of the whole
+process group saves ``last.ckpt`` (inherited lock descriptors: the fork rule of io/atomic)."""
 
 from __future__ import annotations
 
@@ -8,15 +7,12 @@ import os
 import signal
 import subprocess
 import sys
-import textwrap
 import threading
-import time
 from pathlib import Path
 
 import pytest
 import pytorch_lightning as pl
 
-from protein_performer.io.atomic import exclusive_lock
 from tests.paths import REPO
 
 
@@ -63,31 +59,3 @@ def test_sigterm_to_the_whole_group_saves_last_and_exits_143(tmp_path: Path) -> 
     assert last.is_file()
     stops = [line for line in err.splitlines() if "stopped by SIGTERM" in line]
     assert len(stops) == 1, err[-3000:]
-
-
-def test_a_forked_child_does_not_keep_a_lock_of_a_killed_parent(tmp_path: Path) -> None:
-    """``kill -9`` of a process holding a lock, while its fork (a DataLoader worker) lives on:
-    the lock is free at once, not held by the orphan under the dead pid."""
-    run_dir = tmp_path / "run"
-    script = textwrap.dedent(f"""
-        import multiprocessing, time
-        from pathlib import Path
-        from protein_performer.io.atomic import exclusive_lock
-        with exclusive_lock(Path({str(run_dir)!r}), "a training run"):
-            child = multiprocessing.get_context("fork").Process(target=time.sleep, args=(60,))
-            child.start()
-            print(child.pid, flush=True)
-            time.sleep(60)
-    """)
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
-    proc = subprocess.Popen([sys.executable, "-c", script], env=env, stdout=subprocess.PIPE,
-                            text=True)  # fmt: skip
-    child = int(proc.stdout.readline())
-    try:
-        proc.kill()
-        proc.wait()
-        time.sleep(0.1)
-        with exclusive_lock(run_dir, "a training run"):
-            pass
-    finally:
-        os.kill(child, signal.SIGKILL)
