@@ -361,6 +361,11 @@ def fit_linear(
             )
         saved = _read_state(spot, key)
     teacher = _teacher_from(src, device)
+    if options.lora_steps and options.lora_rank > teacher.config.dim:
+        raise UserError(
+            f"linearize: --lora-rank {options.lora_rank} exceeds the model width "
+            f"{teacher.config.dim}; a rank above it adds parameters and no capacity"
+        )
     torch.manual_seed(options.seed)
     student = linear_student(teacher.model, options.kernel, options.window).train()
     for p in student.parameters():

@@ -128,6 +128,10 @@ def test_non_finite_loss_stops_with_one_line(teacher_dir, tmp_path, monkeypatch)
         (["garbage.pt", "out"], "garbage.pt"),
         (["EXACT", "out", "--kernel", "taylor", "--window", "0"], "nothing to fit"),
         (["LINEAR", "out"], "already has linear attention"),
+        (["EXACT", "out", "--lora-rank", "100000000", "--lora-steps", "1"],
+         "--lora-rank 100000000 exceeds the model width 16"),
+        (["EXACT", "out", "--data", "SEQS", "--max-len", "1000000000000"],
+         "max_len must be in 3..2147483647"),
     ],
 )
 def test_bad_input_is_one_error_line(teacher_dir, tmp_path, monkeypatch, capsys, argv, says):
@@ -137,7 +141,8 @@ def test_bad_input_is_one_error_line(teacher_dir, tmp_path, monkeypatch, capsys,
         twin = lz.linear_student(load_model(teacher_dir / "exact", "cpu").model, "hedgehog", 0)
         export_model(LoadedModel(twin, twin.config, Alphabet(), tmp_path / "l",
                                  torch.device("cpu"), "export"), tmp_path / "linear")
-    names = {"EXACT": str(teacher_dir / "exact"), "LINEAR": str(tmp_path / "linear")}
+    names = {"EXACT": str(teacher_dir / "exact"), "LINEAR": str(tmp_path / "linear"),
+             "SEQS": str(teacher_dir / "seqs.fasta")}
     argv = [names.get(a, a) for a in argv]
     assert main(["linearize", *argv, "--no-progress"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
