@@ -266,10 +266,11 @@ def iter_generate(
         raise UserError(f"batch_size must be a positive integer, got {batch_size}")
     if seed < 0:
         raise UserError(f"seed must be a non-negative integer, got {seed}")
-    prompts = [prompt] * n if isinstance(prompt, str) else list(prompt)
-    if len(prompts) != n:
+    # One prompt for all stays one string: a list of n copies was a MemoryError for n = 1e15.
+    prompts: str | list[str] = prompt if isinstance(prompt, str) else list(prompt)
+    if not isinstance(prompts, str) and len(prompts) != n:
         raise UserError(f"got {len(prompts)} prompts for {n} sequences; give one or n")
-    for i, p in enumerate(prompts):
+    for i, p in enumerate([prompts] if isinstance(prompts, str) else prompts):
         try:
             loaded.alphabet.encode(p)
         except ValueError as exc:
@@ -285,11 +286,12 @@ def _batches(
     loaded: LoadedModel,
     n: int,
     opts: SamplingOptions,
-    prompts: list[str],
+    prompts: str | list[str],
     seed: int,
     batch_size: int,
     context: FamilyContext | None = None,
 ) -> Iterator[Generated]:
     for start in range(0, n, batch_size):
         idx = list(range(start, min(n, start + batch_size)))
-        yield from generate_batch(loaded, idx, [prompts[i] for i in idx], opts, seed, context)
+        batch = [prompts if isinstance(prompts, str) else prompts[i] for i in idx]
+        yield from generate_batch(loaded, idx, batch, opts, seed, context)
