@@ -365,7 +365,8 @@ def build_families(
         "coverage": COVERAGE,
         "cov_mode": 0,
     }
-    if not seqs:
+    if not seqs:  # an empty split (a small valid set): no families, described as such
+        meta["sizes"] = size_summary(np.empty(0, np.int64))
         return Families(np.empty(0, np.int64), np.zeros(1, np.int64), np.empty(0, np.int64), meta)
     with scratch_dir("pp_families_") as work:
         fasta = work / "records.fasta"

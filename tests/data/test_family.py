@@ -255,3 +255,12 @@ def test_a_crafted_family_cache_with_falling_offsets_is_refused(tmp_path: Path) 
                  members=good.members, meta=np.array("{}"))  # fmt: skip
         with pytest.raises(ValueError, match="never decrease"):
             Families.load(tmp_path / "bad.npz")
+
+
+@pytest.mark.skipif(shutil.which("mmseqs") is None, reason="MMseqs2 is not installed")
+def test_an_empty_split_has_families_described_too() -> None:
+    """data.layout=family on a store whose valid split is empty: KeyError 'sizes' on the first
+    run (issue 42 #18)."""
+    from protein_performer.data.homology import build_families
+
+    assert build_families([], "search").meta["sizes"] == {"families": 0}
