@@ -87,6 +87,8 @@ def linear_student(teacher: PerformerLM, kernel: str, window: int) -> PerformerL
 
 def _teacher_from(src: str | os.PathLike[str] | LoadedModel, device: str) -> LoadedModel:
     loaded = load_model(src, device)
+    if loaded.config.position_memory:  # before any swap of its core (which failed on it)
+        raise UserError(f"{loaded.source}: a model with a position memory cannot be linearized")
     if loaded.config.attention == "linear":
         raise UserError(
             f"{loaded.source} already has linear attention; linearize the softmax model it "
@@ -98,8 +100,6 @@ def _teacher_from(src: str | os.PathLike[str] | LoadedModel, device: str) -> Loa
         raise UserError(
             f"{loaded.source} is a fine-tuned model with a task head; linearize its base model"
         )
-    if loaded.config.position_memory:
-        raise UserError(f"{loaded.source}: a model with a position memory cannot be linearized")
     for p in loaded.model.parameters():
         p.requires_grad_(False)
     return loaded
