@@ -83,6 +83,8 @@ class ProteinDataModule(pl.LightningDataModule):
     up to ``family_max_tokens`` (:class:`~protein_performer.data.family.FamilyDataset`); the
     families (``family_method`` search or cluster at ``family_identity``, MMseqs2) are built
     inside each split of a store and cached there (``data.homology.store_families``).
+    ``split_flag`` names the caller's own option for the FASTA fractions in messages
+    (``linearize``: ``--heldout-frac``).
     """
 
     def __init__(
@@ -106,6 +108,7 @@ class ProteinDataModule(pl.LightningDataModule):
         family_max_tokens: int = 8192,
         family_method: str = "search",
         family_identity: float = 0.3,
+        split_flag: str | None = None,
     ) -> None:
         super().__init__()
         self.paths = _as_paths(path)
@@ -146,6 +149,7 @@ class ProteinDataModule(pl.LightningDataModule):
         self.family_max_tokens = int(family_max_tokens)
         self.family_method = family_method
         self.family_identity = float(family_identity)
+        self.split_flag = split_flag
         self._families: dict[str, Any] = {}
         if layout == "family" and (len(self.paths) != 1 or self.paths[0].is_file()):
             raise UserError(_FAMILY_NEEDS_STORE)
@@ -220,13 +224,24 @@ class ProteinDataModule(pl.LightningDataModule):
             return
         total = sum(len(s) for s in self.sources.values())
         where = ", ".join(str(p) for p in self.paths)
-        if split == "train":
-            hint = "lower data.valid_frac / data.test_frac, or give more records"
+        if len(self.paths) == 1 and self.paths[0].is_dir():  # a store: data.*_frac unread
+            change = (
+                "smaller --valid-frac/--test-frac" if split == "train"
+                else f"larger --{_FRACTION_FOR[split].replace('_', '-')}"
+            )  # fmt: skip
+            hint = (
+                f"a store's splits are fixed when it is made (data.valid_frac and "
+                f"data.test_frac are not read for one): re-run `protein-performer preprocess` "
+                f"with a {change}, or give more records"
+            )
+        elif split == "train":
+            knobs = self.split_flag or "data.valid_frac / data.test_frac"
+            hint = f"lower {knobs}, or give more records"
         else:
             frac = _FRACTION_FOR[split]
             hint = (
-                f"raise data.{frac} (now {getattr(self, frac)}) so at least one of the "
-                f"{total} records lands there, or give more records"
+                f"raise {self.split_flag or f'data.{frac}'} (now {getattr(self, frac)}) so at "
+                f"least one of the {total} records lands there, or give more records"
             )
         if self.limit_records is not None:
             hint += f" (data.limit_records={self.limit_records} also limits the input)"

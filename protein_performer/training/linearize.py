@@ -120,7 +120,7 @@ def data_module(data: Data, options: LinearizeOptions, objective: str) -> Any:
     dm = ProteinDataModule(
         _data_paths(data), objective=objective, max_len=options.max_len,
         max_tokens=options.max_tokens, valid_frac=options.heldout_frac,
-        test_frac=options.heldout_frac, seed=options.seed,
+        test_frac=options.heldout_frac, seed=options.seed, split_flag="--heldout-frac",
     )  # fmt: skip
     dm.setup("fit")
     return dm
