@@ -32,6 +32,7 @@ from protein_performer.data.dataset import (
     ProteinDataset,
     RecordSource,
     StoreSubset,
+    check_max_len,
     fasta_splits,
 )
 from protein_performer.data.loader import ResumableDataLoader
@@ -118,6 +119,7 @@ class ProteinDataModule(pl.LightningDataModule):
             raise UserError(f"data.objective must be mlm or clm, got {objective!r}")
         if on_invalid not in ("error", "skip"):
             raise UserError(f"data.on_invalid must be error or skip, got {on_invalid!r}")
+        check_max_len(max_len)
         if max_tokens < max_len:
             log.warning(
                 "data.max_tokens=%d < data.max_len=%d: the longest records get a batch of "
