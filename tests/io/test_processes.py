@@ -81,6 +81,21 @@ def test_sigterm_stops_mmseqs_and_removes_its_scratch(tmp_path: Path) -> None:
     assert not list(tmp.glob("pp_homologs_*")), "the scratch copy of the database was left"
 
 
+def test_sigterm_stops_the_clustering_of_preprocess_too(tmp_path: Path) -> None:
+    pidfile = tmp_path / "child.pid"
+    argv, env, tmp = _setup(tmp_path, _hanging(pidfile))
+    fasta = argv[-3]
+    argv = [*argv[:3], "preprocess", fasta, "--out", str(tmp_path / "store"),
+            "--cluster-split", "0.5", "--no-progress"]  # fmt: skip
+    proc = subprocess.Popen(argv, env=env, stderr=subprocess.PIPE, text=True)
+    grandchild = _started(proc, pidfile)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=30)
+    assert proc.returncode == 143 and "Traceback" not in err, err
+    assert _wait_gone(grandchild), "mmseqs's child outlived preprocess"
+    assert not list(tmp.glob("pp_mmseqs_*"))
+
+
 def test_kill_9_of_the_command_still_ends_mmseqs_and_its_scratch(tmp_path: Path) -> None:
     pidfile = tmp_path / "child.pid"
     argv, env, tmp = _setup(tmp_path, _hanging(pidfile))
