@@ -64,21 +64,22 @@ def main(argv: Sequence[str] | None = None) -> int:
         level=logging.DEBUG if args.verbose else logging.INFO,
         format="%(levelname)s %(name)s: %(message)s",
     )
-    from protein_performer.cli._common import command_scope
+    from protein_performer.cli._common import SIGTERM_EXIT, Stopped, command_scope
 
+    sigterm = not getattr(args, "own_sigterm", False)  # train/finetune: the trainer saves first
     try:
-        with command_scope():  # output locks and a rank's process group end with the command
+        # Output locks, temporaries and a rank's process group end with the command, a SIGTERM
+        # included.
+        with command_scope(sigterm):
             return int(args.func(args) or 0)
     except UserError as exc:
         if not getattr(exc, "quiet", False):  # a data-parallel rank other than 0 stays silent
             print(f"error: {exc}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt as exc:
-        from protein_performer.io.processes import Stopped
-
-        if isinstance(exc, Stopped):  # SIGTERM during a child process or a scratch directory
-            print("stopped by SIGTERM (with its child processes)", file=sys.stderr)
-            return 143
+    except Stopped:
+        print("stopped by SIGTERM", file=sys.stderr)
+        return SIGTERM_EXIT
+    except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
     except BrokenPipeError:
