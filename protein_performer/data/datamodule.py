@@ -39,7 +39,7 @@ from protein_performer.data.loader import ResumableDataLoader
 from protein_performer.data.sampler import TokenBudgetBatchSampler
 from protein_performer.data.tokenizer import Alphabet
 from protein_performer.errors import UserError
-from protein_performer.io.processes import ignore_group_stop
+from protein_performer.io.processes import leave_group_stop
 
 log = logging.getLogger(__name__)
 
@@ -60,13 +60,13 @@ def _as_paths(path: str | Path | Sequence[str | Path]) -> list[Path]:
 
 
 def worker_init(worker_id: int, rank: int = 0) -> None:
-    """The DataLoader workers' start: they ignore a process group's SIGTERM (the main process
-    saves ``last.ckpt`` and stops them), then Lightning's own seeding when ``seed_everything(
-    workers=True)`` asked for it (Lightning adds it only to loaders without a ``worker_init_fn``).
-    """
+    """The DataLoader workers' start: they leave the command's process group (a group's SIGTERM
+    reaches the main process, which saves ``last.ckpt`` and stops them), then Lightning's own
+    seeding when ``seed_everything(workers=True)`` asked for it (Lightning adds it only to
+    loaders without a ``worker_init_fn``)."""
     from lightning_fabric.utilities.seed import pl_worker_init_function
 
-    ignore_group_stop(worker_id)
+    leave_group_stop(worker_id)
     if int(os.environ.get("PL_SEED_WORKERS", 0)):
         pl_worker_init_function(worker_id, rank)
 

@@ -14,8 +14,8 @@ same way; Slurm's ``scancel`` signals whole groups):
 * a wait longer than :data:`QUIET_SECONDS` says so (a line per progress interval), a timeout
   stops it, and a program that cannot start is one line.
 
-DataLoader workers, the other children, ignore a group's SIGTERM (:func:`ignore_group_stop`):
-the main process saves ``last.ckpt`` and ends them itself.
+DataLoader workers, the other children, leave the group (:func:`leave_group_stop`): a group's
+SIGTERM reaches the main process, which saves ``last.ckpt`` and ends them itself.
 """
 
 from __future__ import annotations
@@ -204,9 +204,10 @@ def _read(fh: tempfile._TemporaryFileWrapper[str]) -> str:
     return text
 
 
-def ignore_group_stop(worker_id: int) -> None:
-    """``worker_init_fn`` of the DataLoaders: a SIGTERM to the whole process group (``kill --
-    -PGID``, ``scancel``, ``docker stop``) reaches the workers too, and a worker that died of it
-    made the main process fail with a DataLoader traceback before it could save; the main
-    process stops them itself once ``last.ckpt`` is written (and they exit when it dies)."""
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+def leave_group_stop(worker_id: int) -> None:
+    """``worker_init_fn`` of the DataLoaders: each worker leaves the command's process group.
+    A SIGTERM to the whole group (``kill -- -PGID``, a batch system's stop) killed the workers
+    with it, and the main process failed with a DataLoader traceback before it could save
+    ``last.ckpt``; outside the group they keep serving until the main process stops them (its
+    ``terminate()`` still works: they keep the default SIGTERM), and they exit when it dies."""
+    os.setpgid(0, 0)
