@@ -51,8 +51,8 @@ def _cli(*args: str) -> list[str]:
     return [sys.executable, "-m", "protein_performer.cli.main", *args]
 
 
-def _models(work: Path) -> tuple[Path, Path]:
-    """Tiny MLM and CLM exports (seeded)."""
+def _export(work: Path, name: str, **config: object) -> Path:
+    """A tiny export (seeded) of ``PerformerConfig(dim=16, heads=2, ff_dim=32, **config)``."""
     import torch
 
     from protein_performer.data.tokenizer import Alphabet
@@ -61,17 +61,20 @@ def _models(work: Path) -> tuple[Path, Path]:
     from protein_performer.model.config import PerformerConfig
     from protein_performer.model.performer import PerformerLM
 
-    out = []
-    for objective in ("mlm", "clm"):
-        torch.manual_seed(0)
-        config = PerformerConfig(
-            dim=16, depth=2, heads=2, ff_dim=32, nb_features=8, objective=objective
-        )
-        loaded = LoadedModel(
-            PerformerLM(config).eval(), config, Alphabet(), work, torch.device("cpu"), "export"
-        )
-        out.append(export_model(loaded, work / objective))
-    return out[0], out[1]
+    torch.manual_seed(0)
+    cfg = PerformerConfig(**{"dim": 16, "depth": 2, "heads": 2, "ff_dim": 32, **config})
+    loaded = LoadedModel(
+        PerformerLM(cfg).eval(), cfg, Alphabet(), work, torch.device("cpu"), "export"
+    )
+    return export_model(loaded, work / name)
+
+
+def _models(work: Path) -> tuple[Path, Path]:
+    """Tiny MLM and CLM exports (seeded)."""
+    return tuple(  # type: ignore[return-value]
+        _export(work, objective, nb_features=8, objective=objective)
+        for objective in ("mlm", "clm")
+    )
 
 
 def _edit_config(model: Path, dest: Path, **edits: object) -> Path:
@@ -471,22 +474,6 @@ def _finetuned(work: Path, **lora: object) -> Path:
     return path
 
 
-def _exact(work: Path) -> Path:
-    import torch
-
-    from protein_performer.data.tokenizer import Alphabet
-    from protein_performer.interop.export import export_model
-    from protein_performer.interop.record import LoadedModel
-    from protein_performer.model.config import PerformerConfig
-    from protein_performer.model.performer import PerformerLM
-
-    torch.manual_seed(0)
-    config = PerformerConfig(dim=16, depth=1, heads=2, ff_dim=32, attention="exact")
-    loaded = LoadedModel(PerformerLM(config).eval(), config, Alphabet(), work,
-                         torch.device("cpu"), "export")  # fmt: skip
-    return export_model(loaded, work / "exact")
-
-
 def _intact(path: Path, text: str) -> Callable[[], str | None]:
     return lambda: None if path.read_text() == text else f"{path} was changed"
 
@@ -497,7 +484,7 @@ def lifecycle_cases(work: Path, mlm: Path, clm: Path, fasta: Path) -> list[Case]
     victim.write_text("keep me")
     afile = work / "a-file"
     afile.write_text("not a directory")
-    exact = _exact(work)
+    exact = _export(work, "exact", depth=1, attention="exact")
     homologs = work / "homologs.fasta"
     homologs.write_text(f">h1\n{SEQ}\n>h2\n{SEQ[::-1]}\n")
     wt = work / "wt.fasta"

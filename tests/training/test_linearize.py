@@ -83,10 +83,9 @@ def test_lora_merge_leaves_predictions_unchanged():
         tokens).logits)  # the adapters did change the model
 
 
-def test_killed_run_resumes_to_the_same_model(teacher_dir, tmp_path, monkeypatch):
-    options = lz.LinearizeOptions(steps=4, lora_steps=2, kl_weight=0.5, **OPTIONS)
-    src, data = teacher_dir / "exact", teacher_dir / "seqs.fasta"
-    whole = lz.fit_linear(src, tmp_path / "whole", data, options, show_progress=False)
+def _cut_at_third_step(monkeypatch, src, out, data, options) -> None:
+    """A run into ``out`` killed (Ctrl-C) inside its third transfer step: its resume state
+    holds step 2."""
     real, calls = lz.transfer_loss, []
 
     def dies_at_third(*args, **kwargs):
@@ -97,9 +96,16 @@ def test_killed_run_resumes_to_the_same_model(teacher_dir, tmp_path, monkeypatch
 
     monkeypatch.setattr(lz, "transfer_loss", dies_at_third)
     with pytest.raises(KeyboardInterrupt):
-        lz.fit_linear(src, tmp_path / "cut", data, options, show_progress=False)
-    assert lz.state_path(tmp_path / "cut").is_file()  # saved after step 2
+        lz.fit_linear(src, out, data, options, show_progress=False)
     monkeypatch.setattr(lz, "transfer_loss", real)
+
+
+def test_killed_run_resumes_to_the_same_model(teacher_dir, tmp_path, monkeypatch):
+    options = lz.LinearizeOptions(steps=4, lora_steps=2, kl_weight=0.5, **OPTIONS)
+    src, data = teacher_dir / "exact", teacher_dir / "seqs.fasta"
+    whole = lz.fit_linear(src, tmp_path / "whole", data, options, show_progress=False)
+    _cut_at_third_step(monkeypatch, src, tmp_path / "cut", data, options)
+    assert lz.state_path(tmp_path / "cut").is_file()  # saved after step 2
     with pytest.raises(UserError, match="--resume"):  # never a silent restart
         lz.fit_linear(src, tmp_path / "cut", data, options, show_progress=False)
     with pytest.raises(UserError, match="other source, data or options"):
@@ -210,18 +216,7 @@ def test_a_corrupt_resume_state_is_one_line(teacher_dir, tmp_path, monkeypatch, 
     tensors is refused before anything is fitted or written."""
     options = lz.LinearizeOptions(steps=4, lora_steps=0, **OPTIONS)
     src, data = teacher_dir / "exact", teacher_dir / "seqs.fasta"
-    real, calls = lz.transfer_loss, []
-
-    def dies_at_third(*args, **kwargs):
-        calls.append(1)
-        if len(calls) == 3:
-            raise KeyboardInterrupt
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(lz, "transfer_loss", dies_at_third)
-    with pytest.raises(KeyboardInterrupt):
-        lz.fit_linear(src, tmp_path / "cut", data, options, show_progress=False)
-    monkeypatch.setattr(lz, "transfer_loss", real)
+    _cut_at_third_step(monkeypatch, src, tmp_path / "cut", data, options)
     spot = lz.state_path(tmp_path / "cut")
     state = torch.load(spot, weights_only=True)
     edit(state)
