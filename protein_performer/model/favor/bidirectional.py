@@ -60,11 +60,17 @@ class _BidiFavor(torch.autograd.Function):
         dv = v.shape[-1]
         hb, block = _tile(BH, L, fmap.width, block, q)
         S = q.new_empty(BH, fmap.width, dv + 1)  # [phi(K)^T V | phi(K)^T 1] per head
-        out, den, shifts = q.new_empty(BH, L, dv), q.new_empty(BH, L, 1), q.new_zeros(BH, L)
+        den, shifts = q.new_empty(BH, L, 1), q.new_zeros(BH, L)
+        fused = fmap.exp and L <= block  # one block holds every row: _fused_exp
+        out = q.new_empty(BH, dv, L).mT if fused else q.new_empty(BH, L, dv)
+        vx = torch.cat([v, v.new_ones(BH, L, 1)], -1) if fused else None  # [V | 1]
         cols = []
         for b0 in range(0, BH, hb):
             h, fm = slice(b0, b0 + hb), fmap.heads(b0, b0 + hb)
             kp = None if keep is None else keep[h]
+            if fused:
+                cols.append(_fused_exp(q[h], k[h], vx[h], fm, kp, S[h], out[h], den[h], shifts[h]))
+                continue
             col = _bidi_state(k[h], v[h], fm, kp, block, S[h])
             cols.append(col)
             offset = col if fm.exp else None
@@ -114,6 +120,40 @@ class _BidiFavor(torch.autograd.Function):
                 dkf = torch.baddbmm(dS1.expand(*y.shape[:2], -1), v[h, r], dSv.mT)
                 dk[h, r] = fm.key_grad(y, kf, dkf, kb)
         return dq, dk, dvv, None, None, None
+
+
+def _fused_exp(
+    x: Tensor,
+    y: Tensor,
+    vx: Tensor,
+    fmap: FeatureMap,
+    keep: Tensor | None,
+    S: Tensor,
+    out: Tensor,
+    den: Tensor,
+    shift: Tensor,
+) -> Tensor:
+    """The forward of one tile of heads when one block holds every row (exp kernels).
+
+    Why: at a typical protein's length the block loop's passes over the (heads, rows, M)
+    features, not the products, were FAVOR+'s cost (issue 43). Here the features are made
+    transposed, (h, M, L), by :meth:`ExpFeatureMap.keys_t` and :meth:`ExpFeatureMap.queries_t`
+    (one GEMM each, the stabilizer's max over contiguous rows, one exp2), S = phi(K)^T [V | 1]
+    and [num | den]^T = S^T phi(Q)^T are two GEMMs, and the output is written once, into
+    ``out`` (h, L, dv) (a transposed view). Writes S, den (h, L, 1), the row shift (h, L);
+    returns the key stabilizer (h, 1, M) for the backward, which recomputes these features
+    with :meth:`FeatureMap.queries` / :meth:`FeatureMap.keys` (the same values to rounding).
+    """
+    dv = vx.shape[-1] - 1
+    kf, col = fmap.keys_t(y, keep)  # (h, M, L), (h, 1, M)
+    torch.bmm(kf, vx, out=S)  # (h, M, dv + 1)
+    qf, sh = fmap.queries_t(x, col)  # (h, M, L), (h, L)
+    shift.copy_(sh)
+    yt = torch.bmm(S.mT, qf)  # (h, dv + 1, L)
+    dt = safe_denominator(yt[:, dv:])  # (h, 1, L)
+    den.copy_(dt.mT)
+    torch.div(yt[:, :dv], dt, out=out.mT)
+    return col
 
 
 def _bidi_state(
