@@ -37,19 +37,31 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 #: "1": decode through one compiled graph per model and batch size
-#: (:class:`~protein_performer.model.decode.CompiledStep`); anything else: eager steps.
+#: (:class:`~protein_performer.model.decode.CompiledStep`) always; "0": eager steps always;
+#: unset (or "auto"): compiled where it pays (:data:`COMPILE_PAYS_STEPS`), else eager.
 COMPILE_ENV = "PROTEIN_PERFORMER_COMPILE_STEP"
+#: Decoding steps of one batch size from which the compiled step is the default: its compile
+#: (about 30-45 s for the 8M shape on one CPU thread, 3-5 s from a warm inductor cache) is
+#: paid back by about 3 ms saved a step (docs/RESULTS.md, issues 33 and 43).
+COMPILE_PAYS_STEPS = 12_000
 
 Step = Callable[..., tuple[torch.Tensor, list]]
 
 
-def decoding_step(model: PerformerLM) -> Step:
-    """The step generation calls: ``model.step``, or with ``PROTEIN_PERFORMER_COMPILE_STEP=1``
-    a compiled one, built once per model (kept on it) and compiled once per batch size, on its
-    first token (tens of seconds for the 8M shape on one CPU thread: it pays off over long runs
-    only); a model it cannot run, or a compiler that fails, keeps ``model.step`` and says why
-    in one line."""
-    if os.environ.get(COMPILE_ENV) != "1":
+def decoding_step(model: PerformerLM, steps: int | None = None) -> Step:
+    """The step generation calls: ``model.step``, or a compiled one (built once per model,
+    kept on it, compiled once per batch size on its first token, one log line), chosen by
+    ``PROTEIN_PERFORMER_COMPILE_STEP``: "1" always, "0" never, unset where it pays: when
+    ``steps`` (the tokens this run decodes per batch size, when the caller knows them)
+    reach :data:`COMPILE_PAYS_STEPS`. A model it cannot run, or a compiler that fails, keeps
+    ``model.step`` and says why in one line (a forced switch: a warning; auto: info).
+
+    Compiled and eager logits agree to float rounding, so a draw on a knife's edge can differ
+    between a run that compiles and one that does not; set the variable to pin either."""
+    mode = os.environ.get(COMPILE_ENV, "").strip().lower() or "auto"
+    if mode not in ("0", "1", "auto"):
+        raise UserError(f"{COMPILE_ENV}={mode!r}: expected 1, 0 or auto")
+    if mode == "0" or (mode == "auto" and (steps or 0) < COMPILE_PAYS_STEPS):
         return model.step
     step = model.__dict__.get("_decoding_step")
     if step is None:
@@ -57,7 +69,8 @@ def decoding_step(model: PerformerLM) -> Step:
 
         reason = unsupported(model)
         if reason is not None:
-            log.warning("%s: no compiled step (%s); decoding eagerly", COMPILE_ENV, reason)
+            level = logging.WARNING if mode == "1" else logging.INFO
+            log.log(level, "%s: no compiled step (%s); decoding eagerly", COMPILE_ENV, reason)
             step = model.step
         else:
             step = _EagerFallback(model, CompiledStep(model))
@@ -171,14 +184,19 @@ def generate_batch(
     opts: SamplingOptions,
     seed: int,
     context: FamilyContext | None = None,
+    steps: int | None = None,
 ) -> list[Generated]:
     """Sample one sequence per (index, prompt); see the module docstring for the recursion.
 
     With a family ``context`` each prompt runs as the next member after it, from its states
-    (never written), so the sequences are new members of that family."""
+    (never written), so the sequences are new members of that family. ``steps``: the most
+    tokens the whole run decodes at this batch size (:func:`decoding_step`; None: this
+    batch's)."""
+    if steps is None:
+        steps = opts.max_length
     a = loaded.alphabet
     model = loaded.model
-    step = decoding_step(model)
+    step = decoding_step(model, steps)
     device = loaded.device
     B = len(indices)
     gens = [record_generator(seed, i) for i in indices]
@@ -290,6 +308,9 @@ def _batches(
     batch_size: int,
     context: FamilyContext | None = None,
 ) -> Iterator[Generated]:
+    full = n // batch_size  # batches of batch_size rows; a shorter last one is alone
     for start in range(0, n, batch_size):
         idx = list(range(start, min(n, start + batch_size)))
-        yield from generate_batch(loaded, idx, [prompts[i] for i in idx], opts, seed, context)
+        steps = (full if len(idx) == batch_size else 1) * opts.max_length  # at most
+        batch = [prompts[i] for i in idx]
+        yield from generate_batch(loaded, idx, batch, opts, seed, context, steps)

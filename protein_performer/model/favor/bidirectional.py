@@ -63,13 +63,15 @@ class _BidiFavor(torch.autograd.Function):
         den, shifts = q.new_empty(BH, L, 1), q.new_zeros(BH, L)
         fused = fmap.exp and L <= block  # one block holds every row: _fused_exp
         out = q.new_empty(BH, dv, L).mT if fused else q.new_empty(BH, L, dv)
-        vx = torch.cat([v, v.new_ones(BH, L, 1)], -1) if fused else None  # [V | 1]
+        if fused:  # [Q | 1], [K | |K|^2 ...], [V | 1]: once for all heads
+            xa, ya = fmap.fused_inputs(q, k, keep)
+            vx = torch.cat([v, v.new_ones(BH, L, 1)], -1)
         cols = []
         for b0 in range(0, BH, hb):
             h, fm = slice(b0, b0 + hb), fmap.heads(b0, b0 + hb)
             kp = None if keep is None else keep[h]
             if fused:
-                cols.append(_fused_exp(q[h], k[h], vx[h], fm, kp, S[h], out[h], den[h], shifts[h]))
+                cols.append(_fused_exp(xa[h], ya[h], vx[h], fm, S[h], out[h], den[h], shifts[h]))
                 continue
             col = _bidi_state(k[h], v[h], fm, kp, block, S[h])
             cols.append(col)
@@ -123,17 +125,17 @@ class _BidiFavor(torch.autograd.Function):
 
 
 def _fused_exp(
-    x: Tensor,
-    y: Tensor,
+    xa: Tensor,
+    ya: Tensor,
     vx: Tensor,
     fmap: FeatureMap,
-    keep: Tensor | None,
     S: Tensor,
     out: Tensor,
     den: Tensor,
     shift: Tensor,
 ) -> Tensor:
-    """The forward of one tile of heads when one block holds every row (exp kernels).
+    """The forward of one tile of heads when one block holds every row (exp kernels), from
+    the inputs of :meth:`ExpFeatureMap.fused_inputs`.
 
     Why: at a typical protein's length the block loop's passes over the (heads, rows, M)
     features, not the products, were FAVOR+'s cost (issue 43). Here the features are made
@@ -145,12 +147,13 @@ def _fused_exp(
     with :meth:`FeatureMap.queries` / :meth:`FeatureMap.keys` (the same values to rounding).
     """
     dv = vx.shape[-1] - 1
-    kf, col = fmap.keys_t(y, keep)  # (h, M, L), (h, 1, M)
+    kf, col = fmap.keys_t(ya)  # (h, M, L), (h, 1, M)
     torch.bmm(kf, vx, out=S)  # (h, M, dv + 1)
-    qf, sh = fmap.queries_t(x, col)  # (h, M, L), (h, L)
+    qf, sh = fmap.queries_t(xa, col)  # (h, M, L), (h, L)
     shift.copy_(sh)
     yt = torch.bmm(S.mT, qf)  # (h, dv + 1, L)
-    dt = safe_denominator(yt[:, dv:])  # (h, 1, L)
+    # positive features: den >= 0, so the clamp is safe_denominator's guard (NaN stays NaN)
+    dt = yt[:, dv:].clamp_min(torch.finfo(torch.float32).tiny)  # (h, 1, L)
     den.copy_(dt.mT)
     torch.div(yt[:, :dv], dt, out=out.mT)
     return col

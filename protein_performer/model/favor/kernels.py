@@ -309,36 +309,44 @@ class ExpFeatureMap(FeatureMap):
     def key_logits(self, z, keep, out=None):
         return KeyLogits(self.project(z, self.bias, out), self._row_term(z, keep, -0.5))
 
-    def keys_t(self, z: Tensor, keep: Tensor | None) -> tuple[Tensor, Tensor]:
+    def fused_inputs(self, x: Tensor, y: Tensor, keep: Tensor | None) -> tuple[Tensor, Tensor]:
+        """The inputs of :meth:`keys_t` and :meth:`queries_t` for queries x and keys y
+        (..., N, d), made once for all heads: [x | 1] and [y | |y|^2 | 1 (with a bias)],
+        a pad's |y|^2 +inf (so its logits are -inf and its features 0)."""
+        ones = x.new_ones(*x.shape[:-1], 1)
+        sq = y.pow(2).sum(-1, keepdim=True)
+        if keep is not None:
+            sq.masked_fill_(~keep[..., None], float("inf"))
+        ya = torch.cat([y, sq] if self.bias is None else [y, sq, ones], -1)
+        return torch.cat([x, ones], -1), ya
+
+    def keys_t(self, ya: Tensor) -> tuple[Tensor, Tensor]:
         """All keys of a sequence at once, transposed: features (..., M, N) and the column
         stabilizer col (..., 1, M) they are relative to, the values :func:`column_max` and
-        :meth:`keys` give to rounding. Why: at the lengths of most proteins one block holds
-        every key, and then the log part is one GEMM in base 2 (the row term and the bias ride
-        in it as extra input columns; a pad's row term is +inf, so its logits are -inf), the
-        max one pass over contiguous rows, the features one subtract and one exp2. A head
-        with no real key gets col 0 (its features are 0 whatever col is)."""
-        rows = [self.Wa, self.Wa.new_full((*self.Wa.shape[:-1], 1), -0.5 * self.t2)]
-        za = [z, z.pow(2).sum(-1, keepdim=True)]
-        if keep is not None:
-            za[1].masked_fill_(~keep[..., None], float("inf"))
-        if self.bias is not None:
-            rows.append(self.bias.mT)
-            za.append(z.new_ones(*z.shape[:-1], 1))
-        W = torch.cat(rows, -1).mul_(LOG2E)  # (..., M, d + 1|2)
-        t = torch.matmul(W, torch.cat(za, -1).mT)  # (..., M, N)
+        :meth:`keys` give to rounding; ya from :meth:`fused_inputs`. Why: at the lengths of
+        most proteins one block holds every key, and then the log part is one GEMM in base 2
+        (the row term and the bias ride in it as extra input columns), the max one pass over
+        contiguous rows, the features one subtract and one exp2. A head with no real key gets
+        col 0 (its features are 0 whatever col is)."""
+        W = self.__dict__.get("_Wk2")
+        if W is None:  # (..., M, d + 1|2): [Wa | -t2/2 | bias] log2 e
+            rows = [self.Wa, self.Wa.new_full((*self.Wa.shape[:-1], 1), -0.5 * self.t2)]
+            rows += [] if self.bias is None else [self.bias.mT]
+            W = self.__dict__["_Wk2"] = torch.cat(rows, -1).mul_(LOG2E)
+        t = torch.matmul(W, ya.mT)  # (..., M, N)
         col = t.amax(-1, keepdim=True)  # (..., M, 1), base 2
         col.masked_fill_(col == float("-inf"), 0.0)
         return t.sub_(col).exp2_(), col.mT.mul(1 / LOG2E)
 
-    def queries_t(self, z: Tensor, col: Tensor) -> tuple[Tensor, Tensor]:
+    def queries_t(self, xa: Tensor, col: Tensor) -> tuple[Tensor, Tensor]:
         """Query features transposed, (..., M, N), and their row shift (..., N), with the keys'
         column stabilizer col (..., 1, M) moved over: the values :meth:`queries` gives with
-        ``offset=col`` (and takes back as ``shift``), from one GEMM ([z | 1] against the base 2
-        weights and offsets), one max over contiguous columns, one subtract, one exp2."""
+        ``offset=col`` (and takes back as ``shift``), from one GEMM ([x | 1] of
+        :meth:`fused_inputs` against the base 2 weights and offsets), one max over contiguous
+        columns, one subtract, one exp2."""
         offset = col if self.bias is None else self.bias + col
         W = torch.cat([self.Wa2.expand(*col.shape[:-2], -1, -1), offset.mT * LOG2E], -1)
-        za = torch.cat([z, z.new_ones(*z.shape[:-1], 1)], -1)
-        t = torch.bmm(W, za.mT) if z.dim() == 3 else torch.matmul(W, za.mT)  # (..., M, N)
+        t = torch.matmul(W, xa.mT)  # (..., M, N)
         shift = t.amax(-2, keepdim=True)  # (..., 1, N)
         return t.sub_(shift).exp2_(), shift[..., 0, :]
 
