@@ -61,7 +61,7 @@ class _BidiFavor(torch.autograd.Function):
         hb, block = _tile(BH, L, fmap.width, block, q)
         S = q.new_empty(BH, fmap.width, dv + 1)  # [phi(K)^T V | phi(K)^T 1] per head
         den, shifts = q.new_empty(BH, L, 1), q.new_zeros(BH, L)
-        fused = fmap.exp and L <= block  # one block holds every row: _fused_exp
+        fused = fmap.exp and block >= L  # one block holds every row: _fused_exp
         out = q.new_empty(BH, dv, L).mT if fused else q.new_empty(BH, L, dv)
         if fused:  # [Q | 1], [K | |K|^2 ...], [V | 1]: once for all heads
             xa, ya = fmap.fused_inputs(q, k, keep)

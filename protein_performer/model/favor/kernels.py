@@ -291,7 +291,7 @@ class ExpFeatureMap(FeatureMap):
         bias = self.bias
         if offset is not None:
             bias = offset if bias is None else bias + offset
-        t = self._project(z, self.Wa2, None if bias is None else bias * LOG2E, out)
+        t = self._project(z, self.wa2, None if bias is None else bias * LOG2E, out)
         if shift is None:
             shift = t.detach().amax(-1)
         if rscale is not None:
@@ -299,7 +299,7 @@ class ExpFeatureMap(FeatureMap):
         return t.sub_(shift[..., None]).exp2_(), shift
 
     @property
-    def Wa2(self) -> Tensor:
+    def wa2(self) -> Tensor:
         """Wa log2 e: the query projection in base 2 (computed once per map)."""
         w = self.__dict__.get("_Wa2")
         if w is None:
@@ -345,7 +345,7 @@ class ExpFeatureMap(FeatureMap):
         :meth:`fused_inputs` against the base 2 weights and offsets), one max over contiguous
         columns, one subtract, one exp2."""
         offset = col if self.bias is None else self.bias + col
-        W = torch.cat([self.Wa2.expand(*col.shape[:-2], -1, -1), offset.mT * LOG2E], -1)
+        W = torch.cat([self.wa2.expand(*col.shape[:-2], -1, -1), offset.mT * LOG2E], -1)
         t = torch.matmul(W, xa.mT)  # (..., M, N)
         shift = t.amax(-2, keepdim=True)  # (..., 1, N)
         return t.sub_(shift).exp2_(), shift[..., 0, :]

@@ -25,9 +25,10 @@ interleaved rounds (every candidate once per round, the order rotated), so a loa
 and goes hits them alike; a pair replaces the default only when it is at least :data:`MARGIN`
 faster in every round. Each entry records when it was measured and the machine's load then.
 A measurement under load (other processes using more than :data:`BUSY_LOAD` of each core
-during the timing rounds, read from /proc, :func:`machine_load`) keeps the default and is cached as provisional, measured again after
-:data:`RECHECK_PROVISIONAL` seconds; a cached winner older than :data:`RECHECK_WINNER` seconds
-is timed against the default again and dropped when it no longer wins.
+during the timing rounds, read from /proc, :func:`machine_load`) keeps the default and is
+cached as provisional, measured again after :data:`RECHECK_PROVISIONAL` seconds; a cached
+winner older than :data:`RECHECK_WINNER` seconds is timed against the default again and
+dropped when it no longer wins.
 ``PROTEIN_PERFORMER_FAVOR_RETUNE=1`` re-tunes on purpose (each shape this process meets is
 measured again and its entry replaced). The timings come from one function
 (``causal_tiles(..., clock=)``), so tests give it made-up times.
