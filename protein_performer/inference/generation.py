@@ -37,63 +37,69 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 #: "1": decode through one compiled graph per model and batch size
-#: (:class:`~protein_performer.model.decode.CompiledStep`) always; "0": eager steps always;
-#: unset (or "auto"): compiled where it pays (:data:`COMPILE_PAYS_STEPS`), else eager.
+#: (:class:`~protein_performer.model.decode.CompiledStep`) always; "0": ``model.step`` always;
+#: unset (or "auto"): the compiled step where it pays (:data:`COMPILE_PAYS_STEPS`), else the
+#: same traced step run eagerly (no compile).
 COMPILE_ENV = "PROTEIN_PERFORMER_COMPILE_STEP"
 #: Decoding steps of one batch size from which the compiled step is the default: its compile
 #: (about 30-45 s for the 8M shape on one CPU thread, 3-5 s from a warm inductor cache) is
-#: paid back by about 3 ms saved a step (docs/RESULTS.md, issues 33 and 43).
+#: paid back by the step's time saved over the traced step run eagerly (docs/RESULTS.md).
 COMPILE_PAYS_STEPS = 12_000
 
 Step = Callable[..., tuple[torch.Tensor, list]]
 
 
 def decoding_step(model: PerformerLM, steps: int | None = None) -> Step:
-    """The step generation calls: ``model.step``, or a compiled one (built once per model,
-    kept on it, compiled once per batch size on its first token, one log line), chosen by
-    ``PROTEIN_PERFORMER_COMPILE_STEP``: "1" always, "0" never, unset where it pays: when
-    ``steps`` (the tokens this run decodes per batch size, when the caller knows them)
-    reach :data:`COMPILE_PAYS_STEPS`. A model it cannot run, or a compiler that fails, keeps
-    ``model.step`` and says why in one line (a forced switch: a warning; auto: info).
+    """The step generation calls, built once per model and kind (kept on it).
 
-    Compiled and eager logits agree to float rounding, so a draw on a knife's edge can differ
-    between a run that compiles and one that does not; set the variable to pin either."""
+    ``PROTEIN_PERFORMER_COMPILE_STEP`` unset: :class:`~protein_performer.model.decode.
+    CompiledStep`, compiled (once per batch size, on its first token, one log line) when
+    ``steps`` (the most tokens this run decodes at this batch size, when the caller knows
+    them) reach :data:`COMPILE_PAYS_STEPS`, else the same traced step run eagerly: a third
+    fewer ops than ``model.step`` and no compile. "1": always compiled; "0": ``model.step``.
+    A model the traced step cannot run, or a compiler that fails, keeps ``model.step`` and says
+    why in one line (a warning when "1" asked for it, else info).
+
+    The traced step's logits are ``model.step``'s to float rounding (it reads transposed
+    weights, one more copy of them in memory), so a draw on a knife's edge can differ between
+    the kinds; set the variable to pin one."""
     mode = os.environ.get(COMPILE_ENV, "").strip().lower() or "auto"
     if mode not in ("0", "1", "auto"):
         raise UserError(f"{COMPILE_ENV}={mode!r}: expected 1, 0 or auto")
-    if mode == "0" or (mode == "auto" and (steps or 0) < COMPILE_PAYS_STEPS):
+    if mode == "0":
         return model.step
-    step = model.__dict__.get("_decoding_step")
-    if step is None:
+    compiled = mode == "1" or (steps or 0) >= COMPILE_PAYS_STEPS
+    kind = "compiled" if compiled else "traced"
+    built = model.__dict__.setdefault("_decoding_steps", {})
+    if kind not in built:
         from protein_performer.model.decode import CompiledStep, unsupported
 
         reason = unsupported(model)
         if reason is not None:
             level = logging.WARNING if mode == "1" else logging.INFO
-            log.log(level, "%s: no compiled step (%s); decoding eagerly", COMPILE_ENV, reason)
-            step = model.step
+            log.log(level, "%s: no %s step (%s); decoding eagerly", COMPILE_ENV, kind, reason)
+            built[kind] = model.step
         else:
-            step = _EagerFallback(model, CompiledStep(model))
-        model.__dict__["_decoding_step"] = step
-    return step
+            built[kind] = _EagerFallback(model, CompiledStep(model, compile=compiled), kind)
+    return built[kind]
 
 
 class _EagerFallback:
-    """A compiled step, replaced by ``model.step`` for good when a call raises (no compiler, an
+    """A traced step, replaced by ``model.step`` for good when a call raises (no compiler, an
     unsupported op); that token is decoded eagerly, so the run goes on."""
 
-    def __init__(self, model: PerformerLM, compiled: Step) -> None:
-        self.model, self.compiled = model, compiled
+    def __init__(self, model: PerformerLM, traced: Step, kind: str) -> None:
+        self.model, self.traced, self.kind = model, traced, kind
 
     def __call__(self, tokens, positions, states, pad=None, inplace=False):
-        if self.compiled is not None:
+        if self.traced is not None:
             try:
-                return self.compiled(tokens, positions, states, pad, inplace)
+                return self.traced(tokens, positions, states, pad, inplace)
             except Exception as err:  # torch.compile's failures have no common type
                 first = str(err).splitlines()[0] if str(err) else type(err).__name__
-                log.warning("%s: the compiled step failed (%s); decoding eagerly",
-                            COMPILE_ENV, first)  # fmt: skip
-                self.compiled = None
+                log.warning("%s: the %s step failed (%s); decoding eagerly",
+                            COMPILE_ENV, self.kind, first)  # fmt: skip
+                self.traced = None
         return self.model.step(tokens, positions, states, pad, inplace=inplace)
 
 
