@@ -55,23 +55,28 @@ class _BidiFavor(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, q, k, v, fmap: FeatureMap, keep, block: int):
+    def forward(ctx, q, k, v, fmap: FeatureMap, keep, block: int, heads: int):
         BH, L, _ = q.shape
         dv = v.shape[-1]
         hb, block = _tile(BH, L, fmap.width, block, q)
         S = q.new_empty(BH, fmap.width, dv + 1)  # [phi(K)^T V | phi(K)^T 1] per head
         den, shifts = q.new_empty(BH, L, 1), q.new_zeros(BH, L)
         fused = fmap.exp and block >= L  # one block holds every row: _fused_exp
-        out = q.new_empty(BH, dv, L).mT if fused else q.new_empty(BH, L, dv)
-        if fused:  # [Q | 1], [K | |K|^2 ...], [V | 1]: once for all heads
-            xa, ya = fmap.fused_inputs(q, k, keep)
-            vx = torch.cat([v, v.new_ones(BH, L, 1)], -1)
+        if fused:
+            # (B, H, L, dv) over (B, L, H, dv) memory: the layer's out_proj reads it as it is
+            hb = _aligned(hb, heads)
+            out = q.new_empty(BH // heads, L, heads, dv).permute(0, 2, 1, 3)
+            xa, ya = fmap.fused_inputs(q, k, keep)  # [Q | 1], [K | |K|^2 ...]: all heads
+        else:
+            out = q.new_empty(BH, L, dv)
         cols = []
         for b0 in range(0, BH, hb):
             h, fm = slice(b0, b0 + hb), fmap.heads(b0, b0 + hb)
             kp = None if keep is None else keep[h]
-            if fused:
-                cols.append(_fused_exp(xa[h], ya[h], vx[h], fm, S[h], out[h], den[h], shifts[h]))
+            if fused:  # the tile's rows of out: (batch rows, heads, dv, L) views
+                rows, first = slice(b0 // heads, -(-(b0 + hb) // heads)), b0 % heads
+                target = out[rows, first : first + min(hb, heads)].transpose(-1, -2)
+                cols.append(_fused_exp(xa[h], ya[h], v[h], fm, S[h], target, den[h], shifts[h]))
                 continue
             col = _bidi_state(k[h], v[h], fm, kp, block, S[h])
             cols.append(col)
@@ -95,6 +100,7 @@ class _BidiFavor(torch.autograd.Function):
         (hb, block), fmap = ctx.tile, ctx.fmap
         BH, L, _ = q.shape
         dv = v.shape[-1]
+        grad_out, out = grad_out.reshape(BH, L, dv), out.reshape(BH, L, dv)
         tiny = torch.finfo(torch.float32).tiny
         dq, dk, dvv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
         for b0 in range(0, BH, hb):
@@ -121,13 +127,21 @@ class _BidiFavor(torch.autograd.Function):
                 dvv[h, r] = torch.bmm(kf, dSv)
                 dkf = torch.baddbmm(dS1.expand(*y.shape[:2], -1), v[h, r], dSv.mT)
                 dk[h, r] = fm.key_grad(y, kf, dkf, kb)
-        return dq, dk, dvv, None, None, None
+        return dq, dk, dvv, None, None, None, None
+
+
+def _aligned(hb: int, heads: int) -> int:
+    """Heads per tile made to fit the (batch, head) grid: a multiple of ``heads`` or a divisor
+    of it, so a tile's rows of the (B, L, H, dv) output are one strided view."""
+    if hb >= heads:
+        return hb // heads * heads
+    return max(n for n in range(1, hb + 1) if heads % n == 0)
 
 
 def _fused_exp(
     xa: Tensor,
     ya: Tensor,
-    vx: Tensor,
+    v: Tensor,
     fmap: FeatureMap,
     S: Tensor,
     out: Tensor,
@@ -142,20 +156,23 @@ def _fused_exp(
     transposed, (h, M, L), by :meth:`ExpFeatureMap.keys_t` and :meth:`ExpFeatureMap.queries_t`
     (one GEMM each, the stabilizer's max over contiguous rows, one exp2), S = phi(K)^T [V | 1]
     and [num | den]^T = S^T phi(Q)^T are two GEMMs, and the output is written once, into
-    ``out`` (h, L, dv) (a transposed view). Writes S, den (h, L, 1), the row shift (h, L);
-    returns the key stabilizer (h, 1, M) for the backward, which recomputes these features
-    with :meth:`FeatureMap.queries` / :meth:`FeatureMap.keys` (the same values to rounding).
+    ``out`` (batch rows, heads, dv, L) (a view of the (B, L, H, dv) output). The normalizer
+    column of S is a row sum: a GEMM over dv + 1 = 17 columns costs as much as one over 32.
+    Writes S, den (h, L, 1), the row shift (h, L); returns the key stabilizer (h, 1, M) for
+    the backward, which recomputes these features with :meth:`FeatureMap.queries` /
+    :meth:`FeatureMap.keys` (the same values to rounding).
     """
-    dv = vx.shape[-1] - 1
+    dv = v.shape[-1]
     kf, col = fmap.keys_t(ya)  # (h, M, L), (h, 1, M)
-    torch.bmm(kf, vx, out=S)  # (h, M, dv + 1)
+    S[..., :dv] = torch.bmm(kf, v)  # (h, M, dv)
+    torch.sum(kf, -1, out=S[..., dv])
     qf, sh = fmap.queries_t(xa, col)  # (h, M, L), (h, L)
     shift.copy_(sh)
     yt = torch.bmm(S.mT, qf)  # (h, dv + 1, L)
     # positive features: den >= 0, so the clamp is safe_denominator's guard (NaN stays NaN)
     dt = yt[:, dv:].clamp_min(torch.finfo(torch.float32).tiny)  # (h, 1, L)
     den.copy_(dt.mT)
-    torch.div(yt[:, :dv], dt, out=out.mT)
+    torch.div(yt[:, :dv].view(out.shape), dt.view(*out.shape[:-2], 1, -1), out=out)
     return col
 
 
