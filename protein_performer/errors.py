@@ -20,6 +20,15 @@ class UserError(Exception):
     """
 
 
+def shown(text: object) -> str:
+    """An id from the user's data (a record, an assay, a column) as a terminal message shows it:
+    as written when every character is printable, else quoted with its control and invisible
+    characters escaped (``repr``), so an id holding ``ESC[2J`` or an OSC title never drives
+    the terminal. Every message that prints such an id goes through here."""
+    text = str(text)
+    return text if text.isprintable() else repr(text)
+
+
 def check_format_header(data: object, where: object, name: str, version: int, what: str) -> None:
     """Refuse a JSON file that is not ours (``format`` != ``name``) or is newer than this code.
 

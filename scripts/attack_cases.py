@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Crafted inputs of the round-three attack run (issue 34), run through the real CLI.
+"""Crafted inputs of the attack runs (issues 34 and 42), run through the real CLI.
 
 ``fault_injection.py`` kills commands inside their writes; this sibling hands them hostile
 files instead, so the next attack round starts from these cases. Each case builds its files
@@ -42,8 +42,9 @@ class Case:
     argv: list[str]
     want: str  # "error": exit 2 and one error line; "ok": exit 0
     says: str  # text the error line (or, for "ok", stderr) must hold
-    check: Callable[[], str | None] | None = None  # more to check after an "ok" run
+    check: Callable[[], str | None] | None = None  # more to check after the run (any outcome)
     shell_closes_stdout: bool = False
+    stdin: bytes | None = None  # fed to the command's standard input (default: none, closed)
 
 
 def _cli(*args: str) -> list[str]:
@@ -55,7 +56,8 @@ def _models(work: Path) -> tuple[Path, Path]:
     import torch
 
     from protein_performer.data.tokenizer import Alphabet
-    from protein_performer.interop.loading import LoadedModel, export_model
+    from protein_performer.interop.export import export_model
+    from protein_performer.interop.record import LoadedModel
     from protein_performer.model.config import PerformerConfig
     from protein_performer.model.performer import PerformerLM
 
@@ -251,6 +253,180 @@ def build(work: Path) -> list[Case]:
         out = work / f"png-{tag}"
         cases.append(Case(f"png-id-{tag}", _cli("visualize", str(mlm), str(one), "--device",
                           "cpu", "--out-dir", str(out)), "ok", "", _png_check(out)))  # fmt: skip
+    cases += policy_cases(work, mlm, clm, fasta)
+    return cases
+
+
+# --------------------------------------------------------------------------------------------
+# Issue 42, the output policy (locks, outputs vs inputs, sidecars, benchmark, cells, escapes).
+
+
+def _unchanged(*paths: Path) -> Callable[[], str | None]:
+    """A check that ``paths`` keep the bytes they had when the case was built."""
+    before = {p: p.read_bytes() for p in paths}
+
+    def check() -> str | None:
+        changed = [str(p) for p, data in before.items()
+                   if not p.is_file() or p.read_bytes() != data]  # fmt: skip
+        return f"changed: {', '.join(changed)}" if changed else None
+
+    return check
+
+
+def _absent(*paths: Path) -> Callable[[], str | None]:
+    def check() -> str | None:
+        there = [str(p) for p in paths if p.exists() or p.is_symlink()]
+        return f"written: {', '.join(there)}" if there else None
+
+    return check
+
+
+def reference_file(path: Path, dms_id: str, target_seq: str | None = None) -> Path:
+    """A one-assay ProteinGym reference (the repository's TEM-1 scan) with ``dms_id``."""
+    import csv
+
+    with open(REPO / "data" / "proteingym" / "reference_two_assays.csv", newline="") as fh:
+        row = next(csv.DictReader(fh))
+    row["DMS_id"] = dms_id
+    if target_seq is not None:
+        row["target_seq"] = target_seq
+    with open(path, "w", newline="") as fh:
+        writer = csv.DictWriter(fh, fieldnames=list(row))
+        writer.writeheader()
+        writer.writerow(row)
+    return path
+
+
+def _cells_check(path: Path, column: int, want: str) -> Callable[[], str | None]:
+    """A check that the table's cells in ``column`` start with ``'`` where they start with a
+    formula prefix and the score column (the last) stays numbers."""
+    import csv
+
+    def check() -> str | None:
+        with open(path, newline="", encoding="utf-8") as fh:
+            rows = list(csv.reader(fh))
+        cells = [r[column] for r in rows]
+        if want not in cells:
+            return f"no cell {want!r} in column {column}: {cells[:4]}"
+        if any(c[:1] in "=+@" for c in cells):
+            return f"a formula cell: {cells[:4]}"
+        try:
+            [float(r[-1]) for r in rows[1:]]
+        except ValueError:
+            return "the score column is not numbers"
+        return None
+
+    return check
+
+
+def policy_cases(work: Path, mlm: Path, clm: Path, fasta: Path) -> list[Case]:
+    """The issue-42 cases of the output policy (built under ``work/policy``)."""
+    w = work / "policy"
+    w.mkdir()
+    pg = REPO / "data" / "proteingym"
+    cases: list[Case] = []
+    # A lock planted as a symlink to the user's file: refused, the file untouched.
+    victim = w / "victim.txt"
+    victim.write_text("precious\n")
+    (w / "shared").mkdir()
+    os.symlink(victim, w / "shared" / ".out.csv.lock")
+    cases.append(Case("lock-symlink", _cli("score", str(mlm), str(fasta), str(w / "shared" /
+                      "out.csv")), "error", "symbolic link", _unchanged(victim)))  # fmt: skip
+    # DMS_id used as a path.
+    for tag, dms_id in (("abs", str(w / "PWNED")), ("dotdot", "../../dms/assay")):
+        ref = reference_file(w / f"ref-{tag}.csv", dms_id)
+        cases.append(Case(f"dms-id-{tag}", _cli("benchmark", "proteingym", str(ref), str(pg),
+                          str(w / f"pg-{tag}"), str(mlm)), "error", "cannot name a file",
+                          _absent(w / "PWNED.csv", w / f"pg-{tag}")))  # fmt: skip
+    # OUT_DIR == DMS_DIR, and OUT_DIR holding the DMS folder.
+    o2 = w / "o2"
+    (o2 / "scores").mkdir(parents=True)
+    assay = o2 / "scores" / "BLAT_ECOLX_Stiffler_2015.csv"
+    shutil.copy(pg / assay.name, assay)
+    ref = reference_file(w / "ref.csv", "BLAT_ECOLX_Stiffler_2015")
+    for tag, out in (("equal", o2 / "scores"), ("holding", o2)):
+        cases.append(Case(f"benchmark-out-{tag}", _cli("benchmark", "proteingym", str(ref),
+                          str(o2 / "scores"), str(out), str(mlm), "--overwrite"), "error",
+                          "never replaces an input", _unchanged(assay)))  # fmt: skip
+    # A kill between scores/<id>.csv and its .json: another model's table under the run file.
+    run = _cli("benchmark", "proteingym", str(ref), str(pg), str(w / "pg"), str(mlm),
+               "--no-progress")  # fmt: skip
+    subprocess.run(run, check=True, capture_output=True)
+    scores = w / "pg" / "scores" / "BLAT_ECOLX_Stiffler_2015.csv"
+    good = scores.read_bytes()
+    subprocess.run(_cli("benchmark", "proteingym", str(ref), str(pg), str(w / "pg-clm"), str(clm),
+                        "--no-progress"), check=True, capture_output=True)  # fmt: skip
+    other = (w / "pg-clm" / "scores" / scores.name).read_bytes()
+    for tag, target in (("kill", None), ("target-seq", "M" + SEQ)):
+        dest = w / f"pg-{tag}"
+        shutil.copytree(w / "pg", dest)
+        if target is None:
+            (dest / "scores" / scores.name).write_bytes(other)
+            argv = [*run[:-3], str(dest), str(mlm), "--no-progress"]
+            cases.append(Case("benchmark-reuse-kill", argv, "ok", "a run stopped between them",
+                              lambda d=dest: None if (d / "scores" / scores.name).read_bytes()
+                              == good else "the table is not this model's scores"))  # fmt: skip
+        else:
+            changed = reference_file(w / "ref-changed.csv", "BLAT_ECOLX_Stiffler_2015", target)
+            cases.append(Case("benchmark-target-seq", _cli("benchmark", "proteingym",
+                              str(changed), str(pg), str(dest), str(mlm)), "error",
+                              "differs: target_seq_sha256",
+                              _unchanged(dest / "scores" / scores.name)))  # fmt: skip
+    cases.append(Case("benchmark-model-name-mutant", _cli("benchmark", "proteingym", str(ref),
+                      str(pg), str(w / "pg-m"), str(mlm), "--model-name", "mutant"), "error",
+                      "column the tables already have", _absent(w / "pg-m")))  # fmt: skip
+    cases.append(Case("benchmark-model-name-formula", _cli("benchmark", "proteingym", str(ref),
+                      str(pg), str(w / "pg-f"), str(mlm), "--model-name", "=1+2",
+                      "--no-progress"), "ok", "",
+                      _cells_check(w / "pg-f" / "scores" / scores.name, 3, "'=1+2")))  # fmt: skip
+    # Formula ids in score's table (the negative scores stay numbers).
+    evil = w / "evil.fasta"
+    evil.write_text(f">=HYPERLINK(\"http://x\",\"y\")\n{SEQ}\n>+cmd|' /C calc'!A0\n{SEQ}\n")
+    cases.append(Case("csv-formula-ids", _cli("score", str(mlm), str(evil), str(w / "evil.csv"),
+                      "--no-progress"), "ok", "", _cells_check(w / "evil.csv", 0,
+                      "'=HYPERLINK(\"http://x\",\"y\")")))  # fmt: skip
+    # Terminal escapes in an id listed by visualize --record.
+    esc = w / "esc.fasta"
+    esc.write_text(f">\x1b[2J\x1b]0;pwned\x07x\n{SEQ}\n")
+    cases.append(Case("record-id-escapes", _cli("visualize", str(mlm), str(esc), "--record",
+                      "nope", "--out-dir", str(w / "viz")), "error", "'\\x1b[2J"))  # fmt: skip
+    # Outputs inside input directories.
+    cases.append(Case("embed-into-export", _cli("embed", str(mlm), str(fasta),
+                      str(mlm / "model.safetensors"), "--overwrite"), "error",
+                      "inside the input directory", _unchanged(mlm / "model.safetensors")))
+    store = w / "store"
+    subprocess.run(_cli("preprocess", str(fasta), "--out", str(store), "--no-progress"),
+                   check=True, capture_output=True)  # fmt: skip
+    cases.append(Case("score-into-store", _cli("score", str(mlm), str(store),
+                      str(store / "tokens.bin"), "--overwrite"), "error",
+                      "inside the input directory", _unchanged(store / "tokens.bin")))
+    cases.append(Case("train-into-store", _cli("train", f"data.path={store}",
+                      f"paths.output_dir={store / 'run'}"), "error",
+                      "inside the input directory", _absent(store / "run")))  # fmt: skip
+    # --context: - reads standard input; a missing name is an error, never a sequence.
+    homologs = f">h1\n{SEQ}\n>h2\n{SEQ[::-1]}\n".encode()
+    cases.append(Case("context-stdin", _cli("score", str(clm), str(fasta), str(w / "ctx.csv"),
+                      "--context", "-", "--no-progress"), "ok", "context: 2 homolog(s)",
+                      stdin=homologs))  # fmt: skip
+    cases.append(Case("context-missing-name", _cli("score", str(clm), str(fasta),
+                      str(w / "ctx2.csv"), "--context", "MKTAYIAK"), "error",
+                      "MKTAYIAK does not exist", _absent(w / "ctx2.csv")))  # fmt: skip
+    # The OUT.context.json sidecar: never replaced without --overwrite; a run without
+    # --context removes a stale one.
+    wt = w / "wt.fasta"
+    wt.write_text(f">wt\n{SEQ}\n")
+    dms = w / "dms.csv"
+    dms.write_text("mutant\nK2R\nT3S\n")
+    mine = w / "sv.csv.context.json"
+    mine.write_text("the user's own notes\n")
+    cases.append(Case("sidecar-exists", _cli("score-variants", str(clm), str(wt), str(dms),
+                      str(w / "sv.csv")), "error", "sv.csv.context.json already exists",
+                      _unchanged(mine)))  # fmt: skip
+    (w / "stale.csv").write_text("old\n")
+    (w / "stale.csv.context.json").write_text("{}\n")
+    cases.append(Case("sidecar-stale", _cli("score-variants", str(clm), str(wt), str(dms),
+                      str(w / "stale.csv"), "--overwrite", "--no-progress"), "ok", "",
+                      _absent(w / "stale.csv.context.json")))  # fmt: skip
     return cases
 
 
@@ -262,16 +438,18 @@ def run_case(case: Case, timeout: float) -> dict[str, object]:
     if case.shell_closes_stdout:  # the command starts with file descriptor 1 closed
         argv = ["sh", "-c", 'exec "$@" >&-', "sh", *argv]
     try:
-        proc = subprocess.run(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-                              env=env, timeout=timeout)  # fmt: skip
+        proc = subprocess.run(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                              input=case.stdin, env=env, timeout=timeout)  # fmt: skip
     except subprocess.TimeoutExpired:
         return {"case": case.name, "ok": False, "rc": None, "said": f"timed out after {timeout} s"}
-    err = proc.stderr or ""
+    err = (proc.stderr or b"").decode("utf-8", errors="replace")
     errors = [line for line in err.splitlines() if line.startswith("error:")]
     if case.want == "error":
         ok = proc.returncode == 2 and len(errors) == 1 and case.says in errors[0]
         ok = ok and "Traceback" not in err
         said = errors[0] if errors else err.strip()[-300:]
+        problem = case.check() if ok and case.check else None
+        ok, said = ok and problem is None, problem or said
     else:
         problem = case.check() if proc.returncode == 0 and case.check else None
         ok = proc.returncode == 0 and case.says in err and problem is None

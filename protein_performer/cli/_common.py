@@ -13,8 +13,7 @@ import argparse
 import contextlib
 import os
 import sys
-from collections.abc import Callable, Iterable, Iterator
-from pathlib import Path
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 from protein_performer.errors import UserError
@@ -57,7 +56,7 @@ def add_ckpt(p: argparse.ArgumentParser) -> None:
 
 
 def add_toks_per_batch(p: argparse.ArgumentParser, help: str = TOKS_PER_BATCH_HELP) -> None:
-    p.add_argument("--toks-per-batch", type=int, default=4096, help=help)
+    p.add_argument("--toks-per-batch", type=positive_int, default=4096, help=help)
 
 
 def add_on_invalid(p: argparse.ArgumentParser, help: str = ON_INVALID_HELP) -> None:
@@ -114,11 +113,28 @@ _SCOPE: list[contextlib.ExitStack] = []
 
 
 @contextlib.contextmanager
-def command_scope() -> Iterator[None]:
+def command_scope(sigterm: bool = True) -> Iterator[None]:
     """The lifetime of one command (``main`` runs each in one): what :func:`hold` takes is
-    released when the command ends, by an error too."""
+    released when the command ends, by an error or a stop too. With ``sigterm`` (every command
+    but those whose trainer saves on SIGTERM itself), SIGTERM raises :class:`Stopped` in this
+    process, so its locks and temporaries go as they do on Ctrl-C (a forked child dies as
+    before)."""
+    import signal
+    import threading
+
     from protein_performer.io.progress import drop_pending
 
+    owner = os.getpid()
+
+    def stop(signum: int, frame: object) -> None:
+        if os.getpid() != owner:  # a forked worker: the default death
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+            os.kill(os.getpid(), signal.SIGTERM)
+            return
+        raise Stopped
+
+    install = sigterm and threading.current_thread() is threading.main_thread()
+    before = signal.signal(signal.SIGTERM, stop) if install else None
     with contextlib.ExitStack() as stack:
         _SCOPE.append(stack)
         try:
@@ -126,6 +142,8 @@ def command_scope() -> Iterator[None]:
         finally:
             _SCOPE.remove(stack)
             drop_pending()  # a `threads:` line never printed (--no-progress) stays this one's
+            if install:
+                signal.signal(signal.SIGTERM, signal.SIG_DFL if before is None else before)
 
 
 def hold(cm: contextlib.AbstractContextManager[Any]) -> None:
@@ -192,39 +210,21 @@ def check_output(
     inputs: Iterable[str | os.PathLike[str] | None],
     overwrite: bool,
     what: str = "its output",
+    *,
+    exists_ok: bool = False,
+    sidecars: Sequence[str] = (),
 ) -> None:
-    """The rule every writing command applies before any work: the output is never one of the
-    inputs (the same file, through any link, or a directory holding one), and an existing
-    output is replaced only with ``--overwrite``. ``-`` (standard output) is always fine.
-
-    Then the output is locked for the rest of the command (:func:`hold`): a second run writing
-    it, with ``--overwrite`` or ``--resume`` too, gets one line naming this one's pid and host
-    instead of racing it. Under torchrun/srun rank 0 holds the lock for the job."""
+    """Claim ``out`` under the output policy (:mod:`protein_performer.io.outputs`) for the rest
+    of the command (:func:`hold`), before any work: never an input, a directory holding one or
+    a path inside an input directory, locked against a second run, replaced only with
+    ``--overwrite``. ``-`` (standard output) is always fine, when standard output is open."""
     if out is not None and os.fspath(out) == "-":
         _check_stdout()
     if out is None or os.fspath(out) == "-":
         return
-    path = Path(out).expanduser()
-    target = path.resolve()
-    for given in inputs:
-        if given is None or os.fspath(given) == "-" or not Path(given).expanduser().exists():
-            continue
-        src = Path(given).expanduser().resolve()
-        same = path.exists() and os.path.samefile(path, src)  # hard links too
-        if same or target in src.parents:
-            raise UserError(
-                f"{out} is {'the' if same else 'a directory holding the'} input "
-                f"{given}: an output never replaces an input; choose another output path"
-            )
-    from protein_performer.io.atomic import exclusive_lock
-    from protein_performer.io.sharding import detect_ranks
+    from protein_performer.io.outputs import claim_output
 
-    if detect_ranks().rank == 0 and path.parent.is_dir():  # a missing directory: said later
-        hold(exclusive_lock(path, what))
-    if (path.exists() or path.is_symlink()) and not overwrite:
-        raise UserError(
-            f"{out} already exists: pass --overwrite to replace it, or choose another output"
-        )
+    hold(claim_output(out, inputs, overwrite, what, exists_ok=exists_ok, sidecars=sidecars))
 
 
 def load_lm(args: argparse.Namespace) -> ProteinLM:
@@ -364,6 +364,12 @@ def load_context(
             flag = "--max-context-tokens" if args.max_context_tokens is not None else "--context-*"
             raise UserError(f"{flag} needs --context HOMOLOGS.fasta")
         return None
+    stdin = [k for k in ("fasta", "wt", "mutations") if getattr(args, k, None) == "-"]
+    if args.context == "-" and stdin:
+        raise UserError(
+            f"--context - and {stdin[0].upper()} - would both read standard input; give one of "
+            "them as a file"
+        )
     if options:
         ens: Any = lm.context(args.context, args.max_context_tokens, query=query, **options)
         sizes = ", ".join(f"{p.label}: {p.context.n_tokens}" for p in ens.prompts)

@@ -15,6 +15,7 @@ from protein_performer.cli._common import (
     add_no_progress,
     add_toks_per_batch,
     add_variant_strategy,
+    check_output,
     context_options,
     load_lm,
     pick_strategy,
@@ -35,9 +36,10 @@ target_seq; UniProt_ID, coarse_selection_type, MSA_Neff_L_category and taxon fee
 averages) from its DMS file in DMS_DIR (mutant numbered from 1 on target_seq, DMS_score,
 DMS_score_bin), as variant log-ratios against target_seq, and write into OUT_DIR:
 
-  scores/<DMS_id>.csv   mutant, DMS_score, DMS_score_bin, the model's score (+ .json: what
-                        scored it; an assay already scored by the same model and options is
-                        read back, so a killed run continues where it stopped)
+  scores/<DMS_id>.csv   mutant, DMS_score, DMS_score_bin, the model's score (+ .json: the
+                        digests of the model, wild type, DMS file and options, and of the
+                        .csv itself; an assay already scored with the same ones is read back,
+                        so a killed run continues where it stopped)
   <Metric>/DMS_substitutions_<Metric>_DMS_level.csv          one row per assay ("DMS ID")
   <Metric>/Summary_performance_DMS_substitutions_<Metric>.csv   the leaderboard's row
 
@@ -45,6 +47,7 @@ for Spearman (vs DMS_score), AUC (vs DMS_score_bin), MCC (DMS_score_bin vs the s
 its median), NDCG (top 10% by score, DMS_score min-max scaled as gains) and Top_recall, as
 ProteinGym computes them; Average_<Metric> averages over assays of a protein and selection
 type, then proteins, then selection types, as the leaderboard. One line per assay as it ends.
+OUT_DIR is never DMS_DIR, inside it or holding an input; each DMS_id must be a plain file name.
 
 --context-dir DIR reads DIR/<DMS_id>.fasta as each assay's homologs (causal models; the
 --context-* options build each context as for score-variants --context).
@@ -56,6 +59,11 @@ examples:
   protein-performer benchmark proteingym DMS_substitutions.csv ProteinGym_substitutions/ \\
       pg_out clm.ckpt --context-dir homologs/ --context-max-identity 1.0,0.9 --context-orders 2
 """
+
+
+#: The arguments naming what this command writes (per subcommand), each claimed under the
+#: output policy (protein_performer.io.outputs); tests/cli/test_cli_outputs.py checks them.
+OUTPUTS: dict[str, tuple[str, ...]] = {"proteingym": ("out_dir",)}
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -87,11 +95,16 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from protein_performer.errors import UserError
-    from protein_performer.jobs.proteingym import run_proteingym
+    from protein_performer.jobs.proteingym import check_model_name, read_reference, run_proteingym
 
     options = context_options(args)
     if args.context_dir is None and options:
         raise UserError("--context-* options need --context-dir DIR")
+    name = args.model_name or "protein_performer"
+    check_model_name(name)
+    inputs = [args.reference, args.dms_dir, args.ckpt, args.context_dir]
+    check_output(args.out_dir, inputs, args.overwrite, "benchmark scores", exists_ok=True)
+    read_reference(args.reference)  # its ids name files: checked before anything is loaded
     lm = load_lm(args)
     strategy = pick_strategy(lm, args.strategy, "masked-marginals")
     context_for = None
@@ -105,7 +118,6 @@ def run(args: argparse.Namespace) -> int:
             ctx = lm.context(path, query=assay.target_seq, **options)
             return ctx, ctx.record()
 
-    name = args.model_name or "protein_performer"
     summary = run_proteingym(
         lm, args.reference, args.dms_dir, args.out_dir, strategy=strategy, model_name=name,
         context_for=context_for, toks_per_batch=args.toks_per_batch,

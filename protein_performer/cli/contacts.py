@@ -35,7 +35,7 @@ APC-corrected, into an L1 logistic regression), in two steps:
 """
 EPILOG = """\
 examples:
-  protein-performer contacts fit last.ckpt ../shared/data/structures/*.pdb --out-dir runs/c
+  protein-performer contacts fit last.ckpt structures/*.pdb --out-dir runs/c
   protein-performer contacts predict last.ckpt proteins.fasta contacts.h5 \\
       --regression runs/c/contact_regression.json
 """
@@ -70,7 +70,7 @@ pickle), which `contacts predict --regression` applies to new sequences.
 
 FIT_EPILOG = """\
 examples:
-  protein-performer contacts fit last.ckpt ../shared/data/structures/*.pdb --out-dir runs/contacts
+  protein-performer contacts fit last.ckpt structures/*.pdb --out-dir runs/contacts
   protein-performer contacts fit last.ckpt test/*.pdb --fit-on train/*.pdb --out-dir runs/c \\
       --save-beside
   protein-performer contacts fit model_dir 1abc.cif:B \\
@@ -121,6 +121,11 @@ DEFAULT_DENSE_MAX_LENGTH = 4096
 DEFAULT_TOP_K_PER_LENGTH = 2.0
 DEFAULT_MIN_SEPARATION = 6
 DTYPE_CHOICES = ("float16", "float32")
+
+
+#: The arguments naming what this command writes (per subcommand), each claimed under the
+#: output policy (protein_performer.io.outputs); tests/cli/test_cli_outputs.py checks them.
+OUTPUTS: dict[str, tuple[str, ...]] = {"fit": ("out_dir",), "predict": ("out",)}
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:

@@ -42,6 +42,11 @@ examples:
 """
 
 
+#: The arguments naming what this command writes, each claimed under the output policy
+#: (protein_performer.io.outputs); tests/cli/test_cli_outputs.py checks them.
+OUTPUTS: tuple[str, ...] = ("out_dir",)
+
+
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p = add_command(subparsers, "eval", HELP, DESCRIPTION, EPILOG)
     add_ckpt(p)

@@ -33,6 +33,11 @@ examples:
       --format hf --as-exact"""
 
 
+#: The arguments naming what this command writes, each claimed under the output policy
+#: (protein_performer.io.outputs); tests/cli/test_cli_outputs.py checks them.
+OUTPUTS: tuple[str, ...] = ("out",)
+
+
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p = add_command(subparsers, "export", HELP, DESCRIPTION, EPILOG)
     p.add_argument("ckpt", metavar="CKPT", help="a .ckpt file (or an export directory to copy)")

@@ -47,6 +47,12 @@ examples:
 """
 
 
+#: The Hydra keys naming what this command writes (Hydra's run directory and the run's own),
+#: each claimed under the output policy (protein_performer.io.outputs) before Hydra creates
+#: anything; tests/cli/test_cli_outputs.py checks them.
+OUTPUTS: tuple[str, ...] = ("hydra.run.dir", "paths.output_dir")
+
+
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p = add_command(
         subparsers, "finetune", HELP, DESCRIPTION, EPILOG, usage="%(prog)s [-h] [OVERRIDE ...]"
@@ -58,7 +64,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         help="same as data.split_by=...: the table's split column, a seeded random split, or "
         "MMseqs2 clusters kept whole (data.identity, default 0.9)",
     )
-    p.set_defaults(func=run, accepts_overrides=True)
+    p.set_defaults(func=run, accepts_overrides=True, own_sigterm=True)
 
 
 def overrides_of(args: argparse.Namespace) -> list[str]:

@@ -26,6 +26,11 @@ examples:
 """
 
 
+#: The arguments naming what this command writes, each claimed under the output policy
+#: (protein_performer.io.outputs); tests/cli/test_cli_outputs.py checks them.
+OUTPUTS: tuple[str, ...] = ("out", "out_flag")
+
+
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
     from protein_performer.data.homology import HOMOLOG_MAX_SEQS, HOMOLOG_MIN_SEQ_ID
 

@@ -47,6 +47,11 @@ examples:
 """
 
 
+#: The arguments naming what this command writes, each claimed under the output policy
+#: (protein_performer.io.outputs); tests/cli/test_cli_outputs.py checks them.
+OUTPUTS: tuple[str, ...] = ("out",)
+
+
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
     from protein_performer.model.config import LINEAR_KERNELS
     from protein_performer.training.linearize_options import LinearizeOptions
@@ -103,7 +108,7 @@ def _kept(out: str) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    from protein_performer.training.linearize import fit_linear
+    from protein_performer.training.linearize import STATE_SUFFIX, fit_linear
     from protein_performer.training.linearize_options import LinearizeOptions
 
     options = LinearizeOptions(
@@ -112,7 +117,7 @@ def run(args: argparse.Namespace) -> int:
         kl_weight=args.kl_weight, max_len=args.max_len, max_tokens=args.max_tokens,
         seed=args.seed, save_every=args.save_every,
     ).check()  # fmt: skip
-    check_output(args.out, [args.src, args.data], args.overwrite)
+    check_output(args.out, [args.src, args.data], args.overwrite, sidecars=[STATE_SUFFIX])
     with stop_hint(lambda: _kept(args.out)):
         result = fit_linear(
             args.src, args.out, args.data, options, device=args.device, resume=args.resume,

@@ -64,15 +64,21 @@ def main(argv: Sequence[str] | None = None) -> int:
         level=logging.DEBUG if args.verbose else logging.INFO,
         format="%(levelname)s %(name)s: %(message)s",
     )
-    from protein_performer.cli._common import command_scope
+    from protein_performer.cli._common import SIGTERM_EXIT, Stopped, command_scope
 
+    sigterm = not getattr(args, "own_sigterm", False)  # train/finetune: the trainer saves first
     try:
-        with command_scope():  # output locks and a rank's process group end with the command
+        # Output locks, temporaries and a rank's process group end with the command, a SIGTERM
+        # included.
+        with command_scope(sigterm):
             return int(args.func(args) or 0)
     except UserError as exc:
         if not getattr(exc, "quiet", False):  # a data-parallel rank other than 0 stays silent
             print(f"error: {exc}", file=sys.stderr)
         return 2
+    except Stopped:
+        print("stopped by SIGTERM", file=sys.stderr)
+        return SIGTERM_EXIT
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130

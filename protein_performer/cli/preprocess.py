@@ -13,6 +13,10 @@ from protein_performer.cli._common import (
 )
 from protein_performer.data.split import DEFAULT_TEST_FRAC, DEFAULT_VALID_FRAC, SPLIT_MODES
 
+#: The arguments naming what this command writes, each claimed under the output policy
+#: (protein_performer.io.outputs); tests/cli/test_cli_outputs.py checks them.
+OUTPUTS: tuple[str, ...] = ("out",)
+
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser(

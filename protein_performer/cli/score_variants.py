@@ -49,6 +49,11 @@ examples:
 """
 
 
+#: The arguments naming what this command writes, each claimed under the output policy
+#: (protein_performer.io.outputs); tests/cli/test_cli_outputs.py checks them.
+OUTPUTS: tuple[str, ...] = ("out",)
+
+
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p = add_command(subparsers, "score-variants", HELP, DESCRIPTION, EPILOG)
     add_ckpt(p)
@@ -91,9 +96,18 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from protein_performer.errors import UserError
-    from protein_performer.jobs.score_variants import score_variants_file, wild_type
+    from protein_performer.io.outputs import sidecar
+    from protein_performer.jobs.score_variants import (
+        CONTEXT_SIDECAR,
+        score_variants_file,
+        wild_type,
+    )
 
-    check_output(args.out, [args.ckpt, args.wt, args.mutations, args.context], args.overwrite)
+    inputs = [args.ckpt, args.wt, args.mutations, args.context]
+    check_output(args.out, inputs, args.overwrite)
+    if args.out != "-":  # the context record beside OUT: an output too (removed without one)
+        record = sidecar(args.out, CONTEXT_SIDECAR)
+        check_output(record, inputs, args.overwrite, "the context record of OUT")
     if args.per_prompt and args.context is None:
         raise UserError("--per-prompt needs --context HOMOLOGS.fasta and --context-* lists")
     lm = load_lm(args)

@@ -23,6 +23,10 @@ _SPLIT_ORDER = {"train": 0, "valid": 1, "test": 2, "ood": 3}
 _CHUNK = 1 << 24  # residues per bincount pass over a store's tokens
 
 
+#: This command writes no file (its output is standard output).
+OUTPUTS: tuple[str, ...] = ()
+
+
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser(
         "stats",

@@ -60,6 +60,12 @@ def _choices_epilog() -> str:
     return "\n".join(lines) + "\n\n" + EXAMPLES
 
 
+#: The Hydra keys naming what this command writes (Hydra's run directory and the run's own),
+#: each claimed under the output policy (protein_performer.io.outputs) before Hydra creates
+#: anything; tests/cli/test_cli_outputs.py checks them.
+OUTPUTS: tuple[str, ...] = ("hydra.run.dir", "paths.output_dir")
+
+
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p = add_command(
         subparsers,
@@ -69,7 +75,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         _choices_epilog(),
         usage="%(prog)s [-h] [OVERRIDE ...]",
     )
-    p.set_defaults(func=run, accepts_overrides=True)
+    p.set_defaults(func=run, accepts_overrides=True, own_sigterm=True)
 
 
 def run(args: argparse.Namespace) -> int:

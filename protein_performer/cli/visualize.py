@@ -69,6 +69,11 @@ FILES = {
 }
 
 
+#: The arguments naming what this command writes, each claimed under the output policy
+#: (protein_performer.io.outputs); tests/cli/test_cli_outputs.py checks them.
+OUTPUTS: tuple[str, ...] = ("out_dir", "html")
+
+
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p = add_command(subparsers, "visualize", HELP, DESCRIPTION, EPILOG)
     add_ckpt(p)

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 import torch
 
 from protein_performer.errors import UserError
+from protein_performer.model.config import block_number
 from protein_performer.model.performer import PerformerLM
 
 #: Called once per requested layer with (layer, maps (H', W, K)) instead of storing the maps.
@@ -62,15 +63,7 @@ def resolve_layers(model: PerformerLM, layers: Sequence[int] | None) -> list[int
     depth = model.config.depth
     if layers is None:
         return list(range(1, depth + 1))
-    out = set()
-    for i in layers:
-        j = int(i) + depth + 1 if int(i) < 0 else int(i)
-        if not 1 <= j <= depth:
-            raise UserError(
-                f"attention layer {i} is out of range for a {depth}-layer model "
-                f"(valid: 1..{depth} or -{depth}..-1)"
-            )
-        out.add(j)
+    out = {block_number(int(i), depth, lowest=1, what="attention layer") for i in layers}
     if not out:
         raise UserError("no attention layers requested")
     return sorted(out)

@@ -43,7 +43,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from protein_performer.errors import UserError
+from protein_performer.errors import UserError, shown
 from protein_performer.interop.ours import REGRESSION_FILE  # beside a .ckpt: <stem>.<it>
 from protein_performer.io.atomic import write_text_atomic
 from protein_performer.model.contact_head import (
@@ -261,7 +261,7 @@ class _TargetFeatures:
         """(n_layers, n_heads, L, L) maps of ``layers`` x ``heads``."""
         key = _target_key(target)
         if key not in self._maps:
-            log.info("attention maps: %s (%d residues)", target.id, target.length)
+            log.info("attention maps: %s (%d residues)", shown(target.id), target.length)
             self._maps[key] = model_maps(self.loaded, target.sequence, self.layers, self.heads)
         return self._maps[key]
 
@@ -486,11 +486,12 @@ def _fmt(value: object) -> str:
 
 
 def _write_csv(path: Path, columns: Sequence[str], rows: Sequence[dict[str, Any]]) -> Path:
-    import csv
     import io
 
+    from protein_performer.io.tables import table_writer
+
     buf = io.StringIO()
-    writer = csv.writer(buf, lineterminator="\n")
+    writer = table_writer(buf, lineterminator="\n")
     writer.writerow(columns)
     for row in rows:
         writer.writerow([_fmt(row.get(c, "")) for c in columns])

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 from protein_performer.data.tokenizer import Alphabet
-from protein_performer.errors import UserError
+from protein_performer.errors import UserError, shown
 
 log = logging.getLogger(__name__)
 
@@ -143,10 +143,10 @@ def find_record(records: Sequence[Any], want: str | None, source: str | os.PathL
     for r in records:  # the id as written, or its UniProt accession or entry name
         if want in (r.id, r.header.accession, r.header.entry_name):
             return r
-    shown = ", ".join(r.id for r in records[:5])
+    listed = ", ".join(shown(r.id) for r in records[:5])
     raise UserError(
         f"{display_name(source)}: no record {want!r} (by id, accession or entry name; ids "
-        f"start: {shown}, ...)"
+        f"start: {listed}, ...)"
     )
 
 
@@ -168,12 +168,13 @@ def as_records(seqs: Records | str) -> Iterator[tuple[str, str]]:
                 f"{type(item).__name__}"
             )
         if not isinstance(seq, str):
-            raise UserError(f"sequence {i} ({rid}): expected a string, got {type(seq).__name__}")
+            got = type(seq).__name__
+            raise UserError(f"sequence {i} ({shown(rid)}): expected a string, got {got}")
         seq = seq.strip().upper()
         if not seq:
-            raise UserError(f"sequence {i} ({rid}) is empty")
+            raise UserError(f"sequence {i} ({shown(rid)}) is empty")
         try:
             alphabet.encode(seq)
         except ValueError as exc:
-            raise UserError(f"sequence {i} ({rid}): {exc}") from None
+            raise UserError(f"sequence {i} ({shown(rid)}): {exc}") from None
         yield rid, seq

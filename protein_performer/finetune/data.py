@@ -37,7 +37,7 @@ import numpy as np
 import torch
 
 from protein_performer.data.tokenizer import Alphabet
-from protein_performer.errors import UserError
+from protein_performer.errors import UserError, shown
 from protein_performer.io.tables import delimiter
 from protein_performer.model.task_heads import IGNORE_INDEX, TASKS
 
@@ -206,12 +206,12 @@ def read_labels(
         try:
             alphabet.encode(seq)
         except ValueError as exc:
-            raise UserError(f"{where} ({rid}): {exc}") from None
+            raise UserError(f"{where} ({shown(rid)}): {exc}") from None
         values = [fields[col[c]] for c in label_cols]
         if all(_is_nan(v) for v in values):
             if on_nan == "error":
                 raise UserError(
-                    f"{where} ({rid}): no label in {label_cols}; fill it in, drop "
+                    f"{where} ({shown(rid)}): no label in {label_cols}; fill it in, drop "
                     "the row, or set data.on_nan=skip"
                 )
             nan_rows.append(n)
@@ -220,7 +220,7 @@ def read_labels(
             name = fields[col[split_col]].strip().lower()
             if name not in _SPLIT_ALIASES:
                 raise UserError(
-                    f"{where} ({rid}): unknown split {fields[col[split_col]]!r}; use "
+                    f"{where} ({shown(rid)}): unknown split {fields[col[split_col]]!r}; use "
                     "train, valid or test"
                 )
             splits.append(_SPLIT_ALIASES[name])

@@ -25,7 +25,7 @@ import torch
 
 from protein_performer.data.inputs import Records, as_records
 from protein_performer.data.tokenizer import STANDARD_AA, Alphabet
-from protein_performer.errors import UserError
+from protein_performer.errors import UserError, shown
 from protein_performer.inference.context import FamilyContext, Homologs, build_context
 from protein_performer.inference.embedding import HIDDEN_KINDS, block_numbers, embed_sequences
 from protein_performer.inference.ensemble import ContextEnsemble
@@ -55,6 +55,11 @@ PRECISIONS: dict[str, torch.dtype] = {
     "fp16": torch.float16,
 }
 _SPECIAL = re.compile(r"(<[a-z_0-9]+>)")
+
+
+def precision_name(dtype: torch.dtype) -> str:
+    """The ``--precision`` name of a dtype (what an embeddings file records)."""
+    return next(name for name, d in PRECISIONS.items() if d == dtype)
 
 
 def resolve_dtype(dtype: torch.dtype | str | None) -> torch.dtype:
@@ -200,8 +205,8 @@ class ProteinLM:
                 out = results.pop(i)
                 if not all(np.isfinite(a).all() for d in out.values() for a in d.values()):
                     raise UserError(
-                        f"sequence {rid}: the model gave non-finite embeddings; its weights or "
-                        "precision are broken (try --precision fp32)"
+                        f"sequence {shown(rid)}: the model gave non-finite embeddings; its "
+                        "weights or precision are broken (try --precision fp32)"
                     )
                 if several_kinds:
                     yield rid, out
@@ -258,7 +263,7 @@ class ProteinLM:
         for (rid, _), value in zip(records, out, strict=True):
             if not np.isfinite(value).all():  # type: ignore[union-attr]
                 raise UserError(
-                    f"sequence {rid}: the model gave non-finite logits; its weights or "
+                    f"sequence {shown(rid)}: the model gave non-finite logits; its weights or "
                     "precision are broken (try --precision fp32)"
                 )
         return out  # type: ignore[return-value]
@@ -375,8 +380,9 @@ class ProteinLM:
             for score in scores:
                 if not np.isfinite(score.log_likelihood):
                     raise UserError(
-                        f"sequence {score.id}: the model gave a non-finite log-likelihood; its "
-                        "weights or precision are broken (try --precision fp32)"
+                        f"sequence {shown(score.id)}: the model gave a non-finite "
+                        "log-likelihood; its weights or precision are broken (try --precision "
+                        "fp32)"
                     )
                 yield score.id, score
 
@@ -454,8 +460,8 @@ class ProteinLM:
             for (rid, _), value in zip(window, values, strict=True):
                 if not np.isfinite(value).all():
                     raise UserError(
-                        f"sequence {rid}: the model gave non-finite predictions; its weights or "
-                        "precision are broken (try --precision fp32)"
+                        f"sequence {shown(rid)}: the model gave non-finite predictions; its "
+                        "weights or precision are broken (try --precision fp32)"
                     )
                 yield rid, value
 

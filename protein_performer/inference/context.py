@@ -23,7 +23,6 @@ import logging
 import os
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
@@ -77,21 +76,15 @@ class FamilyContext:
 
 
 def homolog_records(homologs: Homologs) -> list[tuple[str, str]]:
-    """Homologs as (id, SEQUENCE): a FASTA path (str or PathLike), one sequence string, or an
-    iterable of strings / (id, sequence) pairs / FASTA records; a bad one names its index."""
-    from protein_performer.data.inputs import as_records
+    """Homologs as (id, SEQUENCE): a FASTA path (a ``str`` or PathLike is always a path; ``-``
+    reads standard input; a missing file is an error), or an iterable of strings / (id,
+    sequence) pairs / FASTA records; a bad one names its index. A sequence is never guessed
+    from a string: a typo in a file name would otherwise become a 1-member family."""
+    from protein_performer.data.inputs import as_records, read_records
 
-    if isinstance(homologs, os.PathLike) or (isinstance(homologs, str) and _is_path(homologs)):
-        from protein_performer.data.inputs import read_records
-
+    if isinstance(homologs, str | os.PathLike):
         return [(r.id, r.sequence.upper()) for r in read_records(homologs)]
     return list(as_records(homologs))  # type: ignore[arg-type]
-
-
-def _is_path(text: str) -> bool:
-    """A string names a file when it exists, or looks like a path (a sequence never has a
-    separator or a dot)."""
-    return os.sep in text or "." in text or Path(text).expanduser().is_file()
 
 
 def default_max_tokens(loaded: LoadedModel) -> int | None:

@@ -17,6 +17,7 @@ from protein_performer.data.sampler import budget_batches
 from protein_performer.errors import UserError
 from protein_performer.interop.record import LoadedModel
 from protein_performer.io.progress import beat
+from protein_performer.model.config import block_number
 
 #: What the model's hidden states give per record.
 HIDDEN_KINDS = ("mean", "per_tok", "bos")
@@ -26,16 +27,7 @@ def block_numbers(loaded: LoadedModel, layers: Sequence[int]) -> list[int]:
     """ESM numbering (negative from the end) -> the block number 0..depth of each layer, in
     the order given."""
     depth = loaded.config.depth
-    out = []
-    for i in layers:
-        j = i + depth + 1 if i < 0 else i
-        if not 0 <= j <= depth:
-            raise UserError(
-                f"--repr-layers {i} is out of range for a {depth}-layer model "
-                f"(valid: 0..{depth} or {-(depth + 1)}..-1)"
-            )
-        out.append(j)
-    return out
+    return [block_number(i, depth, what="--repr-layers") for i in layers]
 
 
 def resolve_layers(loaded: LoadedModel, layers: Sequence[int]) -> list[int]:

@@ -18,6 +18,7 @@ import os
 import re
 import shutil
 import socket
+import stat
 import sys
 import tempfile
 from collections.abc import Callable, Iterator, Mapping
@@ -246,6 +247,22 @@ def write_text_atomic(path: Path, text: str) -> Path:
 #: Lock files this process holds (path -> depth): a command that locks its output and then
 #: calls a writer that locks the same output (``preprocess`` and its store) holds it once.
 _HELD: dict[str, int] = {}
+#: The descriptors of those locks, closed in every forked child (below).
+_LOCK_FDS: set[int] = set()
+
+
+def _drop_inherited_locks() -> None:
+    """In a forked child (a DataLoader worker, a pool process): close the copies of the
+    parent's lock descriptors. A ``flock`` lives as long as any descriptor of it, so a child
+    that kept them would hold the parent's outputs locked after the parent died (kill -9)."""
+    for fd in _LOCK_FDS:
+        with contextlib.suppress(OSError):
+            os.close(fd)
+    _LOCK_FDS.clear()
+    _HELD.clear()
+
+
+os.register_at_fork(after_in_child=_drop_inherited_locks)
 
 
 def _holder(lock: Path) -> str:
@@ -257,6 +274,42 @@ def _holder(lock: Path) -> str:
     if len(text) >= 2 and text[0].isdigit():
         return f"another run (pid {text[0]} on {text[1]})"
     return "another run"
+
+
+def lock_path(path: Path) -> Path:
+    """The hidden lock file of output ``path`` (``.NAME.lock`` beside it)."""
+    return path.parent / f".{path.name}.lock"
+
+
+def _open_lock(lock: Path, path: Path) -> int:
+    """The descriptor of the lock file ``lock`` (of output ``path``), never through a link.
+
+    ``O_NOFOLLOW`` refuses a symbolic link planted under the lock's name (``ln -s ~/victim
+    .out.csv.lock`` would otherwise truncate the victim to our pid); an existing file is used
+    only when it is a plain file of this user with one name (a hard link to someone's file is
+    refused the same way). ``O_CLOEXEC``: a program this process runs never inherits it."""
+    flags = os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC
+    try:
+        fd = os.open(lock, flags, default_file_mode())
+    except FileNotFoundError:
+        where = path.parent
+        raise UserError(f"output directory {where} does not exist; create it first") from None
+    except OSError as exc:
+        if exc.errno != errno.ELOOP:
+            raise
+        raise UserError(
+            f"the lock file {lock} of {path} is a symbolic link; refusing to follow it (someone "
+            "may be trying to overwrite the file it points to): remove it or choose another output"
+        ) from None
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode) or st.st_nlink != 1 or st.st_uid != os.geteuid():
+        os.close(fd)
+        raise UserError(
+            f"the lock file {lock} of {path} is not a plain file of yours (a hard link, another "
+            "user's file or a special file); refusing to use it: remove it or choose another "
+            "output"
+        )
+    return fd
 
 
 @contextlib.contextmanager
@@ -271,7 +324,7 @@ def exclusive_lock(path: Path, what: str, wait: bool = False) -> Iterator[None]:
     removed on release (a run that locked a file unlinked meanwhile sees it and retries).
     Re-entrant within a process.
     """
-    lock = path.parent / f".{path.name}.lock"
+    lock = lock_path(path)
     key = os.path.abspath(lock)
     if key in _HELD:
         _HELD[key] += 1
@@ -282,12 +335,7 @@ def exclusive_lock(path: Path, what: str, wait: bool = False) -> Iterator[None]:
                 _HELD[key] -= 1
         return
     while True:
-        try:
-            fd = os.open(lock, os.O_RDWR | os.O_CREAT, default_file_mode())
-        except FileNotFoundError:
-            raise UserError(
-                f"output directory {path.parent} does not exist; create it first"
-            ) from None
+        fd = _open_lock(lock, path)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX if wait else fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -298,7 +346,7 @@ def exclusive_lock(path: Path, what: str, wait: bool = False) -> Iterator[None]:
                 "take an output from a live run"
             ) from None
         try:
-            if os.stat(lock).st_ino == os.fstat(fd).st_ino:
+            if os.lstat(lock).st_ino == os.fstat(fd).st_ino:
                 break
         except FileNotFoundError:
             pass
@@ -309,12 +357,17 @@ def exclusive_lock(path: Path, what: str, wait: bool = False) -> Iterator[None]:
     except OSError:  # a full disk: the lock holds all the same, only the holder stays unnamed
         pass
     _HELD[key] = 1
+    _LOCK_FDS.add(fd)
     try:
         yield
     finally:
         _HELD.pop(key, None)
-        lock.unlink(missing_ok=True)
-        os.close(fd)
+        if fd in _LOCK_FDS:  # else a forked child leaving the block: its copy went at the fork
+            _LOCK_FDS.discard(fd)
+            with contextlib.suppress(OSError):
+                if os.lstat(lock).st_ino == os.fstat(fd).st_ino:  # ours, not a swapped-in name
+                    lock.unlink()
+            os.close(fd)
 
 
 @contextlib.contextmanager

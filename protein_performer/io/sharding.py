@@ -293,7 +293,9 @@ class _OtherRankError(UserError):
 
 def parts_dir(out: Path) -> Path:
     """``OUT.parts/``: the finished windows of a run that has not been merged yet."""
-    return out.with_name(out.name + ".parts")
+    from protein_performer.io.outputs import PARTS, sidecar
+
+    return sidecar(out, PARTS)
 
 
 def part_name(run: int, window: int, suffix: str) -> str:

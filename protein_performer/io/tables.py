@@ -10,16 +10,54 @@ from __future__ import annotations
 
 import csv
 import os
+import re
 import tempfile
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
-from typing import TypeVar
+from typing import IO, TypeVar
 
 from protein_performer.errors import UserError
 from protein_performer.io.atomic import atomic_output, text_output
 from protein_performer.io.sharding import detect_ranks, run_sharded
 
 R = TypeVar("R")
+#: A cell starting with one of these is read as a formula by spreadsheets (OWASP, "CSV
+#: injection"): ``=HYPERLINK(...)`` as an id would run when the table is opened.
+FORMULA_PREFIXES = ("=", "+", "-", "@", "\t", "\r")
+#: A plain decimal number (``-1.25``, ``+3e-4``): a spreadsheet reads it as the number it is.
+_NUMBER = re.compile(r"[+-]?(?:\d+(?:\.\d*)?|\.\d+)(?:[eE][+-]?\d+)?")
+
+
+def text_cell(value: object) -> object:
+    """``value`` as a safe cell: text starting with a formula prefix gets a leading ``'`` (so
+    spreadsheets show it as text); numbers, and text that is a plain number (``-0.5``), stay as
+    they are. Idempotent: a cell already prefixed starts with ``'``."""
+    if isinstance(value, str) and value.startswith(FORMULA_PREFIXES) and not _NUMBER.fullmatch(
+        value
+    ):
+        return "'" + value
+    return value
+
+
+class _SafeWriter:
+    """:func:`csv.writer` whose every row goes through :func:`text_cell`."""
+
+    def __init__(self, fh: IO[str], delimiter: str, lineterminator: str) -> None:
+        self._writer = csv.writer(fh, delimiter=delimiter, lineterminator=lineterminator)
+
+    def writerow(self, row: Iterable[object]) -> None:
+        self._writer.writerow([text_cell(v) for v in row])
+
+    def writerows(self, rows: Iterable[Iterable[object]]) -> None:
+        for row in rows:
+            self.writerow(row)
+
+
+def table_writer(fh: IO[str], delimiter: str = ",", lineterminator: str = "\r\n") -> _SafeWriter:
+    """The one writer of every CSV/TSV table this package writes (score, predict,
+    score-variants, benchmark, eval's bins, contacts' precision): text cells starting with
+    ``= + - @`` TAB or CR are prefixed with ``'`` (:func:`text_cell`); numbers stay numbers."""
+    return _SafeWriter(fh, delimiter, lineterminator)
 #: Names whose tables are tab-separated; every other name is comma-separated.
 TAB_SUFFIXES = (".tsv", ".tab")
 
@@ -65,7 +103,7 @@ class ShardedTable:
 
         def write_part(part: Path, window: list[R]) -> None:
             with atomic_output(part) as tmp, open(tmp, "w", newline="", encoding="utf-8") as fh:
-                writer = csv.writer(fh, delimiter=self.delimiter)
+                writer = table_writer(fh, self.delimiter)
                 for row in rows(window):
                     writer.writerow(row)
 
@@ -74,7 +112,7 @@ class ShardedTable:
             if not parts:
                 raise UserError(f"{source}: no valid records to process")
             with text_output(self.out) as fh:
-                writer = csv.writer(fh, delimiter=self.delimiter)
+                writer = table_writer(fh, self.delimiter)
                 writer.writerow(self.header)
                 for part in parts:
                     with open(part, newline="", encoding="utf-8") as src:

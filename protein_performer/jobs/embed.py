@@ -44,11 +44,10 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 import numpy as np
-import torch
 
 from protein_performer.data.inputs import InputRecord, input_records, total_in_background
-from protein_performer.errors import UserError
-from protein_performer.inference.api import ProteinLM
+from protein_performer.errors import UserError, shown
+from protein_performer.inference.api import ProteinLM, precision_name
 from protein_performer.inference.embedding import HIDDEN_KINDS, features_sha256, resolve_layers
 from protein_performer.io.atomic import output_file
 from protein_performer.io.columns import (
@@ -66,6 +65,7 @@ from protein_performer.io.columns import (
     write_columns,
 )
 from protein_performer.io.json_safe import parse_json
+from protein_performer.model.config import block_number
 
 FORMAT_NAME = "protein_performer.embeddings"
 FORMAT_VERSION = 2
@@ -105,7 +105,6 @@ def file_attrs(lm: ProteinLM, layers: Sequence[int], include: Sequence[str]) -> 
     from protein_performer import __version__
     from protein_performer.model.contact_head import weights_sha256
 
-    precision = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}[lm.dtype]
     return {
         "format": FORMAT_NAME,
         "format_version": FORMAT_VERSION,
@@ -116,7 +115,7 @@ def file_attrs(lm: ProteinLM, layers: Sequence[int], include: Sequence[str]) -> 
         "objective": lm.config.objective,
         "attention": lm.config.attention,
         "dim": lm.config.dim,
-        "precision": precision,
+        "precision": precision_name(lm.dtype),
         "repr_layers": np.asarray(sorted(layers), dtype=np.int64),
         "include": json.dumps(list(include)),
         "model_config": json.dumps(lm.config.to_dict(), sort_keys=True),
@@ -387,8 +386,8 @@ def embed_fasta(
                 digest = there.get(rec.id)
                 if digest is not None and digest != sequence_digests([rec.sequence])[0].tobytes():
                     raise UserError(
-                        f"--resume: {dest} holds {rec.id} with another sequence than {path} "
-                        "has: the input changed; start over with --overwrite"
+                        f"--resume: {dest} holds {shown(rec.id)} with another sequence than "
+                        f"{path} has: the input changed; start over with --overwrite"
                     )
             done.update(there)
         if old_parts:
@@ -513,7 +512,7 @@ def _read_embeddings(src: Path, ids: Sequence[str] | None, kind: str, layer: int
         depth = config.get("depth") if isinstance(config, dict) else None
         if not isinstance(depth, int) or isinstance(depth, bool) or depth < 1:
             raise UserError(f"{src}: model_config has no valid depth ({depth!r}); re-run embed")
-        want = layer + depth + 1 if layer < 0 else layer
+        want = block_number(layer, depth)
         if want not in stored:
             raise UserError(f"{src}: layer {layer} was not saved (layers: {stored})")
         all_ids = read_ids(h5)

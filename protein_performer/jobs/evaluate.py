@@ -5,7 +5,6 @@
 
 from __future__ import annotations
 
-import csv
 import io
 import json
 import os
@@ -15,6 +14,7 @@ from typing import Any
 from protein_performer.inference.evaluate import measure
 from protein_performer.interop.record import LoadedModel
 from protein_performer.io.atomic import write_text_atomic
+from protein_performer.io.tables import table_writer
 
 BIN_COLUMNS = ("bin", "records", "tokens", "loss", "ppl", "acc")
 
@@ -34,7 +34,7 @@ def evaluate(
     metrics_path, bins_path = out_dir / "metrics.json", out_dir / "bins.csv"
     write_text_atomic(metrics_path, json.dumps(result, indent=2) + "\n")
     table = io.StringIO()
-    writer = csv.writer(table)
+    writer = table_writer(table)
     writer.writerow(BIN_COLUMNS)
     for row in [{"bin": "all", **result["overall"]}, *result["bins"]]:
         writer.writerow(["" if row[c] is None else row[c] for c in BIN_COLUMNS])

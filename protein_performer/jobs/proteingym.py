@@ -10,9 +10,12 @@ ProteinGym (Notin et al. 2023) ships one CSV per deep mutational scan (``mutant`
 Layout of ``OUT_DIR`` (the leaderboard's names, so its tools and readers open it):
 
 * ``scores/<DMS_id>.csv``: ``mutant, DMS_score, DMS_score_bin, <model name>``, and
-  ``scores/<DMS_id>.json``: what scored it (model digests, strategy, context). An assay whose
-  two files exist and match this run is read back instead of scored again: a killed run
-  continues where it stopped, and a rerun reproduces its numbers from the files.
+  ``scores/<DMS_id>.json``: the key of what the scores depend on (model digests, strategy,
+  context, the wild type's and the DMS file's sha256) and the sha256 of the ``.csv`` it vouches
+  for. An assay whose run file vouches for its table and holds this run's key is read back
+  instead of scored again: a killed run continues where it stopped, a rerun reproduces its
+  numbers from the files, and a table the run file does not vouch for (a kill between the two
+  files) is scored again. ``DMS_id`` must be a plain file name.
 * ``<Metric>/DMS_substitutions_<Metric>_DMS_level.csv`` per metric of
   :data:`~protein_performer.inference.dms_metrics.METRICS`: one row per assay (``DMS ID``).
 * ``<Metric>/Summary_performance_DMS_substitutions_<Metric>.csv``: the leaderboard row
@@ -27,6 +30,7 @@ Values are rounded to 3 decimals, as the leaderboard's files.
 from __future__ import annotations
 
 import csv
+import hashlib
 import json
 import logging
 import math
@@ -40,17 +44,21 @@ from typing import Any
 
 import numpy as np
 
-from protein_performer.errors import UserError
+from protein_performer.errors import UserError, shown
 from protein_performer.inference.api import ProteinLM
 from protein_performer.inference.dms_metrics import METRICS, assay_metrics, leaderboard_average
 from protein_performer.inference.embedding import features_sha256
 from protein_performer.io.atomic import text_output, write_text_atomic
+from protein_performer.io.outputs import claim_output
+from protein_performer.io.tables import table_writer, text_cell
 from protein_performer.model.contact_head import weights_sha256
 
 #: The logger's name as the CLI has always printed it (``WARNING <name>: ...``).
 log = logging.getLogger("protein_performer.inference.proteingym")
 
 REFERENCE_COLUMNS = ("DMS_id", "DMS_filename", "target_seq")
+#: The columns of ``scores/<DMS_id>.csv`` before the model's own.
+SCORE_COLUMNS = ("mutant", "DMS_score", "DMS_score_bin")
 #: The leaderboard's per-assay columns after the model's, and its summary columns.
 DMS_LEVEL_COLUMNS = (
     "number_mutants",
@@ -132,6 +140,7 @@ def read_reference(path: str | os.PathLike[str]) -> list[Assay]:
         seq = (row.get("target_seq") or "").strip().upper()
         if not dms_id or not seq or not (row.get("DMS_filename") or "").strip():
             raise UserError(f"{src}, line {line}: empty DMS_id, DMS_filename or target_seq")
+        _check_file_name(dms_id, f"{src}, line {line}: DMS_id")
         if dms_id in seen:
             raise UserError(f"{src}, line {line}: DMS_id {dms_id!r} is listed twice")
         seen.add(dms_id)
@@ -149,6 +158,24 @@ def read_reference(path: str | os.PathLike[str]) -> list[Assay]:
     if not assays:
         raise UserError(f"{src} lists no assays")
     return assays
+
+
+def _check_file_name(name: str, where: str) -> None:
+    """``name`` (an assay's id) names files (``scores/<DMS_id>.csv``, ``<DMS_id>.fasta``), so it
+    must be a plain file name: no separator, not ``.``/``..``, no leading dot (the lock and
+    temporary files' names), printable. Anything else could write outside OUT_DIR."""
+    bad = (
+        name in (".", "..")
+        or name.startswith(".")
+        or any(sep in name for sep in ("/", "\\", os.sep, os.altsep or "/"))
+        or not name.isprintable()
+    )
+    if bad:
+        raise UserError(
+            f"{where} {shown(name)} cannot name a file (a path, '..', a leading dot or an "
+            "unprintable character); ProteinGym's ids are plain names such as "
+            "BLAT_ECOLX_Stiffler_2015"
+        )
 
 
 def read_assay(path: Path) -> tuple[list[str], list[float], list[int] | None]:
@@ -204,6 +231,7 @@ def run_proteingym(
     per-assay and summary tables (module docstring). ``context_for(assay)`` gives the family
     context of an assay (or None) and its record for the run file. Assays already scored by
     this run are read back; scores of another run are refused unless ``overwrite``."""
+    check_model_name(model_name)
     assays = read_reference(reference)
     dms = Path(dms_dir).expanduser()
     files = {a.dms_id: dms / a.filename for a in assays}
@@ -214,7 +242,30 @@ def run_proteingym(
             + ", ".join(absent[:5])
         )
     out = Path(out_dir).expanduser()
-    (out / "scores").mkdir(parents=True, exist_ok=True)
+    if out.exists() and not out.is_dir():
+        raise UserError(f"OUT_DIR {out} exists and is not a directory; choose another OUT_DIR")
+    inputs = [reference, dms, *files.values()]
+    # Claimed as one resumable output (every file below it goes through the one lock); the
+    # replacement of another run's scores is decided per assay (_reuse) with ``overwrite``.
+    with claim_output(out, inputs, overwrite, "benchmark scores and tables", exists_ok=True):
+        (out / "scores").mkdir(parents=True, exist_ok=True)
+        return _run_assays(lm, assays, files, out, strategy, model_name, context_for,
+                           toks_per_batch, progress, overwrite)  # fmt: skip
+
+
+def _run_assays(
+    lm: ProteinLM,
+    assays: list[Assay],
+    files: dict[str, Path],
+    out: Path,
+    strategy: str,
+    model_name: str,
+    context_for: ContextFor | None,
+    toks_per_batch: int,
+    progress: bool,
+    overwrite: bool,
+) -> BenchmarkSummary:
+    """The body of :func:`run_proteingym`, run while OUT_DIR is claimed."""
     summary = BenchmarkSummary(out)
     say = sys.stderr
     # What every assay's run file records of the model: hashed once for the run, not per assay.
@@ -226,10 +277,14 @@ def run_proteingym(
         start = time.perf_counter()
         mutants, labels, fit = read_assay(files[assay.dms_id])
         context, context_record = context_for(assay) if context_for else (None, None)
-        record = {**model, "strategy": strategy, "context": context_record, "rows": len(mutants)}
+        record = {
+            **model, "strategy": strategy, "context": context_record, "rows": len(mutants),
+            "target_seq_sha256": _sha256(assay.target_seq.encode()),
+            "dms_sha256": _sha256(files[assay.dms_id].read_bytes()),
+        }  # fmt: skip
         scores_csv = out / "scores" / f"{assay.dms_id}.csv"
         scores_json = scores_csv.with_suffix(".json")
-        scores = _reuse(scores_csv, scores_json, record, model_name, mutants, overwrite)
+        scores = _reuse(scores_csv, scores_json, record, model_name, overwrite)
         reused = scores is not None
         if scores is None:
             try:
@@ -240,13 +295,16 @@ def run_proteingym(
             except UserError as exc:
                 raise UserError(f"{files[assay.dms_id]} ({assay.dms_id}): {exc}") from None
             with text_output(scores_csv) as fh:
-                writer = csv.writer(fh)
-                writer.writerow(["mutant", "DMS_score", "DMS_score_bin", model_name])
+                writer = table_writer(fh)
+                writer.writerow(SCORE_COLUMNS + (model_name,))
                 for i, m in enumerate(mutants):
                     b = "" if fit is None else fit[i]
                     writer.writerow([m, repr(labels[i]), b, f"{scores[i]:.6f}"])
-            write_text_atomic(scores_json, json.dumps(record, sort_keys=True, indent=1) + "\n")
-            scores = _read_scores(scores_csv, model_name)  # the metrics of what the file holds
+            # The run file vouches for exactly these bytes: a kill between the two files, or
+            # a table changed since, never passes for this run's scores.
+            vouched = {**record, "scores_sha256": _sha256(scores_csv.read_bytes())}
+            write_text_atomic(scores_json, json.dumps(vouched, sort_keys=True, indent=1) + "\n")
+            scores = _read_scores(scores_csv)  # the metrics of what the file holds
         metrics = assay_metrics(scores, labels, fit)
         seconds = time.perf_counter() - start
         summary.results.append(AssayResult(assay, len(mutants), metrics, reused, seconds))
@@ -260,9 +318,15 @@ def run_proteingym(
     return summary
 
 
-def _read_scores(path: Path, model_name: str) -> list[float]:
-    _, rows = _read_csv(path, "scores of an earlier run")
-    return [float(r[model_name]) for r in rows]
+def _sha256(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def _read_scores(path: Path) -> list[float]:
+    """The model's column (the fourth, whatever its name) of a scores file this run vouched
+    for."""
+    with open(path, newline="", encoding="utf-8") as fh:
+        return [float(row[3]) for row in list(csv.reader(fh))[1:]]
 
 
 def _reuse(
@@ -270,31 +334,58 @@ def _reuse(
     scores_json: Path,
     record: dict[str, Any],
     model_name: str,
-    mutants: Sequence[str],
     overwrite: bool,
 ) -> list[float] | None:
-    """The scores an earlier run of the same model and options wrote, or None to score."""
+    """The scores an earlier run with the same key (``record``: the model's digests, strategy,
+    context, the wild type's and the DMS file's digests) wrote, or None to score.
+
+    A run file of another key (another model, wild type, DMS file, options; or one written
+    before the key had digests) is refused unless ``overwrite``. With this run's key, the
+    table is reused only when the run file vouches for its exact bytes (``scores_sha256``);
+    one it does not vouch for (a run stopped between the two files, an edited table) is
+    scored again."""
     from protein_performer.io.json_safe import read_json
 
-    if not scores_csv.is_file() or not scores_json.is_file():
+    if not scores_csv.is_file():
         return None
-    if read_json(scores_json, "delete it to score the assay again") != record:
+    if not scores_json.is_file():
+        log.warning("%s has no run file %s; scoring it again", scores_csv, scores_json.name)
+        return None
+    found = read_json(scores_json, "delete it to score the assay again")
+    found = found if isinstance(found, dict) else {}
+    key = {k: v for k, v in found.items() if k != "scores_sha256"}
+    if key != record:
         if overwrite:
             return None
+        differ = sorted(k for k in set(key) | set(record) if key.get(k) != record.get(k))
         raise UserError(
-            f"{scores_csv} was scored by another model or with other options ({scores_json}); "
-            "pass --overwrite to score again, or choose another OUT_DIR"
+            f"{scores_csv} was scored by another model, wild type, DMS file or options "
+            f"(differs: {', '.join(differ)}; {scores_json}); pass --overwrite to score again, "
+            "or choose another OUT_DIR"
         )
-    try:
-        header, rows = _read_csv(scores_csv, "scores of an earlier run")
-        values = [float(r[model_name]) for r in rows]
-        same = [r["mutant"] for r in rows] == list(mutants)
-    except (KeyError, TypeError, ValueError):
-        same = False
-    if not same:  # damaged, or another model name: score again
-        log.warning("%s does not match its assay; scoring it again", scores_csv)
+    if found.get("scores_sha256") != _sha256(scores_csv.read_bytes()):
+        log.warning(
+            "%s is not the table its run file %s vouches for (a run stopped between them?); "
+            "scoring it again", scores_csv, scores_json.name,
+        )  # fmt: skip
         return None
-    return values
+    with open(scores_csv, newline="", encoding="utf-8") as fh:
+        header = next(csv.reader(fh), [])
+    if header[3:] != [text_cell(model_name)]:  # the same scores under another --model-name
+        log.warning("%s names its scores %s; scoring it again", scores_csv, header[3:])
+        return None
+    return _read_scores(scores_csv)
+
+
+def check_model_name(name: str) -> None:
+    """``--model-name`` heads a column beside the tables' own: an empty or clashing name would
+    make the tables unreadable (or every rerun score again)."""
+    taken = {*SCORE_COLUMNS, "DMS ID", *DMS_LEVEL_COLUMNS}
+    if not name.strip() or name in taken:
+        raise UserError(
+            f"--model-name {shown(name)} is empty or a column the tables already have "
+            f"({', '.join(sorted(taken))}); choose another name"
+        )
 
 
 def _mean(values: list[float]) -> float | None:
@@ -318,7 +409,7 @@ def _write_tables(
         folder.mkdir(exist_ok=True)
         values = [r.metrics[metric] for r in results]
         with text_output(folder / f"DMS_substitutions_{metric}_DMS_level.csv") as fh:
-            writer = csv.writer(fh)
+            writer = table_writer(fh)
             writer.writerow(["DMS ID", model_name, *DMS_LEVEL_COLUMNS])
             for r, v in zip(results, values, strict=True):
                 a = r.assay
@@ -345,7 +436,7 @@ def _write_tables(
             row[col] = _round(_group_mean(results, values, lambda a, t=taxon: a.taxon == t))
         columns = summary_columns(metric)
         with text_output(folder / f"Summary_performance_DMS_substitutions_{metric}.csv") as fh:
-            writer = csv.writer(fh)
+            writer = table_writer(fh)
             writer.writerow(columns)
             writer.writerow([row.get(col, "") for col in columns])
     return averages

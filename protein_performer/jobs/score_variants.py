@@ -30,13 +30,16 @@ from protein_performer.inference.scoring import (
     parse_mutant,
 )
 from protein_performer.io.atomic import text_output, write_text_atomic
-from protein_performer.io.tables import delimiter
+from protein_performer.io.outputs import sidecar
+from protein_performer.io.tables import delimiter, table_writer
 
 #: The logger's name as the CLI has always printed it (``WARNING <name>: ...``).
 log = logging.getLogger("protein_performer.inference.scoring")
 
 #: The columns of a ProteinGym substitution file (``DMS_score_bin`` too, unused here).
 PROTEINGYM_COLUMNS = frozenset({"mutant", "DMS_score"})
+#: The sidecar beside OUT recording the context a table was scored with (with --context only).
+CONTEXT_SIDECAR = ".context.json"
 _SHOW_ROWS = 20  # rows named in the warning summary before "and N more"
 
 
@@ -210,15 +213,18 @@ def score_variants_file(
     scores = table[0]
 
     width = len(header)
+    record_path = None if str(out) == "-" else sidecar(out, CONTEXT_SIDECAR)
+    if record_path is not None:  # never beside a table it does not describe, even after a kill
+        record_path.unlink(missing_ok=True)
     with text_output(out) as fh:
-        writer = csv.writer(fh, delimiter=delimiter(out))
+        writer = table_writer(fh, delimiter(out))
         writer.writerow([*header, *names])
         for n, (_, row) in enumerate(rows):
             cells = row + [""] * (width - len(row))
             writer.writerow([*cells, *("" if c[n] is None else f"{c[n]:.6f}" for c in table)])
-    if context is not None and str(out) != "-":
+    if context is not None and record_path is not None:
         record = json.dumps(context_record(context), sort_keys=True, indent=1) + "\n"
-        write_text_atomic(Path(f"{out}.context.json"), record)
+        write_text_atomic(record_path, record)
 
     summary = VariantSummary(
         Path(out), len(rows), len(valid), skipped, label_col=label_col, detected=detected

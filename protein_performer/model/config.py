@@ -34,6 +34,19 @@ def default_nb_features(head_dim: int) -> int:
     return max(16, math.ceil(head_dim * math.log(max(head_dim, 2)) / 16) * 16)
 
 
+def block_number(layer: int, depth: int, *, lowest: int = 0, what: str = "layer") -> int:
+    """ESM layer numbering -> a block number ``lowest..depth``: negative counts from the end
+    (-1 = the last block), 0 is the embeddings (where ``lowest`` is 0). The one place the rule
+    lives: embeddings, attention maps, contacts and the embeddings file's reader ask it."""
+    j = layer + depth + 1 if layer < 0 else layer
+    if not lowest <= j <= depth:
+        raise UserError(
+            f"{what} {layer} is out of range for a {depth}-layer model "
+            f"(valid: {lowest}..{depth} or {-(depth + 1 - lowest)}..-1)"
+        )
+    return j
+
+
 def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 

@@ -16,7 +16,7 @@ from torch import nn
 
 from protein_performer.errors import UserError
 from protein_performer.model.attention import AttentionState, Positions
-from protein_performer.model.config import PerformerConfig
+from protein_performer.model.config import PerformerConfig, block_number
 from protein_performer.model.heads import LMHead
 from protein_performer.model.layers import TransformerLayer
 from protein_performer.model.rotary import member_positions
@@ -76,18 +76,8 @@ class PerformerLM(nn.Module):
             nn.init.zeros_(module.bias)
 
     def _resolve_layers(self, layers: Sequence[int], lowest: int, what: str) -> set[int]:
-        """Map ESM-style indices (negative from the end, -1 = last block) to block numbers."""
-        depth = self.config.depth
-        resolved = set()
-        for i in layers:
-            j = i + depth + 1 if i < 0 else i
-            if not lowest <= j <= depth:
-                raise UserError(
-                    f"{what} {i} is out of range for a {depth}-layer model "
-                    f"(valid: {lowest}..{depth} or {-(depth + 1 - lowest)}..-1)"
-                )
-            resolved.add(j)
-        return resolved
+        """ESM-style indices (negative from the end, -1 = last block) -> block numbers."""
+        return {block_number(i, self.config.depth, lowest=lowest, what=what) for i in layers}
 
     def rotary_positions(self, tokens: torch.Tensor, offset: int | torch.Tensor = 0) -> Positions:
         """The rotary positions of tokens (B, L) whose first token sits at row position

@@ -203,10 +203,14 @@ def _diverged(stage: str, step: int, last: tuple[int, float] | None, flag: str) 
     )
 
 
+#: The resume state's suffix: ``OUT.linearize.pt``, a sidecar of OUT (an output of its own).
+STATE_SUFFIX = ".linearize.pt"
+
+
 def state_path(out: str | os.PathLike[str]) -> Path:
     """The resume state of a linearization into ``out``: beside it, removed when it is done."""
     out = Path(out).expanduser()
-    return out.with_name(out.name + ".linearize.pt")
+    return out.with_name(out.name + STATE_SUFFIX)
 
 
 def _saved_state(student: nn.Module, optimizer: torch.optim.Optimizer, stage: str, step: int,

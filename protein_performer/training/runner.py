@@ -117,17 +117,72 @@ def holds_run_dir(fn: Callable[[DictConfig], dict[str, Any]]) -> Callable[..., d
     @functools.wraps(fn)
     def wrapper(cfg: DictConfig) -> dict[str, Any]:
         from protein_performer.io.atomic import exclusive_lock
+        from protein_performer.io.outputs import refuse_inputs
 
         first = all(os.environ.get(k, "0") == "0" for k in ("RANK", "LOCAL_RANK", "NODE_RANK"))
         out = cfg.get("paths", {}).get("output_dir") if first else None
         if out is None:
             return fn(cfg)
         run_dir = Path(str(out)).expanduser().absolute()
+        refuse_inputs(run_dir, run_inputs(cfg))
         run_dir.parent.mkdir(parents=True, exist_ok=True)
         with exclusive_lock(run_dir, "a training run"):
             return fn(cfg)
 
     return wrapper
+
+
+#: The config keys that name a run's inputs (train and finetune): the run directory is an
+#: output under the one policy, never one of them, holding one or inside one.
+INPUT_KEYS = ("data.path", "data.train", "data.fasta", "init_from", "base",
+              "model.distill.teacher")  # fmt: skip
+
+
+def run_inputs(cfg: DictConfig) -> list[str]:
+    """The paths :data:`INPUT_KEYS` give in ``cfg`` (lists flattened; unset keys skipped)."""
+    from omegaconf import OmegaConf
+
+    found: list[str] = []
+    for key in INPUT_KEYS:
+        try:
+            value = OmegaConf.select(cfg, key, default=None, throw_on_missing=False)
+        except Exception:  # noqa: BLE001 - an interpolation that fails is said by its reader
+            continue
+        values = value if OmegaConf.is_list(value) or isinstance(value, list) else [value]
+        found += [str(v) for v in values if isinstance(v, str) and v not in ("", "???")]
+    return found
+
+
+def check_run_dirs(cfg: DictConfig) -> None:
+    """The output policy for a launch, before ``@hydra.main`` creates anything: Hydra's run
+    directory (``hydra.run.dir``: ``.hydra/`` and the log file) and the run's own
+    (``paths.output_dir`` when it is set apart) are never an input, hold one or lie inside one.
+    ``cfg`` is a composed config with Hydra's node; it is not changed."""
+    import copy
+
+    from hydra.core.hydra_config import HydraConfig
+    from omegaconf import OmegaConf, open_dict
+    from omegaconf.errors import OmegaConfBaseException
+
+    from protein_performer.io.outputs import refuse_inputs
+
+    try:
+        probe = copy.deepcopy(cfg)
+        with open_dict(probe):
+            probe.hydra.runtime.cwd = os.getcwd()
+        HydraConfig.instance().set_config(probe)  # ${hydra:runtime.cwd} in paths.root_dir
+        run_dir = OmegaConf.select(probe, "hydra.run.dir")
+        probe = copy.deepcopy(cfg)
+        with open_dict(probe):
+            probe.hydra.runtime.cwd = os.getcwd()
+            probe.hydra.runtime.output_dir = str(run_dir)
+        HydraConfig.instance().set_config(probe)
+        outs = {str(run_dir), str(OmegaConf.select(probe, "paths.output_dir"))}
+    except OmegaConfBaseException:  # said by Hydra when it resolves the same keys
+        return
+    inputs = run_inputs(probe)
+    for out in outs:
+        refuse_inputs(Path(out).expanduser().absolute(), inputs)
 
 
 def _scalar(value: Any) -> float | Any:
@@ -296,10 +351,11 @@ def launch(entry: Entry, overrides: Sequence[str], prog: str | None = None) -> d
     register_resolvers()
     hydra_flags = any(arg.startswith("-") for arg in overrides)
     if not hydra_flags:
-        compose_config(
+        composed = compose_config(
             overrides, name=entry.name, direct_keys=entry.direct_keys, required=entry.required,
             example=entry.example, override_example=entry.override_example,
         )  # fmt: skip
+        check_run_dirs(composed)  # before Hydra writes .hydra/ and the log file there
     direct, rest = split_direct(overrides, entry.direct_keys)
     if hydra_flags:  # --cfg job and the like print before any task runs: Hydra sets them too
         rest += [f"{key}={_quoted(value)}" for key, value in direct.items()]

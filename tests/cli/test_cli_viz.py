@@ -184,3 +184,20 @@ def test_visualize_errors(model_dir, tmp_path: Path, capsys) -> None:
     argv = ["visualize", str(model_dir), "--sequence", "MKV", "--window", "0", "9"]
     assert main([*argv, "--out-dir", str(tmp_path)]) == 2
     assert "window" in capsys.readouterr().err
+
+
+def test_ids_in_messages_cannot_drive_the_terminal(tmp_path: Path, capsys) -> None:
+    """Issue 42 item 5: record ids holding ESC[2J or an OSC title are escaped (one helper,
+    errors.shown) in the error line of `visualize --record`; plain ids read as written."""
+    from protein_performer.errors import shown
+
+    fasta = tmp_path / "f.fasta"
+    fasta.write_text(">\x1b[2J\x1b]0;pwned\x07x\nMKV\n>ok\nMKT\n")
+    (tmp_path / "m.ckpt").write_bytes(b"x")
+    argv = ["visualize", str(tmp_path / "m.ckpt"), str(fasta), "--record", "nope"]
+    argv += ["--out-dir", str(tmp_path / "figs")]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert "\x1b" not in err and "\x07" not in err and err.count("\n") == 1, repr(err)
+    assert "'\\x1b[2J\\x1b]0;pwned\\x07x', ok" in err
+    assert shown("P69905") == "P69905" and shown("a\u202eb") == "'a\\u202eb'"

@@ -340,3 +340,19 @@ def test_an_unbounded_context_says_what_it_reads_and_shows_progress(
     assert f"reading 12 homolog(s), {tokens} tokens" in caplog.text
     err = capsys.readouterr().err
     assert "context" in err and f"{tokens}" in err, err
+
+
+def test_a_string_is_a_path_never_a_guessed_sequence(tmp_path, monkeypatch):
+    """Issue 42 item 9: a missing file named without a dot or separator is an error, not a
+    1-member family; ``-`` reads standard input; sequences come as a list."""
+    import io
+
+    lm = tiny_lm()
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(UserError, match="MKTAYIAK does not exist"):
+        lm.context("MKTAYIAK")
+    fasta = "".join(f">{i}\n{s}\n" for i, s in FAMILY)
+    monkeypatch.setattr("sys.stdin", io.TextIOWrapper(io.BytesIO(fasta.encode())))
+    from_stdin = lm.context("-")
+    assert from_stdin.members == lm.context(FAMILY).members
+    assert len(lm.context(["MKTAYIAK"]).members) == 1

@@ -111,6 +111,49 @@ def test_the_lock_is_released_and_reentrant(tmp_path: Path) -> None:
         pass
 
 
+def test_a_lock_never_follows_a_link(
+    model: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Issue 42 item 1: a symlink (or hard link) planted under the lock's name is refused in one
+    line; the file it points to keeps its bytes and the planted name stays as it was."""
+    victim = tmp_path / "victim.txt"
+    victim.write_text("precious\n")
+    fasta = tmp_path / "in.fasta"
+    write_fasta(fasta, 2)
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    os.symlink(victim, shared / ".out.csv.lock")
+    assert main(["score", str(model), str(fasta), str(shared / "out.csv")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error:") and err.count("\n") == 1 and "symbolic link" in err, err
+    assert victim.read_text() == "precious\n" and (shared / ".out.csv.lock").is_symlink()
+    assert not (shared / "out.csv").exists()
+    (shared / ".out.csv.lock").unlink()
+    os.link(victim, shared / ".out.csv.lock")  # a hard link: the same file by another name
+    with (
+        pytest.raises(UserError, match="not a plain file of yours"),
+        atomic.exclusive_lock(shared / "out.csv", "x"),
+    ):
+        pass
+    assert victim.read_text() == "precious\n"
+
+
+def test_the_lock_descriptor_is_close_on_exec(tmp_path: Path) -> None:
+    """A program the command starts (mmseqs, a spawned worker) never inherits the lock."""
+    out = tmp_path / "o.h5"
+    with atomic.exclusive_lock(out, "x"):
+        fds = [int(f) for f in os.listdir("/proc/self/fd")]
+        mine = [f for f in fds if _target(f) == str(tmp_path / ".o.h5.lock")]
+        assert len(mine) == 1 and not os.get_inheritable(mine[0])
+
+
+def _target(fd: int) -> str:
+    try:
+        return os.readlink(f"/proc/self/fd/{fd}")
+    except OSError:
+        return ""
+
+
 def test_an_injected_enospc_is_one_line_and_leaves_nothing(
     model: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch
 ) -> None:
@@ -200,3 +243,84 @@ def test_a_full_tmpfs_is_one_line_for_every_writer(model: Path, tmp_path: Path) 
             assert left == [], (argv[0], left)
             ballast.unlink(missing_ok=True)
             assert time.monotonic() - started < 120
+
+
+def test_sigterm_leaves_no_lock_behind(model: Path, tmp_path: Path) -> None:
+    """Issue 42 item 20: a command stopped by SIGTERM (here `score` waiting on its standard
+    input) releases its lock and removes it, exits 143 in one line, and writes no output."""
+    import signal
+
+    out = tmp_path / "out.csv"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "protein_performer.cli.main", "score", str(model), "-", str(out),
+         "--no-progress"],  # fmt: skip
+        stdin=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=ENV,
+    )
+    lock = tmp_path / ".out.csv.lock"
+    deadline = time.monotonic() + 60
+    while not lock.exists() and time.monotonic() < deadline and proc.poll() is None:
+        time.sleep(0.05)
+    assert lock.exists(), "the command never took its lock"
+    time.sleep(0.5)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 143, err
+    assert err.strip().splitlines()[-1] == "stopped by SIGTERM", err
+    assert sorted(p.name for p in tmp_path.iterdir()) == []
+
+
+def test_a_run_directory_is_never_inside_or_holding_its_data(tmp_path: Path) -> None:
+    """Issue 42 item 6 for train/finetune: the run directory (paths.output_dir) goes through
+    the one policy: inside the data store, or holding the init weights, is refused."""
+    from omegaconf import OmegaConf
+
+    from protein_performer.training.train import train
+
+    store = tmp_path / "store"
+    store.mkdir()
+    (store / "tokens.bin").write_bytes(b"t")
+    cfg = {"paths": {"output_dir": str(store / "run")}, "data": {"path": str(store)}}
+    with pytest.raises(UserError, match="inside the input directory"):
+        train(OmegaConf.create(cfg))
+    weights = tmp_path / "runs" / "x" / "init.ckpt"
+    weights.parent.mkdir(parents=True)
+    weights.write_bytes(b"w")
+    cfg = {"paths": {"output_dir": str(tmp_path / "runs")}, "init_from": str(weights)}
+    with pytest.raises(UserError, match="a directory holding the input"):
+        train(OmegaConf.create(cfg))
+    assert sorted(p.name for p in store.iterdir()) == ["tokens.bin"]
+
+
+FORK_AND_DIE = """
+import os, signal, sys, time
+from pathlib import Path
+from protein_performer.io.atomic import exclusive_lock
+with exclusive_lock(Path(sys.argv[1]), "a test"):
+    child = os.fork()
+    if child == 0:  # a worker forked while the lock is held (a DataLoader worker)
+        time.sleep(30)
+        os._exit(0)
+    print(child, flush=True)
+    os.kill(os.getpid(), signal.SIGKILL)  # the parent dies at once, its worker lives on
+"""
+
+
+def test_a_forked_worker_never_holds_its_parents_lock(tmp_path: Path) -> None:
+    """Issue 42 item 1: forked children close their copies of the lock descriptors, so a run
+    killed with -9 frees its output at once even while its workers still run."""
+    out = tmp_path / "o.h5"
+    proc = subprocess.Popen([sys.executable, "-c", FORK_AND_DIE, str(out)],
+                            stdout=subprocess.PIPE, text=True, env=ENV)  # fmt: skip
+    assert proc.stdout is not None
+    child = int(proc.stdout.readline())
+    proc.wait(timeout=30)
+    try:
+        assert Path(f"/proc/{child}").exists()  # the worker still runs
+        with atomic.exclusive_lock(out, "x"):  # and the output is free: it holds no copy
+            pass
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(child, 9)

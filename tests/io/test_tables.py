@@ -58,3 +58,29 @@ def test_several_ranks_naming_standard_output_stop_before_any_work(monkeypatch) 
     monkeypatch.setenv("WORLD_SIZE", "2")
     with pytest.raises(UserError, match="several ranks cannot share standard output"):
         ShardedTable("-", ["id"])
+
+
+EVIL = ["=HYPERLINK(\"http://x\",\"y\")", "+cmd|' /C calc'!A0", "-2+3", "@SUM(A1)", "\tx", "\rx"]
+
+
+def test_formula_cells_are_text_and_numbers_stay_numbers(tmp_path: Path) -> None:
+    """Issue 42 item 4 (OWASP CSV injection): text cells starting with = + - @ TAB CR are
+    prefixed with ' in every table; negative and signed numbers are left as numbers."""
+    import csv
+
+    from protein_performer.io.tables import text_cell
+
+    assert [text_cell(v) for v in EVIL] == ["'" + v for v in EVIL]
+    assert [text_cell(v) for v in ("-1.5", "+3e-4", "-.5", 2.0, -1, "'=x", "A42G")] == [
+        "-1.5", "+3e-4", "-.5", 2.0, -1, "'=x", "A42G"
+    ]  # fmt: skip
+    for name in ("t.csv", "t.tsv"):
+        out = tmp_path / name
+        ShardedTable(out, ["id", "=score"]).write(
+            [EVIL], lambda w: [[v, f"{-i - 0.5:.3f}"] for i, v in enumerate(w)], "src"
+        )
+        with open(out, newline="", encoding="utf-8") as fh:
+            rows = list(csv.reader(fh, delimiter=delimiter(out)))
+        assert rows[0] == ["id", "'=score"]
+        assert [r[0] for r in rows[1:]] == ["'" + v for v in EVIL]
+        assert [r[1] for r in rows[1:]] == [f"{-i - 0.5:.3f}" for i in range(len(EVIL))]

@@ -3,6 +3,7 @@ benchmark runner (resumable per assay, the leaderboard's column names)."""
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import math
 from pathlib import Path
@@ -19,6 +20,7 @@ from protein_performer.inference.dms_metrics import (
     top_recall,
 )
 from protein_performer.jobs.proteingym import summary_columns
+from scripts.attack_cases import reference_file
 from tests.interop.test_loading import fit_checkpoint
 from tests.paths import REPO
 
@@ -126,3 +128,84 @@ def test_benchmark_runs_every_assay_and_a_second_run_reproduces_it(
                    [float(r["DMS_score"]) for r in scored])  # fmt: skip
     with open(out / "Spearman" / "DMS_substitutions_Spearman_DMS_level.csv") as fh:
         assert float(next(csv.DictReader(fh))["protein_performer"]) == round(rho, 3)
+
+
+def _one_line(capsys) -> str:
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error:") and "\n" not in err, err
+    return err
+
+
+@pytest.mark.parametrize("dms_id", ["/ABS/PWNED", "../../dms/assay", "a/b", "..", ".hidden",
+                                    "x\x1b[2J"])  # fmt: skip
+def test_a_dms_id_is_never_a_path(tmp_path: Path, capsys, dms_id: str) -> None:
+    """Issue 42 item 3: an id that would write outside OUT_DIR is one line, nothing written."""
+    dms_id = dms_id.replace("/ABS", str(tmp_path))
+    ref = reference_file(tmp_path / "ref.csv", dms_id)
+    argv = ["benchmark", "proteingym", str(ref), str(PG), str(tmp_path / "out" / "pg"),
+            str(tmp_path / "model.ckpt")]  # fmt: skip
+    (tmp_path / "out").mkdir()
+    assert main(argv) == 2
+    assert "cannot name a file" in _one_line(capsys)
+    assert sorted(p.name for p in tmp_path.rglob("*")) == ["out", "ref.csv"]
+
+
+def test_benchmark_out_dir_never_holds_or_enters_its_inputs(ckpt: Path, tmp_path: Path,
+                                                            capsys) -> None:  # fmt: skip
+    """Issue 42 item 7: OUT_DIR == DMS_DIR, OUT_DIR holding it (the assay in o2/scores) or
+    inside it are refused before any work; the DMS file keeps its bytes."""
+    o2 = tmp_path / "o2"
+    (o2 / "scores").mkdir(parents=True)
+    name = "BLAT_ECOLX_Stiffler_2015.csv"
+    (o2 / "scores" / name).write_bytes((PG / name).read_bytes())
+    ref = reference_file(tmp_path / "ref.csv", "BLAT_ECOLX_Stiffler_2015")
+    before = (o2 / "scores" / name).read_bytes()
+    for dms, out in ((o2 / "scores", o2), (o2 / "scores", o2 / "scores"),
+                     (o2, o2 / "scores" / "deeper")):  # fmt: skip
+        argv = ["benchmark", "proteingym", str(ref), str(dms), str(out), str(ckpt), "--overwrite"]
+        assert main(argv) == 2
+        assert "an output never replaces an input" in _one_line(capsys)
+    assert (o2 / "scores" / name).read_bytes() == before
+    assert not (o2 / "scores" / "deeper").exists()
+
+
+def test_benchmark_reuse_is_keyed_by_digests(ckpt: Path, tmp_path: Path, capsys) -> None:
+    """Issue 42 item 8: a table its run file does not vouch for (a kill between the two
+    files) is scored again, and a changed wild type is another key (refused without
+    --overwrite), never the old scores read back as this run's."""
+    ref = reference_file(tmp_path / "ref.csv", "BLAT_ECOLX_Stiffler_2015")
+    out = tmp_path / "pg"
+    argv = ["benchmark", "proteingym", str(ref), str(PG), str(out), str(ckpt), "--no-progress",
+            "--device", "cpu"]  # fmt: skip
+    assert main(argv) == 0
+    capsys.readouterr()
+    table = out / "scores" / "BLAT_ECOLX_Stiffler_2015.csv"
+    good = table.read_bytes()
+    # Another run's table under the same name, its run file never written (killed between).
+    lines = good.decode().splitlines(keepends=True)
+    table.write_text(lines[0] + "".join(lines[:0:-1]))  # the scores of other mutants
+    assert main(argv) == 0
+    assert "(reused)" not in capsys.readouterr().err
+    assert table.read_bytes() == good
+    # The reference's wild type changed: the old scores are not this run's.
+    with open(PG / "reference_two_assays.csv", newline="") as fh:
+        wt = next(csv.DictReader(fh))["target_seq"]
+    changed = wt[:-1] + ("A" if wt[-1] != "A" else "G")
+    reference_file(ref, "BLAT_ECOLX_Stiffler_2015", target_seq=changed)
+    assert main(argv) == 2
+    assert "differs: target_seq_sha256" in _one_line(capsys)
+    assert table.read_bytes() == good
+
+
+@pytest.mark.parametrize("flags", [["--model-name", "mutant"], ["--model-name", "DMS ID"],
+                                   ["--toks-per-batch", "0"]])  # fmt: skip
+def test_benchmark_refuses_a_clashing_model_name_and_no_token_budget(tmp_path, capsys, flags):
+    """Issue 42 item 20: --model-name mutant made every rerun score again (the column clashed);
+    --toks-per-batch 0 was accepted."""
+    argv = ["benchmark", "proteingym", str(PG / "reference_two_assays.csv"), str(PG),
+            str(tmp_path / "pg"), str(tmp_path / "m.ckpt"), *flags]  # fmt: skip
+    with pytest.raises(SystemExit) if flags[0] == "--toks-per-batch" else contextlib.nullcontext():
+        assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert ("column the tables already have" in err) or ("must be at least 1" in err), err
+    assert not (tmp_path / "pg").exists()

@@ -101,3 +101,28 @@ def test_tem1_dms_end_to_end(tmp_path: Path) -> None:
             progress=False,
         )
     assert not (tmp_path / "w.csv").exists()
+
+
+def test_the_context_sidecar_is_an_output(tmp_path: Path, capsys) -> None:
+    """Issue 42 item 10: an existing OUT.context.json is replaced only with --overwrite (even
+    when it is the --context input itself), and a run without --context removes a stale one."""
+    from protein_performer.cli.main import main
+    from protein_performer.interop.export import export_model
+
+    model = export_model(tiny_loaded(), tmp_path / "model")
+    (tmp_path / "wt.fasta").write_text(f">wt\n{WT}\n")
+    (tmp_path / "dms.csv").write_text("mutant\nK2R\nT3S\n")
+    out = tmp_path / "out.csv"
+    record = tmp_path / "out.csv.context.json"
+    record.write_text(">h\nMKTAYIAK\n")  # a homolog file that happens to have that name
+    argv = ["score-variants", str(model), str(tmp_path / "wt.fasta"), str(tmp_path / "dms.csv")]
+    argv += [str(out), "--no-progress"]
+    assert main([*argv, "--context", str(record), "--overwrite"]) == 2
+    assert "never replaces an input" in capsys.readouterr().err
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert "out.csv.context.json already exists: pass --overwrite" in err, err
+    assert record.read_text() == ">h\nMKTAYIAK\n" and not out.exists()
+    assert main([*argv, "--overwrite"]) == 0  # no --context: the stale record goes
+    assert out.exists() and not record.exists()
+    assert not list(tmp_path.glob(".*lock"))
