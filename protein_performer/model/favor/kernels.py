@@ -232,7 +232,8 @@ class FeatureMap(abc.ABC):
         rscale: Tensor | None = None,
         out: Tensor | None = None,
     ) -> tuple[Tensor, Tensor | None]:
-        """Query features up to a per-row factor, (..., N, M), and the exp kernels' row shift.
+        """Query features up to a per-row factor, (..., N, M), and the exp kernels' row shift
+        (in the map's own units, base 2 for them: only this method makes and reads it).
 
         offset (..., 1, M): per-column log scales moved over from the keys (bidirectional);
         shift (..., N): the row max to subtract (computed unless given: a backward recomputing
