@@ -58,7 +58,9 @@ class _BidiFavor(torch.autograd.Function):
     moved to the query logits (exp kernels) and a per-row max subtracted. Both stabilizers
     cancel exactly in the output, so the backward treats them as constants. Saved: q, k, v, col,
     S, out and the normalizer; the backward recomputes the features block by block (queries
-    first, accumulating dS, then keys).
+    first, accumulating dS, then keys). When one block holds every row (exp kernels), the
+    forward is :func:`_fused_exp` instead, and ``out`` is (B, H, L, dv) over (B, L, H, dv)
+    memory (``heads`` = H), the layout the layer's output projection reads.
     """
 
     @staticmethod
@@ -66,6 +68,7 @@ class _BidiFavor(torch.autograd.Function):
         BH, L, _ = q.shape
         dv = v.shape[-1]
         hb, block = _tile(BH, L, fmap.width, block, q)
+        ctx.tile, ctx.fmap = (hb, block), fmap  # the backward's tiles: the block loop's
         S = q.new_empty(BH, fmap.width, dv + 1)  # [phi(K)^T V | phi(K)^T 1] per head
         den, shifts = q.new_empty(BH, L, 1), q.new_zeros(BH, L)
         fused = fmap.exp and block >= L  # one block holds every row: _fused_exp
@@ -97,7 +100,6 @@ class _BidiFavor(torch.autograd.Function):
                     shifts[h, r] = shift
                 torch.div(yq[..., :dv], den[h, r], out=out[h, r])
         col = None if cols[0] is None else torch.cat(cols)  # (BH, 1, M|1)
-        ctx.tile, ctx.fmap = (hb, block), fmap
         ctx.save_for_backward(q, k, v, keep, col, S, out, den, shifts)
         return out
 
