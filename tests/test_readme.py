@@ -89,6 +89,43 @@ def readme_lines() -> list[str]:
     return lines
 
 
+def doc_commands() -> list[tuple[str, str]]:
+    """Every ``protein-performer ...`` command the README and docs/*.md name inline (in
+    backticks, outside the README's bash blocks): (file, command)."""
+    found = []
+    for path in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]:
+        text = re.sub(r"```.*?```", "", path.read_text(), flags=re.S)
+        for match in re.findall(r"`[^`]*?(protein-performer [^`]*)`", text):
+            found.append((path.name, " ".join(match.split())))
+    return found
+
+
+def test_every_command_the_docs_name_exists_with_its_flags() -> None:
+    """Issue 45 #8: RESULTS and the other docs named commands that no longer exist
+    (`contacts CKPT ... --out`, `predict-contacts`); every named subcommand (and `contacts`'
+    own) and every named flag must exist."""
+    from protein_performer.cli.main import build_parser
+
+    def choices(parser):  # noqa: ANN001, ANN202 - argparse's subcommand table
+        sub = [a for a in parser._actions if a.__class__.__name__ == "_SubParsersAction"]
+        return sub[0].choices if sub else {}
+
+    commands = doc_commands()
+    assert len(commands) >= 10
+    for where, command in commands:
+        words = command.split()[1:]
+        parser, named = build_parser(), []
+        while words and choices(parser) and not words[0].startswith("-"):
+            assert words[0] in choices(parser), f"{where}: `{command}`: no command {words[0]!r}"
+            parser = choices(parser)[words[0]]
+            named.append(words.pop(0))
+        flags = {o for a in parser._actions for o in a.option_strings}
+        for word in words:
+            flag = word.split("=")[0]
+            if flag.startswith("--") and flag.strip("-").replace("-", "").isalpha():
+                assert flag in flags, f"{where}: `{command}`: {' '.join(named)} has no {flag}"
+
+
 def skipped(line: str) -> str | None:
     if "../shared" in line and not (ROOT.parent / "shared").is_dir():
         return "../shared is not checked out beside the repository"

@@ -133,6 +133,12 @@ def test_the_installed_wheel_trains_and_finetunes_outside_the_repository(
     last = tmp_path / "outputs" / "demo" / "wheel" / "checkpoints" / "last.ckpt"
     assert last.is_file() and f"last checkpoint: {last}" in trained.stdout
 
+    # issue 45 #1: with no --data, linearize fits on the demo set shipped inside the wheel
+    linear = _run(venv, ["linearize", str(last), "lin", "--steps", "1", "--max-len", "64",
+                         "--no-progress"], tmp_path)
+    assert linear.returncode == 0, linear.stderr[-3000:]
+    assert (tmp_path / "lin" / "config.json").is_file()
+
     root = tmp_path / "root"
     labels = _labels_csv(tmp_path / "labels.csv")
     tuned = _run(

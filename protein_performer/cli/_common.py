@@ -263,6 +263,7 @@ def add_context(p: argparse.ArgumentParser) -> None:
         metavar="HOMOLOGS",
         default=None,
         help="FASTA of homologs (e.g. from `protein-performer homologs`; - reads standard input) "
+        "or an MSA (A2M/A3M, Stockholm: gaps are not tokens, the first row is the reference) "
         "read once as family context: each sequence is treated as the family's next member "
         "(causal models)",
     )
@@ -306,18 +307,20 @@ def add_variant_strategy(p: argparse.ArgumentParser) -> None:
     )
 
 
-def add_context_ensemble(p: argparse.ArgumentParser) -> None:
+def add_context_ensemble(p: argparse.ArgumentParser, identity: bool = True) -> None:
     """``--context-max-identity``, ``--context-tokens``, ``--context-orders``,
-    ``--context-seed``: a PoET-style ensemble of prompts from one homolog file."""
-    p.add_argument(
-        "--context-max-identity",
-        type=_fractions,
-        default=None,
-        metavar="X,Y,...",
-        help="one prompt per value, each without the homologs more identical to the wild type "
-        "than it (identity: identical pairs of a local BLOSUM62 alignment over the shorter "
-        "length, computed in-package; 1.0 keeps all)",
-    )
+    ``--context-seed``: a PoET-style ensemble of prompts from one homolog file (without
+    ``--context-max-identity`` where the command has no wild type to compare with)."""
+    if identity:
+        p.add_argument(
+            "--context-max-identity",
+            type=_fractions,
+            default=None,
+            metavar="X,Y,...",
+            help="one prompt per value, each without the homologs more identical to the wild "
+            "type than it (identity: identical pairs of a local BLOSUM62 alignment over the "
+            "shorter length, computed in-package; 1.0 keeps all)",
+        )
     p.add_argument(
         "--context-tokens",
         type=_counts,
@@ -378,12 +381,13 @@ def load_context(
             file=sys.stderr,
         )
         return ens
-    ctx = lm.context(args.context, max_tokens=args.max_context_tokens)
-    left = f", {len(ctx.dropped)} left out by the token limit" if ctx.dropped else ""
-    print(
-        f"context: {len(ctx.members)} homolog(s), {ctx.n_tokens} tokens from {args.context}{left}",
-        file=sys.stderr,
-    )
+    from protein_performer.inference.context import default_max_tokens, limit_note
+
+    ctx = lm.context(args.context, max_tokens=args.max_context_tokens, warn=False)
+    limit = args.max_context_tokens or default_max_tokens(lm.loaded)
+    kept, given = len(ctx.members), len(ctx.members) + len(ctx.dropped)
+    note = limit_note(lm.loaded, kept, given, ctx.n_tokens, limit, "--max-context-tokens N")
+    print(f"context from {args.context}: {note}", file=sys.stderr)
     return ctx
 
 

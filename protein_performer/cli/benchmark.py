@@ -4,7 +4,6 @@ scores of every assay a ProteinGym reference file lists, in the leaderboard's CS
 from __future__ import annotations
 
 import argparse
-import sys
 from pathlib import Path
 
 from protein_performer.cli._common import (
@@ -20,6 +19,7 @@ from protein_performer.cli._common import (
     load_lm,
     pick_strategy,
 )
+from protein_performer.cli._wrote import say_wrote
 
 HELP = "benchmarks in their field's formats (ProteinGym's zero-shot DMS substitutions)"
 DESCRIPTION = """\
@@ -49,9 +49,13 @@ ProteinGym computes them; Average_<Metric> averages over assays of a protein and
 type, then proteins, then selection types, as the leaderboard. One line per assay as it ends.
 OUT_DIR is never DMS_DIR, inside it or holding an input; each DMS_id must be a plain file name.
 
---context-dir DIR reads DIR/<DMS_id>.fasta as each assay's homologs (causal models; the
---context-* options build each context as for score-variants --context).
+--context-dir DIR reads DIR/<DMS_id>.fasta (homologs) or DIR/<DMS_id>.a2m, .a3m, .sto (an MSA
+whose first row is the assay's wild type: ProteinGym's MSA files, renamed) as each assay's
+context (causal models; the --context-* options build each context as for score-variants
+--context).
 """
+#: The context files ``--context-dir`` looks for, ``<DMS_id>`` then one of these.
+CONTEXT_SUFFIXES = (".fasta", ".a2m", ".a3m", ".sto")
 PG_EPILOG = """\
 examples:
   protein-performer benchmark proteingym data/proteingym/reference_two_assays.csv \\
@@ -84,7 +88,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         "--context-dir",
         metavar="DIR",
         default=None,
-        help="DIR/<DMS_id>.fasta: each assay's homologs, read as family context (causal)",
+        help="DIR/<DMS_id>.fasta (or .a2m, .a3m, .sto: an MSA, the wild type first): each "
+        "assay's homologs, read as family context (causal)",
     )
     add_context_ensemble(pg)
     add_toks_per_batch(pg)
@@ -112,11 +117,15 @@ def run(args: argparse.Namespace) -> int:
         folder = Path(args.context_dir).expanduser()
 
         def context_for(assay):  # noqa: ANN001, ANN202 - an Assay -> (context, record)
-            path = folder / f"{assay.dms_id}.fasta"
-            if not path.is_file():
-                raise UserError(f"--context-dir {folder} has no {path.name} for {assay.dms_id}")
-            ctx = lm.context(path, query=assay.target_seq, **options)
-            return ctx, ctx.record()
+            from protein_performer.inference.ensemble import context_record
+
+            names = [f"{assay.dms_id}{ext}" for ext in CONTEXT_SUFFIXES]
+            found = [folder / n for n in names if (folder / n).is_file()]
+            if len(found) != 1:
+                have = "has none of" if not found else "has more than one of"
+                raise UserError(f"--context-dir {folder} {have} {', '.join(names)}")
+            ctx = lm.context(found[0], query=assay.target_seq, **options)
+            return ctx, context_record(ctx)
 
     summary = run_proteingym(
         lm, args.reference, args.dms_dir, args.out_dir, strategy=strategy, model_name=name,
@@ -127,9 +136,8 @@ def run(args: argparse.Namespace) -> int:
         f"{k} {'n/a' if v is None else f'{v:.3f}'}" for k, v in summary.averages.items()
     )
     reused = sum(r.reused for r in summary.results)
-    print(
-        f"{len(summary.results)} assay(s) ({reused} reused) with {strategy}: average {shown} "
-        f"-> {summary.out_dir}",
-        file=sys.stdout,
+    say_wrote(
+        summary.out_dir,
+        f"{len(summary.results)} assay(s) ({reused} reused) with {strategy}: average {shown}",
     )
     return 0

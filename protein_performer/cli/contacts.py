@@ -22,6 +22,7 @@ from protein_performer.cli._common import (
     rank_line,
     seed_arg,
 )
+from protein_performer.cli._wrote import say_wrote
 
 HELP = "contact maps from attention: `fit` a regression on structures, `predict` from FASTA"
 DESCRIPTION = """\
@@ -306,6 +307,7 @@ def run_fit(args: argparse.Namespace) -> int:
     print(format_summary(result))
     for name, path in result.files.items():
         print(f"{name}: {path}")
+    say_wrote(args.out_dir, f"{len(result.files)} file(s): {', '.join(result.files)}")
     return 0
 
 
@@ -331,8 +333,9 @@ def run_predict(args: argparse.Namespace) -> int:
     )
     if rank_line(summary.dense + summary.sparse, "predicted the contacts of"):
         return 0
-    print(
+    say_wrote(
+        summary.path,
         f"contacts of {summary.num_records} record(s) ({summary.dense} dense, {summary.sparse} "
-        f"top pairs) -> {summary.path}"
+        "top pairs)",
     )
     return 0

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 
 from protein_performer.cli._common import add_command, add_overwrite, check_output, seed_arg
+from protein_performer.cli._wrote import say_wrote
 
 HELP = "import ESM-2 weights (fair-esm .pt or Hugging Face directory)"
 DESCRIPTION = """\
@@ -84,6 +85,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     from protein_performer.interop.export import export_model
     from protein_performer.interop.loading import load_model
+    from protein_performer.model.cores import drawn_keys
 
     check_output(args.out, [args.src], args.overwrite)
     loaded = load_model(
@@ -102,15 +104,16 @@ def run(args: argparse.Namespace) -> int:
     )
     out = export_model(loaded, args.out, overwrite=args.overwrite)
     attn = cfg.attention
-    if attn == "favor":
-        attn = f"favor ({cfg.kernel}, m={cfg.nb_features}, seed {args.seed})"
+    if drawn_keys(loaded.model):  # random features: say which and from what seed
+        attn = f"{attn} ({cfg.kernel}, m={cfg.nb_features}, seed {args.seed})"
     head = (
         ", with its contact head"
         if loaded.contact_regression is not None
         else ", no contact head found"
     )
-    print(
+    say_wrote(
+        out,
         f"converted {what} ({loaded.model.num_parameters():,} parameters, {attn} "
-        f"attention{head}) -> {out}"
+        f"attention{head})",
     )
     return 0

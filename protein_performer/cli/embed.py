@@ -17,6 +17,7 @@ from protein_performer.cli._common import (
     rank_line,
     resume_hint,
 )
+from protein_performer.cli._wrote import say_wrote
 
 HELP = "embed a FASTA file or store into one columnar HDF5 file (any length, resumable)"
 DESCRIPTION = """\
@@ -133,9 +134,10 @@ def run(args: argparse.Namespace) -> int:
     if rank_line(summary.new_records, "embedded"):
         return 0
     skipped = f", {summary.skipped} already there" if summary.skipped else ""
-    print(
-        f"embedded {summary.new_records} record(s) ({summary.residues} residues{skipped}), "
-        f"layers {summary.repr_layers} ({', '.join(summary.include)}) -> {summary.path} "
-        f"({summary.num_records} records)"
+    say_wrote(
+        summary.path,
+        f"{summary.num_records} records; embedded {summary.new_records} record(s) "
+        f"({summary.residues} residues{skipped}), layers {summary.repr_layers} "
+        f"({', '.join(summary.include)})",
     )
     return 0

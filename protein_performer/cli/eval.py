@@ -17,6 +17,7 @@ from protein_performer.cli._common import (
     load_lm,
     seed_arg,
 )
+from protein_performer.cli._wrote import say_wrote
 
 HELP = "perplexity/accuracy per length bin on a FASTA file or a store split"
 DESCRIPTION = """\
@@ -126,6 +127,6 @@ def run(args: argparse.Namespace) -> int:
         progress=not args.no_progress,
     )
     print(format_table(result))
-    print(f"metrics: {result['files']['metrics']}")
-    print(f"bins: {result['files']['bins']}")
+    say_wrote([result["files"]["metrics"], result["files"]["bins"]],
+              f"{result['overall']['records']} record(s) in {len(result['bins'])} length bin(s)")
     return 0

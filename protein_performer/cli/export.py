@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 
 from protein_performer.cli._common import add_command, add_overwrite, check_output
+from protein_performer.cli._wrote import say_wrote
 
 HELP = "export a checkpoint to config.json + model.safetensors (native or Hugging Face)"
 DESCRIPTION = """\
@@ -84,9 +85,10 @@ def run(args: argparse.Namespace) -> int:
         out = export_model(loaded, args.out, overwrite=args.overwrite)
     params = loaded.model.num_parameters()
     head = "with" if loaded.contact_regression is not None else "no"
-    print(
-        f"exported {loaded.config.objective} model ({params:,} parameters, {attention} "
-        f"attention, {head} contact regression) as {args.format} -> {out}"
+    say_wrote(
+        out,
+        f"exported {loaded.config.objective} model as {args.format} ({params:,} parameters, "
+        f"{attention} attention, {head} contact regression)",
     )
     return 0
 
@@ -108,8 +110,9 @@ def _export_finetuned(loaded, args: argparse.Namespace) -> int:  # noqa: ANN001
         raise UserError("--merge writes the native .ckpt; --format hf has no task head")
     had = loaded.lora is not None
     out = save_finetuned(merge_lora(loaded), output_file(args.out))  # a file, not a directory
-    print(
+    say_wrote(
+        out,
         f"exported fine-tuned {loaded.task.config.task} model "
-        f"({'LoRA merged into the base' if had else 'no LoRA to merge'}) -> {out}"
+        f"({'LoRA merged into the base' if had else 'no LoRA to merge'})",
     )
     return 0

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 
 from protein_performer.cli._common import add_command
+from protein_performer.cli._wrote import say_wrote_run
 
 HELP = "fine-tune a head on labelled sequences (frozen probe, LoRA or full; Hydra overrides)"
 DESCRIPTION = """\
@@ -92,4 +93,5 @@ def run(args: argparse.Namespace) -> int:
     for key in ("best_checkpoint", "last_checkpoint"):
         if result.get(key):
             print(f"{key.replace('_', ' ')}: {result[key]}")
+    say_wrote_run(result)
     return 0

@@ -9,6 +9,7 @@ from protein_performer.cli._common import (
     add_ckpt,
     add_command,
     add_context,
+    add_context_ensemble,
     add_model_options,
     add_no_progress,
     check_output,
@@ -16,6 +17,7 @@ from protein_performer.cli._common import (
     load_lm,
     seed_arg,
 )
+from protein_performer.cli._wrote import say_wrote
 
 HELP = "sample protein sequences from a causal model (RNN mode, constant cost per token)"
 DESCRIPTION = """\
@@ -32,6 +34,10 @@ same seed gives byte-identical output whatever --batch-size (on CPU in fp32).
 
 Each FASTA header carries the index, the seed, the length, how the sequence ended and its
 mean log-likelihood per token, the number `protein-performer score` gives for it.
+
+With --context HOMOLOGS the sequences are new members of that family; --context-tokens and
+--context-orders make an ensemble of prompts: sequence i follows prompt i mod (their number),
+named in its header (context=...), and its score is the mean over the prompts.
 """
 
 EPILOG = """\
@@ -91,6 +97,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         help="sequences decoded together (memory, not results; default: 8)",
     )
     add_context(p)
+    add_context_ensemble(p, identity=False)
     add_no_progress(p)
     add_model_options(p)
     p.set_defaults(func=run)
@@ -103,6 +110,7 @@ def run(args: argparse.Namespace) -> int:
     check_output(args.out, [args.ckpt, args.context], args.overwrite)
     lm = load_lm(args)
     context = load_context(lm, args)
+    labels = [p.label for p in getattr(context, "prompts", ())]  # an ensemble's, in turn
     samples = lm.iter_generate(
         n=args.num,
         max_length=args.max_length,
@@ -122,9 +130,10 @@ def run(args: argparse.Namespace) -> int:
     ):
         for g in samples:
             mean_ll = float(lm.score([g.sequence], strategy="causal", context=context)[0])
+            after = f" context={labels[g.index % len(labels)]}" if labels else ""
             fh.write(
                 f">gen{g.index} index={g.index} seed={g.seed} length={len(g.sequence)} "
-                f"ended={g.ended} mean_log_likelihood={mean_ll:.6f}\n{g.sequence}\n"
+                f"ended={g.ended} mean_log_likelihood={mean_ll:.6f}{after}\n{g.sequence}\n"
             )
             bar.update(1)
             written += 1
@@ -133,5 +142,5 @@ def run(args: argparse.Namespace) -> int:
         print(f"generated {written} of {args.num} sequence(s): {where} was closed after them",
               file=sys.stderr)  # fmt: skip
     else:
-        print(f"generated {written} sequence(s) -> {where}", file=sys.stderr)
+        say_wrote(args.out, f"generated {written} sequence(s)")
     return 0

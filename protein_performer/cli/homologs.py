@@ -8,21 +8,28 @@ here, as PoET's users retrieve theirs from UniRef with MMseqs2. The logic is
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from protein_performer.cli._common import add_command, add_on_invalid, add_overwrite, check_output
 
 DESCRIPTION = """\
 Search the query sequence(s) against a database with MMseqs2 (`mmseqs easy-search`, which must
-be on PATH) and write the hits as FASTA, best first (lowest E-value to any query), each with its
-own header. A database record identical to a query is left out unless --keep-identical.
-The defaults (identity >= 0.3, coverage >= 0.8 of both sequences) are those of the training
-families of data.layout=family, so the retrieved context looks like a training row.
+be on PATH) and write the hits as FASTA, grouped by query (in the query file's order), each
+query's best first (lowest E-value). Each header is the record's own, followed by query=ID and
+what MMseqs2 reports of the alignment: fident (identity), evalue, bits, qcov and tcov
+(coverage), qstart qend tstart tend (the aligned ranges, 1-based), qlen tlen and cigar (the
+alignment); --tsv writes the same as a table. Given back as --context, a hit's residues are
+placed on its query's residues by that alignment (a position memory reads them there). A
+database record identical to its query is left out unless --keep-identical. The defaults
+(identity >= 0.3, coverage >= 0.8 of both sequences) are those of the training families of
+data.layout=family, so the retrieved context looks like a training row.
 """
 EPILOG = """\
 examples:
   protein-performer homologs query.fasta uniprot_sprot.fasta hits.fasta
   protein-performer homologs query.fasta store/ --out hits.fasta --max-seqs 100 --min-seq-id 0.5
+  protein-performer homologs queries.fasta uniprot_sprot.fasta hits.fasta --tsv hits.tsv
 """
 
 
@@ -50,7 +57,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         type=int,
         default=HOMOLOG_MAX_SEQS,
         metavar="N",
-        help=f"write at most N hits (default {HOMOLOG_MAX_SEQS})",
+        help=f"write at most N hits per query (default {HOMOLOG_MAX_SEQS})",
     )
     p.add_argument(
         "--min-seq-id",
@@ -65,7 +72,14 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--keep-identical",
         action="store_true",
-        help="keep database records identical to a query (left out by default)",
+        help="keep database records identical to their query (left out by default)",
+    )
+    p.add_argument(
+        "--tsv",
+        metavar="PATH",
+        default=None,
+        help="also write the hits as a tab-separated table: query, target, then the header's "
+        "fields (one row per hit, in the FASTA's order)",
     )
     p.add_argument(
         "--mmseqs-timeout",
@@ -94,7 +108,10 @@ def run(args: argparse.Namespace) -> int:
         raise UserError(f"--threads must be a positive integer, got {args.threads}")
     if args.mmseqs_timeout is not None and not args.mmseqs_timeout > 0:
         raise UserError(f"--mmseqs-timeout must be positive, got {args.mmseqs_timeout}")
+    if args.tsv is not None and os.fspath(args.tsv) in ("-", os.fspath(out)):
+        raise UserError(f"--tsv {args.tsv}: give a file of its own (not - nor the FASTA)")
     check_output(out, [args.query, args.db], args.overwrite)
+    check_output(args.tsv, [args.query, args.db], args.overwrite, "its table")
     hits = find_homologs(
         args.query,
         args.db,
@@ -111,7 +128,10 @@ def run(args: argparse.Namespace) -> int:
             f"{args.min_seq_id:g} (coverage {COVERAGE:g}); nothing written: lower --min-seq-id or "
             "search a larger database"
         )
-    write_homologs(hits, out)
+    write_homologs(hits, out, args.tsv)
     where = "standard output" if out == "-" else out
-    print(f"wrote {len(hits)} homolog(s) -> {where}", file=sys.stderr)
+    queries = len(dict.fromkeys(h.query for h in hits))
+    table = f" and {args.tsv}" if args.tsv else ""
+    print(f"wrote {len(hits)} homolog(s) of {queries} query(ies) -> {where}{table}",
+          file=sys.stderr)  # fmt: skip
     return 0

@@ -12,6 +12,7 @@ from protein_performer.cli._common import (
     seed_arg,
     stop_hint,
 )
+from protein_performer.cli._wrote import say_wrote
 
 HELP = "linear-attention twin of a softmax model (attention transfer, then LoRA)"
 DESCRIPTION = """\
@@ -125,9 +126,10 @@ def run(args: argparse.Namespace) -> int:
         )  # fmt: skip
     last = {row["stage"]: row["loss"] for row in result.curve}
     losses = ", ".join(f"{stage} loss {value:.4g}" for stage, value in last.items())
-    print(
+    say_wrote(
+        result.out,
         f"linearized {args.src} ({options.kernel}, window {options.window}; "
         f"{result.transfer_steps} transfer + {result.lora_steps} LoRA steps, "
-        f"{result.seconds:.0f} s; {losses}) -> {result.out}"
+        f"{result.seconds:.0f} s; {losses})",
     )
     return 0

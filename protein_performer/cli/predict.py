@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import sys
 
 from protein_performer.cli._common import (
     FASTA_OR_STORE_HELP,
@@ -14,6 +13,7 @@ from protein_performer.cli._common import (
     check_output,
     load_lm,
 )
+from protein_performer.cli._wrote import say_wrote
 
 HELP = "predictions of a fine-tuned model's head (regression, classes, per-residue classes)"
 DESCRIPTION = """\
@@ -66,9 +66,5 @@ def run(args: argparse.Namespace) -> int:
         on_invalid=args.on_invalid,
         progress=not args.no_progress,
     )
-    print(
-        f"predicted {summary.num_records} record(s) ({head.config.task}) -> "
-        f"{'standard output' if args.out == '-' else args.out}",
-        file=sys.stderr if args.out == "-" else sys.stdout,
-    )
+    say_wrote(args.out, f"predicted {summary.num_records} record(s) ({head.config.task})")
     return 0

@@ -11,6 +11,7 @@ from protein_performer.cli._common import (
     add_overwrite,
     check_output,
 )
+from protein_performer.cli._wrote import say_wrote
 from protein_performer.data.split import DEFAULT_TEST_FRAC, DEFAULT_VALID_FRAC, SPLIT_MODES
 
 #: The arguments naming what this command writes, each claimed under the output policy
@@ -154,7 +155,7 @@ def run(args: argparse.Namespace) -> int:
         workers=args.workers or default_workers(),
     )
     splits = "  ".join(f"{k} {v:,}" for k, v in s.splits.items())
-    print(f"wrote {s.out}: {s.records:,} records ({splits}), {s.residues:,} residues")
+    say_wrote(s.out, f"{s.records:,} records ({splits}), {s.residues:,} residues")
     if s.skipped:
         reasons = ", ".join(f"{k}: {v}" for k, v in sorted(s.skipped_reasons.items()))
         print(f"skipped {s.skipped:,} invalid records" + (f" ({reasons})" if reasons else ""))

@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import argparse
-import sys
 
 from protein_performer.cli._common import (
     FASTA_OR_STORE_HELP,
     add_ckpt,
     add_command,
     add_context,
+    add_context_ensemble,
     add_fasta_run_options,
     add_model_options,
     check_output,
@@ -19,6 +19,7 @@ from protein_performer.cli._common import (
     pick_strategy,
     rank_line,
 )
+from protein_performer.cli._wrote import say_wrote
 
 HELP = "per-sequence log-likelihood / perplexity (pseudo-ppl or causal)"
 DESCRIPTION = """\
@@ -28,7 +29,9 @@ id, length, n_scored, log_likelihood, mean_log_likelihood, perplexity
 
 strategies (must match how the checkpoint was trained):
   pseudo-ppl  masked-LM checkpoints: exact pseudo-log-likelihood, every residue masked once
-              (L forward passes per sequence, batched under --toks-per-batch); n_scored = L
+              (L forward passes per sequence, batched under --toks-per-batch); n_scored = L.
+              --pll-rate R: an estimate in about 1/R passes per sequence instead of L (every
+              round(1/R)-th residue masked together; R = 0.1: 10 passes)
   causal      causal-LM checkpoints: exact log-likelihood of the residues and the final <eos>
               (one linear-time pass); n_scored = L + 1
 perplexity = exp(-mean_log_likelihood), mean over the n_scored tokens.
@@ -39,6 +42,7 @@ examples:
   protein-performer score mlm.ckpt proteins.fasta scores.csv
   protein-performer score clm.ckpt proteins.fasta scores.tsv --strategy causal --device cuda
   protein-performer score clm.ckpt candidates.fasta scores.csv --context homologs.fasta
+  protein-performer score mlm.ckpt proteins.fasta scores.csv --pll-rate 0.1
 """
 
 
@@ -60,7 +64,16 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         default=None,
         help="default: pseudo-ppl for masked-LM, causal for causal-LM checkpoints",
     )
+    p.add_argument(
+        "--pll-rate",
+        type=float,
+        default=None,
+        metavar="R",
+        help="pseudo-ppl estimate: mask every round(1/R)-th residue together, about 1/R passes "
+        "per sequence instead of L (0 < R <= 0.5; default: exact, one residue per pass)",
+    )
     add_context(p)
+    add_context_ensemble(p, identity=False)
     add_fasta_run_options(p)
     add_model_options(p)
     p.set_defaults(func=run)
@@ -83,13 +96,15 @@ def run(args: argparse.Namespace) -> int:
         on_invalid=args.on_invalid,
         progress=not args.no_progress,
         context=context,
+        pll_rate=args.pll_rate,
     )
     if rank_line(summary.num_records, "scored"):
         return 0
-    print(
-        f"scored {summary.num_records} record(s) with {strategy}: mean log-likelihood per "
-        f"token {summary.mean_log_likelihood:.4f} -> "
-        f"{'standard output' if args.out == '-' else args.out}",
-        file=sys.stderr if args.out == "-" else sys.stdout,
+    say_wrote(
+        args.out,
+        f"scored {summary.num_records} record(s) with {strategy}"
+        + (f" (--pll-rate {args.pll_rate} estimate)" if args.pll_rate else "")
+        + ", mean log-likelihood per "
+        f"token {summary.mean_log_likelihood:.4f}",
     )
     return 0

@@ -21,6 +21,7 @@ from protein_performer.cli._common import (
     pick_strategy,
     positive_int,
 )
+from protein_performer.cli._wrote import say_wrote
 
 HELP = "variant-effect scores for a mutation table (DMS), with Spearman vs labels"
 DESCRIPTION = """\
@@ -134,11 +135,10 @@ def run(args: argparse.Namespace) -> int:
     if summary.detected:
         print(summary.detected, file=say)
     label = summary.label_col
-    where = "standard output" if args.out == "-" else summary.out
-    print(
-        f"scored {summary.scored} of {summary.rows} row(s) with {strategy} -> {where}"
+    say_wrote(
+        "-" if args.out == "-" else summary.out,
+        f"scored {summary.scored} of {summary.rows} row(s) with {strategy}"
         + (f" ({len(summary.skipped)} not scored, see the warning)" if summary.skipped else ""),
-        file=say,
     )
     if label is not None:
         if summary.spearman is None:

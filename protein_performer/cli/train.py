@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 
 from protein_performer.cli._common import add_command
+from protein_performer.cli._wrote import say_wrote_run
 
 HELP = "train a model (Hydra overrides, e.g. experiment=demo)"
 DESCRIPTION = """\
@@ -86,4 +87,5 @@ def run(args: argparse.Namespace) -> int:
         for key in ("best_checkpoint", "last_checkpoint", "curve"):
             if result.get(key):
                 print(f"{key.replace('_', ' ')}: {result[key]}")
+        say_wrote_run(result)
     return 0

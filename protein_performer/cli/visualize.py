@@ -18,9 +18,11 @@ from protein_performer.cli._common import (
     add_ckpt,
     add_command,
     add_model_options,
+    add_no_progress,
     check_output,
     load_lm,
 )
+from protein_performer.cli._wrote import say_wrote
 from protein_performer.errors import UserError
 
 log = logging.getLogger(__name__)
@@ -42,7 +44,8 @@ UniProt accession or entry name; the first record without it), --sequence, or th
   --html PATH         write ONE self-contained interactive HTML report instead of the PNGs:
                       every layer x head (selectors), their mean, the APC map, an entropy
                       track, similarity vs BLOSUM62 and, with --structure, predicted vs true
-                      contacts; opens from disk with no internet. Map data stays under
+                      contacts (without one, a regression's predicted contacts alone); opens
+                      from disk with no internet. Map data stays under
                       --html-budget-mb (default 20 MB; views are block-averaged above it, plus
                       full-resolution windows), whatever the length
 
@@ -117,6 +120,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         metavar="DIR",
         help="where the PNGs go (default: outputs/visualize/<time>)",
     )
+    add_no_progress(p)
     add_model_options(p, "the PNGs in --out-dir")
     p.set_defaults(func=run)
 
@@ -170,12 +174,17 @@ def run_html(args: argparse.Namespace) -> int:
         loaded, sequence, name=record_id or "sequence", target=target,
         regression=args.regression, layers=args.layers, heads=args.heads,
         budget_mb=args.html_budget_mb, first_window=args.window,
+        progress=not args.no_progress,
     )  # fmt: skip
+    log.info("report: drawing the figures and writing %s", out)
     path = write_report(spec, out)
     seconds = time.perf_counter() - start
-    print(f"html: {path} ({path.stat().st_size / 1e6:.1f} MB, built in {seconds:.1f} s)")
-    if target is None:
-        print("contacts: not in the report (no --structure given)")
+    say_wrote(path, f"the HTML report ({path.stat().st_size / 1e6:.1f} MB, built in "
+              f"{seconds:.1f} s)")
+    if spec.contacts is None:
+        print("contacts: not in the report (no --structure given and no contact regression)")
+    elif target is None:
+        print("contacts: the regression's predictions only (no --structure given to compare)")
     return 0
 
 
@@ -249,9 +258,8 @@ def run(args: argparse.Namespace) -> int:
             quantity=view.quantity,
             dpi=args.dpi,
         )
-    for key, path in files.items():
-        print(f"{key}: {path}")
     if not want["contacts"]:
         why = "--no-contacts" if args.structure else "no --structure given (a PDB/mmCIF file)"
         print(f"contacts: {FILES['contacts']} not drawn: {why}")
+    say_wrote(out_dir, f"{len(files)} figure(s): {', '.join(p.name for p in files.values())}")
     return 0

@@ -37,6 +37,7 @@ import torch
 
 from protein_performer.contacts.attention import encode_sequence, run_with_qk
 from protein_performer.contacts.fit import MIN_SEPARATION, default_regression_path
+from protein_performer.data.headers import IdLookup
 from protein_performer.errors import UserError
 from protein_performer.interop.record import LoadedModel
 from protein_performer.io.columns import (
@@ -54,8 +55,8 @@ from protein_performer.io.columns import (
     write_columns,
 )
 from protein_performer.io.progress import beat
-from protein_performer.model.attention import MapBlocks
 from protein_performer.model.contact_head import ContactRegression, weights_sha256
+from protein_performer.model.cores.base import MapBlocks
 
 log = logging.getLogger(__name__)
 
@@ -445,10 +446,14 @@ def read_maps(
     if isinstance(ids, str):  # one id, not its letters
         ids = [ids]
     all_ids = read_ids(h5)
-    where = {rid: n for n, rid in enumerate(all_ids)}
-    missing = [rid for rid in ids or () if rid not in where]
+    lookup = IdLookup(all_ids)
+    rows = [lookup.find(rid) for rid in ids] if ids is not None else range(len(all_ids))
+    missing = [rid for rid, n in zip(ids, rows, strict=True) if n is None] if ids else []
     if missing:
-        raise UserError(f"{path}: no record(s) {', '.join(missing[:5])}")
+        raise UserError(
+            f"{path}: no record(s) {', '.join(missing[:5])} (by id, UniProt accession or entry "
+            "name)"
+        )
     lengths = np.asarray(h5["lengths"][:], dtype=np.int64)
     if lengths.shape != (len(all_ids),) or (lengths < 0).any():
         raise UserError(f"{path}: lengths do not match the ids: the file is damaged; re-create it")
@@ -465,8 +470,8 @@ def read_maps(
     if ((dense != 0) & (dense != lengths * lengths)).any():
         raise UserError(f"{path}: dense_offsets disagrees with the record lengths; re-create it")
     out: dict[str, ContactMap] = {}
-    for rid in ids if ids is not None else all_ids:
-        n = where[rid]
+    for n in rows:
+        rid = all_ids[n]
         L = int(lengths[n])
         if doff[n + 1] > doff[n]:
             out[rid] = ContactMap(L, dense=h5["dense_values"][doff[n] : doff[n + 1]].reshape(L, L))

@@ -605,8 +605,9 @@ class _Validator:
     """Allowed letters (the alphabet's single-character tokens), the whole-block test and the
     per-record check that repairs or locates."""
 
-    def __init__(self, alphabet: Alphabet | None) -> None:
+    def __init__(self, alphabet: Alphabet | None, aligned: bool = False) -> None:
         alphabet = alphabet or Alphabet()
+        self.aligned = aligned  # keep case: an A2M/A3M's lower case marks its insertions
         letters = "".join(t for t in alphabet.tokens if len(t) == 1)
         self.letters = letters
         self.allowed = frozenset(letters)
@@ -640,7 +641,7 @@ class _Validator:
         """
         fixed = seq[:-1] if self.strip_stop and seq[-1:] == "*" else seq
         if fixed and fixed.isascii() and self.clean(fixed.upper()):
-            return fixed.upper(), None  # the usual repairs, found without the line scan
+            return self._case(fixed), None  # the usual repairs, found without the line scan
         lines = [ln.rstrip() for ln in body.split("\n")]
         found = self._first_problem(lines)
         if found is not None:
@@ -652,7 +653,11 @@ class _Validator:
             seq = seq[:-1]
             if not seq:
                 return None, (0, "empty record", "the sequence is only a stop '*'")
-        return seq.upper(), None
+        return self._case(seq), None
+
+    def _case(self, seq: str) -> str:
+        """Upper case, or (aligned) the letters as written."""
+        return seq if self.aligned else seq.upper()
 
     def _first_problem(self, lines: list[str]) -> tuple[int, str, str] | None:
         """(line offset from the header, kind, reason) of the first character that is not an
@@ -791,6 +796,7 @@ def read_fasta_blocks(
     start_line: int = 1,
     start_number: int = 0,
     on_bytes: Callable[[int], None] | None = None,
+    aligned: bool = False,
 ) -> Iterator[RecordBlock]:
     """Stream the valid records of one FASTA(.gz) file, or of several in order, a block at a
     time (see the module docstring); one duplicate-id check spans all the files.
@@ -805,6 +811,10 @@ def read_fasta_blocks(
     line number of the range's first byte and the number of records before it (count them with
     :func:`count_lines_and_records`), so lines and record numbers, in records and in errors,
     are those of the whole file. Duplicate ids are then only checked within the range.
+
+    ``aligned=True`` reads the rows of an A2M/A3M alignment (``data.msa``): letters keep their
+    case (lower case marks an insertion), ``-`` and ``.`` stay in place (gaps), and ``#`` lines
+    before the first record (ColabFold's A3M header) are not text out of place.
     """
     if on_invalid not in ("error", "skip"):
         raise ValueError(f"on_invalid must be 'error' or 'skip', not {on_invalid!r}")
@@ -826,7 +836,7 @@ def read_fasta_blocks(
         files,
         on_invalid == "skip",
         report,
-        _Validator(alphabet),
+        _Validator(alphabet, aligned),
         DuplicateIds(files) if check_duplicates else None,
         on_bytes,
     )
@@ -938,6 +948,8 @@ class _Reader:
         if source.leading is None:
             return
         line, lead = source.leading
+        if self.validator.aligned and all(ln[:1] in ("#", "") for ln in lead.splitlines()):
+            return  # an A3M's comment lines
         snippet = lead.splitlines()[0][:40]
         exc = FastaFormatError(
             source.path,

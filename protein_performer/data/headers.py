@@ -10,6 +10,7 @@ header must never stop a 60-million-record preprocessing run.
 from __future__ import annotations
 
 import re
+from collections.abc import Iterable
 from dataclasses import dataclass, fields
 
 # " KEY=" starts a field; the value runs to the next " KEY=" (values such as OS contain spaces).
@@ -99,3 +100,31 @@ def parse_header(title: str) -> HeaderInfo:
                 if number is not None:
                     kw.setdefault(_INT_KEYS[key], number)
     return HeaderInfo(id=ident, description=description, **kw)  # type: ignore[arg-type]
+
+
+class IdLookup:
+    """Find records by what a user calls them: the id as written, else its UniProt accession
+    (``Q197F8`` for ``sp|Q197F8|002R_IIV3``, the member of ``UniRef50_Q197F8``) or entry name
+    (``002R_IIV3``). One matcher for every command and reader that takes ids, so
+    ``visualize --record`` and ``read_embeddings(ids=...)`` agree. An exact id wins; otherwise
+    the first record carrying the accession or entry name."""
+
+    def __init__(self, ids: Iterable[str]) -> None:
+        self.ids = list(ids)
+        self.exact: dict[str, int] = {}
+        for n, rid in enumerate(self.ids):
+            self.exact.setdefault(rid, n)
+        self.alias: dict[str, int] | None = None  # parsed on the first miss only
+
+    def find(self, want: str) -> int | None:
+        """The position of the record ``want`` names, None when none does."""
+        if want in self.exact:
+            return self.exact[want]
+        if self.alias is None:
+            self.alias = {}
+            for n, rid in enumerate(self.ids):
+                info = parse_header(rid)
+                for key in (info.accession, info.entry_name):
+                    if key:
+                        self.alias.setdefault(key, n)
+        return self.alias.get(want)

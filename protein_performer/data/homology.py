@@ -12,6 +12,7 @@ import hashlib
 import json
 import logging
 import os
+import re
 import shutil
 import subprocess
 import tempfile
@@ -331,8 +332,10 @@ def search_command(
     threads: int,
     max_seqs: int = FAMILY_MAX_SEQS,
     coverage: float = COVERAGE,
+    fields: str = _SEARCH_FORMAT,
 ) -> list[str]:
-    """The ``mmseqs easy-search`` call (tab-separated ``query target fident evalue bits``)."""
+    """The ``mmseqs easy-search`` call (tab-separated ``fields``, by default ``query target
+    fident evalue bits``)."""
     return [
         exe,
         "easy-search",
@@ -349,7 +352,7 @@ def search_command(
         "--max-seqs",
         str(int(max_seqs)),
         "--format-output",
-        _SEARCH_FORMAT,
+        fields,
         "--threads",
         str(max(1, threads)),
         "-v",
@@ -511,17 +514,127 @@ HOMOLOG_MIN_SEQ_ID = 0.3
 HOMOLOG_MAX_SEQS = 500
 
 
+#: What MMseqs2 reports per hit for ``homologs``: the scores, the aligned ranges (1-based,
+#: inclusive) and the alignment as a CIGAR string (``M`` both, ``I`` a query residue facing a
+#: gap, ``D`` a target residue facing one), which place each hit's residues on its query
+#: (``hit_coordinates``).
+_HOMOLOG_FORMAT = (
+    "query,target,fident,evalue,bits,qcov,tcov,qstart,qend,tstart,tend,qlen,tlen,cigar"
+)
+#: The header fields ``homologs`` appends to a hit's own header line, in order; the TSV's
+#: columns after ``query`` and ``target``.
+HIT_FIELDS = ("fident", "evalue", "bits", "qcov", "tcov", "qstart", "qend", "tstart", "tend",
+              "qlen", "tlen", "cigar")  # fmt: skip
+_CIGAR = re.compile(r"(\d+)([MID])")
+
+
 @dataclass(frozen=True)
 class Homolog:
-    """One database record found for the queries: its FASTA header line (without ``>``) and
-    sequence, and the best hit to any query."""
+    """One hit of one query: the database record's FASTA header line (without ``>``) and
+    sequence, the query's id, and what MMseqs2 reports of the alignment (identity ``fident``,
+    E-value, bit score, coverage of query and target, the aligned ranges ``qstart..qend`` of
+    the query and ``tstart..tend`` of the target, 1-based inclusive, both lengths, and the
+    alignment as MMseqs2's CIGAR string)."""
 
     header: str
     sequence: str
     query: str
-    identity: float
+    fident: float
     evalue: float
     bits: float
+    qcov: float
+    tcov: float
+    qstart: int
+    qend: int
+    tstart: int
+    tend: int
+    qlen: int
+    tlen: int
+    cigar: str = ""
+
+    def fields(self) -> list[str]:
+        """The :data:`HIT_FIELDS` as text (what the header and the TSV hold)."""
+        return [
+            f"{self.fident:.3f}", f"{self.evalue:.3g}", f"{self.bits:g}", f"{self.qcov:.3f}",
+            f"{self.tcov:.3f}", *(str(getattr(self, k)) for k in HIT_FIELDS[5:]),
+        ]  # fmt: skip
+
+    @property
+    def target(self) -> str:
+        return self.header.split(maxsplit=1)[0]
+
+    def header_line(self) -> str:
+        """The record's own header, then ``query=ID`` and the fields as ``key=value``."""
+        pairs = " ".join(f"{k}={v}" for k, v in zip(HIT_FIELDS, self.fields(), strict=True))
+        return f"{self.header} query={self.query} {pairs}"
+
+
+def hit_coordinates(description: str, length: int) -> tuple[str, np.ndarray] | None:
+    """(query id, coordinates (length,) int64) of a hit ``homologs`` wrote, from the
+    ``query=``, range and ``cigar=`` fields of its header (the last of each, after the
+    record's own description), else None (a header without them).
+
+    Coordinates are the query's residue numbers (1-based: member positions, ``<cls>`` at 0).
+    With the CIGAR string, a target residue facing a query residue takes its number, one
+    facing a query gap (an insertion) the nearer of the query residues around the gap, as an
+    MSA's insertions (``data.msa``). Without it (a header cut short), the aligned range
+    ``tstart..tend`` is stretched linearly onto ``qstart..qend``: exact at both ends, off
+    inside by the indels between (``scripts/studies/hit_coordinates.py`` measures how far).
+    One residue per query residue (``data.msa.one_per_column``: the facing one, else the
+    first); the others, and residues outside the aligned range, are unplaced (-1)."""
+    found: dict[str, str] = {}
+    for word in description.split():
+        key, eq, value = word.partition("=")
+        if eq and key in ("query", "qstart", "qend", "tstart", "tend", "cigar"):
+            found[key] = value
+    if not {"query", "qstart", "qend", "tstart", "tend"} <= set(found):
+        return None
+    try:
+        qs, qe, ts, te = (int(found[k]) for k in ("qstart", "qend", "tstart", "tend"))
+    except ValueError:
+        return None
+    if not (1 <= ts <= te <= length and 1 <= qs <= qe):
+        return None
+    from protein_performer.data.msa import one_per_column
+
+    coords = np.full(length, -1, dtype=np.int64)
+    exact = np.zeros(length, dtype=bool)
+    from_cigar = _cigar_coordinates(found.get("cigar", ""), qs, qe, te - ts + 1)
+    if from_cigar is None:
+        t = np.arange(ts, te + 1)
+        scale = (qe - qs) / (te - ts) if te > ts else 0.0
+        coords[ts - 1 : te] = np.rint(qs + (t - ts) * scale).astype(np.int64)
+    else:
+        coords[ts - 1 : te], exact[ts - 1 : te] = from_cigar
+    return found["query"], one_per_column(coords, exact)
+
+
+def _cigar_coordinates(
+    cigar: str, qs: int, qe: int, n: int
+) -> tuple[np.ndarray, np.ndarray] | None:
+    """(n,) the query residue number of each target residue of the aligned range, from a
+    CIGAR string (insertions to the nearer query residue around them, ties to the left), and
+    whether each faces that residue (``M``); None when there is none or it does not span the
+    ranges (then the ranges are stretched)."""
+    ops = _CIGAR.findall(cigar)
+    if not ops or "".join(f"{k}{op}" for k, op in ops) != cigar:
+        return None
+    out: list[float] = []
+    q = qs - 1  # the query residue last passed
+    for count, op in ops:
+        k = int(count)
+        if op == "M":
+            out += range(q + 1, q + k + 1)
+            q += k
+        elif op == "I":  # query residues facing gaps
+            q += k
+        else:  # target residues facing a query gap: between q and q + 1
+            out += [q + (j + 1) / (k + 1) for j in range(k)]
+    if len(out) != n or q != qe:
+        return None
+    at = np.asarray(out)
+    nearest = np.floor(at + 0.5 - 1e-9)  # x.5 (a tie) goes to the left
+    return np.clip(nearest, qs, qe).astype(np.int64), at == np.round(at)
 
 
 def _fasta_records(path: Path, on_invalid: str) -> Iterator[tuple[str, str]]:
@@ -597,18 +710,12 @@ def find_homologs(
         out = Path(work) / "hits.tsv"
         # The prefilter keeps max_seqs per query: one more, since the query may find itself.
         cmd = search_command(
-            exe, q_fasta, t_fasta, out, Path(work) / "tmp", min_seq_id, threads, max_seqs + 1
-        )
+            exe, q_fasta, t_fasta, out, Path(work) / "tmp", min_seq_id, threads, max_seqs + 1,
+            fields=_HOMOLOG_FORMAT,
+        )  # fmt: skip
         _run(cmd, f"{query} against {db}", timeout)
-        best: dict[int, tuple[float, float, int, float, int]] = {}
-        for q, hits in _read_hits(out).items():
-            for evalue, neg_bits, t, fident in hits:
-                cand = (evalue, neg_bits, t, fident, q)
-                if t not in best or cand < best[t]:
-                    best[t] = cand
-    query_seqs = {s for _, s in queries}
-    ranked = sorted(best.values())
-    wanted = {c[2]: c for c in ranked}
+        per_query = _read_alignments(out)
+    wanted = {row[2] for rows in per_query.values() for row in rows}
     found: dict[int, tuple[str, str]] = {}
     if store is not None:
         lut = _decoder(store.meta["vocab"])
@@ -619,21 +726,55 @@ def find_homologs(
             if t in wanted:
                 found[t] = rec
     out_hits: list[Homolog] = []
-    for evalue, neg_bits, t, fident, q in ranked:
-        header, seq = found[t]
-        if not keep_identical and seq in query_seqs:
-            continue
-        qid = queries[q][0].split(maxsplit=1)[0]
-        out_hits.append(Homolog(header, seq, qid, fident, evalue, -neg_bits))
-        if len(out_hits) == max_seqs:
-            break
+    for q, (qheader, qseq) in enumerate(queries):  # grouped by query, in the query file's order
+        qid, kept = qheader.split(maxsplit=1)[0], 0
+        for _, _, t, values in per_query.get(q, ()):
+            header, seq = found[t]
+            if not keep_identical and seq == qseq:
+                continue
+            out_hits.append(Homolog(header, seq, qid, **values))
+            kept += 1
+            if kept == max_seqs:
+                break
     return out_hits
 
 
-def write_homologs(hits: Sequence[Homolog], out: str | os.PathLike[str]) -> None:
-    """The hits as FASTA, in order, with their own header lines (atomically; ``-``: stdout)."""
+def _read_alignments(path: Path) -> dict[int, list[tuple[float, float, int, dict[str, Any]]]]:
+    """``{query ordinal: [(evalue, -bits, target ordinal, fields), ...]}`` of a search with
+    :data:`_HOMOLOG_FORMAT`, best first (ties broken by target: never by MMseqs2's threads)."""
+    names = _HOMOLOG_FORMAT.split(",")
+    ints = {"qstart", "qend", "tstart", "tend", "qlen", "tlen"}
+    texts = {"cigar"}
+    hits: dict[int, list[tuple[float, float, int, dict[str, Any]]]] = {}
+    with path.open(encoding="ascii") as fh:
+        for line in fh:
+            row = dict(zip(names, line.rstrip("\n").split("\t"), strict=True))
+            q, t = int(row.pop("query")), int(row.pop("target"))
+            values = {
+                k: v if k in texts else int(v) if k in ints else float(v) for k, v in row.items()
+            }
+            hits.setdefault(q, []).append((values["evalue"], -values["bits"], t, values))
+    for v in hits.values():
+        v.sort(key=lambda h: h[:3])
+    return hits
+
+
+def write_homologs(
+    hits: Sequence[Homolog], out: str | os.PathLike[str], tsv: str | os.PathLike[str] | None = None
+) -> None:
+    """The hits as FASTA in order (grouped by query, best first), each header its record's own
+    followed by ``query=ID`` and the :data:`HIT_FIELDS` as ``key=value`` (atomically; ``-``:
+    stdout); with ``tsv``, the same as a table, one row per hit."""
     from protein_performer.io.atomic import text_output
 
     with text_output(out) as fh:
         for h in hits:
-            fh.write(f">{h.header}\n{h.sequence}\n")
+            fh.write(f">{h.header_line()}\n{h.sequence}\n")
+    if tsv is not None:
+        from protein_performer.io.tables import table_writer
+
+        with text_output(tsv) as fh:
+            writer = table_writer(fh, "\t", "\n")
+            writer.writerow(["query", "target", *HIT_FIELDS])
+            for h in hits:
+                writer.writerow([h.query, h.target, *h.fields()])

@@ -1,7 +1,9 @@
 """What the inference commands read: the records of a FASTA file or a preprocessed store, in
 order, whichever the user gives (``embed``, ``score``, ``score-variants``, ``contacts``,
-``eval``, ``visualize``). ``-`` is standard input (read as FASTA, see ``data.fasta``). And what
-the Python API takes (:func:`as_records`): strings or (id, sequence) pairs, checked."""
+``eval``, ``visualize``). ``-`` is standard input (read as FASTA, see ``data.fasta``). The
+homologs of a family context (``--context``, ``lm.context``): :func:`read_homologs`, FASTA or an
+MSA. And what the Python API takes (:func:`as_records`): strings or (id, sequence) pairs,
+checked."""
 
 from __future__ import annotations
 
@@ -133,16 +135,71 @@ def read_records(fasta: str | os.PathLike[str], on_invalid: str = "error") -> li
     return records
 
 
+def read_homologs(path: str | os.PathLike[str]) -> tuple[Any, list]:
+    """The reference (an MSA's first row, at its coordinates; None for a FASTA) and the
+    homologs of a family-context file, in order (:class:`~protein_performer.data.msa.Member`:
+    id, residues, coordinates or None); ``-``: standard input. One opener for every kind the
+    field writes:
+
+    * an MSA (``data.msa``): Stockholm (by its name or its first line), or an A2M/A3M (by its
+      name, or a FASTA file with gaps ``-``/``.``): gaps never become tokens, the first row is
+      the reference, each homolog residue carries its reference coordinate;
+    * the FASTA ``protein-performer homologs`` writes: each hit placed on its query by the
+      alignment in its header (``cigar=`` and the aligned ranges:
+      :func:`~protein_performer.data.homology.hit_coordinates`; all hits of one query; of
+      several, none is placed);
+    * any other FASTA: homologs without coordinates (upper-cased as every FASTA read).
+    """
+    from protein_performer.data.fasta import STDIN, display_name, read_fasta
+    from protein_performer.data.homology import hit_coordinates
+    from protein_performer.data.msa import (
+        Member,
+        a2m_members,
+        is_aligned,
+        msa_format,
+        read_stockholm,
+    )
+
+    text = os.fspath(path)
+    src: str | Path = STDIN if text == STDIN else Path(text).expanduser()
+    if src != STDIN and not Path(src).is_file():
+        raise UserError(f"{src} does not exist or is not a file; give a FASTA file or an MSA")
+    fmt = msa_format(src)
+    if fmt == "stockholm":
+        return read_stockholm(src)
+    reader = read_fasta(src, aligned=True, check_duplicates=False)  # type: ignore[arg-type]
+    records = list(_note_nucleotides(reader, display_name(src)))
+    if not records:
+        raise UserError(f"{display_name(src)}: no valid records to process")
+    if fmt in ("a2m", "a3m") or is_aligned([r.sequence for r in records]):
+        return a2m_members(records, display_name(src))
+    members = [Member(r.id, r.sequence.upper()) for r in records]
+    placed = [hit_coordinates(r.description, len(r.sequence)) for r in records]
+    queries = {p[0] for p in placed if p is not None}
+    if len(queries) > 1:
+        log.warning(
+            "%s: hits of %d queries (%s); their ranges place them on different sequences, so "
+            "they are read without coordinates (give one query's hits to place them)",
+            display_name(src), len(queries), ", ".join(sorted(queries)[:3]),
+        )  # fmt: skip
+        return None, members
+    return None, [
+        m if p is None else Member(m.id, m.sequence, p[1])
+        for m, p in zip(members, placed, strict=True)
+    ]
+
+
 def find_record(records: Sequence[Any], want: str | None, source: str | os.PathLike[str]) -> Any:
     """The record whose id, UniProt accession or entry name is ``want`` (the first record when
     ``want`` is None); a miss is one error naming ``source`` and the first ids."""
     from protein_performer.data.fasta import display_name
+    from protein_performer.data.headers import IdLookup
 
     if want is None:
         return records[0]
-    for r in records:  # the id as written, or its UniProt accession or entry name
-        if want in (r.id, r.header.accession, r.header.entry_name):
-            return r
+    found = IdLookup(r.id for r in records).find(want)
+    if found is not None:
+        return records[found]
     listed = ", ".join(shown(r.id) for r in records[:5])
     raise UserError(
         f"{display_name(source)}: no record {want!r} (by id, accession or entry name; ids "
@@ -156,25 +213,26 @@ def as_records(seqs: Records | str) -> Iterator[tuple[str, str]]:
         seqs = [seqs]
     alphabet = Alphabet()
     for i, item in enumerate(seqs):
+        where = f"sequence {i} (0-based index in the list)"
         if isinstance(item, str):
             rid, seq = str(i), item
         elif isinstance(item, tuple) and len(item) == 2:
             rid, seq = str(item[0]), item[1]
+            where = f"sequence {i} (id {shown(rid)})"
         elif hasattr(item, "id") and hasattr(item, "sequence"):  # a FastaRecord
             rid, seq = item.id, item.sequence
+            where = f"sequence {i} (id {shown(rid)})"
         else:
             raise UserError(
-                f"sequence {i}: expected a string or an (id, sequence) pair, got "
-                f"{type(item).__name__}"
+                f"{where}: expected a string or an (id, sequence) pair, got {type(item).__name__}"
             )
         if not isinstance(seq, str):
-            got = type(seq).__name__
-            raise UserError(f"sequence {i} ({shown(rid)}): expected a string, got {got}")
+            raise UserError(f"{where}: expected a string, got {type(seq).__name__}")
         seq = seq.strip().upper()
         if not seq:
-            raise UserError(f"sequence {i} ({shown(rid)}) is empty")
+            raise UserError(f"{where} is empty")
         try:
             alphabet.encode(seq)
         except ValueError as exc:
-            raise UserError(f"sequence {i} ({shown(rid)}): {exc}") from None
+            raise UserError(f"{where}: {exc}") from None
         yield rid, seq

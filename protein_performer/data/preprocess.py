@@ -658,6 +658,10 @@ def _run_parallel(
                 )
             merger.merge(r, res)
             bar.update((sizes[r.file] if r.end is None else r.end) - r.start)
+    except BaseException:  # an error, Ctrl-C or SIGTERM: stop the ranges in flight, not finish
+        for proc in list((pool._processes or {}).values()):  # noqa: SLF001 - no public handle
+            proc.terminate()
+        raise
     finally:
         pool.shutdown(wait=True, cancel_futures=True)
         shutil.rmtree(shard_dir, ignore_errors=True)

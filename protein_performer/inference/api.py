@@ -26,7 +26,14 @@ import torch
 from protein_performer.data.inputs import Records, as_records
 from protein_performer.data.tokenizer import STANDARD_AA, Alphabet
 from protein_performer.errors import UserError, shown
-from protein_performer.inference.context import FamilyContext, Homologs, build_context
+from protein_performer.inference.context import (
+    FamilyContext,
+    Homologs,
+    build_context,
+    check_reference,
+    core_kinds,
+    untrained_context_warning,
+)
 from protein_performer.inference.embedding import HIDDEN_KINDS, block_numbers, embed_sequences
 from protein_performer.inference.ensemble import ContextEnsemble
 from protein_performer.inference.generation import Generated, SamplingOptions, iter_generate
@@ -142,6 +149,7 @@ class ProteinLM:
 
     def __init__(self, loaded: LoadedModel) -> None:
         self.loaded = loaded
+        self._context_warned = False  # the no-family-rows warning: once per object
 
     # ----------------------------------------------------------------------------- metadata
     @property
@@ -309,6 +317,7 @@ class ProteinLM:
         tokens: Sequence[int | None] | None = None,
         orders: int = 0,
         seed: int = 0,
+        warn: bool = True,
     ) -> FamilyContext | ContextEnsemble:
         """Read a family once, for ``score``/``score_variants``/``generate(context=...)``.
 
@@ -316,17 +325,27 @@ class ProteinLM:
         value), ``tokens`` (context token budgets) or ``orders`` (N seeded random orders, each
         also reversed), a PoET-style :class:`ContextEnsemble` instead: one prompt per
         combination, scores averaged over them; it scores like one context (``generate``
-        takes one context: ``ens.prompts[i].context``). Built from (homologs, query, options,
+        spreads its sequences over the prompts in turn). Built from (homologs, query, options,
         seed) alone: the same inputs give the same prompts (``ens.record()``).
 
-        ``homologs``: strings, (id, sequence) pairs or a FASTA path, in order of relevance;
+        ``homologs``: a list of strings or (id, sequence) pairs, or a path (a ``str`` is
+        always one; a FASTA, or an A2M/A3M/Stockholm MSA whose first row is the reference: its
+        homologs carry aligned coordinates, read by a position memory;
+        ``data.inputs.read_homologs``), in order of relevance;
         read as one row ``<cls> m1 <eos> <cls> m2 <eos> ...`` (one prefill). Members past
         ``max_tokens`` (default: the trained row length if the config records it, else no
         limit) are left out and logged. Causal models only (a masked LM: ``UserError``).
-        The result is immutable: score any number of candidates against it.
+        The result is immutable: score any number of candidates against it. A model whose
+        checkpoint records no family-row training gets one warning (per object). ``warn=False``
+        leaves the logging of what was read to the caller (the CLI's one line).
         """
+        if self.config.causal and not self._context_warned:
+            self._context_warned = True
+            said = untrained_context_warning(self.loaded)
+            if said:
+                log.warning(said)
         if max_identity is None and tokens is None and not orders:
-            return build_context(self.loaded, homologs, max_tokens)
+            return build_context(self.loaded, homologs, max_tokens, warn=warn)
         from protein_performer.inference.ensemble import build_ensemble
 
         if tokens is not None and max_tokens is not None:
@@ -341,10 +360,14 @@ class ProteinLM:
             raise UserError(
                 f"context must come from lm.context(homologs), got {type(context).__name__}"
             )
-        if context is not None and context.attention != self.config.attention:
+        if context is None:
+            return
+        mine = core_kinds(self.model)
+        if context.cores != mine:  # asked of the cores: a memory or a hybrid stack too
+            theirs, ours = sorted(set(context.cores)), sorted(set(mine))
             raise UserError(
-                f"this context was built by a {context.attention!r} model, this model's "
-                f"attention is {self.config.attention!r}; build it with this model"
+                f"this context was built by a model with {', '.join(theirs)} attention, this "
+                f"model's is {', '.join(ours)}; build it with this model"
             )
 
     # ----------------------------------------------------------------------------- scores
@@ -361,22 +384,25 @@ class ProteinLM:
         *,
         context: FamilyContext | ContextEnsemble | None = None,
         progress: Any = None,  # noqa: ANN401 - a tqdm-like bar
+        pll_rate: float | None = None,
     ) -> Iterator[tuple[str, SequenceScore]]:
         """Yield ``(id, SequenceScore)`` in input order; see :meth:`score` for the strategies.
-        ``progress``: a tqdm-like bar to advance by residues (pseudo-ppl: masked passes)."""
+        ``progress``: a tqdm-like bar to advance by residues scored."""
         strategy = self._strategy(strategy, SEQUENCE_STRATEGIES, "pseudo-ppl")
         self._check_context(context)
         bar = False if progress is None else progress
         prompts = _prompts(context)
         for window in windows(as_records(records), toks_per_batch, lambda r: len(r[1])):
             runs = [
-                score_sequences(self.loaded, window, strategy, toks_per_batch, bar, ctx)
+                score_sequences(self.loaded, window, strategy, toks_per_batch, bar, ctx,
+                                pll_rate)  # fmt: skip
                 for ctx in prompts
-            ]  # an ensemble's scores: the mean over its prompts
+            ]  # an ensemble's scores: the mean over its prompts, position by position
             scores = []
             for i, first in enumerate(runs[0]):
-                mean = float(np.mean([run[i].log_likelihood for run in runs]))
-                scores.append(SequenceScore(first.id, first.length, first.n_scored, mean))
+                terms = np.mean([run[i].terms for run in runs], axis=0)
+                scores.append(SequenceScore(first.id, first.length, first.n_scored,
+                                            float(terms.sum()), terms))  # fmt: skip
             for score in scores:
                 if not np.isfinite(score.log_likelihood):
                     raise UserError(
@@ -393,16 +419,34 @@ class ProteinLM:
         toks_per_batch: int = 4096,
         *,
         context: FamilyContext | ContextEnsemble | None = None,
-    ) -> np.ndarray:
+        per_position: bool = False,
+        pll_rate: float | None = None,
+        progress: bool = False,
+    ) -> np.ndarray | list[np.ndarray]:
         """Mean log-likelihood per scored token, one per sequence (what ``score`` writes).
 
         ``pseudo-ppl`` (masked models; every residue masked once) scores the L residues;
         ``causal`` (causal models) the residues and the final ``<eos>``. Default: the one that
         fits the model. Perplexity is ``exp(-score)``. With a family ``context``
-        (:meth:`context`), each sequence is scored as the next member after it.
+        (:meth:`context`), each sequence is scored as the next member after it (an ensemble:
+        the mean over its prompts). ``per_position=True``: instead, per sequence, the
+        log-likelihood of each scored token ((L,) for pseudo-ppl, (L + 1,) for causal: the
+        last is ``<eos>``), whose mean is the score. ``pll_rate`` (pseudo-ppl): mask every
+        ``round(1/rate)``-th residue together, about ``1/rate`` passes per protein instead of
+        L (an estimate; docs/RESULTS.md compares it with the exact value). ``progress``: a bar
+        (a line every 30 s in a log) with the ETA.
         """
-        scores = self.iter_score(seqs, strategy, toks_per_batch, context=context)
-        return np.array([s.mean_log_likelihood for _, s in scores], dtype=np.float64)
+        from protein_performer.io.progress import progress as progress_bar
+
+        items = list(as_records(seqs))
+        bar = progress_bar(sum(len(s) for _, s in items), "res", "score", progress)
+        with bar:
+            scores = [s for _, s in self.iter_score(items, strategy, toks_per_batch,
+                                                    context=context, progress=bar,
+                                                    pll_rate=pll_rate)]  # fmt: skip
+        if per_position:
+            return [s.terms for s in scores]
+        return np.array([s.mean_log_likelihood for s in scores], dtype=np.float64)
 
     def score_variants(
         self,
@@ -425,6 +469,8 @@ class ProteinLM:
         strategy = self._strategy(strategy, VARIANT_STRATEGIES, "masked-marginals")
         self._check_context(context)
         ((_, wt),) = list(as_records([("wild type", wild_type)]))
+        if context is not None:  # an aligned context places its homologs on its reference
+            check_reference(_prompts(context)[0], wt)  # type: ignore[arg-type]
         parsed = []
         for i, text in enumerate(mutants):
             try:
@@ -596,21 +642,20 @@ class ProteinLM:
         seed: int = 0,
         batch_size: int = 8,
         *,
-        context: FamilyContext | None = None,
+        context: FamilyContext | ContextEnsemble | None = None,
     ) -> Iterator[Generated]:
-        """Yield :class:`Generated` records (sequence, how it ended, per-token log-probs)."""
+        """Yield :class:`Generated` records (sequence, how it ended, per-token log-probs);
+        with an ensemble ``context``, sequence ``i`` follows prompt ``i mod len(prompts)``."""
         self._check_context(context)
+        contexts: Any = context
         if isinstance(context, ContextEnsemble):
-            raise UserError(
-                "generate takes one context, not an ensemble of prompts: pass one of "
-                "ensemble.prompts[i].context"
-            )
+            contexts = [p.context for p in context.prompts]
         opts = SamplingOptions(max_length, min_length, temperature, top_k, top_p)
         if isinstance(prompt, str):
             prompts: str | list[str] = prompt.strip().upper()
         else:
             prompts = [p.strip().upper() for p in prompt]
-        return iter_generate(self.loaded, n, opts, prompts, seed, batch_size, context)
+        return iter_generate(self.loaded, n, opts, prompts, seed, batch_size, contexts)
 
     def generate(
         self,
@@ -624,7 +669,7 @@ class ProteinLM:
         seed: int = 0,
         batch_size: int = 8,
         *,
-        context: FamilyContext | None = None,
+        context: FamilyContext | ContextEnsemble | None = None,
     ) -> list[str]:
         """Sample ``n`` sequences from a causal model in RNN mode (constant cost per token).
 
@@ -635,7 +680,8 @@ class ProteinLM:
         whatever ``batch_size``: each sequence has its own stream, seeded from (seed, index).
         With a family ``context`` (:meth:`context`) the sequences are new members of that
         family, each generated as the next member after it (``prompt=""`` lets the model
-        choose the first residue too).
+        choose the first residue too); with an ensemble, sequence ``i`` after prompt
+        ``i mod len(prompts)``.
         """
         return [
             g.sequence

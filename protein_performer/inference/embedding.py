@@ -78,13 +78,16 @@ def embed_sequences(
 
 
 def features_sha256(model: torch.nn.Module) -> str:
-    """SHA-256 of the FAVOR+ random features (empty for exact attention): embeddings depend on
-    them, so a resumed run must use the same ones."""
+    """SHA-256 of the tensors the cores draw (FAVOR+ random features; empty for exact
+    attention): embeddings depend on them, so a resumed run must use the same ones."""
     import hashlib
 
+    from protein_performer.model.cores import drawn_keys
+
     digest = hashlib.sha256()
+    drawn = drawn_keys(model)
     for name, t in sorted(model.state_dict().items()):
-        if ".self_attn.favor." in name:
+        if name in drawn:
             digest.update(name.encode())
             digest.update(t.detach().to("cpu").float().contiguous().numpy().tobytes())
     return digest.hexdigest()

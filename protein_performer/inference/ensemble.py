@@ -31,12 +31,13 @@ from typing import Any
 
 import numpy as np
 
+from protein_performer.data.msa import Member
 from protein_performer.errors import UserError
 from protein_performer.inference.context import (
     FamilyContext,
     Homologs,
     build_context,
-    homolog_records,
+    homolog_members,
 )
 from protein_performer.interop.record import LoadedModel
 
@@ -90,6 +91,7 @@ class Prompt:
             "members": len(self.context.members),
             "n_tokens": self.context.n_tokens,
             "members_sha256": hashlib.sha256(members).hexdigest(),
+            "aligned": self.context.aligned,
         }
 
 
@@ -105,8 +107,8 @@ class ContextEnsemble:
     identities: tuple[float, ...]  # of the homologs in file order (empty without a query)
 
     @property
-    def attention(self) -> str:
-        return self.prompts[0].context.attention
+    def cores(self) -> tuple[str, ...]:
+        return self.prompts[0].context.cores
 
     def record(self) -> dict[str, Any]:
         """What built the ensemble, for the output's attributes (same inputs, same record)."""
@@ -133,13 +135,14 @@ def context_record(context: FamilyContext | ContextEnsemble) -> dict[str, Any]:
         "members": len(context.members),
         "n_tokens": context.n_tokens,
         "members_sha256": hashlib.sha256(members).hexdigest(),
+        "aligned": context.aligned,
     }
 
 
-def _digest(records: Sequence[tuple[str, str]]) -> str:
+def _digest(records: Sequence[Member]) -> str:
     h = hashlib.sha256()
-    for rid, seq in records:
-        h.update(f">{rid}\n{seq}\n".encode())
+    for m in records:
+        h.update(f">{m.id}\n{m.sequence}\n".encode())
     return h.hexdigest()
 
 
@@ -185,13 +188,13 @@ def build_ensemble(
         raise UserError(
             f"orders must be a whole number >= 0 (0: the file's order), got {orders!r}"
         )
-    records = homolog_records(homologs)
+    reference, records = homolog_members(homologs)
     if not records:
         raise UserError("the family context has no homologs; give at least one sequence")
     filtering = any(t < 1 for t in max_identity)
     if filtering and query is None:
         raise UserError("max_identity below 1 needs the query (the wild type) to compare with")
-    ident = identity_to(query.upper(), [s for _, s in records]) if filtering else np.zeros(0)
+    ident = identity_to(query.upper(), [m.sequence for m in records]) if filtering else np.zeros(0)
     prompts = []
     for limit, budget in product(max_identity, tokens):
         kept = [r for i, r in enumerate(records) if limit >= 1 or ident[i] <= limit]
@@ -201,7 +204,9 @@ def build_ensemble(
                 f"identical to the query (least: {ident.min():.3f}); raise the value"
             )
         for name, order in _orders(len(kept), orders, seed):
-            ctx = build_context(loaded, [kept[i] for i in order], budget, warn=False)
+            ctx = build_context(
+                loaded, [kept[i] for i in order], budget, warn=False, reference=reference
+            )
             prompts.append(Prompt(limit, budget, name, ctx))
     is_path = isinstance(homologs, str) or hasattr(homologs, "__fspath__")
     source = str(homologs) if is_path else "<sequences>"

@@ -271,17 +271,19 @@ def iter_generate(
     prompt: str | Sequence[str] = "",
     seed: int = 0,
     batch_size: int = 8,
-    context: FamilyContext | None = None,
+    context: FamilyContext | Sequence[FamilyContext] | None = None,
 ) -> Iterator[Generated]:
     """``n`` sequences in index order, ``batch_size`` at a time (memory: one batch), after a
-    family ``context`` when given.
+    family ``context`` when given; several contexts (an ensemble's prompts): sequence ``i``
+    after context ``i mod len(contexts)``, so the samples spread over the prompts.
 
     Arguments are checked here, before the first sequence is asked for.
     """
     if loaded.config.objective != "clm":
         raise UserError(
-            f"{loaded.source} is a masked LM (objective mlm): generation needs a causal model; "
-            "train one with `protein-performer train experiment=small_clm`"
+            f"{loaded.source} is a masked LM (objective mlm): generation needs a causal model "
+            "(objective clm); train one with `protein-performer train experiment=demo_clm` "
+            "(the CPU demo)"
         )
     opts.validate()
     if n < 0:
@@ -312,11 +314,16 @@ def _batches(
     prompts: list[str],
     seed: int,
     batch_size: int,
-    context: FamilyContext | None = None,
+    context: FamilyContext | Sequence[FamilyContext] | None = None,
 ) -> Iterator[Generated]:
-    full = n // batch_size  # batches of batch_size rows; a shorter last one is alone
+    contexts = list(context) if isinstance(context, Sequence) else [context]
+    full = n // batch_size  # windows of batch_size rows (a shorter last one is alone)
     for start in range(0, n, batch_size):
-        idx = list(range(start, min(n, start + batch_size)))
-        steps = (full if len(idx) == batch_size else 1) * opts.max_length  # at most
-        batch = [prompts[i] for i in idx]
-        yield from generate_batch(loaded, idx, batch, opts, seed, context, steps)
+        done: list[Generated] = []
+        for k, ctx in enumerate(contexts):  # one batch per prompt, the window in index order
+            idx = [i for i in range(start, min(n, start + batch_size)) if i % len(contexts) == k]
+            if idx:  # the most tokens this batch size decodes in the run, for the compile
+                steps = (full if len(idx) == batch_size else 1) * opts.max_length
+                batch = [prompts[i] for i in idx]
+                done += generate_batch(loaded, idx, batch, opts, seed, ctx, steps)
+        yield from sorted(done, key=lambda g: g.index)

@@ -44,6 +44,7 @@ from protein_performer.viz.report import (
 if TYPE_CHECKING:
     from protein_performer.contacts.structures import ContactTarget
     from protein_performer.interop.record import LoadedModel
+    from protein_performer.model.contact_head import ContactRegression
 
 log = logging.getLogger(__name__)
 
@@ -209,14 +210,17 @@ def build_report(
     budget_mb: float = DEFAULT_BUDGET_MB,
     window: int = DEFAULT_WINDOW,
     first_window: Sequence[int] | None = None,
+    progress: bool = True,
 ) -> ReportSpec:
-    """Everything ``viz.report.write_report`` draws for one sequence (see the module doc)."""
+    """Everything ``viz.report.write_report`` draws for one sequence (see the module doc);
+    ``progress``: a bar over the layers' row tiles (a long protein takes tens of seconds)."""
     from protein_performer.contacts.attention import (
         encode_sequence,
         resolve_heads,
         resolve_layers,
         run_with_qk,
     )
+    from protein_performer.io.progress import progress as progress_bar
     from protein_performer.viz.similarity import SimilarityAccumulator
 
     model = loaded.model
@@ -246,9 +250,11 @@ def build_report(
             overview.add(a, layer_sum / F)
             sim.row_start = a
             sim.add(layer_sum[None])
+            bar.update(1)
 
     log.info("report: %d residues, %d maps, tiles of %d rows", L, F, tiles[0][1])
-    with torch.inference_mode():
+    bar = progress_bar(len(chosen_layers) * len(tiles), "tile", "report", progress)
+    with bar, torch.inference_mode():
         run_with_qk(model, tokens, chosen_layers, pass1)
     s = r.sum(1)  # (F,)
     g = np.where(s != 0, 1.0 / np.where(s != 0, s, 1.0), 0.0) / F  # (F,)
@@ -259,6 +265,8 @@ def build_report(
     windows: list[tuple[HeatView, HeatView]] = []
     if plan.n_windows:
         corners = choose_windows(apc_o, plan, first_window)
+        log.info("report: the exact maps of %d window(s) of %d residues", len(corners),
+                 plan.window)  # fmt: skip
         windows = _window_views(loaded, tokens, corners, plan.window, order, r, g)
 
     def view(key: str, z: np.ndarray, size: int, quantity: str) -> HeatView:
@@ -268,10 +276,11 @@ def build_report(
         (la, h): view(f"layer {la}, head {h}", b.mean(), plan.head_bin, "attention")
         for (la, h), b in per_head.items()
     }
-    contacts = None
     if target is not None:
         apc_view = view("APC", apc_o, plan.overview_bin, "APC score")
         contacts = contact_panel(loaded, target, regression, apc_view)
+    else:  # no structure: the regression's predictions alone, when there is a regression
+        contacts = predicted_panel(loaded, sequence, name, regression, plan.overview_bin)
     sim_matrix = sim.matrix()
     from protein_performer.viz.plots import blosum62, matrix_correlation
 
@@ -350,6 +359,39 @@ def _block_max(z: np.ndarray, size: int) -> np.ndarray:
     return np.nanmax(zp.reshape(m // size, size, m // size, size), axis=(1, 3))
 
 
+def _regression_map(
+    loaded: LoadedModel, sequence: str, reg: ContactRegression
+) -> np.ndarray:
+    """The regression's (L, L) contact probabilities of ``sequence`` (dense at any length)."""
+    from protein_performer.contacts.predict import predict_contacts
+
+    reg.check_model(loaded)
+    L = len(sequence)
+    pred = predict_contacts(loaded, sequence, reg, dense_max_length=L, checked=True)
+    return pred.dense.astype(np.float32)
+
+
+def predicted_panel(
+    loaded: LoadedModel, sequence: str, name: str, regression: str | None, size: int
+) -> ContactPanel | None:
+    """Without a structure, the regression's predicted contacts alone (no truth to mark, no
+    precision), binned like the overview maps; None when the model has no regression (its
+    APC map is in the report already)."""
+    from protein_performer.contacts.predict import find_regression
+
+    reg = find_regression(loaded, regression or None, required=False)
+    if reg is None:
+        return None
+    full = _regression_map(loaded, sequence, reg)
+    empty = np.zeros((0, 2), dtype=np.int64)
+    return ContactPanel(
+        predicted=_block_max(full, size), size=size, true_pairs=empty, tp=empty, fp=empty,
+        fn=empty, how="logistic regression on the attention maps",
+        quantity="contact probability", scale=(0.0, 1.0), precision={}, in_sample=False,
+        target=name, structure=False,
+    )  # fmt: skip
+
+
 def contact_panel(
     loaded: LoadedModel,
     target: ContactTarget,
@@ -362,15 +404,13 @@ def contact_panel(
     The top-L pairs (j - i >= ``min_sep``, both residues observed) are split into right and
     wrong, and the contacts they miss are listed: the two kinds of error."""
     from protein_performer.contacts.fit import precision_at
-    from protein_performer.contacts.predict import find_regression, predict_contacts
+    from protein_performer.contacts.predict import find_regression
 
     L = target.length
     reg = find_regression(loaded, regression or None, required=False)
     in_sample = False
     if reg is not None:
-        reg.check_model(loaded)
-        pred = predict_contacts(loaded, target.sequence, reg, dense_max_length=L, checked=True)
-        full: np.ndarray | None = pred.dense.astype(np.float32)
+        full: np.ndarray | None = _regression_map(loaded, target.sequence, reg)
         fit_on = [str(x) for x in reg.meta.get("fit_on", [])]
         in_sample = target.id in fit_on
         how = "logistic regression on the attention maps"

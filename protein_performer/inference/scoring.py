@@ -136,22 +136,48 @@ def masked_log_probs(
         for p in chunk:
             results.append(lp[offset : offset + len(p)])
             offset += len(p)
-        if progress is not None:
-            progress.update(len(chunk))  # type: ignore[attr-defined]
+        if progress is not None:  # positions scored (a pass of a spaced set scores several)
+            progress.update(sum(len(p) for p in chunk))  # type: ignore[attr-defined]
         done = start + len(chunk)
         beat(f"{done}/{len(position_sets)} masked passes over a {len(seq)}-residue sequence")
     return results
 
 
+def check_pll_rate(rate: float | None) -> None:
+    """``None`` (exact) or a fraction in (0, 0.5]: more would mask most of the protein."""
+    if rate is not None and (isinstance(rate, bool) or not 0 < float(rate) <= 0.5):
+        raise UserError(
+            f"pll_rate must be in (0, 0.5] (None: exact pseudo-perplexity), got {rate!r}"
+        )
+
+
+def pll_position_sets(length: int, rate: float | None = None) -> list[list[int]]:
+    """The masked passes of a pseudo-log-likelihood over ``length`` residues: one residue each
+    (exact, ``rate`` None), or with ``rate`` every ``k = round(1 / rate)``-th residue together
+    (offsets 0..k-1), so every residue is scored once in ``min(k, L)`` passes instead of L."""
+    if rate is None:
+        return [[i] for i in range(length)]
+    stride = max(1, min(length, round(1 / float(rate))))
+    return [list(range(o, length, stride)) for o in range(stride)]
+
+
 def pseudo_log_likelihoods(
-    loaded: LoadedModel, seq: str, toks_per_batch: int = 4096, progress: object | None = None
+    loaded: LoadedModel,
+    seq: str,
+    toks_per_batch: int = 4096,
+    progress: object | None = None,
+    rate: float | None = None,
 ) -> np.ndarray:
-    """(L,) ``log p(x_i | x without i)``: every residue masked once (exact PLL terms)."""
+    """(L,) ``log p(x_i | x without i)``: every residue masked once (exact PLL terms); with
+    ``rate``, residue i's term is read from the pass that masks it with its spaced set (the
+    other residues of the set masked too: an estimate, cheaper by about L x rate)."""
     ids = loaded.alphabet.encode(seq).astype(np.int64)
-    lps = masked_log_probs(
-        loaded, seq, [[i] for i in range(len(seq))], toks_per_batch, progress=progress
-    )
-    return np.array([lp[0, t] for lp, t in zip(lps, ids, strict=True)], dtype=np.float64)
+    sets = pll_position_sets(len(seq), rate)
+    lps = masked_log_probs(loaded, seq, sets, toks_per_batch, progress=progress)
+    terms = np.zeros(len(seq), dtype=np.float64)
+    for positions, lp in zip(sets, lps, strict=True):
+        terms[positions] = lp[np.arange(len(positions)), ids[positions]]
+    return terms
 
 
 @torch.inference_mode()
@@ -200,6 +226,9 @@ class SequenceScore:
     length: int
     n_scored: int
     log_likelihood: float
+    #: (n_scored,) per-position log-likelihoods (pseudo-ppl: the L residues; causal: the L
+    #: residues and ``<eos>``), summing to ``log_likelihood``.
+    terms: np.ndarray | None = None
 
     @property
     def mean_log_likelihood(self) -> float:
@@ -227,12 +256,17 @@ def score_sequences(
     toks_per_batch: int = 4096,
     progress: bool | Any = False,  # noqa: ANN401 - or a caller's bar to advance
     context: FamilyContext | None = None,
+    pll_rate: float | None = None,
 ) -> list[SequenceScore]:
     """Score ``(id, sequence)`` pairs with ``strategy`` (see the module docstring), after a
     family ``context`` when given (causal only). ``progress``: a bar of its own, or the
-    caller's bar, advanced by residues (pseudo-ppl: masked passes) as batches finish."""
+    caller's bar, advanced by residues scored as batches finish (its ETA). ``pll_rate``:
+    pseudo-ppl's spaced masking (:func:`pll_position_sets`; None: exact)."""
     check_strategy(loaded, strategy, SEQUENCE_STRATEGIES)
     _check_context(strategy, context)
+    check_pll_rate(pll_rate)
+    if pll_rate is not None and strategy != "pseudo-ppl":
+        raise UserError(f"pll_rate is for strategy 'pseudo-ppl', not {strategy!r}")
     seqs = [s for _, s in records]
     own = isinstance(progress, bool)
     given = progress_bar(sum(len(s) for s in seqs), "res", strategy, progress) if own else None
@@ -240,9 +274,11 @@ def score_sequences(
         if strategy == "causal":
             terms = causal_log_likelihoods(loaded, seqs, toks_per_batch, bar, context)
         else:
-            terms = [pseudo_log_likelihoods(loaded, s, toks_per_batch, bar) for s in seqs]
+            terms = [
+                pseudo_log_likelihoods(loaded, s, toks_per_batch, bar, pll_rate) for s in seqs
+            ]
     return [
-        SequenceScore(rid, len(s), len(t), float(t.sum()))
+        SequenceScore(rid, len(s), len(t), float(t.sum()), t)
         for (rid, s), t in zip(records, terms, strict=True)
     ]
 
@@ -337,7 +373,8 @@ def score_variants(
 
         else:
             sets = sorted({tuple(sorted(m.index for m in v)) for v in variants if v})
-            with progress_bar(len(sets), "pass", strategy, progress) as bar:
+            positions = sum(len(s) for s in sets)
+            with progress_bar(positions, "pos", strategy, progress) as bar:
                 lps = masked_log_probs(loaded, wt_seq, sets, toks_per_batch, progress=bar)
             by_set = dict(zip(sets, lps, strict=True))
 

@@ -583,7 +583,7 @@ def build_esm(source: EsmSource, options: LoadOptions) -> LoadedModel:
     check_finite(source.state, source.path)
     with torch.random.fork_rng(devices=[]):
         model = PerformerLM(config)
-    diff = diff_state(model, source.state, not_imported)
+    diff = diff_state(model, source.state, not_imported(model))
     missing, unexpected = sorted(diff.missing), sorted(diff.unexpected)
     wrong = [f"{k} {theirs} vs {ours}" for k, theirs, ours in diff.mismatched]
     problems = []

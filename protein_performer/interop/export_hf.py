@@ -33,7 +33,7 @@ from protein_performer.interop.record import LoadedModel
 from protein_performer.io.atomic import publish_directory
 from protein_performer.io.json_safe import read_json
 from protein_performer.model.contact_head import ContactRegression
-from protein_performer.model.favor import kernel_class
+from protein_performer.model.cores import drawn_keys, model_cores
 
 log = logging.getLogger(__name__)
 
@@ -47,8 +47,8 @@ SPECIAL_TOKENS = {
 }
 #: What the exported config says, and export warns, when the model has no contact regression.
 NO_CONTACT_HEAD = (
-    "none: transformers initializes esm.contact_head at random, so predict_contacts and "
-    "return_contacts give meaningless maps"
+    "none (transformers initializes esm.contact_head at random, so predict_contacts and "
+    "return_contacts give meaningless maps)"
 )
 #: ESM-2's own config value (rotary positions make it irrelevant to the computation).
 MAX_POSITION_EMBEDDINGS = 1026
@@ -73,25 +73,26 @@ def check_exportable(loaded: LoadedModel, as_exact: bool) -> None:
         )
     if tuple(loaded.alphabet.tokens) != ESM2_VOCAB:
         raise UserError(f"{loaded.source}: the vocabulary is not ESM-2's; use --format native")
-    if cfg.attention == "linear" or cfg.position_memory:
-        what = "a position memory" if cfg.position_memory else f"{cfg.kernel} linear attention"
-        raise UserError(
-            f"{loaded.source} uses {what}, which Hugging Face's ESM cannot express (its learned "
-            "weights have no place there): use --format native"
-        )
-    if cfg.attention == "favor" and not as_exact:
-        raise UserError(
-            f"{loaded.source} uses FAVOR+ attention, which transformers does not have. Pass "
-            "--as-exact to export the same weights for exact softmax attention (the function "
-            "FAVOR+ approximates: outputs then differ by the FAVOR+ approximation error, like "
-            "an exact-vs-FAVOR+ conversion of ESM-2), or keep --format native"
-        )
-    if cfg.attention == "favor" and not kernel_class(cfg.kernel).estimates_softmax:
-        raise UserError(
-            f"{loaded.source} uses the {cfg.kernel} kernel, a generalized attention (like "
-            "Performer-ReLU) that approximates no softmax: exact attention would compute another "
-            "function; use --format native"
-        )
+    for core in model_cores(loaded.model):
+        chain = core.cores()
+        if any(p.numel() for p in core.parameters()):
+            raise UserError(
+                f"{loaded.source} uses {core.label or core.name}, which Hugging Face's ESM "
+                "cannot express (its learned weights have no place there): use --format native"
+            )
+        if any(c.softmax == "none" for c in chain):
+            raise UserError(
+                f"{loaded.source} uses {core.label or core.name} (the {cfg.kernel} kernel), a "
+                "generalized attention (like Performer-ReLU) that approximates no softmax: exact "
+                "attention would compute another function; use --format native"
+            )
+        if any(c.softmax == "estimate" for c in chain) and not as_exact:
+            raise UserError(
+                f"{loaded.source} uses {core.label or core.name}, which transformers does not "
+                "have. Pass --as-exact to export the same weights for exact softmax attention "
+                "(the function it estimates: outputs then differ by the approximation error, "
+                "like an exact-vs-FAVOR+ conversion of ESM-2), or keep --format native"
+            )
 
 
 def hf_config(loaded: LoadedModel) -> dict[str, Any]:
@@ -99,6 +100,7 @@ def hf_config(loaded: LoadedModel) -> dict[str, Any]:
     from protein_performer import __version__
 
     cfg = loaded.config
+    draws = bool(drawn_keys(loaded.model))  # random features: their kernel and m say which
     return {
         "architectures": ["EsmForMaskedLM"],
         "model_type": "esm",
@@ -137,8 +139,8 @@ def hf_config(loaded: LoadedModel) -> dict[str, Any]:
             "version": __version__,
             "source": loaded.source.name,
             "attention": cfg.attention,
-            "kernel": cfg.kernel if cfg.attention == "favor" else None,
-            "nb_features": cfg.nb_features if cfg.attention == "favor" else None,
+            "kernel": cfg.kernel if draws else None,
+            "nb_features": cfg.nb_features if draws else None,
             "contact_head": (
                 "the model's contact regression"
                 if loaded.contact_regression is not None
@@ -171,8 +173,8 @@ def export_hf(
     from safetensors.torch import save_file
 
     check_exportable(loaded, as_exact)
-    # EsmForMaskedLM's weights are the parameters, the tied matrix once; FAVOR+'s buffers
-    # (random features, statistic) have no place there.
+    # EsmForMaskedLM's weights are the parameters, the tied matrix once; what the cores draw
+    # (FAVOR+'s random features and statistic, buffers) has no place there.
     state = {
         hf_name(k): v.detach().to("cpu", torch.float32).contiguous()
         for k, v in loaded.model.named_parameters()
@@ -183,10 +185,11 @@ def export_hf(
         state.update(contact_head(regression, loaded.config.depth, loaded.config.heads))
     else:
         log.warning(
-            "%s has no contact regression: %s (fit one with `protein-performer contacts fit` "
-            "and export again for a working esm.contact_head)",
+            "%s has no contact regression, so the export's esm.contact_head is transformers' "
+            "random initialization: predict_contacts and return_contacts give meaningless maps "
+            "(the weights and logits are fine). For working contacts, fit a regression with "
+            "`protein-performer contacts fit` and export again",
             loaded.source,
-            NO_CONTACT_HEAD,
         )
     tokenizer = {"tokenizer_class": "EsmTokenizer", "model_max_length": 10**30, **SPECIAL_TOKENS}
     files: dict[str, Callable[[Path], Any]] = {

@@ -24,6 +24,7 @@ from protein_performer.data.tokenizer import Alphabet
 from protein_performer.errors import UserError
 from protein_performer.interop.record import LoadedModel, LoadOptions, config_from
 from protein_performer.io.checkpoints import CONTACT_REGRESSION_KEY, check_finite, save_atomic
+from protein_performer.model.cores import upgrade_keys
 from protein_performer.model.performer import PerformerLM
 from protein_performer.model.task_heads import HeadConfig, TaskHead
 
@@ -112,7 +113,7 @@ def read_finetuned(path: Path, ckpt: dict[str, Any]) -> LoadedModel:
 
 
 def _load_part(module: torch.nn.Module, state: dict, prefix: str, path: Path, what: str) -> None:
-    part = {k[len(prefix) :]: v for k, v in state.items() if k.startswith(prefix)}
+    part = upgrade_keys({k[len(prefix) :]: v for k, v in state.items() if k.startswith(prefix)})
     own = module.state_dict()
     aliases = {"lm_head.weight"} if what == "backbone" else set()
     missing = sorted(set(own) - set(part) - aliases)

@@ -42,9 +42,10 @@ from protein_performer.errors import UserError
 from protein_performer.interop import fair_esm, finetuned, hf_esm, ours
 from protein_performer.interop.convert_esm import hf_snapshot
 from protein_performer.interop.record import LoadedModel, LoadOptions, resolve_device
-from protein_performer.interop.weights import diff_state, generated, not_imported
+from protein_performer.interop.weights import diff_state, not_imported
 from protein_performer.io.checkpoints import safe_load
-from protein_performer.model.config import ATTENTIONS, KERNELS, PerformerConfig
+from protein_performer.model.config import KERNELS, PerformerConfig
+from protein_performer.model.cores import drawn_keys, names
 from protein_performer.model.performer import PerformerLM
 
 log = logging.getLogger(__name__)
@@ -131,14 +132,25 @@ def _swap_attention(model: PerformerLM, config: PerformerConfig, seed: int) -> P
     The backward-compatibility question of the Performer paper (§4.3): every weight is shared,
     only the attention kernel changes; FAVOR+ features are drawn from ``seed`` with a generator
     on the model's device (the source's own features are not carried over, so the result
-    depends on ``seed`` alone).
+    depends on ``seed`` alone). Wrappers stay around the new core with their learned tensors
+    (a position memory's gate and offsets); a learned tensor that has no place in the new core
+    (a Hedgehog map swapped for exact) is refused in one line.
     """
     with torch.random.fork_rng(devices=[]):
         twin = PerformerLM(config).to(next(model.parameters()).device)
-    weights = {k: v for k, v in model.state_dict().items() if not generated(k)}
-    diff = diff_state(twin, weights, not_imported)
-    if diff:  # pragma: no cover - same architecture by design
-        raise RuntimeError(f"swap failed: {diff}")
+    drawn = drawn_keys(model)
+    weights = {k: v for k, v in model.state_dict().items() if k not in drawn}
+    diff = diff_state(twin, weights, not_imported(twin))
+    if diff:
+        why, keys = (
+            ("have no place there", diff.unexpected)
+            if diff.unexpected
+            else ("would start untrained", diff.missing or [m[0] for m in diff.mismatched])
+        )
+        raise UserError(
+            f"cannot run these weights with {config.attention} attention: {len(keys)} learned "
+            f"tensor(s) {why} ({', '.join(keys[:3])})"
+        )
     twin.load_state_dict(weights, strict=False)
     generator = torch.Generator(device=twin.embed_tokens.weight.device).manual_seed(seed)
     twin.redraw_features(generator)
@@ -146,8 +158,8 @@ def _swap_attention(model: PerformerLM, config: PerformerConfig, seed: int) -> P
 
 
 def _check_options(attention: str | None, kernel: str | None, nb_features: int | None) -> None:
-    if attention is not None and attention not in ATTENTIONS:
-        raise UserError(f"unknown attention {attention!r}; choose one of {', '.join(ATTENTIONS)}")
+    if attention is not None and attention not in names():
+        raise UserError(f"unknown attention {attention!r}; choose one of {', '.join(names())}")
     if kernel is not None and kernel not in KERNELS:
         raise UserError(f"unknown kernel {kernel!r}; choose one of {', '.join(KERNELS)}")
     if nb_features is not None and nb_features <= 0:

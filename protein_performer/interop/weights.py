@@ -16,6 +16,7 @@ from torch.overrides import TorchFunctionMode
 
 from protein_performer.errors import UserError
 from protein_performer.model.config import PerformerConfig
+from protein_performer.model.cores import drawn_keys, upgrade_keys
 from protein_performer.model.performer import PerformerLM
 
 SHOW_KEYS = 5  # how many offending keys an error message names
@@ -48,7 +49,9 @@ def check_shapes(
 ) -> None:
     """Tensor names and shapes (a safetensors header, a checkpoint's state dict) against those
     ``config`` implies, before the model is built: a config edited to ``depth: 20000`` beside
-    a normal state dict is refused at once, not after allocating 20000 layers."""
+    a normal state dict is refused at once, not after allocating 20000 layers. Names of 0.5
+    (the core under its attention's name) are read as today's."""
+    found = upgrade_keys(found)
     # Shapes without memory: one block of each kind stands for every block of its kind (a
     # hybrid stack's exact blocks differ: two blocks with exact_every = 2 hold both kinds).
     few = min(config.exact_every, 2) if config.exact_every else 1
@@ -174,7 +177,9 @@ def _number_kind(tensor: torch.Tensor) -> str:
 
 
 def load_weights(model: PerformerLM, state: dict[str, torch.Tensor], path: Path) -> None:
-    """Strict load with a message naming the first mismatching keys and shapes."""
+    """Strict load with a message naming the first mismatching keys and shapes (names of 0.5
+    read as today's)."""
+    state = upgrade_keys(state)
     expected = model.state_dict()
     aliases = tied_aliases(model)
     diff = diff_state(model, state, aliases.__contains__)
@@ -200,11 +205,7 @@ def load_weights(model: PerformerLM, state: dict[str, torch.Tensor], path: Path)
         model.lm_head.weight = model.embed_tokens.weight
 
 
-def generated(name: str) -> bool:
-    """Buffers drawn rather than imported (FAVOR+ random features)."""
-    return ".self_attn.favor." in name
-
-
-def not_imported(name: str) -> bool:
-    """Model entries no ESM-2 source supplies: FAVOR+ features and the tied LM-head alias."""
-    return generated(name) or name == "lm_head.weight"
+def not_imported(model: torch.nn.Module) -> Callable[[str], bool]:
+    """Which of ``model``'s entries no other model or ESM-2 source supplies: what its cores
+    draw (FAVOR+ features, asked of the cores) and the tied LM-head alias."""
+    return (drawn_keys(model) | tied_aliases(model)).__contains__

@@ -294,6 +294,11 @@ def _open_lock(lock: Path, path: Path) -> int:
     except FileNotFoundError:
         where = path.parent
         raise UserError(f"output directory {where} does not exist; create it first") from None
+    except PermissionError:
+        raise UserError(
+            f"cannot open the lock file {lock} of {path} (permission denied: another user's "
+            "lock, or a directory you cannot write): remove it or choose another output"
+        ) from None
     except OSError as exc:
         if exc.errno != errno.ELOOP:
             raise

@@ -31,6 +31,7 @@ PathLike = str | os.PathLike[str]
 #: The folder of finished windows beside a sharded output (``io.sharding.parts_dir``).
 PARTS = ".parts"
 
+
 def refuse_inputs(out: PathLike, inputs: Iterable[PathLike | None]) -> None:
     """A ``UserError`` when ``out`` is an input, holds one, or lies inside an input directory
     (resolved through links; hard links count as the same file). ``-`` and missing inputs

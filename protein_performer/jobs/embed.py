@@ -45,6 +45,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
+from protein_performer.data.headers import IdLookup
 from protein_performer.data.inputs import InputRecord, input_records, total_in_background
 from protein_performer.errors import UserError, shown
 from protein_performer.inference.api import ProteinLM, precision_name
@@ -521,11 +522,16 @@ def _read_embeddings(src: Path, ids: Sequence[str] | None, kind: str, layer: int
             ids = all_ids
             rows = np.arange(len(all_ids))
         else:
-            where = {rid: n for n, rid in enumerate(all_ids)}
-            missing = [rid for rid in ids if rid not in where]
+            lookup = IdLookup(all_ids)
+            found = [lookup.find(rid) for rid in ids]
+            missing = [rid for rid, n in zip(ids, found, strict=True) if n is None]
             if missing:
-                raise UserError(f"{src}: no record(s) {', '.join(missing[:5])}")
-            rows = np.asarray([where[rid] for rid in ids], dtype=np.int64)
+                raise UserError(
+                    f"{src}: no record(s) {', '.join(missing[:5])} (by id, UniProt accession "
+                    "or entry name)"
+                )
+            rows = np.asarray(found, dtype=np.int64)
+            ids = [all_ids[n] for n in rows]
         pooled = kind != "per_tok"
         data = checked_rows(h5, f"{kind}/{want}", len(all_ids) if pooled else None, "f", 2)
         if not pooled:

@@ -14,7 +14,12 @@ from pathlib import Path
 from protein_performer.data.inputs import InputRecord, input_records, total_in_background
 from protein_performer.inference.api import ProteinLM
 from protein_performer.inference.context import FamilyContext
-from protein_performer.inference.scoring import SCORE_COLUMNS, SEQUENCE_STRATEGIES, check_strategy
+from protein_performer.inference.scoring import (
+    SCORE_COLUMNS,
+    SEQUENCE_STRATEGIES,
+    check_pll_rate,
+    check_strategy,
+)
 from protein_performer.io.progress import progress as progress_bar
 from protein_performer.io.sharding import rank_label, windows
 from protein_performer.io.tables import ShardedTable
@@ -42,6 +47,7 @@ def score_fasta(
     on_invalid: str = "error",
     progress: bool = True,
     context: FamilyContext | None = None,
+    pll_rate: float | None = None,
 ) -> ScoreSummary:
     """Score every record of ``fasta`` (a FASTA file or a store directory; ``lm.iter_score``)
     into ``out`` (CSV/TSV, or standard output for ``-``), one row per record in input order.
@@ -50,6 +56,7 @@ def score_fasta(
     the records (:mod:`protein_performer.io.sharding`); standard output takes one process.
     """
     check_strategy(lm.loaded, strategy, SEQUENCE_STRATEGIES)
+    check_pll_rate(pll_rate)
     path = Path(fasta).expanduser()
     table = ShardedTable(out, SCORE_COLUMNS)
     mine = ScoreSummary(0, 0.0, 0)
@@ -58,7 +65,7 @@ def score_fasta(
     def rows(window: list[InputRecord]) -> Iterator[list[str]]:
         pairs = [(r.id, r.sequence) for r in window]
         for _, score in lm.iter_score(
-            pairs, strategy, toks_per_batch, context=context, progress=bar
+            pairs, strategy, toks_per_batch, context=context, progress=bar, pll_rate=pll_rate
         ):
             mine.num_records += 1
             mine.log_likelihood += score.log_likelihood
@@ -72,9 +79,8 @@ def score_fasta(
 
     records = input_records(path, on_invalid)
     batches = windows(records, toks_per_batch, lambda r: len(r.sequence))
-    # Residues (pseudo-ppl: one masked pass each) advance inside a window, batch by batch.
-    unit = "pass" if strategy == "pseudo-ppl" else "res"
-    bar = progress_bar(None, unit, rank_label(strategy), progress)
+    # Residues scored advance inside a window, batch by batch (the ETA from the total).
+    bar = progress_bar(None, "res", rank_label(strategy), progress)
     total_in_background(bar, path, "residues")
     with bar:
         table.write(batches, rows, path, add)

@@ -1,13 +1,12 @@
 """Multi-head self-attention: projections, heads and rotary around one attention core.
 
-The math lives in the core, FAVOR+ (:class:`~protein_performer.model.favor.FavorAttention`),
-exact softmax (:class:`~protein_performer.model.exact.ExactAttention`), linear attention
-(:class:`~protein_performer.model.linear.core.LinearAttention`, alone or with its exact
-:class:`~protein_performer.model.linear.window.SlidingWindow`), any of them inside the position
-memory (:class:`~protein_performer.model.linear.memory.PositionMemory`); all offer one
-interface (one forward with an optional state, attention rows, contact-map blocks), so this
-module never asks which it holds. It owns the projections, named like ESM-2's
-``q_proj k_proj v_proj out_proj`` so its weights load by renaming.
+The math lives in the core (:class:`~protein_performer.model.cores.AttentionCore`), built by
+the registry from the config (:func:`~protein_performer.model.cores.build_core`): exact softmax,
+FAVOR+, linear attention, inside the wrappers the config turns on (the linear core's exact
+window, the position memory). All take one call (one forward with an optional state) and give
+attention rows and contact-map blocks, so this module never asks which it holds. It owns the
+projections, named like ESM-2's ``q_proj k_proj v_proj out_proj`` so its weights load by
+renaming.
 
 ESM-2 scales q by ``head_dim ** -0.5`` before rotary; rotary is linear, so rotating the unscaled
 q and letting the attention core apply ``1/sqrt(d)`` gives the same scores.
@@ -16,23 +15,19 @@ q and letting the attention core apply ``1/sqrt(d)`` gives the same scores.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 from torch import nn
 
 from protein_performer.model.config import PerformerConfig
-from protein_performer.model.exact import ExactAttention, ExactMapBlocks, KVCache
-from protein_performer.model.favor import FavorAttention, FavorState
-from protein_performer.model.favor.module import FavorMapBlocks
-from protein_performer.model.linear.core import LinearAttention, LinearState
-from protein_performer.model.linear.memory import MemoryState, PositionMemory
-from protein_performer.model.linear.window import SlidingWindow, WindowState
+from protein_performer.model.cores import AttentionCore, build_core, upgrade_keys
 from protein_performer.model.rotary import RotaryEmbedding, as_positions
 
-#: The attention cores: one interface, five implementations.
-AttentionCore = FavorAttention | ExactAttention | LinearAttention | SlidingWindow | PositionMemory
-#: What one attention layer carries between calls (generation steps, a family context).
-AttentionState = FavorState | KVCache | LinearState | WindowState | MemoryState
+#: What one attention layer carries between calls (generation steps, a family context): the
+#: core's state (FAVOR+ ``FavorState``, exact ``KVCache``, linear ``LinearState``, a wrapper's
+#: tuple holding its inner core's).
+AttentionState = Any
 
 
 def state_tensors(state: tuple) -> list[torch.Tensor]:
@@ -41,45 +36,29 @@ def state_tensors(state: tuple) -> list[torch.Tensor]:
     return [t for s in state for t in (state_tensors(s) if isinstance(s, tuple) else [s])]
 
 
-#: One head's residue x residue map as blocks (``.sums``, ``.add_upper_block``), for contacts.
-MapBlocks = FavorMapBlocks | ExactMapBlocks
 #: Rotary positions: None (0, 1, ... along the row), an int offset (the first token's
 #: position), a tensor (B,) of each row's first position (a decoding step's), or a tensor
 #: (B, L) of per-token positions (see :func:`~protein_performer.model.rotary.as_positions`).
 Positions = int | torch.Tensor | None
 
 
-def _build_core(config: PerformerConfig, attention: str) -> AttentionCore:
-    """The core ``attention`` names (linear: with its exact window when ``config.local_window``
-    is set), inside the position memory when ``config.position_memory`` is set."""
-    if attention == "exact":
-        core = ExactAttention(causal=config.causal)
-    elif attention == "linear":
-        core = LinearAttention(config.heads, config.head_dim, config.kernel, config.causal)
-        if config.local_window:
-            core = SlidingWindow(core, config.heads, config.local_window)
-    else:
-        core = FavorAttention(
-            dim_head=config.head_dim,
-            nb_features=config.nb_features,
-            causal=config.causal,
-            kernel=config.kernel,
-            chunk_size=config.favor_chunk_size,
-        )
-    if not config.position_memory:
-        return core
-    return PositionMemory(
-        core, config.heads, config.head_dim, config.position_memory, config.memory_window
-    )
+def _upgrade_core_keys(module: nn.Module, state: dict, prefix: str, *args: Any) -> None:
+    """Load-state-dict pre-hook: keys of 0.5 (the core under its attention's name) read as
+    today's (``core``), so every loader, a training resume included, takes old files."""
+    own = {k: v for k, v in state.items() if k.startswith(prefix)}
+    for old, new in zip(own, upgrade_keys(own), strict=True):
+        if old != new:
+            state[new] = state.pop(old)
 
 
 class MultiHeadSelfAttention(nn.Module):
     """Self-attention with rotary q/k around the core ``config.attention`` names.
 
-    ``layer`` (1-based) picks the core of hybrid stacks (``config.exact_every``). The core is
-    registered under the attention's name, its state-dict prefix: FAVOR+'s buffers
-    stay at ``...self_attn.favor.omega`` (checkpoints, ESM-2 conversions); the exact core has
-    no state, so it adds no entry. :attr:`core` is the one to call.
+    ``layer`` (1-based) picks the core of hybrid stacks (``config.exact_every``). The core's
+    tensors live under ``...self_attn.core.`` whatever it is (FAVOR+'s ``core.omega``, the
+    memory's ``core.gate_bias`` and its inner core's ``core.inner.omega``), so an attention
+    swap keeps every learned tensor at its key; the exact core has no tensors, so it adds no
+    entry. Files of 0.5 (``...self_attn.favor.omega``) load through a pre-hook.
     """
 
     def __init__(self, config: PerformerConfig, layer: int = 1) -> None:
@@ -93,13 +72,8 @@ class MultiHeadSelfAttention(nn.Module):
         self.v_proj = nn.Linear(dim, dim)
         self.out_proj = nn.Linear(dim, dim)
         self.rot_emb = RotaryEmbedding(self.head_dim, base=config.rotary_base)
-        self._core_name = config.layer_attention(layer)
-        self.add_module(self._core_name, _build_core(config, self._core_name))
-
-    @property
-    def core(self) -> AttentionCore:
-        """The attention core: FAVOR+ or exact softmax, behind one interface."""
-        return self._modules[self._core_name]
+        self.core: AttentionCore = build_core(config, layer)
+        self.register_load_state_dict_pre_hook(_upgrade_core_keys)
 
     def _split_heads(self, x: torch.Tensor) -> torch.Tensor:
         B, L, _ = x.shape
@@ -116,6 +90,7 @@ class MultiHeadSelfAttention(nn.Module):
         *,
         keep_state: bool = False,
         inplace: bool = False,
+        coordinates: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None, AttentionState | None]:
         """``x`` (B, L, D), ``padding_mask`` (B, L) True = pad -> output (B, L, D), the
         attention map (B, H', L, L) of ``heads`` (all heads if None) if ``need_weights``, and
@@ -127,6 +102,11 @@ class MultiHeadSelfAttention(nn.Module):
         and v from one GEMM and rotates them in one call (:meth:`_step_qkv`), since a token's
         cost is mostly per-op overhead. The FAVOR+ map is the one the model implicitly uses
         (normalized feature products), never materialized in the forward pass itself.
+
+        ``coordinates`` (B, L) long: the position each token is keyed by in a core that keeps
+        a memory by position (a homolog residue's reference coordinate, -1: no position;
+        ``PerformerLM.forward``); the core hands them on only if it declares
+        ``reads_coordinates`` (the others have no such memory). Rotary uses ``positions``.
         """
         B, L, D = x.shape
         if state is not None and L == 1 and self._fusable():
@@ -146,6 +126,7 @@ class MultiHeadSelfAttention(nn.Module):
             keep_state=keep_state,
             inplace=inplace,
             positions=positions,
+            coordinates=coordinates,
         )
         out = out.transpose(1, 2).reshape(B, L, D)  # (B, H, L, d) -> (B, L, D)
         out = self.out_proj(out)

@@ -14,6 +14,8 @@ from typing import Any
 from protein_performer.errors import UserError
 
 OBJECTIVES = ("mlm", "clm")
+#: The registered attention cores' names (``model.cores.names()``, which validation asks),
+#: written out so that the CLI's choices need no torch (tests keep them equal).
 ATTENTIONS = ("favor", "exact", "linear")
 #: Rotary position schemes: along the whole row, or restarting at each member's <cls>.
 POSITIONS = ("sequence", "member")
@@ -117,7 +119,10 @@ class PerformerConfig:
     exact_every: int = 0
     # Member positions held by the position memory (model/linear/memory.py), mixed into every
     # layer's attention: the family context's homologs read by aligned position, in a state
-    # of (P + 2W) x (head size + 1) per head whatever the number of members. 0 = off.
+    # of P x (2 head sizes + 1) per head, P the longest member held (at most this), whatever
+    # the number of members. 0 = off. Training configs turn it on only for family rows
+    # (data.layout=family): > 0 says the model has a memory, and context_tokens (set by
+    # train() from data.family_max_tokens) that it was trained on family rows.
     position_memory: int = 0
     # W: the memory reads positions p - W .. p + W (a learned weight per offset and head).
     memory_window: int = 8
@@ -186,14 +191,6 @@ class PerformerConfig:
             )
         if self.objective not in OBJECTIVES:
             fail(f"unknown objective {self.objective!r}; choose one of {', '.join(OBJECTIVES)}")
-        if self.attention not in ATTENTIONS:
-            fail(f"unknown attention {self.attention!r}; choose one of {', '.join(ATTENTIONS)}")
-        kernels = LINEAR_KERNELS if self.attention == "linear" else KERNELS
-        if self.attention != "exact" and self.kernel not in kernels:
-            fail(
-                f"unknown kernel {self.kernel!r} for {self.attention} attention; choose one of "
-                f"{', '.join(kernels)}"
-            )
         if not 0 <= self.exact_every <= self.depth:
             fail(f"exact_every must be in 0..depth={self.depth}, got {self.exact_every}")
         if self.position_memory < 0 or self.position_memory > 1 << 20:
@@ -202,11 +199,6 @@ class PerformerConfig:
             fail(f"memory_window must be in 0..256, got {self.memory_window}")
         if not 0 <= self.local_window <= 4096:
             fail(f"local_window must be in 0..4096 (0 = off), got {self.local_window}")
-        if self.local_window and self.attention != "linear":
-            fail(
-                f"local_window={self.local_window} needs attention=linear (the window shares "
-                f"the linear map's normalizer), got attention={self.attention}"
-            )
         if not 0.0 <= self.dropout < 1.0:
             fail(f"dropout must be in [0, 1), got {self.dropout!r}")
         if not isinstance(self.feature_redraw_interval, int) or self.feature_redraw_interval < 0:
@@ -237,6 +229,13 @@ class PerformerConfig:
                 f"layer_norm_eps must be in (0, {MAX_LAYER_NORM_EPS:g}], "
                 f"got {self.layer_norm_eps!r}"
             )
+        # What each core needs of the rest (its kernel, a wrapper's inner core, positions):
+        # asked of the registered cores, the fields above checked first.
+        from protein_performer.model.cores import config_problem
+
+        problem = config_problem(self)
+        if problem:
+            fail(problem)
         return self
 
     def layer_attention(self, layer: int) -> str:
@@ -251,14 +250,9 @@ class PerformerConfig:
         what a loader checks against the memory there is before building anything."""
         d, f, v, layers = self.dim, self.ff_dim, self.vocab_size, self.depth
         block = 4 * (d * d + d) + 2 * d * f + f + d + 4 * d
-        favor = (
-            self.heads * self.nb_features * (self.head_dim + 1) if self.attention == "favor" else 0
-        )
-        hd, h = self.head_dim, self.heads
-        linear = h * hd * (hd + 1) if self.attention == "linear" else 0
-        memory = h * (2 * self.memory_window + 2 + hd) if self.position_memory else 0
-        per_layer = block + favor + linear + memory + (h if self.local_window else 0)
-        return v * d + layers * per_layer + (d * d + d) + 4 * d + v
+        from protein_performer.model.cores import extra_numel
+
+        return v * d + layers * block + extra_numel(self) + (d * d + d) + 4 * d + v
 
     def to_dict(self) -> dict[str, Any]:
         """Plain dict of builtins (JSON/YAML-safe), the form checkpoints store."""

@@ -89,13 +89,18 @@ def attention_layout(config: Any) -> dict[str, Any]:
 
 
 def weights_sha256(model: Any) -> str:
-    """SHA-256 of a model's learned weights (names, dtypes, shapes, bytes; FAVOR+ random features
-    and the tied LM-head alias left out), so a regression names the model it was fitted on and
-    an exact and a FAVOR+ conversion of the same weights share it."""
+    """SHA-256 of a model's learned weights (names, dtypes, shapes, bytes: every tensor but
+    what its cores declare drawn, the FAVOR+ random features, and the tied LM-head alias), so a
+    regression names the model it was fitted on, two models differing in any learned tensor
+    (a position memory's gate included) differ, and an exact and a FAVOR+ conversion of the
+    same weights share it."""
+    from protein_performer.model.cores import drawn_keys
+
     digest = hashlib.sha256()
     seen: set[int] = set()
+    drawn = drawn_keys(model)
     for name, tensor in sorted(model.state_dict().items()):
-        if ".self_attn.favor." in name or (tensor.numel() and tensor.data_ptr() in seen):
+        if name in drawn or (tensor.numel() and tensor.data_ptr() in seen):
             continue
         seen.add(tensor.data_ptr())
         t = tensor.detach().to("cpu").contiguous().reshape(-1)

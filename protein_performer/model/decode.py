@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from protein_performer.model.favor import FavorAttention, FavorState, recurrent
+from protein_performer.model.favor import FavorState, recurrent
 from protein_performer.model.favor.kernels import FeatureMap
 from protein_performer.model.performer import MASK_RATIO_TRAIN, PerformerLM
 from protein_performer.model.rotary import rotate_rows
@@ -32,16 +32,17 @@ log = logging.getLogger(__name__)
 
 def unsupported(model: PerformerLM) -> str | None:
     """Why :class:`CompiledStep` cannot run ``model`` (None: it can): it needs a causal
-    float32 FAVOR+ model with an exp kernel's shared map and plain projections."""
+    float32 model whose every core offers a step map (``AttentionCore.step_map``: FAVOR+) with
+    an exp kernel's shared map, and plain projections."""
     if not model.config.causal:
         return "a masked LM has no decoding step"
     if model.embed_tokens.weight.dtype != torch.float32:
         return f"{model.embed_tokens.weight.dtype} weights (float32 only)"
     for i, layer in enumerate(model.layers, start=1):
         attn = layer.self_attn
-        if type(attn.core) is not FavorAttention:
-            return f"layer {i} has {type(attn.core).__name__} attention (FAVOR+ only)"
-        fmap = attn.core._step_map(model.embed_tokens.weight.device, torch.float32)
+        fmap = attn.core.step_map(model.embed_tokens.weight.device, torch.float32)
+        if fmap is None:
+            return f"layer {i} has {attn.core.label or attn.core.name}, which has no traced step"
         if not (fmap.exp and fmap.Wa.dim() == 2):
             return f"layer {i}'s kernel {attn.core.kernel!r} has no exp step"
         plain = attn._fusable() and all(
@@ -92,7 +93,7 @@ class CompiledStep:
         for layer in model.layers:
             attn = layer.self_attn
             qkv_w, qkv_b = attn._qkv_weights()
-            fmap = attn.core._step_map(device, torch.float32)
+            fmap = attn.core.step_map(device, torch.float32)
             layers.append(
                 [*_norm(layer.self_attn_layer_norm), qkv_w.T, qkv_b]
                 + [attn.out_proj.weight.T, attn.out_proj.bias]

@@ -1,8 +1,9 @@
 """Exact softmax attention: the reference FAVOR+ approximates and the exact twin's core.
 
-:class:`ExactAttention` has the interface of :class:`~protein_performer.model.favor.FavorAttention`
-(one forward with an optional state, attention rows, contact-map blocks), so the attention
-layer, contact maps and generation never ask which core they hold.
+:class:`ExactAttention` is the core registered as ``exact``
+(:class:`~protein_performer.model.cores.AttentionCore`: one forward with an optional state,
+attention rows, contact-map blocks), so the attention layer, contact maps and generation never
+ask which core they hold.
 """
 
 from __future__ import annotations
@@ -12,7 +13,10 @@ from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
-from torch import Tensor, nn
+from torch import Tensor
+
+from protein_performer.model.cores.base import AttentionCore, real_tokens
+from protein_performer.model.cores.registry import register
 
 
 def exact_attention(
@@ -164,15 +168,25 @@ def _append(old: Tensor, new: Tensor, dim: int) -> Tensor:
     return grown
 
 
-class ExactAttention(nn.Module):
-    """Exact softmax attention behind FAVOR+'s core interface; no parameters or buffers, so an
-    exact model's state dict (ESM-2 conversions included) has no attention-core entries."""
+@register("exact")
+class ExactAttention(AttentionCore):
+    """Exact softmax attention; no parameters or buffers, so an exact model's state dict
+    (ESM-2 conversions included) has no attention-core entries. Its state, the KV cache,
+    grows with the context."""
+
+    state_grows = True
+    softmax = "exact"
+    label = "exact attention"
 
     def __init__(self, causal: bool = False) -> None:
         super().__init__()
         self.causal = causal
 
-    def forward(
+    @classmethod
+    def from_config(cls, config) -> ExactAttention:  # noqa: ANN001 - a PerformerConfig
+        return cls(causal=config.causal)
+
+    def attend(
         self,
         q: Tensor,
         k: Tensor,
@@ -184,19 +198,12 @@ class ExactAttention(nn.Module):
         inplace: bool = False,
         positions: Tensor | int | None = None,
     ) -> tuple[Tensor, KVCache | None]:
-        """(B, H, L, d) x3 -> (B, H, L, dv) and, with ``keep_state``, the KV cache after the
-        tokens; key_padding_mask (B, L), True = pad (padded keys are never attended).
-
-        ``state`` (batch 1, broadcast over B, or B) continues an earlier part of the row, as
-        FAVOR+'s core does; ``inplace``: the caller gives ``state`` up, so a one-token step is
-        appended into spare room of the cache's buffer (grown geometrically) instead of
-        concatenating the whole cache again (O(T) copied per token); otherwise ``state`` is
-        never written. ``positions`` is not needed here. The paths with a state are inference
-        (causal only, no gradients).
-        """
+        """The KV cache as the state: ``inplace`` appends a one-token step into spare room of
+        the cache's buffer (grown geometrically) instead of concatenating the whole cache again
+        (O(T) copied per token). ``positions`` is not needed here. The paths with a state are
+        inference (causal only, no gradients)."""
         if state is None and not keep_state:
             return exact_attention(q, k, v, self.causal, key_padding_mask), None
-        self._check_causal()
         with torch.no_grad():
             if state is None:
                 out = exact_attention(q, k, v, self.causal, key_padding_mask)
@@ -205,19 +212,11 @@ class ExactAttention(nn.Module):
                 return self._step(state, q, k, v, key_padding_mask, keep_state, inplace)
             return self._extend(state, q, k, v, key_padding_mask, keep_state)
 
-    def redraw(self, generator: torch.Generator | None = None) -> None:
-        """Nothing to redraw: exact attention has no random features."""
-
     @staticmethod
     def _cache(k: Tensor, v: Tensor, key_padding_mask: Tensor | None) -> KVCache:
         """The KV cache of k, v (B, H, L, d): every key, the pads marked."""
         B, _, L, _ = k.shape
-        keep = (
-            torch.ones(B, L, dtype=torch.bool, device=k.device)
-            if key_padding_mask is None
-            else ~key_padding_mask.bool()
-        )
-        return KVCache(k, v, keep)
+        return KVCache(k, v, real_tokens(key_padding_mask, B, L, k.device))
 
     @staticmethod
     def _step(
@@ -231,12 +230,7 @@ class ExactAttention(nn.Module):
     ) -> tuple[Tensor, KVCache | None]:
         """One token per row, q, k, v (B, H, 1, d), after the cache: a pad's key is cached but
         never attended."""
-        B = q.shape[0]
-        keep = (
-            torch.ones(B, 1, dtype=torch.bool, device=q.device)
-            if key_padding_mask is None
-            else ~key_padding_mask.bool()
-        )
+        keep = real_tokens(key_padding_mask, q.shape[0], 1, q.device)
         if inplace:
             k, v, keep = (
                 _append(old, new, dim)
@@ -271,11 +265,7 @@ class ExactAttention(nn.Module):
         T = state.k.shape[-2]
         kk = torch.cat([state.k.expand(B, -1, -1, -1), k], dim=2)  # (B, H, T + L, d)
         vv = torch.cat([state.v.expand(B, -1, -1, -1), v], dim=2)
-        new_keep = (
-            torch.ones(B, L, dtype=torch.bool, device=q.device)
-            if key_padding_mask is None
-            else ~key_padding_mask.bool()
-        )
+        new_keep = real_tokens(key_padding_mask, B, L, q.device)
         keep = torch.cat([state.keep.expand(B, -1), new_keep], dim=1)  # (B, T + L)
         shared = bool(state.keep.all()) and bool((new_keep[:, 1:] <= new_keep[:, :-1]).all())
         # Queries in blocks so that a mask stays under _MASK_ELEMENTS (a long prefill segment
@@ -311,10 +301,6 @@ class ExactAttention(nn.Module):
         """One head's map between the L residues of ``<cls> residues <eos>``, q, k (1, 1, L + 2,
         d), rows normalized over all tokens, as blocks; window: rows per normalizer sweep."""
         return ExactMapBlocks(q, k, L, self.causal, window)
-
-    def _check_causal(self) -> None:
-        if not self.causal:
-            raise RuntimeError("RNN mode (a state) needs causal=True")
 
     def extra_repr(self) -> str:
         return f"causal={self.causal}"

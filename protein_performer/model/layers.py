@@ -47,6 +47,7 @@ class TransformerLayer(nn.Module):
         state: AttentionState | None,
         keep_state: bool,
         inplace: bool,
+        coordinates: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None, AttentionState | None]:
         attn_out, weights, state = self.self_attn(
             _layer_norm(self.self_attn_layer_norm, x),
@@ -57,6 +58,7 @@ class TransformerLayer(nn.Module):
             state,
             keep_state=keep_state,
             inplace=inplace,
+            coordinates=coordinates,
         )
         x = x + self._drop(attn_out)
         h = F.gelu(self.fc1(_layer_norm(self.final_layer_norm, x)))  # erf GELU, as ESM-2
@@ -78,6 +80,7 @@ class TransformerLayer(nn.Module):
         *,
         keep_state: bool = False,
         inplace: bool = False,
+        coordinates: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None, AttentionState | None]:
         """``x`` (B, L, D) -> (B, L, D), the attention map (B, H', L, L) if ``need_weights``,
         and the attention state after the tokens if ``keep_state``.
@@ -86,9 +89,10 @@ class TransformerLayer(nn.Module):
         activations are recomputed in backward; non-reentrant checkpointing replays dropout with
         the saved RNG state, so gradients equal the unchecked ones. ``positions``: rotary
         positions (None: the row's own; see ``attention.Positions``); ``state``,
-        ``keep_state``, ``inplace``: see ``MultiHeadSelfAttention.forward``.
+        ``keep_state``, ``inplace``, ``coordinates``: see ``MultiHeadSelfAttention.forward``.
         """
-        args = (x, padding_mask, need_weights, heads, positions, state, keep_state, inplace)
+        args = (x, padding_mask, need_weights, heads, positions, state, keep_state, inplace,
+                coordinates)  # fmt: skip
         if self.gradient_checkpointing and self.training and torch.is_grad_enabled():
             return checkpoint(self._block, *args, use_reentrant=False)
         return self._block(*args)

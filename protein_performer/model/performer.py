@@ -131,6 +131,7 @@ class PerformerLM(nn.Module):
         offset: int | torch.Tensor = 0,
         keep_state: bool = False,
         inplace: bool = False,
+        coordinates: torch.Tensor | None = None,
     ) -> PerformerOutput:
         """``tokens`` (B, T) -> logits (B, T, V) plus the requested hidden states and maps.
 
@@ -148,6 +149,11 @@ class PerformerLM(nn.Module):
         ``inplace``: the caller gives it up and uses only the returned one (a generator's loop),
         so buffers are updated in place (FAVOR+: the sum; exact: the KV cache grown into spare
         room). Equals the causal forward of the whole row, up to float rounding.
+
+        ``coordinates`` (B, T) long: aligned coordinates, the position a position memory keys
+        each token by instead of its member position (a family context's homologs placed on
+        a reference: ``inference.context``; -1: a token that enters no position); None: the
+        member positions. Rotary always uses the member (or row) positions.
         """
         if tokens.ndim != 2:
             raise ValueError(f"tokens must be (batch, length), got shape {tuple(tokens.shape)}")
@@ -187,6 +193,7 @@ class PerformerLM(nn.Module):
                 state=layer_state,
                 keep_state=keep_state,
                 inplace=inplace,
+                coordinates=coordinates,
             )
             new_states.append(layer_state)
             if weights is not None:
@@ -234,6 +241,7 @@ class PerformerLM(nn.Module):
         offset: int = 0,
         padding_mask: torch.Tensor | None = None,
         return_states: bool = False,
+        coordinates: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, list[AttentionState] | None]:
         """Tokens (B, L), right-padded, continuing rows from ``states`` that hold ``offset``
         tokens -> logits (B, L, V) and, if ``return_states``, the states after the tokens:
@@ -241,10 +249,11 @@ class PerformerLM(nn.Module):
 
         Why: a family context is read once into states; every candidate then costs its own
         tokens alone (FAVOR+: a fixed-size state; exact: its KV cache), one context serving
-        any number of candidates.
+        any number of candidates. ``coordinates``: see :meth:`forward` (a context's homologs).
         """
         self._require_causal()
-        out = self(tokens, padding_mask, state=states, offset=offset, keep_state=return_states)
+        out = self(tokens, padding_mask, state=states, offset=offset, keep_state=return_states,
+                   coordinates=coordinates)  # fmt: skip
         return out.logits, out.state
 
     @torch.no_grad()

@@ -139,6 +139,22 @@ def rotate_rows(x: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
     return out
 
 
+def member_bounds(starts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Family members from where they start, ``starts`` (B, L) bool: each token's member index
+    (B, L), from 0 (a partial member before the row's first start counts as one), and the
+    index of its member's first token (B, L) (-1 before the first start).
+
+    The one place members are worked out: the model's member positions (a ``<cls>`` starts
+    a member), the position memory's layout (a position that does not continue the previous
+    one starts a member) and a family context's prefill segments all call it.
+    """
+    L = starts.shape[-1]
+    idx = torch.arange(L, device=starts.device)
+    first = torch.where(starts, idx, -1).cummax(-1).values  # last start <= t
+    index = starts.long().cumsum(-1) - starts[..., :1].long()
+    return index, first
+
+
 def member_positions(tokens: torch.Tensor, cls_idx: int, offset: int = 0) -> torch.Tensor:
     """Rotary positions (B, L) that restart at 0 at every ``<cls>`` of tokens (B, L).
 
@@ -147,9 +163,8 @@ def member_positions(tokens: torch.Tensor, cls_idx: int, offset: int = 0) -> tor
     the tokens so the data needs no position field. Tokens before the row's first ``<cls>``
     continue from ``offset`` (the position of the first token within its member).
     """
-    L = tokens.shape[-1]
-    idx = torch.arange(L, device=tokens.device)
-    start = torch.where(tokens == cls_idx, idx, -1).cummax(-1).values  # (B, L) last <cls> <= t
+    idx = torch.arange(tokens.shape[-1], device=tokens.device)
+    _, start = member_bounds(tokens == cls_idx)  # (B, L)
     return torch.where(start >= 0, idx - start, idx + offset)
 
 

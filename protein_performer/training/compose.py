@@ -11,8 +11,9 @@ This module owns where the configs live: the package's ``protein_performer/conf/
 Hydra's package search path (``pkg://protein_performer.conf``) so that an installed wheel works
 outside the repository, or ``$PROTEIN_PERFORMER_CONF_DIR`` (a copy to customise). It registers
 the ``pp.package`` resolver through which configs name data shipped with the package (the demo
-set). It imports nothing from training or inference, so both can compose without depending on
-each other.
+set), and ``pp.family_memory`` (the position memory where a model trains on family rows). It
+imports nothing from training or inference, so both can compose without depending on each
+other.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from protein_performer.data.bundled import package_root
 from protein_performer.errors import UserError
 
 if TYPE_CHECKING:
@@ -36,13 +38,19 @@ CONF_PACKAGE = "protein_performer.conf"
 #: known.
 TRAIN = "train"
 _USAGE = " to change a key, +key=value to add one, group=option to pick a config"
-_PACKAGE_ROOT = Path(__file__).resolve().parents[1]
 
 
 def package_path(relative: str) -> str:
     """A file or folder shipped inside the package (``data/demo``), as an absolute path: the
     ``${pp.package:data/demo}`` of the configs, so the demo trains from any directory."""
-    return str(_PACKAGE_ROOT / relative)
+    return str(package_root() / relative)
+
+
+def family_memory(layout: str, max_len: int) -> int:
+    """``${pp.family_memory:${data.layout},${data.max_len}}``, the default position memory:
+    one slot per member position (``max_len``) where a model trains on family rows, else 0
+    (a single-sequence row has no homolog to read, and the memory would only cost time)."""
+    return int(max_len) if layout == "family" else 0
 
 
 def register_resolvers() -> None:
@@ -51,13 +59,15 @@ def register_resolvers() -> None:
 
     if not OmegaConf.has_resolver("pp.package"):
         OmegaConf.register_new_resolver("pp.package", package_path)
+    if not OmegaConf.has_resolver("pp.family_memory"):
+        OmegaConf.register_new_resolver("pp.family_memory", family_memory)
 
 
 def conf_dir() -> Path:
     """The config directory on disk: ``$PROTEIN_PERFORMER_CONF_DIR``, else the package's
     ``conf/`` (for listing groups in ``--help`` and for messages)."""
     env = os.environ.get(CONF_DIR_ENV)
-    path = Path(env).expanduser() if env else _PACKAGE_ROOT / "conf"
+    path = Path(env).expanduser() if env else package_root() / "conf"
     if not (path / "train.yaml").is_file():
         where = f"${CONF_DIR_ENV}={env}" if env else "the installed package"
         raise UserError(

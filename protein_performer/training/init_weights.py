@@ -7,8 +7,9 @@ fine-tuned with FAVOR+ (the Performer paper's §4.3 backward compatibility).
 
 Strict about shapes: every weight of the new model must come from the source with the same
 shape, and nothing in the source may be left over, so a wrong model size fails loudly instead of
-training from a half-random start. FAVOR+ buffers (``omega``, ``oprf_rho``) are not copied:
-the source may be exact or use another m, and the FeatureRedraw callback draws omega at step 0.
+training from a half-random start. What the cores declare drawn (FAVOR+'s ``omega`` and
+``oprf_rho``) is not copied: the source may be exact or use another m, and the FeatureRedraw
+callback draws omega at step 0. Every learned tensor is (a position memory's included).
 """
 
 from __future__ import annotations
@@ -26,10 +27,6 @@ _SEMANTIC_FIELDS = ("token_dropout", "layer_norm_eps", "rotary_base", "objective
 _SHOW = 6
 
 
-def _is_favor_buffer(name: str) -> bool:
-    return ".self_attn.favor." in name
-
-
 def init_from(module: Any, path: str | os.PathLike[str]) -> list[str]:
     """Copy the weights of ``path`` into ``module.model`` (a ``ProteinLMModule``'s PerformerLM).
 
@@ -37,10 +34,11 @@ def init_from(module: Any, path: str | os.PathLike[str]) -> list[str]:
     reads: a ``.ckpt``, an export directory such as ``protein-performer convert-esm`` writes,
     or an ESM-2 source (fair-esm ``.pt``, Hugging Face directory or cached id) read as exact
     attention. The source's contact regression, if any (ESM-2's contact head), goes into the
-    module's checkpoints. Returns the names of the FAVOR+ buffers left as the module drew them.
+    module's checkpoints. Returns the names of the drawn tensors left as the module drew them.
     """
     from protein_performer.interop.loading import load_model
     from protein_performer.interop.weights import diff_state
+    from protein_performer.model.cores import drawn_keys
 
     source = load_model(path, "cpu")
     model = module.model
@@ -66,9 +64,10 @@ def init_from(module: Any, path: str | os.PathLike[str]) -> list[str]:
                 theirs,
             )
 
-    src_state = {k: v for k, v in source.model.state_dict().items() if not _is_favor_buffer(k)}
-    kept = sorted(k for k in model.state_dict() if _is_favor_buffer(k))
-    diff = diff_state(model, src_state, _is_favor_buffer)
+    source_drawn, drawn = drawn_keys(source.model), drawn_keys(model)
+    src_state = {k: v for k, v in source.model.state_dict().items() if k not in source_drawn}
+    kept = sorted(drawn)
+    diff = diff_state(model, src_state, drawn.__contains__)
     missing, unexpected = sorted(diff.missing), sorted(diff.unexpected)
     wrong = [f"{k} {theirs} -> {ours}" for k, theirs, ours in diff.mismatched]
     problems = []
@@ -89,7 +88,7 @@ def init_from(module: Any, path: str | os.PathLike[str]) -> list[str]:
         module.contact_regression = source.contact_regression
         log.info("carrying the contact regression of %s into this run's checkpoints", path)
     log.info(
-        "initialized %s tensors from %s (%s attention source; FAVOR+ buffers kept: %d)",
+        "initialized %s tensors from %s (%s attention source; drawn tensors kept: %d)",
         f"{len(src_state):,}",
         path,
         source_cfg.attention,

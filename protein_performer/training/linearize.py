@@ -33,20 +33,20 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from protein_performer.data.bundled import DEMO_TRAIN, bundled_path
 from protein_performer.errors import UserError
 from protein_performer.interop.export import export_model
 from protein_performer.interop.loading import load_model
 from protein_performer.interop.record import LoadedModel, resolve_device
 from protein_performer.io.checkpoints import safe_load, save_atomic
 from protein_performer.io.progress import progress
+from protein_performer.model.cores import model_cores, upgrade_keys
 from protein_performer.model.performer import PerformerLM
 from protein_performer.training.distill import distill_kl
 from protein_performer.training.linearize_options import LinearizeOptions
 
 log = logging.getLogger(__name__)
 
-#: The bundled demo set: what a smoke run fits on when no ``data`` is given.
-DEMO_DATA = Path(__file__).resolve().parents[2] / "data" / "demo" / "train.fasta"
 #: LoRA on the attention projections, LoLCATs' choice (r=8 on q/k/v/o).
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "out_proj")
 STATE_VERSION = 1
@@ -66,40 +66,46 @@ class LinearizeResult:
 # --------------------------------------------------------------------------------------------
 # The student: the teacher's weights with a linear core
 # --------------------------------------------------------------------------------------------
-def _core_params(model: nn.Module) -> dict[str, nn.Parameter]:
-    """The linear cores' own parameters (what the transfer fits), by parameter name."""
-    return {n: p for n, p in model.named_parameters() if ".self_attn.linear." in n}
+def _core_params(model: nn.Module, teacher: nn.Module | None = None) -> dict[str, nn.Parameter]:
+    """The attention cores' parameters (asked of the cores), by name, less those ``teacher``
+    has a value for (a position memory's, copied): what the transfer fits."""
+    ids = {id(p) for core in model_cores(model) for p in core.parameters()}
+    given = set() if teacher is None else set(teacher.state_dict())
+    return {n: p for n, p in model.named_parameters() if id(p) in ids and n not in given}
 
 
 def linear_student(teacher: PerformerLM, kernel: str, window: int) -> PerformerLM:
     """A copy of ``teacher`` (an exact-attention model) with ``kernel`` linear attention and an
-    exact ``window``: every weight shared, the new cores at their initial values."""
+    exact ``window``: every weight shared (a position memory's too: it stays around the new
+    core), the new cores' own at their initial values."""
     config = dataclasses.replace(
         teacher.config, attention="linear", kernel=kernel, local_window=window, exact_every=0
     )
     student = PerformerLM(config).to(next(teacher.parameters()).device)
     missing, unexpected = student.load_state_dict(teacher.state_dict(), strict=False)
-    own = set(_core_params(student))
+    own = set(_core_params(student, teacher))
     if unexpected or set(missing) - own - {"lm_head.weight"}:  # pragma: no cover - by design
         raise RuntimeError(f"student does not fit the teacher: {missing}, {unexpected}")
     return student
 
 
 def _teacher_from(src: str | os.PathLike[str] | LoadedModel, device: str) -> LoadedModel:
+    """The softmax teacher: exact attention (FAVOR+ weights swapped in memory), any wrapper
+    (a position memory) kept; a core that approximates no softmax is refused."""
     loaded = load_model(src, device)
-    if loaded.config.attention == "linear":
-        raise UserError(
-            f"{loaded.source} already has linear attention; linearize the softmax model it "
-            "came from"
-        )
-    if loaded.config.attention != "exact" and loaded.task is None:
-        loaded = load_model(loaded, device, attention="exact")  # FAVOR+ weights: in memory
     if loaded.task is not None:
         raise UserError(
             f"{loaded.source} is a fine-tuned model with a task head; linearize its base model"
         )
-    if loaded.config.position_memory:
-        raise UserError(f"{loaded.source}: a model with a position memory cannot be linearized")
+    attention = [core.cores()[-1] for core in model_cores(loaded.model)]
+    other = next((c for c in attention if c.softmax == "none"), None)
+    if other is not None:
+        raise UserError(
+            f"{loaded.source} uses {other.label or other.name}, which approximates no softmax; "
+            "linearize the softmax model it came from"
+        )
+    if any(c.softmax != "exact" for c in attention):
+        loaded = load_model(loaded, device, attention="exact")  # FAVOR+ weights: in memory
     for p in loaded.model.parameters():
         p.requires_grad_(False)
     return loaded
@@ -110,8 +116,10 @@ def _teacher_from(src: str | os.PathLike[str] | LoadedModel, device: str) -> Loa
 # --------------------------------------------------------------------------------------------
 def _data_paths(data: Data) -> list[str]:
     """FASTA file(s) or one store as resolved path strings (the demo set when None)."""
-    given = [data] if data is None or isinstance(data, (str, os.PathLike)) else list(data)
-    return [str(Path(d or DEMO_DATA).expanduser().resolve()) for d in given]
+    if data is None:
+        return [str(bundled_path(DEMO_TRAIN))]
+    given = [data] if isinstance(data, (str, os.PathLike)) else list(data)
+    return [str(Path(d).expanduser().resolve()) for d in given]
 
 
 def data_module(data: Data, options: LinearizeOptions, objective: str) -> Any:
@@ -154,13 +162,15 @@ def batch_stream(dm: Any, options: LinearizeOptions, start: int) -> Iterator[dic
 # --------------------------------------------------------------------------------------------
 @torch.no_grad()
 def teacher_attention(teacher: PerformerLM, batch: dict[str, Any]) -> tuple[Tensor, list]:
-    """One teacher forward: logits and, per layer, the core's (q, k, v, mask, output)."""
+    """One teacher forward: logits and, per layer, the core's (q, k, v, mask, positions,
+    output): the rotary positions a position memory reads."""
     captured: list[tuple[Tensor, ...]] = []
 
     def grab(module: nn.Module, args: tuple, kwargs: dict, out: Any) -> None:
         q, k, v = args[:3]
         mask = kwargs.get("key_padding_mask", args[3] if len(args) > 3 else None)
-        captured.append((q, k, v, mask, out[0] if isinstance(out, tuple) else out))
+        out = out[0] if isinstance(out, tuple) else out
+        captured.append((q, k, v, mask, kwargs.get("positions"), out))
 
     hooks = [
         layer.self_attn.core.register_forward_hook(grab, with_kwargs=True)
@@ -179,8 +189,8 @@ def transfer_loss(student: PerformerLM, captured: list, per_layer: bool = False)
     """Sum over layers of the MSE between the student core's output on the teacher's q, k, v
     and the teacher core's output, over real tokens (``per_layer``: the list of them)."""
     losses = []
-    for layer, (q, k, v, mask, want) in zip(student.layers, captured, strict=True):
-        got = layer.self_attn.core(q, k, v, key_padding_mask=mask)
+    for layer, (q, k, v, mask, positions, want) in zip(student.layers, captured, strict=True):
+        got = layer.self_attn.core(q, k, v, key_padding_mask=mask, positions=positions)
         got = got[0] if isinstance(got, tuple) else got
         err = (got.float() - want.float()).pow(2).mean(-1)  # (B, H, L)
         if mask is not None:
@@ -213,10 +223,11 @@ def state_path(out: str | os.PathLike[str]) -> Path:
     return out.with_name(out.name + STATE_SUFFIX)
 
 
-def _saved_state(student: nn.Module, optimizer: torch.optim.Optimizer, stage: str, step: int,
-                 key: dict[str, Any], curve: list) -> dict[str, Any]:
+def _saved_state(student: nn.Module, cores: dict[str, nn.Parameter],
+                 optimizer: torch.optim.Optimizer, stage: str, step: int, key: dict[str, Any],
+                 curve: list) -> dict[str, Any]:
     trainable = {n: p.detach().cpu() for n, p in student.named_parameters() if p.requires_grad}
-    fitted = {n: p.detach().cpu() for n, p in _core_params(student).items()}
+    fitted = {n: p.detach().cpu() for n, p in cores.items()}
     return {
         "version": STATE_VERSION, "key": key, "stage": stage, "step": step,
         "cores": fitted, "trainable": trainable, "optimizer": optimizer.state_dict(),
@@ -317,15 +328,18 @@ def fit_linear(
     student = linear_student(teacher.model, options.kernel, options.window).train()
     for p in student.parameters():
         p.requires_grad_(False)
-    cores = _core_params(student)
+    cores = _core_params(student, teacher.model)
     if saved is not None:
-        for name, value in saved["cores"].items():
+        for name, value in upgrade_keys(saved["cores"]).items():
             cores[name].data.copy_(value)
+    paths = _data_paths(data)
+    log.info("linearize: reading %s and splitting off held-out records", ", ".join(paths)
+             if data is not None else f"the bundled demo set ({paths[0]})")  # fmt: skip
     dm = data_module(data, options, teacher.config.objective)
     curve: list[dict[str, float]] = list(saved["curve"]) if saved else []
 
     def save(optimizer: torch.optim.Optimizer, stage: str, step: int) -> None:
-        save_atomic(_saved_state(student, optimizer, stage, step, key, curve), spot)
+        save_atomic(_saved_state(student, cores, optimizer, stage, step, key, curve), spot)
 
     stage = saved["stage"] if saved else "transfer"
     first = saved["step"] if saved else 0

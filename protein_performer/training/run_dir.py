@@ -150,3 +150,31 @@ def check_fresh_run_dir(run_dir: str | os.PathLike[str], overwrite: bool) -> Non
         target.parent.mkdir(parents=True, exist_ok=True)
         os.replace(path, target)
     log.warning("overwrite=true: the previous run's %s moved into %s", names, aside)
+
+
+#: What Hydra writes into a run directory before the run's own code starts.
+HYDRA_ONLY = (".hydra",)
+
+
+def remove_unused_run_dir(run_dir: str | os.PathLike[str], log_name: str) -> bool:
+    """After a launch that failed before training wrote anything, remove the run directory
+    made for it (Hydra's ``.hydra/`` and ``log_name`` log, and empty folders such as the
+    logger's ``csv/`` are all it holds), and the ``outputs/<task>/`` folders above it left
+    empty, so failed launches leave no debris. A directory holding any other file (a run's
+    checkpoints or metrics, the user's own) is kept. True when removed."""
+    import shutil
+
+    root = Path(run_dir)
+    if _rank() != 0 or not root.is_dir():  # rank 0 owns the directory
+        return False
+    for path in root.rglob("*"):
+        top = path.relative_to(root).parts[0]
+        if top not in (*HYDRA_ONLY, log_name) and not path.is_dir():
+            return False
+    shutil.rmtree(root, ignore_errors=True)
+    for parent in list(root.parents)[:2]:  # outputs/<task>/, then outputs/
+        try:
+            parent.rmdir()  # only when empty
+        except OSError:
+            break
+    return not root.exists()

@@ -374,6 +374,10 @@ def launch(entry: Entry, overrides: Sequence[str], prog: str | None = None) -> d
             outcome["result"] = entry.fn(cfg)
         except UserError as exc:
             outcome["error"] = exc
+            _forget_run_dir(cfg)
+        except BaseException:
+            _forget_run_dir(cfg)
+            raise
 
     sys.argv = [prog or f"protein-performer {entry.name}", *rest]
     try:
@@ -383,6 +387,17 @@ def launch(entry: Entry, overrides: Sequence[str], prog: str | None = None) -> d
     if "error" in outcome:
         raise outcome["error"]
     return outcome.get("result", {})
+
+
+def _forget_run_dir(cfg: DictConfig) -> None:
+    """A launch that failed before training leaves no empty ``outputs/<task>/<time>/``."""
+    from hydra.core.hydra_config import HydraConfig
+
+    from protein_performer.training.run_dir import remove_unused_run_dir
+
+    if HydraConfig.initialized():
+        runtime = HydraConfig.get().runtime
+        remove_unused_run_dir(runtime.output_dir, f"{cfg.get('task_name', '')}.log")
 
 
 def _quoted(value: str) -> str:

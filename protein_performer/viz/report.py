@@ -75,6 +75,7 @@ class ContactPanel:
     precision: dict[str, float]
     in_sample: bool
     target: str
+    structure: bool = True  # False: predictions alone (no structure given to compare with)
 
 
 @dataclass
@@ -248,7 +249,7 @@ def contact_figure(panel: ContactPanel, sequence: str, track: Track):
         ("contact missed by the top-L (false negative)", panel.fn, False, "circle-open",
          "#ff7f0e", 6),
     )  # fmt: skip
-    for name, pairs, swap, symbol, color, size in marks:
+    for name, pairs, swap, symbol, color, size in marks if panel.structure else ():
         x, y = _pairs_labels(np.asarray(pairs).reshape(-1, 2), labels, panel.size, swap)
         fig.add_trace(
             go.Scatter(
@@ -411,9 +412,17 @@ def render_html(spec: ReportSpec) -> str:
     c = spec.contacts
     if c is None:
         parts.append(
-            "<p class='note' id='no-contacts'>No structure given: predicted vs true contacts "
-            "are left out (pass a PDB/mmCIF file: <code>--structure</code> or "
-            "<code>lm.report(seq, structure=...)</code>).</p>"
+            "<p class='note' id='no-contacts'>No structure given and no contact regression: "
+            "predicted vs true contacts are left out (pass a PDB/mmCIF file: "
+            "<code>--structure</code> or <code>lm.report(seq, structure=...)</code>; fit a "
+            "regression with <code>protein-performer contacts fit</code>).</p>"
+        )
+    elif not c.structure:
+        parts.append(
+            f"<p class='note' id='predicted-only'>{esc(c.how)}: predicted contacts only. No "
+            "structure given, so nothing to compare them with (pass a PDB/mmCIF file: "
+            "<code>--structure</code> or <code>lm.report(seq, structure=...)</code>).</p>"
+            + _div(contact_figure(c, spec.sequence, spec.track), "fig-contacts")
         )
     else:
         if c.in_sample:

@@ -120,7 +120,7 @@ def _build_fn(case: dict[str, Any], device: Any) -> tuple[Callable[..., Any], in
         import os
 
         from protein_performer.model.favor import FavorAttention
-        from protein_performer.model.favor.causal import CAUSAL_IMPL_ENV
+        from protein_performer.model.favor.module import CAUSAL_IMPL_ENV
 
         if OURS[impl] is not None:  # read at every causal forward; this process is the case's
             os.environ[CAUSAL_IMPL_ENV] = OURS[impl]

@@ -101,8 +101,7 @@ def _build(impl: str, length: int, nb_features: int | None = None) -> tuple[Any,
                     return v, None
 
             for layer in model.layers:
-                attn = layer.self_attn
-                attn._modules[attn._core_name] = FreeCore()
+                layer.self_attn.core = FreeCore()
         return model, lambda t: model(t, repr_layers=[-1]).hidden_states[config.depth]
     if impl == "esm":
         import esm  # fair-esm

@@ -58,6 +58,10 @@ log = logging.getLogger("bench_train")
 EPILOG = "Method, memory definition and targets: see the module docstring."
 
 ATTENTIONS = ("favor", "exact")
+#: FAVOR+ with the position memory (issue 40), measured against plain FAVOR+ on family rows.
+MEMORY = "favor+memory"
+#: Issue 40: family-row training with the memory at >= 0.8x the steps/s of plain FAVOR+.
+MEMORY_TARGET = 0.8
 OBJECTIVES = ("mlm", "clm")
 #: Targets of issue 4: favor tokens/s over exact tokens/s at a given L (fwd+bwd+step).
 TARGETS: dict[int, float] = {4096: 2.0, 16384: 5.0}
@@ -70,8 +74,11 @@ MLM_PROB = 0.15
 # --------------------------------------------------------------------------------------------
 
 
-def synthetic_batch(objective: str, B: int, L: int, seed: int, config: Any) -> tuple[Any, Any]:
-    """Random residues of exactly L tokens (``<cls>`` residues ``<eos>``) and their targets.
+def synthetic_batch(
+    objective: str, B: int, L: int, seed: int, config: Any, member_len: int = 0
+) -> tuple[Any, Any]:
+    """Random residues of exactly L tokens (``<cls>`` residues ``<eos>``) and their targets;
+    with ``member_len``, family rows: a ``<cls>`` every member_len tokens, an ``<eos>`` before.
 
     Why not real data: the comparison is about attention cost at a given L, so every row must be
     exactly L long (no padding, no crop variation) and no data loader may sit in the loop.
@@ -86,6 +93,9 @@ def synthetic_batch(objective: str, B: int, L: int, seed: int, config: Any) -> t
     tokens = torch.randint(int(first), int(first) + len(STANDARD_AA), (B, L), generator=gen)
     tokens[:, 0] = config.cls_idx
     tokens[:, -1] = config.eos_idx
+    if member_len:
+        tokens[:, member_len::member_len] = config.cls_idx
+        tokens[:, member_len - 1 :: member_len] = config.eos_idx
     targets = torch.full_like(tokens, IGNORE_INDEX)
     if objective == "mlm":
         selected = torch.rand(B, L, generator=gen) < MLM_PROB
@@ -108,37 +118,51 @@ def run_case(case: dict[str, Any]) -> None:
     if case.get("threads"):
         torch.set_num_threads(int(case["threads"]))
     device = torch.device(case["device"])
-    torch.manual_seed(case["seed"])
-    config = PerformerConfig(
-        dim=case["dim"],
-        depth=case["depth"],
-        heads=case["heads"],
-        ff_dim=case["ff_dim"],
-        nb_features=case["m"],
-        objective=case["objective"],
-        attention=case["attention"],
-        kernel=case["kernel"],
-        feature_redraw_interval=0,
-    ).validate()
-    model = PerformerLM(config).to(device).train()
-    optimizer = torch.optim.AdamW(model.param_groups(0.01), lr=1e-4, betas=(0.9, 0.98))
     B, L = case["B"], case["L"]
-    tokens, targets = synthetic_batch(case["objective"], B, L, case["seed"], config)
-    tokens, targets = tokens.to(device), targets.to(device)
     bf16 = case["precision"] == "bf16-mixed"
     losses: list[float] = []
 
-    def step() -> None:
-        optimizer.zero_grad(set_to_none=True)
-        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
-            logits = model(tokens).logits
-        # float32 loss under autocast, as the LightningModule does.
-        loss = F.cross_entropy(
-            logits.float().flatten(0, 1), targets.flatten(), ignore_index=IGNORE_INDEX
+    def side(attention: str) -> Any:
+        """One model, its optimizer and batch: the function that runs one optimizer step."""
+        torch.manual_seed(case["seed"])
+        config = PerformerConfig(
+            dim=case["dim"],
+            depth=case["depth"],
+            heads=case["heads"],
+            ff_dim=case["ff_dim"],
+            nb_features=case["m"],
+            objective=case["objective"],
+            attention="favor" if attention == MEMORY else attention,
+            kernel=case["kernel"],
+            feature_redraw_interval=0,
+            position_memory=case["memory_positions"] if attention == MEMORY else 0,
+        ).validate()
+        model = PerformerLM(config).to(device).train()
+        optimizer = torch.optim.AdamW(model.param_groups(0.01), lr=1e-4, betas=(0.9, 0.98))
+        tokens, targets = synthetic_batch(
+            case["objective"], B, L, case["seed"], config, case.get("member_len", 0)
         )
-        loss.backward()
-        optimizer.step()
-        losses.append(float(loss.detach()))  # .item() also syncs CUDA: the step is complete
+        tokens, targets = tokens.to(device), targets.to(device)
+
+        def step() -> float:
+            t0 = time.perf_counter()
+            optimizer.zero_grad(set_to_none=True)
+            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
+                logits = model(tokens).logits
+            # float32 loss under autocast, as the LightningModule does.
+            loss = F.cross_entropy(
+                logits.float().flatten(0, 1), targets.flatten(), ignore_index=IGNORE_INDEX
+            )
+            loss.backward()
+            optimizer.step()
+            losses.append(float(loss.detach()))  # .item() also syncs CUDA: the step is complete
+            return time.perf_counter() - t0
+
+        return step
+
+    step = side(case["attention"])
+    # --paired: plain FAVOR+ in the same process, its steps alternating with the memory's
+    twin = side("favor") if case.get("paired") and case["attention"] == MEMORY else None
 
     limit = int(case["mem_limit_gib"] * 2**30) if case.get("mem_limit_gib") else None
     cuda = device.type == "cuda"
@@ -148,12 +172,20 @@ def run_case(case: dict[str, Any]) -> None:
             t0 = time.perf_counter()
             for _ in range(case["warmup"]):
                 step()
+                if twin is not None:
+                    twin()
             log.debug("warmup %.2fs", time.perf_counter() - t0)
             times: list[float] = []
+            shares: list[float] = []  # per pair: the twin's step time over this one's
             while len(times) < case["steps"] and (not times or sum(times) < case["budget_s"]):
-                t0 = time.perf_counter()
-                step()
-                times.append(time.perf_counter() - t0)
+                if twin is None:
+                    times.append(step())
+                else:  # alternate which goes first, so a drifting load hits both alike
+                    first, second = (step, twin) if len(times) % 2 == 0 else (twin, step)
+                    a, b = first(), second()
+                    mine, theirs = (a, b) if first is step else (b, a)
+                    times.append(mine)
+                    shares.append(theirs / mine)
                 median = statistics.median(times)
                 common.emit(
                     {
@@ -165,6 +197,7 @@ def run_case(case: dict[str, Any]) -> None:
                         "peak_mem_mib": peak_bytes() / 2**20,
                         "final_loss": losses[-1],
                         "note": "" if math.isfinite(losses[-1]) else "non-finite loss",
+                        "paired_speed": statistics.median(shares) if shares else math.nan,
                     }
                 )
         except torch.OutOfMemoryError as exc:
@@ -201,6 +234,7 @@ class Row:
     peak_mem_mib: float = math.nan
     mem_kind: str = ""
     final_loss: float = math.nan
+    paired_speed: float = math.nan
     note: str = ""
 
 
@@ -235,7 +269,7 @@ def run_all(args: argparse.Namespace) -> list[Row]:
                 base = {
                     "objective": objective,
                     "attention": attention,
-                    "kernel": args.kernel if attention == "favor" else "-",
+                    "kernel": args.kernel if attention != "exact" else "-",
                     "L": L,
                     "B": B,
                     "tokens_per_batch": B * L,
@@ -260,6 +294,9 @@ def run_all(args: argparse.Namespace) -> list[Row]:
                     "steps": args.steps,
                     "budget_s": args.budget_s,
                     "mem_limit_gib": mem_limit,
+                    "member_len": args.member_len,
+                    "paired": args.paired,
+                    "memory_positions": args.memory_positions,
                 }
                 t0 = time.perf_counter()
                 result, note = _spawn(case, args.timeout)
@@ -274,6 +311,7 @@ def run_all(args: argparse.Namespace) -> list[Row]:
                         peak_mem_mib=result["peak_mem_mib"],
                         mem_kind="cuda_alloc_delta" if args.device == "cuda" else "rss_delta",
                         final_loss=result["final_loss"],
+                        paired_speed=result.get("paired_speed", math.nan),
                         note="; ".join(x for x in (result.get("note", ""), note) if x),
                     )
                 else:
@@ -316,6 +354,12 @@ def ratios(rows: list[Row]) -> list[dict[str, Any]]:
     out = []
     for objective, L in sorted({(r.objective, r.L) for r in rows}):
         fav, ex = _find(rows, objective, "favor", L), _find(rows, objective, "exact", L)
+        mem_row = _find(rows, objective, MEMORY, L)
+        memory = math.nan
+        if mem_row is not None and not math.isnan(mem_row.paired_speed):
+            memory = mem_row.paired_speed
+        elif mem_row is not None and fav is not None:
+            memory = mem_row.tokens_per_s / fav.tokens_per_s
         speed = fav.tokens_per_s / ex.tokens_per_s if fav and ex else math.nan
         mem = (
             ex.peak_mem_mib / fav.peak_mem_mib if fav and ex and fav.peak_mem_mib > 0 else math.nan
@@ -337,6 +381,10 @@ def ratios(rows: list[Row]) -> list[dict[str, Any]]:
                 "mem_ratio": mem,
                 "target": f">= {target:g}x" if target else "-",
                 "verdict": verdict,
+                "memory_ratio": memory,
+                "memory_verdict": "-" if math.isnan(memory) else common.verdict(
+                    memory >= MEMORY_TARGET
+                ),
             }
         )
     return out
@@ -366,6 +414,17 @@ def format_tables(rows: list[Row], header: str) -> str:
             f"| {x['objective']} | {x['L']} | {x['favor_tok_s']:.0f} | {x['exact_tok_s']:.0f} "
             f"| {x['speed_ratio']:.2f} | {x['mem_ratio']:.2f} | {x['target']} | {x['verdict']} |"
         )
+    if any(not math.isnan(x["memory_ratio"]) for x in ratios(rows)):
+        lines += [
+            "",
+            f"| objective | L | {MEMORY} / favor speed | target | verdict |",
+            "|---|---:|---:|---|---|",
+        ]
+        for x in ratios(rows):
+            lines.append(
+                f"| {x['objective']} | {x['L']} | {x['memory_ratio']:.2f} "
+                f"| >= {MEMORY_TARGET:g}x | {x['memory_verdict']} |"
+            )
     return "\n".join(lines)
 
 
@@ -378,7 +437,28 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--tokens", type=int, default=16384, help="tokens per batch (B = tokens // L, >= 1)"
     )
     p.add_argument("--objectives", default=",".join(OBJECTIVES), help="comma list: mlm,clm")
-    p.add_argument("--attentions", default=",".join(ATTENTIONS), help="comma list: favor,exact")
+    p.add_argument(
+        "--attentions",
+        default=",".join(ATTENTIONS),
+        help=f"comma list: favor,exact,{MEMORY} (FAVOR+ with the position memory)",
+    )
+    p.add_argument(
+        "--paired",
+        action="store_true",
+        help=f"{MEMORY}: time plain FAVOR+ in the same process, steps alternating",
+    )
+    p.add_argument(
+        "--member-len",
+        type=int,
+        default=0,
+        help="family rows: a member every N tokens (0: one protein a row)",
+    )
+    p.add_argument(
+        "--memory-positions",
+        type=int,
+        default=1024,
+        help=f"{MEMORY}: the memory's position_memory (member positions it holds)",
+    )
     p.add_argument("--depth", type=int, default=6)
     p.add_argument("--dim", type=int, default=320)
     p.add_argument("--heads", type=int, default=20)

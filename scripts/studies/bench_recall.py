@@ -40,8 +40,8 @@ REPO = Path(__file__).resolve().parents[2]
 CORPUS = REPO.parent / "shared" / "data" / "sequences" / "swissprot_opal_train.fasta"
 AMINO = "ACDEFGHIKLMNPQRSTVWY"
 
-#: name -> model overrides. The causal experiments have the position memory on by default, so
-#: every other design turns it off; the memory holds the longest member (max_len).
+#: name -> model overrides. Family-row runs have the position memory on by default (data.max_len
+#: positions), so every other design turns it off; the memory designs hold 512 (issue 30's runs).
 OFF = "model.config.position_memory=0"
 DESIGNS: dict[str, list[str]] = {
     "exact": ["model.config.attention=exact", OFF],

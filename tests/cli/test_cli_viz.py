@@ -124,7 +124,7 @@ def test_visualize_sequence_and_structure(model_dir, tmp_path: Path, capsys) -> 
     argv = ["visualize", str(model_dir), "--sequence", SEQ, "--out-dir", str(out)]
     assert main([*argv, "--device", "cpu", "--window", "10", "60", "--layers", "-1"]) == 0
     printed = capsys.readouterr().out
-    assert "grid:" in printed and "similarity:" in printed
+    assert f"wrote {out}: 2 figure(s): attention_grid.png, aa_similarity.png" in printed
     assert_png(out / "attention_grid.png")
     assert_png(out / "aa_similarity.png")
     assert not (out / "contacts.png").exists()
@@ -138,7 +138,7 @@ def test_visualize_sequence_and_structure(model_dir, tmp_path: Path, capsys) -> 
     base += ["--no-similarity", "--heads", "1", "--out-dir", str(w), "--overwrite"]
     assert main([*base[:2], str(fasta), *base[2:], "--record", "tiny"]) == 0
     printed = capsys.readouterr().out  # the record, with the structure aligned onto it (gap 7-9)
-    assert "grid:" in printed and "contacts:" in printed and "similarity:" not in printed
+    assert f"wrote {w}: 2 figure(s): attention_grid.png, contacts.png" in printed
     assert_png(w / "contacts.png")
     # a record the structure does not belong to: a clear error
     assert main([*base[:2], str(fasta), *base[2:], "--record", "first"]) == 2

@@ -230,7 +230,15 @@ def test_homologs_command_retrieves_the_family(
     hits = _records(out)
     by_id = {h.split()[0]: (h, s) for h, s in _records(db)}
     assert {h.split()[0] for h, _ in hits} == siblings
-    assert all(by_id[h.split()[0]] == (h, s) for h, s in hits)  # headers and sequences as given
+    for h, s in hits:  # the record's own header and sequence, then the query and alignment
+        own, seq = by_id[h.split()[0]]
+        assert s == seq and h.startswith(f"{own} query=tr|F05M0|F05M0_TEST fident=")
+    # Given back as context, each hit is placed on the query by its aligned ranges.
+    from protein_performer.data.inputs import read_homologs
+
+    for m in read_homologs(out)[1]:
+        placed = m.coordinates[m.coordinates >= 0]
+        assert len(placed) > 0.8 * len(m.sequence) and np.all(np.diff(placed) >= 0)
 
     store = tmp_path / "store"
     preprocess([db], store, progress=False)
@@ -243,6 +251,47 @@ def test_homologs_command_retrieves_the_family(
     # Existing output: refused without --overwrite, before any search.
     assert main([*argv, "--threads", "1"]) == 2
     assert "already exists" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+@needs_mmseqs
+def test_homologs_groups_hits_by_query_with_their_alignments(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Issue 45 #12: several queries in one call, each one's hits under it (a record found by
+    two queries is under both), identity, E-value, coverage and aligned ranges in each header
+    and in --tsv, the same numbers."""
+    import csv
+
+    db = tmp_path / "db.fasta"
+    family = _family_fasta(db)
+    records = dict(_records(db))
+    wanted = ["tr|F07M1|F07M1_TEST", "tr|F05M0|F05M0_TEST", "tr|F05M1|F05M1_TEST"]
+    query = tmp_path / "queries.fasta"
+    by_id = {h.split()[0]: (h, s) for h, s in records.items()}
+    query.write_text("".join(f">{by_id[q][0]}\n{by_id[q][1]}\n" for q in wanted))
+    out, tsv = tmp_path / "hits.fasta", tmp_path / "hits.tsv"
+    argv = ["homologs", str(query), str(db), str(out), "--tsv", str(tsv), "--threads", "1"]
+    assert main(argv) == 0
+    assert "wrote 6 homolog(s) of 3 query(ies)" in capsys.readouterr().err
+    hits = _records(out)
+    fields = [dict(w.split("=", 1) for w in h.split() if "=" in w and w[0].islower())
+              for h, _ in hits]  # fmt: skip
+    assert [f["query"] for f in fields] == [q for q in wanted for _ in range(2)]  # query order
+    for (h, _), f in zip(hits, fields, strict=True):
+        assert family[h.split()[0]] == family[f["query"]] and h.split()[0] != f["query"]
+        assert 0.8 <= float(f["fident"]) <= 1 and float(f["evalue"]) < 1e-10
+        assert 1 <= int(f["qstart"]) <= int(f["qend"]) <= int(f["qlen"])
+        assert 1 <= int(f["tstart"]) <= int(f["tend"]) <= int(f["tlen"])
+    for k in range(0, len(fields), 2):  # best first within a query
+        assert float(fields[k]["evalue"]) <= float(fields[k + 1]["evalue"])
+    with open(tsv, newline="") as fh:
+        rows = list(csv.DictReader(fh, delimiter="\t"))
+    assert [r["target"] for r in rows] == [h.split()[0] for h, _ in hits]
+    for r, f in zip(rows, fields, strict=True):
+        assert all(r[k] == f[k] for k in ("query", "fident", "evalue", "qcov", "qstart", "tend"))
+    found = [h.split()[0] for h, _ in hits]
+    assert found.count("tr|F05M2|F05M2_TEST") == 2  # a hit of two queries is under both
 
 
 def test_homologs_never_writes_over_an_input(
@@ -258,6 +307,21 @@ def test_homologs_never_writes_over_an_input(
     assert db.read_bytes() == before
     assert main(["homologs", str(query), str(db)]) == 2
     assert capsys.readouterr().err.startswith("error: no output given")
+
+
+def test_homologs_tsv_is_a_file_of_its_own(tmp_path: Path, capsys) -> None:
+    """--tsv names its own output: not the FASTA, not standard output, never an input; all
+    refused before any search."""
+    db = tmp_path / "db.fasta"
+    _family_fasta(db)
+    query = _query(tmp_path, db, "tr|F01M0|F01M0_TEST")
+    out = tmp_path / "h.fasta"
+    for tsv, said in ((out, "a file of its own"), ("-", "a file of its own"),
+                      (db, "never replaces an input")):  # fmt: skip
+        assert main(["homologs", str(query), str(db), str(out), "--tsv", str(tsv)]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith("error: ") and said in err[0]
+    assert not out.exists()
 
 
 def test_homologs_without_mmseqs_is_one_error_line(tmp_path: Path) -> None:

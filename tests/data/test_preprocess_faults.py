@@ -100,3 +100,37 @@ def test_second_run_into_the_same_out_gets_one_line(tmp_path, capsys) -> None:
     assert main(["preprocess", str(DEMO), "--out", str(out), "--no-progress"]) == 0
     assert main(["preprocess", str(DEMO), "--out", str(out), "--no-progress"]) == 2
     assert "already exists" in capsys.readouterr().err
+
+
+SLOW_CLI = """
+import sys
+import protein_performer.data.preprocess as pre
+run = pre.preprocess  # many small ranges: the run lasts long enough to be stopped inside
+pre.preprocess = lambda *args, **kwargs: run(*args, _range_bytes=4096, **kwargs)
+from protein_performer.cli.main import main
+sys.exit(main(["preprocess", *[sys.argv[1]] * 6, "--out", sys.argv[2], "--workers", "2",
+               "--no-progress", "--on-invalid", "skip"]))
+"""
+
+
+def test_sigterm_stops_preprocess_like_ctrl_c(tmp_path) -> None:
+    """Issue 42 item 20: SIGTERM to the command (not only kill) ends its workers, removes its
+    temporary store and lock, and exits 143 with one line."""
+    out = tmp_path / "store"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+    proc = subprocess.Popen([sys.executable, "-c", SLOW_CLI, str(DEMO), str(out)], env=env,
+                            stderr=subprocess.PIPE, text=True)  # fmt: skip
+    deadline = time.monotonic() + 60
+    workers: list[int] = []
+    while time.monotonic() < deadline and len(workers) < 2:
+        time.sleep(0.1)
+        workers = [p for p in _children(proc.pid) if "spawn" in _cmdline(p)]
+    assert len(workers) >= 2, "the workers never started"
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=30)
+    assert proc.returncode == 143 and err.strip().splitlines()[-1] == "stopped by SIGTERM", err
+    end = time.monotonic() + 10
+    while time.monotonic() < end and any(_alive(p) for p in workers):
+        time.sleep(0.2)
+    assert not any(_alive(p) for p in workers), "orphaned workers outlived the run"
+    assert list(tmp_path.iterdir()) == []  # no store, no temporary store, no lock

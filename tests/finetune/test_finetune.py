@@ -401,6 +401,8 @@ def test_cli_finetune_residue_frozen_and_errors(base: Path, tmp_path: Path, caps
     assert main(args) == 0
     printed = capsys.readouterr().out
     assert "val/acc=" in printed and "val/f1=" in printed and "last checkpoint:" in printed
+    wrote = [x for x in printed.splitlines() if x.startswith("wrote ")]  # issue 45 #6
+    assert len(wrote) == 1 and str(tmp_path / "o") in wrote[0] and "checkpoint(s)" in wrote[0]
     # hydra.run.dir places the run as it places train's: log and composed config beside it.
     assert (tmp_path / "o" / ".hydra" / "config.yaml").is_file()
     assert (tmp_path / "o" / "finetune.log").is_file()

@@ -144,9 +144,10 @@ def test_iter_embed_streams_window_by_window(models) -> None:
 
 def test_bad_sequences_name_their_index(models) -> None:
     lm = pp.load(models["mlm"], device="cpu")
-    with pytest.raises(pp.UserError, match=r"sequence 1 \(1\): invalid residue 'J' at position 3"):
+    bad = r"sequence 1 \(0-based index in the list\): invalid residue 'J' at position 3"
+    with pytest.raises(pp.UserError, match=bad):  # issue 45 #8: not "sequence 1 (1)"
         lm.embed(["MKT", "MKJ"])
-    with pytest.raises(pp.UserError, match=r"sequence 0 \(x\) is empty"):
+    with pytest.raises(pp.UserError, match=r"sequence 0 \(id x\) is empty"):
         lm.score([("x", "  ")])
     with pytest.raises(pp.UserError, match="pooling"):
         lm.embed(["MKT"], pooling="max")
@@ -205,9 +206,9 @@ def test_half_precision_is_close_to_fp32(models, precision: str) -> None:
     full = pp.load(models["mlm"], device="cpu")
     half = pp.load(models["mlm"], device="cpu", dtype=precision)
     assert half.dtype == {"bf16": torch.bfloat16, "fp16": torch.float16}[precision]
-    omegas = [layer.self_attn.favor.omega for layer in half.model.layers]
+    omegas = [layer.self_attn.core.omega for layer in half.model.layers]
     assert all(o.dtype == torch.float32 for o in omegas)  # the random features stay as drawn
-    assert torch.equal(omegas[0], full.model.layers[0].self_attn.favor.omega)
+    assert torch.equal(omegas[0], full.model.layers[0].self_attn.core.omega)
     a, b = full.embed(SEQS, pooling=None), half.embed(SEQS, pooling=None)
     for x, y in zip(a, b, strict=True):
         assert y.dtype == np.float32

@@ -31,12 +31,13 @@ VARIANTS = [(a, k) for a in ("favor", "exact") for k in (KERNELS if a == "favor"
 
 
 #: The newer cores, through the same model calls: linear attention (alone and with its exact
-#: window) and the position memory.
+#: window) and the position memory (which needs member positions: a config says so).
 CORES = {
     "linear": {"attention": "linear", "kernel": "taylor"},
     "window": {"attention": "linear", "kernel": "taylor", "local_window": 4},
     "memory": {"attention": "favor", "position_memory": 64},
 }
+NEEDS_MEMBER = {"memory"}
 
 
 def tiny_lm(
@@ -111,6 +112,10 @@ def test_linear_and_memory_contexts_continue_the_row(name, positions):
     """``lm.context`` with the linear cores and with the position memory: scores after it equal
     the concatenated forward, and so do the log-probs of sequences generated after it (each
     token a step from the context's states: step == forward); the context is never written."""
+    if name in NEEDS_MEMBER and positions != "member":
+        with pytest.raises(UserError, match="needs positions=member"):
+            tiny_lm(positions=positions, **CORES[name])
+        return
     lm = tiny_lm(positions=positions, **CORES[name])
     ctx = lm.context(FAMILY)
     before = [t.clone() for t in state_tensors(ctx.states)]
@@ -195,6 +200,11 @@ def test_favor_context_bytes_do_not_grow_with_the_context():
     assert small.nbytes == large.nbytes > 0
     exact = tiny_lm("exact")
     assert exact.context(family(1000)).nbytes > small.nbytes  # a KV cache grows instead
+    # what a candidate token reads: nothing of a fixed-size state, the whole context as soon
+    # as one layer keeps a KV cache (a hybrid stack's exact layers: issue 40)
+    assert small.attended_tokens == 0
+    assert exact.context(family(1000)).attended_tokens == 1000
+    assert tiny_lm("favor", exact_every=2).context(family(1000)).attended_tokens == 1000
 
 
 def test_max_tokens_drops_whole_members_and_reports(caplog):
@@ -202,7 +212,7 @@ def test_max_tokens_drops_whole_members_and_reports(caplog):
     with caplog.at_level("WARNING"):
         ctx = lm.context(FAMILY, max_tokens=60)
     assert ctx.members == ("h1", "h2") and ctx.dropped == ("h3",) and ctx.n_tokens == 24 + 27
-    assert "1 of 3 homolog(s) left out" in caplog.text
+    assert "read 2 of 3 homolog(s) (51 tokens): the other 1 would pass 60 tokens" in caplog.text
     with pytest.raises(UserError, match="smaller than the first homolog"):
         lm.context(FAMILY, max_tokens=10)
 
@@ -278,7 +288,7 @@ def test_cli_context_flags(tmp_path, capsys):
     out = tmp_path / "s.csv"
     argv = ["score", str(ckpt), str(cands), str(out), "--context", str(homologs), "--no-progress"]
     assert main([*argv, "--device", "cpu"]) == 0
-    assert "context: 3 homolog(s)" in capsys.readouterr().err
+    assert "read 3 of 3 homolog(s)" in capsys.readouterr().err
     with open(out, newline="") as fh:
         got = [float(r["mean_log_likelihood"]) for r in csv.DictReader(fh)]
     ctx = lm.context(str(homologs))
@@ -301,7 +311,7 @@ def test_cli_context_flags(tmp_path, capsys):
     g = tmp_path / "g.fasta"
     argv = ["generate", str(ckpt), str(g), "--num", "2", "--max-length", "12"]
     assert main([*argv, "--context", str(homologs), "--max-context-tokens", "30"]) == 0
-    assert "1 homolog(s), 24 tokens" in capsys.readouterr().err  # h1 only: 22 aa + 2
+    assert "read 1 of 3 homolog(s) (24 tokens)" in capsys.readouterr().err  # h1: 22 aa + 2
     assert g.read_text().count(">") == 2
 
     capsys.readouterr()
@@ -342,6 +352,42 @@ def test_an_unbounded_context_says_what_it_reads_and_shows_progress(
     assert "context" in err and f"{tokens}" in err, err
 
 
+def test_a_context_for_a_model_never_trained_on_family_rows_warns_once(caplog) -> None:
+    """Issue 45 #4: the demo causal model (single rows, no context_tokens recorded) gets one
+    warning that its checkpoint records no family-row training; a family-trained one none."""
+    lm = tiny_lm()
+    with caplog.at_level("WARNING"):
+        lm.context(FAMILY)
+        lm.context(FAMILY, orders=1)
+    said = [r.getMessage() for r in caplog.records if "family rows" in r.getMessage()]
+    assert len(said) == 1 and "records no training on family rows" in said[0], said
+    caplog.clear()
+    trained = tiny_lm(context_tokens=4096)
+    with caplog.at_level("WARNING"):
+        trained.context(FAMILY)
+    assert "family rows" not in caplog.text
+
+
+def test_cli_says_what_the_context_read_once(tmp_path, capsys, caplog) -> None:
+    """Issue 45 #4: homologs past the trained row length are reported once, with the limit's
+    origin and the flag that reads more (not a warning and a second line)."""
+    from protein_performer.cli.main import main
+    from protein_performer.interop.export import export_model
+
+    ckpt = export_model(tiny_lm(context_tokens=60).loaded, tmp_path / "clm")
+    homologs = tmp_path / "homologs.fasta"
+    homologs.write_text("".join(f">{i}\n{s}\n" for i, s in FAMILY))
+    cands = tmp_path / "cands.fasta"
+    cands.write_text(f">c\n{CANDIDATES[0]}\n")
+    with caplog.at_level("INFO"):
+        assert main(["score", str(ckpt), str(cands), str(tmp_path / "s.csv"), "--context",
+                     str(homologs), "--no-progress"]) == 0  # fmt: skip
+    said = capsys.readouterr().err + caplog.text
+    assert said.count("of 3 homolog(s)") == 1 and "left out" not in said, said
+    assert "the other 1 would pass 60 tokens, the row length this model was trained on; " \
+        "--max-context-tokens N reads more" in said
+
+
 def test_a_string_is_a_path_never_a_guessed_sequence(tmp_path, monkeypatch):
     """Issue 42 item 9: a missing file named without a dot or separator is an error, not a
     1-member family; ``-`` reads standard input; sequences come as a list."""
@@ -356,3 +402,25 @@ def test_a_string_is_a_path_never_a_guessed_sequence(tmp_path, monkeypatch):
     from_stdin = lm.context("-")
     assert from_stdin.members == lm.context(FAMILY).members
     assert len(lm.context(["MKTAYIAK"]).members) == 1
+
+
+def test_a_context_serves_only_a_model_with_the_same_cores():
+    """Asked of the cores, not the attention's name: a memory model's context (its states hold
+    the memory) is refused by a plain FAVOR+ model in one line (issue 40)."""
+    memory = tiny_lm(positions="member", position_memory=64)
+    plain = tiny_lm(positions="member")
+    ctx = memory.context(FAMILY)
+    assert ctx.cores == ("memory+favor",) * 2
+    with pytest.raises(UserError, match="memory\\+favor attention, this model's is favor"):
+        plain.score(CANDIDATES, context=ctx)
+
+
+def test_context_and_fasta_cannot_both_read_standard_input():
+    """Issue 42 item 9: `--context -` with FASTA `-` is one line, not a second read of stdin."""
+    import argparse
+
+    from protein_performer.cli._common import load_context
+
+    args = argparse.Namespace(context="-", fasta="-", max_context_tokens=None)
+    with pytest.raises(UserError, match="would both read standard input"):
+        load_context(tiny_lm(), args)

@@ -78,8 +78,8 @@ def test_ensemble_score_is_the_mean_of_its_prompts_scored_one_by_one(lm: Protein
     seqs = [WT, WT[:25]]
     each = [lm.score(seqs, context=p.context) for p in ens.prompts]
     np.testing.assert_allclose(lm.score(seqs, context=ens), np.mean(each, axis=0), atol=1e-12)
-    with pytest.raises(UserError, match="one context"):
-        lm.generate(n=1, context=ens)
+    # generate spreads its sequences over the prompts in turn (issue 45: ensemble flags)
+    assert len(lm.generate(n=2, max_length=10, context=ens)) == 2
 
 
 def test_same_options_give_the_same_bytes(tmp_path: Path, capsys) -> None:

@@ -26,7 +26,7 @@ VARIANTS = [("favor", k, {}) for k in KERNELS] + [
     ("exact", "softmax", {}),
     ("linear", "taylor", {}),
     ("linear", "taylor", {"local_window": 4}),
-    ("favor", "softmax", {"position_memory": 64}),
+    ("favor", "softmax", {"position_memory": 64, "positions": "member"}),
 ]
 
 
@@ -36,7 +36,7 @@ def causal_lm(
     loaded = tiny_loaded("clm", seed=seed, attention=attention, kernel=kernel, **extra)
     if kernel == "softmax_opt":  # a trained model has a non-zero statistic: exercise it
         for layer in loaded.model.layers:
-            layer.self_attn.favor.oprf_rho.fill_(0.4)
+            layer.self_attn.core.oprf_rho.fill_(0.4)
     return ProteinLM(loaded)
 
 
@@ -276,7 +276,7 @@ def test_the_compile_switch_falls_back_in_one_line(monkeypatch, caplog) -> None:
         assert [g.sequence for g in switched] == [g.sequence for g in plain]
         notes = [r.getMessage() for r in caplog.records if "COMPILE_STEP" in r.getMessage()]
         assert len(notes) == 1 and "\n" not in notes[0]
-        assert ("no C++ compiler" if attention == "favor" else "ExactAttention") in notes[0]
+        assert ("no C++ compiler" if attention == "favor" else "exact attention") in notes[0]
 
 
 def test_the_traced_step_is_the_default_and_compiled_where_it_pays(monkeypatch, caplog) -> None:

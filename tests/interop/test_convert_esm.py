@@ -182,7 +182,7 @@ def test_favor_swap_close_and_reproducible(tmp_path):
     # Same seed -> bit-identical export; another seed -> other features.
     _convert(src, tmp_path / "favor2", attention="favor", nb_features=256, seed=3)
     _convert(src, tmp_path / "favor3", attention="favor", nb_features=256, seed=4)
-    omega = "layers.0.self_attn.favor.omega"
+    omega = "layers.0.self_attn.core.omega"
     sd = [load_model(tmp_path / d, "cpu").model.state_dict()[omega] for d in ("favor", "favor2")]
     assert torch.equal(sd[0], sd[1])
     other = load_model(tmp_path / "favor3", "cpu").model.state_dict()[omega]
@@ -309,14 +309,14 @@ def test_init_from_converted_weights(fair, tmp_path):
     _convert(src, tmp_path / "exact")
     shape = dict(dim=64, depth=2, heads=4, ff_dim=256, token_dropout=True)
     module = ProteinLMModule({**shape, "attention": "favor", "nb_features": 16})
-    omega = module.model.layers[0].self_attn.favor.omega.clone()
+    omega = module.model.layers[0].self_attn.core.omega.clone()
     kept = init_from(module, tmp_path / "exact")
-    assert kept == [f"layers.{i}.self_attn.favor.omega" for i in range(2)]
+    assert kept == [f"layers.{i}.self_attn.core.omega" for i in range(2)]
     source = load_model(tmp_path / "exact", "cpu").model.state_dict()
     for name, value in module.model.state_dict().items():
-        if "favor" not in name:
+        if name not in kept:
             assert torch.equal(value, source[name]), name
-    assert torch.equal(module.model.layers[0].self_attn.favor.omega, omega)
+    assert torch.equal(module.model.layers[0].self_attn.core.omega, omega)
 
     wrong = ProteinLMModule({**shape, "dim": 32, "ff_dim": 128})
     with pytest.raises(UserError, match="do not fit model.config"):

@@ -75,11 +75,11 @@ def test_checkpoint_rebuilds_the_trained_model_exactly(trained) -> None:
     assert loaded.kind == "lightning" and not loaded.model.training
     assert loaded.config.to_dict() == module.performer_config.to_dict()
     assert torch.equal(_logits(loaded.model), _logits(module.model))
-    omega = loaded.model.layers[0].self_attn.favor.omega
-    assert torch.equal(omega, module.model.layers[0].self_attn.favor.omega)
+    omega = loaded.model.layers[0].self_attn.core.omega
+    assert torch.equal(omega, module.model.layers[0].self_attn.core.omega)
     # The features were redrawn during training: a freshly built model would differ.
     fresh = type(loaded.model)(loaded.config)
-    assert not torch.equal(fresh.layers[0].self_attn.favor.omega, omega)
+    assert not torch.equal(fresh.layers[0].self_attn.core.omega, omega)
 
 
 def test_export_round_trip_gives_identical_logits(trained, tmp_path: Path) -> None:
@@ -105,7 +105,7 @@ def test_export_round_trip_gives_identical_logits(trained, tmp_path: Path) -> No
 
 
 def _omega(loaded) -> torch.Tensor:
-    return loaded.model.layers[0].self_attn.favor.omega
+    return loaded.model.layers[0].self_attn.core.omega
 
 
 def test_attention_options_swap_the_core_and_nothing_else(trained) -> None:

@@ -324,3 +324,21 @@ def test_a_forked_worker_never_holds_its_parents_lock(tmp_path: Path) -> None:
     finally:
         with contextlib.suppress(ProcessLookupError):
             os.kill(child, 9)
+
+
+def test_a_lock_file_that_cannot_be_opened_is_one_line(tmp_path: Path, monkeypatch) -> None:
+    """Another user's lock file (EACCES; injected, the suite may run as root) is a UserError
+    naming it, not a traceback."""
+    real_open = os.open
+
+    def denied(path, flags, *args):  # noqa: ANN001, ANN202
+        if str(path).endswith(".o.h5.lock"):
+            raise PermissionError(errno.EACCES, "Permission denied", str(path))
+        return real_open(path, flags, *args)
+
+    monkeypatch.setattr(atomic.os, "open", denied)
+    with (
+        pytest.raises(UserError, match=r"cannot open the lock file .*\.o\.h5\.lock"),
+        atomic.exclusive_lock(tmp_path / "o.h5", "x"),
+    ):
+        pass

@@ -136,3 +136,19 @@ def test_bad_arguments_are_user_errors(fasta: Path, tmp_path: Path) -> None:
     with pytest.raises(UserError, match="does not exist"):
         embed_fasta(ProteinLM(loaded), fasta, tmp_path / "no" / "o.h5", progress=False)
     assert not (tmp_path / "o.h5").exists()
+
+
+def test_read_embeddings_finds_records_by_accession_and_entry_name(fasta, tmp_path) -> None:
+    """Issue 45 #9: ``ids=["Q197F8"]`` finds ``sp|Q197F8|002R_IIV3``, as ``visualize --record``
+    does (one matcher, ``data.headers.IdLookup``); an exact id still wins."""
+    out = tmp_path / "emb.h5"
+    embed_fasta(ProteinLM(tiny_loaded()), fasta, out, repr_layers=[-1],
+                include=["mean", "per_tok"], progress=False)  # fmt: skip
+    ids, every = read_embeddings(out)
+    ids, mean = read_embeddings(out, ids=["short", "P12345", "ABC_HUMAN"])
+    assert ids == ["short", "sp|P12345|ABC_HUMAN", "sp|P12345|ABC_HUMAN"]
+    np.testing.assert_array_equal(mean, every[[2, 0, 0]])
+    ids, rows = read_embeddings(out, ids="P12345", kind="per_tok")
+    assert ids == ["sp|P12345|ABC_HUMAN"] and rows[0].shape[0] == 32
+    with pytest.raises(UserError, match="no record.*Q99999.*accession"):
+        read_embeddings(out, ids=["Q99999"])

@@ -83,8 +83,13 @@ def test_a_changed_parameter_rebuilds_the_weights():
 
 
 def test_models_it_cannot_run_are_named():
-    assert "ExactAttention" in unsupported(causal(attention="exact"))
-    assert "LinearAttention" in unsupported(causal(attention="linear", kernel="taylor"))
+    assert "layer 1 has exact attention, which has no traced step" in unsupported(
+        causal(attention="exact")
+    )
+    assert "taylor linear attention, which" in unsupported(
+        causal(attention="linear", kernel="taylor")
+    )
+    assert "a position memory, which" in unsupported(causal(position_memory=16))
     assert "'relu'" in unsupported(causal(kernel="relu"))
     assert "masked LM" in unsupported(causal(objective="mlm"))
     assert unsupported(causal()) is None

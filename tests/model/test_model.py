@@ -196,7 +196,7 @@ def test_favor_chunk_size_reaches_the_core_and_changes_nothing() -> None:
     tokens = random_tokens(2, 14)
     a = tiny_model(objective="clm")
     b = tiny_model(objective="clm", favor_chunk_size=4)
-    assert b.layers[0].self_attn.favor.chunk_size == 4
+    assert b.layers[0].self_attn.core.chunk_size == 4
     with torch.no_grad():
         torch.testing.assert_close(a(tokens).logits, b(tokens).logits, atol=1e-5, rtol=1e-5)
 
@@ -316,7 +316,7 @@ def test_attention_maps(objective: str, attention: str) -> None:
 
 def test_redraw_is_reproducible_across_instances() -> None:
     def omegas(model: PerformerLM) -> list[torch.Tensor]:
-        return [b.clone() for layer in model.layers for b in layer.self_attn.favor.buffers()]
+        return [b.clone() for layer in model.layers for b in layer.self_attn.core.buffers()]
 
     a, b = tiny_model(seed=1), tiny_model(seed=2)
     assert omegas(a) and not all(
@@ -330,7 +330,7 @@ def test_redraw_is_reproducible_across_instances() -> None:
     a.redraw_features(torch.Generator().manual_seed(8))
     assert not torch.equal(omegas(a)[0], oa[0])
     # Features are persistent buffers: they travel in the checkpoint.
-    assert any("self_attn.favor." in k for k in a.state_dict())
+    assert any("self_attn.core." in k for k in a.state_dict())
     tiny_model(attention="exact").redraw_features()  # no-op without FAVOR+
 
 
@@ -417,7 +417,7 @@ def test_nb_features_default_is_d_log_d_and_stored_resolved() -> None:
     assert wide.nb_features == 272
     assert PerformerConfig.from_dict({**esm8m.to_dict(), "nb_features": 256}).nb_features == 256
     model = PerformerLM(tiny_config(nb_features=None))
-    favor = model.layers[0].self_attn.favor
+    favor = model.layers[0].self_attn.core
     assert favor is not None and favor.omega.shape == (default_nb_features(8), 8)
 
 

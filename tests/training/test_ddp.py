@@ -34,7 +34,7 @@ class DDPProbe(pl.Callback):
         self.steps: list[dict] = []
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
-        omega = [layer.self_attn.favor.omega.detach().clone() for layer in pl_module.model.layers]
+        omega = [layer.self_attn.core.omega.detach().clone() for layer in pl_module.model.layers]
         self.steps.append({"step": trainer.global_step, "ids": list(batch["ids"]), "omega": omega})
 
     def on_fit_end(self, trainer, pl_module) -> None:
@@ -124,7 +124,7 @@ def test_ddp_two_cpu_ranks(tmp_path: Path) -> None:
             assert torch.equal(wa, wb), f"ω differs between ranks at step {a['step']}"
         drawn_at = a["step"] - a["step"] % INTERVAL
         reference.redraw_features(generator=redraw_generator(REDRAW_SEED, drawn_at))
-        expected = [layer.self_attn.favor.omega for layer in reference.layers]
+        expected = [layer.self_attn.core.omega for layer in reference.layers]
         for got, want in zip(a["omega"], expected, strict=True):
             assert torch.equal(got, want), f"step {a['step']}: not the redraw of step {drawn_at}"
     assert not torch.equal(steps0[0]["omega"][0], steps0[INTERVAL]["omega"][0])  # it redrew

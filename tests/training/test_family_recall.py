@@ -1,6 +1,7 @@
-"""The shipped causal demo model reads its family context (issue 30).
+"""The shipped causal demo model, trained on family rows, reads its family context (issue 30).
 
-The model of ``experiment=demo_clm`` (composed by Hydra as users get it) trains briefly on
+The model of ``experiment=demo_clm data.layout=family`` (composed by Hydra as users get it:
+family rows turn the position memory on, issue 40) trains briefly on
 planted families (real demo proteins as ancestors, members at 70% identity); then, on held-out
 families, a member's NLL with three homologs before it in the row is compared with its NLL
 alone. Each held-out family gives one paired difference; the claim is that their mean is
@@ -46,12 +47,28 @@ def _last_member_nll(model, ids: list[int]) -> float:
     return -float(logp[start:].gather(1, gold[:, None]).mean())
 
 
+def test_single_sequence_experiments_train_plain_favor(tmp_path) -> None:
+    """demo_clm and small_clm train on one protein a row: no memory (issue 40); family_clm and
+    any family-row run get one slot per member position; an explicit 0 still turns it off."""
+    memory = {}
+    for overrides in (["experiment=demo_clm"], ["experiment=small_clm"],
+                      ["experiment=family_clm"], ["experiment=demo", "data.layout=family"],
+                      ["experiment=family_clm", "model.config.position_memory=0"]):
+        cfg = compose_config(overrides, output_dir=tmp_path)
+        memory[" ".join(overrides)] = (cfg.model.config.position_memory, cfg.data.max_len)
+    assert memory == {
+        "experiment=demo_clm": (0, 256), "experiment=small_clm": (0, 1024),
+        "experiment=family_clm": (1024, 1024), "experiment=demo data.layout=family": (256, 256),
+        "experiment=family_clm model.config.position_memory=0": (0, 1024),
+    }
+
+
 def test_demo_clm_model_scores_a_member_better_with_its_family(tmp_path) -> None:
     torch.manual_seed(0)
     rng = random.Random(0)
-    cfg = compose_config(["experiment=demo_clm"], output_dir=tmp_path)
+    cfg = compose_config(["experiment=demo_clm", "data.layout=family"], output_dir=tmp_path)
     model = instantiate(cfg.model).model
-    assert model.config.position_memory == cfg.data.max_len  # the shipped default
+    assert model.config.position_memory == cfg.data.max_len  # the default on family rows
     alphabet = Alphabet()
     proteins = [
         r.sequence[:LENGTH] for r in read_fasta(DEMO_DATA / "train.fasta")

@@ -126,7 +126,7 @@ def test_non_finite_loss_stops_with_one_line(teacher_dir, tmp_path, monkeypatch)
         (["missing.pt", "out"], "missing.pt does not exist"),
         (["garbage.pt", "out"], "garbage.pt"),
         (["EXACT", "out", "--kernel", "taylor", "--window", "0"], "nothing to fit"),
-        (["LINEAR", "out"], "already has linear attention"),
+        (["LINEAR", "out"], "approximates no softmax; linearize the softmax model"),
     ],
 )
 def test_bad_input_is_one_error_line(teacher_dir, tmp_path, monkeypatch, capsys, argv, says):
@@ -175,3 +175,52 @@ def test_cli_stop_says_how_to_resume(teacher_dir, tmp_path, monkeypatch, capsys)
     monkeypatch.setattr(lz, "transfer_loss", real)
     assert main([*argv, "--resume"]) == 0
     assert "4 transfer + 0 LoRA steps" in capsys.readouterr().out
+
+
+def test_a_memory_clm_linearizes_with_its_memory_kept():
+    """Issue 40: a FAVOR+ CLM with a position memory is its own teacher (swapped to exact in
+    memory, the memory kept around the new core); the student keeps the memory's learned
+    tensors and fits only the new linear core's, on the teacher's member positions."""
+    torch.manual_seed(0)
+    cfg = PerformerConfig(dim=16, depth=2, heads=2, ff_dim=32, objective="clm",
+                          position_memory=16, memory_window=2, nb_features=16)  # fmt: skip
+    model = PerformerLM(cfg).eval()
+    with torch.no_grad():
+        for layer in model.layers:
+            layer.self_attn.core.gate_bias.fill_(1.5)
+    src = LoadedModel(model, cfg, Alphabet(), Path("memory.ckpt"), torch.device("cpu"), "x")
+    teacher = lz._teacher_from(src, "cpu")
+    assert teacher.config.attention == "exact" and teacher.config.position_memory == 16
+    student = lz.linear_student(teacher.model, "hedgehog", 2)
+    assert torch.equal(student.layers[0].self_attn.core.gate_bias, torch.full((2,), 1.5))
+    fitted = lz._core_params(student, teacher.model)
+    assert fitted and all(".core.inner." in n for n in fitted)  # not the memory's own
+    tokens = torch.randint(4, 24, (2, 24))
+    tokens[:, [0, 12]] = 0  # two members a row: member positions restart at the second
+    batch = {"tokens": tokens, "padding_mask": torch.zeros_like(tokens, dtype=torch.bool)}
+    _, captured = lz.teacher_attention(teacher.model, batch)
+    assert captured[0][4] is not None  # the positions the memory reads
+    losses = lz.transfer_loss(student, captured, per_layer=True)
+    assert len(losses) == 2 and all(torch.isfinite(x) for x in losses)
+
+
+def test_the_readme_line_and_the_api_fit_the_bundled_set_from_anywhere(
+    teacher_dir, tmp_path, monkeypatch, capsys, caplog
+):
+    """Issue 45 #1: with no data, the bundled demo set (inside the package) is found from any
+    directory: the README's own `linearize CKPT ...` line as written, and `pp.linearize(CKPT,
+    out)`."""
+    import protein_performer as pp
+    from tests.test_readme import fill, readme_lines
+
+    monkeypatch.chdir(tmp_path)
+    line = next(x for x in readme_lines() if x.startswith("protein-performer linearize CKPT"))
+    assert "--data" not in line
+    argv = fill(line, {"dir": str(tmp_path), "CKPT": str(teacher_dir / "exact"), "CLM_CKPT": ""})
+    with caplog.at_level("INFO", logger="protein_performer.training.linearize"):
+        assert main([*argv, "--no-progress", "--device", "cpu"]) == 0, capsys.readouterr().err
+    assert "linearize: reading the bundled demo set" in caplog.text  # before a silent wait
+    assert load_model(tmp_path / "linear_model", "cpu").config.attention == "linear"
+    lm = pp.linearize(teacher_dir / "exact", tmp_path / "api", device="cpu",
+                      show_progress=False, steps=1, max_len=64, max_tokens=512)
+    assert lm.config.attention == "linear"

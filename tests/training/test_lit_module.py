@@ -164,7 +164,7 @@ def test_checkpoint_hook_stores_performer_config() -> None:
 
 # ---- FeatureRedraw ----------------------------------------------------------------------------
 def omegas(module: ProteinLMModule) -> list[torch.Tensor]:
-    out = [buf.clone() for layer in module.model.layers for buf in layer.self_attn.favor.buffers()]
+    out = [buf.clone() for layer in module.model.layers for buf in layer.self_attn.core.buffers()]
     assert out, "no FAVOR+ buffers found"
     return out
 

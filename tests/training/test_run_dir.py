@@ -5,6 +5,7 @@ history is in tests/training/test_resume.py, slow)."""
 from __future__ import annotations
 
 import csv
+import shutil
 from pathlib import Path
 
 import pytest
@@ -78,3 +79,32 @@ def test_bad_seed_is_one_line(tmp_path: Path, seed: str) -> None:
     with pytest.raises(UserError, match=r"^seed=.* is not valid: it must be an integer >= 0 "):
         train(cfg)
     assert not (tmp_path / "checkpoints").exists()
+
+
+def test_an_unused_run_directory_is_removed_and_a_used_one_kept(tmp_path) -> None:
+    """Issue 45 #11: Hydra's files, the log and empty folders make an unused run directory
+    (removed with the empty folders above it); any other file keeps it."""
+    from protein_performer.training.run_dir import remove_unused_run_dir
+
+    def made(name: str) -> Path:
+        run = tmp_path / "outputs" / "demo" / name
+        (run / ".hydra").mkdir(parents=True)
+        (run / ".hydra" / "config.yaml").write_text("a: 1\n")
+        (run / "demo.log").write_text("started\n")
+        (run / "csv").mkdir()
+        return run
+
+    kept = made("mine")
+    (kept / "notes.txt").write_text("mine\n")
+    assert not remove_unused_run_dir(kept, "demo.log") and (kept / "notes.txt").is_file()
+    ckpt = made("trained")
+    (ckpt / "checkpoints").mkdir()
+    (ckpt / "checkpoints" / "last.ckpt").write_bytes(b"x")
+    assert not remove_unused_run_dir(ckpt, "demo.log")
+    unused = made("failed")
+    assert remove_unused_run_dir(unused, "demo.log") and not unused.exists()
+    assert (tmp_path / "outputs" / "demo").is_dir()  # still holds the other runs
+    for run in (kept, ckpt):
+        shutil.rmtree(run)
+    assert remove_unused_run_dir(made("again"), "demo.log")
+    assert not (tmp_path / "outputs").exists()  # outputs/demo/ and outputs/ were left empty

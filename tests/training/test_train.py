@@ -162,6 +162,14 @@ def test_cli_bad_override_is_a_clear_error(tmp_path: Path) -> None:
     assert not (tmp_path / "outputs").exists()  # rejected before Hydra made a run directory
 
 
+def test_launch_failing_before_training_leaves_no_run_directory(tmp_path: Path) -> None:
+    """Issue 45 #11: a launch that fails after Hydra made ``outputs/<task>/<time>/`` (here: a
+    data path that does not exist) removes it (test_run_dir: what is kept)."""
+    proc = _cli("train", "experiment=demo", "data.path=missing.fasta", cwd=tmp_path)
+    assert proc.returncode == 2 and "missing.fasta" in proc.stderr, proc.stderr
+    assert not (tmp_path / "outputs").exists(), list((tmp_path / "outputs").rglob("*"))
+
+
 @pytest.mark.slow  # a training subprocess; test_cli_bad_override_is_a_clear_error is fast
 def test_cli_error_inside_the_run_is_a_clear_error(tmp_path: Path) -> None:
     # Raised inside the Hydra task (after Hydra made the run directory), not at composition.

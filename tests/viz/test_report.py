@@ -143,7 +143,7 @@ def test_cli_html_and_png_notes(loaded, tmp_path: Path, capsys) -> None:
     argv = ["visualize", str(model_dir), "--sequence", SEQ, "--device", "cpu"]
     assert main([*argv, "--html", str(out), "--layers", "-1"]) == 0
     printed = capsys.readouterr().out
-    assert f"html: {out}" in printed and "no --structure given" in printed
+    assert f"wrote {out}: the HTML report" in printed and "no --structure given" in printed
     assert "<option value='2'>2</option>" in out.read_text(encoding="utf-8")
     png = ["--out-dir", str(tmp_path / "png"), "--no-grid", "--no-similarity"]
     assert main([*argv, *png]) == 0
@@ -176,3 +176,36 @@ def test_png_titles_take_any_record_id(tmp_path: Path, rid: str) -> None:
     matrix = np.random.default_rng(0).normal(size=(20, 20))
     path, _ = similarity_vs_blosum(matrix, tmp_path / "s.png", title=f"{rid} (2 layers)", dpi=40)
     assert max(Image.open(path).size) < 2000
+
+
+def test_predicted_contacts_without_a_structure(loaded, tmp_path: Path, capsys) -> None:
+    """Issue 45 #10: `visualize --html --regression` with no structure shows the regression's
+    predicted contacts (nothing marked true or false), and says so."""
+    from protein_performer.model.contact_head import ContactRegression, model_identity
+
+    model_dir = export_model(loaded, tmp_path / "model")
+    reg = ContactRegression(np.full(4, 5.0), -3.0, [1, 2], [0, 1], **model_identity(loaded))
+    reg_path = reg.save(tmp_path / "reg.json")
+    out = tmp_path / "report.html"
+    argv = ["visualize", str(model_dir), "--sequence", SEQ, "--device", "cpu", "--html", str(out)]
+    assert main([*argv, "--regression", str(reg_path)]) == 0
+    printed = capsys.readouterr().out
+    assert "contacts: the regression's predictions only" in printed
+    text = out.read_text(encoding="utf-8")
+    assert "id='predicted-only'" in text and "fig-contacts" in text
+    assert "id='no-contacts'" not in text and "true contact (lower triangle)" not in text
+    spec = build_report(loaded, SEQ, regression=str(reg_path))
+    c = spec.contacts
+    assert c is not None and not c.structure and c.scale == (0.0, 1.0)
+    assert c.predicted.shape == (len(SEQ), len(SEQ)) and len(c.true_pairs) == 0
+    direct = ProteinLM(loaded).predict_contacts(SEQ, regression=str(reg_path))
+    np.testing.assert_allclose(c.predicted, direct, atol=1e-6)
+
+
+def test_building_a_report_shows_progress(loaded, capsys, monkeypatch) -> None:
+    """Issue 45 #7: a long protein's report takes tens of seconds: a bar (in a log, a line
+    every interval) over the layers' row tiles says where it is."""
+    monkeypatch.setenv("PROTEIN_PERFORMER_PROGRESS_INTERVAL", "0")
+    build_report(loaded, SEQ)
+    lines = [x for x in capsys.readouterr().err.splitlines() if x.startswith("report:")]
+    assert lines and "tile" in lines[-1] and "100%" in lines[-1], lines

@@ -1,20 +1,17 @@
 """Causal FAVOR+ as one autograd node: the features of each scan segment computed when the
-chunked scan (:mod:`.scan`) reaches it, in forward and again in backward; :func:`causal_favor`
-picks between it and the Triton kernels of :mod:`.triton_causal`."""
+chunked scan (:mod:`.scan`) reaches it, in forward and again in backward. The dispatcher that
+picks between it and the Triton kernels of :mod:`.triton_causal` lives in :mod:`.module`
+(:func:`~.module.causal_favor`), so the kernels' float64 fallback can import this module
+without an import circle."""
 
 from __future__ import annotations
 
-import os
-import warnings
-from collections.abc import Callable
-from types import ModuleType
 from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from protein_performer.errors import UserError
 from protein_performer.model.favor.kernels import FeatureMap, running_max
 from protein_performer.model.favor.scan import (
     Segment,
@@ -25,66 +22,6 @@ from protein_performer.model.favor.scan import (
     scan_forward_segments,
     workspace,
 )
-
-#: Environment variable that picks the causal implementation (:func:`causal_favor`): "auto"
-#: (the default), "triton" or "torch".
-CAUSAL_IMPL_ENV = "PROTEIN_PERFORMER_CAUSAL_IMPL"
-
-
-def causal_favor(
-    x: Tensor,
-    y: Tensor,
-    v: Tensor,
-    fmap: FeatureMap,
-    keep: Tensor | None,
-    tiles: Callable[[], tuple[int, int]],
-) -> Tensor:
-    """Causal FAVOR+ of flattened heads (BH, L, .) -> (BH, L, dv) by the implementation that
-    fits (:func:`triton_kernels_for`): the Triton kernels, which choose their own tiles, else
-    :class:`_CausalFavor` with ``tiles()`` = (chunk, segment), asked for only then (tuning
-    them costs seconds, once; :mod:`.tiles`).
-    """
-    kernels = triton_kernels_for(x, fmap, v)
-    if kernels is not None:
-        return kernels.causal_favor_triton(x, y, v, fmap, keep)
-    chunk, segment = tiles()
-    return _CausalFavor.apply(x, y, v, fmap, keep, chunk, max(chunk, segment))
-
-
-def triton_kernels_for(x: Tensor, fmap: FeatureMap, v: Tensor) -> ModuleType | None:
-    """:mod:`.triton_causal` when it runs these inputs: CUDA tensors it supports, where triton
-    imports (CPU: never, and triton is never imported); None for the torch scan.
-
-    ``PROTEIN_PERFORMER_CAUSAL_IMPL`` overrides "auto": "torch" keeps the torch scan on CUDA
-    (benchmarks), "triton" takes the kernels for every input they support, CPU tensors
-    included (the tests run them under ``TRITON_INTERPRET=1``) and fails if triton is missing.
-    """
-    impl = os.environ.get(CAUSAL_IMPL_ENV, "").strip().lower() or "auto"
-    if impl not in ("auto", "triton", "torch"):
-        raise UserError(f"{CAUSAL_IMPL_ENV}={impl!r}: expected 'auto', 'triton' or 'torch'")
-    if impl == "triton" or (impl == "auto" and x.is_cuda):
-        kernels = _triton_kernels(required=impl == "triton")
-        if kernels is not None and kernels.supports(fmap, x, v):
-            return kernels
-    return None
-
-
-def _triton_kernels(required: bool) -> ModuleType | None:
-    """:mod:`.triton_causal`, imported on first use; None when triton is not installed or
-    fails to import (warned once; raised when ``required``)."""
-    try:
-        from protein_performer.model.favor import triton_causal
-    except ImportError:
-        if required:
-            raise
-        return None
-    except Exception as exc:  # a broken triton install: the torch scan still runs
-        if required:
-            raise
-        message = f"triton failed to import ({exc}); causal FAVOR+ runs the torch scan"
-        warnings.warn(message, stacklevel=3)
-        return None
-    return triton_causal
 
 
 class _Rows:

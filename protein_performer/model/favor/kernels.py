@@ -12,6 +12,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from protein_performer.model.cores.base import compute_dtype
+
 _NEG = -1e30  # finite stand-in for -inf in stabilizers, so that (-inf) - (-inf) never appears
 LOG2E = 1.4426950408889634  # log2(e): exp(z) = exp2(z log2 e); torch's CPU exp2 is ~3x its exp
 
@@ -578,7 +580,7 @@ def flatten_heads(q: Tensor, k: Tensor, v: Tensor, key_padding_mask: Tensor | No
     """Upcast and flatten heads: (B, H, L, d) -> (BH, L, d), views when q, k, v are contiguous
     float32; key_padding_mask (B, L) -> keep (BH, L)."""
     B, H, L, _ = q.shape
-    dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
+    dtype = compute_dtype(q)
     x, y, vv = (t.to(dtype).reshape(B * H, L, t.shape[-1]) for t in (q, k, v))
     keep = None
     if key_padding_mask is not None:

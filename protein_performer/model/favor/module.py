@@ -1,19 +1,26 @@
-"""The FAVOR+ entry points: :func:`favor_attention` (dispatch to the fused paths) and the
-module :class:`FavorAttention`, which owns omega and the FAVOR++ statistic and runs the
-parallel or the recurrent form (:mod:`.recurrent`) from one ``forward``."""
+"""The FAVOR+ entry points: :func:`favor_attention` (dispatch to the fused paths, the causal
+one by :func:`causal_favor`: the torch scan or the Triton kernels) and the core
+:class:`FavorAttention` (registered as ``favor``), which owns omega and the FAVOR++ statistic
+and runs the parallel or the recurrent form (:mod:`.recurrent`) from one ``forward``."""
 
 from __future__ import annotations
 
+import os
+import warnings
+from collections.abc import Callable
 from functools import partial
+from types import ModuleType
 
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 
 from protein_performer.errors import UserError
-from protein_performer.model.config import default_nb_features
+from protein_performer.model.config import KERNELS, default_nb_features
+from protein_performer.model.cores.base import AttentionCore, compute_dtype
+from protein_performer.model.cores.registry import register
 from protein_performer.model.favor import recurrent
 from protein_performer.model.favor.bidirectional import _BidiFavor
-from protein_performer.model.favor.causal import _CausalFavor, causal_favor
+from protein_performer.model.favor.causal import _CausalFavor
 from protein_performer.model.favor.kernels import (
     FeatureMap,
     build_feature_map,
@@ -26,6 +33,66 @@ from protein_performer.model.favor.maps import MapFactors, MapStabilizers, favor
 from protein_performer.model.favor.recurrent import FavorState
 from protein_performer.model.favor.reference import favor_attention_reference
 from protein_performer.model.favor.tiles import DEFAULT_TILES, causal_tiles
+
+#: Environment variable that picks the causal implementation (:func:`causal_favor`): "auto"
+#: (the default), "triton" or "torch".
+CAUSAL_IMPL_ENV = "PROTEIN_PERFORMER_CAUSAL_IMPL"
+
+
+def causal_favor(
+    x: Tensor,
+    y: Tensor,
+    v: Tensor,
+    fmap: FeatureMap,
+    keep: Tensor | None,
+    tiles: Callable[[], tuple[int, int]],
+) -> Tensor:
+    """Causal FAVOR+ of flattened heads (BH, L, .) -> (BH, L, dv) by the implementation that
+    fits (:func:`triton_kernels_for`): the Triton kernels, which choose their own tiles, else
+    :class:`_CausalFavor` with ``tiles()`` = (chunk, segment), asked for only then (tuning
+    them costs seconds, once; :mod:`.tiles`).
+    """
+    kernels = triton_kernels_for(x, fmap, v)
+    if kernels is not None:
+        return kernels.causal_favor_triton(x, y, v, fmap, keep)
+    chunk, segment = tiles()
+    return _CausalFavor.apply(x, y, v, fmap, keep, chunk, max(chunk, segment))
+
+
+def triton_kernels_for(x: Tensor, fmap: FeatureMap, v: Tensor) -> ModuleType | None:
+    """:mod:`.triton_causal` when it runs these inputs: CUDA tensors it supports, where triton
+    imports (CPU: never, and triton is never imported); None for the torch scan.
+
+    ``PROTEIN_PERFORMER_CAUSAL_IMPL`` overrides "auto": "torch" keeps the torch scan on CUDA
+    (benchmarks), "triton" takes the kernels for every input they support, CPU tensors
+    included (the tests run them under ``TRITON_INTERPRET=1``) and fails if triton is missing.
+    """
+    impl = os.environ.get(CAUSAL_IMPL_ENV, "").strip().lower() or "auto"
+    if impl not in ("auto", "triton", "torch"):
+        raise UserError(f"{CAUSAL_IMPL_ENV}={impl!r}: expected 'auto', 'triton' or 'torch'")
+    if impl == "triton" or (impl == "auto" and x.is_cuda):
+        kernels = _triton_kernels(required=impl == "triton")
+        if kernels is not None and kernels.supports(fmap, x, v):
+            return kernels
+    return None
+
+
+def _triton_kernels(required: bool) -> ModuleType | None:
+    """:mod:`.triton_causal`, imported on first use; None when triton is not installed or
+    fails to import (warned once; raised when ``required``)."""
+    try:
+        from protein_performer.model.favor import triton_causal
+    except ImportError:
+        if required:
+            raise
+        return None
+    except Exception as exc:  # a broken triton install: the torch scan still runs
+        if required:
+            raise
+        message = f"triton failed to import ({exc}); causal FAVOR+ runs the torch scan"
+        warnings.warn(message, stacklevel=3)
+        return None
+    return triton_causal
 
 
 def favor_attention(
@@ -151,8 +218,10 @@ class FavorMapBlocks:
         acc.addmm_(qn[:w], kf.T, alpha=weight).addmm_(kf[:w], qn.T, alpha=weight)
 
 
-class FavorAttention(nn.Module):
-    """FAVOR attention with its random matrix omega as a persistent buffer.
+@register("favor")
+class FavorAttention(AttentionCore):
+    """FAVOR attention with its random matrix omega as a persistent buffer (drawn, not learned,
+    as is the FAVOR++ statistic: :attr:`drawn`).
 
     omega is redrawn only by an explicit :meth:`redraw` call (a training hook decides when;
     data-parallel ranks must pass identically seeded generators so all hold the same omega).
@@ -163,6 +232,9 @@ class FavorAttention(nn.Module):
     sequence's own. nb_features=None: d ln d rounded up to a multiple of 16
     (:func:`~protein_performer.model.config.default_nb_features`).
     """
+
+    drawn = ("omega", "oprf_rho")
+    label = "FAVOR+ attention"
 
     def __init__(
         self,
@@ -195,6 +267,34 @@ class FavorAttention(nn.Module):
         if self._map_class.needs_statistic:
             self.register_buffer("oprf_rho", torch.zeros(()), persistent=True)
 
+    @property
+    def softmax(self) -> str:  # type: ignore[override]
+        """An estimate of softmax attention, except for kernels that approximate none (ReLU)."""
+        return "estimate" if self._map_class.estimates_softmax else "none"
+
+    @classmethod
+    def from_config(cls, config) -> FavorAttention:  # noqa: ANN001 - a PerformerConfig
+        return cls(
+            dim_head=config.head_dim,
+            nb_features=config.nb_features,
+            causal=config.causal,
+            kernel=config.kernel,
+            chunk_size=config.favor_chunk_size,
+        )
+
+    @classmethod
+    def config_problem(cls, config) -> str | None:  # noqa: ANN001
+        if config.kernel not in KERNELS:
+            return (
+                f"unknown kernel {config.kernel!r} for {config.attention} attention; choose one "
+                f"of {', '.join(KERNELS)}"
+            )
+        return None
+
+    @classmethod
+    def extra_numel(cls, config) -> int:  # noqa: ANN001
+        return config.heads * config.nb_features * (config.head_dim + 1)
+
     def _draw(self, generator: torch.Generator | None) -> Tensor:
         return draw_omega(
             self.nb_features,
@@ -224,7 +324,7 @@ class FavorAttention(nn.Module):
     def _rho(self) -> Tensor | None:
         return self.oprf_rho if (self._map_class.needs_statistic and self.causal) else None
 
-    def forward(
+    def attend(
         self,
         q: Tensor,
         k: Tensor,
@@ -236,16 +336,9 @@ class FavorAttention(nn.Module):
         inplace: bool = False,
         positions: Tensor | int | None = None,
     ) -> tuple[Tensor, FavorState | None]:
-        """(B, H, L, d) x3 -> (B, H, L, dv) and, with ``keep_state``, the state after the
-        tokens; key_padding_mask (B, L), True = pad (padded keys add nothing).
-
-        ``state`` (batch 1, broadcast over B, or B) continues an earlier part of the row:
-        prefill is a call from no state with ``keep_state``, extend one from a state, a decoding
-        step one of a single token. ``inplace``: the caller gives ``state`` up, so a step may
-        update its sum in place (:func:`.recurrent.step`); otherwise ``state`` is never
-        written. ``positions`` (rotary) is part of the cores' call and not needed here. The
-        paths with a state are inference (RNN mode, causal only, no gradients).
-        """
+        """Padded keys add nothing; ``inplace``: a step may update the state's sum in place
+        (:func:`.recurrent.step`). ``positions`` (rotary) are not needed here. The paths with a
+        state are inference (RNN mode, causal only, no gradients)."""
         if state is None and not keep_state:
             out = favor_attention(
                 q,
@@ -281,7 +374,6 @@ class FavorAttention(nn.Module):
         its keys' state (:func:`.recurrent.prompt_state`: one pass, the scan's speed); anything
         else runs :func:`.recurrent.chunked` (a short prompt from the empty state: a few dozen
         ops, less than the scan's segment machinery costs)."""
-        self._check_causal()
         B, H, L, _ = q.shape
         if state is None and self.recurrent_chunk < L:
             out, _ = self.forward(q, k, v, key_padding_mask)
@@ -290,11 +382,11 @@ class FavorAttention(nn.Module):
                 kv, mu = recurrent.prompt_state(self._feature_map(y), y, vv, keep)
             return out, FavorState(kv.reshape(B, H, *kv.shape[1:]), mu.reshape(B, H))
         with torch.autocast(device_type=q.device.type, enabled=False):
-            dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
+            dtype = compute_dtype(q)
             x, y, vv = (t.to(dtype) for t in (q, k, v))  # (B, H, L, d)
             if state is not None and L == 1:
                 pad = None if key_padding_mask is None else key_padding_mask.select(1, 0)
-                fmap = self._step_map(q.device, dtype)
+                fmap = self.step_map(q.device, dtype)
                 x, y, vv = (t.select(2, 0) for t in (x, y, vv))  # (B, H, ·)
                 out, new = recurrent.step(fmap, state, x, y, vv, pad, inplace)
                 return out.unsqueeze(2).to(q.dtype), (new if keep_state else None)
@@ -342,8 +434,9 @@ class FavorAttention(nn.Module):
         rho = self.oprf_rho.to(like) if self._map_class.needs_statistic else None
         return FeatureMap.build(self.kernel, om, rho=rho, relu_eps=self.relu_eps)
 
-    def _step_map(self, device: torch.device, dtype: torch.dtype) -> FeatureMap:
-        """The feature map for :meth:`step`, built once per (omega, statistic, device, dtype).
+    def step_map(self, device: torch.device, dtype: torch.dtype) -> FeatureMap:
+        """The feature map of a decoding step (here and in ``model.decode``'s traced step),
+        built once per (omega, statistic, device, dtype).
 
         Why: decoding calls step once per token and layer; rebuilding the map (omega cast,
         projection, FAVOR++ coefficients) each time was a good part of a step's small ops. The
@@ -372,10 +465,6 @@ class FavorAttention(nn.Module):
                 "exact attention"
             )
         return FavorMapBlocks(q, k, L, self.omega, self.kernel, self.relu_eps)
-
-    def _check_causal(self) -> None:
-        if not self.causal:
-            raise RuntimeError("RNN mode (a state) needs causal=True")
 
     def extra_repr(self) -> str:
         return (

@@ -36,7 +36,7 @@ the torch path, a backward that comes out non-finite (extreme logits) is redone 
 the torch path.
 
 This module imports triton at the top; nothing imports it unless a causal forward takes the
-Triton path (:func:`~protein_performer.model.favor.causal.causal_favor`): CUDA tensors, or an
+Triton path (:func:`~protein_performer.model.favor.module.causal_favor`): CUDA tensors, or an
 explicit request. The tests run it on CPU tensors under ``TRITON_INTERPRET=1``, which triton
 reads when a function is decorated: set it before triton is first imported. So far the kernels
 have run only there (no GPU was lent when they were written): ``scripts/gpu_check.sh`` on a
@@ -52,6 +52,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from protein_performer.model.favor.causal import _CausalFavor
 from protein_performer.model.favor.kernels import _NEG, ExpFeatureMap, FeatureMap, Relu, Trig
 from protein_performer.model.favor.scan import safe_denominator
 
@@ -670,8 +671,6 @@ class _TritonCausalFavor(torch.autograd.Function):
 
 def _float64_grads(x, y, v, fmap: FeatureMap, keep, g) -> tuple[Tensor, Tensor, Tensor]:
     """(dq, dk, dv) by the torch path in float64 (the rare fallback), as float32."""
-    from protein_performer.model.favor.causal import _CausalFavor
-
     with torch.enable_grad():
         xd, yd, vd = (t.detach().double().requires_grad_() for t in (x, y, v))
         out = _CausalFavor.apply(xd, yd, vd, fmap.to(torch.float64), keep, 64, 8192)

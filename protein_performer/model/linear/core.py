@@ -18,9 +18,11 @@ from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
-from torch import Tensor, nn
+from torch import Tensor
 
-from protein_performer.errors import UserError
+from protein_performer.model.config import LINEAR_KERNELS
+from protein_performer.model.cores.base import AttentionCore, compute_dtype
+from protein_performer.model.cores.registry import register
 from protein_performer.model.linear.maps import build_linear_map
 
 _TINY = torch.finfo(torch.float32).tiny
@@ -31,10 +33,6 @@ class LinearState(NamedTuple):
     phi(k_j)[v_j | 1]^T."""
 
     kv: Tensor
-
-
-def _compute_dtype(t: Tensor) -> torch.dtype:
-    return torch.float64 if t.dtype == torch.float64 else torch.float32
 
 
 def _normalized(num: Tensor) -> Tensor:
@@ -70,7 +68,8 @@ def causal_linear(qf: Tensor, kf: Tensor, vx: Tensor, kv0: Tensor | None, chunk:
     return out.reshape(B, H, n * chunk, C)[:, :, :L], last
 
 
-class LinearAttention(nn.Module):
+@register("linear")
+class LinearAttention(AttentionCore):
     """Linear attention behind the attention cores' interface (forward with an optional state,
     attention rows); ``kernel`` names a map of :data:`~.maps.LINEAR_MAPS`."""
 
@@ -83,17 +82,35 @@ class LinearAttention(nn.Module):
         self.chunk_size = chunk_size
         self.feature_map = build_linear_map(kernel, heads, dim_head)
 
+    @classmethod
+    def from_config(cls, config) -> LinearAttention:  # noqa: ANN001 - a PerformerConfig
+        return cls(config.heads, config.head_dim, config.kernel, config.causal)
+
+    @classmethod
+    def config_problem(cls, config) -> str | None:  # noqa: ANN001
+        if config.kernel not in LINEAR_KERNELS:
+            return (
+                f"unknown kernel {config.kernel!r} for {config.attention} attention; choose one "
+                f"of {', '.join(LINEAR_KERNELS)}"
+            )
+        return None
+
+    @classmethod
+    def extra_numel(cls, config) -> int:  # noqa: ANN001
+        return config.heads * config.head_dim * (config.head_dim + 1)
+
+    @property
+    def label(self) -> str:  # type: ignore[override]
+        return f"the {self.kernel} linear attention"
+
     @property
     def feature_dim(self) -> int:
         return self.feature_map.feature_dim(self.feature_map.head_dim)
 
-    def redraw(self, generator: torch.Generator | None = None) -> None:
-        """Nothing to redraw: the map is deterministic or learned."""
-
     def _features(
         self, q: Tensor, k: Tensor, v: Tensor, key_padding_mask: Tensor | None
     ) -> tuple[Tensor, Tensor, Tensor]:
-        dtype = _compute_dtype(q)
+        dtype = compute_dtype(q)
         qf = self.feature_map(q.to(dtype))  # (B, H, L, M)
         kf = self.feature_map(k.to(dtype))
         vx = F.pad(v.to(dtype), (0, 1), value=1.0)  # (B, H, L, dv+1): [v | 1]
@@ -101,7 +118,7 @@ class LinearAttention(nn.Module):
             kf = kf * (~key_padding_mask.bool())[:, None, :, None].to(dtype)
         return qf, kf, vx
 
-    def forward(
+    def attend(
         self,
         q: Tensor,
         k: Tensor,
@@ -117,8 +134,6 @@ class LinearAttention(nn.Module):
         tokens; ``state`` (batch 1 or B) continues an earlier part of the row and is never
         written (``inplace`` and ``positions`` are part of the cores' call: the sum is small,
         so a step allocates a new one, and the map needs no positions)."""
-        if not self.causal and (state is not None or keep_state):
-            raise RuntimeError("RNN mode (a state) needs causal=True")
         with torch.autocast(device_type=q.device.type, enabled=False):
             qf, kf, vx = self._features(q, k, v, key_padding_mask)
             if not self.causal:
@@ -140,7 +155,7 @@ class LinearAttention(nn.Module):
         """The implied rows (B, H, W, L) of the queries in ``query_slice``: phi(q).phi(k)
         normalized over the (causal, real) keys; O(W L) memory."""
         qs = q if query_slice is None else q[:, :, query_slice]
-        dtype = _compute_dtype(q)
+        dtype = compute_dtype(q)
         with torch.autocast(device_type=q.device.type, enabled=False):
             scores = self.feature_map(qs.to(dtype)) @ self.feature_map(k.to(dtype)).mT
             if key_padding_mask is not None:
@@ -152,12 +167,6 @@ class LinearAttention(nn.Module):
                 scores = scores.masked_fill(cols > rows, 0.0)
             scores = scores / scores.sum(-1, keepdim=True).clamp_min(_TINY)
         return scores.to(q.dtype)
-
-    def map_blocks(self, q: Tensor, k: Tensor, L: int, window: int):
-        raise UserError(
-            f"contact maps from the {self.kernel} linear attention are not supported; use a "
-            "FAVOR+ or exact model"
-        )
 
     def extra_repr(self) -> str:
         return f"kernel={self.kernel!r}, causal={self.causal}, chunk_size={self.chunk_size}"

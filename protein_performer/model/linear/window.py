@@ -28,10 +28,16 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from protein_performer.model.cores.base import (
+    AttentionCore,
+    CoreWrapper,
+    compute_dtype,
+    real_tokens,
+)
+from protein_performer.model.cores.registry import register
 from protein_performer.model.linear.core import (
     LinearAttention,
     LinearState,
-    _compute_dtype,
     _normalized,
     causal_linear,
 )
@@ -85,9 +91,13 @@ def _shifted(t: Tensor, w: int) -> Tensor:
     return F.pad(t, (0, 0, w, 0))[:, :, : t.shape[2]]
 
 
-class SlidingWindow(nn.Module):
+@register("window")
+class SlidingWindow(CoreWrapper):
     """Wraps a :class:`~.core.LinearAttention` (``inner``) with the exact window described
-    above; the same call shape and state contract as the cores."""
+    above (``PerformerConfig.local_window``); the same call shape and state contract as the
+    cores."""
+
+    order = 0  # next to the linear core, inside the position memory
 
     def __init__(self, inner: LinearAttention, heads: int, window: int) -> None:
         super().__init__()
@@ -97,17 +107,48 @@ class SlidingWindow(nn.Module):
         # log g_h: 0 = the window's e^{s - m} and the map's kernel side by side, as drawn.
         self.window_log_scale = nn.Parameter(torch.zeros(heads))
 
+    @classmethod
+    def enabled(cls, config) -> bool:  # noqa: ANN001 - a PerformerConfig
+        return bool(config.local_window)
+
+    @classmethod
+    def wraps(cls, inner: type[AttentionCore]) -> bool:
+        return issubclass(inner, LinearAttention)
+
+    @classmethod
+    def from_config(  # noqa: ANN001 - a PerformerConfig
+        cls, config, inner: AttentionCore | None = None
+    ) -> SlidingWindow:
+        assert isinstance(inner, LinearAttention)
+        return cls(inner, config.heads, config.local_window)
+
+    @classmethod
+    def config_problem(cls, config) -> str | None:  # noqa: ANN001
+        from protein_performer.model.cores.registry import core_class
+
+        if not cls.wraps(core_class(config.attention)):
+            return (
+                f"local_window={config.local_window} needs attention=linear (the window shares "
+                f"the linear map's normalizer), got attention={config.attention}"
+            )
+        return None
+
+    @classmethod
+    def extra_numel(cls, config) -> int:  # noqa: ANN001
+        return config.heads
+
+    @property
+    def label(self) -> str:  # type: ignore[override]
+        return f"{self.inner.label} with an exact window"
+
     @property
     def feature_map(self) -> nn.Module:
         return self.inner.feature_map
 
-    def redraw(self, generator: torch.Generator | None = None) -> None:
-        self.inner.redraw(generator=generator)
-
     def _scale(self, dtype: torch.dtype) -> Tensor:
         return self.window_log_scale.to(dtype).exp()[None, :, None, None]  # (1, H, 1, 1)
 
-    def forward(
+    def attend(
         self,
         q: Tensor,
         k: Tensor,
@@ -122,16 +163,10 @@ class SlidingWindow(nn.Module):
         """q, k, v (B, H, L, d) -> (B, H, L, dv) and, with ``keep_state``, the state after the
         tokens; ``state`` (batch 1 or B) is read, never written (``inplace`` and ``positions``
         are part of the cores' call, not needed here)."""
-        if not self.causal and (state is not None or keep_state):
-            raise RuntimeError("RNN mode (a state) needs causal=True")
         B, H, L, _ = q.shape
         w = self.window
-        dtype = _compute_dtype(q)
-        keep = (
-            torch.ones(B, L, dtype=torch.bool, device=q.device)
-            if key_padding_mask is None
-            else ~key_padding_mask.bool()
-        )
+        dtype = compute_dtype(q)
+        keep = real_tokens(key_padding_mask, B, L, q.device)
         fmap = self.inner.feature_map
         with torch.autocast(device_type=q.device.type, enabled=False):
             x, y = q.to(dtype), k.to(dtype)
@@ -183,7 +218,7 @@ class SlidingWindow(nn.Module):
         g e^{s - m} inside the window, phi(q).phi(k) outside, normalized over the real keys."""
         qs = q if query_slice is None else q[:, :, query_slice]
         start = 0 if query_slice is None else (query_slice.start or 0)
-        dtype = _compute_dtype(q)
+        dtype = compute_dtype(q)
         d = q.shape[-1]
         with torch.autocast(device_type=q.device.type, enabled=False):
             x, y = qs.to(dtype), k.to(dtype)
@@ -205,9 +240,6 @@ class SlidingWindow(nn.Module):
             weights = torch.where(near, exact, lin).masked_fill(~real, 0.0)
             weights = weights / weights.sum(-1, keepdim=True).clamp_min(torch.finfo(dtype).tiny)
         return weights.to(q.dtype)
-
-    def map_blocks(self, q: Tensor, k: Tensor, L: int, window: int):
-        return self.inner.map_blocks(q, k, L, window)
 
     def extra_repr(self) -> str:
         return f"window={self.window}"

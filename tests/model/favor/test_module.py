@@ -189,5 +189,5 @@ def test_model_with_gradient_checkpointing_updates_oprf_rho_once_per_step():
         )
         model = PerformerLM(cfg).train()
         model(tokens).logits.logsumexp(-1).sum().backward()
-        rhos.append([float(layer.self_attn.favor.oprf_rho) for layer in model.layers])
+        rhos.append([float(layer.self_attn.core.oprf_rho) for layer in model.layers])
     assert all(r > 0 for r in rhos[0]) and rhos[1] == rhos[0]

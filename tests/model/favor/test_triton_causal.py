@@ -27,7 +27,7 @@ from protein_performer.model.favor import (
     favor_attention,
     favor_attention_reference,
 )
-from protein_performer.model.favor import causal as favor_causal
+from protein_performer.model.favor import module as favor_module
 from protein_performer.model.favor.kernels import build_feature_map, flatten_heads
 from tests.paths import REPO
 
@@ -220,14 +220,14 @@ def test_dispatch_takes_the_kernels_only_when_asked_on_cpu(tc, monkeypatch):
     omega = draw_omega(16, 8, generator=gen(11))
     kw = dict(kernel="relu", causal=True)
     base = favor_attention(q, k, v, omega, **kw)
-    monkeypatch.setenv(favor_causal.CAUSAL_IMPL_ENV, "torch")
+    monkeypatch.setenv(favor_module.CAUSAL_IMPL_ENV, "torch")
     assert torch.equal(favor_attention(q, k, v, omega, **kw), base) and not calls
-    monkeypatch.setenv(favor_causal.CAUSAL_IMPL_ENV, "triton")
+    monkeypatch.setenv(favor_module.CAUSAL_IMPL_ENV, "triton")
     forced = favor_attention(q, k, v, omega, **kw)
     assert len(calls) == 1 and float((forced - base).abs().max()) <= 1e-5
     favor_attention(q.double(), k.double(), v.double(), omega.double(), **kw)
     assert len(calls) == 1
-    monkeypatch.setenv(favor_causal.CAUSAL_IMPL_ENV, "cuda")
+    monkeypatch.setenv(favor_module.CAUSAL_IMPL_ENV, "cuda")
     with pytest.raises(UserError, match="expected 'auto', 'triton' or 'torch'"):
         favor_attention(q, k, v, omega, **kw)
 
@@ -239,8 +239,8 @@ def test_cpu_paths_never_reach_the_kernels(monkeypatch):
     def refuse(required):
         raise AssertionError("the Triton kernels were requested on a CPU path")
 
-    monkeypatch.delenv(favor_causal.CAUSAL_IMPL_ENV, raising=False)
-    monkeypatch.setattr(favor_causal, "_triton_kernels", refuse)
+    monkeypatch.delenv(favor_module.CAUSAL_IMPL_ENV, raising=False)
+    monkeypatch.setattr(favor_module, "_triton_kernels", refuse)
     attn = FavorAttention(8, 16, causal=True, chunk_size=4)
     q = torch.randn(1, 2, 9, 8, requires_grad=True)
     attn(q, q, q)[0].sum().backward()
@@ -259,7 +259,7 @@ def test_cpu_causal_forward_and_backward_never_import_triton():
         "print('triton' in sys.modules)"
     )
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    env.pop(favor_causal.CAUSAL_IMPL_ENV, None)
+    env.pop(favor_module.CAUSAL_IMPL_ENV, None)
     proc = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=REPO,
         timeout=120,

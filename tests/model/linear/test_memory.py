@@ -66,6 +66,29 @@ def test_memory_matches_its_definition(causal):
     torch.testing.assert_close(out.double()[1, :, :36], ref[1, :, :36], atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("causal", [True, False])
+def test_memory_gradients_match_its_definition(causal):
+    """The banded read's own backward against autograd through the definition: gradients of
+    q, k, v and of the memory's learned offsets and gate (float64, both rows, padding too)."""
+    torch.manual_seed(5)
+    mem = PositionMemory(ExactAttention(causal=causal), 2, 6, max_positions=11, window=2).double()
+    with torch.no_grad():
+        mem.offset_logits.normal_()
+        mem.gate_weight.normal_()
+    pos, mask = _rows(6)
+    q, k, v = (torch.randn(2, 2, 41, 6, dtype=torch.float64, requires_grad=True)
+               for _ in range(3))
+    weight = torch.randn(2, 2, 41, 6, dtype=torch.float64) * ~mask[:, None, :, None]
+    inner = ExactAttention(causal=causal)(q, k, v, mask)[0]
+    inner = inner[0] if isinstance(inner, tuple) else inner
+    params = [q, k, v, mem.offset_logits, mem.gate_weight, mem.gate_bias]
+    ref = torch.autograd.grad((_reference(mem, q, k, v, pos, mask, inner) * weight).sum(), params)
+    out, _ = mem(q, k, v, mask, positions=pos)
+    got = torch.autograd.grad((out * weight).sum(), params)
+    for g, r in zip(got, ref, strict=True):
+        torch.testing.assert_close(g, r, atol=1e-9, rtol=1e-7)
+
+
 def test_member_layout_counts_members():
     pos, _ = _rows(1)
     assert member_layout(pos)[0].tolist() == [0] * 9 + [1] * 11 + [2] * 13 + [3] * 8
@@ -73,7 +96,8 @@ def test_member_layout_counts_members():
 
 def test_memory_state_continues_the_row_and_has_a_fixed_size():
     """A row split after its second member (a family context, then candidates) gives the same
-    outputs as the whole row, and the memory state's size does not depend on the row."""
+    outputs as the whole row; the memory state holds the longest member seen (11 tokens, then
+    13), not max_positions slots."""
     torch.manual_seed(1)
     inner = LinearAttention(2, 6, "taylor", causal=True, chunk_size=8)
     mem = PositionMemory(inner, 2, 6, max_positions=16, window=3)
@@ -89,7 +113,8 @@ def test_memory_state_continues_the_row_and_has_a_fixed_size():
     b, after = mem(q[:, :, 20:], k[:, :, 20:], v[:, :, 20:], state=state,
                    positions=pos[:, 20:], keep_state=True)
     torch.testing.assert_close(torch.cat([a, b], 2), full, atol=1e-5, rtol=1e-4)
-    assert state.mem.shape == after.mem.shape == (1, 2, 16 + 6 + 1, 6 + 6 + 1)
+    assert state.mem.shape == (1, 2, 11, 6 + 6 + 1)
+    assert after.mem.shape == (1, 2, 13, 6 + 6 + 1)
     steps, s = [], None
     for t in range(41):
         sl = slice(t, t + 1)
@@ -124,7 +149,7 @@ def test_hybrid_stack_puts_exact_attention_in_every_nth_layer_from_the_last():
 
 def test_memory_state_has_the_same_bytes_after_1k_and_64k_context_tokens():
     """The family state is constant in the context's length (issue 30's test): members of 100
-    tokens, 1,024 or 65,536 tokens of them."""
+    tokens, 1,024 or 65,536 tokens of them; its slots are the longest member's 100, not P."""
     inner = LinearAttention(1, 4, "taylor", causal=True)
     mem = PositionMemory(inner, 1, 4, max_positions=128, window=2)
 
@@ -135,7 +160,7 @@ def test_memory_state_has_the_same_bytes_after_1k_and_64k_context_tokens():
         return state.mem.nbytes + state.inner.kv.nbytes
 
     with torch.no_grad():
-        assert state_bytes(1024) == state_bytes(65536) == 4 * ((128 + 5) * 9 + 15 * 5)
+        assert state_bytes(1024) == state_bytes(65536) == 4 * (100 * 9 + 15 * 5)
 
 
 def test_a_long_causal_row_is_read_in_chunks_with_the_same_result(monkeypatch):
@@ -155,3 +180,25 @@ def test_a_long_causal_row_is_read_in_chunks_with_the_same_result(monkeypatch):
     chunked, chunked_state = mem(q, k, v, mask, positions=pos, keep_state=True)
     torch.testing.assert_close(chunked, whole, atol=1e-5, rtol=1e-4)
     torch.testing.assert_close(chunked_state.mem, state.mem, atol=1e-5, rtol=1e-4)
+
+
+def test_weights_do_not_depend_on_the_positions_held():
+    """A 0.5 memory checkpoint (P = 1,024, its state then sized by P) loads into a model that
+    holds fewer positions, strictly, and reads short members alike: the learned tensors are
+    per head and offset, never per position."""
+    from protein_performer.model.config import PerformerConfig
+    from protein_performer.model.performer import PerformerLM
+
+    torch.manual_seed(7)
+    shape = dict(dim=24, depth=2, heads=2, ff_dim=32, nb_features=16, objective="clm")
+    old = PerformerLM(PerformerConfig(**shape, position_memory=1024))
+    with torch.no_grad():
+        for p in old.parameters():
+            p.add_(0.1 * torch.randn_like(p))
+    new = PerformerLM(PerformerConfig(**shape, position_memory=64))
+    new.load_state_dict(old.state_dict(), strict=True)
+    tokens = torch.randint(4, 24, (1, 40))
+    tokens[0, [0, 20]] = 0
+    old.eval(), new.eval()
+    with torch.no_grad():
+        torch.testing.assert_close(new(tokens).logits, old(tokens).logits)
