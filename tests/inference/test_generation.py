@@ -279,6 +279,46 @@ def test_the_compile_switch_falls_back_in_one_line(monkeypatch, caplog) -> None:
         assert ("no C++ compiler" if attention == "favor" else "exact attention") in notes[0]
 
 
+def test_the_traced_step_is_the_default_and_compiled_where_it_pays(monkeypatch, caplog) -> None:
+    """Issue 43: unset, the switch runs the traced step eagerly, and compiles it only for a
+    batch size that decodes at least COMPILE_PAYS_STEPS tokens in the run (a short last batch
+    stays uncompiled: no second compile); "0" pins model.step, "1" the compiled step; another
+    value is refused. Every kind draws model.step's sequences (torch.compile replaced by the
+    identity here: its eager numbers); a compile is said in one line."""
+    from protein_performer.errors import UserError
+    from protein_performer.inference import generation
+
+    monkeypatch.delenv(generation.COMPILE_ENV, raising=False)
+    monkeypatch.setattr(torch, "compile", lambda fn, **_: fn)
+    lm = causal_lm("favor")
+    model = lm.model
+
+    def compiled(step) -> bool:
+        return step.traced._compiled_for is not None
+
+    assert not compiled(generation.decoding_step(model))
+    assert not compiled(generation.decoding_step(model, generation.COMPILE_PAYS_STEPS - 1))
+    assert compiled(generation.decoding_step(model, generation.COMPILE_PAYS_STEPS))
+    monkeypatch.setenv(generation.COMPILE_ENV, "0")
+    assert generation.decoding_step(model, 10**9) == model.step
+    kw = {"n": 5, "max_length": 20, "prompt": "MK", "seed": 3, "batch_size": 2}
+    plain = list(lm.iter_generate(**kw))
+    monkeypatch.setenv(generation.COMPILE_ENV, "sometimes")
+    with pytest.raises(UserError, match="expected 1, 0 or auto"):
+        generation.decoding_step(model)
+    monkeypatch.delenv(generation.COMPILE_ENV)
+    traced = list(lm.iter_generate(**kw))
+    monkeypatch.setattr(generation, "COMPILE_PAYS_STEPS", 40)  # 2 batches of 2 x 20 tokens
+    with caplog.at_level("INFO", logger="protein_performer"):
+        auto = list(lm.iter_generate(**kw))
+    for run in (traced, auto):
+        assert [g.sequence for g in run] == [g.sequence for g in plain]
+        for a, b in zip(run, plain, strict=True):
+            np.testing.assert_allclose(a.token_log_probs, b.token_log_probs, rtol=1e-6, atol=1e-6)
+    notes = [r.getMessage() for r in caplog.records if "compiling the decoding" in r.getMessage()]
+    assert notes == ["compiling the decoding step for batch size 2 (once; tens of seconds)"]
+
+
 class _ClosedAfter:
     """A standard output whose reader goes away after ``n`` writes (``| head``)."""
 

@@ -151,7 +151,7 @@ def favor_attention(
 
             out = causal_favor(x, y, vv, fmap, keep, tiles)
         else:
-            out = _BidiFavor.apply(x, y, vv, fmap, keep, block_size)
+            out = _BidiFavor.apply(x, y, vv, fmap, keep, block_size, H)
     return out.reshape(B, H, L, -1).to(q.dtype)
 
 

@@ -24,10 +24,11 @@ than the default on the quiet machine): the candidates are timed in :data:`REPEA
 interleaved rounds (every candidate once per round, the order rotated), so a load that comes
 and goes hits them alike; a pair replaces the default only when it is at least :data:`MARGIN`
 faster in every round. Each entry records when it was measured and the machine's load then.
-A measurement under load (other processes using more than :data:`BUSY_LOAD` of each core)
-keeps the default and is cached as provisional, measured again after
-:data:`RECHECK_PROVISIONAL` seconds; a cached winner older than :data:`RECHECK_WINNER` seconds
-is timed against the default again and dropped when it no longer wins.
+A measurement under load (other processes using more than :data:`BUSY_LOAD` of each core
+during the timing rounds, read from /proc, :func:`machine_load`) keeps the default and is
+cached as provisional, measured again after :data:`RECHECK_PROVISIONAL` seconds; a cached
+winner older than :data:`RECHECK_WINNER` seconds is timed against the default again and
+dropped when it no longer wins.
 ``PROTEIN_PERFORMER_FAVOR_RETUNE=1`` re-tunes on purpose (each shape this process meets is
 measured again and its entry replaced). The timings come from one function
 (``causal_tiles(..., clock=)``), so tests give it made-up times.
@@ -47,7 +48,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -72,8 +73,8 @@ _CANDIDATES = {DEFAULT_TILES, *((c, s) for c in CHUNKS for s in SEGMENTS)}
 MARGIN = 0.05
 #: Interleaved timing rounds of the candidates.
 REPEATS = 3
-#: Load per core from other processes (the 1-minute load average less this process's threads,
-#: over the cores) above which a measurement is provisional.
+#: Load per core from other processes during the timing (:func:`machine_load`) above which a
+#: measurement is provisional.
 BUSY_LOAD = 0.25
 #: Seconds after which a provisional entry is measured again, and a cached winner re-checked.
 RECHECK_PROVISIONAL, RECHECK_WINNER = 3600.0, 7 * 86400.0
@@ -198,14 +199,44 @@ def _file_lock(path: Path) -> Iterator[None]:
         yield
 
 
-def machine_load(threads: int) -> float:
-    """Load per core from other processes: the 1-minute load average less this process's
-    ``threads``, over the cores (0 where the system has no load average)."""
+class CpuMark(NamedTuple):
+    """CPU seconds used so far by the whole machine and by this process, and when (Linux)."""
+
+    machine: float
+    own: float
+    wall: float
+
+
+def cpu_mark() -> CpuMark | None:
+    """The machine's busy CPU seconds (``/proc/stat``: every state but idle and iowait) and
+    this process's (``/proc/self/stat``: user + system, all threads); None without /proc."""
+    try:
+        fields = Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]
+        ticks = [int(f) for f in fields[:8]]  # user nice system idle iowait irq softirq steal
+        own = Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()
+    except (OSError, ValueError, IndexError):
+        return None
+    hz = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+    busy = sum(ticks) - ticks[3] - ticks[4]
+    return CpuMark(busy / hz, (int(own[11]) + int(own[12])) / hz, time.monotonic())
+
+
+def machine_load(threads: int, since: CpuMark | None = None) -> float:
+    """Load per core from other processes: with ``since`` (a :func:`cpu_mark` taken before a
+    timing), the CPU time the rest of the machine took since then over the wall time and the
+    cores, so a neighbour that started a second before counts in full; else (no /proc) the
+    1-minute load average less this process's ``threads``, over the cores (0 where there is
+    none). Why not only the average: it lags a new neighbour by most of a minute (issue 43)."""
+    cpus = os.cpu_count() or 1
+    now = cpu_mark() if since is not None else None
+    if since is not None and now is not None and now.wall > since.wall:
+        other = (now.machine - since.machine) - (now.own - since.own)
+        return max(0.0, other) / ((now.wall - since.wall) * cpus)
     try:
         average = os.getloadavg()[0]
     except (OSError, AttributeError):
         return 0.0
-    return max(0.0, average - threads) / (os.cpu_count() or 1)
+    return max(0.0, average - threads) / cpus
 
 
 def _timer(
@@ -389,8 +420,9 @@ def causal_tiles(
                     return _measure(time_one)
                 return _recheck(time_one, tuple(entry["tiles"]))  # type: ignore[index, arg-type]
 
+            mark = cpu_mark()
             best, seen = _apart(measure, grad, q.device)
-            load = machine_load(threads)
+            load = machine_load(threads, mark)
             provisional = load > BUSY_LOAD
             if provisional:  # a loaded machine's timings are not trusted with a choice
                 best = DEFAULT_TILES
