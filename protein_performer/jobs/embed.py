@@ -49,7 +49,8 @@ from protein_performer.data.headers import IdLookup
 from protein_performer.data.inputs import InputRecord, input_records, total_in_background
 from protein_performer.errors import UserError, shown
 from protein_performer.inference.api import ProteinLM, precision_name
-from protein_performer.inference.embedding import HIDDEN_KINDS, features_sha256, resolve_layers
+from protein_performer.inference.embedding import HIDDEN_KINDS, resolve_layers
+from protein_performer.interop.identity import model_hashes
 from protein_performer.io.atomic import output_file
 from protein_performer.io.columns import (
     HEADER_COLUMNS,
@@ -104,15 +105,13 @@ def _layout(attrs: dict[str, Any]) -> Layout:
 def file_attrs(lm: ProteinLM, layers: Sequence[int], include: Sequence[str]) -> dict[str, Any]:
     """The root attributes: what the embeddings came from and how they were made."""
     from protein_performer import __version__
-    from protein_performer.model.contact_head import weights_sha256
 
     return {
         "format": FORMAT_NAME,
         "format_version": FORMAT_VERSION,
         "protein_performer_version": __version__,
         "checkpoint": str(lm.loaded.source),
-        "model_sha256": weights_sha256(lm.model),
-        "features_sha256": features_sha256(lm.model),
+        **model_hashes(lm.model),
         "objective": lm.config.objective,
         "attention": lm.config.attention,
         "dim": lm.config.dim,
