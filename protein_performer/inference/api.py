@@ -18,7 +18,7 @@ import os
 import re
 from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -34,7 +34,12 @@ from protein_performer.inference.context import (
     core_kinds,
     untrained_context_warning,
 )
-from protein_performer.inference.embedding import HIDDEN_KINDS, block_numbers, embed_sequences
+from protein_performer.inference.embedding import (
+    HIDDEN_KINDS,
+    block_numbers,
+    embed_sequences,
+    resolve_layers,
+)
 from protein_performer.inference.ensemble import ContextEnsemble
 from protein_performer.inference.generation import Generated, SamplingOptions, iter_generate
 from protein_performer.inference.scoring import (
@@ -52,6 +57,11 @@ from protein_performer.io.sharding import windows
 from protein_performer.io.threads import set_threads
 from protein_performer.model.config import PerformerConfig
 from protein_performer.model.performer import PerformerLM
+
+if TYPE_CHECKING:
+    from protein_performer.contacts.predict import ContactMap
+    from protein_performer.model.contact_head import ContactRegression
+    from protein_performer.model.task_heads import TaskHead
 
 log = logging.getLogger(__name__)
 
@@ -174,6 +184,11 @@ class ProteinLM:
         return self.loaded.device
 
     @property
+    def source(self) -> Path:
+        """The file or directory the model was read from (a Hugging Face id: its snapshot)."""
+        return self.loaded.source
+
+    @property
     def dtype(self) -> torch.dtype:
         """The weights' dtype (FAVOR+ random features stay fp32)."""
         return self.loaded.model.embed_tokens.weight.dtype
@@ -187,6 +202,11 @@ class ProteinLM:
         )
 
     # ----------------------------------------------------------------------------- embeddings
+    def resolve_layers(self, layers: Sequence[int]) -> list[int]:
+        """ESM layer numbers (0 = embeddings, negative from the end) -> the sorted, unique
+        block numbers 0..depth they name (what an embeddings file records)."""
+        return resolve_layers(self.loaded, layers)
+
     def iter_embed(
         self,
         records: Records,
@@ -371,9 +391,14 @@ class ProteinLM:
             )
 
     # ----------------------------------------------------------------------------- scores
+    def check_strategy(self, strategy: str, choices: Sequence[str]) -> None:
+        """Refuse a strategy outside ``choices`` or one this model's objective cannot
+        compute (a masked LM has no left-to-right distribution), before any input is read."""
+        check_strategy(self.loaded, strategy, choices)
+
     def _strategy(self, strategy: str | None, choices: Sequence[str], masked: str) -> str:
         strategy = strategy or ("causal" if self.objective == "clm" else masked)
-        check_strategy(self.loaded, strategy, choices)
+        self.check_strategy(strategy, choices)
         return strategy
 
     def iter_score(
@@ -494,13 +519,20 @@ class ProteinLM:
         return values
 
     # ----------------------------------------------------------------------------- task head
+    def task_head(self) -> TaskHead:
+        """A fine-tuned model's head, or one ``UserError`` saying how to get a model that
+        has one."""
+        from protein_performer.inference.prediction import task_head
+
+        return task_head(self.loaded)
+
     def iter_predict(
         self, records: Records, toks_per_batch: int = 4096
     ) -> Iterator[tuple[str, np.ndarray]]:
         """Yield ``(id, prediction)`` in input order (memory: one window); see :meth:`predict`."""
-        from protein_performer.inference.prediction import predict_sequences, task_head
+        from protein_performer.inference.prediction import predict_sequences
 
-        task_head(self.loaded)  # a model without a head fails before reading any input
+        self.task_head()  # a model without a head fails before reading any input
         for window in windows(as_records(records), toks_per_batch, lambda r: len(r[1])):
             values = predict_sequences(self.loaded, [s for _, s in window], toks_per_batch)
             for (rid, _), value in zip(window, values, strict=True):
@@ -518,9 +550,7 @@ class ProteinLM:
         regression -> (N,) for one target, (N, T) for several; classification -> class
         probabilities (N, C) (classes in ``lm.task_labels`` order); residue classification ->
         a list of (L_i, C) probabilities. Any length, one pass per sequence."""
-        from protein_performer.inference.prediction import task_head
-
-        head = task_head(self.loaded)
+        head = self.task_head()
         rows = [v for _, v in self.iter_predict(seqs, toks_per_batch)]
         if head.per_residue:
             return rows
@@ -543,12 +573,35 @@ class ProteinLM:
         ``protein-performer contacts``) or the regression file ``regression``. The map is
         L x L; to keep only the top pairs of a very long sequence, call
         ``protein_performer.contacts.predict.predict_contacts`` with a dense limit."""
-        from protein_performer.contacts.predict import find_regression, predict_contacts
-
         ((_, text),) = list(as_records([("sequence", seq)]))
-        reg = find_regression(self.loaded, regression, caller="python")
-        cmap = predict_contacts(self.loaded, text, reg, dense_max_length=len(text))
-        return cmap.dense
+        reg = self.contact_regression(regression)
+        return self.contact_map(text, reg, dense_max_length=len(text)).dense
+
+    def contact_regression(
+        self,
+        path: str | os.PathLike[str] | None = None,
+        *,
+        caller: str = "python",
+        sha256: str | None = None,
+    ) -> ContactRegression:
+        """The regression at ``path``, else the model's own (a missing one: one line saying
+        how to fit one, in the ``caller``'s words), checked against this model once: another
+        attention layout is refused, other weights (``sha256`` if the caller hashed them
+        already) are warned about."""
+        from protein_performer.contacts.predict import find_regression
+
+        reg = find_regression(self.loaded, path, caller=caller)
+        reg.check_model(self.loaded, sha256)
+        return reg
+
+    def contact_map(self, seq: str, regression: ContactRegression, **limits: Any) -> ContactMap:
+        """One sequence's :class:`ContactMap` under ``regression`` (from
+        :meth:`contact_regression`, so checked once per run, not per sequence); ``limits``:
+        ``dense_max_length``, ``top_k_per_length``, ``min_separation`` of
+        ``contacts.predict.predict_contacts``."""
+        from protein_performer.contacts.predict import predict_contacts
+
+        return predict_contacts(self.loaded, seq, regression, checked=True, **limits)
 
     # ----------------------------------------------------------------------------- report
     def report(

@@ -49,7 +49,7 @@ from protein_performer.data.headers import IdLookup
 from protein_performer.data.inputs import InputRecord, input_records, total_in_background
 from protein_performer.errors import UserError, shown
 from protein_performer.inference.api import ProteinLM, precision_name
-from protein_performer.inference.embedding import HIDDEN_KINDS, resolve_layers
+from protein_performer.inference.embedding import HIDDEN_KINDS
 from protein_performer.interop.identity import model_hashes
 from protein_performer.io.atomic import output_file
 from protein_performer.io.columns import (
@@ -110,7 +110,7 @@ def file_attrs(lm: ProteinLM, layers: Sequence[int], include: Sequence[str]) -> 
         "format": FORMAT_NAME,
         "format_version": FORMAT_VERSION,
         "protein_performer_version": __version__,
-        "checkpoint": str(lm.loaded.source),
+        "checkpoint": str(lm.source),
         **model_hashes(lm.model),
         "objective": lm.config.objective,
         "attention": lm.config.attention,
@@ -345,7 +345,7 @@ def embed_fasta(
 
     path = Path(fasta).expanduser()
     dest = output_file(out)
-    layers = resolve_layers(lm.loaded, repr_layers)
+    layers = lm.resolve_layers(repr_layers)
     include = list(dict.fromkeys(include))
     bad = sorted(set(include) - set(INCLUDE_CHOICES))
     if bad or not include:
@@ -353,10 +353,7 @@ def embed_fasta(
     attrs = file_attrs(lm, layers, include)
     regression = None
     if "contacts" in include:  # the model's own regression, or one line saying how to fit one
-        from protein_performer.contacts.predict import find_regression
-
-        regression = find_regression(lm.loaded, caller="embed")
-        regression.check_model(lm.loaded, attrs["model_sha256"])  # the weights hashed once
+        regression = lm.contact_regression(caller="embed", sha256=attrs["model_sha256"])
         attrs["contact_regression"] = json.dumps(regression.to_dict(), sort_keys=True)
         attrs["contacts_dtype"] = CONTACTS_DTYPE
     pdir = parts_dir(dest)
@@ -417,9 +414,7 @@ def embed_fasta(
         )
         maps = []
         if regression is not None:
-            from protein_performer.contacts.predict import predict_contacts
-
-            maps = [predict_contacts(lm.loaded, s, regression, checked=True) for _, s in pairs]
+            maps = [lm.contact_map(s, regression) for _, s in pairs]
         _write_part(part, part_attrs, window, results, maps)
         n = sum(len(r.sequence) for r in window)
         residues += n
