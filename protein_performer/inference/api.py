@@ -136,6 +136,19 @@ def load(
     return ProteinLM(loaded)
 
 
+def _check_finite(values: Sequence[np.ndarray | float], what: str, rid: str | None = None) -> None:
+    """NaN never becomes a number: non-finite ``values`` of sequence ``rid`` (None: of the
+    whole call) are one error naming ``what`` came out (``"non-finite logits"``) and what to
+    try."""
+    if all(np.isfinite(v).all() for v in values):
+        return
+    where = "" if rid is None else f"sequence {shown(rid)}: "
+    raise UserError(
+        f"{where}the model gave {what}; its weights or precision are broken (try --precision "
+        "fp32)"
+    )
+
+
 def _prompts(context: FamilyContext | ContextEnsemble | None) -> list[FamilyContext | None]:
     """The contexts to score with: an ensemble's prompts, else the one context (or None)."""
     if isinstance(context, ContextEnsemble):
@@ -231,11 +244,8 @@ class ProteinLM:
             results = dict(embed_sequences(self.loaded, seqs, resolved, kinds, toks_per_batch))
             for i, (rid, _) in enumerate(window):
                 out = results.pop(i)
-                if not all(np.isfinite(a).all() for d in out.values() for a in d.values()):
-                    raise UserError(
-                        f"sequence {shown(rid)}: the model gave non-finite embeddings; its "
-                        "weights or precision are broken (try --precision fp32)"
-                    )
+                arrays = [a for per_layer in out.values() for a in per_layer.values()]
+                _check_finite(arrays, "non-finite embeddings", rid)
                 if several_kinds:
                     yield rid, out
                     continue
@@ -289,11 +299,7 @@ class ProteinLM:
             for row, i in enumerate(batch):
                 out[i] = logits[row, : lengths[i]]
         for (rid, _), value in zip(records, out, strict=True):
-            if not np.isfinite(value).all():  # type: ignore[union-attr]
-                raise UserError(
-                    f"sequence {shown(rid)}: the model gave non-finite logits; its weights or "
-                    "precision are broken (try --precision fp32)"
-                )
+            _check_finite([value], "non-finite logits", rid)  # type: ignore[list-item]
         return out  # type: ignore[return-value]
 
     def attention(
@@ -429,12 +435,7 @@ class ProteinLM:
                 scores.append(SequenceScore(first.id, first.length, first.n_scored,
                                             float(terms.sum()), terms))  # fmt: skip
             for score in scores:
-                if not np.isfinite(score.log_likelihood):
-                    raise UserError(
-                        f"sequence {shown(score.id)}: the model gave a non-finite "
-                        "log-likelihood; its weights or precision are broken (try --precision "
-                        "fp32)"
-                    )
+                _check_finite([score.log_likelihood], "a non-finite log-likelihood", score.id)
                 yield score.id, score
 
     def score(
@@ -511,11 +512,7 @@ class ProteinLM:
             ],
             axis=0,
         ).astype(np.float64)  # an ensemble's score: the mean over its prompts
-        if not np.all(np.isfinite(values)):
-            raise UserError(
-                "the model gave non-finite variant scores; its weights or precision are broken "
-                "(try --precision fp32)"
-            )
+        _check_finite([values], "non-finite variant scores")
         return values
 
     # ----------------------------------------------------------------------------- task head
@@ -536,11 +533,7 @@ class ProteinLM:
         for window in windows(as_records(records), toks_per_batch, lambda r: len(r[1])):
             values = predict_sequences(self.loaded, [s for _, s in window], toks_per_batch)
             for (rid, _), value in zip(window, values, strict=True):
-                if not np.isfinite(value).all():
-                    raise UserError(
-                        f"sequence {shown(rid)}: the model gave non-finite predictions; its "
-                        "weights or precision are broken (try --precision fp32)"
-                    )
+                _check_finite([value], "non-finite predictions", rid)
                 yield rid, value
 
     def predict(
