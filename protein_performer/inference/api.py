@@ -13,10 +13,11 @@ handled inside.
 
 from __future__ import annotations
 
+import inspect
 import logging
 import os
 import re
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -156,6 +157,13 @@ def _prompts(context: FamilyContext | ContextEnsemble | None) -> list[FamilyCont
     return [context]
 
 
+def _prompt_mean(runs: Sequence[Sequence[np.ndarray]]) -> list[np.ndarray]:
+    """An ensemble scores like one context: ``runs`` (one per prompt, each a list of score
+    arrays) -> item by item, the mean over the prompts, element by element (one prompt: its
+    own arrays' values)."""
+    return [np.mean(values, axis=0) for values in zip(*runs, strict=True)]
+
+
 def _pooling_kinds(pooling: str | None | Sequence[str | None]) -> tuple[list[str], bool]:
     """Pooling argument -> (HDF5 kinds, whether the caller asked for several)."""
     several = not (pooling is None or isinstance(pooling, str))
@@ -233,13 +241,38 @@ class ProteinLM:
         (a tuple, e.g. ``("mean", None)``), ``{kind: {layer: array}}`` with kinds ``mean``,
         ``bos``, ``per_tok``, layers numbered 0..depth (the CLI's file layout).
         """
+        embed = self._window_embedder(layers, pooling, toks_per_batch)  # layers resolved once
+        for window in windows(as_records(records), toks_per_batch, lambda r: len(r[1])):
+            yield from embed(window)
+
+    def embed_window(
+        self,
+        records: Records,
+        layers: int | Sequence[int] = (-1,),
+        pooling: str | None | Sequence[str | None] = "mean",
+        toks_per_batch: int = 4096,
+    ) -> list[tuple[str, Any]]:
+        """:meth:`iter_embed`'s ``(id, embedding)`` pairs for records held in memory at once,
+        not cut into windows again: a file driver's window (``jobs.embed``), cut once there."""
+        embed = self._window_embedder(layers, pooling, toks_per_batch)
+        return list(embed(list(as_records(records))))
+
+    def _window_embedder(
+        self,
+        layers: int | Sequence[int],
+        pooling: str | None | Sequence[str | None],
+        toks_per_batch: int,
+    ) -> Callable[[list[tuple[str, str]]], Iterator[tuple[str, Any]]]:
+        """Resolve ``layers`` and ``pooling`` once; the function it returns embeds one window
+        of checked ``(id, sequence)`` records, in order, shaped as :meth:`iter_embed` says."""
         several_layers = not isinstance(layers, int)
         given = list(layers) if several_layers else [layers]  # type: ignore[list-item]
-        blocks = block_numbers(self.loaded, given)  # resolved once for the whole input
+        blocks = block_numbers(self.loaded, given)
         resolved = sorted(set(blocks))
         kinds, several_kinds = _pooling_kinds(pooling)
         by_given = dict(zip(given, blocks, strict=True))
-        for window in windows(as_records(records), toks_per_batch, lambda r: len(r[1])):
+
+        def embed(window: list[tuple[str, str]]) -> Iterator[tuple[str, Any]]:
             seqs = [s for _, s in window]
             results = dict(embed_sequences(self.loaded, seqs, resolved, kinds, toks_per_batch))
             for i, (rid, _) in enumerate(window):
@@ -254,6 +287,8 @@ class ProteinLM:
                     yield rid, {g: per_layer[j] for g, j in by_given.items()}
                 else:
                     yield rid, per_layer[by_given[given[0]]]
+
+        return embed
 
     def embed(
         self,
@@ -428,13 +463,11 @@ class ProteinLM:
                 score_sequences(self.loaded, window, strategy, toks_per_batch, bar, ctx,
                                 pll_rate)  # fmt: skip
                 for ctx in prompts
-            ]  # an ensemble's scores: the mean over its prompts, position by position
-            scores = []
-            for i, first in enumerate(runs[0]):
-                terms = np.mean([run[i].terms for run in runs], axis=0)
-                scores.append(SequenceScore(first.id, first.length, first.n_scored,
-                                            float(terms.sum()), terms))  # fmt: skip
-            for score in scores:
+            ]
+            means = _prompt_mean([[s.terms for s in run] for run in runs])
+            for first, terms in zip(runs[0], means, strict=True):
+                score = SequenceScore(first.id, first.length, first.n_scored,
+                                      float(terms.sum()), terms)  # fmt: skip
                 _check_finite([score.log_likelihood], "a non-finite log-likelihood", score.id)
                 yield score.id, score
 
@@ -503,15 +536,12 @@ class ProteinLM:
                 parsed.append(parse_mutant(text, wt, offset, self.alphabet))
             except ValueError as exc:
                 raise UserError(f"mutant {i} ({text!r}): {exc}") from None
-        values = np.mean(
-            [
-                score_variants(
-                    self.loaded, wt, parsed, strategy, toks_per_batch, progress, context=ctx
-                )
-                for ctx in _prompts(context)
-            ],
-            axis=0,
-        ).astype(np.float64)  # an ensemble's score: the mean over its prompts
+        runs = [
+            [score_variants(self.loaded, wt, parsed, strategy, toks_per_batch, progress,
+                            context=ctx)]  # fmt: skip
+            for ctx in _prompts(context)
+        ]
+        values = _prompt_mean(runs)[0].astype(np.float64)
         _check_finite([values], "non-finite variant scores")
         return values
 
@@ -703,20 +733,7 @@ class ProteinLM:
             prompts = [p.strip().upper() for p in prompt]
         return iter_generate(self.loaded, n, opts, prompts, seed, batch_size, contexts)
 
-    def generate(
-        self,
-        n: int = 8,
-        max_length: int = 300,
-        min_length: int = 0,
-        prompt: str | Sequence[str] = "M",
-        temperature: float = 1.0,
-        top_k: int | None = None,
-        top_p: float | None = None,
-        seed: int = 0,
-        batch_size: int = 8,
-        *,
-        context: FamilyContext | ContextEnsemble | None = None,
-    ) -> list[str]:
+    def generate(self, *args: Any, **kwargs: Any) -> list[str]:
         """Sample ``n`` sequences from a causal model in RNN mode (constant cost per token).
 
         Each starts with ``prompt`` (one string, or one per sequence) and ends at ``<eos>``
@@ -727,20 +744,11 @@ class ProteinLM:
         With a family ``context`` (:meth:`context`) the sequences are new members of that
         family, each generated as the next member after it (``prompt=""`` lets the model
         choose the first residue too); with an ensemble, sequence ``i`` after prompt
-        ``i mod len(prompts)``.
+        ``i mod len(prompts)``. The arguments are :meth:`iter_generate`'s (its signature is
+        this method's, as ``help()`` shows), written once there.
         """
-        return [
-            g.sequence
-            for g in self.iter_generate(
-                n,
-                max_length,
-                min_length,
-                prompt,
-                temperature,
-                top_k,
-                top_p,
-                seed,
-                batch_size,
-                context=context,
-            )
-        ]
+        return [g.sequence for g in self.iter_generate(*args, **kwargs)]
+
+    generate.__signature__ = inspect.signature(iter_generate).replace(  # type: ignore[attr-defined]
+        return_annotation="list[str]"
+    )

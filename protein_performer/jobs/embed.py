@@ -1,4 +1,4 @@
-"""``embed``: the embeddings of many proteins (``lm.iter_embed``) into one columnar HDF5 file
+"""``embed``: the embeddings of many proteins (``lm.embed_window``) into one columnar HDF5 file
 that scales to UniRef, and :func:`read_embeddings`, its reader.
 
 Shaped like ESM's ``esm-extract`` without its classic traps: any length goes through the model
@@ -408,7 +408,7 @@ def embed_fasta(
         nonlocal residues
         pairs = [(r.id, r.sequence) for r in window]
         results = (
-            [res for _, res in lm.iter_embed(pairs, layers, pooling, toks_per_batch)]
+            [res for _, res in lm.embed_window(pairs, layers, pooling, toks_per_batch)]
             if pooling
             else []
         )
