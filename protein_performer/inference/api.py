@@ -72,6 +72,8 @@ PRECISIONS: dict[str, torch.dtype] = {
     "bf16": torch.bfloat16,
     "fp16": torch.float16,
 }
+#: ``iter_embed``'s poolings: "mean", "bos", None (per residue), or several of them at once.
+Pooling = str | None | Sequence[str | None]
 _SPECIAL = re.compile(r"(<[a-z_0-9]+>)")
 
 
@@ -164,7 +166,7 @@ def _prompt_mean(runs: Sequence[Sequence[np.ndarray]]) -> list[np.ndarray]:
     return [np.mean(values, axis=0) for values in zip(*runs, strict=True)]
 
 
-def _pooling_kinds(pooling: str | None | Sequence[str | None]) -> tuple[list[str], bool]:
+def _pooling_kinds(pooling: Pooling) -> tuple[list[str], bool]:
     """Pooling argument -> (HDF5 kinds, whether the caller asked for several)."""
     several = not (pooling is None or isinstance(pooling, str))
     names = list(pooling) if several else [pooling]  # type: ignore[arg-type]
@@ -246,11 +248,7 @@ class ProteinLM:
             yield from embed(window)
 
     def embed_window(
-        self,
-        records: Records,
-        layers: int | Sequence[int] = (-1,),
-        pooling: str | None | Sequence[str | None] = "mean",
-        toks_per_batch: int = 4096,
+        self, records: Records, layers: int | Sequence[int], pooling: Pooling, toks_per_batch: int
     ) -> list[tuple[str, Any]]:
         """:meth:`iter_embed`'s ``(id, embedding)`` pairs for records held in memory at once,
         not cut into windows again: a file driver's window (``jobs.embed``), cut once there."""
@@ -258,10 +256,7 @@ class ProteinLM:
         return list(embed(list(as_records(records))))
 
     def _window_embedder(
-        self,
-        layers: int | Sequence[int],
-        pooling: str | None | Sequence[str | None],
-        toks_per_batch: int,
+        self, layers: int | Sequence[int], pooling: Pooling, toks_per_batch: int
     ) -> Callable[[list[tuple[str, str]]], Iterator[tuple[str, Any]]]:
         """Resolve ``layers`` and ``pooling`` once; the function it returns embeds one window
         of checked ``(id, sequence)`` records, in order, shaped as :meth:`iter_embed` says."""
