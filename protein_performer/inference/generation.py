@@ -268,10 +268,11 @@ def iter_generate(
         raise UserError(f"batch_size must be a positive integer, got {batch_size}")
     if seed < 0:
         raise UserError(f"seed must be a non-negative integer, got {seed}")
-    prompts = [prompt] * n if isinstance(prompt, str) else list(prompt)
-    if len(prompts) != n:
+    # One prompt for all stays one string: a list of n copies was a MemoryError for n = 1e15.
+    prompts: str | list[str] = prompt if isinstance(prompt, str) else list(prompt)
+    if not isinstance(prompts, str) and len(prompts) != n:
         raise UserError(f"got {len(prompts)} prompts for {n} sequences; give one or n")
-    for i, p in enumerate(prompts):
+    for i, p in enumerate([prompts] if isinstance(prompts, str) else prompts):
         try:
             loaded.alphabet.encode(p)
         except ValueError as exc:
@@ -287,7 +288,7 @@ def _batches(
     loaded: LoadedModel,
     n: int,
     opts: SamplingOptions,
-    prompts: list[str],
+    prompts: str | list[str],
     seed: int,
     batch_size: int,
     context: FamilyContext | Sequence[FamilyContext] | None = None,
@@ -298,5 +299,6 @@ def _batches(
         for k, ctx in enumerate(contexts):  # one batch per prompt, the window in index order
             idx = [i for i in range(start, min(n, start + batch_size)) if i % len(contexts) == k]
             if idx:
-                done += generate_batch(loaded, idx, [prompts[i] for i in idx], opts, seed, ctx)
+                batch = [prompts if isinstance(prompts, str) else prompts[i] for i in idx]
+                done += generate_batch(loaded, idx, batch, opts, seed, ctx)
         yield from sorted(done, key=lambda g: g.index)

@@ -308,3 +308,17 @@ def test_generate_into_a_closed_pipe_says_how_many(tmp_path: Path, capsys, monke
     assert main(argv) == 0
     err = capsys.readouterr().err
     assert "generated 3 of 8 sequence(s): standard output was closed after them" in err, err
+
+
+def test_a_huge_count_streams_and_zero_is_refused(tmp_path: Path, capsys) -> None:
+    """``--num 1e15`` built a list of 1e15 prompts first (MemoryError); ``--num 0`` wrote an
+    empty file with exit 0 (issue 42 #17, #20)."""
+    lm = causal_lm()
+    first = next(lm.iter_generate(n=10**15, max_length=10, seed=3))
+    assert first.index == 0 and first.sequence == lm.generate(n=1, max_length=10, seed=3)[0]
+    ckpt = export_model(lm.loaded, tmp_path / "m")
+    out = tmp_path / "none.fasta"
+    argv = ["generate", str(ckpt), str(out), "--num", "0", "--max-length", "5", "--no-progress"]
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["error: --num must be at least 1, got 0"] and not out.exists()

@@ -42,6 +42,7 @@ import logging
 import math
 import os
 import platform
+import stat
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -138,13 +139,34 @@ def _read(path: Path) -> dict[str, dict[str, Any]]:
     """The stored entries (``tiles``, ``at``, ``provisional``...; only candidate pairs of
     integers: anything else is re-tuned); {} when unreadable."""
     try:
-        data = json.loads(path.read_text())
+        data = json.loads(_read_regular(path))
     except (*_CACHE_ERRORS, ValueError):
         return {}
     if not isinstance(data, dict) or data.get("format") != FORMAT:
         return {}
     entries = data.get("tiles")
     return {k: v for k, v in entries.items() if _valid(v)} if isinstance(entries, dict) else {}
+
+
+#: Larger than any cache this module writes (a few KB): a bigger file is not ours.
+_MAX_CACHE_BYTES = 1 << 22
+_warned: set[str] = set()
+
+
+def _read_regular(path: Path) -> str:
+    """The text of ``path`` when it is a regular file of sane size; a FIFO (where ``read_text``
+    waited forever), a device or a directory is ignored with one warning and re-tuned over
+    (the atomic write replaces it with a regular file)."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    with os.fdopen(fd, "rb") as fh:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_size > _MAX_CACHE_BYTES:
+            if str(path) not in _warned:
+                _warned.add(str(path))
+                log.warning("ignoring %s: not a regular file of at most %d bytes", path,
+                            _MAX_CACHE_BYTES)  # fmt: skip
+            raise ValueError(f"{path} is not a tile cache")
+        return fh.read(_MAX_CACHE_BYTES).decode("utf-8")
 
 
 def _valid(entry: Any) -> bool:  # noqa: ANN401 - JSON

@@ -279,3 +279,23 @@ def test_processes_sharing_a_cache_tune_once(fresh):
     outs = sorted(proc.communicate(timeout=120)[0].strip() for proc in procs)
     assert all(proc.returncode == 0 for proc in procs)
     assert outs[0] == "(64, 1024) 0" and outs[1] == f"(64, 1024) {5 + 7 * tiles.REPEATS}", outs
+
+
+def test_a_fifo_as_the_cache_is_ignored_with_one_warning(fresh, caplog):
+    """``read_text`` of a FIFO waited forever for a writer (issue 42 #16)."""
+    import logging
+    import os
+    import threading
+
+    os.mkfifo(fresh / PATH)
+    done: list[tuple[int, int]] = []
+    worker = threading.Thread(target=lambda: done.append(tune(Probe())), daemon=True)
+    with caplog.at_level(logging.WARNING, logger=tiles.__name__):
+        worker.start()
+        worker.join(timeout=30)
+    if worker.is_alive():
+        pytest.fail("the tiles cache hung on a FIFO (its thread still holds the tiles lock)")
+    assert done == [(64, 1024)]
+    warnings = [r for r in caplog.records if "not a regular file" in r.getMessage()]
+    assert len(warnings) == 1
+    assert (fresh / PATH).is_file()  # the tuned result replaced it
