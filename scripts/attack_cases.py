@@ -153,8 +153,9 @@ def _zip_bomb(work: Path) -> Path:
 
 def _regression(model: Path, work: Path, name: str, **edits: object) -> Path:
     """A valid contact regression of ``model``, then edited."""
+    from protein_performer.interop.identity import model_identity
     from protein_performer.interop.loading import load_model
-    from protein_performer.model.contact_head import ContactRegression, model_identity
+    from protein_performer.model.contact_head import ContactRegression
 
     loaded = load_model(model, "cpu")
     reg = ContactRegression([0.5, -0.5, 0.25, 0.0], -1.0, [1, 2], [0, 1], **model_identity(loaded))

@@ -47,11 +47,10 @@ import numpy as np
 from protein_performer.errors import UserError, shown
 from protein_performer.inference.api import ProteinLM
 from protein_performer.inference.dms_metrics import METRICS, assay_metrics, leaderboard_average
-from protein_performer.inference.embedding import features_sha256
+from protein_performer.interop.identity import model_hashes
 from protein_performer.io.atomic import text_output, write_text_atomic
 from protein_performer.io.outputs import claim_output
 from protein_performer.io.tables import table_writer, text_cell
-from protein_performer.model.contact_head import weights_sha256
 
 #: The logger's name as the CLI has always printed it (``WARNING <name>: ...``).
 log = logging.getLogger("protein_performer.inference.proteingym")
@@ -286,10 +285,7 @@ def _run_assays(
     summary = BenchmarkSummary(out)
     say = sys.stderr
     # What every assay's run file records of the model: hashed once for the run, not per assay.
-    model = {
-        "model_sha256": weights_sha256(lm.model),
-        "features_sha256": features_sha256(lm.model),
-    }
+    model = model_hashes(lm.model)
     for n, assay in enumerate(assays, start=1):
         start = time.perf_counter()
         mutants, labels, fit = read_assay(files[assay.dms_id])
