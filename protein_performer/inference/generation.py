@@ -279,12 +279,11 @@ def iter_generate(
 
     Arguments are checked here, before the first sequence is asked for.
     """
-    if loaded.config.objective != "clm":
-        raise UserError(
-            f"{loaded.source} is a masked LM (objective mlm): generation needs a causal model "
-            "(objective clm); train one with `protein-performer train experiment=demo_clm` "
-            "(the CPU demo)"
-        )
+    loaded.config.require_causal(
+        "generation",
+        loaded.source,
+        "; train one with `protein-performer train experiment=demo_clm` (the CPU demo)",
+    )
     opts.validate()
     if n < 0:
         raise UserError(f"the number of sequences must be >= 0, got {n}")
