@@ -51,8 +51,8 @@ def _cli(*args: str) -> list[str]:
     return [sys.executable, "-m", "protein_performer.cli.main", *args]
 
 
-def _models(work: Path) -> tuple[Path, Path]:
-    """Tiny MLM and CLM exports (seeded)."""
+def _export(work: Path, name: str, **config: object) -> Path:
+    """A tiny export (seeded) of ``PerformerConfig(dim=16, heads=2, ff_dim=32, **config)``."""
     import torch
 
     from protein_performer.data.tokenizer import Alphabet
@@ -61,17 +61,20 @@ def _models(work: Path) -> tuple[Path, Path]:
     from protein_performer.model.config import PerformerConfig
     from protein_performer.model.performer import PerformerLM
 
-    out = []
-    for objective in ("mlm", "clm"):
-        torch.manual_seed(0)
-        config = PerformerConfig(
-            dim=16, depth=2, heads=2, ff_dim=32, nb_features=8, objective=objective
-        )
-        loaded = LoadedModel(
-            PerformerLM(config).eval(), config, Alphabet(), work, torch.device("cpu"), "export"
-        )
-        out.append(export_model(loaded, work / objective))
-    return out[0], out[1]
+    torch.manual_seed(0)
+    cfg = PerformerConfig(**{"dim": 16, "depth": 2, "heads": 2, "ff_dim": 32, **config})
+    loaded = LoadedModel(
+        PerformerLM(cfg).eval(), cfg, Alphabet(), work, torch.device("cpu"), "export"
+    )
+    return export_model(loaded, work / name)
+
+
+def _models(work: Path) -> tuple[Path, Path]:
+    """Tiny MLM and CLM exports (seeded)."""
+    return tuple(  # type: ignore[return-value]
+        _export(work, objective, nb_features=8, objective=objective)
+        for objective in ("mlm", "clm")
+    )
 
 
 def _edit_config(model: Path, dest: Path, **edits: object) -> Path:
@@ -150,8 +153,9 @@ def _zip_bomb(work: Path) -> Path:
 
 def _regression(model: Path, work: Path, name: str, **edits: object) -> Path:
     """A valid contact regression of ``model``, then edited."""
+    from protein_performer.interop.identity import model_identity
     from protein_performer.interop.loading import load_model
-    from protein_performer.model.contact_head import ContactRegression, model_identity
+    from protein_performer.model.contact_head import ContactRegression
 
     loaded = load_model(model, "cpu")
     reg = ContactRegression([0.5, -0.5, 0.25, 0.0], -1.0, [1, 2], [0, 1], **model_identity(loaded))
@@ -253,6 +257,7 @@ def build(work: Path) -> list[Case]:
         out = work / f"png-{tag}"
         cases.append(Case(f"png-id-{tag}", _cli("visualize", str(mlm), str(one), "--device",
                           "cpu", "--out-dir", str(out)), "ok", "", _png_check(out)))  # fmt: skip
+    cases += lifecycle_cases(work, mlm, clm, fasta)
     cases += policy_cases(work, mlm, clm, fasta)
     return cases
 
@@ -428,6 +433,107 @@ def policy_cases(work: Path, mlm: Path, clm: Path, fasta: Path) -> list[Case]:
                       str(w / "stale.csv"), "--overwrite", "--no-progress"), "ok", "",
                       _absent(w / "stale.csv.context.json")))  # fmt: skip
     return cases
+
+
+# --------------------------------------------------------------------------------------------
+# Issue 42, the lifecycle half (configs that build only what their group is for, trust
+# boundaries checked when opened, bounds, child processes); the output-policy half is its own
+# block. Each case is also a regression test in tests/ (named in the case's comment).
+# --------------------------------------------------------------------------------------------
+def _crafted_store(work: Path, fasta: Path, name: str, file: str, edit: Callable) -> Path:
+    """A preprocessed store with one of its files rewritten (sizes kept)."""
+    store = work / name
+    subprocess.run(_cli("preprocess", str(fasta), "--out", str(store), "--no-progress"),
+                   check=True, capture_output=True)  # fmt: skip
+    path = store / file
+    path.write_bytes(edit(path.read_bytes()))
+    return store
+
+
+def _finetuned(work: Path, **lora: object) -> Path:
+    """A tiny fine-tuned checkpoint (LoRA r=2, an MLP head) with its ``lora`` dict edited."""
+    import torch
+
+    from protein_performer.data.tokenizer import Alphabet
+    from protein_performer.interop.finetuned import add_lora, finetuned_checkpoint
+    from protein_performer.interop.record import LoadedModel
+    from protein_performer.model.config import PerformerConfig
+    from protein_performer.model.performer import PerformerLM
+    from protein_performer.model.task_heads import HeadConfig, TaskHead
+
+    torch.manual_seed(0)
+    config = PerformerConfig(dim=16, depth=1, heads=2, ff_dim=32, nb_features=8)
+    model = PerformerLM(config).eval()
+    adapters = add_lora(model, {"r": 2})
+    loaded = LoadedModel(model, config, Alphabet(), work, torch.device("cpu"), "finetuned",
+                         task=TaskHead(HeadConfig(dim=16, hidden=4)), lora={"r": 2},
+                         adapters=adapters)  # fmt: skip
+    ckpt = finetuned_checkpoint(loaded)
+    ckpt["lora"] = {**ckpt["lora"], **lora}
+    path = work / f"ft-{'-'.join(map(str, lora.values()))}.ckpt"
+    torch.save(ckpt, path)
+    return path
+
+
+def _intact(path: Path, text: str) -> Callable[[], str | None]:
+    return lambda: None if path.read_text() == text else f"{path} was changed"
+
+
+def lifecycle_cases(work: Path, mlm: Path, clm: Path, fasta: Path) -> list[Case]:
+    """The lifecycle half of issue 42's cases."""
+    victim = work / "victim.txt"
+    victim.write_text("keep me")
+    afile = work / "a-file"
+    afile.write_text("not a directory")
+    exact = _export(work, "exact", depth=1, attention="exact")
+    homologs = work / "homologs.fasta"
+    homologs.write_text(f">h1\n{SEQ}\n>h2\n{SEQ[::-1]}\n")
+    wt = work / "wt.fasta"
+    wt.write_text(f">wt\n{SEQ}\n")
+    mutations = work / "mutations.csv"
+    mutations.write_text("mutant\nM1A\n")
+    swap = lambda d: d[:8] + d[16:24] + d[8:16] + d[24:]  # noqa: E731 - offsets 1 and 2
+    train = ("train", "experiment=demo_clm", "trainer.max_steps=1", f"paths.root_dir={work}")
+    return [
+        # tests/training/test_targets.py
+        Case("config-target-open", _cli(*train, "+callbacks.evil._target_=builtins.open",
+             f"+callbacks.evil._args_=[{victim},w]"), "error", "callbacks.evil._target_",
+             _intact(victim, "keep me")),
+        Case("config-hydra-callback", _cli(*train,
+             "+hydra.callbacks.x._target_=pathlib.Path.write_text"), "error",
+             "hydra.callbacks.x._target_"),
+        # tests/data/test_store.py
+        Case("store-lying-id-offsets", _cli("stats", str(_crafted_store(
+             work, fasta, "lying-ids", "ids.offsets.bin", swap))), "error", "ids.offsets.bin"),
+        Case("store-newline-description", _cli("stats", str(_crafted_store(
+             work, fasta, "nl-desc", "descriptions.txt", lambda d: d.replace(b"one", b"\n>x")))),
+             "error", "line break"),
+        # tests/io/test_threads.py
+        Case("threads-100000", _cli("score", str(mlm), str(fasta), str(work / "t.csv"),
+             "--threads", "100000", "--no-progress"), "ok", "is more than the"),
+        # tests/inference/test_generation.py
+        Case("generate-num-0", _cli("generate", str(clm), str(work / "g0.fasta"), "--num", "0",
+             "--max-length", "8"), "error", "--num must be at least 1"),
+        # tests/interop/test_finetuned.py
+        Case("finetuned-lora-r-1e9", _cli("embed", str(_finetuned(work, r=10**9)), str(fasta),
+             str(work / "ft.h5")), "error", "exceeds the model width"),
+        Case("finetuned-lora-r-text", _cli("embed", str(_finetuned(work, r="8")), str(fasta),
+             str(work / "ft2.h5")), "error", "r must be a positive integer"),
+        # tests/training/test_linearize.py
+        Case("linearize-lora-rank-1e8", _cli("linearize", str(exact), str(work / "lin1"),
+             "--data", str(fasta), "--lora-rank", "100000000", "--lora-steps", "1",
+             "--no-progress"), "error", "exceeds the model width"),
+        Case("linearize-max-len-1e12", _cli("linearize", str(exact), str(work / "lin2"),
+             "--data", str(fasta), "--max-len", "1000000000000", "--no-progress"), "error",
+             "max_len must be in"),
+        # tests/inference/test_ensemble.py
+        Case("context-orders-1e8", _cli("score-variants", str(clm), str(wt), str(mutations),
+             str(work / "o.csv"), "--context", str(homologs), "--context-orders", "100000000"),
+             "error", "more than 1024"),
+        # tests/training/test_runner.py
+        Case("run-dir-is-a-file", _cli(*train, f"paths.output_dir={afile}"), "error",
+             "is a file, not a directory", _intact(afile, "not a directory")),
+    ]  # fmt: skip
 
 
 def run_case(case: Case, timeout: float) -> dict[str, object]:

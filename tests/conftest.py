@@ -37,6 +37,13 @@ def cache_dir(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
 
 
 @pytest.fixture(autouse=True)
+def own_callbacks(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A test's own callbacks (crash and signal probes, named ``{__name__}.Class`` in its
+    overrides) are trusted as a user's own modules are; subprocesses inherit the variable."""
+    monkeypatch.setenv("PROTEIN_PERFORMER_EXTRA_TARGETS", f"tests,{request.module.__name__}")
+
+
+@pytest.fixture(autouse=True)
 def torch_threads(request: pytest.FixtureRequest) -> Iterator[int]:
     """One intra-op thread per test unless it asks for more with ``@pytest.mark.threads(n)``;
     the previous setting is restored afterwards, also when the code under test changed it.

@@ -17,6 +17,7 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 from protein_performer.errors import UserError
+from protein_performer.io.processes import Stopped
 
 if TYPE_CHECKING:
     from protein_performer.inference.api import ProteinLM
@@ -391,10 +392,6 @@ def load_context(
     return ctx
 
 
-class Stopped(KeyboardInterrupt):
-    """SIGTERM turned into an exception, so a command's ``finally`` blocks and hints run."""
-
-
 #: Exit status of a command stopped by SIGTERM (128 + 15, as the shell reports it; as train).
 SIGTERM_EXIT = 143
 
@@ -403,23 +400,15 @@ SIGTERM_EXIT = 143
 def stop_hint(describe: Callable[[], str]) -> Iterator[None]:
     """A command stopped by Ctrl-C or SIGTERM says ``"<how>: " + describe()`` (what it kept and
     how to continue, read at the stop) in one line and exits 130 or 143, as ``train`` does."""
-    import signal
-    import threading
+    from protein_performer.io.processes import sigterm_raises
 
-    def stop(signum: int, frame: object) -> None:
-        raise Stopped
-
-    main = threading.current_thread() is threading.main_thread()
-    before = signal.signal(signal.SIGTERM, stop) if main else None
     try:
-        yield
+        with sigterm_raises():
+            yield
     except KeyboardInterrupt as exc:
         how = "SIGTERM" if isinstance(exc, Stopped) else "interrupted"
         print(f"{how}: {describe()}", file=sys.stderr)
         raise SystemExit(SIGTERM_EXIT if isinstance(exc, Stopped) else 130) from None
-    finally:
-        if main:
-            signal.signal(signal.SIGTERM, signal.SIG_DFL if before is None else before)
 
 
 def resume_hint(out: str | os.PathLike[str]) -> contextlib.AbstractContextManager[None]:

@@ -18,6 +18,7 @@ from protein_performer.cli._common import (
     seed_arg,
 )
 from protein_performer.cli._wrote import say_wrote
+from protein_performer.errors import UserError
 
 HELP = "sample protein sequences from a causal model (RNN mode, constant cost per token)"
 DESCRIPTION = """\
@@ -57,7 +58,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p = add_command(subparsers, "generate", HELP, DESCRIPTION, EPILOG)
     add_ckpt(p)
     p.add_argument("out", metavar="OUT", help="output FASTA; - for standard output")
-    p.add_argument("--num", type=int, required=True, metavar="N", help="sequences to sample")
+    p.add_argument("--num", type=int, required=True, metavar="N",
+                   help="sequences to sample (at least 1; written as they come)")  # fmt: skip
     p.add_argument(
         "--max-length",
         type=int,
@@ -107,6 +109,8 @@ def run(args: argparse.Namespace) -> int:
     from protein_performer.io.atomic import text_output
     from protein_performer.io.progress import progress
 
+    if args.num < 1:  # an empty FASTA and exit 0 looked like a run that worked
+        raise UserError(f"--num must be at least 1, got {args.num}")
     check_output(args.out, [args.ckpt, args.context], args.overwrite)
     lm = load_lm(args)
     context = load_context(lm, args)

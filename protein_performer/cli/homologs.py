@@ -86,8 +86,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         type=float,
         default=None,
         metavar="SECONDS",
-        help="stop MMseqs2 after this many seconds (default: no limit; a line every 30 s "
-        "says how long it has run)",
+        help="stop MMseqs2 after this many seconds (default: no limit; a line after 5 s, "
+        "then every 30 s, says how long it has run)",
     )
     add_on_invalid(p)
     add_overwrite(p, "OUT")

@@ -10,11 +10,14 @@ import argparse
 import json
 import os
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from protein_performer.cli._common import add_on_invalid
+
+if TYPE_CHECKING:
+    from protein_performer.data.store import TokenStore
 
 #: ESM-2 sees at most 1024 tokens including <cls> and <eos>: longer records get cropped.
 CROP_LIMIT = 1022
@@ -145,11 +148,11 @@ def fasta_stats(path: Path, on_invalid: str = "error") -> dict[str, Any]:
     return out
 
 
-def store_stats(path: Path) -> dict[str, Any]:
-    """Read a store's memmaps in chunks (constant memory whatever the corpus size)."""
-    from protein_performer.data.store import TOKENS, TokenStore
+def store_stats(path: Path, store: TokenStore) -> dict[str, Any]:
+    """Read a store's memmaps in chunks (constant memory whatever the corpus size); ``path``
+    as the user wrote it."""
+    from protein_performer.data.store import TOKENS
 
-    store = TokenStore(path)
     acc = _Acc()
     lengths = store.lengths
     for a in range(0, len(lengths), _CHUNK):
@@ -170,12 +173,11 @@ def store_stats(path: Path) -> dict[str, Any]:
 
 
 def collect(path: Path, on_invalid: str = "error") -> dict[str, Any]:
-    from protein_performer.errors import UserError
+    from protein_performer.data.inputs import open_input
 
-    if path.is_dir():
-        return store_stats(path)
-    if str(path) != "-" and not path.exists():
-        raise UserError(f"{path}: no such file or directory (expected FASTA(.gz) or a store)")
+    opened = open_input(path)
+    if opened.store is not None:
+        return store_stats(path, opened.store)
     return fasta_stats(path, on_invalid)
 
 

@@ -44,13 +44,10 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from protein_performer.errors import UserError, shown
+from protein_performer.interop.identity import model_identity
 from protein_performer.interop.ours import REGRESSION_FILE  # beside a .ckpt: <stem>.<it>
 from protein_performer.io.atomic import write_text_atomic
-from protein_performer.model.contact_head import (
-    ContactRegression,
-    contact_features,
-    model_identity,
-)
+from protein_performer.model.contact_head import ContactRegression, contact_features
 
 if TYPE_CHECKING:
     from protein_performer.contacts.structures import ContactTarget

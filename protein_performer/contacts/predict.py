@@ -55,7 +55,7 @@ from protein_performer.io.columns import (
     write_columns,
 )
 from protein_performer.io.progress import beat
-from protein_performer.model.contact_head import ContactRegression, weights_sha256
+from protein_performer.model.contact_head import ContactRegression
 from protein_performer.model.cores.base import MapBlocks
 
 log = logging.getLogger(__name__)
@@ -356,7 +356,7 @@ def predict_contacts_fasta(
     if dtype not in DTYPES:
         raise UserError(f"--dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
     regression = regression or find_regression(loaded)
-    sha = weights_sha256(loaded.model)
+    sha = loaded.weights_sha256()
     regression.check_model(loaded, sha)
     layout = Layout(RECORD_COLUMNS, {**HEADER_COLUMNS, **contact_ragged(dtype)})
     attrs = {

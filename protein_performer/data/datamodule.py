@@ -13,7 +13,9 @@ and masks), so their losses are comparable between epochs and runs.
 
 from __future__ import annotations
 
+import functools
 import logging
+import os
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -30,12 +32,14 @@ from protein_performer.data.dataset import (
     ProteinDataset,
     RecordSource,
     StoreSubset,
+    check_max_len,
     fasta_splits,
 )
 from protein_performer.data.loader import ResumableDataLoader
 from protein_performer.data.sampler import TokenBudgetBatchSampler
 from protein_performer.data.tokenizer import Alphabet
 from protein_performer.errors import UserError
+from protein_performer.io.processes import leave_group_stop
 
 log = logging.getLogger(__name__)
 
@@ -55,6 +59,18 @@ def _as_paths(path: str | Path | Sequence[str | Path]) -> list[Path]:
     return [Path(str(p)).expanduser() for p in items]
 
 
+def worker_init(worker_id: int, rank: int = 0) -> None:
+    """The DataLoader workers' start: they leave the command's process group (a group's SIGTERM
+    reaches the main process, which saves ``last.ckpt`` and stops them), then Lightning's own
+    seeding when ``seed_everything(workers=True)`` asked for it (Lightning adds it only to
+    loaders without a ``worker_init_fn``)."""
+    from lightning_fabric.utilities.seed import pl_worker_init_function
+
+    leave_group_stop(worker_id)
+    if int(os.environ.get("PL_SEED_WORKERS", 0)):
+        pl_worker_init_function(worker_id, rank)
+
+
 class ProteinDataModule(pl.LightningDataModule):
     """Train/valid/test loaders over a preprocessed store (``path`` is a directory) or FASTA.
 
@@ -68,6 +84,8 @@ class ProteinDataModule(pl.LightningDataModule):
     up to ``family_max_tokens`` (:class:`~protein_performer.data.family.FamilyDataset`); the
     families (``family_method`` search or cluster at ``family_identity``, MMseqs2) are built
     inside each split of a store and cached there (``data.homology.store_families``).
+    ``split_flag`` names the caller's own option for the FASTA fractions in messages
+    (``linearize``: ``--heldout-frac``).
     """
 
     def __init__(
@@ -91,6 +109,7 @@ class ProteinDataModule(pl.LightningDataModule):
         family_max_tokens: int = 8192,
         family_method: str = "search",
         family_identity: float = 0.3,
+        split_flag: str | None = None,
     ) -> None:
         super().__init__()
         self.paths = _as_paths(path)
@@ -100,6 +119,7 @@ class ProteinDataModule(pl.LightningDataModule):
             raise UserError(f"data.objective must be mlm or clm, got {objective!r}")
         if on_invalid not in ("error", "skip"):
             raise UserError(f"data.on_invalid must be error or skip, got {on_invalid!r}")
+        check_max_len(max_len)
         if max_tokens < max_len:
             log.warning(
                 "data.max_tokens=%d < data.max_len=%d: the longest records get a batch of "
@@ -131,6 +151,7 @@ class ProteinDataModule(pl.LightningDataModule):
         self.family_max_tokens = int(family_max_tokens)
         self.family_method = family_method
         self.family_identity = float(family_identity)
+        self.split_flag = split_flag
         self._families: dict[str, Any] = {}
         if layout == "family" and (len(self.paths) != 1 or self.paths[0].is_file()):
             raise UserError(_FAMILY_NEEDS_STORE)
@@ -205,13 +226,24 @@ class ProteinDataModule(pl.LightningDataModule):
             return
         total = sum(len(s) for s in self.sources.values())
         where = ", ".join(str(p) for p in self.paths)
-        if split == "train":
-            hint = "lower data.valid_frac / data.test_frac, or give more records"
+        if len(self.paths) == 1 and self.paths[0].is_dir():  # a store: data.*_frac unread
+            change = (
+                "smaller --valid-frac/--test-frac" if split == "train"
+                else f"larger --{_FRACTION_FOR[split].replace('_', '-')}"
+            )  # fmt: skip
+            hint = (
+                f"a store's splits are fixed when it is made (data.valid_frac and "
+                f"data.test_frac are not read for one): re-run `protein-performer preprocess` "
+                f"with a {change}, or give more records"
+            )
+        elif split == "train":
+            knobs = self.split_flag or "data.valid_frac / data.test_frac"
+            hint = f"lower {knobs}, or give more records"
         else:
             frac = _FRACTION_FOR[split]
             hint = (
-                f"raise data.{frac} (now {getattr(self, frac)}) so at least one of the "
-                f"{total} records lands there, or give more records"
+                f"raise {self.split_flag or f'data.{frac}'} (now {getattr(self, frac)}) so at "
+                f"least one of the {total} records lands there, or give more records"
             )
         if self.limit_records is not None:
             hint += f" (data.limit_records={self.limit_records} also limits the input)"
@@ -329,6 +361,7 @@ class ProteinDataModule(pl.LightningDataModule):
             num_workers=self.num_workers,
             pin_memory=self.pin_memory,
             persistent_workers=self.num_workers > 0,
+            worker_init_fn=functools.partial(worker_init, rank=self._replicas()[1]),
         )
 
     def train_dataloader(self) -> DataLoader:

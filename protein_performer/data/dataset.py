@@ -209,6 +209,19 @@ def fasta_splits(
     return {s: InMemorySource(ids[s], toks[s]) for s in SPLITS}
 
 
+#: The widest row a dataset makes (row widths are int32 for batching).
+MAX_ROW = 2**31 - 1
+
+
+def check_max_len(max_len: int) -> None:
+    """``max_len`` in 3..:data:`MAX_ROW` (1e12 was an OverflowError deep in batching)."""
+    if not 3 <= max_len <= MAX_ROW:
+        raise UserError(
+            f"max_len must be in 3..{MAX_ROW} (<cls>, one residue, <eos>; row widths are "
+            f"int32), got {max_len}"
+        )
+
+
 class ProteinDataset(torch.utils.data.Dataset):
     """Crops long records to ``max_len`` and applies the objective's inputs/targets.
 
@@ -245,8 +258,7 @@ class ProteinDataset(torch.utils.data.Dataset):
             raise UserError(f"unknown objective {objective!r} (choose mlm or clm)")
         if crop not in ("random", "fixed"):
             raise UserError(f"unknown crop {crop!r} (choose random or fixed)")
-        if max_len < 3:
-            raise UserError(f"max_len must be >= 3 (<cls>, one residue, <eos>), got {max_len}")
+        check_max_len(max_len)
         if seed < 0:
             raise UserError(f"seed must be >= 0, got {seed}")
         self.source = source

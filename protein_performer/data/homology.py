@@ -14,8 +14,6 @@ import logging
 import os
 import re
 import shutil
-import subprocess
-import tempfile
 import zipfile
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
@@ -26,6 +24,7 @@ import numpy as np
 
 from protein_performer.errors import UserError
 from protein_performer.io.json_safe import parse_json
+from protein_performer.io.processes import run_process, scratch_dir
 
 log = logging.getLogger(__name__)
 
@@ -48,8 +47,10 @@ def find_mmseqs(needs: str = "--cluster-split", hint: str = INSTALL_HINT) -> str
 
 
 def mmseqs_version(exe: str) -> str:
-    proc = subprocess.run([exe, "version"], capture_output=True, text=True, check=False)
-    return proc.stdout.strip() or "unknown"
+    try:
+        return run_process([exe, "version"], "its version").strip() or "unknown"
+    except UserError:
+        return "unknown"
 
 
 def cluster_command(
@@ -104,25 +105,22 @@ def cluster_sequences(
     identity: float,
     threads: int = 1,
     on_invalid: str = "error",
+    timeout: float | None = None,
 ) -> tuple[dict[str, str], dict[str, Any]]:
     """Cluster the FASTA ``inputs`` at ``identity``; returns ``{record id: representative id}``
-    and the metadata that says how (tool, version, parameters, cluster count)."""
+    and the metadata that says how (tool, version, parameters, cluster count). MMseqs2 runs
+    under :func:`~protein_performer.io.processes.run_process` (stopped with the command,
+    ``timeout`` seconds at most)."""
     if not 0.0 < identity <= 1.0:
         raise UserError(f"--cluster-split IDENTITY must be in (0, 1], got {identity}")
     exe = find_mmseqs()
     paths = [Path(p) for p in inputs]
-    with tempfile.TemporaryDirectory(prefix="pp_mmseqs_") as work:
-        numbered = Path(work) / "records.fasta"
+    with scratch_dir("pp_mmseqs_") as work:
+        numbered = work / "records.fasta"
         ids = _write_numbered(paths, numbered, on_invalid)
-        prefix = Path(work) / "clu"
-        cmd = cluster_command(exe, [numbered], prefix, Path(work) / "tmp", identity, threads)
-        proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
-        if proc.returncode != 0:
-            tail = (proc.stderr or proc.stdout).strip().splitlines()[-3:]
-            raise UserError(
-                f"mmseqs easy-cluster failed (exit {proc.returncode}) on "
-                f"{', '.join(map(os.fspath, paths))}: {' | '.join(tail) or 'no message'}"
-            )
+        prefix = work / "clu"
+        cmd = cluster_command(exe, [numbered], prefix, work / "tmp", identity, threads)
+        _run(cmd, ", ".join(map(os.fspath, paths)), timeout)
         clusters: dict[str, str] = {}
         with open(f"{prefix}_cluster.tsv", encoding="utf-8") as fh:
             for line in fh:
@@ -179,6 +177,8 @@ class Families:
         self.meta = dict(meta or {})
         if len(self.offsets) != len(self.keys) + 1 or self.offsets[-1] != len(self.members):
             raise ValueError("families: offsets must be (F + 1,) and end at len(members)")
+        if self.offsets[0] != 0 or np.any(np.diff(self.offsets) < 0):
+            raise ValueError("families: offsets must start at 0 and never decrease")
 
     @classmethod
     def from_lists(
@@ -265,61 +265,24 @@ def size_summary(sizes: np.ndarray) -> dict[str, Any]:
     }
 
 
-def _stage(fh: Any) -> str:  # noqa: ANN401 - an open text file
+def _stage(output: str) -> str:
     """The MMseqs2 step running now, from its log so far (at ``-v 3`` it prints each step as
     ``MODULE PATH ...``: ``createdb``, ``prefilter``, ``align``, ``convertalis``)."""
-    fh.seek(0)
     stage = "starting"
-    for line in fh.read().splitlines():
+    for line in output.splitlines():
         words = line.split(maxsplit=2)
         if len(words) > 1 and words[0].isalnum() and words[0].islower() and "/" in words[1]:
             stage = words[0]
-    fh.seek(0, os.SEEK_END)
     return stage
 
 
 def _run(cmd: list[str], what: str, timeout: float | None = None) -> None:
-    """Run MMseqs2 with a line every progress interval (its step, the time so far)
-    and, with ``timeout`` seconds, stop it (its whole process group) when it runs past them:
-    a hung ``mmseqs`` otherwise waited without limit, saying nothing."""
-    import signal
-    import time
-
-    from protein_performer.io.progress import interval
-
-    with tempfile.TemporaryFile("w+") as out:
-        proc = subprocess.Popen(
-            cmd, stdout=out, stderr=subprocess.STDOUT, text=True, start_new_session=True
-        )
-        start, every = time.monotonic(), max(0.1, interval())
-        try:
-            while True:
-                left = None if timeout is None else start + timeout - time.monotonic()
-                try:
-                    proc.wait(timeout=every if left is None else max(0.0, min(every, left)))
-                    break
-                except subprocess.TimeoutExpired:
-                    elapsed = time.monotonic() - start
-                    if timeout is not None and elapsed >= timeout:
-                        raise UserError(
-                            f"mmseqs {cmd[1]} on {what} did not finish within "
-                            f"--mmseqs-timeout {timeout:g} s (in its {_stage(out)} step); "
-                            "stopped it. Raise the timeout or check MMseqs2"
-                        ) from None
-                    log.info("mmseqs %s on %s: %s step, %.0f s so far",
-                             cmd[1], what, _stage(out), elapsed)  # fmt: skip
-        finally:
-            if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
-        out.seek(0)
-        output = out.read()
-    if proc.returncode != 0:
-        tail = output.strip().splitlines()[-3:]
-        raise UserError(
-            f"mmseqs {cmd[1]} failed (exit {proc.returncode}) on {what}: "
-            f"{' | '.join(tail) or 'no message'}"
-        )
+    """Run MMseqs2 as every child process runs (its group stopped with the command, its
+    scratch removed, a line per progress interval naming its step, ``timeout`` seconds)."""
+    run_process(
+        cmd, what, label=f"mmseqs {cmd[1]}", timeout=timeout,
+        timeout_flag="--mmseqs-timeout", stage=_stage,
+    )  # fmt: skip
 
 
 def search_command(
@@ -405,14 +368,15 @@ def build_families(
         "coverage": COVERAGE,
         "cov_mode": 0,
     }
-    if not seqs:
+    if not seqs:  # an empty split (a small valid set): no families, described as such
+        meta["sizes"] = size_summary(np.empty(0, np.int64))
         return Families(np.empty(0, np.int64), np.zeros(1, np.int64), np.empty(0, np.int64), meta)
-    with tempfile.TemporaryDirectory(prefix="pp_families_") as work:
-        fasta = Path(work) / "records.fasta"
+    with scratch_dir("pp_families_") as work:
+        fasta = work / "records.fasta"
         _write_ordinals(seqs, fasta)
-        tmp = Path(work) / "tmp"
+        tmp = work / "tmp"
         if method == "cluster":
-            prefix = Path(work) / "clu"
+            prefix = work / "clu"
             _run(cluster_command(exe, [fasta], prefix, tmp, identity, threads), "a split")
             groups: dict[int, list[int]] = {}
             with open(f"{prefix}_cluster.tsv", encoding="ascii") as fh:
@@ -424,7 +388,7 @@ def build_families(
             families = Families.from_lists(lists, reps)
         else:
             meta["max_seqs"] = FAMILY_MAX_SEQS
-            hits_path = Path(work) / "hits.tsv"
+            hits_path = work / "hits.tsv"
             _run(search_command(exe, fasta, fasta, hits_path, tmp, identity, threads), "a split")
             hits = _read_hits(hits_path)
             lists = []
@@ -486,8 +450,12 @@ def store_families(
         except (OSError, ValueError, KeyError, zipfile.BadZipFile, UserError) as exc:
             log.warning("ignoring unreadable family cache %s (%s)", path, exc)
         else:
-            if cached.meta.get("fingerprint") == fingerprint:
+            inside = _positions(indices, cached.members)[1].all()
+            inside = inside and _positions(indices, cached.keys)[1].all()
+            if cached.meta.get("fingerprint") == fingerprint and inside:
                 return cached
+            if not inside:
+                log.warning("ignoring family cache %s: it names records outside %s", path, split)
     lut = _decoder(store.meta["vocab"])
     seqs = [lut[store.tokens(int(i))].tobytes().decode("ascii") for i in indices]
     local = build_families(seqs, method, identity, threads)
@@ -694,8 +662,8 @@ def find_homologs(
     queries = list(_fasta_records(query, on_invalid))
     if not queries:
         raise UserError(f"{query} holds no valid record: give at least one query sequence")
-    with tempfile.TemporaryDirectory(prefix="pp_homologs_") as work:
-        q_fasta, t_fasta = Path(work) / "query.fasta", Path(work) / "db.fasta"
+    with scratch_dir("pp_homologs_") as work:
+        q_fasta, t_fasta = work / "query.fasta", work / "db.fasta"
         _write_ordinals((s for _, s in queries), q_fasta)
         if store is not None:
             lut = _decoder(store.meta["vocab"])
@@ -707,10 +675,10 @@ def find_homologs(
             n_db = _write_ordinals((s for _, s in _fasta_records(db, on_invalid)), t_fasta)
         if n_db == 0:
             raise UserError(f"{db} holds no valid record to search")
-        out = Path(work) / "hits.tsv"
+        out = work / "hits.tsv"
         # The prefilter keeps max_seqs per query: one more, since the query may find itself.
         cmd = search_command(
-            exe, q_fasta, t_fasta, out, Path(work) / "tmp", min_seq_id, threads, max_seqs + 1,
+            exe, q_fasta, t_fasta, out, work / "tmp", min_seq_id, threads, max_seqs + 1,
             fields=_HOMOLOG_FORMAT,
         )  # fmt: skip
         _run(cmd, f"{query} against {db}", timeout)

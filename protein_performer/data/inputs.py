@@ -10,11 +10,15 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from protein_performer.data.tokenizer import Alphabet
 from protein_performer.errors import UserError, shown
+
+if TYPE_CHECKING:
+    from protein_performer.data.store import TokenStore
 
 log = logging.getLogger(__name__)
 
@@ -63,44 +67,67 @@ def input_records(
     return _note_nucleotides(_input_records(path, on_invalid), path)
 
 
-def _input_records(path: str | os.PathLike[str], on_invalid: str) -> Iterator[InputRecord]:
-    from protein_performer.data.fasta import STDIN, read_fasta
-    from protein_performer.data.store import TokenStore, is_store
+@dataclass(frozen=True)
+class Input:
+    """A command's input, opened: a preprocessed store directory (``store`` set), a FASTA file
+    (plain or gzip, told apart by its bytes when read) or standard input (``path`` is ``-``)."""
+
+    path: Path | str  # the expanded path, or STDIN
+    store: TokenStore | None = None
+
+    def records(self, on_invalid: str = "error") -> Iterator[InputRecord]:
+        """Every record in order: a store's from its memory maps, a FASTA's parsed."""
+        from protein_performer.data.fasta import read_fasta
+
+        if self.store is not None:
+            store = self.store
+            for i in range(len(store)):
+                yield InputRecord(store.id(i), store.description(i), store.sequence(i), i + 1)
+            return
+        for r in read_fasta(self.path, on_invalid=on_invalid):  # type: ignore[arg-type]
+            yield InputRecord(r.id, r.description, r.sequence, r.number)
+
+    def totals(self) -> tuple[int, int] | None:
+        """(records, residues): a store's from its metadata, a FASTA file's by a byte scan;
+        None for standard input (read once)."""
+        from protein_performer.data.fasta import STDIN, count_records_and_residues
+
+        if self.store is not None:
+            return len(self.store), int(self.store.meta["num_residues"])
+        return None if self.path == STDIN else count_records_and_residues(Path(self.path))
+
+
+def open_input(path: str | os.PathLike[str]) -> Input:
+    """The one answer to "store or FASTA?" for every reader: ``-`` is standard input (FASTA),
+    a directory a store (refused in one line, saying how to make one, when it is not), anything
+    else a FASTA file, which must exist."""
+    from protein_performer.data.fasta import STDIN
+    from protein_performer.data.store import TokenStore
 
     if os.fspath(path) == STDIN:
-        for r in read_fasta(STDIN, on_invalid=on_invalid):  # type: ignore[arg-type]
-            yield InputRecord(r.id, r.description, r.sequence, r.number)
-        return
+        return Input(STDIN)
     src = Path(path).expanduser()
-    if is_store(src):
-        store = TokenStore(src)
-        for i in range(len(store)):
-            yield InputRecord(store.id(i), store.description(i), store.sequence(i), i + 1)
-        return
+    if src.is_dir():
+        return Input(src, TokenStore(src))
     if not src.is_file():
         raise UserError(
             f"{src} does not exist or is not a file; give a FASTA file or a store directory "
             "from `protein-performer preprocess`"
         )
-    for r in read_fasta(src, on_invalid=on_invalid):  # type: ignore[arg-type]
-        yield InputRecord(r.id, r.description, r.sequence, r.number)
+    return Input(src)
+
+
+def _input_records(path: str | os.PathLike[str], on_invalid: str) -> Iterator[InputRecord]:
+    yield from open_input(path).records(on_invalid)
 
 
 def input_totals(path: str | os.PathLike[str]) -> tuple[int, int] | None:
-    """(records, residues) of what :func:`input_records` reads, for a progress total: a store's
-    from its metadata, a FASTA file's by a byte scan; None for standard input (read once)."""
-    from protein_performer.data.fasta import STDIN, count_records_and_residues
-    from protein_performer.data.store import TokenStore, is_store
-
-    if os.fspath(path) == STDIN:
+    """(records, residues) of what :func:`input_records` reads, for a progress total (None
+    when unknown: standard input, or an input that cannot be opened, whose reader says why)."""
+    try:
+        return open_input(path).totals()
+    except UserError:
         return None
-    src = Path(path).expanduser()
-    if is_store(src):
-        store = TokenStore(src)
-        return len(store), int(store.meta["num_residues"])
-    if not src.is_file():
-        return None
-    return count_records_and_residues(src)
 
 
 def total_in_background(bar: Any, path: str | os.PathLike[str], kind: str) -> None:  # noqa: ANN401

@@ -34,7 +34,7 @@ import json
 import logging
 import os
 import shutil
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, BinaryIO
 
@@ -475,6 +475,7 @@ class TokenStore:
         self._check_sizes()
         self._mm: dict[str, np.ndarray] | None = None
         self._indices: dict[str, np.ndarray] = {}
+        self._check_index()
 
     # -- opening -----------------------------------------------------------------------------
 
@@ -500,6 +501,41 @@ class TokenStore:
                     f"{self.path} is corrupt: {name} has {actual} bytes, meta.json expects "
                     f"{size}; re-run `protein-performer preprocess --overwrite`"
                 )
+
+    def _corrupt(self, name: str, what: str) -> UserError:
+        return UserError(
+            f"{self.path} is corrupt: {name} {what}; re-run `protein-performer preprocess "
+            "--overwrite` (a store is read as its meta.json describes it)"
+        )
+
+    def _check_index(self) -> None:
+        """Everything that addresses the blobs, checked once against meta.json (O(records),
+        vectorised; the tokens themselves are checked per record as they are read): a crafted
+        or damaged store is one line here instead of wrong ids, a fake record injected into
+        ``homologs`` output (a description holding a newline) or a traceback later."""
+        vocab = self.meta["vocab"]
+        if (not isinstance(vocab, list) or not all(isinstance(t, str) for t in vocab)
+                or len(set(vocab)) != len(vocab) or not 0 < len(vocab) <= 256):  # fmt: skip
+            raise self._corrupt(META, "has no vocabulary of distinct tokens (one byte each)")
+        mm = self._open()
+        offsets, lengths = mm[OFFSETS], mm[LENGTHS]
+        if self._num and (offsets[0] != 0 or offsets[-1] != self.meta["num_residues"]):
+            raise self._corrupt(OFFSETS, "does not span tokens.bin")
+        if np.any(np.diff(offsets) != lengths):
+            raise self._corrupt(LENGTHS, "disagrees with offsets.bin (or holds negative lengths)")
+        if self._num and int(np.max(mm[SPLIT])) >= len(SPLIT_NAMES):
+            raise self._corrupt(SPLIT, "holds an unknown split code")
+        for name, blob, offs in ((ID_OFFSETS, IDS, mm[ID_OFFSETS]),
+                                 (HEADER_OFFSETS, HEADERS, mm[HEADER_OFFSETS])):  # fmt: skip
+            size = len(mm[blob])
+            if offs[0] != 0 or offs[-1] != size or np.any(np.diff(offs) < 0):
+                raise self._corrupt(name, f"is not a rising index into {blob}")
+        headers, ends = mm[HEADERS], mm[HEADER_OFFSETS][1:]
+        if self._num and (np.any(np.diff(mm[HEADER_OFFSETS]) < 1)
+                          or np.any(headers[ends - 1] != ord("\n"))):  # fmt: skip
+            raise self._corrupt(HEADER_OFFSETS, "does not end each description at a newline")
+        for name, allowed_newlines in ((IDS, 0), (HEADERS, self._num)):
+            _check_text(mm[name], name, allowed_newlines, self._corrupt)
 
     def _open(self) -> dict[str, np.ndarray]:
         if self._mm is None:
@@ -534,11 +570,16 @@ class TokenStore:
         return i
 
     def tokens(self, i: int) -> np.ndarray:
-        """Token ids of record ``i``: (length,) uint8, a private copy (safe to modify/torch)."""
+        """Token ids of record ``i``: (length,) uint8, a private copy (safe to modify/torch);
+        a byte outside the vocabulary is one line naming the record."""
         i = self._index(i)
         mm = self._open()
         a, b = mm[OFFSETS][i], mm[OFFSETS][i + 1]
-        return np.array(mm[TOKENS][a:b])
+        out = np.array(mm[TOKENS][a:b])
+        if len(out) and int(out.max()) >= len(self.meta["vocab"]):
+            raise self._corrupt(TOKENS, f"holds token {int(out.max())} in record {i}, outside "
+                                f"its vocabulary of {len(self.meta['vocab'])}")  # fmt: skip
+        return out
 
     def length(self, i: int) -> int:
         return int(self._open()[LENGTHS][self._index(i)])
@@ -603,6 +644,34 @@ class TokenStore:
     def __repr__(self) -> str:
         counts = {k: v["records"] for k, v in self.meta.get("splits", {}).items()}
         return f"TokenStore({str(self.path)!r}, records={self._num}, splits={counts})"
+
+
+def _check_text(
+    blob: np.ndarray, name: str, newlines: int, corrupt: Callable[[str, str], UserError]
+) -> None:
+    """``blob`` is UTF-8 with exactly ``newlines`` line feeds and no carriage return (ids have
+    none, descriptions one each): read in chunks, so a large store costs no large copy."""
+    import codecs
+
+    decoder = codecs.getincrementaldecoder("utf-8")()
+    counted = 0
+    step = 1 << 26
+    for start in range(0, len(blob), step):
+        chunk = blob[start : start + step].tobytes()
+        counted += chunk.count(b"\n")
+        if b"\r" in chunk:
+            raise corrupt(name, "holds a carriage return")
+        if not chunk.isascii():
+            try:
+                decoder.decode(chunk)
+            except UnicodeDecodeError:
+                raise corrupt(name, "is not UTF-8") from None
+    try:
+        decoder.decode(b"", final=True)
+    except UnicodeDecodeError:
+        raise corrupt(name, "is not UTF-8") from None
+    if counted != newlines:
+        raise corrupt(name, f"holds {counted} line break(s), {newlines} expected")
 
 
 def _read_meta(path: Path) -> dict[str, Any]:

@@ -13,12 +13,13 @@ handled inside.
 
 from __future__ import annotations
 
+import inspect
 import logging
 import os
 import re
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -34,7 +35,12 @@ from protein_performer.inference.context import (
     core_kinds,
     untrained_context_warning,
 )
-from protein_performer.inference.embedding import HIDDEN_KINDS, block_numbers, embed_sequences
+from protein_performer.inference.embedding import (
+    HIDDEN_KINDS,
+    block_numbers,
+    embed_sequences,
+    resolve_layers,
+)
 from protein_performer.inference.ensemble import ContextEnsemble
 from protein_performer.inference.generation import Generated, SamplingOptions, iter_generate
 from protein_performer.inference.scoring import (
@@ -53,6 +59,11 @@ from protein_performer.io.threads import set_threads
 from protein_performer.model.config import PerformerConfig
 from protein_performer.model.performer import PerformerLM
 
+if TYPE_CHECKING:
+    from protein_performer.contacts.predict import ContactMap
+    from protein_performer.model.contact_head import ContactRegression
+    from protein_performer.model.task_heads import TaskHead
+
 log = logging.getLogger(__name__)
 
 #: ``--precision`` names and the dtypes they stand for.
@@ -61,6 +72,8 @@ PRECISIONS: dict[str, torch.dtype] = {
     "bf16": torch.bfloat16,
     "fp16": torch.float16,
 }
+#: ``iter_embed``'s poolings: "mean", "bos", None (per residue), or several of them at once.
+Pooling = str | None | Sequence[str | None]
 _SPECIAL = re.compile(r"(<[a-z_0-9]+>)")
 
 
@@ -126,6 +139,19 @@ def load(
     return ProteinLM(loaded)
 
 
+def _check_finite(values: Sequence[np.ndarray | float], what: str, rid: str | None = None) -> None:
+    """NaN never becomes a number: non-finite ``values`` of sequence ``rid`` (None: of the
+    whole call) are one error naming ``what`` came out (``"non-finite logits"``) and what to
+    try."""
+    if all(np.isfinite(v).all() for v in values):
+        return
+    where = "" if rid is None else f"sequence {shown(rid)}: "
+    raise UserError(
+        f"{where}the model gave {what}; its weights or precision are broken (try --precision "
+        "fp32)"
+    )
+
+
 def _prompts(context: FamilyContext | ContextEnsemble | None) -> list[FamilyContext | None]:
     """The contexts to score with: an ensemble's prompts, else the one context (or None)."""
     if isinstance(context, ContextEnsemble):
@@ -133,7 +159,14 @@ def _prompts(context: FamilyContext | ContextEnsemble | None) -> list[FamilyCont
     return [context]
 
 
-def _pooling_kinds(pooling: str | None | Sequence[str | None]) -> tuple[list[str], bool]:
+def _prompt_mean(runs: Sequence[Sequence[np.ndarray]]) -> list[np.ndarray]:
+    """An ensemble scores like one context: ``runs`` (one per prompt, each a list of score
+    arrays) -> item by item, the mean over the prompts, element by element (one prompt: its
+    own arrays' values)."""
+    return [np.mean(values, axis=0) for values in zip(*runs, strict=True)]
+
+
+def _pooling_kinds(pooling: Pooling) -> tuple[list[str], bool]:
     """Pooling argument -> (HDF5 kinds, whether the caller asked for several)."""
     several = not (pooling is None or isinstance(pooling, str))
     names = list(pooling) if several else [pooling]  # type: ignore[arg-type]
@@ -174,6 +207,11 @@ class ProteinLM:
         return self.loaded.device
 
     @property
+    def source(self) -> Path:
+        """The file or directory the model was read from (a Hugging Face id: its snapshot)."""
+        return self.loaded.source
+
+    @property
     def dtype(self) -> torch.dtype:
         """The weights' dtype (FAVOR+ random features stay fp32)."""
         return self.loaded.model.embed_tokens.weight.dtype
@@ -187,6 +225,11 @@ class ProteinLM:
         )
 
     # ----------------------------------------------------------------------------- embeddings
+    def resolve_layers(self, layers: Sequence[int]) -> list[int]:
+        """ESM layer numbers (0 = embeddings, negative from the end) -> the sorted, unique
+        block numbers 0..depth they name (what an embeddings file records)."""
+        return resolve_layers(self.loaded, layers)
+
     def iter_embed(
         self,
         records: Records,
@@ -200,22 +243,37 @@ class ProteinLM:
         (a tuple, e.g. ``("mean", None)``), ``{kind: {layer: array}}`` with kinds ``mean``,
         ``bos``, ``per_tok``, layers numbered 0..depth (the CLI's file layout).
         """
+        embed = self._window_embedder(layers, pooling, toks_per_batch)  # layers resolved once
+        for window in windows(as_records(records), toks_per_batch, lambda r: len(r[1])):
+            yield from embed(window)
+
+    def embed_window(
+        self, records: Records, layers: int | Sequence[int], pooling: Pooling, toks_per_batch: int
+    ) -> list[tuple[str, Any]]:
+        """:meth:`iter_embed`'s ``(id, embedding)`` pairs for records held in memory at once,
+        not cut into windows again: a file driver's window (``jobs.embed``), cut once there."""
+        embed = self._window_embedder(layers, pooling, toks_per_batch)
+        return list(embed(list(as_records(records))))
+
+    def _window_embedder(
+        self, layers: int | Sequence[int], pooling: Pooling, toks_per_batch: int
+    ) -> Callable[[list[tuple[str, str]]], Iterator[tuple[str, Any]]]:
+        """Resolve ``layers`` and ``pooling`` once; the function it returns embeds one window
+        of checked ``(id, sequence)`` records, in order, shaped as :meth:`iter_embed` says."""
         several_layers = not isinstance(layers, int)
         given = list(layers) if several_layers else [layers]  # type: ignore[list-item]
-        blocks = block_numbers(self.loaded, given)  # resolved once for the whole input
+        blocks = block_numbers(self.loaded, given)
         resolved = sorted(set(blocks))
         kinds, several_kinds = _pooling_kinds(pooling)
         by_given = dict(zip(given, blocks, strict=True))
-        for window in windows(as_records(records), toks_per_batch, lambda r: len(r[1])):
+
+        def embed(window: list[tuple[str, str]]) -> Iterator[tuple[str, Any]]:
             seqs = [s for _, s in window]
             results = dict(embed_sequences(self.loaded, seqs, resolved, kinds, toks_per_batch))
             for i, (rid, _) in enumerate(window):
                 out = results.pop(i)
-                if not all(np.isfinite(a).all() for d in out.values() for a in d.values()):
-                    raise UserError(
-                        f"sequence {shown(rid)}: the model gave non-finite embeddings; its "
-                        "weights or precision are broken (try --precision fp32)"
-                    )
+                arrays = [a for per_layer in out.values() for a in per_layer.values()]
+                _check_finite(arrays, "non-finite embeddings", rid)
                 if several_kinds:
                     yield rid, out
                     continue
@@ -224,6 +282,8 @@ class ProteinLM:
                     yield rid, {g: per_layer[j] for g, j in by_given.items()}
                 else:
                     yield rid, per_layer[by_given[given[0]]]
+
+        return embed
 
     def embed(
         self,
@@ -269,11 +329,7 @@ class ProteinLM:
             for row, i in enumerate(batch):
                 out[i] = logits[row, : lengths[i]]
         for (rid, _), value in zip(records, out, strict=True):
-            if not np.isfinite(value).all():  # type: ignore[union-attr]
-                raise UserError(
-                    f"sequence {shown(rid)}: the model gave non-finite logits; its weights or "
-                    "precision are broken (try --precision fp32)"
-                )
+            _check_finite([value], "non-finite logits", rid)  # type: ignore[list-item]
         return out  # type: ignore[return-value]
 
     def attention(
@@ -371,9 +427,14 @@ class ProteinLM:
             )
 
     # ----------------------------------------------------------------------------- scores
+    def check_strategy(self, strategy: str, choices: Sequence[str]) -> None:
+        """Refuse a strategy outside ``choices`` or one this model's objective cannot
+        compute (a masked LM has no left-to-right distribution), before any input is read."""
+        check_strategy(self.loaded, strategy, choices)
+
     def _strategy(self, strategy: str | None, choices: Sequence[str], masked: str) -> str:
         strategy = strategy or ("causal" if self.objective == "clm" else masked)
-        check_strategy(self.loaded, strategy, choices)
+        self.check_strategy(strategy, choices)
         return strategy
 
     def iter_score(
@@ -397,19 +458,12 @@ class ProteinLM:
                 score_sequences(self.loaded, window, strategy, toks_per_batch, bar, ctx,
                                 pll_rate)  # fmt: skip
                 for ctx in prompts
-            ]  # an ensemble's scores: the mean over its prompts, position by position
-            scores = []
-            for i, first in enumerate(runs[0]):
-                terms = np.mean([run[i].terms for run in runs], axis=0)
-                scores.append(SequenceScore(first.id, first.length, first.n_scored,
-                                            float(terms.sum()), terms))  # fmt: skip
-            for score in scores:
-                if not np.isfinite(score.log_likelihood):
-                    raise UserError(
-                        f"sequence {shown(score.id)}: the model gave a non-finite "
-                        "log-likelihood; its weights or precision are broken (try --precision "
-                        "fp32)"
-                    )
+            ]
+            means = _prompt_mean([[s.terms for s in run] for run in runs])
+            for first, terms in zip(runs[0], means, strict=True):
+                score = SequenceScore(first.id, first.length, first.n_scored,
+                                      float(terms.sum()), terms)  # fmt: skip
+                _check_finite([score.log_likelihood], "a non-finite log-likelihood", score.id)
                 yield score.id, score
 
     def score(
@@ -477,38 +531,34 @@ class ProteinLM:
                 parsed.append(parse_mutant(text, wt, offset, self.alphabet))
             except ValueError as exc:
                 raise UserError(f"mutant {i} ({text!r}): {exc}") from None
-        values = np.mean(
-            [
-                score_variants(
-                    self.loaded, wt, parsed, strategy, toks_per_batch, progress, context=ctx
-                )
-                for ctx in _prompts(context)
-            ],
-            axis=0,
-        ).astype(np.float64)  # an ensemble's score: the mean over its prompts
-        if not np.all(np.isfinite(values)):
-            raise UserError(
-                "the model gave non-finite variant scores; its weights or precision are broken "
-                "(try --precision fp32)"
-            )
+        runs = [
+            [score_variants(self.loaded, wt, parsed, strategy, toks_per_batch, progress,
+                            context=ctx)]  # fmt: skip
+            for ctx in _prompts(context)
+        ]
+        values = _prompt_mean(runs)[0].astype(np.float64)
+        _check_finite([values], "non-finite variant scores")
         return values
 
     # ----------------------------------------------------------------------------- task head
+    def task_head(self) -> TaskHead:
+        """A fine-tuned model's head, or one ``UserError`` saying how to get a model that
+        has one."""
+        from protein_performer.inference.prediction import task_head
+
+        return task_head(self.loaded)
+
     def iter_predict(
         self, records: Records, toks_per_batch: int = 4096
     ) -> Iterator[tuple[str, np.ndarray]]:
         """Yield ``(id, prediction)`` in input order (memory: one window); see :meth:`predict`."""
-        from protein_performer.inference.prediction import predict_sequences, task_head
+        from protein_performer.inference.prediction import predict_sequences
 
-        task_head(self.loaded)  # a model without a head fails before reading any input
+        self.task_head()  # a model without a head fails before reading any input
         for window in windows(as_records(records), toks_per_batch, lambda r: len(r[1])):
             values = predict_sequences(self.loaded, [s for _, s in window], toks_per_batch)
             for (rid, _), value in zip(window, values, strict=True):
-                if not np.isfinite(value).all():
-                    raise UserError(
-                        f"sequence {shown(rid)}: the model gave non-finite predictions; its "
-                        "weights or precision are broken (try --precision fp32)"
-                    )
+                _check_finite([value], "non-finite predictions", rid)
                 yield rid, value
 
     def predict(
@@ -518,9 +568,7 @@ class ProteinLM:
         regression -> (N,) for one target, (N, T) for several; classification -> class
         probabilities (N, C) (classes in ``lm.task_labels`` order); residue classification ->
         a list of (L_i, C) probabilities. Any length, one pass per sequence."""
-        from protein_performer.inference.prediction import task_head
-
-        head = task_head(self.loaded)
+        head = self.task_head()
         rows = [v for _, v in self.iter_predict(seqs, toks_per_batch)]
         if head.per_residue:
             return rows
@@ -543,12 +591,35 @@ class ProteinLM:
         ``protein-performer contacts``) or the regression file ``regression``. The map is
         L x L; to keep only the top pairs of a very long sequence, call
         ``protein_performer.contacts.predict.predict_contacts`` with a dense limit."""
-        from protein_performer.contacts.predict import find_regression, predict_contacts
-
         ((_, text),) = list(as_records([("sequence", seq)]))
-        reg = find_regression(self.loaded, regression, caller="python")
-        cmap = predict_contacts(self.loaded, text, reg, dense_max_length=len(text))
-        return cmap.dense
+        reg = self.contact_regression(regression)
+        return self.contact_map(text, reg, dense_max_length=len(text)).dense
+
+    def contact_regression(
+        self,
+        path: str | os.PathLike[str] | None = None,
+        *,
+        caller: str = "python",
+        sha256: str | None = None,
+    ) -> ContactRegression:
+        """The regression at ``path``, else the model's own (a missing one: one line saying
+        how to fit one, in the ``caller``'s words), checked against this model once: another
+        attention layout is refused, other weights (``sha256`` if the caller hashed them
+        already) are warned about."""
+        from protein_performer.contacts.predict import find_regression
+
+        reg = find_regression(self.loaded, path, caller=caller)
+        reg.check_model(self.loaded, sha256)
+        return reg
+
+    def contact_map(self, seq: str, regression: ContactRegression, **limits: Any) -> ContactMap:
+        """One sequence's :class:`ContactMap` under ``regression`` (from
+        :meth:`contact_regression`, so checked once per run, not per sequence); ``limits``:
+        ``dense_max_length``, ``top_k_per_length``, ``min_separation`` of
+        ``contacts.predict.predict_contacts``."""
+        from protein_performer.contacts.predict import predict_contacts
+
+        return predict_contacts(self.loaded, seq, regression, checked=True, **limits)
 
     # ----------------------------------------------------------------------------- report
     def report(
@@ -657,20 +728,7 @@ class ProteinLM:
             prompts = [p.strip().upper() for p in prompt]
         return iter_generate(self.loaded, n, opts, prompts, seed, batch_size, contexts)
 
-    def generate(
-        self,
-        n: int = 8,
-        max_length: int = 300,
-        min_length: int = 0,
-        prompt: str | Sequence[str] = "M",
-        temperature: float = 1.0,
-        top_k: int | None = None,
-        top_p: float | None = None,
-        seed: int = 0,
-        batch_size: int = 8,
-        *,
-        context: FamilyContext | ContextEnsemble | None = None,
-    ) -> list[str]:
+    def generate(self, *args: Any, **kwargs: Any) -> list[str]:
         """Sample ``n`` sequences from a causal model in RNN mode (constant cost per token).
 
         Each starts with ``prompt`` (one string, or one per sequence) and ends at ``<eos>``
@@ -681,20 +739,11 @@ class ProteinLM:
         With a family ``context`` (:meth:`context`) the sequences are new members of that
         family, each generated as the next member after it (``prompt=""`` lets the model
         choose the first residue too); with an ensemble, sequence ``i`` after prompt
-        ``i mod len(prompts)``.
+        ``i mod len(prompts)``. The arguments are :meth:`iter_generate`'s (its signature is
+        this method's, as ``help()`` shows), written once there.
         """
-        return [
-            g.sequence
-            for g in self.iter_generate(
-                n,
-                max_length,
-                min_length,
-                prompt,
-                temperature,
-                top_k,
-                top_p,
-                seed,
-                batch_size,
-                context=context,
-            )
-        ]
+        return [g.sequence for g in self.iter_generate(*args, **kwargs)]
+
+    generate.__signature__ = inspect.signature(iter_generate).replace(  # type: ignore[attr-defined]
+        return_annotation="list[str]"
+    )

@@ -172,12 +172,11 @@ def build_context(
     for callers that cut on purpose (an ensemble's token budgets). ``reference``: the MSA's
     first row when ``homologs`` are members cut from one (a file names its own)."""
     config = loaded.config
-    if not config.causal:
-        raise UserError(
-            f"{loaded.source} is a masked LM (objective mlm): a family context needs a causal "
-            "model (objective clm), whose left-to-right attention state the candidates continue; "
-            "score without a context, or train a causal model on family rows"
-        )
+    config.require_causal(
+        "a family context", loaded.source,
+        ", whose left-to-right attention state the candidates continue; score without a "
+        "context, or train a causal model on family rows",
+    )  # fmt: skip
     found, records = homolog_members(homologs)
     reference = reference or found
     if not records:

@@ -75,19 +75,3 @@ def embed_sequences(
                 if "bos" in include:
                     result["bos"][layer] = h[0].cpu().numpy()
             yield i, result
-
-
-def features_sha256(model: torch.nn.Module) -> str:
-    """SHA-256 of the tensors the cores draw (FAVOR+ random features; empty for exact
-    attention): embeddings depend on them, so a resumed run must use the same ones."""
-    import hashlib
-
-    from protein_performer.model.cores import drawn_keys
-
-    digest = hashlib.sha256()
-    drawn = drawn_keys(model)
-    for name, t in sorted(model.state_dict().items()):
-        if name in drawn:
-            digest.update(name.encode())
-            digest.update(t.detach().to("cpu").float().contiguous().numpy().tobytes())
-    return digest.hexdigest()

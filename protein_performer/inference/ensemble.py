@@ -146,6 +146,11 @@ def _digest(records: Sequence[Member]) -> str:
     return h.hexdigest()
 
 
+#: The most prompts an ensemble holds (``--context-orders 1e8`` drew 4.4 GB of orders before
+#: anything said so; PoET's ensembles have tens).
+MAX_PROMPTS = 1024
+
+
 def _orders(n: int, orders: int, seed: int) -> list[tuple[str, list[int]]]:
     if orders == 0:
         return [("file", list(range(n)))]
@@ -187,6 +192,13 @@ def build_ensemble(
     if isinstance(orders, bool) or not isinstance(orders, int) or orders < 0:
         raise UserError(
             f"orders must be a whole number >= 0 (0: the file's order), got {orders!r}"
+        )
+    count = len(max_identity) * len(tokens) * (2 * orders if orders else 1)
+    if count > MAX_PROMPTS:
+        raise UserError(
+            f"an ensemble of {count} prompts ({len(max_identity)} max_identity x {len(tokens)} "
+            f"tokens x {2 * orders if orders else 1} orders) is more than {MAX_PROMPTS}: each "
+            "prompt holds its own context and costs one pass per sequence scored"
         )
     reference, records = homolog_members(homologs)
     if not records:

@@ -22,7 +22,6 @@ import logging
 import math
 import os
 from collections.abc import Sequence
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -61,12 +60,11 @@ def _source(
 ) -> tuple[Any, str]:
     """A record source for ``data``: a store split or every record of a FASTA (``-``: stdin)."""
     from protein_performer.data.dataset import InMemorySource, StoreSubset
-    from protein_performer.data.inputs import read_records
-    from protein_performer.data.store import TokenStore, is_store
+    from protein_performer.data.inputs import open_input, read_records
 
-    path = Path(data).expanduser()
-    if os.fspath(data) != "-" and (path.is_dir() or is_store(path)):
-        store = TokenStore(path)
+    opened = open_input(data)
+    store, path = opened.store, opened.path
+    if store is not None:
         try:
             indices = store.indices(split)
         except ValueError as exc:

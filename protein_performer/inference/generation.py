@@ -37,50 +37,69 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 #: "1": decode through one compiled graph per model and batch size
-#: (:class:`~protein_performer.model.decode.CompiledStep`); anything else: eager steps.
+#: (:class:`~protein_performer.model.decode.CompiledStep`) always; "0": ``model.step`` always;
+#: unset (or "auto"): the compiled step where it pays (:data:`COMPILE_PAYS_STEPS`), else the
+#: same traced step run eagerly (no compile).
 COMPILE_ENV = "PROTEIN_PERFORMER_COMPILE_STEP"
+#: Decoding steps of one batch size from which the compiled step is the default: its compile
+#: (about 30-45 s for the 8M shape on one CPU thread, 3-5 s from a warm inductor cache) is
+#: paid back by the step's time saved over the traced step run eagerly (docs/RESULTS.md).
+COMPILE_PAYS_STEPS = 12_000
 
 Step = Callable[..., tuple[torch.Tensor, list]]
 
 
-def decoding_step(model: PerformerLM) -> Step:
-    """The step generation calls: ``model.step``, or with ``PROTEIN_PERFORMER_COMPILE_STEP=1``
-    a compiled one, built once per model (kept on it) and compiled once per batch size, on its
-    first token (tens of seconds for the 8M shape on one CPU thread: it pays off over long runs
-    only); a model it cannot run, or a compiler that fails, keeps ``model.step`` and says why
-    in one line."""
-    if os.environ.get(COMPILE_ENV) != "1":
+def decoding_step(model: PerformerLM, steps: int | None = None) -> Step:
+    """The step generation calls, built once per model and kind (kept on it).
+
+    ``PROTEIN_PERFORMER_COMPILE_STEP`` unset: :class:`~protein_performer.model.decode.
+    CompiledStep`, compiled (once per batch size, on its first token, one log line) when
+    ``steps`` (the most tokens this run decodes at this batch size, when the caller knows
+    them) reach :data:`COMPILE_PAYS_STEPS`, else the same traced step run eagerly: a third
+    fewer ops than ``model.step`` and no compile. "1": always compiled; "0": ``model.step``.
+    A model the traced step cannot run, or a compiler that fails, keeps ``model.step`` and says
+    why in one line (a warning when "1" asked for it, else info).
+
+    The traced step's logits are ``model.step``'s to float rounding (it reads transposed
+    weights, one more copy of them in memory), so a draw on a knife's edge can differ between
+    the kinds; set the variable to pin one."""
+    mode = os.environ.get(COMPILE_ENV, "").strip().lower() or "auto"
+    if mode not in ("0", "1", "auto"):
+        raise UserError(f"{COMPILE_ENV}={mode!r}: expected 1, 0 or auto")
+    if mode == "0":
         return model.step
-    step = model.__dict__.get("_decoding_step")
-    if step is None:
+    compiled = mode == "1" or (steps or 0) >= COMPILE_PAYS_STEPS
+    kind = "compiled" if compiled else "traced"
+    built = model.__dict__.setdefault("_decoding_steps", {})
+    if kind not in built:
         from protein_performer.model.decode import CompiledStep, unsupported
 
         reason = unsupported(model)
         if reason is not None:
-            log.warning("%s: no compiled step (%s); decoding eagerly", COMPILE_ENV, reason)
-            step = model.step
+            level = logging.WARNING if mode == "1" else logging.INFO
+            log.log(level, "%s: no %s step (%s); decoding eagerly", COMPILE_ENV, kind, reason)
+            built[kind] = model.step
         else:
-            step = _EagerFallback(model, CompiledStep(model))
-        model.__dict__["_decoding_step"] = step
-    return step
+            built[kind] = _EagerFallback(model, CompiledStep(model, compile=compiled), kind)
+    return built[kind]
 
 
 class _EagerFallback:
-    """A compiled step, replaced by ``model.step`` for good when a call raises (no compiler, an
+    """A traced step, replaced by ``model.step`` for good when a call raises (no compiler, an
     unsupported op); that token is decoded eagerly, so the run goes on."""
 
-    def __init__(self, model: PerformerLM, compiled: Step) -> None:
-        self.model, self.compiled = model, compiled
+    def __init__(self, model: PerformerLM, traced: Step, kind: str) -> None:
+        self.model, self.traced, self.kind = model, traced, kind
 
     def __call__(self, tokens, positions, states, pad=None, inplace=False):
-        if self.compiled is not None:
+        if self.traced is not None:
             try:
-                return self.compiled(tokens, positions, states, pad, inplace)
+                return self.traced(tokens, positions, states, pad, inplace)
             except Exception as err:  # torch.compile's failures have no common type
                 first = str(err).splitlines()[0] if str(err) else type(err).__name__
-                log.warning("%s: the compiled step failed (%s); decoding eagerly",
-                            COMPILE_ENV, first)  # fmt: skip
-                self.compiled = None
+                log.warning("%s: the %s step failed (%s); decoding eagerly",
+                            COMPILE_ENV, self.kind, first)  # fmt: skip
+                self.traced = None
         return self.model.step(tokens, positions, states, pad, inplace=inplace)
 
 
@@ -171,14 +190,19 @@ def generate_batch(
     opts: SamplingOptions,
     seed: int,
     context: FamilyContext | None = None,
+    steps: int | None = None,
 ) -> list[Generated]:
     """Sample one sequence per (index, prompt); see the module docstring for the recursion.
 
     With a family ``context`` each prompt runs as the next member after it, from its states
-    (never written), so the sequences are new members of that family."""
+    (never written), so the sequences are new members of that family. ``steps``: the most
+    tokens the whole run decodes at this batch size (:func:`decoding_step`; None: this
+    batch's)."""
+    if steps is None:
+        steps = opts.max_length
     a = loaded.alphabet
     model = loaded.model
-    step = decoding_step(model)
+    step = decoding_step(model, steps)
     device = loaded.device
     B = len(indices)
     gens = [record_generator(seed, i) for i in indices]
@@ -255,12 +279,11 @@ def iter_generate(
 
     Arguments are checked here, before the first sequence is asked for.
     """
-    if loaded.config.objective != "clm":
-        raise UserError(
-            f"{loaded.source} is a masked LM (objective mlm): generation needs a causal model "
-            "(objective clm); train one with `protein-performer train experiment=demo_clm` "
-            "(the CPU demo)"
-        )
+    loaded.config.require_causal(
+        "generation",
+        loaded.source,
+        "; train one with `protein-performer train experiment=demo_clm` (the CPU demo)",
+    )
     opts.validate()
     if n < 0:
         raise UserError(f"the number of sequences must be >= 0, got {n}")
@@ -268,10 +291,11 @@ def iter_generate(
         raise UserError(f"batch_size must be a positive integer, got {batch_size}")
     if seed < 0:
         raise UserError(f"seed must be a non-negative integer, got {seed}")
-    prompts = [prompt] * n if isinstance(prompt, str) else list(prompt)
-    if len(prompts) != n:
+    # One prompt for all stays one string: a list of n copies was a MemoryError for n = 1e15.
+    prompts: str | list[str] = prompt if isinstance(prompt, str) else list(prompt)
+    if not isinstance(prompts, str) and len(prompts) != n:
         raise UserError(f"got {len(prompts)} prompts for {n} sequences; give one or n")
-    for i, p in enumerate(prompts):
+    for i, p in enumerate([prompts] if isinstance(prompts, str) else prompts):
         try:
             loaded.alphabet.encode(p)
         except ValueError as exc:
@@ -287,16 +311,19 @@ def _batches(
     loaded: LoadedModel,
     n: int,
     opts: SamplingOptions,
-    prompts: list[str],
+    prompts: str | list[str],
     seed: int,
     batch_size: int,
     context: FamilyContext | Sequence[FamilyContext] | None = None,
 ) -> Iterator[Generated]:
     contexts = list(context) if isinstance(context, Sequence) else [context]
+    full = n // batch_size  # windows of batch_size rows (a shorter last one is alone)
     for start in range(0, n, batch_size):
         done: list[Generated] = []
         for k, ctx in enumerate(contexts):  # one batch per prompt, the window in index order
             idx = [i for i in range(start, min(n, start + batch_size)) if i % len(contexts) == k]
-            if idx:
-                done += generate_batch(loaded, idx, [prompts[i] for i in idx], opts, seed, ctx)
+            if idx:  # the most tokens this batch size decodes in the run, for the compile
+                steps = (full if len(idx) == batch_size else 1) * opts.max_length
+                batch = [prompts if isinstance(prompts, str) else prompts[i] for i in idx]
+                done += generate_batch(loaded, idx, batch, opts, seed, ctx, steps)
         yield from sorted(done, key=lambda g: g.index)

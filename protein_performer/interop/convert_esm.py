@@ -43,12 +43,13 @@ import torch
 
 from protein_performer.data.tokenizer import Alphabet
 from protein_performer.errors import Rule, UserError, check_group
+from protein_performer.interop.identity import model_identity
 from protein_performer.interop.record import LoadedModel, LoadOptions, check_fits_in_memory
 from protein_performer.interop.weights import diff_state, not_imported
 from protein_performer.io.checkpoints import check_finite, safe_load
 from protein_performer.io.json_safe import read_json
 from protein_performer.model.config import PerformerConfig
-from protein_performer.model.contact_head import ContactRegression, model_identity
+from protein_performer.model.contact_head import ContactRegression
 from protein_performer.model.performer import PerformerLM
 
 log = logging.getLogger(__name__)

@@ -38,6 +38,7 @@ HEAD_PREFIX = "head."
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "out_proj", "fc1", "fc2")
 ADAPTER = "default"
 _LORA_FIELDS = {"r", "lora_alpha", "lora_dropout", "target_modules", "bias"}
+_LORA_BIAS = ("none", "all", "lora_only")
 
 
 def detect(path: Path, data: Any) -> bool:
@@ -66,8 +67,35 @@ def lora_config(settings: dict[str, Any]) -> Any:
             f"unknown LoRA setting(s) {', '.join(unknown)}; known: {sorted(_LORA_FIELDS)}"
         )
     values = {"target_modules": list(LORA_TARGETS), **settings}
+    _check_lora(values)
     values["target_modules"] = list(values["target_modules"])
     return LoraConfig(**values)
+
+
+def _number(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
+def _check_lora(values: dict[str, Any]) -> None:
+    """The settings PEFT would reject with its own traceback (r 0, -4 or "8", a module name it
+    cannot find, an unknown bias), as one line each."""
+    r = values.get("r", 8)
+    if not isinstance(r, int) or isinstance(r, bool) or r < 1:
+        raise UserError(f"LoRA r must be a positive integer, got {r!r}")
+    alpha, dropout = values.get("lora_alpha", 8), values.get("lora_dropout", 0.0)
+    if not _number(alpha) or not 0 < alpha < float("inf"):
+        raise UserError(f"LoRA lora_alpha must be a positive number, got {alpha!r}")
+    if not _number(dropout) or not 0.0 <= dropout < 1.0:
+        raise UserError(f"LoRA lora_dropout must be in [0, 1), got {dropout!r}")
+    targets = values["target_modules"]
+    if (isinstance(targets, str) or not isinstance(targets, list | tuple) or not targets
+            or not set(targets) <= set(LORA_TARGETS)):  # fmt: skip
+        raise UserError(
+            f"LoRA target_modules must be a list of {', '.join(LORA_TARGETS)}, got {targets!r}"
+        )
+    if values.get("bias", "none") not in _LORA_BIAS:
+        raise UserError(f"LoRA bias must be one of {', '.join(_LORA_BIAS)}, got "
+                        f"{values.get('bias')!r}")  # fmt: skip
 
 
 def add_lora(model: PerformerLM, settings: dict[str, Any]) -> Any:
@@ -76,7 +104,13 @@ def add_lora(model: PerformerLM, settings: dict[str, Any]) -> Any:
     submodule of anything: the adapted layers live inside ``model`` itself."""
     from peft import LoraModel
 
-    return LoraModel(model, lora_config(settings), ADAPTER)
+    config = lora_config(settings)
+    if config.r > model.config.dim:
+        raise UserError(
+            f"LoRA r={config.r} exceeds the model width {model.config.dim}: a rank above it "
+            "adds parameters and no capacity"
+        )
+    return LoraModel(model, config, ADAPTER)
 
 
 def read_finetuned(path: Path, ckpt: dict[str, Any]) -> LoadedModel:
@@ -93,14 +127,29 @@ def read_finetuned(path: Path, ckpt: dict[str, Any]) -> LoadedModel:
         head_config = HeadConfig.from_dict(head_data)
     except (UserError, TypeError) as exc:
         raise UserError(f"{path}: {HEAD_KEY}: {exc}") from None
-    model = PerformerLM(config)
     lora = ckpt.get(LORA_KEY)
-    adapters = None
-    if lora is not None:
-        if not isinstance(lora, dict):
-            raise UserError(f"{path}: '{LORA_KEY}' must be a mapping of LoRA settings")
-        adapters = add_lora(model, lora)
-    head = TaskHead(head_config)
+    if lora is not None and not isinstance(lora, dict):
+        raise UserError(f"{path}: '{LORA_KEY}' must be a mapping of LoRA settings")
+    if head_config.dim != config.dim:
+        raise UserError(f"{path}: {HEAD_KEY} dim {head_config.dim} is not the backbone's "
+                        f"width {config.dim}")  # fmt: skip
+
+    def build() -> tuple[PerformerLM, Any, TaskHead]:
+        try:
+            model = PerformerLM(config)
+            adapters = add_lora(model, lora) if lora is not None else None
+        except UserError as exc:
+            raise UserError(f"{path}: {LORA_KEY}: {exc}") from None
+        return model, adapters, TaskHead(head_config)
+
+    # Sizes come from the stored configs: built first on the meta device (no memory), the
+    # model must match the stored weights before the real one is allocated (lora.r 1e9 and a
+    # head hidden 1e12 asked for 256 GB and 256 TB).
+    with torch.device("meta"):
+        shell, _, head_shell = build()
+    _check_part(shell, state, BACKBONE_PREFIX, path, "backbone")
+    _check_part(head_shell, state, HEAD_PREFIX, path, "head")
+    model, adapters, head = build()
     _load_part(model, state, BACKBONE_PREFIX, path, "backbone")
     _load_part(head, state, HEAD_PREFIX, path, "head")
     model.eval()
@@ -113,6 +162,14 @@ def read_finetuned(path: Path, ckpt: dict[str, Any]) -> LoadedModel:
 
 
 def _load_part(module: torch.nn.Module, state: dict, prefix: str, path: Path, what: str) -> None:
+    module.load_state_dict(_check_part(module, state, prefix, path, what), strict=False)
+
+
+def _check_part(
+    module: torch.nn.Module, state: dict, prefix: str, path: Path, what: str
+) -> dict[str, torch.Tensor]:
+    """The stored tensors of ``module`` (names under ``prefix``): exactly its own, with its
+    shapes, or one line."""
     part = upgrade_keys({k[len(prefix) :]: v for k, v in state.items() if k.startswith(prefix)})
     own = module.state_dict()
     aliases = {"lm_head.weight"} if what == "backbone" else set()
@@ -125,7 +182,7 @@ def _load_part(module: torch.nn.Module, state: dict, prefix: str, path: Path, wh
             f"unexpected {unexpected[:3]}, wrong shape {wrong[:3]}); the file was edited or "
             "written by an incompatible version"
         )
-    module.load_state_dict(part, strict=False)
+    return part
 
 
 def merge_lora(loaded: LoadedModel) -> LoadedModel:

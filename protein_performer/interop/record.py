@@ -19,6 +19,7 @@ import torch
 
 from protein_performer.data.tokenizer import Alphabet
 from protein_performer.errors import UserError
+from protein_performer.interop.identity import weights_sha256
 from protein_performer.model.config import PerformerConfig
 from protein_performer.model.performer import PerformerLM
 from protein_performer.model.task_heads import TaskHead
@@ -45,6 +46,11 @@ class LoadedModel:
     #: ``full``/``frozen`` fine-tunes; PEFT is imported only where adapters exist).
     lora: dict[str, Any] | None = None
     adapters: LoraModel | None = None
+
+    def weights_sha256(self) -> str:
+        """The SHA-256 that names these learned weights (:mod:`interop.identity`), hashed on
+        each call: the weights may change after loading (a LoRA merge, a core swap)."""
+        return weights_sha256(self.model)
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,4 @@
-"""``embed``: the embeddings of many proteins (``lm.iter_embed``) into one columnar HDF5 file
+"""``embed``: the embeddings of many proteins (``lm.embed_window``) into one columnar HDF5 file
 that scales to UniRef, and :func:`read_embeddings`, its reader.
 
 Shaped like ESM's ``esm-extract`` without its classic traps: any length goes through the model
@@ -49,7 +49,8 @@ from protein_performer.data.headers import IdLookup
 from protein_performer.data.inputs import InputRecord, input_records, total_in_background
 from protein_performer.errors import UserError, shown
 from protein_performer.inference.api import ProteinLM, precision_name
-from protein_performer.inference.embedding import HIDDEN_KINDS, features_sha256, resolve_layers
+from protein_performer.inference.embedding import HIDDEN_KINDS
+from protein_performer.interop.identity import model_hashes
 from protein_performer.io.atomic import output_file
 from protein_performer.io.columns import (
     HEADER_COLUMNS,
@@ -104,15 +105,13 @@ def _layout(attrs: dict[str, Any]) -> Layout:
 def file_attrs(lm: ProteinLM, layers: Sequence[int], include: Sequence[str]) -> dict[str, Any]:
     """The root attributes: what the embeddings came from and how they were made."""
     from protein_performer import __version__
-    from protein_performer.model.contact_head import weights_sha256
 
     return {
         "format": FORMAT_NAME,
         "format_version": FORMAT_VERSION,
         "protein_performer_version": __version__,
-        "checkpoint": str(lm.loaded.source),
-        "model_sha256": weights_sha256(lm.model),
-        "features_sha256": features_sha256(lm.model),
+        "checkpoint": str(lm.source),
+        **model_hashes(lm.model),
         "objective": lm.config.objective,
         "attention": lm.config.attention,
         "dim": lm.config.dim,
@@ -346,7 +345,7 @@ def embed_fasta(
 
     path = Path(fasta).expanduser()
     dest = output_file(out)
-    layers = resolve_layers(lm.loaded, repr_layers)
+    layers = lm.resolve_layers(repr_layers)
     include = list(dict.fromkeys(include))
     bad = sorted(set(include) - set(INCLUDE_CHOICES))
     if bad or not include:
@@ -354,10 +353,7 @@ def embed_fasta(
     attrs = file_attrs(lm, layers, include)
     regression = None
     if "contacts" in include:  # the model's own regression, or one line saying how to fit one
-        from protein_performer.contacts.predict import find_regression
-
-        regression = find_regression(lm.loaded, caller="embed")
-        regression.check_model(lm.loaded, attrs["model_sha256"])  # the weights hashed once
+        regression = lm.contact_regression(caller="embed", sha256=attrs["model_sha256"])
         attrs["contact_regression"] = json.dumps(regression.to_dict(), sort_keys=True)
         attrs["contacts_dtype"] = CONTACTS_DTYPE
     pdir = parts_dir(dest)
@@ -412,15 +408,13 @@ def embed_fasta(
         nonlocal residues
         pairs = [(r.id, r.sequence) for r in window]
         results = (
-            [res for _, res in lm.iter_embed(pairs, layers, pooling, toks_per_batch)]
+            [res for _, res in lm.embed_window(pairs, layers, pooling, toks_per_batch)]
             if pooling
             else []
         )
         maps = []
         if regression is not None:
-            from protein_performer.contacts.predict import predict_contacts
-
-            maps = [predict_contacts(lm.loaded, s, regression, checked=True) for _, s in pairs]
+            maps = [lm.contact_map(s, regression) for _, s in pairs]
         _write_part(part, part_attrs, window, results, maps)
         n = sum(len(r.sequence) for r in window)
         residues += n

@@ -16,7 +16,6 @@ import numpy as np
 
 from protein_performer.data.inputs import InputRecord, input_records, total_in_background
 from protein_performer.inference.api import ProteinLM
-from protein_performer.inference.prediction import task_head
 from protein_performer.io.progress import progress as progress_bar
 from protein_performer.io.sharding import rank_label, windows
 from protein_performer.io.tables import ShardedTable
@@ -59,7 +58,7 @@ def predict_fasta(
 ) -> PredictSummary:
     """Predict every record of ``fasta`` (FASTA or a store) into ``out`` (CSV/TSV; ``-``:
     standard output), one row per record in input order; sharded like ``score_fasta``."""
-    head = task_head(lm.loaded)
+    head = lm.task_head()
     path = Path(fasta).expanduser()
     table = ShardedTable(out, prediction_columns(head))
 

@@ -47,11 +47,10 @@ import numpy as np
 from protein_performer.errors import UserError, shown
 from protein_performer.inference.api import ProteinLM
 from protein_performer.inference.dms_metrics import METRICS, assay_metrics, leaderboard_average
-from protein_performer.inference.embedding import features_sha256
+from protein_performer.interop.identity import model_hashes
 from protein_performer.io.atomic import text_output, write_text_atomic
 from protein_performer.io.outputs import claim_output
 from protein_performer.io.tables import table_writer, text_cell
-from protein_performer.model.contact_head import weights_sha256
 
 #: The logger's name as the CLI has always printed it (``WARNING <name>: ...``).
 log = logging.getLogger("protein_performer.inference.proteingym")
@@ -160,6 +159,18 @@ def read_reference(path: str | os.PathLike[str]) -> list[Assay]:
     return assays
 
 
+def _score_bin(text: str, path: Path, line: int) -> int:
+    """A ``DMS_score_bin`` cell: 0 or 1 (``1.0`` too); 0.7 was truncated to 0 and 2, -1 or inf
+    were tracebacks."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if value not in (0.0, 1.0):
+        raise UserError(f"{path}, line {line}: DMS_score_bin must be 0 or 1, got {text!r}")
+    return int(value)
+
+
 def _check_file_name(name: str, where: str) -> None:
     """``name`` (an assay's id) names files (``scores/<DMS_id>.csv``, ``<DMS_id>.fasta``), so it
     must be a plain file name: no separator, not ``.``/``..``, no leading dot (the lock and
@@ -188,17 +199,22 @@ def read_assay(path: Path) -> tuple[list[str], list[float], list[int] | None]:
             )
     mutants, labels, fit = [], [], []
     has_bin = "DMS_score_bin" in header
+    needed = ("mutant", "DMS_score", "DMS_score_bin") if has_bin else ("mutant", "DMS_score")
     for line, row in enumerate(rows, start=2):
+        if any(row.get(col) is None for col in needed):
+            raise UserError(
+                f"{path}, line {line}: fewer fields than the header's {len(header)} (no "
+                f"{', '.join(c for c in needed if row.get(c) is None)})"
+            )
         try:
             y = float(row["DMS_score"])
-            b = int(float(row["DMS_score_bin"])) if has_bin else 0
-        except (TypeError, ValueError):
+        except ValueError:
             raise UserError(
-                f"{path}, line {line}: DMS_score {row['DMS_score']!r} or DMS_score_bin is not a "
-                "number"
+                f"{path}, line {line}: DMS_score {row['DMS_score']!r} is not a number"
             ) from None
         if not math.isfinite(y):
             raise UserError(f"{path}, line {line}: DMS_score is {row['DMS_score']!r}")
+        b = _score_bin(row["DMS_score_bin"], path, line) if has_bin else 0
         mutants.append(row["mutant"].strip())
         labels.append(y)
         fit.append(b)
@@ -269,10 +285,7 @@ def _run_assays(
     summary = BenchmarkSummary(out)
     say = sys.stderr
     # What every assay's run file records of the model: hashed once for the run, not per assay.
-    model = {
-        "model_sha256": weights_sha256(lm.model),
-        "features_sha256": features_sha256(lm.model),
-    }
+    model = model_hashes(lm.model)
     for n, assay in enumerate(assays, start=1):
         start = time.perf_counter()
         mutants, labels, fit = read_assay(files[assay.dms_id])

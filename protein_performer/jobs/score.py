@@ -18,7 +18,6 @@ from protein_performer.inference.scoring import (
     SCORE_COLUMNS,
     SEQUENCE_STRATEGIES,
     check_pll_rate,
-    check_strategy,
 )
 from protein_performer.io.progress import progress as progress_bar
 from protein_performer.io.sharding import rank_label, windows
@@ -55,7 +54,7 @@ def score_fasta(
     Window by window into parts, merged at the end, so ranks of a ``torchrun``/SLURM job split
     the records (:mod:`protein_performer.io.sharding`); standard output takes one process.
     """
-    check_strategy(lm.loaded, strategy, SEQUENCE_STRATEGIES)
+    lm.check_strategy(strategy, SEQUENCE_STRATEGIES)
     check_pll_rate(pll_rate)
     path = Path(fasta).expanduser()
     table = ShardedTable(out, SCORE_COLUMNS)

@@ -24,7 +24,6 @@ from protein_performer.inference.context import FamilyContext
 from protein_performer.inference.ensemble import ContextEnsemble, context_record
 from protein_performer.inference.scoring import (
     VARIANT_STRATEGIES,
-    check_strategy,
     label_spearman,
     offset_hint,
     parse_mutant,
@@ -107,7 +106,7 @@ def score_variants_file(
         not isinstance(limit_rows, int) or isinstance(limit_rows, bool) or limit_rows < 1
     ):  # 0 or -1 read as "one row" before: never a silent partial score
         raise UserError(f"limit_rows={limit_rows!r}: give a whole number >= 1, or None for all")
-    check_strategy(lm.loaded, strategy, VARIANT_STRATEGIES)
+    lm.check_strategy(strategy, VARIANT_STRATEGIES)
     _, wt_seq = wild_type(wt_fasta)
     path = Path(mutations).expanduser()
     if not path.is_file():

@@ -152,6 +152,16 @@ class PerformerConfig:
         """Causal attention comes from the objective, not from a second switch."""
         return self.objective == "clm"
 
+    def require_causal(self, what: str, source: object = "this model", then: str = "") -> None:
+        """Refuse a masked LM where ``what`` (generation, a family context, decoding) reads
+        left-to-right attention, in one wording: ``source`` names the model, ``then`` ends the
+        line with why or what to do instead."""
+        if not self.causal:
+            raise UserError(
+                f"{source} is a masked LM (objective mlm): {what} needs a causal model "
+                f"(objective clm){then}"
+            )
+
     def validate(self) -> PerformerConfig:
         """Raise ``UserError`` on the first inconsistent field; returns self for chaining."""
 

@@ -10,9 +10,9 @@ This is the record, below training and inference: a converted ESM-2 contact head
 all store it as JSON (no pickle: loading never runs code) with the layers and heads it uses, the
 attention layout it reads (depth, heads, objective: a model with another layout is refused,
 since its features mean something else) and the SHA-256 of the weights it was fitted on
-(another model of the same layout, such as a FAVOR+ fine-tune of ESM-2 carrying ESM-2's contact
-head, gets a warning, not a refusal). Fitting it and measuring it on structures is
-``inference.contacts``.
+(``interop.identity.weights_sha256``; another model of the same layout, such as a FAVOR+
+fine-tune of ESM-2 carrying ESM-2's contact head, gets a warning, not a refusal). Fitting it and
+measuring it on structures is ``contacts.fit``.
 """
 
 from __future__ import annotations
@@ -26,7 +26,6 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import torch
 
 from protein_performer.errors import UserError, check_format_header
 from protein_performer.io.atomic import write_text_atomic
@@ -88,33 +87,6 @@ def attention_layout(config: Any) -> dict[str, Any]:
     return {"depth": int(config.depth), "heads": int(config.heads), "objective": config.objective}
 
 
-def weights_sha256(model: Any) -> str:
-    """SHA-256 of a model's learned weights (names, dtypes, shapes, bytes: every tensor but
-    what its cores declare drawn, the FAVOR+ random features, and the tied LM-head alias), so a
-    regression names the model it was fitted on, two models differing in any learned tensor
-    (a position memory's gate included) differ, and an exact and a FAVOR+ conversion of the
-    same weights share it."""
-    from protein_performer.model.cores import drawn_keys
-
-    digest = hashlib.sha256()
-    seen: set[int] = set()
-    drawn = drawn_keys(model)
-    for name, tensor in sorted(model.state_dict().items()):
-        if name in drawn or (tensor.numel() and tensor.data_ptr() in seen):
-            continue
-        seen.add(tensor.data_ptr())
-        t = tensor.detach().to("cpu").contiguous().reshape(-1)
-        digest.update(f"{name}:{t.dtype}:{tuple(tensor.shape)};".encode())
-        digest.update(t.view(torch.uint8).numpy().tobytes())
-    return digest.hexdigest()
-
-
-def model_identity(loaded: Any) -> dict[str, Any]:
-    """``layout`` and ``model_sha256`` of a loaded model, as a regression records them."""
-    layout = attention_layout(loaded.config)
-    return {"layout": layout, "model_sha256": weights_sha256(loaded.model)}
-
-
 @dataclass
 class ContactRegression:
     """Logistic regression on APC features: p(contact) = sigmoid(features @ coef + intercept)."""
@@ -125,7 +97,7 @@ class ContactRegression:
     heads: list[int]
     layout: dict[str, Any] | None = None  # attention_layout() of the model it reads
     meta: dict[str, Any] = field(default_factory=dict)
-    model_sha256: str | None = None  # weights_sha256() of the model it was fitted on
+    model_sha256: str | None = None  # interop.identity.weights_sha256 of its model
     config_fingerprint: str | None = None  # written before 0.2 instead of layout
 
     def __post_init__(self) -> None:
@@ -221,7 +193,8 @@ class ContactRegression:
 
     def check_model(self, loaded: Any, sha256: str | None = None) -> None:
         """Refuse a model whose attention layout differs from the one the fit reads; warn when
-        its weights (``sha256``, computed if None) are not the ones it was fitted on."""
+        its weights (``sha256``; None: ``loaded.weights_sha256()``, hashed only when the
+        regression names weights) are not the ones it was fitted on."""
         config, source = loaded.config, str(loaded.source)
         ours = attention_layout(config)
         if self.layout is not None:
@@ -241,7 +214,7 @@ class ContactRegression:
         if max(self.layers) > config.depth or max(self.heads) >= config.heads:
             raise UserError(f"the contact regression uses layers/heads that {source} lacks")
         if self.model_sha256 is not None:
-            sha256 = sha256 or weights_sha256(loaded.model)
+            sha256 = sha256 or loaded.weights_sha256()
             if sha256 != self.model_sha256:
                 origin = self.meta.get("origin") or self.meta.get("checkpoint") or "another model"
                 log.warning(

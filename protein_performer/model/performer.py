@@ -158,7 +158,7 @@ class PerformerLM(nn.Module):
         if tokens.ndim != 2:
             raise ValueError(f"tokens must be (batch, length), got shape {tuple(tokens.shape)}")
         if state is not None or keep_state:
-            self._require_causal()
+            self.config.require_causal("token-by-token decoding")
         if padding_mask is None:
             padding_mask = tokens.eq(self.config.pad_idx)
         padding_mask = padding_mask.to(device=tokens.device, dtype=torch.bool)
@@ -217,13 +217,6 @@ class PerformerLM(nn.Module):
             state=new_states if keep_state else None,
         )
 
-    def _require_causal(self) -> None:
-        if not self.config.causal:
-            raise UserError(
-                "token-by-token decoding needs a causal model (objective clm); this one is a "
-                "masked LM"
-            )
-
     @torch.no_grad()
     def prefill(
         self, tokens: torch.Tensor, padding_mask: torch.Tensor | None = None
@@ -251,7 +244,7 @@ class PerformerLM(nn.Module):
         tokens alone (FAVOR+: a fixed-size state; exact: its KV cache), one context serving
         any number of candidates. ``coordinates``: see :meth:`forward` (a context's homologs).
         """
-        self._require_causal()
+        self.config.require_causal("token-by-token decoding")
         out = self(tokens, padding_mask, state=states, offset=offset, keep_state=return_states,
                    coordinates=coordinates)  # fmt: skip
         return out.logits, out.state

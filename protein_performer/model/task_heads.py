@@ -59,6 +59,12 @@ class HeadConfig:
             raise UserError(f"task={self.task!r} is not one of {', '.join(TASKS)}")
         if self.pooling not in POOLINGS:
             raise UserError(f"head pooling={self.pooling!r} is not one of {', '.join(POOLINGS)}")
+        for name in ("dim", "hidden", "layer"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool):
+                raise UserError(f"head {name} must be an integer, got {value!r}")
+        if self.dim < 1:
+            raise UserError(f"head dim must be positive, got {self.dim}")
         if not isinstance(self.num_outputs, int) or self.num_outputs < 1:
             raise UserError(f"head num_outputs must be a positive integer, got {self.num_outputs}")
         if self.task != "regression" and self.num_outputs < 2:

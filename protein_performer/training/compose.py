@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING
 
 from protein_performer.data.bundled import package_root
 from protein_performer.errors import UserError
+from protein_performer.training.targets import check_config_targets
 
 if TYPE_CHECKING:
     from omegaconf import DictConfig
@@ -160,6 +161,7 @@ def compose_config(
             cfg = compose(name, overrides=rest, return_hydra_config=True)
         for key, value in direct.items():
             OmegaConf.update(cfg, key, value)
+        check_config_targets(cfg)
         missing = missing_keys(cfg, required)
         if missing:
             raise UserError(

@@ -128,7 +128,7 @@ def data_module(data: Data, options: LinearizeOptions, objective: str) -> Any:
     dm = ProteinDataModule(
         _data_paths(data), objective=objective, max_len=options.max_len,
         max_tokens=options.max_tokens, valid_frac=options.heldout_frac,
-        test_frac=options.heldout_frac, seed=options.seed,
+        test_frac=options.heldout_frac, seed=options.seed, split_flag="--heldout-frac",
     )  # fmt: skip
     dm.setup("fit")
     return dm
@@ -254,6 +254,49 @@ def _read_state(path: Path, key: dict[str, Any]) -> dict[str, Any]:
     return state
 
 
+def _check_tensors(path: Path, what: str, saved: Any, own: dict[str, Tensor]) -> None:
+    """``saved`` names exactly the tensors of ``own``, with their shapes, all finite."""
+    if not isinstance(saved, dict) or set(saved) != set(own):
+        names = sorted(set(saved) ^ set(own)) if isinstance(saved, dict) else []
+        raise UserError(
+            f"{path}: its {what} are not this model's ({', '.join(names[:3]) or type(saved)}"
+            f"{' ...' if len(names) > 3 else ''}); delete it to start over"
+        )
+    for name, value in saved.items():
+        if not isinstance(value, Tensor) or value.shape != own[name].shape:
+            shape = tuple(value.shape) if isinstance(value, Tensor) else type(value).__name__
+            raise UserError(
+                f"{path}: {what} {name} has shape {shape}, the model's is "
+                f"{tuple(own[name].shape)}; delete it to start over"
+            )
+        if not bool(torch.isfinite(value).all()):
+            raise UserError(f"{path}: {what} {name} is not finite; delete it to start over")
+
+
+def check_state(path: Path, state: dict[str, Any], options: LinearizeOptions,
+                cores: dict[str, Tensor]) -> None:
+    """A resume state read back is what this run would have saved: its stage and step within
+    the options, one finite curve entry per step fitted (so the steps it reports are true),
+    the model's core tensors with their shapes, all finite. A corrupt or crafted state is one
+    line instead of exporting non-finite weights or a traceback."""
+    stage, step, curve = state.get("stage"), state.get("step"), state.get("curve")
+    total = {"transfer": options.steps, "lora": options.lora_steps}.get(stage)
+    if total is None or not isinstance(step, int) or isinstance(step, bool):
+        raise UserError(f"{path}: stage {stage!r} step {step!r} is no linearize stage; delete it")
+    if not 0 <= step <= total:
+        raise UserError(f"{path}: {stage} step {step} is outside 0..{total}; delete it")
+    want = [("transfer", i + 1) for i in range(options.steps if stage == "lora" else step)]
+    want += [("lora", i + 1) for i in range(step if stage == "lora" else 0)]
+    ok = isinstance(curve, list) and all(isinstance(c, dict) for c in curve)
+    if not ok or [(c.get("stage"), c.get("step")) for c in curve] != want:
+        raise UserError(
+            f"{path}: its curve does not record the {step} {stage} step(s) it claims; delete it"
+        )
+    if not all(isinstance(c.get("loss"), float) and math.isfinite(c["loss"]) for c in curve):
+        raise UserError(f"{path}: its curve holds a non-finite loss; delete it to start over")
+    _check_tensors(path, "core tensors", state.get("cores"), cores)
+
+
 def _fit(params: list[nn.Parameter], loss_of: Any, batches: Iterator, stage: str, first: int,
          steps: int, lr: float, save: Any, save_every: int, show: bool, curve: list,
          optimizer_state: dict | None) -> None:
@@ -261,7 +304,16 @@ def _fit(params: list[nn.Parameter], loss_of: Any, batches: Iterator, stage: str
     ``save_every``; UserError on a non-finite loss, before anything non-finite is saved."""
     optimizer = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
     if optimizer_state is not None:
-        optimizer.load_state_dict(optimizer_state)
+        try:
+            optimizer.load_state_dict(optimizer_state)
+        except (ValueError, KeyError, TypeError, RuntimeError) as exc:
+            raise UserError(f"the resume state's optimizer does not fit the model ({exc}); "
+                            "delete the state to start over") from None  # fmt: skip
+        for value in optimizer.state.values():
+            if not all(bool(torch.isfinite(v).all()) for v in value.values()
+                       if isinstance(v, Tensor)):  # fmt: skip
+                raise UserError("the resume state's optimizer holds non-finite values; delete "
+                                "the state to start over")  # fmt: skip
     last: tuple[int, float] | None = None
     flag = "--lr" if stage == "transfer" else "--lora-lr"
     with progress(total=steps, unit="step", desc=stage, enabled=show) as bar:
@@ -324,13 +376,20 @@ def fit_linear(
             )
         saved = _read_state(spot, key)
     teacher = _teacher_from(src, device)
+    if options.lora_steps and options.lora_rank > teacher.config.dim:
+        raise UserError(
+            f"linearize: --lora-rank {options.lora_rank} exceeds the model width "
+            f"{teacher.config.dim}; a rank above it adds parameters and no capacity"
+        )
     torch.manual_seed(options.seed)
     student = linear_student(teacher.model, options.kernel, options.window).train()
     for p in student.parameters():
         p.requires_grad_(False)
     cores = _core_params(student, teacher.model)
     if saved is not None:
-        for name, value in upgrade_keys(saved["cores"]).items():
+        saved["cores"] = upgrade_keys(saved["cores"])
+        check_state(spot, saved, options, cores)
+        for name, value in saved["cores"].items():
             cores[name].data.copy_(value)
     paths = _data_paths(data)
     log.info("linearize: reading %s and splitting off held-out records", ", ".join(paths)
@@ -364,6 +423,8 @@ def fit_linear(
         adapters = add_lora(student, lora_settings(options))
         if saved is not None:
             own = dict(student.named_parameters())
+            trainable = {n: p for n, p in own.items() if p.requires_grad}
+            _check_tensors(spot, "adapter tensors", saved.get("trainable"), trainable)
             for name, value in saved["trainable"].items():
                 own[name].data.copy_(value)
         weight = options.kl_weight

@@ -27,6 +27,7 @@ from protein_performer.training.compose import (
     register_resolvers,
     split_direct,
 )
+from protein_performer.training.targets import check_override_targets
 
 if TYPE_CHECKING:
     import pytorch_lightning as pl
@@ -157,7 +158,8 @@ def check_run_dirs(cfg: DictConfig) -> None:
     """The output policy for a launch, before ``@hydra.main`` creates anything: Hydra's run
     directory (``hydra.run.dir``: ``.hydra/`` and the log file) and the run's own
     (``paths.output_dir`` when it is set apart) are never an input, hold one or lie inside one.
-    ``cfg`` is a composed config with Hydra's node; it is not changed."""
+    ``cfg`` is a composed config with Hydra's node; it is not changed. A file where a
+    directory must go is one line too."""
     import copy
 
     from hydra.core.hydra_config import HydraConfig
@@ -177,12 +179,22 @@ def check_run_dirs(cfg: DictConfig) -> None:
             probe.hydra.runtime.cwd = os.getcwd()
             probe.hydra.runtime.output_dir = str(run_dir)
         HydraConfig.instance().set_config(probe)
-        outs = {str(run_dir), str(OmegaConf.select(probe, "paths.output_dir"))}
+        outs = {"hydra.run.dir": str(run_dir),
+                "paths.output_dir": str(OmegaConf.select(probe, "paths.output_dir"))}
     except OmegaConfBaseException:  # said by Hydra when it resolves the same keys
         return
     inputs = run_inputs(probe)
-    for out in outs:
-        refuse_inputs(Path(out).expanduser().absolute(), inputs)
+    for key, out in outs.items():
+        path = Path(out).expanduser().absolute()
+        # A file on the way was Hydra's NotADirectoryError traceback (PROTEIN_PERFORMER_ROOT,
+        # paths.root_dir or hydra.run.dir naming a file).
+        existing = next(p for p in (path, *path.parents) if p.exists() or p == p.parent)
+        if not existing.is_dir():
+            raise UserError(
+                f"{key}={out}: {existing} is a file, not a directory; point "
+                "PROTEIN_PERFORMER_ROOT, paths.root_dir or hydra.run.dir at a directory"
+            )
+        refuse_inputs(path, inputs)
 
 
 def _scalar(value: Any) -> float | Any:
@@ -196,12 +208,33 @@ def _existing(path: str | None) -> str | None:
     return path if path and Path(path).is_file() else None
 
 
+def check_accelerator(cfg: DictConfig) -> None:
+    """``trainer=gpu`` on a machine without a GPU: one line now, not Lightning's
+    MisconfigurationException once the data and the model are built (27 s later)."""
+    trainer = cfg.get("trainer")
+    accelerator = str(trainer.get("accelerator", "")) if trainer is not None else ""
+    if accelerator not in ("gpu", "cuda"):
+        return
+    import torch
+
+    if torch.cuda.is_available() or (accelerator == "gpu" and torch.backends.mps.is_available()):
+        return
+    raise UserError(
+        f"trainer.accelerator={accelerator} (trainer=gpu, ddp or fsdp) but this machine has no "
+        "GPU torch can use: train with trainer=cpu, or on a GPU machine"
+    )
+
+
 def check_run(cfg: DictConfig) -> None:
-    """Before anything is built: the run keys' values, ``ckpt_path`` names a checkpoint (or a
-    keyword), and a new run does not start over on a previous run's files."""
+    """Before anything is built: what the config may instantiate, the run keys' values,
+    ``ckpt_path`` names a checkpoint (or a keyword), and a new run does not start over on a
+    previous run's files."""
     from protein_performer.training.run_dir import check_fresh_run_dir
     from protein_performer.training.settings import TOP
+    from protein_performer.training.targets import check_config_targets
 
+    check_config_targets(cfg)
+    check_accelerator(cfg)
     check_group({k: cfg.get(k) for k in TOP if k in cfg}, "", TOP)
     ckpt_path = cfg.get("ckpt_path")
     if ckpt_path not in (None, *RESUME_KEYWORDS) and not Path(ckpt_path).is_file():
@@ -350,12 +383,15 @@ def launch(entry: Entry, overrides: Sequence[str], prog: str | None = None) -> d
     overrides = list(overrides)
     register_resolvers()
     hydra_flags = any(arg.startswith("-") for arg in overrides)
-    if not hydra_flags:
+    if hydra_flags:  # Hydra composes (sweeps): its own callbacks are built before any task
+        check_override_targets(overrides)
+    else:
         composed = compose_config(
             overrides, name=entry.name, direct_keys=entry.direct_keys, required=entry.required,
             example=entry.example, override_example=entry.override_example,
         )  # fmt: skip
         check_run_dirs(composed)  # before Hydra writes .hydra/ and the log file there
+        check_accelerator(composed)
     direct, rest = split_direct(overrides, entry.direct_keys)
     if hydra_flags:  # --cfg job and the like print before any task runs: Hydra sets them too
         rest += [f"{key}={_quoted(value)}" for key, value in direct.items()]

@@ -25,6 +25,7 @@ Examples::
 from __future__ import annotations
 
 import logging
+import os
 import statistics
 import subprocess
 import sys
@@ -89,6 +90,7 @@ def run_case(case: dict[str, Any]) -> None:
     ]  # fmt: skip
     if case["variant"] == "former":
         overrides.append(f"threads={torch_default}")
+    os.environ.setdefault("PROTEIN_PERFORMER_EXTRA_TARGETS", "bench_train_threads.")
     with tempfile.TemporaryDirectory() as out:
         cfg = compose_config(overrides, output_dir=Path(out) / "run")
         with open_dict(cfg):

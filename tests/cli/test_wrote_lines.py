@@ -10,7 +10,8 @@ import pytest
 
 from protein_performer.cli.main import main
 from protein_performer.interop.export import export_model
-from protein_performer.model.contact_head import ContactRegression, model_identity
+from protein_performer.interop.identity import model_identity
+from protein_performer.model.contact_head import ContactRegression
 from tests.finetune.test_finetune import base, fitness, lora_run  # noqa: F401 - fixtures
 from tests.inference.test_embedding import tiny_loaded
 from tests.paths import REPO, SHARED

@@ -19,9 +19,10 @@ from protein_performer.contacts.predict import (
 )
 from protein_performer.data.tokenizer import Alphabet
 from protein_performer.errors import UserError
+from protein_performer.interop.identity import model_identity
 from protein_performer.interop.record import LoadedModel
 from protein_performer.model.config import PerformerConfig
-from protein_performer.model.contact_head import ContactRegression, model_identity
+from protein_performer.model.contact_head import ContactRegression
 from protein_performer.model.performer import PerformerLM
 
 AMINO = list("ACDEFGHIKLMNPQRSTVWY")

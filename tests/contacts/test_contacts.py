@@ -6,7 +6,6 @@ import dataclasses
 import json
 import math
 from pathlib import Path
-from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -21,13 +20,15 @@ from protein_performer.contacts.fit import (
     precision_at,
     training_pairs,
 )
+from protein_performer.data.tokenizer import Alphabet
 from protein_performer.errors import UserError
+from protein_performer.interop.identity import model_identity
+from protein_performer.interop.record import LoadedModel
 from protein_performer.model.config import PerformerConfig
 from protein_performer.model.contact_head import (
     ContactRegression,
     apc,
     contact_features,
-    model_identity,
     symmetrize,
 )
 from protein_performer.model.performer import PerformerLM
@@ -103,7 +104,8 @@ def test_regression_recovers_the_contact_head() -> None:
 
 def test_json_round_trip_and_checks(tmp_path: Path, caplog) -> None:
     cfg = PerformerConfig(dim=18, depth=2, heads=3, ff_dim=32, nb_features=8)
-    loaded = SimpleNamespace(config=cfg, model=PerformerLM(cfg), source=Path("m"))
+    cpu = torch.device("cpu")
+    loaded = LoadedModel(PerformerLM(cfg), cfg, Alphabet(), Path("m"), cpu, "lightning")
     reg = ContactRegression(
         np.array([0.5, -1.0, 0.0, 2.0, 0.25, -0.125]), -3.5, [1, 2], [0, 1, 2],
         meta={"C": 0.15, "fit_on": ["a", "b"]}, **model_identity(loaded),
@@ -125,15 +127,15 @@ def test_json_round_trip_and_checks(tmp_path: Path, caplog) -> None:
     # A config field that changes neither the layout nor the weights leaves it valid ...
     other = dataclasses.replace(cfg, feature_redraw_interval=7, favor_chunk_size=64)
     caplog.clear()
-    back.check_model(SimpleNamespace(config=other, model=loaded.model, source=Path("m")))
+    back.check_model(dataclasses.replace(loaded, config=other))
     assert not caplog.records
     # ... other weights of the same layout get a warning; another layout is refused.
     torch.manual_seed(1)
-    back.check_model(SimpleNamespace(config=cfg, model=PerformerLM(cfg), source=Path("m2")))
+    back.check_model(dataclasses.replace(loaded, model=PerformerLM(cfg), source=Path("m2")))
     assert "fitted on other weights" in caplog.text
     two_heads = PerformerConfig(dim=16, depth=2, heads=2, ff_dim=32, nb_features=8)
     with pytest.raises(UserError, match="another attention layout"):
-        back.check_model(SimpleNamespace(config=two_heads, model=None, source=Path("m3")))
+        back.check_model(dataclasses.replace(loaded, config=two_heads, source=Path("m3")))
     path.write_text("{not json")
     with pytest.raises(UserError, match="not valid JSON"):
         ContactRegression.load(path)

@@ -362,3 +362,25 @@ def test_hydra_data_configs_instantiate(name: str, tmp_path: Path) -> None:
     # Your data is found under the root; the demo's ships inside the package.
     expected = "/nonexistent/data/" if name == "default" else str(DEMO_DATA)
     assert str(dm.paths[0]).startswith(expected)
+
+
+def test_an_empty_split_names_the_knob_that_is_read(tmp_path: Path) -> None:
+    """A store ignores data.valid_frac (its splits are fixed by preprocess), and linearize
+    sets the fractions with --heldout-frac: the hint names what works (issue 42 #20)."""
+    from protein_performer.data.store import StoreWriter
+
+    fasta = tmp_path / "two.fasta"
+    fasta.write_text(">a\nMKTAYIAK\n>b\nLAGVMKT\n")
+    store = tmp_path / "store"
+    with StoreWriter(store) as w:
+        w.write_chunk(["a", "b"], ["MKTAYIAK", "LAGVMKT"], [0, 0], ["", ""])
+        w.commit({})
+    with pytest.raises(UserError) as info:
+        ProteinDataModule(str(store)).setup("fit")
+    said = str(info.value)
+    assert "re-run `protein-performer preprocess` with a larger --valid-frac" in said
+    assert "raise data.valid_frac" not in said
+    dm = ProteinDataModule(str(fasta), valid_frac=1e-9, test_frac=1e-9,
+                           split_flag="--heldout-frac")  # fmt: skip
+    with pytest.raises(UserError, match=r"valid split .* raise --heldout-frac \(now 1e-09\)"):
+        dm.setup("fit")

@@ -240,3 +240,27 @@ def test_family_layout_needs_a_store(tmp_path: Path) -> None:
         ProteinDataModule(str(fasta), layout="family")
     with pytest.raises(UserError, match="choose one"):
         ProteinDataModule(str(tmp_path), layout="family", concat=True)
+
+
+def test_a_crafted_family_cache_with_falling_offsets_is_refused(tmp_path: Path) -> None:
+    """Offsets that fall (or do not start at 0) made members of one family read another's
+    (a traceback further on); the cache loader ignores such a file and rebuilds."""
+    from protein_performer.data.homology import Families
+
+    good = Families(np.array([0, 1, 2]), np.array([0, 2, 3, 4]), np.array([0, 1, 1, 2]))
+    good.save(tmp_path / "ok.npz")
+    assert Families.load(tmp_path / "ok.npz").sizes().tolist() == [2, 1, 1]
+    for offsets in ([0, 3, 1, 4], [1, 2, 3, 4]):
+        np.savez(tmp_path / "bad.npz", keys=good.keys, offsets=np.array(offsets),
+                 members=good.members, meta=np.array("{}"))  # fmt: skip
+        with pytest.raises(ValueError, match="never decrease"):
+            Families.load(tmp_path / "bad.npz")
+
+
+@pytest.mark.skipif(shutil.which("mmseqs") is None, reason="MMseqs2 is not installed")
+def test_an_empty_split_has_families_described_too() -> None:
+    """data.layout=family on a store whose valid split is empty: KeyError 'sizes' on the first
+    run (issue 42 #18)."""
+    from protein_performer.data.homology import build_families
+
+    assert build_families([], "search").meta["sizes"] == {"families": 0}

@@ -377,7 +377,7 @@ def test_a_hanging_mmseqs_says_so_and_stops_at_the_timeout(
     monkeypatch.setenv("PROTEIN_PERFORMER_PROGRESS_INTERVAL", "0.2")
     argv = ["homologs", str(query), str(db), str(tmp_path / "h.fasta"), "--mmseqs-timeout", "1"]
     start = time.monotonic()
-    with caplog.at_level(logging.INFO, logger="protein_performer.data.homology"):
+    with caplog.at_level(logging.INFO, logger="protein_performer.io.processes"):
         assert main(argv) == 2
     assert time.monotonic() - start < 15
     err = capsys.readouterr().err.strip().splitlines()

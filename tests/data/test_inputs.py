@@ -2,12 +2,18 @@
 
 from __future__ import annotations
 
+import gzip
+import io
 import logging
+import sys
 from pathlib import Path
 
 import pytest
 
-from protein_performer.data.inputs import input_records, read_records
+from protein_performer.cli.stats import collect
+from protein_performer.data.inputs import input_records, input_totals, open_input, read_records
+from protein_performer.data.preprocess import preprocess
+from protein_performer.errors import UserError
 
 
 @pytest.mark.parametrize(
@@ -29,3 +35,29 @@ def test_nucleotide_input_gets_one_warning(
     said = [r.message for r in caplog.records if "looks like DNA or RNA" in r.message]
     assert len(said) == (2 if warned else 0), said
     assert not warned or "all 2 record(s) hold only A/C/G/T/U/N" in said[0]
+
+
+def test_one_rule_tells_a_store_from_fasta(tmp_path: Path, monkeypatch) -> None:
+    """``open_input`` answers "store or FASTA?" for every reader (records, totals, stats): a
+    directory is a store, ``-`` standard input, anything else a FASTA file, plain or gzip."""
+    text = ">a one\nMKTAY\n>b two\nGSLLV\n"
+    fasta, packed = tmp_path / "in.fasta", tmp_path / "in.fasta.gz"
+    fasta.write_text(text)
+    packed.write_bytes(gzip.compress(text.encode()))
+    store = tmp_path / "store"
+    preprocess([fasta], store, valid_frac=0.0, test_frac=0.0, progress=False)
+    want = [("a", "MKTAY", 1), ("b", "GSLLV", 2)]
+    for path in (fasta, packed, store):
+        assert [(r.id, r.sequence, r.number) for r in input_records(path)] == want, path
+        assert input_totals(path) == (2, 10) and collect(path)["records"] == 2
+    assert open_input(store).store is not None and open_input(packed).store is None
+    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(text.encode())))
+    assert [r.id for r in input_records("-")] == ["a", "b"] and input_totals("-") is None
+    plain_dir = tmp_path / "not_a_store"
+    plain_dir.mkdir()
+    for path, said in ((plain_dir, "is not a preprocessed store"),
+                       (tmp_path / "missing.fa", "does not exist or is not a file")):  # fmt: skip
+        for read in (lambda p: list(input_records(p)), collect):
+            with pytest.raises(UserError, match=said):
+                read(path)
+        assert input_totals(path) is None

@@ -179,3 +179,48 @@ def test_reader_errors(tmp_path: Path) -> None:
     (out3 / "ids.offsets.bin").unlink()
     with pytest.raises(UserError, match="missing"):
         TokenStore(out3)
+
+
+def _crafted(tmp_path: Path, name: str, edit) -> Path:
+    """A valid store with one file rewritten by ``edit(bytes) -> bytes`` (sizes kept)."""
+    out = _write(tmp_path / name)
+    path = out / name
+    path.write_bytes(edit(path.read_bytes()))
+    return out
+
+
+def _swap_int64(data: bytes, i: int, j: int) -> bytes:
+    a = np.frombuffer(data, "<i8").copy()
+    a[i], a[j] = a[j], a[i]
+    return a.tobytes()
+
+
+@pytest.mark.parametrize(
+    ("name", "edit", "says"),
+    [
+        # A lying id index: ids read from the wrong places.
+        ("ids.offsets.bin", lambda d: _swap_int64(d, 1, 2), "ids.offsets.bin is not a rising"),
+        # A description holding a newline (a fake record in `homologs` output).
+        ("descriptions.txt", lambda d: d.replace(b"Hemo ", b"\n>ev "), "line break"),
+        ("ids.bin", lambda d: d.replace(b"r3", b"\xff\xfe"), "ids.bin is not UTF-8"),
+        ("lengths.bin", lambda d: b"\xf8\xff\xff\xff" + d[4:], "negative lengths"),  # -8
+        ("offsets.bin", lambda d: _swap_int64(d, 1, 2), "disagrees with offsets"),
+        ("split.bin", lambda d: b"\x09" + d[1:], "unknown split code"),
+    ],
+)
+def test_a_crafted_store_is_one_line_when_opened(tmp_path: Path, name, edit, says) -> None:
+    out = _crafted(tmp_path, name, edit)
+    with pytest.raises(UserError, match=says):
+        TokenStore(out)
+
+
+def test_a_token_outside_the_vocabulary_names_the_record(tmp_path: Path) -> None:
+    out = _crafted(tmp_path, TOKENS, lambda d: d[:9] + b"\xc8" + d[10:])
+    store = TokenStore(out)
+    with pytest.raises(UserError, match="token 200 in record 1"):
+        store.tokens(1)
+    meta = json.loads((out / META).read_text())
+    meta["vocab"] = meta["vocab"][:10]  # a shortened vocabulary
+    (out / META).write_text(json.dumps(meta))
+    with pytest.raises(UserError, match="outside its vocabulary of 10"):
+        TokenStore(out).tokens(0)

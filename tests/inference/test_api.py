@@ -257,3 +257,36 @@ def test_attention_is_the_implied_maps_the_report_draws() -> None:
     assert part.shape == (1, 1, 4, len(seq))
     np.testing.assert_allclose(part[0, 0], want[-1, 1, 3:7], atol=1e-6)
     assert np.all(part.sum(-1) < 1.0) and np.all(part >= 0)  # <cls>/<eos> weight left out
+
+
+def test_non_finite_outputs_are_one_message_per_method(models) -> None:
+    """NaN never becomes a number: every method that hands out the model's numbers refuses
+    non-finite ones in the same words, naming the sequence where there is one."""
+    lm = pp.load(models["mlm"], device="cpu")
+    with torch.no_grad():
+        lm.model.embed_tokens.weight.fill_(float("nan"))
+    tail = "; its weights or precision are broken (try --precision fp32)"
+    calls = {
+        "non-finite embeddings": lambda: lm.embed([("a", "MKT")]),
+        "non-finite logits": lambda: lm.logits([("a", "MKT")]),
+        "a non-finite log-likelihood": lambda: lm.score([("a", "MKT")]),
+    }
+    for what, call in calls.items():
+        with pytest.raises(pp.UserError) as err:
+            call()
+        assert str(err.value) == f"sequence a: the model gave {what}{tail}", what
+    with pytest.raises(pp.UserError) as err:
+        lm.score_variants("MKT", ["K2A"])
+    assert str(err.value) == f"the model gave non-finite variant scores{tail}"
+
+
+def test_masked_models_are_refused_where_a_causal_one_is_needed(models) -> None:
+    """One wording for every left-to-right reader: decoding, a family context, generation."""
+    lm = pp.load(models["mlm"], device="cpu")
+    tokens = lm.alphabet.encode_batch(["MKT"])
+    said = r"is a masked LM \(objective mlm\): {} needs a causal model \(objective clm\)"
+    decoding = "^this model " + said.format("token-by-token decoding") + "$"
+    with pytest.raises(pp.UserError, match=decoding):
+        lm.model.prefill(tokens)
+    with pytest.raises(pp.UserError, match=said.format("a family context") + ", whose"):
+        lm.context(["MKT"])

@@ -114,3 +114,13 @@ def test_same_options_give_the_same_bytes(tmp_path: Path, capsys) -> None:
     assert main(argv) == 0
     other = json.loads(Path(f"{tmp_path / 'c.csv'}.context.json").read_text())
     assert other["prompts"] != record["prompts"]
+
+
+def test_an_ensemble_too_large_to_hold_is_one_line(lm: ProteinLM) -> None:
+    """``--context-orders 1e8`` drew 4.4 GB of orders before anything said so (issue 42 #17)."""
+    import time
+
+    start = time.perf_counter()
+    with pytest.raises(UserError, match=r"ensemble of 200000000 prompts .* more than 1024"):
+        lm.context(HOMOLOGS, query=WT, orders=10**8)
+    assert time.perf_counter() - start < 5

@@ -279,6 +279,46 @@ def test_the_compile_switch_falls_back_in_one_line(monkeypatch, caplog) -> None:
         assert ("no C++ compiler" if attention == "favor" else "exact attention") in notes[0]
 
 
+def test_the_traced_step_is_the_default_and_compiled_where_it_pays(monkeypatch, caplog) -> None:
+    """Issue 43: unset, the switch runs the traced step eagerly, and compiles it only for a
+    batch size that decodes at least COMPILE_PAYS_STEPS tokens in the run (a short last batch
+    stays uncompiled: no second compile); "0" pins model.step, "1" the compiled step; another
+    value is refused. Every kind draws model.step's sequences (torch.compile replaced by the
+    identity here: its eager numbers); a compile is said in one line."""
+    from protein_performer.errors import UserError
+    from protein_performer.inference import generation
+
+    monkeypatch.delenv(generation.COMPILE_ENV, raising=False)
+    monkeypatch.setattr(torch, "compile", lambda fn, **_: fn)
+    lm = causal_lm("favor")
+    model = lm.model
+
+    def compiled(step) -> bool:
+        return step.traced._compiled_for is not None
+
+    assert not compiled(generation.decoding_step(model))
+    assert not compiled(generation.decoding_step(model, generation.COMPILE_PAYS_STEPS - 1))
+    assert compiled(generation.decoding_step(model, generation.COMPILE_PAYS_STEPS))
+    monkeypatch.setenv(generation.COMPILE_ENV, "0")
+    assert generation.decoding_step(model, 10**9) == model.step
+    kw = {"n": 5, "max_length": 20, "prompt": "MK", "seed": 3, "batch_size": 2}
+    plain = list(lm.iter_generate(**kw))
+    monkeypatch.setenv(generation.COMPILE_ENV, "sometimes")
+    with pytest.raises(UserError, match="expected 1, 0 or auto"):
+        generation.decoding_step(model)
+    monkeypatch.delenv(generation.COMPILE_ENV)
+    traced = list(lm.iter_generate(**kw))
+    monkeypatch.setattr(generation, "COMPILE_PAYS_STEPS", 40)  # 2 batches of 2 x 20 tokens
+    with caplog.at_level("INFO", logger="protein_performer"):
+        auto = list(lm.iter_generate(**kw))
+    for run in (traced, auto):
+        assert [g.sequence for g in run] == [g.sequence for g in plain]
+        for a, b in zip(run, plain, strict=True):
+            np.testing.assert_allclose(a.token_log_probs, b.token_log_probs, rtol=1e-6, atol=1e-6)
+    notes = [r.getMessage() for r in caplog.records if "compiling the decoding" in r.getMessage()]
+    assert notes == ["compiling the decoding step for batch size 2 (once; tens of seconds)"]
+
+
 class _ClosedAfter:
     """A standard output whose reader goes away after ``n`` writes (``| head``)."""
 
@@ -308,3 +348,17 @@ def test_generate_into_a_closed_pipe_says_how_many(tmp_path: Path, capsys, monke
     assert main(argv) == 0
     err = capsys.readouterr().err
     assert "generated 3 of 8 sequence(s): standard output was closed after them" in err, err
+
+
+def test_a_huge_count_streams_and_zero_is_refused(tmp_path: Path, capsys) -> None:
+    """``--num 1e15`` built a list of 1e15 prompts first (MemoryError); ``--num 0`` wrote an
+    empty file with exit 0 (issue 42 #17, #20)."""
+    lm = causal_lm()
+    first = next(lm.iter_generate(n=10**15, max_length=10, seed=3))
+    assert first.index == 0 and first.sequence == lm.generate(n=1, max_length=10, seed=3)[0]
+    ckpt = export_model(lm.loaded, tmp_path / "m")
+    out = tmp_path / "none.fasta"
+    argv = ["generate", str(ckpt), str(out), "--num", "0", "--max-length", "5", "--no-progress"]
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["error: --num must be at least 1, got 0"] and not out.exists()

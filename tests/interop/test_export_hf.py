@@ -13,10 +13,11 @@ from protein_performer.cli.main import main
 from protein_performer.contacts.predict import predict_contacts
 from protein_performer.data.tokenizer import Alphabet
 from protein_performer.interop.export import export_model
+from protein_performer.interop.identity import model_identity
 from protein_performer.interop.loading import load_model
 from protein_performer.interop.record import LoadedModel
 from protein_performer.model.config import PerformerConfig
-from protein_performer.model.contact_head import ContactRegression, model_identity
+from protein_performer.model.contact_head import ContactRegression
 from protein_performer.model.performer import PerformerLM
 
 SEQS = ["MKTAYIAKQRQISFVK", "MKTAYIAKQRQISFVKSHFSRQLEERLGLIEVQAPIL"]

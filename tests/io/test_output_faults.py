@@ -299,10 +299,13 @@ import os, signal, sys, time
 from pathlib import Path
 from protein_performer.io.atomic import exclusive_lock
 with exclusive_lock(Path(sys.argv[1]), "a test"):
+    ready, said = os.pipe()
     child = os.fork()
     if child == 0:  # a worker forked while the lock is held (a DataLoader worker)
+        os.write(said, b"1")  # after the fork hooks ran: the parent may die now
         time.sleep(30)
         os._exit(0)
+    os.read(ready, 1)
     print(child, flush=True)
     os.kill(os.getpid(), signal.SIGKILL)  # the parent dies at once, its worker lives on
 """

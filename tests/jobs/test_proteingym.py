@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import csv
 import math
+import re
 from pathlib import Path
 
 import numpy as np
@@ -128,6 +129,28 @@ def test_benchmark_runs_every_assay_and_a_second_run_reproduces_it(
                    [float(r["DMS_score"]) for r in scored])  # fmt: skip
     with open(out / "Spearman" / "DMS_substitutions_Spearman_DMS_level.csv") as fh:
         assert float(next(csv.DictReader(fh))["protein_performer"]) == round(rho, 3)
+
+
+@pytest.mark.parametrize(
+    ("rows", "says"),
+    [
+        ("mutant,DMS_score,DMS_score_bin\nA1C,0.5,0.7\n", "DMS_score_bin must be 0 or 1, got"),
+        ("mutant,DMS_score,DMS_score_bin\nA1C,0.5,2\n", "got '2'"),
+        ("mutant,DMS_score,DMS_score_bin\nA1C,0.5,-1\n", "got '-1'"),
+        ("mutant,DMS_score,DMS_score_bin\nA1C,0.5,inf\n", "got 'inf'"),
+        ("DMS_score,mutant\n0.5\n", "line 2: fewer fields than the header's 2 (no mutant)"),
+    ],
+)
+def test_a_bad_assay_row_is_one_line(tmp_path: Path, rows: str, says: str) -> None:
+    from protein_performer.errors import UserError
+    from protein_performer.jobs.proteingym import read_assay
+
+    path = tmp_path / "assay.csv"
+    path.write_text(rows)
+    with pytest.raises(UserError, match=re.escape(says)):
+        read_assay(path)
+    path.write_text("mutant,DMS_score,DMS_score_bin\nA1C,0.5,1.0\nA1D,0.1,0\n")
+    assert read_assay(path)[2] == [1, 0]
 
 
 def _one_line(capsys) -> str:

@@ -18,9 +18,9 @@ import torch
 
 from protein_performer.data.tokenizer import Alphabet
 from protein_performer.errors import UserError
+from protein_performer.interop.identity import weights_sha256
 from protein_performer.model.attention import state_tensors
 from protein_performer.model.config import ATTENTIONS, PerformerConfig
-from protein_performer.model.contact_head import weights_sha256
 from protein_performer.model.cores import (
     CORES,
     WRAPPERS,

@@ -2,6 +2,7 @@
 outputs, the LoRA merge keeps predictions, a killed run resumes to the same result, bad input
 is one line."""
 
+import re
 from pathlib import Path
 
 import numpy as np
@@ -82,10 +83,9 @@ def test_lora_merge_leaves_predictions_unchanged():
         tokens).logits)  # the adapters did change the model
 
 
-def test_killed_run_resumes_to_the_same_model(teacher_dir, tmp_path, monkeypatch):
-    options = lz.LinearizeOptions(steps=4, lora_steps=2, kl_weight=0.5, **OPTIONS)
-    src, data = teacher_dir / "exact", teacher_dir / "seqs.fasta"
-    whole = lz.fit_linear(src, tmp_path / "whole", data, options, show_progress=False)
+def _cut_at_third_step(monkeypatch, src, out, data, options) -> None:
+    """A run into ``out`` killed (Ctrl-C) inside its third transfer step: its resume state
+    holds step 2."""
     real, calls = lz.transfer_loss, []
 
     def dies_at_third(*args, **kwargs):
@@ -96,9 +96,16 @@ def test_killed_run_resumes_to_the_same_model(teacher_dir, tmp_path, monkeypatch
 
     monkeypatch.setattr(lz, "transfer_loss", dies_at_third)
     with pytest.raises(KeyboardInterrupt):
-        lz.fit_linear(src, tmp_path / "cut", data, options, show_progress=False)
-    assert lz.state_path(tmp_path / "cut").is_file()  # saved after step 2
+        lz.fit_linear(src, out, data, options, show_progress=False)
     monkeypatch.setattr(lz, "transfer_loss", real)
+
+
+def test_killed_run_resumes_to_the_same_model(teacher_dir, tmp_path, monkeypatch):
+    options = lz.LinearizeOptions(steps=4, lora_steps=2, kl_weight=0.5, **OPTIONS)
+    src, data = teacher_dir / "exact", teacher_dir / "seqs.fasta"
+    whole = lz.fit_linear(src, tmp_path / "whole", data, options, show_progress=False)
+    _cut_at_third_step(monkeypatch, src, tmp_path / "cut", data, options)
+    assert lz.state_path(tmp_path / "cut").is_file()  # saved after step 2
     with pytest.raises(UserError, match="--resume"):  # never a silent restart
         lz.fit_linear(src, tmp_path / "cut", data, options, show_progress=False)
     with pytest.raises(UserError, match="other source, data or options"):
@@ -127,6 +134,10 @@ def test_non_finite_loss_stops_with_one_line(teacher_dir, tmp_path, monkeypatch)
         (["garbage.pt", "out"], "garbage.pt"),
         (["EXACT", "out", "--kernel", "taylor", "--window", "0"], "nothing to fit"),
         (["LINEAR", "out"], "approximates no softmax; linearize the softmax model"),
+        (["EXACT", "out", "--lora-rank", "100000000", "--lora-steps", "1"],
+         "--lora-rank 100000000 exceeds the model width 16"),
+        (["EXACT", "out", "--data", "SEQS", "--max-len", "1000000000000"],
+         "max_len must be in 3..2147483647"),
     ],
 )
 def test_bad_input_is_one_error_line(teacher_dir, tmp_path, monkeypatch, capsys, argv, says):
@@ -136,7 +147,8 @@ def test_bad_input_is_one_error_line(teacher_dir, tmp_path, monkeypatch, capsys,
         twin = lz.linear_student(load_model(teacher_dir / "exact", "cpu").model, "hedgehog", 0)
         export_model(LoadedModel(twin, twin.config, Alphabet(), tmp_path / "l",
                                  torch.device("cpu"), "export"), tmp_path / "linear")
-    names = {"EXACT": str(teacher_dir / "exact"), "LINEAR": str(tmp_path / "linear")}
+    names = {"EXACT": str(teacher_dir / "exact"), "LINEAR": str(tmp_path / "linear"),
+             "SEQS": str(teacher_dir / "seqs.fasta")}
     argv = [names.get(a, a) for a in argv]
     assert main(["linearize", *argv, "--no-progress"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
@@ -175,6 +187,36 @@ def test_cli_stop_says_how_to_resume(teacher_dir, tmp_path, monkeypatch, capsys)
     monkeypatch.setattr(lz, "transfer_loss", real)
     assert main([*argv, "--resume"]) == 0
     assert "4 transfer + 0 LoRA steps" in capsys.readouterr().out
+
+
+def _first_core(state: dict) -> str:
+    return sorted(state["cores"])[0]
+
+
+@pytest.mark.parametrize(
+    ("edit", "says"),
+    [
+        (lambda s: s["cores"][_first_core(s)].fill_(float("nan")), "is not finite"),
+        (lambda s: s.update(step=4), "does not record the 4 transfer step"),
+        (lambda s: s.update(step=10**6), "outside 0..4"),
+        (lambda s: s["cores"].update(bogus=torch.zeros(2)), "not this model's (bogus"),
+        (lambda s: s["cores"].update({_first_core(s): torch.zeros(3, 3)}), "has shape (3, 3)"),
+        (lambda s: s["curve"][0].update(loss=float("inf")), "non-finite loss"),
+    ],
+)
+def test_a_corrupt_resume_state_is_one_line(teacher_dir, tmp_path, monkeypatch, edit, says):
+    """A state that would export non-finite weights, claim steps never fitted or name other
+    tensors is refused before anything is fitted or written."""
+    options = lz.LinearizeOptions(steps=4, lora_steps=0, **OPTIONS)
+    src, data = teacher_dir / "exact", teacher_dir / "seqs.fasta"
+    _cut_at_third_step(monkeypatch, src, tmp_path / "cut", data, options)
+    spot = lz.state_path(tmp_path / "cut")
+    state = torch.load(spot, weights_only=True)
+    edit(state)
+    torch.save(state, spot)
+    with pytest.raises(UserError, match=re.escape(says)):
+        lz.fit_linear(src, tmp_path / "cut", data, options, resume=True, show_progress=False)
+    assert not (tmp_path / "cut").exists()
 
 
 def test_a_memory_clm_linearizes_with_its_memory_kept():

@@ -53,3 +53,31 @@ def test_a_bad_threads_key_is_one_error_naming_it(bad, tmp_path) -> None:
     cfg = OmegaConf.create({"threads": bad, "paths": {"output_dir": str(tmp_path)}})
     with pytest.raises(UserError, match="threads"):
         check_run(cfg)
+
+
+@pytest.mark.parametrize("how", ["paths.output_dir", "hydra.run.dir", "root"])
+def test_a_file_where_the_run_goes_is_one_line(how, tmp_path, monkeypatch, capsys) -> None:
+    """Hydra's NotADirectoryError traceback (exit 1) before (issue 42 #18)."""
+    from protein_performer.cli.main import main
+
+    afile = tmp_path / "afile"
+    afile.write_text("mine")
+    argv = ["train", "experiment=demo"]
+    if how == "root":
+        monkeypatch.setenv("PROTEIN_PERFORMER_ROOT", str(afile))
+    else:
+        argv.append(f"{how}={afile / 'run' if how == 'hydra.run.dir' else afile}")
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and f"{afile} is a file, not a directory" in err[0], err
+    assert afile.read_text() == "mine"
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a GPU")
+def test_trainer_gpu_without_a_gpu_is_one_line_before_anything_is_built(capsys) -> None:
+    """Lightning's raw MisconfigurationException after 27 s before (issue 45 #7)."""
+    from protein_performer.cli.main import main
+
+    assert main(["train", "experiment=demo", "trainer=gpu"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "no GPU torch can use: train with trainer=cpu" in err[0], err

@@ -115,7 +115,8 @@ def structure() -> Path:
 
 def test_contacts_panel_in_sample_note(loaded, structure: Path, tmp_path: Path) -> None:
     from protein_performer.contacts.structures import contact_target
-    from protein_performer.model.contact_head import ContactRegression, model_identity
+    from protein_performer.interop.identity import model_identity
+    from protein_performer.model.contact_head import ContactRegression
 
     target = contact_target(structure)
     F = 4
@@ -181,7 +182,8 @@ def test_png_titles_take_any_record_id(tmp_path: Path, rid: str) -> None:
 def test_predicted_contacts_without_a_structure(loaded, tmp_path: Path, capsys) -> None:
     """Issue 45 #10: `visualize --html --regression` with no structure shows the regression's
     predicted contacts (nothing marked true or false), and says so."""
-    from protein_performer.model.contact_head import ContactRegression, model_identity
+    from protein_performer.interop.identity import model_identity
+    from protein_performer.model.contact_head import ContactRegression
 
     model_dir = export_model(loaded, tmp_path / "model")
     reg = ContactRegression(np.full(4, 5.0), -3.0, [1, 2], [0, 1], **model_identity(loaded))

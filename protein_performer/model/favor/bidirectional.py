@@ -42,6 +42,13 @@ def _tile(BH: int, L: int, M: int, block: int, like: Tensor) -> tuple[int, int]:
     return max(1, rows // min(L, block)), block
 
 
+#: Heads per tile of the one-block path over those of the block loop: it makes fewer passes
+#: over a tile's features, and 4-5x larger tiles ran fastest (8M shape, 1 thread, batches of
+#: 12 x 340 and 4 x 1,000 tokens: 25 vs 29 ms and 21 vs 30 ms a layer; all heads at once 43
+#: and 38 ms).
+_FUSED_TILES = 4
+
+
 class _BidiFavor(torch.autograd.Function):
     """Bidirectional FAVOR as one autograd node, O(L d + block M) memory.
 
@@ -51,20 +58,36 @@ class _BidiFavor(torch.autograd.Function):
     moved to the query logits (exp kernels) and a per-row max subtracted. Both stabilizers
     cancel exactly in the output, so the backward treats them as constants. Saved: q, k, v, col,
     S, out and the normalizer; the backward recomputes the features block by block (queries
-    first, accumulating dS, then keys).
+    first, accumulating dS, then keys). When one block holds every row (exp kernels), the
+    forward is :func:`_fused_exp` instead, and ``out`` is (B, H, L, dv) over (B, L, H, dv)
+    memory (``heads`` = H), the layout the layer's output projection reads.
     """
 
     @staticmethod
-    def forward(ctx, q, k, v, fmap: FeatureMap, keep, block: int):
+    def forward(ctx, q, k, v, fmap: FeatureMap, keep, block: int, heads: int):
         BH, L, _ = q.shape
         dv = v.shape[-1]
         hb, block = _tile(BH, L, fmap.width, block, q)
+        ctx.tile, ctx.fmap = (hb, block), fmap  # the backward's tiles: the block loop's
         S = q.new_empty(BH, fmap.width, dv + 1)  # [phi(K)^T V | phi(K)^T 1] per head
-        out, den, shifts = q.new_empty(BH, L, dv), q.new_empty(BH, L, 1), q.new_zeros(BH, L)
+        den, shifts = q.new_empty(BH, L, 1), q.new_zeros(BH, L)
+        fused = fmap.exp and block >= L  # one block holds every row: _fused_exp
+        if fused:
+            # (B, H, L, dv) over (B, L, H, dv) memory: the layer's out_proj reads it as it is
+            hb = _aligned(hb * _FUSED_TILES, heads)
+            out = q.new_empty(BH // heads, L, heads, dv).permute(0, 2, 1, 3)
+            xa, ya = fmap.fused_inputs(q, k, keep)  # [Q | 1], [K | |K|^2 ...]: all heads
+        else:
+            out = q.new_empty(BH, L, dv)
         cols = []
         for b0 in range(0, BH, hb):
             h, fm = slice(b0, b0 + hb), fmap.heads(b0, b0 + hb)
             kp = None if keep is None else keep[h]
+            if fused:  # the tile's rows of out: (batch rows, heads, dv, L) views
+                rows, first = slice(b0 // heads, -(-(b0 + hb) // heads)), b0 % heads
+                target = out[rows, first : first + min(hb, heads)].transpose(-1, -2)
+                cols.append(_fused_exp(xa[h], ya[h], v[h], fm, S[h], target, den[h], shifts[h]))
+                continue
             col = _bidi_state(k[h], v[h], fm, kp, block, S[h])
             cols.append(col)
             offset = col if fm.exp else None
@@ -77,7 +100,6 @@ class _BidiFavor(torch.autograd.Function):
                     shifts[h, r] = shift
                 torch.div(yq[..., :dv], den[h, r], out=out[h, r])
         col = None if cols[0] is None else torch.cat(cols)  # (BH, 1, M|1)
-        ctx.tile, ctx.fmap = (hb, block), fmap
         ctx.save_for_backward(q, k, v, keep, col, S, out, den, shifts)
         return out
 
@@ -87,6 +109,7 @@ class _BidiFavor(torch.autograd.Function):
         (hb, block), fmap = ctx.tile, ctx.fmap
         BH, L, _ = q.shape
         dv = v.shape[-1]
+        grad_out, out = grad_out.reshape(BH, L, dv), out.reshape(BH, L, dv)
         tiny = torch.finfo(torch.float32).tiny
         dq, dk, dvv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
         for b0 in range(0, BH, hb):
@@ -113,7 +136,53 @@ class _BidiFavor(torch.autograd.Function):
                 dvv[h, r] = torch.bmm(kf, dSv)
                 dkf = torch.baddbmm(dS1.expand(*y.shape[:2], -1), v[h, r], dSv.mT)
                 dk[h, r] = fm.key_grad(y, kf, dkf, kb)
-        return dq, dk, dvv, None, None, None
+        return dq, dk, dvv, None, None, None, None
+
+
+def _aligned(hb: int, heads: int) -> int:
+    """Heads per tile made to fit the (batch, head) grid: a multiple of ``heads`` or a divisor
+    of it, so a tile's rows of the (B, L, H, dv) output are one strided view."""
+    if hb >= heads:
+        return hb // heads * heads
+    return max(n for n in range(1, hb + 1) if heads % n == 0)
+
+
+def _fused_exp(
+    xa: Tensor,
+    ya: Tensor,
+    v: Tensor,
+    fmap: FeatureMap,
+    S: Tensor,
+    out: Tensor,
+    den: Tensor,
+    shift: Tensor,
+) -> Tensor:
+    """The forward of one tile of heads when one block holds every row (exp kernels), from
+    the inputs of :meth:`ExpFeatureMap.fused_inputs`.
+
+    Why: at a typical protein's length the block loop's passes over the (heads, rows, M)
+    features, not the products, were FAVOR+'s cost (issue 43). Here the features are made
+    transposed, (h, M, L), by :meth:`ExpFeatureMap.keys_t` and :meth:`ExpFeatureMap.queries_t`
+    (one GEMM each, the stabilizer's max over contiguous rows, one exp2), S = phi(K)^T [V | 1]
+    and [num | den]^T = S^T phi(Q)^T are two GEMMs, and the output is written once, into
+    ``out`` (batch rows, heads, dv, L) (a view of the (B, L, H, dv) output). The normalizer
+    column of S is a row sum: a GEMM over dv + 1 = 17 columns costs as much as one over 32.
+    Writes S, den (h, L, 1), the row shift (h, L); returns the key stabilizer (h, 1, M) for
+    the backward, which recomputes these features with :meth:`FeatureMap.queries` /
+    :meth:`FeatureMap.keys` (the same values to rounding).
+    """
+    dv = v.shape[-1]
+    kf, col = fmap.keys_t(ya)  # (h, M, L), (h, 1, M)
+    S[..., :dv] = torch.bmm(kf, v)  # (h, M, dv)
+    torch.sum(kf, -1, out=S[..., dv])
+    qf, sh = fmap.queries_t(xa, col)  # (h, M, L), (h, L)
+    shift.copy_(sh)
+    yt = torch.bmm(S.mT, qf)  # (h, dv + 1, L)
+    # positive features: den >= 0, so the clamp is safe_denominator's guard (NaN stays NaN)
+    dt = yt[:, dv:].clamp_min(torch.finfo(torch.float32).tiny)  # (h, 1, L)
+    den.copy_(dt.mT)
+    torch.div(yt[:, :dv].view(out.shape), dt.view(*out.shape[:-2], 1, -1), out=out)
+    return col
 
 
 def _bidi_state(

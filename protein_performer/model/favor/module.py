@@ -70,6 +70,12 @@ def triton_kernels_for(x: Tensor, fmap: FeatureMap, v: Tensor) -> ModuleType | N
     impl = os.environ.get(CAUSAL_IMPL_ENV, "").strip().lower() or "auto"
     if impl not in ("auto", "triton", "torch"):
         raise UserError(f"{CAUSAL_IMPL_ENV}={impl!r}: expected 'auto', 'triton' or 'torch'")
+    if impl == "triton" and not x.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
+        raise UserError(
+            f"{CAUSAL_IMPL_ENV}=triton runs the triton kernels, which need CUDA tensors (this "
+            f"run is on {x.device.type}; TRITON_INTERPRET=1 interprets them on a CPU, slowly): "
+            f"unset {CAUSAL_IMPL_ENV} or set it to torch"
+        )
     if impl == "triton" or (impl == "auto" and x.is_cuda):
         kernels = _triton_kernels(required=impl == "triton")
         if kernels is not None and kernels.supports(fmap, x, v):
@@ -82,13 +88,14 @@ def _triton_kernels(required: bool) -> ModuleType | None:
     fails to import (warned once; raised when ``required``)."""
     try:
         from protein_performer.model.favor import triton_causal
-    except ImportError:
+    except Exception as exc:  # missing or broken: the torch scan still runs, unless required
         if required:
-            raise
-        return None
-    except Exception as exc:  # a broken triton install: the torch scan still runs
-        if required:
-            raise
+            raise UserError(
+                f"{CAUSAL_IMPL_ENV}=triton but triton failed to import ({exc}); install "
+                f"triton or set {CAUSAL_IMPL_ENV}=torch"
+            ) from None
+        if isinstance(exc, ImportError):
+            return None
         message = f"triton failed to import ({exc}); causal FAVOR+ runs the torch scan"
         warnings.warn(message, stacklevel=3)
         return None
@@ -144,7 +151,7 @@ def favor_attention(
 
             out = causal_favor(x, y, vv, fmap, keep, tiles)
         else:
-            out = _BidiFavor.apply(x, y, vv, fmap, keep, block_size)
+            out = _BidiFavor.apply(x, y, vv, fmap, keep, block_size, H)
     return out.reshape(B, H, L, -1).to(q.dtype)
 
 

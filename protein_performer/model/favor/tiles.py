@@ -24,10 +24,11 @@ than the default on the quiet machine): the candidates are timed in :data:`REPEA
 interleaved rounds (every candidate once per round, the order rotated), so a load that comes
 and goes hits them alike; a pair replaces the default only when it is at least :data:`MARGIN`
 faster in every round. Each entry records when it was measured and the machine's load then.
-A measurement under load (other processes using more than :data:`BUSY_LOAD` of each core)
-keeps the default and is cached as provisional, measured again after
-:data:`RECHECK_PROVISIONAL` seconds; a cached winner older than :data:`RECHECK_WINNER` seconds
-is timed against the default again and dropped when it no longer wins.
+A measurement under load (other processes using more than :data:`BUSY_LOAD` of each core
+during the timing rounds, read from /proc, :func:`machine_load`) keeps the default and is
+cached as provisional, measured again after :data:`RECHECK_PROVISIONAL` seconds; a cached
+winner older than :data:`RECHECK_WINNER` seconds is timed against the default again and
+dropped when it no longer wins.
 ``PROTEIN_PERFORMER_FAVOR_RETUNE=1`` re-tunes on purpose (each shape this process meets is
 measured again and its entry replaced). The timings come from one function
 (``causal_tiles(..., clock=)``), so tests give it made-up times.
@@ -42,11 +43,12 @@ import logging
 import math
 import os
 import platform
+import stat
 import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -71,8 +73,8 @@ _CANDIDATES = {DEFAULT_TILES, *((c, s) for c in CHUNKS for s in SEGMENTS)}
 MARGIN = 0.05
 #: Interleaved timing rounds of the candidates.
 REPEATS = 3
-#: Load per core from other processes (the 1-minute load average less this process's threads,
-#: over the cores) above which a measurement is provisional.
+#: Load per core from other processes during the timing (:func:`machine_load`) above which a
+#: measurement is provisional.
 BUSY_LOAD = 0.25
 #: Seconds after which a provisional entry is measured again, and a cached winner re-checked.
 RECHECK_PROVISIONAL, RECHECK_WINNER = 3600.0, 7 * 86400.0
@@ -138,13 +140,34 @@ def _read(path: Path) -> dict[str, dict[str, Any]]:
     """The stored entries (``tiles``, ``at``, ``provisional``...; only candidate pairs of
     integers: anything else is re-tuned); {} when unreadable."""
     try:
-        data = json.loads(path.read_text())
+        data = json.loads(_read_regular(path))
     except (*_CACHE_ERRORS, ValueError):
         return {}
     if not isinstance(data, dict) or data.get("format") != FORMAT:
         return {}
     entries = data.get("tiles")
     return {k: v for k, v in entries.items() if _valid(v)} if isinstance(entries, dict) else {}
+
+
+#: Larger than any cache this module writes (a few KB): a bigger file is not ours.
+_MAX_CACHE_BYTES = 1 << 22
+_warned: set[str] = set()
+
+
+def _read_regular(path: Path) -> str:
+    """The text of ``path`` when it is a regular file of sane size; a FIFO (where ``read_text``
+    waited forever), a device or a directory is ignored with one warning and re-tuned over
+    (the atomic write replaces it with a regular file)."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    with os.fdopen(fd, "rb") as fh:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_size > _MAX_CACHE_BYTES:
+            if str(path) not in _warned:
+                _warned.add(str(path))
+                log.warning("ignoring %s: not a regular file of at most %d bytes", path,
+                            _MAX_CACHE_BYTES)  # fmt: skip
+            raise ValueError(f"{path} is not a tile cache")
+        return fh.read(_MAX_CACHE_BYTES).decode("utf-8")
 
 
 def _valid(entry: Any) -> bool:  # noqa: ANN401 - JSON
@@ -176,14 +199,44 @@ def _file_lock(path: Path) -> Iterator[None]:
         yield
 
 
-def machine_load(threads: int) -> float:
-    """Load per core from other processes: the 1-minute load average less this process's
-    ``threads``, over the cores (0 where the system has no load average)."""
+class CpuMark(NamedTuple):
+    """CPU seconds used so far by the whole machine and by this process, and when (Linux)."""
+
+    machine: float
+    own: float
+    wall: float
+
+
+def cpu_mark() -> CpuMark | None:
+    """The machine's busy CPU seconds (``/proc/stat``: every state but idle and iowait) and
+    this process's (``/proc/self/stat``: user + system, all threads); None without /proc."""
+    try:
+        fields = Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]
+        ticks = [int(f) for f in fields[:8]]  # user nice system idle iowait irq softirq steal
+        own = Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()
+    except (OSError, ValueError, IndexError):
+        return None
+    hz = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+    busy = sum(ticks) - ticks[3] - ticks[4]
+    return CpuMark(busy / hz, (int(own[11]) + int(own[12])) / hz, time.monotonic())
+
+
+def machine_load(threads: int, since: CpuMark | None = None) -> float:
+    """Load per core from other processes: with ``since`` (a :func:`cpu_mark` taken before a
+    timing), the CPU time the rest of the machine took since then over the wall time and the
+    cores, so a neighbour that started a second before counts in full; else (no /proc) the
+    1-minute load average less this process's ``threads``, over the cores (0 where there is
+    none). Why not only the average: it lags a new neighbour by most of a minute (issue 43)."""
+    cpus = os.cpu_count() or 1
+    now = cpu_mark() if since is not None else None
+    if since is not None and now is not None and now.wall > since.wall:
+        other = (now.machine - since.machine) - (now.own - since.own)
+        return max(0.0, other) / ((now.wall - since.wall) * cpus)
     try:
         average = os.getloadavg()[0]
     except (OSError, AttributeError):
         return 0.0
-    return max(0.0, average - threads) / (os.cpu_count() or 1)
+    return max(0.0, average - threads) / cpus
 
 
 def _timer(
@@ -367,8 +420,9 @@ def causal_tiles(
                     return _measure(time_one)
                 return _recheck(time_one, tuple(entry["tiles"]))  # type: ignore[index, arg-type]
 
+            mark = cpu_mark()
             best, seen = _apart(measure, grad, q.device)
-            load = machine_load(threads)
+            load = machine_load(threads, mark)
             provisional = load > BUSY_LOAD
             if provisional:  # a loaded machine's timings are not trusted with a choice
                 best = DEFAULT_TILES

@@ -85,8 +85,35 @@ def test_bidirectional_head_tiles_equal_the_reference(kernel, monkeypatch):
         assert torch.allclose(a, b, rtol=tol * 100, atol=tol * 100)
 
 
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_one_block_fused_path_equals_the_reference_with_pads(kernel):
+    """Issue 43: when one block holds every row the exp kernels take the fused, transposed
+    features (:func:`_fused_exp`, base 2): values and gradients equal the reference's with
+    pads, a fully padded row and per-head FAVOR++, float64 and float32 (its tolerance)."""
+    B, H, L, d = 3, 2, 50, 8
+    q, k, v = (t.requires_grad_() for t in qkv(B, H, L, d, seed=57, scale=1.1))
+    om = draw_omega(16, d, generator=gen(58)).double()
+    mask = torch.zeros(B, L, dtype=torch.bool)
+    mask[1, 31:] = True
+    mask[2, :] = True  # no real key: output 0, gradient 0
+    kw = dict(kernel=kernel, key_padding_mask=mask)
+    out = favor_attention(q, k, v, om, **kw)  # default block_size: one block
+    ref = favor_attention_reference(q, k, v, om, **kw)
+    tol = 1e-7 if kernel == "trig" else 1e-10
+    assert torch.allclose(out, ref, rtol=tol, atol=tol)
+    assert torch.equal(out[2], torch.zeros_like(out[2]))
+    g_out = torch.autograd.grad(out.pow(2).sum(), (q, k, v))
+    g_ref = torch.autograd.grad(ref.pow(2).sum(), (q, k, v))
+    for a, b in zip(g_out, g_ref, strict=True):
+        assert torch.allclose(a, b, rtol=tol * 100, atol=tol * 100)
+    f32 = [t.detach().float() for t in (q, k, v)]
+    out32 = favor_attention(*f32, om.float(), **kw)
+    assert torch.allclose(out32.double(), ref.detach(), rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("block", [4, 2048])
 @pytest.mark.parametrize("kernel", ["softmax", "softmax_hyp", "softmax_opt"])
-def test_bidirectional_exp_backward_gradcheck_with_padding(kernel):
+def test_bidirectional_exp_backward_gradcheck_with_padding(kernel, block):
     """float64 gradcheck of _BidiExpFavor's backward: pads, several blocks, a fully padded row."""
     g = gen(53)
     q, k, v = (
@@ -102,7 +129,7 @@ def test_bidirectional_exp_backward_gradcheck_with_padding(kernel):
 
     def fn(a, b, c):
         return favor_attention(
-            a, b, c, om, kernel=kernel, key_padding_mask=mask, oprf_rho=rho, block_size=4
+            a, b, c, om, kernel=kernel, key_padding_mask=mask, oprf_rho=rho, block_size=block
         )
 
     assert torch.autograd.gradcheck(fn, (q, k, v), fast_mode=False)

@@ -24,7 +24,7 @@ def fresh(tmp_path, monkeypatch):
     monkeypatch.delenv("PROTEIN_PERFORMER_FAVOR_TILES", raising=False)
     monkeypatch.delenv("PROTEIN_PERFORMER_FAVOR_RETUNE", raising=False)
     monkeypatch.setattr(tiles, "_memo", {})
-    monkeypatch.setattr(tiles, "machine_load", lambda threads: 0.0)
+    monkeypatch.setattr(tiles, "machine_load", lambda threads, since=None: 0.0)
     return tmp_path
 
 
@@ -192,11 +192,11 @@ def test_a_winner_must_win_every_round(fresh):
 def test_a_loaded_machine_keeps_the_default_as_provisional(fresh, monkeypatch):
     """Timings under load choose nothing: the default, cached as provisional, is used until
     RECHECK_PROVISIONAL has passed; then a quiet machine tunes for good."""
-    monkeypatch.setattr(tiles, "machine_load", lambda threads: 1.0)
+    monkeypatch.setattr(tiles, "machine_load", lambda threads, since=None: 1.0)
     assert tune(Probe()) == tiles.DEFAULT_TILES
     ((key, entry),) = stored(fresh).items()
     assert entry["provisional"] is True and entry["load_per_core"] == 1.0
-    monkeypatch.setattr(tiles, "machine_load", lambda threads: 0.0)
+    monkeypatch.setattr(tiles, "machine_load", lambda threads, since=None: 0.0)
     tiles._memo.clear()
     probe = Probe()
     assert tune(probe) == tiles.DEFAULT_TILES and not probe.calls  # not yet re-checked
@@ -251,7 +251,7 @@ def test_an_unwritable_cache_still_tunes(fresh, monkeypatch):
 TUNE_IN_A_PROCESS = """
 import torch
 from protein_performer.model.favor import tiles
-tiles.machine_load = lambda threads: 0.0
+tiles.machine_load = lambda threads, since=None: 0.0
 calls, now = [], [0.0]
 def probe(grad):
     def run(chunk, segment):
@@ -279,3 +279,67 @@ def test_processes_sharing_a_cache_tune_once(fresh):
     outs = sorted(proc.communicate(timeout=120)[0].strip() for proc in procs)
     assert all(proc.returncode == 0 for proc in procs)
     assert outs[0] == "(64, 1024) 0" and outs[1] == f"(64, 1024) {5 + 7 * tiles.REPEATS}", outs
+
+
+def test_a_fifo_as_the_cache_is_ignored_with_one_warning(fresh, caplog):
+    """``read_text`` of a FIFO waited forever for a writer (issue 42 #16)."""
+    import logging
+    import os
+    import threading
+
+    os.mkfifo(fresh / PATH)
+    done: list[tuple[int, int]] = []
+    worker = threading.Thread(target=lambda: done.append(tune(Probe())), daemon=True)
+    with caplog.at_level(logging.WARNING, logger=tiles.__name__):
+        worker.start()
+        worker.join(timeout=30)
+    if worker.is_alive():
+        pytest.fail("the tiles cache hung on a FIFO (its thread still holds the tiles lock)")
+    assert done == [(64, 1024)]
+    warnings = [r for r in caplog.records if "not a regular file" in r.getMessage()]
+    assert len(warnings) == 1
+    assert (fresh / PATH).is_file()  # the tuned result replaced it
+
+
+class Busy(Probe):
+    """A probe on the made-up clock whose runs also take real time (sleeping, so this process
+    itself adds almost no CPU time to what the load meter sees)."""
+
+    def __call__(self, chunk: int, segment: int) -> None:
+        super().__call__(chunk, segment)
+        time.sleep(0.01)
+
+
+def test_machine_load_counts_other_processes_cpu_time_during_the_timing(monkeypatch):
+    """The load is the rest of the machine's CPU time between two /proc readings over the wall
+    time and the cores; this process's own time is not counted."""
+    marks = iter([tiles.CpuMark(machine=103.0, own=12.0, wall=11.0)])
+    monkeypatch.setattr(tiles, "cpu_mark", lambda: next(marks))
+    monkeypatch.setattr(tiles.os, "cpu_count", lambda: 2)
+    since = tiles.CpuMark(machine=100.0, own=10.0, wall=10.0)
+    assert tiles.machine_load(1, since) == pytest.approx(0.5)  # (3 - 2) CPU s / (1 s x 2)
+
+
+@pytest.mark.skipif(tiles.cpu_mark() is None, reason="needs Linux /proc")
+def test_a_hog_started_just_before_tuning_makes_it_provisional(tmp_path, monkeypatch):
+    """Issue 43: a CPU hog started a moment before the tuning is load (the 1-minute average
+    had not seen it yet, so such timings were once cached as quiet): the default is kept,
+    cached as provisional, with the hog's share in load_per_core. The real load meter."""
+    import subprocess
+    import sys
+
+    monkeypatch.setenv("PROTEIN_PERFORMER_CACHE_DIR", str(tmp_path))
+    monkeypatch.delenv("PROTEIN_PERFORMER_FAVOR_TILES", raising=False)
+    monkeypatch.delenv("PROTEIN_PERFORMER_FAVOR_RETUNE", raising=False)
+    monkeypatch.setattr(tiles, "_memo", {})
+    hog = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        time.sleep(0.2)
+        assert tune(Busy()) == tiles.DEFAULT_TILES
+    finally:
+        hog.kill()
+        hog.wait()
+    ((entry),) = stored(tmp_path).values()
+    cpus = tiles.os.cpu_count() or 1
+    assert entry["provisional"] is True
+    assert entry["load_per_core"] >= 0.8 / cpus  # the hog alone: one core, nearly all the time

@@ -232,6 +232,17 @@ def test_dispatch_takes_the_kernels_only_when_asked_on_cpu(tc, monkeypatch):
         favor_attention(q, k, v, omega, **kw)
 
 
+def test_triton_forced_on_a_cpu_without_the_interpreter_is_one_line(monkeypatch):
+    """PROTEIN_PERFORMER_CAUSAL_IMPL=triton on a CPU-only machine was triton's traceback
+    (issue 42 #18); the tests' TRITON_INTERPRET=1 is what lets the kernels run on a CPU."""
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    monkeypatch.setenv(favor_module.CAUSAL_IMPL_ENV, "triton")
+    q, k, v = inputs(1, 2, 20, 8, seed=10)
+    omega = draw_omega(16, 8, generator=gen(11))
+    with pytest.raises(UserError, match="need CUDA tensors .* set it to torch"):
+        favor_attention(q, k, v, omega, kernel="relu", causal=True)
+
+
 def test_cpu_paths_never_reach_the_kernels(monkeypatch):
     """On CPU tensors (the default implementation) a causal model's forward and backward,
     prefill and steps never ask for the kernels module, so triton is never imported there."""
