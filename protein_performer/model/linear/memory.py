@@ -473,11 +473,13 @@ class PositionMemory(CoreWrapper):
                 coordinates: Tensor | None, shape: tuple) -> dict | None:  # fmt: skip
         """Where a stateless read keeps its layout for the next layer's: a dict held by the
         ``positions`` tensor (every layer of one forward gets the same one), fresh when
-        anything the layout depends on differs (None: positions not a tensor)."""
-        if not isinstance(positions, Tensor):
-            return None
-        token = (positions._version, None if mask is None else mask._version, shape,
-                 self.max_positions, self.window, self.causal)  # fmt: skip
+        anything the layout depends on differs (None: positions not a tensor, or inference
+        tensors)."""
+        given = [t for t in (positions, mask, coordinates) if t is not None]
+        if not isinstance(positions, Tensor) or any(t.is_inference() for t in given):
+            return None  # no version counter to tell a changed tensor: no sharing
+        token = (tuple(t._version for t in given), shape, self.max_positions, self.window,
+                 self.causal)  # fmt: skip
         held = getattr(positions, "_memory_layout", None)
         if held is not None and held[0] is mask and held[1] is coordinates and held[2] == token:
             return held[3]

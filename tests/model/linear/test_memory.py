@@ -202,3 +202,49 @@ def test_weights_do_not_depend_on_the_positions_held():
     old.eval(), new.eval()
     with torch.no_grad():
         torch.testing.assert_close(new(tokens).logits, old(tokens).logits)
+
+
+def test_layers_share_one_layout_per_batch_and_a_changed_batch_gets_its_own(monkeypatch):
+    """The layout a stateless read shares across layers (held by the positions tensor) gives
+    what each layer working it out alone gives, also under inference mode (no version
+    counters: no sharing) and after the positions change in place."""
+    from protein_performer.model.config import PerformerConfig
+    from protein_performer.model.linear import memory as memory_module
+    from protein_performer.model.performer import PerformerLM
+
+    torch.manual_seed(5)
+    config = PerformerConfig(dim=16, depth=3, heads=2, nb_features=8, objective="clm",
+                             position_memory=32, memory_window=2).validate()  # fmt: skip
+    model = PerformerLM(config).eval()
+    for module in model.modules():
+        if isinstance(module, PositionMemory):
+            with torch.no_grad():
+                module.gate_bias.fill_(2.0)
+    tokens = torch.randint(4, 24, (2, 30))
+    tokens[:, ::10] = config.cls_idx
+    shared = model(tokens).logits
+    with torch.inference_mode():
+        inferred = model(tokens).logits
+    core = model.layers[0].self_attn.core
+    x = torch.randn(2, 2, 30, 8)
+    positions = torch.arange(30).repeat(2, 1) % 10
+    with torch.no_grad():
+        core(x, x, x, None, None, positions=positions)  # its layout now held by positions
+        positions[1] = torch.arange(30) % 15  # other members, in the same tensor
+        changed = core(x, x, x, None, None, positions=positions)[0]
+        fresh = core(x, x, x, None, None, positions=positions.clone())[0]
+    torch.testing.assert_close(changed, fresh)
+    layouts = []
+    real = memory_module.PositionMemory._layout
+
+    def counted(self, *args):
+        layouts.append(1)
+        return real(self, *args)
+
+    monkeypatch.setattr(memory_module.PositionMemory, "_layout", counted)
+    model(tokens)
+    assert len(layouts) == 1  # one per batch, not per layer
+    monkeypatch.setattr(memory_module.PositionMemory, "_shared", lambda self, *a: None)
+    alone = model(tokens).logits
+    torch.testing.assert_close(shared, alone)
+    torch.testing.assert_close(inferred, alone)
