@@ -411,7 +411,7 @@ def policy_cases(work: Path, mlm: Path, clm: Path, fasta: Path) -> list[Case]:
     # --context: - reads standard input; a missing name is an error, never a sequence.
     homologs = f">h1\n{SEQ}\n>h2\n{SEQ[::-1]}\n".encode()
     cases.append(Case("context-stdin", _cli("score", str(clm), str(fasta), str(w / "ctx.csv"),
-                      "--context", "-", "--no-progress"), "ok", "context: 2 homolog(s)",
+                      "--context", "-", "--no-progress"), "ok", "read 2 of 2 homolog(s)",
                       stdin=homologs))  # fmt: skip
     cases.append(Case("context-missing-name", _cli("score", str(clm), str(fasta),
                       str(w / "ctx2.csv"), "--context", "MKTAYIAK"), "error",
