@@ -167,6 +167,9 @@ def run_subprocess(argv: list[str], cwd: Path) -> subprocess.CompletedProcess:
         "OMP_NUM_THREADS": "1",
         "WANDB_MODE": "offline",
         "PYTHONWARNINGS": "ignore",
+        # As the console script does: the scratch checkout's protein_performer/data/ folder
+        # must not shadow the installed package (`python -m` would put the cwd first).
+        "PYTHONSAFEPATH": "1",
     }
     env.pop("PROTEIN_PERFORMER_ROOT", None)
     return subprocess.run(
