@@ -89,9 +89,17 @@ class AttentionCore(nn.Module):
         """The core a ``PerformerConfig`` asks for."""
         raise NotImplementedError
 
+    #: The ``config.kernel`` names this core computes (empty: it reads no kernel).
+    kernels: tuple[str, ...] = ()
+
     @classmethod
     def config_problem(cls, config: Any) -> str | None:
         """What in ``config`` this core cannot run with (one line), or None."""
+        if cls.kernels and config.kernel not in cls.kernels:
+            return (
+                f"unknown kernel {config.kernel!r} for {config.attention} attention; choose one "
+                f"of {', '.join(cls.kernels)}"
+            )
         return None
 
     @classmethod

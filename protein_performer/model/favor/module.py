@@ -240,6 +240,8 @@ class FavorAttention(AttentionCore):
     (:func:`~protein_performer.model.config.default_nb_features`).
     """
 
+    kernels = KERNELS
+
     drawn = ("omega", "oprf_rho")
     label = "FAVOR+ attention"
 
@@ -288,15 +290,6 @@ class FavorAttention(AttentionCore):
             kernel=config.kernel,
             chunk_size=config.favor_chunk_size,
         )
-
-    @classmethod
-    def config_problem(cls, config) -> str | None:  # noqa: ANN001
-        if config.kernel not in KERNELS:
-            return (
-                f"unknown kernel {config.kernel!r} for {config.attention} attention; choose one "
-                f"of {', '.join(KERNELS)}"
-            )
-        return None
 
     @classmethod
     def extra_numel(cls, config) -> int:  # noqa: ANN001

@@ -73,6 +73,8 @@ class LinearAttention(AttentionCore):
     """Linear attention behind the attention cores' interface (forward with an optional state,
     attention rows); ``kernel`` names a map of :data:`~.maps.LINEAR_MAPS`."""
 
+    kernels = LINEAR_KERNELS
+
     def __init__(
         self, heads: int, dim_head: int, kernel: str, causal: bool, chunk_size: int = 64
     ) -> None:
@@ -85,15 +87,6 @@ class LinearAttention(AttentionCore):
     @classmethod
     def from_config(cls, config) -> LinearAttention:  # noqa: ANN001 - a PerformerConfig
         return cls(config.heads, config.head_dim, config.kernel, config.causal)
-
-    @classmethod
-    def config_problem(cls, config) -> str | None:  # noqa: ANN001
-        if config.kernel not in LINEAR_KERNELS:
-            return (
-                f"unknown kernel {config.kernel!r} for {config.attention} attention; choose one "
-                f"of {', '.join(LINEAR_KERNELS)}"
-            )
-        return None
 
     @classmethod
     def extra_numel(cls, config) -> int:  # noqa: ANN001
