@@ -69,10 +69,15 @@ class _Layout(NamedTuple):
 class MemoryState(NamedTuple):
     """The mixed core's state: the inner core's (``inner``) and the position memory
     ``mem`` (B, H, P, d + dv + 1), slot p holding the sum of [k | v | 1] at member position p;
-    P is the longest member held so far (it grows with the context, up to ``max_positions``)."""
+    P is the longest member held so far (it grows with the context, up to ``max_positions``).
+    A memory that reads only the other members also keeps the last member's own sums
+    (``part``, its slots only, which ``mem`` includes) and the last token's position
+    (``last`` (B,)): a call that continues that member must not read them."""
 
     inner: Any
     mem: Tensor
+    part: Tensor | None = None
+    last: Tensor | None = None
 
 
 def member_layout(positions: Tensor) -> Tensor:
@@ -228,20 +233,24 @@ class PositionMemory(CoreWrapper):
     ) -> PositionMemory:
         assert inner is not None
         return cls(inner, config.heads, config.head_dim, config.position_memory,
-                   config.memory_window)  # fmt: skip
+                   config.memory_window, reads_own=config.memory_reads_own)  # fmt: skip
 
     @classmethod
     def extra_numel(cls, config) -> int:  # noqa: ANN001
         return config.heads * (2 * config.memory_window + 2 + config.head_dim)
 
     def __init__(
-        self, inner: AttentionCore, heads: int, dim_head: int, max_positions: int, window: int
-    ) -> None:
+        self, inner: AttentionCore, heads: int, dim_head: int, max_positions: int, window: int,
+        *, reads_own: bool = False,
+    ) -> None:  # fmt: skip
         super().__init__()
         self.inner = inner
         self.causal = inner.causal
         self.max_positions = max_positions
         self.window = window
+        # whether a token also reads its own member (the models before 0.7; see the module
+        # docstring): with it off a lone sequence reads nothing and gets its core's output
+        self.reads_own = reads_own
         # b_h(D) = offset_logits[h, D + W], a learned bias per offset; 0 at first.
         self.offset_logits = nn.Parameter(torch.zeros(heads, 2 * window + 1))
         self.gate_weight = nn.Parameter(torch.zeros(heads, dim_head))
@@ -266,8 +275,9 @@ class PositionMemory(CoreWrapper):
             return None
         M, P = last + 1, top - base + 1
         # a tile of T query positions reads the 2T columns from its first on, a band of
-        # w = W + 1 (causal: F, then E) or 2W + 1 (masked) of them per query (w <= T + 1)
-        T = max(W + 1 if causal else 2 * W, 1)
+        # w = W + 1 (causal, own member read: F, then E) or 2W + 1 (one table) of them per
+        # query (w <= T + 1)
+        T = max(W + 1 if causal and self.reads_own else 2 * W, 1)
         R = (-(-P // T) + 2) * T  # a row: its query tiles, then the keys' overhang
         # M + 1 rows a (batch row, head): row 0 for the state (or nothing) before the first
         # member, so a member's E (what the members before it hold) is the F of the row above
@@ -290,7 +300,7 @@ class PositionMemory(CoreWrapper):
         """Which of each query tile's band columns hold both a key and a value (N, T, 2W + 1)
         (the same in every head), and whether a token has any (B, H, L, 1), from the
         tables' counts (B, M + 1, R) (members up to each row's, the state's included; masked:
-        all of the row's)."""
+        all of the row's, or all but its own)."""
         W, causal = self.window, self.causal
         B, rows, R = count.shape
         T = lay.T
@@ -298,12 +308,14 @@ class PositionMemory(CoreWrapper):
         nt = rows * R // T  # tiles per (batch row, head)
         held = count.reshape(B, rows * R) > 0.5
         # a query reads F in its own row and (causal) E in the row above, R columns back
-        have = [F.pad(held, (0, n - 1))] + ([F.pad(held, (R, n - 1))] if causal else [])
+        own = not causal or self.reads_own
+        have = ([F.pad(held, (0, n - 1))] if own else []) + (
+            [F.pad(held, (R, n - 1))] if causal else [])  # fmt: skip
         have = [h[:, : rows * R + n - 1].unfold(1, n, 1).view(B, 1, nt, T, n) for h in have]
-        if causal:  # keys at offsets 0..W from F, W+1..2W from E; values one column right
+        if causal and own:  # keys at offsets 0..W from F, W+1..2W from E; values one right
             ahead = torch.arange(n, device=count.device) > W
             reach_cols = torch.where(ahead, have[1], have[0])
-        else:
+        else:  # one table: E (causal), or the row's (masked)
             reach_cols = have[0]
         # key and value both held, the same in every head; the tiles of the first row of
         # the first (batch row, head) ask nothing, nor the last row's last two
@@ -314,11 +326,39 @@ class PositionMemory(CoreWrapper):
         reach = seen.any(-1).view(-1).index_select(0, lay.index).view(B, heads, L, 1)
         return seen, reach & lay.valid[:, None, :, None]
 
+    def _continues(self, positions: Tensor, held: MemoryState | None) -> Tensor | None:
+        """(B,) whether each row's first token continues the member the memory ``held`` ended
+        in (None: a memory that reads the own member, or none held): a member goes on where
+        the position continues the last token's."""
+        if held is None or held.last is None:
+            return None
+        return positions[:, 0] == held.last + 1
+
+    def _last_part(self, positions: Tensor, held: MemoryState | None, cont: Tensor | None,
+                   grown: Tensor | None) -> Tensor:  # fmt: skip
+        """The sums of the member the tokens end in (B, H, slots, C): ``grown`` (its sums
+        over the tokens, None: none entered), plus what ``held`` had of it when the tokens
+        continue it."""
+        B = positions.shape[0]
+        parts = [] if grown is None else [grown]
+        if cont is not None and held is not None and held.part is not None:
+            alone = cont & (member_layout(positions)[:, -1] == 0)  # one member, continued
+            parts.append(held.part * alone.to(held.part.dtype)[:, None, None, None])
+        if not parts:
+            return held.part.new_zeros(B, *held.part.shape[1:2], 0, held.part.shape[-1])
+        size = max(p.shape[2] for p in parts)
+        total = F.pad(parts[0], (0, 0, 0, size - parts[0].shape[2]))
+        for p in parts[1:]:
+            total = total + F.pad(p, (0, 0, 0, size - p.shape[2]))
+        return total
+
     def _read(self, q: Tensor, k: Tensor, v: Tensor, positions: Tensor, keep: Tensor,
-              mem: Tensor | None, want_state: bool, keys: Tensor | None = None,
-              shared: dict | None = None) -> tuple[Tensor, Tensor, Tensor | None]:  # fmt: skip
+              held: MemoryState | None, want_state: bool, keys: Tensor | None = None,
+              shared: dict | None = None
+              ) -> tuple[Tensor, Tensor, MemoryState | None]:  # fmt: skip
         """The memory's output (B, H, L, dv), whether any entry was in reach (B, H, L, 1), and
-        (``want_state``) the memory after the tokens. ``keys``: the positions the columns are
+        (``want_state``) the memory after the tokens (a :class:`MemoryState` whose ``inner``
+        is None), ``held`` the one before them. ``keys``: the positions the columns are
         keyed by (aligned coordinates), when not the member ``positions``; members are found
         where the member positions restart either way. ``shared``: where the layout of a
         stateless read is kept for the next layer's (the same tokens).
@@ -326,33 +366,47 @@ class PositionMemory(CoreWrapper):
         How: each member becomes a row of R columns (its positions from the lowest in the
         chunk, keys W columns to the right of their queries), the rows of every member, head
         and batch row one after another, after a row for the state. Per column, a member's
-        row holds the mean [k | v] over the members up to it (F: its own included, what t
-        reads at offsets D <= 0, where its own keys j <= t sit), so the row above holds the
-        members before it (E: what t reads ahead of its position). Reading the columns around
-        each query is then a band of tile products on one table (:class:`_Scores`, F's and
-        E's side by side), and the values come back through the same bands
-        (:class:`_Apply`): a few batched matrix products whatever W, forward and back."""
+        row holds the mean [k | v] over the members up to it (F: its own included), so the
+        row above holds the members before it (E). A memory that reads only the other
+        members reads E at every offset (masked: the row's mean without its own member); one
+        that reads its own member (models before 0.7) reads F at offsets D <= 0, where its
+        own keys j <= t sit, and E ahead of its position. Reading the columns around each
+        query is then a band of tile products on one table (:class:`_Scores`; F's and E's
+        side by side), and the values come back through the same bands (:class:`_Apply`): a
+        few batched matrix products whatever W, forward and back."""
         B, H, L, d = q.shape
-        W, causal, dv = self.window, self.causal, v.shape[-1]
+        W, causal, dv, reads_own = self.window, self.causal, v.shape[-1], self.reads_own
         C = d + dv + 1
-        cached = shared is not None and mem is None and "layout" in shared
+        cached = shared is not None and held is None and "layout" in shared
         lay = shared["layout"] if cached else self._layout(positions, keep, keys, H, q.dtype)
+        cont = self._continues(positions, held)
         if lay is None:  # nothing enters or reads: the memory stays as it was
-            if want_state and mem is None:
-                mem = q.new_zeros(B, H, 0, C)
-            return q.new_zeros(B, H, L, dv), q.new_zeros(B, H, L, 1, dtype=torch.bool), mem
+            new = None
+            if want_state:
+                mem = q.new_zeros(B, H, 0, C) if held is None else held.mem
+                new = MemoryState(None, mem)
+                if causal and not reads_own:
+                    held = held if held is not None else new
+                    new = MemoryState(None, mem, self._last_part(positions, held, cont, None),
+                                      positions[:, -1])  # fmt: skip
+            return q.new_zeros(B, H, L, dv), q.new_zeros(B, H, L, 1, dtype=torch.bool), new
         base, top, M, P, T, R, own = lay.base, lay.top, lay.M, lay.P, lay.T, lay.R, lay.own
         count = own.cumsum(1)  # the members up to each row's (B, M + 1, R)
-        if mem is not None:
-            held = _slots(mem, base - W, R)
-            count = count + held[:, 0, None, :, -1]
-        if not causal:  # every member of the row, t's own included, at every offset
-            count = count[:, -1:].expand(B, M + 1, R)
+        if held is not None:
+            slots = _slots(held.mem, base - W, R)  # (B or 1, H, R, C), row 0's
+            if cont is not None:  # the member the memory ended in goes on: not row 0's
+                going = _slots(held.part, base - W, R) * cont.to(q.dtype)[:, None, None, None]
+                slots = slots - going
+            count = count + slots[:, 0, None, :, -1]
+            if cont is not None:
+                count[:, 1:] += going[:, 0, None, :, -1]
+        if not causal:  # every member of the row (or every other one), at every offset
+            count = count[:, -1:].expand(B, M + 1, R) if reads_own else count[:, -1:] - own
         if cached:
             seen, reach = shared["reach"]
         else:
             seen, reach = self._reach(lay, count, H)
-            if shared is not None and mem is None:
+            if shared is not None and held is None:
                 shared["layout"], shared["reach"] = lay, (seen, reach)
         size = B * H * (M + 1) * R
         Q = q.new_zeros(size, d).index_add(0, lay.asked, q.reshape(-1, d))
@@ -362,20 +416,28 @@ class PositionMemory(CoreWrapper):
         # mean over the members up to each row's, row 0 the state's (or nothing): a member's
         # own row is its F, the row above its E
         tables, grids = [], []
+        upto = torch.ones(M + 1, M + 1, dtype=q.dtype, device=q.device).tril()
         for i, (z, c) in enumerate(((k, d), (v, dv))):
             Gz = z.new_zeros(size, c).index_add(0, lay.keyed, z.reshape(-1, c))
             Gz = Gz.view(B, H, M + 1, R, c)
             grids.append(Gz)
-            Fz = Gz.cumsum(2)
-            if mem is not None:
-                Fz = Fz + held[:, :, None, :, i * d : i * d + c]
-            if not causal:
-                Fz = Fz[:, :, -1:].expand(B, H, M + 1, R, c)
+            if causal:  # the sums over the members up to each row (a product: cumsum over a
+                # middle dimension is several times slower, forward and back)
+                Fz = torch.matmul(upto, Gz.view(B, H, M + 1, R * c)).view(B, H, M + 1, R, c)
+                if held is not None:
+                    Fz = Fz + slots[:, :, None, :, i * d : i * d + c]
+                    if cont is not None:
+                        Fz[:, :, 1:] += going[:, :, None, :, i * d : i * d + c]
+            else:
+                Fz = Gz.sum(2, keepdim=True)
+                Fz = Fz.expand(B, H, M + 1, R, c) if reads_own else Fz - Gz
             # keys' means carry the scores' 1 / sqrt(d): one number per column
             unit = d**0.5 if i == 0 else 1.0
             tables.append((Fz / (count.clamp_min(1.0) * unit)[:, None, :, :, None]).view(-1, c))
-        if causal:  # keys at offsets 0..W from F, W+1..2W from E; values one column right
+        if causal and reads_own:  # keys at offsets 0..W from F, W+1..2W from E; values one
             keys_at, values_at = ((R, W + 1), (W + 1, W)), ((R + 1, W), (W + 1, W + 1))
+        elif causal:  # keys and values (one column right) from E, the row above
+            keys_at, values_at = ((0, 2 * W + 1),), ((1, 2 * W + 1),)
         else:
             keys_at = values_at = ((R, 2 * W + 1),)
         nt = (M + 1) * R // T  # tiles per (batch row, head)
@@ -386,21 +448,30 @@ class PositionMemory(CoreWrapper):
         weights = _Scores.apply(x, keys_at, tables[0]).add_(bias).softmax(-1)
         read = _Apply.apply(weights, values_at, tables[1])
         out = read.view(-1, dv).index_select(0, lay.index).view(B, H, L, dv)
-        new_mem = None
-        if want_state:
-            added = torch.cat([  # positions base .. top
-                grids[0][:, :, :, W : W + P].sum(2), grids[1][:, :, :, W : W + P].sum(2),
-                own[:, :, W : W + P].sum(1)[:, None, :, None].expand(B, H, P, 1)], -1)
-            size = max(top + 1, 0 if mem is None else mem.shape[2])
-            new_mem = F.pad(added, (0, 0, base, size - top - 1))
-            if mem is not None:
-                new_mem = new_mem + F.pad(mem, (0, 0, 0, size - mem.shape[2]))
-        return out, reach, new_mem
+        if not want_state:
+            return out, reach, None
+        mem = None if held is None else held.mem
+        added = torch.cat([  # positions base .. top
+            grids[0][:, :, :, W : W + P].sum(2), grids[1][:, :, :, W : W + P].sum(2),
+            own[:, :, W : W + P].sum(1)[:, None, :, None].expand(B, H, P, 1)], -1)
+        size = max(top + 1, 0 if mem is None else mem.shape[2])
+        new_mem = F.pad(added, (0, 0, base, size - top - 1))
+        if mem is not None:
+            new_mem = new_mem + F.pad(mem, (0, 0, 0, size - mem.shape[2]))
+        if not causal or reads_own:
+            return out, reach, MemoryState(None, new_mem)
+        rows = torch.arange(B, device=q.device)
+        last = member_layout(positions)[:, -1] + 1  # each batch row's last member's row
+        grown = torch.cat([  # (B, H, P, C): that member's sums over these tokens
+            grids[0][rows, :, last, W : W + P], grids[1][rows, :, last, W : W + P],
+            own[rows, last, W : W + P][:, None, :, None].expand(B, H, P, 1)], -1)
+        part = self._last_part(positions, held, cont, F.pad(grown, (0, 0, base, 0)))
+        return out, reach, MemoryState(None, new_mem, part, positions[:, -1])
 
     def _read_chunks(self, q: Tensor, k: Tensor, v: Tensor, positions: Tensor, keep: Tensor,
-                     mem: Tensor | None, want_state: bool, keys: Tensor | None = None,
+                     held: MemoryState | None, want_state: bool, keys: Tensor | None = None,
                      shared: dict | None = None
-                     ) -> tuple[Tensor, Tensor, Tensor | None]:  # fmt: skip
+                     ) -> tuple[Tensor, Tensor, MemoryState | None]:  # fmt: skip
         """:meth:`_read` over the tokens in chunks of :data:`READ_CHUNK`, the memory carried
         from one to the next (causal), so a 64k-token context needs the memory of one chunk."""
         L = q.shape[2]
@@ -409,16 +480,16 @@ class PositionMemory(CoreWrapper):
         trains = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad
                                                or v.requires_grad)
         if not self.causal or L <= READ_CHUNK or trains:
-            return self._read(q, k, v, positions, keep, mem, want_state, keys, shared)
+            return self._read(q, k, v, positions, keep, held, want_state, keys, shared)
         outs, seens = [], []
         for start in range(0, L, READ_CHUNK):
             t = slice(start, start + READ_CHUNK)
-            out, seen, mem = self._read(q[:, :, t], k[:, :, t], v[:, :, t], positions[:, t],
-                                        keep[:, t], mem, want_state or start + READ_CHUNK < L,
-                                        None if keys is None else keys[:, t])  # fmt: skip
+            out, seen, held = self._read(q[:, :, t], k[:, :, t], v[:, :, t], positions[:, t],
+                                         keep[:, t], held, want_state or start + READ_CHUNK < L,
+                                         None if keys is None else keys[:, t])  # fmt: skip
             outs.append(out)
             seens.append(seen)
-        return torch.cat(outs, 2), torch.cat(seens, 2), mem
+        return torch.cat(outs, 2), torch.cat(seens, 2), held
 
     def attend(
         self,
@@ -456,17 +527,18 @@ class PositionMemory(CoreWrapper):
         with torch.autocast(device_type=q.device.type, enabled=False):
             x, y, vv = q.to(dtype), k.to(dtype), v.to(dtype)
             keys = None if coordinates is None else coordinates.to(pos).expand(B, L)
+            held = None if state is None else MemoryState(
+                None, state.mem.to(dtype), None if state.part is None else state.part.to(dtype),
+                state.last)  # fmt: skip
             mem_out, seen, mem = self._read_chunks(
-                x, y, vv, pos, keep, None if state is None else state.mem.to(dtype), keep_state,
-                keys, shared,
-            )
+                x, y, vv, pos, keep, held, keep_state, keys, shared)
             gate = torch.sigmoid(  # (B, H, L, 1)
                 x @ self.gate_weight.to(dtype)[:, :, None]
                 + self.gate_bias.to(dtype)[:, None, None]
             )
             gate = gate * seen.to(dtype)  # no entry in reach: the core's output alone
             mixed = torch.lerp(out.to(dtype), mem_out, gate)
-        new = MemoryState(inner_state, mem) if keep_state else None
+        new = mem._replace(inner=inner_state) if keep_state and mem is not None else None
         return mixed.to(q.dtype), new
 
     def _shared(self, positions: Tensor | int | None, mask: Tensor | None,
@@ -479,7 +551,7 @@ class PositionMemory(CoreWrapper):
         if not isinstance(positions, Tensor) or any(t.is_inference() for t in given):
             return None  # no version counter to tell a changed tensor: no sharing
         token = (tuple(t._version for t in given), shape, self.max_positions, self.window,
-                 self.causal)  # fmt: skip
+                 self.causal, self.reads_own)  # fmt: skip
         held = getattr(positions, "_memory_layout", None)
         if held is not None and held[0] is mask and held[1] is coordinates and held[2] == token:
             return held[3]
