@@ -50,8 +50,8 @@ class _Layout(NamedTuple):
     """Where a read's tokens go (:meth:`PositionMemory._layout`): ``valid`` (B, L) the tokens
     that enter a position, positions ``base`` .. ``top`` held, M members a row, P positions,
     tiles of T, rows of R columns, each token's key row (``keyed``) and query row (``asked``)
-    in the tables (B H L,), the tokens per column ``own`` (B, M, R) and the row each token's
-    output is read from (``index``)."""
+    in the tables (B H L,), the tokens per column ``own`` (B, M, R), each token's query
+    column within its batch row's rows (``slot`` (B, L)) and its member (B, L)."""
 
     valid: Tensor
     base: int
@@ -63,7 +63,8 @@ class _Layout(NamedTuple):
     keyed: Tensor
     asked: Tensor
     own: Tensor
-    index: Tensor
+    slot: Tensor
+    member: Tensor
 
 
 class MemoryState(NamedTuple):
@@ -95,117 +96,97 @@ def _pairs(y: Tensor, T: int, N: int, shift: int) -> Tensor:
                         y.storage_offset() + shift * y.stride(0))
 
 
-def _band(full: Tensor, w: int) -> Tensor:
-    """Row a's columns a .. a + w - 1 of tile products full (N, T, 2T), as (N, T, w)."""
-    N, T = full.shape[:2]
-    full = full.contiguous()  # (a, a + j) sits at a (2T + 1) + j: a strided view, no copy
-    return full.as_strided((N, T, w), (2 * T * T, 2 * T + 1, 1), full.storage_offset())
-
-
-def _unband(a: Tensor, widths: tuple[int, ...]) -> Tensor:
-    """Bands a (N, T, sum of widths), side by side, as the matrices of :func:`_band`, zero off
-    their bands, side by side in one contiguous (N, T, 2T x segments) tensor (the batched
-    products run fastest on it; a view per segment)."""
-    N, T = a.shape[:2]
-    S = 2 * T * len(widths)
-    full = a.new_zeros(N, T, S)
-    at = 0
-    for s, w in enumerate(widths):
-        full.as_strided((N, T, w), (T * S, S + 1, 1), 2 * T * s).copy_(a[..., at : at + w])
-        at += w
-    return full
-
-
-def _widths(segments: tuple[tuple[int, int], ...]) -> tuple[int, ...]:
-    return tuple(width for _, width in segments)
-
-
-class _Scores(torch.autograd.Function):
-    """out[i, a, :] = the bands x[i, a] . y[i T + a + shift_s + j], j < width_s, of each
-    segment s, side by side: queries in tiles x (N, T, c) against the rows of a table y
-    (rows, c) around their own, each tile against the 2T rows it reaches (width <= T + 1),
-    forward and back as batched products."""
-
-    @staticmethod
-    def forward(ctx: Any, x: Tensor, segments: tuple[tuple[int, int], ...], y: Tensor
-                ) -> Tensor:  # fmt: skip
-        ctx.save_for_backward(x, y)
-        ctx.segments = segments
-        N, T = x.shape[:2]
-        return torch.cat([_band(x @ _pairs(y, T, N, shift).mT, width)
-                          for shift, width in segments], -1)  # fmt: skip
-
-    @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
-        x, y = ctx.saved_tensors
-        full = _unband(grad, _widths(ctx.segments))
-        dx = _products(full, ctx.segments, y) if ctx.needs_input_grad[0] else None
-        return dx, None, _spread(full, x, ctx.segments, y)
-
-
-class _Apply(torch.autograd.Function):
-    """out[i, a] = sum_s sum_j a[i, a, j_s] y[i T + a + shift_s + j]: the values back
-    through bands laid out as :class:`_Scores` lays them (its adjoint in x), forward and
-    back."""
-
-    @staticmethod
-    def forward(ctx: Any, a: Tensor, segments: tuple[tuple[int, int], ...], y: Tensor
-                ) -> Tensor:  # fmt: skip
-        full = _unband(a, _widths(segments))
-        ctx.save_for_backward(full, y)
-        ctx.segments = segments
-        return _products(full, segments, y)
-
-    @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
-        full, y = ctx.saved_tensors
-        N, T = full.shape[:2]
-        grad = grad.contiguous()
-        da = None
-        if ctx.needs_input_grad[0]:
-            da = torch.cat([_band(grad @ _pairs(y, T, N, shift).mT, width)
-                            for shift, width in ctx.segments], -1)  # fmt: skip
-        return da, None, _spread(full, grad, ctx.segments, y)
-
-
-def _products(full: Tensor, segments: tuple[tuple[int, int], ...], y: Tensor) -> Tensor:
-    """sum_s full_s @ (the 2T rows of y each tile reaches from shift_s), full as
-    :func:`_unband` lays it out: (N, T, c)."""
-    N, T = full.shape[:2]
-    out = None
-    for s, (shift, _) in enumerate(segments):
-        part = full[..., 2 * T * s : 2 * T * (s + 1)]
-        pairs = _pairs(y, T, N, shift)
-        out = part @ pairs if out is None else out.baddbmm_(part, pairs)
-    assert out is not None
-    return out
-
-
-def _spread(full: Tensor, x: Tensor, segments: tuple[tuple[int, int], ...], y: Tensor
-            ) -> Tensor:  # fmt: skip
-    """The gradient of the table y (rows, c) of the band products: row i T + shift_s + r
-    gets full_s[i, :, r]^T x[i] (each tile's 2T rows overlap the next tile's first T),
-    written by batched products straight into it (no temporaries)."""
+def _spread(full: Tensor, x: Tensor, shift: int, rows: int) -> Tensor:
+    """The gradient (rows, c) of a table read through :func:`_pairs` windows from ``shift``:
+    row i T + shift + r gets full[i, :, r]^T x[i] (each tile's 2T rows overlap the next
+    tile's first T), written by batched products straight into it (no temporaries)."""
     N, T = x.shape[:2]
-    out = y.new_empty(y.shape)
-    first = segments[0][0]
-    out[:first].zero_()  # what the first segment's tiles do not write
-    out[first + N * T :].zero_()
-    for s, (shift, _) in enumerate(segments):
-        part = full[..., 2 * T * s : 2 * T * (s + 1)].mT  # (N, 2T, T)
-        tiles = out[shift : shift + (N + 1) * T].view(N + 1, T, -1)
-        if s == 0:
-            torch.bmm(part[:, :T], x, out=tiles[:N])
-        else:
-            tiles[:N].baddbmm_(part[:, :T], x)
-        tiles[1:].baddbmm_(part[:, T:], x)
+    out = x.new_empty(rows, x.shape[2])
+    out[:shift].zero_()  # what the tiles do not write
+    out[shift + (N + 1) * T :].zero_()
+    tiles = out[shift : shift + (N + 1) * T].view(N + 1, T, -1)
+    part = full.mT  # (N, 2T, T)
+    torch.bmm(part[:, :T], x, out=tiles[:N])
+    tiles[N].zero_()
+    tiles[1:].baddbmm_(part[:, T:], x)
     return out
+
+
+class _Read(torch.autograd.Function):
+    """The memory's read as tile products: query tiles x (N, T, d) against the 2T rows of
+    each key table from their own (:func:`_pairs`), an additive ``bias`` (B, H, nt, T, 2T)
+    broadcast (N = B H nt; -1e30 off a query's band and where a column holds nothing), a
+    softmax over the 2T, and the values back from the value tables' windows (one row on when
+    causal: the successor of the matched key). Sources s (F and E for a memory that reads its
+    own member) mix under 0/1 masks (T, 2T) per band entry, ``masks`` = (key masks, value
+    masks) or None for one source. Forward and backward as a few batched products over the
+    tiles, whatever W; the weights P are what the backward keeps."""
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, bias: Tensor, offsets: Tensor, shape: tuple[int, ...],
+                shift: int, masks: tuple | None, *tables: Tensor) -> Tensor:  # fmt: skip
+        N, T = x.shape[:2]
+        n = len(tables) // 2
+        keys, values = tables[:n], tables[n:]
+        kmask, vmask = masks if masks is not None else ((None,) * n, (None,) * n)
+        scores = None
+        for y, m in zip(keys, kmask, strict=True):
+            s = torch.bmm(x, _pairs(y, T, N, 0).mT)  # (N, T, 2T)
+            s = s if m is None else s.mul_(m)
+            scores = s if scores is None else scores.add_(s)
+        assert scores is not None
+        # (B, H, nt, T, 2T): where and how much each band column counts, the same in every
+        # head, plus the learned bias per head and offset
+        scores.view(shape).add_(bias).add_(offsets[:, None])
+        weights = scores.softmax(-1)
+        out = None
+        for y, m in zip(values, vmask, strict=True):
+            w = weights if m is None else weights * m
+            out = torch.bmm(w, _pairs(y, T, N, shift)) if out is None else out.baddbmm_(
+                w, _pairs(y, T, N, shift))  # fmt: skip
+        ctx.save_for_backward(x, weights, *tables)
+        ctx.shape, ctx.shift, ctx.masks, ctx.n = shape, shift, masks, n
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
+        x, weights, *tables = ctx.saved_tensors
+        n, shift, N, T = ctx.n, ctx.shift, x.shape[0], x.shape[1]
+        keys, values = tables[:n], tables[n:]
+        kmask, vmask = ctx.masks if ctx.masks is not None else ((None,) * n, (None,) * n)
+        grad = grad.contiguous()
+        dw = None
+        dvalues = []
+        for y, m in zip(values, vmask, strict=True):
+            g = torch.bmm(grad, _pairs(y, T, N, shift).mT)  # (N, T, 2T)
+            g = g if m is None else g.mul_(m)
+            dw = g if dw is None else dw.add_(g)
+            dvalues.append(_spread(weights if m is None else weights * m, grad, shift,
+                                   y.shape[0]))  # fmt: skip
+        ds = torch._softmax_backward_data(dw, weights, -1, weights.dtype)
+        B, H, nt = ctx.shape[:3]
+        doffsets = ds.view(B, H, nt, -1).sum(2).sum(0).view(H, T, 2 * T)
+        dx = None
+        dkeys = []
+        for y, m in zip(keys, kmask, strict=True):
+            dm = ds if m is None else ds * m
+            if ctx.needs_input_grad[0]:
+                dx = torch.bmm(dm, _pairs(y, T, N, 0)) if dx is None else dx.baddbmm_(
+                    dm, _pairs(y, T, N, 0))  # fmt: skip
+            dkeys.append(_spread(dm, x, 0, y.shape[0]))
+        return dx, None, doffsets, None, None, None, *dkeys, *dvalues
 
 
 def _slots(mem: Tensor, first: int, width: int) -> Tensor:
     """Slots first .. first + width - 1 of a memory (B, H, P, C), zeros outside 0 .. P - 1."""
     lo, hi = max(first, 0), max(min(first + width, mem.shape[2]), max(first, 0))
     return F.pad(mem[:, :, lo:hi], (0, 0, lo - first, first + width - hi))
+
+
+def _band(T: int, W: int, device: torch.device) -> Tensor:
+    """(T, 2T) the offset D + W of query a's band entry (a, a + W + D), -1 off the band."""
+    j = torch.arange(2 * T, device=device)[None] - torch.arange(T, device=device)[:, None]
+    return torch.where((j >= 0) & (j <= 2 * W), j, -1)
 
 
 @register("memory")
@@ -262,7 +243,7 @@ class PositionMemory(CoreWrapper):
         position): a function of the positions and the padding alone, the same in every layer
         (:meth:`attend` shares it across the layers of one batch)."""
         B, L = positions.shape
-        W, causal = self.window, self.causal
+        W = self.window
         device = positions.device
         member = member_layout(positions)
         if keys is not None:
@@ -274,57 +255,69 @@ class PositionMemory(CoreWrapper):
         if top < 0:
             return None
         M, P = last + 1, top - base + 1
-        # a tile of T query positions reads the 2T columns from its first on, a band of
-        # w = W + 1 (causal, own member read: F, then E) or 2W + 1 (one table) of them per
-        # query (w <= T + 1)
-        T = max(W + 1 if causal and self.reads_own else 2 * W, 1)
-        R = (-(-P // T) + 2) * T  # a row: its query tiles, then the keys' overhang
-        # M + 1 rows a (batch row, head): row 0 for the state (or nothing) before the first
-        # member, so a member's E (what the members before it hold) is the F of the row above
-        rows = (torch.arange(B * heads, device=device).view(B, heads, 1) * (M + 1)
-                + member[:, None] + 1) * R  # fmt: skip
+        # a tile of T query columns reads the 2T table rows from its first: the band of
+        # 2W + 1 keys (and their successors' values) around each of its queries (T >= 2W)
+        T = max(2 * W, 1)
+        # a row: its queries, their keys W columns right, the last one's successor, and a
+        # column for padding tokens (never read, never in the state)
+        R = -(-(P + 2 * W + 2) // T) * T
+        rows = (torch.arange(B * heads, device=device).view(B, heads, 1) * M
+                + member[:, None]) * R  # fmt: skip
         col = (positions - base).clamp(0, R - 1 - W)[:, None]  # (B, 1, L)
-        # a padding token goes to its row's last column: never read, never in the state
         dump = rows + R - 1
         keyed = torch.where(valid[:, None], rows + col + W, dump).view(-1)
         asked = torch.where(valid[:, None], rows + col, dump).view(-1)
-        # the counts are the same in every head: (B, M + 1, R), no gradient
-        slot = (torch.arange(B, device=device)[:, None] * (M + 1) + member + 1) * R + col[:, 0]
-        own = torch.zeros(B * (M + 1) * R, dtype=dtype, device=device)
-        own = own.index_add(0, (slot + W).view(-1), valid.to(dtype).view(-1))
-        # the queries' tiles start at the first member's row (R rows in)
-        index = torch.where(valid[:, None], rows + col - R, 0).view(-1)
-        return _Layout(valid, base, top, M, P, T, R, keyed, asked, own.view(B, M + 1, R), index)
+        # within a batch row (the counts are the same in every head): (B, M, R), no gradient
+        slot = torch.where(valid, member * R + col[:, 0], member * R + R - 1)
+        own = torch.zeros(B, M * R, dtype=dtype, device=device)
+        own = own.scatter_add(1, torch.where(valid, slot + W, slot), valid.to(dtype))
+        return _Layout(valid, base, top, M, P, T, R, keyed, asked, own.view(B, M, R), slot,
+                       member)  # fmt: skip
 
-    def _reach(self, lay: _Layout, count: Tensor, heads: int) -> tuple[Tensor, Tensor]:
-        """Which of each query tile's band columns hold both a key and a value (N, T, 2W + 1)
-        (the same in every head), and whether a token has any (B, H, L, 1), from the
-        tables' counts (B, M + 1, R) (members up to each row's, the state's included; masked:
-        all of the row's, or all but its own)."""
-        W, causal = self.window, self.causal
-        B, rows, R = count.shape
-        T = lay.T
-        n = 2 * W + 1 + causal  # causal: one column more, the successor of p_t + W
-        nt = rows * R // T  # tiles per (batch row, head)
-        held = count.reshape(B, rows * R) > 0.5
-        # a query reads F in its own row and (causal) E in the row above, R columns back
-        own = not causal or self.reads_own
-        have = ([F.pad(held, (0, n - 1))] if own else []) + (
-            [F.pad(held, (R, n - 1))] if causal else [])  # fmt: skip
-        have = [h[:, : rows * R + n - 1].unfold(1, n, 1).view(B, 1, nt, T, n) for h in have]
-        if causal and own:  # keys at offsets 0..W from F, W+1..2W from E; values one right
-            ahead = torch.arange(n, device=count.device) > W
-            reach_cols = torch.where(ahead, have[1], have[0])
-        else:  # one table: E (causal), or the row's (masked)
-            reach_cols = have[0]
-        # key and value both held, the same in every head; the tiles of the first row of
-        # the first (batch row, head) ask nothing, nor the last row's last two
-        seen = reach_cols[..., : 2 * W + 1] & reach_cols[..., n - 2 * W - 1 :]
-        seen = seen.expand(B, heads, nt, T, 2 * W + 1).reshape(-1, T, 2 * W + 1)
-        seen = seen[R // T : -2]
+    def _sources(self) -> tuple[int, tuple | None]:
+        """The tables a read mixes (1, or 2: F and E for a causal memory that reads its own
+        member) and, for 2, which band entries read each: (key masks, value masks) as the
+        offsets D + W that read F (keys at D <= 0, values at D < 0: the token's own member,
+        up to t) and E (the rest)."""
+        if self.causal and self.reads_own:
+            W = self.window
+            return 2, ((range(0, W + 1), range(W + 1, 2 * W + 1)),
+                       (range(0, W), range(W, 2 * W + 1)))  # fmt: skip
+        return 1, None
+
+    def _mask(self, lay: _Layout, counts: list[Tensor], heads: int
+              ) -> tuple[Tensor, Tensor, tuple | None]:  # fmt: skip
+        """The additive bias (B, 1, nt, T, 2T) of the tile products (0 where a query's band
+        column holds a key and its value, -1e30 elsewhere), whether a token has any such
+        column (B, 1, L, 1), and the sources' masks (T, 2T) for :class:`_Read`, from the
+        tables' counts (B, M, R) (the same in every head)."""
+        B, M, R = counts[0].shape
+        T, W, shift = lay.T, self.window, int(self.causal)
+        nt = M * R // T
+        band = _band(T, W, counts[0].device)  # (T, 2T)
+        _, which = self._sources()
+        held = []
+        for count in counts:  # the 2T rows each tile reads, from its first (and one on)
+            h = F.pad(count.reshape(B, M * R) > 0.5, (0, 2 * T + 1))
+            held.append([h[:, s : s + M * R + T].unfold(1, 2 * T, T)[:, :nt, None]
+                         for s in (0, shift)])  # (B, nt, 1, 2T) # fmt: skip
+        inband = band >= 0
+        if which is None:
+            ok = held[0][0] & held[0][1] & inband
+            masks = None
+        else:
+            select = [[torch.isin(band, torch.tensor(list(r), device=band.device))
+                       for r in rs] for rs in which]  # fmt: skip
+            key = held[0][0] & select[0][0] | held[1][0] & select[0][1]
+            value = held[0][1] & select[1][0] | held[1][1] & select[1][1]
+            ok = key & value & inband
+            dtype = counts[0].dtype
+            masks = tuple(tuple(s.to(dtype) for s in sel) for sel in select)
+        bias = torch.zeros(ok.shape, dtype=counts[0].dtype, device=ok.device)
+        bias = bias.masked_fill_(~ok, -1e30)[:, None]
         L = lay.valid.shape[1]
-        reach = seen.any(-1).view(-1).index_select(0, lay.index).view(B, heads, L, 1)
-        return seen, reach & lay.valid[:, None, :, None]
+        reach = ok.any(-1).view(B, nt * T).gather(1, lay.slot) & lay.valid
+        return bias, reach.view(B, 1, L, 1), masks
 
     def _continues(self, positions: Tensor, held: MemoryState | None) -> Tensor | None:
         """(B,) whether each row's first token continues the member the memory ``held`` ended
@@ -356,7 +349,7 @@ class PositionMemory(CoreWrapper):
               held: MemoryState | None, want_state: bool, keys: Tensor | None = None,
               shared: dict | None = None
               ) -> tuple[Tensor, Tensor, MemoryState | None]:  # fmt: skip
-        """The memory's output (B, H, L, dv), whether any entry was in reach (B, H, L, 1), and
+        """The memory's output (B, H, L, dv), whether any entry was in reach (B, 1, L, 1), and
         (``want_state``) the memory after the tokens (a :class:`MemoryState` whose ``inner``
         is None), ``held`` the one before them. ``keys``: the positions the columns are
         keyed by (aligned coordinates), when not the member ``positions``; members are found
@@ -365,15 +358,14 @@ class PositionMemory(CoreWrapper):
 
         How: each member becomes a row of R columns (its positions from the lowest in the
         chunk, keys W columns to the right of their queries), the rows of every member, head
-        and batch row one after another, after a row for the state. Per column, a member's
-        row holds the mean [k | v] over the members up to it (F: its own included), so the
-        row above holds the members before it (E). A memory that reads only the other
-        members reads E at every offset (masked: the row's mean without its own member); one
-        that reads its own member (models before 0.7) reads F at offsets D <= 0, where its
-        own keys j <= t sit, and E ahead of its position. Reading the columns around each
-        query is then a band of tile products on one table (:class:`_Scores`; F's and E's
-        side by side), and the values come back through the same bands (:class:`_Apply`): a
-        few batched matrix products whatever W, forward and back."""
+        and batch row one after another. Per column, E holds the sums of [k | v] over the
+        members before a row's (the state's included), F over those up to it (its own
+        included); a memory that reads only the other members reads E at every offset
+        (masked: the row's sums without its own member), one that reads its own member
+        (models before 0.7) F at offsets D <= 0, where its own keys j <= t sit, and E ahead.
+        Reading the columns around each query is then a tile product per table, a softmax
+        over the 2T columns each tile reaches (off the band: weight 0), and the values back
+        through the same tiles (:class:`_Read`): a few batched products whatever W."""
         B, H, L, d = q.shape
         W, causal, dv, reads_own = self.window, self.causal, v.shape[-1], self.reads_own
         C = d + dv + 1
@@ -389,65 +381,56 @@ class PositionMemory(CoreWrapper):
                     held = held if held is not None else new
                     new = MemoryState(None, mem, self._last_part(positions, held, cont, None),
                                       positions[:, -1])  # fmt: skip
-            return q.new_zeros(B, H, L, dv), q.new_zeros(B, H, L, 1, dtype=torch.bool), new
+            return q.new_zeros(B, H, L, dv), q.new_zeros(B, 1, L, 1, dtype=torch.bool), new
         base, top, M, P, T, R, own = lay.base, lay.top, lay.M, lay.P, lay.T, lay.R, lay.own
-        count = own.cumsum(1)  # the members up to each row's (B, M + 1, R)
+        # the members before each row's (E) and, reading its own member, up to it (F)
+        before = torch.ones(M, M, dtype=q.dtype, device=q.device).tril(-1)
+        count = before @ own  # (B, M, R)
         if held is not None:
-            slots = _slots(held.mem, base - W, R)  # (B or 1, H, R, C), row 0's
-            if cont is not None:  # the member the memory ended in goes on: not row 0's
+            slots = _slots(held.mem, base - W, R)  # (B or 1, H, R, C)
+            if cont is not None:  # the member the memory ended in goes on: not for row 0
                 going = _slots(held.part, base - W, R) * cont.to(q.dtype)[:, None, None, None]
                 slots = slots - going
             count = count + slots[:, 0, None, :, -1]
             if cont is not None:
                 count[:, 1:] += going[:, 0, None, :, -1]
         if not causal:  # every member of the row (or every other one), at every offset
-            count = count[:, -1:].expand(B, M + 1, R) if reads_own else count[:, -1:] - own
+            total = own.sum(1, keepdim=True)
+            count = total.expand(B, M, R) if reads_own else total - own
+        counts = [count + own, count] if causal and reads_own else [count]
         if cached:
-            seen, reach = shared["reach"]
+            bias, reach, masks = shared["mask"]
         else:
-            seen, reach = self._reach(lay, count, H)
+            bias, reach, masks = self._mask(lay, counts, H)
             if shared is not None and held is None:
-                shared["layout"], shared["reach"] = lay, (seen, reach)
-        size = B * H * (M + 1) * R
-        Q = q.new_zeros(size, d).index_add(0, lay.asked, q.reshape(-1, d))
-        x = Q.view(-1, T, d)[R // T : -2]  # from the first member's row; the last two ask nothing
-        N = x.shape[0]
-        # keys and values apart (no slice of a shared table in the backward): per column the
-        # mean over the members up to each row's, row 0 the state's (or nothing): a member's
-        # own row is its F, the row above its E
-        tables, grids = [], []
-        upto = torch.ones(M + 1, M + 1, dtype=q.dtype, device=q.device).tril()
-        for i, (z, c) in enumerate(((k, d), (v, dv))):
-            Gz = z.new_zeros(size, c).index_add(0, lay.keyed, z.reshape(-1, c))
-            Gz = Gz.view(B, H, M + 1, R, c)
+                shared["layout"], shared["mask"] = lay, (bias, reach, masks)
+        size = B * H * M * R
+        x = q.new_zeros(size, d).index_add_(0, lay.asked, q.reshape(-1, d)).view(-1, T, d)
+        keys_t, values_t, grids = [], [], []
+        for i, (z, c, out_tables) in enumerate(((k, d, keys_t), (v, dv, values_t))):
+            Gz = z.new_zeros(size, c).index_add_(0, lay.keyed, z.reshape(-1, c))
+            Gz = Gz.view(B, H, M, R, c)
             grids.append(Gz)
-            if causal:  # the sums over the members up to each row (a product: cumsum over a
-                # middle dimension is several times slower, forward and back)
-                Fz = torch.matmul(upto, Gz.view(B, H, M + 1, R * c)).view(B, H, M + 1, R, c)
+            if causal:  # E, a product (a cumsum over a middle dimension is slower)
+                Ez = torch.matmul(before, Gz.view(B, H, M, R * c)).view(B, H, M, R, c)
                 if held is not None:
-                    Fz = Fz + slots[:, :, None, :, i * d : i * d + c]
+                    Ez = Ez + slots[:, :, None, :, i * d : i * d + c]
                     if cont is not None:
-                        Fz[:, :, 1:] += going[:, :, None, :, i * d : i * d + c]
+                        Ez[:, :, 1:] += going[:, :, None, :, i * d : i * d + c]
+                tabs = [Ez + Gz, Ez] if reads_own else [Ez]
             else:
-                Fz = Gz.sum(2, keepdim=True)
-                Fz = Fz.expand(B, H, M + 1, R, c) if reads_own else Fz - Gz
-            # keys' means carry the scores' 1 / sqrt(d): one number per column
+                total = Gz.sum(2, keepdim=True)
+                tabs = [total.expand(B, H, M, R, c) if reads_own else total - Gz]
+            # means; keys' carry the scores' 1 / sqrt(d); T + 1 rows more for the windows
             unit = d**0.5 if i == 0 else 1.0
-            tables.append((Fz / (count.clamp_min(1.0) * unit)[:, None, :, :, None]).view(-1, c))
-        if causal and reads_own:  # keys at offsets 0..W from F, W+1..2W from E; values one
-            keys_at, values_at = ((R, W + 1), (W + 1, W)), ((R + 1, W), (W + 1, W + 1))
-        elif causal:  # keys and values (one column right) from E, the row above
-            keys_at, values_at = ((0, 2 * W + 1),), ((1, 2 * W + 1),)
-        else:
-            keys_at = values_at = ((R, 2 * W + 1),)
-        nt = (M + 1) * R // T  # tiles per (batch row, head)
-        head = (torch.arange(N, device=q.device) + R // T) // nt % H  # each tile's head
-        # a column out of reach gets weight 0; a query with none in reach reads junk that
-        # its gate (reach) then drops
-        bias = torch.where(seen, self.offset_logits.to(q.dtype)[head][:, None], -1e30)
-        weights = _Scores.apply(x, keys_at, tables[0]).add_(bias).softmax(-1)
-        read = _Apply.apply(weights, values_at, tables[1])
-        out = read.view(-1, dv).index_select(0, lay.index).view(B, H, L, dv)
+            for tab, cnt in zip(tabs, counts, strict=True):
+                mean = (tab / (cnt.clamp_min(1.0) * unit)[:, None, :, :, None]).view(-1, c)
+                out_tables.append(F.pad(mean, (0, 0, 0, T + 1)))
+        band = _band(T, W, q.device)
+        offsets = F.pad(self.offset_logits.to(q.dtype), (0, 1))[:, band]  # (H, T, 2T)
+        read = _Read.apply(x, bias, offsets, (B, H, M * R // T, T, 2 * T), int(causal), masks,
+                           *keys_t, *values_t)  # fmt: skip
+        out = read.view(-1, dv).index_select(0, lay.asked).view(B, H, L, dv)
         if not want_state:
             return out, reach, None
         mem = None if held is None else held.mem
@@ -461,7 +444,7 @@ class PositionMemory(CoreWrapper):
         if not causal or reads_own:
             return out, reach, MemoryState(None, new_mem)
         rows = torch.arange(B, device=q.device)
-        last = member_layout(positions)[:, -1] + 1  # each batch row's last member's row
+        last = lay.member[:, -1]  # each batch row's last member
         grown = torch.cat([  # (B, H, P, C): that member's sums over these tokens
             grids[0][rows, :, last, W : W + P], grids[1][rows, :, last, W : W + P],
             own[rows, last, W : W + P][:, None, :, None].expand(B, H, P, 1)], -1)
