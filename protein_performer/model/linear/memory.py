@@ -50,8 +50,8 @@ class _Layout(NamedTuple):
     """Where a read's tokens go (:meth:`PositionMemory._layout`): ``valid`` (B, L) the tokens
     that enter a position, positions ``base`` .. ``top`` held, M members a row, P positions,
     tiles of T, rows of R columns, each token's key row (``keyed``) and query row (``asked``)
-    in the tables (B H L,), the tokens per column ``own`` (B, M, R), each token's query
-    column within its batch row's rows (``slot`` (B, L)) and its member (B, L)."""
+    in the tables (B H L,), the tokens per column ``own`` (M + 1, B, R), each token's query
+    column in it (``slot`` (B, L)) and its member (B, L)."""
 
     valid: Tensor
     base: int
@@ -261,17 +261,20 @@ class PositionMemory(CoreWrapper):
         # a row: its queries, their keys W columns right, the last one's successor, and a
         # column for padding tokens (never read, never in the state)
         R = -(-(P + 2 * W + 2) // T) * T
-        rows = (torch.arange(B * heads, device=device).view(B, heads, 1) * M
-                + member[:, None]) * R  # fmt: skip
+        # rows by member, then batch row, then head: the sums over members are one product,
+        # and the (M + 1)-th member's rows (nothing in them) are what the last tiles reach
+        row = member * B + torch.arange(B, device=device)[:, None]  # (B, L)
+        rows = (row[:, None] * heads + torch.arange(heads, device=device)[:, None]) * R
         col = (positions - base).clamp(0, R - 1 - W)[:, None]  # (B, 1, L)
         dump = rows + R - 1
         keyed = torch.where(valid[:, None], rows + col + W, dump).view(-1)
         asked = torch.where(valid[:, None], rows + col, dump).view(-1)
-        # within a batch row (the counts are the same in every head): (B, M, R), no gradient
-        slot = torch.where(valid, member * R + col[:, 0], member * R + R - 1)
-        own = torch.zeros(B, M * R, dtype=dtype, device=device)
-        own = own.scatter_add(1, torch.where(valid, slot + W, slot), valid.to(dtype))
-        return _Layout(valid, base, top, M, P, T, R, keyed, asked, own.view(B, M, R), slot,
+        # the counts are the same in every head: (M + 1, B, R), no gradient
+        slot = torch.where(valid, row * R + col[:, 0], row * R + R - 1)
+        own = torch.zeros((M + 1) * B * R, dtype=dtype, device=device)
+        own = own.index_add_(0, torch.where(valid, slot + W, slot).view(-1),
+                             valid.to(dtype).view(-1))  # fmt: skip
+        return _Layout(valid, base, top, M, P, T, R, keyed, asked, own.view(M + 1, B, R), slot,
                        member)  # fmt: skip
 
     def _sources(self) -> tuple[int, tuple | None]:
@@ -287,20 +290,19 @@ class PositionMemory(CoreWrapper):
 
     def _mask(self, lay: _Layout, counts: list[Tensor], heads: int
               ) -> tuple[Tensor, Tensor, tuple | None]:  # fmt: skip
-        """The additive bias (B, 1, nt, T, 2T) of the tile products (0 where a query's band
+        """The additive bias (M B, 1, R / T, T, 2T) of the tile products (0 where a query's band
         column holds a key and its value, -1e30 elsewhere), whether a token has any such
         column (B, 1, L, 1), and the sources' masks (T, 2T) for :class:`_Read`, from the
-        tables' counts (B, M, R) (the same in every head)."""
-        B, M, R = counts[0].shape
+        tables' counts (M + 1, B, R) (the same in every head)."""
+        M, B, R = counts[0].shape[0] - 1, counts[0].shape[1], counts[0].shape[2]
         T, W, shift = lay.T, self.window, int(self.causal)
-        nt = M * R // T
         band = _band(T, W, counts[0].device)  # (T, 2T)
         _, which = self._sources()
         held = []
-        for count in counts:  # the 2T rows each tile reads, from its first (and one on)
-            h = F.pad(count.reshape(B, M * R) > 0.5, (0, 2 * T + 1))
-            held.append([h[:, s : s + M * R + T].unfold(1, 2 * T, T)[:, :nt, None]
-                         for s in (0, shift)])  # (B, nt, 1, 2T) # fmt: skip
+        for count in counts:  # the 2T columns each tile reads, from its first (and one on)
+            h = F.pad(count[:M] > 0.5, (0, 2 * T + 1))
+            held.append([h[..., s : s + R + T].unfold(-1, 2 * T, T)[..., None, :]
+                         for s in (0, shift)])  # (M, B, R / T, 1, 2T)  # fmt: skip
         inband = band >= 0
         if which is None:
             ok = held[0][0] & held[0][1] & inband
@@ -314,9 +316,9 @@ class PositionMemory(CoreWrapper):
             dtype = counts[0].dtype
             masks = tuple(tuple(s.to(dtype) for s in sel) for sel in select)
         bias = torch.zeros(ok.shape, dtype=counts[0].dtype, device=ok.device)
-        bias = bias.masked_fill_(~ok, -1e30)[:, None]
+        bias = bias.masked_fill_(~ok, -1e30).view(M * B, 1, R // T, T, 2 * T)
         L = lay.valid.shape[1]
-        reach = ok.any(-1).view(B, nt * T).gather(1, lay.slot) & lay.valid
+        reach = ok.any(-1).view(-1)[lay.slot] & lay.valid
         return bias, reach.view(B, 1, L, 1), masks
 
     def _continues(self, positions: Tensor, held: MemoryState | None) -> Tensor | None:
@@ -384,19 +386,19 @@ class PositionMemory(CoreWrapper):
             return q.new_zeros(B, H, L, dv), q.new_zeros(B, 1, L, 1, dtype=torch.bool), new
         base, top, M, P, T, R, own = lay.base, lay.top, lay.M, lay.P, lay.T, lay.R, lay.own
         # the members before each row's (E) and, reading its own member, up to it (F)
-        before = torch.ones(M, M, dtype=q.dtype, device=q.device).tril(-1)
-        count = before @ own  # (B, M, R)
+        before = torch.ones(M + 1, M + 1, dtype=q.dtype, device=q.device).tril(-1)
+        count = (before @ own.view(M + 1, B * R)).view(M + 1, B, R)
         if held is not None:
             slots = _slots(held.mem, base - W, R)  # (B or 1, H, R, C)
             if cont is not None:  # the member the memory ended in goes on: not for row 0
                 going = _slots(held.part, base - W, R) * cont.to(q.dtype)[:, None, None, None]
                 slots = slots - going
-            count = count + slots[:, 0, None, :, -1]
+            count = count + slots[:, 0, :, -1]
             if cont is not None:
-                count[:, 1:] += going[:, 0, None, :, -1]
+                count[1:] += going[:, 0, :, -1]
         if not causal:  # every member of the row (or every other one), at every offset
-            total = own.sum(1, keepdim=True)
-            count = total.expand(B, M, R) if reads_own else total - own
+            total = own.sum(0, keepdim=True)
+            count = total.expand(M + 1, B, R) if reads_own else total - own
         counts = [count + own, count] if causal and reads_own else [count]
         if cached:
             bias, reach, masks = shared["mask"]
@@ -404,39 +406,39 @@ class PositionMemory(CoreWrapper):
             bias, reach, masks = self._mask(lay, counts, H)
             if shared is not None and held is None:
                 shared["layout"], shared["mask"] = lay, (bias, reach, masks)
-        size = B * H * M * R
+        size = M * B * H * R
         x = q.new_zeros(size, d).index_add_(0, lay.asked, q.reshape(-1, d)).view(-1, T, d)
         keys_t, values_t, grids = [], [], []
         for i, (z, c, out_tables) in enumerate(((k, d, keys_t), (v, dv, values_t))):
-            Gz = z.new_zeros(size, c).index_add_(0, lay.keyed, z.reshape(-1, c))
-            Gz = Gz.view(B, H, M, R, c)
+            Gz = z.new_zeros(size + B * H * R, c).index_add_(0, lay.keyed, z.reshape(-1, c))
+            Gz = Gz.view(M + 1, B, H, R, c)
             grids.append(Gz)
-            if causal:  # E, a product (a cumsum over a middle dimension is slower)
-                Ez = torch.matmul(before, Gz.view(B, H, M, R * c)).view(B, H, M, R, c)
+            if causal:  # E: one product over the members (a cumsum is no faster)
+                Ez = (before @ Gz.view(M + 1, -1)).view(M + 1, B, H, R, c)
                 if held is not None:
-                    Ez = Ez + slots[:, :, None, :, i * d : i * d + c]
+                    Ez = Ez + slots[None, :, :, :, i * d : i * d + c]
                     if cont is not None:
-                        Ez[:, :, 1:] += going[:, :, None, :, i * d : i * d + c]
+                        Ez[1:] += going[None, :, :, :, i * d : i * d + c]
                 tabs = [Ez + Gz, Ez] if reads_own else [Ez]
             else:
-                total = Gz.sum(2, keepdim=True)
-                tabs = [total.expand(B, H, M, R, c) if reads_own else total - Gz]
-            # means; keys' carry the scores' 1 / sqrt(d); T + 1 rows more for the windows
+                total = Gz.sum(0, keepdim=True)
+                tabs = [total.expand(M + 1, B, H, R, c) if reads_own else total - Gz]
+            # means; keys' carry the scores' 1 / sqrt(d)
             unit = d**0.5 if i == 0 else 1.0
             for tab, cnt in zip(tabs, counts, strict=True):
-                mean = (tab / (cnt.clamp_min(1.0) * unit)[:, None, :, :, None]).view(-1, c)
-                out_tables.append(F.pad(mean, (0, 0, 0, T + 1)))
+                out_tables.append((tab / (cnt.clamp_min(1.0) * unit)[:, :, None, :, None]
+                                   ).view(-1, c))  # fmt: skip
         band = _band(T, W, q.device)
         offsets = F.pad(self.offset_logits.to(q.dtype), (0, 1))[:, band]  # (H, T, 2T)
-        read = _Read.apply(x, bias, offsets, (B, H, M * R // T, T, 2 * T), int(causal), masks,
+        read = _Read.apply(x, bias, offsets, (M * B, H, R // T, T, 2 * T), int(causal), masks,
                            *keys_t, *values_t)  # fmt: skip
         out = read.view(-1, dv).index_select(0, lay.asked).view(B, H, L, dv)
         if not want_state:
             return out, reach, None
         mem = None if held is None else held.mem
         added = torch.cat([  # positions base .. top
-            grids[0][:, :, :, W : W + P].sum(2), grids[1][:, :, :, W : W + P].sum(2),
-            own[:, :, W : W + P].sum(1)[:, None, :, None].expand(B, H, P, 1)], -1)
+            grids[0][..., W : W + P, :].sum(0), grids[1][..., W : W + P, :].sum(0),
+            own[..., W : W + P].sum(0)[:, None, :, None].expand(B, H, P, 1)], -1)
         size = max(top + 1, 0 if mem is None else mem.shape[2])
         new_mem = F.pad(added, (0, 0, base, size - top - 1))
         if mem is not None:
@@ -446,8 +448,8 @@ class PositionMemory(CoreWrapper):
         rows = torch.arange(B, device=q.device)
         last = lay.member[:, -1]  # each batch row's last member
         grown = torch.cat([  # (B, H, P, C): that member's sums over these tokens
-            grids[0][rows, :, last, W : W + P], grids[1][rows, :, last, W : W + P],
-            own[rows, last, W : W + P][:, None, :, None].expand(B, H, P, 1)], -1)
+            grids[0][last, rows, :, W : W + P], grids[1][last, rows, :, W : W + P],
+            own[last, rows, W : W + P][:, None, :, None].expand(B, H, P, 1)], -1)
         part = self._last_part(positions, held, cont, F.pad(grown, (0, 0, base, 0)))
         return out, reach, MemoryState(None, new_mem, part, positions[:, -1])
 
