@@ -70,6 +70,9 @@ class AttentionCore(nn.Module):
     name: ClassVar[str] = ""
     #: Names (of this module's own parameters or buffers) drawn rather than learned.
     drawn: ClassVar[tuple[str, ...]] = ()
+    #: Names of this module's own parameters that are gates, logits or scales rather than
+    #: weights: an optimizer leaves them out of weight decay, as it does biases and norms.
+    no_decay: ClassVar[tuple[str, ...]] = ()
     #: Whether the state grows with the context's length (a KV cache does).
     state_grows: ClassVar[bool] = False
     #: The rotary positions the core needs (None: any).

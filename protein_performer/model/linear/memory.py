@@ -198,6 +198,8 @@ class PositionMemory(CoreWrapper):
     order = 1  # around any core, the window included
     needs_positions = "member"
     label = "a position memory"
+    # a bias per offset and the gate's weights and bias: logits, never decayed towards 0
+    no_decay = ("offset_logits", "gate_weight", "gate_bias")
     # Aligned coordinates, when a call gives them (``coordinates`` (B, L): a family context's
     # homologs placed on a reference, -1 for a token that enters no position), key the tokens'
     # slots instead of their member positions; members are still told apart by their rotary
