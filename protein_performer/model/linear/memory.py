@@ -177,6 +177,31 @@ class _Read(torch.autograd.Function):
         return dx, None, doffsets, None, None, None, *dkeys, *dvalues
 
 
+def _place(src: Tensor, index: Tensor, rows: int, unique: bool) -> Tensor:
+    """Rows src (n, c) at rows ``index`` of a zero table (rows, c), summed where they meet;
+    ``unique``: no two real tokens share a row (padding may: its rows are never read), so a
+    copy does it, and its gradient is a gather (a sum sorts its indices, forward and back)."""
+    out = src.new_zeros(rows, src.shape[1])
+    return out.index_copy_(0, index, src) if unique else out.index_add_(0, index, src)
+
+
+class _Take(torch.autograd.Function):
+    """table[index]: each token's row of the read (the real tokens' rows are their own, so
+    the gradient is a copy back, not a sum; padding's rows get no gradient, as its gate is
+    0)."""
+
+    @staticmethod
+    def forward(ctx: Any, table: Tensor, index: Tensor) -> Tensor:
+        ctx.save_for_backward(index)
+        ctx.rows = table.shape[0]
+        return table.index_select(0, index)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
+        (index,) = ctx.saved_tensors
+        return grad.new_zeros(ctx.rows, grad.shape[1]).index_copy_(0, index, grad), None
+
+
 def _slots(mem: Tensor, first: int, width: int) -> Tensor:
     """Slots first .. first + width - 1 of a memory (B, H, P, C), zeros outside 0 .. P - 1."""
     lo, hi = max(first, 0), max(min(first + width, mem.shape[2]), max(first, 0))
@@ -409,10 +434,12 @@ class PositionMemory(CoreWrapper):
             if shared is not None and held is None:
                 shared["layout"], shared["mask"] = lay, (bias, reach, masks)
         size = M * B * H * R
-        x = q.new_zeros(size, d).index_add_(0, lay.asked, q.reshape(-1, d)).view(-1, T, d)
+        # member positions never repeat within a member; aligned coordinates may
+        unique = keys is None
+        x = _place(q.reshape(-1, d), lay.asked, size, unique).view(-1, T, d)
         keys_t, values_t, grids = [], [], []
         for i, (z, c, out_tables) in enumerate(((k, d, keys_t), (v, dv, values_t))):
-            Gz = z.new_zeros(size + B * H * R, c).index_add_(0, lay.keyed, z.reshape(-1, c))
+            Gz = _place(z.reshape(-1, c), lay.keyed, size + B * H * R, unique)
             Gz = Gz.view(M + 1, B, H, R, c)
             grids.append(Gz)
             if causal:  # E: one product over the members (a cumsum is no faster)
@@ -434,7 +461,8 @@ class PositionMemory(CoreWrapper):
         offsets = F.pad(self.offset_logits.to(q.dtype), (0, 1))[:, band]  # (H, T, 2T)
         read = _Read.apply(x, bias, offsets, (M * B, H, R // T, T, 2 * T), int(causal), masks,
                            *keys_t, *values_t)  # fmt: skip
-        out = read.view(-1, dv).index_select(0, lay.asked).view(B, H, L, dv)
+        out = (_Take.apply(read.view(-1, dv), lay.asked) if unique else
+               read.view(-1, dv).index_select(0, lay.asked)).view(B, H, L, dv)  # fmt: skip
         if not want_state:
             return out, reach, None
         mem = None if held is None else held.mem
