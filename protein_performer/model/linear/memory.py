@@ -223,6 +223,8 @@ class PositionMemory(CoreWrapper):
     order = 1  # around any core, the window included
     needs_positions = "member"
     label = "a position memory"
+    untraced = ("its state grows a slot per member position and keeps the member being "
+                "decoded apart, shapes and host checks the one-graph step does not hold")
     # a bias per offset and the gate's weights and bias: logits, never decayed towards 0
     no_decay = ("offset_logits", "gate_weight", "gate_bias")
     # Aligned coordinates, when a call gives them (``coordinates`` (B, L): a family context's
