@@ -3,9 +3,9 @@
 Why: in a family row ``<cls> m1 <eos> <cls> m2 <eos> ...`` with member positions (rotary
 restarting at every ``<cls>``), homologs line up roughly by position, and copying from them is
 what exact attention learns first (issue 30). A linear-attention cousin of MSA column
-attention keeps, per head, one sum of [k | v | 1] per member position p over the keys seen at
-p, so each position has a mean key K[p] and a mean value V[p]. A query at position p attends
-over the 2W + 1 positions around it,
+attention keeps, per head, one sum of [k | v | 1] per member position p over the keys of the
+other members (causal: the earlier ones), so each position has a mean key K[p] and a mean value
+V[p]. A query at position p attends over the 2W + 1 positions around it,
 
     mem_t = sum_D softmax_D(q_t . K[p_t + D] / sqrt(d) + b_h(D)) V[p_t + D + s],   D in [-W, W],
 
@@ -19,13 +19,21 @@ P x (d + dv + 1) per head, P the longest member it holds (grown as a context bri
 ones, up to ``max_positions``): constant in the number of members and in the context's length.
 A per-head gate from the query, g_t = sigmoid(q_t . u_h + b_h), mixes it with the core's own
 output, out = core + g (mem - core); where no memory entry is in reach (positions >= P, an
-empty memory) the output is the core's.
+empty memory, a lone sequence) the output is the core's.
+
+Why not the token's own member: models before 0.7 (``reads_own``, configs without
+``memory_reads_own``) also read their own keys j <= t at D <= 0; alone (k = 0) the gate, which
+cannot tell whose entries are in reach, then mixed in the sequence's own shifted past, and
+these models were 8-12% worse than FAVOR+ alone there (docs/RESULTS.md). Reading only the
+other members, a lone sequence gets its core's output, and the read is one table.
 
 The parallel form lays each member out as a row of columns (one per position), so a token's
-reads are its member's columns around its position in two prefix tables over the members (up
-to its own, and before it), and reading 2W + 1 neighbouring columns is a band of small matrix
-products with a hand-written backward (:meth:`PositionMemory._read`); the recurrent state is
-the last prefix, which is what it accumulates one token at a time.
+reads are its member's columns around its position in a prefix table over the members (before
+its own; and up to it for ``reads_own``), and reading 2W + 1 neighbouring columns is one
+product per tile of queries against the rows the tile reaches, a softmax under a mask, and the
+values back through the same tiles, with a hand-written backward (:class:`_Read`); the
+recurrent state is the last prefix, which is what it accumulates one token at a time, with the
+member it ended in kept apart.
 """
 
 from __future__ import annotations

@@ -20,12 +20,13 @@ def _rows(seed: int):
     return member_positions(tokens, 0), mask
 
 
-def _reference(mem: PositionMemory, q, k, v, pos, mask, inner_out):
+def _reference(mem: PositionMemory, q, k, v, pos, mask, inner_out, members=None):
     """The definition, loop-free in O(L^2 W): for each offset D the mean key of the real keys
     j (j <= t when causal; in another member than t's unless the memory reads its own) at
     position p_t + D and the mean value at p_t + D + 1 when causal
     (at p_t + D when not), positions < P; softmax over the offsets that hold both; the gate's
-    mix with the inner core's output."""
+    mix with the inner core's output. ``members`` (B, L): where ``pos`` are not member positions
+    (aligned coordinates), the members they belong to."""
     W, P = mem.window, mem.max_positions
     q, k, v = q.double(), k.double(), v.double()
     d = q.shape[-1]
@@ -33,7 +34,7 @@ def _reference(mem: PositionMemory, q, k, v, pos, mask, inner_out):
     ok = ~mask[:, None, :] & (pos[:, None, :] < P) & (pos[:, :, None] < P)
     L = pos.shape[1]
     if not mem.reads_own:  # only the other members (causal: with j <= t, the earlier ones)
-        member = member_layout(pos)
+        member = member_layout(pos) if members is None else members
         ok &= member[:, None, :] != member[:, :, None]
     if mem.causal:
         ok &= torch.ones(L, L, dtype=torch.bool).tril()
