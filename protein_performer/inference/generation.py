@@ -39,11 +39,11 @@ log = logging.getLogger(__name__)
 #: "1": decode through one compiled graph per model and batch size
 #: (:class:`~protein_performer.model.decode.CompiledStep`) always; "0": ``model.step`` always;
 #: unset (or "auto"): the compiled step where it pays (:data:`COMPILE_PAYS_STEPS`), else the
-#: same traced step run eagerly (no compile).
+#: same step traced by TorchScript (no compile).
 COMPILE_ENV = "PROTEIN_PERFORMER_COMPILE_STEP"
 #: Decoding steps of one batch size from which the compiled step is the default: its compile
 #: (about 30-45 s for the 8M shape on one CPU thread, 3-5 s from a warm inductor cache) is
-#: paid back by the step's time saved over the traced step run eagerly (docs/RESULTS.md).
+#: paid back by the step's time saved over the TorchScript trace (docs/RESULTS.md).
 COMPILE_PAYS_STEPS = 12_000
 
 Step = Callable[..., tuple[torch.Tensor, list]]
@@ -55,8 +55,9 @@ def decoding_step(model: PerformerLM, steps: int | None = None) -> Step:
     ``PROTEIN_PERFORMER_COMPILE_STEP`` unset: :class:`~protein_performer.model.decode.
     CompiledStep`, compiled (once per batch size, on its first token, one log line) when
     ``steps`` (the most tokens this run decodes at this batch size, when the caller knows
-    them) reach :data:`COMPILE_PAYS_STEPS`, else the same traced step run eagerly: a third
-    fewer ops than ``model.step`` and no compile. "1": always compiled; "0": ``model.step``.
+    them) reach :data:`COMPILE_PAYS_STEPS`, else the same step traced by ``torch.jit.trace``
+    (once per batch size, a twentieth of a second; run without Python, no compile; eagerly
+    after one log line where the trace fails). "1": always compiled; "0": ``model.step``.
     A model the traced step cannot run, or a compiler that fails, keeps ``model.step`` and says
     why in one line (a warning when "1" asked for it, else info).
 
@@ -80,7 +81,8 @@ def decoding_step(model: PerformerLM, steps: int | None = None) -> Step:
             log.log(level, "%s: no %s step (%s); decoding eagerly", COMPILE_ENV, kind, reason)
             built[kind] = model.step
         else:
-            built[kind] = _EagerFallback(model, CompiledStep(model, compile=compiled), kind)
+            mode = "compile" if compiled else "trace"
+            built[kind] = _EagerFallback(model, CompiledStep(model, mode=mode), kind)
     return built[kind]
 
 
