@@ -218,8 +218,9 @@ def _exp_step(
         kv = kv.clone() if decay is None else kv * decay
         kv = kv.expand(B, *kv.shape[1:]).contiguous()
     M, C = kv.shape[-2:]
-    vx = F.pad(vv, (0, 1), value=1.0)  # (B, H, dv+1): [v | 1]
-    kv.addcmul_(kf[..., None], vx[..., None, :])  # + kf [v | 1]^T: one pass, no GEMM
+    # + kf [v | 1]^T in place, no GEMM: the value columns, then the normalizer's (kf itself)
+    kv[..., :-1].addcmul_(kf[..., None], vv[..., None, :])
+    kv[..., -1].add_(kf)
     qf = pq.sub_(pq.amax(-1, keepdim=True)).exp_()  # (B, H, M), row max 1
     yq = torch.bmm(qf.view(B * H, 1, M), kv.view(B * H, M, C)).view(B, H, C)
     out = yq[..., :-1] / yq[..., -1:].clamp_min(torch.finfo(torch.float32).tiny)
