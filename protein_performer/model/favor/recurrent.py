@@ -53,11 +53,11 @@ def prompt_state(fmap: FeatureMap, y: Tensor, vv: Tensor, keep: Tensor | None) -
     """The state after a whole prompt in one parallel pass: unscaled keys y (BH, L, d), values
     vv (BH, L, dv), keep (BH, L) False at pads -> kv (BH, M, dv+1), mu (BH,).
 
-    The stabilizer is the keys' largest log-feature (a max is order-free), so this is the state
-    the recursion reaches after the last key."""
+    The stabilizer is the keys' largest log-feature (a max is order-free, so one max over all
+    keys, not the running one), so this is the state the recursion reaches after the last key."""
     logits = fmap.key_logits(y, keep)
-    mu = running_max(logits)
-    mu = y.new_zeros(y.shape[0]) if mu is None else mu[:, -1]  # (BH,)
+    top = step_max(logits)  # (BH, L): each key's largest log part; None for relu
+    mu = y.new_zeros(y.shape[0]) if top is None else top.amax(-1).clamp_min(_NEG)  # (BH,)
     kf = fmap.keys(y, logits, mu[:, None, None], keep)  # (BH, L, M)
     vx = torch.cat([vv, vv.new_ones(*vv.shape[:-1], 1)], dim=-1)  # (BH, L, dv+1)
     return FavorState(absorb(None, None, kf, vx, mu), mu)
