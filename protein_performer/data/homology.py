@@ -639,25 +639,15 @@ def find_homologs(
     query. The database is streamed twice (to MMseqs2, then for the hits' records), so its
     size costs disk, not memory. ``timeout``: seconds MMseqs2 may run (None: no limit).
     """
-    from protein_performer.data.store import TokenStore, is_store
+    from protein_performer.data.inputs import open_input
 
-    query, db = Path(query), Path(db)
     if max_seqs < 1:
         raise UserError(f"--max-seqs must be at least 1, got {max_seqs}")
     if not 0.0 <= min_seq_id <= 1.0:
         raise UserError(f"--min-seq-id must be in [0, 1], got {min_seq_id}")
-    if not query.is_file():
-        raise UserError(f"{query}: no such file (expected the query FASTA)")
-    store = None
-    if db.is_dir():
-        if not is_store(db):
-            raise UserError(
-                f"{db} is a directory but not a store from `protein-performer preprocess`: "
-                "give a FASTA file or a store"
-            )
-        store = TokenStore(db)
-    elif not db.is_file():
-        raise UserError(f"{db}: no such file or store (expected a FASTA file or a store)")
+    query = open_input(query, store=False, give="the query FASTA").path
+    opened = open_input(db)
+    db, store = opened.path, opened.store
     exe = find_mmseqs("homologs", INSTALL)
     queries = list(_fasta_records(query, on_invalid))
     if not queries:
