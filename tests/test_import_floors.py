@@ -169,7 +169,7 @@ def test_imports_run_downward() -> None:
         ("protein_performer.inference.embedding", "from .api import ProteinLM"),
         ("protein_performer.inference.embedding", "from protein_performer.jobs.embed import a"),
         ("protein_performer.inference.api", "from protein_performer.jobs.score import a"),
-        ("protein_performer.jobs.score", "from protein_performer.cli._common import load_lm"),
+        ("protein_performer.jobs.score", "from protein_performer.cli._model import load_lm"),
         ("protein_performer.jobs.embed", "from protein_performer.training import train"),
     ],
 )  # fmt: skip

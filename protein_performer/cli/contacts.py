@@ -9,19 +9,17 @@ from __future__ import annotations
 
 import argparse
 
-from protein_performer.cli._common import (
+from protein_performer.cli._args import (
     FASTA_HELP,
     add_ckpt,
     add_command,
     add_model_options,
     add_no_progress,
     add_on_invalid,
-    check_output,
-    join_ranks,
-    load_lm,
-    rank_line,
     seed_arg,
 )
+from protein_performer.cli._lifetime import check_output, join_ranks, rank_line
+from protein_performer.cli._model import load_lm
 from protein_performer.cli._wrote import say_wrote
 
 HELP = "contact maps from attention: `fit` a regression on structures, `predict` from FASTA"

@@ -5,12 +5,8 @@ from __future__ import annotations
 import argparse
 import math
 
-from protein_performer.cli._common import (
-    add_no_progress,
-    add_on_invalid,
-    add_overwrite,
-    check_output,
-)
+from protein_performer.cli._args import add_no_progress, add_on_invalid, add_overwrite
+from protein_performer.cli._lifetime import check_output
 from protein_performer.cli._wrote import say_wrote
 from protein_performer.data.split import DEFAULT_TEST_FRAC, DEFAULT_VALID_FRAC, SPLIT_MODES
 

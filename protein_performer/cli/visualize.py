@@ -13,15 +13,15 @@ import time
 from pathlib import Path
 from typing import Any
 
-from protein_performer.cli._common import (
+from protein_performer.cli._args import (
     FASTA_HELP,
     add_ckpt,
     add_command,
     add_model_options,
     add_no_progress,
-    check_output,
-    load_lm,
 )
+from protein_performer.cli._lifetime import check_output
+from protein_performer.cli._model import load_lm
 from protein_performer.cli._wrote import say_wrote
 from protein_performer.errors import UserError
 
