@@ -90,7 +90,8 @@ class Input:
     def totals(self) -> tuple[int, int] | None:
         """(records, residues): a store's from its metadata, a FASTA file's by a byte scan;
         None for standard input (read once)."""
-        from protein_performer.data.fasta import STDIN, count_records_and_residues
+        from protein_performer.data.fasta import count_records_and_residues
+        from protein_performer.data.stdin import STDIN
 
         if self.store is not None:
             return len(self.store), int(self.store.meta["num_residues"])
@@ -110,7 +111,7 @@ def open_input(
     else a FASTA file (plain or gzip: the FASTA reader tells them apart by their bytes), which
     must exist. ``store=False`` where only a FASTA is read (a query, homologs, a table's
     sequences): a directory is then refused as a missing file is, saying to ``give`` one."""
-    from protein_performer.data.fasta import STDIN
+    from protein_performer.data.stdin import STDIN
     from protein_performer.data.store import TokenStore
 
     if os.fspath(path) == STDIN:
@@ -157,7 +158,8 @@ def total_in_background(bar: Any, path: str | os.PathLike[str], kind: str) -> No
 def read_records(fasta: str | os.PathLike[str], on_invalid: str = "error") -> list:
     """All FASTA records in file order (``FastaRecord``; ``-``: standard input); errors name
     file, record and line."""
-    from protein_performer.data.fasta import display_name, read_fasta
+    from protein_performer.data.fasta import read_fasta
+    from protein_performer.data.stdin import display_name
 
     path = open_input(fasta, store=False).path
     records = list(_note_nucleotides(read_fasta(path, on_invalid=on_invalid), fasta))  # type: ignore[arg-type]
@@ -181,7 +183,7 @@ def read_homologs(path: str | os.PathLike[str]) -> tuple[Any, list]:
       several, none is placed);
     * any other FASTA: homologs without coordinates (upper-cased as every FASTA read).
     """
-    from protein_performer.data.fasta import display_name, read_fasta
+    from protein_performer.data.fasta import read_fasta
     from protein_performer.data.homology import hit_coordinates
     from protein_performer.data.msa import (
         Member,
@@ -190,6 +192,7 @@ def read_homologs(path: str | os.PathLike[str]) -> tuple[Any, list]:
         msa_format,
         read_stockholm,
     )
+    from protein_performer.data.stdin import display_name
 
     src = open_input(path, store=False, give="a FASTA file or an MSA").path
     fmt = msa_format(src)
@@ -220,8 +223,8 @@ def read_homologs(path: str | os.PathLike[str]) -> tuple[Any, list]:
 def find_record(records: Sequence[Any], want: str | None, source: str | os.PathLike[str]) -> Any:
     """The record whose id, UniProt accession or entry name is ``want`` (the first record when
     ``want`` is None); a miss is one error naming ``source`` and the first ids."""
-    from protein_performer.data.fasta import display_name
     from protein_performer.data.headers import IdLookup
+    from protein_performer.data.stdin import display_name
 
     if want is None:
         return records[0]
