@@ -171,6 +171,8 @@ def test_imports_run_downward() -> None:
         ("protein_performer.inference.api", "from protein_performer.jobs.score import a"),
         ("protein_performer.jobs.score", "from protein_performer.cli._model import load_lm"),
         ("protein_performer.jobs.embed", "from protein_performer.training import train"),
+        ("protein_performer.contacts.map_columns", "from protein_performer.jobs import embed"),
+        ("protein_performer.data.stdin", "from protein_performer.model.config import X"),
     ],
 )  # fmt: skip
 def test_a_crossed_floor_is_reported(module: str, source: str) -> None:
@@ -193,6 +195,10 @@ def test_a_crossed_floor_is_reported(module: str, source: str) -> None:
         ("protein_performer.jobs.score", "from protein_performer.inference.api import ProteinLM"),
         ("protein_performer.jobs.embed", "from protein_performer.inference.embedding import a"),
         ("protein_performer.cli.embed", "from protein_performer.jobs.embed import embed_fasta"),
+        ("protein_performer.jobs.contacts", "from protein_performer.inference.api import ProteinLM"),
+        ("protein_performer.jobs.embed", "from protein_performer.jobs.embeddings_file import a"),
+        ("protein_performer.jobs.embeddings_file", "from protein_performer.contacts import a"),
+        ("protein_performer.data.fasta", "from protein_performer.data.stdin import STDIN"),
         ("protein_performer.inference.api", "from protein_performer.inference.scoring import a"),
     ],
 )

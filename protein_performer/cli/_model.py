@@ -85,11 +85,7 @@ def load_context(
             file=sys.stderr,
         )
         return ens
-    from protein_performer.inference.context import default_max_tokens, limit_note
-
     ctx = lm.context(args.context, max_tokens=args.max_context_tokens, warn=False)
-    limit = args.max_context_tokens or default_max_tokens(lm.loaded)
-    kept, given = len(ctx.members), len(ctx.members) + len(ctx.dropped)
-    note = limit_note(lm.loaded, kept, given, ctx.n_tokens, limit, "--max-context-tokens N")
+    note = lm.context_note(ctx, args.max_context_tokens, "--max-context-tokens N")
     print(f"context from {args.context}: {note}", file=sys.stderr)
     return ctx

@@ -273,11 +273,7 @@ def load_targets(
 
 
 def run_fit(args: argparse.Namespace) -> int:
-    from protein_performer.contacts.fit import (
-        DEFAULT_C,
-        benchmark,
-        format_summary,
-    )
+    from protein_performer.contacts.fit import DEFAULT_C, format_summary
     from protein_performer.model.contact_head import ContactRegression
 
     inputs = [args.ckpt, args.regression, args.fasta, *args.structures, *(args.fit_on or [])]
@@ -289,9 +285,7 @@ def run_fit(args: argparse.Namespace) -> int:
         else None
     )
     regression = ContactRegression.load(args.regression) if args.regression else None
-    loaded = load_lm(args).loaded
-    result = benchmark(
-        loaded,
+    result = load_lm(args).fit_contacts(
         targets,
         args.out_dir,
         fit_targets=fit_targets,
@@ -310,17 +304,15 @@ def run_fit(args: argparse.Namespace) -> int:
 
 
 def run_predict(args: argparse.Namespace) -> int:
-    from protein_performer.contacts.predict import find_regression, predict_contacts_fasta
+    from protein_performer.jobs.contacts import predict_contacts_fasta
 
     join_ranks(args)
     check_output(args.out, [args.ckpt, args.fasta, args.regression], args.overwrite)
-    loaded = load_lm(args).loaded
-    regression = find_regression(loaded, args.regression)
     summary = predict_contacts_fasta(
-        loaded,
+        load_lm(args),
         args.fasta,
         args.out,
-        regression,
+        args.regression,
         dtype=args.dtype,
         dense_max_length=args.dense_max_length,
         top_k_per_length=args.top_k_per_length,

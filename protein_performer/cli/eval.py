@@ -112,7 +112,7 @@ def run(args: argparse.Namespace) -> int:
     for name in ("metrics.json", "bins.csv"):
         check_output(out_dir / name, [args.ckpt, args.data], args.overwrite)
     result = evaluate(
-        load_lm(args).loaded,
+        load_lm(args),
         args.data,
         out_dir,
         split=args.split,

@@ -52,12 +52,11 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from protein_performer.inference.prediction import task_head
     from protein_performer.jobs.predict import predict_fasta
 
     check_output(args.out, [args.ckpt, args.fasta], args.overwrite)
     lm = load_lm(args)
-    head = task_head(lm.loaded)
+    head = lm.task_head()
     summary = predict_fasta(
         lm,
         args.fasta,

@@ -11,12 +11,8 @@ import torch
 
 from protein_performer.contacts import predict as contact_maps
 from protein_performer.contacts.fit import model_maps
-from protein_performer.contacts.predict import (
-    find_regression,
-    predict_contacts,
-    predict_contacts_fasta,
-    read_contacts,
-)
+from protein_performer.contacts.map_columns import DTYPES, read_contacts
+from protein_performer.contacts.predict import find_regression, predict_contacts
 from protein_performer.data.tokenizer import Alphabet
 from protein_performer.errors import UserError
 from protein_performer.interop.identity import model_identity
@@ -80,7 +76,12 @@ def test_streamed_equals_full_maps_and_sparse_is_top_k(
 
 
 def test_fasta_to_columnar_hdf5(tmp_path: Path) -> None:
+    """``contacts predict``'s driver (``jobs.contacts``) writes the maps ``predict_contacts``
+    gives, read back by ``read_contacts``."""
     import h5py
+
+    from protein_performer.inference.api import ProteinLM
+    from protein_performer.jobs.contacts import predict_contacts_fasta
 
     loaded = _loaded("favor")
     reg = _regression(loaded)
@@ -88,8 +89,9 @@ def test_fasta_to_columnar_hdf5(tmp_path: Path) -> None:
     fasta = tmp_path / "in.fasta"
     fasta.write_text("".join(f">{k} some protein\n{v}\n" for k, v in seqs.items()))
     out = tmp_path / "contacts.h5"
+    lm = ProteinLM(loaded)
     summary = predict_contacts_fasta(
-        loaded, fasta, out, reg, dtype="float32", dense_max_length=64, progress=False
+        lm, fasta, out, reg, dtype="float32", dense_max_length=64, progress=False
     )
     assert (summary.num_records, summary.dense, summary.sparse) == (3, 2, 1)
     back = read_contacts(out)
@@ -108,7 +110,7 @@ def test_fasta_to_columnar_hdf5(tmp_path: Path) -> None:
             np.testing.assert_array_equal(got.i, want.i)
             np.testing.assert_array_equal(got.p, want.p)
     half = tmp_path / "half.h5"
-    predict_contacts_fasta(loaded, fasta, half, reg, progress=False)
+    predict_contacts_fasta(lm, fasta, half, reg, progress=False)
     assert read_contacts(half, ["mid"])["mid"].dense.dtype == np.float16
     with pytest.raises(UserError, match="no record"):
         read_contacts(half, ["nope"])
@@ -196,14 +198,14 @@ def test_cli_defaults_are_the_library_defaults() -> None:
     assert cli.DEFAULT_DENSE_MAX_LENGTH == contact_maps.DEFAULT_DENSE_MAX_LENGTH
     assert cli.DEFAULT_TOP_K_PER_LENGTH == contact_maps.DEFAULT_TOP_K_PER_LENGTH
     assert cli.DEFAULT_MIN_SEPARATION == MIN_SEPARATION
-    assert tuple(contact_maps.DTYPES) == cli.DTYPE_CHOICES
+    assert tuple(DTYPES) == cli.DTYPE_CHOICES
 
 
 def test_embed_include_contacts_stores_the_predicted_maps(tmp_path: Path, capsys) -> None:
     """`embed --include mean contacts`: the maps beside the embeddings are `contacts predict`'s."""
     from protein_performer.cli.main import main
     from protein_performer.interop.export import export_model
-    from protein_performer.jobs.embed import read_embeddings
+    from protein_performer.jobs.embeddings_file import read_embeddings
 
     loaded = _loaded("favor")
     loaded.contact_regression = _regression(loaded).to_dict()
