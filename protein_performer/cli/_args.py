@@ -183,12 +183,17 @@ _counts = _number_list(int, "6144,12288", lambda v: v >= 1, "at least 1")
 MAX_SEED = 2**32 - 1
 
 
-def seed_arg(text: str) -> int:
-    """``--seed``: an integer in [0, 2**32), refused by argparse (one line) otherwise."""
+def _whole_number(text: str) -> int:
+    """An integer flag's value; anything else is refused by argparse in one line."""
     try:
-        value = int(text)
+        return int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+
+
+def seed_arg(text: str) -> int:
+    """``--seed``: an integer in [0, 2**32), refused by argparse (one line) otherwise."""
+    value = _whole_number(text)
     if not 0 <= value <= MAX_SEED:
         raise argparse.ArgumentTypeError(f"must be in [0, {MAX_SEED}], got {value}")
     return value
@@ -196,10 +201,7 @@ def seed_arg(text: str) -> int:
 
 def positive_int(text: str) -> int:
     """A count flag (``--limit-rows``) that must be at least 1: 0 or -1 never means "all"."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    value = _whole_number(text)
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
     return value
