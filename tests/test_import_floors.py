@@ -195,7 +195,7 @@ def test_a_crossed_floor_is_reported(module: str, source: str) -> None:
         ("protein_performer.jobs.score", "from protein_performer.inference.api import ProteinLM"),
         ("protein_performer.jobs.embed", "from protein_performer.inference.embedding import a"),
         ("protein_performer.cli.embed", "from protein_performer.jobs.embed import embed_fasta"),
-        ("protein_performer.jobs.contacts", "from protein_performer.inference.api import ProteinLM"),
+        ("protein_performer.jobs.contacts", "from protein_performer.inference.api import X"),
         ("protein_performer.jobs.embed", "from protein_performer.jobs.embeddings_file import a"),
         ("protein_performer.jobs.embeddings_file", "from protein_performer.contacts import a"),
         ("protein_performer.data.fasta", "from protein_performer.data.stdin import STDIN"),
