@@ -204,3 +204,15 @@ def test_a_crossed_floor_is_reported(module: str, source: str) -> None:
 )
 def test_a_downward_import_is_allowed(module: str, source: str) -> None:
     assert not violations(module, source)
+
+
+def test_cli_and_jobs_hold_the_facade_not_the_loaded_record() -> None:
+    """Issue 44: commands and their file drivers use ``ProteinLM``'s public methods; reaching
+    under it (``lm.loaded``) is how a second code path starts. Read with ``ast``, not run."""
+    reached: list[str] = []
+    for folder in ("cli", "jobs"):
+        for path in sorted((ROOT / folder).rglob("*.py")):
+            for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+                if isinstance(node, ast.Attribute) and node.attr == "loaded":
+                    reached.append(f"{module_name(path)}:{node.lineno}")
+    assert not reached, "reaches lm.loaded: " + ", ".join(reached)
