@@ -5,18 +5,17 @@ from __future__ import annotations
 import argparse
 import sys
 
-from protein_performer.cli._common import (
+from protein_performer.cli._args import (
     add_ckpt,
     add_command,
     add_context,
     add_context_ensemble,
     add_model_options,
     add_no_progress,
-    check_output,
-    load_context,
-    load_lm,
-    seed_arg,
+    add_seed,
 )
+from protein_performer.cli._lifetime import check_output
+from protein_performer.cli._model import load_context, load_lm
 from protein_performer.cli._wrote import say_wrote
 from protein_performer.errors import UserError
 
@@ -88,9 +87,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--top-p", type=float, default=None, metavar="P", help="nucleus: smallest set of mass P"
     )
-    p.add_argument(
-        "--seed", type=seed_arg, default=0, metavar="S", help="random seed (default: 0)"
-    )
+    add_seed(p, "random seed (default: 0)", metavar="S")
     p.add_argument(
         "--batch-size",
         type=int,
