@@ -78,6 +78,19 @@ class Member:
     coordinates: np.ndarray | None = None
 
 
+def row_keys(coordinates: np.ndarray | None, n: int) -> np.ndarray:
+    """(n + 2,) int64 keys of a member's ``<cls> residues <eos>`` in a row: its member
+    positions 0 .. n + 1 when it has no coordinates (the fallback), else ``<cls>`` at 0 (every
+    member's start), the residues' coordinates, and ``<eos>`` one past the last residue's when
+    that one is placed (:data:`UNPLACED` otherwise). What a family context (inference) and a
+    family row for training (``data.family``) hand the model as ``coordinates``."""
+    if coordinates is None:
+        return np.arange(n + 2, dtype=np.int64)
+    last = int(coordinates[-1]) if n else UNPLACED
+    eos = UNPLACED if last == UNPLACED else last + 1
+    return np.concatenate(([0], coordinates, [eos])).astype(np.int64)
+
+
 def msa_format(path: str | os.PathLike[str]) -> str | None:
     """The MSA format a file name says (``a2m``, ``a3m``, ``stockholm``), else by its first
     line (``# STOCKHOLM``), else None (FASTA, or an A2M told apart by its gaps when read)."""
