@@ -462,6 +462,107 @@ def shifted_study(args: argparse.Namespace) -> dict:
     return results
 
 
+def real_targets(store: Path, out: Path, n: int, max_residues: int, seed: int
+                 ) -> list[tuple[str, str, list]]:  # fmt: skip
+    """(id, sequence, hits) of up to n test-split proteins of at most ``max_residues`` with at
+    least max(ALIGN_KS) hits in the training split: ``protein-performer homologs`` of the test
+    records against the training records (a FASTA of them), each hit a ``data.msa.Member``
+    placed on its query by the CIGAR string of its header (``homologs``' own placement)."""
+    import harness as h
+
+    from protein_performer.data.homology import _decoder, hit_coordinates
+    from protein_performer.data.msa import Member
+    from protein_performer.data.store import TokenStore
+
+    st = TokenStore(store)
+    lut = _decoder(st.meta["vocab"])
+
+    def text(i: int) -> str:
+        return lut[st.tokens(int(i))].tobytes().decode("ascii")
+
+    train_fasta, query_fasta, hits_fasta = (out / f for f in ("db.fasta", "q.fasta", "hits.fasta"))
+    if not hits_fasta.exists():
+        with open(train_fasta, "w") as fh:
+            fh.writelines(f">{st.id(int(i))}\n{text(i)}\n" for i in st.indices("train"))
+        test = [int(i) for i in st.indices("test") if st.lengths[int(i)] <= max_residues]
+        with open(query_fasta, "w") as fh:
+            fh.writelines(f">{st.id(i)}\n{text(i)}\n" for i in test)
+        h.call(h.cli("homologs", str(query_fasta), str(train_fasta), str(hits_fasta),
+                     "--max-seqs", str(max(ALIGN_KS)), "--threads", "1"), 1,
+               out / "homologs.log")  # fmt: skip
+    from Bio import SeqIO
+
+    queries = {r.id: str(r.seq) for r in SeqIO.parse(query_fasta, "fasta")}
+    hits: dict[str, list] = {}
+    for r in SeqIO.parse(hits_fasta, "fasta"):
+        placed = hit_coordinates(r.description, len(r.seq))
+        assert placed is not None, r.description
+        hits.setdefault(placed[0], []).append(Member(r.id, str(r.seq), placed[1]))
+    found = [(q, queries[q], hs) for q, hs in hits.items() if len(hs) >= max(ALIGN_KS)]
+    random.Random(seed).shuffle(found)
+    return sorted(found[:n])
+
+
+def real_eval(ckpt: Path, targets: list[tuple[str, str, list]]) -> dict:
+    """(a) each target after its first k hits, best hit farthest (first in the row) or
+    nearest (last), at member positions or placed on the target by ``homologs``' CIGAR."""
+    import dataclasses
+
+    import protein_performer as pp
+
+    lm = pp.load(str(ckpt), device="cpu", threads=1)
+    out: dict = {"ppl": {}}
+    for k in ALIGN_KS:
+        for order in ("best-first", "best-last"):
+            for place in ("positions", "on-target"):
+                contexts = []
+                for _, _, hs in targets:
+                    chosen = hs[:k] if order == "best-first" else hs[:k][::-1]
+                    contexts.append([m if place == "on-target" else
+                                     dataclasses.replace(m, coordinates=None)
+                                     for m in chosen])  # fmt: skip
+                out["ppl"][f"{place}+{order}/k{k}"] = context_ppl(
+                    lm, [seq for _, seq, _ in targets], contexts)
+    return out
+
+
+def real_study(args: argparse.Namespace) -> dict:
+    """(a): the corpus split by 50%-identity clusters, MMseqs2 search families of its training
+    split as family rows, test proteins scored after their ``homologs`` hits."""
+    import harness as h
+
+    out = args.out.resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    store = out / "store"
+    if not (store / "meta.json").exists():
+        h.call(h.cli("preprocess", str(args.corpus), "--out", str(store), "--cluster-split",
+                     "0.5", "--valid-frac", "0.01", "--test-frac", "0.1", "--on-invalid",
+                     "skip", "--workers", "1", "--no-progress"), 1,
+               out / "preprocess.log")  # fmt: skip
+    targets = real_targets(store, out, args.eval_families, args.max_len - 2, args.seed)
+    extra = [
+        "data.layout=family", "data.family_method=search", "data.family_identity=0.3",
+        f"data.family_max_tokens={args.row_tokens}", f"data.max_len={args.max_len}",
+        f"data.max_tokens={args.row_tokens}", f"model.config.dim={args.dim}",
+        f"model.config.depth={args.depth}",
+    ]  # fmt: skip
+    results: dict = {"steps": args.steps, "targets": len(targets), "designs": {},
+                     "target_residues": sum(len(t[1]) for t in targets)}  # fmt: skip
+    log_line = f"{len(targets)} test proteins with >= {max(ALIGN_KS)} hits in training"
+    print(log_line, flush=True)
+    path = out / "results.json"
+    if path.exists():
+        results = json.loads(path.read_text())
+    for design in args.designs.split(","):
+        if design in results["designs"]:
+            continue
+        ckpt = run_design(store, out / design, design, args.steps, extra)
+        results["designs"][design] = real_eval(ckpt, targets)
+        print(f"{design}: {json.dumps(results['designs'][design])}", flush=True)
+        path.write_text(json.dumps(results, indent=1))
+    return results
+
+
 def align_table(results: dict, study: str) -> str:
     """Issue 41's tables: perplexity per k and placement, and (shifted) variant Spearman."""
     lines = [f"({results['steps']} steps each)", ""]
@@ -529,8 +630,11 @@ def main(argv: list[str] | None = None) -> int:
     from concurrent.futures import ThreadPoolExecutor
 
     args = parse_args(argv)
-    if args.study == "shifted":
-        print(align_table(shifted_study(args), "shifted"))
+    if args.study in ("shifted", "real"):
+        study = shifted_study if args.study == "shifted" else real_study
+        text = align_table(study(args), args.study)
+        (args.out / "table.md").write_text(text + "\n")
+        print(text)
         return 0
     designs = args.designs.split(",")
     unknown = [d for d in designs if d not in DESIGNS]
