@@ -35,8 +35,8 @@ from protein_performer.data.dataset import (
     check_max_len,
     fasta_splits,
 )
-from protein_performer.data.family import FAMILY_COORDINATES
 from protein_performer.data.loader import ResumableDataLoader
+from protein_performer.data.msa import FAMILY_COORDINATES
 from protein_performer.data.sampler import TokenBudgetBatchSampler
 from protein_performer.data.tokenizer import Alphabet
 from protein_performer.errors import UserError

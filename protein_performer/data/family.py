@@ -29,14 +29,12 @@ import numpy as np
 from protein_performer.data.dataset import Crop, Objective, ProteinDataset, RecordSource
 from protein_performer.data.homology import Families
 from protein_performer.data.masking import IGNORE_INDEX, causal_targets, mlm_mask
-from protein_performer.data.msa import row_keys
+from protein_performer.data.msa import FAMILY_COORDINATES, row_keys
 from protein_performer.data.tokenizer import Alphabet
 from protein_performer.errors import UserError
 
 #: Default row budget: the Performer paper's concatenated rows, and PoET's context scale.
 DEFAULT_ROW_TOKENS = 8192
-#: What a family row's tokens are keyed by in a position memory (``data.family_coordinates``).
-FAMILY_COORDINATES = ("positions", "aligned")
 
 
 class FamilyDataset(ProteinDataset):

@@ -53,6 +53,9 @@ log = logging.getLogger(__name__)
 
 #: The coordinate of a residue that aligns to no reference column.
 UNPLACED = -1
+#: What a position memory keys a family row's homologs by: their member positions, or their
+#: alignment to a reference (``data.family_coordinates``, ``PerformerConfig.family_coordinates``).
+FAMILY_COORDINATES = ("positions", "aligned")
 #: File name endings (after any ``.gz``) that name an MSA format.
 MSA_SUFFIXES = {
     ".a2m": "a2m",
