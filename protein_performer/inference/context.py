@@ -215,15 +215,22 @@ def build_context(
     from protein_performer.io.progress import progress
 
     aligned = any(m.coordinates is not None for m in members)
+    memory = any(c.reads_coordinates for core in model_cores(loaded.model) for c in core.cores())
     if aligned and config.family_coordinates != "aligned":
         aligned = False  # read as the model was trained: by member positions
-        if warn and any(c.reads_coordinates for core in model_cores(loaded.model)
-                        for c in core.cores()):  # fmt: skip
+        if warn and memory:
             log.info(
                 "family context: the homologs' alignment is not read: this model's memory was "
                 "trained on member positions (family_coordinates=positions), so it reads them "
                 "there (keyed by coordinates it reads them worse: docs/RESULTS.md, issue 41)"
             )
+    elif memory and warn and config.family_coordinates == "aligned" and not aligned:
+        log.warning(
+            "family context: no homolog carries coordinates, but this model's memory was "
+            "trained on aligned family rows: it reads homologs at their member positions worse "
+            "than no context (docs/RESULTS.md, issue 41); give an MSA whose first row is the "
+            "scored sequence, or `protein-performer homologs` hits of it"
+        )
     states = None
     row = 0
     parts = list(_segments([len(m.sequence) + 2 for m in members], segment))

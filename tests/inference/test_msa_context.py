@@ -149,6 +149,15 @@ def test_a_model_trained_on_member_positions_reads_an_msa_by_member_positions(
     assert torch.equal(ctx.states[0].mem, plain.states[0].mem)
 
 
+def test_a_model_trained_on_aligned_rows_warns_of_an_unaligned_context(caplog) -> None:
+    """Such a model reads homologs at member positions worse than none (issue 41's shifted
+    table): a context without coordinates says so."""
+    lm = tiny_lm("favor", positions="member", position_memory=64, family_coordinates="aligned")
+    with caplog.at_level("WARNING"):
+        ctx = lm.context([("h1", "TAYIAKQR"), ("h2", "MKTAAAYIAKQRQ")])
+    assert not ctx.aligned and "no homolog carries coordinates" in caplog.text
+
+
 def test_a_candidate_is_never_placed_by_its_own_alignment(tmp_path) -> None:
     """No leak: the scores of candidates after an aligned context do not depend on how the
     candidates themselves would align (they carry no coordinates; only the context does)."""
