@@ -14,9 +14,7 @@ batch-1 states broadcast over each batch (no copy per candidate).
 
 Homologs may come with *coordinates* (an MSA, or the FASTA of ``homologs`` with its aligned
 ranges: :func:`~protein_performer.data.inputs.read_homologs`): per residue, the member position
-of the reference residue it aligns to. For a model trained on aligned family rows
-(``PerformerConfig.family_coordinates == "aligned"``; a model trained on member positions reads
-them by member positions, as it learned to) the prefill then hands them to the model
+of the reference residue it aligns to. The prefill then hands them to the model
 (``PerformerLM.forward(coordinates=...)``), where a core that keys a memory by position (the
 position memory) keys the homolog residues by coordinate instead of by their own member
 positions; rotary positions stay the member positions. A candidate is never given coordinates:
@@ -216,15 +214,7 @@ def build_context(
 
     aligned = any(m.coordinates is not None for m in members)
     memory = any(c.reads_coordinates for core in model_cores(loaded.model) for c in core.cores())
-    if aligned and config.family_coordinates != "aligned":
-        aligned = False  # read as the model was trained: by member positions
-        if warn and memory:
-            log.info(
-                "family context: the homologs' alignment is not read: this model's memory was "
-                "trained on member positions (family_coordinates=positions), so it reads them "
-                "there (keyed by coordinates it reads them worse: docs/RESULTS.md, issue 41)"
-            )
-    elif memory and warn and config.family_coordinates == "aligned" and not aligned:
+    if memory and warn and config.family_coordinates == "aligned" and not aligned:
         log.warning(
             "family context: no homolog carries coordinates, but this model's memory was "
             "trained on aligned family rows: it reads homologs at their member positions worse "

@@ -117,9 +117,9 @@ class PerformerConfig:
     context_tokens: int | None = None
     # What a position memory keyed the homologs of its training rows by (data.family_coordinates,
     # set by train()): "positions" (member positions) or "aligned" (each member's alignment to
-    # the family's first member). A family context keys aligned homologs (an MSA, `homologs`
-    # hits) by their coordinates only for a model trained on "aligned": read the other way,
-    # either model reads its homologs worse (docs/RESULTS.md, issue 41). Older configs: positions.
+    # the family's first member). A model trained on "aligned" reads homologs without
+    # coordinates worse than none, so a context without them is warned about (docs/RESULTS.md,
+    # issue 41). Older configs: positions.
     family_coordinates: str = "positions"
     # Hybrid stacks: every N-th layer, counting down from the last, uses exact attention (its
     # KV cache grows with the context); 0 = every layer uses ``attention``.

@@ -364,14 +364,6 @@ def run_design(store: Path, run: Path, design: str, steps: int, extra: list[str]
     return run / "checkpoints" / "last.ckpt"
 
 
-def read_as_placed(lm):  # noqa: ANN001, ANN201 - a ProteinLM
-    """The model with each arm read as it says: the package keys an aligned context by its
-    coordinates only for a model trained on aligned rows (``config.family_coordinates``), and
-    these tables measure every model both ways (an arm at member positions gives none)."""
-    lm.config.family_coordinates = "aligned"
-    return lm
-
-
 def context_ppl(lm, targets: list[str], contexts: list[list]) -> float:  # noqa: ANN001
     """Perplexity over the targets' residues and ``<eos>``, each read after its context (a
     list of ``data.msa.Member``; empty: alone), through ``lm.context`` and ``lm.score``."""
@@ -393,7 +385,7 @@ def shifted_eval(ckpt: Path, fams: list[ShiftedFamily], n_variants: int, seed: i
     import protein_performer as pp
     from protein_performer.data.msa import Member
 
-    lm = read_as_placed(pp.load(str(ckpt), device="cpu", threads=1))
+    lm = pp.load(str(ckpt), device="cpu", threads=1)
     out: dict = {"ppl": {}, "rho": {}}
     for k in ALIGN_KS:
         for place in ("positions", "on-target", "on-first"):
@@ -518,7 +510,7 @@ def real_eval(ckpt: Path, targets: list[tuple[str, str, list]]) -> dict:
 
     import protein_performer as pp
 
-    lm = read_as_placed(pp.load(str(ckpt), device="cpu", threads=1))
+    lm = pp.load(str(ckpt), device="cpu", threads=1)
     out: dict = {"ppl": {}}
     for k in ALIGN_KS:
         for order in ("best-first", "best-last"):

@@ -32,7 +32,7 @@ def test_an_a2m_context_reads_no_gap_and_no_reference(tmp_path: Path) -> None:
     reference as a homolog (the same row as this FASTA of gapped rows)."""
     path = tmp_path / "family.a2m"
     path.write_text(A2M)
-    lm = tiny_lm("favor", positions="member", position_memory=64, family_coordinates="aligned")
+    lm = tiny_lm("favor", positions="member", position_memory=64)
     ctx = lm.context(str(path))
     assert ctx.members == ("h1", "h2")
     assert ctx.n_tokens == (8 + 2) + (13 + 2)  # TAYIAKQR, MKTAAAYIAKQRQ: no gap, no wt
@@ -48,7 +48,7 @@ def test_cli_score_reads_an_a2m_as_an_msa(tmp_path: Path, capsys) -> None:
     from protein_performer.cli.main import main
     from protein_performer.interop.export import export_model
 
-    lm = tiny_lm("favor", positions="member", position_memory=64, family_coordinates="aligned")
+    lm = tiny_lm("favor", positions="member", position_memory=64)
     ckpt = export_model(lm.loaded, tmp_path / "clm")
     path = tmp_path / "family.a2m"
     path.write_text(A2M)
@@ -76,7 +76,7 @@ def copying_lm() -> ProteinLM:
     vocab, dim = 33, 64
     config = PerformerConfig(
         dim=dim, depth=1, heads=1, ff_dim=4, objective="clm", attention="exact",
-        positions="member", position_memory=128, memory_window=2, family_coordinates="aligned",
+        positions="member", position_memory=128, memory_window=2,
     )  # fmt: skip
     model = PerformerLM(config).eval()
     with torch.no_grad():
@@ -130,32 +130,18 @@ def test_aligned_coordinates_read_shifted_fragments_member_positions_do_not(tmp_
     assert np.all(got < -5.0) and np.all(got < by_member - 5.0), (got, by_member)
 
 
-def test_a_model_trained_on_member_positions_reads_an_msa_by_member_positions(
-    tmp_path, caplog
-) -> None:
-    """Read the other way, a model reads its homologs worse (issue 41's tables): a memory
-    trained on member positions (family_coordinates=positions, every checkpoint before 0.7)
-    reads an aligned context at member positions, the same state as the unaligned homologs,
-    and says so once."""
-    path = tmp_path / "family.a2m"
-    path.write_text(A2M)
-    lm = tiny_lm("favor", positions="member", position_memory=64)
-    assert lm.config.family_coordinates == "positions"
-    with caplog.at_level("INFO"):
-        ctx = lm.context(str(path))
-    assert "alignment is not read" in caplog.text
-    plain = lm.context([("h1", "TAYIAKQR"), ("h2", "MKTAAAYIAKQRQ")])
-    assert not ctx.aligned and ctx.reference is None
-    assert torch.equal(ctx.states[0].mem, plain.states[0].mem)
-
-
 def test_a_model_trained_on_aligned_rows_warns_of_an_unaligned_context(caplog) -> None:
     """Such a model reads homologs at member positions worse than none (issue 41's shifted
-    table): a context without coordinates says so."""
+    table): a context without coordinates says so; one trained on member positions does not."""
     lm = tiny_lm("favor", positions="member", position_memory=64, family_coordinates="aligned")
+    homologs = [("h1", "TAYIAKQR"), ("h2", "MKTAAAYIAKQRQ")]
     with caplog.at_level("WARNING"):
-        ctx = lm.context([("h1", "TAYIAKQR"), ("h2", "MKTAAAYIAKQRQ")])
+        ctx = lm.context(homologs)
     assert not ctx.aligned and "no homolog carries coordinates" in caplog.text
+    caplog.clear()
+    with caplog.at_level("WARNING"):
+        tiny_lm("favor", positions="member", position_memory=64).context(homologs)
+    assert "no homolog carries coordinates" not in caplog.text
 
 
 def test_a_candidate_is_never_placed_by_its_own_alignment(tmp_path) -> None:
@@ -197,8 +183,7 @@ def test_benchmark_context_dir_reads_msas_and_plain_fasta(tmp_path, capsys) -> N
     from tests.paths import REPO
 
     pg = REPO / "data" / "proteingym"
-    lm = tiny_lm("favor", positions="member", position_memory=300,
-                 family_coordinates="aligned")
+    lm = tiny_lm("favor", positions="member", position_memory=300)
     ckpt = export_model(lm.loaded, tmp_path / "clm")
     wt = (pg / "BLAT_ECOLX.fasta").read_text().split("\n", 1)[1].replace("\n", "")
     folder = tmp_path / "ctx"
@@ -227,8 +212,7 @@ def test_aligned_context_scores_equal_the_concatenated_forward(tmp_path, attenti
     from protein_performer.data.inputs import read_homologs
     from protein_performer.inference.context import build_context, member_coordinates
 
-    lm = tiny_lm(attention, positions="member", position_memory=128, chunk=8,
-                 family_coordinates="aligned")
+    lm = tiny_lm(attention, positions="member", position_memory=128, chunk=8)
     wt, a2m, _ = shifted_family(tmp_path)
     ctx = build_context(lm.loaded, str(a2m), segment=segment)
     _, members = read_homologs(a2m)
