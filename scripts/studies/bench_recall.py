@@ -447,6 +447,7 @@ def shifted_study(args: argparse.Namespace) -> dict:
         f"data.family_max_tokens={args.row_tokens}", f"data.max_len={member_len}",
         f"data.max_tokens={args.row_tokens}", f"model.config.dim={args.dim}",
         f"model.config.depth={args.depth}",
+        *([] if args.train_seed is None else [f"seed={args.train_seed}"]),
     ]  # fmt: skip
     results: dict = {"steps": args.steps, "designs": {}}
     path = out / "results.json"
@@ -545,6 +546,7 @@ def real_study(args: argparse.Namespace) -> dict:
         f"data.family_max_tokens={args.row_tokens}", f"data.max_len={args.max_len}",
         f"data.max_tokens={args.row_tokens}", f"model.config.dim={args.dim}",
         f"model.config.depth={args.depth}",
+        *([] if args.train_seed is None else [f"seed={args.train_seed}"]),
     ]  # fmt: skip
     results: dict = {"steps": args.steps, "targets": len(targets), "designs": {},
                      "target_residues": sum(len(t[1]) for t in targets)}  # fmt: skip
@@ -615,6 +617,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--variants", type=int, default=40, help="mutants per held-out wild type "
                     "(shifted)")
     ap.add_argument("--corpus", type=Path, default=CORPUS, help="ancestors' FASTA")
+    ap.add_argument("--train-seed", type=int, default=None,
+                    help="the training runs' seed (shifted, real; default: the config's)")
     ap.add_argument("--dim", type=int, default=64)
     ap.add_argument("--depth", type=int, default=2, help="layers (shifted, real)")
     ap.add_argument("--quick", action="store_true",
