@@ -504,15 +504,48 @@ def real_targets(store: Path, out: Path, n: int, max_residues: int, seed: int
     return sorted(found[:n])
 
 
-def real_eval(ckpt: Path, targets: list[tuple[str, str, list]]) -> dict:
+def on_best_hit(out: Path, targets: list[tuple[str, str, list]]) -> list[list]:
+    """Per target, its hits placed on its best hit (the context alone: no coordinate comes
+    from the target): ``protein-performer homologs`` of each best hit against all the hits,
+    each target keeping its own; the best hit at its own positions, a hit not found unplaced
+    (member positions)."""
+    import dataclasses
+
+    import harness as h
+
+    from protein_performer.data.homology import hit_coordinates
+
+    best, pool, placed_fasta = out / "best.fasta", out / "pool.fasta", out / "on_best.fasta"
+    if not placed_fasta.exists():
+        with open(best, "w") as fh:
+            fh.writelines(f">t{i}\n{hs[0].sequence}\n" for i, (_, _, hs) in enumerate(targets))
+        with open(pool, "w") as fh:
+            fh.writelines(f">t{i}h{j}\n{m.sequence}\n" for i, (_, _, hs) in enumerate(targets)
+                          for j, m in enumerate(hs[1:], 1))  # fmt: skip
+        h.call(h.cli("homologs", str(best), str(pool), str(placed_fasta), "--max-seqs", "500",
+                     "--keep-identical", "--threads", "1"), 1, out / "on_best.log")  # fmt: skip
+    from Bio import SeqIO
+
+    found: dict[tuple[str, str], object] = {}
+    for r in SeqIO.parse(placed_fasta, "fasta"):
+        query, coords = hit_coordinates(r.description, len(r.seq))  # type: ignore[misc]
+        found[(query, r.id)] = coords
+    return [[dataclasses.replace(m, coordinates=None if j == 0 else found.get((f"t{i}",
+                                                                             f"t{i}h{j}")))
+             for j, m in enumerate(hs)] for i, (_, _, hs) in enumerate(targets)]  # fmt: skip
+
+
+def real_eval(ckpt: Path, targets: list[tuple[str, str, list]], alone: list[list]) -> dict:
     """(a) each target after its first k hits, best hit farthest (first in the row) or
-    nearest (last), at member positions or placed on the target by ``homologs``' CIGAR."""
+    nearest (last), at member positions, placed on the target by ``homologs``' CIGAR, or
+    placed on the best hit (``alone``: :func:`on_best_hit`, best hit first)."""
     import dataclasses
 
     import protein_performer as pp
 
     lm = pp.load(str(ckpt), device="cpu", threads=1)
     out: dict = {"ppl": {}}
+    seqs = [seq for _, seq, _ in targets]
     for k in ALIGN_KS:
         for order in ("best-first", "best-last"):
             for place in ("positions", "on-target"):
@@ -522,8 +555,8 @@ def real_eval(ckpt: Path, targets: list[tuple[str, str, list]]) -> dict:
                     contexts.append([m if place == "on-target" else
                                      dataclasses.replace(m, coordinates=None)
                                      for m in chosen])  # fmt: skip
-                out["ppl"][f"{place}+{order}/k{k}"] = context_ppl(
-                    lm, [seq for _, seq, _ in targets], contexts)
+                out["ppl"][f"{place}+{order}/k{k}"] = context_ppl(lm, seqs, contexts)
+        out["ppl"][f"on-best-hit+best-first/k{k}"] = context_ppl(lm, seqs, [a[:k] for a in alone])
     return out
 
 
@@ -559,7 +592,7 @@ def real_study(args: argparse.Namespace) -> dict:
         if design in results["designs"]:
             continue
         ckpt = run_design(store, out / design, design, args.steps, extra)
-        results["designs"][design] = real_eval(ckpt, targets)
+        results["designs"][design] = real_eval(ckpt, targets, on_best_hit(out, targets))
         print(f"{design}: {json.dumps(results['designs'][design])}", flush=True)
         path.write_text(json.dumps(results, indent=1))
     return results
