@@ -32,8 +32,10 @@ AttentionState = Any
 
 def state_tensors(state: tuple) -> list[torch.Tensor]:
     """The tensors of a state or of per-layer states, nested ones (the position memory's
-    ``inner``) included: what a state holds, for its size or a copy."""
-    return [t for s in state for t in (state_tensors(s) if isinstance(s, tuple) else [s])]
+    ``inner``) included, its empty fields (None) left out: what a state holds, for its size
+    or a copy."""
+    return [t for s in state if s is not None
+            for t in (state_tensors(s) if isinstance(s, tuple) else [s])]  # fmt: skip
 
 
 #: Rotary positions: None (0, 1, ... along the row), an int offset (the first token's

@@ -133,6 +133,12 @@ class PerformerConfig:
     position_memory: int = 0
     # W: the memory reads positions p - W .. p + W (a learned weight per offset and head).
     memory_window: int = 8
+    # Whether the memory also reads a token's own member (its own keys up to t within W), as
+    # models before 0.7 did (configs written before this field read as True). False: only the
+    # other members (the earlier ones when causal), so a lone sequence reads nothing and gets
+    # its core's output alone (its perplexity is FAVOR+'s; docs/RESULTS.md), and the read is
+    # one band of products instead of two.
+    memory_reads_own: bool = False
     # Linear attention only: the w nearest keys (t-w+1..t causal, within w-1 of t otherwise)
     # attend exactly, summed with the linear term under one normalizer (LoLCATs' sliding
     # window, model/linear/window.py); the state adds a ring of w keys. 0 = off.
@@ -283,7 +289,8 @@ class PerformerConfig:
         """Build and validate; unknown keys are an error so a typo never falls back to a default.
 
         Missing keys take their defaults, so checkpoints written before a field existed still load
-        (and compute as they did: ``positions`` then reads as "sequence").
+        (and compute as they did: ``positions`` then reads as "sequence", ``memory_reads_own``
+        as True).
         """
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(data) - known)
@@ -292,4 +299,5 @@ class PerformerConfig:
                 f"unknown model config key(s): {', '.join(unknown)}; "
                 f"valid keys are: {', '.join(sorted(known))}"
             )
-        return cls(**{"positions": "sequence", **dict(data)}).validate()
+        old = {"positions": "sequence", "memory_reads_own": True}
+        return cls(**{**old, **dict(data)}).validate()

@@ -46,7 +46,9 @@ def unsupported(model: PerformerLM) -> str | None:
         attn = layer.self_attn
         fmap = attn.core.step_map(model.embed_tokens.weight.device, torch.float32)
         if fmap is None:
-            return f"layer {i} has {attn.core.label or attn.core.name}, which has no traced step"
+            why = next((c.untraced for c in attn.core.cores() if c.untraced), "")
+            return (f"layer {i} has {attn.core.label or attn.core.name}, which has no traced "
+                    f"step" + (f": {why}" if why else ""))  # fmt: skip
         if not (fmap.exp and fmap.Wa.dim() == 2):
             return f"layer {i}'s kernel {attn.core.kernel!r} has no exp step"
         plain = attn._fusable() and all(

@@ -17,6 +17,7 @@ from torch import nn
 from protein_performer.errors import UserError
 from protein_performer.model.attention import AttentionState, Positions
 from protein_performer.model.config import PerformerConfig, block_number
+from protein_performer.model.cores import AttentionCore
 from protein_performer.model.heads import LMHead
 from protein_performer.model.layers import TransformerLayer
 from protein_performer.model.rotary import member_positions
@@ -285,12 +286,17 @@ class PerformerLM(nn.Module):
         return sum(p.numel() for p in self.parameters() if p.requires_grad or not trainable_only)
 
     def param_groups(self, weight_decay: float) -> list[dict[str, Any]]:
-        """AdamW groups: decay only on matrix weights of Linear layers; norms, biases and the
-        (tied) embedding are excluded, since shrinking them towards 0 only hurts."""
+        """AdamW groups: decay only on matrix weights of Linear layers; norms, biases, the
+        (tied) embedding and what a core declares a gate or logit (the position memory's
+        offsets and gate, :attr:`AttentionCore.no_decay`) are excluded, since shrinking them
+        towards 0 only hurts."""
         no_decay_ids: set[int] = set()
         for module in self.modules():
             if isinstance(module, (nn.LayerNorm, nn.Embedding)):
                 no_decay_ids.update(id(p) for p in module.parameters(recurse=False))
+            if isinstance(module, AttentionCore):
+                no_decay_ids.update(id(p) for name, p in module.named_parameters(recurse=False)
+                                    if name in module.no_decay)  # fmt: skip
         decay, no_decay = [], []
         for name, p in self.named_parameters():
             if not p.requires_grad:

@@ -378,6 +378,24 @@ def test_param_groups() -> None:
     }
 
 
+def test_param_groups_leave_the_memory_gates_and_offsets_undecayed() -> None:
+    """The position memory's 2-D offset logits and gate weights are logits, declared by the
+    core (``no_decay``): out of weight decay like biases, the Linear weights still in it."""
+    from protein_performer.model.linear.memory import PositionMemory
+
+    config = PerformerConfig(dim=16, depth=2, heads=2, nb_features=8, objective="clm",
+                             position_memory=16, memory_window=2).validate()  # fmt: skip
+    model = PerformerLM(config)
+    decay, no_decay = model.param_groups(0.1)
+    memories = [m for m in model.modules() if isinstance(m, PositionMemory)]
+    assert len(memories) == 2
+    gates = {id(p) for m in memories for p in (m.offset_logits, m.gate_weight, m.gate_bias)}
+    assert gates <= {id(p) for p in no_decay["params"]}
+    assert {id(p) for p in decay["params"]} == {
+        id(m.weight) for m in model.modules() if isinstance(m, torch.nn.Linear)
+    }
+
+
 def test_config_round_trip_and_validation() -> None:
     cfg = tiny_config(objective="clm", kernel="relu", favor_chunk_size=64, token_dropout=True)
     data = cfg.to_dict()

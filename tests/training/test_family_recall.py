@@ -22,7 +22,7 @@ from protein_performer.training.compose import compose_config
 from tests.paths import DEMO_DATA
 
 AMINO = "ACDEFGHIKLMNPQRSTVWY"
-LENGTH, MEMBERS, STEPS, BATCH = 24, 4, 50, 4
+LENGTH, MEMBERS, STEPS, BATCH = 24, 4, 80, 4
 
 
 def _families(ancestors: list[str], rng: random.Random) -> list[list[str]]:

@@ -89,6 +89,9 @@ class AttentionCore(nn.Module):
     name: ClassVar[str] = ""
     #: Names (of this module's own parameters or buffers) drawn rather than learned.
     drawn: ClassVar[tuple[str, ...]] = ()
+    #: Names of this module's own parameters that are gates, logits or scales rather than
+    #: weights: an optimizer leaves them out of weight decay, as it does biases and norms.
+    no_decay: ClassVar[tuple[str, ...]] = ()
     #: Whether the state grows with the context's length (a KV cache does).
     state_grows: ClassVar[bool] = False
     #: The rotary positions the core needs (None: any).
@@ -97,6 +100,9 @@ class AttentionCore(nn.Module):
     softmax: ClassVar[str] = "none"
     #: Words for messages ("FAVOR+ attention", "a position memory").
     label: ClassVar[str] = ""
+    #: Why the traced decoding step (``model.decode``) cannot run this core, when it has no
+    #: :meth:`step_map`, for the one line that says so ("": no reason beyond that).
+    untraced: ClassVar[str] = ""
     #: Whether the core keys a memory by position and takes aligned ``coordinates`` as those
     #: keys (the position memory); the others are never handed them.
     reads_coordinates: ClassVar[bool] = False

@@ -3,9 +3,9 @@
 Why: in a family row ``<cls> m1 <eos> <cls> m2 <eos> ...`` with member positions (rotary
 restarting at every ``<cls>``), homologs line up roughly by position, and copying from them is
 what exact attention learns first (issue 30). A linear-attention cousin of MSA column
-attention keeps, per head, one sum of [k | v | 1] per member position p over the keys seen at
-p, so each position has a mean key K[p] and a mean value V[p]. A query at position p attends
-over the 2W + 1 positions around it,
+attention keeps, per head, one sum of [k | v | 1] per member position p over the keys of the
+other members (causal: the earlier ones), so each position has a mean key K[p] and a mean value
+V[p]. A query at position p attends over the 2W + 1 positions around it,
 
     mem_t = sum_D softmax_D(q_t . K[p_t + D] / sqrt(d) + b_h(D)) V[p_t + D + s],   D in [-W, W],
 
@@ -19,13 +19,21 @@ P x (d + dv + 1) per head, P the longest member it holds (grown as a context bri
 ones, up to ``max_positions``): constant in the number of members and in the context's length.
 A per-head gate from the query, g_t = sigmoid(q_t . u_h + b_h), mixes it with the core's own
 output, out = core + g (mem - core); where no memory entry is in reach (positions >= P, an
-empty memory) the output is the core's.
+empty memory, a lone sequence) the output is the core's.
+
+Why not the token's own member: models before 0.7 (``reads_own``, configs without
+``memory_reads_own``) also read their own keys j <= t at D <= 0; alone (k = 0) the gate, which
+cannot tell whose entries are in reach, then mixed in the sequence's own shifted past, and
+these models were 8-12% worse than FAVOR+ alone there (docs/RESULTS.md). Reading only the
+other members, a lone sequence gets its core's output, and the read is one table.
 
 The parallel form lays each member out as a row of columns (one per position), so a token's
-reads are its member's columns around its position in two prefix tables over the members (up
-to its own, and before it), and reading 2W + 1 neighbouring columns is a band of small matrix
-products with a hand-written backward (:meth:`PositionMemory._read`); the recurrent state is
-the last prefix, which is what it accumulates one token at a time.
+reads are its member's columns around its position in a prefix table over the members (before
+its own; and up to it for ``reads_own``), and reading 2W + 1 neighbouring columns is one
+product per tile of queries against the rows the tile reaches, a softmax under a mask, and the
+values back through the same tiles, with a hand-written backward (:class:`_Read`); the
+recurrent state is the last prefix, which is what it accumulates one token at a time, with the
+member it ended in kept apart.
 """
 
 from __future__ import annotations
@@ -50,8 +58,8 @@ class _Layout(NamedTuple):
     """Where a read's tokens go (:meth:`PositionMemory._layout`): ``valid`` (B, L) the tokens
     that enter a position, positions ``base`` .. ``top`` held, M members a row, P positions,
     tiles of T, rows of R columns, each token's key row (``keyed``) and query row (``asked``)
-    in the tables (B H L,), the tokens per column ``own`` (B, M, R) and the row each token's
-    output is read from (``index``)."""
+    in the tables (B H L,), the tokens per column ``own`` (M + 1, B, R), each token's query
+    column in it (``slot`` (B, L)) and its member (B, L)."""
 
     valid: Tensor
     base: int
@@ -63,16 +71,22 @@ class _Layout(NamedTuple):
     keyed: Tensor
     asked: Tensor
     own: Tensor
-    index: Tensor
+    slot: Tensor
+    member: Tensor
 
 
 class MemoryState(NamedTuple):
     """The mixed core's state: the inner core's (``inner``) and the position memory
     ``mem`` (B, H, P, d + dv + 1), slot p holding the sum of [k | v | 1] at member position p;
-    P is the longest member held so far (it grows with the context, up to ``max_positions``)."""
+    P is the longest member held so far (it grows with the context, up to ``max_positions``).
+    A memory that reads only the other members also keeps the last member's own sums
+    (``part``, its slots only, which ``mem`` includes) and the last token's position
+    (``last`` (B,)): a call that continues that member must not read them."""
 
     inner: Any
     mem: Tensor
+    part: Tensor | None = None
+    last: Tensor | None = None
 
 
 def member_layout(positions: Tensor) -> Tensor:
@@ -90,117 +104,122 @@ def _pairs(y: Tensor, T: int, N: int, shift: int) -> Tensor:
                         y.storage_offset() + shift * y.stride(0))
 
 
-def _band(full: Tensor, w: int) -> Tensor:
-    """Row a's columns a .. a + w - 1 of tile products full (N, T, 2T), as (N, T, w)."""
-    N, T = full.shape[:2]
-    full = full.contiguous()  # (a, a + j) sits at a (2T + 1) + j: a strided view, no copy
-    return full.as_strided((N, T, w), (2 * T * T, 2 * T + 1, 1), full.storage_offset())
-
-
-def _unband(a: Tensor, widths: tuple[int, ...]) -> Tensor:
-    """Bands a (N, T, sum of widths), side by side, as the matrices of :func:`_band`, zero off
-    their bands, side by side in one contiguous (N, T, 2T x segments) tensor (the batched
-    products run fastest on it; a view per segment)."""
-    N, T = a.shape[:2]
-    S = 2 * T * len(widths)
-    full = a.new_zeros(N, T, S)
-    at = 0
-    for s, w in enumerate(widths):
-        full.as_strided((N, T, w), (T * S, S + 1, 1), 2 * T * s).copy_(a[..., at : at + w])
-        at += w
-    return full
-
-
-def _widths(segments: tuple[tuple[int, int], ...]) -> tuple[int, ...]:
-    return tuple(width for _, width in segments)
-
-
-class _Scores(torch.autograd.Function):
-    """out[i, a, :] = the bands x[i, a] . y[i T + a + shift_s + j], j < width_s, of each
-    segment s, side by side: queries in tiles x (N, T, c) against the rows of a table y
-    (rows, c) around their own, each tile against the 2T rows it reaches (width <= T + 1),
-    forward and back as batched products."""
-
-    @staticmethod
-    def forward(ctx: Any, x: Tensor, segments: tuple[tuple[int, int], ...], y: Tensor
-                ) -> Tensor:  # fmt: skip
-        ctx.save_for_backward(x, y)
-        ctx.segments = segments
-        N, T = x.shape[:2]
-        return torch.cat([_band(x @ _pairs(y, T, N, shift).mT, width)
-                          for shift, width in segments], -1)  # fmt: skip
-
-    @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
-        x, y = ctx.saved_tensors
-        full = _unband(grad, _widths(ctx.segments))
-        dx = _products(full, ctx.segments, y) if ctx.needs_input_grad[0] else None
-        return dx, None, _spread(full, x, ctx.segments, y)
-
-
-class _Apply(torch.autograd.Function):
-    """out[i, a] = sum_s sum_j a[i, a, j_s] y[i T + a + shift_s + j]: the values back
-    through bands laid out as :class:`_Scores` lays them (its adjoint in x), forward and
-    back."""
-
-    @staticmethod
-    def forward(ctx: Any, a: Tensor, segments: tuple[tuple[int, int], ...], y: Tensor
-                ) -> Tensor:  # fmt: skip
-        full = _unband(a, _widths(segments))
-        ctx.save_for_backward(full, y)
-        ctx.segments = segments
-        return _products(full, segments, y)
-
-    @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
-        full, y = ctx.saved_tensors
-        N, T = full.shape[:2]
-        grad = grad.contiguous()
-        da = None
-        if ctx.needs_input_grad[0]:
-            da = torch.cat([_band(grad @ _pairs(y, T, N, shift).mT, width)
-                            for shift, width in ctx.segments], -1)  # fmt: skip
-        return da, None, _spread(full, grad, ctx.segments, y)
-
-
-def _products(full: Tensor, segments: tuple[tuple[int, int], ...], y: Tensor) -> Tensor:
-    """sum_s full_s @ (the 2T rows of y each tile reaches from shift_s), full as
-    :func:`_unband` lays it out: (N, T, c)."""
-    N, T = full.shape[:2]
-    out = None
-    for s, (shift, _) in enumerate(segments):
-        part = full[..., 2 * T * s : 2 * T * (s + 1)]
-        pairs = _pairs(y, T, N, shift)
-        out = part @ pairs if out is None else out.baddbmm_(part, pairs)
-    assert out is not None
-    return out
-
-
-def _spread(full: Tensor, x: Tensor, segments: tuple[tuple[int, int], ...], y: Tensor
-            ) -> Tensor:  # fmt: skip
-    """The gradient of the table y (rows, c) of the band products: row i T + shift_s + r
-    gets full_s[i, :, r]^T x[i] (each tile's 2T rows overlap the next tile's first T),
-    written by batched products straight into it (no temporaries)."""
+def _spread(full: Tensor, x: Tensor, shift: int, rows: int) -> Tensor:
+    """The gradient (rows, c) of a table read through :func:`_pairs` windows from ``shift``:
+    row i T + shift + r gets full[i, :, r]^T x[i] (each tile's 2T rows overlap the next
+    tile's first T), written by batched products straight into it (no temporaries)."""
     N, T = x.shape[:2]
-    out = y.new_empty(y.shape)
-    first = segments[0][0]
-    out[:first].zero_()  # what the first segment's tiles do not write
-    out[first + N * T :].zero_()
-    for s, (shift, _) in enumerate(segments):
-        part = full[..., 2 * T * s : 2 * T * (s + 1)].mT  # (N, 2T, T)
-        tiles = out[shift : shift + (N + 1) * T].view(N + 1, T, -1)
-        if s == 0:
-            torch.bmm(part[:, :T], x, out=tiles[:N])
-        else:
-            tiles[:N].baddbmm_(part[:, :T], x)
-        tiles[1:].baddbmm_(part[:, T:], x)
+    out = x.new_empty(rows, x.shape[2])
+    out[:shift].zero_()  # what the tiles do not write
+    out[shift + (N + 1) * T :].zero_()
+    tiles = out[shift : shift + (N + 1) * T].view(N + 1, T, -1)
+    part = full.mT  # (N, 2T, T)
+    torch.bmm(part[:, :T], x, out=tiles[:N])
+    tiles[N].zero_()
+    tiles[1:].baddbmm_(part[:, T:], x)
     return out
+
+
+class _Read(torch.autograd.Function):
+    """The memory's read as tile products: query tiles x (N, T, d) against the 2T rows of
+    each key table from their own (:func:`_pairs`), an additive ``bias`` (B, H, nt, T, 2T)
+    broadcast (N = B H nt; -1e30 off a query's band and where a column holds nothing), a
+    softmax over the 2T, and the values back from the value tables' windows (one row on when
+    causal: the successor of the matched key). Sources s (F and E for a memory that reads its
+    own member) mix under 0/1 masks (T, 2T) per band entry, ``masks`` = (key masks, value
+    masks) or None for one source. Forward and backward as a few batched products over the
+    tiles, whatever W; the weights P are what the backward keeps."""
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, bias: Tensor, offsets: Tensor, shape: tuple[int, ...],
+                shift: int, masks: tuple | None, *tables: Tensor) -> Tensor:  # fmt: skip
+        N, T = x.shape[:2]
+        n = len(tables) // 2
+        keys, values = tables[:n], tables[n:]
+        kmask, vmask = masks if masks is not None else ((None,) * n, (None,) * n)
+        scores = None
+        for y, m in zip(keys, kmask, strict=True):
+            s = torch.bmm(x, _pairs(y, T, N, 0).mT)  # (N, T, 2T)
+            s = s if m is None else s.mul_(m)
+            scores = s if scores is None else scores.add_(s)
+        assert scores is not None
+        # (B, H, nt, T, 2T): where and how much each band column counts, the same in every
+        # head, plus the learned bias per head and offset
+        scores.view(shape).add_(bias).add_(offsets[:, None])
+        weights = scores.softmax(-1)
+        out = None
+        for y, m in zip(values, vmask, strict=True):
+            w = weights if m is None else weights * m
+            out = torch.bmm(w, _pairs(y, T, N, shift)) if out is None else out.baddbmm_(
+                w, _pairs(y, T, N, shift))  # fmt: skip
+        ctx.save_for_backward(x, weights, *tables)
+        ctx.shape, ctx.shift, ctx.masks, ctx.n = shape, shift, masks, n
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
+        x, weights, *tables = ctx.saved_tensors
+        n, shift, N, T = ctx.n, ctx.shift, x.shape[0], x.shape[1]
+        keys, values = tables[:n], tables[n:]
+        kmask, vmask = ctx.masks if ctx.masks is not None else ((None,) * n, (None,) * n)
+        grad = grad.contiguous()
+        dw = None
+        dvalues = []
+        for y, m in zip(values, vmask, strict=True):
+            g = torch.bmm(grad, _pairs(y, T, N, shift).mT)  # (N, T, 2T)
+            g = g if m is None else g.mul_(m)
+            dw = g if dw is None else dw.add_(g)
+            dvalues.append(_spread(weights if m is None else weights * m, grad, shift,
+                                   y.shape[0]))  # fmt: skip
+        ds = torch._softmax_backward_data(dw, weights, -1, weights.dtype)
+        B, H, nt = ctx.shape[:3]
+        doffsets = ds.view(B, H, nt, -1).sum(2).sum(0).view(H, T, 2 * T)
+        dx = None
+        dkeys = []
+        for y, m in zip(keys, kmask, strict=True):
+            dm = ds if m is None else ds * m
+            if ctx.needs_input_grad[0]:
+                dx = torch.bmm(dm, _pairs(y, T, N, 0)) if dx is None else dx.baddbmm_(
+                    dm, _pairs(y, T, N, 0))  # fmt: skip
+            dkeys.append(_spread(dm, x, 0, y.shape[0]))
+        return dx, None, doffsets, None, None, None, *dkeys, *dvalues
+
+
+def _place(src: Tensor, index: Tensor, rows: int, unique: bool) -> Tensor:
+    """Rows src (n, c) at rows ``index`` of a zero table (rows, c), summed where they meet;
+    ``unique``: no two real tokens share a row (padding may: its rows are never read), so a
+    copy does it, and its gradient is a gather (a sum sorts its indices, forward and back)."""
+    out = src.new_zeros(rows, src.shape[1])
+    return out.index_copy_(0, index, src) if unique else out.index_add_(0, index, src)
+
+
+class _Take(torch.autograd.Function):
+    """table[index]: each token's row of the read (the real tokens' rows are their own, so
+    the gradient is a copy back, not a sum; padding's rows get no gradient, as its gate is
+    0)."""
+
+    @staticmethod
+    def forward(ctx: Any, table: Tensor, index: Tensor) -> Tensor:
+        ctx.save_for_backward(index)
+        ctx.rows = table.shape[0]
+        return table.index_select(0, index)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
+        (index,) = ctx.saved_tensors
+        return grad.new_zeros(ctx.rows, grad.shape[1]).index_copy_(0, index, grad), None
 
 
 def _slots(mem: Tensor, first: int, width: int) -> Tensor:
     """Slots first .. first + width - 1 of a memory (B, H, P, C), zeros outside 0 .. P - 1."""
     lo, hi = max(first, 0), max(min(first + width, mem.shape[2]), max(first, 0))
     return F.pad(mem[:, :, lo:hi], (0, 0, lo - first, first + width - hi))
+
+
+def _band(T: int, W: int, device: torch.device) -> Tensor:
+    """(T, 2T) the offset D + W of query a's band entry (a, a + W + D), -1 off the band."""
+    j = torch.arange(2 * T, device=device)[None] - torch.arange(T, device=device)[:, None]
+    return torch.where((j >= 0) & (j <= 2 * W), j, -1)
 
 
 @register("memory")
@@ -212,6 +231,10 @@ class PositionMemory(CoreWrapper):
     order = 1  # around any core, the window included
     needs_positions = "member"
     label = "a position memory"
+    untraced = ("its state grows a slot per member position and keeps the member being "
+                "decoded apart, shapes and host checks the one-graph step does not hold")
+    # a bias per offset and the gate's weights and bias: logits, never decayed towards 0
+    no_decay = ("offset_logits", "gate_weight", "gate_bias")
     # Aligned coordinates, when a call gives them (``coordinates`` (B, L): a family context's
     # homologs placed on a reference, -1 for a token that enters no position), key the tokens'
     # slots instead of their member positions; members are still told apart by their rotary
@@ -228,20 +251,24 @@ class PositionMemory(CoreWrapper):
     ) -> PositionMemory:
         assert inner is not None
         return cls(inner, config.heads, config.head_dim, config.position_memory,
-                   config.memory_window)  # fmt: skip
+                   config.memory_window, reads_own=config.memory_reads_own)  # fmt: skip
 
     @classmethod
     def extra_numel(cls, config) -> int:  # noqa: ANN001
         return config.heads * (2 * config.memory_window + 2 + config.head_dim)
 
     def __init__(
-        self, inner: AttentionCore, heads: int, dim_head: int, max_positions: int, window: int
-    ) -> None:
+        self, inner: AttentionCore, heads: int, dim_head: int, max_positions: int, window: int,
+        *, reads_own: bool = False,
+    ) -> None:  # fmt: skip
         super().__init__()
         self.inner = inner
         self.causal = inner.causal
         self.max_positions = max_positions
         self.window = window
+        # whether a token also reads its own member (the models before 0.7; see the module
+        # docstring): with it off a lone sequence reads nothing and gets its core's output
+        self.reads_own = reads_own
         # b_h(D) = offset_logits[h, D + W], a learned bias per offset; 0 at first.
         self.offset_logits = nn.Parameter(torch.zeros(heads, 2 * window + 1))
         self.gate_weight = nn.Parameter(torch.zeros(heads, dim_head))
@@ -253,7 +280,7 @@ class PositionMemory(CoreWrapper):
         position): a function of the positions and the padding alone, the same in every layer
         (:meth:`attend` shares it across the layers of one batch)."""
         B, L = positions.shape
-        W, causal = self.window, self.causal
+        W = self.window
         device = positions.device
         member = member_layout(positions)
         if keys is not None:
@@ -265,142 +292,211 @@ class PositionMemory(CoreWrapper):
         if top < 0:
             return None
         M, P = last + 1, top - base + 1
-        # a tile of T query positions reads the 2T columns from its first on, a band of
-        # w = W + 1 (causal: F, then E) or 2W + 1 (masked) of them per query (w <= T + 1)
-        T = max(W + 1 if causal else 2 * W, 1)
-        R = (-(-P // T) + 2) * T  # a row: its query tiles, then the keys' overhang
-        # M + 1 rows a (batch row, head): row 0 for the state (or nothing) before the first
-        # member, so a member's E (what the members before it hold) is the F of the row above
-        rows = (torch.arange(B * heads, device=device).view(B, heads, 1) * (M + 1)
-                + member[:, None] + 1) * R  # fmt: skip
+        # a tile of T query columns reads the 2T table rows from its first: the band of
+        # 2W + 1 keys (and their successors' values) around each of its queries (T >= 2W)
+        T = max(2 * W, 1)
+        # a row: its queries, their keys W columns right, the last one's successor, and a
+        # column for padding tokens (never read, never in the state)
+        R = -(-(P + 2 * W + 2) // T) * T
+        # rows by member, then batch row, then head: the sums over members are one product,
+        # and the (M + 1)-th member's rows (nothing in them) are what the last tiles reach
+        row = member * B + torch.arange(B, device=device)[:, None]  # (B, L)
+        rows = (row[:, None] * heads + torch.arange(heads, device=device)[:, None]) * R
         col = (positions - base).clamp(0, R - 1 - W)[:, None]  # (B, 1, L)
-        # a padding token goes to its row's last column: never read, never in the state
         dump = rows + R - 1
         keyed = torch.where(valid[:, None], rows + col + W, dump).view(-1)
         asked = torch.where(valid[:, None], rows + col, dump).view(-1)
-        # the counts are the same in every head: (B, M + 1, R), no gradient
-        slot = (torch.arange(B, device=device)[:, None] * (M + 1) + member + 1) * R + col[:, 0]
-        own = torch.zeros(B * (M + 1) * R, dtype=dtype, device=device)
-        own = own.index_add(0, (slot + W).view(-1), valid.to(dtype).view(-1))
-        # the queries' tiles start at the first member's row (R rows in)
-        index = torch.where(valid[:, None], rows + col - R, 0).view(-1)
-        return _Layout(valid, base, top, M, P, T, R, keyed, asked, own.view(B, M + 1, R), index)
+        # the counts are the same in every head: (M + 1, B, R), no gradient
+        slot = torch.where(valid, row * R + col[:, 0], row * R + R - 1)
+        own = torch.zeros((M + 1) * B * R, dtype=dtype, device=device)
+        own = own.index_add_(0, torch.where(valid, slot + W, slot).view(-1),
+                             valid.to(dtype).view(-1))  # fmt: skip
+        return _Layout(valid, base, top, M, P, T, R, keyed, asked, own.view(M + 1, B, R), slot,
+                       member)  # fmt: skip
 
-    def _reach(self, lay: _Layout, count: Tensor, heads: int) -> tuple[Tensor, Tensor]:
-        """Which of each query tile's band columns hold both a key and a value (N, T, 2W + 1)
-        (the same in every head), and whether a token has any (B, H, L, 1), from the
-        tables' counts (B, M + 1, R) (members up to each row's, the state's included; masked:
-        all of the row's)."""
-        W, causal = self.window, self.causal
-        B, rows, R = count.shape
-        T = lay.T
-        n = 2 * W + 1 + causal  # causal: one column more, the successor of p_t + W
-        nt = rows * R // T  # tiles per (batch row, head)
-        held = count.reshape(B, rows * R) > 0.5
-        # a query reads F in its own row and (causal) E in the row above, R columns back
-        have = [F.pad(held, (0, n - 1))] + ([F.pad(held, (R, n - 1))] if causal else [])
-        have = [h[:, : rows * R + n - 1].unfold(1, n, 1).view(B, 1, nt, T, n) for h in have]
-        if causal:  # keys at offsets 0..W from F, W+1..2W from E; values one column right
-            ahead = torch.arange(n, device=count.device) > W
-            reach_cols = torch.where(ahead, have[1], have[0])
+    def _sources(self) -> tuple[int, tuple | None]:
+        """The tables a read mixes (1, or 2: F and E for a causal memory that reads its own
+        member) and, for 2, which band entries read each: (key masks, value masks) as the
+        offsets D + W that read F (keys at D <= 0, values at D < 0: the token's own member,
+        up to t) and E (the rest)."""
+        if self.causal and self.reads_own:
+            W = self.window
+            return 2, ((range(0, W + 1), range(W + 1, 2 * W + 1)),
+                       (range(0, W), range(W, 2 * W + 1)))  # fmt: skip
+        return 1, None
+
+    def _mask(self, lay: _Layout, counts: list[Tensor], heads: int
+              ) -> tuple[Tensor, Tensor, tuple | None]:  # fmt: skip
+        """The additive bias (M B, 1, R / T, T, 2T) of the tile products (0 where a query's band
+        column holds a key and its value, -1e30 elsewhere), whether a token has any such
+        column (B, 1, L, 1), and the sources' masks (T, 2T) for :class:`_Read`, from the
+        tables' counts (M + 1, B, R) (the same in every head)."""
+        M, B, R = counts[0].shape[0] - 1, counts[0].shape[1], counts[0].shape[2]
+        T, W, shift = lay.T, self.window, int(self.causal)
+        band = _band(T, W, counts[0].device)  # (T, 2T)
+        _, which = self._sources()
+        held = []
+        for count in counts:  # the 2T columns each tile reads, from its first (and one on)
+            h = F.pad(count[:M] > 0.5, (0, 2 * T + 1))
+            held.append([h[..., s : s + R + T].unfold(-1, 2 * T, T)[..., None, :]
+                         for s in (0, shift)])  # (M, B, R / T, 1, 2T)  # fmt: skip
+        inband = band >= 0
+        if which is None:
+            ok = held[0][0] & held[0][1] & inband
+            masks = None
         else:
-            reach_cols = have[0]
-        # key and value both held, the same in every head; the tiles of the first row of
-        # the first (batch row, head) ask nothing, nor the last row's last two
-        seen = reach_cols[..., : 2 * W + 1] & reach_cols[..., n - 2 * W - 1 :]
-        seen = seen.expand(B, heads, nt, T, 2 * W + 1).reshape(-1, T, 2 * W + 1)
-        seen = seen[R // T : -2]
+            select = [[torch.isin(band, torch.tensor(list(r), device=band.device))
+                       for r in rs] for rs in which]  # fmt: skip
+            key = held[0][0] & select[0][0] | held[1][0] & select[0][1]
+            value = held[0][1] & select[1][0] | held[1][1] & select[1][1]
+            ok = key & value & inband
+            dtype = counts[0].dtype
+            masks = tuple(tuple(s.to(dtype) for s in sel) for sel in select)
+        bias = torch.zeros(ok.shape, dtype=counts[0].dtype, device=ok.device)
+        bias = bias.masked_fill_(~ok, -1e30).view(M * B, 1, R // T, T, 2 * T)
         L = lay.valid.shape[1]
-        reach = seen.any(-1).view(-1).index_select(0, lay.index).view(B, heads, L, 1)
-        return seen, reach & lay.valid[:, None, :, None]
+        reach = ok.any(-1).view(-1)[lay.slot] & lay.valid
+        return bias, reach.view(B, 1, L, 1), masks
+
+    def _continues(self, positions: Tensor, held: MemoryState | None) -> Tensor | None:
+        """(B,) whether each row's first token continues the member the memory ``held`` ended
+        in (None: a memory that reads the own member, or none held): a member goes on where
+        the position continues the last token's."""
+        if held is None or held.last is None:
+            return None
+        return positions[:, 0] == held.last + 1
+
+    def _last_part(self, positions: Tensor, held: MemoryState | None, cont: Tensor | None,
+                   grown: Tensor | None) -> Tensor:  # fmt: skip
+        """The sums of the member the tokens end in (B, H, slots, C): ``grown`` (its sums
+        over the tokens, None: none entered), plus what ``held`` had of it when the tokens
+        continue it."""
+        B = positions.shape[0]
+        parts = [] if grown is None else [grown]
+        if cont is not None and held is not None and held.part is not None:
+            alone = cont & (member_layout(positions)[:, -1] == 0)  # one member, continued
+            parts.append(held.part * alone.to(held.part.dtype)[:, None, None, None])
+        if not parts:
+            return held.part.new_zeros(B, *held.part.shape[1:2], 0, held.part.shape[-1])
+        size = max(p.shape[2] for p in parts)
+        total = F.pad(parts[0], (0, 0, 0, size - parts[0].shape[2]))
+        for p in parts[1:]:
+            total = total + F.pad(p, (0, 0, 0, size - p.shape[2]))
+        return total
 
     def _read(self, q: Tensor, k: Tensor, v: Tensor, positions: Tensor, keep: Tensor,
-              mem: Tensor | None, want_state: bool, keys: Tensor | None = None,
-              shared: dict | None = None) -> tuple[Tensor, Tensor, Tensor | None]:  # fmt: skip
-        """The memory's output (B, H, L, dv), whether any entry was in reach (B, H, L, 1), and
-        (``want_state``) the memory after the tokens. ``keys``: the positions the columns are
+              held: MemoryState | None, want_state: bool, keys: Tensor | None = None,
+              shared: dict | None = None
+              ) -> tuple[Tensor, Tensor, MemoryState | None]:  # fmt: skip
+        """The memory's output (B, H, L, dv), whether any entry was in reach (B, 1, L, 1), and
+        (``want_state``) the memory after the tokens (a :class:`MemoryState` whose ``inner``
+        is None), ``held`` the one before them. ``keys``: the positions the columns are
         keyed by (aligned coordinates), when not the member ``positions``; members are found
         where the member positions restart either way. ``shared``: where the layout of a
         stateless read is kept for the next layer's (the same tokens).
 
         How: each member becomes a row of R columns (its positions from the lowest in the
         chunk, keys W columns to the right of their queries), the rows of every member, head
-        and batch row one after another, after a row for the state. Per column, a member's
-        row holds the mean [k | v] over the members up to it (F: its own included, what t
-        reads at offsets D <= 0, where its own keys j <= t sit), so the row above holds the
-        members before it (E: what t reads ahead of its position). Reading the columns around
-        each query is then a band of tile products on one table (:class:`_Scores`, F's and
-        E's side by side), and the values come back through the same bands
-        (:class:`_Apply`): a few batched matrix products whatever W, forward and back."""
+        and batch row one after another. Per column, E holds the sums of [k | v] over the
+        members before a row's (the state's included), F over those up to it (its own
+        included); a memory that reads only the other members reads E at every offset
+        (masked: the row's sums without its own member), one that reads its own member
+        (models before 0.7) F at offsets D <= 0, where its own keys j <= t sit, and E ahead.
+        Reading the columns around each query is then a tile product per table, a softmax
+        over the 2T columns each tile reaches (off the band: weight 0), and the values back
+        through the same tiles (:class:`_Read`): a few batched products whatever W."""
         B, H, L, d = q.shape
-        W, causal, dv = self.window, self.causal, v.shape[-1]
+        W, causal, dv, reads_own = self.window, self.causal, v.shape[-1], self.reads_own
         C = d + dv + 1
-        cached = shared is not None and mem is None and "layout" in shared
+        cached = shared is not None and held is None and "layout" in shared
         lay = shared["layout"] if cached else self._layout(positions, keep, keys, H, q.dtype)
+        cont = self._continues(positions, held)
         if lay is None:  # nothing enters or reads: the memory stays as it was
-            if want_state and mem is None:
-                mem = q.new_zeros(B, H, 0, C)
-            return q.new_zeros(B, H, L, dv), q.new_zeros(B, H, L, 1, dtype=torch.bool), mem
+            new = None
+            if want_state:
+                mem = q.new_zeros(B, H, 0, C) if held is None else held.mem
+                new = MemoryState(None, mem)
+                if causal and not reads_own:
+                    held = held if held is not None else new
+                    new = MemoryState(None, mem, self._last_part(positions, held, cont, None),
+                                      positions[:, -1])  # fmt: skip
+            return q.new_zeros(B, H, L, dv), q.new_zeros(B, 1, L, 1, dtype=torch.bool), new
         base, top, M, P, T, R, own = lay.base, lay.top, lay.M, lay.P, lay.T, lay.R, lay.own
-        count = own.cumsum(1)  # the members up to each row's (B, M + 1, R)
-        if mem is not None:
-            held = _slots(mem, base - W, R)
-            count = count + held[:, 0, None, :, -1]
-        if not causal:  # every member of the row, t's own included, at every offset
-            count = count[:, -1:].expand(B, M + 1, R)
+        # the members before each row's (E) and, reading its own member, up to it (F)
+        before = torch.ones(M + 1, M + 1, dtype=q.dtype, device=q.device).tril(-1)
+        count = (before @ own.view(M + 1, B * R)).view(M + 1, B, R)
+        if held is not None:
+            slots = _slots(held.mem, base - W, R)  # (B or 1, H, R, C)
+            if cont is not None:  # the member the memory ended in goes on: not for row 0
+                going = _slots(held.part, base - W, R) * cont.to(q.dtype)[:, None, None, None]
+                slots = slots - going
+            count = count + slots[:, 0, :, -1]
+            if cont is not None:
+                count[1:] += going[:, 0, :, -1]
+        if not causal:  # every member of the row (or every other one), at every offset
+            total = own.sum(0, keepdim=True)
+            count = total.expand(M + 1, B, R) if reads_own else total - own
+        counts = [count + own, count] if causal and reads_own else [count]
         if cached:
-            seen, reach = shared["reach"]
+            bias, reach, masks = shared["mask"]
         else:
-            seen, reach = self._reach(lay, count, H)
-            if shared is not None and mem is None:
-                shared["layout"], shared["reach"] = lay, (seen, reach)
-        size = B * H * (M + 1) * R
-        Q = q.new_zeros(size, d).index_add(0, lay.asked, q.reshape(-1, d))
-        x = Q.view(-1, T, d)[R // T : -2]  # from the first member's row; the last two ask nothing
-        N = x.shape[0]
-        # keys and values apart (no slice of a shared table in the backward): per column the
-        # mean over the members up to each row's, row 0 the state's (or nothing): a member's
-        # own row is its F, the row above its E
-        tables, grids = [], []
-        for i, (z, c) in enumerate(((k, d), (v, dv))):
-            Gz = z.new_zeros(size, c).index_add(0, lay.keyed, z.reshape(-1, c))
-            Gz = Gz.view(B, H, M + 1, R, c)
+            bias, reach, masks = self._mask(lay, counts, H)
+            if shared is not None and held is None:
+                shared["layout"], shared["mask"] = lay, (bias, reach, masks)
+        size = M * B * H * R
+        # member positions never repeat within a member; aligned coordinates may
+        unique = keys is None
+        x = _place(q.reshape(-1, d), lay.asked, size, unique).view(-1, T, d)
+        keys_t, values_t, grids = [], [], []
+        for i, (z, c, out_tables) in enumerate(((k, d, keys_t), (v, dv, values_t))):
+            Gz = _place(z.reshape(-1, c), lay.keyed, size + B * H * R, unique)
+            Gz = Gz.view(M + 1, B, H, R, c)
             grids.append(Gz)
-            Fz = Gz.cumsum(2)
-            if mem is not None:
-                Fz = Fz + held[:, :, None, :, i * d : i * d + c]
-            if not causal:
-                Fz = Fz[:, :, -1:].expand(B, H, M + 1, R, c)
-            # keys' means carry the scores' 1 / sqrt(d): one number per column
+            if causal:  # E: one product over the members (a cumsum is no faster)
+                Ez = (before @ Gz.view(M + 1, -1)).view(M + 1, B, H, R, c)
+                if held is not None:
+                    Ez = Ez + slots[None, :, :, :, i * d : i * d + c]
+                    if cont is not None:
+                        Ez[1:] += going[None, :, :, :, i * d : i * d + c]
+                tabs = [Ez + Gz, Ez] if reads_own else [Ez]
+            else:
+                total = Gz.sum(0, keepdim=True)
+                tabs = [total.expand(M + 1, B, H, R, c) if reads_own else total - Gz]
+            # means; keys' carry the scores' 1 / sqrt(d)
             unit = d**0.5 if i == 0 else 1.0
-            tables.append((Fz / (count.clamp_min(1.0) * unit)[:, None, :, :, None]).view(-1, c))
-        if causal:  # keys at offsets 0..W from F, W+1..2W from E; values one column right
-            keys_at, values_at = ((R, W + 1), (W + 1, W)), ((R + 1, W), (W + 1, W + 1))
-        else:
-            keys_at = values_at = ((R, 2 * W + 1),)
-        nt = (M + 1) * R // T  # tiles per (batch row, head)
-        head = (torch.arange(N, device=q.device) + R // T) // nt % H  # each tile's head
-        # a column out of reach gets weight 0; a query with none in reach reads junk that
-        # its gate (reach) then drops
-        bias = torch.where(seen, self.offset_logits.to(q.dtype)[head][:, None], -1e30)
-        weights = _Scores.apply(x, keys_at, tables[0]).add_(bias).softmax(-1)
-        read = _Apply.apply(weights, values_at, tables[1])
-        out = read.view(-1, dv).index_select(0, lay.index).view(B, H, L, dv)
-        new_mem = None
-        if want_state:
-            added = torch.cat([  # positions base .. top
-                grids[0][:, :, :, W : W + P].sum(2), grids[1][:, :, :, W : W + P].sum(2),
-                own[:, :, W : W + P].sum(1)[:, None, :, None].expand(B, H, P, 1)], -1)
-            size = max(top + 1, 0 if mem is None else mem.shape[2])
-            new_mem = F.pad(added, (0, 0, base, size - top - 1))
-            if mem is not None:
-                new_mem = new_mem + F.pad(mem, (0, 0, 0, size - mem.shape[2]))
-        return out, reach, new_mem
+            for tab, cnt in zip(tabs, counts, strict=True):
+                out_tables.append((tab / (cnt.clamp_min(1.0) * unit)[:, :, None, :, None]
+                                   ).view(-1, c))  # fmt: skip
+        band = _band(T, W, q.device)
+        offsets = F.pad(self.offset_logits.to(q.dtype), (0, 1))[:, band]  # (H, T, 2T)
+        read = _Read.apply(x, bias, offsets, (M * B, H, R // T, T, 2 * T), int(causal), masks,
+                           *keys_t, *values_t)  # fmt: skip
+        out = (_Take.apply(read.view(-1, dv), lay.asked) if unique else
+               read.view(-1, dv).index_select(0, lay.asked)).view(B, H, L, dv)  # fmt: skip
+        if not want_state:
+            return out, reach, None
+        mem = None if held is None else held.mem
+        added = torch.cat([  # positions base .. top
+            grids[0][..., W : W + P, :].sum(0), grids[1][..., W : W + P, :].sum(0),
+            own[..., W : W + P].sum(0)[:, None, :, None].expand(B, H, P, 1)], -1)
+        size = max(top + 1, 0 if mem is None else mem.shape[2])
+        new_mem = F.pad(added, (0, 0, base, size - top - 1))
+        if mem is not None:
+            new_mem = new_mem + F.pad(mem, (0, 0, 0, size - mem.shape[2]))
+        if not causal or reads_own:
+            return out, reach, MemoryState(None, new_mem)
+        rows = torch.arange(B, device=q.device)
+        last = lay.member[:, -1]  # each batch row's last member
+        grown = torch.cat([  # (B, H, P, C): that member's sums over these tokens
+            grids[0][last, rows, :, W : W + P], grids[1][last, rows, :, W : W + P],
+            own[last, rows, W : W + P][:, None, :, None].expand(B, H, P, 1)], -1)
+        part = self._last_part(positions, held, cont, F.pad(grown, (0, 0, base, 0)))
+        return out, reach, MemoryState(None, new_mem, part, positions[:, -1])
 
     def _read_chunks(self, q: Tensor, k: Tensor, v: Tensor, positions: Tensor, keep: Tensor,
-                     mem: Tensor | None, want_state: bool, keys: Tensor | None = None,
+                     held: MemoryState | None, want_state: bool, keys: Tensor | None = None,
                      shared: dict | None = None
-                     ) -> tuple[Tensor, Tensor, Tensor | None]:  # fmt: skip
+                     ) -> tuple[Tensor, Tensor, MemoryState | None]:  # fmt: skip
         """:meth:`_read` over the tokens in chunks of :data:`READ_CHUNK`, the memory carried
         from one to the next (causal), so a 64k-token context needs the memory of one chunk."""
         L = q.shape[2]
@@ -409,16 +505,16 @@ class PositionMemory(CoreWrapper):
         trains = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad
                                                or v.requires_grad)
         if not self.causal or L <= READ_CHUNK or trains:
-            return self._read(q, k, v, positions, keep, mem, want_state, keys, shared)
+            return self._read(q, k, v, positions, keep, held, want_state, keys, shared)
         outs, seens = [], []
         for start in range(0, L, READ_CHUNK):
             t = slice(start, start + READ_CHUNK)
-            out, seen, mem = self._read(q[:, :, t], k[:, :, t], v[:, :, t], positions[:, t],
-                                        keep[:, t], mem, want_state or start + READ_CHUNK < L,
-                                        None if keys is None else keys[:, t])  # fmt: skip
+            out, seen, held = self._read(q[:, :, t], k[:, :, t], v[:, :, t], positions[:, t],
+                                         keep[:, t], held, want_state or start + READ_CHUNK < L,
+                                         None if keys is None else keys[:, t])  # fmt: skip
             outs.append(out)
             seens.append(seen)
-        return torch.cat(outs, 2), torch.cat(seens, 2), mem
+        return torch.cat(outs, 2), torch.cat(seens, 2), held
 
     def attend(
         self,
@@ -456,17 +552,18 @@ class PositionMemory(CoreWrapper):
         with torch.autocast(device_type=q.device.type, enabled=False):
             x, y, vv = q.to(dtype), k.to(dtype), v.to(dtype)
             keys = None if coordinates is None else coordinates.to(pos).expand(B, L)
+            held = None if state is None else MemoryState(
+                None, state.mem.to(dtype), None if state.part is None else state.part.to(dtype),
+                state.last)  # fmt: skip
             mem_out, seen, mem = self._read_chunks(
-                x, y, vv, pos, keep, None if state is None else state.mem.to(dtype), keep_state,
-                keys, shared,
-            )
+                x, y, vv, pos, keep, held, keep_state, keys, shared)
             gate = torch.sigmoid(  # (B, H, L, 1)
                 x @ self.gate_weight.to(dtype)[:, :, None]
                 + self.gate_bias.to(dtype)[:, None, None]
             )
             gate = gate * seen.to(dtype)  # no entry in reach: the core's output alone
             mixed = torch.lerp(out.to(dtype), mem_out, gate)
-        new = MemoryState(inner_state, mem) if keep_state else None
+        new = mem._replace(inner=inner_state) if keep_state and mem is not None else None
         return mixed.to(q.dtype), new
 
     def _shared(self, positions: Tensor | int | None, mask: Tensor | None,
@@ -479,7 +576,7 @@ class PositionMemory(CoreWrapper):
         if not isinstance(positions, Tensor) or any(t.is_inference() for t in given):
             return None  # no version counter to tell a changed tensor: no sharing
         token = (tuple(t._version for t in given), shape, self.max_positions, self.window,
-                 self.causal)  # fmt: skip
+                 self.causal, self.reads_own)  # fmt: skip
         held = getattr(positions, "_memory_layout", None)
         if held is not None and held[0] is mask and held[1] is coordinates and held[2] == token:
             return held[3]

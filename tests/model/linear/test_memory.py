@@ -20,17 +20,22 @@ def _rows(seed: int):
     return member_positions(tokens, 0), mask
 
 
-def _reference(mem: PositionMemory, q, k, v, pos, mask, inner_out):
+def _reference(mem: PositionMemory, q, k, v, pos, mask, inner_out, members=None):
     """The definition, loop-free in O(L^2 W): for each offset D the mean key of the real keys
-    j (j <= t when causal) at position p_t + D and the mean value at p_t + D + 1 when causal
+    j (j <= t when causal; in another member than t's unless the memory reads its own) at
+    position p_t + D and the mean value at p_t + D + 1 when causal
     (at p_t + D when not), positions < P; softmax over the offsets that hold both; the gate's
-    mix with the inner core's output."""
+    mix with the inner core's output. ``members`` (B, L): where ``pos`` are not member positions
+    (aligned coordinates), the members they belong to."""
     W, P = mem.window, mem.max_positions
     q, k, v = q.double(), k.double(), v.double()
     d = q.shape[-1]
     delta = pos[:, None, :] - pos[:, :, None]  # (B, t, j): p_j - p_t
     ok = ~mask[:, None, :] & (pos[:, None, :] < P) & (pos[:, :, None] < P)
     L = pos.shape[1]
+    if not mem.reads_own:  # only the other members (causal: with j <= t, the earlier ones)
+        member = member_layout(pos) if members is None else members
+        ok &= member[:, None, :] != member[:, :, None]
     if mem.causal:
         ok &= torch.ones(L, L, dtype=torch.bool).tril()
     offsets = torch.arange(-W, W + 1)
@@ -49,10 +54,12 @@ def _reference(mem: PositionMemory, q, k, v, pos, mask, inner_out):
     return inner_out.double() + gate * (read - inner_out.double())
 
 
+@pytest.mark.parametrize("own", [False, True])
 @pytest.mark.parametrize("causal", [True, False])
-def test_memory_matches_its_definition(causal):
+def test_memory_matches_its_definition(causal, own):
     torch.manual_seed(0)
-    mem = PositionMemory(ExactAttention(causal=causal), 2, 6, max_positions=11, window=2)
+    mem = PositionMemory(ExactAttention(causal=causal), 2, 6, max_positions=11, window=2,
+                         reads_own=own)
     with torch.no_grad():
         mem.offset_logits.normal_()
         mem.gate_weight.normal_()
@@ -66,12 +73,14 @@ def test_memory_matches_its_definition(causal):
     torch.testing.assert_close(out.double()[1, :, :36], ref[1, :, :36], atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("own", [False, True])
 @pytest.mark.parametrize("causal", [True, False])
-def test_memory_gradients_match_its_definition(causal):
+def test_memory_gradients_match_its_definition(causal, own):
     """The banded read's own backward against autograd through the definition: gradients of
     q, k, v and of the memory's learned offsets and gate (float64, both rows, padding too)."""
     torch.manual_seed(5)
-    mem = PositionMemory(ExactAttention(causal=causal), 2, 6, max_positions=11, window=2).double()
+    mem = PositionMemory(ExactAttention(causal=causal), 2, 6, max_positions=11, window=2,
+                         reads_own=own).double()
     with torch.no_grad():
         mem.offset_logits.normal_()
         mem.gate_weight.normal_()
@@ -94,13 +103,16 @@ def test_member_layout_counts_members():
     assert member_layout(pos)[0].tolist() == [0] * 9 + [1] * 11 + [2] * 13 + [3] * 8
 
 
-def test_memory_state_continues_the_row_and_has_a_fixed_size():
-    """A row split after its second member (a family context, then candidates) gives the same
-    outputs as the whole row; the memory state holds the longest member seen (11 tokens, then
-    13), not max_positions slots."""
+@pytest.mark.parametrize("own", [False, True])
+@pytest.mark.parametrize("split", [20, 25])
+def test_memory_state_continues_the_row_and_has_a_fixed_size(split, own):
+    """A row split after its second member (a family context, then candidates) or inside its
+    third gives the same outputs as the whole row, and so do single-token steps (the memory
+    that reads only the other members keeps apart the member it ended in); the memory state
+    holds the longest member seen (11 tokens, then 13), not max_positions slots."""
     torch.manual_seed(1)
     inner = LinearAttention(2, 6, "taylor", causal=True, chunk_size=8)
-    mem = PositionMemory(inner, 2, 6, max_positions=16, window=3)
+    mem = PositionMemory(inner, 2, 6, max_positions=16, window=3, reads_own=own)
     with torch.no_grad():
         mem.offset_logits.normal_()
         mem.gate_weight.normal_()
@@ -108,10 +120,10 @@ def test_memory_state_continues_the_row_and_has_a_fixed_size():
     pos = pos[:1]
     q, k, v = (torch.randn(1, 2, 41, 6) for _ in range(3))
     full, _ = mem(q, k, v, positions=pos)
-    a, state = mem(q[:, :, :20], k[:, :, :20], v[:, :, :20], positions=pos[:, :20],
-                   keep_state=True)
-    b, after = mem(q[:, :, 20:], k[:, :, 20:], v[:, :, 20:], state=state,
-                   positions=pos[:, 20:], keep_state=True)
+    a, state = mem(q[:, :, :split], k[:, :, :split], v[:, :, :split],
+                   positions=pos[:, :split], keep_state=True)
+    b, after = mem(q[:, :, split:], k[:, :, split:], v[:, :, split:], state=state,
+                   positions=pos[:, split:], keep_state=True)
     torch.testing.assert_close(torch.cat([a, b], 2), full, atol=1e-5, rtol=1e-4)
     assert state.mem.shape == (1, 2, 11, 6 + 6 + 1)
     assert after.mem.shape == (1, 2, 13, 6 + 6 + 1)
@@ -163,13 +175,15 @@ def test_memory_state_has_the_same_bytes_after_1k_and_64k_context_tokens():
         assert state_bytes(1024) == state_bytes(65536) == 4 * (100 * 9 + 15 * 5)
 
 
-def test_a_long_causal_row_is_read_in_chunks_with_the_same_result(monkeypatch):
+@pytest.mark.parametrize("own", [False, True])
+def test_a_long_causal_row_is_read_in_chunks_with_the_same_result(monkeypatch, own):
     """Chunks of the row with the memory carried between them (a long context's prefill)
     give the one-pass outputs and state."""
     from protein_performer.model.linear import memory as memory_module
 
     torch.manual_seed(3)
-    mem = PositionMemory(LinearAttention(2, 6, "taylor", causal=True), 2, 6, 16, window=3)
+    mem = PositionMemory(LinearAttention(2, 6, "taylor", causal=True), 2, 6, 16, window=3,
+                         reads_own=own)
     with torch.no_grad():
         mem.offset_logits.normal_()
         mem.gate_weight.normal_()
@@ -180,6 +194,9 @@ def test_a_long_causal_row_is_read_in_chunks_with_the_same_result(monkeypatch):
     chunked, chunked_state = mem(q, k, v, mask, positions=pos, keep_state=True)
     torch.testing.assert_close(chunked, whole, atol=1e-5, rtol=1e-4)
     torch.testing.assert_close(chunked_state.mem, state.mem, atol=1e-5, rtol=1e-4)
+    if not own:
+        torch.testing.assert_close(chunked_state.part, state.part, atol=1e-5, rtol=1e-4)
+        assert torch.equal(chunked_state.last, state.last)
 
 
 def test_weights_do_not_depend_on_the_positions_held():
