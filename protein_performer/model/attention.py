@@ -146,9 +146,14 @@ class MultiHeadSelfAttention(nn.Module):
         """q, k and v projections stacked into one (3D, D) weight and (3D,) bias, for
         :meth:`_step_qkv` and forward passes without gradients: one GEMM instead of three.
         Cached and keyed on the parameters' storage and versions, so training, loading or
-        moving the model rebuilds it (inference only: training uses the Linear layers)."""
+        moving the model rebuilds it (inference only: training uses the Linear layers).
+        Parameters made under ``torch.inference_mode`` have no version counter, so nothing can
+        tell their edits apart: they are stacked afresh each call, never cached."""
         params = [m.weight for m in (self.q_proj, self.k_proj, self.v_proj)]
         params += [m.bias for m in (self.q_proj, self.k_proj, self.v_proj)]
+        if any(p.is_inference() for p in params):
+            with torch.no_grad():
+                return torch.cat(params[:3]), torch.cat(params[3:])
         key = tuple((p.data_ptr(), p._version, p.dtype, p.device) for p in params)
         cached = self.__dict__.get("_qkv_cache")
         if cached is None or cached[0] != key:

@@ -554,3 +554,26 @@ def test_map_blocks_are_the_residue_map(objective: str, attention: str) -> None:
     acc = torch.zeros(3, 6)
     blocks.add_upper_block(acc, 4, 2.0)  # rows 4..6, columns 4..9
     torch.testing.assert_close(acc, 2.0 * s[4:7, 4:])
+
+
+def test_model_built_under_inference_mode_runs_and_sees_weight_edits() -> None:
+    """Regression: the stacked q/k/v projection keyed its cache on version counters, which
+    parameters made under ``torch.inference_mode`` lack ("Inference tensors do not track version
+    counter"). Such a model must run, give the three-GEMM values, and see an in-place edit."""
+    torch.manual_seed(0)
+    cfg = PerformerConfig(dim=32, depth=1, heads=2, ff_dim=64, objective="clm")
+    tokens = torch.randint(4, 24, (2, 12))
+    with torch.inference_mode():
+        model = PerformerLM(cfg).eval()
+        attn = model.layers[0].self_attn
+        fused = model(tokens).logits
+        attn.q_proj.weight.mul_(0.5)
+        edited = model(tokens).logits
+    assert torch.isfinite(fused).all()
+    assert not torch.allclose(fused, edited)
+    with torch.inference_mode():
+        x = torch.randn(2, 12, 32)
+        weight, bias = attn._qkv_weights()
+        stacked = torch.nn.functional.linear(x, weight, bias)
+        separate = torch.cat([m(x) for m in (attn.q_proj, attn.k_proj, attn.v_proj)], -1)
+    torch.testing.assert_close(stacked, separate)
