@@ -63,9 +63,8 @@ def _export(work: Path, name: str, **config: object) -> Path:
 
     torch.manual_seed(0)
     cfg = PerformerConfig(**{"dim": 16, "depth": 2, "heads": 2, "ff_dim": 32, **config})
-    loaded = LoadedModel(
-        PerformerLM(cfg).eval(), cfg, Alphabet(), work, torch.device("cpu"), "export"
-    )
+    loaded = LoadedModel(PerformerLM(cfg).eval(), cfg, Alphabet(), work, torch.device("cpu"),
+                         "export")
     return export_model(loaded, work / name)
 
 

@@ -70,21 +70,16 @@ def make_models(out: Path) -> None:
 def commands(models: Path, old_cli: bool) -> list[list[str]]:
     """The inference commands, spelled for the 0.2.0 CLI or this one."""
     m = {k: str(models / k) for k in ("mlm", "clm", "exact")}
-    fasta, wt, csv = (
-        str(DEMO),
-        str(DMS / "BLAT_ECOLX_wt_offset24.fasta"),
-        str(DMS / "BLAT_ECOLX_Ranganathan2015.csv"),
-    )
+    fasta, wt, csv = (str(DEMO), str(DMS / "BLAT_ECOLX_wt_offset24.fasta"),
+                      str(DMS / "BLAT_ECOLX_Ranganathan2015.csv"))
     pdbs = [str(p) for p in sorted(STRUCTURES.glob("*.pdb"))[:3]]
     one = ["--threads", "1"]
     variants = ["--offset", "24", "--label-col", "2500", "--limit-rows", "30", *one]
-    runs = [
-        ["embed", m["mlm"], fasta, "e.h5", "--repr-layers", "0", "-1", "--include", "mean"],
-        ["embed", m["exact"], fasta, "ex.h5", "--include", "mean", *one, "--no-progress"],
-        ["score", m["mlm"], fasta, "s.csv", "--strategy", "pseudo-ppl", *one, "--no-progress"],
-        ["score", m["clm"], fasta, "c.csv", "--strategy", "causal", *one, "--no-progress"],
-        ["score", m["clm"], fasta, "c.tsv", "--strategy", "causal", *one, "--no-progress"],
-    ]
+    runs = [["embed", m["mlm"], fasta, "e.h5", "--repr-layers", "0", "-1", "--include", "mean"],
+            ["embed", m["exact"], fasta, "ex.h5", "--include", "mean", *one, "--no-progress"],
+            ["score", m["mlm"], fasta, "s.csv", "--strategy", "pseudo-ppl", *one, "--no-progress"],
+            ["score", m["clm"], fasta, "c.csv", "--strategy", "causal", *one, "--no-progress"],
+            ["score", m["clm"], fasta, "c.tsv", "--strategy", "causal", *one, "--no-progress"]]
     runs[0] += ["per_tok", "bos", *one, "--no-progress"]
     regression = ["--regression", "cdir/contact_regression.json", *one]
     if old_cli:
@@ -180,9 +175,8 @@ def compare(a: Path, b: Path) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(
-        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--models", type=Path, default=Path("/tmp/cmp/models"), help="model folder")
     p.add_argument("--run", nargs=2, metavar=("CHECKOUT", "OUT"), help="run a checkout's CLI")
     p.add_argument("--old-cli", action="store_true", help="the 0.2.0 command spellings")

@@ -104,14 +104,9 @@ def run_inference_demo(
     scores = score_fasta(lm, fasta, out / "scores.csv", strategy=strategy, progress=progress)
     exported = export_model(lm.loaded, out / "model", overwrite=True)
     mean_ll = scores.mean_log_likelihood
-    log.info(
-        "embedded %d records (%d residues) and scored them with %s (mean log-likelihood per "
-        "token %.3f)",
-        emb.num_records,
-        emb.residues,
-        strategy,
-        mean_ll,
-    )
+    log.info("embedded %d records (%d residues) and scored them with %s (mean log-likelihood per "
+             "token %.3f)",
+             emb.num_records, emb.residues, strategy, mean_ll)
     return {"embeddings": emb.path, "scores": out / "scores.csv", "export": exported}
 
 

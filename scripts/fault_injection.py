@@ -39,30 +39,14 @@ REPO = Path(__file__).resolve().parents[1]
 
 COMMANDS = ("train", "preprocess", "embed", "export")
 #: A small model whose checkpoint (~10 MB with the optimizer) takes several 1 MiB writes.
-MODEL = [
-    "model.config.dim=128",
-    "model.config.depth=4",
-    "model.config.heads=4",
-    "model.config.ff_dim=512",
-    "model.config.nb_features=32",
-]
-TRAIN = [
-    "experiment=demo",
-    *MODEL,
-    "data.limit_records=200",
-    "data.max_len=128",
-    "data.max_tokens=1024",
-    "data.num_workers=0",
-    "trainer.max_epochs=-1",
-    "trainer.val_check_interval=1",
-    "trainer.limit_val_batches=1",
-    "trainer.num_sanity_val_steps=0",
-    "trainer.enable_progress_bar=false",
-    "callbacks.progress_bar=null",
-    "callbacks.training_curve=null",
-    "logger=csv",
-    "run_name=faults",
-]
+MODEL = ["model.config.dim=128", "model.config.depth=4", "model.config.heads=4",
+         "model.config.ff_dim=512", "model.config.nb_features=32"]
+TRAIN = ["experiment=demo", *MODEL, "data.limit_records=200", "data.max_len=128",
+         "data.max_tokens=1024", "data.num_workers=0", "trainer.max_epochs=-1",
+         "trainer.val_check_interval=1", "trainer.limit_val_batches=1",
+         "trainer.num_sanity_val_steps=0", "trainer.enable_progress_bar=false",
+         "callbacks.progress_bar=null", "callbacks.training_curve=null", "logger=csv",
+         "run_name=faults"]
 
 
 @dataclass
@@ -214,9 +198,8 @@ def _model(work: Path) -> Path:
 
         torch.manual_seed(0)
         config = PerformerConfig(dim=128, depth=4, heads=4, ff_dim=512, nb_features=32)
-        loaded = LoadedModel(
-            PerformerLM(config), config, Alphabet(), model, torch.device("cpu"), "export"
-        )
+        loaded = LoadedModel(PerformerLM(config), config, Alphabet(), model, torch.device("cpu"),
+                             "export")
         export_model(loaded, model)
     return model
 
@@ -318,9 +301,8 @@ def summarize(results: list[Trial]) -> dict[str, dict[str, int]]:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument(
-        "--trials", type=int, default=None, help="kills per command (default: 20; --quick: 2)"
-    )
+    p.add_argument("--trials", type=int, default=None,
+                   help="kills per command (default: 20; --quick: 2)")
     p.add_argument("--commands", nargs="+", choices=COMMANDS, default=list(COMMANDS))
     p.add_argument("--seed", type=int, default=0, help="seed of the kill points")
     p.add_argument("--out", type=Path, default=None, help="work directory (default: a temp dir)")
@@ -330,12 +312,8 @@ def main(argv: list[str] | None = None) -> int:
     work = args.out or Path(__import__("tempfile").mkdtemp(prefix="pp-faults-"))
     work.mkdir(parents=True, exist_ok=True)
     rng = np.random.default_rng(args.seed)
-    makers = {
-        "train": lambda: _train(work),
-        "preprocess": lambda: _preprocess(work, args.quick),
-        "embed": lambda: _embed(work, args.quick),
-        "export": lambda: _export(work),
-    }
+    makers = {"train": lambda: _train(work), "preprocess": lambda: _preprocess(work, args.quick),
+              "embed": lambda: _embed(work, args.quick), "export": lambda: _export(work)}
     results: list[Trial] = []
     for name in args.commands:
         print(f"{name}: preparing the first complete output", flush=True)

@@ -212,11 +212,9 @@ def write_rows_csv(rows: Iterable[Any], path: Path, fieldnames: Iterable[str]) -
 
 def bench_parser(doc: str, epilog: str, out: str) -> argparse.ArgumentParser:
     """A parser described by the first paragraph of ``doc``, with ``--out`` and ``--device``."""
-    p = argparse.ArgumentParser(
-        description=doc.split("\n\n")[0],
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-        epilog=epilog,
-    )
+    p = argparse.ArgumentParser(description=doc.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter,
+                                epilog=epilog)
     p.add_argument("--out", type=Path, default=Path(out), help="output directory")
     p.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     return p

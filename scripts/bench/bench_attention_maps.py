@@ -103,20 +103,12 @@ def run_case(args: argparse.Namespace) -> dict:
         torch.cuda.synchronize()
     seconds = time.perf_counter() - t0
     maps = got.maps[got.layers[0]]
-    out = {
-        "case": args.case,
-        "length": len(seq),
-        "window": [got.start, got.end],
-        "map_shape": list(maps.shape),
-        "map_mb": maps.numel() * maps.element_size() / 2**20,
-        "seconds": round(seconds, 3),
-        "peak_rss_over_baseline_mb": round(_rss_mb() - base_rss, 1),
-        "heads": len(got.heads),
-        "layer": got.layers[0],
-        "attention": args.attention,
-        "device": str(device),
-        "threads": args.threads,
-    }
+    out = {"case": args.case, "length": len(seq), "window": [got.start, got.end],
+           "map_shape": list(maps.shape), "map_mb": maps.numel() * maps.element_size() / 2**20,
+           "seconds": round(seconds, 3),
+           "peak_rss_over_baseline_mb": round(_rss_mb() - base_rss, 1), "heads": len(got.heads),
+           "layer": got.layers[0], "attention": args.attention, "device": str(device),
+           "threads": args.threads}
     if device.type == "cuda":
         peak = torch.cuda.max_memory_allocated() / 2**20
         out["cuda_peak_over_baseline_mb"] = round(peak - base, 1)
@@ -143,11 +135,9 @@ def main(argv: list[str] | None = None) -> int:
         res = json.loads(proc.stdout.strip().splitlines()[-1])
         results.append(res)
         mem = res.get("cuda_peak_over_baseline_mb", res["peak_rss_over_baseline_mb"])
-        print(
-            f"{case:>12}  L={res['length']:>6}  window={res['window']}  map {res['map_shape']} "
-            f"({res['map_mb']:.1f} MB)  {res['seconds']:.2f} s  peak +{mem:.0f} MB",
-            flush=True,
-        )
+        print(f"{case:>12}  L={res['length']:>6}  window={res['window']}  map {res['map_shape']} "
+              f"({res['map_mb']:.1f} MB)  {res['seconds']:.2f} s  peak +{mem:.0f} MB",
+              flush=True)
     if args.json:
         args.json.write_text(json.dumps(results, indent=2) + "\n")
     return 0

@@ -45,25 +45,11 @@ import _common as common
 SHAPE = {"dim": 320, "depth": 6, "heads": 20, "ff_dim": 1280}
 MEMBER = 300  # residues per context member and per candidate
 #: --impls: name -> PerformerConfig fields over the default (FAVOR+ softmax)
-IMPLS: dict[str, dict[str, Any]] = {
-    "favor": {},
-    "exact": {"attention": "exact"},
-    "favor+memory": {"position_memory": 1024},
-}
-FIELDS = (
-    "impl",
-    "threads",
-    "tokens",
-    "status",
-    "build_s",
-    "ms_per_candidate",
-    "rerun_ms_per_candidate",
-    "candidates",
-    "context_kib",
-    "peak_rss_mib",
-    "score_peak_mib",
-    "note",
-)
+IMPLS: dict[str, dict[str, Any]] = {"favor": {}, "exact": {"attention": "exact"},
+                                    "favor+memory": {"position_memory": 1024}}
+FIELDS = ("impl", "threads", "tokens", "status", "build_s", "ms_per_candidate",
+          "rerun_ms_per_candidate", "candidates", "context_kib", "peak_rss_mib", "score_peak_mib",
+          "note")
 
 
 def _lm(impl: str) -> Any:
@@ -161,16 +147,9 @@ def run_parent(args: Any) -> int:
                 exact = impl == "exact"
                 n = args.exact_candidates if exact else args.candidates
                 reps = args.rerun_reps if not exact or tokens <= args.exact_rerun_max else 0
-                case = {
-                    "impl": impl,
-                    "threads": threads,
-                    "tokens": tokens,
-                    "candidates": n,
-                    "rerun_reps": reps,
-                    "score_reps": args.score_reps,
-                    "seed": args.seed,
-                    "mem_limit_gib": args.mem_limit_gib or common.default_mem_limit_gib(),
-                }
+                case = {"impl": impl, "threads": threads, "tokens": tokens, "candidates": n,
+                        "rerun_reps": reps, "score_reps": args.score_reps, "seed": args.seed,
+                        "mem_limit_gib": args.mem_limit_gib or common.default_mem_limit_gib()}
                 if exact and tokens > args.exact_max:
                     rows.append({**case, "status": "skipped", "note": "> --exact-max"})
                     continue
@@ -206,14 +185,11 @@ def _report(rows: list[dict[str, Any]], args: Any) -> str:
     lines = [f"{SHAPE}, causal, default config, {MEMBER}-aa members and candidates", ""]
     lengths = sorted({int(r["tokens"]) for r in rows if r.get("status") == "ok"})
     for threads in args.threads:
-        lines += [
-            f"threads {threads}",
-            "",
-            "| context tokens | FAVOR+ build s | FAVOR+ ms/cand | exact build s | "
-            "exact (KV cache) ms/cand | exact / FAVOR+ | FAVOR+ concat ms/cand | "
-            "concat / FAVOR+ | exact concat ms/cand | FAVOR+ state KiB | exact cache KiB |",
-            "|---|---|---|---|---|---|---|---|---|---|---|",
-        ]
+        lines += [f"threads {threads}", "",
+                  "| context tokens | FAVOR+ build s | FAVOR+ ms/cand | exact build s | "
+                  "exact (KV cache) ms/cand | exact / FAVOR+ | FAVOR+ concat ms/cand | "
+                  "concat / FAVOR+ | exact concat ms/cand | FAVOR+ state KiB | exact cache KiB |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|"]
         for T in lengths:
             f = {k: _get(rows, "favor", threads, T, k) for k in FIELDS}
             e = {k: _get(rows, "exact", threads, T, k) for k in FIELDS}
@@ -265,10 +241,8 @@ def _report(rows: list[dict[str, Any]], args: Any) -> str:
         lines.append("")
     skipped = [r for r in rows if r.get("status") != "ok"]
     for r in skipped:
-        lines.append(
-            f"{r['impl']} threads={r['threads']} T={r['tokens']}: {r['status']} "
-            f"{r.get('note', '')}"
-        )
+        lines.append(f"{r['impl']} threads={r['threads']} T={r['tokens']}: {r['status']} "
+                     f"{r.get('note', '')}")
     return "\n".join(lines) + "\n"
 
 
@@ -283,9 +257,8 @@ def main() -> int:
     p.add_argument("--rerun-reps", type=int, default=1, help="concatenation forwards timed")
     p.add_argument("--score-reps", type=int, default=1,
                    help="scoring passes over the candidates, the best kept (a shared machine)")
-    p.add_argument(
-        "--exact-rerun-max", type=int, default=16384, help="longest exact concatenation timed"
-    )
+    p.add_argument("--exact-rerun-max", type=int, default=16384,
+                   help="longest exact concatenation timed")
     p.add_argument("--timeout", type=float, default=3600.0, help="seconds per case")
     common.add_mem_limit_arg(p)
     common.add_final_args(p, "two short contexts, a few candidates, 1 thread: a smoke run")

@@ -82,14 +82,10 @@ def _build(impl: str, length: int, nb_features: int | None = None) -> tuple[Any,
         from protein_performer.model.config import PerformerConfig
         from protein_performer.model.performer import PerformerLM
 
-        config = PerformerConfig(
-            dim=ESM2_8M["dim"],
-            depth=ESM2_8M["layers"],
-            heads=ESM2_8M["heads"],
-            ff_dim=ESM2_8M["ffn"],
-            nb_features=nb_features,
-            attention="favor" if impl == "performer" else "exact",
-        )
+        config = PerformerConfig(dim=ESM2_8M["dim"], depth=ESM2_8M["layers"],
+                                 heads=ESM2_8M["heads"], ff_dim=ESM2_8M["ffn"],
+                                 nb_features=nb_features,
+                                 attention="favor" if impl == "performer" else "exact")
         model = PerformerLM(config)
         if impl == "free":
             import torch
@@ -107,29 +103,18 @@ def _build(impl: str, length: int, nb_features: int | None = None) -> tuple[Any,
         import esm  # fair-esm
 
         alphabet = esm.data.Alphabet.from_architecture("ESM-1b")
-        model = esm.model.esm2.ESM2(
-            num_layers=ESM2_8M["layers"],
-            embed_dim=ESM2_8M["dim"],
-            attention_heads=ESM2_8M["heads"],
-            alphabet=alphabet,
-        )
+        model = esm.model.esm2.ESM2(num_layers=ESM2_8M["layers"], embed_dim=ESM2_8M["dim"],
+                                    attention_heads=ESM2_8M["heads"], alphabet=alphabet)
         return model, lambda t: model(t, repr_layers=[ESM2_8M["layers"]])["representations"][6]
     if impl == "hf":
         from transformers import EsmConfig, EsmModel
 
-        config = EsmConfig(
-            vocab_size=33,
-            hidden_size=ESM2_8M["dim"],
-            num_hidden_layers=ESM2_8M["layers"],
-            num_attention_heads=ESM2_8M["heads"],
-            intermediate_size=ESM2_8M["ffn"],
-            position_embedding_type="rotary",
-            max_position_embeddings=max(1026, length + 2),
-            token_dropout=True,
-            mask_token_id=32,
-            pad_token_id=1,
-            emb_layer_norm_before=False,
-        )
+        config = EsmConfig(vocab_size=33, hidden_size=ESM2_8M["dim"],
+                           num_hidden_layers=ESM2_8M["layers"],
+                           num_attention_heads=ESM2_8M["heads"], intermediate_size=ESM2_8M["ffn"],
+                           position_embedding_type="rotary",
+                           max_position_embeddings=max(1026, length + 2), token_dropout=True,
+                           mask_token_id=32, pad_token_id=1, emb_layer_norm_before=False)
         config._attn_implementation = "sdpa"
         model = EsmModel(config, add_pooling_layer=False)
         return model, lambda t: model(input_ids=t, attention_mask=t.ne(1).long())[0]
@@ -237,9 +222,8 @@ def run_case(case: dict[str, Any]) -> dict[str, Any]:
 def _spawn(case: dict[str, Any], timeout: float) -> dict[str, Any]:
     cmd = [sys.executable, str(Path(__file__).resolve()), "--case", json.dumps(case)]
     try:
-        proc = subprocess.run(
-            cmd, capture_output=True, text=True, timeout=timeout, cwd=common.REPO
-        )
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout,
+                              cwd=common.REPO)
     except subprocess.TimeoutExpired:
         return {"status": "timeout", "note": f"over {timeout:.0f} s"}
     for line in proc.stdout.splitlines():
@@ -294,11 +278,9 @@ def summarize(rows: list[dict[str, Any]]) -> list[str]:
         if ours and hf:
             speed = hf["time_s"] / ours["time_s"]
             mem = ours["peak_mib"] / max(hf["peak_mib"], 1e-9)
-            lines.append(
-                f"L={L}: {speed:.2f}x faster than hf-SDPA (target >= {target}x: "
-                f"{common.verdict(speed >= target)}); peak memory {mem:.2f}x hf-SDPA's "
-                f"(target <= 2x: {common.verdict(mem <= 2)})"
-            )
+            lines.append(f"L={L}: {speed:.2f}x faster than hf-SDPA (target >= {target}x: "
+                         f"{common.verdict(speed >= target)}); peak memory {mem:.2f}x hf-SDPA's "
+                         f"(target <= 2x: {common.verdict(mem <= 2)})")
         else:
             lines.append(f"L={L}: no ratio (performer or hf case missing)")
     for L in (1024, 4096, 16384, 32768):
@@ -311,10 +293,8 @@ def summarize(rows: list[dict[str, Any]]) -> list[str]:
     t4, t32 = get("performer", "4096"), get("performer", "32768")
     if t4 and t32:
         ratio = t32["time_s"] / t4["time_s"]
-        lines.append(
-            f"time(32k)/time(4k) = {ratio:.2f} (target <= 9, linear = 8: "
-            f"{common.verdict(ratio <= 9)})"
-        )
+        lines.append(f"time(32k)/time(4k) = {ratio:.2f} (target <= 9, linear = 8: "
+                     f"{common.verdict(ratio <= 9)})")
     # Issue 14: the real proteins against transformers, long sequences against our exact twin.
     issue14 = (("hf", "proteins", 1.5), ("exact", "2048", 1.5), ("exact", "8192", 4))
     free, hf = get("free", "proteins"), get("hf", "proteins")
@@ -329,33 +309,26 @@ def summarize(rows: list[dict[str, Any]]) -> list[str]:
             speed = theirs["time_s"] / ours["time_s"]
             what = f"{ours['length']} real proteins" if case == "proteins" else f"L={case}"
             name = "hf-SDPA" if base == "hf" else "our exact twin"
-            lines.append(
-                f"{what}: {name}'s time / ours = {speed:.2f} (target >= {target}: "
-                f"{common.verdict(speed >= target)})"
-            )
+            lines.append(f"{what}: {name}'s time / ours = {speed:.2f} (target >= {target}: "
+                         f"{common.verdict(speed >= target)})")
     titin = get("performer", "titin")
     if titin:
         gib = titin["peak_mib"] / 1024
-        lines.append(
-            f"titin ({titin['length']} aa) in one pass: {titin['time_s']:.1f} s, peak "
-            f"{gib:.2f} GiB (target < 4 GiB: {common.verdict(gib < 4)})"
-        )
+        lines.append(f"titin ({titin['length']} aa) in one pass: {titin['time_s']:.1f} s, peak "
+                     f"{gib:.2f} GiB (target < 4 GiB: {common.verdict(gib < 4)})")
     return lines
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        description=__doc__.split("\n\n")[0],
-        epilog=__doc__[__doc__.index("Targets") :],
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     epilog=__doc__[__doc__.index("Targets") :],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--lengths", type=int, nargs="+", default=[1024, 4096, 16384, 32768])
     parser.add_argument("--impls", nargs="+", choices=IMPLS, default=list(IMPLS))
     parser.add_argument("--device", default="cpu", help="cpu or cuda (default: cpu)")
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0 = default)")
-    parser.add_argument(
-        "--dtype", default="float32", choices=("float32", "bfloat16"), help="default: float32"
-    )
+    parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"),
+                        help="default: float32")
     parser.add_argument("--repeats", type=int, default=1, help="timed forwards; best is kept")
     parser.add_argument(
         "--clock",
@@ -425,13 +398,8 @@ def main(argv: list[str] | None = None) -> int:
             elif impl in ("hf", "exact") and args.hf_max_len < L:
                 row.update(status="skipped", note=f"L > --hf-max-len {args.hf_max_len}")
             else:
-                case = {
-                    "impl": impl,
-                    "length": L,
-                    **shared,
-                    "repeats": args.repeats,
-                    "nb_features": args.nb_features,
-                }
+                case = {"impl": impl, "length": L, **shared, "repeats": args.repeats,
+                        "nb_features": args.nb_features}
                 row.update(_spawn(case, args.timeout))
                 failed = row["status"] != "ok"
             rows.append(row)
@@ -442,14 +410,8 @@ def main(argv: list[str] | None = None) -> int:
         if missing:
             row.update(status="not installed", note=missing)
         else:
-            case = {
-                "impl": impl,
-                "length": args.proteins,
-                "proteins": True,
-                **shared,
-                "repeats": args.repeats,
-                "nb_features": args.nb_features,
-            }
+            case = {"impl": impl, "length": args.proteins, "proteins": True, **shared,
+                    "repeats": args.repeats, "nb_features": args.nb_features}
             row.update(_spawn(case, args.timeout))
             row["length"] = args.proteins
         rows.append(row)
@@ -460,14 +422,8 @@ def main(argv: list[str] | None = None) -> int:
         if seq is None:
             row.update(status="skipped", note=f"no TITIN_HUMAN record in {args.titin}")
         else:
-            case = {
-                "impl": "performer",
-                "length": len(seq),
-                "sequence": seq,
-                **shared,
-                "repeats": 1,
-                "nb_features": args.nb_features,
-            }
+            case = {"impl": "performer", "length": len(seq), "sequence": seq, **shared,
+                    "repeats": 1, "nb_features": args.nb_features}
             row.update(_spawn(case, args.timeout))
         rows.append(row)
         log.info("%-9s titin    %s", "performer", _fmt(row))

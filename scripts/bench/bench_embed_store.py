@@ -108,18 +108,10 @@ def run_case(case: dict) -> None:
     ids = [r.id for r in input_records(fasta)]
     assert summary.num_records == n == len(emb) and np.isfinite(emb).all()
     assert stored_ids == ids
-    common.emit(
-        {
-            "n": n,
-            "model_s": model_s,
-            "embed_s": total_s,
-            "storage_s": storage["s"],
-            "read_s": read_s,
-            "file_bytes": out.stat().st_size,
-            "raw_bytes": int(emb.nbytes) + sum(len(i.encode()) for i in ids),
-            "maxrss_mib": max(common.maxrss_bytes(), rss_before) / 2**20,
-        }
-    )
+    common.emit({"n": n, "model_s": model_s, "embed_s": total_s, "storage_s": storage["s"],
+                "read_s": read_s, "file_bytes": out.stat().st_size,
+                "raw_bytes": int(emb.nbytes) + sum(len(i.encode()) for i in ids),
+                "maxrss_mib": max(common.maxrss_bytes(), rss_before) / 2**20})
 
 
 def main() -> int:
@@ -148,14 +140,12 @@ def main() -> int:
                 return 1
             rows[n] = results[0]
             print(f"N={n}: {rows[n]}", file=sys.stderr)
-    lines = [
-        f"dim 64, 2 layers, FAVOR+; random proteins 30-80 aa; mean pooling; {args.threads} "
-        "thread(s); each N in a fresh process",
-        "",
-        "| records | file MiB | file / (floats + ids) | model s | embed s | storage s | "
-        "storage / rest of embed | read all s | peak RSS MiB |",
-        "|---|---|---|---|---|---|---|---|---|",
-    ]
+    lines = [f"dim 64, 2 layers, FAVOR+; random proteins 30-80 aa; mean pooling; {args.threads} "
+             "thread(s); each N in a fresh process",
+             "",
+             "| records | file MiB | file / (floats + ids) | model s | embed s | storage s | "
+             "storage / rest of embed | read all s | peak RSS MiB |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for n, r in sorted(rows.items()):
         lines.append(
             f"| {n} | {r['file_bytes'] / 2**20:.1f} | {r['file_bytes'] / r['raw_bytes']:.2f}x | "

@@ -111,24 +111,15 @@ def fig4_study(
 
     draws: list[bool | None] = [True, False] if supports_iid() else [None]
     if draws == [None]:
-        log.warning(
-            "FavorAttention has no `orthogonal` option: Fig. 4 shows its default draw "
-            "only (no IID comparison)"
-        )
+        log.warning("FavorAttention has no `orthogonal` option: Fig. 4 shows its default draw "
+                    "only (no IID comparison)")
     rows: list[dict[str, object]] = []
 
     def add(tau: float, feat: str, draw: str, m: int, mses: list[float]) -> None:
         mean, std = _mean_std(mses)
         rows.append(
-            {
-                "tau": tau,
-                "features": feat,
-                "draw": draw,
-                "m": m,
-                "mse_mean": mean,
-                "mse_std": std,
-                "seeds": seeds,
-            }
+            {"tau": tau, "features": feat, "draw": draw, "m": m, "mse_mean": mean, "mse_std": std,
+             "seeds": seeds}
         )
         log.info("fig4 tau=%g %-8s %-7s m=%-4d mse %.3e +- %.1e", tau, feat, draw, m, mean, std)
 
@@ -190,10 +181,8 @@ def _methods(
     try:
         from performer_pytorch import FastAttention
     except ImportError:
-        log.warning(
-            "performer-pytorch not installed: no comparison against it "
-            "(pip install performer-pytorch==1.1.4)"
-        )
+        log.warning("performer-pytorch not installed: no comparison against it "
+                    "(pip install performer-pytorch==1.1.4)")
     else:
 
         def performer(q: Tensor, k: Tensor, v: Tensor, seed: int) -> Tensor:
@@ -230,16 +219,8 @@ def tau_study(
     for (name, tau), xs in errs.items():
         mean, std = _mean_std(xs)
         rows.append(
-            {
-                "method": name,
-                "tau": tau,
-                "rel_err_mean": mean,
-                "rel_err_std": std,
-                "seeds": seeds,
-                "L": L,
-                "d": d,
-                "m": m,
-            }
+            {"method": name, "tau": tau, "rel_err_mean": mean, "rel_err_std": std, "seeds": seeds,
+             "L": L, "d": d, "m": m}
         )
         log.info("tau %-4g %-22s rel err %.4f +- %.4f", tau, name, mean, std)
     return rows
@@ -262,13 +243,9 @@ def markdown(
         cols = list(dict.fromkeys((str(r["features"]), str(r["draw"])) for r in sub))
         ms = sorted({int(r["m"]) for r in sub})
         cell = {(r["features"], r["draw"], r["m"]): r for r in sub}
-        lines += [
-            "",
-            f"### logit std tau = {t:g}",
-            "",
-            "| m | " + " | ".join(f"{f} {dr}" for f, dr in cols) + " | ORF < IID |",
-            "|---:|" + "---:|" * len(cols) + "---|",
-        ]
+        lines += ["", f"### logit std tau = {t:g}", "",
+                  "| m | " + " | ".join(f"{f} {dr}" for f, dr in cols) + " | ORF < IID |",
+                  "|---:|" + "---:|" * len(cols) + "---|"]
         for m in ms:
             orf_wins = []
             for feat in ("positive", "trig"):
@@ -287,16 +264,12 @@ def markdown(
     taus = sorted({float(r["tau"]) for r in tau})
     methods = list(dict.fromkeys(str(r["method"]) for r in tau))
     tcell = {(r["method"], r["tau"]): r for r in tau}
-    lines += [
-        "",
-        f"## Relative error ||out - exact|| / ||exact|| vs logit std tau ({tau_cfg})",
-        "",
-        "softmax_hyp and trig use 2m-wide features; the uniform baseline outputs the "
-        "mean of V for every query.",
-        "",
-        "| method | " + " | ".join(f"tau={t:g}" for t in taus) + " |",
-        "|---|" + "---:|" * len(taus),
-    ]
+    lines += ["", f"## Relative error ||out - exact|| / ||exact|| vs logit std tau ({tau_cfg})",
+              "",
+              "softmax_hyp and trig use 2m-wide features; the uniform baseline outputs the "
+              "mean of V for every query.",
+              "", "| method | " + " | ".join(f"tau={t:g}" for t in taus) + " |",
+              "|---|" + "---:|" * len(taus)]
     for name in methods:
         lines.append(
             f"| {name} | "
@@ -322,12 +295,8 @@ def plot(
 
     fig_taus = sorted({float(r["tau"]) for r in fig4})
     fig, axes = plt.subplots(1, len(fig_taus) + 1, figsize=(6 * (len(fig_taus) + 1), 4.8))
-    styles = {
-        ("positive", "ORF"): ("tab:blue", "-"),
-        ("positive", "IID"): ("tab:blue", "--"),
-        ("trig", "ORF"): ("tab:red", "-"),
-        ("trig", "IID"): ("tab:red", "--"),
-    }
+    styles = {("positive", "ORF"): ("tab:blue", "-"), ("positive", "IID"): ("tab:blue", "--"),
+              ("trig", "ORF"): ("tab:red", "-"), ("trig", "IID"): ("tab:red", "--")}
     for ax1, t in zip(axes[:-1], fig_taus, strict=True):
         sub = [r for r in fig4 if r["tau"] == t]
         for key in dict.fromkeys((str(r["features"]), str(r["draw"])) for r in sub):
@@ -337,16 +306,8 @@ def plot(
                 if (r["features"], r["draw"]) == key
             )
             color, ls = styles.get(key, ("gray", ":"))
-            ax1.errorbar(
-                [p[0] for p in pts],
-                [p[1] for p in pts],
-                yerr=[p[2] for p in pts],
-                color=color,
-                ls=ls,
-                marker="o",
-                capsize=3,
-                label=f"{key[0]} {key[1]}",
-            )
+            ax1.errorbar([p[0] for p in pts], [p[1] for p in pts], yerr=[p[2] for p in pts],
+                         color=color, ls=ls, marker="o", capsize=3, label=f"{key[0]} {key[1]}")
         ax1.set_xscale("log", base=2)
         ax1.set_yscale("log")
         ax1.set_xlabel("random features m")
@@ -360,15 +321,8 @@ def plot(
             if r["method"] == name
         )
         ls = ":" if name.startswith("uniform") else ("--" if name.startswith("perf") else "-")
-        ax2.errorbar(
-            [p[0] for p in pts],
-            [p[1] for p in pts],
-            yerr=[p[2] for p in pts],
-            ls=ls,
-            marker="o",
-            capsize=3,
-            label=name,
-        )
+        ax2.errorbar([p[0] for p in pts], [p[1] for p in pts], yerr=[p[2] for p in pts], ls=ls,
+                     marker="o", capsize=3, label=name)
     ax2.set_xscale("log", base=2)
     ax2.set_yscale("log")
     ax2.set_xlabel("logit std tau")
@@ -383,20 +337,15 @@ def plot(
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(
-        description=__doc__.split("\n\n")[0],
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-        epilog="Input scaling and definitions: see the module docstring.",
-    )
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter,
+                                epilog="Input scaling and definitions: see the module docstring.")
     p.add_argument("--out", type=Path, default=Path(".bench/accuracy"), help="output directory")
     p.add_argument("--seeds", type=int, default=10, help="seeds per cell (paper: >= 10)")
     p.add_argument("--fig4-len", type=int, default=4096)
     p.add_argument("--fig4-dim", type=int, default=16)
-    p.add_argument(
-        "--fig4-taus",
-        default="0.25,1",
-        help="comma list of logit stds for the Fig. 4 inputs (one panel each)",
-    )
+    p.add_argument("--fig4-taus", default="0.25,1",
+                   help="comma list of logit stds for the Fig. 4 inputs (one panel each)")
     p.add_argument("--fig4-m", default="16,32,64,128,256,512", help="comma list of m")
     p.add_argument("--tau-len", type=int, default=1024)
     p.add_argument("--tau-dim", type=int, default=64)
@@ -404,11 +353,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--taus", default=",".join(f"{t:g}" for t in TAUS))
     p.add_argument("--kernels", default=",".join(KERNELS))
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch default)")
-    p.add_argument(
-        "--quick",
-        action="store_true",
-        help="tiny smoke configuration (L=256, 2 seeds, m in {16, 64})",
-    )
+    p.add_argument("--quick", action="store_true",
+                   help="tiny smoke configuration (L=256, 2 seeds, m in {16, 64})")
     args = p.parse_args(argv)
     if args.quick:
         args.seeds = min(args.seeds, 2)

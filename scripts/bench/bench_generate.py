@@ -115,14 +115,8 @@ def per_token(lm: Any, positions: list[int], steps: int) -> list[dict[str, Any]]
     for P in positions:
         s = states[P]
         state_b = sum(x.kv.numel() * x.kv.element_size() + x.mu.numel() * 4 for x in s)
-        rows.append(
-            {
-                "position": P,
-                "ms_per_token": 1e3 * statistics.median(times[P]),
-                "peak_mib": peaks[P] / 2**20,
-                "state_kib": state_b / 2**10,
-            }
-        )
+        rows.append({"position": P, "ms_per_token": 1e3 * statistics.median(times[P]),
+                    "peak_mib": peaks[P] / 2**20, "state_kib": state_b / 2**10})
         print(f"  position {P}: {rows[-1]['ms_per_token']:.2f} ms/token", file=sys.stderr)
     return rows
 
@@ -206,17 +200,9 @@ def _gpt2(shape: dict[str, int], positions: int) -> Any:
     except ImportError:
         return None
     torch.manual_seed(0)
-    cfg = GPT2Config(
-        vocab_size=33,
-        n_positions=positions,
-        n_embd=shape["dim"],
-        n_layer=shape["depth"],
-        n_head=shape["heads"],
-        n_inner=shape["ff_dim"],
-        bos_token_id=0,
-        eos_token_id=2,
-        pad_token_id=1,
-    )
+    cfg = GPT2Config(vocab_size=33, n_positions=positions, n_embd=shape["dim"],
+                     n_layer=shape["depth"], n_head=shape["heads"], n_inner=shape["ff_dim"],
+                     bos_token_id=0, eos_token_id=2, pad_token_id=1)
     return GPT2LMHeadModel(cfg).eval()
 
 
@@ -270,16 +256,9 @@ def _time_gpt2(model: Any, prompt: int, batch: int, new: int) -> float:
     torch.manual_seed(0)
     t0 = time.perf_counter()
     with torch.inference_mode():
-        out = model.generate(
-            ids,
-            attention_mask=torch.ones_like(ids),
-            do_sample=True,
-            top_k=0,
-            max_new_tokens=new,
-            min_new_tokens=new,
-            use_cache=True,
-            pad_token_id=1,
-        )
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=True, top_k=0,
+                             max_new_tokens=new, min_new_tokens=new, use_cache=True,
+                             pad_token_id=1)
     dt = time.perf_counter() - t0
     assert out.shape == (batch, prompt + new)
     return dt
@@ -314,10 +293,8 @@ def peers(args: Any) -> tuple[list[dict[str, Any]], str]:
                 ms = 1e3 * run() / (b * args.new)
                 key = (t, p, b, name)
                 best[key] = min(best.get(key, float("inf")), ms)
-                print(
-                    f"  threads {t} prompt {p} batch {b} {name}: {ms:.3f} ms/token",
-                    file=sys.stderr,
-                )
+                print(f"  threads {t} prompt {p} batch {b} {name}: {ms:.3f} ms/token",
+                      file=sys.stderr)
     rows = []
     for t, p, b in cells:
         row = {"threads": t, "prompt": p, "batch": b}
@@ -343,15 +320,9 @@ def floors(args: Any) -> list[dict[str, Any]]:
             wb = weight_bytes(lm.model)
             floor_ms = 1e3 * wb / bw
             rows.append(
-                {
-                    "shape": name,
-                    "threads": t,
-                    "weights_mib": wb / 2**20,
-                    "copy_gb_s": bw / 1e9,
-                    "floor_ms_per_token": floor_ms,
-                    "favor_ms_per_token": ms,
-                    "over_floor": ms / floor_ms,
-                }
+                {"shape": name, "threads": t, "weights_mib": wb / 2**20, "copy_gb_s": bw / 1e9,
+                 "floor_ms_per_token": floor_ms, "favor_ms_per_token": ms,
+                 "over_floor": ms / floor_ms}
             )
             print(f"  floor {name} threads {t}: {floor_ms:.2f} ms, ours {ms:.2f}", file=sys.stderr)
     return rows
@@ -378,10 +349,8 @@ def peer_lines(
     ]
     for r in rows:
         f, e, g = r["favor_ms_per_token"], r["exact_ms_per_token"], r["gpt2_ms_per_token"]
-        lines.append(
-            f"| {r['threads']} | {r['prompt']} | {r['batch']} | {_fmt(f)} | {_fmt(e)} | "
-            f"{_fmt(g)} | {_ratio(f, g)} | {_ratio(f, e)} |"
-        )
+        lines.append(f"| {r['threads']} | {r['prompt']} | {r['batch']} | {_fmt(f)} | {_fmt(e)} | "
+                     f"{_fmt(g)} | {_ratio(f, g)} | {_ratio(f, e)} |")
     if note:
         lines.append(note)
     lines += [
@@ -408,31 +377,21 @@ def per_token_lines(args: Any, tokens: list[dict[str, Any]]) -> list[str]:
         w = csv.DictWriter(fh, fieldnames=list(tokens[0]))
         w.writeheader()
         w.writerows(tokens)
-    lines = [
-        "",
-        "| context position | ms / token | peak MiB of a step | state KiB |",
-        "|---|---|---|---|",
-    ]
+    lines = ["", "| context position | ms / token | peak MiB of a step | state KiB |",
+             "|---|---|---|---|"]
     for r in tokens:
-        lines.append(
-            f"| {r['position']} | {r['ms_per_token']:.2f} | {r['peak_mib']:.1f} | "
-            f"{r['state_kib']:.0f} |"
-        )
+        lines.append(f"| {r['position']} | {r['ms_per_token']:.2f} | {r['peak_mib']:.1f} | "
+                     f"{r['state_kib']:.0f} |")
     first, last = tokens[0], tokens[-1]
-    lines.append(
-        f"\nper-token time at {last['position']} / at {first['position']}: "
-        f"{last['ms_per_token'] / first['ms_per_token']:.2f}x (target <= 1.3x)"
-    )
+    lines.append(f"\nper-token time at {last['position']} / at {first['position']}: "
+                 f"{last['ms_per_token'] / first['ms_per_token']:.2f}x (target <= 1.3x)")
     return lines
 
 
 def total_lines(args: Any, ours: dict, est: dict, timed: dict, note: str) -> list[str]:
     """The totals table: ours against performer-pytorch's generate."""
-    lines = [
-        "",
-        "| tokens | ours s | performer-pytorch s (timed) | (estimated) | ratio |",
-        "|---|---|---|---|---|",
-    ]
+    lines = ["", "| tokens | ours s | performer-pytorch s (timed) | (estimated) | ratio |",
+             "|---|---|---|---|---|"]
     for n in sorted(set(ours) | set(est) | set(timed)):
         o = ours.get(n)
         e = est.get(n)
@@ -444,10 +403,8 @@ def total_lines(args: Any, ours: dict, est: dict, timed: dict, note: str) -> lis
         )
     if ours:
         lo, hi = min(ours), max(ours)
-        lines.append(
-            f"\nours: {hi} tokens / {lo} tokens = {ours[hi] / ours[lo]:.2f}x "
-            f"(linear: {hi / lo:.0f}x)"
-        )
+        lines.append(f"\nours: {hi} tokens / {lo} tokens = {ours[hi] / ours[lo]:.2f}x "
+                     f"(linear: {hi / lo:.0f}x)")
     for n, t in timed.items():
         if n in est:
             lines.append(f"performer-pytorch at {n}: estimate / timed = {est[n] / t:.2f}")
@@ -462,9 +419,8 @@ def main() -> int:
     p.add_argument("--steps", type=int, default=64, help="timed steps per position")
     p.add_argument("--gen-lengths", type=int, nargs="+", default=[512, 1024, 2048, 4096])
     p.add_argument("--pp-lengths", type=int, nargs="+", default=[1024, 2048, 4096])
-    p.add_argument(
-        "--pp-generate", type=int, nargs="*", default=[128], help="timed directly (slow: O(N^2))"
-    )
+    p.add_argument("--pp-generate", type=int, nargs="*", default=[128],
+                   help="timed directly (slow: O(N^2))")
     p.add_argument("--repeats", type=int, default=2, help="timings per length (best kept)")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--peer-prompts", type=int, nargs="+", default=[16, 2048])
@@ -472,18 +428,10 @@ def main() -> int:
     p.add_argument("--peer-threads", type=int, nargs="+", default=[1, 2])
     p.add_argument("--new", type=int, default=256, help="new tokens per peer run")
     p.add_argument("--stream-mib", type=int, default=512, help="copy size for the bandwidth")
-    p.add_argument(
-        "--parts",
-        nargs="+",
-        choices=PARTS,
-        default=list(PARTS),
-        help="which measurements to run (default: all; the numbers above)",
-    )
-    p.add_argument(
-        "--compile",
-        action="store_true",
-        help="decode ours through the compiled step (PROTEIN_PERFORMER_COMPILE_STEP=1)",
-    )
+    p.add_argument("--parts", nargs="+", choices=PARTS, default=list(PARTS),
+                   help="which measurements to run (default: all; the numbers above)")
+    p.add_argument("--compile", action="store_true",
+                   help="decode ours through the compiled step (PROTEIN_PERFORMER_COMPILE_STEP=1)")
     common.add_final_args(p, "tiny lengths, seconds: a smoke run")
     args = p.parse_args()
     if args.quick:

@@ -43,9 +43,8 @@ def _random_8m(directory: Path, objective: str) -> Path:
 def main() -> int:
     p = common.bench_parser(__doc__, "", ".bench/precision")
     p.add_argument("--ckpt", default=None, help="model to measure (default: random 8M shape)")
-    p.add_argument(
-        "--objective", choices=("mlm", "clm"), default="clm", help="for the random model"
-    )
+    p.add_argument("--objective", choices=("mlm", "clm"), default="clm",
+                   help="for the random model")
     p.add_argument("--fasta", type=Path, default=None, help="proteins (default: the demo FASTA)")
     p.add_argument("--records", type=int, default=20, help="how many records to use")
     p.add_argument("--threads", type=int, default=2)
@@ -66,11 +65,8 @@ def main() -> int:
         results = {}
         for precision in ("fp32", "bf16", "fp16"):
             lm = pp.load(ckpt, device=args.device, dtype=precision, threads=args.threads)
-            results[precision] = (
-                lm.embed(records),
-                lm.embed(records, pooling=None),
-                lm.score(records),
-            )
+            results[precision] = (lm.embed(records), lm.embed(records, pooling=None),
+                                  lm.score(records))
     mean32, tok32, score32 = results["fp32"]
     lines = [
         f"model: {args.ckpt or f'random ESM-2 8M shape ({args.objective})'}; {len(records)} "

@@ -176,25 +176,15 @@ def ours(path: Path, out: Path, workers: int) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawTextHelpFormatter
-    )
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--size-gb", type=float, default=2.0, help="FASTA size to generate (GB, 1e9)")
     ap.add_argument("--quick", action="store_true", help="tiny run (20 MB) to check the script")
-    ap.add_argument(
-        "--source",
-        type=Path,
-        nargs="*",
-        default=DEFAULT_SOURCES,
-        help="FASTA file(s) to sample sequences from (default: ../shared/data/"
-        "sequences/*train*.fasta)",
-    )
-    ap.add_argument(
-        "--workdir",
-        type=Path,
-        default=None,
-        help="where to put the FASTA and the store (default: a new temp dir)",
-    )
+    ap.add_argument("--source", type=Path, nargs="*", default=DEFAULT_SOURCES,
+                    help="FASTA file(s) to sample sequences from (default: ../shared/data/"
+                    "sequences/*train*.fasta)")
+    ap.add_argument("--workdir", type=Path, default=None,
+                    help="where to put the FASTA and the store (default: a new temp dir)")
     ap.add_argument(
         "--workers",
         type=int,
@@ -217,12 +207,8 @@ def main(argv: list[str] | None = None) -> int:
     fasta, store = workdir / "bench.fasta", workdir / "store"
     try:
         source = _read_source(list(args.source))
-        log.info(
-            "generating %.2f GB FASTA from %d source records in %s",
-            size / 1e9,
-            len(source),
-            workdir,
-        )
+        log.info("generating %.2f GB FASTA from %d source records in %s", size / 1e9, len(source),
+                 workdir)
         t0 = time.perf_counter()
         nbytes = generate(fasta, size, source, args.seed)
         log.info("generated %d bytes in %.1f s", nbytes, time.perf_counter() - t0)
@@ -244,42 +230,29 @@ def main(argv: list[str] | None = None) -> int:
             parse_rate, our_rate = mb / t_parse, mb / res["seconds"]
             ratio = our_rate / parse_rate
             store_bytes = sum(p.stat().st_size for p in store.iterdir())
-            run = {
-                "workers": workers,
-                "records": n_parse,
-                "parse_only_seconds": t_parse,
-                "parse_only_mb_s": parse_rate,
-                "parse_only_cpu_seconds": cpu_parse,
-                "preprocess_seconds": res["seconds"],
-                "preprocess_wall_seconds": res["wall_seconds"],
-                "preprocess_cpu_seconds": res["cpu_seconds"] + res["worker_cpu_seconds"],
-                "preprocess_mb_s": our_rate,
-                "ratio": ratio,
-                "peak_rss_bytes": res["tree_rss"],
-                "peak_rss_main_bytes": res["peak_rss"],
-                "peak_rss_worker_bytes": res["worker_peak_rss"],
-                "peak_rss_tree_sampled_bytes": res["tree_rss_sampled"],
-                "peak_rss_tree_bound_bytes": res["tree_rss_bound"],
-                "store_bytes": store_bytes,
-                "ratio_ok": ratio >= TARGET_RATIO,
-                "rss_ok": res["tree_rss"] < TARGET_RSS_BYTES,
-            }
+            run = {"workers": workers, "records": n_parse, "parse_only_seconds": t_parse,
+                   "parse_only_mb_s": parse_rate, "parse_only_cpu_seconds": cpu_parse,
+                   "preprocess_seconds": res["seconds"],
+                   "preprocess_wall_seconds": res["wall_seconds"],
+                   "preprocess_cpu_seconds": res["cpu_seconds"] + res["worker_cpu_seconds"],
+                   "preprocess_mb_s": our_rate, "ratio": ratio, "peak_rss_bytes": res["tree_rss"],
+                   "peak_rss_main_bytes": res["peak_rss"],
+                   "peak_rss_worker_bytes": res["worker_peak_rss"],
+                   "peak_rss_tree_sampled_bytes": res["tree_rss_sampled"],
+                   "peak_rss_tree_bound_bytes": res["tree_rss_bound"], "store_bytes": store_bytes,
+                   "ratio_ok": ratio >= TARGET_RATIO, "rss_ok": res["tree_rss"] < TARGET_RSS_BYTES}
             runs.append(run)
             rss = run["peak_rss_bytes"] / 2**20
-            print(
-                f"workers {workers:<4} parse-only {parse_rate:7.1f} MB/s ({t_parse:.1f} s, "
-                f"{cpu_parse:.1f} s CPU)   "
-                f"preprocess {our_rate:7.1f} MB/s ({res['seconds']:.1f} s, "
-                f"{run['preprocess_cpu_seconds']:.1f} s CPU)   ratio {ratio:5.2f}x "
-                f"({'OK' if run['ratio_ok'] else 'MISSED'})   peak RSS {rss:6.0f} MiB "
-                f"({'OK' if run['rss_ok'] else 'MISSED'}; main "
-                f"{res['peak_rss'] / 2**20:.0f}, worker {res['worker_peak_rss'] / 2**20:.0f}, "
-                f"tree sampled {res['tree_rss_sampled'] / 2**20:.0f} MiB)"
-            )
-        print(
-            f"targets: ratio >= {TARGET_RATIO}x, peak RSS of the process tree < "
-            f"{TARGET_RSS_BYTES / 2**20:.0f} MiB; store {runs[0]['store_bytes'] / 1e6:,.0f} MB"
-        )
+            print(f"workers {workers:<4} parse-only {parse_rate:7.1f} MB/s ({t_parse:.1f} s, "
+                  f"{cpu_parse:.1f} s CPU)   "
+                  f"preprocess {our_rate:7.1f} MB/s ({res['seconds']:.1f} s, "
+                  f"{run['preprocess_cpu_seconds']:.1f} s CPU)   ratio {ratio:5.2f}x "
+                  f"({'OK' if run['ratio_ok'] else 'MISSED'})   peak RSS {rss:6.0f} MiB "
+                  f"({'OK' if run['rss_ok'] else 'MISSED'}; main "
+                  f"{res['peak_rss'] / 2**20:.0f}, worker {res['worker_peak_rss'] / 2**20:.0f}, "
+                  f"tree sampled {res['tree_rss_sampled'] / 2**20:.0f} MiB)")
+        print(f"targets: ratio >= {TARGET_RATIO}x, peak RSS of the process tree < "
+              f"{TARGET_RSS_BYTES / 2**20:.0f} MiB; store {runs[0]['store_bytes'] / 1e6:,.0f} MB")
         result = {
             "input_bytes": nbytes,
             "target_ratio": TARGET_RATIO,

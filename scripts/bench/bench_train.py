@@ -139,9 +139,8 @@ def run_case(case: dict[str, Any]) -> None:
         ).validate()
         model = PerformerLM(config).to(device).train()
         optimizer = torch.optim.AdamW(model.param_groups(0.01), lr=1e-4, betas=(0.9, 0.98))
-        tokens, targets = synthetic_batch(
-            case["objective"], B, L, case["seed"], config, case.get("member_len", 0)
-        )
+        tokens, targets = synthetic_batch(case["objective"], B, L, case["seed"], config,
+                                          case.get("member_len", 0))
         tokens, targets = tokens.to(device), targets.to(device)
 
         def step() -> float:
@@ -150,9 +149,8 @@ def run_case(case: dict[str, Any]) -> None:
             with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
                 logits = model(tokens).logits
             # float32 loss under autocast, as the LightningModule does.
-            loss = F.cross_entropy(
-                logits.float().flatten(0, 1), targets.flatten(), ignore_index=IGNORE_INDEX
-            )
+            loss = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(),
+                                   ignore_index=IGNORE_INDEX)
             loss.backward()
             optimizer.step()
             losses.append(float(loss.detach()))  # .item() also syncs CUDA: the step is complete
@@ -187,19 +185,12 @@ def run_case(case: dict[str, Any]) -> None:
                     times.append(mine)
                     shares.append(theirs / mine)
                 median = statistics.median(times)
-                common.emit(
-                    {
-                        "status": "ok" if math.isfinite(losses[-1]) else "error",
-                        "steps_timed": len(times),
-                        "step_time_s": median,
-                        "step_time_min_s": min(times),
-                        "tokens_per_s": B * L / median,
-                        "peak_mem_mib": peak_bytes() / 2**20,
-                        "final_loss": losses[-1],
-                        "note": "" if math.isfinite(losses[-1]) else "non-finite loss",
-                        "paired_speed": statistics.median(shares) if shares else math.nan,
-                    }
-                )
+                common.emit({"status": "ok" if math.isfinite(losses[-1]) else "error",
+                            "steps_timed": len(times), "step_time_s": median,
+                            "step_time_min_s": min(times), "tokens_per_s": B * L / median,
+                            "peak_mem_mib": peak_bytes() / 2**20, "final_loss": losses[-1],
+                            "note": "" if math.isfinite(losses[-1]) else "non-finite loss",
+                            "paired_speed": statistics.median(shares) if shares else math.nan})
         except torch.OutOfMemoryError as exc:
             common.emit({"status": "oom", "note": str(exc).splitlines()[0][:200]})
 
@@ -266,38 +257,20 @@ def run_all(args: argparse.Namespace) -> list[Row]:
         for L in lengths:
             for attention in attentions:
                 B = batch_size(args.tokens, L)
-                base = {
-                    "objective": objective,
-                    "attention": attention,
-                    "kernel": args.kernel if attention != "exact" else "-",
-                    "L": L,
-                    "B": B,
-                    "tokens_per_batch": B * L,
-                    "depth": args.depth,
-                    "dim": args.dim,
-                    "heads": args.heads,
-                    "m": args.nb_features,
-                    "precision": args.precision,
-                    "device": args.device,
-                    "threads": args.threads,
-                }
+                base = {"objective": objective, "attention": attention,
+                        "kernel": args.kernel if attention != "exact" else "-", "L": L, "B": B,
+                        "tokens_per_batch": B * L, "depth": args.depth, "dim": args.dim,
+                        "heads": args.heads, "m": args.nb_features, "precision": args.precision,
+                        "device": args.device, "threads": args.threads}
                 series = (objective, attention)
                 if series in failed:
                     rows.append(Row(**base, status="skipped", note=failed[series]))
                     continue
-                case = {
-                    **base,
-                    "ff_dim": args.ff_dim or 4 * args.dim,
-                    "kernel": args.kernel,
-                    "seed": args.seed,
-                    "warmup": args.warmup,
-                    "steps": args.steps,
-                    "budget_s": args.budget_s,
-                    "mem_limit_gib": mem_limit,
-                    "member_len": args.member_len,
-                    "paired": args.paired,
-                    "memory_positions": args.memory_positions,
-                }
+                case = {**base, "ff_dim": args.ff_dim or 4 * args.dim, "kernel": args.kernel,
+                        "seed": args.seed, "warmup": args.warmup, "steps": args.steps,
+                        "budget_s": args.budget_s, "mem_limit_gib": mem_limit,
+                        "member_len": args.member_len, "paired": args.paired,
+                        "memory_positions": args.memory_positions}
                 t0 = time.perf_counter()
                 result, note = _spawn(case, args.timeout)
                 if result is not None and result.get("steps_timed", 0) > 0:
@@ -323,18 +296,9 @@ def run_all(args: argparse.Namespace) -> list[Row]:
                     row = Row(**base, status=status, note=why)
                     failed[series] = f"after {status} at L={L}"
                 rows.append(row)
-                log.info(
-                    "%s %-5s L=%-6d B=%-3d %6.1fs  %s  %.0f tok/s  %.0f MiB  %s",
-                    objective,
-                    attention,
-                    L,
-                    B,
-                    time.perf_counter() - t0,
-                    row.status,
-                    row.tokens_per_s,
-                    row.peak_mem_mib,
-                    row.note,
-                )
+                log.info("%s %-5s L=%-6d B=%-3d %6.1fs  %s  %.0f tok/s  %.0f MiB  %s", objective,
+                         attention, L, B, time.perf_counter() - t0, row.status, row.tokens_per_s,
+                         row.peak_mem_mib, row.note)
     return rows
 
 
@@ -415,16 +379,11 @@ def format_tables(rows: list[Row], header: str) -> str:
             f"| {x['speed_ratio']:.2f} | {x['mem_ratio']:.2f} | {x['target']} | {x['verdict']} |"
         )
     if any(not math.isnan(x["memory_ratio"]) for x in ratios(rows)):
-        lines += [
-            "",
-            f"| objective | L | {MEMORY} / favor speed | target | verdict |",
-            "|---|---:|---:|---|---|",
-        ]
+        lines += ["", f"| objective | L | {MEMORY} / favor speed | target | verdict |",
+                  "|---|---:|---:|---|---|"]
         for x in ratios(rows):
-            lines.append(
-                f"| {x['objective']} | {x['L']} | {x['memory_ratio']:.2f} "
-                f"| >= {MEMORY_TARGET:g}x | {x['memory_verdict']} |"
-            )
+            lines.append(f"| {x['objective']} | {x['L']} | {x['memory_ratio']:.2f} "
+                         f"| >= {MEMORY_TARGET:g}x | {x['memory_verdict']} |")
     return "\n".join(lines)
 
 
@@ -433,32 +392,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--precision", default="32", choices=("32", "bf16-mixed"))
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch default)")
     p.add_argument("--lengths", default="1024,4096,16384", help="comma list of L")
-    p.add_argument(
-        "--tokens", type=int, default=16384, help="tokens per batch (B = tokens // L, >= 1)"
-    )
+    p.add_argument("--tokens", type=int, default=16384,
+                   help="tokens per batch (B = tokens // L, >= 1)")
     p.add_argument("--objectives", default=",".join(OBJECTIVES), help="comma list: mlm,clm")
-    p.add_argument(
-        "--attentions",
-        default=",".join(ATTENTIONS),
-        help=f"comma list: favor,exact,{MEMORY} (FAVOR+ with the position memory)",
-    )
-    p.add_argument(
-        "--paired",
-        action="store_true",
-        help=f"{MEMORY}: time plain FAVOR+ in the same process, steps alternating",
-    )
-    p.add_argument(
-        "--member-len",
-        type=int,
-        default=0,
-        help="family rows: a member every N tokens (0: one protein a row)",
-    )
-    p.add_argument(
-        "--memory-positions",
-        type=int,
-        default=1024,
-        help=f"{MEMORY}: the memory's position_memory (member positions it holds)",
-    )
+    p.add_argument("--attentions", default=",".join(ATTENTIONS),
+                   help=f"comma list: favor,exact,{MEMORY} (FAVOR+ with the position memory)")
+    p.add_argument("--paired", action="store_true",
+                   help=f"{MEMORY}: time plain FAVOR+ in the same process, steps alternating")
+    p.add_argument("--member-len", type=int, default=0,
+                   help="family rows: a member every N tokens (0: one protein a row)")
+    p.add_argument("--memory-positions", type=int, default=1024,
+                   help=f"{MEMORY}: the memory's position_memory (member positions it holds)")
     p.add_argument("--depth", type=int, default=6)
     p.add_argument("--dim", type=int, default=320)
     p.add_argument("--heads", type=int, default=20)
@@ -472,15 +416,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--kernel", default="softmax", help="FAVOR+ kernel")
     p.add_argument("--warmup", type=int, default=2, help="untimed optimizer steps per case")
     p.add_argument("--steps", type=int, default=8, help="timed optimizer steps per case (max)")
-    p.add_argument(
-        "--budget-s",
-        type=float,
-        default=60.0,
-        help="stop timing a case once this much step time was spent (>= 1 timed step)",
-    )
-    p.add_argument(
-        "--timeout", type=float, default=1200.0, help="hard limit per case (process), seconds"
-    )
+    p.add_argument("--budget-s", type=float, default=60.0,
+                   help="stop timing a case once this much step time was spent (>= 1 timed step)")
+    p.add_argument("--timeout", type=float, default=1200.0,
+                   help="hard limit per case (process), seconds")
     common.add_mem_limit_arg(p)
     common.add_final_args(
         p, quick_help="tiny smoke configuration: 2 layers, dim 64, L=64,128, 256 tokens, 3 steps"

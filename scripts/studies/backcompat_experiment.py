@@ -50,10 +50,8 @@ import torch
 import torch.nn.functional as F
 
 log = logging.getLogger("backcompat")
-DEFAULT_DATA = [
-    h.SEQUENCES / "uniprot_mmseqs_train.fasta",
-    h.SEQUENCES / "swissprot_opal_train.fasta",
-]
+DEFAULT_DATA = [h.SEQUENCES / "uniprot_mmseqs_train.fasta",
+                h.SEQUENCES / "swissprot_opal_train.fasta"]
 IGNORE_INDEX = -100
 
 
@@ -71,12 +69,8 @@ def heldout_ppl(model: torch.nn.Module, loader: Any) -> float:
         tokens = batch["tokens"].to(device)
         targets = batch["targets"].to(device)
         logits = model(tokens, padding_mask=batch["padding_mask"].to(device)).logits
-        nll += F.cross_entropy(
-            logits.float().flatten(0, 1),
-            targets.flatten(),
-            ignore_index=IGNORE_INDEX,
-            reduction="sum",
-        ).item()
+        nll += F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(),
+                               ignore_index=IGNORE_INDEX, reduction="sum").item()
         count += int((targets != IGNORE_INDEX).sum())
     model.train(was_training)
     if count == 0:
@@ -114,26 +108,14 @@ def make_eval_callback(loader: Any, every: int, curve: list[dict]) -> Any:
 def base_overrides(args: argparse.Namespace) -> list[str]:
     paths = ",".join(str(p) for p in args.data)
     dim, depth, heads = args.shape
-    overrides = [
-        "experiment=small_mlm",
-        f"trainer={args.trainer}",
-        f"paths.root_dir={h.REPO}",
-        f"data.path=[{paths}]",
-        f"data.max_len={args.max_len}",
-        f"data.max_tokens={args.max_tokens}",
-        "data.num_workers=0",
-        f"data.valid_frac={args.heldout_frac}",
-        f"data.test_frac={args.heldout_frac}",
-        f"model.config.dim={dim}",
-        f"model.config.depth={depth}",
-        f"model.config.heads={heads}",
-        f"model.config.ff_dim={4 * dim}",
-        f"seed={args.seed}",
-        "task_name=backcompat",
-        "callbacks.progress_bar=null",
-        "trainer.enable_progress_bar=false",
-        "trainer.enable_model_summary=false",
-    ]
+    overrides = ["experiment=small_mlm", f"trainer={args.trainer}", f"paths.root_dir={h.REPO}",
+                 f"data.path=[{paths}]", f"data.max_len={args.max_len}",
+                 f"data.max_tokens={args.max_tokens}", "data.num_workers=0",
+                 f"data.valid_frac={args.heldout_frac}", f"data.test_frac={args.heldout_frac}",
+                 f"model.config.dim={dim}", f"model.config.depth={depth}",
+                 f"model.config.heads={heads}", f"model.config.ff_dim={4 * dim}",
+                 f"seed={args.seed}", "task_name=backcompat", "callbacks.progress_bar=null",
+                 "trainer.enable_progress_bar=false", "trainer.enable_model_summary=false"]
     if args.limit_records:
         overrides.append(f"data.limit_records={args.limit_records}")
     return overrides
@@ -146,16 +128,13 @@ def train_exact(args: argparse.Namespace) -> tuple[str, Any]:
     from protein_performer.training.train import train
 
     out = args.out_dir / "exact"
-    overrides = [
-        *base_overrides(args),
-        "model.config.attention=exact",
-        f"model.optim.lr={args.lr}",
-        f"model.optim.warmup_steps={max(1, args.steps // 20)}",
-        f"trainer.max_steps={args.steps}",
-        f"trainer.val_check_interval={max(1, args.steps // 5)}",
-        "trainer.check_val_every_n_epoch=null",
-        f"trainer.log_every_n_steps={max(1, args.steps // 50)}",
-    ]
+    overrides = [*base_overrides(args), "model.config.attention=exact",
+                 f"model.optim.lr={args.lr}",
+                 f"model.optim.warmup_steps={max(1, args.steps // 20)}",
+                 f"trainer.max_steps={args.steps}",
+                 f"trainer.val_check_interval={max(1, args.steps // 5)}",
+                 "trainer.check_val_every_n_epoch=null",
+                 f"trainer.log_every_n_steps={max(1, args.steps // 50)}"]
     cfg = compose_config(overrides, output_dir=out)
     result = train(cfg)
     ckpt = result.get("last_checkpoint") or result.get("best_checkpoint")
@@ -175,23 +154,17 @@ def fine_tune(args: argparse.Namespace, ckpt: str, loader: Any, weight: float) -
     from protein_performer.training.init_weights import init_from
 
     out = args.out_dir / f"favor_finetune_w{weight:g}"
-    overrides = [
-        *base_overrides(args),
-        "model.config.attention=favor",
-        f"model.config.kernel={args.kernel}",
-        f"model.config.nb_features={args.nb_features}",
-        f"model.config.feature_redraw_interval={args.redraw_interval}",
-        f"model.optim.lr={args.ft_lr}",
-        f"model.optim.warmup_steps={args.ft_warmup}",
-        f"model.distill.teacher='{ckpt}'" if weight > 0 else "model.distill.teacher=null",
-        f"model.distill.weight={weight}",
-        f"model.distill.temperature={args.distill_temperature}",
-        f"trainer.max_steps={args.ft_steps}",
-        "trainer.limit_val_batches=0",
-        "trainer.num_sanity_val_steps=0",
-        "+trainer.enable_checkpointing=false",
-        f"trainer.log_every_n_steps={max(1, args.eval_every)}",
-    ]
+    overrides = [*base_overrides(args), "model.config.attention=favor",
+                 f"model.config.kernel={args.kernel}",
+                 f"model.config.nb_features={args.nb_features}",
+                 f"model.config.feature_redraw_interval={args.redraw_interval}",
+                 f"model.optim.lr={args.ft_lr}", f"model.optim.warmup_steps={args.ft_warmup}",
+                 f"model.distill.teacher='{ckpt}'" if weight > 0 else "model.distill.teacher=null",
+                 f"model.distill.weight={weight}",
+                 f"model.distill.temperature={args.distill_temperature}",
+                 f"trainer.max_steps={args.ft_steps}", "trainer.limit_val_batches=0",
+                 "trainer.num_sanity_val_steps=0", "+trainer.enable_checkpointing=false",
+                 f"trainer.log_every_n_steps={max(1, args.eval_every)}"]
     cfg = compose_config(overrides, output_dir=out)
     pl.seed_everything(args.seed, workers=True)
     datamodule = hydra.utils.instantiate(cfg.data)
@@ -301,9 +274,8 @@ def write_report(
     ]
     text = "\n".join(lines) + "\n"
     (args.out_dir / "recovery.md").write_text(text, encoding="utf-8")
-    (args.out_dir / "summary.json").write_text(
-        json.dumps(summary, indent=2) + "\n", encoding="utf-8"
-    )
+    (args.out_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n",
+                                               encoding="utf-8")
     return text
 
 
@@ -315,9 +287,8 @@ def plot(args: argparse.Namespace, exact_ppl: float, curves: dict[float, list[di
 
     fig, ax = plt.subplots(figsize=(6, 4), dpi=120)
     for weight, curve in curves.items():
-        ax.plot(
-            [p["step"] for p in curve], [p["ppl"] for p in curve], "o-", ms=3, label=_label(weight)
-        )
+        ax.plot([p["step"] for p in curve], [p["ppl"] for p in curve], "o-", ms=3,
+                label=_label(weight))
     ax.axhline(exact_ppl, color="k", ls="--", lw=1, label=f"exact ({exact_ppl:.3f})")
     ax.axhline(1.05 * exact_ppl, color="gray", ls=":", lw=1, label="exact + 5%")
     ax.axvline(0.10 * args.steps, color="tab:red", ls=":", lw=1, label="10% of training steps")
@@ -332,22 +303,15 @@ def plot(args: argparse.Namespace, exact_ppl: float, curves: dict[float, list[di
 
 # --------------------------------------------------------------------------------------------
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(
-        description=__doc__.split("\n\n")[0],
-        epilog=__doc__.split("\n\n", 1)[1],
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                epilog=__doc__.split("\n\n", 1)[1],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--data", type=Path, nargs="+", default=DEFAULT_DATA, help="FASTA file(s)")
     p.add_argument("--limit-records", type=int, default=None, help="first N records only")
     p.add_argument("--heldout-frac", type=float, default=0.02, help="valid and test fractions")
-    p.add_argument(
-        "--shape",
-        nargs=3,
-        type=int,
-        default=(128, 4, 8),
-        metavar=("DIM", "DEPTH", "HEADS"),
-        help="model shape (ff = 4 * dim); default: 128 4 8",
-    )
+    p.add_argument("--shape", nargs=3, type=int, default=(128, 4, 8),
+                   metavar=("DIM", "DEPTH", "HEADS"),
+                   help="model shape (ff = 4 * dim); default: 128 4 8")
     p.add_argument("--max-len", type=int, default=256)
     p.add_argument("--max-tokens", type=int, default=8192)
     p.add_argument("--steps", type=int, default=3000, help="exact training steps (N)")
@@ -379,14 +343,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     p.add_argument("--out-dir", type=Path, default=h.REPO / "outputs" / "backcompat")
-    p.add_argument(
-        "--overwrite", action="store_true", help="replace earlier runs' outputs in --out-dir"
-    )
-    p.add_argument(
-        "--quick",
-        action="store_true",
-        help="wiring check in seconds: tiny model, 600 records, 40 + 20 steps",
-    )
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace earlier runs' outputs in --out-dir")
+    p.add_argument("--quick", action="store_true",
+                   help="wiring check in seconds: tiny model, 600 records, 40 + 20 steps")
     args = p.parse_args(argv)
     args.argv = list(argv if argv is not None else sys.argv[1:])
     if args.quick:
@@ -457,14 +417,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     exact_ppl = heldout_ppl(exact.model, test_loader)
     swap_ppls = [
         heldout_ppl(
-            load_model(
-                exact,
-                device,
-                attention="favor",
-                kernel=args.kernel,
-                nb_features=args.nb_features,
-                seed=s,
-            ).model,
+            load_model(exact, device, attention="favor", kernel=args.kernel,
+                       nb_features=args.nb_features, seed=s).model,
             test_loader,
         )
         for s in range(args.swap_seeds)

@@ -66,9 +66,8 @@ def random_esm2(dim: int, depth: int, heads: int, seed: int) -> PerformerLM:
     """An exact-attention ESM-2 initialized the way fair-esm's ``ESM2`` is (not BERT's 0.02),
     so attention is not trivially uniform."""
     torch.manual_seed(seed)
-    config = PerformerConfig(
-        dim=dim, depth=depth, heads=heads, ff_dim=4 * dim, attention="exact", token_dropout=True
-    )
+    config = PerformerConfig(dim=dim, depth=depth, heads=heads, ff_dim=4 * dim, attention="exact",
+                             token_dropout=True)
     model = PerformerLM(config)
     for module in model.modules():
         if isinstance(module, torch.nn.Linear):
@@ -181,11 +180,9 @@ def summarize(rows: list[dict], kernels: Sequence[str], ms: Sequence[int]) -> st
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(
-        description=__doc__.split("\n\n")[0],
-        epilog=__doc__.split("\n\n", 1)[1],
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                epilog=__doc__.split("\n\n", 1)[1],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument(
         "--checkpoint",
         type=Path,
@@ -210,11 +207,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--out-dir", type=Path, default=h.REPO / "outputs" / "esm_favor_swap")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
-    p.add_argument(
-        "--quick",
-        action="store_true",
-        help="seconds: tiny random model, 3 short records, m in 64/256/1024, one seed",
-    )
+    p.add_argument("--quick", action="store_true",
+                   help="seconds: tiny random model, 3 short records, m in 64/256/1024, one seed")
     args = p.parse_args(argv)
     if args.quick:
         args.max_records = min(args.max_records, 3)
@@ -246,9 +240,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     held = LoadedModel(exact, cfg, Alphabet(), Path(source), torch.device("cpu"), "memory")
     if regression is None:
         n = cfg.depth * cfg.heads
-        reg = ContactRegression(
-            np.ones(n), 0.0, list(range(1, cfg.depth + 1)), list(range(cfg.heads))
-        )
+        reg = ContactRegression(np.ones(n), 0.0, list(range(1, cfg.depth + 1)),
+                                list(range(cfg.heads)))
         reg_name = "the sum-APC regression (no contact head)"
     else:
         reg = ContactRegression.from_dict(regression, source)
@@ -275,21 +268,13 @@ def main(argv: Sequence[str] | None = None) -> int:
             for m in args.ms:
                 for seed in range(args.seeds):
                     start = time.perf_counter()
-                    favor = load_model(
-                        held, "cpu", attention="favor", kernel=kernel, nb_features=m, seed=seed
-                    ).model
+                    favor = load_model(held, "cpu", attention="favor", kernel=kernel,
+                                       nb_features=m, seed=seed).model
                     kl, top1 = compare(exact_logps, favor, token_batches, masks)
                     dp, overlap = contact_change(exact_contacts, contact_maps(favor, seqs, reg))
-                    row = {
-                        "kernel": kernel,
-                        "m": m,
-                        "seed": seed,
-                        "kl": kl,
-                        "top1": top1,
-                        "contact_dp": dp,
-                        "contact_overlap": overlap,
-                        "seconds": round(time.perf_counter() - start, 3),
-                    }
+                    row = {"kernel": kernel, "m": m, "seed": seed, "kl": kl, "top1": top1,
+                           "contact_dp": dp, "contact_overlap": overlap,
+                           "seconds": round(time.perf_counter() - start, 3)}
                     if not math.isfinite(kl):
                         log.warning("%s m=%d seed=%d: non-finite KL", kernel, m, seed)
                     rows.append(row)

@@ -165,21 +165,11 @@ def run_finetune(base: str, table: Path, out: Path, mode: str, args: argparse.Na
     from protein_performer.training.compose import compose_config
 
     cfg = compose_config(
-        [
-            f"base={base}",
-            f"data.train={table}",
-            f"mode={mode}",
-            f"paths.output_dir={out}",
-            f"trainer.max_epochs={args.epochs}",
-            "test=false",
-            "trainer.enable_progress_bar=false",
-            "~callbacks.progress_bar",
-            "~callbacks.training_curve",
-            "trainer.enable_model_summary=false",
-            f"data.max_batch_size={args.batch_size}",
-            f"seed={args.seed}",
-            *extra,
-        ],
+        [f"base={base}", f"data.train={table}", f"mode={mode}", f"paths.output_dir={out}",
+         f"trainer.max_epochs={args.epochs}", "test=false", "trainer.enable_progress_bar=false",
+         "~callbacks.progress_bar", "~callbacks.training_curve",
+         "trainer.enable_model_summary=false", f"data.max_batch_size={args.batch_size}",
+         f"seed={args.seed}", *extra],
         name="finetune",
         direct_keys=("base", "data.train"),
     )
@@ -327,10 +317,8 @@ def residue_baselines(chains: list[dict], fold_list: list[np.ndarray]) -> list[d
             seq = chains[i]["sequence"]
             majority[i] = overall * len(seq)
             by_aa[i] = "".join(rule.get(a, overall) for a in seq)
-    return [
-        {"method": "majority class", **residue_metrics(majority, truth), "cpu_s": 0.0},
-        {"method": "amino-acid identity", **residue_metrics(by_aa, truth), "cpu_s": 0.0},
-    ]
+    return [{"method": "majority class", **residue_metrics(majority, truth), "cpu_s": 0.0},
+            {"method": "amino-acid identity", **residue_metrics(by_aa, truth), "cpu_s": 0.0}]
 
 
 def residue_cv(
@@ -436,14 +424,8 @@ def tiny_model(work: Path) -> str:
 
     torch.manual_seed(0)
     config = PerformerConfig(dim=32, depth=2, heads=4, ff_dim=64, nb_features=16)
-    loaded = LoadedModel(
-        PerformerLM(config).eval(),
-        config,
-        Alphabet(),
-        Path("tiny-random"),
-        torch.device("cpu"),
-        "memory",
-    )
+    loaded = LoadedModel(PerformerLM(config).eval(), config, Alphabet(), Path("tiny-random"),
+                         torch.device("cpu"), "memory")
     return str(export_model(loaded, work / "tiny_random"))
 
 
@@ -535,9 +517,8 @@ def parse_lrs(text: str | None) -> list[float] | None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument(
         "--model",
         action="append",
@@ -551,12 +532,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--limit", type=int, default=None, help="use this many variants (random)")
     p.add_argument("--epochs", type=int, default=3, help="epochs per fine-tuning run")
     p.add_argument("--batch-size", type=int, default=16)
-    p.add_argument(
-        "--methods",
-        default=None,
-        help="comma-separated subset of onehot,frozen,lora,full (default: all; with "
-        "--residue: frozen,lora)",
-    )
+    p.add_argument("--methods", default=None,
+                   help="comma-separated subset of onehot,frozen,lora,full (default: all; with "
+                   "--residue: frozen,lora)")
     p.add_argument(
         "--lrs",
         default=None,
@@ -564,39 +542,25 @@ def main(argv: list[str] | None = None) -> int:
         help="head learning rates to sweep for the fine-tuning runs (the backbone's keeps the "
         "mode's default ratio), picked on an inner validation split of the training folds",
     )
-    p.add_argument(
-        "--select",
-        choices=("each-fold", "first-fold"),
-        default="each-fold",
-        help="with --lrs: pick the LR in every fold, or once on fold 0 (cheaper)",
-    )
+    p.add_argument("--select", choices=("each-fold", "first-fold"), default="each-fold",
+                   help="with --lrs: pick the LR in every fold, or once on fold 0 (cheaper)")
     p.add_argument(
         "--residue",
         action="store_true",
         help="the residue-level check (buried vs exposed on the bundled structures) instead "
         "of the BLAT_ECOLX scan",
     )
-    p.add_argument(
-        "--structures", type=Path, default=STRUCTURES, help="folder with chains.csv + PDB files"
-    )
+    p.add_argument("--structures", type=Path, default=STRUCTURES,
+                   help="folder with chains.csv + PDB files")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=None)
-    p.add_argument(
-        "--quick",
-        action="store_true",
-        help="CI size: 250 variants, 1 epoch, a tiny random model unless --model",
-    )
+    p.add_argument("--quick", action="store_true",
+                   help="CI size: 250 variants, 1 epoch, a tiny random model unless --model")
     p.add_argument("--out", type=Path, default=None, help="write the results as JSON here")
-    p.add_argument(
-        "--memory",
-        type=int,
-        nargs="*",
-        default=None,
-        metavar="L",
-        help="also measure the peak memory of one fine-tuning step (8M shape) on one "
-        "sequence of each length L (default 1000 4000), with and without "
-        "gradient checkpointing",
-    )
+    p.add_argument("--memory", type=int, nargs="*", default=None, metavar="L",
+                   help="also measure the peak memory of one fine-tuning step (8M shape) on one "
+                   "sequence of each length L (default 1000 4000), with and without "
+                   "gradient checkpointing")
     args = p.parse_args(argv)
     args.lrs = parse_lrs(args.lrs)
     default_methods = "frozen,lora" if args.residue else "onehot,frozen,lora,full"
@@ -664,11 +628,9 @@ def main(argv: list[str] | None = None) -> int:
                     row["cpu_s"] += time.process_time() - start
                     row["lrs"][kind] = chosen
                 rows.append(row)
-    print(
-        f"BLAT_ECOLX column {args.column}: {len(seqs)} variants, {args.folds}-fold CV, "
-        f"{args.epochs} epoch(s) per fine-tune, torch threads {torch.get_num_threads()}, "
-        f"load {os.getloadavg()[0]:.1f}"
-    )
+    print(f"BLAT_ECOLX column {args.column}: {len(seqs)} variants, {args.folds}-fold CV, "
+          f"{args.epochs} epoch(s) per fine-tune, torch threads {torch.get_num_threads()}, "
+          f"load {os.getloadavg()[0]:.1f}")
     print("| method | Spearman (random folds) | Spearman (position folds) | mean per fold "
           "(random; position) | head LR per fold (random; position) | CPU time |")  # fmt: skip
     print("|---|---|---|---|---|---|")

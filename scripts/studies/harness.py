@@ -43,10 +43,8 @@ REPO = Path(__file__).resolve().parents[2]
 #: The shared sequence data sets that sit beside the checkout (``../shared/data/sequences``).
 SEQUENCES = REPO.parent / "shared" / "data" / "sequences"
 #: The corpus of the CPU studies, and the bundled one of their ``--quick`` runs.
-DEFAULT_DATA = [
-    str(SEQUENCES / "uniprot_mmseqs_train.fasta"),
-    str(SEQUENCES / "swissprot_opal_train.fasta"),
-]
+DEFAULT_DATA = [str(SEQUENCES / "uniprot_mmseqs_train.fasta"),
+                str(SEQUENCES / "swissprot_opal_train.fasta")]
 QUICK_DATA = [str(REPO / "protein_performer" / "data" / "demo" / "train.fasta")]
 #: Attention variant -> overrides (everything else is shared by a study's variants).
 ATTENTION: dict[str, list[str]] = {
@@ -63,9 +61,8 @@ _UNREACHED_S = 10**9
 
 def setup_logging() -> None:
     """INFO and above to stderr (stdout stays free for results), with the time of each step."""
-    logging.basicConfig(
-        level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", stream=sys.stderr
-    )
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s",
+                        stream=sys.stderr)
 
 
 # --------------------------------------------------------------------------------------------
@@ -85,11 +82,9 @@ class Budget:
 
     def overrides(self) -> list[str]:
         seconds = str(_UNREACHED_S) if self.seconds is None else f"{self.seconds:g}"
-        out = [
-            "++callbacks.time_budget._target_=protein_performer.training.callbacks.TimeBudget",
-            f"++callbacks.time_budget.seconds={seconds}",
-            f"++callbacks.time_budget.clock={self.clock}",
-        ]
+        out = ["++callbacks.time_budget._target_=protein_performer.training.callbacks.TimeBudget",
+               f"++callbacks.time_budget.seconds={seconds}",
+               f"++callbacks.time_budget.clock={self.clock}"]
         if self.steps is not None:
             out += [f"trainer.max_steps={self.steps}", "trainer.max_epochs=-1"]
         return out
@@ -111,15 +106,9 @@ def store_overrides(args: argparse.Namespace, store: Path, budget: Budget) -> li
     loaded in the training process (so CPU time counts it), no progress bar or sanity
     validation, and the budget (for a time budget, an LR schedule of 20k steps: beyond reach)."""
     schedule = ["trainer.max_steps=20000"] if budget.steps is None else []
-    return [
-        f"trainer={args.trainer}",
-        f"data.path={store}",
-        "data.num_workers=0",
-        "trainer.enable_progress_bar=false",
-        "trainer.num_sanity_val_steps=0",
-        *schedule,
-        *budget.overrides(),
-    ]
+    return [f"trainer={args.trainer}", f"data.path={store}", "data.num_workers=0",
+            "trainer.enable_progress_bar=false", "trainer.num_sanity_val_steps=0", *schedule,
+            *budget.overrides()]
 
 
 @dataclass
@@ -245,12 +234,10 @@ def preprocess(args: argparse.Namespace, split_by: str, workers: int) -> Path:
     Sets ``args.store_command``."""
     store = args.out.resolve() / "store"
     # fmt: off
-    cmd = cli(
-        "preprocess", *args.data, "--out", str(store), "--on-invalid", "skip",
-        "--split-by", split_by, "--cluster-split", f"{args.identity:g}",
-        "--ood-frac", f"{args.ood_frac:g}", "--valid-frac", f"{args.valid_frac:g}",
-        "--test-frac", f"{args.test_frac:g}", "--workers", str(workers), "--no-progress",
-    )
+    cmd = cli("preprocess", *args.data, "--out", str(store), "--on-invalid", "skip", "--split-by",
+              split_by, "--cluster-split", f"{args.identity:g}", "--ood-frac",
+              f"{args.ood_frac:g}", "--valid-frac", f"{args.valid_frac:g}", "--test-frac",
+              f"{args.test_frac:g}", "--workers", str(workers), "--no-progress")
     # fmt: on
     args.store_command = shown(cmd, args.threads)
     print(f"# store\n{args.store_command}", flush=True)
@@ -258,13 +245,8 @@ def preprocess(args: argparse.Namespace, split_by: str, workers: int) -> Path:
     if meta_path.is_file():
         split = json.loads(meta_path.read_text())["split"]
         want = (args.valid_frac, args.test_frac, args.ood_frac, args.identity, split_by)
-        have = (
-            split.get("valid_frac"),
-            split.get("test_frac"),
-            split.get("ood", {}).get("frac"),
-            split.get("clusters", {}).get("min_seq_id"),
-            split.get("mode"),
-        )
+        have = (split.get("valid_frac"), split.get("test_frac"), split.get("ood", {}).get("frac"),
+                split.get("clusters", {}).get("min_seq_id"), split.get("mode"))
         if want != have:
             raise SystemExit(
                 f"error: {store} was made with (valid, test, ood, identity, mode) = {have}, not "
@@ -294,37 +276,26 @@ def study_parser(
 ) -> argparse.ArgumentParser:
     """The flags every budgeted study has (``--minutes`` or ``--steps``: whichever default is
     given); the first paragraph of ``doc`` describes it."""
-    p = argparse.ArgumentParser(
-        description=doc.split("\n\n")[0],
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-        epilog=epilog,
-    )
+    p = argparse.ArgumentParser(description=doc.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter,
+                                epilog=epilog)
     p.add_argument("--out", type=Path, default=Path(out))
     p.add_argument("--data", nargs="+", default=None, help="FASTA inputs (default: shared corpus)")
     if minutes is not None:
-        p.add_argument(
-            "--minutes",
-            type=float,
-            default=minutes,
-            help=f"training CPU-minutes per run ({minutes:g})",
-        )
+        p.add_argument("--minutes", type=float, default=minutes,
+                       help=f"training CPU-minutes per run ({minutes:g})")
     if steps is not None:
-        p.add_argument(
-            "--steps", type=int, default=steps, help=f"training steps per run ({steps})"
-        )
+        p.add_argument("--steps", type=int, default=steps,
+                       help=f"training steps per run ({steps})")
     p.add_argument("--seeds", type=int, default=2, help="seeds 0..N-1 per variant (default 2)")
-    p.add_argument(
-        "--first-seed", type=int, default=0, help="seeds run from here (default 0: 0..N-1)"
-    )
+    p.add_argument("--first-seed", type=int, default=0,
+                   help="seeds run from here (default 0: 0..N-1)")
     p.add_argument("--threads", type=int, default=1, help="torch threads per run (default 1)")
     p.add_argument("--jobs", type=int, default=jobs, help=f"runs trained at once ({jobs})")
     p.add_argument("--trainer", default="cpu", help="trainer config: cpu (default) or gpu")
     p.add_argument("--skip-existing", action="store_true", help="reuse finished runs")
-    p.add_argument(
-        "--report-only",
-        action="store_true",
-        help="train and evaluate nothing: report the runs in --out that finished",
-    )
+    p.add_argument("--report-only", action="store_true",
+                   help="train and evaluate nothing: report the runs in --out that finished")
     p.add_argument("--quick", action="store_true", help=quick_help)
     return p
 
@@ -458,9 +429,8 @@ def unigram_baseline(
     alphabet = Alphabet()
     logp = unigram_log_probs(train, objective, alphabet)
     best = int(np.argmax(logp))
-    dataset = ProteinDataset(
-        heldout, objective, max_len=max_len, crop="fixed", mlm_prob=mlm_prob, seed=seed
-    )
+    dataset = ProteinDataset(heldout, objective, max_len=max_len, crop="fixed", mlm_prob=mlm_prob,
+                             seed=seed)
     nll, n, correct = 0.0, 0, 0
     for i in range(len(dataset)):
         targets = np.asarray(dataset[(i, 0)]["targets"])
@@ -469,13 +439,8 @@ def unigram_baseline(
         n += int(t.size)
         correct += int((t == best).sum())
     loss = nll / max(n, 1)
-    return {
-        "records": len(heldout),
-        "tokens": n,
-        "loss": loss,
-        "ppl": math.exp(loss),
-        "acc": correct / max(n, 1),
-    }
+    return {"records": len(heldout), "tokens": n, "loss": loss, "ppl": math.exp(loss),
+            "acc": correct / max(n, 1)}
 
 
 def spearman(x: Sequence[float], y: Sequence[float]) -> float:

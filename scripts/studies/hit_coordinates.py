@@ -97,14 +97,11 @@ def main() -> None:
 
     def shares(all_err: np.ndarray) -> dict[str, float]:
         err = all_err[all_err >= 0]  # over the residues the placement put somewhere
-        return {
-            "placed": round(float(np.mean(all_err >= 0)), 4),
-            "exact": round(float(np.mean(err == 0)), 4),
-            "within_2": round(float(np.mean(err <= 2)), 4),
-            f"within_W{args.window}": round(float(np.mean(err <= args.window)), 4),
-            "mean_abs": round(float(err.mean()), 2),
-            "max": int(err.max()),
-        }
+        return {"placed": round(float(np.mean(all_err >= 0)), 4),
+                "exact": round(float(np.mean(err == 0)), 4),
+                "within_2": round(float(np.mean(err <= 2)), 4),
+                f"within_W{args.window}": round(float(np.mean(err <= args.window)), 4),
+                "mean_abs": round(float(err.mean()), 2), "max": int(err.max())}
 
     print(json.dumps({
         "queries": int(len(picked)), "hits": hits, "hits_with_indels": with_indel,
