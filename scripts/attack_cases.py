@@ -223,8 +223,7 @@ def build(work: Path) -> list[Case]:
                 ("nan", {"coef": [float("nan"), 0, 0, 0]}, "must be finite"),
                 ("inf-intercept", {"intercept": float("inf")}, "must be finite"),
                 ("1e308", {"coef": [1e308] * 4}, "at most"),
-                ("bad-heads", {"heads": [-1, 0]}, "out of range"),
-            )
+                ("bad-heads", {"heads": [-1, 0]}, "out of range"))
         ),
         Case("safetensors-dtype", _cli("embed", str(_lying_dtype(mlm, work / "lies")),
              str(fasta), str(work / "l.h5")), "error", "torch.int32 vs model"),

@@ -50,8 +50,7 @@ def step_train(overrides: list[str]) -> TrainResult:
     if not checkpoint:
         raise UserError(
             "training finished without writing a checkpoint (was debug=fdr given? fast_dev_run "
-            "saves nothing)"
-        )
+            "saves nothing)")
     metrics = {k: v for k, v in result["metrics"].items() if isinstance(v, float)}
     curve = Path(result["curve"]) if result.get("curve") else None
     return TrainResult(Path(checkpoint), curve, Path(result["output_dir"]), metrics, seconds)
@@ -138,13 +137,9 @@ def main(argv: list[str] | None = None) -> int:
         epilog="example: python scripts/demo.py trainer.max_steps=100",
     )
     parser.add_argument(
-        "--threads",
-        type=int,
-        default=1,
-        metavar="N",
+        "--threads", type=int, default=1, metavar="N",
         help="PyTorch CPU threads (default 1: this tiny model gains little from more, and on a "
-        "busy 2-core machine 2 threads ran several times slower than 1)",
-    )
+        "busy 2-core machine 2 threads ran several times slower than 1)")
     args, overrides = parser.parse_known_args(argv)
     import torch
 

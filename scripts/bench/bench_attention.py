@@ -500,8 +500,7 @@ def format_tables(rows: list[Row], matmul_gflops: float) -> str:
         lines.append(
             f"| {r.impl} | {'causal' if r.causal else 'bidir'} | {r.L} | {r.mode} | {r.status} "
             f"| {r.time_s:.4g} | {r.peak_mem_mib:.1f} | {r.achieved_gflops:.1f} "
-            f"| {r.useful_frac:.2f} | {rt:.2f} | {rm:.2f} |"
-        )
+            f"| {r.useful_frac:.2f} | {rt:.2f} | {rm:.2f} |")
     lines += ["", "| target | goal | measured | pass |", "|---|---|---:|---|"]
     for desc, tgt, val, ok in targets(rows):
         verdict = "n/a (not measured)" if ok is None else common.verdict(ok)

@@ -65,8 +65,7 @@ def _lm(impl: str) -> Any:
     config = PerformerConfig(**SHAPE, objective="clm", **IMPLS[impl])
     model = PerformerLM(config).eval()
     return ProteinLM(
-        LoadedModel(model, config, Alphabet(), Path("random"), torch.device("cpu"), "memory")
-    )
+        LoadedModel(model, config, Alphabet(), Path("random"), torch.device("cpu"), "memory"))
 
 
 def _sequences(n: int, seed: int, last: int = MEMBER) -> list[str]:
@@ -199,8 +198,7 @@ def _report(rows: list[dict[str, Any]], args: Any) -> str:
                 f"| {_fmt(em)} | {_fmt(em / fm if em and fm else None, '.1f')}x | {_fmt(fr)} | "
                 f"{_fmt(fr / fm if fr and fm else None, '.1f')}x | "
                 f"{_fmt(e['rerun_ms_per_candidate'])} | {_fmt(f['context_kib'], '.0f')} | "
-                f"{_fmt(e['context_kib'], '.0f')} |"
-            )
+                f"{_fmt(e['context_kib'], '.0f')} |")
         lines.append("")
         if lengths:
             lo, hi = lengths[0], lengths[-1]
@@ -213,31 +211,27 @@ def _report(rows: list[dict[str, Any]], args: Any) -> str:
                         f"at 64k / 1k): {common.verdict(b / a <= 1.3)}; state "
                         f"{_fmt(_get(rows, impl, threads, lo, 'context_kib'), '.0f')} KiB at "
                         f"{lo}, {_fmt(_get(rows, impl, threads, hi, 'context_kib'), '.0f')} KiB "
-                        f"at {hi}"
-                    )
+                        f"at {hi}")
             for T in lengths:  # issue 40: the memory per candidate within 1.3x of FAVOR+
                 fm = _get(rows, "favor", threads, T, "ms_per_candidate")
                 mm = _get(rows, "favor+memory", threads, T, "ms_per_candidate")
                 if fm and mm:
                     lines.append(
                         f"favor+memory / FAVOR+ per candidate at {T}: {mm / fm:.2f}x (target "
-                        f"<= 1.3x): {common.verdict(mm / fm <= 1.3)}"
-                    )
+                        f"<= 1.3x): {common.verdict(mm / fm <= 1.3)}")
             mid = 16384 if 16384 in lengths else max(t for t in lengths if t <= 16384)
             fm = _get(rows, "favor", threads, mid, "ms_per_candidate")
             em = _get(rows, "exact", threads, mid, "ms_per_candidate")
             if fm and em:
                 lines.append(
                     f"exact / FAVOR+ per candidate at {mid}: {em / fm:.1f}x (target >= 20x at "
-                    f"16k): {common.verdict(em / fm >= 20)}"
-                )
+                    f"16k): {common.verdict(em / fm >= 20)}")
             peak = _get(rows, "favor", threads, hi, "peak_rss_mib")
             n = _get(rows, "favor", threads, hi, "candidates")
             if peak:
                 lines.append(
                     f"FAVOR+ peak RSS, {n} candidates at {hi} (build included): {peak:.0f} MiB "
-                    f"(target < 1024 MiB at 64k): {common.verdict(peak < 1024)}"
-                )
+                    f"(target < 1024 MiB at 64k): {common.verdict(peak < 1024)}")
         lines.append("")
     skipped = [r for r in rows if r.get("status") != "ok"]
     for r in skipped:

@@ -288,8 +288,7 @@ def summarize(rows: list[dict[str, Any]]) -> list[str]:
         if ours and esm:
             lines.append(
                 f"L={L}: {esm['time_s'] / ours['time_s']:.2f}x faster than fair-esm, peak memory "
-                f"{ours['peak_mib'] / max(esm['peak_mib'], 1e-9):.3f}x fair-esm's"
-            )
+                f"{ours['peak_mib'] / max(esm['peak_mib'], 1e-9):.3f}x fair-esm's")
     t4, t32 = get("performer", "4096"), get("performer", "32768")
     if t4 and t32:
         ratio = t32["time_s"] / t4["time_s"]
@@ -331,42 +330,26 @@ def main(argv: list[str] | None = None) -> int:
                         help="default: float32")
     parser.add_argument("--repeats", type=int, default=1, help="timed forwards; best is kept")
     parser.add_argument(
-        "--clock",
-        choices=("wall", "cpu"),
-        default="wall",
+        "--clock", choices=("wall", "cpu"), default="wall",
         help="wall: elapsed seconds (default); cpu: this process's CPU seconds, all threads "
         "(on a shared machine at --threads 1 it barely sees other work; with more threads it "
-        "also counts their waits)",
-    )
+        "also counts their waits)")
     parser.add_argument("--timeout", type=float, default=900.0, help="seconds per case")
     parser.add_argument(
-        "--esm-max-len",
-        type=int,
-        default=4096,
+        "--esm-max-len", type=int, default=4096,
         help="longest L for fair-esm, whose L x L attention needs ~heads*L^2*4 bytes per "
-        "layer (16k: 20 GiB); longer is recorded as skipped (default 4096)",
-    )
+        "layer (16k: 20 GiB); longer is recorded as skipped (default 4096)")
     parser.add_argument(
-        "--hf-max-len",
-        type=int,
-        default=16384,
+        "--hf-max-len", type=int, default=16384,
         help="longest L for transformers and our exact twin (quadratic time: 32k takes many "
-        "minutes on a CPU); longer is recorded as skipped (default 16384)",
-    )
+        "minutes on a CPU); longer is recorded as skipped (default 16384)")
     parser.add_argument(
-        "--nb-features",
-        type=int,
-        default=None,
+        "--nb-features", type=int, default=None,
         help="FAVOR+ random features per head for our model (default: the model's, d ln d "
-        "rounded up to a multiple of 16 = 48 for the 8M shape's 16-wide heads)",
-    )
+        "rounded up to a multiple of 16 = 48 for the 8M shape's 16-wide heads)")
     parser.add_argument(
-        "--proteins",
-        type=int,
-        default=0,
-        metavar="N",
-        help="also embed N real proteins as `embed` batches them (0 = no such case)",
-    )
+        "--proteins", type=int, default=0, metavar="N",
+        help="also embed N real proteins as `embed` batches them (0 = no such case)")
     parser.add_argument("--titin", type=Path, default=TITIN, help="FASTA holding TITIN_HUMAN")
     parser.add_argument("--no-titin", action="store_true", help="skip the titin case")
     parser.add_argument("--quick", action="store_true", help="L = 256, 512 and no titin")

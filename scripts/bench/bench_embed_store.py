@@ -151,8 +151,7 @@ def main() -> int:
             f"| {n} | {r['file_bytes'] / 2**20:.1f} | {r['file_bytes'] / r['raw_bytes']:.2f}x | "
             f"{r['model_s']:.1f} | {r['embed_s']:.1f} | {r['storage_s']:.2f} | "
             f"{100 * r['storage_s'] / (r['embed_s'] - r['storage_s']):.1f}% | {r['read_s']:.3f} | "
-            f"{r['maxrss_mib']:.0f} |"
-        )
+            f"{r['maxrss_mib']:.0f} |")
     small, big = min(args.records), max(args.records)
     if small != big:
         ratio = rows[big]["maxrss_mib"] / rows[small]["maxrss_mib"]
@@ -166,8 +165,7 @@ def main() -> int:
         f"extrapolated to UniRef50 ({UNIREF50:,} records of this size and dim 64): file "
         f"{per_record * UNIREF50 / 2**30:.1f} GiB; writing at this run's rate "
         f"{UNIREF50 / r['n'] * r['storage_s'] / 3600:.2f} h of storage time "
-        f"beyond the model; reading all pooled embeddings {UNIREF50 / r['n'] * r['read_s']:.0f} s",
-    ]
+        f"beyond the model; reading all pooled embeddings {UNIREF50 / r['n'] * r['read_s']:.0f} s"]
     report = "\n".join(lines) + "\n"
     (args.out / "embed_store.md").write_text(report)
     print(report)

@@ -119,8 +119,7 @@ def fig4_study(
         mean, std = _mean_std(mses)
         rows.append(
             {"tau": tau, "features": feat, "draw": draw, "m": m, "mse_mean": mean, "mse_std": std,
-             "seeds": seeds}
-        )
+            "seeds": seeds})
         log.info("fig4 tau=%g %-8s %-7s m=%-4d mse %.3e +- %.1e", tau, feat, draw, m, mean, std)
 
     for tau in taus:
@@ -220,8 +219,7 @@ def tau_study(
         mean, std = _mean_std(xs)
         rows.append(
             {"method": name, "tau": tau, "rel_err_mean": mean, "rel_err_std": std, "seeds": seeds,
-             "L": L, "d": d, "m": m}
-        )
+            "L": L, "d": d, "m": m})
         log.info("tau %-4g %-22s rel err %.4f +- %.4f", tau, name, mean, std)
     return rows
 

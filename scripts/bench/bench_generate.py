@@ -75,8 +75,7 @@ def _ours(attention: str = "favor", shape: dict[str, int] | None = None) -> Any:
     config = PerformerConfig(**(shape or SHAPE), objective="clm", attention=attention)
     model = PerformerLM(config).eval()
     return ProteinLM(
-        LoadedModel(model, config, Alphabet(), Path("random"), torch.device("cpu"), "memory")
-    )
+        LoadedModel(model, config, Alphabet(), Path("random"), torch.device("cpu"), "memory"))
 
 
 def per_token(lm: Any, positions: list[int], steps: int) -> list[dict[str, Any]]:
@@ -147,20 +146,13 @@ def performer_pytorch(lengths: list[int], direct: list[int]) -> tuple[dict, dict
     torch.manual_seed(0)
     top = max(lengths + direct)
     net = performer_pytorch.PerformerLM(
-        num_tokens=33,
-        max_seq_len=top + 1,
-        dim=SHAPE["dim"],
-        depth=SHAPE["depth"],
-        heads=SHAPE["heads"],
-        dim_head=SHAPE["dim"] // SHAPE["heads"],
-        causal=True,
+        num_tokens=33, max_seq_len=top + 1, dim=SHAPE["dim"], depth=SHAPE["depth"],
+        heads=SHAPE["heads"], dim_head=SHAPE["dim"] // SHAPE["heads"], causal=True,
         nb_features=default_nb_features(SHAPE["dim"] // SHAPE["heads"]),
-        ff_mult=SHAPE["ff_dim"] // SHAPE["dim"],
-    ).eval()
+        ff_mult=SHAPE["ff_dim"] // SHAPE["dim"]).eval()
     wrapper = AutoregressiveWrapper(net)
     grid = sorted(
-        {1, *[g for g in (64, 256, 512, 1024, 2048, 3072, 4096, 6144, 8192) if g <= top], top}
-    )
+        {1, *[g for g in (64, 256, 512, 1024, 2048, 3072, 4096, 6144, 8192) if g <= top], top})
     fwd = {}
     with torch.inference_mode():
         for t in grid:
@@ -321,9 +313,8 @@ def floors(args: Any) -> list[dict[str, Any]]:
             floor_ms = 1e3 * wb / bw
             rows.append(
                 {"shape": name, "threads": t, "weights_mib": wb / 2**20, "copy_gb_s": bw / 1e9,
-                 "floor_ms_per_token": floor_ms, "favor_ms_per_token": ms,
-                 "over_floor": ms / floor_ms}
-            )
+                "floor_ms_per_token": floor_ms, "favor_ms_per_token": ms,
+                "over_floor": ms / floor_ms})
             print(f"  floor {name} threads {t}: {floor_ms:.2f} ms, ours {ms:.2f}", file=sys.stderr)
     return rows
 
@@ -340,13 +331,10 @@ def peer_lines(
     rows: list[dict[str, Any]], floor_rows: list[dict[str, Any]], note: str
 ) -> list[str]:
     lines = [
-        "",
-        "ms per generated token (prefill and sampling included; best of the repeats):",
-        "",
+        "", "ms per generated token (prefill and sampling included; best of the repeats):", "",
         "| threads | prompt | batch | ours FAVOR+ | ours exact (KV cache) | GPT-2 (HF, KV cache) "
         "| GPT-2 / FAVOR+ | exact / FAVOR+ |",
-        "|---|---|---|---|---|---|---|---|",
-    ]
+        "|---|---|---|---|---|---|---|---|"]
     for r in rows:
         f, e, g = r["favor_ms_per_token"], r["exact_ms_per_token"], r["gpt2_ms_per_token"]
         lines.append(f"| {r['threads']} | {r['prompt']} | {r['batch']} | {_fmt(f)} | {_fmt(e)} | "
@@ -360,14 +348,12 @@ def peer_lines(
         "",
         "| shape | threads | weights MiB | copy GB/s | floor ms/token | ours ms/token "
         "| ours / floor |",
-        "|---|---|---|---|---|---|---|",
-    ]
+        "|---|---|---|---|---|---|---|"]
     for r in floor_rows:
         lines.append(
             f"| {r['shape']} | {r['threads']} | {r['weights_mib']:.1f} | {r['copy_gb_s']:.1f} | "
             f"{r['floor_ms_per_token']:.2f} | {r['favor_ms_per_token']:.2f} | "
-            f"{r['over_floor']:.1f}x |"
-        )
+            f"{r['over_floor']:.1f}x |")
     return lines
 
 
@@ -399,8 +385,7 @@ def total_lines(args: Any, ours: dict, est: dict, timed: dict, note: str) -> lis
         ratio = (t or e) / o if o and (t or e) else None
         lines.append(
             f"| {n} | {'' if o is None else f'{o:.1f}'} | {'' if t is None else f'{t:.1f}'} | "
-            f"{'' if e is None else f'{e:.1f}'} | {'' if ratio is None else f'{ratio:.0f}x'} |"
-        )
+            f"{'' if e is None else f'{e:.1f}'} | {'' if ratio is None else f'{ratio:.0f}x'} |")
     if ours:
         lo, hi = min(ours), max(ours)
         lines.append(f"\nours: {hi} tokens / {lo} tokens = {ours[hi] / ours[lo]:.2f}x "

@@ -74,8 +74,7 @@ def main() -> int:
         "",
         "| precision | mean emb. max abs delta | (relative) | per-residue max abs delta | "
         "(relative) | score max abs delta |",
-        "|---|---|---|---|---|---|",
-    ]
+        "|---|---|---|---|---|---|"]
     for precision in ("bf16", "fp16"):
         mean, tok, score = results[precision]
         d_mean = float(np.abs(mean - mean32).max())

@@ -152,11 +152,7 @@ def ours(path: Path, out: Path, workers: int) -> dict:
     t0 = time.perf_counter()
     proc = subprocess.Popen(
         [sys.executable, "-c", _CHILD, os.fspath(path), os.fspath(out), str(workers)],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        cwd=common.REPO,
-    )
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=common.REPO)
     stop, peak = threading.Event(), [0]
     sampler = threading.Thread(target=_tree_rss, args=(proc, stop, peak), daemon=True)
     sampler.start()
@@ -186,14 +182,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--workdir", type=Path, default=None,
                     help="where to put the FASTA and the store (default: a new temp dir)")
     ap.add_argument(
-        "--workers",
-        type=int,
-        nargs="+",
-        default=None,
+        "--workers", type=int, nargs="+", default=None,
         help="preprocess worker processes; several values run one after another on the same "
         "file (default: the CLI default, usable CPUs capped at 8); the first is checked "
-        "against the targets",
-    )
+        "against the targets")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--keep", action="store_true", help="keep the generated FASTA and store")
     ap.add_argument("--json-out", type=Path, default=None, help="also write the results as JSON")
@@ -225,8 +217,7 @@ def main(argv: list[str] | None = None) -> int:
             res = ours(fasta, store, workers)
             if res["records"] != n_parse:
                 raise SystemExit(
-                    f"record count mismatch: ours {res['records']}, Biopython {n_parse}"
-                )
+                    f"record count mismatch: ours {res['records']}, Biopython {n_parse}")
             parse_rate, our_rate = mb / t_parse, mb / res["seconds"]
             ratio = our_rate / parse_rate
             store_bytes = sum(p.stat().st_size for p in store.iterdir())

@@ -126,17 +126,11 @@ def run_case(case: dict[str, Any]) -> None:
         """One model, its optimizer and batch: the function that runs one optimizer step."""
         torch.manual_seed(case["seed"])
         config = PerformerConfig(
-            dim=case["dim"],
-            depth=case["depth"],
-            heads=case["heads"],
-            ff_dim=case["ff_dim"],
-            nb_features=case["m"],
-            objective=case["objective"],
-            attention="favor" if attention == MEMORY else attention,
-            kernel=case["kernel"],
+            dim=case["dim"], depth=case["depth"], heads=case["heads"], ff_dim=case["ff_dim"],
+            nb_features=case["m"], objective=case["objective"],
+            attention="favor" if attention == MEMORY else attention, kernel=case["kernel"],
             feature_redraw_interval=0,
-            position_memory=case["memory_positions"] if attention == MEMORY else 0,
-        ).validate()
+            position_memory=case["memory_positions"] if attention == MEMORY else 0).validate()
         model = PerformerLM(config).to(device).train()
         optimizer = torch.optim.AdamW(model.param_groups(0.01), lr=1e-4, betas=(0.9, 0.98))
         tokens, targets = synthetic_batch(case["objective"], B, L, case["seed"], config,
@@ -275,18 +269,14 @@ def run_all(args: argparse.Namespace) -> list[Row]:
                 result, note = _spawn(case, args.timeout)
                 if result is not None and result.get("steps_timed", 0) > 0:
                     row = Row(
-                        **base,
-                        status=result["status"],
-                        steps_timed=result["steps_timed"],
+                        **base, status=result["status"], steps_timed=result["steps_timed"],
                         step_time_s=result["step_time_s"],
                         step_time_min_s=result["step_time_min_s"],
-                        tokens_per_s=result["tokens_per_s"],
-                        peak_mem_mib=result["peak_mem_mib"],
+                        tokens_per_s=result["tokens_per_s"], peak_mem_mib=result["peak_mem_mib"],
                         mem_kind="cuda_alloc_delta" if args.device == "cuda" else "rss_delta",
                         final_loss=result["final_loss"],
                         paired_speed=result.get("paired_speed", math.nan),
-                        note="; ".join(x for x in (result.get("note", ""), note) if x),
-                    )
+                        note="; ".join(x for x in (result.get("note", ""), note) if x))
                 else:
                     why = (result or {}).get("note") or note or "no result"
                     if result is not None and result.get("status") == "oom":
@@ -347,8 +337,7 @@ def ratios(rows: list[Row]) -> list[dict[str, Any]]:
                 "verdict": verdict,
                 "memory_ratio": memory,
                 "memory_verdict": "-" if math.isnan(memory) else common.verdict(
-                    memory >= MEMORY_TARGET
-                ),
+                    memory >= MEMORY_TARGET),
             }
         )
     return out
@@ -357,27 +346,22 @@ def ratios(rows: list[Row]) -> list[dict[str, Any]]:
 def format_tables(rows: list[Row], header: str) -> str:
     """Markdown: the raw measurements, then the favor/exact ratios against the targets."""
     lines = [
-        header,
-        "",
+        header, "",
         "| objective | attention | L | B | status | steps | step s | tokens/s | peak MiB | note |",
-        "|---|---|---:|---:|---|---:|---:|---:|---:|---|",
-    ]
+        "|---|---|---:|---:|---|---:|---:|---:|---:|---|"]
     for r in rows:
         lines.append(
             f"| {r.objective} | {r.attention} | {r.L} | {r.B} | {r.status} | {r.steps_timed} "
-            f"| {r.step_time_s:.4g} | {r.tokens_per_s:.0f} | {r.peak_mem_mib:.0f} | {r.note} |"
-        )
+            f"| {r.step_time_s:.4g} | {r.tokens_per_s:.0f} | {r.peak_mem_mib:.0f} | {r.note} |")
     lines += [
         "",
         "| objective | L | favor tok/s | exact tok/s | favor/exact speed | exact/favor memory "
         "| target | verdict |",
-        "|---|---:|---:|---:|---:|---:|---|---|",
-    ]
+        "|---|---:|---:|---:|---:|---:|---|---|"]
     for x in ratios(rows):
         lines.append(
             f"| {x['objective']} | {x['L']} | {x['favor_tok_s']:.0f} | {x['exact_tok_s']:.0f} "
-            f"| {x['speed_ratio']:.2f} | {x['mem_ratio']:.2f} | {x['target']} | {x['verdict']} |"
-        )
+            f"| {x['speed_ratio']:.2f} | {x['mem_ratio']:.2f} | {x['target']} | {x['verdict']} |")
     if any(not math.isnan(x["memory_ratio"]) for x in ratios(rows)):
         lines += ["", f"| objective | L | {MEMORY} / favor speed | target | verdict |",
                   "|---|---:|---:|---|---|"]
@@ -408,11 +392,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--heads", type=int, default=20)
     p.add_argument("--ff-dim", type=int, default=0, help="feed-forward size (0: 4 * dim)")
     p.add_argument(
-        "--nb-features",
-        type=int,
-        default=None,
-        help="FAVOR+ random features m (default: the model's, d ln d of the head size d)",
-    )
+        "--nb-features", type=int, default=None,
+        help="FAVOR+ random features m (default: the model's, d ln d of the head size d)")
     p.add_argument("--kernel", default="softmax", help="FAVOR+ kernel")
     p.add_argument("--warmup", type=int, default=2, help="untimed optimizer steps per case")
     p.add_argument("--steps", type=int, default=8, help="timed optimizer steps per case (max)")
@@ -422,8 +403,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="hard limit per case (process), seconds")
     common.add_mem_limit_arg(p)
     common.add_final_args(
-        p, quick_help="tiny smoke configuration: 2 layers, dim 64, L=64,128, 256 tokens, 3 steps"
-    )
+        p, quick_help="tiny smoke configuration: 2 layers, dim 64, L=64,128, 256 tokens, 3 steps")
     args = p.parse_args(argv)
     if args.quick:
         args.depth, args.dim, args.heads, args.nb_features = 2, 64, 4, 32

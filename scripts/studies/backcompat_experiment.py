@@ -208,8 +208,7 @@ def write_report(
         for weight, curve in curves.items():
             for p in curve:
                 writer.writerow(
-                    {"distill_weight": weight, **p, "ratio_to_exact": p["ppl"] / exact_ppl}
-                )
+                    {"distill_weight": weight, **p, "ratio_to_exact": p["ppl"] / exact_ppl})
     plot(args, exact_ppl, curves)
 
     dim, depth, heads = args.shape
@@ -221,8 +220,7 @@ def write_report(
         else f"trained with exact attention (lr {args.lr})"
     )
     lines = [
-        "## Backward compatibility: exact -> FAVOR+ swap and recovery",
-        "",
+        "## Backward compatibility: exact -> FAVOR+ swap and recovery", "",
         f"Model: MLM, dim {dim}, depth {depth}, heads {heads}, ff {4 * dim}; {args.steps} steps "
         f"{source} (<= {args.max_tokens} tokens per batch, max_len {args.max_len}) on "
         f"{', '.join(p.name for p in args.data)}"
@@ -237,8 +235,7 @@ def write_report(
         f"{swap_mean / exact_ppl:.3f}× exact.",
         "",
         "| fine-tune step | " + " | ".join(f"{_label(w)}: ppl (× exact)" for w in weights) + " |",
-        "|---:|" + "---:|" * len(weights),
-    ]
+        "|---:|" + "---:|" * len(weights)]
     steps = sorted({p["step"] for curve in curves.values() for p in curve})
     by_step = {w: {p["step"]: p["ppl"] for p in curve} for w, curve in curves.items()}
     for step in steps:
@@ -262,8 +259,7 @@ def write_report(
         )
         lines.append(f"- {_label(weight)}: {verdict}.")
         summary["runs"].append(
-            {"distill_weight": weight, "curve": curve, "reached_step": reached, "target_met": met}
-        )
+            {"distill_weight": weight, "curve": curve, "reached_step": reached, "target_met": met})
     timing = ", ".join(f"{k} {v:.0f} s" for k, v in seconds.items())
     lines += [
         "",
@@ -325,20 +321,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--eval-every", type=int, default=None, help="K (default M/12)")
     p.add_argument("--redraw-interval", type=int, default=100)
     p.add_argument(
-        "--distill-weights",
-        type=float,
-        nargs="+",
-        default=[0.0, 0.5],
-        metavar="W",
-        help="one fine-tune per weight: 0 = MLM alone, w = (1-w) MLM + w KL to the exact twin",
-    )
+        "--distill-weights", type=float, nargs="+", default=[0.0, 0.5], metavar="W",
+        help="one fine-tune per weight: 0 = MLM alone, w = (1-w) MLM + w KL to the exact twin")
     p.add_argument("--distill-temperature", type=float, default=1.0)
     p.add_argument(
-        "--exact-ckpt",
-        type=Path,
-        default=None,
-        help="skip training: start from this exact-attention .ckpt (same --shape and data)",
-    )
+        "--exact-ckpt", type=Path, default=None,
+        help="skip training: start from this exact-attention .ckpt (same --shape and data)")
     p.add_argument("--trainer", default="cpu", help="trainer config group option (cpu, gpu)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")

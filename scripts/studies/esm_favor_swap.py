@@ -167,14 +167,12 @@ def summarize(rows: list[dict], kernels: Sequence[str], ms: Sequence[int]) -> st
         ("kl", "Mean KL(exact || favor) per residue (nats)", ".4f"),
         ("top1", "Top-1 agreement with exact", ".3f"),
         ("contact_dp", "Contact maps: mean |delta p| per pair (|i - j| >= 6)", ".4f"),
-        ("contact_overlap", "Contact maps: top-L/5 long-range (|i - j| >= 24) overlap", ".3f"),
-    ):
+        ("contact_overlap", "Contact maps: top-L/5 long-range (|i - j| >= 24) overlap", ".3f")):
         lines += [f"### {title}", "", "| kernel | " + " | ".join(f"m={m}" for m in ms) + " |"]
         lines.append("|---|" + "---|" * len(ms))
         for kernel in kernels:
             lines.append(
-                f"| {kernel} | " + " | ".join(cell(kernel, m, key, fmt) for m in ms) + " |"
-            )
+                f"| {kernel} | " + " | ".join(cell(kernel, m, key, fmt) for m in ms) + " |")
         lines.append("")
     return "\n".join(lines)
 
@@ -184,11 +182,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                                 epilog=__doc__.split("\n\n", 1)[1],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument(
-        "--checkpoint",
-        type=Path,
-        default=None,
-        help="fair-esm .pt, HF EsmForMaskedLM dir, or our export/.ckpt (default: random ESM-2)",
-    )
+        "--checkpoint", type=Path, default=None,
+        help="fair-esm .pt, HF EsmForMaskedLM dir, or our export/.ckpt (default: random ESM-2)")
     demo = h.REPO / "protein_performer" / "data" / "demo"
     p.add_argument("--fasta", type=Path, default=demo / "some_proteins.fasta")
     p.add_argument("--max-records", type=int, default=15)
@@ -198,13 +193,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seeds", type=int, default=3, help="feature seeds per (kernel, m)")
     p.add_argument("--toks-per-batch", type=int, default=4096)
     p.add_argument(
-        "--random-shape",
-        nargs=3,
-        type=int,
-        default=(320, 6, 20),
+        "--random-shape", nargs=3, type=int, default=(320, 6, 20),
         metavar=("DIM", "DEPTH", "HEADS"),
-        help="shape of the random ESM-2 when no checkpoint is given (default: ESM-2 8M)",
-    )
+        help="shape of the random ESM-2 when no checkpoint is given (default: ESM-2 8M)")
     p.add_argument("--out-dir", type=Path, default=h.REPO / "outputs" / "esm_favor_swap")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     p.add_argument("--quick", action="store_true",

@@ -240,8 +240,7 @@ def blat_set(args: argparse.Namespace, train_fasta: Path) -> dict[str, Any]:
         rows = [r for r in csv.DictReader(fh) if r.get(BLAT_LABEL, "").strip()]
     if args.blat_mutants and args.blat_mutants < len(rows):
         keep = set(
-            _stable_order(list(range(len(rows))), args.eval_seed, "blat")[: args.blat_mutants]
-        )
+            _stable_order(list(range(len(rows))), args.eval_seed, "blat")[: args.blat_mutants])
         rows = [r for i, r in enumerate(rows) if i in keep]
     out = args.out.resolve() / "blat_homologs.fasta"
     cmd = h.cli("homologs", str(BLAT_WT), str(train_fasta), str(out), "--max-seqs", str(max(KS)),
@@ -454,8 +453,7 @@ def counts_line(rows: list[dict[str, Any]], data: dict[str, Any]) -> str:
         med = statistics.median(sizes) if sizes else 0
         parts.append(
             f"{split}: {len(ts)} targets ({ev[split]['0']['tokens']} scored tokens; family size "
-            f"median {med:g}, min {min(sizes, default=0)}); mean context {ks}"
-        )
+            f"median {med:g}, min {min(sizes, default=0)}); mean context {ks}")
     return "; ".join(parts)
 
 
@@ -587,8 +585,7 @@ def report(rows: list[dict[str, Any]], data: dict[str, Any], args: argparse.Name
             "The retrieval found no homolog of BLAT_ECOLX in the training split, so there is no "
             "context to score with (the column reads '-'): the rho with homologs cannot be "
             "measured on this corpus.",
-            "",
-        ]
+            ""]
     lines += [f"## Length extrapolation (single rows, trained on <= {args.single_len} tokens)", "",
               long_table(rows), "", "## Commands", "", f"    {args.store_command}",
               f"    {b['command']}"]
@@ -608,23 +605,17 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, h.Bud
         __doc__,
         "Budgets are CPU time of each training process (time.process_time, validation "
         "excluded) with --threads torch threads; see the module docstring.",
-        out="outputs/family_context",
-        jobs=2,
-        minutes=3.0,
-        quick_help="smoke run: tiny models, a 2,000-record corpus, 3 CPU-seconds per run, 1 seed",
-    )
+        out="outputs/family_context", jobs=2, minutes=3.0,
+        quick_help="smoke run: tiny models, a 2,000-record corpus, 3 CPU-seconds per run, 1 seed")
     p.add_argument("--mmseqs-threads", type=int, default=2, help="MMseqs2 threads")
     p.add_argument("--identity", type=float, default=0.5, help="MMseqs2 identity of the split")
     p.add_argument("--ood-frac", type=float, default=0.04, help="fraction of clusters in ood")
     p.add_argument("--valid-frac", type=float, default=0.01)
     p.add_argument("--test-frac", type=float, default=0.05)
     p.add_argument(
-        "--family-method",
-        default="cluster",
-        choices=("search", "cluster"),
+        "--family-method", default="cluster", choices=("search", "cluster"),
         help="how families are built (default cluster: search of the 25k-record train split "
-        "against itself took > 25 min on a loaded 2-core machine)",
-    )
+        "against itself took > 25 min on a loaded 2-core machine)")
     p.add_argument("--family-identity", type=float, default=0.3, help="identity of families")
     p.add_argument("--single-len", type=int, default=512, help="single row / member crop")
     p.add_argument("--family-tokens", type=int, default=2048, help="family row length")

@@ -166,13 +166,11 @@ def run_finetune(base: str, table: Path, out: Path, mode: str, args: argparse.Na
 
     cfg = compose_config(
         [f"base={base}", f"data.train={table}", f"mode={mode}", f"paths.output_dir={out}",
-         f"trainer.max_epochs={args.epochs}", "test=false", "trainer.enable_progress_bar=false",
-         "~callbacks.progress_bar", "~callbacks.training_curve",
-         "trainer.enable_model_summary=false", f"data.max_batch_size={args.batch_size}",
-         f"seed={args.seed}", *extra],
-        name="finetune",
-        direct_keys=("base", "data.train"),
-    )
+        f"trainer.max_epochs={args.epochs}", "test=false", "trainer.enable_progress_bar=false",
+        "~callbacks.progress_bar", "~callbacks.training_curve",
+        "trainer.enable_model_summary=false", f"data.max_batch_size={args.batch_size}",
+        f"seed={args.seed}", *extra],
+        name="finetune", direct_keys=("base", "data.train"))
     result = finetune(cfg)
     return result["best_checkpoint"] or result["last_checkpoint"]
 
@@ -520,12 +518,8 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument(
-        "--model",
-        action="append",
-        default=[],
-        metavar="[NAME=]CKPT",
-        help="pretrained model(s) to probe and fine-tune (repeatable); NAME labels the rows",
-    )
+        "--model", action="append", default=[], metavar="[NAME=]CKPT",
+        help="pretrained model(s) to probe and fine-tune (repeatable); NAME labels the rows")
     p.add_argument("--dms", type=Path, default=DMS, help="folder with the BLAT_ECOLX files")
     p.add_argument("--column", default="2500", help="label column (default: 2500)")
     p.add_argument("--folds", type=int, default=5)
@@ -536,20 +530,15 @@ def main(argv: list[str] | None = None) -> int:
                    help="comma-separated subset of onehot,frozen,lora,full (default: all; with "
                    "--residue: frozen,lora)")
     p.add_argument(
-        "--lrs",
-        default=None,
-        metavar="LR,LR,...",
+        "--lrs", default=None, metavar="LR,LR,...",
         help="head learning rates to sweep for the fine-tuning runs (the backbone's keeps the "
-        "mode's default ratio), picked on an inner validation split of the training folds",
-    )
+        "mode's default ratio), picked on an inner validation split of the training folds")
     p.add_argument("--select", choices=("each-fold", "first-fold"), default="each-fold",
                    help="with --lrs: pick the LR in every fold, or once on fold 0 (cheaper)")
     p.add_argument(
-        "--residue",
-        action="store_true",
+        "--residue", action="store_true",
         help="the residue-level check (buried vs exposed on the bundled structures) instead "
-        "of the BLAT_ECOLX scan",
-    )
+        "of the BLAT_ECOLX scan")
     p.add_argument("--structures", type=Path, default=STRUCTURES,
                    help="folder with chains.csv + PDB files")
     p.add_argument("--seed", type=int, default=0)

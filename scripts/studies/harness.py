@@ -50,8 +50,7 @@ QUICK_DATA = [str(REPO / "protein_performer" / "data" / "demo" / "train.fasta")]
 ATTENTION: dict[str, list[str]] = {
     "exact": ["model.config.attention=exact"],
     "favor-softmax": ["model.config.attention=favor", "model.config.kernel=softmax"],
-    "favor-relu": ["model.config.attention=favor", "model.config.kernel=relu"],
-}
+    "favor-relu": ["model.config.attention=favor", "model.config.kernel=relu"]}
 #: The tiny model of the studies' ``--quick`` runs (``model.config.KEY=VALUE``).
 QUICK_MODEL = ["dim=32", "depth=1", "heads=2", "ff_dim=64", "nb_features=16"]
 BUDGET_LOG = "time_budget.json"
@@ -250,8 +249,7 @@ def preprocess(args: argparse.Namespace, split_by: str, workers: int) -> Path:
         if want != have:
             raise SystemExit(
                 f"error: {store} was made with (valid, test, ood, identity, mode) = {have}, not "
-                f"{want}: remove it or pick another --out"
-            )
+                f"{want}: remove it or pick another --out")
         log.info("reusing %s", store)
         return store
     t0 = time.perf_counter()

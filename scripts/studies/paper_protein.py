@@ -200,8 +200,7 @@ def table2(rows: list[dict[str, Any]], base: dict[tuple[str, str], dict[str, Any
             t, o = base[(objective, "test")], base[(objective, "ood")]
             lines.append(
                 ["unigram baseline", part.upper(), f"{100 * t['acc']:.2f}", f"{t['ppl']:.2f}",
-                 f"{100 * o['acc']:.2f}", f"{o['ppl']:.2f}", "-", "-"]
-            )
+                f"{100 * o['acc']:.2f}", f"{o['ppl']:.2f}", "-", "-"])
     return h.markdown_table([*header, "steps", "seeds"], lines, left=2)
 
 
@@ -301,11 +300,8 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, h.Bud
         "Budgets are CPU time of each training process (time.process_time, validation "
         "excluded) with --threads torch threads, so runs stay comparable on a shared "
         "machine; --trainer gpu switches to wall clock. See the module docstring.",
-        out="outputs/paper_protein",
-        jobs=1,
-        minutes=10.0,
-        quick_help="smoke run: tiny models, the bundled demo FASTA, 3 CPU-seconds per run, 1 seed",
-    )
+        out="outputs/paper_protein", jobs=1, minutes=10.0,
+        quick_help="smoke run: tiny models, the bundled demo FASTA, 3 CPU-seconds per run, 1 seed")
     p.add_argument("--parts", default="uni,bid,concat",
                    help="comma list of uni, bid, concat (default all)")
     p.add_argument("--identity", type=float, default=0.5, help="MMseqs2 identity of OOD groups")
