@@ -203,11 +203,42 @@ def default_mem_limit_gib() -> float:
 
 def write_rows_csv(rows: Iterable[Any], path: Path, fieldnames: Iterable[str]) -> None:
     """Dataclass rows as CSV, the columns ``fieldnames`` in that order (other fields dropped)."""
+    write_dicts_csv([asdict(row) for row in rows], path, fieldnames)
+
+
+def write_dicts_csv(rows: list[dict[str, Any]], path: Path,
+                    fieldnames: Iterable[str] | None = None) -> None:
+    """Dict rows as CSV: the columns ``fieldnames`` (default: the first row's keys; ``L`` when
+    there is no row), other keys dropped."""
+    fields = list(fieldnames or (rows[0] if rows else ["L"]))
     with path.open("w", newline="") as fh:
-        writer = csv.DictWriter(fh, fieldnames=list(fieldnames), extrasaction="ignore")
+        writer = csv.DictWriter(fh, fieldnames=fields, extrasaction="ignore")
         writer.writeheader()
-        for row in rows:
-            writer.writerow(asdict(row))
+        writer.writerows(rows)
+
+
+def random_lm(source: str = "random", **config: Any) -> Any:
+    """A ``LoadedModel`` of a seeded random ``PerformerLM(PerformerConfig(**config))`` in eval
+    mode on the CPU: speed, memory and storage do not depend on trained weights."""
+    import torch
+
+    from protein_performer.data.tokenizer import Alphabet
+    from protein_performer.interop.record import LoadedModel
+    from protein_performer.model.config import PerformerConfig
+    from protein_performer.model.performer import PerformerLM
+
+    torch.manual_seed(0)
+    cfg = PerformerConfig(**config)
+    return LoadedModel(PerformerLM(cfg).eval(), cfg, Alphabet(), Path(source),
+                       torch.device("cpu"), "memory")
+
+
+def random_export(path: Path, **config: Any) -> Path:
+    """:func:`random_lm` exported to ``path`` (what the CLI and ``protein_performer.load``
+    read)."""
+    from protein_performer.interop.export import export_model
+
+    return export_model(random_lm(**config), path)
 
 
 def bench_parser(doc: str, epilog: str, out: str) -> argparse.ArgumentParser:

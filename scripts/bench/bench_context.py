@@ -37,7 +37,6 @@ import csv
 import math
 import sys
 import time
-from pathlib import Path
 from typing import Any
 
 import _common as common
@@ -53,19 +52,9 @@ FIELDS = ("impl", "threads", "tokens", "status", "build_s", "ms_per_candidate",
 
 
 def _lm(impl: str) -> Any:
-    import torch
-
-    from protein_performer.data.tokenizer import Alphabet
     from protein_performer.inference.api import ProteinLM
-    from protein_performer.interop.record import LoadedModel
-    from protein_performer.model.config import PerformerConfig
-    from protein_performer.model.performer import PerformerLM
 
-    torch.manual_seed(0)
-    config = PerformerConfig(**SHAPE, objective="clm", **IMPLS[impl])
-    model = PerformerLM(config).eval()
-    return ProteinLM(
-        LoadedModel(model, config, Alphabet(), Path("random"), torch.device("cpu"), "memory"))
+    return ProteinLM(common.random_lm(**SHAPE, objective="clm", **IMPLS[impl]))
 
 
 def _sequences(n: int, seed: int, last: int = MEMBER) -> list[str]:

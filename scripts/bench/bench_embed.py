@@ -50,10 +50,7 @@ import csv
 import json
 import logging
 import os
-import resource
-import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -143,12 +140,6 @@ def _protein_batches(seqs: list[str]) -> list[Any]:
     return [alphabet.encode_batch([seqs[i] for i in batch]) for batch in batches]
 
 
-def _rss() -> int:
-    import psutil
-
-    return psutil.Process().memory_info().rss
-
-
 def run_case(case: dict[str, Any]) -> dict[str, Any]:
     """Measure one (impl, length) in this process; returns the result row."""
     import torch
@@ -177,64 +168,36 @@ def run_case(case: dict[str, Any]) -> dict[str, Any]:
         body = torch.randint(4, 24, (1, length), generator=g)  # standard amino acids
         tokens = torch.cat([torch.zeros(1, 1, dtype=torch.long), body, torch.full((1, 1), 2)], 1)
     tokens = tokens.to(device)
-    with torch.inference_mode():
+    clock = time.process_time if case.get("clock") == "cpu" else time.perf_counter
+    times = []
+    with torch.inference_mode(), common.PeakSampler(None, interval_s=0.002) as sampler:
         forward(tokens[:, :64])  # warm-up: kernels, lazy init
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-            torch.cuda.reset_peak_memory_stats()
-            base = torch.cuda.memory_allocated()
-        common.release_free_memory()
-        rss0 = _rss()
-        max0 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-        sampled = [rss0]
-        stop = threading.Event()
-
-        def sample() -> None:
-            while not stop.is_set():
-                sampled.append(_rss())
-                time.sleep(0.002)
-
-        sampler = threading.Thread(target=sample, daemon=True)
-        sampler.start()
-        times = []
-        clock = time.process_time if case.get("clock") == "cpu" else time.perf_counter
+        peak = common.start_phase(sampler, device)
         for _ in range(int(case.get("repeats", 1))):
             start = clock()
             for batch in batches or [tokens]:
-                out = forward(batch)
-                del out
+                forward(batch)  # its output is dropped at once
             if device.type == "cuda":
                 torch.cuda.synchronize()
             times.append(clock() - start)
-        stop.set()
-        sampler.join()
-    if device.type == "cuda":
-        peak = torch.cuda.max_memory_allocated() - base
-    else:
-        max1 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-        peak = (max1 if max1 > max0 else max(sampled)) - rss0
-    return {"time_s": min(times), "peak_mib": peak / 2**20, "length": length, "note": note}
+        peak_bytes = peak()
+    return {"time_s": min(times), "peak_mib": peak_bytes / 2**20, "length": length, "note": note}
 
 
 # --------------------------------------------------------------------------------------------
 # Parent: orchestrate fresh processes, write the CSV, print the targets
 # --------------------------------------------------------------------------------------------
-def _spawn(case: dict[str, Any], timeout: float) -> dict[str, Any]:
-    cmd = [sys.executable, str(Path(__file__).resolve()), "--case", json.dumps(case)]
-    try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout,
-                              cwd=common.REPO)
-    except subprocess.TimeoutExpired:
-        return {"status": "timeout", "note": f"over {timeout:.0f} s"}
-    for line in proc.stdout.splitlines():
-        if line.startswith("RESULT "):
-            return {"status": "ok", **json.loads(line[7:])}
-    err = (proc.stderr.strip().splitlines() or ["no output"])[-1]
-    if "ImportError" in err or "ModuleNotFoundError" in err:
-        return {"status": "not installed", "note": err[-200:]}
-    if proc.returncode < 0 or "out of memory" in err.lower() or "MemoryError" in err:
-        return {"status": "oom", "note": err[-200:]}
-    return {"status": "error", "note": err[-200:]}
+def _failure(note: str) -> dict[str, str]:
+    """A case without a result: its status from ``common.spawn_case``'s note."""
+    if note.startswith("timeout"):
+        status = "timeout"
+    elif "ImportError" in note or "ModuleNotFoundError" in note:
+        status = "not installed"
+    elif note.startswith("exit -") or "out of memory" in note.lower() or "MemoryError" in note:
+        status = "oom"  # killed (the kernel's OOM killer) or torch's own out-of-memory error
+    else:
+        status = "error"
+    return {"status": status, "note": note}
 
 
 def _installed(impl: str) -> str | None:
@@ -364,52 +327,41 @@ def main(argv: list[str] | None = None) -> int:
         args.lengths, args.no_titin = [256, 512], True
 
     rows: list[dict[str, Any]] = []
-    base = {"device": args.device, "threads": args.threads or os.cpu_count()}
-    shared = {"device": args.device, "dtype": args.dtype, "threads": args.threads}
-    shared["clock"] = args.clock  # how each case times itself
-    for impl in args.impls:
+    shared = {"device": args.device, "dtype": args.dtype, "threads": args.threads,
+              "clock": args.clock, "repeats": args.repeats, "nb_features": args.nb_features}
+
+    def row(impl: str, case: str, length: int, skip: str = "", **extra: Any) -> dict[str, Any]:
+        """One case's row: measured in a fresh process unless not installed or ``skip``."""
+        out = {"impl": impl, "case": case, "length": length, "device": args.device,
+               "threads": args.threads or os.cpu_count(), "note": ""}
         missing = _installed(impl)
-        failed = False
-        for L in sorted(args.lengths):
-            row = {"impl": impl, "case": str(L), "length": L, **base, "note": ""}
-            if missing:
-                row.update(status="not installed", note=missing)
-            elif failed:
-                row.update(status="skipped", note="a shorter length failed or timed out")
-            elif impl == "esm" and args.esm_max_len < L:
-                row.update(status="skipped", note=f"L > --esm-max-len {args.esm_max_len}")
-            elif impl in ("hf", "exact") and args.hf_max_len < L:
-                row.update(status="skipped", note=f"L > --hf-max-len {args.hf_max_len}")
-            else:
-                case = {"impl": impl, "length": L, **shared, "repeats": args.repeats,
-                        "nb_features": args.nb_features}
-                row.update(_spawn(case, args.timeout))
-                failed = row["status"] != "ok"
-            rows.append(row)
-            log.info("%-9s L=%-6d %s", impl, L, _fmt(row))
-    for impl in args.impls if args.proteins else ():
-        row = {"impl": impl, "case": "proteins", "length": args.proteins, **base, "note": ""}
-        missing = _installed(impl)
-        if missing:
-            row.update(status="not installed", note=missing)
+        if missing or skip:
+            out.update(status="not installed" if missing else "skipped", note=missing or skip)
         else:
-            case = {"impl": impl, "length": args.proteins, "proteins": True, **shared,
-                    "repeats": args.repeats, "nb_features": args.nb_features}
-            row.update(_spawn(case, args.timeout))
-            row["length"] = args.proteins
-        rows.append(row)
-        log.info("%-9s proteins %s", impl, _fmt(row))
+            results, note = common.spawn_case(__file__, {"impl": impl, "length": length,
+                                                         **shared, **extra}, args.timeout)
+            out.update({"status": "ok", **results[0]} if results else _failure(note))
+        rows.append(out)
+        log.info("%-9s %-8s %s", impl, case if case in ("proteins", "titin") else f"L={length}",
+                 _fmt(out))
+        return out
+
+    for impl in args.impls:
+        failed = ""
+        for L in sorted(args.lengths):
+            skip = failed
+            if impl == "esm" and args.esm_max_len < L:
+                skip = skip or f"L > --esm-max-len {args.esm_max_len}"
+            elif impl in ("hf", "exact") and args.hf_max_len < L:
+                skip = skip or f"L > --hf-max-len {args.hf_max_len}"
+            if row(impl, str(L), L, skip)["status"] != "ok" and not skip:
+                failed = "a shorter length failed or timed out"
+    for impl in args.impls if args.proteins else ():
+        row(impl, "proteins", args.proteins, proteins=True)
     if not args.no_titin and "performer" in args.impls:
         seq = _titin(args.titin)
-        row = {"impl": "performer", "case": "titin", "length": len(seq or ""), **base, "note": ""}
-        if seq is None:
-            row.update(status="skipped", note=f"no TITIN_HUMAN record in {args.titin}")
-        else:
-            case = {"impl": "performer", "length": len(seq), "sequence": seq, **shared,
-                    "repeats": 1, "nb_features": args.nb_features}
-            row.update(_spawn(case, args.timeout))
-        rows.append(row)
-        log.info("%-9s titin    %s", "performer", _fmt(row))
+        row("performer", "titin", len(seq or ""),
+            "" if seq else f"no TITIN_HUMAN record in {args.titin}", sequence=seq, repeats=1)
 
     args.out.parent.mkdir(parents=True, exist_ok=True)
     with open(args.out, "w", newline="", encoding="utf-8") as fh:

@@ -33,22 +33,6 @@ UNIREF50 = 65_000_000
 AMINO = "ACDEFGHIKLMNPQRSTVWY"
 
 
-def _model(directory: Path) -> Path:
-    import torch
-
-    from protein_performer.data.tokenizer import Alphabet
-    from protein_performer.interop.export import export_model
-    from protein_performer.interop.record import LoadedModel
-    from protein_performer.model.config import PerformerConfig
-    from protein_performer.model.performer import PerformerLM
-
-    torch.manual_seed(0)
-    config = PerformerConfig(dim=64, depth=2, heads=4, ff_dim=128, nb_features=32)
-    model = PerformerLM(config).eval()
-    loaded = LoadedModel(model, config, Alphabet(), Path("bench"), torch.device("cpu"), "memory")
-    return export_model(loaded, directory / "model")
-
-
 def _fasta(path: Path, n: int) -> None:
     import numpy as np
 
@@ -130,7 +114,8 @@ def main() -> int:
     rows = {}
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
-        model = _model(work)
+        model = common.random_export(work / "model", dim=64, depth=2, heads=4, ff_dim=128,
+                                     nb_features=32)
         for n in sorted({*args.records, args.read_records}):
             _fasta(work / f"in_{n}.fasta", n)
             case = {"n": n, "dir": tmp, "model": str(model), "threads": args.threads}

@@ -44,12 +44,10 @@ Examples::
 
 from __future__ import annotations
 
-import csv
 import os
 import statistics
 import sys
 import time
-from pathlib import Path
 from typing import Any
 
 import _common as common
@@ -63,19 +61,9 @@ PARTS = ("per-token", "totals", "performer-pytorch", "peers", "floor")
 
 
 def _ours(attention: str = "favor", shape: dict[str, int] | None = None) -> Any:
-    import torch
-
-    from protein_performer.data.tokenizer import Alphabet
     from protein_performer.inference.api import ProteinLM
-    from protein_performer.interop.record import LoadedModel
-    from protein_performer.model.config import PerformerConfig
-    from protein_performer.model.performer import PerformerLM
 
-    torch.manual_seed(0)
-    config = PerformerConfig(**(shape or SHAPE), objective="clm", attention=attention)
-    model = PerformerLM(config).eval()
-    return ProteinLM(
-        LoadedModel(model, config, Alphabet(), Path("random"), torch.device("cpu"), "memory"))
+    return ProteinLM(common.random_lm(**(shape or SHAPE), objective="clm", attention=attention))
 
 
 def per_token(lm: Any, positions: list[int], steps: int) -> list[dict[str, Any]]:
@@ -311,10 +299,9 @@ def floors(args: Any) -> list[dict[str, Any]]:
             ms = min(1e3 * _time_ours(lm, 16, 1, args.new) / args.new for _ in range(args.repeats))
             wb = weight_bytes(lm.model)
             floor_ms = 1e3 * wb / bw
-            rows.append(
-                {"shape": name, "threads": t, "weights_mib": wb / 2**20, "copy_gb_s": bw / 1e9,
-                "floor_ms_per_token": floor_ms, "favor_ms_per_token": ms,
-                "over_floor": ms / floor_ms})
+            rows.append({"shape": name, "threads": t, "weights_mib": wb / 2**20,
+                         "copy_gb_s": bw / 1e9, "floor_ms_per_token": floor_ms,
+                         "favor_ms_per_token": ms, "over_floor": ms / floor_ms})
             print(f"  floor {name} threads {t}: {floor_ms:.2f} ms, ours {ms:.2f}", file=sys.stderr)
     return rows
 
@@ -359,10 +346,7 @@ def peer_lines(
 
 def per_token_lines(args: Any, tokens: list[dict[str, Any]]) -> list[str]:
     """The per-token table (and its CSV, written here)."""
-    with (args.out / "generate_per_token.csv").open("w", newline="") as fh:
-        w = csv.DictWriter(fh, fieldnames=list(tokens[0]))
-        w.writeheader()
-        w.writerows(tokens)
+    common.write_dicts_csv(tokens, args.out / "generate_per_token.csv")
     lines = ["", "| context position | ms / token | peak MiB of a step | state KiB |",
              "|---|---|---|---|"]
     for r in tokens:
@@ -379,9 +363,7 @@ def total_lines(args: Any, ours: dict, est: dict, timed: dict, note: str) -> lis
     lines = ["", "| tokens | ours s | performer-pytorch s (timed) | (estimated) | ratio |",
              "|---|---|---|---|---|"]
     for n in sorted(set(ours) | set(est) | set(timed)):
-        o = ours.get(n)
-        e = est.get(n)
-        t = timed.get(n)
+        o, e, t = ours.get(n), est.get(n), timed.get(n)
         ratio = (t or e) / o if o and (t or e) else None
         lines.append(
             f"| {n} | {'' if o is None else f'{o:.1f}'} | {'' if t is None else f'{t:.1f}'} | "
@@ -459,10 +441,7 @@ def main() -> int:
         lines += peer_lines(peer_rows, floor_rows, peer_note)
     for name, rows in (("generate_peers.csv", peer_rows), ("generate_floor.csv", floor_rows)):
         if rows:
-            with (args.out / name).open("w", newline="") as fh:
-                w = csv.DictWriter(fh, fieldnames=list(rows[0]))
-                w.writeheader()
-                w.writerows(rows)
+            common.write_dicts_csv(rows, args.out / name)
     report = "\n".join(lines) + "\n"
     (args.out / "generate.md").write_text(report)
     print(report)

@@ -37,21 +37,6 @@ def sample(fasta: Path, n: int, max_len: int, seed: int) -> list[tuple[str, str]
     return random.Random(seed).sample(records, min(n, len(records)))
 
 
-def tiny_model() -> object:
-    """--quick: a random tiny masked LM (checks the script, not the estimate)."""
-    import torch
-
-    from protein_performer.data.tokenizer import Alphabet
-    from protein_performer.interop.record import LoadedModel
-    from protein_performer.model.config import PerformerConfig
-    from protein_performer.model.performer import PerformerLM
-
-    torch.manual_seed(0)
-    cfg = PerformerConfig(dim=16, depth=2, heads=2, ff_dim=32, nb_features=8)
-    return LoadedModel(PerformerLM(cfg).eval(), cfg, Alphabet(), Path("tiny"),
-                       torch.device("cpu"), "memory")  # fmt: skip
-
-
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
@@ -74,7 +59,9 @@ def main(argv: list[str] | None = None) -> int:
 
     torch.set_num_threads(args.threads)
     if args.quick:
-        lm, args.n, args.max_len = ProteinLM(tiny_model()), 4, 120  # type: ignore[arg-type]
+        # a random tiny masked LM: checks the script, not the estimate
+        tiny = common.random_lm(dim=16, depth=2, heads=2, ff_dim=32, nb_features=8)
+        lm, args.n, args.max_len = ProteinLM(tiny), 4, 120
     elif args.ckpt is None:
         p.error("CKPT is required without --quick")
     else:

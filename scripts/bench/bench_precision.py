@@ -24,22 +24,6 @@ import _common as common
 DEMO = common.REPO / "protein_performer" / "data" / "demo"
 
 
-def _random_8m(directory: Path, objective: str) -> Path:
-    import torch
-
-    from protein_performer.data.tokenizer import Alphabet
-    from protein_performer.interop.export import export_model
-    from protein_performer.interop.record import LoadedModel
-    from protein_performer.model.config import PerformerConfig
-    from protein_performer.model.performer import PerformerLM
-
-    torch.manual_seed(0)
-    config = PerformerConfig(objective=objective)
-    model = PerformerLM(config).eval()
-    loaded = LoadedModel(model, config, Alphabet(), Path("random"), torch.device("cpu"), "memory")
-    return export_model(loaded, directory / f"random_8m_{objective}")
-
-
 def main() -> int:
     p = common.bench_parser(__doc__, "", ".bench/precision")
     p.add_argument("--ckpt", default=None, help="model to measure (default: random 8M shape)")
@@ -61,7 +45,8 @@ def main() -> int:
     if args.quick:
         records = [(rid, s[:60]) for rid, s in records]
     with tempfile.TemporaryDirectory() as tmp:
-        ckpt = args.ckpt or _random_8m(Path(tmp), args.objective)
+        ckpt = args.ckpt or common.random_export(Path(tmp) / f"random_8m_{args.objective}",
+                                                  objective=args.objective)
         results = {}
         for precision in ("fp32", "bf16", "fp16"):
             lm = pp.load(ckpt, device=args.device, dtype=precision, threads=args.threads)
