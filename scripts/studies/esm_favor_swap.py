@@ -48,7 +48,7 @@ import torch
 import torch.nn.functional as F
 
 from protein_performer.contacts.predict import predict_contacts
-from protein_performer.data.tokenizer import Alphabet, pad_token_arrays
+from protein_performer.data.tokenizer import Alphabet
 from protein_performer.interop.loading import load_model
 from protein_performer.interop.record import LoadedModel
 from protein_performer.model.config import PerformerConfig
@@ -87,20 +87,10 @@ def read_sequences(path: Path, max_records: int, max_len: int) -> list[str]:
 
 def batches(seqs: Sequence[str], toks_per_batch: int) -> list[torch.Tensor]:
     """Padded ``<cls> seq <eos>`` batches, longest first, under a padded-token budget."""
-    alphabet = Alphabet()
-    order = sorted(range(len(seqs)), key=lambda i: -len(seqs[i]))
-    out, cur = [], []
-    for i in order:
-        if cur and (len(cur) + 1) * (len(seqs[cur[0]]) + 2) > toks_per_batch:
-            out.append(cur)
-            cur = []
-        cur.append(i)
-    if cur:
-        out.append(cur)
-    return [
-        pad_token_arrays([alphabet.encode_with_specials(seqs[i]) for i in b], alphabet.pad_idx)
-        for b in out
-    ]
+    from protein_performer.data.sampler import budget_batches
+
+    groups = budget_batches([len(s) + 2 for s in seqs], toks_per_batch)
+    return [Alphabet().encode_batch([seqs[i] for i in group]) for group in groups]
 
 
 def residue_mask(tokens: torch.Tensor, alphabet: Alphabet) -> torch.Tensor:
@@ -154,25 +144,20 @@ def contact_change(exact: list[np.ndarray], favor: list[np.ndarray]) -> tuple[fl
 def summarize(rows: list[dict], kernels: Sequence[str], ms: Sequence[int]) -> str:
     """Two markdown tables (KL, top-1), kernels as rows and m as columns, mean ± sd over seeds."""
 
-    def cell(kernel: str, m: int, key: str, fmt: str) -> str:
-        values = [r[key] for r in rows if r["kernel"] == kernel and r["m"] == m]
-        if not values:
-            return "-"
-        mean = statistics.fmean(values)
-        sd = statistics.stdev(values) if len(values) > 1 else 0.0
-        return f"{mean:{fmt}} ± {sd:{fmt}}" if len(values) > 1 else f"{mean:{fmt}}"
+    def cell(kernel: str, m: int, key: str, digits: int) -> str:
+        return h.cell([r[key] for r in rows if r["kernel"] == kernel and r["m"] == m], 1, digits)
 
     lines = []
-    for key, title, fmt in (
-        ("kl", "Mean KL(exact || favor) per residue (nats)", ".4f"),
-        ("top1", "Top-1 agreement with exact", ".3f"),
-        ("contact_dp", "Contact maps: mean |delta p| per pair (|i - j| >= 6)", ".4f"),
-        ("contact_overlap", "Contact maps: top-L/5 long-range (|i - j| >= 24) overlap", ".3f")):
+    for key, title, digits in (
+        ("kl", "Mean KL(exact || favor) per residue (nats)", 4),
+        ("top1", "Top-1 agreement with exact", 3),
+        ("contact_dp", "Contact maps: mean |delta p| per pair (|i - j| >= 6)", 4),
+        ("contact_overlap", "Contact maps: top-L/5 long-range (|i - j| >= 24) overlap", 3)):
         lines += [f"### {title}", "", "| kernel | " + " | ".join(f"m={m}" for m in ms) + " |"]
         lines.append("|---|" + "---|" * len(ms))
         for kernel in kernels:
             lines.append(
-                f"| {kernel} | " + " | ".join(cell(kernel, m, key, fmt) for m in ms) + " |")
+                f"| {kernel} | " + " | ".join(cell(kernel, m, key, digits) for m in ms) + " |")
         lines.append("")
     return "\n".join(lines)
 
