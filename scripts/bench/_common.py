@@ -217,6 +217,14 @@ def write_dicts_csv(rows: list[dict[str, Any]], path: Path,
         writer.writerows(rows)
 
 
+def write_report(path: Path, lines: list[str]) -> None:
+    """The markdown report: written to ``path`` (its directory created) and printed."""
+    report = "\n".join(lines) + "\n"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(report)
+    print(report)
+
+
 def random_lm(source: str = "random", **config: Any) -> Any:
     """A ``LoadedModel`` of a seeded random ``PerformerLM(PerformerConfig(**config))`` in eval
     mode on the CPU: speed, memory and storage do not depend on trained weights."""

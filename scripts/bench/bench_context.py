@@ -33,7 +33,6 @@ Examples::
 
 from __future__ import annotations
 
-import csv
 import math
 import sys
 import time
@@ -147,13 +146,8 @@ def run_parent(args: Any) -> int:
                 row["note"] = note or row.get("note", "")
                 rows.append(row)
                 print(f"  {row}", file=sys.stderr)
-    with (args.out / "context.csv").open("w", newline="") as fh:
-        writer = csv.DictWriter(fh, fieldnames=FIELDS, extrasaction="ignore")
-        writer.writeheader()
-        writer.writerows(rows)
-    report = _report(rows, args)
-    (args.out / "context.md").write_text(report)
-    print(report)
+    common.write_dicts_csv(rows, args.out / "context.csv", FIELDS)
+    common.write_report(args.out / "context.md", _report(rows, args))
     return 0
 
 
@@ -169,7 +163,7 @@ def _fmt(x: float | None, spec: str = ".1f") -> str:
     return "" if x is None else format(x, spec)
 
 
-def _report(rows: list[dict[str, Any]], args: Any) -> str:
+def _report(rows: list[dict[str, Any]], args: Any) -> list[str]:
     lines = [f"{SHAPE}, causal, default config, {MEMBER}-aa members and candidates", ""]
     lengths = sorted({int(r["tokens"]) for r in rows if r.get("status") == "ok"})
     for threads in args.threads:
@@ -226,7 +220,7 @@ def _report(rows: list[dict[str, Any]], args: Any) -> str:
     for r in skipped:
         lines.append(f"{r['impl']} threads={r['threads']} T={r['tokens']}: {r['status']} "
                      f"{r.get('note', '')}")
-    return "\n".join(lines) + "\n"
+    return lines
 
 
 def main() -> int:

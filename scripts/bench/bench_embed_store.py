@@ -151,9 +151,7 @@ def main() -> int:
         f"{per_record * UNIREF50 / 2**30:.1f} GiB; writing at this run's rate "
         f"{UNIREF50 / r['n'] * r['storage_s'] / 3600:.2f} h of storage time "
         f"beyond the model; reading all pooled embeddings {UNIREF50 / r['n'] * r['read_s']:.0f} s"]
-    report = "\n".join(lines) + "\n"
-    (args.out / "embed_store.md").write_text(report)
-    print(report)
+    common.write_report(args.out / "embed_store.md", lines)
     return 0
 
 

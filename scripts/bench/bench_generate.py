@@ -442,9 +442,7 @@ def main() -> int:
     for name, rows in (("generate_peers.csv", peer_rows), ("generate_floor.csv", floor_rows)):
         if rows:
             common.write_dicts_csv(rows, args.out / name)
-    report = "\n".join(lines) + "\n"
-    (args.out / "generate.md").write_text(report)
-    print(report)
+    common.write_report(args.out / "generate.md", lines)
     return 0
 
 

@@ -69,10 +69,7 @@ def main() -> int:
             f"| {precision} | {d_mean:.2e} | {d_mean / float(np.abs(mean32).max()):.2e} | "
             f"{d_tok:.2e} | {d_tok / scale_tok:.2e} | {float(np.abs(score - score32).max()):.2e} |"
         )
-    report = "\n".join(lines) + "\n"
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "precision.md").write_text(report)
-    print(report)
+    common.write_report(args.out / "precision.md", lines)
     return 0
 
 

@@ -65,7 +65,6 @@ MEMORY_TARGET = 0.8
 OBJECTIVES = ("mlm", "clm")
 #: Targets of issue 4: favor tokens/s over exact tokens/s at a given L (fwd+bwd+step).
 TARGETS: dict[int, float] = {4096: 2.0, 16384: 5.0}
-IGNORE_INDEX = -100
 MLM_PROB = 0.15
 
 
@@ -85,6 +84,7 @@ def synthetic_batch(
     """
     import torch
 
+    from protein_performer.data.masking import IGNORE_INDEX
     from protein_performer.data.tokenizer import STANDARD_AA, Alphabet
 
     alphabet = Alphabet()
@@ -112,6 +112,7 @@ def run_case(case: dict[str, Any]) -> None:
     import torch
     import torch.nn.functional as F
 
+    from protein_performer.data.masking import IGNORE_INDEX
     from protein_performer.model.config import PerformerConfig
     from protein_performer.model.performer import PerformerLM
 

@@ -33,7 +33,6 @@ Examples::
 from __future__ import annotations
 
 import argparse
-import csv
 import json
 import logging
 import math
@@ -49,10 +48,11 @@ import harness as h
 import torch
 import torch.nn.functional as F
 
+from protein_performer.data.masking import IGNORE_INDEX
+
 log = logging.getLogger("backcompat")
 DEFAULT_DATA = [h.SEQUENCES / "uniprot_mmseqs_train.fasta",
                 h.SEQUENCES / "swissprot_opal_train.fasta"]
-IGNORE_INDEX = -100
 
 
 # --------------------------------------------------------------------------------------------
@@ -202,23 +202,16 @@ def write_report(
     target = 1.05 * exact_ppl
     budget = math.floor(0.10 * args.steps)
     weights = list(curves)
-    with open(args.out_dir / "recovery.csv", "w", newline="") as fh:
-        writer = csv.DictWriter(fh, fieldnames=["distill_weight", "step", "ppl", "ratio_to_exact"])
-        writer.writeheader()
-        for weight, curve in curves.items():
-            for p in curve:
-                writer.writerow(
-                    {"distill_weight": weight, **p, "ratio_to_exact": p["ppl"] / exact_ppl})
+    points = [{"distill_weight": weight, **p, "ratio_to_exact": p["ppl"] / exact_ppl}
+              for weight, curve in curves.items() for p in curve]
+    h.write_csv(args.out_dir / "recovery.csv", points, list(points[0]))
     plot(args, exact_ppl, curves)
 
     dim, depth, heads = args.shape
     swap_mean = statistics.fmean(swap_ppls)
     swap_sd = statistics.stdev(swap_ppls) if len(swap_ppls) > 1 else 0.0
-    source = (
-        f"loaded from {args.exact_ckpt}"
-        if args.exact_ckpt
-        else f"trained with exact attention (lr {args.lr})"
-    )
+    source = (f"loaded from {args.exact_ckpt}" if args.exact_ckpt
+              else f"trained with exact attention (lr {args.lr})")
     lines = [
         "## Backward compatibility: exact -> FAVOR+ swap and recovery", "",
         f"Model: MLM, dim {dim}, depth {depth}, heads {heads}, ff {4 * dim}; {args.steps} steps "
@@ -239,12 +232,8 @@ def write_report(
     steps = sorted({p["step"] for curve in curves.values() for p in curve})
     by_step = {w: {p["step"]: p["ppl"] for p in curve} for w, curve in curves.items()}
     for step in steps:
-        cells = [
-            f"{by_step[w][step]:.4f} ({by_step[w][step] / exact_ppl:.3f})"
-            if step in by_step[w]
-            else ""
-            for w in weights
-        ]
+        cells = [f"{by_step[w][step]:.4f} ({by_step[w][step] / exact_ppl:.3f})"
+                 if step in by_step[w] else "" for w in weights]
         lines.append(f"| {step} | " + " | ".join(cells) + " |")
     lines.append("")
     summary: dict[str, Any] = {"exact_ppl": exact_ppl, "swap_ppls": swap_ppls, "runs": []}
@@ -261,17 +250,11 @@ def write_report(
         summary["runs"].append(
             {"distill_weight": weight, "curve": curve, "reached_step": reached, "target_met": met})
     timing = ", ".join(f"{k} {v:.0f} s" for k, v in seconds.items())
-    lines += [
-        "",
-        f"Wall time: {timing}.",
-        "Figure: recovery.png. Reproduce: `python scripts/studies/backcompat_experiment.py "
-        + " ".join(args.argv)
-        + "`.",
-    ]
+    lines += ["", f"Wall time: {timing}.", "Figure: recovery.png. Reproduce: `python "
+              f"scripts/studies/backcompat_experiment.py {' '.join(args.argv)}`."]
     text = "\n".join(lines) + "\n"
     (args.out_dir / "recovery.md").write_text(text, encoding="utf-8")
-    (args.out_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n",
-                                               encoding="utf-8")
+    (args.out_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     return text
 
 
@@ -299,9 +282,7 @@ def plot(args: argparse.Namespace, exact_ppl: float, curves: dict[float, list[di
 
 # --------------------------------------------------------------------------------------------
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                epilog=__doc__.split("\n\n", 1)[1],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = h.parser(__doc__)
     p.add_argument("--data", type=Path, nargs="+", default=DEFAULT_DATA, help="FASTA file(s)")
     p.add_argument("--limit-records", type=int, default=None, help="first N records only")
     p.add_argument("--heldout-frac", type=float, default=0.02, help="valid and test fractions")

@@ -163,9 +163,7 @@ def summarize(rows: list[dict], kernels: Sequence[str], ms: Sequence[int]) -> st
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                epilog=__doc__.split("\n\n", 1)[1],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = h.parser(__doc__)
     p.add_argument(
         "--checkpoint", type=Path, default=None,
         help="fair-esm .pt, HF EsmForMaskedLM dir, or our export/.ckpt (default: random ESM-2)")

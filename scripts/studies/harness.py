@@ -263,28 +263,22 @@ def preprocess(args: argparse.Namespace, split_by: str, workers: int) -> Path:
 # --------------------------------------------------------------------------------------------
 
 
-def study_parser(
-    doc: str,
-    epilog: str,
-    out: str,
-    jobs: int,
-    quick_help: str,
-    minutes: float | None = None,
-    steps: int | None = None,
-) -> argparse.ArgumentParser:
-    """The flags every budgeted study has (``--minutes`` or ``--steps``: whichever default is
-    given); the first paragraph of ``doc`` describes it."""
-    p = argparse.ArgumentParser(description=doc.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter,
-                                epilog=epilog)
+def parser(doc: str, epilog: str | None = None) -> argparse.ArgumentParser:
+    """A study's parser: the first paragraph of ``doc`` describes it, ``epilog`` (default: the
+    rest of ``doc``) follows the options."""
+    first, _, rest = doc.partition("\n\n")
+    return argparse.ArgumentParser(description=first, epilog=rest if epilog is None else epilog,
+                                   formatter_class=argparse.RawDescriptionHelpFormatter)
+
+
+def study_parser(doc: str, epilog: str, out: str, jobs: int, quick_help: str,
+                 minutes: float) -> argparse.ArgumentParser:
+    """The flags every budgeted study has (training CPU-minutes per run: ``--minutes``)."""
+    p = parser(doc, epilog)
     p.add_argument("--out", type=Path, default=Path(out))
     p.add_argument("--data", nargs="+", default=None, help="FASTA inputs (default: shared corpus)")
-    if minutes is not None:
-        p.add_argument("--minutes", type=float, default=minutes,
-                       help=f"training CPU-minutes per run ({minutes:g})")
-    if steps is not None:
-        p.add_argument("--steps", type=int, default=steps,
-                       help=f"training steps per run ({steps})")
+    p.add_argument("--minutes", type=float, default=minutes,
+                   help=f"training CPU-minutes per run ({minutes:g})")
     p.add_argument("--seeds", type=int, default=2, help="seeds 0..N-1 per variant (default 2)")
     p.add_argument("--first-seed", type=int, default=0,
                    help="seeds run from here (default 0: 0..N-1)")
@@ -301,8 +295,8 @@ def study_parser(
 def finish_args(args: argparse.Namespace, quick: dict[str, tuple[Any, Any]]) -> Budget:
     """Apply ``--quick`` (``{key: (default, quick value)}``: only keys left at their default),
     resolve ``--data`` (given paths from here, the defaults in the repository), turn ``--seeds``
-    into the list of seeds; returns the runs' budget (``--steps``, or ``--minutes`` of CPU time;
-    of wall clock on a GPU)."""
+    into the list of seeds; returns the runs' budget (``--minutes`` of CPU time; of wall clock
+    on a GPU)."""
     if args.quick:
         for key, (default, value) in quick.items():
             if getattr(args, key) == default:
@@ -312,8 +306,6 @@ def finish_args(args: argparse.Namespace, quick: dict[str, tuple[Any, Any]]) -> 
     )
     args.seeds = list(range(args.first_seed, args.first_seed + args.seeds))
     clock = "wall" if args.trainer == "gpu" else "cpu"
-    if getattr(args, "steps", None) is not None:
-        return Budget(steps=args.steps, clock=clock)
     return Budget(seconds=float(f"{args.minutes * 60:g}"), clock=clock)
 
 
@@ -325,14 +317,8 @@ def finish_args(args: argparse.Namespace, quick: dict[str, tuple[Any, Any]]) -> 
 def budget_line(args: argparse.Namespace) -> str:
     """What each run of a :func:`finish_args` study got, for the report's header."""
     clock = "wall-clock" if args.trainer == "gpu" else "CPU"
-    budget = (
-        f"{args.steps} steps" if getattr(args, "steps", None) is not None
-        else f"{args.minutes:g} {clock} minutes"
-    )  # fmt: skip
-    return (
-        f"{budget} of training per run, {args.threads} torch thread(s), "
-        f"seeds {','.join(map(str, args.seeds))}"
-    )
+    return (f"{args.minutes:g} {clock} minutes of training per run, {args.threads} torch "
+            f"thread(s), seeds {','.join(map(str, args.seeds))}")
 
 
 def mean_sd(values: Iterable[Any]) -> tuple[float, float]:

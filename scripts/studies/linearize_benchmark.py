@@ -68,9 +68,7 @@ class EvalClock:
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                epilog=__doc__.split("\n\n", 1)[1],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = h.parser(__doc__)
     p.add_argument("--exact-ckpt", type=Path, default=None, help="the exact model (.ckpt)")
     p.add_argument("--data", type=Path, nargs="+", default=bc.DEFAULT_DATA,
                    help="the FASTA file(s) the exact model was trained on")

@@ -233,9 +233,7 @@ def run_study(args: argparse.Namespace) -> int:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter,
-                                epilog="Method and outputs: see the module docstring.")
+    p = h.parser(__doc__, "Method and outputs: see the module docstring.")
     p.add_argument("--out", type=Path, default=Path("outputs/quality_study"))
     p.add_argument("--experiment", default="small_mlm", help="base experiment config")
     p.add_argument("--minutes", type=float, default=30.0, help="wall-clock budget per variant")
