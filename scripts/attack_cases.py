@@ -51,21 +51,27 @@ def _cli(*args: str) -> list[str]:
     return [sys.executable, "-m", "protein_performer.cli.main", *args]
 
 
-def _export(work: Path, name: str, **config: object) -> Path:
-    """A tiny export (seeded) of ``PerformerConfig(dim=16, heads=2, ff_dim=32, **config)``."""
+def _tiny(work: Path, **config: object) -> object:
+    """A tiny seeded ``LoadedModel`` of ``PerformerConfig(dim=16, heads=2, ff_dim=32,
+    **config)``."""
     import torch
 
     from protein_performer.data.tokenizer import Alphabet
-    from protein_performer.interop.export import export_model
     from protein_performer.interop.record import LoadedModel
     from protein_performer.model.config import PerformerConfig
     from protein_performer.model.performer import PerformerLM
 
     torch.manual_seed(0)
     cfg = PerformerConfig(**{"dim": 16, "depth": 2, "heads": 2, "ff_dim": 32, **config})
-    loaded = LoadedModel(PerformerLM(cfg).eval(), cfg, Alphabet(), work, torch.device("cpu"),
-                         "export")
-    return export_model(loaded, work / name)
+    return LoadedModel(PerformerLM(cfg).eval(), cfg, Alphabet(), work, torch.device("cpu"),
+                       "export")
+
+
+def _export(work: Path, name: str, **config: object) -> Path:
+    """:func:`_tiny` exported to ``work/name``."""
+    from protein_performer.interop.export import export_model
+
+    return export_model(_tiny(work, **config), work / name)
 
 
 def _models(work: Path) -> tuple[Path, Path]:
@@ -452,20 +458,13 @@ def _finetuned(work: Path, **lora: object) -> Path:
     """A tiny fine-tuned checkpoint (LoRA r=2, an MLP head) with its ``lora`` dict edited."""
     import torch
 
-    from protein_performer.data.tokenizer import Alphabet
     from protein_performer.interop.finetuned import add_lora, finetuned_checkpoint
-    from protein_performer.interop.record import LoadedModel
-    from protein_performer.model.config import PerformerConfig
-    from protein_performer.model.performer import PerformerLM
     from protein_performer.model.task_heads import HeadConfig, TaskHead
 
-    torch.manual_seed(0)
-    config = PerformerConfig(dim=16, depth=1, heads=2, ff_dim=32, nb_features=8)
-    model = PerformerLM(config).eval()
-    adapters = add_lora(model, {"r": 2})
-    loaded = LoadedModel(model, config, Alphabet(), work, torch.device("cpu"), "finetuned",
-                         task=TaskHead(HeadConfig(dim=16, hidden=4)), lora={"r": 2},
-                         adapters=adapters)  # fmt: skip
+    loaded = _tiny(work, depth=1, nb_features=8)
+    loaded.kind, loaded.lora = "finetuned", {"r": 2}
+    loaded.adapters = add_lora(loaded.model, {"r": 2})
+    loaded.task = TaskHead(HeadConfig(dim=16, hidden=4))
     ckpt = finetuned_checkpoint(loaded)
     ckpt["lora"] = {**ckpt["lora"], **lora}
     path = work / f"ft-{'-'.join(map(str, lora.values()))}.ckpt"

@@ -69,13 +69,9 @@ def report_train(res: TrainResult) -> None:
 DEMO_FASTA = REPO / "protein_performer" / "data" / "demo" / "some_proteins.fasta"
 
 
-def run_inference_demo(
-    ckpt_path: str | os.PathLike[str],
-    fasta: str | os.PathLike[str],
-    out_dir: str | os.PathLike[str],
-    device: str = "cpu",
-    progress: bool = True,
-) -> dict[str, Path]:
+def run_inference_demo(ckpt_path: str | os.PathLike[str], fasta: str | os.PathLike[str],
+                       out_dir: str | os.PathLike[str], device: str = "cpu",
+                       progress: bool = True) -> dict[str, Path]:
     """Embed (mean + per-residue, last layer) and score every record of ``fasta``.
 
     Returns the written files: ``embeddings`` (HDF5), ``scores`` (CSV; pseudo-ppl for a masked

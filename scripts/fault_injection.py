@@ -21,6 +21,7 @@ Prints a table (trials, kills inside a write, misses, outcomes) and writes ``rep
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shutil
@@ -79,46 +80,32 @@ def _cli(*args: str) -> list[str]:
     return [sys.executable, "-m", "protein_performer.cli.main", *args]
 
 
-def _temp_size(output: Path, pid: int) -> int | None:
-    """Bytes process ``pid`` has written so far to ``output``'s temporaries (files or
-    directories; their names carry the writer's pid), None if it has none."""
-    from protein_performer.io.atomic import temp_prefix
-
-    found = None
-    prefix = temp_prefix(output, pid)
-    try:
-        entries = [p for p in output.parent.iterdir() if p.name.startswith(prefix)]
-    except OSError:
-        return None
-    for entry in entries:
-        if ".tmp" not in entry.name or entry.name.endswith(".lock"):
-            continue
-        try:
-            if entry.is_dir():
-                size = sum(f.stat().st_size for f in entry.rglob("*") if f.is_file())
-            else:
-                size = entry.stat().st_size
-        except OSError:
-            continue
-        found = (found or 0) + size
-    return found
-
-
 def _temps(output: Path, pid: int | None = None) -> list[str]:
-    """Names of ``output``'s temporaries (of process ``pid`` only, if given)."""
+    """Names of ``output``'s temporaries (files or directories; of process ``pid`` only, if
+    given: their names carry the writer's pid)."""
     from protein_performer.io.atomic import temp_prefix
 
     prefix = f".{output.name}." if pid is None else temp_prefix(output, pid)
-    return sorted(
-        p.name
-        for p in output.parent.iterdir()
-        if p.name.startswith(prefix) and ".tmp" in p.name and not p.name.endswith(".lock")
-    )
+    try:
+        names = [p.name for p in output.parent.iterdir()]
+    except OSError:
+        return []
+    return sorted(n for n in names
+                  if n.startswith(prefix) and ".tmp" in n and not n.endswith(".lock"))
 
 
-def run_and_kill(
-    argv: list[str], output: Path, target: int, timeout: float, log: Path, cwd: Path
-) -> Trial:
+def _temp_size(output: Path, pid: int) -> int | None:
+    """Bytes process ``pid`` has written so far to ``output``'s temporaries, None if it has
+    none."""
+    found = None
+    for name in _temps(output, pid):
+        with contextlib.suppress(OSError):  # published or removed meanwhile
+            found = (found or 0) + _size(output.parent / name)
+    return found
+
+
+def run_and_kill(argv: list[str], output: Path, target: int, timeout: float, log: Path,
+                 cwd: Path) -> Trial:
     """Run ``argv``; SIGKILL it once ``output``'s temporary holds ``target`` bytes."""
     trial = Trial("", 0, target)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}

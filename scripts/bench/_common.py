@@ -170,9 +170,8 @@ def start_phase(sampler: PeakSampler, device: Any) -> Callable[[], int]:
 # --------------------------------------------------------------------------------------------
 
 
-def spawn_case(
-    script: str | Path, case: dict[str, Any], timeout: float
-) -> tuple[list[dict[str, Any]], str]:
+def spawn_case(script: str | Path, case: dict[str, Any],
+               timeout: float) -> tuple[list[dict[str, Any]], str]:
     """Run ``script --case JSON`` in a fresh interpreter; its RESULT payloads and a failure note.
 
     The payloads printed before a timeout are kept (a child may report after every step).
@@ -270,11 +269,8 @@ def add_final_args(p: argparse.ArgumentParser, quick_help: str) -> None:
     p.add_argument("--case", default=None, help=argparse.SUPPRESS)
 
 
-def dispatch(
-    args: argparse.Namespace,
-    run_case: Callable[[dict[str, Any]], Any],
-    run_parent: Callable[[argparse.Namespace], int],
-) -> int:
+def dispatch(args: argparse.Namespace, run_case: Callable[[dict[str, Any]], Any],
+             run_parent: Callable[[argparse.Namespace], int]) -> int:
     """Log to stderr; a child (``--case JSON``) runs its case, the parent creates ``--out`` and
     runs every case (``run_parent``). Returns the exit status."""
     setup_logging(TIMED_LOG_FORMAT)

@@ -151,9 +151,8 @@ def _sync(device: Any) -> None:
         torch.cuda.synchronize(device)
 
 
-def _time_phase(
-    step: Callable[[], None], device: Any, repeats: int, budget_s: float
-) -> tuple[float, float, int]:
+def _time_phase(step: Callable[[], None], device: Any, repeats: int,
+                budget_s: float) -> tuple[float, float, int]:
     """Warm up once, then repeat up to `repeats` times or until `budget_s` is spent.
 
     A warm-up longer than `budget_s` is itself the measurement (repeats = 0): at such sizes the

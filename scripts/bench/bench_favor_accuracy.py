@@ -87,9 +87,8 @@ def _seeded_redraw(attn: torch.nn.Module, seed: int) -> None:
     attn.redraw(generator=gen)
 
 
-def fig4_study(
-    L: int, d: int, ms: Sequence[int], seeds: int, taus: Sequence[float]
-) -> list[dict[str, object]]:
+def fig4_study(L: int, d: int, ms: Sequence[int], seeds: int,
+               taus: Sequence[float]) -> list[dict[str, object]]:
     """MSE of the attention output vs m for {ORF, IID} x {positive, trig}, per logit std.
 
     The uniform baseline (mean of V) is added as a flat reference: an estimator above it is
@@ -137,9 +136,8 @@ def _rel_err(out: Tensor, ref: Tensor) -> float:
     return float((out - ref).norm() / ref.norm())
 
 
-def _methods(
-    d: int, m: int, kernels: Sequence[str]
-) -> dict[str, Callable[[Tensor, Tensor, Tensor, int], Tensor]]:
+def _methods(d: int, m: int,
+             kernels: Sequence[str]) -> dict[str, Callable[[Tensor, Tensor, Tensor, int], Tensor]]:
     """name -> fn(q, k, v, seed): every approximation compared in the tau sweep."""
     import torch
 
@@ -173,9 +171,8 @@ def _methods(
     return methods
 
 
-def tau_study(
-    L: int, d: int, m: int, taus: Sequence[float], seeds: int, kernels: Sequence[str]
-) -> list[dict[str, object]]:
+def tau_study(L: int, d: int, m: int, taus: Sequence[float], seeds: int,
+              kernels: Sequence[str]) -> list[dict[str, object]]:
     """Relative error vs exact for each method and logit std; mean/std over seeds."""
     import torch
 
@@ -199,9 +196,8 @@ def tau_study(
     return rows
 
 
-def markdown(
-    fig4: list[dict[str, object]], tau: list[dict[str, object]], fig4_cfg: str, tau_cfg: str
-) -> str:
+def markdown(fig4: list[dict[str, object]], tau: list[dict[str, object]], fig4_cfg: str,
+             tau_cfg: str) -> str:
     """MSE per (features, draw) vs m for each Fig. 4 logit std; rel. error per method vs tau."""
     lines = [f"## Fig. 4: attention-output MSE vs m ({fig4_cfg})"]
     for t in sorted({float(r["tau"]) for r in fig4}):

@@ -314,9 +314,8 @@ def _ratio(a: float | None, b: float | None) -> str:
     return "" if a is None or b is None else f"{b / a:.2f}x"
 
 
-def peer_lines(
-    rows: list[dict[str, Any]], floor_rows: list[dict[str, Any]], note: str
-) -> list[str]:
+def peer_lines(rows: list[dict[str, Any]], floor_rows: list[dict[str, Any]],
+               note: str) -> list[str]:
     lines = [
         "", "ms per generated token (prefill and sampling included; best of the repeats):", "",
         "| threads | prompt | batch | ours FAVOR+ | ours exact (KV cache) | GPT-2 (HF, KV cache) "

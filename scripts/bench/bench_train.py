@@ -73,9 +73,8 @@ MLM_PROB = 0.15
 # --------------------------------------------------------------------------------------------
 
 
-def synthetic_batch(
-    objective: str, B: int, L: int, seed: int, config: Any, member_len: int = 0
-) -> tuple[Any, Any]:
+def synthetic_batch(objective: str, B: int, L: int, seed: int, config: Any,
+                    member_len: int = 0) -> tuple[Any, Any]:
     """Random residues of exactly L tokens (``<cls>`` residues ``<eos>``) and their targets;
     with ``member_len``, family rows: a ``<cls>`` every member_len tokens, an ``<eos>`` before.
 

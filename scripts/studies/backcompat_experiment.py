@@ -192,13 +192,8 @@ def reached_step(curve: list[dict], target: float) -> int | None:
     return next((p["step"] for p in curve if p["ppl"] <= target), None)
 
 
-def write_report(
-    args: argparse.Namespace,
-    exact_ppl: float,
-    swap_ppls: list[float],
-    curves: dict[float, list[dict]],
-    seconds: dict[str, float],
-) -> str:
+def write_report(args: argparse.Namespace, exact_ppl: float, swap_ppls: list[float],
+                 curves: dict[float, list[dict]], seconds: dict[str, float]) -> str:
     target = 1.05 * exact_ppl
     budget = math.floor(0.10 * args.steps)
     weights = list(curves)

@@ -99,12 +99,8 @@ def residue_mask(tokens: torch.Tensor, alphabet: Alphabet) -> torch.Tensor:
 
 
 @torch.no_grad()
-def compare(
-    exact_logps: list[torch.Tensor],
-    favor: PerformerLM,
-    token_batches: list[torch.Tensor],
-    masks: list[torch.Tensor],
-) -> tuple[float, float]:
+def compare(exact_logps: list[torch.Tensor], favor: PerformerLM, token_batches: list[torch.Tensor],
+            masks: list[torch.Tensor]) -> tuple[float, float]:
     """Mean KL(exact || favor) and top-1 agreement over all residue positions."""
     kl_sum, agree, n = 0.0, 0, 0
     for logp_e, tokens, keep in zip(exact_logps, token_batches, masks, strict=True):

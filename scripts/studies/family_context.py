@@ -104,32 +104,23 @@ FIELDS = ("name", "rows", "variant", "positions", "seed", "steps", "train_cpu_s"
 # --------------------------------------------------------------------------------------------
 
 
-def plan_runs(
-    args: argparse.Namespace, store: Path, budget: h.Budget, eval_set: Path
-) -> list[h.Run]:
+def plan_runs(args: argparse.Namespace, store: Path, budget: h.Budget,
+              eval_set: Path) -> list[h.Run]:
     """Every training run, in launch order (seed-major, so a cut-short study has whole seeds),
     each scored on ``eval_set`` in a fresh process once trained."""
-    shared = [
-        *h.store_overrides(args, store, budget),
-        *(f"model.config.{kv}" for kv in (h.QUICK_MODEL if args.quick else MODEL)),
-        "model.optim.warmup_steps=50",  # short: exact makes ~4x fewer steps on family rows
-        f"data.max_len={args.single_len}",
-        f"data.max_tokens={args.max_tokens}",
-        f"trainer.val_check_interval={args.val_every}",
-        f"trainer.limit_val_batches={args.val_batches}",
-    ]
-    family = [
-        "experiment=family_clm",
-        f"data.family_max_tokens={args.family_tokens}",
-        f"data.family_method={args.family_method}",
-        f"data.family_identity={args.family_identity:g}",
-        # Issue 21's designs read family rows without the position memory (on by default for
-        # family rows since 0.6.0); scripts/studies/bench_recall.py measures the memory.
-        "model.config.position_memory=0",
-    ]
-    plan: list[tuple[str, str, str]] = [
-        (rows, variant, "sequence") for rows in ("single", "family") for variant in h.ATTENTION
-    ]
+    # A short warmup: exact makes ~4x fewer steps on family rows.
+    shared = [*h.store_overrides(args, store, budget),
+              *(f"model.config.{kv}" for kv in (h.QUICK_MODEL if args.quick else MODEL)),
+              "model.optim.warmup_steps=50", f"data.max_len={args.single_len}",
+              f"data.max_tokens={args.max_tokens}", f"trainer.val_check_interval={args.val_every}",
+              f"trainer.limit_val_batches={args.val_batches}"]
+    # Issue 21's designs read family rows without the position memory (on by default for
+    # family rows since 0.6.0); scripts/studies/bench_recall.py measures the memory.
+    family = ["experiment=family_clm", f"data.family_max_tokens={args.family_tokens}",
+              f"data.family_method={args.family_method}",
+              f"data.family_identity={args.family_identity:g}", "model.config.position_memory=0"]
+    plan = [(rows, variant, "sequence") for rows in ("single", "family")
+            for variant in h.ATTENTION]
     plan.append(("family", "favor-softmax", "member"))
     runs = []
     for seed in args.seeds:
@@ -183,9 +174,8 @@ def _stable_order(keys: list[int], seed: int, salt: str) -> list[int]:
     return sorted(keys, key=h)
 
 
-def pick_targets(
-    store: Any, families: Any, args: argparse.Namespace, split: str
-) -> list[dict[str, Any]]:
+def pick_targets(store: Any, families: Any, args: argparse.Namespace,
+                 split: str) -> list[dict[str, Any]]:
     """Targets of one split and their nested contexts (see the module docstring)."""
     from protein_performer.data.tokenizer import Alphabet
 
@@ -290,9 +280,8 @@ def long_set(store: Any, train_seqs: set[str], args: argparse.Namespace) -> list
     return out
 
 
-def unigram(
-    store: Any, targets: dict[str, list[dict[str, Any]]], max_len: int
-) -> dict[str, float]:
+def unigram(store: Any, targets: dict[str, list[dict[str, Any]]],
+            max_len: int) -> dict[str, float]:
     """Training-split residue frequencies (with <eos>) on the targets' scored tokens."""
     from protein_performer.data.dataset import InMemorySource, StoreSubset
     from protein_performer.data.tokenizer import Alphabet
@@ -444,12 +433,8 @@ def counts_line(rows: list[dict[str, Any]], data: dict[str, Any]) -> str:
     for split in SPLITS:
         ts = data["targets"][split]
         sizes = [t["family_size"] for t in ts]
-        ks = ", ".join(
-            f"k={k}: {ev[split][str(k)]['mean_members']:.1f} members / "
-            f"{ev[split][str(k)]['mean_context_tokens']:.0f} tokens"
-            for k in KS
-            if k
-        )
+        ks = ", ".join(f"k={k}: {ev[split][str(k)]['mean_members']:.1f} members / "
+                       f"{ev[split][str(k)]['mean_context_tokens']:.0f} tokens" for k in KS if k)
         med = statistics.median(sizes) if sizes else 0
         parts.append(
             f"{split}: {len(ts)} targets ({ev[split]['0']['tokens']} scored tokens; family size "
@@ -459,12 +444,8 @@ def counts_line(rows: list[dict[str, Any]], data: dict[str, Any]) -> str:
 
 def positions_table(rows: list[dict[str, Any]]) -> tuple[str, str]:
     """FAVOR+ softmax on family rows, positions sequence vs member; and which is better."""
-    lines = [
-        "| positions | "
-        + " | ".join(f"{s} k={k}" for s in SPLITS for k in KS)
-        + " | mean log ppl, k>0 |",
-        "|---|" + "---:|" * (len(SPLITS) * len(KS) + 1),
-    ]
+    lines = [f"| positions | {' | '.join(f'{s} k={k}' for s in SPLITS for k in KS)} "
+             "| mean log ppl, k>0 |", "|---|" + "---:|" * (len(SPLITS) * len(KS) + 1)]
     score: dict[str, float] = {}
     for positions in ("sequence", "member"):
         sel = h.select(rows, rows="family", variant="favor-softmax", positions=positions)

@@ -69,9 +69,8 @@ BURIAL_RADIUS = 10.0
 BURIED, EXPOSED = "B", "E"
 
 
-def load_scan(
-    dms: Path, column: str, limit: int | None, seed: int
-) -> tuple[list[str], np.ndarray, np.ndarray]:
+def load_scan(dms: Path, column: str, limit: int | None,
+              seed: int) -> tuple[list[str], np.ndarray, np.ndarray]:
     """Mutant sequences, labels and mutated positions (NaN labels left out)."""
     wt = "".join(
         line.strip()
@@ -145,9 +144,8 @@ def lr_overrides(mode: str, lr: float | None) -> list[str]:
     return [f"mode.head_lr={lr:g}", f"mode.lr={lr * mode_lr_ratio(mode):g}"]
 
 
-def fold_table(
-    path: Path, label: str, rows: list[tuple[str, str]], train: set[int], valid: set[int]
-) -> Path:
+def fold_table(path: Path, label: str, rows: list[tuple[str, str]], train: set[int],
+               valid: set[int]) -> Path:
     """The labels table of one fold's ``finetune`` run: its train and valid rows of
     (sequence, label), with their split; the test rows stay out."""
     with open(path, "w", newline="") as fh:
@@ -189,14 +187,9 @@ def inner_valid(train: np.ndarray, fold: int, seed: int, groups: np.ndarray | No
 
 def swept_cv(
     fit: Callable[[int, set[int], set[int], float | None], Callable[[list[int]], np.ndarray]],
-    score: Callable[[np.ndarray, list[int]], float],
-    n: int,
-    fold_list: list[np.ndarray],
-    lrs: list[float] | None,
-    select: str,
-    seed: int,
-    groups: np.ndarray | None = None,
-) -> tuple[list, list[dict]]:
+    score: Callable[[np.ndarray, list[int]], float], n: int, fold_list: list[np.ndarray],
+    lrs: list[float] | None, select: str, seed: int,
+    groups: np.ndarray | None = None) -> tuple[list, list[dict]]:
     """Out-of-fold predictions with the learning rate chosen on each training fold's inner
     validation split. ``fit(fold, train, valid, lr)`` trains and returns a predictor of index
     lists; ``score(pred, idx)`` rates a predictor on the inner split (higher is better).
@@ -228,15 +221,8 @@ def swept_cv(
     return pred, chosen
 
 
-def finetune_cv(
-    base: str,
-    mode: str,
-    seqs: list[str],
-    y: np.ndarray,
-    fold_list: list[np.ndarray],
-    args: argparse.Namespace,
-    work: Path,
-) -> tuple[np.ndarray, list[dict]]:
+def finetune_cv(base: str, mode: str, seqs: list[str], y: np.ndarray, fold_list: list[np.ndarray],
+                args: argparse.Namespace, work: Path) -> tuple[np.ndarray, list[dict]]:
     """Out-of-fold predictions of ``finetune`` runs (one per fold and LR candidate), and the
     LR each fold used (see :func:`swept_cv`)."""
     import protein_performer as pp
@@ -319,14 +305,8 @@ def residue_baselines(chains: list[dict], fold_list: list[np.ndarray]) -> list[d
             {"method": "amino-acid identity", **residue_metrics(by_aa, truth), "cpu_s": 0.0}]
 
 
-def residue_cv(
-    base: str,
-    mode: str,
-    chains: list[dict],
-    fold_list: list[np.ndarray],
-    args: argparse.Namespace,
-    work: Path,
-) -> tuple[list[str], list[dict]]:
+def residue_cv(base: str, mode: str, chains: list[dict], fold_list: list[np.ndarray],
+               args: argparse.Namespace, work: Path) -> tuple[list[str], list[dict]]:
     """Out-of-fold per-residue labels of ``finetune task=residue_classification`` runs; the LR
     (with ``--lrs``) is picked by MCC on held-out training chains."""
     import protein_performer as pp

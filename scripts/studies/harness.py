@@ -180,12 +180,8 @@ def execute(run: Run, budget: Budget, args: argparse.Namespace) -> None:
             call(cmd, args.threads, logs / f"{run.name}.{label}.log")
 
 
-def run_all(
-    runs: list[Run],
-    budget: Budget,
-    args: argparse.Namespace,
-    collect: Callable[[Run], dict[str, Any]] | None = None,
-) -> list[Run]:
+def run_all(runs: list[Run], budget: Budget, args: argparse.Namespace,
+            collect: Callable[[Run], dict[str, Any]] | None = None) -> list[Run]:
     """Print every command, run the runs (``args.jobs`` at once; with ``args.report_only`` none:
     the finished ones are kept) and fill each ``result``: its tags, :func:`train_row`, and what
     ``collect(run)`` adds."""
@@ -390,14 +386,8 @@ def unigram_log_probs(train: Any, objective: str, alphabet: Any) -> np.ndarray:
     return logp
 
 
-def unigram_baseline(
-    train: Any,
-    heldout: Any,
-    objective: str,
-    max_len: int,
-    mlm_prob: float = 0.15,
-    seed: int = 0,
-) -> dict[str, Any]:
+def unigram_baseline(train: Any, heldout: Any, objective: str, max_len: int,
+                     mlm_prob: float = 0.15, seed: int = 0) -> dict[str, Any]:
     """The empirical amino-acid baseline the Performer paper reports beside its models (a model
     that learnt nothing of context still knows residue frequencies: the floor to beat).
 

@@ -82,9 +82,8 @@ def model_overrides(args: argparse.Namespace, small: bool = False) -> list[str]:
     return [f"model.config.{kv}" for kv in model]
 
 
-def eval_cmd(
-    ckpt: Path, store: Path, split: str, out: Path, args: argparse.Namespace
-) -> list[str]:
+def eval_cmd(ckpt: Path, store: Path, split: str, out: Path,
+             args: argparse.Namespace) -> list[str]:
     limit = ["--limit", str(args.eval_limit)] if args.eval_limit else []
     device = "cpu" if args.trainer == "cpu" else "auto"
     # fmt: off
@@ -224,9 +223,8 @@ def concat_table(rows: list[dict[str, Any]]) -> str:
     return h.markdown_table([*header, "wall (s)"], lines)
 
 
-def plot_curves(
-    rows: list[dict[str, Any]], parts: tuple[str, ...], path: Path, title: str
-) -> None:
+def plot_curves(rows: list[dict[str, Any]], parts: tuple[str, ...], path: Path,
+                title: str) -> None:
     """Validation accuracy against training CPU minutes, one line per run (like Fig. 6 / 7)."""
     import matplotlib
 
@@ -261,11 +259,8 @@ def plot_curves(
     plt.close(fig)
 
 
-def report(
-    rows: list[dict[str, Any]],
-    base: dict[tuple[str, str], dict[str, Any]],
-    args: argparse.Namespace,
-) -> str:
+def report(rows: list[dict[str, Any]], base: dict[tuple[str, str], dict[str, Any]],
+           args: argparse.Namespace) -> str:
     out = args.out.resolve()
     h.write_csv(out / "runs.csv", rows, FIELDS)
     header = h.budget_line(args) + (" (quick: tiny models)" if args.quick else "")
