@@ -41,14 +41,12 @@ Examples::
 from __future__ import annotations
 
 import argparse
-import csv
 import logging
 import math
 import statistics
 import sys
 import time
 from dataclasses import dataclass, fields
-from pathlib import Path
 from typing import Any
 
 import _common as common
@@ -224,12 +222,9 @@ class Row:
 
 
 CSV_FIELDS = tuple(f.name for f in fields(Row))
-
-
-def _spawn(case: dict[str, Any], timeout: float) -> tuple[dict[str, Any] | None, str]:
-    """Run one case in a fresh interpreter; its last RESULT payload and a failure note."""
-    results, note = common.spawn_case(__file__, case, timeout)
-    return (results[-1] if results else None), note
+#: What a child's RESULT line carries into its row as measured.
+MEASURED = ("status", "steps_timed", "step_time_s", "step_time_min_s", "tokens_per_s",
+            "peak_mem_mib", "final_loss")
 
 
 def batch_size(tokens: int, L: int) -> int:
@@ -242,9 +237,8 @@ def run_all(args: argparse.Namespace) -> list[Row]:
     lengths = sorted(int(x) for x in args.lengths.split(",") if x)
     objectives = [x for x in args.objectives.split(",") if x]
     attentions = [x for x in args.attentions.split(",") if x]
-    mem_limit = args.mem_limit_gib or (
-        common.default_mem_limit_gib() if args.device == "cpu" else 0
-    )
+    cpu_limit = common.default_mem_limit_gib() if args.device == "cpu" else 0
+    mem_limit = args.mem_limit_gib or cpu_limit
     failed: dict[tuple[str, str], str] = {}
     rows: list[Row] = []
     for objective in objectives:
@@ -266,17 +260,13 @@ def run_all(args: argparse.Namespace) -> list[Row]:
                         "member_len": args.member_len, "paired": args.paired,
                         "memory_positions": args.memory_positions}
                 t0 = time.perf_counter()
-                result, note = _spawn(case, args.timeout)
+                results, note = common.spawn_case(__file__, case, args.timeout)
+                result = results[-1] if results else None  # a child reports after every step
                 if result is not None and result.get("steps_timed", 0) > 0:
-                    row = Row(
-                        **base, status=result["status"], steps_timed=result["steps_timed"],
-                        step_time_s=result["step_time_s"],
-                        step_time_min_s=result["step_time_min_s"],
-                        tokens_per_s=result["tokens_per_s"], peak_mem_mib=result["peak_mem_mib"],
-                        mem_kind="cuda_alloc_delta" if args.device == "cuda" else "rss_delta",
-                        final_loss=result["final_loss"],
-                        paired_speed=result.get("paired_speed", math.nan),
-                        note="; ".join(x for x in (result.get("note", ""), note) if x))
+                    kind = "cuda_alloc_delta" if args.device == "cuda" else "rss_delta"
+                    row = Row(**base, **{k: result[k] for k in MEASURED}, mem_kind=kind,
+                              paired_speed=result.get("paired_speed", math.nan),
+                              note="; ".join(x for x in (result.get("note", ""), note) if x))
                 else:
                     why = (result or {}).get("note") or note or "no result"
                     if result is not None and result.get("status") == "oom":
@@ -290,10 +280,6 @@ def run_all(args: argparse.Namespace) -> list[Row]:
                          attention, L, B, time.perf_counter() - t0, row.status, row.tokens_per_s,
                          row.peak_mem_mib, row.note)
     return rows
-
-
-def write_csv(rows: list[Row], path: Path) -> None:
-    common.write_rows_csv(rows, path, CSV_FIELDS)
 
 
 def _find(rows: list[Row], objective: str, attention: str, L: int) -> Row | None:
@@ -315,9 +301,8 @@ def ratios(rows: list[Row]) -> list[dict[str, Any]]:
         elif mem_row is not None and fav is not None:
             memory = mem_row.tokens_per_s / fav.tokens_per_s
         speed = fav.tokens_per_s / ex.tokens_per_s if fav and ex else math.nan
-        mem = (
-            ex.peak_mem_mib / fav.peak_mem_mib if fav and ex and fav.peak_mem_mib > 0 else math.nan
-        )
+        mem = (ex.peak_mem_mib / fav.peak_mem_mib if fav and ex and fav.peak_mem_mib > 0
+               else math.nan)
         target = TARGETS.get(L)
         if target is None:
             verdict = "-"
@@ -325,21 +310,13 @@ def ratios(rows: list[Row]) -> list[dict[str, Any]]:
             verdict = "n/a (not measured)"
         else:
             verdict = common.verdict(speed >= target)
-        out.append(
-            {
-                "objective": objective,
-                "L": L,
-                "favor_tok_s": fav.tokens_per_s if fav else math.nan,
-                "exact_tok_s": ex.tokens_per_s if ex else math.nan,
-                "speed_ratio": speed,
-                "mem_ratio": mem,
-                "target": f">= {target:g}x" if target else "-",
-                "verdict": verdict,
-                "memory_ratio": memory,
-                "memory_verdict": "-" if math.isnan(memory) else common.verdict(
-                    memory >= MEMORY_TARGET),
-            }
-        )
+        memory_verdict = "-" if math.isnan(memory) else common.verdict(memory >= MEMORY_TARGET)
+        out.append({"objective": objective, "L": L,
+                    "favor_tok_s": fav.tokens_per_s if fav else math.nan,
+                    "exact_tok_s": ex.tokens_per_s if ex else math.nan, "speed_ratio": speed,
+                    "mem_ratio": mem, "target": f">= {target:g}x" if target else "-",
+                    "verdict": verdict, "memory_ratio": memory,
+                    "memory_verdict": memory_verdict})
     return out
 
 
@@ -427,12 +404,8 @@ def run_parent(args: argparse.Namespace) -> int:
     """Every case in its own process, then the CSV files and the markdown tables under --out."""
     rows = run_all(args)
     csv_path, md_path = args.out / "train.csv", args.out / "train.md"
-    write_csv(rows, csv_path)
-    ratio_rows = ratios(rows)
-    with (args.out / "train_ratios.csv").open("w", newline="") as fh:
-        writer = csv.DictWriter(fh, fieldnames=list(ratio_rows[0]) if ratio_rows else ["L"])
-        writer.writeheader()
-        writer.writerows(ratio_rows)
+    common.write_rows_csv(rows, csv_path, CSV_FIELDS)
+    common.write_dicts_csv(ratios(rows), args.out / "train_ratios.csv")
     header = (
         f"depth={args.depth} dim={args.dim} heads={args.heads} m={args.nb_features} "
         f"kernel={args.kernel}, {args.tokens} tokens/batch, precision {args.precision}, "

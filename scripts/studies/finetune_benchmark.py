@@ -362,11 +362,10 @@ def residue_check(models: list[tuple[str, str]], args: argparse.Namespace,
     print(f"buried vs exposed (contact number within {BURIAL_RADIUS:g} A above the chain's "
           f"median): {len(chains)} chains, {n_res} residues ({buried:.1%} buried), {k} "
           f"leave-chains-out folds, {args.epochs} epoch(s), batch {args.batch_size}")  # fmt: skip
-    print("| method | accuracy | macro F1 | MCC | LR (per fold) | CPU time |")
-    print("|---|---|---|---|---|---|")
-    for r in rows:
-        print(f"| {r['method']} | {r['acc']:.3f} | {r['f1']:.3f} | {r['mcc']:.3f} | "
-              f"{lr_text(r.get('lrs'))} | {r['cpu_s']:.0f} s |")  # fmt: skip
+    print(h.markdown_table(
+        ["method", "accuracy", "macro F1", "MCC", "LR (per fold)", "CPU time"],
+        ([r["method"], f"{r['acc']:.3f}", f"{r['f1']:.3f}", f"{r['mcc']:.3f}",
+          lr_text(r.get("lrs")), f"{r['cpu_s']:.0f} s"] for r in rows), left=6))  # fmt: skip
     return rows
 
 
@@ -600,25 +599,25 @@ def main(argv: list[str] | None = None) -> int:
     print(f"BLAT_ECOLX column {args.column}: {len(seqs)} variants, {args.folds}-fold CV, "
           f"{args.epochs} epoch(s) per fine-tune, torch threads {torch.get_num_threads()}, "
           f"load {os.getloadavg()[0]:.1f}")
-    print("| method | Spearman (random folds) | Spearman (position folds) | mean per fold "
-          "(random; position) | head LR per fold (random; position) | CPU time |")  # fmt: skip
-    print("|---|---|---|---|---|---|")
+    table = []
     for r in rows:
         lrs = r.get("lrs") or {}
         chosen = "; ".join(lr_text(lrs.get(k)) for k in ("random", "position")) if lrs else "-"
         means = "; ".join(f"{np.mean(r[f'{k}_per_fold']):.3f}" for k in ("random", "position"))
-        print(f"| {r['method']} | {r['random']:.3f} | {r['position']:.3f} | {means} | {chosen} | "
-              f"{r['cpu_s']:.0f} s |")  # fmt: skip
+        table.append([r["method"], f"{r['random']:.3f}", f"{r['position']:.3f}", means, chosen,
+                      f"{r['cpu_s']:.0f} s"])
+    print(h.markdown_table(["method", "Spearman (random folds)", "Spearman (position folds)",
+                            "mean per fold (random; position)",
+                            "head LR per fold (random; position)", "CPU time"], table, left=6))
     memory = None
     if args.memory is not None:
         memory = memory_table(args.memory or [1000, 4000])
-        print("\n| mode | gradient checkpointing | length | kept for backward | per residue "
-              "| peak RSS |")  # fmt: skip
-        print("|---|---|---|---|---|---|")
-        for r in memory:
-            print(f"| {r['mode']} | {'on' if r['checkpointing'] else 'off'} | {r['length']} | "
-                  f"{r['saved_mib']:.0f} MiB | {r['saved_kib_per_residue']:.0f} KiB | "
-                  f"{r['peak_rss_mib']:.0f} MiB |")  # fmt: skip
+        print("\n" + h.markdown_table(
+            ["mode", "gradient checkpointing", "length", "kept for backward", "per residue",
+             "peak RSS"],
+            ([r["mode"], "on" if r["checkpointing"] else "off", r["length"],
+              f"{r['saved_mib']:.0f} MiB", f"{r['saved_kib_per_residue']:.0f} KiB",
+              f"{r['peak_rss_mib']:.0f} MiB"] for r in memory), left=6))  # fmt: skip
     if args.out:
         write_json(args, {"n": len(seqs), "rows": rows, "memory": memory})
     return 0
