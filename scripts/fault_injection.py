@@ -6,10 +6,10 @@ Each command first writes a complete output once. Every trial then reruns it ove
 (``--overwrite``, or ``ckpt_path=last`` for training) and SIGKILLs it when the output's temporary
 file (or temporary directory) reaches a random byte size (uniform up to 1.25 x the output's
 size), so most kills land inside the write; a trial whose command finishes first counts as a
-miss and must leave the new output. After each
-kill the output must load (a checkpoint through the safe loader, a store with ``TokenStore``,
-embeddings with h5py, an export with ``load_model``) and be either the previous version or a
-new one; the next trial's run must remove the temporaries the killed one left.
+miss and must leave the new output. After each kill the output must load (a checkpoint through
+the safe loader, a store with ``TokenStore``, embeddings with ``read_embeddings``, an export with
+``load_model``) and be either the previous version or a new one; the next trial's run must
+remove the temporaries the killed one left.
 
     python scripts/fault_injection.py                      # 20 trials per command (~10 min)
     python scripts/fault_injection.py --trials 50 --seed 3 --out runs/faults
@@ -198,10 +198,10 @@ def _embed(work: Path, quick: bool) -> Scenario:
     model = _model(work)
 
     def fingerprint() -> tuple[int, int]:
-        import h5py
+        import protein_performer as pp
 
-        with h5py.File(out, "r") as h5:
-            return len(h5["ids"]), out.stat().st_size
+        ids, _ = pp.read_embeddings(out, kind="per_tok")  # every array read back
+        return len(ids), out.stat().st_size
 
     def argv(_: int) -> list[str]:
         return _cli("embed", str(model), str(fasta), str(out), "--include", "per_tok", "mean",

@@ -254,25 +254,17 @@ def write_report(args: argparse.Namespace, exact_ppl: float, swap_ppls: list[flo
 
 
 def plot(args: argparse.Namespace, exact_ppl: float, curves: dict[float, list[dict]]) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(6, 4), dpi=120)
-    for weight, curve in curves.items():
-        ax.plot([p["step"] for p in curve], [p["ppl"] for p in curve], "o-", ms=3,
-                label=_label(weight))
-    ax.axhline(exact_ppl, color="k", ls="--", lw=1, label=f"exact ({exact_ppl:.3f})")
-    ax.axhline(1.05 * exact_ppl, color="gray", ls=":", lw=1, label="exact + 5%")
-    ax.axvline(0.10 * args.steps, color="tab:red", ls=":", lw=1, label="10% of training steps")
-    ax.set_xlabel("fine-tuning steps after the swap")
-    ax.set_ylabel("held-out perplexity")
-    ax.set_title(f"exact -> FAVOR+ ({args.kernel}, m={args.nb_features}) recovery")
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(args.out_dir / "recovery.png")
-    plt.close(fig)
+    with h.figure(args.out_dir / "recovery.png") as (ax,):
+        for weight, curve in curves.items():
+            ax.plot([p["step"] for p in curve], [p["ppl"] for p in curve], "o-", ms=3,
+                    label=_label(weight))
+        ax.axhline(exact_ppl, color="k", ls="--", lw=1, label=f"exact ({exact_ppl:.3f})")
+        ax.axhline(1.05 * exact_ppl, color="gray", ls=":", lw=1, label="exact + 5%")
+        ax.axvline(0.10 * args.steps, color="tab:red", ls=":", lw=1,
+                   label="10% of training steps")
+        ax.set(xlabel="fine-tuning steps after the swap", ylabel="held-out perplexity",
+               title=f"exact -> FAVOR+ ({args.kernel}, m={args.nb_features}) recovery")
+        ax.legend(fontsize=8)
 
 
 # --------------------------------------------------------------------------------------------

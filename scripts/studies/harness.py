@@ -28,8 +28,9 @@ import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -354,6 +355,27 @@ def write_csv(path: Path, rows: list[dict[str, Any]], fields: Sequence[str]) -> 
     writer.writeheader()
     writer.writerows(rows)
     write_text_atomic(path, table.getvalue())
+
+
+@contextmanager
+def figure(path: Path, panels: int = 1, size: tuple[float, float] = (6.0, 4.0),
+           title: str = "") -> Iterator[list[Any]]:
+    """The axes of ``panels`` plots side by side (each ``size`` inches), saved to ``path`` (with
+    ``title`` above them) when the block ends."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, panels, figsize=(size[0] * panels, size[1]), squeeze=False)
+    try:
+        yield list(axes[0])
+        if title:
+            fig.suptitle(title, fontsize=8)
+        fig.tight_layout()
+        fig.savefig(path, dpi=120)
+    finally:
+        plt.close(fig)
 
 
 def write_markdown(path: Path, title: str, text: str) -> None:

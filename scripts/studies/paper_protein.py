@@ -226,37 +226,28 @@ def concat_table(rows: list[dict[str, Any]]) -> str:
 def plot_curves(rows: list[dict[str, Any]], parts: tuple[str, ...], path: Path,
                 title: str) -> None:
     """Validation accuracy against training CPU minutes, one line per run (like Fig. 6 / 7)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     sel = [r for r in rows if r["part"] in parts]
     if not sel:
         return
-    fig, axes = plt.subplots(1, len(parts), figsize=(5.5 * len(parts), 4), squeeze=False)
     colors = {"exact": "C0", "favor-softmax": "C1", "favor-relu": "C2", "exact-small": "C3"}
     first = min(x["seed"] for x in sel)
-    for ax, part in zip(axes[0], parts, strict=True):
-        for r in (r for r in sel if r["part"] == part):
-            pts = [(t / 60, a * 100) for t, a, _ in r["curve"] if math.isfinite(a)]
-            if not pts:
-                continue
-            label = r["variant"]
-            if part == "concat":
-                label += f" ({r['peak_rss_mib']:.0f} MiB peak)"
-            ax.plot(*zip(*pts, strict=True), marker="o", ms=3,
-                    color=colors.get(r["variant"], "C4"), ls="-" if r["seed"] == first else "--",
-                    label=label if r["seed"] == first else None)
-        ax.set_title(part.upper() if part != "concat" else "BID, concatenated", fontsize=9)
-        ax.set_xlabel("training CPU time [min]")
-        ax.set_ylabel("validation accuracy [%]")
-        ax.grid(True, alpha=0.3)
-        ax.legend(fontsize=7)
-    fig.suptitle(title, fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    with h.figure(path, len(parts), (5.5, 4), title) as axes:
+        for ax, part in zip(axes, parts, strict=True):
+            for r in (r for r in sel if r["part"] == part):
+                pts = [(t / 60, a * 100) for t, a, _ in r["curve"] if math.isfinite(a)]
+                if not pts:
+                    continue
+                label = r["variant"]
+                if part == "concat":
+                    label += f" ({r['peak_rss_mib']:.0f} MiB peak)"
+                ax.plot(*zip(*pts, strict=True), marker="o", ms=3,
+                        color=colors.get(r["variant"], "C4"),
+                        ls="-" if r["seed"] == first else "--",
+                        label=label if r["seed"] == first else None)
+            ax.set_title(part.upper() if part != "concat" else "BID, concatenated", fontsize=9)
+            ax.set(xlabel="training CPU time [min]", ylabel="validation accuracy [%]")
+            ax.grid(True, alpha=0.3)
+            ax.legend(fontsize=7)
 
 
 def report(rows: list[dict[str, Any]], base: dict[tuple[str, str], dict[str, Any]],

@@ -126,26 +126,17 @@ def heldout_split(cfg: Any, split: str, out_dir: Path) -> tuple[Path, Any, Any]:
 
 def plot(rows: list[dict[str, Any]], unigram_ppl: float, path: Path, title: str) -> None:
     """val/ppl against wall-clock training minutes, one line per variant, and the unigram."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    for r in rows:
-        pts = [(t / 60, ppl) for t, _, ppl in r.get("curve", ()) if math.isfinite(ppl)]
-        if pts:
-            ax.plot(*zip(*pts, strict=True), marker="o", label=r["variant"])
-    if math.isfinite(unigram_ppl):
-        ax.axhline(unigram_ppl, ls="--", color="gray", label="unigram (held-out)")
-    ax.set_xlabel("wall-clock training time [min]")
-    ax.set_ylabel("val/ppl (validation split)")
-    ax.grid(True, alpha=0.3)
-    ax.legend()
-    ax.set_title(textwrap.fill(title, 100), fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    with h.figure(path, size=(7, 4.5)) as (ax,):
+        for r in rows:
+            pts = [(t / 60, ppl) for t, _, ppl in r.get("curve", ()) if math.isfinite(ppl)]
+            if pts:
+                ax.plot(*zip(*pts, strict=True), marker="o", label=r["variant"])
+        if math.isfinite(unigram_ppl):
+            ax.axhline(unigram_ppl, ls="--", color="gray", label="unigram (held-out)")
+        ax.set(xlabel="wall-clock training time [min]", ylabel="val/ppl (validation split)")
+        ax.grid(True, alpha=0.3)
+        ax.legend()
+        ax.set_title(textwrap.fill(title, 100), fontsize=8)
 
 
 def verdict_line(rows: list[dict[str, Any]], exact: float) -> str:
