@@ -47,8 +47,9 @@ class Case:
     stdin: bytes | None = None  # fed to the command's standard input (default: none, closed)
 
 
-def _cli(*args: str) -> list[str]:
-    return [sys.executable, "-m", "protein_performer.cli.main", *args]
+def _cli(*args: str | Path) -> list[str]:
+    """``protein-performer ARGS`` with this interpreter (paths as they are spelled)."""
+    return [sys.executable, "-m", "protein_performer.cli.main", *map(str, args)]
 
 
 def _tiny(work: Path, **config: object) -> object:
@@ -105,7 +106,7 @@ def _lying_dtype(model: Path, dest: Path) -> Path:
 
 
 def _embedded(model: Path, fasta: Path, out: Path) -> Path:
-    subprocess.run(_cli("embed", str(model), str(fasta), str(out), "--no-progress"),
+    subprocess.run(_cli("embed", model, fasta, out, "--no-progress"),
                    check=True, capture_output=True)  # fmt: skip
     return out
 
@@ -210,45 +211,45 @@ def build(work: Path) -> list[Case]:
 
     view = torch.full((1,), float("nan")).expand(10**6, 10**6)
     cases = [
-        Case("report-script", _cli("visualize", str(mlm), str(hostile), "--device", "cpu",
-             "--html", str(work / "r.html")), "ok", "", _report_check(work / "r.html")),
+        Case("report-script", _cli("visualize", mlm, hostile, "--device", "cpu",
+             "--html", work / "r.html"), "ok", "", _report_check(work / "r.html")),
         *(
-            Case(f"h5-{how}", _cli("embed", str(mlm), str(fasta),
-                 str(_crafted_h5(mlm, fasta, work, how)), "--resume", "--no-progress"),
+            Case(f"h5-{how}", _cli("embed", mlm, fasta,
+                 _crafted_h5(mlm, fasta, work, how), "--resume", "--no-progress"),
                  "error", says)
             for how, says in (("external", "stored externally"), ("soft-link", "is a SoftLink"),
                               ("declared-1e9", "declares shape (1000000000"))
         ),
-        Case("resume-stale", _cli("embed", str(mlm), str(changed), str(stale), "--resume",
+        Case("resume-stale", _cli("embed", mlm, changed, stale, "--resume",
              "--no-progress"), "error", "with another sequence than"),
         *(
-            Case(f"regression-{name}", _cli("contacts", "predict", str(mlm), str(fasta),
-                 str(work / f"c-{name}.h5"), "--regression",
-                 str(_regression(mlm, work, name, **edit)), "--no-progress"), "error", says)
+            Case(f"regression-{name}", _cli("contacts", "predict", mlm, fasta,
+                 work / f"c-{name}.h5", "--regression",
+                 _regression(mlm, work, name, **edit), "--no-progress"), "error", says)
             for name, edit, says in (
                 ("nan", {"coef": [float("nan"), 0, 0, 0]}, "must be finite"),
                 ("inf-intercept", {"intercept": float("inf")}, "must be finite"),
                 ("1e308", {"coef": [1e308] * 4}, "at most"),
                 ("bad-heads", {"heads": [-1, 0]}, "out of range"))
         ),
-        Case("safetensors-dtype", _cli("embed", str(_lying_dtype(mlm, work / "lies")),
-             str(fasta), str(work / "l.h5")), "error", "torch.int32 vs model"),
-        Case("zero-stride-view", _cli("embed", str(_checkpoint(work, "view.ckpt",
-             {"model.embed_tokens.weight": view})), str(fasta), str(work / "v.h5")), "error",
+        Case("safetensors-dtype", _cli("embed", _lying_dtype(mlm, work / "lies"),
+             fasta, work / "l.h5"), "error", "torch.int32 vs model"),
+        Case("zero-stride-view", _cli("embed", _checkpoint(work, "view.ckpt",
+             {"model.embed_tokens.weight": view}), fasta, work / "v.h5"), "error",
              "not finite"),
-        Case("zip-bomb", _cli("embed", str(_zip_bomb(work)), str(fasta), str(work / "z.h5")),
+        Case("zip-bomb", _cli("embed", _zip_bomb(work), fasta, work / "z.h5"),
              "error", "inflate to"),
         *(
-            Case(f"config-{key}", _cli("embed", str(_edit_config(mlm, work / key, **{key: value})),
-                 str(fasta), str(work / f"{key}.h5")), "error", key)
+            Case(f"config-{key}", _cli("embed", _edit_config(mlm, work / key, **{key: value}),
+                 fasta, work / f"{key}.h5"), "error", key)
             for key, value in (("favor_chunk_size", 10**9), ("rotary_base", 1e308),
                                ("layer_norm_eps", 1e308))
         ),
-        Case("stdout-closed", _cli("generate", str(clm), "-", "--num", "1", "--max-length", "8"),
+        Case("stdout-closed", _cli("generate", clm, "-", "--num", "1", "--max-length", "8"),
              "error", "standard output is closed", shell_closes_stdout=True),
-        Case("dna-input", _cli("score", str(mlm), str(dna), str(work / "dna.csv"),
+        Case("dna-input", _cli("score", mlm, dna, work / "dna.csv",
              "--no-progress"), "ok", "looks like DNA or RNA"),
-        Case("output-dir-slash", _cli("score", str(mlm), str(fasta), f"{work}/not_yet/"),
+        Case("output-dir-slash", _cli("score", mlm, fasta, f"{work}/not_yet/"),
              "error", "is a directory"),
     ]  # fmt: skip
     labels = work / "labels.csv"
@@ -259,8 +260,8 @@ def build(work: Path) -> list[Case]:
         one = work / f"id-{tag}.fasta"
         one.write_text(f">{rid}\n{SEQ}\n")
         out = work / f"png-{tag}"
-        cases.append(Case(f"png-id-{tag}", _cli("visualize", str(mlm), str(one), "--device",
-                          "cpu", "--out-dir", str(out)), "ok", "", _png_check(out)))  # fmt: skip
+        cases.append(Case(f"png-id-{tag}", _cli("visualize", mlm, one, "--device",
+                          "cpu", "--out-dir", out), "ok", "", _png_check(out)))  # fmt: skip
     cases += lifecycle_cases(work, mlm, clm, fasta)
     cases += policy_cases(work, mlm, clm, fasta)
     return cases
@@ -339,13 +340,13 @@ def policy_cases(work: Path, mlm: Path, clm: Path, fasta: Path) -> list[Case]:
     victim.write_text("precious\n")
     (w / "shared").mkdir()
     os.symlink(victim, w / "shared" / ".out.csv.lock")
-    cases.append(Case("lock-symlink", _cli("score", str(mlm), str(fasta), str(w / "shared" /
-                      "out.csv")), "error", "symbolic link", _unchanged(victim)))  # fmt: skip
+    cases.append(Case("lock-symlink", _cli("score", mlm, fasta, w / "shared" /
+                      "out.csv"), "error", "symbolic link", _unchanged(victim)))  # fmt: skip
     # DMS_id used as a path.
     for tag, dms_id in (("abs", str(w / "PWNED")), ("dotdot", "../../dms/assay")):
         ref = reference_file(w / f"ref-{tag}.csv", dms_id)
-        cases.append(Case(f"dms-id-{tag}", _cli("benchmark", "proteingym", str(ref), str(pg),
-                          str(w / f"pg-{tag}"), str(mlm)), "error", "cannot name a file",
+        cases.append(Case(f"dms-id-{tag}", _cli("benchmark", "proteingym", ref, pg,
+                          w / f"pg-{tag}", mlm), "error", "cannot name a file",
                           _absent(w / "PWNED.csv", w / f"pg-{tag}")))  # fmt: skip
     # OUT_DIR == DMS_DIR, and OUT_DIR holding the DMS folder.
     o2 = w / "o2"
@@ -354,16 +355,16 @@ def policy_cases(work: Path, mlm: Path, clm: Path, fasta: Path) -> list[Case]:
     shutil.copy(pg / assay.name, assay)
     ref = reference_file(w / "ref.csv", "BLAT_ECOLX_Stiffler_2015")
     for tag, out in (("equal", o2 / "scores"), ("holding", o2)):
-        cases.append(Case(f"benchmark-out-{tag}", _cli("benchmark", "proteingym", str(ref),
-                          str(o2 / "scores"), str(out), str(mlm), "--overwrite"), "error",
+        cases.append(Case(f"benchmark-out-{tag}", _cli("benchmark", "proteingym", ref,
+                          o2 / "scores", out, mlm, "--overwrite"), "error",
                           "never replaces an input", _unchanged(assay)))  # fmt: skip
     # A kill between scores/<id>.csv and its .json: another model's table under the run file.
-    run = _cli("benchmark", "proteingym", str(ref), str(pg), str(w / "pg"), str(mlm),
+    run = _cli("benchmark", "proteingym", ref, pg, w / "pg", mlm,
                "--no-progress")  # fmt: skip
     subprocess.run(run, check=True, capture_output=True)
     scores = w / "pg" / "scores" / "BLAT_ECOLX_Stiffler_2015.csv"
     good = scores.read_bytes()
-    subprocess.run(_cli("benchmark", "proteingym", str(ref), str(pg), str(w / "pg-clm"), str(clm),
+    subprocess.run(_cli("benchmark", "proteingym", ref, pg, w / "pg-clm", clm,
                         "--no-progress"), check=True, capture_output=True)  # fmt: skip
     other = (w / "pg-clm" / "scores" / scores.name).read_bytes()
     for tag, target in (("kill", None), ("target-seq", "M" + SEQ)):
@@ -378,47 +379,47 @@ def policy_cases(work: Path, mlm: Path, clm: Path, fasta: Path) -> list[Case]:
         else:
             changed = reference_file(w / "ref-changed.csv", "BLAT_ECOLX_Stiffler_2015", target)
             cases.append(Case("benchmark-target-seq", _cli("benchmark", "proteingym",
-                              str(changed), str(pg), str(dest), str(mlm)), "error",
+                              changed, pg, dest, mlm), "error",
                               "differs: target_seq_sha256",
                               _unchanged(dest / "scores" / scores.name)))  # fmt: skip
-    cases.append(Case("benchmark-model-name-mutant", _cli("benchmark", "proteingym", str(ref),
-                      str(pg), str(w / "pg-m"), str(mlm), "--model-name", "mutant"), "error",
+    cases.append(Case("benchmark-model-name-mutant", _cli("benchmark", "proteingym", ref,
+                      pg, w / "pg-m", mlm, "--model-name", "mutant"), "error",
                       "column the tables already have", _absent(w / "pg-m")))  # fmt: skip
-    cases.append(Case("benchmark-model-name-formula", _cli("benchmark", "proteingym", str(ref),
-                      str(pg), str(w / "pg-f"), str(mlm), "--model-name", "=1+2",
+    cases.append(Case("benchmark-model-name-formula", _cli("benchmark", "proteingym", ref,
+                      pg, w / "pg-f", mlm, "--model-name", "=1+2",
                       "--no-progress"), "ok", "",
                       _cells_check(w / "pg-f" / "scores" / scores.name, 3, "'=1+2")))  # fmt: skip
     # Formula ids in score's table (the negative scores stay numbers).
     evil = w / "evil.fasta"
     evil.write_text(f">=HYPERLINK(\"http://x\",\"y\")\n{SEQ}\n>+cmd|' /C calc'!A0\n{SEQ}\n")
-    cases.append(Case("csv-formula-ids", _cli("score", str(mlm), str(evil), str(w / "evil.csv"),
+    cases.append(Case("csv-formula-ids", _cli("score", mlm, evil, w / "evil.csv",
                       "--no-progress"), "ok", "", _cells_check(w / "evil.csv", 0,
                       "'=HYPERLINK(\"http://x\",\"y\")")))  # fmt: skip
     # Terminal escapes in an id listed by visualize --record.
     esc = w / "esc.fasta"
     esc.write_text(f">\x1b[2J\x1b]0;pwned\x07x\n{SEQ}\n")
-    cases.append(Case("record-id-escapes", _cli("visualize", str(mlm), str(esc), "--record",
-                      "nope", "--out-dir", str(w / "viz")), "error", "'\\x1b[2J"))  # fmt: skip
+    cases.append(Case("record-id-escapes", _cli("visualize", mlm, esc, "--record",
+                      "nope", "--out-dir", w / "viz"), "error", "'\\x1b[2J"))  # fmt: skip
     # Outputs inside input directories.
-    cases.append(Case("embed-into-export", _cli("embed", str(mlm), str(fasta),
-                      str(mlm / "model.safetensors"), "--overwrite"), "error",
+    cases.append(Case("embed-into-export", _cli("embed", mlm, fasta,
+                      mlm / "model.safetensors", "--overwrite"), "error",
                       "inside the input directory", _unchanged(mlm / "model.safetensors")))
     store = w / "store"
-    subprocess.run(_cli("preprocess", str(fasta), "--out", str(store), "--no-progress"),
+    subprocess.run(_cli("preprocess", fasta, "--out", store, "--no-progress"),
                    check=True, capture_output=True)  # fmt: skip
-    cases.append(Case("score-into-store", _cli("score", str(mlm), str(store),
-                      str(store / "tokens.bin"), "--overwrite"), "error",
+    cases.append(Case("score-into-store", _cli("score", mlm, store,
+                      store / "tokens.bin", "--overwrite"), "error",
                       "inside the input directory", _unchanged(store / "tokens.bin")))
     cases.append(Case("train-into-store", _cli("train", f"data.path={store}",
                       f"paths.output_dir={store / 'run'}"), "error",
                       "inside the input directory", _absent(store / "run")))  # fmt: skip
     # --context: - reads standard input; a missing name is an error, never a sequence.
     homologs = f">h1\n{SEQ}\n>h2\n{SEQ[::-1]}\n".encode()
-    cases.append(Case("context-stdin", _cli("score", str(clm), str(fasta), str(w / "ctx.csv"),
+    cases.append(Case("context-stdin", _cli("score", clm, fasta, w / "ctx.csv",
                       "--context", "-", "--no-progress"), "ok", "read 2 of 2 homolog(s)",
                       stdin=homologs))  # fmt: skip
-    cases.append(Case("context-missing-name", _cli("score", str(clm), str(fasta),
-                      str(w / "ctx2.csv"), "--context", "MKTAYIAK"), "error",
+    cases.append(Case("context-missing-name", _cli("score", clm, fasta,
+                      w / "ctx2.csv", "--context", "MKTAYIAK"), "error",
                       "MKTAYIAK does not exist", _absent(w / "ctx2.csv")))  # fmt: skip
     # The OUT.context.json sidecar: never replaced without --overwrite; a run without
     # --context removes a stale one.
@@ -428,13 +429,13 @@ def policy_cases(work: Path, mlm: Path, clm: Path, fasta: Path) -> list[Case]:
     dms.write_text("mutant\nK2R\nT3S\n")
     mine = w / "sv.csv.context.json"
     mine.write_text("the user's own notes\n")
-    cases.append(Case("sidecar-exists", _cli("score-variants", str(clm), str(wt), str(dms),
-                      str(w / "sv.csv")), "error", "sv.csv.context.json already exists",
+    cases.append(Case("sidecar-exists", _cli("score-variants", clm, wt, dms,
+                      w / "sv.csv"), "error", "sv.csv.context.json already exists",
                       _unchanged(mine)))  # fmt: skip
     (w / "stale.csv").write_text("old\n")
     (w / "stale.csv.context.json").write_text("{}\n")
-    cases.append(Case("sidecar-stale", _cli("score-variants", str(clm), str(wt), str(dms),
-                      str(w / "stale.csv"), "--overwrite", "--no-progress"), "ok", "",
+    cases.append(Case("sidecar-stale", _cli("score-variants", clm, wt, dms,
+                      w / "stale.csv", "--overwrite", "--no-progress"), "ok", "",
                       _absent(w / "stale.csv.context.json")))  # fmt: skip
     return cases
 
@@ -447,7 +448,7 @@ def policy_cases(work: Path, mlm: Path, clm: Path, fasta: Path) -> list[Case]:
 def _crafted_store(work: Path, fasta: Path, name: str, file: str, edit: Callable) -> Path:
     """A preprocessed store with one of its files rewritten (sizes kept)."""
     store = work / name
-    subprocess.run(_cli("preprocess", str(fasta), "--out", str(store), "--no-progress"),
+    subprocess.run(_cli("preprocess", fasta, "--out", store, "--no-progress"),
                    check=True, capture_output=True)  # fmt: skip
     path = store / file
     path.write_bytes(edit(path.read_bytes()))
@@ -500,32 +501,32 @@ def lifecycle_cases(work: Path, mlm: Path, clm: Path, fasta: Path) -> list[Case]
              "+hydra.callbacks.x._target_=pathlib.Path.write_text"), "error",
              "hydra.callbacks.x._target_"),
         # tests/data/test_store.py
-        Case("store-lying-id-offsets", _cli("stats", str(_crafted_store(
-             work, fasta, "lying-ids", "ids.offsets.bin", swap))), "error", "ids.offsets.bin"),
-        Case("store-newline-description", _cli("stats", str(_crafted_store(
-             work, fasta, "nl-desc", "descriptions.txt", lambda d: d.replace(b"one", b"\n>x")))),
+        Case("store-lying-id-offsets", _cli("stats", _crafted_store(
+             work, fasta, "lying-ids", "ids.offsets.bin", swap)), "error", "ids.offsets.bin"),
+        Case("store-newline-description", _cli("stats", _crafted_store(
+             work, fasta, "nl-desc", "descriptions.txt", lambda d: d.replace(b"one", b"\n>x"))),
              "error", "line break"),
         # tests/io/test_threads.py
-        Case("threads-100000", _cli("score", str(mlm), str(fasta), str(work / "t.csv"),
+        Case("threads-100000", _cli("score", mlm, fasta, work / "t.csv",
              "--threads", "100000", "--no-progress"), "ok", "is more than the"),
         # tests/inference/test_generation.py
-        Case("generate-num-0", _cli("generate", str(clm), str(work / "g0.fasta"), "--num", "0",
+        Case("generate-num-0", _cli("generate", clm, work / "g0.fasta", "--num", "0",
              "--max-length", "8"), "error", "--num must be at least 1"),
         # tests/interop/test_finetuned.py
-        Case("finetuned-lora-r-1e9", _cli("embed", str(_finetuned(work, r=10**9)), str(fasta),
-             str(work / "ft.h5")), "error", "exceeds the model width"),
-        Case("finetuned-lora-r-text", _cli("embed", str(_finetuned(work, r="8")), str(fasta),
-             str(work / "ft2.h5")), "error", "r must be a positive integer"),
+        Case("finetuned-lora-r-1e9", _cli("embed", _finetuned(work, r=10**9), fasta,
+             work / "ft.h5"), "error", "exceeds the model width"),
+        Case("finetuned-lora-r-text", _cli("embed", _finetuned(work, r="8"), fasta,
+             work / "ft2.h5"), "error", "r must be a positive integer"),
         # tests/training/test_linearize.py
-        Case("linearize-lora-rank-1e8", _cli("linearize", str(exact), str(work / "lin1"),
-             "--data", str(fasta), "--lora-rank", "100000000", "--lora-steps", "1",
+        Case("linearize-lora-rank-1e8", _cli("linearize", exact, work / "lin1",
+             "--data", fasta, "--lora-rank", "100000000", "--lora-steps", "1",
              "--no-progress"), "error", "exceeds the model width"),
-        Case("linearize-max-len-1e12", _cli("linearize", str(exact), str(work / "lin2"),
-             "--data", str(fasta), "--max-len", "1000000000000", "--no-progress"), "error",
+        Case("linearize-max-len-1e12", _cli("linearize", exact, work / "lin2",
+             "--data", fasta, "--max-len", "1000000000000", "--no-progress"), "error",
              "max_len must be in"),
         # tests/inference/test_ensemble.py
-        Case("context-orders-1e8", _cli("score-variants", str(clm), str(wt), str(mutations),
-             str(work / "o.csv"), "--context", str(homologs), "--context-orders", "100000000"),
+        Case("context-orders-1e8", _cli("score-variants", clm, wt, mutations,
+             work / "o.csv", "--context", homologs, "--context-orders", "100000000"),
              "error", "more than 1024"),
         # tests/training/test_runner.py
         Case("run-dir-is-a-file", _cli(*train, f"paths.output_dir={afile}"), "error",
