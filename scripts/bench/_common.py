@@ -34,6 +34,8 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[2]
 #: The shared sequence data sets that sit beside the checkout (``../shared/data/sequences``).
 SEQUENCES = REPO.parent / "shared" / "data" / "sequences"
+#: The long proteins of the shared data, titin (34,350 aa) among them.
+LONG_PROTEINS = SEQUENCES / "long_proteins.fasta"
 #: The log line of every script unless it asks for another.
 LOG_FORMAT = "%(levelname)s %(name)s: %(message)s"
 #: The log line of the long-running studies and benchmarks: when each step happened.
@@ -43,6 +45,17 @@ TIMED_LOG_FORMAT = "%(asctime)s %(name)s: %(message)s"
 def setup_logging(fmt: str = LOG_FORMAT) -> None:
     """INFO and above to stderr (stdout stays free for results)."""
     logging.basicConfig(level=logging.INFO, format=fmt, stream=sys.stderr)
+
+
+def titin(fasta: Path = LONG_PROTEINS) -> str | None:
+    """Titin's sequence (the record whose id names TITIN) from ``fasta``; None without one."""
+    from protein_performer.data.fasta import read_fasta
+
+    if fasta.is_file():
+        for rec in read_fasta(fasta):
+            if "TITIN" in rec.id.upper():
+                return rec.sequence
+    return None
 
 
 def verdict(ok: bool) -> str:

@@ -26,16 +26,13 @@ from pathlib import Path
 
 import _common as common
 
-TITIN_ID = "sp|Q8WZ42|TITIN_HUMAN"
-DEFAULT_FASTA = common.SEQUENCES / "long_proteins.fasta"
-
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--quick", action="store_true", help="small sizes (a smoke run, seconds)")
     p.add_argument("--lengths", type=int, nargs="+", default=None, help="full-map lengths")
     p.add_argument("--window", type=int, nargs=2, default=(1000, 1256), metavar=("START", "END"))
-    p.add_argument("--fasta", type=Path, default=DEFAULT_FASTA, help="long_proteins.fasta")
+    p.add_argument("--fasta", type=Path, default=common.LONG_PROTEINS, help="long_proteins.fasta")
     p.add_argument("--heads", default="1", help="number of heads per map, or 'all'")
     p.add_argument("--layer", type=int, default=-1, help="layer (1..depth or negative)")
     p.add_argument("--depth", type=int, default=6)
@@ -47,15 +44,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--json", type=Path, default=None, help="also write the results here")
     p.add_argument("--case", default=None, help=argparse.SUPPRESS)  # internal: one case
     return p.parse_args(argv)
-
-
-def titin(fasta: Path) -> str:
-    from Bio import SeqIO
-
-    for rec in SeqIO.parse(str(fasta), "fasta"):
-        if rec.id == TITIN_ID:
-            return str(rec.seq)
-    raise SystemExit(f"{fasta}: no record {TITIN_ID}")
 
 
 def run_case(args: argparse.Namespace) -> dict:
@@ -74,7 +62,9 @@ def run_case(args: argparse.Namespace) -> dict:
         seq = "".join(rng.choice(list("ACDEFGHIKLMNPQRSTVWY"), int(value)))
         window = None
     else:
-        seq = titin(args.fasta)
+        seq = common.titin(args.fasta)
+        if seq is None:
+            raise SystemExit(f"error: {args.fasta}: no titin record")
         if value:
             seq = seq[: int(value)]
         start, end = args.window

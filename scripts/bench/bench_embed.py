@@ -61,7 +61,6 @@ log = logging.getLogger("bench_embed")
 
 IMPLS = ("performer", "exact", "free", "hf", "esm")
 ESM2_8M = {"layers": 6, "dim": 320, "heads": 20, "ffn": 1280}
-TITIN = common.SEQUENCES / "long_proteins.fasta"
 PROTEINS = common.SEQUENCES / "swissprot_opal_train.fasta"
 EMBED_BUDGET = 4096  # protein-performer embed's default --toks-per-batch
 COLUMNS = ("impl", "case", "length", "device", "threads", "status", "time_s", "peak_mib", "note")
@@ -211,17 +210,6 @@ def _installed(impl: str) -> str | None:
     return None
 
 
-def _titin(path: Path) -> str | None:
-    if not path.is_file():
-        return None
-    from protein_performer.data.fasta import read_fasta
-
-    for rec in read_fasta(path):
-        if "TITIN" in rec.id.upper():
-            return rec.sequence
-    return None
-
-
 def _fmt(row: dict[str, Any]) -> str:
     if row["status"] != "ok":
         return f"{row['status']}" + (f" ({row['note']})" if row.get("note") else "")
@@ -313,7 +301,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--proteins", type=int, default=0, metavar="N",
         help="also embed N real proteins as `embed` batches them (0 = no such case)")
-    parser.add_argument("--titin", type=Path, default=TITIN, help="FASTA holding TITIN_HUMAN")
+    parser.add_argument("--titin", type=Path, default=common.LONG_PROTEINS,
+                        help="FASTA holding TITIN_HUMAN")
     parser.add_argument("--no-titin", action="store_true", help="skip the titin case")
     parser.add_argument("--quick", action="store_true", help="L = 256, 512 and no titin")
     parser.add_argument("--out", type=Path, default=Path("bench_embed.csv"), help="CSV output")
@@ -359,7 +348,7 @@ def main(argv: list[str] | None = None) -> int:
     for impl in args.impls if args.proteins else ():
         row(impl, "proteins", args.proteins, proteins=True)
     if not args.no_titin and "performer" in args.impls:
-        seq = _titin(args.titin)
+        seq = common.titin(args.titin)
         row("performer", "titin", len(seq or ""),
             "" if seq else f"no TITIN_HUMAN record in {args.titin}", sequence=seq, repeats=1)
 

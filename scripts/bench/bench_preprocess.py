@@ -119,12 +119,6 @@ def parse_only(path: Path) -> tuple[float, float, int]:
     return time.perf_counter() - t0, time.process_time() - c0, n
 
 
-def _default_workers() -> int:
-    from protein_performer.data.preprocess import default_workers
-
-    return default_workers()
-
-
 def _tree_rss(proc: subprocess.Popen, stop: threading.Event, peak: list[int]) -> None:
     """Sample the summed RSS of ``proc`` and its descendants until ``stop``; keep the max."""
     try:
@@ -208,7 +202,9 @@ def main(argv: list[str] | None = None) -> int:
         mb = nbytes / 1e6
         print(f"input        {mb:,.0f} MB")
         runs = []
-        for workers in args.workers or [_default_workers()]:
+        from protein_performer.data.preprocess import default_workers
+
+        for workers in args.workers or [default_workers()]:
             # Parse-only right before each run, so each ratio compares like with like on a
             # machine whose load changes.
             log.info("parse-only pass (SimpleFastaParser)")
