@@ -40,7 +40,7 @@ import shutil
 import statistics
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -78,9 +78,10 @@ def heldout_ppl(model: torch.nn.Module, loader: Any) -> float:
     return math.exp(nll / count)
 
 
-def make_eval_callback(loader: Any, every: int, curve: list[dict]) -> Any:
-    """Held-out perplexity at step 0 (after the step-0 feature draw, before any update), every
-    ``every`` optimizer steps, and at the end."""
+def make_eval_callback(loader: Any, every: int, curve: list[dict],
+                       measure: Callable[[torch.nn.Module, Any], float] = heldout_ppl) -> Any:
+    """Held-out perplexity (``measure``) at step 0 (after the step-0 feature draw, before any
+    update), every ``every`` optimizer steps, and at the end."""
     import pytorch_lightning as pl
 
     class HeldoutCurve(pl.Callback):
@@ -88,7 +89,7 @@ def make_eval_callback(loader: Any, every: int, curve: list[dict]) -> Any:
             step = trainer.global_step
             if curve and curve[-1]["step"] == step:
                 return
-            ppl = heldout_ppl(pl_module.model, loader)
+            ppl = measure(pl_module.model, loader)
             curve.append({"step": step, "ppl": ppl})
             log.info("fine-tune step %d: held-out ppl %.4f", step, ppl)
 
@@ -143,9 +144,11 @@ def train_exact(args: argparse.Namespace) -> tuple[str, Any]:
     return ckpt, cfg
 
 
-def fine_tune(args: argparse.Namespace, ckpt: str, loader: Any, weight: float) -> list[dict]:
+def fine_tune(args: argparse.Namespace, ckpt: str, loader: Any, weight: float,
+              measure: Callable[[torch.nn.Module, Any], float] = heldout_ppl) -> list[dict]:
     """Phase 3: a FAVOR+ module initialized from ``ckpt``, fitted for ``--ft-steps`` steps with
-    distillation weight ``weight`` against ``ckpt``'s exact-attention model (0: MLM alone)."""
+    distillation weight ``weight`` against ``ckpt``'s exact-attention model (0: MLM alone); the
+    curve's perplexities from ``measure``."""
     import hydra
     import pytorch_lightning as pl
 
@@ -173,7 +176,7 @@ def fine_tune(args: argparse.Namespace, ckpt: str, loader: Any, weight: float) -
     curve: list[dict] = []
     callbacks = [
         FeatureRedraw(interval=args.redraw_interval, seed=args.seed),  # first: draws step 0's ω
-        make_eval_callback(loader, args.eval_every, curve),
+        make_eval_callback(loader, args.eval_every, curve, measure),
     ]
     trainer = hydra.utils.instantiate(cfg.trainer, callbacks=callbacks, logger=False)
     trainer.fit(module, datamodule=datamodule)

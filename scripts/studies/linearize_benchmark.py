@@ -163,7 +163,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     dm.setup("test")
     test = dm.test_dataloader()
     clock = EvalClock()
-    bc.heldout_ppl = clock  # the fine-tune's curve callback calls it through the module
     exact = load_model(ckpt, "cpu")
     exact_ppl = clock(exact.model, test)
     rows: list[dict[str, Any]] = []
@@ -185,7 +184,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         row(f"{args.kernel} swap (untrained map)", w, 0, 0, 0.0, clock(swap, test))
 
     before, start = clock.seconds, time.process_time()
-    curve = bc.fine_tune(fargs, ckpt, test, args.distill_weight)
+    curve = bc.fine_tune(fargs, ckpt, test, args.distill_weight, clock)
     cpu = time.process_time() - start - (clock.seconds - before)
     reached = bc.reached_step(curve, RECIPE_TARGET * exact_ppl)
     recipe_cpu = None if reached is None else cpu * reached / args.ft_steps
