@@ -52,6 +52,15 @@ def _cli(*args: str | Path) -> list[str]:
     return [sys.executable, "-m", "protein_performer.cli.main", *map(str, args)]
 
 
+def _write(path: Path, data: str | bytes) -> Path:
+    """``path`` holding ``data`` (text or bytes)."""
+    if isinstance(data, bytes):
+        path.write_bytes(data)
+    else:
+        path.write_text(data)
+    return path
+
+
 def _tiny(work: Path, **config: object) -> object:
     """A tiny seeded ``LoadedModel`` of ``PerformerConfig(dim=16, heads=2, ff_dim=32,
     **config)``."""
@@ -117,8 +126,7 @@ def _crafted_h5(model: Path, fasta: Path, work: Path, how: str) -> Path:
     import numpy as np
 
     out = _embedded(model, fasta, work / f"{how}.h5")
-    secret = work / "secret.bin"
-    secret.write_bytes(np.arange(64, dtype=np.float32).tobytes())
+    secret = _write(work / "secret.bin", np.arange(64, dtype=np.float32).tobytes())
     with h5py.File(out, "r+") as h5:
         name = f"mean/{int(h5.attrs['repr_layers'][-1])}"
         n, dim = h5[name].shape
@@ -198,14 +206,10 @@ def _png_check(out_dir: Path) -> Callable[[], str | None]:
 def build(work: Path) -> list[Case]:
     """Every case's files under ``work``, and the cases."""
     mlm, clm = _models(work)
-    fasta = work / "in.fasta"
-    fasta.write_text(f">a one\n{SEQ}\n>b two\n{SEQ[::-1]}\n")
-    changed = work / "changed.fasta"
-    changed.write_text(f">a one\n{SEQ[::-1]}\n>b two\n{SEQ}\n")
-    hostile = work / "hostile.fasta"
-    hostile.write_text(f">{HOSTILE_ID}\n{SEQ}\n")
-    dna = work / "dna.fasta"
-    dna.write_text(">d\nACGTACGTACGTNNACGT\n>r\nACGUACGUAGCU\n")
+    fasta = _write(work / "in.fasta", f">a one\n{SEQ}\n>b two\n{SEQ[::-1]}\n")
+    changed = _write(work / "changed.fasta", f">a one\n{SEQ[::-1]}\n>b two\n{SEQ}\n")
+    hostile = _write(work / "hostile.fasta", f">{HOSTILE_ID}\n{SEQ}\n")
+    dna = _write(work / "dna.fasta", ">d\nACGTACGTACGTNNACGT\n>r\nACGUACGUAGCU\n")
     stale = _embedded(mlm, fasta, work / "stale.h5")
     import torch
 
@@ -252,8 +256,7 @@ def build(work: Path) -> list[Case]:
         Case("output-dir-slash", _cli("score", mlm, fasta, f"{work}/not_yet/"),
              "error", "is a directory"),
     ]  # fmt: skip
-    labels = work / "labels.csv"
-    labels.write_bytes(b"sequence,label\nMKT,1\nMA\xffG,2\n")
+    labels = _write(work / "labels.csv", b"sequence,label\nMKT,1\nMA\xffG,2\n")
     cases.append(Case("labels-not-utf8", _cli("finetune", f"base={mlm}", f"data.train={labels}",
                       f"paths.output_dir={work / 'ft'}"), "error", "is not UTF-8"))  # fmt: skip
     for tag, rid in (("mathtext", "$\\foo{$"), ("100kB", "x" * 100_000)):
@@ -336,8 +339,7 @@ def policy_cases(work: Path, mlm: Path, clm: Path, fasta: Path) -> list[Case]:
     pg = REPO / "data" / "proteingym"
     cases: list[Case] = []
     # A lock planted as a symlink to the user's file: refused, the file untouched.
-    victim = w / "victim.txt"
-    victim.write_text("precious\n")
+    victim = _write(w / "victim.txt", "precious\n")
     (w / "shared").mkdir()
     os.symlink(victim, w / "shared" / ".out.csv.lock")
     cases.append(Case("lock-symlink", _cli("score", mlm, fasta, w / "shared" /
@@ -396,8 +398,7 @@ def policy_cases(work: Path, mlm: Path, clm: Path, fasta: Path) -> list[Case]:
                       "--no-progress"), "ok", "", _cells_check(w / "evil.csv", 0,
                       "'=HYPERLINK(\"http://x\",\"y\")")))  # fmt: skip
     # Terminal escapes in an id listed by visualize --record.
-    esc = w / "esc.fasta"
-    esc.write_text(f">\x1b[2J\x1b]0;pwned\x07x\n{SEQ}\n")
+    esc = _write(w / "esc.fasta", f">\x1b[2J\x1b]0;pwned\x07x\n{SEQ}\n")
     cases.append(Case("record-id-escapes", _cli("visualize", mlm, esc, "--record",
                       "nope", "--out-dir", w / "viz"), "error", "'\\x1b[2J"))  # fmt: skip
     # Outputs inside input directories.
@@ -423,12 +424,9 @@ def policy_cases(work: Path, mlm: Path, clm: Path, fasta: Path) -> list[Case]:
                       "MKTAYIAK does not exist", _absent(w / "ctx2.csv")))  # fmt: skip
     # The OUT.context.json sidecar: never replaced without --overwrite; a run without
     # --context removes a stale one.
-    wt = w / "wt.fasta"
-    wt.write_text(f">wt\n{SEQ}\n")
-    dms = w / "dms.csv"
-    dms.write_text("mutant\nK2R\nT3S\n")
-    mine = w / "sv.csv.context.json"
-    mine.write_text("the user's own notes\n")
+    wt = _write(w / "wt.fasta", f">wt\n{SEQ}\n")
+    dms = _write(w / "dms.csv", "mutant\nK2R\nT3S\n")
+    mine = _write(w / "sv.csv.context.json", "the user's own notes\n")
     cases.append(Case("sidecar-exists", _cli("score-variants", clm, wt, dms,
                       w / "sv.csv"), "error", "sv.csv.context.json already exists",
                       _unchanged(mine)))  # fmt: skip
@@ -479,17 +477,12 @@ def _intact(path: Path, text: str) -> Callable[[], str | None]:
 
 def lifecycle_cases(work: Path, mlm: Path, clm: Path, fasta: Path) -> list[Case]:
     """The lifecycle half of issue 42's cases."""
-    victim = work / "victim.txt"
-    victim.write_text("keep me")
-    afile = work / "a-file"
-    afile.write_text("not a directory")
+    victim = _write(work / "victim.txt", "keep me")
+    afile = _write(work / "a-file", "not a directory")
     exact = _export(work, "exact", depth=1, attention="exact")
-    homologs = work / "homologs.fasta"
-    homologs.write_text(f">h1\n{SEQ}\n>h2\n{SEQ[::-1]}\n")
-    wt = work / "wt.fasta"
-    wt.write_text(f">wt\n{SEQ}\n")
-    mutations = work / "mutations.csv"
-    mutations.write_text("mutant\nM1A\n")
+    homologs = _write(work / "homologs.fasta", f">h1\n{SEQ}\n>h2\n{SEQ[::-1]}\n")
+    wt = _write(work / "wt.fasta", f">wt\n{SEQ}\n")
+    mutations = _write(work / "mutations.csv", "mutant\nM1A\n")
     swap = lambda d: d[:8] + d[16:24] + d[8:16] + d[24:]  # noqa: E731 - offsets 1 and 2
     train = ("train", "experiment=demo_clm", "trainer.max_steps=1", f"paths.root_dir={work}")
     return [
