@@ -16,13 +16,13 @@ __all__ = ["ProteinLM", "UserError", "__version__", "linearize", "load", "read_e
 if TYPE_CHECKING:
     from protein_performer.errors import UserError
     from protein_performer.inference.api import ProteinLM, load
-    from protein_performer.jobs.embed import read_embeddings
+    from protein_performer.jobs.embeddings_file import read_embeddings
 
 _LAZY = {
     "load": "protein_performer.inference.api",
     "ProteinLM": "protein_performer.inference.api",
     "UserError": "protein_performer.errors",
-    "read_embeddings": "protein_performer.jobs.embed",
+    "read_embeddings": "protein_performer.jobs.embeddings_file",
 }
 
 

@@ -169,8 +169,10 @@ def test_imports_run_downward() -> None:
         ("protein_performer.inference.embedding", "from .api import ProteinLM"),
         ("protein_performer.inference.embedding", "from protein_performer.jobs.embed import a"),
         ("protein_performer.inference.api", "from protein_performer.jobs.score import a"),
-        ("protein_performer.jobs.score", "from protein_performer.cli._common import load_lm"),
+        ("protein_performer.jobs.score", "from protein_performer.cli._model import load_lm"),
         ("protein_performer.jobs.embed", "from protein_performer.training import train"),
+        ("protein_performer.contacts.map_columns", "from protein_performer.jobs import embed"),
+        ("protein_performer.data.stdin", "from protein_performer.model.config import X"),
     ],
 )  # fmt: skip
 def test_a_crossed_floor_is_reported(module: str, source: str) -> None:
@@ -193,8 +195,24 @@ def test_a_crossed_floor_is_reported(module: str, source: str) -> None:
         ("protein_performer.jobs.score", "from protein_performer.inference.api import ProteinLM"),
         ("protein_performer.jobs.embed", "from protein_performer.inference.embedding import a"),
         ("protein_performer.cli.embed", "from protein_performer.jobs.embed import embed_fasta"),
+        ("protein_performer.jobs.contacts", "from protein_performer.inference.api import X"),
+        ("protein_performer.jobs.embed", "from protein_performer.jobs.embeddings_file import a"),
+        ("protein_performer.jobs.embeddings_file", "from protein_performer.contacts import a"),
+        ("protein_performer.data.fasta", "from protein_performer.data.stdin import STDIN"),
         ("protein_performer.inference.api", "from protein_performer.inference.scoring import a"),
     ],
 )
 def test_a_downward_import_is_allowed(module: str, source: str) -> None:
     assert not violations(module, source)
+
+
+def test_cli_and_jobs_hold_the_facade_not_the_loaded_record() -> None:
+    """Issue 44: commands and their file drivers use ``ProteinLM``'s public methods; reaching
+    under it (``lm.loaded``) is how a second code path starts. Read with ``ast``, not run."""
+    reached: list[str] = []
+    for folder in ("cli", "jobs"):
+        for path in sorted((ROOT / folder).rglob("*.py")):
+            for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+                if isinstance(node, ast.Attribute) and node.attr == "loaded":
+                    reached.append(f"{module_name(path)}:{node.lineno}")
+    assert not reached, "reaches lm.loaded: " + ", ".join(reached)

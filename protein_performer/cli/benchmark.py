@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from protein_performer.cli._common import (
+from protein_performer.cli._args import (
     add_ckpt,
     add_command,
     add_context_ensemble,
@@ -14,11 +14,9 @@ from protein_performer.cli._common import (
     add_no_progress,
     add_toks_per_batch,
     add_variant_strategy,
-    check_output,
-    context_options,
-    load_lm,
-    pick_strategy,
 )
+from protein_performer.cli._lifetime import check_output
+from protein_performer.cli._model import context_options, load_lm, pick_strategy
 from protein_performer.cli._wrote import say_wrote
 
 HELP = "benchmarks in their field's formats (ProteinGym's zero-shot DMS substitutions)"

@@ -9,19 +9,17 @@ from __future__ import annotations
 
 import argparse
 
-from protein_performer.cli._common import (
+from protein_performer.cli._args import (
     FASTA_HELP,
     add_ckpt,
     add_command,
     add_model_options,
     add_no_progress,
     add_on_invalid,
-    check_output,
-    join_ranks,
-    load_lm,
-    rank_line,
     seed_arg,
 )
+from protein_performer.cli._lifetime import check_output, join_ranks, rank_line
+from protein_performer.cli._model import load_lm
 from protein_performer.cli._wrote import say_wrote
 
 HELP = "contact maps from attention: `fit` a regression on structures, `predict` from FASTA"
@@ -275,11 +273,7 @@ def load_targets(
 
 
 def run_fit(args: argparse.Namespace) -> int:
-    from protein_performer.contacts.fit import (
-        DEFAULT_C,
-        benchmark,
-        format_summary,
-    )
+    from protein_performer.contacts.fit import DEFAULT_C, format_summary
     from protein_performer.model.contact_head import ContactRegression
 
     inputs = [args.ckpt, args.regression, args.fasta, *args.structures, *(args.fit_on or [])]
@@ -291,9 +285,7 @@ def run_fit(args: argparse.Namespace) -> int:
         else None
     )
     regression = ContactRegression.load(args.regression) if args.regression else None
-    loaded = load_lm(args).loaded
-    result = benchmark(
-        loaded,
+    result = load_lm(args).fit_contacts(
         targets,
         args.out_dir,
         fit_targets=fit_targets,
@@ -312,17 +304,15 @@ def run_fit(args: argparse.Namespace) -> int:
 
 
 def run_predict(args: argparse.Namespace) -> int:
-    from protein_performer.contacts.predict import find_regression, predict_contacts_fasta
+    from protein_performer.jobs.contacts import predict_contacts_fasta
 
     join_ranks(args)
     check_output(args.out, [args.ckpt, args.fasta, args.regression], args.overwrite)
-    loaded = load_lm(args).loaded
-    regression = find_regression(loaded, args.regression)
     summary = predict_contacts_fasta(
-        loaded,
+        load_lm(args),
         args.fasta,
         args.out,
-        regression,
+        args.regression,
         dtype=args.dtype,
         dense_max_length=args.dense_max_length,
         top_k_per_length=args.top_k_per_length,

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import argparse
 
-from protein_performer.cli._common import add_command, add_overwrite, check_output, seed_arg
+from protein_performer.cli._args import add_command, add_overwrite, seed_arg
+from protein_performer.cli._lifetime import check_output
 from protein_performer.cli._wrote import say_wrote
 
 HELP = "import ESM-2 weights (fair-esm .pt or Hugging Face directory)"

@@ -5,18 +5,15 @@ from __future__ import annotations
 import argparse
 import sys
 
-from protein_performer.cli._common import (
+from protein_performer.cli._args import (
     FASTA_OR_STORE_HELP,
     add_ckpt,
     add_command,
     add_fasta_run_options,
     add_model_options,
-    check_output,
-    join_ranks,
-    load_lm,
-    rank_line,
-    resume_hint,
 )
+from protein_performer.cli._lifetime import check_output, join_ranks, rank_line, resume_hint
+from protein_performer.cli._model import load_lm
 from protein_performer.cli._wrote import say_wrote
 
 HELP = "embed a FASTA file or store into one columnar HDF5 file (any length, resumable)"

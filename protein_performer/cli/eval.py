@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import time
 
-from protein_performer.cli._common import (
+from protein_performer.cli._args import (
     FASTA_OR_STORE_HELP,
     add_ckpt,
     add_command,
@@ -13,10 +13,10 @@ from protein_performer.cli._common import (
     add_no_progress,
     add_on_invalid,
     add_toks_per_batch,
-    check_output,
-    load_lm,
     seed_arg,
 )
+from protein_performer.cli._lifetime import check_output
+from protein_performer.cli._model import load_lm
 from protein_performer.cli._wrote import say_wrote
 
 HELP = "perplexity/accuracy per length bin on a FASTA file or a store split"
@@ -112,7 +112,7 @@ def run(args: argparse.Namespace) -> int:
     for name in ("metrics.json", "bins.csv"):
         check_output(out_dir / name, [args.ckpt, args.data], args.overwrite)
     result = evaluate(
-        load_lm(args).loaded,
+        load_lm(args),
         args.data,
         out_dir,
         split=args.split,

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import argparse
 
-from protein_performer.cli._common import add_command
+from protein_performer.cli._args import add_command
 from protein_performer.cli._wrote import say_wrote_run
 
 HELP = "fine-tune a head on labelled sequences (frozen probe, LoRA or full; Hydra overrides)"

@@ -5,18 +5,17 @@ from __future__ import annotations
 import argparse
 import sys
 
-from protein_performer.cli._common import (
+from protein_performer.cli._args import (
     add_ckpt,
     add_command,
     add_context,
     add_context_ensemble,
     add_model_options,
     add_no_progress,
-    check_output,
-    load_context,
-    load_lm,
     seed_arg,
 )
+from protein_performer.cli._lifetime import check_output
+from protein_performer.cli._model import load_context, load_lm
 from protein_performer.cli._wrote import say_wrote
 from protein_performer.errors import UserError
 

@@ -11,7 +11,8 @@ import argparse
 import os
 import sys
 
-from protein_performer.cli._common import add_command, add_on_invalid, add_overwrite, check_output
+from protein_performer.cli._args import add_command, add_on_invalid, add_overwrite
+from protein_performer.cli._lifetime import check_output
 
 DESCRIPTION = """\
 Search the query sequence(s) against a database with MMseqs2 (`mmseqs easy-search`, which must

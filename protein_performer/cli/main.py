@@ -64,7 +64,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         level=logging.DEBUG if args.verbose else logging.INFO,
         format="%(levelname)s %(name)s: %(message)s",
     )
-    from protein_performer.cli._common import SIGTERM_EXIT, Stopped, command_scope
+    from protein_performer.cli._lifetime import SIGTERM_EXIT, command_scope
+    from protein_performer.io.processes import Stopped
 
     sigterm = not getattr(args, "own_sigterm", False)  # train/finetune: the trainer saves first
     try:

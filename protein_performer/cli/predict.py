@@ -4,15 +4,15 @@ from __future__ import annotations
 
 import argparse
 
-from protein_performer.cli._common import (
+from protein_performer.cli._args import (
     FASTA_OR_STORE_HELP,
     add_ckpt,
     add_command,
     add_fasta_run_options,
     add_model_options,
-    check_output,
-    load_lm,
 )
+from protein_performer.cli._lifetime import check_output
+from protein_performer.cli._model import load_lm
 from protein_performer.cli._wrote import say_wrote
 
 HELP = "predictions of a fine-tuned model's head (regression, classes, per-residue classes)"
@@ -52,12 +52,11 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from protein_performer.inference.prediction import task_head
     from protein_performer.jobs.predict import predict_fasta
 
     check_output(args.out, [args.ckpt, args.fasta], args.overwrite)
     lm = load_lm(args)
-    head = task_head(lm.loaded)
+    head = lm.task_head()
     summary = predict_fasta(
         lm,
         args.fasta,

@@ -5,12 +5,13 @@ from __future__ import annotations
 import argparse
 import math
 
-from protein_performer.cli._common import (
+from protein_performer.cli._args import (
     add_no_progress,
     add_on_invalid,
     add_overwrite,
-    check_output,
+    positive_int,
 )
+from protein_performer.cli._lifetime import check_output
 from protein_performer.cli._wrote import say_wrote
 from protein_performer.data.split import DEFAULT_TEST_FRAC, DEFAULT_VALID_FRAC, SPLIT_MODES
 
@@ -84,7 +85,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     )
     p.add_argument(
         "--workers",
-        type=_positive_int,
+        type=positive_int,
         default=None,
         metavar="N",
         help="worker processes (default: usable CPUs, at most 8). Plain FASTA files are read "
@@ -95,16 +96,6 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     add_overwrite(p, "an existing store at DIR")
     add_no_progress(p, help="no progress bar")
     p.set_defaults(func=run)
-
-
-def _positive_int(text: str) -> int:
-    try:
-        n = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
-    if n < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {n}")
-    return n
 
 
 def _identity(text: str) -> float:

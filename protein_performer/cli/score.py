@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from protein_performer.cli._common import (
+from protein_performer.cli._args import (
     FASTA_OR_STORE_HELP,
     add_ckpt,
     add_command,
@@ -12,13 +12,9 @@ from protein_performer.cli._common import (
     add_context_ensemble,
     add_fasta_run_options,
     add_model_options,
-    check_output,
-    join_ranks,
-    load_context,
-    load_lm,
-    pick_strategy,
-    rank_line,
 )
+from protein_performer.cli._lifetime import check_output, join_ranks, rank_line
+from protein_performer.cli._model import load_context, load_lm, pick_strategy
 from protein_performer.cli._wrote import say_wrote
 
 HELP = "per-sequence log-likelihood / perplexity (pseudo-ppl or causal)"

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from protein_performer.cli._common import (
+from protein_performer.cli._args import (
     add_ckpt,
     add_command,
     add_context,
@@ -14,13 +14,10 @@ from protein_performer.cli._common import (
     add_no_progress,
     add_toks_per_batch,
     add_variant_strategy,
-    check_output,
-    context_options,
-    load_context,
-    load_lm,
-    pick_strategy,
     positive_int,
 )
+from protein_performer.cli._lifetime import check_output
+from protein_performer.cli._model import context_options, load_context, load_lm, pick_strategy
 from protein_performer.cli._wrote import say_wrote
 
 HELP = "variant-effect scores for a mutation table (DMS), with Spearman vs labels"

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from protein_performer.cli._common import add_on_invalid
+from protein_performer.cli._args import add_on_invalid
 
 if TYPE_CHECKING:
     from protein_performer.data.store import TokenStore

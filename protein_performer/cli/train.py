@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from protein_performer.cli._common import add_command
+from protein_performer.cli._args import add_command
 from protein_performer.cli._wrote import say_wrote_run
 
 HELP = "train a model (Hydra overrides, e.g. experiment=demo)"

@@ -13,15 +13,15 @@ import time
 from pathlib import Path
 from typing import Any
 
-from protein_performer.cli._common import (
+from protein_performer.cli._args import (
     FASTA_HELP,
     add_ckpt,
     add_command,
     add_model_options,
     add_no_progress,
-    check_output,
-    load_lm,
 )
+from protein_performer.cli._lifetime import check_output
+from protein_performer.cli._model import load_lm
 from protein_performer.cli._wrote import say_wrote
 from protein_performer.errors import UserError
 
@@ -162,16 +162,15 @@ def sequence_and_target(args: argparse.Namespace, with_structure: bool) -> tuple
 
 def run_html(args: argparse.Namespace) -> int:
     """The interactive report: arrays from ``inference.report_data``, HTML from ``viz.report``."""
-    from protein_performer.inference.report_data import build_report
     from protein_performer.viz.report import write_report
 
     out = Path(args.html)
     check_output(out, [args.ckpt, args.fasta, args.structure, args.regression], args.overwrite)
     record_id, sequence, target = sequence_and_target(args, bool(args.structure))
-    loaded = load_lm(args).loaded
+    lm = load_lm(args)
     start = time.perf_counter()
-    spec = build_report(
-        loaded, sequence, name=record_id or "sequence", target=target,
+    spec = lm.report_spec(
+        sequence, name=record_id or "sequence", target=target,
         regression=args.regression, layers=args.layers, heads=args.heads,
         budget_mb=args.html_budget_mb, first_window=args.window,
         progress=not args.no_progress,
@@ -191,11 +190,7 @@ def run_html(args: argparse.Namespace) -> int:
 def run(args: argparse.Namespace) -> int:
     if args.html:
         return run_html(args)
-    from protein_performer.inference.attention_views import (
-        attention_views,
-        contact_view,
-        resolve_window,
-    )
+    from protein_performer.inference.attention_views import resolve_window
     from protein_performer.viz import plots
     from protein_performer.viz.similarity import SimilarityAccumulator
 
@@ -210,12 +205,11 @@ def run(args: argparse.Namespace) -> int:
         if wanted:
             check_output(out_dir / FILES[name], inputs, args.overwrite)
     record_id, sequence, target = sequence_and_target(args, want["contacts"])
-    loaded = load_lm(args).loaded
+    lm = load_lm(args)
     start, end = resolve_window(len(sequence), args.window, args.max_window)
     name = record_id or "sequence"
     sim = SimilarityAccumulator(sequence, start) if want["similarity"] else None
-    views = attention_views(
-        loaded,
+    views = lm.attention_views(
         sequence,
         layers=args.layers,
         heads=args.heads,
@@ -248,7 +242,7 @@ def run(args: argparse.Namespace) -> int:
             r,
         )
     if target is not None:
-        view = contact_view(loaded, target, args.regression)
+        view = lm.contact_view(target, args.regression)
         files["contacts"] = plots.contact_comparison(
             view.predicted,
             view.true,

@@ -18,7 +18,7 @@ import logging
 import os
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import pytorch_lightning as pl
@@ -35,11 +35,15 @@ from protein_performer.data.dataset import (
     check_max_len,
     fasta_splits,
 )
+from protein_performer.data.inputs import open_input
 from protein_performer.data.loader import ResumableDataLoader
 from protein_performer.data.sampler import TokenBudgetBatchSampler
 from protein_performer.data.tokenizer import Alphabet
 from protein_performer.errors import UserError
 from protein_performer.io.processes import leave_group_stop
+
+if TYPE_CHECKING:
+    from protein_performer.data.store import TokenStore
 
 log = logging.getLogger(__name__)
 
@@ -178,13 +182,14 @@ class ProteinDataModule(pl.LightningDataModule):
                 f"data.path {str(missing[0])!r} does not exist: give a store directory made by "
                 "`protein-performer preprocess` or FASTA file(s)"
             )
-        if len(self.paths) == 1 and self.paths[0].is_dir():
-            return self._store_sources(self.paths[0])
-        dirs = [p for p in self.paths if p.is_dir()]
-        if dirs:
+        inputs = [open_input(p) for p in self.paths]
+        stores = [i for i in inputs if i.store is not None]
+        if stores and len(inputs) == 1:
+            return self._store_sources(stores[0].store)
+        if stores:
             raise UserError(
-                f"data.path mixes a directory ({dirs[0]}) with other paths: give one store "
-                "directory, or only FASTA files"
+                f"data.path mixes a directory ({stores[0].path}) with other paths: give one "
+                "store directory, or only FASTA files"
             )
         return fasta_splits(
             self.paths,
@@ -196,10 +201,8 @@ class ProteinDataModule(pl.LightningDataModule):
             alphabet=self.alphabet,
         )
 
-    def _store_sources(self, directory: Path) -> dict[str, RecordSource]:
-        from protein_performer.data.store import TokenStore
-
-        store = TokenStore(directory)
+    def _store_sources(self, store: TokenStore) -> dict[str, RecordSource]:
+        directory = store.path
         split_meta = (getattr(store, "meta", None) or {}).get("split", {})
         for key in ("valid_frac", "test_frac"):
             if key in split_meta and split_meta[key] != getattr(self, key):

@@ -639,29 +639,21 @@ def find_homologs(
     query. The database is streamed twice (to MMseqs2, then for the hits' records), so its
     size costs disk, not memory. ``timeout``: seconds MMseqs2 may run (None: no limit).
     """
-    from protein_performer.data.store import TokenStore, is_store
+    from protein_performer.data.inputs import open_input
+    from protein_performer.data.stdin import display_name
 
-    query, db = Path(query), Path(db)
     if max_seqs < 1:
         raise UserError(f"--max-seqs must be at least 1, got {max_seqs}")
     if not 0.0 <= min_seq_id <= 1.0:
         raise UserError(f"--min-seq-id must be in [0, 1], got {min_seq_id}")
-    if not query.is_file():
-        raise UserError(f"{query}: no such file (expected the query FASTA)")
-    store = None
-    if db.is_dir():
-        if not is_store(db):
-            raise UserError(
-                f"{db} is a directory but not a store from `protein-performer preprocess`: "
-                "give a FASTA file or a store"
-            )
-        store = TokenStore(db)
-    elif not db.is_file():
-        raise UserError(f"{db}: no such file or store (expected a FASTA file or a store)")
+    query = open_input(query, store=False, give="the query FASTA").path
+    opened = open_input(db)
+    db, store = opened.path, opened.store
+    named = {p: display_name(p) for p in (query, db)}  # standard input: <stdin>
     exe = find_mmseqs("homologs", INSTALL)
     queries = list(_fasta_records(query, on_invalid))
     if not queries:
-        raise UserError(f"{query} holds no valid record: give at least one query sequence")
+        raise UserError(f"{named[query]} holds no valid record: give at least one query sequence")
     with scratch_dir("pp_homologs_") as work:
         q_fasta, t_fasta = work / "query.fasta", work / "db.fasta"
         _write_ordinals((s for _, s in queries), q_fasta)
@@ -674,14 +666,14 @@ def find_homologs(
         else:
             n_db = _write_ordinals((s for _, s in _fasta_records(db, on_invalid)), t_fasta)
         if n_db == 0:
-            raise UserError(f"{db} holds no valid record to search")
+            raise UserError(f"{named[db]} holds no valid record to search")
         out = work / "hits.tsv"
         # The prefilter keeps max_seqs per query: one more, since the query may find itself.
         cmd = search_command(
             exe, q_fasta, t_fasta, out, work / "tmp", min_seq_id, threads, max_seqs + 1,
             fields=_HOMOLOG_FORMAT,
         )  # fmt: skip
-        _run(cmd, f"{query} against {db}", timeout)
+        _run(cmd, f"{named[query]} against {named[db]}", timeout)
         per_query = _read_alignments(out)
     wanted = {row[2] for rows in per_query.values() for row in rows}
     found: dict[int, tuple[str, str]] = {}

@@ -90,30 +90,37 @@ class Input:
     def totals(self) -> tuple[int, int] | None:
         """(records, residues): a store's from its metadata, a FASTA file's by a byte scan;
         None for standard input (read once)."""
-        from protein_performer.data.fasta import STDIN, count_records_and_residues
+        from protein_performer.data.fasta import count_records_and_residues
+        from protein_performer.data.stdin import STDIN
 
         if self.store is not None:
             return len(self.store), int(self.store.meta["num_residues"])
         return None if self.path == STDIN else count_records_and_residues(Path(self.path))
 
 
-def open_input(path: str | os.PathLike[str]) -> Input:
+#: What a missing input is told to give, by whether a store is read there.
+_GIVE = {True: "a FASTA file or a store directory from `protein-performer preprocess`",
+         False: "a FASTA file"}  # fmt: skip
+
+
+def open_input(
+    path: str | os.PathLike[str], *, store: bool = True, give: str | None = None
+) -> Input:
     """The one answer to "store or FASTA?" for every reader: ``-`` is standard input (FASTA),
     a directory a store (refused in one line, saying how to make one, when it is not), anything
-    else a FASTA file, which must exist."""
-    from protein_performer.data.fasta import STDIN
+    else a FASTA file (plain or gzip: the FASTA reader tells them apart by their bytes), which
+    must exist. ``store=False`` where only a FASTA is read (a query, homologs, a table's
+    sequences): a directory is then refused as a missing file is, saying to ``give`` one."""
+    from protein_performer.data.stdin import STDIN
     from protein_performer.data.store import TokenStore
 
     if os.fspath(path) == STDIN:
         return Input(STDIN)
     src = Path(path).expanduser()
-    if src.is_dir():
+    if store and src.is_dir():
         return Input(src, TokenStore(src))
     if not src.is_file():
-        raise UserError(
-            f"{src} does not exist or is not a file; give a FASTA file or a store directory "
-            "from `protein-performer preprocess`"
-        )
+        raise UserError(f"{src} does not exist or is not a file; give {give or _GIVE[store]}")
     return Input(src)
 
 
@@ -151,11 +158,10 @@ def total_in_background(bar: Any, path: str | os.PathLike[str], kind: str) -> No
 def read_records(fasta: str | os.PathLike[str], on_invalid: str = "error") -> list:
     """All FASTA records in file order (``FastaRecord``; ``-``: standard input); errors name
     file, record and line."""
-    from protein_performer.data.fasta import STDIN, display_name, read_fasta
+    from protein_performer.data.fasta import read_fasta
+    from protein_performer.data.stdin import display_name
 
-    path: str | Path = STDIN if os.fspath(fasta) == STDIN else Path(fasta).expanduser()
-    if path != STDIN and not Path(path).is_file():
-        raise UserError(f"{path} does not exist or is not a file; give a FASTA file")
+    path = open_input(fasta, store=False).path
     records = list(_note_nucleotides(read_fasta(path, on_invalid=on_invalid), fasta))  # type: ignore[arg-type]
     if not records:
         raise UserError(f"{display_name(path)}: no valid records to process")
@@ -177,7 +183,7 @@ def read_homologs(path: str | os.PathLike[str]) -> tuple[Any, list]:
       several, none is placed);
     * any other FASTA: homologs without coordinates (upper-cased as every FASTA read).
     """
-    from protein_performer.data.fasta import STDIN, display_name, read_fasta
+    from protein_performer.data.fasta import read_fasta
     from protein_performer.data.homology import hit_coordinates
     from protein_performer.data.msa import (
         Member,
@@ -186,11 +192,9 @@ def read_homologs(path: str | os.PathLike[str]) -> tuple[Any, list]:
         msa_format,
         read_stockholm,
     )
+    from protein_performer.data.stdin import display_name
 
-    text = os.fspath(path)
-    src: str | Path = STDIN if text == STDIN else Path(text).expanduser()
-    if src != STDIN and not Path(src).is_file():
-        raise UserError(f"{src} does not exist or is not a file; give a FASTA file or an MSA")
+    src = open_input(path, store=False, give="a FASTA file or an MSA").path
     fmt = msa_format(src)
     if fmt == "stockholm":
         return read_stockholm(src)
@@ -219,8 +223,8 @@ def read_homologs(path: str | os.PathLike[str]) -> tuple[Any, list]:
 def find_record(records: Sequence[Any], want: str | None, source: str | os.PathLike[str]) -> Any:
     """The record whose id, UniProt accession or entry name is ``want`` (the first record when
     ``want`` is None); a miss is one error naming ``source`` and the first ids."""
-    from protein_performer.data.fasta import display_name
     from protein_performer.data.headers import IdLookup
+    from protein_performer.data.stdin import display_name
 
     if want is None:
         return records[0]

@@ -285,7 +285,8 @@ def a2m_members(records: Sequence[Any], path: str) -> tuple[Member, list[Member]
 def read_stockholm(path: str | os.PathLike[str]) -> tuple[Member, list[Member]]:
     """The reference and the homologs of a Stockholm file's first alignment (rows in order of
     first appearance; interleaved blocks joined), placed column for column on the first row."""
-    from protein_performer.data.fasta import _open_binary, display_name
+    from protein_performer.data.fasta import _open_binary
+    from protein_performer.data.stdin import display_name
 
     name = display_name(path)
     text_rows: dict[str, list[str]] = {}

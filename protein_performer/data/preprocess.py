@@ -27,8 +27,8 @@ from typing import Any
 
 import numpy as np
 
+from protein_performer.data.duplicate_ids import DuplicateIdChecker
 from protein_performer.data.fasta import (
-    DuplicateIdChecker,
     DuplicateIds,
     FastaFormatError,
     InvalidReport,

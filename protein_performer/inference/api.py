@@ -60,9 +60,13 @@ from protein_performer.model.config import PerformerConfig
 from protein_performer.model.performer import PerformerLM
 
 if TYPE_CHECKING:
-    from protein_performer.contacts.predict import ContactMap
+    from protein_performer.contacts.fit import ContactBenchmark
+    from protein_performer.contacts.map_columns import ContactMap
+    from protein_performer.contacts.structures import ContactTarget
+    from protein_performer.inference.attention_views import AttentionViews, ContactView
     from protein_performer.model.contact_head import ContactRegression
     from protein_performer.model.task_heads import TaskHead
+    from protein_performer.viz.report import ReportSpec
 
 log = logging.getLogger(__name__)
 
@@ -426,6 +430,18 @@ class ProteinLM:
                 f"model's is {', '.join(ours)}; build it with this model"
             )
 
+    def context_note(
+        self, context: FamilyContext, max_tokens: int | None, flag: str = "max_tokens=N"
+    ) -> str:
+        """What ``context`` read, in one line (``read K of N homologs (T tokens)``, and which
+        limit left the others out: ``max_tokens`` or the trained row length; ``flag`` says how
+        to read more where the caller is): what ``lm.context(..., warn=False)`` leaves to it."""
+        from protein_performer.inference.context import default_max_tokens, limit_note
+
+        limit = max_tokens or default_max_tokens(self.loaded)
+        kept, given = len(context.members), len(context.members) + len(context.dropped)
+        return limit_note(self.loaded, kept, given, context.n_tokens, limit, flag)
+
     # ----------------------------------------------------------------------------- scores
     def check_strategy(self, strategy: str, choices: Sequence[str]) -> None:
         """Refuse a strategy outside ``choices`` or one this model's objective cannot
@@ -541,6 +557,15 @@ class ProteinLM:
         return values
 
     # ----------------------------------------------------------------------------- task head
+    def measure(self, data: str | os.PathLike[str], **settings: Any) -> dict[str, Any]:
+        """Loss, perplexity and accuracy on ``data`` (a FASTA file, ``-``, or a store, of which
+        ``split`` is read), overall and per length bin: ``inference.evaluate.measure`` with its
+        keywords (``split``, ``max_len``, ``limit``, ``pll``, ``bins``, ...); ``eval`` writes
+        it."""
+        from protein_performer.inference.evaluate import measure
+
+        return measure(self.loaded, data, **settings)
+
     def task_head(self) -> TaskHead:
         """A fine-tuned model's head, or one ``UserError`` saying how to get a model that
         has one."""
@@ -597,18 +622,23 @@ class ProteinLM:
 
     def contact_regression(
         self,
-        path: str | os.PathLike[str] | None = None,
+        path: ContactRegression | str | os.PathLike[str] | None = None,
         *,
         caller: str = "python",
         sha256: str | None = None,
     ) -> ContactRegression:
-        """The regression at ``path``, else the model's own (a missing one: one line saying
-        how to fit one, in the ``caller``'s words), checked against this model once: another
-        attention layout is refused, other weights (``sha256`` if the caller hashed them
-        already) are warned about."""
+        """The regression at ``path`` (or the one given, already read), else the model's own
+        (a missing one: one line saying how to fit one, in the ``caller``'s words), checked
+        against this model once: another attention layout is refused, other weights
+        (``sha256`` if the caller hashed them already) are warned about."""
         from protein_performer.contacts.predict import find_regression
+        from protein_performer.model.contact_head import ContactRegression
 
-        reg = find_regression(self.loaded, path, caller=caller)
+        reg = (
+            path
+            if isinstance(path, ContactRegression)
+            else find_regression(self.loaded, path, caller=caller)
+        )
         reg.check_model(self.loaded, sha256)
         return reg
 
@@ -620,6 +650,33 @@ class ProteinLM:
         from protein_performer.contacts.predict import predict_contacts
 
         return predict_contacts(self.loaded, seq, regression, checked=True, **limits)
+
+    def fit_contacts(
+        self, targets: Sequence[ContactTarget], out_dir: str | os.PathLike[str], **options: Any
+    ) -> ContactBenchmark:
+        """``contacts fit``: a contact regression fitted on (or, given ``regression=``, applied
+        to) ``targets`` of known structure, scored by precision at L, L/2, L/5 into ``out_dir``
+        (``contacts.fit.benchmark`` with its keywords: ``fit_targets``, ``folds``, ``C``,
+        ``class_weight``, ``seed``, ``save_beside``)."""
+        from protein_performer.contacts.fit import benchmark
+
+        return benchmark(self.loaded, targets, out_dir, **options)
+
+    # ----------------------------------------------------------------------------- views
+    def attention_views(self, seq: str, **options: Any) -> AttentionViews:
+        """``visualize``'s arrays of one sequence: the attention grid of a window of residues
+        and the rows handed to ``row_sinks`` (``inference.attention_views.attention_views``
+        with its keywords: ``layers``, ``heads``, ``window``, ``grid``, ``row_sinks``)."""
+        from protein_performer.inference.attention_views import attention_views
+
+        return attention_views(self.loaded, seq, **options)
+
+    def contact_view(self, target: ContactTarget, regression: str | None = None) -> ContactView:
+        """Predicted against true contacts of a structure's chain: from the regression
+        (``regression``, else the model's own), else the attention's unsupervised map."""
+        from protein_performer.inference.attention_views import contact_view
+
+        return contact_view(self.loaded, target, regression)
 
     # ----------------------------------------------------------------------------- report
     def report(
@@ -639,7 +696,6 @@ class ProteinLM:
         layer x head, their mean, the APC map, a per-residue entropy track, amino-acid
         similarity vs BLOSUM62; with ``structure``, predicted vs true contacts) to ``path``.
         Map data stays under ``budget_mb`` whatever the length (views are binned above it)."""
-        from protein_performer.inference.report_data import build_report
         from protein_performer.viz.report import write_report
 
         ((rid, text),) = list(as_records([(name or "sequence", seq)]))
@@ -648,12 +704,21 @@ class ProteinLM:
             from protein_performer.contacts.structures import contact_target
 
             target = contact_target(structure, chain=chain, sequence=text)
-        spec = build_report(
-            self.loaded, text, name=rid, target=target,
+        spec = self.report_spec(
+            text, name=rid, target=target,
             regression=None if regression is None else str(regression),
             layers=layers, heads=heads, budget_mb=budget_mb,
         )  # fmt: skip
         return write_report(spec, path)
+
+    def report_spec(self, seq: str, **options: Any) -> ReportSpec:
+        """The arrays of :meth:`report` before they are drawn (``visualize --html`` draws
+        them): ``inference.report_data.build_report`` with its keywords (``name``, ``target``,
+        ``regression``, ``layers``, ``heads``, ``budget_mb``, ``first_window``,
+        ``progress``)."""
+        from protein_performer.inference.report_data import build_report
+
+        return build_report(self.loaded, seq, **options)
 
     # ----------------------------------------------------------------------------- fill-in
     def _tokens_with_masks(self, text: str) -> list[int]:

@@ -11,8 +11,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from protein_performer.inference.evaluate import measure
-from protein_performer.interop.record import LoadedModel
+from protein_performer.inference.api import ProteinLM
 from protein_performer.io.atomic import write_text_atomic
 from protein_performer.io.tables import table_writer
 
@@ -20,15 +19,14 @@ BIN_COLUMNS = ("bin", "records", "tokens", "loss", "ppl", "acc")
 
 
 def evaluate(
-    loaded: LoadedModel,
+    lm: ProteinLM,
     data: str | os.PathLike[str],
     out_dir: str | os.PathLike[str],
     **settings: Any,  # noqa: ANN401 - measure's keywords
 ) -> dict[str, Any]:
-    """:func:`~protein_performer.inference.evaluate.measure` ``loaded`` on ``data`` with
-    ``settings``; write ``metrics.json`` and ``bins.csv`` to ``out_dir`` and return the metrics
-    (``overall``, ``bins``, settings, output paths)."""
-    result = measure(loaded, data, **settings)
+    """``lm.measure(data, **settings)``; write ``metrics.json`` and ``bins.csv`` to ``out_dir``
+    and return the metrics (``overall``, ``bins``, settings, output paths)."""
+    result = lm.measure(data, **settings)
     out_dir = Path(out_dir).expanduser()
     out_dir.mkdir(parents=True, exist_ok=True)
     metrics_path, bins_path = out_dir / "metrics.json", out_dir / "bins.csv"

@@ -79,7 +79,7 @@ def run_case(case: dict) -> None:
 
         return wrapper
 
-    emb_mod._write_part = timed(emb_mod._write_part)
+    emb_mod.write_part = timed(emb_mod.write_part)
     emb_mod.merge_columns = timed(emb_mod.merge_columns)
     rss_before = common.maxrss_bytes()
     t0 = time.perf_counter()

@@ -1,5 +1,5 @@
 """One output policy for every writing command (protein_performer.io.outputs, through
-cli._common.check_output): an output never replaces an input nor goes inside one, and an existing
+cli._lifetime.check_output): an output never replaces an input nor goes inside one, and an existing
 output is replaced only with --overwrite. The registry test walks every command's parser and its
 ``OUTPUTS`` so a new command or output cannot skip it."""
 

@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from protein_performer.cli._common import SIGTERM_EXIT, resume_hint
+from protein_performer.cli._lifetime import SIGTERM_EXIT, resume_hint
 from protein_performer.cli.main import main
 from protein_performer.data.dataset import InMemorySource, unigram_perplexity
 from protein_performer.data.fasta import count_records_and_residues

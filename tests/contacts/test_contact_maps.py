@@ -11,12 +11,8 @@ import torch
 
 from protein_performer.contacts import predict as contact_maps
 from protein_performer.contacts.fit import model_maps
-from protein_performer.contacts.predict import (
-    find_regression,
-    predict_contacts,
-    predict_contacts_fasta,
-    read_contacts,
-)
+from protein_performer.contacts.map_columns import DTYPES, read_contacts
+from protein_performer.contacts.predict import find_regression, predict_contacts
 from protein_performer.data.tokenizer import Alphabet
 from protein_performer.errors import UserError
 from protein_performer.interop.identity import model_identity
@@ -77,41 +73,6 @@ def test_streamed_equals_full_maps_and_sparse_is_top_k(
     assert top == set(zip(sparse.i.tolist(), sparse.j.tolist(), strict=True))
     np.testing.assert_allclose(sparse.p, dense[i[order], j[order]], atol=1e-6)
     assert np.all(np.diff(sparse.p) <= 0) and np.all(sparse.j - sparse.i >= 6)
-
-
-def test_fasta_to_columnar_hdf5(tmp_path: Path) -> None:
-    import h5py
-
-    loaded = _loaded("favor")
-    reg = _regression(loaded)
-    seqs = {"short": _sequence(20, 1), "long": _sequence(70, 2), "mid": _sequence(40, 3)}
-    fasta = tmp_path / "in.fasta"
-    fasta.write_text("".join(f">{k} some protein\n{v}\n" for k, v in seqs.items()))
-    out = tmp_path / "contacts.h5"
-    summary = predict_contacts_fasta(
-        loaded, fasta, out, reg, dtype="float32", dense_max_length=64, progress=False
-    )
-    assert (summary.num_records, summary.dense, summary.sparse) == (3, 2, 1)
-    back = read_contacts(out)
-    assert list(back) == ["short", "long", "mid"]
-    with h5py.File(out) as h5:
-        off = h5["header_offsets"][:]
-        assert h5["header_bytes"][off[1] : off[2]].tobytes() == b"long some protein"
-    for rid, seq in seqs.items():
-        want = predict_contacts(loaded, seq, reg, dense_max_length=64)
-        got = back[rid]
-        assert got.length == len(seq)
-        if len(seq) <= 64:
-            np.testing.assert_array_equal(got.dense, want.dense)
-        else:
-            assert got.dense is None and len(got.p) == 2 * len(seq)
-            np.testing.assert_array_equal(got.i, want.i)
-            np.testing.assert_array_equal(got.p, want.p)
-    half = tmp_path / "half.h5"
-    predict_contacts_fasta(loaded, fasta, half, reg, progress=False)
-    assert read_contacts(half, ["mid"])["mid"].dense.dtype == np.float16
-    with pytest.raises(UserError, match="no record"):
-        read_contacts(half, ["nope"])
 
 
 def test_no_regression_says_how_to_fit(tmp_path: Path) -> None:
@@ -196,14 +157,14 @@ def test_cli_defaults_are_the_library_defaults() -> None:
     assert cli.DEFAULT_DENSE_MAX_LENGTH == contact_maps.DEFAULT_DENSE_MAX_LENGTH
     assert cli.DEFAULT_TOP_K_PER_LENGTH == contact_maps.DEFAULT_TOP_K_PER_LENGTH
     assert cli.DEFAULT_MIN_SEPARATION == MIN_SEPARATION
-    assert tuple(contact_maps.DTYPES) == cli.DTYPE_CHOICES
+    assert tuple(DTYPES) == cli.DTYPE_CHOICES
 
 
 def test_embed_include_contacts_stores_the_predicted_maps(tmp_path: Path, capsys) -> None:
     """`embed --include mean contacts`: the maps beside the embeddings are `contacts predict`'s."""
     from protein_performer.cli.main import main
     from protein_performer.interop.export import export_model
-    from protein_performer.jobs.embed import read_embeddings
+    from protein_performer.jobs.embeddings_file import read_embeddings
 
     loaded = _loaded("favor")
     loaded.contact_regression = _regression(loaded).to_dict()

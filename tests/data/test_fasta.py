@@ -8,8 +8,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from protein_performer.data.duplicate_ids import DuplicateIdChecker
 from protein_performer.data.fasta import (
-    DuplicateIdChecker,
     FastaFormatError,
     InvalidReport,
     count_lines_and_records,

@@ -255,6 +255,30 @@ def test_homologs_command_retrieves_the_family(
 
 @pytest.mark.slow
 @needs_mmseqs
+def test_homologs_reads_its_query_from_standard_input(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Issue 44: the query is opened by ``open_input`` as every input is, so ``-`` reads
+    standard input (before: refused as a missing file) and finds what the file finds."""
+    import io
+    import sys
+
+    from protein_performer.data import stdin
+
+    db = tmp_path / "db.fasta"
+    _family_fasta(db)
+    query = _query(tmp_path, db, "tr|F05M0|F05M0_TEST")
+    from_file, from_stdin = tmp_path / "file.fasta", tmp_path / "stdin.fasta"
+    assert main(["homologs", str(query), str(db), str(from_file), "--threads", "1"]) == 0
+    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(query.read_bytes())))
+    monkeypatch.setattr(stdin, "_stdin_copies", [])
+    assert main(["homologs", "-", str(db), str(from_stdin), "--threads", "1"]) == 0
+    assert "wrote 2 homolog(s)" in capsys.readouterr().err
+    assert from_stdin.read_bytes() == from_file.read_bytes()
+
+
+@pytest.mark.slow
+@needs_mmseqs
 def test_homologs_groups_hits_by_query_with_their_alignments(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

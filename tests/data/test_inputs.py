@@ -61,3 +61,36 @@ def test_one_rule_tells_a_store_from_fasta(tmp_path: Path, monkeypatch) -> None:
             with pytest.raises(UserError, match=said):
                 read(path)
         assert input_totals(path) is None
+
+
+def test_every_reader_asks_open_input(tmp_path: Path) -> None:
+    """Issue 44: ``homologs``' database and query, the FASTA readers and training's data.path
+    ask :func:`open_input` too, so a directory that is not a store, a missing file and a
+    directory where a FASTA is wanted read the same everywhere."""
+    from protein_performer.data.datamodule import ProteinDataModule
+    from protein_performer.data.homology import find_homologs
+    from protein_performer.data.inputs import read_homologs
+
+    fasta = tmp_path / "in.fasta"
+    fasta.write_text(">a\nMKTAYIAKQRQISFVKSHFSRQ\n")
+    plain_dir = tmp_path / "not_a_store"
+    plain_dir.mkdir()
+    with pytest.raises(UserError, match="not_a_store is not a preprocessed store"):
+        find_homologs(fasta, plain_dir)
+    with pytest.raises(UserError, match="missing.fa does not exist or is not a file; give a "
+                       "FASTA file or a store directory"):  # fmt: skip
+        find_homologs(fasta, tmp_path / "missing.fa")
+    with pytest.raises(UserError, match="not_a_store does not exist or is not a file; give "
+                       "the query FASTA"):  # fmt: skip
+        find_homologs(plain_dir, fasta)
+    for read, give in ((read_records, "a FASTA file"), (read_homologs, "a FASTA file or an MSA")):
+        with pytest.raises(UserError, match=f"not_a_store does not exist or is not a file; "
+                           f"give {give}$"):  # fmt: skip
+            read(plain_dir)
+    for paths in ([plain_dir], [fasta, plain_dir]):
+        with pytest.raises(UserError, match="not_a_store is not a preprocessed store"):
+            ProteinDataModule([str(p) for p in paths]).setup("fit")
+    store = tmp_path / "store"
+    preprocess([fasta], store, valid_frac=0.0, test_frac=0.0, progress=False)
+    with pytest.raises(UserError, match="data.path mixes a directory .*store"):
+        ProteinDataModule([str(fasta), str(store)]).setup("fit")

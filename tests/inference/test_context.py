@@ -419,7 +419,7 @@ def test_context_and_fasta_cannot_both_read_standard_input():
     """Issue 42 item 9: `--context -` with FASTA `-` is one line, not a second read of stdin."""
     import argparse
 
-    from protein_performer.cli._common import load_context
+    from protein_performer.cli._model import load_context
 
     args = argparse.Namespace(context="-", fasta="-", max_context_tokens=None)
     with pytest.raises(UserError, match="would both read standard input"):

@@ -243,11 +243,11 @@ def test_an_a2m_on_standard_input_is_read_as_an_msa(tmp_path, monkeypatch) -> No
     import io
     import sys
 
-    from protein_performer.data import fasta
+    from protein_performer.data import stdin
     from protein_performer.data.inputs import read_homologs
 
     monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(A2M.encode())))
-    monkeypatch.setattr(fasta, "_stdin_copies", [])
+    monkeypatch.setattr(stdin, "_stdin_copies", [])
     reference, members = read_homologs("-")
     assert reference.id == "wt/1-12" and [m.id for m in members] == ["h1", "h2"]
     assert members[0].coordinates.tolist() == [3, 4, 5, 6, 7, 8, 9, 10]

@@ -14,14 +14,16 @@ import pytest
 import torch
 
 from protein_performer.cli.main import main
-from protein_performer.contacts.predict import predict_contacts_fasta, read_contacts
+from protein_performer.contacts.map_columns import read_contacts
 from protein_performer.errors import UserError
 from protein_performer.inference.api import ProteinLM
 from protein_performer.interop import record
 from protein_performer.interop.export import export_model
 from protein_performer.interop.loading import load_model
 from protein_performer.io.json_safe import parse_json
-from protein_performer.jobs.embed import embed_fasta, read_embeddings
+from protein_performer.jobs.contacts import predict_contacts_fasta
+from protein_performer.jobs.embed import embed_fasta
+from protein_performer.jobs.embeddings_file import read_embeddings
 from protein_performer.model.contact_head import ContactRegression
 from tests.contacts.test_contact_maps import _loaded, _regression
 from tests.inference.test_embedding import tiny_loaded
@@ -99,7 +101,9 @@ def files(tmp_path: Path) -> tuple[Path, Path]:
     embed_fasta(lm, fasta, emb, include=["mean", "per_tok"], progress=False)
     loaded = _loaded("exact")
     contacts = tmp_path / "contacts.h5"
-    predict_contacts_fasta(loaded, fasta, contacts, _regression(loaded), progress=False)
+    predict_contacts_fasta(
+        ProteinLM(loaded), fasta, contacts, _regression(loaded), progress=False
+    )
     return emb, contacts
 
 

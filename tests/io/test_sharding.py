@@ -19,13 +19,13 @@ import numpy as np
 import pytest
 
 from protein_performer.cli.main import main
-from protein_performer.contacts.predict import read_contacts
+from protein_performer.contacts.map_columns import read_contacts
 from protein_performer.data.tokenizer import STANDARD_AA
 from protein_performer.interop.export import export_model
 from protein_performer.interop.identity import model_identity
 from protein_performer.interop.loading import load_model
 from protein_performer.io.sharding import finished_parts, parts_dir, windows
-from protein_performer.jobs.embed import read_embeddings
+from protein_performer.jobs.embeddings_file import read_embeddings
 from protein_performer.model.contact_head import ContactRegression
 from tests.inference.test_embedding import tiny_loaded
 

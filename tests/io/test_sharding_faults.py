@@ -20,7 +20,8 @@ import pytest
 
 from protein_performer.cli.main import main
 from protein_performer.io.sharding import Ranks, finished_parts, parts_dir, spread
-from protein_performer.jobs.embed import PART_RUN, SEQ_DIGESTS, read_embeddings
+from protein_performer.jobs.embed import PART_RUN
+from protein_performer.jobs.embeddings_file import SEQ_DIGESTS, read_embeddings
 from tests.io.test_sharding import ENV, _free_port, write_fasta
 
 OPTS = ["--toks-per-batch", "4", "--no-progress"]  # windows of 128 tokens: ~3 records each

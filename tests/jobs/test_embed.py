@@ -12,7 +12,8 @@ import torch
 from protein_performer.errors import UserError
 from protein_performer.inference.api import ProteinLM
 from protein_performer.interop.record import LoadedModel
-from protein_performer.jobs.embed import embed_fasta, read_embeddings
+from protein_performer.jobs.embed import embed_fasta
+from protein_performer.jobs.embeddings_file import read_embeddings
 from tests.inference.test_embedding import tiny_loaded
 
 FASTA = """\
