@@ -36,7 +36,6 @@ import argparse
 import json
 import logging
 import math
-import shutil
 import statistics
 import sys
 import time
@@ -345,13 +344,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     runs = [args.out_dir / f"favor_finetune_w{w:g}" for w in args.distill_weights]
     if not args.exact_ckpt:
         runs.append(args.out_dir / "exact")
-    if any(d.exists() for d in runs):
-        if not args.overwrite:
-            print(f"error: {args.out_dir} holds an earlier run; pass --overwrite", file=sys.stderr)
-            return 2
-        for d in runs:
-            shutil.rmtree(d, ignore_errors=True)
-    args.out_dir.mkdir(parents=True, exist_ok=True)
+    h.fresh_outputs(args.out_dir, runs, args.overwrite)
 
     import hydra
 

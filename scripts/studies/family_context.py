@@ -583,10 +583,8 @@ def report(rows: list[dict[str, Any]], data: dict[str, Any], args: argparse.Name
 
 def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, h.Budget]:
     p = h.study_parser(
-        __doc__,
-        "Budgets are CPU time of each training process (time.process_time, validation "
-        "excluded) with --threads torch threads; see the module docstring.",
-        out="outputs/family_context", jobs=2, minutes=3.0,
+        __doc__, "outputs/family_context", jobs=2, minutes=3.0,
+        epilog="; see the module docstring.",
         quick_help="smoke run: tiny models, a 2,000-record corpus, 3 CPU-seconds per run, 1 seed")
     p.add_argument("--mmseqs-threads", type=int, default=2, help="MMseqs2 threads")
     p.add_argument("--identity", type=float, default=0.5, help="MMseqs2 identity of the split")

@@ -268,10 +268,27 @@ def parser(doc: str, epilog: str | None = None) -> argparse.ArgumentParser:
                                    formatter_class=argparse.RawDescriptionHelpFormatter)
 
 
-def study_parser(doc: str, epilog: str, out: str, jobs: int, quick_help: str,
-                 minutes: float) -> argparse.ArgumentParser:
-    """The flags every budgeted study has (training CPU-minutes per run: ``--minutes``)."""
-    p = parser(doc, epilog)
+def fresh_outputs(out_dir: Path, earlier: Sequence[Path], overwrite: bool) -> None:
+    """Make ``out_dir``; an earlier run's outputs there (``earlier``) are refused unless
+    ``overwrite``, which removes them."""
+    if any(p.exists() for p in earlier):
+        if not overwrite:
+            print(f"error: {out_dir} holds an earlier run; pass --overwrite", file=sys.stderr)
+            raise SystemExit(2)
+        for p in earlier:
+            if p.is_dir() and not p.is_symlink():
+                shutil.rmtree(p)
+            else:
+                p.unlink(missing_ok=True)
+    out_dir.mkdir(parents=True, exist_ok=True)
+
+
+def study_parser(doc: str, out: str, jobs: int, quick_help: str, minutes: float,
+                 epilog: str = "") -> argparse.ArgumentParser:
+    """The flags every budgeted study has (training CPU-minutes per run: ``--minutes``); the
+    epilog says what the budget counts, then ``epilog``."""
+    p = parser(doc, "Budgets are CPU time of each training process (time.process_time, "
+               "validation excluded) with --threads torch threads" + epilog)
     p.add_argument("--out", type=Path, default=Path(out))
     p.add_argument("--data", nargs="+", default=None, help="FASTA inputs (default: shared corpus)")
     p.add_argument("--minutes", type=float, default=minutes,

@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import argparse
 import logging
-import shutil
 import sys
 import time
 from collections.abc import Sequence
@@ -143,12 +142,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    if args.out_dir.exists() and any(args.out_dir.iterdir()):
-        if not args.overwrite:
-            print(f"error: {args.out_dir} holds an earlier run; pass --overwrite", file=sys.stderr)
-            return 2
-        shutil.rmtree(args.out_dir)
-    args.out_dir.mkdir(parents=True, exist_ok=True)
+    h.fresh_outputs(args.out_dir, list(args.out_dir.glob("*")), args.overwrite)
 
     import hydra
 

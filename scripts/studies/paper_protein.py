@@ -282,11 +282,9 @@ def report(rows: list[dict[str, Any]], base: dict[tuple[str, str], dict[str, Any
 
 def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, h.Budget]:
     p = h.study_parser(
-        __doc__,
-        "Budgets are CPU time of each training process (time.process_time, validation "
-        "excluded) with --threads torch threads, so runs stay comparable on a shared "
-        "machine; --trainer gpu switches to wall clock. See the module docstring.",
-        out="outputs/paper_protein", jobs=1, minutes=10.0,
+        __doc__, "outputs/paper_protein", jobs=1, minutes=10.0,
+        epilog=", so runs stay comparable on a shared machine; --trainer gpu switches to wall "
+        "clock. See the module docstring.",
         quick_help="smoke run: tiny models, the bundled demo FASTA, 3 CPU-seconds per run, 1 seed")
     p.add_argument("--parts", default="uni,bid,concat",
                    help="comma list of uni, bid, concat (default all)")
