@@ -19,7 +19,6 @@ Examples::
 from __future__ import annotations
 
 import argparse
-import csv
 import random
 import sys
 import time
@@ -77,10 +76,7 @@ def main(argv: list[str] | None = None) -> int:
             row["exact" if rate is None else f"rate_{rate:g}"] = float(terms.mean())
         rows.append(row)
     args.out.mkdir(parents=True, exist_ok=True)
-    with open(args.out / "per_protein.csv", "w", newline="") as fh:
-        writer = csv.DictWriter(fh, fieldnames=list(rows[0]))
-        writer.writeheader()
-        writer.writerows(rows)
+    common.write_dicts_csv(rows, args.out / "per_protein.csv")
     exact = np.array([r["exact"] for r in rows])
     lengths = [r["length"] for r in rows]
     median = int(np.median(lengths))
