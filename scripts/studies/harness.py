@@ -1,5 +1,6 @@
 """What the studies share: plan runs, train each through the real ``protein-performer train``
-under a step or time budget, collect, tabulate; and the unigram baseline and Spearman rho.
+under a step or time budget, collect, tabulate; the parsers, tables, CSV, markdown and figures
+of every study; and the unigram baseline and Spearman rho.
 
 A study is a plan (``args -> [Run]``) and a table (``rows -> markdown``); this module does the
 rest. Every run is a fresh ``protein-performer train`` process (printed so it can be repeated
