@@ -15,6 +15,7 @@ FASTA_HELP = "input FASTA(.gz); - reads standard input"
 FASTA_OR_STORE_HELP = (
     "input FASTA(.gz) (- reads standard input) or a store directory from `preprocess`"
 )
+TABLE_OUT_HELP = "output table (.csv, or .tsv for tabs; - for standard output)"
 
 
 def add_command(
@@ -41,6 +42,15 @@ def add_ckpt(p: argparse.ArgumentParser) -> None:
     p.add_argument("ckpt", metavar="CKPT", help="a .ckpt file or an exported model directory")
 
 
+def add_ckpt_fasta_out(
+    p: argparse.ArgumentParser, out_help: str, fasta_help: str = FASTA_OR_STORE_HELP
+) -> None:
+    """The positionals ``CKPT FASTA OUT`` of a model run over records, in esm-extract's order."""
+    add_ckpt(p)
+    p.add_argument("fasta", metavar="FASTA", help=fasta_help)
+    p.add_argument("out", metavar="OUT", help=out_help)
+
+
 def add_toks_per_batch(p: argparse.ArgumentParser, help: str = TOKS_PER_BATCH_HELP) -> None:
     p.add_argument("--toks-per-batch", type=positive_int, default=4096, help=help)
 
@@ -61,6 +71,15 @@ def add_fasta_run_options(
     add_toks_per_batch(p, help=toks_help)
     add_on_invalid(p)
     add_no_progress(p)
+
+
+def fasta_run_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    """The job keywords of :func:`add_fasta_run_options`' flags, read from parsed ``args``."""
+    return {
+        "toks_per_batch": args.toks_per_batch,
+        "on_invalid": args.on_invalid,
+        "progress": not args.no_progress,
+    }
 
 
 def add_model_options(p: argparse.ArgumentParser, overwrite: str = "OUT") -> None:
@@ -158,6 +177,13 @@ def add_context_ensemble(p: argparse.ArgumentParser, identity: bool = True) -> N
     p.add_argument(
         "--context-seed", type=seed_arg, default=0, help="seed of the random orders (default 0)"
     )
+
+
+def add_seed(
+    p: argparse.ArgumentParser, help: str, default: int = 0, metavar: str | None = None
+) -> None:
+    """``--seed``: one type (:func:`seed_arg`) for every command; ``help`` says what it seeds."""
+    p.add_argument("--seed", type=seed_arg, default=default, metavar=metavar, help=help)
 
 
 def _number_list(cast: type, example: str, ok: Any, rule: str) -> Any:  # noqa: ANN401

@@ -12,11 +12,12 @@ import argparse
 from protein_performer.cli._args import (
     FASTA_HELP,
     add_ckpt,
+    add_ckpt_fasta_out,
     add_command,
     add_model_options,
     add_no_progress,
     add_on_invalid,
-    seed_arg,
+    add_seed,
 )
 from protein_performer.cli._lifetime import check_output, join_ranks, rank_line
 from protein_performer.cli._model import load_lm
@@ -181,18 +182,14 @@ def add_fit_parser(steps: argparse._SubParsersAction) -> None:
         action="store_true",
         help="also write the fitted regression beside the checkpoint (visualize picks it up)",
     )
-    p.add_argument(
-        "--seed", type=seed_arg, default=0, help="seed of the null permutations and fit"
-    )
+    add_seed(p, "seed of the null permutations and fit")
     add_model_options(p, "the files in --out-dir")
     p.set_defaults(func=run_fit)
 
 
 def add_predict_parser(steps: argparse._SubParsersAction) -> None:
     p = add_command(steps, "predict", PREDICT_HELP, PREDICT_DESCRIPTION, PREDICT_EPILOG)
-    add_ckpt(p)
-    p.add_argument("fasta", metavar="FASTA", help=FASTA_HELP)
-    p.add_argument("out", metavar="OUT", help="output HDF5 file, e.g. contacts.h5")
+    add_ckpt_fasta_out(p, "output HDF5 file, e.g. contacts.h5", FASTA_HELP)
     p.add_argument(
         "--regression",
         metavar="PATH",

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import argparse
 
-from protein_performer.cli._args import add_command, add_overwrite, seed_arg
+from protein_performer.cli._args import add_command, add_overwrite, add_seed
 from protein_performer.cli._lifetime import check_output
 from protein_performer.cli._wrote import say_wrote
 
@@ -76,9 +76,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         help="FAVOR+ random features per head (default: d ln d rounded up to a multiple of 16 "
         "for head size d, 48 for ESM-2's 16-wide heads); ignored for exact",
     )
-    p.add_argument(
-        "--seed", type=seed_arg, default=0, help="seed of the FAVOR+ random features (default: 0)"
-    )
+    add_seed(p, "seed of the FAVOR+ random features (default: 0)")
     add_overwrite(p, "an existing export in OUT")
     p.set_defaults(func=run)
 

@@ -6,11 +6,11 @@ import argparse
 import sys
 
 from protein_performer.cli._args import (
-    FASTA_OR_STORE_HELP,
-    add_ckpt,
+    add_ckpt_fasta_out,
     add_command,
     add_fasta_run_options,
     add_model_options,
+    fasta_run_kwargs,
 )
 from protein_performer.cli._lifetime import check_output, join_ranks, rank_line, resume_hint
 from protein_performer.cli._model import load_lm
@@ -70,9 +70,7 @@ OUTPUTS: tuple[str, ...] = ("out",)
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p = add_command(subparsers, "embed", HELP, DESCRIPTION, EPILOG)
-    add_ckpt(p)
-    p.add_argument("fasta", metavar="FASTA", help=FASTA_OR_STORE_HELP)
-    p.add_argument("out", metavar="OUT", help="output HDF5 file, e.g. embeddings.h5")
+    add_ckpt_fasta_out(p, "output HDF5 file, e.g. embeddings.h5")
     p.add_argument(
         "--repr-layers",
         type=int,
@@ -114,11 +112,9 @@ def run(args: argparse.Namespace) -> int:
             args.out,
             repr_layers=args.repr_layers,
             include=args.include,
-            toks_per_batch=args.toks_per_batch,
-            on_invalid=args.on_invalid,
-            progress=not args.no_progress,
             resume=args.resume,
             overwrite=args.overwrite,
+            **fasta_run_kwargs(args),
         )
     if summary.parts is not None:
         c = summary.parts

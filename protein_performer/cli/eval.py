@@ -12,8 +12,8 @@ from protein_performer.cli._args import (
     add_model_options,
     add_no_progress,
     add_on_invalid,
+    add_seed,
     add_toks_per_batch,
-    seed_arg,
 )
 from protein_performer.cli._lifetime import check_output
 from protein_performer.cli._model import load_lm
@@ -71,9 +71,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         action="store_true",
         help="masked LMs: exact pseudo-perplexity instead of seeded masking (slow)",
     )
-    p.add_argument(
-        "--seed", type=seed_arg, default=0, help="seed of the fixed MLM masks (default: 0)"
-    )
+    add_seed(p, "seed of the fixed MLM masks (default: 0)")
     p.add_argument(
         "--mlm-prob",
         type=float,

@@ -12,7 +12,7 @@ from protein_performer.cli._args import (
     add_context_ensemble,
     add_model_options,
     add_no_progress,
-    seed_arg,
+    add_seed,
 )
 from protein_performer.cli._lifetime import check_output
 from protein_performer.cli._model import load_context, load_lm
@@ -87,9 +87,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--top-p", type=float, default=None, metavar="P", help="nucleus: smallest set of mass P"
     )
-    p.add_argument(
-        "--seed", type=seed_arg, default=0, metavar="S", help="random seed (default: 0)"
-    )
+    add_seed(p, "random seed (default: 0)", metavar="S")
     p.add_argument(
         "--batch-size",
         type=int,

@@ -4,6 +4,7 @@ attention transfer (and an optional LoRA fine-tune): ``training.linearize`` does
 from __future__ import annotations
 
 import argparse
+from typing import Any
 
 from protein_performer.cli._args import add_command, add_overwrite, seed_arg
 from protein_performer.cli._lifetime import check_output, stop_hint
@@ -48,6 +49,24 @@ examples:
 OUTPUTS: tuple[str, ...] = ("out",)
 
 
+#: The flags that set a :class:`LinearizeOptions` field (besides ``--kernel``), in ``--help``
+#: order: (field, type, metavar, help); ``{}`` in a help text is the field's default.
+_OPTION_FLAGS: tuple[tuple[str, Any, str | None, str], ...] = (
+    ("window", int, "W", "exact sliding window in tokens, 0 = none (default: {})"),
+    ("steps", int, None, "attention-transfer steps (default: {})"),
+    ("lr", float, None, "attention-transfer learning rate (default: {})"),
+    ("lora_steps", int, "N", "LoRA fine-tune steps after the transfer (default: {} = none)"),
+    ("lora_lr", float, None, "LoRA learning rate (default: {})"),
+    ("lora_rank", int, None, "LoRA rank (default: {})"),
+    ("kl_weight", float, "W", "LoRA loss (1 - W) MLM + W KL(exact teacher || linear) "
+     "(default: 0)"),
+    ("max_len", int, None, "crop sequences to this many tokens (default: {})"),
+    ("max_tokens", int, None, "padded tokens per batch (default: {})"),
+    ("save_every", int, None, "steps between resume states (default: {})"),
+    ("seed", seed_arg, None, "seed (default: {})"),
+)
+
+
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
     from protein_performer.model.config import LINEAR_KERNELS
     from protein_performer.training.linearize_options import LinearizeOptions
@@ -65,27 +84,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--kernel", choices=LINEAR_KERNELS, default=d.kernel,
                    help=f"linear feature map (default: {d.kernel})")
-    p.add_argument("--window", type=int, default=d.window, metavar="W",
-                   help=f"exact sliding window in tokens, 0 = none (default: {d.window})")
-    p.add_argument("--steps", type=int, default=d.steps,
-                   help=f"attention-transfer steps (default: {d.steps})")
-    p.add_argument("--lr", type=float, default=d.lr,
-                   help=f"attention-transfer learning rate (default: {d.lr})")
-    p.add_argument("--lora-steps", type=int, default=d.lora_steps, metavar="N",
-                   help="LoRA fine-tune steps after the transfer (default: 0 = none)")
-    p.add_argument("--lora-lr", type=float, default=d.lora_lr,
-                   help=f"LoRA learning rate (default: {d.lora_lr})")
-    p.add_argument("--lora-rank", type=int, default=d.lora_rank,
-                   help=f"LoRA rank (default: {d.lora_rank})")
-    p.add_argument("--kl-weight", type=float, default=d.kl_weight, metavar="W",
-                   help="LoRA loss (1 - W) MLM + W KL(exact teacher || linear) (default: 0)")
-    p.add_argument("--max-len", type=int, default=d.max_len,
-                   help=f"crop sequences to this many tokens (default: {d.max_len})")
-    p.add_argument("--max-tokens", type=int, default=d.max_tokens,
-                   help=f"padded tokens per batch (default: {d.max_tokens})")
-    p.add_argument("--save-every", type=int, default=d.save_every,
-                   help=f"steps between resume states (default: {d.save_every})")
-    p.add_argument("--seed", type=seed_arg, default=d.seed, help="seed (default: 0)")
+    for field, kind, metavar, text in _OPTION_FLAGS:
+        default = getattr(d, field)
+        p.add_argument(f"--{field.replace('_', '-')}", type=kind, default=default,
+                       metavar=metavar, help=text.format(default))
     p.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto (default)")
     p.add_argument("--resume", action="store_true",
                    help="continue the run whose state OUT.linearize.pt holds")
@@ -107,12 +109,8 @@ def run(args: argparse.Namespace) -> int:
     from protein_performer.training.linearize import STATE_SUFFIX, fit_linear
     from protein_performer.training.linearize_options import LinearizeOptions
 
-    options = LinearizeOptions(
-        kernel=args.kernel, window=args.window, steps=args.steps, lr=args.lr,
-        lora_steps=args.lora_steps, lora_lr=args.lora_lr, lora_rank=args.lora_rank,
-        kl_weight=args.kl_weight, max_len=args.max_len, max_tokens=args.max_tokens,
-        seed=args.seed, save_every=args.save_every,
-    ).check()  # fmt: skip
+    fields = ("kernel", *(row[0] for row in _OPTION_FLAGS))
+    options = LinearizeOptions(**{f: getattr(args, f) for f in fields}).check()
     check_output(args.out, [args.src, args.data], args.overwrite, sidecars=[STATE_SUFFIX])
     with stop_hint(lambda: _kept(args.out)):
         result = fit_linear(

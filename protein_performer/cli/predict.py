@@ -5,11 +5,12 @@ from __future__ import annotations
 import argparse
 
 from protein_performer.cli._args import (
-    FASTA_OR_STORE_HELP,
-    add_ckpt,
+    TABLE_OUT_HELP,
+    add_ckpt_fasta_out,
     add_command,
     add_fasta_run_options,
     add_model_options,
+    fasta_run_kwargs,
 )
 from protein_performer.cli._lifetime import check_output
 from protein_performer.cli._model import load_lm
@@ -41,11 +42,7 @@ OUTPUTS: tuple[str, ...] = ("out",)
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p = add_command(subparsers, "predict", HELP, DESCRIPTION, EPILOG)
-    add_ckpt(p)
-    p.add_argument("fasta", metavar="FASTA", help=FASTA_OR_STORE_HELP)
-    p.add_argument(
-        "out", metavar="OUT", help="output table (.csv, or .tsv for tabs; - for standard output)"
-    )
+    add_ckpt_fasta_out(p, TABLE_OUT_HELP)
     add_fasta_run_options(p)
     add_model_options(p)
     p.set_defaults(func=run)
@@ -57,13 +54,6 @@ def run(args: argparse.Namespace) -> int:
     check_output(args.out, [args.ckpt, args.fasta], args.overwrite)
     lm = load_lm(args)
     head = lm.task_head()
-    summary = predict_fasta(
-        lm,
-        args.fasta,
-        args.out,
-        toks_per_batch=args.toks_per_batch,
-        on_invalid=args.on_invalid,
-        progress=not args.no_progress,
-    )
+    summary = predict_fasta(lm, args.fasta, args.out, **fasta_run_kwargs(args))
     say_wrote(args.out, f"predicted {summary.num_records} record(s) ({head.config.task})")
     return 0

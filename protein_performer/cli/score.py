@@ -5,13 +5,14 @@ from __future__ import annotations
 import argparse
 
 from protein_performer.cli._args import (
-    FASTA_OR_STORE_HELP,
-    add_ckpt,
+    TABLE_OUT_HELP,
+    add_ckpt_fasta_out,
     add_command,
     add_context,
     add_context_ensemble,
     add_fasta_run_options,
     add_model_options,
+    fasta_run_kwargs,
 )
 from protein_performer.cli._lifetime import check_output, join_ranks, rank_line
 from protein_performer.cli._model import load_context, load_lm, pick_strategy
@@ -49,11 +50,7 @@ OUTPUTS: tuple[str, ...] = ("out",)
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p = add_command(subparsers, "score", HELP, DESCRIPTION, EPILOG)
-    add_ckpt(p)
-    p.add_argument("fasta", metavar="FASTA", help=FASTA_OR_STORE_HELP)
-    p.add_argument(
-        "out", metavar="OUT", help="output table (.csv, or .tsv for tabs; - for standard output)"
-    )
+    add_ckpt_fasta_out(p, TABLE_OUT_HELP)
     p.add_argument(
         "--strategy",
         choices=("pseudo-ppl", "causal"),
@@ -88,11 +85,9 @@ def run(args: argparse.Namespace) -> int:
         args.fasta,
         args.out,
         strategy=strategy,
-        toks_per_batch=args.toks_per_batch,
-        on_invalid=args.on_invalid,
-        progress=not args.no_progress,
         context=context,
         pll_rate=args.pll_rate,
+        **fasta_run_kwargs(args),
     )
     if rank_line(summary.num_records, "scored"):
         return 0

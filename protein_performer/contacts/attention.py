@@ -83,6 +83,14 @@ def resolve_heads(model: PerformerLM, heads: Sequence[int] | None) -> list[int]:
     return out
 
 
+def resolve_selection(
+    model: PerformerLM, layers: Sequence[int] | None, heads: Sequence[int] | None
+) -> tuple[list[int], list[int]]:
+    """The (layers, heads) a set of attention maps covers: :func:`resolve_layers` and
+    :func:`resolve_heads` together, as every caller that draws maps needs both."""
+    return resolve_layers(model, layers), resolve_heads(model, heads)
+
+
 def _check_window(window: tuple[int, int] | None, length: int, what: str) -> tuple[int, int]:
     if window is None:
         return 0, length
@@ -140,8 +148,7 @@ def attention_maps(
     length = tokens.shape[1] - 2  # residues
     if length < 1:
         raise UserError("the sequence is empty")
-    want = resolve_layers(model, layers)
-    head_list = resolve_heads(model, heads)
+    want, head_list = resolve_selection(model, layers, heads)
     start, end = _check_window(window, length, "window")
     key_start, key_end = _check_window(key_window, length, "key window")
     # Residue r is token r + 1; with specials kept the columns are all T tokens.

@@ -262,8 +262,5 @@ def as_records(seqs: Records | str) -> Iterator[tuple[str, str]]:
         seq = seq.strip().upper()
         if not seq:
             raise UserError(f"{where} is empty")
-        try:
-            alphabet.encode(seq)
-        except ValueError as exc:
-            raise UserError(f"{where}: {exc}") from None
+        alphabet.check_residues(seq, where)
         yield rid, seq

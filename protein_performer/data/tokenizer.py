@@ -12,6 +12,8 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from protein_performer.errors import UserError
+
 if TYPE_CHECKING:  # torch is imported lazily: CLI paths that never batch stay fast to start
     import torch
 
@@ -85,6 +87,14 @@ class Alphabet:
                 continue
             out.append(tok)
         return "".join(out)
+
+    def check_residues(self, seq: str, where: str) -> None:
+        """Refuse ``seq`` if it holds a letter outside the vocabulary: one UserError, the
+        tokenizer's words located at ``where`` (the record a caller reads)."""
+        try:
+            self.encode(seq)
+        except ValueError as exc:
+            raise UserError(f"{where}: {exc}") from None
 
     def encode_with_specials(self, seq: str) -> np.ndarray:
         """``<cls> residues <eos>`` as int64, the layout every model input uses."""

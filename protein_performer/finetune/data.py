@@ -203,10 +203,7 @@ def read_labels(
             seq = fields[col[sequence_col]].strip().upper()
         if not seq:
             raise UserError(f"{where}: empty sequence")
-        try:
-            alphabet.encode(seq)
-        except ValueError as exc:
-            raise UserError(f"{where} ({shown(rid)}): {exc}") from None
+        alphabet.check_residues(seq, f"{where} ({shown(rid)})")
         values = [fields[col[c]] for c in label_cols]
         if all(_is_nan(v) for v in values):
             if on_nan == "error":

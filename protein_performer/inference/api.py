@@ -353,7 +353,7 @@ class ProteinLM:
         from protein_performer.contacts.attention import attention_maps, resolve_layers
 
         ((_, text),) = list(as_records([("sequence", seq)]))
-        chosen = resolve_layers(self.model, None if layers is None else list(layers))
+        chosen = resolve_layers(self.model, layers)
         rows: dict[int, np.ndarray] = {}
 
         def sink(layer: int, maps: Any) -> None:  # noqa: ANN401 - a (H', W, L) tensor

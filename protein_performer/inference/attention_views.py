@@ -79,15 +79,10 @@ def attention_views(
     ``grid`` and hand every (H', W, L) row block to each of ``row_sinks``.
 
     ``layers`` are 1..depth (negative from the end), ``heads`` 0-based; None means all."""
-    from protein_performer.contacts.attention import (
-        attention_maps,
-        resolve_heads,
-        resolve_layers,
-    )
+    from protein_performer.contacts.attention import attention_maps, resolve_selection
 
     model = loaded.model
-    chosen_layers = resolve_layers(model, None if layers is None else list(layers))
-    chosen_heads = resolve_heads(model, None if heads is None else list(heads))
+    chosen_layers, chosen_heads = resolve_selection(model, layers, heads)
     start, end = resolve_window(len(sequence), window, max_window)
     panels: dict[int, np.ndarray] = {}
 

@@ -39,11 +39,11 @@ log = logging.getLogger(__name__)
 #: "1": decode through one compiled graph per model and batch size
 #: (:class:`~protein_performer.model.decode.CompiledStep`) always; "0": ``model.step`` always;
 #: unset (or "auto"): the compiled step where it pays (:data:`COMPILE_PAYS_STEPS`), else the
-#: same traced step run eagerly (no compile).
+#: same step traced by TorchScript (no compile).
 COMPILE_ENV = "PROTEIN_PERFORMER_COMPILE_STEP"
 #: Decoding steps of one batch size from which the compiled step is the default: its compile
 #: (about 30-45 s for the 8M shape on one CPU thread, 3-5 s from a warm inductor cache) is
-#: paid back by the step's time saved over the traced step run eagerly (docs/RESULTS.md).
+#: paid back by the step's time saved over the TorchScript trace (docs/RESULTS.md).
 COMPILE_PAYS_STEPS = 12_000
 
 Step = Callable[..., tuple[torch.Tensor, list]]
@@ -55,8 +55,9 @@ def decoding_step(model: PerformerLM, steps: int | None = None) -> Step:
     ``PROTEIN_PERFORMER_COMPILE_STEP`` unset: :class:`~protein_performer.model.decode.
     CompiledStep`, compiled (once per batch size, on its first token, one log line) when
     ``steps`` (the most tokens this run decodes at this batch size, when the caller knows
-    them) reach :data:`COMPILE_PAYS_STEPS`, else the same traced step run eagerly: a third
-    fewer ops than ``model.step`` and no compile. "1": always compiled; "0": ``model.step``.
+    them) reach :data:`COMPILE_PAYS_STEPS`, else the same step traced by ``torch.jit.trace``
+    (once per batch size, a twentieth of a second; run without Python, no compile; eagerly
+    after one log line where the trace fails). "1": always compiled; "0": ``model.step``.
     A model the traced step cannot run, or a compiler that fails, keeps ``model.step`` and says
     why in one line (a warning when "1" asked for it, else info).
 
@@ -80,7 +81,8 @@ def decoding_step(model: PerformerLM, steps: int | None = None) -> Step:
             log.log(level, "%s: no %s step (%s); decoding eagerly", COMPILE_ENV, kind, reason)
             built[kind] = model.step
         else:
-            built[kind] = _EagerFallback(model, CompiledStep(model, compile=compiled), kind)
+            mode = "compile" if compiled else "trace"
+            built[kind] = _EagerFallback(model, CompiledStep(model, mode=mode), kind)
     return built[kind]
 
 
@@ -160,7 +162,8 @@ def _choose(
     z = logits.double().masked_fill(~allowed, float("-inf"))
     if opts.temperature == 0:
         return z.argmax(-1).tolist()
-    z = z / opts.temperature
+    if opts.temperature != 1:  # z / 1 is z: one op less per token
+        z = z / opts.temperature
     if opts.top_k is not None:
         cut = opts.top_k < allowed.sum(-1, keepdim=True)  # (R, 1): rows with more to drop
         if bool(cut.any()):
@@ -173,10 +176,7 @@ def _choose(
         before = torch.cumsum(ranked, -1) - ranked  # mass of the better tokens
         # keep the smallest set reaching top_p
         p = p.scatter(-1, order, ranked.masked_fill(before >= opts.top_p, 0.0))
-    u = torch.tensor(
-        [float(torch.rand((), generator=g, dtype=torch.float64)) for g in generators],
-        dtype=torch.float64,
-    )
+    u = torch.cat([torch.rand(1, generator=g, dtype=torch.float64) for g in generators])
     cdf = torch.cumsum(p, -1)
     picks = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True)[:, 0]
     return picks.clamp_max(p.shape[-1] - 1).tolist()
@@ -227,6 +227,9 @@ def generate_batch(
     lps: list[list[float]] = [[] for _ in range(B)]
     ended = ["" for _ in range(B)]
     positions = lengths.clone() if context is None else lengths + context.offset
+    allowed_for: tuple[bool, ...] = ()  # the rows' "may end" flags ``allowed`` was built for
+    allowed = pad = torch.empty(0)
+    live = -1  # rows not ended when ``pad`` was built
     while True:
         last_cpu = last.cpu()
         log_p = torch.log_softmax(last_cpu, dim=-1)
@@ -238,9 +241,10 @@ def generate_batch(
         picks: list[int] = []
         picked: list[float] = []
         if rows:
-            allowed = torch.stack(
-                [with_eos if len(seqs[r]) >= opts.min_length else residues for r in rows]
-            )
+            may_end = tuple(len(seqs[r]) >= opts.min_length for r in rows)
+            if may_end != allowed_for:  # rebuilt only when a row's choices change
+                allowed_for = may_end
+                allowed = torch.stack([with_eos if e else residues for e in may_end])
             picks = _choose(last_cpu[rows], allowed, opts, [gens[r] for r in rows])
             picked = log_p[rows, picks].tolist()
         for row, tok, lp in zip(rows, picks, picked, strict=True):
@@ -253,7 +257,9 @@ def generate_batch(
         if all(ended):
             break
         beat(f"{len(lps[rows[0]])} tokens into a batch of {B}")
-        pad = torch.tensor([bool(e) for e in ended], device=device)
+        if ended.count("") != live:  # a row ended: its state stays as it is from now on
+            live = ended.count("")
+            pad = torch.tensor([bool(e) for e in ended], device=device)
         # The loop owns its states (a context's are never given to a step): in place.
         last, states = step(next_tok.to(device), positions, states, pad, inplace=True)
         last = last.float()

@@ -216,16 +216,14 @@ def build_report(
     ``progress``: a bar over the layers' row tiles (a long protein takes tens of seconds)."""
     from protein_performer.contacts.attention import (
         encode_sequence,
-        resolve_heads,
-        resolve_layers,
+        resolve_selection,
         run_with_qk,
     )
     from protein_performer.io.progress import progress as progress_bar
     from protein_performer.viz.similarity import SimilarityAccumulator
 
     model = loaded.model
-    chosen_layers = resolve_layers(model, None if layers is None else list(layers))
-    chosen_heads = resolve_heads(model, None if heads is None else list(heads))
+    chosen_layers, chosen_heads = resolve_selection(model, layers, heads)
     tokens = encode_sequence(model, sequence, loaded.alphabet)
     L = tokens.shape[1] - 2
     F = len(chosen_layers) * len(chosen_heads)

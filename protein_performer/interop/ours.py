@@ -24,8 +24,8 @@ from protein_performer.interop.weights import check_shapes, load_weights
 from protein_performer.io.checkpoints import (
     CONTACT_REGRESSION_KEY,
     check_finite,
+    checked_lightning,
     contents,
-    is_lightning,
     read_safetensors_header,
 )
 from protein_performer.io.json_safe import read_json
@@ -70,13 +70,13 @@ def check_weights_header(config: PerformerConfig, weights: Path) -> None:
 
 def read_lightning(path: Path, ckpt: Any) -> Read:
     """A Lightning checkpoint's contents (read by ``safe_load``) -> config and weights."""
-    if not is_lightning(ckpt):
-        raise UserError(
-            f"{path} is not a protein-performer Lightning checkpoint (no 'state_dict') nor a "
-            f"fair-esm ESM-2 one (no 'model'); it holds {contents(ckpt)}. Give a .ckpt from "
-            "`protein-performer train`, a fair-esm .pt or an exported directory"
-        )
-    check_finite(ckpt["state_dict"], path)
+    checked_lightning(
+        ckpt,
+        path,
+        f"{path} is not a protein-performer Lightning checkpoint (no 'state_dict') nor a "
+        f"fair-esm ESM-2 one (no 'model'); it holds {contents(ckpt)}. Give a .ckpt from "
+        "`protein-performer train`, a fair-esm .pt or an exported directory",
+    )
     if "performer_config" in ckpt:
         config = config_from(ckpt["performer_config"], path, "performer_config")
     else:

@@ -181,9 +181,13 @@ def check_finite(state: Mapping[str, Any], where: object) -> None:
         )
 
 
-def is_lightning(ckpt: Any) -> bool:
-    """Whether a loaded checkpoint has a Lightning ``state_dict``."""
-    return isinstance(ckpt, dict) and isinstance(ckpt.get("state_dict"), dict)
+def checked_lightning(ckpt: Any, path: object, refusal: str) -> dict[str, Any]:
+    """``ckpt`` (as loaded from ``path``) when it is a Lightning checkpoint (a ``state_dict``)
+    with finite weights; otherwise the UserError ``refusal`` (or :func:`check_finite`'s)."""
+    if not (isinstance(ckpt, dict) and isinstance(ckpt.get("state_dict"), dict)):
+        raise UserError(refusal)
+    check_finite(ckpt["state_dict"], path)
+    return ckpt
 
 
 def contents(ckpt: Any) -> str:
@@ -196,14 +200,13 @@ def contents(ckpt: Any) -> str:
 def load_lightning(path: str | os.PathLike[str]) -> dict[str, Any]:
     """A Lightning checkpoint dict with finite weights (resume and inference read it so)."""
     ckpt = safe_load(path, "lightning")
-    if not is_lightning(ckpt):
-        raise UserError(
-            f"{path} is not a protein-performer Lightning checkpoint (no 'state_dict'; it holds "
-            f"{contents(ckpt)}); give a .ckpt from `protein-performer train` or an exported "
-            "directory"
-        )
-    check_finite(ckpt["state_dict"], path)
-    return ckpt
+    return checked_lightning(
+        ckpt,
+        path,
+        f"{path} is not a protein-performer Lightning checkpoint (no 'state_dict'; it holds "
+        f"{contents(ckpt)}); give a .ckpt from `protein-performer train` or an exported "
+        "directory",
+    )
 
 
 def save_atomic(checkpoint: Mapping[str, Any], path: str | os.PathLike[str]) -> Path:

@@ -100,7 +100,9 @@ class MultiHeadSelfAttention(nn.Module):
         earlier part of the row (read, never written unless ``inplace``: the caller gives it
         up); see the cores' ``forward``. One token after a state (a decoding step) takes q, k
         and v from one GEMM and rotates them in one call (:meth:`_step_qkv`), since a token's
-        cost is mostly per-op overhead. The FAVOR+ map is the one the model implicitly uses
+        cost is mostly per-op overhead; without gradients (embedding, scoring, a prefill) any
+        length takes them from one GEMM too (a tenth less time in the projections at 2,048
+        tokens, issue 43). The FAVOR+ map is the one the model implicitly uses
         (normalized feature products), never materialized in the forward pass itself.
 
         ``coordinates`` (B, L) long: the position each token is keyed by in a core that keeps
@@ -114,6 +116,11 @@ class MultiHeadSelfAttention(nn.Module):
             if at is None or at.numel() != B:
                 at = as_positions(positions, B, 1, x.device)
             q, k, v = self._step_qkv(x.reshape(B, D), at.reshape(B))
+        elif not torch.is_grad_enabled() and self._fusable():  # inference: one GEMM for q, k, v
+            weight, bias = self._qkv_weights()
+            q, k, v = torch.nn.functional.linear(x, weight, bias).split(D, -1)  # (B, L, D) each
+            q, k = self._rotate(self._split_heads(q), self._split_heads(k), positions)
+            v = self._split_heads(v)
         else:
             q, k = self.rotated_qk(x, positions)
             v = self._split_heads(self.v_proj(x))
@@ -135,9 +142,9 @@ class MultiHeadSelfAttention(nn.Module):
 
     def _qkv_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
         """q, k and v projections stacked into one (3D, D) weight and (3D,) bias, for
-        :meth:`_step_qkv`: one GEMM per token instead of three. Cached and keyed on the
-        parameters' storage and versions, so training, loading or moving the model rebuilds it
-        (decoding only: the forward passes use the Linear layers)."""
+        :meth:`_step_qkv` and forward passes without gradients: one GEMM instead of three.
+        Cached and keyed on the parameters' storage and versions, so training, loading or
+        moving the model rebuilds it (inference only: training uses the Linear layers)."""
         params = [m.weight for m in (self.q_proj, self.k_proj, self.v_proj)]
         params += [m.bias for m in (self.q_proj, self.k_proj, self.v_proj)]
         key = tuple((p.data_ptr(), p._version, p.dtype, p.device) for p in params)
@@ -180,8 +187,14 @@ class MultiHeadSelfAttention(nn.Module):
         """
         q = self._split_heads(self.q_proj(x))
         k = self._split_heads(self.k_proj(x))
+        return self._rotate(q, k, positions)
+
+    def _rotate(
+        self, q: torch.Tensor, k: torch.Tensor, positions: Positions
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """q, k (B, H, L, d) rotated at ``positions`` (see :data:`Positions`)."""
         if isinstance(positions, torch.Tensor) and positions.ndim < 2:
-            positions = as_positions(positions, x.shape[0], x.shape[1], x.device)
+            positions = as_positions(positions, q.shape[0], q.shape[2], q.device)
         if positions is None:
             return self.rot_emb(q, k)
         if isinstance(positions, int):

@@ -1,22 +1,26 @@
-"""A decoding step as one traced graph: PerformerLM's one-token call for torch.compile.
+"""A decoding step as one traced graph: PerformerLM's one-token call for torch.compile or
+TorchScript.
 
 Why: in eager mode a token of the 8M model is about 1,400 small ops (views, casts, the
 stabilizer's bookkeeping) around 26 matrix-vector products, and at batch 1 they cost as much
 as the products (issue 33). :class:`CompiledStep` takes what a step needs out of the model
-once (every weight, transposed where a product reads it, and each layer's FAVOR+ map), looks
-the rotary rows up outside the graph, and runs every layer as one function of tensors without
-host checks, so ``torch.compile`` makes one graph per model and batch size, whatever the
-prompt and position. The attention math is the model's own (:func:`.favor.recurrent.step`,
-:func:`.rotary.rotate_rows`); the products read the transposed copy, so eager
-(``compile=False``) or compiled it gives ``PerformerLM.step``'s numbers to float rounding. A
-model it cannot run (:func:`unsupported`) keeps ``PerformerLM.step``.
+once (every weight, in the layout its product reads fastest, and each layer's FAVOR+ map),
+looks the rotary rows up outside the graph, and runs every layer as one function of tensors
+without host checks, so ``torch.compile`` makes one graph per model and batch size, whatever
+the prompt and position, and ``torch.jit.trace`` records the same function's ops once per
+batch size (a twentieth of a second; its interpreter then runs them without Python, about a
+quarter off a step: issue 43). The attention math is the model's own
+(:func:`.favor.recurrent.step`, :func:`.rotary.rotate_rows`); the products read a copy of the
+weights, so eager, traced or compiled it gives ``PerformerLM.step``'s numbers to float
+rounding. A model it cannot run (:func:`unsupported`) keeps ``PerformerLM.step``.
 """
 
 from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Iterator, Sequence
+import warnings
+from collections.abc import Callable, Iterator, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -55,32 +59,45 @@ def unsupported(model: PerformerLM) -> str | None:
     return None
 
 
+#: How :class:`CompiledStep` runs its function: "compile" (``torch.compile``), "trace"
+#: (``torch.jit.trace``, once per batch size) or "eager" (plain Python calls).
+MODES = ("compile", "trace", "eager")
+
+
 class CompiledStep:
-    """``PerformerLM.step`` of a supported model (:func:`unsupported`) through one compiled
-    function. Tokens are what generation feeds (never ``<mask>``: the token-dropout rule is the
-    no-mask one).
+    """``PerformerLM.step`` of a supported model (:func:`unsupported`) through one traced
+    function, run as ``mode`` says (:data:`MODES`). Tokens are what generation feeds (never
+    ``<mask>``: the token-dropout rule is the no-mask one).
 
     One graph serves every position and prompt: the states enter contiguous (a prefill's
     stabilizer is a strided slice, and strides are part of a graph's guards) and positions as
     tensors. Every weight a step reads lives in one flat buffer, built once and rebuilt when a
-    parameter changes, so the graph's guards check one tensor, not a hundred (they cost as much
-    as a layer's small ops); the projections are stored transposed, (in, out): a one-row
-    product reads that layout about 20% faster. So the step matches ``PerformerLM.step`` to
-    float rounding, not bit for bit, and holds a second copy of the model's weights.
+    parameter changes, so a compiled graph's guards check one tensor, not a hundred (they cost
+    as much as a layer's small ops); the traced and eager modes take its views, made once per
+    build. Each product reads the layout a one-row product reads fastest (about 20%): (in, out)
+    for the projections to a wider or equal width, (out, in) through a matrix-vector product
+    for the ones that narrow (``fc2``, measured in issue 43) and for the square ones at batch
+    1. So the step matches ``PerformerLM.step`` to float rounding, not bit for bit, and holds a
+    second copy of the model's weights. A trace that fails runs the function eagerly from then
+    on, after one log line.
     """
 
-    def __init__(self, model: PerformerLM, compile: bool = True) -> None:
+    def __init__(self, model: PerformerLM, mode: str = "compile") -> None:
         reason = unsupported(model)
         if reason is not None:
             raise ValueError(f"no compiled step for this model: {reason}")
-        self.model = model
+        if mode not in MODES:
+            raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+        self.model, self.mode = model, mode
         self._params = tuple(model.parameters())  # walking the modules costs a layer's ops
         self._flat: Tensor | None = None
+        self._weight_views: tuple[Tensor, ...] = ()
         self._key: list | None = None
         self._layout: tuple[tuple[tuple[int, ...], ...], ...] = ((), (), ())
         self._maps: tuple[FeatureMap, ...] = ()
-        self._fn = torch.compile(self._layers, dynamic=False) if compile else self._layers
-        self._compiled_for: set[int] | None = set() if compile else None
+        self._fn = torch.compile(self._layers, dynamic=False) if mode == "compile" else None
+        self._compiled_for: set[int] | None = set() if mode == "compile" else None
+        self._traced: dict[tuple[int, torch.device], Callable] = {}
 
     def _weights(self, device: torch.device) -> Tensor:
         """The flat buffer (see :meth:`_views` for its order), rebuilt when any parameter's
@@ -96,14 +113,14 @@ class CompiledStep:
             fmap = attn.core.step_map(device, torch.float32)
             layers.append(
                 [*_norm(layer.self_attn_layer_norm), qkv_w.T, qkv_b]
-                + [attn.out_proj.weight.T, attn.out_proj.bias]
+                + [attn.out_proj.weight, attn.out_proj.bias]
                 + [*_norm(layer.final_layer_norm), layer.fc1.weight.T, layer.fc1.bias]
-                + [layer.fc2.weight.T, layer.fc2.bias, fmap.Wa]
+                + [layer.fc2.weight, layer.fc2.bias, fmap.Wa]
                 + ([] if fmap.bias is None else [fmap.bias])
             )
             maps.append(fmap)
         head = model.lm_head
-        last = [*_norm(model.emb_layer_norm_after), head.dense.weight.T, head.dense.bias]
+        last = [*_norm(model.emb_layer_norm_after), head.dense.weight, head.dense.bias]
         last += [*_norm(head.layer_norm), head.weight.T, head.bias]
         first = [model.embed_tokens.weight]
         self._maps = tuple(maps)
@@ -113,6 +130,7 @@ class CompiledStep:
             for view, t in zip(self._views(flat), first + sum(layers, []) + last, strict=True):
                 view.copy_(t)
         self._flat, self._key = flat, key
+        self._weight_views = tuple(self._views(flat))
         return flat
 
     def __call__(
@@ -134,15 +152,42 @@ class CompiledStep:
         rows = model.layers[0].self_attn.rot_emb.step_rows(positions, device, torch.float32)
         pad = torch.zeros_like(tokens, dtype=torch.bool) if pad is None else pad.bool()
         flat = self._weights(device)
-        if self._compiled_for is not None and B not in self._compiled_for:
-            self._compiled_for.add(B)  # the first token of a batch size waits for the compiler
-            log.info("compiling the decoding step for batch size %d (once; tens of seconds)", B)
         kv = tuple(_owned(s.kv, B, inplace) for s in states)
         mu = tuple(
             s.mu if _plain(s.mu, B) else s.mu.float().expand(B, -1).contiguous() for s in states
         )
-        logits, mu = self._fn(tokens, rows, pad, kv, mu, flat)
+        if self._fn is not None and self._compiled_for is not None:
+            if B not in self._compiled_for:  # the first token of a batch size waits for it
+                self._compiled_for.add(B)
+                note = "compiling the decoding step for batch size %d (once; tens of seconds)"
+                log.info(note, B)
+            logits, mu = self._fn(tokens, rows, pad, kv, mu, flat)
+        else:
+            args = (tokens, rows, pad, kv, mu, self._weight_views)
+            logits, mu = self._function(B, device, args)(*args)
         return logits, [FavorState(a, b) for a, b in zip(kv, mu, strict=True)]
+
+    def _function(self, B: int, device: torch.device, args: tuple) -> Callable:
+        """The step's function for batch size ``B`` in the traced or eager mode: traced once per
+        batch size and device on ``args`` (the states are written as the first step would: the
+        trace runs on copies), eager where the trace fails (one log line) or in eager mode."""
+        fn = self._traced.get((B, device))
+        if fn is not None:
+            return fn
+        fn = self._run
+        if self.mode == "trace":
+            tokens, rows, pad, kv, mu, weights = args
+            copies = (tokens, rows, pad, tuple(t.clone() for t in kv), tuple(mu), weights)
+            try:
+                with warnings.catch_warnings():  # shapes read as constants: one trace per B
+                    warnings.simplefilter("ignore", torch.jit.TracerWarning)
+                    fn = torch.jit.trace(self._run, copies, check_trace=False)
+            except Exception as err:  # the tracer's failures have no common type
+                first = str(err).splitlines()[0] if str(err) else type(err).__name__
+                log.info("tracing the decoding step failed (%s); it runs eagerly", first)
+                fn = self._run
+        self._traced[(B, device)] = fn
+        return fn
 
     def _shape_list(self) -> list[tuple[int, ...]]:
         """Every weight's shape in buffer order: the embedding, each layer's (the same
@@ -167,10 +212,22 @@ class CompiledStep:
         mus: tuple[Tensor, ...],
         flat: Tensor,
     ) -> tuple[Tensor, tuple[Tensor, ...]]:
+        """:meth:`_run` on the weights of the flat buffer (the compiled graph's one input)."""
+        return self._run(tokens, rows, pad, kvs, mus, tuple(self._views(flat)))
+
+    def _run(
+        self,
+        tokens: Tensor,
+        rows: Tensor,
+        pad: Tensor,
+        kvs: tuple[Tensor, ...],
+        mus: tuple[Tensor, ...],
+        weights: tuple[Tensor, ...],
+    ) -> tuple[Tensor, tuple[Tensor, ...]]:
         """The traced step: embedding, every layer (the model's one-token forward, host checks
         off), final norm and head; the sums ``kvs`` are updated in place."""
         config = self.model.config
-        w = self._views(flat)
+        w = iter(weights)
         x = F.embedding(tokens, next(w))  # (B, D)
         if config.token_dropout:
             x = x * (1 - MASK_RATIO_TRAIN)
@@ -190,15 +247,23 @@ class CompiledStep:
             out, state = recurrent.step(
                 step_map, FavorState(kv, mu), qk[:, 0], qk[:, 1], qkv[:, 2], pad, True, False
             )
-            x = x + torch.addmm(out_b, out.reshape(B, D), out_w)
+            x = x + _narrow(out_b, out.reshape(B, D), out_w)
             h = F.layer_norm(x, (D,), *ln2, eps)
-            x = x + torch.addmm(b2, F.gelu(torch.addmm(b1, h, w1)), w2)
+            x = x + _narrow(b2, F.gelu(torch.addmm(b1, h, w1)), w2)
             new_mu.append(state.mu)
         x = F.layer_norm(x, (D,), next(w), next(w), eps)
         dense_w, dense_b = next(w), next(w)
-        x = F.layer_norm(F.gelu(torch.addmm(dense_b, x, dense_w)), (D,), next(w), next(w), eps)
+        x = F.layer_norm(F.gelu(_narrow(dense_b, x, dense_w)), (D,), next(w), next(w), eps)
         head_w, head_b = next(w), next(w)
         return torch.addmm(head_b, x, head_w), tuple(new_mu)
+
+
+def _narrow(bias: Tensor, x: Tensor, weight: Tensor) -> Tensor:
+    """bias + x weight^T for x (B, in) and weight (out, in) stored as the Linear holds it: at
+    batch 1 a matrix-vector product, which reads that layout fastest when out <= in."""
+    if x.shape[0] == 1:
+        return torch.addmv(bias, weight, x[0])[None]
+    return torch.addmm(bias, x, weight.T)
 
 
 def _sizes(shapes: Sequence[tuple[int, ...]]) -> list[int]:

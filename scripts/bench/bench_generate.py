@@ -5,9 +5,10 @@ Three measurements on the ESM-2 8M shape (6 layers, dim 320, 20 heads, ffn 1280)
 random weights, the default FAVOR+ config (what `protein-performer generate` runs), batch 1:
 
 1. Per-token cost at context positions P: the prompt of P tokens goes through ``prefill``,
-   then ``--steps`` calls of ``PerformerLM.step`` are timed (median; round-robin over the
-   positions, so machine load hits all alike), the peak memory of a step above the RSS before
-   it is sampled, and the state size is reported. Target: constant in P (the
+   then ``--steps`` calls of the decoding step generation runs are timed (the TorchScript
+   trace by default, ``PerformerLM.step`` with ``PROTEIN_PERFORMER_COMPILE_STEP=0``; median;
+   round-robin over the positions, so machine load hits all alike), the peak memory of a step
+   above the RSS before it is sampled, and the state size is reported. Target: constant in P (the
    32,768 figure at most 1.3x the 256 one).
 2. Total time of ``ProteinLM.generate`` for N new tokens (``--gen-lengths``; sampling included).
    Target: N = 4,096 at most 10x N = 512 (linear).
@@ -77,7 +78,7 @@ def per_token(lm: Any, positions: list[int], steps: int) -> list[dict[str, Any]]
     from protein_performer.inference.generation import decoding_step
 
     model = lm.model
-    step = decoding_step(model)  # model.step, or the compiled one with --compile
+    step = decoding_step(model)  # the traced step, or the compiled one with --compile
     tok = torch.tensor([5])
     states, times, peaks = {}, {P: [] for P in positions}, {P: 0 for P in positions}
     with torch.inference_mode(), common.PeakSampler(None) as sampler:
@@ -254,12 +255,13 @@ def peers(args: Any) -> tuple[list[dict[str, Any]], str]:
     note = "" if gpt2 is not None else "transformers not installed: no GPT-2 column"
     cells = [(t, p, b) for t in args.peer_threads for p in args.peer_prompts for b in args.batches]
     best: dict[tuple, float] = {}
-    for t in args.peer_threads:  # warm-up: first calls allocate and pick kernels
-        torch.set_num_threads(t)
-        for lm in models.values():
-            _time_ours(lm, 16, 1, 4)
-        if gpt2 is not None:
-            _time_gpt2(gpt2, 16, 1, 4)
+    for t in args.peer_threads:  # warm-up: first calls allocate and pick kernels, and the
+        torch.set_num_threads(t)  # longest prompt tunes the scan's tiles once (not timed)
+        for p in sorted({16, max(args.peer_prompts)}):
+            for lm in models.values():
+                _time_ours(lm, p, 1, 4)
+            if gpt2 is not None:
+                _time_gpt2(gpt2, p, 1, 4)
     for _ in range(args.repeats):
         for t, p, b in cells:
             torch.set_num_threads(t)

@@ -10,6 +10,7 @@ reads (the file is read from the page cache after the first) and what was read.
 Example::
 
     python scripts/bench/bench_msa_read.py --rows 50000 --columns 500
+    python scripts/bench/bench_msa_read.py --quick    # 200 rows of 100 columns, one read
 """
 
 from __future__ import annotations
@@ -53,7 +54,10 @@ def main() -> None:
     p.add_argument("--columns", type=int, default=500, help="match columns (default 500)")
     p.add_argument("--repeats", type=int, default=3, help="reads, the best kept (default 3)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--quick", action="store_true", help="200 rows of 100 columns, one read")
     args = p.parse_args()
+    if args.quick:
+        args.rows, args.columns, args.repeats = 200, 100, 1
     logging.disable(logging.WARNING)
     with tempfile.TemporaryDirectory(prefix="bench_msa_") as work:
         path = Path(work) / "family.a2m"

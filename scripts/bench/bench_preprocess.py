@@ -17,7 +17,9 @@ Targets (issue 2): ours >= 0.5x the parse-only MB/s, and peak RSS < 1 GB.
 Peak RSS of the tree is reported two ways: ``sampled`` sums the RSS of the child and all its
 descendants every 20 ms (psutil) and keeps the maximum; ``bound`` is the child's own peak plus
 ``workers`` times the largest worker peak (getrusage), an upper bound that sampling cannot miss.
-The RSS target is checked against the larger of the two.
+The RSS target is checked against the larger of the two. The exit status is 1 when a target
+is missed, except with ``--quick``: at 20 MB the worker processes' start-up (about a second,
+more on a loaded machine) outweighs the parsing, so a smoke run says so and exits 0.
 """
 
 from __future__ import annotations
@@ -249,6 +251,9 @@ def main(argv: list[str] | None = None) -> int:
         }
         if args.json_out:
             args.json_out.write_text(json.dumps(result, indent=2, sort_keys=True) + "\n")
+        if args.quick:  # 20 MB: the worker pool's start-up, not the pipeline, sets the time
+            print("quick: a smoke run of the script; the targets are judged at full size")
+            return 0
         return 0 if result["ratio_ok"] and result["rss_ok"] else 1
     finally:
         if args.keep:

@@ -8,11 +8,14 @@ Plotly (see ``protein_performer/viz/report.py``).
 
     python scripts/bench/bench_report_libs.py            # N = 4000
     python scripts/bench/bench_report_libs.py --quick    # N = 500
+
+A library that is not installed (bokeh is no dependency of the project) is skipped in one line.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import resource
 import subprocess
@@ -72,6 +75,9 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     print(f"{'library':8} {'N':>6} {'build s':>8} {'file MB':>8} {'peak RSS MB':>12}")
     for lib in ("plotly", "bokeh"):
+        if importlib.util.find_spec(lib) is None:  # bokeh is no dependency of the project
+            print(f"{lib:8} not installed in this environment (pip install {lib}): skipped")
+            continue
         out = subprocess.run(
             [sys.executable, __file__, "--case", lib, "--n", str(n)],
             capture_output=True, text=True, check=True,

@@ -1,6 +1,6 @@
 """model/decode.py: the traced decoding step gives PerformerLM.step's numbers (to float rounding:
-it reads transposed weights), eager or compiled, writes states only when given them, and names
-the models it cannot run."""
+it reads a copy of the weights), eager, traced by TorchScript or compiled, writes states only
+when given them, and names the models it cannot run."""
 
 from __future__ import annotations
 
@@ -33,27 +33,60 @@ def run(model: PerformerLM, step, tokens: torch.Tensor, start: int, pad_from: in
     return torch.stack(out, 1), states
 
 
+@pytest.mark.parametrize("mode", ["eager", "trace"])
 @pytest.mark.parametrize("positions", ["sequence", "member"])
 @pytest.mark.parametrize("kernel", ["softmax", "softmax_hyp", "softmax_opt"])
 @pytest.mark.parametrize("inplace", [False, True])
-def test_the_traced_step_in_eager_mode_is_model_step(kernel: str, positions: str, inplace: bool):
+def test_the_traced_step_is_model_step(kernel: str, positions: str, inplace: bool, mode: str):
     model = causal(kernel=kernel, positions=positions)
     g = torch.Generator().manual_seed(1)
     tokens = torch.randint(4, 24, (3, 20), generator=g)
     tokens[:, 0] = model.config.cls_idx
     want, want_states = run(model, model.step, tokens, 6, 11)
-    got, states = run(model, CompiledStep(model, compile=False), tokens, 6, 11, inplace=inplace)
+    got, states = run(model, CompiledStep(model, mode=mode), tokens, 6, 11, inplace=inplace)
     torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-6)
     for a, b in zip(states, want_states, strict=True):
         torch.testing.assert_close(a.kv, b.kv, atol=1e-6, rtol=1e-6)
         torch.testing.assert_close(a.mu, b.mu, atol=1e-6, rtol=1e-6)
 
 
+def test_one_trace_per_batch_size_and_the_same_numbers_as_eager():
+    """The TorchScript trace records the eager function's ops (bit for bit the same numbers,
+    batch 1 and 3 alike), once per batch size, whatever the prompt and position."""
+    model = causal()
+    eager, traced = CompiledStep(model, mode="eager"), CompiledStep(model, mode="trace")
+    g = torch.Generator().manual_seed(6)
+    for B, length in ((1, 9), (3, 12), (1, 30), (3, 5)):
+        tokens = torch.randint(4, 24, (B, length), generator=g)
+        tokens[:, 0] = model.config.cls_idx
+        want, want_states = run(model, eager, tokens[:3], length - 4, length, inplace=True)
+        got, states = run(model, traced, tokens[:3], length - 4, length, inplace=True)
+        assert torch.equal(got, want)
+        assert all(torch.equal(a.kv, b.kv) for a, b in zip(states, want_states, strict=True))
+    assert sorted(B for B, _ in traced._traced) == [1, 3]
+    assert all(isinstance(f, torch.jit.ScriptFunction) for f in traced._traced.values())
+
+
+def test_a_failed_trace_runs_eagerly_after_one_line(monkeypatch, caplog):
+    def broken(*args, **kw):
+        raise RuntimeError("tracer says no\ndetails")
+
+    monkeypatch.setattr(torch.jit, "trace", broken)
+    model = causal()
+    tokens = torch.randint(4, 24, (3, 10), generator=torch.Generator().manual_seed(7))
+    with caplog.at_level("INFO", logger="protein_performer"):
+        got, _ = run(model, CompiledStep(model, mode="trace"), tokens, 5, 8)
+    want, _ = run(model, CompiledStep(model, mode="eager"), tokens, 5, 8)
+    assert torch.equal(got, want)
+    notes = [r.getMessage() for r in caplog.records if "tracing" in r.getMessage()]
+    assert notes == ["tracing the decoding step failed (tracer says no); it runs eagerly"]
+
+
 def test_states_are_written_only_when_given_up():
     """``inplace=False`` leaves a state as it was (a family context's states serve many
     candidates); ``inplace=True`` updates the sums in place, as model.step does."""
     model = causal()
-    step = CompiledStep(model, compile=False)
+    step = CompiledStep(model, mode="trace")
     tokens = torch.randint(4, 24, (1, 7), generator=torch.Generator().manual_seed(3))
     with torch.inference_mode():
         _, states = model.prefill(tokens)
@@ -68,13 +101,14 @@ def test_states_are_written_only_when_given_up():
 
 def test_a_changed_parameter_rebuilds_the_weights():
     model = causal()
-    step = CompiledStep(model, compile=False)
+    step = CompiledStep(model, mode="trace")
     tokens, positions = torch.tensor([5]), torch.tensor([3])
     with torch.inference_mode():
         _, states = model.prefill(torch.randint(4, 24, (1, 3)))
         first, _ = step(tokens, positions, states)
     with torch.no_grad():
-        model.layers[1].fc2.bias.add_(0.5)
+        # not a constant: the final LayerNorm would take a uniform shift back out
+        model.layers[1].fc2.bias.add_(torch.linspace(-1, 1, model.config.dim))
     with torch.inference_mode():
         got, _ = step(tokens, positions, states)
         want, _ = model.step(tokens, positions, states)

@@ -48,6 +48,25 @@ def real_tokens(key_padding_mask: Tensor | None, B: int, L: int, device: torch.d
     return ~key_padding_mask.bool()
 
 
+def allowed_keys(
+    key_padding_mask: Tensor | None, causal: bool, query_slice: slice | None, L: int,
+    device: torch.device,
+) -> Tensor:  # fmt: skip
+    """(B|1, 1, W|1, L) True where a query (those in ``query_slice``, all L when None) may weigh
+    a key: a real one and, when ``causal``, none after the query. The one mask of the cores'
+    attention maps (:meth:`AttentionCore.attention_map`) and exact attention's forward."""
+    pos = torch.arange(L, device=device)
+    if causal:
+        rows = pos[query_slice if query_slice is not None else slice(None)]
+        allowed = rows[:, None] >= pos[None, :]  # (W, L)
+    else:
+        allowed = torch.ones(1, L, dtype=torch.bool, device=device)  # every row alike
+    allowed = allowed[None, None]  # (1, 1, W|1, L)
+    if key_padding_mask is not None:
+        allowed = allowed & ~key_padding_mask.bool()[:, None, None, :]
+    return allowed
+
+
 class MapBlocks(Protocol):
     """One head's residue x residue map as blocks, for contact maps (``map_blocks``)."""
 

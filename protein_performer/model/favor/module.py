@@ -378,7 +378,8 @@ class FavorAttention(AttentionCore):
         if state is None and self.recurrent_chunk < L:
             out, _ = self.forward(q, k, v, key_padding_mask)
             with torch.autocast(device_type=k.device.type, enabled=False):
-                _, y, vv, keep = flatten_heads(k, k, v, key_padding_mask)  # (BH, L, ·)
+                # keys in the queries' place, an empty view in theirs: one copy of k, not two
+                y, _, vv, keep = flatten_heads(k, k[..., :0], v, key_padding_mask)  # (BH, L, ·)
                 kv, mu = recurrent.prompt_state(self._feature_map(y), y, vv, keep)
             return out, FavorState(kv.reshape(B, H, *kv.shape[1:]), mu.reshape(B, H))
         with torch.autocast(device_type=q.device.type, enabled=False):

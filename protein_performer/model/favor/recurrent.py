@@ -53,11 +53,11 @@ def prompt_state(fmap: FeatureMap, y: Tensor, vv: Tensor, keep: Tensor | None) -
     """The state after a whole prompt in one parallel pass: unscaled keys y (BH, L, d), values
     vv (BH, L, dv), keep (BH, L) False at pads -> kv (BH, M, dv+1), mu (BH,).
 
-    The stabilizer is the keys' largest log-feature (a max is order-free), so this is the state
-    the recursion reaches after the last key."""
+    The stabilizer is the keys' largest log-feature (a max is order-free, so one max over all
+    keys, not the running one), so this is the state the recursion reaches after the last key."""
     logits = fmap.key_logits(y, keep)
-    mu = running_max(logits)
-    mu = y.new_zeros(y.shape[0]) if mu is None else mu[:, -1]  # (BH,)
+    top = step_max(logits)  # (BH, L): each key's largest log part; None for relu
+    mu = y.new_zeros(y.shape[0]) if top is None else top.amax(-1).clamp_min(_NEG)  # (BH,)
     kf = fmap.keys(y, logits, mu[:, None, None], keep)  # (BH, L, M)
     vx = torch.cat([vv, vv.new_ones(*vv.shape[:-1], 1)], dim=-1)  # (BH, L, dv+1)
     return FavorState(absorb(None, None, kf, vx, mu), mu)
@@ -218,8 +218,9 @@ def _exp_step(
         kv = kv.clone() if decay is None else kv * decay
         kv = kv.expand(B, *kv.shape[1:]).contiguous()
     M, C = kv.shape[-2:]
-    vx = F.pad(vv, (0, 1), value=1.0)  # (B, H, dv+1): [v | 1]
-    kv.addcmul_(kf[..., None], vx[..., None, :])  # + kf [v | 1]^T: one pass, no GEMM
+    # + kf [v | 1]^T in place, no GEMM: the value columns, then the normalizer's (kf itself)
+    kv[..., :-1].addcmul_(kf[..., None], vv[..., None, :])
+    kv[..., -1].add_(kf)
     qf = pq.sub_(pq.amax(-1, keepdim=True)).exp_()  # (B, H, M), row max 1
     yq = torch.bmm(qf.view(B * H, 1, M), kv.view(B * H, M, C)).view(B, H, C)
     out = yq[..., :-1] / yq[..., -1:].clamp_min(torch.finfo(torch.float32).tiny)

@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from protein_performer.model.config import LINEAR_KERNELS
-from protein_performer.model.cores.base import AttentionCore, compute_dtype
+from protein_performer.model.cores.base import AttentionCore, allowed_keys, compute_dtype
 from protein_performer.model.cores.registry import register
 from protein_performer.model.linear.maps import build_linear_map
 
@@ -151,13 +151,9 @@ class LinearAttention(AttentionCore):
         dtype = compute_dtype(q)
         with torch.autocast(device_type=q.device.type, enabled=False):
             scores = self.feature_map(qs.to(dtype)) @ self.feature_map(k.to(dtype)).mT
-            if key_padding_mask is not None:
-                scores = scores.masked_fill(key_padding_mask.bool()[:, None, None, :], 0.0)
-            if self.causal:
-                start = 0 if query_slice is None else (query_slice.start or 0)
-                rows = torch.arange(start, start + qs.shape[2], device=q.device)[:, None]
-                cols = torch.arange(k.shape[2], device=q.device)[None, :]
-                scores = scores.masked_fill(cols > rows, 0.0)
+            L = k.shape[2]
+            allowed = allowed_keys(key_padding_mask, self.causal, query_slice, L, q.device)
+            scores = scores.masked_fill(~allowed, 0.0)
             scores = scores / scores.sum(-1, keepdim=True).clamp_min(_TINY)
         return scores.to(q.dtype)
 

@@ -31,6 +31,7 @@ from torch import Tensor, nn
 from protein_performer.model.cores.base import (
     AttentionCore,
     CoreWrapper,
+    allowed_keys,
     compute_dtype,
     real_tokens,
 )
@@ -227,11 +228,7 @@ class SlidingWindow(CoreWrapper):
             cols = torch.arange(k.shape[2], device=q.device)[None, :]
             gap = rows - cols
             near = (gap >= 0) & (gap < self.window) if self.causal else gap.abs() < self.window
-            real = torch.ones_like(lin, dtype=torch.bool)
-            if key_padding_mask is not None:
-                real = real & ~key_padding_mask.bool()[:, None, None, :]
-            if self.causal:
-                real = real & (cols <= rows)
+            real = allowed_keys(key_padding_mask, self.causal, query_slice, k.shape[2], q.device)
             scores = (x @ y.mT) * d**-0.5
             scores = scores.masked_fill(~(near & real), float("-inf"))
             top = scores.amax(-1, keepdim=True)
