@@ -122,7 +122,9 @@ def add_context(p: argparse.ArgumentParser) -> None:
         help="FASTA of homologs (e.g. from `protein-performer homologs`; - reads standard input) "
         "or an MSA (A2M/A3M, Stockholm: gaps are not tokens, the first row is the reference) "
         "read once as family context: each sequence is treated as the family's next member "
-        "(causal models)",
+        "(causal models). A position memory keys aligned homologs (an MSA, `homologs` hits) "
+        "by their alignment to the reference (the MSA's first row, the `homologs` query), "
+        "others by their member positions; each sequence is read at its own member positions",
     )
     p.add_argument(
         "--max-context-tokens",

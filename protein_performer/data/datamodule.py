@@ -37,6 +37,7 @@ from protein_performer.data.dataset import (
 )
 from protein_performer.data.inputs import open_input
 from protein_performer.data.loader import ResumableDataLoader
+from protein_performer.data.msa import FAMILY_COORDINATES
 from protein_performer.data.sampler import TokenBudgetBatchSampler
 from protein_performer.data.tokenizer import Alphabet
 from protein_performer.errors import UserError
@@ -88,6 +89,9 @@ class ProteinDataModule(pl.LightningDataModule):
     up to ``family_max_tokens`` (:class:`~protein_performer.data.family.FamilyDataset`); the
     families (``family_method`` search or cluster at ``family_identity``, MMseqs2) are built
     inside each split of a store and cached there (``data.homology.store_families``).
+    ``family_coordinates="aligned"`` keys each member's tokens in a position memory by its
+    alignment to the family's first member (a family search's; member positions where there is
+    none, as for ``cluster`` families) instead of its member positions.
     ``split_flag`` names the caller's own option for the FASTA fractions in messages
     (``linearize``: ``--heldout-frac``).
     """
@@ -114,6 +118,7 @@ class ProteinDataModule(pl.LightningDataModule):
         family_method: str = "search",
         family_identity: float = 0.3,
         split_flag: str | None = None,
+        family_coordinates: str = "positions",
     ) -> None:
         super().__init__()
         self.paths = _as_paths(path)
@@ -155,6 +160,18 @@ class ProteinDataModule(pl.LightningDataModule):
         self.family_max_tokens = int(family_max_tokens)
         self.family_method = family_method
         self.family_identity = float(family_identity)
+        if family_coordinates not in FAMILY_COORDINATES:
+            raise UserError(
+                f"data.family_coordinates must be {' or '.join(FAMILY_COORDINATES)}, got "
+                f"{family_coordinates!r}"
+            )
+        self.family_coordinates = family_coordinates
+        if family_coordinates == "aligned" and layout == "family" and family_method != "search":
+            log.warning(
+                "data.family_coordinates=aligned: %s families carry no alignments, so every "
+                "member is keyed by its member positions (use data.family_method=search)",
+                family_method,
+            )
         self.split_flag = split_flag
         self._families: dict[str, Any] = {}
         if layout == "family" and (len(self.paths) != 1 or self.paths[0].is_file()):
@@ -304,7 +321,8 @@ class ProteinDataModule(pl.LightningDataModule):
                     self.paths[0],
                 )
             self._families[split] = store_families(
-                store, split, self.family_method, self.family_identity, default_workers()
+                store, split, self.family_method, self.family_identity, default_workers(),
+                aligned=self.family_coordinates == "aligned",
             )
         return self._families[split]
 
@@ -325,6 +343,7 @@ class ProteinDataModule(pl.LightningDataModule):
             mlm_prob=self.mlm_prob,
             seed=self.seed,
             alphabet=self.alphabet,
+            coordinates=self.family_coordinates,
         )
 
     # ---- loaders -----------------------------------------------------------------------------

@@ -316,8 +316,10 @@ class ProteinCollator:
     """Pads dataset items into the batch dict of ``docs/INTERFACES.md``.
 
     ``tokens`` (B, T) int64 right-padded with ``<pad>``; ``targets`` (B, T) int64 padded with -100;
-    ``padding_mask`` (B, T) bool, True = pad; ``ids`` list[str]. T is the longest item, so a
-    length-sorted batch carries almost no padding.
+    ``padding_mask`` (B, T) bool, True = pad; ``ids`` list[str]; and ``coordinates`` (B, T)
+    int64 padded with -1 when the items carry them (family rows with
+    ``data.family_coordinates=aligned``). T is the longest item, so a length-sorted batch
+    carries almost no padding.
     """
 
     def __init__(self, alphabet: Alphabet | None = None) -> None:
@@ -329,14 +331,21 @@ class ProteinCollator:
         tokens = np.full((B, T), self.alphabet.pad_idx, dtype=np.int64)
         targets = np.full((B, T), IGNORE_INDEX, dtype=np.int64)
         padding_mask = np.ones((B, T), dtype=bool)
+        placed = any("coordinates" in it for it in items)
+        coordinates = np.full((B, T), -1, dtype=np.int64)
         for row, it in enumerate(items):
             n = len(it["tokens"])
             tokens[row, :n] = it["tokens"]
             targets[row, :n] = it["targets"]
             padding_mask[row, :n] = False
-        return {
+            if placed:
+                coordinates[row, :n] = it["coordinates"]
+        batch = {
             "tokens": torch.from_numpy(tokens),
             "targets": torch.from_numpy(targets),
             "padding_mask": torch.from_numpy(padding_mask),
             "ids": [it["id"] for it in items],
         }
+        if placed:
+            batch["coordinates"] = torch.from_numpy(coordinates)
+        return batch

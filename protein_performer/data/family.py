@@ -11,6 +11,13 @@ Items keep :class:`~protein_performer.data.dataset.ProteinDataset`'s contract (`
 ``targets``, ``id``), so the collator, the token-budget sampler and the Lightning module are
 unchanged; every random choice comes from ``np.random.default_rng([seed, epoch, index])``.
 ``<cls>`` marks each member's start, which is all the model needs to place positions.
+
+``coordinates="aligned"``: each item also carries ``coordinates`` (L,) int64, the keys a
+position memory files each token under (``PerformerLM.forward(coordinates=...)``, the path a
+family context's aligned homologs take): a member that has an alignment to its family's first
+member (a family search's, :meth:`~protein_performer.data.homology.Families.coordinates`) sits
+at that member's residue numbers (``data.msa.row_keys``), one without (cluster families) at its
+own member positions. ``"positions"`` (the default): no coordinates, member positions for all.
 """
 
 from __future__ import annotations
@@ -22,6 +29,7 @@ import numpy as np
 from protein_performer.data.dataset import Crop, Objective, ProteinDataset, RecordSource
 from protein_performer.data.homology import Families
 from protein_performer.data.masking import IGNORE_INDEX, causal_targets, mlm_mask
+from protein_performer.data.msa import FAMILY_COORDINATES, row_keys
 from protein_performer.data.tokenizer import Alphabet
 from protein_performer.errors import UserError
 
@@ -53,7 +61,13 @@ class FamilyDataset(ProteinDataset):
         mlm_prob: float = 0.15,
         seed: int = 0,
         alphabet: Alphabet | None = None,
+        coordinates: str = "positions",
     ) -> None:
+        if coordinates not in FAMILY_COORDINATES:
+            raise UserError(
+                f"data.family_coordinates must be {' or '.join(FAMILY_COORDINATES)}, got "
+                f"{coordinates!r}"
+            )
         if row_tokens < 3:
             raise UserError(
                 f"data.family_max_tokens must be >= 3 (<cls>, one residue, <eos>), got "
@@ -70,6 +84,7 @@ class FamilyDataset(ProteinDataset):
             )
         self.families = families
         self.row_tokens = int(row_tokens)
+        self.aligned = coordinates == "aligned"
 
     def __len__(self) -> int:
         return len(self.families)
@@ -84,15 +99,25 @@ class FamilyDataset(ProteinDataset):
     def row(self, index: int, epoch: int) -> tuple[np.ndarray, np.ndarray, list[int]]:
         """The row's tokens (L,) int64 before masking, its CLM targets (L,), and the source
         indices of its members in row order; the rng then goes on to mask (MLM)."""
+        tokens, targets, taken, _ = self._row(index, epoch)
+        return tokens, targets, taken
+
+    def _row(
+        self, index: int, epoch: int
+    ) -> tuple[np.ndarray, np.ndarray, list[int], np.ndarray | None]:
+        """:meth:`row`, and the row's coordinates (L,) when ``coordinates="aligned"``."""
         rng = np.random.default_rng([self.seed, epoch, index])
         members = self.families[index]
-        order = members[rng.permutation(len(members))]
+        permuted = rng.permutation(len(members))
+        order = members[permuted]
+        at = self.families.offsets[index] + permuted  # where each one's alignment is
         a = self.alphabet
         parts: list[np.ndarray] = []
+        keys: list[np.ndarray] = []
         ignore: list[int] = []  # row positions whose CLM target is meaningless
         taken: list[int] = []
         used = 0
-        for m in order.tolist():
+        for m, where in zip(order.tolist(), at.tolist(), strict=True):
             width = min(self.source.length(m), self.max_len - 2) + 2
             if used + width > self.row_tokens:
                 continue
@@ -105,6 +130,11 @@ class FamilyDataset(ProteinDataset):
                 ignore.append(used + width - 2)  # last residue -> an early <eos>
             ignore.append(used + width - 1)  # <eos> -> the next <cls>
             parts.append(np.concatenate(([a.cls_idx], window, [a.eos_idx])))
+            if self.aligned:
+                placed = self.families.coordinates(where, len(residues))
+                if placed is not None:
+                    placed = placed[start : start + len(window)]
+                keys.append(row_keys(placed, len(window)))
             taken.append(m)
             used += width
             if self.row_tokens - used < 3:
@@ -112,17 +142,20 @@ class FamilyDataset(ProteinDataset):
         tokens = np.concatenate(parts)  # (L,)
         targets = causal_targets(tokens, a.pad_idx)
         targets[ignore] = IGNORE_INDEX
-        return tokens, targets, taken
+        return tokens, targets, taken, np.concatenate(keys) if self.aligned else None
 
     def __getitem__(self, key: int | tuple[int, int]) -> dict[str, Any]:
         if isinstance(key, tuple):
             index, epoch = int(key[0]), int(key[1])
         else:
             index, epoch = int(key), self.epoch
-        tokens, targets, _ = self.row(index, epoch)
+        tokens, targets, _, coordinates = self._row(index, epoch)
         if self.objective == "mlm":
             # Its own stream, so the row's members do not depend on the objective.
             rng = np.random.default_rng([self.seed, epoch, index, 1])
             tokens, targets = mlm_mask(tokens, self.alphabet, rng, mask_prob=self.mlm_prob)
         key_id = self.source.id(int(self.families.keys[index]))
-        return {"id": f"family:{key_id}", "tokens": tokens, "targets": targets}
+        item = {"id": f"family:{key_id}", "tokens": tokens, "targets": targets}
+        if coordinates is not None:
+            item["coordinates"] = coordinates
+        return item

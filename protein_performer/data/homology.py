@@ -153,7 +153,10 @@ FAMILY_METHODS: tuple[str, ...] = ("search", "cluster")
 FAMILY_DIR = "families"
 #: Prefilter hits per query for ``search`` (MMseqs2's default): caps a family near 300.
 FAMILY_MAX_SEQS = 300
-_SEARCH_FORMAT = "query,target,fident,evalue,bits"
+#: What a family search asks MMseqs2 for: the scores that order the hits, and each hit's
+#: alignment to its query (the aligned ranges and the CIGAR string), which places the member on
+#: the family's first member (``Families.coordinates``, ``data.family_coordinates=aligned``).
+_FAMILY_FORMAT = "query,target,fident,evalue,bits,qstart,qend,tstart,tend,cigar"
 
 
 class Families:
@@ -162,6 +165,12 @@ class Families:
 
     Three flat int64 arrays, not a list of lists, so a UniRef-scale family table pickles into
     DataLoader workers and loads from the cache without a Python object per member.
+
+    A family search also keeps each member's alignment to its family's first member (the
+    query), flat as well: ``ranges`` (N, 4) int32 ``qstart qend tstart tend`` (1-based,
+    inclusive; zeros: none) and the CIGAR strings as bytes ``cigars[cigar_offsets[i]:
+    cigar_offsets[i + 1]]``; None where the families have no alignments (``cluster``, or a
+    cache written before 0.7).
     """
 
     def __init__(
@@ -170,6 +179,7 @@ class Families:
         offsets: np.ndarray,
         members: np.ndarray,
         meta: dict[str, Any] | None = None,
+        alignments: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None,
     ) -> None:
         self.keys = np.asarray(keys, dtype=np.int64)
         self.offsets = np.asarray(offsets, dtype=np.int64)
@@ -179,6 +189,29 @@ class Families:
             raise ValueError("families: offsets must be (F + 1,) and end at len(members)")
         if self.offsets[0] != 0 or np.any(np.diff(self.offsets) < 0):
             raise ValueError("families: offsets must start at 0 and never decrease")
+        self.alignments = None
+        if alignments is not None:
+            ranges, cigar_offsets, cigars = (np.asarray(a) for a in alignments)
+            n = len(self.members)
+            if (ranges.shape != (n, 4) or cigar_offsets.shape != (n + 1,) or cigar_offsets[0]
+                    or cigar_offsets[-1] != len(cigars) or np.any(np.diff(cigar_offsets) < 0)):
+                raise ValueError("families: alignments must be one per member")
+            self.alignments = (ranges.astype(np.int32), cigar_offsets.astype(np.int64),
+                               cigars.astype(np.uint8))  # fmt: skip
+
+    def coordinates(self, at: int, length: int) -> np.ndarray | None:
+        """(length,) int64: the member at ``members[at]`` placed on its family's first member
+        by their alignment (:func:`alignment_coordinates`: that member's residue numbers,
+        :data:`~protein_performer.data.msa.UNPLACED` outside the aligned range), or None when
+        there is no alignment (the caller falls back to member positions)."""
+        if self.alignments is None:
+            return None
+        ranges, cigar_offsets, cigars = self.alignments
+        qs, qe, ts, te = (int(v) for v in ranges[at])
+        cigar = cigars[cigar_offsets[at] : cigar_offsets[at + 1]].tobytes().decode("ascii")
+        if not (qs and ts):
+            return None
+        return alignment_coordinates(cigar, qs, qe, ts, te, length)
 
     @classmethod
     def from_lists(
@@ -192,6 +225,22 @@ class Families:
         offsets = np.concatenate(([0], np.cumsum(sizes))).astype(np.int64)
         k = [int(g[0]) for g in groups] if keys is None else list(keys)
         return cls(np.asarray(k, np.int64), offsets, np.asarray(flat, np.int64), meta)
+
+    @staticmethod
+    def pack_alignments(
+        aligned: Sequence[tuple[int, int, int, int, str] | None],
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Per member ``(qstart, qend, tstart, tend, cigar)`` or None -> the flat arrays of
+        ``alignments``."""
+        ranges = np.zeros((len(aligned), 4), np.int32)
+        texts = []
+        for i, a in enumerate(aligned):
+            if a is not None:
+                ranges[i] = a[:4]
+            texts.append(b"" if a is None else a[4].encode("ascii"))
+        lengths = np.fromiter(map(len, texts), np.int64, len(texts))
+        cigar_offsets = np.concatenate(([0], np.cumsum(lengths))).astype(np.int64)
+        return ranges, cigar_offsets, np.frombuffer(b"".join(texts), np.uint8).copy()
 
     def __len__(self) -> int:
         return len(self.keys)
@@ -218,25 +267,47 @@ class Families:
         first = np.concatenate(([0], np.cumsum(counts)))[:-1][keep]
         keys = np.where(key_in[keep], keys[keep], members[first])
         offsets = np.concatenate(([0], np.cumsum(counts[keep]))).astype(np.int64)
-        return Families(keys, offsets, members, self.meta)
+        alignments = None
+        if self.alignments is not None:  # still on the first member's residues, kept or not
+            ranges, cigar_offsets, cigars = self.alignments
+            starts, ends = cigar_offsets[:-1][inside], cigar_offsets[1:][inside]
+            lengths = ends - starts
+            new_offsets = np.concatenate(([0], np.cumsum(lengths))).astype(np.int64)
+            picked = np.repeat(starts - new_offsets[:-1], lengths) + np.arange(new_offsets[-1])
+            alignments = (ranges[inside], new_offsets, cigars[picked])
+        return Families(keys, offsets, members, self.meta, alignments)
 
     def save(self, path: Path) -> None:
         """Write the arrays and the metadata (JSON) to ``path`` (.npz) atomically."""
         from protein_performer.io.atomic import atomic_file
 
         with atomic_file(path) as tmp, open(tmp, "wb") as fh:
+            extra = {}
+            if self.alignments is not None:
+                extra = dict(zip(_ALIGNMENT_ARRAYS, self.alignments, strict=True))
             np.savez(
                 fh,
                 keys=self.keys,
                 offsets=self.offsets,
                 members=self.members,
                 meta=np.array(json.dumps(self.meta, sort_keys=True)),
+                **extra,
             )
 
     @classmethod
     def load(cls, path: Path) -> Families:
+        """The families of a cache; a file written before 0.7 has no alignments (None)."""
         with np.load(path, allow_pickle=False) as z:
-            return cls(z["keys"], z["offsets"], z["members"], parse_json(str(z["meta"]), path))
+            have = [name in z.files for name in _ALIGNMENT_ARRAYS]
+            if any(have) and not all(have):
+                raise ValueError(f"family cache {path} holds part of its alignments")
+            alignments = tuple(z[name] for name in _ALIGNMENT_ARRAYS) if all(have) else None
+            return cls(z["keys"], z["offsets"], z["members"], parse_json(str(z["meta"]), path),
+                       alignments)  # type: ignore[arg-type]  # fmt: skip
+
+
+#: The arrays of ``Families.alignments`` as a cache names them.
+_ALIGNMENT_ARRAYS = ("aln_ranges", "aln_cigar_offsets", "aln_cigars")
 
 
 def _positions(indices: np.ndarray, values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -295,10 +366,10 @@ def search_command(
     threads: int,
     max_seqs: int = FAMILY_MAX_SEQS,
     coverage: float = COVERAGE,
-    fields: str = _SEARCH_FORMAT,
+    fields: str = _FAMILY_FORMAT,
 ) -> list[str]:
-    """The ``mmseqs easy-search`` call (tab-separated ``fields``, by default ``query target
-    fident evalue bits``)."""
+    """The ``mmseqs easy-search`` call (tab-separated ``fields``, by default a family search's:
+    ``query target fident evalue bits`` and the alignment)."""
     return [
         exe,
         "easy-search",
@@ -321,21 +392,6 @@ def search_command(
         "-v",
         "3",  # each step named in the log: what the progress lines report
     ]
-
-
-def _read_hits(path: Path) -> dict[int, list[tuple[float, float, int, float]]]:
-    """``{query ordinal: [(evalue, -bits, target ordinal, fident), ...]}`` best first; ties
-    broken by target, so the order never depends on MMseqs2's threads."""
-    hits: dict[int, list[tuple[float, float, int, float]]] = {}
-    with path.open(encoding="ascii") as fh:
-        for line in fh:
-            q, t, fident, evalue, bits = line.rstrip("\n").split("\t")
-            hits.setdefault(int(q), []).append(
-                (float(evalue), -float(bits), int(t), float(fident))
-            )
-    for v in hits.values():
-        v.sort()
-    return hits
 
 
 def _write_ordinals(seqs: Iterable[str], out: Path) -> int:
@@ -390,17 +446,24 @@ def build_families(
             meta["max_seqs"] = FAMILY_MAX_SEQS
             hits_path = work / "hits.tsv"
             _run(search_command(exe, fasta, fasta, hits_path, tmp, identity, threads), "a split")
-            hits = _read_hits(hits_path)
+            hits = _read_alignments(hits_path, _FAMILY_FORMAT)
             lists = []
+            aligned: list[tuple[int, int, int, int, str] | None] = []
             for q in range(len(seqs)):
                 seen = {q}
                 fam = [q]
-                for _, _, t, _ in hits.get(q, ()):
+                n = len(seqs[q])
+                aligned.append((1, n, 1, n, f"{n}M"))  # the first member: on itself
+                for _, _, t, a in hits.get(q, ()):
                     if t not in seen:
                         seen.add(t)
                         fam.append(t)
+                        aligned.append((a["qstart"], a["qend"], a["tstart"], a["tend"],
+                                        a["cigar"]))  # fmt: skip
                 lists.append(fam)
             families = Families.from_lists(lists)
+            families.alignments = Families.pack_alignments(aligned)
+            meta["alignments"] = "cigar"
     meta["sizes"] = size_summary(families.sizes())
     families.meta = meta
     return families
@@ -433,6 +496,7 @@ def store_families(
     method: str = "search",
     identity: float = 0.3,
     threads: int = 1,
+    aligned: bool = False,
 ) -> Families:
     """Families of one split of a token store, over its global record indices.
 
@@ -440,6 +504,8 @@ def store_families(
     record: the split (``preprocess --cluster-split``) kept clusters whole, and families
     are a finer grouping inside one side of it. Cached under ``STORE/families/`` and reused
     while it indexes the same records; a read-only store is searched again each time.
+    ``aligned``: the caller reads the members' alignments, so a search cache written before
+    0.7 (which has none) is searched again, with a warning saying why.
     """
     indices = np.asarray(store.indices(split), dtype=np.int64)
     path = family_cache_path(store.path, split, method, identity)
@@ -452,8 +518,15 @@ def store_families(
         else:
             inside = _positions(indices, cached.members)[1].all()
             inside = inside and _positions(indices, cached.keys)[1].all()
-            if cached.meta.get("fingerprint") == fingerprint and inside:
+            stale = aligned and method == "search" and cached.alignments is None
+            if cached.meta.get("fingerprint") == fingerprint and inside and not stale:
                 return cached
+            if stale:
+                log.warning(
+                    "family cache %s was written before 0.7 and holds no alignments, which "
+                    "data.family_coordinates=aligned reads: searching the families again",
+                    path,
+                )
             if not inside:
                 log.warning("ignoring family cache %s: it names records outside %s", path, split)
     lut = _decoder(store.meta["vocab"])
@@ -464,6 +537,7 @@ def store_families(
         local.offsets,
         indices[local.members],
         {**local.meta, "split": split, "fingerprint": fingerprint},
+        local.alignments,
     )
     try:
         path.parent.mkdir(exist_ok=True)
@@ -561,20 +635,30 @@ def hit_coordinates(description: str, length: int) -> tuple[str, np.ndarray] | N
         qs, qe, ts, te = (int(found[k]) for k in ("qstart", "qend", "tstart", "tend"))
     except ValueError:
         return None
+    coords = alignment_coordinates(found.get("cigar", ""), qs, qe, ts, te, length)
+    return None if coords is None else (found["query"], coords)
+
+
+def alignment_coordinates(
+    cigar: str, qs: int, qe: int, ts: int, te: int, length: int
+) -> np.ndarray | None:
+    """(length,) int64: a target of ``length`` residues placed on its query by one MMseqs2
+    alignment (the ranges and the CIGAR string, as :func:`hit_coordinates` describes), or None
+    when the ranges do not fit the target."""
     if not (1 <= ts <= te <= length and 1 <= qs <= qe):
         return None
     from protein_performer.data.msa import one_per_column
 
     coords = np.full(length, -1, dtype=np.int64)
     exact = np.zeros(length, dtype=bool)
-    from_cigar = _cigar_coordinates(found.get("cigar", ""), qs, qe, te - ts + 1)
+    from_cigar = _cigar_coordinates(cigar, qs, qe, te - ts + 1)
     if from_cigar is None:
         t = np.arange(ts, te + 1)
         scale = (qe - qs) / (te - ts) if te > ts else 0.0
         coords[ts - 1 : te] = np.rint(qs + (t - ts) * scale).astype(np.int64)
     else:
         coords[ts - 1 : te], exact[ts - 1 : te] = from_cigar
-    return found["query"], one_per_column(coords, exact)
+    return one_per_column(coords, exact)
 
 
 def _cigar_coordinates(
@@ -699,10 +783,12 @@ def find_homologs(
     return out_hits
 
 
-def _read_alignments(path: Path) -> dict[int, list[tuple[float, float, int, dict[str, Any]]]]:
+def _read_alignments(
+    path: Path, fields: str = _HOMOLOG_FORMAT
+) -> dict[int, list[tuple[float, float, int, dict[str, Any]]]]:
     """``{query ordinal: [(evalue, -bits, target ordinal, fields), ...]}`` of a search with
-    :data:`_HOMOLOG_FORMAT`, best first (ties broken by target: never by MMseqs2's threads)."""
-    names = _HOMOLOG_FORMAT.split(",")
+    ``fields``, best first (ties broken by target: never by MMseqs2's threads)."""
+    names = fields.split(",")
     ints = {"qstart", "qend", "tstart", "tend", "qlen", "tlen"}
     texts = {"cigar"}
     hits: dict[int, list[tuple[float, float, int, dict[str, Any]]]] = {}

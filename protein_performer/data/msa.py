@@ -53,6 +53,9 @@ log = logging.getLogger(__name__)
 
 #: The coordinate of a residue that aligns to no reference column.
 UNPLACED = -1
+#: What a position memory keys a family row's homologs by: their member positions, or their
+#: alignment to a reference (``data.family_coordinates``, ``PerformerConfig.family_coordinates``).
+FAMILY_COORDINATES = ("positions", "aligned")
 #: File name endings (after any ``.gz``) that name an MSA format.
 MSA_SUFFIXES = {
     ".a2m": "a2m",
@@ -76,6 +79,19 @@ class Member:
     id: str
     sequence: str
     coordinates: np.ndarray | None = None
+
+
+def row_keys(coordinates: np.ndarray | None, n: int) -> np.ndarray:
+    """(n + 2,) int64 keys of a member's ``<cls> residues <eos>`` in a row: its member
+    positions 0 .. n + 1 when it has no coordinates (the fallback), else ``<cls>`` at 0 (every
+    member's start), the residues' coordinates, and ``<eos>`` one past the last residue's when
+    that one is placed (:data:`UNPLACED` otherwise). What a family context (inference) and a
+    family row for training (``data.family``) hand the model as ``coordinates``."""
+    if coordinates is None:
+        return np.arange(n + 2, dtype=np.int64)
+    last = int(coordinates[-1]) if n else UNPLACED
+    eos = UNPLACED if last == UNPLACED else last + 1
+    return np.concatenate(([0], coordinates, [eos])).astype(np.int64)
 
 
 def msa_format(path: str | os.PathLike[str]) -> str | None:

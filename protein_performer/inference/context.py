@@ -37,7 +37,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from protein_performer.data.msa import UNPLACED, Member
+from protein_performer.data.msa import Member, row_keys
 from protein_performer.errors import UserError
 from protein_performer.interop.record import LoadedModel
 from protein_performer.model.attention import AttentionState, state_tensors
@@ -213,6 +213,14 @@ def build_context(
     from protein_performer.io.progress import progress
 
     aligned = any(m.coordinates is not None for m in members)
+    memory = any(c.reads_coordinates for core in model_cores(loaded.model) for c in core.cores())
+    if memory and warn and config.family_coordinates == "aligned" and not aligned:
+        log.warning(
+            "family context: no homolog carries coordinates, but this model's memory was "
+            "trained on aligned family rows: it reads homologs at their member positions worse "
+            "than no context (docs/RESULTS.md, issue 41); give an MSA whose first row is the "
+            "scored sequence, or `protein-performer homologs` hits of it"
+        )
     states = None
     row = 0
     parts = list(_segments([len(m.sequence) + 2 for m in members], segment))
@@ -286,16 +294,10 @@ def check_reference(context: FamilyContext, wild_type: str) -> None:
 
 
 def member_coordinates(member: Member) -> np.ndarray:
-    """(L + 2,) int64 keys of a member's ``<cls> residues <eos>``: its member positions
-    0 .. L + 1 when it came unaligned (the fallback), else ``<cls>`` at 0 (every member's
-    start), the residues' coordinates, and ``<eos>`` one past the last residue's when that
-    one is placed (:data:`~protein_performer.data.msa.UNPLACED` otherwise)."""
-    n = len(member.sequence)
-    if member.coordinates is None:
-        return np.arange(n + 2, dtype=np.int64)
-    last = int(member.coordinates[-1])
-    eos = UNPLACED if last == UNPLACED else last + 1
-    return np.concatenate(([0], member.coordinates, [eos])).astype(np.int64)
+    """(L + 2,) int64 keys of a member's ``<cls> residues <eos>``
+    (:func:`~protein_performer.data.msa.row_keys`: its member positions when it came
+    unaligned, the fallback)."""
+    return row_keys(member.coordinates, len(member.sequence))
 
 
 def _segments(widths: Sequence[int], segment: int) -> Iterable[list[int]]:

@@ -11,6 +11,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+from protein_performer.data.msa import FAMILY_COORDINATES
 from protein_performer.errors import UserError
 
 OBJECTIVES = ("mlm", "clm")
@@ -114,6 +115,12 @@ class PerformerConfig:
     # Tokens per training row of family context (the data's family_max_tokens), when known:
     # the default limit of a family context at inference. None: unknown (no limit).
     context_tokens: int | None = None
+    # What a position memory keyed the homologs of its training rows by (data.family_coordinates,
+    # set by train()): "positions" (member positions) or "aligned" (each member's alignment to
+    # the family's first member). A model trained on "aligned" reads homologs without
+    # coordinates worse than none, so a context without them is warned about (docs/RESULTS.md,
+    # issue 41). Older configs: positions.
+    family_coordinates: str = "positions"
     # Hybrid stacks: every N-th layer, counting down from the last, uses exact attention (its
     # KV cache grows with the context); 0 = every layer uses ``attention``.
     exact_every: int = 0
@@ -226,6 +233,9 @@ class PerformerConfig:
                 )
         if self.positions not in POSITIONS:
             fail(f"unknown positions {self.positions!r}; choose one of {', '.join(POSITIONS)}")
+        if self.family_coordinates not in FAMILY_COORDINATES:
+            fail(f"unknown family_coordinates {self.family_coordinates!r}; choose one of "
+                 f"{', '.join(FAMILY_COORDINATES)}")  # fmt: skip
         if self.context_tokens is not None and (
             not _is_int(self.context_tokens) or self.context_tokens <= 0
         ):

@@ -125,7 +125,8 @@ class ProteinLMModule(pl.LightningModule):
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Summed NLL, number of target tokens and number of correct argmax predictions."""
         if logits is None:
-            logits = self.model(batch["tokens"], padding_mask=batch["padding_mask"]).logits
+            logits = self.model(batch["tokens"], padding_mask=batch["padding_mask"],
+                                coordinates=batch.get("coordinates")).logits  # fmt: skip
         targets = batch["targets"]
         # float32 loss even under bf16 autocast: log-softmax over 33 tokens is cheap.
         nll = F.cross_entropy(
@@ -151,7 +152,8 @@ class ProteinLMModule(pl.LightningModule):
     def _distill_step(self, batch: Mapping[str, Any]) -> torch.Tensor:
         """(1 - w) * task loss + w * T^2 KL(teacher || student); logs both parts."""
         teacher, settings = self._teacher, self.distill
-        logits = self.model(batch["tokens"], padding_mask=batch["padding_mask"]).logits
+        logits = self.model(batch["tokens"], padding_mask=batch["padding_mask"],
+                            coordinates=batch.get("coordinates")).logits  # fmt: skip
         if next(teacher.parameters()).device != logits.device:
             teacher.to(logits.device)  # Lightning moves registered modules only
         with torch.no_grad():

@@ -27,17 +27,20 @@ log = logging.getLogger(__name__)
 def _record_context_tokens(cfg: DictConfig) -> None:
     """A family-row run (``data.layout=family``) stores its row length as the model's
     ``context_tokens``, so the checkpoint tells ``lm.context()`` how much context training read
-    (an explicit ``model.config.context_tokens`` is kept)."""
+    (an explicit ``model.config.context_tokens`` is kept), and what its homologs were keyed by
+    as ``family_coordinates`` (``data.family_coordinates``), so a context is read the same way."""
     from omegaconf import DictConfig, open_dict
 
     data, model = cfg.get("data"), cfg.get("model")
     config = model.get("config") if isinstance(model, DictConfig) else None
     if not isinstance(data, DictConfig) or not isinstance(config, DictConfig):
         return
-    if data.get("layout") != "family" or config.get("context_tokens") is not None:
+    if data.get("layout") != "family":
         return
     with open_dict(config):
-        config.context_tokens = int(data.family_max_tokens)
+        config.family_coordinates = str(data.get("family_coordinates", "positions"))
+        if config.get("context_tokens") is None:
+            config.context_tokens = int(data.family_max_tokens)
 
 
 @holds_run_dir

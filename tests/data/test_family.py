@@ -264,3 +264,124 @@ def test_an_empty_split_has_families_described_too() -> None:
     from protein_performer.data.homology import build_families
 
     assert build_families([], "search").meta["sizes"] == {"families": 0}
+
+
+# ---- aligned coordinates (issue 41) ----------------------------------------------------------
+def _shifted(n: int = 4, width: int = 90, seed: int = 0) -> tuple[list[str], list[int]]:
+    """Fragments of one random ancestor starting up to 30 residues apart, ~10% substitutions:
+    their planted alignment is the difference of their starts."""
+    rng = np.random.default_rng(seed)
+    ancestor = rng.choice(list(AMINO), size=width + 30)
+    starts = [0, 30, 12, 21][:n]
+    seqs = []
+    for s in starts:
+        seq = ancestor[s : s + width].copy()
+        hit = rng.random(width) < 0.1
+        seq[hit] = rng.choice(list(AMINO), size=int(hit.sum()))
+        seqs.append("".join(seq))
+    return seqs, starts
+
+
+def _planted_keys(member: int, on: int, starts: list[int], width: int) -> np.ndarray:
+    at = np.arange(width) + starts[member] - starts[on] + 1
+    return np.where((at >= 1) & (at <= width), at, -1)
+
+
+@pytest.mark.skipif(shutil.which("mmseqs") is None, reason="MMseqs2 is not installed")
+def test_search_families_place_shifted_fragments_on_their_first_member(tmp_path: Path) -> None:
+    """A family search keeps MMseqs2's alignment of every member to the query; placed by it, a
+    fragment's residues land on the first member's residues they share an ancestor site with
+    (member positions would put them up to 30 apart). The alignments survive restrict and the
+    cache, and an aligned family row carries them as its coordinates."""
+    from protein_performer.data.homology import build_families
+
+    seqs, starts = _shifted()
+    fam = build_families(seqs, "search", 0.3)
+    assert fam.meta["alignments"] == "cigar" and fam.alignments is not None
+    agree = []
+    for f in range(len(fam)):
+        for at in range(fam.offsets[f], fam.offsets[f + 1]):
+            m, q = int(fam.members[at]), int(fam.keys[f])
+            got = fam.coordinates(at, len(seqs[m]))
+            want = _planted_keys(m, q, starts, 90)
+            placed = (got >= 0) & (want >= 0)
+            agree.append(np.mean(got[placed] == want[placed]))
+            assert placed.sum() >= 50
+    assert len(agree) > 8 and np.mean(agree) > 0.97  # ends of the aligned range may differ
+    fam.save(tmp_path / "f.npz")
+    loaded = Families.load(tmp_path / "f.npz").restrict(np.array([0, 2, 3]))
+    kept = fam.restrict(np.array([0, 2, 3]))
+    for at in range(len(kept.members)):
+        n = len(seqs[[0, 2, 3][kept.members[at]]])
+        assert np.array_equal(loaded.coordinates(at, n), kept.coordinates(at, n))
+    ds = FamilyDataset(_source(seqs), fam, objective="clm", max_len=64, row_tokens=400,
+                       coordinates="aligned")  # fmt: skip
+    for index in range(len(fam)):
+        tokens, _, taken = ds.row(index, 1)
+        item = ds[(index, 1)]
+        coords = item["coordinates"]
+        assert coords.shape == tokens.shape and np.array_equal(item["tokens"], tokens)
+        cls = np.flatnonzero(tokens == CLS)
+        assert coords[cls].tolist() == [0] * len(taken)  # every member's <cls> at 0
+        members = np.split(np.arange(len(tokens)), cls[1:])
+        for m, span in zip(taken, members, strict=True):  # a crop keeps its residues' keys
+            full = fam.coordinates(int(np.flatnonzero(fam[index] == m)[0])
+                                   + int(fam.offsets[index]), len(seqs[m]))  # fmt: skip
+            window = tokens[span[1:-1]]
+            start = seqs[m].find(A.decode(window))
+            assert np.array_equal(coords[span[1:-1]], full[start : start + len(window)])
+    plain = FamilyDataset(_source(seqs), fam, objective="clm", max_len=64, row_tokens=400)
+    assert "coordinates" not in plain[(0, 1)]
+
+
+def test_members_without_an_alignment_keep_their_member_positions() -> None:
+    """Cluster families (no alignment) under data.family_coordinates=aligned: each member at
+    its own member positions, 0 .. L + 1, as with no coordinates at all."""
+    src = _source(["MKT", "GWAA"])
+    ds = FamilyDataset(src, Families.from_lists([[0, 1]]), objective="clm", max_len=64,
+                       row_tokens=64, coordinates="aligned")  # fmt: skip
+    tokens, _, taken = ds.row(0, 0)
+    want = np.concatenate([np.arange(len(src.tokens(m)) + 2) for m in taken])
+    assert ds[(0, 0)]["coordinates"].tolist() == want.tolist()
+    with pytest.raises(UserError, match="family_coordinates must be positions or aligned"):
+        FamilyDataset(src, Families.from_lists([[0, 1]]), coordinates="columns")
+
+
+def test_the_collator_pads_coordinates_with_unplaced() -> None:
+    items = [
+        {"id": "a", "tokens": np.array([CLS, 5, EOS]), "targets": np.array([5, EOS, -100]),
+         "coordinates": np.array([0, 7, 8])},
+        {"id": "b", "tokens": np.array([CLS, EOS]), "targets": np.array([EOS, -100]),
+         "coordinates": np.array([0, 1])},
+    ]  # fmt: skip
+    batch = ProteinCollator(A)(items)
+    assert batch["coordinates"].tolist() == [[0, 7, 8], [0, 1, -1]]
+    assert "coordinates" not in ProteinCollator(A)([{k: v for k, v in it.items()
+                                                     if k != "coordinates"} for it in items])
+
+
+@pytest.mark.skipif(shutil.which("mmseqs") is None, reason="MMseqs2 is not installed")
+def test_a_family_cache_without_alignments_is_read_or_searched_again(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A search cache written before 0.7 has no alignments: read as it is for member
+    positions, searched again (with a warning naming it) when aligned coordinates are asked."""
+    from protein_performer.data.homology import family_cache_path, store_families
+    from protein_performer.data.preprocess import preprocess
+    from protein_performer.data.store import TokenStore
+
+    seqs, _ = _shifted()
+    fasta = tmp_path / "f.fasta"
+    fasta.write_text("".join(f">s{i}\n{s}\n" for i, s in enumerate(seqs)))
+    preprocess([fasta], tmp_path / "store", valid_frac=0.0, test_frac=0.0, progress=False)
+    store = TokenStore(tmp_path / "store")
+    fam = store_families(store, "train")
+    path = family_cache_path(store.path, "train", "search", 0.3)
+    old = Families(fam.keys, fam.offsets, fam.members, fam.meta)  # as 0.6 wrote it
+    old.save(path)
+    assert store_families(store, "train").alignments is None  # read: positions need none
+    with caplog.at_level("WARNING"):
+        again = store_families(store, "train", aligned=True)
+    assert again.alignments is not None and "holds no alignments" in caplog.text
+    assert str(path) in caplog.text
+    assert Families.load(path).alignments is not None  # the cache is rewritten

@@ -130,6 +130,20 @@ def test_aligned_coordinates_read_shifted_fragments_member_positions_do_not(tmp_
     assert np.all(got < -5.0) and np.all(got < by_member - 5.0), (got, by_member)
 
 
+def test_a_model_trained_on_aligned_rows_warns_of_an_unaligned_context(caplog) -> None:
+    """Such a model reads homologs at member positions worse than none (issue 41's shifted
+    table): a context without coordinates says so; one trained on member positions does not."""
+    lm = tiny_lm("favor", positions="member", position_memory=64, family_coordinates="aligned")
+    homologs = [("h1", "TAYIAKQR"), ("h2", "MKTAAAYIAKQRQ")]
+    with caplog.at_level("WARNING"):
+        ctx = lm.context(homologs)
+    assert not ctx.aligned and "no homolog carries coordinates" in caplog.text
+    caplog.clear()
+    with caplog.at_level("WARNING"):
+        tiny_lm("favor", positions="member", position_memory=64).context(homologs)
+    assert "no homolog carries coordinates" not in caplog.text
+
+
 def test_a_candidate_is_never_placed_by_its_own_alignment(tmp_path) -> None:
     """No leak: the scores of candidates after an aligned context do not depend on how the
     candidates themselves would align (they carry no coordinates; only the context does)."""

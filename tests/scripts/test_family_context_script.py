@@ -44,6 +44,15 @@ def test_train_records_the_family_row_length_as_context_tokens(tmp_path: Path) -
     assert recorded("experiment=family_clm", "model.config.context_tokens=512") == 512
     assert recorded("experiment=small_clm") is None
 
+    def keyed(*overrides: str) -> object:
+        cfg = compose_config([*overrides, f"data.path={tmp_path}"], output_dir=tmp_path)
+        _record_context_tokens(cfg)
+        return cfg.model.config.get("family_coordinates")
+
+    # ... and what its homologs were keyed by, which a context then reads them by (issue 41)
+    assert keyed("experiment=family_clm", "data.family_coordinates=aligned") == "aligned"
+    assert keyed("experiment=family_clm") == "positions"
+
 
 @pytest.mark.slow
 @pytest.mark.skipif(shutil.which("mmseqs") is None, reason="needs MMseqs2 (`mmseqs` on PATH)")

@@ -47,6 +47,27 @@ def reference(module: ProteinLMModule, batch: dict) -> tuple[float, int, int]:
     return nll, int(sel.sum()), correct
 
 
+def test_a_batch_with_coordinates_keys_the_memory_by_them() -> None:
+    """Family rows with data.family_coordinates=aligned carry ``coordinates``: the loss is the
+    model's on those keys (issue 41), not on member positions (what 0.6 trained on)."""
+    module = make_module(objective="clm", positions="member", position_memory=32)
+    cls = module.performer_config.cls_idx
+    batch = make_batch(1, B=2, T=20, n_targets=12)
+    batch["tokens"][:, 0] = batch["tokens"][:, 10] = cls  # two members a row
+    member = torch.cat([torch.arange(10), torch.arange(10)]).expand(2, 20)
+    shifted = torch.where(member > 0, member + 5, member)  # the second member 5 columns on
+    shifted[:, :10] = member[:, :10]
+    placed = dict(batch, coordinates=shifted)
+    with torch.no_grad():
+        want = module.model(batch["tokens"], padding_mask=batch["padding_mask"],
+                            coordinates=shifted).logits  # fmt: skip
+    sel = batch["targets"] != -100
+    nll = F.cross_entropy(want[sel], batch["targets"][sel], reduction="sum").item()
+    assert module.training_step(placed, 0).item() == pytest.approx(nll / int(sel.sum()), 1e-5)
+    assert module.training_step(placed, 0).item() != pytest.approx(
+        module.training_step(batch, 0).item(), rel=1e-6)
+
+
 def test_training_loss_is_mean_ce_over_targets_only() -> None:
     module = make_module()
     batch = make_batch(0, B=3, T=12, n_targets=7)
