@@ -47,26 +47,41 @@ class Case:
     stdin: bytes | None = None  # fed to the command's standard input (default: none, closed)
 
 
-def _cli(*args: str) -> list[str]:
-    return [sys.executable, "-m", "protein_performer.cli.main", *args]
+def _cli(*args: str | Path) -> list[str]:
+    """``protein-performer ARGS`` with this interpreter (paths as they are spelled)."""
+    return [sys.executable, "-m", "protein_performer.cli.main", *map(str, args)]
 
 
-def _export(work: Path, name: str, **config: object) -> Path:
-    """A tiny export (seeded) of ``PerformerConfig(dim=16, heads=2, ff_dim=32, **config)``."""
+def _write(path: Path, data: str | bytes) -> Path:
+    """``path`` holding ``data`` (text or bytes)."""
+    if isinstance(data, bytes):
+        path.write_bytes(data)
+    else:
+        path.write_text(data)
+    return path
+
+
+def _tiny(work: Path, **config: object) -> object:
+    """A tiny seeded ``LoadedModel`` of ``PerformerConfig(dim=16, heads=2, ff_dim=32,
+    **config)``."""
     import torch
 
     from protein_performer.data.tokenizer import Alphabet
-    from protein_performer.interop.export import export_model
     from protein_performer.interop.record import LoadedModel
     from protein_performer.model.config import PerformerConfig
     from protein_performer.model.performer import PerformerLM
 
     torch.manual_seed(0)
     cfg = PerformerConfig(**{"dim": 16, "depth": 2, "heads": 2, "ff_dim": 32, **config})
-    loaded = LoadedModel(
-        PerformerLM(cfg).eval(), cfg, Alphabet(), work, torch.device("cpu"), "export"
-    )
-    return export_model(loaded, work / name)
+    return LoadedModel(PerformerLM(cfg).eval(), cfg, Alphabet(), work, torch.device("cpu"),
+                       "export")
+
+
+def _export(work: Path, name: str, **config: object) -> Path:
+    """:func:`_tiny` exported to ``work/name``."""
+    from protein_performer.interop.export import export_model
+
+    return export_model(_tiny(work, **config), work / name)
 
 
 def _models(work: Path) -> tuple[Path, Path]:
@@ -100,7 +115,7 @@ def _lying_dtype(model: Path, dest: Path) -> Path:
 
 
 def _embedded(model: Path, fasta: Path, out: Path) -> Path:
-    subprocess.run(_cli("embed", str(model), str(fasta), str(out), "--no-progress"),
+    subprocess.run(_cli("embed", model, fasta, out, "--no-progress"),
                    check=True, capture_output=True)  # fmt: skip
     return out
 
@@ -111,8 +126,7 @@ def _crafted_h5(model: Path, fasta: Path, work: Path, how: str) -> Path:
     import numpy as np
 
     out = _embedded(model, fasta, work / f"{how}.h5")
-    secret = work / "secret.bin"
-    secret.write_bytes(np.arange(64, dtype=np.float32).tobytes())
+    secret = _write(work / "secret.bin", np.arange(64, dtype=np.float32).tobytes())
     with h5py.File(out, "r+") as h5:
         name = f"mean/{int(h5.attrs['repr_layers'][-1])}"
         n, dim = h5[name].shape
@@ -192,71 +206,65 @@ def _png_check(out_dir: Path) -> Callable[[], str | None]:
 def build(work: Path) -> list[Case]:
     """Every case's files under ``work``, and the cases."""
     mlm, clm = _models(work)
-    fasta = work / "in.fasta"
-    fasta.write_text(f">a one\n{SEQ}\n>b two\n{SEQ[::-1]}\n")
-    changed = work / "changed.fasta"
-    changed.write_text(f">a one\n{SEQ[::-1]}\n>b two\n{SEQ}\n")
-    hostile = work / "hostile.fasta"
-    hostile.write_text(f">{HOSTILE_ID}\n{SEQ}\n")
-    dna = work / "dna.fasta"
-    dna.write_text(">d\nACGTACGTACGTNNACGT\n>r\nACGUACGUAGCU\n")
+    fasta = _write(work / "in.fasta", f">a one\n{SEQ}\n>b two\n{SEQ[::-1]}\n")
+    changed = _write(work / "changed.fasta", f">a one\n{SEQ[::-1]}\n>b two\n{SEQ}\n")
+    hostile = _write(work / "hostile.fasta", f">{HOSTILE_ID}\n{SEQ}\n")
+    dna = _write(work / "dna.fasta", ">d\nACGTACGTACGTNNACGT\n>r\nACGUACGUAGCU\n")
     stale = _embedded(mlm, fasta, work / "stale.h5")
     import torch
 
     view = torch.full((1,), float("nan")).expand(10**6, 10**6)
     cases = [
-        Case("report-script", _cli("visualize", str(mlm), str(hostile), "--device", "cpu",
-             "--html", str(work / "r.html")), "ok", "", _report_check(work / "r.html")),
+        Case("report-script", _cli("visualize", mlm, hostile, "--device", "cpu",
+             "--html", work / "r.html"), "ok", "", _report_check(work / "r.html")),
         *(
-            Case(f"h5-{how}", _cli("embed", str(mlm), str(fasta),
-                 str(_crafted_h5(mlm, fasta, work, how)), "--resume", "--no-progress"),
+            Case(f"h5-{how}", _cli("embed", mlm, fasta,
+                 _crafted_h5(mlm, fasta, work, how), "--resume", "--no-progress"),
                  "error", says)
             for how, says in (("external", "stored externally"), ("soft-link", "is a SoftLink"),
                               ("declared-1e9", "declares shape (1000000000"))
         ),
-        Case("resume-stale", _cli("embed", str(mlm), str(changed), str(stale), "--resume",
+        Case("resume-stale", _cli("embed", mlm, changed, stale, "--resume",
              "--no-progress"), "error", "with another sequence than"),
         *(
-            Case(f"regression-{name}", _cli("contacts", "predict", str(mlm), str(fasta),
-                 str(work / f"c-{name}.h5"), "--regression",
-                 str(_regression(mlm, work, name, **edit)), "--no-progress"), "error", says)
+            Case(f"regression-{name}", _cli("contacts", "predict", mlm, fasta,
+                 work / f"c-{name}.h5", "--regression",
+                 _regression(mlm, work, name, **edit), "--no-progress"), "error", says)
             for name, edit, says in (
                 ("nan", {"coef": [float("nan"), 0, 0, 0]}, "must be finite"),
                 ("inf-intercept", {"intercept": float("inf")}, "must be finite"),
                 ("1e308", {"coef": [1e308] * 4}, "at most"),
-                ("bad-heads", {"heads": [-1, 0]}, "out of range"),
-            )
+                ("bad-heads", {"heads": [-1, 0]}, "out of range"))
         ),
-        Case("safetensors-dtype", _cli("embed", str(_lying_dtype(mlm, work / "lies")),
-             str(fasta), str(work / "l.h5")), "error", "torch.int32 vs model"),
-        Case("zero-stride-view", _cli("embed", str(_checkpoint(work, "view.ckpt",
-             {"model.embed_tokens.weight": view})), str(fasta), str(work / "v.h5")), "error",
+        Case("safetensors-dtype", _cli("embed", _lying_dtype(mlm, work / "lies"),
+             fasta, work / "l.h5"), "error", "torch.int32 vs model"),
+        Case("zero-stride-view", _cli("embed", _checkpoint(work, "view.ckpt",
+             {"model.embed_tokens.weight": view}), fasta, work / "v.h5"), "error",
              "not finite"),
-        Case("zip-bomb", _cli("embed", str(_zip_bomb(work)), str(fasta), str(work / "z.h5")),
+        Case("zip-bomb", _cli("embed", _zip_bomb(work), fasta, work / "z.h5"),
              "error", "inflate to"),
         *(
-            Case(f"config-{key}", _cli("embed", str(_edit_config(mlm, work / key, **{key: value})),
-                 str(fasta), str(work / f"{key}.h5")), "error", key)
+            Case(f"config-{key}", _cli("embed", _edit_config(mlm, work / key, **{key: value}),
+                 fasta, work / f"{key}.h5"), "error", key)
             for key, value in (("favor_chunk_size", 10**9), ("rotary_base", 1e308),
                                ("layer_norm_eps", 1e308))
         ),
-        Case("stdout-closed", _cli("generate", str(clm), "-", "--num", "1", "--max-length", "8"),
+        Case("stdout-closed", _cli("generate", clm, "-", "--num", "1", "--max-length", "8"),
              "error", "standard output is closed", shell_closes_stdout=True),
-        Case("dna-input", _cli("score", str(mlm), str(dna), str(work / "dna.csv"),
+        Case("dna-input", _cli("score", mlm, dna, work / "dna.csv",
              "--no-progress"), "ok", "looks like DNA or RNA"),
-        Case("output-dir-slash", _cli("score", str(mlm), str(fasta), f"{work}/not_yet/"),
+        Case("output-dir-slash", _cli("score", mlm, fasta, f"{work}/not_yet/"),
              "error", "is a directory"),
     ]  # fmt: skip
-    labels = work / "labels.csv"
-    labels.write_bytes(b"sequence,label\nMKT,1\nMA\xffG,2\n")
+    labels = _write(work / "labels.csv", b"sequence,label\nMKT,1\nMA\xffG,2\n")
     cases.append(Case("labels-not-utf8", _cli("finetune", f"base={mlm}", f"data.train={labels}",
                       f"paths.output_dir={work / 'ft'}"), "error", "is not UTF-8"))  # fmt: skip
     for tag, rid in (("mathtext", "$\\foo{$"), ("100kB", "x" * 100_000)):
         one = work / f"id-{tag}.fasta"
         one.write_text(f">{rid}\n{SEQ}\n")
         out = work / f"png-{tag}"
-        cases.append(Case(f"png-id-{tag}", _cli("visualize", str(mlm), str(one), "--device",
-                          "cpu", "--out-dir", str(out)), "ok", "", _png_check(out)))  # fmt: skip
+        cases.append(Case(f"png-id-{tag}", _cli("visualize", mlm, one, "--device",
+                          "cpu", "--out-dir", out), "ok", "", _png_check(out)))  # fmt: skip
     cases += lifecycle_cases(work, mlm, clm, fasta)
     cases += policy_cases(work, mlm, clm, fasta)
     return cases
@@ -331,17 +339,16 @@ def policy_cases(work: Path, mlm: Path, clm: Path, fasta: Path) -> list[Case]:
     pg = REPO / "data" / "proteingym"
     cases: list[Case] = []
     # A lock planted as a symlink to the user's file: refused, the file untouched.
-    victim = w / "victim.txt"
-    victim.write_text("precious\n")
+    victim = _write(w / "victim.txt", "precious\n")
     (w / "shared").mkdir()
     os.symlink(victim, w / "shared" / ".out.csv.lock")
-    cases.append(Case("lock-symlink", _cli("score", str(mlm), str(fasta), str(w / "shared" /
-                      "out.csv")), "error", "symbolic link", _unchanged(victim)))  # fmt: skip
+    cases.append(Case("lock-symlink", _cli("score", mlm, fasta, w / "shared" /
+                      "out.csv"), "error", "symbolic link", _unchanged(victim)))  # fmt: skip
     # DMS_id used as a path.
     for tag, dms_id in (("abs", str(w / "PWNED")), ("dotdot", "../../dms/assay")):
         ref = reference_file(w / f"ref-{tag}.csv", dms_id)
-        cases.append(Case(f"dms-id-{tag}", _cli("benchmark", "proteingym", str(ref), str(pg),
-                          str(w / f"pg-{tag}"), str(mlm)), "error", "cannot name a file",
+        cases.append(Case(f"dms-id-{tag}", _cli("benchmark", "proteingym", ref, pg,
+                          w / f"pg-{tag}", mlm), "error", "cannot name a file",
                           _absent(w / "PWNED.csv", w / f"pg-{tag}")))  # fmt: skip
     # OUT_DIR == DMS_DIR, and OUT_DIR holding the DMS folder.
     o2 = w / "o2"
@@ -350,16 +357,16 @@ def policy_cases(work: Path, mlm: Path, clm: Path, fasta: Path) -> list[Case]:
     shutil.copy(pg / assay.name, assay)
     ref = reference_file(w / "ref.csv", "BLAT_ECOLX_Stiffler_2015")
     for tag, out in (("equal", o2 / "scores"), ("holding", o2)):
-        cases.append(Case(f"benchmark-out-{tag}", _cli("benchmark", "proteingym", str(ref),
-                          str(o2 / "scores"), str(out), str(mlm), "--overwrite"), "error",
+        cases.append(Case(f"benchmark-out-{tag}", _cli("benchmark", "proteingym", ref,
+                          o2 / "scores", out, mlm, "--overwrite"), "error",
                           "never replaces an input", _unchanged(assay)))  # fmt: skip
     # A kill between scores/<id>.csv and its .json: another model's table under the run file.
-    run = _cli("benchmark", "proteingym", str(ref), str(pg), str(w / "pg"), str(mlm),
+    run = _cli("benchmark", "proteingym", ref, pg, w / "pg", mlm,
                "--no-progress")  # fmt: skip
     subprocess.run(run, check=True, capture_output=True)
     scores = w / "pg" / "scores" / "BLAT_ECOLX_Stiffler_2015.csv"
     good = scores.read_bytes()
-    subprocess.run(_cli("benchmark", "proteingym", str(ref), str(pg), str(w / "pg-clm"), str(clm),
+    subprocess.run(_cli("benchmark", "proteingym", ref, pg, w / "pg-clm", clm,
                         "--no-progress"), check=True, capture_output=True)  # fmt: skip
     other = (w / "pg-clm" / "scores" / scores.name).read_bytes()
     for tag, target in (("kill", None), ("target-seq", "M" + SEQ)):
@@ -374,63 +381,59 @@ def policy_cases(work: Path, mlm: Path, clm: Path, fasta: Path) -> list[Case]:
         else:
             changed = reference_file(w / "ref-changed.csv", "BLAT_ECOLX_Stiffler_2015", target)
             cases.append(Case("benchmark-target-seq", _cli("benchmark", "proteingym",
-                              str(changed), str(pg), str(dest), str(mlm)), "error",
+                              changed, pg, dest, mlm), "error",
                               "differs: target_seq_sha256",
                               _unchanged(dest / "scores" / scores.name)))  # fmt: skip
-    cases.append(Case("benchmark-model-name-mutant", _cli("benchmark", "proteingym", str(ref),
-                      str(pg), str(w / "pg-m"), str(mlm), "--model-name", "mutant"), "error",
+    cases.append(Case("benchmark-model-name-mutant", _cli("benchmark", "proteingym", ref,
+                      pg, w / "pg-m", mlm, "--model-name", "mutant"), "error",
                       "column the tables already have", _absent(w / "pg-m")))  # fmt: skip
-    cases.append(Case("benchmark-model-name-formula", _cli("benchmark", "proteingym", str(ref),
-                      str(pg), str(w / "pg-f"), str(mlm), "--model-name", "=1+2",
+    cases.append(Case("benchmark-model-name-formula", _cli("benchmark", "proteingym", ref,
+                      pg, w / "pg-f", mlm, "--model-name", "=1+2",
                       "--no-progress"), "ok", "",
                       _cells_check(w / "pg-f" / "scores" / scores.name, 3, "'=1+2")))  # fmt: skip
     # Formula ids in score's table (the negative scores stay numbers).
     evil = w / "evil.fasta"
     evil.write_text(f">=HYPERLINK(\"http://x\",\"y\")\n{SEQ}\n>+cmd|' /C calc'!A0\n{SEQ}\n")
-    cases.append(Case("csv-formula-ids", _cli("score", str(mlm), str(evil), str(w / "evil.csv"),
+    cases.append(Case("csv-formula-ids", _cli("score", mlm, evil, w / "evil.csv",
                       "--no-progress"), "ok", "", _cells_check(w / "evil.csv", 0,
                       "'=HYPERLINK(\"http://x\",\"y\")")))  # fmt: skip
     # Terminal escapes in an id listed by visualize --record.
-    esc = w / "esc.fasta"
-    esc.write_text(f">\x1b[2J\x1b]0;pwned\x07x\n{SEQ}\n")
-    cases.append(Case("record-id-escapes", _cli("visualize", str(mlm), str(esc), "--record",
-                      "nope", "--out-dir", str(w / "viz")), "error", "'\\x1b[2J"))  # fmt: skip
+    esc = _write(w / "esc.fasta", f">\x1b[2J\x1b]0;pwned\x07x\n{SEQ}\n")
+    cases.append(Case("record-id-escapes", _cli("visualize", mlm, esc, "--record",
+                      "nope", "--out-dir", w / "viz"), "error", "'\\x1b[2J"))  # fmt: skip
     # Outputs inside input directories.
-    cases.append(Case("embed-into-export", _cli("embed", str(mlm), str(fasta),
-                      str(mlm / "model.safetensors"), "--overwrite"), "error",
+    cases.append(Case("embed-into-export", _cli("embed", mlm, fasta,
+                      mlm / "model.safetensors", "--overwrite"), "error",
                       "inside the input directory", _unchanged(mlm / "model.safetensors")))
     store = w / "store"
-    subprocess.run(_cli("preprocess", str(fasta), "--out", str(store), "--no-progress"),
+    subprocess.run(_cli("preprocess", fasta, "--out", store, "--no-progress"),
                    check=True, capture_output=True)  # fmt: skip
-    cases.append(Case("score-into-store", _cli("score", str(mlm), str(store),
-                      str(store / "tokens.bin"), "--overwrite"), "error",
+    cases.append(Case("score-into-store", _cli("score", mlm, store,
+                      store / "tokens.bin", "--overwrite"), "error",
                       "inside the input directory", _unchanged(store / "tokens.bin")))
     cases.append(Case("train-into-store", _cli("train", f"data.path={store}",
                       f"paths.output_dir={store / 'run'}"), "error",
                       "inside the input directory", _absent(store / "run")))  # fmt: skip
     # --context: - reads standard input; a missing name is an error, never a sequence.
     homologs = f">h1\n{SEQ}\n>h2\n{SEQ[::-1]}\n".encode()
-    cases.append(Case("context-stdin", _cli("score", str(clm), str(fasta), str(w / "ctx.csv"),
+    cases.append(Case("context-stdin", _cli("score", clm, fasta, w / "ctx.csv",
                       "--context", "-", "--no-progress"), "ok", "read 2 of 2 homolog(s)",
                       stdin=homologs))  # fmt: skip
-    cases.append(Case("context-missing-name", _cli("score", str(clm), str(fasta),
-                      str(w / "ctx2.csv"), "--context", "MKTAYIAK"), "error",
+    cases.append(Case("context-missing-name", _cli("score", clm, fasta,
+                      w / "ctx2.csv", "--context", "MKTAYIAK"), "error",
                       "MKTAYIAK does not exist", _absent(w / "ctx2.csv")))  # fmt: skip
     # The OUT.context.json sidecar: never replaced without --overwrite; a run without
     # --context removes a stale one.
-    wt = w / "wt.fasta"
-    wt.write_text(f">wt\n{SEQ}\n")
-    dms = w / "dms.csv"
-    dms.write_text("mutant\nK2R\nT3S\n")
-    mine = w / "sv.csv.context.json"
-    mine.write_text("the user's own notes\n")
-    cases.append(Case("sidecar-exists", _cli("score-variants", str(clm), str(wt), str(dms),
-                      str(w / "sv.csv")), "error", "sv.csv.context.json already exists",
+    wt = _write(w / "wt.fasta", f">wt\n{SEQ}\n")
+    dms = _write(w / "dms.csv", "mutant\nK2R\nT3S\n")
+    mine = _write(w / "sv.csv.context.json", "the user's own notes\n")
+    cases.append(Case("sidecar-exists", _cli("score-variants", clm, wt, dms,
+                      w / "sv.csv"), "error", "sv.csv.context.json already exists",
                       _unchanged(mine)))  # fmt: skip
     (w / "stale.csv").write_text("old\n")
     (w / "stale.csv.context.json").write_text("{}\n")
-    cases.append(Case("sidecar-stale", _cli("score-variants", str(clm), str(wt), str(dms),
-                      str(w / "stale.csv"), "--overwrite", "--no-progress"), "ok", "",
+    cases.append(Case("sidecar-stale", _cli("score-variants", clm, wt, dms,
+                      w / "stale.csv", "--overwrite", "--no-progress"), "ok", "",
                       _absent(w / "stale.csv.context.json")))  # fmt: skip
     return cases
 
@@ -443,7 +446,7 @@ def policy_cases(work: Path, mlm: Path, clm: Path, fasta: Path) -> list[Case]:
 def _crafted_store(work: Path, fasta: Path, name: str, file: str, edit: Callable) -> Path:
     """A preprocessed store with one of its files rewritten (sizes kept)."""
     store = work / name
-    subprocess.run(_cli("preprocess", str(fasta), "--out", str(store), "--no-progress"),
+    subprocess.run(_cli("preprocess", fasta, "--out", store, "--no-progress"),
                    check=True, capture_output=True)  # fmt: skip
     path = store / file
     path.write_bytes(edit(path.read_bytes()))
@@ -454,20 +457,13 @@ def _finetuned(work: Path, **lora: object) -> Path:
     """A tiny fine-tuned checkpoint (LoRA r=2, an MLP head) with its ``lora`` dict edited."""
     import torch
 
-    from protein_performer.data.tokenizer import Alphabet
     from protein_performer.interop.finetuned import add_lora, finetuned_checkpoint
-    from protein_performer.interop.record import LoadedModel
-    from protein_performer.model.config import PerformerConfig
-    from protein_performer.model.performer import PerformerLM
     from protein_performer.model.task_heads import HeadConfig, TaskHead
 
-    torch.manual_seed(0)
-    config = PerformerConfig(dim=16, depth=1, heads=2, ff_dim=32, nb_features=8)
-    model = PerformerLM(config).eval()
-    adapters = add_lora(model, {"r": 2})
-    loaded = LoadedModel(model, config, Alphabet(), work, torch.device("cpu"), "finetuned",
-                         task=TaskHead(HeadConfig(dim=16, hidden=4)), lora={"r": 2},
-                         adapters=adapters)  # fmt: skip
+    loaded = _tiny(work, depth=1, nb_features=8)
+    loaded.kind, loaded.lora = "finetuned", {"r": 2}
+    loaded.adapters = add_lora(loaded.model, {"r": 2})
+    loaded.task = TaskHead(HeadConfig(dim=16, hidden=4))
     ckpt = finetuned_checkpoint(loaded)
     ckpt["lora"] = {**ckpt["lora"], **lora}
     path = work / f"ft-{'-'.join(map(str, lora.values()))}.ckpt"
@@ -481,17 +477,12 @@ def _intact(path: Path, text: str) -> Callable[[], str | None]:
 
 def lifecycle_cases(work: Path, mlm: Path, clm: Path, fasta: Path) -> list[Case]:
     """The lifecycle half of issue 42's cases."""
-    victim = work / "victim.txt"
-    victim.write_text("keep me")
-    afile = work / "a-file"
-    afile.write_text("not a directory")
+    victim = _write(work / "victim.txt", "keep me")
+    afile = _write(work / "a-file", "not a directory")
     exact = _export(work, "exact", depth=1, attention="exact")
-    homologs = work / "homologs.fasta"
-    homologs.write_text(f">h1\n{SEQ}\n>h2\n{SEQ[::-1]}\n")
-    wt = work / "wt.fasta"
-    wt.write_text(f">wt\n{SEQ}\n")
-    mutations = work / "mutations.csv"
-    mutations.write_text("mutant\nM1A\n")
+    homologs = _write(work / "homologs.fasta", f">h1\n{SEQ}\n>h2\n{SEQ[::-1]}\n")
+    wt = _write(work / "wt.fasta", f">wt\n{SEQ}\n")
+    mutations = _write(work / "mutations.csv", "mutant\nM1A\n")
     swap = lambda d: d[:8] + d[16:24] + d[8:16] + d[24:]  # noqa: E731 - offsets 1 and 2
     train = ("train", "experiment=demo_clm", "trainer.max_steps=1", f"paths.root_dir={work}")
     return [
@@ -503,32 +494,32 @@ def lifecycle_cases(work: Path, mlm: Path, clm: Path, fasta: Path) -> list[Case]
              "+hydra.callbacks.x._target_=pathlib.Path.write_text"), "error",
              "hydra.callbacks.x._target_"),
         # tests/data/test_store.py
-        Case("store-lying-id-offsets", _cli("stats", str(_crafted_store(
-             work, fasta, "lying-ids", "ids.offsets.bin", swap))), "error", "ids.offsets.bin"),
-        Case("store-newline-description", _cli("stats", str(_crafted_store(
-             work, fasta, "nl-desc", "descriptions.txt", lambda d: d.replace(b"one", b"\n>x")))),
+        Case("store-lying-id-offsets", _cli("stats", _crafted_store(
+             work, fasta, "lying-ids", "ids.offsets.bin", swap)), "error", "ids.offsets.bin"),
+        Case("store-newline-description", _cli("stats", _crafted_store(
+             work, fasta, "nl-desc", "descriptions.txt", lambda d: d.replace(b"one", b"\n>x"))),
              "error", "line break"),
         # tests/io/test_threads.py
-        Case("threads-100000", _cli("score", str(mlm), str(fasta), str(work / "t.csv"),
+        Case("threads-100000", _cli("score", mlm, fasta, work / "t.csv",
              "--threads", "100000", "--no-progress"), "ok", "is more than the"),
         # tests/inference/test_generation.py
-        Case("generate-num-0", _cli("generate", str(clm), str(work / "g0.fasta"), "--num", "0",
+        Case("generate-num-0", _cli("generate", clm, work / "g0.fasta", "--num", "0",
              "--max-length", "8"), "error", "--num must be at least 1"),
         # tests/interop/test_finetuned.py
-        Case("finetuned-lora-r-1e9", _cli("embed", str(_finetuned(work, r=10**9)), str(fasta),
-             str(work / "ft.h5")), "error", "exceeds the model width"),
-        Case("finetuned-lora-r-text", _cli("embed", str(_finetuned(work, r="8")), str(fasta),
-             str(work / "ft2.h5")), "error", "r must be a positive integer"),
+        Case("finetuned-lora-r-1e9", _cli("embed", _finetuned(work, r=10**9), fasta,
+             work / "ft.h5"), "error", "exceeds the model width"),
+        Case("finetuned-lora-r-text", _cli("embed", _finetuned(work, r="8"), fasta,
+             work / "ft2.h5"), "error", "r must be a positive integer"),
         # tests/training/test_linearize.py
-        Case("linearize-lora-rank-1e8", _cli("linearize", str(exact), str(work / "lin1"),
-             "--data", str(fasta), "--lora-rank", "100000000", "--lora-steps", "1",
+        Case("linearize-lora-rank-1e8", _cli("linearize", exact, work / "lin1",
+             "--data", fasta, "--lora-rank", "100000000", "--lora-steps", "1",
              "--no-progress"), "error", "exceeds the model width"),
-        Case("linearize-max-len-1e12", _cli("linearize", str(exact), str(work / "lin2"),
-             "--data", str(fasta), "--max-len", "1000000000000", "--no-progress"), "error",
+        Case("linearize-max-len-1e12", _cli("linearize", exact, work / "lin2",
+             "--data", fasta, "--max-len", "1000000000000", "--no-progress"), "error",
              "max_len must be in"),
         # tests/inference/test_ensemble.py
-        Case("context-orders-1e8", _cli("score-variants", str(clm), str(wt), str(mutations),
-             str(work / "o.csv"), "--context", str(homologs), "--context-orders", "100000000"),
+        Case("context-orders-1e8", _cli("score-variants", clm, wt, mutations,
+             work / "o.csv", "--context", homologs, "--context-orders", "100000000"),
              "error", "more than 1024"),
         # tests/training/test_runner.py
         Case("run-dir-is-a-file", _cli(*train, f"paths.output_dir={afile}"), "error",

@@ -4,15 +4,14 @@ the same tiny models and compare every output file, dataset by dataset.
 
 Three tiny random models (FAVOR+ MLM, FAVOR+ CLM, exact MLM) are exported once by the OLDER
 checkout (`--models`, with its package first on PYTHONPATH: newer versions read older exports,
-not the other way round). Each
-checkout's commands (`--run PYTHONPATH OUT [--old-cli]`) then embed, score, score variants,
-generate, fit and predict contacts, export to Hugging Face, evaluate and (not with --old-cli)
-run the two-assay ProteinGym benchmark on the bundled data;
-`--compare A B` lists every file or HDF5 dataset that differs (HDF5 attributes are shown apart:
-they carry versions). `--old-cli` spells the 0.2.0 commands (`predict-contacts`, `--out`).
+not the other way round). Each checkout's commands (`--run PYTHONPATH OUT`, the CLI of 0.3.0 and
+later) then embed, score, score variants, generate, fit and predict contacts, export to Hugging
+Face, evaluate and run the two-assay ProteinGym benchmark on the bundled data; `--compare A B`
+lists every file or HDF5 dataset that differs (HDF5 attributes are shown apart: they carry
+versions).
 
     PYTHONPATH=/path/to/old/checkout python scripts/compare_outputs.py --models /tmp/cmp/models
-    python scripts/compare_outputs.py --run /path/to/old/checkout /tmp/cmp/old --old-cli
+    python scripts/compare_outputs.py --run /path/to/old/checkout /tmp/cmp/old
     python scripts/compare_outputs.py --run . /tmp/cmp/new
     python scripts/compare_outputs.py --compare /tmp/cmp/old /tmp/cmp/new
 """
@@ -44,10 +43,8 @@ def make_models(out: Path) -> None:
 
     from protein_performer.data.tokenizer import Alphabet
 
-    # Where each version keeps them: 0.4.0 (interop/ by job), 0.3.0 (interop/loading.py),
-    # 0.2.0 (weights I/O in model/).
-    for record, export in (("interop.record", "interop.export"), ("interop.loading",) * 2,
-                           ("model.loading",) * 2):  # fmt: skip
+    # Where each version keeps them: 0.4.0 (interop/ by job), 0.3.0 (interop/loading.py).
+    for record, export in (("interop.record", "interop.export"), ("interop.loading",) * 2):
         try:
             LoadedModel = importlib.import_module(f"protein_performer.{record}").LoadedModel
             export_model = importlib.import_module(f"protein_performer.{export}").export_model
@@ -67,38 +64,22 @@ def make_models(out: Path) -> None:
         export_model(loaded, out / name)
 
 
-def commands(models: Path, old_cli: bool) -> list[list[str]]:
-    """The inference commands, spelled for the 0.2.0 CLI or this one."""
+def commands(models: Path) -> list[list[str]]:
+    """The inference commands."""
     m = {k: str(models / k) for k in ("mlm", "clm", "exact")}
-    fasta, wt, csv = (
-        str(DEMO),
-        str(DMS / "BLAT_ECOLX_wt_offset24.fasta"),
-        str(DMS / "BLAT_ECOLX_Ranganathan2015.csv"),
-    )
+    fasta, wt, csv = (str(DEMO), str(DMS / "BLAT_ECOLX_wt_offset24.fasta"),
+                      str(DMS / "BLAT_ECOLX_Ranganathan2015.csv"))
     pdbs = [str(p) for p in sorted(STRUCTURES.glob("*.pdb"))[:3]]
     one = ["--threads", "1"]
     variants = ["--offset", "24", "--label-col", "2500", "--limit-rows", "30", *one]
-    runs = [
-        ["embed", m["mlm"], fasta, "e.h5", "--repr-layers", "0", "-1", "--include", "mean"],
-        ["embed", m["exact"], fasta, "ex.h5", "--include", "mean", *one, "--no-progress"],
-        ["score", m["mlm"], fasta, "s.csv", "--strategy", "pseudo-ppl", *one, "--no-progress"],
-        ["score", m["clm"], fasta, "c.csv", "--strategy", "causal", *one, "--no-progress"],
-        ["score", m["clm"], fasta, "c.tsv", "--strategy", "causal", *one, "--no-progress"],
-    ]
+    runs = [["embed", m["mlm"], fasta, "e.h5", "--repr-layers", "0", "-1", "--include", "mean"],
+            ["embed", m["exact"], fasta, "ex.h5", "--include", "mean", *one, "--no-progress"],
+            ["score", m["mlm"], fasta, "s.csv", "--strategy", "pseudo-ppl", *one, "--no-progress"],
+            ["score", m["clm"], fasta, "c.csv", "--strategy", "causal", *one, "--no-progress"],
+            ["score", m["clm"], fasta, "c.tsv", "--strategy", "causal", *one, "--no-progress"]]
     runs[0] += ["per_tok", "bos", *one, "--no-progress"]
     regression = ["--regression", "cdir/contact_regression.json", *one]
-    if old_cli:
-        runs += [
-            ["score-variants", m["mlm"], "--wt", wt, "--mutations", csv, "--out", "v.csv",
-             *variants],
-            ["generate", m["clm"], "--num", "3", "--max-length", "40", "--seed", "0",
-             "--out", "g.fasta", *one],
-            ["contacts", m["mlm"], *pdbs, "--out", "cdir"],
-            ["predict-contacts", m["mlm"], fasta, "p.h5", *regression],
-            ["eval", m["mlm"], fasta, "hydra.run.dir=evaldir"],
-        ]  # fmt: skip
-    else:
-        runs += [
+    return [*runs,
             ["score-variants", m["mlm"], wt, csv, "v.csv", *variants],
             ["generate", m["clm"], "g.fasta", "--num", "3", "--max-length", "40", "--seed", "0",
              *one],
@@ -107,18 +88,16 @@ def commands(models: Path, old_cli: bool) -> list[list[str]]:
             ["eval", m["mlm"], fasta, "--out-dir", "evaldir"],
             ["benchmark", "proteingym", str(PROTEINGYM / "reference_two_assays.csv"),
              str(PROTEINGYM), "pg", m["mlm"], *one, "--no-progress"],
-        ]  # fmt: skip
-    runs.append(["export", m["mlm"], "hf", "--format", "hf", "--as-exact"])
-    return runs
+            ["export", m["mlm"], "hf", "--format", "hf", "--as-exact"]]  # fmt: skip
 
 
-def run(checkout: Path, out: Path, models: Path, old_cli: bool) -> int:
+def run(checkout: Path, out: Path, models: Path) -> int:
     """Run every command with ``checkout``'s package first on the path; returns the failures."""
     out.mkdir(parents=True, exist_ok=True)
     env = {**os.environ, "PYTHONPATH": str(checkout.resolve()), "OMP_NUM_THREADS": "1"}
     failed = 0
     with open(out / "log.txt", "w") as log:
-        for argv in commands(models, old_cli):
+        for argv in commands(models):
             cmd = [sys.executable, "-m", "protein_performer.cli.main", *argv]
             rc = subprocess.run(cmd, cwd=out, env=env, stdout=log, stderr=log, check=False)
             print(f"rc={rc.returncode}: {' '.join(argv[:2])}")
@@ -159,8 +138,6 @@ def compare(a: Path, b: Path) -> int:
     for pa in files:
         rel = pa.relative_to(a)
         pb = b / rel
-        if not pb.is_file() and rel.parts[:2] == ("outputs", "eval"):  # 0.2.0's Hydra run dir
-            pb = b / "evaldir" / rel.name
         if not pb.is_file():
             print(f"missing in {b}: {rel}")
             bad += 1
@@ -180,18 +157,16 @@ def compare(a: Path, b: Path) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(
-        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--models", type=Path, default=Path("/tmp/cmp/models"), help="model folder")
     p.add_argument("--run", nargs=2, metavar=("CHECKOUT", "OUT"), help="run a checkout's CLI")
-    p.add_argument("--old-cli", action="store_true", help="the 0.2.0 command spellings")
     p.add_argument("--compare", nargs=2, type=Path, metavar=("A", "B"), help="compare runs")
     args = p.parse_args(argv)
     if args.compare:
         return int(compare(*args.compare) > 0)
     if args.run:
-        return int(run(Path(args.run[0]), Path(args.run[1]), args.models, args.old_cli) > 0)
+        return int(run(Path(args.run[0]), Path(args.run[1]), args.models) > 0)
     make_models(args.models)
     print(f"models -> {args.models}")
     return 0

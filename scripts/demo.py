@@ -50,8 +50,7 @@ def step_train(overrides: list[str]) -> TrainResult:
     if not checkpoint:
         raise UserError(
             "training finished without writing a checkpoint (was debug=fdr given? fast_dev_run "
-            "saves nothing)"
-        )
+            "saves nothing)")
     metrics = {k: v for k, v in result["metrics"].items() if isinstance(v, float)}
     curve = Path(result["curve"]) if result.get("curve") else None
     return TrainResult(Path(checkpoint), curve, Path(result["output_dir"]), metrics, seconds)
@@ -70,13 +69,9 @@ def report_train(res: TrainResult) -> None:
 DEMO_FASTA = REPO / "protein_performer" / "data" / "demo" / "some_proteins.fasta"
 
 
-def run_inference_demo(
-    ckpt_path: str | os.PathLike[str],
-    fasta: str | os.PathLike[str],
-    out_dir: str | os.PathLike[str],
-    device: str = "cpu",
-    progress: bool = True,
-) -> dict[str, Path]:
+def run_inference_demo(ckpt_path: str | os.PathLike[str], fasta: str | os.PathLike[str],
+                       out_dir: str | os.PathLike[str], device: str = "cpu",
+                       progress: bool = True) -> dict[str, Path]:
     """Embed (mean + per-residue, last layer) and score every record of ``fasta``.
 
     Returns the written files: ``embeddings`` (HDF5), ``scores`` (CSV; pseudo-ppl for a masked
@@ -104,14 +99,9 @@ def run_inference_demo(
     scores = score_fasta(lm, fasta, out / "scores.csv", strategy=strategy, progress=progress)
     exported = export_model(lm.loaded, out / "model", overwrite=True)
     mean_ll = scores.mean_log_likelihood
-    log.info(
-        "embedded %d records (%d residues) and scored them with %s (mean log-likelihood per "
-        "token %.3f)",
-        emb.num_records,
-        emb.residues,
-        strategy,
-        mean_ll,
-    )
+    log.info("embedded %d records (%d residues) and scored them with %s (mean log-likelihood per "
+             "token %.3f)",
+             emb.num_records, emb.residues, strategy, mean_ll)
     return {"embeddings": emb.path, "scores": out / "scores.csv", "export": exported}
 
 
@@ -143,13 +133,9 @@ def main(argv: list[str] | None = None) -> int:
         epilog="example: python scripts/demo.py trainer.max_steps=100",
     )
     parser.add_argument(
-        "--threads",
-        type=int,
-        default=1,
-        metavar="N",
+        "--threads", type=int, default=1, metavar="N",
         help="PyTorch CPU threads (default 1: this tiny model gains little from more, and on a "
-        "busy 2-core machine 2 threads ran several times slower than 1)",
-    )
+        "busy 2-core machine 2 threads ran several times slower than 1)")
     args, overrides = parser.parse_known_args(argv)
     import torch
 

@@ -6,10 +6,10 @@ Each command first writes a complete output once. Every trial then reruns it ove
 (``--overwrite``, or ``ckpt_path=last`` for training) and SIGKILLs it when the output's temporary
 file (or temporary directory) reaches a random byte size (uniform up to 1.25 x the output's
 size), so most kills land inside the write; a trial whose command finishes first counts as a
-miss and must leave the new output. After each
-kill the output must load (a checkpoint through the safe loader, a store with ``TokenStore``,
-embeddings with h5py, an export with ``load_model``) and be either the previous version or a
-new one; the next trial's run must remove the temporaries the killed one left.
+miss and must leave the new output. After each kill the output must load (a checkpoint through
+the safe loader, a store with ``TokenStore``, embeddings with ``read_embeddings``, an export with
+``load_model``) and be either the previous version or a new one; the next trial's run must
+remove the temporaries the killed one left.
 
     python scripts/fault_injection.py                      # 20 trials per command (~10 min)
     python scripts/fault_injection.py --trials 50 --seed 3 --out runs/faults
@@ -21,6 +21,7 @@ Prints a table (trials, kills inside a write, misses, outcomes) and writes ``rep
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shutil
@@ -39,30 +40,14 @@ REPO = Path(__file__).resolve().parents[1]
 
 COMMANDS = ("train", "preprocess", "embed", "export")
 #: A small model whose checkpoint (~10 MB with the optimizer) takes several 1 MiB writes.
-MODEL = [
-    "model.config.dim=128",
-    "model.config.depth=4",
-    "model.config.heads=4",
-    "model.config.ff_dim=512",
-    "model.config.nb_features=32",
-]
-TRAIN = [
-    "experiment=demo",
-    *MODEL,
-    "data.limit_records=200",
-    "data.max_len=128",
-    "data.max_tokens=1024",
-    "data.num_workers=0",
-    "trainer.max_epochs=-1",
-    "trainer.val_check_interval=1",
-    "trainer.limit_val_batches=1",
-    "trainer.num_sanity_val_steps=0",
-    "trainer.enable_progress_bar=false",
-    "callbacks.progress_bar=null",
-    "callbacks.training_curve=null",
-    "logger=csv",
-    "run_name=faults",
-]
+MODEL = ["model.config.dim=128", "model.config.depth=4", "model.config.heads=4",
+         "model.config.ff_dim=512", "model.config.nb_features=32"]
+TRAIN = ["experiment=demo", *MODEL, "data.limit_records=200", "data.max_len=128",
+         "data.max_tokens=1024", "data.num_workers=0", "trainer.max_epochs=-1",
+         "trainer.val_check_interval=1", "trainer.limit_val_batches=1",
+         "trainer.num_sanity_val_steps=0", "trainer.enable_progress_bar=false",
+         "callbacks.progress_bar=null", "callbacks.training_curve=null", "logger=csv",
+         "run_name=faults"]
 
 
 @dataclass
@@ -95,46 +80,32 @@ def _cli(*args: str) -> list[str]:
     return [sys.executable, "-m", "protein_performer.cli.main", *args]
 
 
-def _temp_size(output: Path, pid: int) -> int | None:
-    """Bytes process ``pid`` has written so far to ``output``'s temporaries (files or
-    directories; their names carry the writer's pid), None if it has none."""
-    from protein_performer.io.atomic import temp_prefix
-
-    found = None
-    prefix = temp_prefix(output, pid)
-    try:
-        entries = [p for p in output.parent.iterdir() if p.name.startswith(prefix)]
-    except OSError:
-        return None
-    for entry in entries:
-        if ".tmp" not in entry.name or entry.name.endswith(".lock"):
-            continue
-        try:
-            if entry.is_dir():
-                size = sum(f.stat().st_size for f in entry.rglob("*") if f.is_file())
-            else:
-                size = entry.stat().st_size
-        except OSError:
-            continue
-        found = (found or 0) + size
-    return found
-
-
 def _temps(output: Path, pid: int | None = None) -> list[str]:
-    """Names of ``output``'s temporaries (of process ``pid`` only, if given)."""
+    """Names of ``output``'s temporaries (files or directories; of process ``pid`` only, if
+    given: their names carry the writer's pid)."""
     from protein_performer.io.atomic import temp_prefix
 
     prefix = f".{output.name}." if pid is None else temp_prefix(output, pid)
-    return sorted(
-        p.name
-        for p in output.parent.iterdir()
-        if p.name.startswith(prefix) and ".tmp" in p.name and not p.name.endswith(".lock")
-    )
+    try:
+        names = [p.name for p in output.parent.iterdir()]
+    except OSError:
+        return []
+    return sorted(n for n in names
+                  if n.startswith(prefix) and ".tmp" in n and not n.endswith(".lock"))
 
 
-def run_and_kill(
-    argv: list[str], output: Path, target: int, timeout: float, log: Path, cwd: Path
-) -> Trial:
+def _temp_size(output: Path, pid: int) -> int | None:
+    """Bytes process ``pid`` has written so far to ``output``'s temporaries, None if it has
+    none."""
+    found = None
+    for name in _temps(output, pid):
+        with contextlib.suppress(OSError):  # published or removed meanwhile
+            found = (found or 0) + _size(output.parent / name)
+    return found
+
+
+def run_and_kill(argv: list[str], output: Path, target: int, timeout: float, log: Path,
+                 cwd: Path) -> Trial:
     """Run ``argv``; SIGKILL it once ``output``'s temporary holds ``target`` bytes."""
     trial = Trial("", 0, target)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
@@ -214,9 +185,8 @@ def _model(work: Path) -> Path:
 
         torch.manual_seed(0)
         config = PerformerConfig(dim=128, depth=4, heads=4, ff_dim=512, nb_features=32)
-        loaded = LoadedModel(
-            PerformerLM(config), config, Alphabet(), model, torch.device("cpu"), "export"
-        )
+        loaded = LoadedModel(PerformerLM(config), config, Alphabet(), model, torch.device("cpu"),
+                             "export")
         export_model(loaded, model)
     return model
 
@@ -228,10 +198,10 @@ def _embed(work: Path, quick: bool) -> Scenario:
     model = _model(work)
 
     def fingerprint() -> tuple[int, int]:
-        import h5py
+        import protein_performer as pp
 
-        with h5py.File(out, "r") as h5:
-            return len(h5["ids"]), out.stat().st_size
+        ids, _ = pp.read_embeddings(out, kind="per_tok")  # every array read back
+        return len(ids), out.stat().st_size
 
     def argv(_: int) -> list[str]:
         return _cli("embed", str(model), str(fasta), str(out), "--include", "per_tok", "mean",
@@ -318,9 +288,8 @@ def summarize(results: list[Trial]) -> dict[str, dict[str, int]]:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument(
-        "--trials", type=int, default=None, help="kills per command (default: 20; --quick: 2)"
-    )
+    p.add_argument("--trials", type=int, default=None,
+                   help="kills per command (default: 20; --quick: 2)")
     p.add_argument("--commands", nargs="+", choices=COMMANDS, default=list(COMMANDS))
     p.add_argument("--seed", type=int, default=0, help="seed of the kill points")
     p.add_argument("--out", type=Path, default=None, help="work directory (default: a temp dir)")
@@ -330,12 +299,8 @@ def main(argv: list[str] | None = None) -> int:
     work = args.out or Path(__import__("tempfile").mkdtemp(prefix="pp-faults-"))
     work.mkdir(parents=True, exist_ok=True)
     rng = np.random.default_rng(args.seed)
-    makers = {
-        "train": lambda: _train(work),
-        "preprocess": lambda: _preprocess(work, args.quick),
-        "embed": lambda: _embed(work, args.quick),
-        "export": lambda: _export(work),
-    }
+    makers = {"train": lambda: _train(work), "preprocess": lambda: _preprocess(work, args.quick),
+              "embed": lambda: _embed(work, args.quick), "export": lambda: _export(work)}
     results: list[Trial] = []
     for name in args.commands:
         print(f"{name}: preparing the first complete output", flush=True)

@@ -58,11 +58,9 @@ def contact_delta(loaded: LoadedModel, hf, seqs: list[str]) -> float:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(
-        description=__doc__.split("\n\n")[0],
-        epilog=__doc__.split("\n\n", 1)[1],
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                epilog=__doc__.split("\n\n", 1)[1],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--dim", type=int, default=64)
     p.add_argument("--depth", type=int, default=2)
     p.add_argument("--heads", type=int, default=4)

@@ -6,7 +6,8 @@ first on ``sys.path``, so ``import _common`` works with no path edits, and ``pro
 imports from the installed (editable) package.
 
 The preamble: ``REPO`` (the checkout), ``SEQUENCES`` (the shared data sets beside it) and
-:func:`setup_logging` (INFO to stderr).
+:func:`setup_logging` (INFO to stderr); what several benchmarks measure with or write: a seeded
+random model (:func:`random_lm`, :func:`random_export`), titin, CSV rows and the markdown report.
 
 The benchmark protocol: the parent re-invokes the script with ``--case JSON`` once per case
 (peak memory is only meaningful in a fresh process, and a case that runs too long is killed by a
@@ -34,6 +35,8 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[2]
 #: The shared sequence data sets that sit beside the checkout (``../shared/data/sequences``).
 SEQUENCES = REPO.parent / "shared" / "data" / "sequences"
+#: The long proteins of the shared data, titin (34,350 aa) among them.
+LONG_PROTEINS = SEQUENCES / "long_proteins.fasta"
 #: The log line of every script unless it asks for another.
 LOG_FORMAT = "%(levelname)s %(name)s: %(message)s"
 #: The log line of the long-running studies and benchmarks: when each step happened.
@@ -43,6 +46,17 @@ TIMED_LOG_FORMAT = "%(asctime)s %(name)s: %(message)s"
 def setup_logging(fmt: str = LOG_FORMAT) -> None:
     """INFO and above to stderr (stdout stays free for results)."""
     logging.basicConfig(level=logging.INFO, format=fmt, stream=sys.stderr)
+
+
+def titin(fasta: Path = LONG_PROTEINS) -> str | None:
+    """Titin's sequence (the record whose id names TITIN) from ``fasta``; None without one."""
+    from protein_performer.data.fasta import read_fasta
+
+    if fasta.is_file():
+        for rec in read_fasta(fasta):
+            if "TITIN" in rec.id.upper():
+                return rec.sequence
+    return None
 
 
 def verdict(ok: bool) -> str:
@@ -170,9 +184,8 @@ def start_phase(sampler: PeakSampler, device: Any) -> Callable[[], int]:
 # --------------------------------------------------------------------------------------------
 
 
-def spawn_case(
-    script: str | Path, case: dict[str, Any], timeout: float
-) -> tuple[list[dict[str, Any]], str]:
+def spawn_case(script: str | Path, case: dict[str, Any],
+               timeout: float) -> tuple[list[dict[str, Any]], str]:
     """Run ``script --case JSON`` in a fresh interpreter; its RESULT payloads and a failure note.
 
     The payloads printed before a timeout are kept (a child may report after every step).
@@ -203,20 +216,57 @@ def default_mem_limit_gib() -> float:
 
 def write_rows_csv(rows: Iterable[Any], path: Path, fieldnames: Iterable[str]) -> None:
     """Dataclass rows as CSV, the columns ``fieldnames`` in that order (other fields dropped)."""
+    write_dicts_csv([asdict(row) for row in rows], path, fieldnames)
+
+
+def write_dicts_csv(rows: list[dict[str, Any]], path: Path,
+                    fieldnames: Iterable[str] | None = None) -> None:
+    """Dict rows as CSV: the columns ``fieldnames`` (default: the first row's keys; ``L`` when
+    there is no row), other keys dropped."""
+    fields = list(fieldnames or (rows[0] if rows else ["L"]))
     with path.open("w", newline="") as fh:
-        writer = csv.DictWriter(fh, fieldnames=list(fieldnames), extrasaction="ignore")
+        writer = csv.DictWriter(fh, fieldnames=fields, extrasaction="ignore")
         writer.writeheader()
-        for row in rows:
-            writer.writerow(asdict(row))
+        writer.writerows(rows)
+
+
+def write_report(path: Path, lines: list[str]) -> None:
+    """The markdown report: written to ``path`` (its directory created) and printed."""
+    report = "\n".join(lines) + "\n"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(report)
+    print(report)
+
+
+def random_lm(source: str = "random", **config: Any) -> Any:
+    """A ``LoadedModel`` of a seeded random ``PerformerLM(PerformerConfig(**config))`` in eval
+    mode on the CPU: speed, memory and storage do not depend on trained weights."""
+    import torch
+
+    from protein_performer.data.tokenizer import Alphabet
+    from protein_performer.interop.record import LoadedModel
+    from protein_performer.model.config import PerformerConfig
+    from protein_performer.model.performer import PerformerLM
+
+    torch.manual_seed(0)
+    cfg = PerformerConfig(**config)
+    return LoadedModel(PerformerLM(cfg).eval(), cfg, Alphabet(), Path(source),
+                       torch.device("cpu"), "memory")
+
+
+def random_export(path: Path, **config: Any) -> Path:
+    """:func:`random_lm` exported to ``path`` (what the CLI and ``protein_performer.load``
+    read)."""
+    from protein_performer.interop.export import export_model
+
+    return export_model(random_lm(**config), path)
 
 
 def bench_parser(doc: str, epilog: str, out: str) -> argparse.ArgumentParser:
     """A parser described by the first paragraph of ``doc``, with ``--out`` and ``--device``."""
-    p = argparse.ArgumentParser(
-        description=doc.split("\n\n")[0],
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-        epilog=epilog,
-    )
+    p = argparse.ArgumentParser(description=doc.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter,
+                                epilog=epilog)
     p.add_argument("--out", type=Path, default=Path(out), help="output directory")
     p.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     return p
@@ -233,11 +283,8 @@ def add_final_args(p: argparse.ArgumentParser, quick_help: str) -> None:
     p.add_argument("--case", default=None, help=argparse.SUPPRESS)
 
 
-def dispatch(
-    args: argparse.Namespace,
-    run_case: Callable[[dict[str, Any]], Any],
-    run_parent: Callable[[argparse.Namespace], int],
-) -> int:
+def dispatch(args: argparse.Namespace, run_case: Callable[[dict[str, Any]], Any],
+             run_parent: Callable[[argparse.Namespace], int]) -> int:
     """Log to stderr; a child (``--case JSON``) runs its case, the parent creates ``--out`` and
     runs every case (``run_parent``). Returns the exit status."""
     setup_logging(TIMED_LOG_FORMAT)

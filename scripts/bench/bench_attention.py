@@ -57,10 +57,11 @@ import argparse
 import json
 import logging
 import math
+import os
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
@@ -76,31 +77,11 @@ DEFAULT_IMPLS = ("ours", "sdpa", "performer")
 OURS = {"ours": None, "ours-torch": "torch", "triton": "triton"}
 CAUSAL_ONLY = ("ours-torch", "triton")  # bidirectional FAVOR+ has a single path
 MODES = ("bidirectional", "causal")
+PHASES = ("fwd", "fwd+bwd")
 DEFAULT_CHUNK = 128  # used for the FLOP count when FavorAttention does not expose its chunk size
-CSV_FIELDS = (
-    "impl",
-    "causal",
-    "L",
-    "B",
-    "H",
-    "d",
-    "m",
-    "dtype",
-    "device",
-    "mode",
-    "status",
-    "time_s",
-    "time_min_s",
-    "repeats",
-    "peak_mem_mib",
-    "useful_gflop",
-    "achieved_gflops",
-    "useful_frac",
-    "matmul_gflops",
-    "chunk_size",
-    "backend",
-    "note",
-)
+TRITON_MODULE = "protein_performer.model.favor.triton_causal"
+COLORS = {"ours": "tab:blue", "ours-torch": "tab:purple", "triton": "tab:red",
+          "sdpa": "tab:orange", "performer": "tab:green"}  # fmt: skip
 
 
 # --------------------------------------------------------------------------------------------
@@ -117,8 +98,6 @@ def _build_fn(case: dict[str, Any], device: Any) -> tuple[Callable[..., Any], in
     if impl == "sdpa":
         return (lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=causal)), None
     if impl in OURS:
-        import os
-
         from protein_performer.model.favor import FavorAttention
         from protein_performer.model.favor.module import CAUSAL_IMPL_ENV
 
@@ -126,14 +105,9 @@ def _build_fn(case: dict[str, Any], device: Any) -> tuple[Callable[..., Any], in
             os.environ[CAUSAL_IMPL_ENV] = OURS[impl]
         if impl == "triton" and device.type == "cpu":  # before the kernels are decorated
             os.environ["TRITON_INTERPRET"] = "1"
+        attn = FavorAttention(dim_head=d, nb_features=m, causal=causal, kernel=case["kernel"],
+                              **case.get("ours_kwargs", {})).to(device)  # fmt: skip
 
-        attn = FavorAttention(
-            dim_head=d,
-            nb_features=m,
-            causal=causal,
-            kernel=case["kernel"],
-            **case.get("ours_kwargs", {}),
-        ).to(device)
         def run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
             return attn(q, k, v)[0]  # the cores return (out, state)
 
@@ -155,28 +129,14 @@ def _backend(case: dict[str, Any]) -> str:
     return "triton" if TRITON_MODULE in sys.modules else "torch"
 
 
-TRITON_MODULE = "protein_performer.model.favor.triton_causal"
-
-
-def useful_flops(
-    impl: str,
-    causal: bool,
-    L: int,
-    B: int,
-    H: int,
-    d: int,
-    m: int,
-    chunk: int | None,
-    backward: bool,
-) -> float:
+def useful_flops(impl: str, causal: bool, L: int, B: int, H: int, d: int, m: int,
+                 chunk: int | None, backward: bool) -> float:  # fmt: skip
     """Matmul FLOPs the algorithm inherently needs (formula in the module docstring)."""
     if impl == "sdpa":
         pairs = L * (L + 1) / 2 if causal else float(L * L)
-        per = 4 * pairs * d * (3 if backward else 1)
-        return B * H * per
+        return B * H * 4 * pairs * d * (3 if backward else 1)
     e = d + 1
-    proj = 4 * L * d * m
-    state = 4 * L * m * e
+    proj, state = 4 * L * d * m, 4 * L * m * e
     chunk_f = L * ((chunk or DEFAULT_CHUNK) + 1) * (m + e) if causal else 0.0
     per = proj + state + chunk_f
     if backward:
@@ -191,9 +151,8 @@ def _sync(device: Any) -> None:
         torch.cuda.synchronize(device)
 
 
-def _time_phase(
-    step: Callable[[], None], device: Any, repeats: int, budget_s: float
-) -> tuple[float, float, int]:
+def _time_phase(step: Callable[[], None], device: Any, repeats: int,
+                budget_s: float) -> tuple[float, float, int]:
     """Warm up once, then repeat up to `repeats` times or until `budget_s` is spent.
 
     A warm-up longer than `budget_s` is itself the measurement (repeats = 0): at such sizes the
@@ -207,14 +166,11 @@ def _time_phase(
     if warm >= budget_s:
         return warm, warm, 0
     times: list[float] = []
-    spent = 0.0
-    while len(times) < repeats and (not times or spent < budget_s):
+    while len(times) < repeats and (not times or sum(times) < budget_s):
         t0 = time.perf_counter()
         step()
         _sync(device)
-        dt = time.perf_counter() - t0
-        times.append(dt)
-        spent += dt
+        times.append(time.perf_counter() - t0)
     times.sort()
     return times[len(times) // 2], times[0], len(times)
 
@@ -223,25 +179,35 @@ def run_matmul_case(case: dict[str, Any]) -> None:
     """Times an n×n @ n×n matmul in the benchmark dtype: the reference rate for useful FLOPs."""
     import torch
 
-    device = torch.device(case["device"])
-    dtype = getattr(torch, case["dtype"])
-    n = case["n"]
+    device, dtype, n = torch.device(case["device"]), getattr(torch, case["dtype"]), case["n"]
     gen = torch.Generator(device="cpu").manual_seed(0)
     a = torch.randn(n, n, generator=gen).to(device, dtype)
     b = torch.randn(n, n, generator=gen).to(device, dtype)
-    median, best, reps = _time_phase(
-        lambda: torch.mm(a, b), device, case["repeats"], case["budget_s"]
-    )
-    common.emit(
-        {
-            "status": "ok",
-            "mode": "matmul",
-            "time_s": median,
-            "time_min_s": best,
-            "repeats": reps,
-            "achieved_gflops": 2 * n**3 / median / 1e9,
-        }
-    )
+    median, best, reps = _time_phase(lambda: torch.mm(a, b), device, case["repeats"],
+                                     case["budget_s"])  # fmt: skip
+    common.emit({"status": "ok", "mode": "matmul", "time_s": median, "time_min_s": best,
+                 "repeats": reps, "achieved_gflops": 2 * n**3 / median / 1e9})  # fmt: skip
+
+
+def _tuned_chunks(fn: Any, B: int, H: int, L: int, d: int, device: Any, dtype: Any) -> dict:
+    """The scan's tiles are tuned at a layer's first large call (model/favor/tiles.py): do that
+    here for both phases, at a size that triggers it, so no timed call pays for it; returns the
+    chunk in use per phase (the tuning is keyed on whether gradients flow)."""
+    import torch
+
+    from protein_performer.model.favor.tiles import TUNE_MIN_LENGTH, TUNE_MIN_TOKENS, tiles_in_use
+
+    n = max(TUNE_MIN_LENGTH, -(-TUNE_MIN_TOKENS // (B * H)))
+    if L >= TUNE_MIN_LENGTH and B * H * L >= TUNE_MIN_TOKENS:
+        probe = [torch.randn(B, H, n, d).to(device, dtype) for _ in range(3)]
+        with torch.no_grad():
+            fn(*probe)
+        out = fn(*(t.requires_grad_(True) for t in probe))
+        out.backward(torch.randn_like(out))
+        del probe, out
+    shape = torch.empty_strided((B * H, L, d), (0, 0, 0), device=device)  # no memory
+    return {False: tiles_in_use(shape, fn.feature_dim, d)[0],
+            True: tiles_in_use(shape.requires_grad_(True), fn.feature_dim, d)[0]}  # fmt: skip
 
 
 def run_case(case: dict[str, Any]) -> None:
@@ -253,14 +219,12 @@ def run_case(case: dict[str, Any]) -> None:
     if case["impl"] == "matmul":
         run_matmul_case(case)
         return
-    device = torch.device(case["device"])
-    dtype = getattr(torch, case["dtype"])
+    device, dtype = torch.device(case["device"]), getattr(torch, case["dtype"])
     if device.type == "cuda" and dtype != torch.float32:
         torch.set_float32_matmul_precision("high")  # TF32 for the float32 features
     B, H, L, d = case["B"], case["H"], case["L"], case["d"]
     gen = torch.Generator(device="cpu").manual_seed(case["seed"])
-    q, k, v = (torch.randn(B, H, L, d, generator=gen).to(device, dtype) for _ in range(3))
-    g = torch.randn(B, H, L, d, generator=gen).to(device, dtype)
+    q, k, v, g = (torch.randn(B, H, L, d, generator=gen).to(device, dtype) for _ in range(4))
     fn, chunk = _build_fn(case, device)
     limit = int(case["mem_limit_gib"] * 2**30) if case.get("mem_limit_gib") else None
     # Library warm-up at a tiny size, so one-time costs (lazy kernels, autograd worker threads)
@@ -270,28 +234,7 @@ def run_case(case: dict[str, Any]) -> None:
     out.backward(torch.randn_like(out))  # not .sum(): its expanded gradient takes another path
     del tiny, out
     if case["impl"] in OURS and case["causal"] and chunk is None:
-        # The scan's tiles are tuned at a layer's first large call (model/favor/tiles.py): do
-        # that here for both phases, at a size that triggers it, so no timed call pays for it;
-        # the FLOPs then count the chunk in use. (Nothing to do where the Triton kernels run.)
-        from protein_performer.model.favor.tiles import (
-            TUNE_MIN_LENGTH,
-            TUNE_MIN_TOKENS,
-            tiles_in_use,
-        )
-
-        n = max(TUNE_MIN_LENGTH, -(-TUNE_MIN_TOKENS // (B * H)))
-        if L >= TUNE_MIN_LENGTH and B * H * L >= TUNE_MIN_TOKENS:
-            probe = [torch.randn(B, H, n, d).to(device, dtype) for _ in range(3)]
-            with torch.no_grad():
-                fn(*probe)
-            out = fn(*(t.requires_grad_(True) for t in probe))
-            out.backward(torch.randn_like(out))
-            del probe, out
-        shape = torch.empty_strided((B * H, L, d), (0, 0, 0), device=device)  # no memory
-        chunk = {  # per phase: the tuning is keyed on whether gradients flow
-            False: tiles_in_use(shape, fn.feature_dim, d)[0],
-            True: tiles_in_use(shape.requires_grad_(True), fn.feature_dim, d)[0],
-        }
+        chunk = _tuned_chunks(fn, B, H, L, d, device, dtype)  # (nothing where Triton runs)
     backend = _backend(case)
     if backend == "triton":
         chunk = sys.modules[TRITON_MODULE].CHUNK
@@ -307,36 +250,23 @@ def run_case(case: dict[str, Any]) -> None:
             t.grad = None
         fn(qg, kg, vg).backward(g)
 
-    phases = [("fwd", fwd, False), ("fwd+bwd", fwd_bwd, True)]
     with common.PeakSampler(limit if device.type == "cpu" else None) as sampler:
-        for mode, step, backward in phases:
+        for mode, step, backward in (("fwd", fwd, False), ("fwd+bwd", fwd_bwd, True)):
             peak_bytes = common.start_phase(sampler, device)
             try:
                 median, best, reps = _time_phase(step, device, case["repeats"], case["budget_s"])
             except torch.OutOfMemoryError as exc:
-                common.emit(
-                    {"mode": mode, "status": "oom", "note": str(exc).splitlines()[0][:200]}
-                )
+                common.emit({"mode": mode, "status": "oom",
+                             "note": str(exc).splitlines()[0][:200]})  # fmt: skip
                 return
             peak = peak_bytes()
             used = chunk[backward] if isinstance(chunk, dict) else chunk
-            flops = useful_flops(
-                case["impl"], case["causal"], L, B, H, d, case["m"], used, backward
-            )
-            common.emit(
-                {
-                    "mode": mode,
-                    "status": "ok",
-                    "time_s": median,
-                    "time_min_s": best,
-                    "repeats": reps,
-                    "peak_mem_mib": peak / 2**20,
-                    "useful_gflop": flops / 1e9,
-                    "achieved_gflops": flops / median / 1e9,
-                    "chunk_size": used,
-                    "backend": backend,
-                }
-            )
+            flops = useful_flops(case["impl"], case["causal"], L, B, H, d, case["m"], used,
+                                 backward)  # fmt: skip
+            common.emit({"mode": mode, "status": "ok", "time_s": median, "time_min_s": best,
+                         "repeats": reps, "peak_mem_mib": peak / 2**20,
+                         "useful_gflop": flops / 1e9, "achieved_gflops": flops / median / 1e9,
+                         "chunk_size": used, "backend": backend})  # fmt: skip
 
 
 # --------------------------------------------------------------------------------------------
@@ -372,9 +302,9 @@ class Row:
     note: str = ""
 
 
-def _spawn(case: dict[str, Any], timeout: float) -> tuple[list[dict[str, Any]], str]:
-    """Runs one case in a fresh interpreter; returns its RESULT payloads and a failure note."""
-    return common.spawn_case(__file__, case, timeout)
+CSV_FIELDS = tuple(f.name for f in fields(Row))
+#: What a child's RESULT line carries into its row as measured.
+MEASURED = ("time_s", "time_min_s", "repeats", "peak_mem_mib", "useful_gflop", "achieved_gflops")
 
 
 def _performer_available() -> bool:
@@ -401,103 +331,58 @@ def run_all(args: argparse.Namespace) -> list[Row]:
     unknown = sorted(set(impls) - set(IMPLS))
     if unknown:
         raise SystemExit(f"error: unknown --impls {','.join(unknown)}; choose from {IMPLS}")
-    modes = [x for x in args.modes.split(",") if x]
     if "performer" in impls and not _performer_available():
-        log.warning(
-            "performer-pytorch is not installed: skipping it "
-            "(pip install performer-pytorch==1.1.4 to compare)"
-        )
+        log.warning("performer-pytorch is not installed: skipping it "
+                    "(pip install performer-pytorch==1.1.4 to compare)")  # fmt: skip
         impls.remove("performer")
-    lengths = _lengths(args)
-    mem_limit = args.mem_limit_gib if args.mem_limit_gib else common.default_mem_limit_gib()
-    shared_case = {
-        "B": args.batch,
-        "H": args.heads,
-        "d": args.dim_head,
-        "m": args.nb_features,
-        "dtype": args.dtype,
-        "device": args.device,
-        "seed": args.seed,
-        "repeats": args.repeats,
-        "budget_s": args.budget_s,
-        "threads": args.threads,
-        "mem_limit_gib": mem_limit,
-        "kernel": args.kernel,
-        "ours_kwargs": json.loads(args.ours_kwargs),
-    }
-
+    shape = {"B": args.batch, "H": args.heads, "d": args.dim_head, "m": args.nb_features,
+             "dtype": args.dtype, "device": args.device}  # fmt: skip
+    shared_case = {**shape, "seed": args.seed, "repeats": args.repeats, "budget_s": args.budget_s,
+                   "threads": args.threads, "kernel": args.kernel,
+                   "mem_limit_gib": args.mem_limit_gib or common.default_mem_limit_gib(),
+                   "ours_kwargs": json.loads(args.ours_kwargs)}  # fmt: skip
     mm_case = {**shared_case, "impl": "matmul", "n": args.matmul_n}
     matmul_gflops = _matmul_rate(mm_case, args.timeout)
-
     rows: list[Row] = []
     ours_chunk: int | None = None
-    for mode in modes:
+    for mode in (x for x in args.modes.split(",") if x):
         causal = mode == "causal"
         for impl in impls:
             if impl in CAUSAL_ONLY and not causal:
                 continue  # the same path as ours
             failed_at: str | None = None
-            for L in lengths:
-                base = {
-                    "impl": impl,
-                    "causal": causal,
-                    "L": L,
-                    "B": args.batch,
-                    "H": args.heads,
-                    "d": args.dim_head,
-                    "m": args.nb_features,
-                    "dtype": args.dtype,
-                    "device": args.device,
-                    "matmul_gflops": matmul_gflops,
-                }
+            for L in _lengths(args):
+                base = {**shape, "impl": impl, "causal": causal, "L": L,
+                        "matmul_gflops": matmul_gflops}  # fmt: skip
                 if failed_at is not None:
-                    for ph in ("fwd", "fwd+bwd"):
-                        rows.append(Row(**base, mode=ph, status="skipped", note=failed_at))
+                    rows += [Row(**base, mode=ph, status="skipped", note=failed_at)
+                             for ph in PHASES]  # fmt: skip
                     continue
                 case = {**shared_case, "impl": impl, "causal": causal, "L": L}
                 if impl == "performer" and ours_chunk:
                     case["flop_chunk"] = ours_chunk
                 t0 = time.perf_counter()
-                results, note = _spawn(case, args.timeout)
+                results, note = common.spawn_case(__file__, case, args.timeout)
                 done = {r["mode"]: r for r in results if "mode" in r}
                 oom = [r for r in results if r.get("status") == "oom"]
-                for ph in ("fwd", "fwd+bwd"):
-                    if ph in done and done[ph]["status"] == "ok":
-                        r = done[ph]
+                for ph in PHASES:
+                    r = done.get(ph, {})
+                    if r.get("status") == "ok":
                         if impl == "ours" and r.get("chunk_size"):
                             ours_chunk = int(r["chunk_size"])
-                        rows.append(
-                            Row(
-                                **base,
-                                mode=ph,
-                                status="ok",
-                                time_s=r["time_s"],
-                                time_min_s=r["time_min_s"],
-                                repeats=r["repeats"],
-                                peak_mem_mib=r["peak_mem_mib"],
-                                useful_gflop=r["useful_gflop"],
-                                achieved_gflops=r["achieved_gflops"],
-                                useful_frac=r["achieved_gflops"] / matmul_gflops,
-                                chunk_size=r.get("chunk_size"),
-                                backend=r.get("backend", ""),
-                            )
-                        )
+                        rows.append(Row(**base, mode=ph, status="ok",
+                                        **{k: r[k] for k in MEASURED},
+                                        useful_frac=r["achieved_gflops"] / matmul_gflops,
+                                        chunk_size=r.get("chunk_size"),
+                                        backend=r.get("backend", "")))  # fmt: skip
                     else:
                         status = "oom" if oom else ("timeout" if "timeout" in note else "error")
                         why = (oom[0].get("note", "") if oom else note) or "no result"
                         rows.append(Row(**base, mode=ph, status=status, note=why))
                         failed_at = f"after {status} at L={L}"
-                log.info(
-                    "%-9s %-13s L=%-6d %5.1fs  %s",
-                    impl,
-                    mode,
-                    L,
-                    time.perf_counter() - t0,
-                    "  ".join(
-                        f"{r.mode}: {r.status} {r.time_s:.4g}s {r.peak_mem_mib:.0f}MiB"
-                        for r in rows[-2:]
-                    ),
-                )
+                log.info("%-9s %-13s L=%-6d %5.1fs  %s", impl, mode, L, time.perf_counter() - t0,
+                         "  ".join(f"{r.mode}: {r.status} {r.time_s:.4g}s {r.peak_mem_mib:.0f}MiB"
+                                   for r in rows[-2:]))  # fmt: skip
     # Measured again at the end: on a shared machine the larger of the two is the closer estimate
     # of the achievable rate, and a large gap between them says the timings are unreliable.
     again = _matmul_rate(mm_case, args.timeout)
@@ -509,14 +394,10 @@ def run_all(args: argparse.Namespace) -> list[Row]:
 
 
 def _matmul_rate(case: dict[str, Any], timeout: float) -> float:
-    mm, note = _spawn(case, timeout)
+    mm, note = common.spawn_case(__file__, case, timeout)
     rate = mm[0]["achieved_gflops"] if mm and mm[0].get("status") == "ok" else math.nan
     log.info("matmul %d^3 %s: %.1f GFLOP/s %s", case["n"], case["dtype"], rate, note)
     return rate
-
-
-def write_csv(rows: list[Row], path: Path) -> None:
-    common.write_rows_csv(rows, path, CSV_FIELDS)
 
 
 def plot(rows: list[Row], path: Path, title: str) -> None:
@@ -527,44 +408,18 @@ def plot(rows: list[Row], path: Path, title: str) -> None:
     import matplotlib.pyplot as plt
 
     fig, (ax_t, ax_m) = plt.subplots(1, 2, figsize=(12, 4.8))
-    colors = {
-        "ours": "tab:blue",
-        "ours-torch": "tab:purple",
-        "triton": "tab:red",
-        "sdpa": "tab:orange",
-        "performer": "tab:green",
-    }
-    series = sorted({(r.impl, r.causal) for r in rows})
-    for impl, causal in series:
+    for impl, causal in sorted({(r.impl, r.causal) for r in rows}):
         for mode, ls in (("fwd+bwd", "-"), ("fwd", "--")):
-            pts = sorted(
-                (r.L, r.time_s, r.peak_mem_mib)
-                for r in rows
-                if r.status == "ok" and (r.impl, r.causal, r.mode) == (impl, causal, mode)
-            )
+            pts = sorted((r.L, r.time_s, r.peak_mem_mib) for r in rows if r.status == "ok"
+                         and (r.impl, r.causal, r.mode) == (impl, causal, mode))  # fmt: skip
             if not pts:
                 continue
+            style = {"marker": "s" if causal else "o", "color": COLORS.get(impl),
+                     "alpha": 1.0 if causal else 0.6,
+                     "label": f"{impl} {'causal' if causal else 'bidir'} {mode}"}  # fmt: skip
             xs = [p[0] for p in pts]
-            label = f"{impl} {'causal' if causal else 'bidir'} {mode}"
-            marker = "s" if causal else "o"
-            ax_t.plot(
-                xs,
-                [p[1] for p in pts],
-                ls,
-                marker=marker,
-                color=colors.get(impl),
-                alpha=1.0 if causal else 0.6,
-                label=label,
-            )
-            ax_m.plot(
-                xs,
-                [max(p[2], 1e-3) for p in pts],
-                ls,
-                marker=marker,
-                color=colors.get(impl),
-                alpha=1.0 if causal else 0.6,
-                label=label,
-            )
+            ax_t.plot(xs, [p[1] for p in pts], ls, **style)
+            ax_m.plot(xs, [max(p[2], 1e-3) for p in pts], ls, **style)
     for ax, ylabel in ((ax_t, "time [s]"), (ax_m, "peak memory delta [MiB]")):
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
@@ -591,10 +446,6 @@ def _ratio(a: float | None, b: float | None) -> float:
 
 def targets(rows: list[Row]) -> list[tuple[str, str, float, bool | None]]:
     """The issue's targets: (description, target, measured, passed or None when unmeasured)."""
-    out: list[tuple[str, str, float, bool | None]] = []
-
-    def add(desc: str, tgt: str, val: float, ok: Callable[[float], bool]) -> None:
-        out.append((desc, tgt, val, None if math.isnan(val) else ok(val)))
 
     def t(impl: str, causal: bool, L: int) -> float | None:
         r = _get(rows, impl, causal, L)
@@ -604,78 +455,43 @@ def targets(rows: list[Row]) -> list[tuple[str, str, float, bool | None]]:
         r = _get(rows, impl, causal, L)
         return r.peak_mem_mib if r else None
 
-    add(
-        "causal fwd+bwd L=8192: SDPA time / ours",
-        ">= 2.5",
-        _ratio(t("sdpa", True, 8192), t("ours", True, 8192)),
-        lambda x: x >= 2.5,
-    )
-    add(
-        "causal fwd+bwd L=8192: performer time / ours",
-        ">= 30",
-        _ratio(t("performer", True, 8192), t("ours", True, 8192)),
-        lambda x: x >= 30,
-    )
-    add(
-        "causal fwd+bwd L=8192: ours causal mem / ours bidir mem",
-        "<= 1.5",
-        _ratio(mem("ours", True, 8192), mem("ours", False, 8192)),
-        lambda x: x <= 1.5,
-    )
-    lens = sorted({r.L for r in rows if r.L >= 4096})
-    worst = max(
-        (_ratio(mem("ours", True, L), mem("ours", False, L)) for L in lens),
-        key=lambda x: -1 if math.isnan(x) else x,
-        default=math.nan,
-    )
-    add(
-        "causal fwd+bwd L>=4096 worst: ours causal mem / bidir mem",
-        "<= 1.5",
-        worst,
-        lambda x: x <= 1.5,
-    )
-    add(
-        "bidir fwd+bwd L=32768: performer time / ours",
-        ">= 1.5",
-        _ratio(t("performer", False, 32768), t("ours", False, 32768)),
-        lambda x: x >= 1.5,
-    )
-    add(
-        "bidir fwd+bwd L=32768: ours mem / performer mem",
-        "<= 0.5",
-        _ratio(mem("ours", False, 32768), mem("performer", False, 32768)),
-        lambda x: x <= 0.5,
-    )
+    worst = max((_ratio(mem("ours", True, L), mem("ours", False, L))
+                 for L in sorted({r.L for r in rows if r.L >= 4096})),
+                key=lambda x: -1 if math.isnan(x) else x, default=math.nan)  # fmt: skip
+    checks = [  # (description, measured, goal)
+        ("causal fwd+bwd L=8192: SDPA time / ours",
+         _ratio(t("sdpa", True, 8192), t("ours", True, 8192)), ">= 2.5"),
+        ("causal fwd+bwd L=8192: performer time / ours",
+         _ratio(t("performer", True, 8192), t("ours", True, 8192)), ">= 30"),
+        ("causal fwd+bwd L=8192: ours causal mem / ours bidir mem",
+         _ratio(mem("ours", True, 8192), mem("ours", False, 8192)), "<= 1.5"),
+        ("causal fwd+bwd L>=4096 worst: ours causal mem / bidir mem", worst, "<= 1.5"),
+        ("bidir fwd+bwd L=32768: performer time / ours",
+         _ratio(t("performer", False, 32768), t("ours", False, 32768)), ">= 1.5"),
+        ("bidir fwd+bwd L=32768: ours mem / performer mem",
+         _ratio(mem("ours", False, 32768), mem("performer", False, 32768)), "<= 0.5"),
+    ]  # fmt: skip
     for causal in (False, True):
-        for mode in ("fwd", "fwd+bwd"):
-            fracs = [
-                r.useful_frac
-                for r in rows
-                if r.impl == "ours"
-                and r.causal == causal
-                and r.mode == mode
-                and r.L >= 8192
-                and r.status == "ok"
-            ]
+        for mode in PHASES:
+            fracs = [r.useful_frac for r in rows if r.impl == "ours" and r.causal == causal
+                     and r.mode == mode and r.L >= 8192 and r.status == "ok"]  # fmt: skip
             name = "causal" if causal else "bidir"
-            add(
-                f"ours {name} {mode} L>=8192: min useful FLOP fraction",
-                ">= 0.40",
-                min(fracs) if fracs else math.nan,
-                lambda x: x >= 0.40,
-            )
+            checks.append((f"ours {name} {mode} L>=8192: min useful FLOP fraction",
+                           min(fracs) if fracs else math.nan, ">= 0.40"))  # fmt: skip
+    out: list[tuple[str, str, float, bool | None]] = []
+    for desc, val, goal in checks:
+        op, bound = goal.split()
+        passed = val >= float(bound) if op == ">=" else val <= float(bound)
+        out.append((desc, goal, val, None if math.isnan(val) else passed))
     return out
 
 
 def format_tables(rows: list[Row], matmul_gflops: float) -> str:
     """Markdown: raw measurements, ratios to ours, and the target checklist."""
-    lines = [
-        f"matmul reference: {matmul_gflops:.1f} GFLOP/s",
-        "",
-        "| impl | mode | L | phase | status | time s | peak MiB | useful GFLOP/s | frac |"
-        " x ours time | x ours mem |",
-        "|---|---|---:|---|---|---:|---:|---:|---:|---:|---:|",
-    ]
+    lines = [f"matmul reference: {matmul_gflops:.1f} GFLOP/s", "",
+             "| impl | mode | L | phase | status | time s | peak MiB | useful GFLOP/s | frac |"
+             " x ours time | x ours mem |",
+             "|---|---|---:|---|---|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         ref = _get(rows, "ours", r.causal, r.L, r.mode)
         rt = _ratio(r.time_s, ref.time_s) if ref and r.status == "ok" else math.nan
@@ -683,8 +499,7 @@ def format_tables(rows: list[Row], matmul_gflops: float) -> str:
         lines.append(
             f"| {r.impl} | {'causal' if r.causal else 'bidir'} | {r.L} | {r.mode} | {r.status} "
             f"| {r.time_s:.4g} | {r.peak_mem_mib:.1f} | {r.achieved_gflops:.1f} "
-            f"| {r.useful_frac:.2f} | {rt:.2f} | {rm:.2f} |"
-        )
+            f"| {r.useful_frac:.2f} | {rt:.2f} | {rm:.2f} |")
     lines += ["", "| target | goal | measured | pass |", "|---|---|---:|---|"]
     for desc, tgt, val, ok in targets(rows):
         verdict = "n/a (not measured)" if ok is None else common.verdict(ok)
@@ -695,11 +510,8 @@ def format_tables(rows: list[Row], matmul_gflops: float) -> str:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = common.bench_parser(__doc__, EPILOG, out=".bench/attention")
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
-    p.add_argument(
-        "--impls",
-        default=",".join(DEFAULT_IMPLS),
-        help="comma list from: " + ",".join(IMPLS) + " (ours-torch, triton: causal only)",
-    )
+    p.add_argument("--impls", default=",".join(DEFAULT_IMPLS),
+                   help=f"comma list from: {','.join(IMPLS)} (ours-torch, triton: causal only)")
     p.add_argument("--modes", default=",".join(MODES), help="comma list from: " + ",".join(MODES))
     p.add_argument("--min-len", type=int, default=512)
     p.add_argument("--max-len", type=int, default=65536)
@@ -707,29 +519,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--heads", type=int, default=8)
     p.add_argument("--dim-head", type=int, default=64)
-    p.add_argument(
-        "--nb-features",
-        type=int,
-        default=None,
-        help="FAVOR+ features m (default: the model's, d ln d rounded up to 16: 272 at d=64)",
-    )
+    p.add_argument("--nb-features", type=int, default=None,
+                   help="FAVOR+ features m (default: the model's, d ln d rounded up to 16: "
+                   "272 at d=64)")
     p.add_argument("--kernel", default="softmax", help="FavorAttention kernel for 'ours'")
     p.add_argument("--ours-kwargs", default="{}", help="JSON of extra FavorAttention kwargs")
     p.add_argument("--repeats", type=int, default=5, help="timed repeats per phase (median)")
-    p.add_argument(
-        "--budget-s",
-        type=float,
-        default=20.0,
-        help="stop repeating a phase once this much time was spent; a warm-up "
-        "longer than this is the measurement (repeats=0)",
-    )
+    p.add_argument("--budget-s", type=float, default=20.0,
+                   help="stop repeating a phase once this much time was spent; a warm-up "
+                   "longer than this is the measurement (repeats=0)")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds per case (process)")
     common.add_mem_limit_arg(p)
     p.add_argument("--matmul-n", type=int, default=4096, help="size of the reference matmul")
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch default)")
-    common.add_final_args(
-        p, quick_help="tiny smoke configuration: L=256,512, 1 repeat, small matmul"
-    )
+    common.add_final_args(p, "tiny smoke configuration: L=256,512, 1 repeat, small matmul")
     args = p.parse_args(argv)
     if args.nb_features is None:
         from protein_performer.model.config import default_nb_features
@@ -751,11 +554,9 @@ def run_parent(args: argparse.Namespace) -> int:
     rows = run_all(args)
     matmul = next((r.matmul_gflops for r in rows), math.nan)
     csv_path, png_path, md_path = (args.out / f"attention.{x}" for x in ("csv", "png", "md"))
-    write_csv(rows, csv_path)
-    title = (
-        f"B={args.batch} H={args.heads} d={args.dim_head} m={args.nb_features} "
-        f"{args.dtype} {args.device}, matmul {matmul:.0f} GFLOP/s"
-    )
+    common.write_rows_csv(rows, csv_path, CSV_FIELDS)
+    title = (f"B={args.batch} H={args.heads} d={args.dim_head} m={args.nb_features} "
+             f"{args.dtype} {args.device}, matmul {matmul:.0f} GFLOP/s")  # fmt: skip
     plot(rows, png_path, title)
     table = format_tables(rows, matmul)
     md_path.write_text(f"# Attention benchmark\n\n{title}\n\n{table}\n")

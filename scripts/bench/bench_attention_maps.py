@@ -6,8 +6,9 @@ Cases (a randomly initialized model, default 6 layers x dim 320 x 20 heads, FAVO
   (default: one head; ``all`` for every head) on a random sequence of length L (1k and 4k);
 * ``titin-window``: rows for a 256-residue window of titin (34,350 aa) against all residues.
 
-Each case runs in a fresh subprocess so its peak RSS (``ru_maxrss``) is its own; the reported
-peak is above the process's baseline after the model is built (on CUDA: the allocator's peak).
+Each case runs in a fresh subprocess so its peak memory is its own: the peak RSS above the
+process's baseline after the model is built (``_common.py``'s sampler; on CUDA the allocator's
+peak above its allocation then).
 Time includes the forward pass up to the requested layer (the maps need the layer's input).
 
     python scripts/bench/bench_attention_maps.py          # L = 1024, 4096 and titin[1000:1256]
@@ -18,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import resource
 import subprocess
 import sys
 import time
@@ -26,16 +26,13 @@ from pathlib import Path
 
 import _common as common
 
-TITIN_ID = "sp|Q8WZ42|TITIN_HUMAN"
-DEFAULT_FASTA = common.SEQUENCES / "long_proteins.fasta"
-
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--quick", action="store_true", help="small sizes (a smoke run, seconds)")
     p.add_argument("--lengths", type=int, nargs="+", default=None, help="full-map lengths")
     p.add_argument("--window", type=int, nargs=2, default=(1000, 1256), metavar=("START", "END"))
-    p.add_argument("--fasta", type=Path, default=DEFAULT_FASTA, help="long_proteins.fasta")
+    p.add_argument("--fasta", type=Path, default=common.LONG_PROTEINS, help="long_proteins.fasta")
     p.add_argument("--heads", default="1", help="number of heads per map, or 'all'")
     p.add_argument("--layer", type=int, default=-1, help="layer (1..depth or negative)")
     p.add_argument("--depth", type=int, default=6)
@@ -47,19 +44,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--json", type=Path, default=None, help="also write the results here")
     p.add_argument("--case", default=None, help=argparse.SUPPRESS)  # internal: one case
     return p.parse_args(argv)
-
-
-def _rss_mb() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
-
-
-def titin(fasta: Path) -> str:
-    from Bio import SeqIO
-
-    for rec in SeqIO.parse(str(fasta), "fasta"):
-        if rec.id == TITIN_ID:
-            return str(rec.seq)
-    raise SystemExit(f"{fasta}: no record {TITIN_ID}")
 
 
 def run_case(args: argparse.Namespace) -> dict:
@@ -78,7 +62,9 @@ def run_case(args: argparse.Namespace) -> dict:
         seq = "".join(rng.choice(list("ACDEFGHIKLMNPQRSTVWY"), int(value)))
         window = None
     else:
-        seq = titin(args.fasta)
+        seq = common.titin(args.fasta)
+        if seq is None:
+            raise SystemExit(f"error: {args.fasta}: no titin record")
         if value:
             seq = seq[: int(value)]
         start, end = args.window
@@ -92,34 +78,23 @@ def run_case(args: argparse.Namespace) -> dict:
     device = torch.device(args.device)
     model = PerformerLM(config).eval().to(device)
     heads = None if args.heads == "all" else list(range(int(args.heads)))
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-        base = torch.cuda.memory_allocated() / 2**20
-    base_rss = _rss_mb()
-    t0 = time.perf_counter()
-    got = attention_maps(model, seq, layers=[args.layer], heads=heads, window=window)
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-    seconds = time.perf_counter() - t0
+    with common.PeakSampler(None) as sampler:
+        peak = common.start_phase(sampler, device)
+        t0 = time.perf_counter()
+        got = attention_maps(model, seq, layers=[args.layer], heads=heads, window=window)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        seconds = time.perf_counter() - t0
+        peak_mb = round(peak() / 2**20, 1)
     maps = got.maps[got.layers[0]]
-    out = {
-        "case": args.case,
-        "length": len(seq),
-        "window": [got.start, got.end],
-        "map_shape": list(maps.shape),
-        "map_mb": maps.numel() * maps.element_size() / 2**20,
-        "seconds": round(seconds, 3),
-        "peak_rss_over_baseline_mb": round(_rss_mb() - base_rss, 1),
-        "heads": len(got.heads),
-        "layer": got.layers[0],
-        "attention": args.attention,
-        "device": str(device),
-        "threads": args.threads,
-    }
-    if device.type == "cuda":
-        peak = torch.cuda.max_memory_allocated() / 2**20
-        out["cuda_peak_over_baseline_mb"] = round(peak - base, 1)
+    out = {"case": args.case, "length": len(seq), "window": [got.start, got.end],
+           "map_shape": list(maps.shape), "map_mb": maps.numel() * maps.element_size() / 2**20,
+           "seconds": round(seconds, 3),
+           "heads": len(got.heads),
+           "layer": got.layers[0], "attention": args.attention, "device": str(device),
+           "threads": args.threads}
+    cuda = device.type == "cuda"
+    out["cuda_peak_over_baseline_mb" if cuda else "peak_rss_over_baseline_mb"] = peak_mb
     return out
 
 
@@ -142,12 +117,10 @@ def main(argv: list[str] | None = None) -> int:
             return proc.returncode
         res = json.loads(proc.stdout.strip().splitlines()[-1])
         results.append(res)
-        mem = res.get("cuda_peak_over_baseline_mb", res["peak_rss_over_baseline_mb"])
-        print(
-            f"{case:>12}  L={res['length']:>6}  window={res['window']}  map {res['map_shape']} "
-            f"({res['map_mb']:.1f} MB)  {res['seconds']:.2f} s  peak +{mem:.0f} MB",
-            flush=True,
-        )
+        mem = res.get("cuda_peak_over_baseline_mb", res.get("peak_rss_over_baseline_mb"))
+        print(f"{case:>12}  L={res['length']:>6}  window={res['window']}  map {res['map_shape']} "
+              f"({res['map_mb']:.1f} MB)  {res['seconds']:.2f} s  peak +{mem:.0f} MB",
+              flush=True)
     if args.json:
         args.json.write_text(json.dumps(results, indent=2) + "\n")
     return 0

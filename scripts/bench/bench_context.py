@@ -33,11 +33,9 @@ Examples::
 
 from __future__ import annotations
 
-import csv
 import math
 import sys
 import time
-from pathlib import Path
 from typing import Any
 
 import _common as common
@@ -45,42 +43,17 @@ import _common as common
 SHAPE = {"dim": 320, "depth": 6, "heads": 20, "ff_dim": 1280}
 MEMBER = 300  # residues per context member and per candidate
 #: --impls: name -> PerformerConfig fields over the default (FAVOR+ softmax)
-IMPLS: dict[str, dict[str, Any]] = {
-    "favor": {},
-    "exact": {"attention": "exact"},
-    "favor+memory": {"position_memory": 1024},
-}
-FIELDS = (
-    "impl",
-    "threads",
-    "tokens",
-    "status",
-    "build_s",
-    "ms_per_candidate",
-    "rerun_ms_per_candidate",
-    "candidates",
-    "context_kib",
-    "peak_rss_mib",
-    "score_peak_mib",
-    "note",
-)
+IMPLS: dict[str, dict[str, Any]] = {"favor": {}, "exact": {"attention": "exact"},
+                                    "favor+memory": {"position_memory": 1024}}
+FIELDS = ("impl", "threads", "tokens", "status", "build_s", "ms_per_candidate",
+          "rerun_ms_per_candidate", "candidates", "context_kib", "peak_rss_mib", "score_peak_mib",
+          "note")
 
 
 def _lm(impl: str) -> Any:
-    import torch
-
-    from protein_performer.data.tokenizer import Alphabet
     from protein_performer.inference.api import ProteinLM
-    from protein_performer.interop.record import LoadedModel
-    from protein_performer.model.config import PerformerConfig
-    from protein_performer.model.performer import PerformerLM
 
-    torch.manual_seed(0)
-    config = PerformerConfig(**SHAPE, objective="clm", **IMPLS[impl])
-    model = PerformerLM(config).eval()
-    return ProteinLM(
-        LoadedModel(model, config, Alphabet(), Path("random"), torch.device("cpu"), "memory")
-    )
+    return ProteinLM(common.random_lm(**SHAPE, objective="clm", **IMPLS[impl]))
 
 
 def _sequences(n: int, seed: int, last: int = MEMBER) -> list[str]:
@@ -161,16 +134,9 @@ def run_parent(args: Any) -> int:
                 exact = impl == "exact"
                 n = args.exact_candidates if exact else args.candidates
                 reps = args.rerun_reps if not exact or tokens <= args.exact_rerun_max else 0
-                case = {
-                    "impl": impl,
-                    "threads": threads,
-                    "tokens": tokens,
-                    "candidates": n,
-                    "rerun_reps": reps,
-                    "score_reps": args.score_reps,
-                    "seed": args.seed,
-                    "mem_limit_gib": args.mem_limit_gib or common.default_mem_limit_gib(),
-                }
+                case = {"impl": impl, "threads": threads, "tokens": tokens, "candidates": n,
+                        "rerun_reps": reps, "score_reps": args.score_reps, "seed": args.seed,
+                        "mem_limit_gib": args.mem_limit_gib or common.default_mem_limit_gib()}
                 if exact and tokens > args.exact_max:
                     rows.append({**case, "status": "skipped", "note": "> --exact-max"})
                     continue
@@ -180,13 +146,8 @@ def run_parent(args: Any) -> int:
                 row["note"] = note or row.get("note", "")
                 rows.append(row)
                 print(f"  {row}", file=sys.stderr)
-    with (args.out / "context.csv").open("w", newline="") as fh:
-        writer = csv.DictWriter(fh, fieldnames=FIELDS, extrasaction="ignore")
-        writer.writeheader()
-        writer.writerows(rows)
-    report = _report(rows, args)
-    (args.out / "context.md").write_text(report)
-    print(report)
+    common.write_dicts_csv(rows, args.out / "context.csv", FIELDS)
+    common.write_report(args.out / "context.md", _report(rows, args))
     return 0
 
 
@@ -202,18 +163,15 @@ def _fmt(x: float | None, spec: str = ".1f") -> str:
     return "" if x is None else format(x, spec)
 
 
-def _report(rows: list[dict[str, Any]], args: Any) -> str:
+def _report(rows: list[dict[str, Any]], args: Any) -> list[str]:
     lines = [f"{SHAPE}, causal, default config, {MEMBER}-aa members and candidates", ""]
     lengths = sorted({int(r["tokens"]) for r in rows if r.get("status") == "ok"})
     for threads in args.threads:
-        lines += [
-            f"threads {threads}",
-            "",
-            "| context tokens | FAVOR+ build s | FAVOR+ ms/cand | exact build s | "
-            "exact (KV cache) ms/cand | exact / FAVOR+ | FAVOR+ concat ms/cand | "
-            "concat / FAVOR+ | exact concat ms/cand | FAVOR+ state KiB | exact cache KiB |",
-            "|---|---|---|---|---|---|---|---|---|---|---|",
-        ]
+        lines += [f"threads {threads}", "",
+                  "| context tokens | FAVOR+ build s | FAVOR+ ms/cand | exact build s | "
+                  "exact (KV cache) ms/cand | exact / FAVOR+ | FAVOR+ concat ms/cand | "
+                  "concat / FAVOR+ | exact concat ms/cand | FAVOR+ state KiB | exact cache KiB |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|"]
         for T in lengths:
             f = {k: _get(rows, "favor", threads, T, k) for k in FIELDS}
             e = {k: _get(rows, "exact", threads, T, k) for k in FIELDS}
@@ -223,8 +181,7 @@ def _report(rows: list[dict[str, Any]], args: Any) -> str:
                 f"| {_fmt(em)} | {_fmt(em / fm if em and fm else None, '.1f')}x | {_fmt(fr)} | "
                 f"{_fmt(fr / fm if fr and fm else None, '.1f')}x | "
                 f"{_fmt(e['rerun_ms_per_candidate'])} | {_fmt(f['context_kib'], '.0f')} | "
-                f"{_fmt(e['context_kib'], '.0f')} |"
-            )
+                f"{_fmt(e['context_kib'], '.0f')} |")
         lines.append("")
         if lengths:
             lo, hi = lengths[0], lengths[-1]
@@ -237,39 +194,33 @@ def _report(rows: list[dict[str, Any]], args: Any) -> str:
                         f"at 64k / 1k): {common.verdict(b / a <= 1.3)}; state "
                         f"{_fmt(_get(rows, impl, threads, lo, 'context_kib'), '.0f')} KiB at "
                         f"{lo}, {_fmt(_get(rows, impl, threads, hi, 'context_kib'), '.0f')} KiB "
-                        f"at {hi}"
-                    )
+                        f"at {hi}")
             for T in lengths:  # issue 40: the memory per candidate within 1.3x of FAVOR+
                 fm = _get(rows, "favor", threads, T, "ms_per_candidate")
                 mm = _get(rows, "favor+memory", threads, T, "ms_per_candidate")
                 if fm and mm:
                     lines.append(
                         f"favor+memory / FAVOR+ per candidate at {T}: {mm / fm:.2f}x (target "
-                        f"<= 1.3x): {common.verdict(mm / fm <= 1.3)}"
-                    )
+                        f"<= 1.3x): {common.verdict(mm / fm <= 1.3)}")
             mid = 16384 if 16384 in lengths else max(t for t in lengths if t <= 16384)
             fm = _get(rows, "favor", threads, mid, "ms_per_candidate")
             em = _get(rows, "exact", threads, mid, "ms_per_candidate")
             if fm and em:
                 lines.append(
                     f"exact / FAVOR+ per candidate at {mid}: {em / fm:.1f}x (target >= 20x at "
-                    f"16k): {common.verdict(em / fm >= 20)}"
-                )
+                    f"16k): {common.verdict(em / fm >= 20)}")
             peak = _get(rows, "favor", threads, hi, "peak_rss_mib")
             n = _get(rows, "favor", threads, hi, "candidates")
             if peak:
                 lines.append(
                     f"FAVOR+ peak RSS, {n} candidates at {hi} (build included): {peak:.0f} MiB "
-                    f"(target < 1024 MiB at 64k): {common.verdict(peak < 1024)}"
-                )
+                    f"(target < 1024 MiB at 64k): {common.verdict(peak < 1024)}")
         lines.append("")
     skipped = [r for r in rows if r.get("status") != "ok"]
     for r in skipped:
-        lines.append(
-            f"{r['impl']} threads={r['threads']} T={r['tokens']}: {r['status']} "
-            f"{r.get('note', '')}"
-        )
-    return "\n".join(lines) + "\n"
+        lines.append(f"{r['impl']} threads={r['threads']} T={r['tokens']}: {r['status']} "
+                     f"{r.get('note', '')}")
+    return lines
 
 
 def main() -> int:
@@ -283,9 +234,8 @@ def main() -> int:
     p.add_argument("--rerun-reps", type=int, default=1, help="concatenation forwards timed")
     p.add_argument("--score-reps", type=int, default=1,
                    help="scoring passes over the candidates, the best kept (a shared machine)")
-    p.add_argument(
-        "--exact-rerun-max", type=int, default=16384, help="longest exact concatenation timed"
-    )
+    p.add_argument("--exact-rerun-max", type=int, default=16384,
+                   help="longest exact concatenation timed")
     p.add_argument("--timeout", type=float, default=3600.0, help="seconds per case")
     common.add_mem_limit_arg(p)
     common.add_final_args(p, "two short contexts, a few candidates, 1 thread: a smoke run")

@@ -28,9 +28,8 @@ DEFAULT_FASTA = (common.SEQUENCES / "swissprot_opal_train.fasta").resolve()
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     src = p.add_mutually_exclusive_group()
-    src.add_argument(
-        "--fasta", type=Path, default=None, help=f"FASTA input (default {DEFAULT_FASTA})"
-    )
+    src.add_argument("--fasta", type=Path, default=None,
+                     help=f"FASTA input (default {DEFAULT_FASTA})")
     src.add_argument("--store", type=Path, default=None, help="preprocessed store directory")
     p.add_argument("--objective", choices=("mlm", "clm"), default="mlm")
     p.add_argument("--max-len", type=int, default=1024, help="tokens incl. <cls>/<eos> (1024)")
@@ -55,25 +54,14 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         raise SystemExit(f"error: {path} not found: pass --fasta FILE or --store DIR")
 
     t0 = time.perf_counter()
-    dm = ProteinDataModule(
-        str(path),
-        objective=args.objective,
-        max_len=args.max_len,
-        max_tokens=args.max_tokens,
-        num_workers=args.workers,
-        limit_records=args.limit_records,
-        on_invalid="skip",
-    )
+    dm = ProteinDataModule(str(path), objective=args.objective, max_len=args.max_len,
+                           max_tokens=args.max_tokens, num_workers=args.workers,
+                           limit_records=args.limit_records, on_invalid="skip")
     dm.setup("fit")
     load_s = time.perf_counter() - t0
     loader = dm.train_dataloader()
-    log.info(
-        "%s: %d train records, %d batches/epoch, loaded in %.2fs",
-        path,
-        len(dm.datasets["train"]),
-        len(loader),
-        load_s,
-    )
+    log.info("%s: %d train records, %d batches/epoch, loaded in %.2fs", path,
+             len(dm.datasets["train"]), len(loader), load_s)
 
     batches = real = padded = 0
     epoch = 0
@@ -94,19 +82,13 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
                 break
         epoch += 1
     elapsed = time.perf_counter() - t_steady
-    results = {
-        "source": str(path),
-        "max_len": args.max_len,
-        "max_tokens": args.max_tokens,
-        "workers": args.workers,
-        "objective": args.objective,
-        "batches": batches,
-        "first_batch_s": round(first_s or 0.0, 3),
-        "batches_per_s": round(batches / elapsed, 2),
-        "real_tokens_per_s": round(real / elapsed),
-        "padded_tokens_per_s": round(padded / elapsed),
-        "padding_frac": round(1 - real / max(padded, 1), 4),
-    }
+    results = {"source": str(path), "max_len": args.max_len, "max_tokens": args.max_tokens,
+               "workers": args.workers, "objective": args.objective, "batches": batches,
+               "first_batch_s": round(first_s or 0.0, 3),
+               "batches_per_s": round(batches / elapsed, 2),
+               "real_tokens_per_s": round(real / elapsed),
+               "padded_tokens_per_s": round(padded / elapsed),
+               "padding_frac": round(1 - real / max(padded, 1), 4)}
     print(json.dumps(results, indent=2))
     if args.json:
         args.json.write_text(json.dumps(results, indent=2) + "\n")

@@ -51,10 +51,7 @@ import csv
 import json
 import logging
 import os
-import resource
-import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -65,7 +62,6 @@ log = logging.getLogger("bench_embed")
 
 IMPLS = ("performer", "exact", "free", "hf", "esm")
 ESM2_8M = {"layers": 6, "dim": 320, "heads": 20, "ffn": 1280}
-TITIN = common.SEQUENCES / "long_proteins.fasta"
 PROTEINS = common.SEQUENCES / "swissprot_opal_train.fasta"
 EMBED_BUDGET = 4096  # protein-performer embed's default --toks-per-batch
 COLUMNS = ("impl", "case", "length", "device", "threads", "status", "time_s", "peak_mib", "note")
@@ -83,14 +79,10 @@ def _build(impl: str, length: int, nb_features: int | None = None) -> tuple[Any,
         from protein_performer.model.config import PerformerConfig
         from protein_performer.model.performer import PerformerLM
 
-        config = PerformerConfig(
-            dim=ESM2_8M["dim"],
-            depth=ESM2_8M["layers"],
-            heads=ESM2_8M["heads"],
-            ff_dim=ESM2_8M["ffn"],
-            nb_features=nb_features,
-            attention="favor" if impl == "performer" else "exact",
-        )
+        config = PerformerConfig(dim=ESM2_8M["dim"], depth=ESM2_8M["layers"],
+                                 heads=ESM2_8M["heads"], ff_dim=ESM2_8M["ffn"],
+                                 nb_features=nb_features,
+                                 attention="favor" if impl == "performer" else "exact")
         model = PerformerLM(config)
         if impl == "free":
             import torch
@@ -108,29 +100,18 @@ def _build(impl: str, length: int, nb_features: int | None = None) -> tuple[Any,
         import esm  # fair-esm
 
         alphabet = esm.data.Alphabet.from_architecture("ESM-1b")
-        model = esm.model.esm2.ESM2(
-            num_layers=ESM2_8M["layers"],
-            embed_dim=ESM2_8M["dim"],
-            attention_heads=ESM2_8M["heads"],
-            alphabet=alphabet,
-        )
+        model = esm.model.esm2.ESM2(num_layers=ESM2_8M["layers"], embed_dim=ESM2_8M["dim"],
+                                    attention_heads=ESM2_8M["heads"], alphabet=alphabet)
         return model, lambda t: model(t, repr_layers=[ESM2_8M["layers"]])["representations"][6]
     if impl == "hf":
         from transformers import EsmConfig, EsmModel
 
-        config = EsmConfig(
-            vocab_size=33,
-            hidden_size=ESM2_8M["dim"],
-            num_hidden_layers=ESM2_8M["layers"],
-            num_attention_heads=ESM2_8M["heads"],
-            intermediate_size=ESM2_8M["ffn"],
-            position_embedding_type="rotary",
-            max_position_embeddings=max(1026, length + 2),
-            token_dropout=True,
-            mask_token_id=32,
-            pad_token_id=1,
-            emb_layer_norm_before=False,
-        )
+        config = EsmConfig(vocab_size=33, hidden_size=ESM2_8M["dim"],
+                           num_hidden_layers=ESM2_8M["layers"],
+                           num_attention_heads=ESM2_8M["heads"], intermediate_size=ESM2_8M["ffn"],
+                           position_embedding_type="rotary",
+                           max_position_embeddings=max(1026, length + 2), token_dropout=True,
+                           mask_token_id=32, pad_token_id=1, emb_layer_norm_before=False)
         config._attn_implementation = "sdpa"
         model = EsmModel(config, add_pooling_layer=False)
         return model, lambda t: model(input_ids=t, attention_mask=t.ne(1).long())[0]
@@ -157,12 +138,6 @@ def _protein_batches(seqs: list[str]) -> list[Any]:
     alphabet = Alphabet()
     batches = budget_batches([len(s) + 2 for s in seqs], EMBED_BUDGET)
     return [alphabet.encode_batch([seqs[i] for i in batch]) for batch in batches]
-
-
-def _rss() -> int:
-    import psutil
-
-    return psutil.Process().memory_info().rss
 
 
 def run_case(case: dict[str, Any]) -> dict[str, Any]:
@@ -193,65 +168,36 @@ def run_case(case: dict[str, Any]) -> dict[str, Any]:
         body = torch.randint(4, 24, (1, length), generator=g)  # standard amino acids
         tokens = torch.cat([torch.zeros(1, 1, dtype=torch.long), body, torch.full((1, 1), 2)], 1)
     tokens = tokens.to(device)
-    with torch.inference_mode():
+    clock = time.process_time if case.get("clock") == "cpu" else time.perf_counter
+    times = []
+    with torch.inference_mode(), common.PeakSampler(None, interval_s=0.002) as sampler:
         forward(tokens[:, :64])  # warm-up: kernels, lazy init
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-            torch.cuda.reset_peak_memory_stats()
-            base = torch.cuda.memory_allocated()
-        common.release_free_memory()
-        rss0 = _rss()
-        max0 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-        sampled = [rss0]
-        stop = threading.Event()
-
-        def sample() -> None:
-            while not stop.is_set():
-                sampled.append(_rss())
-                time.sleep(0.002)
-
-        sampler = threading.Thread(target=sample, daemon=True)
-        sampler.start()
-        times = []
-        clock = time.process_time if case.get("clock") == "cpu" else time.perf_counter
+        peak = common.start_phase(sampler, device)
         for _ in range(int(case.get("repeats", 1))):
             start = clock()
             for batch in batches or [tokens]:
-                out = forward(batch)
-                del out
+                forward(batch)  # its output is dropped at once
             if device.type == "cuda":
                 torch.cuda.synchronize()
             times.append(clock() - start)
-        stop.set()
-        sampler.join()
-    if device.type == "cuda":
-        peak = torch.cuda.max_memory_allocated() - base
-    else:
-        max1 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-        peak = (max1 if max1 > max0 else max(sampled)) - rss0
-    return {"time_s": min(times), "peak_mib": peak / 2**20, "length": length, "note": note}
+        peak_bytes = peak()
+    return {"time_s": min(times), "peak_mib": peak_bytes / 2**20, "length": length, "note": note}
 
 
 # --------------------------------------------------------------------------------------------
 # Parent: orchestrate fresh processes, write the CSV, print the targets
 # --------------------------------------------------------------------------------------------
-def _spawn(case: dict[str, Any], timeout: float) -> dict[str, Any]:
-    cmd = [sys.executable, str(Path(__file__).resolve()), "--case", json.dumps(case)]
-    try:
-        proc = subprocess.run(
-            cmd, capture_output=True, text=True, timeout=timeout, cwd=common.REPO
-        )
-    except subprocess.TimeoutExpired:
-        return {"status": "timeout", "note": f"over {timeout:.0f} s"}
-    for line in proc.stdout.splitlines():
-        if line.startswith("RESULT "):
-            return {"status": "ok", **json.loads(line[7:])}
-    err = (proc.stderr.strip().splitlines() or ["no output"])[-1]
-    if "ImportError" in err or "ModuleNotFoundError" in err:
-        return {"status": "not installed", "note": err[-200:]}
-    if proc.returncode < 0 or "out of memory" in err.lower() or "MemoryError" in err:
-        return {"status": "oom", "note": err[-200:]}
-    return {"status": "error", "note": err[-200:]}
+def _failure(note: str) -> dict[str, str]:
+    """A case without a result: its status from ``common.spawn_case``'s note."""
+    if note.startswith("timeout"):
+        status = "timeout"
+    elif "ImportError" in note or "ModuleNotFoundError" in note:
+        status = "not installed"
+    elif note.startswith("exit -") or "out of memory" in note.lower() or "MemoryError" in note:
+        status = "oom"  # killed (the kernel's OOM killer) or torch's own out-of-memory error
+    else:
+        status = "error"
+    return {"status": status, "note": note}
 
 
 def _installed(impl: str) -> str | None:
@@ -262,17 +208,6 @@ def _installed(impl: str) -> str | None:
     if importlib.util.find_spec(module) is None:
         pkg = {"esm": "fair-esm==2.0.0", "hf": "transformers"}.get(impl, module)
         return f"{module} is not installed (pip install {pkg}); skipped"
-    return None
-
-
-def _titin(path: Path) -> str | None:
-    if not path.is_file():
-        return None
-    from protein_performer.data.fasta import read_fasta
-
-    for rec in read_fasta(path):
-        if "TITIN" in rec.id.upper():
-            return rec.sequence
     return None
 
 
@@ -295,11 +230,9 @@ def summarize(rows: list[dict[str, Any]]) -> list[str]:
         if ours and hf:
             speed = hf["time_s"] / ours["time_s"]
             mem = ours["peak_mib"] / max(hf["peak_mib"], 1e-9)
-            lines.append(
-                f"L={L}: {speed:.2f}x faster than hf-SDPA (target >= {target}x: "
-                f"{common.verdict(speed >= target)}); peak memory {mem:.2f}x hf-SDPA's "
-                f"(target <= 2x: {common.verdict(mem <= 2)})"
-            )
+            lines.append(f"L={L}: {speed:.2f}x faster than hf-SDPA (target >= {target}x: "
+                         f"{common.verdict(speed >= target)}); peak memory {mem:.2f}x hf-SDPA's "
+                         f"(target <= 2x: {common.verdict(mem <= 2)})")
         else:
             lines.append(f"L={L}: no ratio (performer or hf case missing)")
     for L in (1024, 4096, 16384, 32768):
@@ -307,15 +240,12 @@ def summarize(rows: list[dict[str, Any]]) -> list[str]:
         if ours and esm:
             lines.append(
                 f"L={L}: {esm['time_s'] / ours['time_s']:.2f}x faster than fair-esm, peak memory "
-                f"{ours['peak_mib'] / max(esm['peak_mib'], 1e-9):.3f}x fair-esm's"
-            )
+                f"{ours['peak_mib'] / max(esm['peak_mib'], 1e-9):.3f}x fair-esm's")
     t4, t32 = get("performer", "4096"), get("performer", "32768")
     if t4 and t32:
         ratio = t32["time_s"] / t4["time_s"]
-        lines.append(
-            f"time(32k)/time(4k) = {ratio:.2f} (target <= 9, linear = 8: "
-            f"{common.verdict(ratio <= 9)})"
-        )
+        lines.append(f"time(32k)/time(4k) = {ratio:.2f} (target <= 9, linear = 8: "
+                     f"{common.verdict(ratio <= 9)})")
     # Issue 43: the real proteins against transformers; issue 14: long sequences against our
     # exact twin.
     issue14 = (("hf", "proteins", 1.7), ("exact", "2048", 1.5), ("exact", "8192", 4))
@@ -327,82 +257,58 @@ def summarize(rows: list[dict[str, Any]]) -> list[str]:
         )
     if free and ours:
         share = free["time_s"] / ours["time_s"]  # (hf / ours) / (hf / free)
-        lines.append(
-            f"{ours['length']} real proteins: ours at {100 * share:.0f}% of the free-attention "
-            f"ceiling (target >= 87%: {common.verdict(share >= 0.87)})"
-        )
+        lines.append(f"{ours['length']} real proteins: ours at {100 * share:.0f}% of the "
+                     f"free-attention ceiling (target >= 87%: {common.verdict(share >= 0.87)})")
     for base, case, target in issue14:
         ours, theirs = get("performer", case), get(base, case)
         if ours and theirs:
             speed = theirs["time_s"] / ours["time_s"]
             what = f"{ours['length']} real proteins" if case == "proteins" else f"L={case}"
             name = "hf-SDPA" if base == "hf" else "our exact twin"
-            lines.append(
-                f"{what}: {name}'s time / ours = {speed:.2f} (target >= {target}: "
-                f"{common.verdict(speed >= target)})"
-            )
+            lines.append(f"{what}: {name}'s time / ours = {speed:.2f} (target >= {target}: "
+                         f"{common.verdict(speed >= target)})")
     titin = get("performer", "titin")
     if titin:
         gib = titin["peak_mib"] / 1024
-        lines.append(
-            f"titin ({titin['length']} aa) in one pass: {titin['time_s']:.1f} s, peak "
-            f"{gib:.2f} GiB (target < 4 GiB: {common.verdict(gib < 4)})"
-        )
+        lines.append(f"titin ({titin['length']} aa) in one pass: {titin['time_s']:.1f} s, peak "
+                     f"{gib:.2f} GiB (target < 4 GiB: {common.verdict(gib < 4)})")
     return lines
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        description=__doc__.split("\n\n")[0],
-        epilog=__doc__[__doc__.index("Targets") :],
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     epilog=__doc__[__doc__.index("Targets") :],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--lengths", type=int, nargs="+", default=[1024, 4096, 16384, 32768])
     parser.add_argument("--impls", nargs="+", choices=IMPLS, default=list(IMPLS))
     parser.add_argument("--device", default="cpu", help="cpu or cuda (default: cpu)")
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0 = default)")
-    parser.add_argument(
-        "--dtype", default="float32", choices=("float32", "bfloat16"), help="default: float32"
-    )
+    parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"),
+                        help="default: float32")
     parser.add_argument("--repeats", type=int, default=1, help="timed forwards; best is kept")
     parser.add_argument(
-        "--clock",
-        choices=("wall", "cpu"),
-        default="wall",
+        "--clock", choices=("wall", "cpu"), default="wall",
         help="wall: elapsed seconds (default); cpu: this process's CPU seconds, all threads "
         "(on a shared machine at --threads 1 it barely sees other work; with more threads it "
-        "also counts their waits)",
-    )
+        "also counts their waits)")
     parser.add_argument("--timeout", type=float, default=900.0, help="seconds per case")
     parser.add_argument(
-        "--esm-max-len",
-        type=int,
-        default=4096,
+        "--esm-max-len", type=int, default=4096,
         help="longest L for fair-esm, whose L x L attention needs ~heads*L^2*4 bytes per "
-        "layer (16k: 20 GiB); longer is recorded as skipped (default 4096)",
-    )
+        "layer (16k: 20 GiB); longer is recorded as skipped (default 4096)")
     parser.add_argument(
-        "--hf-max-len",
-        type=int,
-        default=16384,
+        "--hf-max-len", type=int, default=16384,
         help="longest L for transformers and our exact twin (quadratic time: 32k takes many "
-        "minutes on a CPU); longer is recorded as skipped (default 16384)",
-    )
+        "minutes on a CPU); longer is recorded as skipped (default 16384)")
     parser.add_argument(
-        "--nb-features",
-        type=int,
-        default=None,
+        "--nb-features", type=int, default=None,
         help="FAVOR+ random features per head for our model (default: the model's, d ln d "
-        "rounded up to a multiple of 16 = 48 for the 8M shape's 16-wide heads)",
-    )
+        "rounded up to a multiple of 16 = 48 for the 8M shape's 16-wide heads)")
     parser.add_argument(
-        "--proteins",
-        type=int,
-        default=0,
-        metavar="N",
-        help="also embed N real proteins as `embed` batches them (0 = no such case)",
-    )
-    parser.add_argument("--titin", type=Path, default=TITIN, help="FASTA holding TITIN_HUMAN")
+        "--proteins", type=int, default=0, metavar="N",
+        help="also embed N real proteins as `embed` batches them (0 = no such case)")
+    parser.add_argument("--titin", type=Path, default=common.LONG_PROTEINS,
+                        help="FASTA holding TITIN_HUMAN")
     parser.add_argument("--no-titin", action="store_true", help="skip the titin case")
     parser.add_argument("--quick", action="store_true", help="L = 256, 512 and no titin")
     parser.add_argument("--out", type=Path, default=Path("bench_embed.csv"), help="CSV output")
@@ -416,69 +322,41 @@ def main(argv: list[str] | None = None) -> int:
         args.lengths, args.no_titin = [256, 512], True
 
     rows: list[dict[str, Any]] = []
-    base = {"device": args.device, "threads": args.threads or os.cpu_count()}
-    shared = {"device": args.device, "dtype": args.dtype, "threads": args.threads}
-    shared["clock"] = args.clock  # how each case times itself
+    shared = {"device": args.device, "dtype": args.dtype, "threads": args.threads,
+              "clock": args.clock, "repeats": args.repeats, "nb_features": args.nb_features}
+
+    def row(impl: str, case: str, length: int, skip: str = "", **extra: Any) -> dict[str, Any]:
+        """One case's row: measured in a fresh process unless not installed or ``skip``."""
+        out = {"impl": impl, "case": case, "length": length, "device": args.device,
+               "threads": args.threads or os.cpu_count(), "note": ""}
+        missing = _installed(impl)
+        if missing or skip:
+            out.update(status="not installed" if missing else "skipped", note=missing or skip)
+        else:
+            results, note = common.spawn_case(__file__, {"impl": impl, "length": length,
+                                                         **shared, **extra}, args.timeout)
+            out.update({"status": "ok", **results[0]} if results else _failure(note))
+        rows.append(out)
+        log.info("%-9s %-8s %s", impl, case if case in ("proteins", "titin") else f"L={length}",
+                 _fmt(out))
+        return out
+
     for impl in args.impls:
-        missing = _installed(impl)
-        failed = False
+        failed = ""
         for L in sorted(args.lengths):
-            row = {"impl": impl, "case": str(L), "length": L, **base, "note": ""}
-            if missing:
-                row.update(status="not installed", note=missing)
-            elif failed:
-                row.update(status="skipped", note="a shorter length failed or timed out")
-            elif impl == "esm" and args.esm_max_len < L:
-                row.update(status="skipped", note=f"L > --esm-max-len {args.esm_max_len}")
+            skip = failed
+            if impl == "esm" and args.esm_max_len < L:
+                skip = skip or f"L > --esm-max-len {args.esm_max_len}"
             elif impl in ("hf", "exact") and args.hf_max_len < L:
-                row.update(status="skipped", note=f"L > --hf-max-len {args.hf_max_len}")
-            else:
-                case = {
-                    "impl": impl,
-                    "length": L,
-                    **shared,
-                    "repeats": args.repeats,
-                    "nb_features": args.nb_features,
-                }
-                row.update(_spawn(case, args.timeout))
-                failed = row["status"] != "ok"
-            rows.append(row)
-            log.info("%-9s L=%-6d %s", impl, L, _fmt(row))
+                skip = skip or f"L > --hf-max-len {args.hf_max_len}"
+            if row(impl, str(L), L, skip)["status"] != "ok" and not skip:
+                failed = "a shorter length failed or timed out"
     for impl in args.impls if args.proteins else ():
-        row = {"impl": impl, "case": "proteins", "length": args.proteins, **base, "note": ""}
-        missing = _installed(impl)
-        if missing:
-            row.update(status="not installed", note=missing)
-        else:
-            case = {
-                "impl": impl,
-                "length": args.proteins,
-                "proteins": True,
-                **shared,
-                "repeats": args.repeats,
-                "nb_features": args.nb_features,
-            }
-            row.update(_spawn(case, args.timeout))
-            row["length"] = args.proteins
-        rows.append(row)
-        log.info("%-9s proteins %s", impl, _fmt(row))
+        row(impl, "proteins", args.proteins, proteins=True)
     if not args.no_titin and "performer" in args.impls:
-        seq = _titin(args.titin)
-        row = {"impl": "performer", "case": "titin", "length": len(seq or ""), **base, "note": ""}
-        if seq is None:
-            row.update(status="skipped", note=f"no TITIN_HUMAN record in {args.titin}")
-        else:
-            case = {
-                "impl": "performer",
-                "length": len(seq),
-                "sequence": seq,
-                **shared,
-                "repeats": 1,
-                "nb_features": args.nb_features,
-            }
-            row.update(_spawn(case, args.timeout))
-        rows.append(row)
-        log.info("%-9s titin    %s", "performer", _fmt(row))
+        seq = common.titin(args.titin)
+        row("performer", "titin", len(seq or ""),
+            "" if seq else f"no TITIN_HUMAN record in {args.titin}", sequence=seq, repeats=1)
 
     args.out.parent.mkdir(parents=True, exist_ok=True)
     with open(args.out, "w", newline="", encoding="utf-8") as fh:

@@ -33,22 +33,6 @@ UNIREF50 = 65_000_000
 AMINO = "ACDEFGHIKLMNPQRSTVWY"
 
 
-def _model(directory: Path) -> Path:
-    import torch
-
-    from protein_performer.data.tokenizer import Alphabet
-    from protein_performer.interop.export import export_model
-    from protein_performer.interop.record import LoadedModel
-    from protein_performer.model.config import PerformerConfig
-    from protein_performer.model.performer import PerformerLM
-
-    torch.manual_seed(0)
-    config = PerformerConfig(dim=64, depth=2, heads=4, ff_dim=128, nb_features=32)
-    model = PerformerLM(config).eval()
-    loaded = LoadedModel(model, config, Alphabet(), Path("bench"), torch.device("cpu"), "memory")
-    return export_model(loaded, directory / "model")
-
-
 def _fasta(path: Path, n: int) -> None:
     import numpy as np
 
@@ -108,18 +92,10 @@ def run_case(case: dict) -> None:
     ids = [r.id for r in input_records(fasta)]
     assert summary.num_records == n == len(emb) and np.isfinite(emb).all()
     assert stored_ids == ids
-    common.emit(
-        {
-            "n": n,
-            "model_s": model_s,
-            "embed_s": total_s,
-            "storage_s": storage["s"],
-            "read_s": read_s,
-            "file_bytes": out.stat().st_size,
-            "raw_bytes": int(emb.nbytes) + sum(len(i.encode()) for i in ids),
-            "maxrss_mib": max(common.maxrss_bytes(), rss_before) / 2**20,
-        }
-    )
+    common.emit({"n": n, "model_s": model_s, "embed_s": total_s, "storage_s": storage["s"],
+                "read_s": read_s, "file_bytes": out.stat().st_size,
+                "raw_bytes": int(emb.nbytes) + sum(len(i.encode()) for i in ids),
+                "maxrss_mib": max(common.maxrss_bytes(), rss_before) / 2**20})
 
 
 def main() -> int:
@@ -138,7 +114,8 @@ def main() -> int:
     rows = {}
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
-        model = _model(work)
+        model = common.random_export(work / "model", dim=64, depth=2, heads=4, ff_dim=128,
+                                     nb_features=32)
         for n in sorted({*args.records, args.read_records}):
             _fasta(work / f"in_{n}.fasta", n)
             case = {"n": n, "dir": tmp, "model": str(model), "threads": args.threads}
@@ -148,21 +125,18 @@ def main() -> int:
                 return 1
             rows[n] = results[0]
             print(f"N={n}: {rows[n]}", file=sys.stderr)
-    lines = [
-        f"dim 64, 2 layers, FAVOR+; random proteins 30-80 aa; mean pooling; {args.threads} "
-        "thread(s); each N in a fresh process",
-        "",
-        "| records | file MiB | file / (floats + ids) | model s | embed s | storage s | "
-        "storage / rest of embed | read all s | peak RSS MiB |",
-        "|---|---|---|---|---|---|---|---|---|",
-    ]
+    lines = [f"dim 64, 2 layers, FAVOR+; random proteins 30-80 aa; mean pooling; {args.threads} "
+             "thread(s); each N in a fresh process",
+             "",
+             "| records | file MiB | file / (floats + ids) | model s | embed s | storage s | "
+             "storage / rest of embed | read all s | peak RSS MiB |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for n, r in sorted(rows.items()):
         lines.append(
             f"| {n} | {r['file_bytes'] / 2**20:.1f} | {r['file_bytes'] / r['raw_bytes']:.2f}x | "
             f"{r['model_s']:.1f} | {r['embed_s']:.1f} | {r['storage_s']:.2f} | "
             f"{100 * r['storage_s'] / (r['embed_s'] - r['storage_s']):.1f}% | {r['read_s']:.3f} | "
-            f"{r['maxrss_mib']:.0f} |"
-        )
+            f"{r['maxrss_mib']:.0f} |")
     small, big = min(args.records), max(args.records)
     if small != big:
         ratio = rows[big]["maxrss_mib"] / rows[small]["maxrss_mib"]
@@ -176,11 +150,8 @@ def main() -> int:
         f"extrapolated to UniRef50 ({UNIREF50:,} records of this size and dim 64): file "
         f"{per_record * UNIREF50 / 2**30:.1f} GiB; writing at this run's rate "
         f"{UNIREF50 / r['n'] * r['storage_s'] / 3600:.2f} h of storage time "
-        f"beyond the model; reading all pooled embeddings {UNIREF50 / r['n'] * r['read_s']:.0f} s",
-    ]
-    report = "\n".join(lines) + "\n"
-    (args.out / "embed_store.md").write_text(report)
-    print(report)
+        f"beyond the model; reading all pooled embeddings {UNIREF50 / r['n'] * r['read_s']:.0f} s"]
+    common.write_report(args.out / "embed_store.md", lines)
     return 0
 
 

@@ -41,14 +41,13 @@ Examples::
 from __future__ import annotations
 
 import argparse
-import csv
-import inspect
 import logging
 import math
+import statistics
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import _common as common
 
@@ -73,21 +72,12 @@ def make_qkv(L: int, d: int, tau: float, gen: torch.Generator) -> tuple[Tensor, 
     return q, k, v
 
 
-def _favor(d: int, m: int, kernel: str, orthogonal: bool | None) -> torch.nn.Module:
-    """Builds a FavorAttention; `orthogonal` is passed only when the class accepts it."""
+def _favor(d: int, m: int, kernel: str, orthogonal: bool = True) -> torch.nn.Module:
+    """A bidirectional FavorAttention; ``orthogonal=False`` draws IID features."""
     from protein_performer.model.favor import FavorAttention
 
-    kwargs: dict[str, object] = {}
-    if orthogonal is not None:
-        kwargs["orthogonal"] = orthogonal
-    return FavorAttention(dim_head=d, nb_features=m, causal=False, kernel=kernel, **kwargs)
-
-
-def supports_iid() -> bool:
-    """Whether favor.py lets the caller choose IID instead of orthogonal features."""
-    from protein_performer.model.favor import FavorAttention
-
-    return "orthogonal" in inspect.signature(FavorAttention.__init__).parameters
+    return FavorAttention(dim_head=d, nb_features=m, causal=False, kernel=kernel,
+                          orthogonal=orthogonal)
 
 
 def _seeded_redraw(attn: torch.nn.Module, seed: int) -> None:
@@ -97,9 +87,8 @@ def _seeded_redraw(attn: torch.nn.Module, seed: int) -> None:
     attn.redraw(generator=gen)
 
 
-def fig4_study(
-    L: int, d: int, ms: Sequence[int], seeds: int, taus: Sequence[float]
-) -> list[dict[str, object]]:
+def fig4_study(L: int, d: int, ms: Sequence[int], seeds: int,
+               taus: Sequence[float]) -> list[dict[str, object]]:
     """MSE of the attention output vs m for {ORF, IID} x {positive, trig}, per logit std.
 
     The uniform baseline (mean of V) is added as a flat reference: an estimator above it is
@@ -109,40 +98,22 @@ def fig4_study(
 
     from protein_performer.model.exact import exact_attention
 
-    draws: list[bool | None] = [True, False] if supports_iid() else [None]
-    if draws == [None]:
-        log.warning(
-            "FavorAttention has no `orthogonal` option: Fig. 4 shows its default draw "
-            "only (no IID comparison)"
-        )
     rows: list[dict[str, object]] = []
 
     def add(tau: float, feat: str, draw: str, m: int, mses: list[float]) -> None:
         mean, std = _mean_std(mses)
-        rows.append(
-            {
-                "tau": tau,
-                "features": feat,
-                "draw": draw,
-                "m": m,
-                "mse_mean": mean,
-                "mse_std": std,
-                "seeds": seeds,
-            }
-        )
+        rows.append({"tau": tau, "features": feat, "draw": draw, "m": m, "mse_mean": mean,
+                     "mse_std": std, "seeds": seeds})
         log.info("fig4 tau=%g %-8s %-7s m=%-4d mse %.3e +- %.1e", tau, feat, draw, m, mean, std)
 
     for tau in taus:
         inputs = [make_qkv(L, d, tau, torch.Generator().manual_seed(s)) for s in range(seeds)]
         with torch.no_grad():
             refs = [exact_attention(q, k, v) for q, k, v in inputs]
-        uniform = [
-            float((v.mean(-2, keepdim=True) - ref).pow(2).mean())
-            for (_, _, v), ref in zip(inputs, refs, strict=True)
-        ]
+        uniform = [float((v.mean(-2, keepdim=True) - ref).pow(2).mean())
+                   for (_, _, v), ref in zip(inputs, refs, strict=True)]
         for kernel, feat in (("softmax", "positive"), ("trig", "trig")):
-            for orth in draws:
-                draw = {True: "ORF", False: "IID", None: "default"}[orth]
+            for orth, draw in ((True, "ORF"), (False, "IID")):
                 for m in ms:
                     attn = _favor(d, m, kernel, orth)
                     mses = []
@@ -157,32 +128,25 @@ def fig4_study(
 
 
 def _mean_std(xs: Sequence[float]) -> tuple[float, float]:
-    mean = sum(xs) / len(xs)
-    var = sum((x - mean) ** 2 for x in xs) / max(len(xs) - 1, 1)
-    return mean, math.sqrt(var)
+    """Mean and sample standard deviation (0 for one seed)."""
+    return statistics.fmean(xs), statistics.stdev(xs) if len(xs) > 1 else 0.0
 
 
 def _rel_err(out: Tensor, ref: Tensor) -> float:
     return float((out - ref).norm() / ref.norm())
 
 
-def _methods(
-    d: int, m: int, kernels: Sequence[str]
-) -> dict[str, Callable[[Tensor, Tensor, Tensor, int], Tensor]]:
+def _methods(d: int, m: int,
+             kernels: Sequence[str]) -> dict[str, Callable[[Tensor, Tensor, Tensor, int], Tensor]]:
     """name -> fn(q, k, v, seed): every approximation compared in the tau sweep."""
     import torch
 
     methods: dict[str, Callable[[Tensor, Tensor, Tensor, int], Tensor]] = {}
     for kernel in kernels:
-        try:
-            attn = _favor(d, m, kernel, None)
-        except (ValueError, NotImplementedError, KeyError) as exc:
-            log.warning("kernel %r unavailable in FavorAttention: %s", kernel, exc)
-            continue
+        attn = _favor(d, m, kernel)
 
-        def ours(
-            q: Tensor, k: Tensor, v: Tensor, seed: int, attn: torch.nn.Module = attn
-        ) -> Tensor:
+        def ours(q: Tensor, k: Tensor, v: Tensor, seed: int,
+                 attn: torch.nn.Module = attn) -> Tensor:
             _seeded_redraw(attn, seed)
             return attn(q, k, v)[0]
 
@@ -190,10 +154,8 @@ def _methods(
     try:
         from performer_pytorch import FastAttention
     except ImportError:
-        log.warning(
-            "performer-pytorch not installed: no comparison against it "
-            "(pip install performer-pytorch==1.1.4)"
-        )
+        log.warning("performer-pytorch not installed: no comparison against it "
+                    "(pip install performer-pytorch==1.1.4)")
     else:
 
         def performer(q: Tensor, k: Tensor, v: Tensor, seed: int) -> Tensor:
@@ -209,9 +171,8 @@ def _methods(
     return methods
 
 
-def tau_study(
-    L: int, d: int, m: int, taus: Sequence[float], seeds: int, kernels: Sequence[str]
-) -> list[dict[str, object]]:
+def tau_study(L: int, d: int, m: int, taus: Sequence[float], seeds: int,
+              kernels: Sequence[str]) -> list[dict[str, object]]:
     """Relative error vs exact for each method and logit std; mean/std over seeds."""
     import torch
 
@@ -229,32 +190,14 @@ def tau_study(
     rows = []
     for (name, tau), xs in errs.items():
         mean, std = _mean_std(xs)
-        rows.append(
-            {
-                "method": name,
-                "tau": tau,
-                "rel_err_mean": mean,
-                "rel_err_std": std,
-                "seeds": seeds,
-                "L": L,
-                "d": d,
-                "m": m,
-            }
-        )
+        rows.append({"method": name, "tau": tau, "rel_err_mean": mean, "rel_err_std": std,
+                     "seeds": seeds, "L": L, "d": d, "m": m})
         log.info("tau %-4g %-22s rel err %.4f +- %.4f", tau, name, mean, std)
     return rows
 
 
-def write_csv(rows: list[dict[str, object]], path: Path) -> None:
-    with path.open("w", newline="") as fh:
-        w = csv.DictWriter(fh, fieldnames=list(rows[0]))
-        w.writeheader()
-        w.writerows(rows)
-
-
-def markdown(
-    fig4: list[dict[str, object]], tau: list[dict[str, object]], fig4_cfg: str, tau_cfg: str
-) -> str:
+def markdown(fig4: list[dict[str, object]], tau: list[dict[str, object]], fig4_cfg: str,
+             tau_cfg: str) -> str:
     """MSE per (features, draw) vs m for each Fig. 4 logit std; rel. error per method vs tau."""
     lines = [f"## Fig. 4: attention-output MSE vs m ({fig4_cfg})"]
     for t in sorted({float(r["tau"]) for r in fig4}):
@@ -262,13 +205,9 @@ def markdown(
         cols = list(dict.fromkeys((str(r["features"]), str(r["draw"])) for r in sub))
         ms = sorted({int(r["m"]) for r in sub})
         cell = {(r["features"], r["draw"], r["m"]): r for r in sub}
-        lines += [
-            "",
-            f"### logit std tau = {t:g}",
-            "",
-            "| m | " + " | ".join(f"{f} {dr}" for f, dr in cols) + " | ORF < IID |",
-            "|---:|" + "---:|" * len(cols) + "---|",
-        ]
+        lines += ["", f"### logit std tau = {t:g}", "",
+                  "| m | " + " | ".join(f"{f} {dr}" for f, dr in cols) + " | ORF < IID |",
+                  "|---:|" + "---:|" * len(cols) + "---|"]
         for m in ms:
             orf_wins = []
             for feat in ("positive", "trig"):
@@ -276,45 +215,36 @@ def markdown(
                 if orf and iid:
                     won = orf["mse_mean"] < iid["mse_mean"]
                     orf_wins.append(f"{feat}: {'yes' if won else 'NO'}")
-            lines.append(
-                f"| {m} | "
-                + " | ".join(
-                    f"{cell[(f, dr, m)]['mse_mean']:.3e} ± {cell[(f, dr, m)]['mse_std']:.1e}"
-                    for f, dr in cols
-                )
-                + f" | {', '.join(orf_wins) or 'n/a'} |"
-            )
+            mses = [f"{cell[(f, dr, m)]['mse_mean']:.3e} ± {cell[(f, dr, m)]['mse_std']:.1e}"
+                    for f, dr in cols]
+            lines.append(f"| {m} | {' | '.join(mses)} | {', '.join(orf_wins) or 'n/a'} |")
     taus = sorted({float(r["tau"]) for r in tau})
     methods = list(dict.fromkeys(str(r["method"]) for r in tau))
     tcell = {(r["method"], r["tau"]): r for r in tau}
-    lines += [
-        "",
-        f"## Relative error ||out - exact|| / ||exact|| vs logit std tau ({tau_cfg})",
-        "",
-        "softmax_hyp and trig use 2m-wide features; the uniform baseline outputs the "
-        "mean of V for every query.",
-        "",
-        "| method | " + " | ".join(f"tau={t:g}" for t in taus) + " |",
-        "|---|" + "---:|" * len(taus),
-    ]
+    lines += ["", f"## Relative error ||out - exact|| / ||exact|| vs logit std tau ({tau_cfg})",
+              "",
+              "softmax_hyp and trig use 2m-wide features; the uniform baseline outputs the "
+              "mean of V for every query.",
+              "", "| method | " + " | ".join(f"tau={t:g}" for t in taus) + " |",
+              "|---|" + "---:|" * len(taus)]
     for name in methods:
-        lines.append(
-            f"| {name} | "
-            + " | ".join(
-                f"{tcell[(name, t)]['rel_err_mean']:.4f} ± {tcell[(name, t)]['rel_err_std']:.4f}"
-                for t in taus
-            )
-            + " |"
-        )
+        errs = [f"{tcell[(name, t)]['rel_err_mean']:.4f} ± {tcell[(name, t)]['rel_err_std']:.4f}"
+                for t in taus]
+        lines.append(f"| {name} | {' | '.join(errs)} |")
     return "\n".join(lines)
 
 
-def plot(
-    fig4: list[dict[str, object]],
-    tau: list[dict[str, object]],
-    path: Path,
-    titles: tuple[str, str],
-) -> None:
+def _errorbars(ax: Any, rows: list[dict[str, object]], x: str, y: str, **style: Any) -> None:
+    """One series: ``y`` mean with its ``y``-std error bars against ``x``, on log-log axes."""
+    pts = sorted((float(r[x]), float(r[f"{y}_mean"]), float(r[f"{y}_std"])) for r in rows)
+    xs, ys, errs = zip(*pts, strict=True)
+    ax.errorbar(xs, ys, yerr=errs, marker="o", capsize=3, **style)
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+
+
+def plot(fig4: list[dict[str, object]], tau: list[dict[str, object]], path: Path,
+         titles: tuple[str, str]) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -322,58 +252,22 @@ def plot(
 
     fig_taus = sorted({float(r["tau"]) for r in fig4})
     fig, axes = plt.subplots(1, len(fig_taus) + 1, figsize=(6 * (len(fig_taus) + 1), 4.8))
-    styles = {
-        ("positive", "ORF"): ("tab:blue", "-"),
-        ("positive", "IID"): ("tab:blue", "--"),
-        ("trig", "ORF"): ("tab:red", "-"),
-        ("trig", "IID"): ("tab:red", "--"),
-    }
-    for ax1, t in zip(axes[:-1], fig_taus, strict=True):
+    styles = {("positive", "ORF"): ("tab:blue", "-"), ("positive", "IID"): ("tab:blue", "--"),
+              ("trig", "ORF"): ("tab:red", "-"), ("trig", "IID"): ("tab:red", "--")}
+    for ax, t in zip(axes[:-1], fig_taus, strict=True):
         sub = [r for r in fig4 if r["tau"] == t]
         for key in dict.fromkeys((str(r["features"]), str(r["draw"])) for r in sub):
-            pts = sorted(
-                (int(r["m"]), float(r["mse_mean"]), float(r["mse_std"]))
-                for r in sub
-                if (r["features"], r["draw"]) == key
-            )
             color, ls = styles.get(key, ("gray", ":"))
-            ax1.errorbar(
-                [p[0] for p in pts],
-                [p[1] for p in pts],
-                yerr=[p[2] for p in pts],
-                color=color,
-                ls=ls,
-                marker="o",
-                capsize=3,
-                label=f"{key[0]} {key[1]}",
-            )
-        ax1.set_xscale("log", base=2)
-        ax1.set_yscale("log")
-        ax1.set_xlabel("random features m")
-        ax1.set_ylabel("attention-output MSE")
-        ax1.set_title(f"{titles[0]}, logit std {t:g}", fontsize=9)
-    ax2 = axes[-1]
+            _errorbars(ax, [r for r in sub if (r["features"], r["draw"]) == key], "m", "mse",
+                       color=color, ls=ls, label=f"{key[0]} {key[1]}")
+        ax.set(xlabel="random features m", ylabel="attention-output MSE")
+        ax.set_title(f"{titles[0]}, logit std {t:g}", fontsize=9)
     for name in dict.fromkeys(str(r["method"]) for r in tau):
-        pts = sorted(
-            (float(r["tau"]), float(r["rel_err_mean"]), float(r["rel_err_std"]))
-            for r in tau
-            if r["method"] == name
-        )
         ls = ":" if name.startswith("uniform") else ("--" if name.startswith("perf") else "-")
-        ax2.errorbar(
-            [p[0] for p in pts],
-            [p[1] for p in pts],
-            yerr=[p[2] for p in pts],
-            ls=ls,
-            marker="o",
-            capsize=3,
-            label=name,
-        )
-    ax2.set_xscale("log", base=2)
-    ax2.set_yscale("log")
-    ax2.set_xlabel("logit std tau")
-    ax2.set_ylabel("relative error vs exact")
-    ax2.set_title(titles[1], fontsize=9)
+        _errorbars(axes[-1], [r for r in tau if r["method"] == name], "tau", "rel_err", ls=ls,
+                   label=name)
+    axes[-1].set(xlabel="logit std tau", ylabel="relative error vs exact")
+    axes[-1].set_title(titles[1], fontsize=9)
     for ax in axes:
         ax.grid(True, which="both", alpha=0.3)
         ax.legend(fontsize=7)
@@ -383,20 +277,15 @@ def plot(
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(
-        description=__doc__.split("\n\n")[0],
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-        epilog="Input scaling and definitions: see the module docstring.",
-    )
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter,
+                                epilog="Input scaling and definitions: see the module docstring.")
     p.add_argument("--out", type=Path, default=Path(".bench/accuracy"), help="output directory")
     p.add_argument("--seeds", type=int, default=10, help="seeds per cell (paper: >= 10)")
     p.add_argument("--fig4-len", type=int, default=4096)
     p.add_argument("--fig4-dim", type=int, default=16)
-    p.add_argument(
-        "--fig4-taus",
-        default="0.25,1",
-        help="comma list of logit stds for the Fig. 4 inputs (one panel each)",
-    )
+    p.add_argument("--fig4-taus", default="0.25,1",
+                   help="comma list of logit stds for the Fig. 4 inputs (one panel each)")
     p.add_argument("--fig4-m", default="16,32,64,128,256,512", help="comma list of m")
     p.add_argument("--tau-len", type=int, default=1024)
     p.add_argument("--tau-dim", type=int, default=64)
@@ -404,11 +293,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--taus", default=",".join(f"{t:g}" for t in TAUS))
     p.add_argument("--kernels", default=",".join(KERNELS))
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch default)")
-    p.add_argument(
-        "--quick",
-        action="store_true",
-        help="tiny smoke configuration (L=256, 2 seeds, m in {16, 64})",
-    )
+    p.add_argument("--quick", action="store_true",
+                   help="tiny smoke configuration (L=256, 2 seeds, m in {16, 64})")
     args = p.parse_args(argv)
     if args.quick:
         args.seeds = min(args.seeds, 2)
@@ -432,8 +318,8 @@ def main(argv: list[str] | None = None) -> int:
     fig4_taus = [float(x) for x in args.fig4_taus.split(",")]
     fig4 = fig4_study(args.fig4_len, args.fig4_dim, ms, args.seeds, fig4_taus)
     tau = tau_study(args.tau_len, args.tau_dim, args.tau_m, taus, args.seeds, kernels)
-    write_csv(fig4, args.out / "fig4.csv")
-    write_csv(tau, args.out / "tau.csv")
+    common.write_dicts_csv(fig4, args.out / "fig4.csv")
+    common.write_dicts_csv(tau, args.out / "tau.csv")
     table = markdown(fig4, tau, fig4_cfg, tau_cfg)
     (args.out / "accuracy.md").write_text("# FAVOR accuracy\n\n" + table + "\n")
     fig4_title = f"Fig. 4: L={args.fig4_len}, d={args.fig4_dim}"

@@ -45,12 +45,10 @@ Examples::
 
 from __future__ import annotations
 
-import csv
 import os
 import statistics
 import sys
 import time
-from pathlib import Path
 from typing import Any
 
 import _common as common
@@ -64,20 +62,9 @@ PARTS = ("per-token", "totals", "performer-pytorch", "peers", "floor")
 
 
 def _ours(attention: str = "favor", shape: dict[str, int] | None = None) -> Any:
-    import torch
-
-    from protein_performer.data.tokenizer import Alphabet
     from protein_performer.inference.api import ProteinLM
-    from protein_performer.interop.record import LoadedModel
-    from protein_performer.model.config import PerformerConfig
-    from protein_performer.model.performer import PerformerLM
 
-    torch.manual_seed(0)
-    config = PerformerConfig(**(shape or SHAPE), objective="clm", attention=attention)
-    model = PerformerLM(config).eval()
-    return ProteinLM(
-        LoadedModel(model, config, Alphabet(), Path("random"), torch.device("cpu"), "memory")
-    )
+    return ProteinLM(common.random_lm(**(shape or SHAPE), objective="clm", attention=attention))
 
 
 def per_token(lm: Any, positions: list[int], steps: int) -> list[dict[str, Any]]:
@@ -116,14 +103,8 @@ def per_token(lm: Any, positions: list[int], steps: int) -> list[dict[str, Any]]
     for P in positions:
         s = states[P]
         state_b = sum(x.kv.numel() * x.kv.element_size() + x.mu.numel() * 4 for x in s)
-        rows.append(
-            {
-                "position": P,
-                "ms_per_token": 1e3 * statistics.median(times[P]),
-                "peak_mib": peaks[P] / 2**20,
-                "state_kib": state_b / 2**10,
-            }
-        )
+        rows.append({"position": P, "ms_per_token": 1e3 * statistics.median(times[P]),
+                    "peak_mib": peaks[P] / 2**20, "state_kib": state_b / 2**10})
         print(f"  position {P}: {rows[-1]['ms_per_token']:.2f} ms/token", file=sys.stderr)
     return rows
 
@@ -154,20 +135,13 @@ def performer_pytorch(lengths: list[int], direct: list[int]) -> tuple[dict, dict
     torch.manual_seed(0)
     top = max(lengths + direct)
     net = performer_pytorch.PerformerLM(
-        num_tokens=33,
-        max_seq_len=top + 1,
-        dim=SHAPE["dim"],
-        depth=SHAPE["depth"],
-        heads=SHAPE["heads"],
-        dim_head=SHAPE["dim"] // SHAPE["heads"],
-        causal=True,
+        num_tokens=33, max_seq_len=top + 1, dim=SHAPE["dim"], depth=SHAPE["depth"],
+        heads=SHAPE["heads"], dim_head=SHAPE["dim"] // SHAPE["heads"], causal=True,
         nb_features=default_nb_features(SHAPE["dim"] // SHAPE["heads"]),
-        ff_mult=SHAPE["ff_dim"] // SHAPE["dim"],
-    ).eval()
+        ff_mult=SHAPE["ff_dim"] // SHAPE["dim"]).eval()
     wrapper = AutoregressiveWrapper(net)
     grid = sorted(
-        {1, *[g for g in (64, 256, 512, 1024, 2048, 3072, 4096, 6144, 8192) if g <= top], top}
-    )
+        {1, *[g for g in (64, 256, 512, 1024, 2048, 3072, 4096, 6144, 8192) if g <= top], top})
     fwd = {}
     with torch.inference_mode():
         for t in grid:
@@ -207,17 +181,9 @@ def _gpt2(shape: dict[str, int], positions: int) -> Any:
     except ImportError:
         return None
     torch.manual_seed(0)
-    cfg = GPT2Config(
-        vocab_size=33,
-        n_positions=positions,
-        n_embd=shape["dim"],
-        n_layer=shape["depth"],
-        n_head=shape["heads"],
-        n_inner=shape["ff_dim"],
-        bos_token_id=0,
-        eos_token_id=2,
-        pad_token_id=1,
-    )
+    cfg = GPT2Config(vocab_size=33, n_positions=positions, n_embd=shape["dim"],
+                     n_layer=shape["depth"], n_head=shape["heads"], n_inner=shape["ff_dim"],
+                     bos_token_id=0, eos_token_id=2, pad_token_id=1)
     return GPT2LMHeadModel(cfg).eval()
 
 
@@ -271,16 +237,9 @@ def _time_gpt2(model: Any, prompt: int, batch: int, new: int) -> float:
     torch.manual_seed(0)
     t0 = time.perf_counter()
     with torch.inference_mode():
-        out = model.generate(
-            ids,
-            attention_mask=torch.ones_like(ids),
-            do_sample=True,
-            top_k=0,
-            max_new_tokens=new,
-            min_new_tokens=new,
-            use_cache=True,
-            pad_token_id=1,
-        )
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=True, top_k=0,
+                             max_new_tokens=new, min_new_tokens=new, use_cache=True,
+                             pad_token_id=1)
     dt = time.perf_counter() - t0
     assert out.shape == (batch, prompt + new)
     return dt
@@ -316,10 +275,8 @@ def peers(args: Any) -> tuple[list[dict[str, Any]], str]:
                 ms = 1e3 * run() / (b * args.new)
                 key = (t, p, b, name)
                 best[key] = min(best.get(key, float("inf")), ms)
-                print(
-                    f"  threads {t} prompt {p} batch {b} {name}: {ms:.3f} ms/token",
-                    file=sys.stderr,
-                )
+                print(f"  threads {t} prompt {p} batch {b} {name}: {ms:.3f} ms/token",
+                      file=sys.stderr)
     rows = []
     for t, p, b in cells:
         row = {"threads": t, "prompt": p, "batch": b}
@@ -344,17 +301,9 @@ def floors(args: Any) -> list[dict[str, Any]]:
             ms = min(1e3 * _time_ours(lm, 16, 1, args.new) / args.new for _ in range(args.repeats))
             wb = weight_bytes(lm.model)
             floor_ms = 1e3 * wb / bw
-            rows.append(
-                {
-                    "shape": name,
-                    "threads": t,
-                    "weights_mib": wb / 2**20,
-                    "copy_gb_s": bw / 1e9,
-                    "floor_ms_per_token": floor_ms,
-                    "favor_ms_per_token": ms,
-                    "over_floor": ms / floor_ms,
-                }
-            )
+            rows.append({"shape": name, "threads": t, "weights_mib": wb / 2**20,
+                         "copy_gb_s": bw / 1e9, "floor_ms_per_token": floor_ms,
+                         "favor_ms_per_token": ms, "over_floor": ms / floor_ms})
             print(f"  floor {name} threads {t}: {floor_ms:.2f} ms, ours {ms:.2f}", file=sys.stderr)
     return rows
 
@@ -367,23 +316,17 @@ def _ratio(a: float | None, b: float | None) -> str:
     return "" if a is None or b is None else f"{b / a:.2f}x"
 
 
-def peer_lines(
-    rows: list[dict[str, Any]], floor_rows: list[dict[str, Any]], note: str
-) -> list[str]:
+def peer_lines(rows: list[dict[str, Any]], floor_rows: list[dict[str, Any]],
+               note: str) -> list[str]:
     lines = [
-        "",
-        "ms per generated token (prefill and sampling included; best of the repeats):",
-        "",
+        "", "ms per generated token (prefill and sampling included; best of the repeats):", "",
         "| threads | prompt | batch | ours FAVOR+ | ours exact (KV cache) | GPT-2 (HF, KV cache) "
         "| GPT-2 / FAVOR+ | exact / FAVOR+ |",
-        "|---|---|---|---|---|---|---|---|",
-    ]
+        "|---|---|---|---|---|---|---|---|"]
     for r in rows:
         f, e, g = r["favor_ms_per_token"], r["exact_ms_per_token"], r["gpt2_ms_per_token"]
-        lines.append(
-            f"| {r['threads']} | {r['prompt']} | {r['batch']} | {_fmt(f)} | {_fmt(e)} | "
-            f"{_fmt(g)} | {_ratio(f, g)} | {_ratio(f, e)} |"
-        )
+        lines.append(f"| {r['threads']} | {r['prompt']} | {r['batch']} | {_fmt(f)} | {_fmt(e)} | "
+                     f"{_fmt(g)} | {_ratio(f, g)} | {_ratio(f, e)} |")
     if note:
         lines.append(note)
     lines += [
@@ -393,63 +336,43 @@ def peer_lines(
         "",
         "| shape | threads | weights MiB | copy GB/s | floor ms/token | ours ms/token "
         "| ours / floor |",
-        "|---|---|---|---|---|---|---|",
-    ]
+        "|---|---|---|---|---|---|---|"]
     for r in floor_rows:
         lines.append(
             f"| {r['shape']} | {r['threads']} | {r['weights_mib']:.1f} | {r['copy_gb_s']:.1f} | "
             f"{r['floor_ms_per_token']:.2f} | {r['favor_ms_per_token']:.2f} | "
-            f"{r['over_floor']:.1f}x |"
-        )
+            f"{r['over_floor']:.1f}x |")
     return lines
 
 
 def per_token_lines(args: Any, tokens: list[dict[str, Any]]) -> list[str]:
     """The per-token table (and its CSV, written here)."""
-    with (args.out / "generate_per_token.csv").open("w", newline="") as fh:
-        w = csv.DictWriter(fh, fieldnames=list(tokens[0]))
-        w.writeheader()
-        w.writerows(tokens)
-    lines = [
-        "",
-        "| context position | ms / token | peak MiB of a step | state KiB |",
-        "|---|---|---|---|",
-    ]
+    common.write_dicts_csv(tokens, args.out / "generate_per_token.csv")
+    lines = ["", "| context position | ms / token | peak MiB of a step | state KiB |",
+             "|---|---|---|---|"]
     for r in tokens:
-        lines.append(
-            f"| {r['position']} | {r['ms_per_token']:.2f} | {r['peak_mib']:.1f} | "
-            f"{r['state_kib']:.0f} |"
-        )
+        lines.append(f"| {r['position']} | {r['ms_per_token']:.2f} | {r['peak_mib']:.1f} | "
+                     f"{r['state_kib']:.0f} |")
     first, last = tokens[0], tokens[-1]
-    lines.append(
-        f"\nper-token time at {last['position']} / at {first['position']}: "
-        f"{last['ms_per_token'] / first['ms_per_token']:.2f}x (target <= 1.3x)"
-    )
+    lines.append(f"\nper-token time at {last['position']} / at {first['position']}: "
+                 f"{last['ms_per_token'] / first['ms_per_token']:.2f}x (target <= 1.3x)")
     return lines
 
 
 def total_lines(args: Any, ours: dict, est: dict, timed: dict, note: str) -> list[str]:
     """The totals table: ours against performer-pytorch's generate."""
-    lines = [
-        "",
-        "| tokens | ours s | performer-pytorch s (timed) | (estimated) | ratio |",
-        "|---|---|---|---|---|",
-    ]
+    lines = ["", "| tokens | ours s | performer-pytorch s (timed) | (estimated) | ratio |",
+             "|---|---|---|---|---|"]
     for n in sorted(set(ours) | set(est) | set(timed)):
-        o = ours.get(n)
-        e = est.get(n)
-        t = timed.get(n)
+        o, e, t = ours.get(n), est.get(n), timed.get(n)
         ratio = (t or e) / o if o and (t or e) else None
         lines.append(
             f"| {n} | {'' if o is None else f'{o:.1f}'} | {'' if t is None else f'{t:.1f}'} | "
-            f"{'' if e is None else f'{e:.1f}'} | {'' if ratio is None else f'{ratio:.0f}x'} |"
-        )
+            f"{'' if e is None else f'{e:.1f}'} | {'' if ratio is None else f'{ratio:.0f}x'} |")
     if ours:
         lo, hi = min(ours), max(ours)
-        lines.append(
-            f"\nours: {hi} tokens / {lo} tokens = {ours[hi] / ours[lo]:.2f}x "
-            f"(linear: {hi / lo:.0f}x)"
-        )
+        lines.append(f"\nours: {hi} tokens / {lo} tokens = {ours[hi] / ours[lo]:.2f}x "
+                     f"(linear: {hi / lo:.0f}x)")
     for n, t in timed.items():
         if n in est:
             lines.append(f"performer-pytorch at {n}: estimate / timed = {est[n] / t:.2f}")
@@ -464,9 +387,8 @@ def main() -> int:
     p.add_argument("--steps", type=int, default=64, help="timed steps per position")
     p.add_argument("--gen-lengths", type=int, nargs="+", default=[512, 1024, 2048, 4096])
     p.add_argument("--pp-lengths", type=int, nargs="+", default=[1024, 2048, 4096])
-    p.add_argument(
-        "--pp-generate", type=int, nargs="*", default=[128], help="timed directly (slow: O(N^2))"
-    )
+    p.add_argument("--pp-generate", type=int, nargs="*", default=[128],
+                   help="timed directly (slow: O(N^2))")
     p.add_argument("--repeats", type=int, default=2, help="timings per length (best kept)")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--peer-prompts", type=int, nargs="+", default=[16, 2048])
@@ -474,18 +396,10 @@ def main() -> int:
     p.add_argument("--peer-threads", type=int, nargs="+", default=[1, 2])
     p.add_argument("--new", type=int, default=256, help="new tokens per peer run")
     p.add_argument("--stream-mib", type=int, default=512, help="copy size for the bandwidth")
-    p.add_argument(
-        "--parts",
-        nargs="+",
-        choices=PARTS,
-        default=list(PARTS),
-        help="which measurements to run (default: all; the numbers above)",
-    )
-    p.add_argument(
-        "--compile",
-        action="store_true",
-        help="decode ours through the compiled step (PROTEIN_PERFORMER_COMPILE_STEP=1)",
-    )
+    p.add_argument("--parts", nargs="+", choices=PARTS, default=list(PARTS),
+                   help="which measurements to run (default: all; the numbers above)")
+    p.add_argument("--compile", action="store_true",
+                   help="decode ours through the compiled step (PROTEIN_PERFORMER_COMPILE_STEP=1)")
     common.add_final_args(p, "tiny lengths, seconds: a smoke run")
     args = p.parse_args()
     if args.quick:
@@ -528,13 +442,8 @@ def main() -> int:
         lines += peer_lines(peer_rows, floor_rows, peer_note)
     for name, rows in (("generate_peers.csv", peer_rows), ("generate_floor.csv", floor_rows)):
         if rows:
-            with (args.out / name).open("w", newline="") as fh:
-                w = csv.DictWriter(fh, fieldnames=list(rows[0]))
-                w.writeheader()
-                w.writerows(rows)
-    report = "\n".join(lines) + "\n"
-    (args.out / "generate.md").write_text(report)
-    print(report)
+            common.write_dicts_csv(rows, args.out / name)
+    common.write_report(args.out / "generate.md", lines)
     return 0
 
 

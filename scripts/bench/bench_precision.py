@@ -24,28 +24,11 @@ import _common as common
 DEMO = common.REPO / "protein_performer" / "data" / "demo"
 
 
-def _random_8m(directory: Path, objective: str) -> Path:
-    import torch
-
-    from protein_performer.data.tokenizer import Alphabet
-    from protein_performer.interop.export import export_model
-    from protein_performer.interop.record import LoadedModel
-    from protein_performer.model.config import PerformerConfig
-    from protein_performer.model.performer import PerformerLM
-
-    torch.manual_seed(0)
-    config = PerformerConfig(objective=objective)
-    model = PerformerLM(config).eval()
-    loaded = LoadedModel(model, config, Alphabet(), Path("random"), torch.device("cpu"), "memory")
-    return export_model(loaded, directory / f"random_8m_{objective}")
-
-
 def main() -> int:
     p = common.bench_parser(__doc__, "", ".bench/precision")
     p.add_argument("--ckpt", default=None, help="model to measure (default: random 8M shape)")
-    p.add_argument(
-        "--objective", choices=("mlm", "clm"), default="clm", help="for the random model"
-    )
+    p.add_argument("--objective", choices=("mlm", "clm"), default="clm",
+                   help="for the random model")
     p.add_argument("--fasta", type=Path, default=None, help="proteins (default: the demo FASTA)")
     p.add_argument("--records", type=int, default=20, help="how many records to use")
     p.add_argument("--threads", type=int, default=2)
@@ -62,15 +45,13 @@ def main() -> int:
     if args.quick:
         records = [(rid, s[:60]) for rid, s in records]
     with tempfile.TemporaryDirectory() as tmp:
-        ckpt = args.ckpt or _random_8m(Path(tmp), args.objective)
+        ckpt = args.ckpt or common.random_export(Path(tmp) / f"random_8m_{args.objective}",
+                                                  objective=args.objective)
         results = {}
         for precision in ("fp32", "bf16", "fp16"):
             lm = pp.load(ckpt, device=args.device, dtype=precision, threads=args.threads)
-            results[precision] = (
-                lm.embed(records),
-                lm.embed(records, pooling=None),
-                lm.score(records),
-            )
+            results[precision] = (lm.embed(records), lm.embed(records, pooling=None),
+                                  lm.score(records))
     mean32, tok32, score32 = results["fp32"]
     lines = [
         f"model: {args.ckpt or f'random ESM-2 8M shape ({args.objective})'}; {len(records)} "
@@ -78,8 +59,7 @@ def main() -> int:
         "",
         "| precision | mean emb. max abs delta | (relative) | per-residue max abs delta | "
         "(relative) | score max abs delta |",
-        "|---|---|---|---|---|---|",
-    ]
+        "|---|---|---|---|---|---|"]
     for precision in ("bf16", "fp16"):
         mean, tok, score = results[precision]
         d_mean = float(np.abs(mean - mean32).max())
@@ -89,10 +69,7 @@ def main() -> int:
             f"| {precision} | {d_mean:.2e} | {d_mean / float(np.abs(mean32).max()):.2e} | "
             f"{d_tok:.2e} | {d_tok / scale_tok:.2e} | {float(np.abs(score - score32).max()):.2e} |"
         )
-    report = "\n".join(lines) + "\n"
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "precision.md").write_text(report)
-    print(report)
+    common.write_report(args.out / "precision.md", lines)
     return 0
 
 

@@ -121,12 +121,6 @@ def parse_only(path: Path) -> tuple[float, float, int]:
     return time.perf_counter() - t0, time.process_time() - c0, n
 
 
-def _default_workers() -> int:
-    from protein_performer.data.preprocess import default_workers
-
-    return default_workers()
-
-
 def _tree_rss(proc: subprocess.Popen, stop: threading.Event, peak: list[int]) -> None:
     """Sample the summed RSS of ``proc`` and its descendants until ``stop``; keep the max."""
     try:
@@ -154,11 +148,7 @@ def ours(path: Path, out: Path, workers: int) -> dict:
     t0 = time.perf_counter()
     proc = subprocess.Popen(
         [sys.executable, "-c", _CHILD, os.fspath(path), os.fspath(out), str(workers)],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        cwd=common.REPO,
-    )
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=common.REPO)
     stop, peak = threading.Event(), [0]
     sampler = threading.Thread(target=_tree_rss, args=(proc, stop, peak), daemon=True)
     sampler.start()
@@ -178,34 +168,20 @@ def ours(path: Path, out: Path, workers: int) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawTextHelpFormatter
-    )
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--size-gb", type=float, default=2.0, help="FASTA size to generate (GB, 1e9)")
     ap.add_argument("--quick", action="store_true", help="tiny run (20 MB) to check the script")
+    ap.add_argument("--source", type=Path, nargs="*", default=DEFAULT_SOURCES,
+                    help="FASTA file(s) to sample sequences from (default: ../shared/data/"
+                    "sequences/*train*.fasta)")
+    ap.add_argument("--workdir", type=Path, default=None,
+                    help="where to put the FASTA and the store (default: a new temp dir)")
     ap.add_argument(
-        "--source",
-        type=Path,
-        nargs="*",
-        default=DEFAULT_SOURCES,
-        help="FASTA file(s) to sample sequences from (default: ../shared/data/"
-        "sequences/*train*.fasta)",
-    )
-    ap.add_argument(
-        "--workdir",
-        type=Path,
-        default=None,
-        help="where to put the FASTA and the store (default: a new temp dir)",
-    )
-    ap.add_argument(
-        "--workers",
-        type=int,
-        nargs="+",
-        default=None,
+        "--workers", type=int, nargs="+", default=None,
         help="preprocess worker processes; several values run one after another on the same "
         "file (default: the CLI default, usable CPUs capped at 8); the first is checked "
-        "against the targets",
-    )
+        "against the targets")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--keep", action="store_true", help="keep the generated FASTA and store")
     ap.add_argument("--json-out", type=Path, default=None, help="also write the results as JSON")
@@ -219,12 +195,8 @@ def main(argv: list[str] | None = None) -> int:
     fasta, store = workdir / "bench.fasta", workdir / "store"
     try:
         source = _read_source(list(args.source))
-        log.info(
-            "generating %.2f GB FASTA from %d source records in %s",
-            size / 1e9,
-            len(source),
-            workdir,
-        )
+        log.info("generating %.2f GB FASTA from %d source records in %s", size / 1e9, len(source),
+                 workdir)
         t0 = time.perf_counter()
         nbytes = generate(fasta, size, source, args.seed)
         log.info("generated %d bytes in %.1f s", nbytes, time.perf_counter() - t0)
@@ -232,7 +204,9 @@ def main(argv: list[str] | None = None) -> int:
         mb = nbytes / 1e6
         print(f"input        {mb:,.0f} MB")
         runs = []
-        for workers in args.workers or [_default_workers()]:
+        from protein_performer.data.preprocess import default_workers
+
+        for workers in args.workers or [default_workers()]:
             # Parse-only right before each run, so each ratio compares like with like on a
             # machine whose load changes.
             log.info("parse-only pass (SimpleFastaParser)")
@@ -241,47 +215,33 @@ def main(argv: list[str] | None = None) -> int:
             res = ours(fasta, store, workers)
             if res["records"] != n_parse:
                 raise SystemExit(
-                    f"record count mismatch: ours {res['records']}, Biopython {n_parse}"
-                )
+                    f"record count mismatch: ours {res['records']}, Biopython {n_parse}")
             parse_rate, our_rate = mb / t_parse, mb / res["seconds"]
             ratio = our_rate / parse_rate
             store_bytes = sum(p.stat().st_size for p in store.iterdir())
-            run = {
-                "workers": workers,
-                "records": n_parse,
-                "parse_only_seconds": t_parse,
-                "parse_only_mb_s": parse_rate,
-                "parse_only_cpu_seconds": cpu_parse,
-                "preprocess_seconds": res["seconds"],
-                "preprocess_wall_seconds": res["wall_seconds"],
-                "preprocess_cpu_seconds": res["cpu_seconds"] + res["worker_cpu_seconds"],
-                "preprocess_mb_s": our_rate,
-                "ratio": ratio,
-                "peak_rss_bytes": res["tree_rss"],
-                "peak_rss_main_bytes": res["peak_rss"],
-                "peak_rss_worker_bytes": res["worker_peak_rss"],
-                "peak_rss_tree_sampled_bytes": res["tree_rss_sampled"],
-                "peak_rss_tree_bound_bytes": res["tree_rss_bound"],
-                "store_bytes": store_bytes,
-                "ratio_ok": ratio >= TARGET_RATIO,
-                "rss_ok": res["tree_rss"] < TARGET_RSS_BYTES,
-            }
+            run = {"workers": workers, "records": n_parse, "parse_only_seconds": t_parse,
+                   "parse_only_mb_s": parse_rate, "parse_only_cpu_seconds": cpu_parse,
+                   "preprocess_seconds": res["seconds"],
+                   "preprocess_wall_seconds": res["wall_seconds"],
+                   "preprocess_cpu_seconds": res["cpu_seconds"] + res["worker_cpu_seconds"],
+                   "preprocess_mb_s": our_rate, "ratio": ratio, "peak_rss_bytes": res["tree_rss"],
+                   "peak_rss_main_bytes": res["peak_rss"],
+                   "peak_rss_worker_bytes": res["worker_peak_rss"],
+                   "peak_rss_tree_sampled_bytes": res["tree_rss_sampled"],
+                   "peak_rss_tree_bound_bytes": res["tree_rss_bound"], "store_bytes": store_bytes,
+                   "ratio_ok": ratio >= TARGET_RATIO, "rss_ok": res["tree_rss"] < TARGET_RSS_BYTES}
             runs.append(run)
             rss = run["peak_rss_bytes"] / 2**20
-            print(
-                f"workers {workers:<4} parse-only {parse_rate:7.1f} MB/s ({t_parse:.1f} s, "
-                f"{cpu_parse:.1f} s CPU)   "
-                f"preprocess {our_rate:7.1f} MB/s ({res['seconds']:.1f} s, "
-                f"{run['preprocess_cpu_seconds']:.1f} s CPU)   ratio {ratio:5.2f}x "
-                f"({'OK' if run['ratio_ok'] else 'MISSED'})   peak RSS {rss:6.0f} MiB "
-                f"({'OK' if run['rss_ok'] else 'MISSED'}; main "
-                f"{res['peak_rss'] / 2**20:.0f}, worker {res['worker_peak_rss'] / 2**20:.0f}, "
-                f"tree sampled {res['tree_rss_sampled'] / 2**20:.0f} MiB)"
-            )
-        print(
-            f"targets: ratio >= {TARGET_RATIO}x, peak RSS of the process tree < "
-            f"{TARGET_RSS_BYTES / 2**20:.0f} MiB; store {runs[0]['store_bytes'] / 1e6:,.0f} MB"
-        )
+            print(f"workers {workers:<4} parse-only {parse_rate:7.1f} MB/s ({t_parse:.1f} s, "
+                  f"{cpu_parse:.1f} s CPU)   "
+                  f"preprocess {our_rate:7.1f} MB/s ({res['seconds']:.1f} s, "
+                  f"{run['preprocess_cpu_seconds']:.1f} s CPU)   ratio {ratio:5.2f}x "
+                  f"({'OK' if run['ratio_ok'] else 'MISSED'})   peak RSS {rss:6.0f} MiB "
+                  f"({'OK' if run['rss_ok'] else 'MISSED'}; main "
+                  f"{res['peak_rss'] / 2**20:.0f}, worker {res['worker_peak_rss'] / 2**20:.0f}, "
+                  f"tree sampled {res['tree_rss_sampled'] / 2**20:.0f} MiB)")
+        print(f"targets: ratio >= {TARGET_RATIO}x, peak RSS of the process tree < "
+              f"{TARGET_RSS_BYTES / 2**20:.0f} MiB; store {runs[0]['store_bytes'] / 1e6:,.0f} MB")
         result = {
             "input_bytes": nbytes,
             "target_ratio": TARGET_RATIO,

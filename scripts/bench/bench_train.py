@@ -41,14 +41,12 @@ Examples::
 from __future__ import annotations
 
 import argparse
-import csv
 import logging
 import math
 import statistics
 import sys
 import time
 from dataclasses import dataclass, fields
-from pathlib import Path
 from typing import Any
 
 import _common as common
@@ -65,7 +63,6 @@ MEMORY_TARGET = 0.8
 OBJECTIVES = ("mlm", "clm")
 #: Targets of issue 4: favor tokens/s over exact tokens/s at a given L (fwd+bwd+step).
 TARGETS: dict[int, float] = {4096: 2.0, 16384: 5.0}
-IGNORE_INDEX = -100
 MLM_PROB = 0.15
 
 
@@ -74,9 +71,8 @@ MLM_PROB = 0.15
 # --------------------------------------------------------------------------------------------
 
 
-def synthetic_batch(
-    objective: str, B: int, L: int, seed: int, config: Any, member_len: int = 0
-) -> tuple[Any, Any]:
+def synthetic_batch(objective: str, B: int, L: int, seed: int, config: Any,
+                    member_len: int = 0) -> tuple[Any, Any]:
     """Random residues of exactly L tokens (``<cls>`` residues ``<eos>``) and their targets;
     with ``member_len``, family rows: a ``<cls>`` every member_len tokens, an ``<eos>`` before.
 
@@ -85,6 +81,7 @@ def synthetic_batch(
     """
     import torch
 
+    from protein_performer.data.masking import IGNORE_INDEX
     from protein_performer.data.tokenizer import STANDARD_AA, Alphabet
 
     alphabet = Alphabet()
@@ -112,6 +109,7 @@ def run_case(case: dict[str, Any]) -> None:
     import torch
     import torch.nn.functional as F
 
+    from protein_performer.data.masking import IGNORE_INDEX
     from protein_performer.model.config import PerformerConfig
     from protein_performer.model.performer import PerformerLM
 
@@ -126,22 +124,15 @@ def run_case(case: dict[str, Any]) -> None:
         """One model, its optimizer and batch: the function that runs one optimizer step."""
         torch.manual_seed(case["seed"])
         config = PerformerConfig(
-            dim=case["dim"],
-            depth=case["depth"],
-            heads=case["heads"],
-            ff_dim=case["ff_dim"],
-            nb_features=case["m"],
-            objective=case["objective"],
-            attention="favor" if attention == MEMORY else attention,
-            kernel=case["kernel"],
+            dim=case["dim"], depth=case["depth"], heads=case["heads"], ff_dim=case["ff_dim"],
+            nb_features=case["m"], objective=case["objective"],
+            attention="favor" if attention == MEMORY else attention, kernel=case["kernel"],
             feature_redraw_interval=0,
-            position_memory=case["memory_positions"] if attention == MEMORY else 0,
-        ).validate()
+            position_memory=case["memory_positions"] if attention == MEMORY else 0).validate()
         model = PerformerLM(config).to(device).train()
         optimizer = torch.optim.AdamW(model.param_groups(0.01), lr=1e-4, betas=(0.9, 0.98))
-        tokens, targets = synthetic_batch(
-            case["objective"], B, L, case["seed"], config, case.get("member_len", 0)
-        )
+        tokens, targets = synthetic_batch(case["objective"], B, L, case["seed"], config,
+                                          case.get("member_len", 0))
         tokens, targets = tokens.to(device), targets.to(device)
 
         def step() -> float:
@@ -150,9 +141,8 @@ def run_case(case: dict[str, Any]) -> None:
             with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
                 logits = model(tokens).logits
             # float32 loss under autocast, as the LightningModule does.
-            loss = F.cross_entropy(
-                logits.float().flatten(0, 1), targets.flatten(), ignore_index=IGNORE_INDEX
-            )
+            loss = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(),
+                                   ignore_index=IGNORE_INDEX)
             loss.backward()
             optimizer.step()
             losses.append(float(loss.detach()))  # .item() also syncs CUDA: the step is complete
@@ -187,19 +177,12 @@ def run_case(case: dict[str, Any]) -> None:
                     times.append(mine)
                     shares.append(theirs / mine)
                 median = statistics.median(times)
-                common.emit(
-                    {
-                        "status": "ok" if math.isfinite(losses[-1]) else "error",
-                        "steps_timed": len(times),
-                        "step_time_s": median,
-                        "step_time_min_s": min(times),
-                        "tokens_per_s": B * L / median,
-                        "peak_mem_mib": peak_bytes() / 2**20,
-                        "final_loss": losses[-1],
-                        "note": "" if math.isfinite(losses[-1]) else "non-finite loss",
-                        "paired_speed": statistics.median(shares) if shares else math.nan,
-                    }
-                )
+                common.emit({"status": "ok" if math.isfinite(losses[-1]) else "error",
+                            "steps_timed": len(times), "step_time_s": median,
+                            "step_time_min_s": min(times), "tokens_per_s": B * L / median,
+                            "peak_mem_mib": peak_bytes() / 2**20, "final_loss": losses[-1],
+                            "note": "" if math.isfinite(losses[-1]) else "non-finite loss",
+                            "paired_speed": statistics.median(shares) if shares else math.nan})
         except torch.OutOfMemoryError as exc:
             common.emit({"status": "oom", "note": str(exc).splitlines()[0][:200]})
 
@@ -239,12 +222,9 @@ class Row:
 
 
 CSV_FIELDS = tuple(f.name for f in fields(Row))
-
-
-def _spawn(case: dict[str, Any], timeout: float) -> tuple[dict[str, Any] | None, str]:
-    """Run one case in a fresh interpreter; its last RESULT payload and a failure note."""
-    results, note = common.spawn_case(__file__, case, timeout)
-    return (results[-1] if results else None), note
+#: What a child's RESULT line carries into its row as measured.
+MEASURED = ("status", "steps_timed", "step_time_s", "step_time_min_s", "tokens_per_s",
+            "peak_mem_mib", "final_loss")
 
 
 def batch_size(tokens: int, L: int) -> int:
@@ -257,63 +237,36 @@ def run_all(args: argparse.Namespace) -> list[Row]:
     lengths = sorted(int(x) for x in args.lengths.split(",") if x)
     objectives = [x for x in args.objectives.split(",") if x]
     attentions = [x for x in args.attentions.split(",") if x]
-    mem_limit = args.mem_limit_gib or (
-        common.default_mem_limit_gib() if args.device == "cpu" else 0
-    )
+    cpu_limit = common.default_mem_limit_gib() if args.device == "cpu" else 0
+    mem_limit = args.mem_limit_gib or cpu_limit
     failed: dict[tuple[str, str], str] = {}
     rows: list[Row] = []
     for objective in objectives:
         for L in lengths:
             for attention in attentions:
                 B = batch_size(args.tokens, L)
-                base = {
-                    "objective": objective,
-                    "attention": attention,
-                    "kernel": args.kernel if attention != "exact" else "-",
-                    "L": L,
-                    "B": B,
-                    "tokens_per_batch": B * L,
-                    "depth": args.depth,
-                    "dim": args.dim,
-                    "heads": args.heads,
-                    "m": args.nb_features,
-                    "precision": args.precision,
-                    "device": args.device,
-                    "threads": args.threads,
-                }
+                base = {"objective": objective, "attention": attention,
+                        "kernel": args.kernel if attention != "exact" else "-", "L": L, "B": B,
+                        "tokens_per_batch": B * L, "depth": args.depth, "dim": args.dim,
+                        "heads": args.heads, "m": args.nb_features, "precision": args.precision,
+                        "device": args.device, "threads": args.threads}
                 series = (objective, attention)
                 if series in failed:
                     rows.append(Row(**base, status="skipped", note=failed[series]))
                     continue
-                case = {
-                    **base,
-                    "ff_dim": args.ff_dim or 4 * args.dim,
-                    "kernel": args.kernel,
-                    "seed": args.seed,
-                    "warmup": args.warmup,
-                    "steps": args.steps,
-                    "budget_s": args.budget_s,
-                    "mem_limit_gib": mem_limit,
-                    "member_len": args.member_len,
-                    "paired": args.paired,
-                    "memory_positions": args.memory_positions,
-                }
+                case = {**base, "ff_dim": args.ff_dim or 4 * args.dim, "kernel": args.kernel,
+                        "seed": args.seed, "warmup": args.warmup, "steps": args.steps,
+                        "budget_s": args.budget_s, "mem_limit_gib": mem_limit,
+                        "member_len": args.member_len, "paired": args.paired,
+                        "memory_positions": args.memory_positions}
                 t0 = time.perf_counter()
-                result, note = _spawn(case, args.timeout)
+                results, note = common.spawn_case(__file__, case, args.timeout)
+                result = results[-1] if results else None  # a child reports after every step
                 if result is not None and result.get("steps_timed", 0) > 0:
-                    row = Row(
-                        **base,
-                        status=result["status"],
-                        steps_timed=result["steps_timed"],
-                        step_time_s=result["step_time_s"],
-                        step_time_min_s=result["step_time_min_s"],
-                        tokens_per_s=result["tokens_per_s"],
-                        peak_mem_mib=result["peak_mem_mib"],
-                        mem_kind="cuda_alloc_delta" if args.device == "cuda" else "rss_delta",
-                        final_loss=result["final_loss"],
-                        paired_speed=result.get("paired_speed", math.nan),
-                        note="; ".join(x for x in (result.get("note", ""), note) if x),
-                    )
+                    kind = "cuda_alloc_delta" if args.device == "cuda" else "rss_delta"
+                    row = Row(**base, **{k: result[k] for k in MEASURED}, mem_kind=kind,
+                              paired_speed=result.get("paired_speed", math.nan),
+                              note="; ".join(x for x in (result.get("note", ""), note) if x))
                 else:
                     why = (result or {}).get("note") or note or "no result"
                     if result is not None and result.get("status") == "oom":
@@ -323,23 +276,10 @@ def run_all(args: argparse.Namespace) -> list[Row]:
                     row = Row(**base, status=status, note=why)
                     failed[series] = f"after {status} at L={L}"
                 rows.append(row)
-                log.info(
-                    "%s %-5s L=%-6d B=%-3d %6.1fs  %s  %.0f tok/s  %.0f MiB  %s",
-                    objective,
-                    attention,
-                    L,
-                    B,
-                    time.perf_counter() - t0,
-                    row.status,
-                    row.tokens_per_s,
-                    row.peak_mem_mib,
-                    row.note,
-                )
+                log.info("%s %-5s L=%-6d B=%-3d %6.1fs  %s  %.0f tok/s  %.0f MiB  %s", objective,
+                         attention, L, B, time.perf_counter() - t0, row.status, row.tokens_per_s,
+                         row.peak_mem_mib, row.note)
     return rows
-
-
-def write_csv(rows: list[Row], path: Path) -> None:
-    common.write_rows_csv(rows, path, CSV_FIELDS)
 
 
 def _find(rows: list[Row], objective: str, attention: str, L: int) -> Row | None:
@@ -361,9 +301,8 @@ def ratios(rows: list[Row]) -> list[dict[str, Any]]:
         elif mem_row is not None and fav is not None:
             memory = mem_row.tokens_per_s / fav.tokens_per_s
         speed = fav.tokens_per_s / ex.tokens_per_s if fav and ex else math.nan
-        mem = (
-            ex.peak_mem_mib / fav.peak_mem_mib if fav and ex and fav.peak_mem_mib > 0 else math.nan
-        )
+        mem = (ex.peak_mem_mib / fav.peak_mem_mib if fav and ex and fav.peak_mem_mib > 0
+               else math.nan)
         target = TARGETS.get(L)
         if target is None:
             verdict = "-"
@@ -371,60 +310,41 @@ def ratios(rows: list[Row]) -> list[dict[str, Any]]:
             verdict = "n/a (not measured)"
         else:
             verdict = common.verdict(speed >= target)
-        out.append(
-            {
-                "objective": objective,
-                "L": L,
-                "favor_tok_s": fav.tokens_per_s if fav else math.nan,
-                "exact_tok_s": ex.tokens_per_s if ex else math.nan,
-                "speed_ratio": speed,
-                "mem_ratio": mem,
-                "target": f">= {target:g}x" if target else "-",
-                "verdict": verdict,
-                "memory_ratio": memory,
-                "memory_verdict": "-" if math.isnan(memory) else common.verdict(
-                    memory >= MEMORY_TARGET
-                ),
-            }
-        )
+        memory_verdict = "-" if math.isnan(memory) else common.verdict(memory >= MEMORY_TARGET)
+        out.append({"objective": objective, "L": L,
+                    "favor_tok_s": fav.tokens_per_s if fav else math.nan,
+                    "exact_tok_s": ex.tokens_per_s if ex else math.nan, "speed_ratio": speed,
+                    "mem_ratio": mem, "target": f">= {target:g}x" if target else "-",
+                    "verdict": verdict, "memory_ratio": memory,
+                    "memory_verdict": memory_verdict})
     return out
 
 
 def format_tables(rows: list[Row], header: str) -> str:
     """Markdown: the raw measurements, then the favor/exact ratios against the targets."""
     lines = [
-        header,
-        "",
+        header, "",
         "| objective | attention | L | B | status | steps | step s | tokens/s | peak MiB | note |",
-        "|---|---|---:|---:|---|---:|---:|---:|---:|---|",
-    ]
+        "|---|---|---:|---:|---|---:|---:|---:|---:|---|"]
     for r in rows:
         lines.append(
             f"| {r.objective} | {r.attention} | {r.L} | {r.B} | {r.status} | {r.steps_timed} "
-            f"| {r.step_time_s:.4g} | {r.tokens_per_s:.0f} | {r.peak_mem_mib:.0f} | {r.note} |"
-        )
+            f"| {r.step_time_s:.4g} | {r.tokens_per_s:.0f} | {r.peak_mem_mib:.0f} | {r.note} |")
     lines += [
         "",
         "| objective | L | favor tok/s | exact tok/s | favor/exact speed | exact/favor memory "
         "| target | verdict |",
-        "|---|---:|---:|---:|---:|---:|---|---|",
-    ]
+        "|---|---:|---:|---:|---:|---:|---|---|"]
     for x in ratios(rows):
         lines.append(
             f"| {x['objective']} | {x['L']} | {x['favor_tok_s']:.0f} | {x['exact_tok_s']:.0f} "
-            f"| {x['speed_ratio']:.2f} | {x['mem_ratio']:.2f} | {x['target']} | {x['verdict']} |"
-        )
+            f"| {x['speed_ratio']:.2f} | {x['mem_ratio']:.2f} | {x['target']} | {x['verdict']} |")
     if any(not math.isnan(x["memory_ratio"]) for x in ratios(rows)):
-        lines += [
-            "",
-            f"| objective | L | {MEMORY} / favor speed | target | verdict |",
-            "|---|---:|---:|---|---|",
-        ]
+        lines += ["", f"| objective | L | {MEMORY} / favor speed | target | verdict |",
+                  "|---|---:|---:|---|---|"]
         for x in ratios(rows):
-            lines.append(
-                f"| {x['objective']} | {x['L']} | {x['memory_ratio']:.2f} "
-                f"| >= {MEMORY_TARGET:g}x | {x['memory_verdict']} |"
-            )
+            lines.append(f"| {x['objective']} | {x['L']} | {x['memory_ratio']:.2f} "
+                         f"| >= {MEMORY_TARGET:g}x | {x['memory_verdict']} |")
     return "\n".join(lines)
 
 
@@ -433,58 +353,34 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--precision", default="32", choices=("32", "bf16-mixed"))
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch default)")
     p.add_argument("--lengths", default="1024,4096,16384", help="comma list of L")
-    p.add_argument(
-        "--tokens", type=int, default=16384, help="tokens per batch (B = tokens // L, >= 1)"
-    )
+    p.add_argument("--tokens", type=int, default=16384,
+                   help="tokens per batch (B = tokens // L, >= 1)")
     p.add_argument("--objectives", default=",".join(OBJECTIVES), help="comma list: mlm,clm")
-    p.add_argument(
-        "--attentions",
-        default=",".join(ATTENTIONS),
-        help=f"comma list: favor,exact,{MEMORY} (FAVOR+ with the position memory)",
-    )
-    p.add_argument(
-        "--paired",
-        action="store_true",
-        help=f"{MEMORY}: time plain FAVOR+ in the same process, steps alternating",
-    )
-    p.add_argument(
-        "--member-len",
-        type=int,
-        default=0,
-        help="family rows: a member every N tokens (0: one protein a row)",
-    )
-    p.add_argument(
-        "--memory-positions",
-        type=int,
-        default=1024,
-        help=f"{MEMORY}: the memory's position_memory (member positions it holds)",
-    )
+    p.add_argument("--attentions", default=",".join(ATTENTIONS),
+                   help=f"comma list: favor,exact,{MEMORY} (FAVOR+ with the position memory)")
+    p.add_argument("--paired", action="store_true",
+                   help=f"{MEMORY}: time plain FAVOR+ in the same process, steps alternating")
+    p.add_argument("--member-len", type=int, default=0,
+                   help="family rows: a member every N tokens (0: one protein a row)")
+    p.add_argument("--memory-positions", type=int, default=1024,
+                   help=f"{MEMORY}: the memory's position_memory (member positions it holds)")
     p.add_argument("--depth", type=int, default=6)
     p.add_argument("--dim", type=int, default=320)
     p.add_argument("--heads", type=int, default=20)
     p.add_argument("--ff-dim", type=int, default=0, help="feed-forward size (0: 4 * dim)")
     p.add_argument(
-        "--nb-features",
-        type=int,
-        default=None,
-        help="FAVOR+ random features m (default: the model's, d ln d of the head size d)",
-    )
+        "--nb-features", type=int, default=None,
+        help="FAVOR+ random features m (default: the model's, d ln d of the head size d)")
     p.add_argument("--kernel", default="softmax", help="FAVOR+ kernel")
     p.add_argument("--warmup", type=int, default=2, help="untimed optimizer steps per case")
     p.add_argument("--steps", type=int, default=8, help="timed optimizer steps per case (max)")
-    p.add_argument(
-        "--budget-s",
-        type=float,
-        default=60.0,
-        help="stop timing a case once this much step time was spent (>= 1 timed step)",
-    )
-    p.add_argument(
-        "--timeout", type=float, default=1200.0, help="hard limit per case (process), seconds"
-    )
+    p.add_argument("--budget-s", type=float, default=60.0,
+                   help="stop timing a case once this much step time was spent (>= 1 timed step)")
+    p.add_argument("--timeout", type=float, default=1200.0,
+                   help="hard limit per case (process), seconds")
     common.add_mem_limit_arg(p)
     common.add_final_args(
-        p, quick_help="tiny smoke configuration: 2 layers, dim 64, L=64,128, 256 tokens, 3 steps"
-    )
+        p, quick_help="tiny smoke configuration: 2 layers, dim 64, L=64,128, 256 tokens, 3 steps")
     args = p.parse_args(argv)
     if args.quick:
         args.depth, args.dim, args.heads, args.nb_features = 2, 64, 4, 32
@@ -508,12 +404,8 @@ def run_parent(args: argparse.Namespace) -> int:
     """Every case in its own process, then the CSV files and the markdown tables under --out."""
     rows = run_all(args)
     csv_path, md_path = args.out / "train.csv", args.out / "train.md"
-    write_csv(rows, csv_path)
-    ratio_rows = ratios(rows)
-    with (args.out / "train_ratios.csv").open("w", newline="") as fh:
-        writer = csv.DictWriter(fh, fieldnames=list(ratio_rows[0]) if ratio_rows else ["L"])
-        writer.writeheader()
-        writer.writerows(ratio_rows)
+    common.write_rows_csv(rows, csv_path, CSV_FIELDS)
+    common.write_dicts_csv(ratios(rows), args.out / "train_ratios.csv")
     header = (
         f"depth={args.depth} dim={args.dim} heads={args.heads} m={args.nb_features} "
         f"kernel={args.kernel}, {args.tokens} tokens/batch, precision {args.precision}, "

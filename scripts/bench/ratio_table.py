@@ -85,19 +85,15 @@ def train(rows: list[dict[str, str]]) -> list[tuple[str, str, float, float, str]
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(
-        description=__doc__.split("\n\n")[0],
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-        epilog="Files read: see the module docstring.",
-    )
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter,
+                                epilog="Files read: see the module docstring.")
     p.add_argument("dir", type=Path, help="the benchmark output directory")
     args = p.parse_args(argv)
     common.setup_logging()
-    table = [
-        *attention(_rows(args.dir / "attention" / "attention.csv")),
-        *embed(_rows(args.dir / "embed.csv")),
-        *train(_rows(args.dir / "train" / "train.csv")),
-    ]
+    table = [*attention(_rows(args.dir / "attention" / "attention.csv")),
+             *embed(_rows(args.dir / "embed.csv")),
+             *train(_rows(args.dir / "train" / "train.csv"))]
     print("| benchmark | case | ours (s) | baseline (s) | baseline / ours | |")
     print("|---|---|---:|---:|---:|---|")
     for name, case, ours, base, note in table:

@@ -33,15 +33,13 @@ Examples::
 from __future__ import annotations
 
 import argparse
-import csv
 import json
 import logging
 import math
-import shutil
 import statistics
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -49,12 +47,11 @@ import harness as h
 import torch
 import torch.nn.functional as F
 
+from protein_performer.data.masking import IGNORE_INDEX
+
 log = logging.getLogger("backcompat")
-DEFAULT_DATA = [
-    h.SEQUENCES / "uniprot_mmseqs_train.fasta",
-    h.SEQUENCES / "swissprot_opal_train.fasta",
-]
-IGNORE_INDEX = -100
+DEFAULT_DATA = [h.SEQUENCES / "uniprot_mmseqs_train.fasta",
+                h.SEQUENCES / "swissprot_opal_train.fasta"]
 
 
 # --------------------------------------------------------------------------------------------
@@ -71,12 +68,8 @@ def heldout_ppl(model: torch.nn.Module, loader: Any) -> float:
         tokens = batch["tokens"].to(device)
         targets = batch["targets"].to(device)
         logits = model(tokens, padding_mask=batch["padding_mask"].to(device)).logits
-        nll += F.cross_entropy(
-            logits.float().flatten(0, 1),
-            targets.flatten(),
-            ignore_index=IGNORE_INDEX,
-            reduction="sum",
-        ).item()
+        nll += F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(),
+                               ignore_index=IGNORE_INDEX, reduction="sum").item()
         count += int((targets != IGNORE_INDEX).sum())
     model.train(was_training)
     if count == 0:
@@ -84,9 +77,10 @@ def heldout_ppl(model: torch.nn.Module, loader: Any) -> float:
     return math.exp(nll / count)
 
 
-def make_eval_callback(loader: Any, every: int, curve: list[dict]) -> Any:
-    """Held-out perplexity at step 0 (after the step-0 feature draw, before any update), every
-    ``every`` optimizer steps, and at the end."""
+def make_eval_callback(loader: Any, every: int, curve: list[dict],
+                       measure: Callable[[torch.nn.Module, Any], float] = heldout_ppl) -> Any:
+    """Held-out perplexity (``measure``) at step 0 (after the step-0 feature draw, before any
+    update), every ``every`` optimizer steps, and at the end."""
     import pytorch_lightning as pl
 
     class HeldoutCurve(pl.Callback):
@@ -94,7 +88,7 @@ def make_eval_callback(loader: Any, every: int, curve: list[dict]) -> Any:
             step = trainer.global_step
             if curve and curve[-1]["step"] == step:
                 return
-            ppl = heldout_ppl(pl_module.model, loader)
+            ppl = measure(pl_module.model, loader)
             curve.append({"step": step, "ppl": ppl})
             log.info("fine-tune step %d: held-out ppl %.4f", step, ppl)
 
@@ -114,26 +108,14 @@ def make_eval_callback(loader: Any, every: int, curve: list[dict]) -> Any:
 def base_overrides(args: argparse.Namespace) -> list[str]:
     paths = ",".join(str(p) for p in args.data)
     dim, depth, heads = args.shape
-    overrides = [
-        "experiment=small_mlm",
-        f"trainer={args.trainer}",
-        f"paths.root_dir={h.REPO}",
-        f"data.path=[{paths}]",
-        f"data.max_len={args.max_len}",
-        f"data.max_tokens={args.max_tokens}",
-        "data.num_workers=0",
-        f"data.valid_frac={args.heldout_frac}",
-        f"data.test_frac={args.heldout_frac}",
-        f"model.config.dim={dim}",
-        f"model.config.depth={depth}",
-        f"model.config.heads={heads}",
-        f"model.config.ff_dim={4 * dim}",
-        f"seed={args.seed}",
-        "task_name=backcompat",
-        "callbacks.progress_bar=null",
-        "trainer.enable_progress_bar=false",
-        "trainer.enable_model_summary=false",
-    ]
+    overrides = ["experiment=small_mlm", f"trainer={args.trainer}", f"paths.root_dir={h.REPO}",
+                 f"data.path=[{paths}]", f"data.max_len={args.max_len}",
+                 f"data.max_tokens={args.max_tokens}", "data.num_workers=0",
+                 f"data.valid_frac={args.heldout_frac}", f"data.test_frac={args.heldout_frac}",
+                 f"model.config.dim={dim}", f"model.config.depth={depth}",
+                 f"model.config.heads={heads}", f"model.config.ff_dim={4 * dim}",
+                 f"seed={args.seed}", "task_name=backcompat", "callbacks.progress_bar=null",
+                 "trainer.enable_progress_bar=false", "trainer.enable_model_summary=false"]
     if args.limit_records:
         overrides.append(f"data.limit_records={args.limit_records}")
     return overrides
@@ -146,16 +128,13 @@ def train_exact(args: argparse.Namespace) -> tuple[str, Any]:
     from protein_performer.training.train import train
 
     out = args.out_dir / "exact"
-    overrides = [
-        *base_overrides(args),
-        "model.config.attention=exact",
-        f"model.optim.lr={args.lr}",
-        f"model.optim.warmup_steps={max(1, args.steps // 20)}",
-        f"trainer.max_steps={args.steps}",
-        f"trainer.val_check_interval={max(1, args.steps // 5)}",
-        "trainer.check_val_every_n_epoch=null",
-        f"trainer.log_every_n_steps={max(1, args.steps // 50)}",
-    ]
+    overrides = [*base_overrides(args), "model.config.attention=exact",
+                 f"model.optim.lr={args.lr}",
+                 f"model.optim.warmup_steps={max(1, args.steps // 20)}",
+                 f"trainer.max_steps={args.steps}",
+                 f"trainer.val_check_interval={max(1, args.steps // 5)}",
+                 "trainer.check_val_every_n_epoch=null",
+                 f"trainer.log_every_n_steps={max(1, args.steps // 50)}"]
     cfg = compose_config(overrides, output_dir=out)
     result = train(cfg)
     ckpt = result.get("last_checkpoint") or result.get("best_checkpoint")
@@ -164,9 +143,11 @@ def train_exact(args: argparse.Namespace) -> tuple[str, Any]:
     return ckpt, cfg
 
 
-def fine_tune(args: argparse.Namespace, ckpt: str, loader: Any, weight: float) -> list[dict]:
+def fine_tune(args: argparse.Namespace, ckpt: str, loader: Any, weight: float,
+              measure: Callable[[torch.nn.Module, Any], float] = heldout_ppl) -> list[dict]:
     """Phase 3: a FAVOR+ module initialized from ``ckpt``, fitted for ``--ft-steps`` steps with
-    distillation weight ``weight`` against ``ckpt``'s exact-attention model (0: MLM alone)."""
+    distillation weight ``weight`` against ``ckpt``'s exact-attention model (0: MLM alone); the
+    curve's perplexities from ``measure``."""
     import hydra
     import pytorch_lightning as pl
 
@@ -175,23 +156,17 @@ def fine_tune(args: argparse.Namespace, ckpt: str, loader: Any, weight: float) -
     from protein_performer.training.init_weights import init_from
 
     out = args.out_dir / f"favor_finetune_w{weight:g}"
-    overrides = [
-        *base_overrides(args),
-        "model.config.attention=favor",
-        f"model.config.kernel={args.kernel}",
-        f"model.config.nb_features={args.nb_features}",
-        f"model.config.feature_redraw_interval={args.redraw_interval}",
-        f"model.optim.lr={args.ft_lr}",
-        f"model.optim.warmup_steps={args.ft_warmup}",
-        f"model.distill.teacher='{ckpt}'" if weight > 0 else "model.distill.teacher=null",
-        f"model.distill.weight={weight}",
-        f"model.distill.temperature={args.distill_temperature}",
-        f"trainer.max_steps={args.ft_steps}",
-        "trainer.limit_val_batches=0",
-        "trainer.num_sanity_val_steps=0",
-        "+trainer.enable_checkpointing=false",
-        f"trainer.log_every_n_steps={max(1, args.eval_every)}",
-    ]
+    overrides = [*base_overrides(args), "model.config.attention=favor",
+                 f"model.config.kernel={args.kernel}",
+                 f"model.config.nb_features={args.nb_features}",
+                 f"model.config.feature_redraw_interval={args.redraw_interval}",
+                 f"model.optim.lr={args.ft_lr}", f"model.optim.warmup_steps={args.ft_warmup}",
+                 f"model.distill.teacher='{ckpt}'" if weight > 0 else "model.distill.teacher=null",
+                 f"model.distill.weight={weight}",
+                 f"model.distill.temperature={args.distill_temperature}",
+                 f"trainer.max_steps={args.ft_steps}", "trainer.limit_val_batches=0",
+                 "trainer.num_sanity_val_steps=0", "+trainer.enable_checkpointing=false",
+                 f"trainer.log_every_n_steps={max(1, args.eval_every)}"]
     cfg = compose_config(overrides, output_dir=out)
     pl.seed_everything(args.seed, workers=True)
     datamodule = hydra.utils.instantiate(cfg.data)
@@ -200,7 +175,7 @@ def fine_tune(args: argparse.Namespace, ckpt: str, loader: Any, weight: float) -
     curve: list[dict] = []
     callbacks = [
         FeatureRedraw(interval=args.redraw_interval, seed=args.seed),  # first: draws step 0's ω
-        make_eval_callback(loader, args.eval_every, curve),
+        make_eval_callback(loader, args.eval_every, curve, measure),
     ]
     trainer = hydra.utils.instantiate(cfg.trainer, callbacks=callbacks, logger=False)
     trainer.fit(module, datamodule=datamodule)
@@ -219,37 +194,23 @@ def reached_step(curve: list[dict], target: float) -> int | None:
     return next((p["step"] for p in curve if p["ppl"] <= target), None)
 
 
-def write_report(
-    args: argparse.Namespace,
-    exact_ppl: float,
-    swap_ppls: list[float],
-    curves: dict[float, list[dict]],
-    seconds: dict[str, float],
-) -> str:
+def write_report(args: argparse.Namespace, exact_ppl: float, swap_ppls: list[float],
+                 curves: dict[float, list[dict]], seconds: dict[str, float]) -> str:
     target = 1.05 * exact_ppl
     budget = math.floor(0.10 * args.steps)
     weights = list(curves)
-    with open(args.out_dir / "recovery.csv", "w", newline="") as fh:
-        writer = csv.DictWriter(fh, fieldnames=["distill_weight", "step", "ppl", "ratio_to_exact"])
-        writer.writeheader()
-        for weight, curve in curves.items():
-            for p in curve:
-                writer.writerow(
-                    {"distill_weight": weight, **p, "ratio_to_exact": p["ppl"] / exact_ppl}
-                )
+    points = [{"distill_weight": weight, **p, "ratio_to_exact": p["ppl"] / exact_ppl}
+              for weight, curve in curves.items() for p in curve]
+    h.write_csv(args.out_dir / "recovery.csv", points, list(points[0]))
     plot(args, exact_ppl, curves)
 
     dim, depth, heads = args.shape
     swap_mean = statistics.fmean(swap_ppls)
     swap_sd = statistics.stdev(swap_ppls) if len(swap_ppls) > 1 else 0.0
-    source = (
-        f"loaded from {args.exact_ckpt}"
-        if args.exact_ckpt
-        else f"trained with exact attention (lr {args.lr})"
-    )
+    source = (f"loaded from {args.exact_ckpt}" if args.exact_ckpt
+              else f"trained with exact attention (lr {args.lr})")
     lines = [
-        "## Backward compatibility: exact -> FAVOR+ swap and recovery",
-        "",
+        "## Backward compatibility: exact -> FAVOR+ swap and recovery", "",
         f"Model: MLM, dim {dim}, depth {depth}, heads {heads}, ff {4 * dim}; {args.steps} steps "
         f"{source} (<= {args.max_tokens} tokens per batch, max_len {args.max_len}) on "
         f"{', '.join(p.name for p in args.data)}"
@@ -264,17 +225,12 @@ def write_report(
         f"{swap_mean / exact_ppl:.3f}× exact.",
         "",
         "| fine-tune step | " + " | ".join(f"{_label(w)}: ppl (× exact)" for w in weights) + " |",
-        "|---:|" + "---:|" * len(weights),
-    ]
+        "|---:|" + "---:|" * len(weights)]
     steps = sorted({p["step"] for curve in curves.values() for p in curve})
     by_step = {w: {p["step"]: p["ppl"] for p in curve} for w, curve in curves.items()}
     for step in steps:
-        cells = [
-            f"{by_step[w][step]:.4f} ({by_step[w][step] / exact_ppl:.3f})"
-            if step in by_step[w]
-            else ""
-            for w in weights
-        ]
+        cells = [f"{by_step[w][step]:.4f} ({by_step[w][step] / exact_ppl:.3f})"
+                 if step in by_step[w] else "" for w in weights]
         lines.append(f"| {step} | " + " | ".join(cells) + " |")
     lines.append("")
     summary: dict[str, Any] = {"exact_ppl": exact_ppl, "swap_ppls": swap_ppls, "runs": []}
@@ -289,65 +245,39 @@ def write_report(
         )
         lines.append(f"- {_label(weight)}: {verdict}.")
         summary["runs"].append(
-            {"distill_weight": weight, "curve": curve, "reached_step": reached, "target_met": met}
-        )
+            {"distill_weight": weight, "curve": curve, "reached_step": reached, "target_met": met})
     timing = ", ".join(f"{k} {v:.0f} s" for k, v in seconds.items())
-    lines += [
-        "",
-        f"Wall time: {timing}.",
-        "Figure: recovery.png. Reproduce: `python scripts/studies/backcompat_experiment.py "
-        + " ".join(args.argv)
-        + "`.",
-    ]
+    lines += ["", f"Wall time: {timing}.", "Figure: recovery.png. Reproduce: `python "
+              f"scripts/studies/backcompat_experiment.py {' '.join(args.argv)}`."]
     text = "\n".join(lines) + "\n"
     (args.out_dir / "recovery.md").write_text(text, encoding="utf-8")
-    (args.out_dir / "summary.json").write_text(
-        json.dumps(summary, indent=2) + "\n", encoding="utf-8"
-    )
+    (args.out_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     return text
 
 
 def plot(args: argparse.Namespace, exact_ppl: float, curves: dict[float, list[dict]]) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(6, 4), dpi=120)
-    for weight, curve in curves.items():
-        ax.plot(
-            [p["step"] for p in curve], [p["ppl"] for p in curve], "o-", ms=3, label=_label(weight)
-        )
-    ax.axhline(exact_ppl, color="k", ls="--", lw=1, label=f"exact ({exact_ppl:.3f})")
-    ax.axhline(1.05 * exact_ppl, color="gray", ls=":", lw=1, label="exact + 5%")
-    ax.axvline(0.10 * args.steps, color="tab:red", ls=":", lw=1, label="10% of training steps")
-    ax.set_xlabel("fine-tuning steps after the swap")
-    ax.set_ylabel("held-out perplexity")
-    ax.set_title(f"exact -> FAVOR+ ({args.kernel}, m={args.nb_features}) recovery")
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(args.out_dir / "recovery.png")
-    plt.close(fig)
+    with h.figure(args.out_dir / "recovery.png") as (ax,):
+        for weight, curve in curves.items():
+            ax.plot([p["step"] for p in curve], [p["ppl"] for p in curve], "o-", ms=3,
+                    label=_label(weight))
+        ax.axhline(exact_ppl, color="k", ls="--", lw=1, label=f"exact ({exact_ppl:.3f})")
+        ax.axhline(1.05 * exact_ppl, color="gray", ls=":", lw=1, label="exact + 5%")
+        ax.axvline(0.10 * args.steps, color="tab:red", ls=":", lw=1,
+                   label="10% of training steps")
+        ax.set(xlabel="fine-tuning steps after the swap", ylabel="held-out perplexity",
+               title=f"exact -> FAVOR+ ({args.kernel}, m={args.nb_features}) recovery")
+        ax.legend(fontsize=8)
 
 
 # --------------------------------------------------------------------------------------------
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(
-        description=__doc__.split("\n\n")[0],
-        epilog=__doc__.split("\n\n", 1)[1],
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
+    p = h.parser(__doc__)
     p.add_argument("--data", type=Path, nargs="+", default=DEFAULT_DATA, help="FASTA file(s)")
     p.add_argument("--limit-records", type=int, default=None, help="first N records only")
     p.add_argument("--heldout-frac", type=float, default=0.02, help="valid and test fractions")
-    p.add_argument(
-        "--shape",
-        nargs=3,
-        type=int,
-        default=(128, 4, 8),
-        metavar=("DIM", "DEPTH", "HEADS"),
-        help="model shape (ff = 4 * dim); default: 128 4 8",
-    )
+    p.add_argument("--shape", nargs=3, type=int, default=(128, 4, 8),
+                   metavar=("DIM", "DEPTH", "HEADS"),
+                   help="model shape (ff = 4 * dim); default: 128 4 8")
     p.add_argument("--max-len", type=int, default=256)
     p.add_argument("--max-tokens", type=int, default=8192)
     p.add_argument("--steps", type=int, default=3000, help="exact training steps (N)")
@@ -361,32 +291,20 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--eval-every", type=int, default=None, help="K (default M/12)")
     p.add_argument("--redraw-interval", type=int, default=100)
     p.add_argument(
-        "--distill-weights",
-        type=float,
-        nargs="+",
-        default=[0.0, 0.5],
-        metavar="W",
-        help="one fine-tune per weight: 0 = MLM alone, w = (1-w) MLM + w KL to the exact twin",
-    )
+        "--distill-weights", type=float, nargs="+", default=[0.0, 0.5], metavar="W",
+        help="one fine-tune per weight: 0 = MLM alone, w = (1-w) MLM + w KL to the exact twin")
     p.add_argument("--distill-temperature", type=float, default=1.0)
     p.add_argument(
-        "--exact-ckpt",
-        type=Path,
-        default=None,
-        help="skip training: start from this exact-attention .ckpt (same --shape and data)",
-    )
+        "--exact-ckpt", type=Path, default=None,
+        help="skip training: start from this exact-attention .ckpt (same --shape and data)")
     p.add_argument("--trainer", default="cpu", help="trainer config group option (cpu, gpu)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     p.add_argument("--out-dir", type=Path, default=h.REPO / "outputs" / "backcompat")
-    p.add_argument(
-        "--overwrite", action="store_true", help="replace earlier runs' outputs in --out-dir"
-    )
-    p.add_argument(
-        "--quick",
-        action="store_true",
-        help="wiring check in seconds: tiny model, 600 records, 40 + 20 steps",
-    )
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace earlier runs' outputs in --out-dir")
+    p.add_argument("--quick", action="store_true",
+                   help="wiring check in seconds: tiny model, 600 records, 40 + 20 steps")
     args = p.parse_args(argv)
     args.argv = list(argv if argv is not None else sys.argv[1:])
     if args.quick:
@@ -426,13 +344,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     runs = [args.out_dir / f"favor_finetune_w{w:g}" for w in args.distill_weights]
     if not args.exact_ckpt:
         runs.append(args.out_dir / "exact")
-    if any(d.exists() for d in runs):
-        if not args.overwrite:
-            print(f"error: {args.out_dir} holds an earlier run; pass --overwrite", file=sys.stderr)
-            return 2
-        for d in runs:
-            shutil.rmtree(d, ignore_errors=True)
-    args.out_dir.mkdir(parents=True, exist_ok=True)
+    h.fresh_outputs(args.out_dir, runs, args.overwrite)
 
     import hydra
 
@@ -457,14 +369,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     exact_ppl = heldout_ppl(exact.model, test_loader)
     swap_ppls = [
         heldout_ppl(
-            load_model(
-                exact,
-                device,
-                attention="favor",
-                kernel=args.kernel,
-                nb_features=args.nb_features,
-                seed=s,
-            ).model,
+            load_model(exact, device, attention="favor", kernel=args.kernel,
+                       nb_features=args.nb_features, seed=s).model,
             test_loader,
         )
         for s in range(args.swap_seeds)

@@ -48,7 +48,7 @@ import torch
 import torch.nn.functional as F
 
 from protein_performer.contacts.predict import predict_contacts
-from protein_performer.data.tokenizer import Alphabet, pad_token_arrays
+from protein_performer.data.tokenizer import Alphabet
 from protein_performer.interop.loading import load_model
 from protein_performer.interop.record import LoadedModel
 from protein_performer.model.config import PerformerConfig
@@ -66,9 +66,8 @@ def random_esm2(dim: int, depth: int, heads: int, seed: int) -> PerformerLM:
     """An exact-attention ESM-2 initialized the way fair-esm's ``ESM2`` is (not BERT's 0.02),
     so attention is not trivially uniform."""
     torch.manual_seed(seed)
-    config = PerformerConfig(
-        dim=dim, depth=depth, heads=heads, ff_dim=4 * dim, attention="exact", token_dropout=True
-    )
+    config = PerformerConfig(dim=dim, depth=depth, heads=heads, ff_dim=4 * dim, attention="exact",
+                             token_dropout=True)
     model = PerformerLM(config)
     for module in model.modules():
         if isinstance(module, torch.nn.Linear):
@@ -88,20 +87,10 @@ def read_sequences(path: Path, max_records: int, max_len: int) -> list[str]:
 
 def batches(seqs: Sequence[str], toks_per_batch: int) -> list[torch.Tensor]:
     """Padded ``<cls> seq <eos>`` batches, longest first, under a padded-token budget."""
-    alphabet = Alphabet()
-    order = sorted(range(len(seqs)), key=lambda i: -len(seqs[i]))
-    out, cur = [], []
-    for i in order:
-        if cur and (len(cur) + 1) * (len(seqs[cur[0]]) + 2) > toks_per_batch:
-            out.append(cur)
-            cur = []
-        cur.append(i)
-    if cur:
-        out.append(cur)
-    return [
-        pad_token_arrays([alphabet.encode_with_specials(seqs[i]) for i in b], alphabet.pad_idx)
-        for b in out
-    ]
+    from protein_performer.data.sampler import budget_batches
+
+    groups = budget_batches([len(s) + 2 for s in seqs], toks_per_batch)
+    return [Alphabet().encode_batch([seqs[i] for i in group]) for group in groups]
 
 
 def residue_mask(tokens: torch.Tensor, alphabet: Alphabet) -> torch.Tensor:
@@ -110,12 +99,8 @@ def residue_mask(tokens: torch.Tensor, alphabet: Alphabet) -> torch.Tensor:
 
 
 @torch.no_grad()
-def compare(
-    exact_logps: list[torch.Tensor],
-    favor: PerformerLM,
-    token_batches: list[torch.Tensor],
-    masks: list[torch.Tensor],
-) -> tuple[float, float]:
+def compare(exact_logps: list[torch.Tensor], favor: PerformerLM, token_batches: list[torch.Tensor],
+            masks: list[torch.Tensor]) -> tuple[float, float]:
     """Mean KL(exact || favor) and top-1 agreement over all residue positions."""
     kl_sum, agree, n = 0.0, 0, 0
     for logp_e, tokens, keep in zip(exact_logps, token_batches, masks, strict=True):
@@ -155,43 +140,29 @@ def contact_change(exact: list[np.ndarray], favor: list[np.ndarray]) -> tuple[fl
 def summarize(rows: list[dict], kernels: Sequence[str], ms: Sequence[int]) -> str:
     """Two markdown tables (KL, top-1), kernels as rows and m as columns, mean ± sd over seeds."""
 
-    def cell(kernel: str, m: int, key: str, fmt: str) -> str:
-        values = [r[key] for r in rows if r["kernel"] == kernel and r["m"] == m]
-        if not values:
-            return "-"
-        mean = statistics.fmean(values)
-        sd = statistics.stdev(values) if len(values) > 1 else 0.0
-        return f"{mean:{fmt}} ± {sd:{fmt}}" if len(values) > 1 else f"{mean:{fmt}}"
+    def cell(kernel: str, m: int, key: str, digits: int) -> str:
+        return h.cell([r[key] for r in rows if r["kernel"] == kernel and r["m"] == m], 1, digits)
 
     lines = []
-    for key, title, fmt in (
-        ("kl", "Mean KL(exact || favor) per residue (nats)", ".4f"),
-        ("top1", "Top-1 agreement with exact", ".3f"),
-        ("contact_dp", "Contact maps: mean |delta p| per pair (|i - j| >= 6)", ".4f"),
-        ("contact_overlap", "Contact maps: top-L/5 long-range (|i - j| >= 24) overlap", ".3f"),
-    ):
+    for key, title, digits in (
+        ("kl", "Mean KL(exact || favor) per residue (nats)", 4),
+        ("top1", "Top-1 agreement with exact", 3),
+        ("contact_dp", "Contact maps: mean |delta p| per pair (|i - j| >= 6)", 4),
+        ("contact_overlap", "Contact maps: top-L/5 long-range (|i - j| >= 24) overlap", 3)):
         lines += [f"### {title}", "", "| kernel | " + " | ".join(f"m={m}" for m in ms) + " |"]
         lines.append("|---|" + "---|" * len(ms))
         for kernel in kernels:
             lines.append(
-                f"| {kernel} | " + " | ".join(cell(kernel, m, key, fmt) for m in ms) + " |"
-            )
+                f"| {kernel} | " + " | ".join(cell(kernel, m, key, digits) for m in ms) + " |")
         lines.append("")
     return "\n".join(lines)
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(
-        description=__doc__.split("\n\n")[0],
-        epilog=__doc__.split("\n\n", 1)[1],
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
+    p = h.parser(__doc__)
     p.add_argument(
-        "--checkpoint",
-        type=Path,
-        default=None,
-        help="fair-esm .pt, HF EsmForMaskedLM dir, or our export/.ckpt (default: random ESM-2)",
-    )
+        "--checkpoint", type=Path, default=None,
+        help="fair-esm .pt, HF EsmForMaskedLM dir, or our export/.ckpt (default: random ESM-2)")
     demo = h.REPO / "protein_performer" / "data" / "demo"
     p.add_argument("--fasta", type=Path, default=demo / "some_proteins.fasta")
     p.add_argument("--max-records", type=int, default=15)
@@ -201,20 +172,13 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seeds", type=int, default=3, help="feature seeds per (kernel, m)")
     p.add_argument("--toks-per-batch", type=int, default=4096)
     p.add_argument(
-        "--random-shape",
-        nargs=3,
-        type=int,
-        default=(320, 6, 20),
+        "--random-shape", nargs=3, type=int, default=(320, 6, 20),
         metavar=("DIM", "DEPTH", "HEADS"),
-        help="shape of the random ESM-2 when no checkpoint is given (default: ESM-2 8M)",
-    )
+        help="shape of the random ESM-2 when no checkpoint is given (default: ESM-2 8M)")
     p.add_argument("--out-dir", type=Path, default=h.REPO / "outputs" / "esm_favor_swap")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
-    p.add_argument(
-        "--quick",
-        action="store_true",
-        help="seconds: tiny random model, 3 short records, m in 64/256/1024, one seed",
-    )
+    p.add_argument("--quick", action="store_true",
+                   help="seconds: tiny random model, 3 short records, m in 64/256/1024, one seed")
     args = p.parse_args(argv)
     if args.quick:
         args.max_records = min(args.max_records, 3)
@@ -246,9 +210,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     held = LoadedModel(exact, cfg, Alphabet(), Path(source), torch.device("cpu"), "memory")
     if regression is None:
         n = cfg.depth * cfg.heads
-        reg = ContactRegression(
-            np.ones(n), 0.0, list(range(1, cfg.depth + 1)), list(range(cfg.heads))
-        )
+        reg = ContactRegression(np.ones(n), 0.0, list(range(1, cfg.depth + 1)),
+                                list(range(cfg.heads)))
         reg_name = "the sum-APC regression (no contact head)"
     else:
         reg = ContactRegression.from_dict(regression, source)
@@ -275,21 +238,13 @@ def main(argv: Sequence[str] | None = None) -> int:
             for m in args.ms:
                 for seed in range(args.seeds):
                     start = time.perf_counter()
-                    favor = load_model(
-                        held, "cpu", attention="favor", kernel=kernel, nb_features=m, seed=seed
-                    ).model
+                    favor = load_model(held, "cpu", attention="favor", kernel=kernel,
+                                       nb_features=m, seed=seed).model
                     kl, top1 = compare(exact_logps, favor, token_batches, masks)
                     dp, overlap = contact_change(exact_contacts, contact_maps(favor, seqs, reg))
-                    row = {
-                        "kernel": kernel,
-                        "m": m,
-                        "seed": seed,
-                        "kl": kl,
-                        "top1": top1,
-                        "contact_dp": dp,
-                        "contact_overlap": overlap,
-                        "seconds": round(time.perf_counter() - start, 3),
-                    }
+                    row = {"kernel": kernel, "m": m, "seed": seed, "kl": kl, "top1": top1,
+                           "contact_dp": dp, "contact_overlap": overlap,
+                           "seconds": round(time.perf_counter() - start, 3)}
                     if not math.isfinite(kl):
                         log.warning("%s m=%d seed=%d: non-finite KL", kernel, m, seed)
                     rows.append(row)

@@ -94,21 +94,9 @@ MODEL = ["dim=64", "depth=2", "heads=4", "ff_dim=256", "nb_features=48"]
 RESULT_FILE = "family_eval.json"
 #: Row key -> what ``family_eval.json`` calls the BLAT_ECOLX rho (without, with homologs).
 BLAT_KEYS = {"blat_rho": "rho", "blat_rho_context": "rho_context"}
-FIELDS = (
-    "name",
-    "rows",
-    "variant",
-    "positions",
-    "seed",
-    "steps",
-    "train_cpu_s",
-    "wall_s",
-    *(f"{s}_ppl_k{k}" for s in SPLITS for k in KS),
-    "blat_rho",
-    "blat_rho_context",
-    *(f"long_ppl_{lo}_{hi}" for lo, hi in BINS),
-    "command",
-)
+FIELDS = ("name", "rows", "variant", "positions", "seed", "steps", "train_cpu_s", "wall_s",
+          *(f"{s}_ppl_k{k}" for s in SPLITS for k in KS), "blat_rho", "blat_rho_context",
+          *(f"long_ppl_{lo}_{hi}" for lo, hi in BINS), "command")
 
 
 # --------------------------------------------------------------------------------------------
@@ -116,32 +104,23 @@ FIELDS = (
 # --------------------------------------------------------------------------------------------
 
 
-def plan_runs(
-    args: argparse.Namespace, store: Path, budget: h.Budget, eval_set: Path
-) -> list[h.Run]:
+def plan_runs(args: argparse.Namespace, store: Path, budget: h.Budget,
+              eval_set: Path) -> list[h.Run]:
     """Every training run, in launch order (seed-major, so a cut-short study has whole seeds),
     each scored on ``eval_set`` in a fresh process once trained."""
-    shared = [
-        *h.store_overrides(args, store, budget),
-        *(f"model.config.{kv}" for kv in (h.QUICK_MODEL if args.quick else MODEL)),
-        "model.optim.warmup_steps=50",  # short: exact makes ~4x fewer steps on family rows
-        f"data.max_len={args.single_len}",
-        f"data.max_tokens={args.max_tokens}",
-        f"trainer.val_check_interval={args.val_every}",
-        f"trainer.limit_val_batches={args.val_batches}",
-    ]
-    family = [
-        "experiment=family_clm",
-        f"data.family_max_tokens={args.family_tokens}",
-        f"data.family_method={args.family_method}",
-        f"data.family_identity={args.family_identity:g}",
-        # Issue 21's designs read family rows without the position memory (on by default for
-        # family rows since 0.6.0); scripts/studies/bench_recall.py measures the memory.
-        "model.config.position_memory=0",
-    ]
-    plan: list[tuple[str, str, str]] = [
-        (rows, variant, "sequence") for rows in ("single", "family") for variant in h.ATTENTION
-    ]
+    # A short warmup: exact makes ~4x fewer steps on family rows.
+    shared = [*h.store_overrides(args, store, budget),
+              *(f"model.config.{kv}" for kv in (h.QUICK_MODEL if args.quick else MODEL)),
+              "model.optim.warmup_steps=50", f"data.max_len={args.single_len}",
+              f"data.max_tokens={args.max_tokens}", f"trainer.val_check_interval={args.val_every}",
+              f"trainer.limit_val_batches={args.val_batches}"]
+    # Issue 21's designs read family rows without the position memory (on by default for
+    # family rows since 0.6.0); scripts/studies/bench_recall.py measures the memory.
+    family = ["experiment=family_clm", f"data.family_max_tokens={args.family_tokens}",
+              f"data.family_method={args.family_method}",
+              f"data.family_identity={args.family_identity:g}", "model.config.position_memory=0"]
+    plan = [(rows, variant, "sequence") for rows in ("single", "family")
+            for variant in h.ATTENTION]
     plan.append(("family", "favor-softmax", "member"))
     runs = []
     for seed in args.seeds:
@@ -154,14 +133,9 @@ def plan_runs(
             name = f"{rows}-{variant}{pos}-s{seed}"
             tags = {"rows": rows, "variant": variant, "positions": positions, "seed": seed}
             run = h.Run(name, overrides, args.out.resolve() / "runs" / name, tags)
-            spec = {
-                "ckpt": str(run.checkpoint),
-                "eval_set": str(eval_set),
-                "threads": args.threads,
-                "out": str(run.run_dir / RESULT_FILE),
-                "blat": True,
-                "long": rows == "single",
-            }
+            spec = {"ckpt": str(run.checkpoint), "eval_set": str(eval_set),
+                    "threads": args.threads, "out": str(run.run_dir / RESULT_FILE), "blat": True,
+                    "long": rows == "single"}
             cmd = [sys.executable, str(Path(__file__).resolve()), "--score", json.dumps(spec)]
             run.after.append(("score", cmd, run.run_dir / RESULT_FILE))
             runs.append(run)
@@ -183,12 +157,10 @@ def split_families(store: Path, args: argparse.Namespace) -> dict[str, Any]:
     out = {}
     for split in ("train", "valid", *SPLITS):
         t0 = time.perf_counter()
-        out[split] = store_families(
-            st, split, args.family_method, args.family_identity, max(1, args.mmseqs_threads)
-        )
-        log.info(
-            "%s families (%.0f s): %s", split, time.perf_counter() - t0, out[split].meta["sizes"]
-        )
+        out[split] = store_families(st, split, args.family_method, args.family_identity,
+                                    max(1, args.mmseqs_threads))
+        log.info("%s families (%.0f s): %s", split, time.perf_counter() - t0,
+                 out[split].meta["sizes"])
     return out
 
 
@@ -202,9 +174,8 @@ def _stable_order(keys: list[int], seed: int, salt: str) -> list[int]:
     return sorted(keys, key=h)
 
 
-def pick_targets(
-    store: Any, families: Any, args: argparse.Namespace, split: str
-) -> list[dict[str, Any]]:
+def pick_targets(store: Any, families: Any, args: argparse.Namespace,
+                 split: str) -> list[dict[str, Any]]:
     """Targets of one split and their nested contexts (see the module docstring)."""
     from protein_performer.data.tokenizer import Alphabet
 
@@ -225,24 +196,13 @@ def pick_targets(
         def seq(i: int) -> str:
             return alphabet.decode(store.tokens(i)[:crop])
 
-        targets.append(
-            {
-                "id": store.id(key),
-                "sequence": seq(key),
-                "family_size": len(members),
-                "context": [[store.id(m), seq(m)] for m in context],
-            }
-        )
+        targets.append({"id": store.id(key), "sequence": seq(key), "family_size": len(members),
+                       "context": [[store.id(m), seq(m)] for m in context]})
         taken.update(members)
         if len(targets) == args.targets:
             break
-    log.info(
-        "%s: %d targets (families with >= %d members: %d)",
-        split,
-        len(targets),
-        args.min_family,
-        len(big),
-    )
+    log.info("%s: %d targets (families with >= %d members: %d)", split, len(targets),
+             args.min_family, len(big))
     return targets
 
 
@@ -270,23 +230,12 @@ def blat_set(args: argparse.Namespace, train_fasta: Path) -> dict[str, Any]:
         rows = [r for r in csv.DictReader(fh) if r.get(BLAT_LABEL, "").strip()]
     if args.blat_mutants and args.blat_mutants < len(rows):
         keep = set(
-            _stable_order(list(range(len(rows))), args.eval_seed, "blat")[: args.blat_mutants]
-        )
+            _stable_order(list(range(len(rows))), args.eval_seed, "blat")[: args.blat_mutants])
         rows = [r for i, r in enumerate(rows) if i in keep]
     out = args.out.resolve() / "blat_homologs.fasta"
-    cmd = h.cli(
-        "homologs",
-        str(BLAT_WT),
-        str(train_fasta),
-        str(out),
-        "--max-seqs",
-        str(max(KS)),
-        "--min-seq-id",
-        f"{args.family_identity:g}",
-        "--threads",
-        str(max(1, args.mmseqs_threads)),
-        "--overwrite",
-    )
+    cmd = h.cli("homologs", str(BLAT_WT), str(train_fasta), str(out), "--max-seqs", str(max(KS)),
+                "--min-seq-id", f"{args.family_identity:g}", "--threads",
+                str(max(1, args.mmseqs_threads)), "--overwrite")
     try:
         h.call(cmd, args.threads, args.out.resolve() / "logs" / "homologs.log")
         found = read_records(out)
@@ -295,17 +244,11 @@ def blat_set(args: argparse.Namespace, train_fasta: Path) -> dict[str, Any]:
             raise
         found = []
     homologs = [[r.id, r.sequence[: args.single_len - 2]] for r in found]
-    log.info(
-        "BLAT_ECOLX: %d mutants, %d homologs from the training split", len(rows), len(homologs)
-    )
-    return {
-        "wild_type": wt.sequence,
-        "offset": BLAT_OFFSET,
-        "mutants": [r["mutant"] for r in rows],
-        "labels": [float(r[BLAT_LABEL]) for r in rows],
-        "homologs": homologs,
-        "command": h.shown(cmd, args.threads),
-    }
+    log.info("BLAT_ECOLX: %d mutants, %d homologs from the training split", len(rows),
+             len(homologs))
+    return {"wild_type": wt.sequence, "offset": BLAT_OFFSET,
+            "mutants": [r["mutant"] for r in rows], "labels": [float(r[BLAT_LABEL]) for r in rows],
+            "homologs": homologs, "command": h.shown(cmd, args.threads)}
 
 
 def long_set(store: Any, train_seqs: set[str], args: argparse.Namespace) -> list[dict[str, Any]]:
@@ -337,9 +280,8 @@ def long_set(store: Any, train_seqs: set[str], args: argparse.Namespace) -> list
     return out
 
 
-def unigram(
-    store: Any, targets: dict[str, list[dict[str, Any]]], max_len: int
-) -> dict[str, float]:
+def unigram(store: Any, targets: dict[str, list[dict[str, Any]]],
+            max_len: int) -> dict[str, float]:
     """Training-split residue frequencies (with <eos>) on the targets' scored tokens."""
     from protein_performer.data.dataset import InMemorySource, StoreSubset
     from protein_performer.data.tokenizer import Alphabet
@@ -365,15 +307,10 @@ def make_eval_set(store_dir: Path, path: Path, args: argparse.Namespace) -> None
     targets = {s: pick_targets(store, families[s], args, s) for s in SPLITS}
     train_fasta = args.out.resolve() / "train_split.fasta"
     train_seqs = export_split(store, "train", train_fasta)
-    payload = {
-        "targets": targets,
-        "unigram": unigram(store, targets, args.single_len),
-        "blat": blat_set(args, train_fasta),
-        "long": long_set(store, train_seqs, args),
-        "family_sizes": {s: f.meta["sizes"] for s, f in families.items()},
-        "family_tokens": args.family_tokens,
-        "single_len": args.single_len,
-    }
+    payload = {"targets": targets, "unigram": unigram(store, targets, args.single_len),
+               "blat": blat_set(args, train_fasta), "long": long_set(store, train_seqs, args),
+               "family_sizes": {s: f.meta["sizes"] for s, f in families.items()},
+               "family_tokens": args.family_tokens, "single_len": args.single_len}
     path.write_text(json.dumps(payload) + "\n")
 
 
@@ -407,13 +344,10 @@ def score_model(spec: dict[str, Any]) -> None:
                 n += s.n_scored
                 per_target.append(s.log_likelihood / s.n_scored)
             count = max(1, len(data["targets"][split]))
-            per_k[str(k)] = {
-                "ppl": math.exp(-ll / n) if n else math.nan,
-                "tokens": int(n),
-                "mean_members": members / count,
-                "mean_context_tokens": ctx_tokens / count,
-                "target_mean_ll": per_target,
-            }
+            per_k[str(k)] = {"ppl": math.exp(-ll / n) if n else math.nan, "tokens": int(n),
+                             "mean_members": members / count,
+                             "mean_context_tokens": ctx_tokens / count,
+                             "target_mean_ll": per_target}
         out["family"][split] = per_k
     log.info("family context scored in %.0f s", time.perf_counter() - t0)
 
@@ -424,14 +358,10 @@ def score_model(spec: dict[str, Any]) -> None:
         out["blat"] = {"rho": h.spearman(list(plain), b["labels"]), "mutants": len(b["mutants"])}
         if b["homologs"]:
             ctx = lm.context([tuple(m) for m in b["homologs"]], max_tokens=unlimited)
-            scores = lm.score_variants(
-                b["wild_type"], b["mutants"], "causal", offset=b["offset"], context=ctx
-            )
-            out["blat"].update(
-                rho_context=h.spearman(list(scores), b["labels"]),
-                homologs=len(ctx.members),
-                context_tokens=ctx.n_tokens,
-            )
+            scores = lm.score_variants(b["wild_type"], b["mutants"], "causal", offset=b["offset"],
+                                       context=ctx)
+            out["blat"].update(rho_context=h.spearman(list(scores), b["labels"]),
+                               homologs=len(ctx.members), context_tokens=ctx.n_tokens)
         log.info("BLAT_ECOLX scored in %.0f s", time.perf_counter() - t0)
 
     if spec["long"]:
@@ -503,28 +433,19 @@ def counts_line(rows: list[dict[str, Any]], data: dict[str, Any]) -> str:
     for split in SPLITS:
         ts = data["targets"][split]
         sizes = [t["family_size"] for t in ts]
-        ks = ", ".join(
-            f"k={k}: {ev[split][str(k)]['mean_members']:.1f} members / "
-            f"{ev[split][str(k)]['mean_context_tokens']:.0f} tokens"
-            for k in KS
-            if k
-        )
+        ks = ", ".join(f"k={k}: {ev[split][str(k)]['mean_members']:.1f} members / "
+                       f"{ev[split][str(k)]['mean_context_tokens']:.0f} tokens" for k in KS if k)
         med = statistics.median(sizes) if sizes else 0
         parts.append(
             f"{split}: {len(ts)} targets ({ev[split]['0']['tokens']} scored tokens; family size "
-            f"median {med:g}, min {min(sizes, default=0)}); mean context {ks}"
-        )
+            f"median {med:g}, min {min(sizes, default=0)}); mean context {ks}")
     return "; ".join(parts)
 
 
 def positions_table(rows: list[dict[str, Any]]) -> tuple[str, str]:
     """FAVOR+ softmax on family rows, positions sequence vs member; and which is better."""
-    lines = [
-        "| positions | "
-        + " | ".join(f"{s} k={k}" for s in SPLITS for k in KS)
-        + " | mean log ppl, k>0 |",
-        "|---|" + "---:|" * (len(SPLITS) * len(KS) + 1),
-    ]
+    lines = [f"| positions | {' | '.join(f'{s} k={k}' for s in SPLITS for k in KS)} "
+             "| mean log ppl, k>0 |", "|---|" + "---:|" * (len(SPLITS) * len(KS) + 1)]
     score: dict[str, float] = {}
     for positions in ("sequence", "member"):
         sel = h.select(rows, rows="family", variant="favor-softmax", positions=positions)
@@ -638,29 +559,17 @@ def report(rows: list[dict[str, Any]], data: dict[str, Any], args: argparse.Name
     ptable, verdict = positions_table(rows)
     lines += [ptable, "", verdict, "", "## Variant effect: BLAT_ECOLX", ""]
     b = data["blat"]
-    lines += [
-        f"{len(b['mutants'])} mutants, column {BLAT_LABEL}; homologs: `{b['command']}`.",
-        "",
-        blat_table(rows, data),
-        "",
-    ]
+    lines += [f"{len(b['mutants'])} mutants, column {BLAT_LABEL}; homologs: `{b['command']}`.", "",
+              blat_table(rows, data), ""]
     if not b["homologs"]:
         lines += [
             "The retrieval found no homolog of BLAT_ECOLX in the training split, so there is no "
             "context to score with (the column reads '-'): the rho with homologs cannot be "
             "measured on this corpus.",
-            "",
-        ]
-    lines += [
-        f"## Length extrapolation (single rows, trained on <= {args.single_len} tokens)",
-        "",
-        long_table(rows),
-        "",
-        "## Commands",
-        "",
-        f"    {args.store_command}",
-        f"    {b['command']}",
-    ]
+            ""]
+    lines += [f"## Length extrapolation (single rows, trained on <= {args.single_len} tokens)", "",
+              long_table(rows), "", "## Commands", "", f"    {args.store_command}",
+              f"    {b['command']}"]
     lines += [f"    {r['command']}" for r in rows]
     text = "\n".join(lines) + "\n"
     h.write_markdown(out / "family_context.md", "Family context study", text)
@@ -674,26 +583,18 @@ def report(rows: list[dict[str, Any]], data: dict[str, Any], args: argparse.Name
 
 def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, h.Budget]:
     p = h.study_parser(
-        __doc__,
-        "Budgets are CPU time of each training process (time.process_time, validation "
-        "excluded) with --threads torch threads; see the module docstring.",
-        out="outputs/family_context",
-        jobs=2,
-        minutes=3.0,
-        quick_help="smoke run: tiny models, a 2,000-record corpus, 3 CPU-seconds per run, 1 seed",
-    )
+        __doc__, "outputs/family_context", jobs=2, minutes=3.0,
+        epilog="; see the module docstring.",
+        quick_help="smoke run: tiny models, a 2,000-record corpus, 3 CPU-seconds per run, 1 seed")
     p.add_argument("--mmseqs-threads", type=int, default=2, help="MMseqs2 threads")
     p.add_argument("--identity", type=float, default=0.5, help="MMseqs2 identity of the split")
     p.add_argument("--ood-frac", type=float, default=0.04, help="fraction of clusters in ood")
     p.add_argument("--valid-frac", type=float, default=0.01)
     p.add_argument("--test-frac", type=float, default=0.05)
     p.add_argument(
-        "--family-method",
-        default="cluster",
-        choices=("search", "cluster"),
+        "--family-method", default="cluster", choices=("search", "cluster"),
         help="how families are built (default cluster: search of the 25k-record train split "
-        "against itself took > 25 min on a loaded 2-core machine)",
-    )
+        "against itself took > 25 min on a loaded 2-core machine)")
     p.add_argument("--family-identity", type=float, default=0.3, help="identity of families")
     p.add_argument("--single-len", type=int, default=512, help="single row / member crop")
     p.add_argument("--family-tokens", type=int, default=2048, help="family row length")
@@ -707,19 +608,10 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, h.Bud
     p.add_argument("--eval-seed", type=int, default=0, help="seed of target and context picks")
     p.add_argument("--score", default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
-    quick = {
-        "minutes": (3.0, 0.05),
-        "seeds": (2, 1),
-        "targets": (40, 4),
-        "blat_mutants": (0, 200),
-        "long_per_bin": (6, 1),
-        "family_tokens": (2048, 1024),
-        "single_len": (512, 256),
-        "max_tokens": (8192, 2048),
-        "val_every": (200, 10),
-        "val_batches": (4, 2),
-        "min_family": (5, 2),
-    }
+    quick = {"minutes": (3.0, 0.05), "seeds": (2, 1), "targets": (40, 4), "blat_mutants": (0, 200),
+             "long_per_bin": (6, 1), "family_tokens": (2048, 1024), "single_len": (512, 256),
+             "max_tokens": (8192, 2048), "val_every": (200, 10), "val_batches": (4, 2),
+             "min_family": (5, 2)}
     budget = h.finish_args(args, quick)
     if args.quick:
         args.valid_frac, args.test_frac, args.ood_frac = 0.05, 0.15, 0.1

@@ -69,9 +69,8 @@ BURIAL_RADIUS = 10.0
 BURIED, EXPOSED = "B", "E"
 
 
-def load_scan(
-    dms: Path, column: str, limit: int | None, seed: int
-) -> tuple[list[str], np.ndarray, np.ndarray]:
+def load_scan(dms: Path, column: str, limit: int | None,
+              seed: int) -> tuple[list[str], np.ndarray, np.ndarray]:
     """Mutant sequences, labels and mutated positions (NaN labels left out)."""
     wt = "".join(
         line.strip()
@@ -145,9 +144,8 @@ def lr_overrides(mode: str, lr: float | None) -> list[str]:
     return [f"mode.head_lr={lr:g}", f"mode.lr={lr * mode_lr_ratio(mode):g}"]
 
 
-def fold_table(
-    path: Path, label: str, rows: list[tuple[str, str]], train: set[int], valid: set[int]
-) -> Path:
+def fold_table(path: Path, label: str, rows: list[tuple[str, str]], train: set[int],
+               valid: set[int]) -> Path:
     """The labels table of one fold's ``finetune`` run: its train and valid rows of
     (sequence, label), with their split; the test rows stay out."""
     with open(path, "w", newline="") as fh:
@@ -165,24 +163,12 @@ def run_finetune(base: str, table: Path, out: Path, mode: str, args: argparse.Na
     from protein_performer.training.compose import compose_config
 
     cfg = compose_config(
-        [
-            f"base={base}",
-            f"data.train={table}",
-            f"mode={mode}",
-            f"paths.output_dir={out}",
-            f"trainer.max_epochs={args.epochs}",
-            "test=false",
-            "trainer.enable_progress_bar=false",
-            "~callbacks.progress_bar",
-            "~callbacks.training_curve",
-            "trainer.enable_model_summary=false",
-            f"data.max_batch_size={args.batch_size}",
-            f"seed={args.seed}",
-            *extra,
-        ],
-        name="finetune",
-        direct_keys=("base", "data.train"),
-    )
+        [f"base={base}", f"data.train={table}", f"mode={mode}", f"paths.output_dir={out}",
+        f"trainer.max_epochs={args.epochs}", "test=false", "trainer.enable_progress_bar=false",
+        "~callbacks.progress_bar", "~callbacks.training_curve",
+        "trainer.enable_model_summary=false", f"data.max_batch_size={args.batch_size}",
+        f"seed={args.seed}", *extra],
+        name="finetune", direct_keys=("base", "data.train"))
     result = finetune(cfg)
     return result["best_checkpoint"] or result["last_checkpoint"]
 
@@ -201,14 +187,9 @@ def inner_valid(train: np.ndarray, fold: int, seed: int, groups: np.ndarray | No
 
 def swept_cv(
     fit: Callable[[int, set[int], set[int], float | None], Callable[[list[int]], np.ndarray]],
-    score: Callable[[np.ndarray, list[int]], float],
-    n: int,
-    fold_list: list[np.ndarray],
-    lrs: list[float] | None,
-    select: str,
-    seed: int,
-    groups: np.ndarray | None = None,
-) -> tuple[list, list[dict]]:
+    score: Callable[[np.ndarray, list[int]], float], n: int, fold_list: list[np.ndarray],
+    lrs: list[float] | None, select: str, seed: int,
+    groups: np.ndarray | None = None) -> tuple[list, list[dict]]:
     """Out-of-fold predictions with the learning rate chosen on each training fold's inner
     validation split. ``fit(fold, train, valid, lr)`` trains and returns a predictor of index
     lists; ``score(pred, idx)`` rates a predictor on the inner split (higher is better).
@@ -240,15 +221,8 @@ def swept_cv(
     return pred, chosen
 
 
-def finetune_cv(
-    base: str,
-    mode: str,
-    seqs: list[str],
-    y: np.ndarray,
-    fold_list: list[np.ndarray],
-    args: argparse.Namespace,
-    work: Path,
-) -> tuple[np.ndarray, list[dict]]:
+def finetune_cv(base: str, mode: str, seqs: list[str], y: np.ndarray, fold_list: list[np.ndarray],
+                args: argparse.Namespace, work: Path) -> tuple[np.ndarray, list[dict]]:
     """Out-of-fold predictions of ``finetune`` runs (one per fold and LR candidate), and the
     LR each fold used (see :func:`swept_cv`)."""
     import protein_performer as pp
@@ -327,20 +301,12 @@ def residue_baselines(chains: list[dict], fold_list: list[np.ndarray]) -> list[d
             seq = chains[i]["sequence"]
             majority[i] = overall * len(seq)
             by_aa[i] = "".join(rule.get(a, overall) for a in seq)
-    return [
-        {"method": "majority class", **residue_metrics(majority, truth), "cpu_s": 0.0},
-        {"method": "amino-acid identity", **residue_metrics(by_aa, truth), "cpu_s": 0.0},
-    ]
+    return [{"method": "majority class", **residue_metrics(majority, truth), "cpu_s": 0.0},
+            {"method": "amino-acid identity", **residue_metrics(by_aa, truth), "cpu_s": 0.0}]
 
 
-def residue_cv(
-    base: str,
-    mode: str,
-    chains: list[dict],
-    fold_list: list[np.ndarray],
-    args: argparse.Namespace,
-    work: Path,
-) -> tuple[list[str], list[dict]]:
+def residue_cv(base: str, mode: str, chains: list[dict], fold_list: list[np.ndarray],
+               args: argparse.Namespace, work: Path) -> tuple[list[str], list[dict]]:
     """Out-of-fold per-residue labels of ``finetune task=residue_classification`` runs; the LR
     (with ``--lrs``) is picked by MCC on held-out training chains."""
     import protein_performer as pp
@@ -396,11 +362,10 @@ def residue_check(models: list[tuple[str, str]], args: argparse.Namespace,
     print(f"buried vs exposed (contact number within {BURIAL_RADIUS:g} A above the chain's "
           f"median): {len(chains)} chains, {n_res} residues ({buried:.1%} buried), {k} "
           f"leave-chains-out folds, {args.epochs} epoch(s), batch {args.batch_size}")  # fmt: skip
-    print("| method | accuracy | macro F1 | MCC | LR (per fold) | CPU time |")
-    print("|---|---|---|---|---|---|")
-    for r in rows:
-        print(f"| {r['method']} | {r['acc']:.3f} | {r['f1']:.3f} | {r['mcc']:.3f} | "
-              f"{lr_text(r.get('lrs'))} | {r['cpu_s']:.0f} s |")  # fmt: skip
+    print(h.markdown_table(
+        ["method", "accuracy", "macro F1", "MCC", "LR (per fold)", "CPU time"],
+        ([r["method"], f"{r['acc']:.3f}", f"{r['f1']:.3f}", f"{r['mcc']:.3f}",
+          lr_text(r.get("lrs")), f"{r['cpu_s']:.0f} s"] for r in rows), left=6))  # fmt: skip
     return rows
 
 
@@ -436,14 +401,8 @@ def tiny_model(work: Path) -> str:
 
     torch.manual_seed(0)
     config = PerformerConfig(dim=32, depth=2, heads=4, ff_dim=64, nb_features=16)
-    loaded = LoadedModel(
-        PerformerLM(config).eval(),
-        config,
-        Alphabet(),
-        Path("tiny-random"),
-        torch.device("cpu"),
-        "memory",
-    )
+    loaded = LoadedModel(PerformerLM(config).eval(), config, Alphabet(), Path("tiny-random"),
+                         torch.device("cpu"), "memory")
     return str(export_model(loaded, work / "tiny_random"))
 
 
@@ -535,68 +494,41 @@ def parse_lrs(text: str | None) -> list[float] | None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument(
-        "--model",
-        action="append",
-        default=[],
-        metavar="[NAME=]CKPT",
-        help="pretrained model(s) to probe and fine-tune (repeatable); NAME labels the rows",
-    )
+        "--model", action="append", default=[], metavar="[NAME=]CKPT",
+        help="pretrained model(s) to probe and fine-tune (repeatable); NAME labels the rows")
     p.add_argument("--dms", type=Path, default=DMS, help="folder with the BLAT_ECOLX files")
     p.add_argument("--column", default="2500", help="label column (default: 2500)")
     p.add_argument("--folds", type=int, default=5)
     p.add_argument("--limit", type=int, default=None, help="use this many variants (random)")
     p.add_argument("--epochs", type=int, default=3, help="epochs per fine-tuning run")
     p.add_argument("--batch-size", type=int, default=16)
+    p.add_argument("--methods", default=None,
+                   help="comma-separated subset of onehot,frozen,lora,full (default: all; with "
+                   "--residue: frozen,lora)")
     p.add_argument(
-        "--methods",
-        default=None,
-        help="comma-separated subset of onehot,frozen,lora,full (default: all; with "
-        "--residue: frozen,lora)",
-    )
-    p.add_argument(
-        "--lrs",
-        default=None,
-        metavar="LR,LR,...",
+        "--lrs", default=None, metavar="LR,LR,...",
         help="head learning rates to sweep for the fine-tuning runs (the backbone's keeps the "
-        "mode's default ratio), picked on an inner validation split of the training folds",
-    )
+        "mode's default ratio), picked on an inner validation split of the training folds")
+    p.add_argument("--select", choices=("each-fold", "first-fold"), default="each-fold",
+                   help="with --lrs: pick the LR in every fold, or once on fold 0 (cheaper)")
     p.add_argument(
-        "--select",
-        choices=("each-fold", "first-fold"),
-        default="each-fold",
-        help="with --lrs: pick the LR in every fold, or once on fold 0 (cheaper)",
-    )
-    p.add_argument(
-        "--residue",
-        action="store_true",
+        "--residue", action="store_true",
         help="the residue-level check (buried vs exposed on the bundled structures) instead "
-        "of the BLAT_ECOLX scan",
-    )
-    p.add_argument(
-        "--structures", type=Path, default=STRUCTURES, help="folder with chains.csv + PDB files"
-    )
+        "of the BLAT_ECOLX scan")
+    p.add_argument("--structures", type=Path, default=STRUCTURES,
+                   help="folder with chains.csv + PDB files")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=None)
-    p.add_argument(
-        "--quick",
-        action="store_true",
-        help="CI size: 250 variants, 1 epoch, a tiny random model unless --model",
-    )
+    p.add_argument("--quick", action="store_true",
+                   help="CI size: 250 variants, 1 epoch, a tiny random model unless --model")
     p.add_argument("--out", type=Path, default=None, help="write the results as JSON here")
-    p.add_argument(
-        "--memory",
-        type=int,
-        nargs="*",
-        default=None,
-        metavar="L",
-        help="also measure the peak memory of one fine-tuning step (8M shape) on one "
-        "sequence of each length L (default 1000 4000), with and without "
-        "gradient checkpointing",
-    )
+    p.add_argument("--memory", type=int, nargs="*", default=None, metavar="L",
+                   help="also measure the peak memory of one fine-tuning step (8M shape) on one "
+                   "sequence of each length L (default 1000 4000), with and without "
+                   "gradient checkpointing")
     args = p.parse_args(argv)
     args.lrs = parse_lrs(args.lrs)
     default_methods = "frozen,lora" if args.residue else "onehot,frozen,lora,full"
@@ -664,30 +596,28 @@ def main(argv: list[str] | None = None) -> int:
                     row["cpu_s"] += time.process_time() - start
                     row["lrs"][kind] = chosen
                 rows.append(row)
-    print(
-        f"BLAT_ECOLX column {args.column}: {len(seqs)} variants, {args.folds}-fold CV, "
-        f"{args.epochs} epoch(s) per fine-tune, torch threads {torch.get_num_threads()}, "
-        f"load {os.getloadavg()[0]:.1f}"
-    )
-    print("| method | Spearman (random folds) | Spearman (position folds) | mean per fold "
-          "(random; position) | head LR per fold (random; position) | CPU time |")  # fmt: skip
-    print("|---|---|---|---|---|---|")
+    print(f"BLAT_ECOLX column {args.column}: {len(seqs)} variants, {args.folds}-fold CV, "
+          f"{args.epochs} epoch(s) per fine-tune, torch threads {torch.get_num_threads()}, "
+          f"load {os.getloadavg()[0]:.1f}")
+    table = []
     for r in rows:
         lrs = r.get("lrs") or {}
         chosen = "; ".join(lr_text(lrs.get(k)) for k in ("random", "position")) if lrs else "-"
         means = "; ".join(f"{np.mean(r[f'{k}_per_fold']):.3f}" for k in ("random", "position"))
-        print(f"| {r['method']} | {r['random']:.3f} | {r['position']:.3f} | {means} | {chosen} | "
-              f"{r['cpu_s']:.0f} s |")  # fmt: skip
+        table.append([r["method"], f"{r['random']:.3f}", f"{r['position']:.3f}", means, chosen,
+                      f"{r['cpu_s']:.0f} s"])
+    print(h.markdown_table(["method", "Spearman (random folds)", "Spearman (position folds)",
+                            "mean per fold (random; position)",
+                            "head LR per fold (random; position)", "CPU time"], table, left=6))
     memory = None
     if args.memory is not None:
         memory = memory_table(args.memory or [1000, 4000])
-        print("\n| mode | gradient checkpointing | length | kept for backward | per residue "
-              "| peak RSS |")  # fmt: skip
-        print("|---|---|---|---|---|---|")
-        for r in memory:
-            print(f"| {r['mode']} | {'on' if r['checkpointing'] else 'off'} | {r['length']} | "
-                  f"{r['saved_mib']:.0f} MiB | {r['saved_kib_per_residue']:.0f} KiB | "
-                  f"{r['peak_rss_mib']:.0f} MiB |")  # fmt: skip
+        print("\n" + h.markdown_table(
+            ["mode", "gradient checkpointing", "length", "kept for backward", "per residue",
+             "peak RSS"],
+            ([r["mode"], "on" if r["checkpointing"] else "off", r["length"],
+              f"{r['saved_mib']:.0f} MiB", f"{r['saved_kib_per_residue']:.0f} KiB",
+              f"{r['peak_rss_mib']:.0f} MiB"] for r in memory), left=6))  # fmt: skip
     if args.out:
         write_json(args, {"n": len(seqs), "rows": rows, "memory": memory})
     return 0

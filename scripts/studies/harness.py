@@ -1,5 +1,6 @@
 """What the studies share: plan runs, train each through the real ``protein-performer train``
-under a step or time budget, collect, tabulate; and the unigram baseline and Spearman rho.
+under a step or time budget, collect, tabulate; the parsers, tables, CSV, markdown and figures
+of every study; and the unigram baseline and Spearman rho.
 
 A study is a plan (``args -> [Run]``) and a table (``rows -> markdown``); this module does the
 rest. Every run is a fresh ``protein-performer train`` process (printed so it can be repeated
@@ -28,8 +29,9 @@ import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -43,17 +45,14 @@ REPO = Path(__file__).resolve().parents[2]
 #: The shared sequence data sets that sit beside the checkout (``../shared/data/sequences``).
 SEQUENCES = REPO.parent / "shared" / "data" / "sequences"
 #: The corpus of the CPU studies, and the bundled one of their ``--quick`` runs.
-DEFAULT_DATA = [
-    str(SEQUENCES / "uniprot_mmseqs_train.fasta"),
-    str(SEQUENCES / "swissprot_opal_train.fasta"),
-]
+DEFAULT_DATA = [str(SEQUENCES / "uniprot_mmseqs_train.fasta"),
+                str(SEQUENCES / "swissprot_opal_train.fasta")]
 QUICK_DATA = [str(REPO / "protein_performer" / "data" / "demo" / "train.fasta")]
 #: Attention variant -> overrides (everything else is shared by a study's variants).
 ATTENTION: dict[str, list[str]] = {
     "exact": ["model.config.attention=exact"],
     "favor-softmax": ["model.config.attention=favor", "model.config.kernel=softmax"],
-    "favor-relu": ["model.config.attention=favor", "model.config.kernel=relu"],
-}
+    "favor-relu": ["model.config.attention=favor", "model.config.kernel=relu"]}
 #: The tiny model of the studies' ``--quick`` runs (``model.config.KEY=VALUE``).
 QUICK_MODEL = ["dim=32", "depth=1", "heads=2", "ff_dim=64", "nb_features=16"]
 BUDGET_LOG = "time_budget.json"
@@ -63,9 +62,8 @@ _UNREACHED_S = 10**9
 
 def setup_logging() -> None:
     """INFO and above to stderr (stdout stays free for results), with the time of each step."""
-    logging.basicConfig(
-        level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", stream=sys.stderr
-    )
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s",
+                        stream=sys.stderr)
 
 
 # --------------------------------------------------------------------------------------------
@@ -85,11 +83,9 @@ class Budget:
 
     def overrides(self) -> list[str]:
         seconds = str(_UNREACHED_S) if self.seconds is None else f"{self.seconds:g}"
-        out = [
-            "++callbacks.time_budget._target_=protein_performer.training.callbacks.TimeBudget",
-            f"++callbacks.time_budget.seconds={seconds}",
-            f"++callbacks.time_budget.clock={self.clock}",
-        ]
+        out = ["++callbacks.time_budget._target_=protein_performer.training.callbacks.TimeBudget",
+               f"++callbacks.time_budget.seconds={seconds}",
+               f"++callbacks.time_budget.clock={self.clock}"]
         if self.steps is not None:
             out += [f"trainer.max_steps={self.steps}", "trainer.max_epochs=-1"]
         return out
@@ -111,15 +107,9 @@ def store_overrides(args: argparse.Namespace, store: Path, budget: Budget) -> li
     loaded in the training process (so CPU time counts it), no progress bar or sanity
     validation, and the budget (for a time budget, an LR schedule of 20k steps: beyond reach)."""
     schedule = ["trainer.max_steps=20000"] if budget.steps is None else []
-    return [
-        f"trainer={args.trainer}",
-        f"data.path={store}",
-        "data.num_workers=0",
-        "trainer.enable_progress_bar=false",
-        "trainer.num_sanity_val_steps=0",
-        *schedule,
-        *budget.overrides(),
-    ]
+    return [f"trainer={args.trainer}", f"data.path={store}", "data.num_workers=0",
+            "trainer.enable_progress_bar=false", "trainer.num_sanity_val_steps=0", *schedule,
+            *budget.overrides()]
 
 
 @dataclass
@@ -192,12 +182,8 @@ def execute(run: Run, budget: Budget, args: argparse.Namespace) -> None:
             call(cmd, args.threads, logs / f"{run.name}.{label}.log")
 
 
-def run_all(
-    runs: list[Run],
-    budget: Budget,
-    args: argparse.Namespace,
-    collect: Callable[[Run], dict[str, Any]] | None = None,
-) -> list[Run]:
+def run_all(runs: list[Run], budget: Budget, args: argparse.Namespace,
+            collect: Callable[[Run], dict[str, Any]] | None = None) -> list[Run]:
     """Print every command, run the runs (``args.jobs`` at once; with ``args.report_only`` none:
     the finished ones are kept) and fill each ``result``: its tags, :func:`train_row`, and what
     ``collect(run)`` adds."""
@@ -245,12 +231,10 @@ def preprocess(args: argparse.Namespace, split_by: str, workers: int) -> Path:
     Sets ``args.store_command``."""
     store = args.out.resolve() / "store"
     # fmt: off
-    cmd = cli(
-        "preprocess", *args.data, "--out", str(store), "--on-invalid", "skip",
-        "--split-by", split_by, "--cluster-split", f"{args.identity:g}",
-        "--ood-frac", f"{args.ood_frac:g}", "--valid-frac", f"{args.valid_frac:g}",
-        "--test-frac", f"{args.test_frac:g}", "--workers", str(workers), "--no-progress",
-    )
+    cmd = cli("preprocess", *args.data, "--out", str(store), "--on-invalid", "skip", "--split-by",
+              split_by, "--cluster-split", f"{args.identity:g}", "--ood-frac",
+              f"{args.ood_frac:g}", "--valid-frac", f"{args.valid_frac:g}", "--test-frac",
+              f"{args.test_frac:g}", "--workers", str(workers), "--no-progress")
     # fmt: on
     args.store_command = shown(cmd, args.threads)
     print(f"# store\n{args.store_command}", flush=True)
@@ -258,18 +242,12 @@ def preprocess(args: argparse.Namespace, split_by: str, workers: int) -> Path:
     if meta_path.is_file():
         split = json.loads(meta_path.read_text())["split"]
         want = (args.valid_frac, args.test_frac, args.ood_frac, args.identity, split_by)
-        have = (
-            split.get("valid_frac"),
-            split.get("test_frac"),
-            split.get("ood", {}).get("frac"),
-            split.get("clusters", {}).get("min_seq_id"),
-            split.get("mode"),
-        )
+        have = (split.get("valid_frac"), split.get("test_frac"), split.get("ood", {}).get("frac"),
+                split.get("clusters", {}).get("min_seq_id"), split.get("mode"))
         if want != have:
             raise SystemExit(
                 f"error: {store} was made with (valid, test, ood, identity, mode) = {have}, not "
-                f"{want}: remove it or pick another --out"
-            )
+                f"{want}: remove it or pick another --out")
         log.info("reusing %s", store)
         return store
     t0 = time.perf_counter()
@@ -283,48 +261,48 @@ def preprocess(args: argparse.Namespace, split_by: str, workers: int) -> Path:
 # --------------------------------------------------------------------------------------------
 
 
-def study_parser(
-    doc: str,
-    epilog: str,
-    out: str,
-    jobs: int,
-    quick_help: str,
-    minutes: float | None = None,
-    steps: int | None = None,
-) -> argparse.ArgumentParser:
-    """The flags every budgeted study has (``--minutes`` or ``--steps``: whichever default is
-    given); the first paragraph of ``doc`` describes it."""
-    p = argparse.ArgumentParser(
-        description=doc.split("\n\n")[0],
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-        epilog=epilog,
-    )
+def parser(doc: str, epilog: str | None = None) -> argparse.ArgumentParser:
+    """A study's parser: the first paragraph of ``doc`` describes it, ``epilog`` (default: the
+    rest of ``doc``) follows the options."""
+    first, _, rest = doc.partition("\n\n")
+    return argparse.ArgumentParser(description=first, epilog=rest if epilog is None else epilog,
+                                   formatter_class=argparse.RawDescriptionHelpFormatter)
+
+
+def fresh_outputs(out_dir: Path, earlier: Sequence[Path], overwrite: bool) -> None:
+    """Make ``out_dir``; an earlier run's outputs there (``earlier``) are refused unless
+    ``overwrite``, which removes them."""
+    if any(p.exists() for p in earlier):
+        if not overwrite:
+            print(f"error: {out_dir} holds an earlier run; pass --overwrite", file=sys.stderr)
+            raise SystemExit(2)
+        for p in earlier:
+            if p.is_dir() and not p.is_symlink():
+                shutil.rmtree(p)
+            else:
+                p.unlink(missing_ok=True)
+    out_dir.mkdir(parents=True, exist_ok=True)
+
+
+def study_parser(doc: str, out: str, jobs: int, quick_help: str, minutes: float,
+                 epilog: str = "") -> argparse.ArgumentParser:
+    """The flags every budgeted study has (training CPU-minutes per run: ``--minutes``); the
+    epilog says what the budget counts, then ``epilog``."""
+    p = parser(doc, "Budgets are CPU time of each training process (time.process_time, "
+               "validation excluded) with --threads torch threads" + epilog)
     p.add_argument("--out", type=Path, default=Path(out))
     p.add_argument("--data", nargs="+", default=None, help="FASTA inputs (default: shared corpus)")
-    if minutes is not None:
-        p.add_argument(
-            "--minutes",
-            type=float,
-            default=minutes,
-            help=f"training CPU-minutes per run ({minutes:g})",
-        )
-    if steps is not None:
-        p.add_argument(
-            "--steps", type=int, default=steps, help=f"training steps per run ({steps})"
-        )
+    p.add_argument("--minutes", type=float, default=minutes,
+                   help=f"training CPU-minutes per run ({minutes:g})")
     p.add_argument("--seeds", type=int, default=2, help="seeds 0..N-1 per variant (default 2)")
-    p.add_argument(
-        "--first-seed", type=int, default=0, help="seeds run from here (default 0: 0..N-1)"
-    )
+    p.add_argument("--first-seed", type=int, default=0,
+                   help="seeds run from here (default 0: 0..N-1)")
     p.add_argument("--threads", type=int, default=1, help="torch threads per run (default 1)")
     p.add_argument("--jobs", type=int, default=jobs, help=f"runs trained at once ({jobs})")
     p.add_argument("--trainer", default="cpu", help="trainer config: cpu (default) or gpu")
     p.add_argument("--skip-existing", action="store_true", help="reuse finished runs")
-    p.add_argument(
-        "--report-only",
-        action="store_true",
-        help="train and evaluate nothing: report the runs in --out that finished",
-    )
+    p.add_argument("--report-only", action="store_true",
+                   help="train and evaluate nothing: report the runs in --out that finished")
     p.add_argument("--quick", action="store_true", help=quick_help)
     return p
 
@@ -332,8 +310,8 @@ def study_parser(
 def finish_args(args: argparse.Namespace, quick: dict[str, tuple[Any, Any]]) -> Budget:
     """Apply ``--quick`` (``{key: (default, quick value)}``: only keys left at their default),
     resolve ``--data`` (given paths from here, the defaults in the repository), turn ``--seeds``
-    into the list of seeds; returns the runs' budget (``--steps``, or ``--minutes`` of CPU time;
-    of wall clock on a GPU)."""
+    into the list of seeds; returns the runs' budget (``--minutes`` of CPU time; of wall clock
+    on a GPU)."""
     if args.quick:
         for key, (default, value) in quick.items():
             if getattr(args, key) == default:
@@ -343,8 +321,6 @@ def finish_args(args: argparse.Namespace, quick: dict[str, tuple[Any, Any]]) -> 
     )
     args.seeds = list(range(args.first_seed, args.first_seed + args.seeds))
     clock = "wall" if args.trainer == "gpu" else "cpu"
-    if getattr(args, "steps", None) is not None:
-        return Budget(steps=args.steps, clock=clock)
     return Budget(seconds=float(f"{args.minutes * 60:g}"), clock=clock)
 
 
@@ -356,14 +332,8 @@ def finish_args(args: argparse.Namespace, quick: dict[str, tuple[Any, Any]]) -> 
 def budget_line(args: argparse.Namespace) -> str:
     """What each run of a :func:`finish_args` study got, for the report's header."""
     clock = "wall-clock" if args.trainer == "gpu" else "CPU"
-    budget = (
-        f"{args.steps} steps" if getattr(args, "steps", None) is not None
-        else f"{args.minutes:g} {clock} minutes"
-    )  # fmt: skip
-    return (
-        f"{budget} of training per run, {args.threads} torch thread(s), "
-        f"seeds {','.join(map(str, args.seeds))}"
-    )
+    return (f"{args.minutes:g} {clock} minutes of training per run, {args.threads} torch "
+            f"thread(s), seeds {','.join(map(str, args.seeds))}")
 
 
 def mean_sd(values: Iterable[Any]) -> tuple[float, float]:
@@ -405,6 +375,27 @@ def write_csv(path: Path, rows: list[dict[str, Any]], fields: Sequence[str]) -> 
     write_text_atomic(path, table.getvalue())
 
 
+@contextmanager
+def figure(path: Path, panels: int = 1, size: tuple[float, float] = (6.0, 4.0),
+           title: str = "") -> Iterator[list[Any]]:
+    """The axes of ``panels`` plots side by side (each ``size`` inches), saved to ``path`` (with
+    ``title`` above them) when the block ends."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, panels, figsize=(size[0] * panels, size[1]), squeeze=False)
+    try:
+        yield list(axes[0])
+        if title:
+            fig.suptitle(title, fontsize=8)
+        fig.tight_layout()
+        fig.savefig(path, dpi=120)
+    finally:
+        plt.close(fig)
+
+
 def write_markdown(path: Path, title: str, text: str) -> None:
     from protein_performer.io.atomic import write_text_atomic
 
@@ -435,14 +426,8 @@ def unigram_log_probs(train: Any, objective: str, alphabet: Any) -> np.ndarray:
     return logp
 
 
-def unigram_baseline(
-    train: Any,
-    heldout: Any,
-    objective: str,
-    max_len: int,
-    mlm_prob: float = 0.15,
-    seed: int = 0,
-) -> dict[str, Any]:
+def unigram_baseline(train: Any, heldout: Any, objective: str, max_len: int,
+                     mlm_prob: float = 0.15, seed: int = 0) -> dict[str, Any]:
     """The empirical amino-acid baseline the Performer paper reports beside its models (a model
     that learnt nothing of context still knows residue frequencies: the floor to beat).
 
@@ -458,9 +443,8 @@ def unigram_baseline(
     alphabet = Alphabet()
     logp = unigram_log_probs(train, objective, alphabet)
     best = int(np.argmax(logp))
-    dataset = ProteinDataset(
-        heldout, objective, max_len=max_len, crop="fixed", mlm_prob=mlm_prob, seed=seed
-    )
+    dataset = ProteinDataset(heldout, objective, max_len=max_len, crop="fixed", mlm_prob=mlm_prob,
+                             seed=seed)
     nll, n, correct = 0.0, 0, 0
     for i in range(len(dataset)):
         targets = np.asarray(dataset[(i, 0)]["targets"])
@@ -469,13 +453,8 @@ def unigram_baseline(
         n += int(t.size)
         correct += int((t == best).sum())
     loss = nll / max(n, 1)
-    return {
-        "records": len(heldout),
-        "tokens": n,
-        "loss": loss,
-        "ppl": math.exp(loss),
-        "acc": correct / max(n, 1),
-    }
+    return {"records": len(heldout), "tokens": n, "loss": loss, "ppl": math.exp(loss),
+            "acc": correct / max(n, 1)}
 
 
 def spearman(x: Sequence[float], y: Sequence[float]) -> float:

@@ -19,11 +19,11 @@ right and within the memory's window W (``memory_window``, 8).
 
 from __future__ import annotations
 
-import argparse
 import json
 import tempfile
 from pathlib import Path
 
+import harness as h
 import numpy as np
 
 from protein_performer.data.fasta import read_fasta
@@ -53,7 +53,7 @@ def facing(qstart: int, tstart: int, qaln: str, taln: str, tlen: int) -> np.ndar
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = h.parser(__doc__)
     p.add_argument("--db", required=True, help="FASTA searched (queries are drawn from it)")
     p.add_argument("--queries", type=int, default=200, help="queries drawn (default 200)")
     p.add_argument("--max-seqs", type=int, default=20, help="hits per query (default 20)")
@@ -97,14 +97,11 @@ def main() -> None:
 
     def shares(all_err: np.ndarray) -> dict[str, float]:
         err = all_err[all_err >= 0]  # over the residues the placement put somewhere
-        return {
-            "placed": round(float(np.mean(all_err >= 0)), 4),
-            "exact": round(float(np.mean(err == 0)), 4),
-            "within_2": round(float(np.mean(err <= 2)), 4),
-            f"within_W{args.window}": round(float(np.mean(err <= args.window)), 4),
-            "mean_abs": round(float(err.mean()), 2),
-            "max": int(err.max()),
-        }
+        return {"placed": round(float(np.mean(all_err >= 0)), 4),
+                "exact": round(float(np.mean(err == 0)), 4),
+                "within_2": round(float(np.mean(err <= 2)), 4),
+                f"within_W{args.window}": round(float(np.mean(err <= args.window)), 4),
+                "mean_abs": round(float(err.mean()), 2), "max": int(err.max())}
 
     print(json.dumps({
         "queries": int(len(picked)), "hits": hits, "hits_with_indels": with_indel,

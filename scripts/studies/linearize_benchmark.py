@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import argparse
 import logging
-import shutil
 import sys
 import time
 from collections.abc import Sequence
@@ -68,11 +67,7 @@ class EvalClock:
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(
-        description=__doc__.split("\n\n")[0],
-        epilog=__doc__.split("\n\n", 1)[1],
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
+    p = h.parser(__doc__)
     p.add_argument("--exact-ckpt", type=Path, default=None, help="the exact model (.ckpt)")
     p.add_argument("--data", type=Path, nargs="+", default=bc.DEFAULT_DATA,
                    help="the FASTA file(s) the exact model was trained on")
@@ -147,12 +142,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    if args.out_dir.exists() and any(args.out_dir.iterdir()):
-        if not args.overwrite:
-            print(f"error: {args.out_dir} holds an earlier run; pass --overwrite", file=sys.stderr)
-            return 2
-        shutil.rmtree(args.out_dir)
-    args.out_dir.mkdir(parents=True, exist_ok=True)
+    h.fresh_outputs(args.out_dir, list(args.out_dir.glob("*")), args.overwrite)
 
     import hydra
 
@@ -167,7 +157,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     dm.setup("test")
     test = dm.test_dataloader()
     clock = EvalClock()
-    bc.heldout_ppl = clock  # the fine-tune's curve callback calls it through the module
     exact = load_model(ckpt, "cpu")
     exact_ppl = clock(exact.model, test)
     rows: list[dict[str, Any]] = []
@@ -189,7 +178,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         row(f"{args.kernel} swap (untrained map)", w, 0, 0, 0.0, clock(swap, test))
 
     before, start = clock.seconds, time.process_time()
-    curve = bc.fine_tune(fargs, ckpt, test, args.distill_weight)
+    curve = bc.fine_tune(fargs, ckpt, test, args.distill_weight, clock)
     cpu = time.process_time() - start - (clock.seconds - before)
     reached = bc.reached_step(curve, RECIPE_TARGET * exact_ppl)
     recipe_cpu = None if reached is None else cpu * reached / args.ft_steps

@@ -65,25 +65,9 @@ MODEL = ["dim=128", "depth=4", "heads=8", "ff_dim=512", "nb_features=64"]
 SMALL_EXACT = ["depth=1"]
 QUICK_SMALL_EXACT = ["dim=16", "ff_dim=32"]
 SPLITS = ("test", "ood")
-FIELDS = (
-    "part",
-    "objective",
-    "variant",
-    "seed",
-    "steps",
-    "train_cpu_s",
-    "wall_s",
-    "peak_rss_mib",
-    "val_acc",
-    "val_ppl",
-    "test_acc",
-    "test_ppl",
-    "test_tokens",
-    "ood_acc",
-    "ood_ppl",
-    "ood_tokens",
-    "command",
-)
+FIELDS = ("part", "objective", "variant", "seed", "steps", "train_cpu_s", "wall_s", "peak_rss_mib",
+          "val_acc", "val_ppl", "test_acc", "test_ppl", "test_tokens", "ood_acc", "ood_ppl",
+          "ood_tokens", "command")
 
 
 # --------------------------------------------------------------------------------------------
@@ -98,17 +82,14 @@ def model_overrides(args: argparse.Namespace, small: bool = False) -> list[str]:
     return [f"model.config.{kv}" for kv in model]
 
 
-def eval_cmd(
-    ckpt: Path, store: Path, split: str, out: Path, args: argparse.Namespace
-) -> list[str]:
+def eval_cmd(ckpt: Path, store: Path, split: str, out: Path,
+             args: argparse.Namespace) -> list[str]:
     limit = ["--limit", str(args.eval_limit)] if args.eval_limit else []
     device = "cpu" if args.trainer == "cpu" else "auto"
     # fmt: off
-    return h.cli(
-        "eval", str(ckpt), str(store), "--split", split, "--max-len", str(args.max_len), *limit,
-        "--seed", str(args.eval_seed), "--device", device, "--no-progress",
-        "--out-dir", str(out), "--overwrite",
-    )
+    return h.cli("eval", str(ckpt), str(store), "--split", split, "--max-len", str(args.max_len),
+                 *limit, "--seed", str(args.eval_seed), "--device", device, "--no-progress",
+                 "--out-dir", str(out), "--overwrite")
     # fmt: on
 
 
@@ -135,26 +116,17 @@ def plan_runs(args: argparse.Namespace, store: Path, budget: h.Budget) -> list[h
             if part not in parts and "single" not in parts:
                 continue
             for variant, attention in h.ATTENTION.items():
-                overrides = [
-                    f"experiment={OBJECTIVES[part]}",
-                    *shared,
-                    *attention,
-                    *model_overrides(args),
-                    "model.optim.warmup_steps=100",
-                    f"data.max_len={args.max_len}",
-                    f"data.max_tokens={args.max_tokens}",
-                    f"trainer.val_check_interval={args.val_every}",
-                    f"trainer.limit_val_batches={args.val_batches}",
-                    f"seed={seed}",
-                ]
+                overrides = [f"experiment={OBJECTIVES[part]}", *shared, *attention,
+                             *model_overrides(args), "model.optim.warmup_steps=100",
+                             f"data.max_len={args.max_len}", f"data.max_tokens={args.max_tokens}",
+                             f"trainer.val_check_interval={args.val_every}",
+                             f"trainer.limit_val_batches={args.val_batches}", f"seed={seed}"]
                 runs.append(run(part, variant, seed, overrides))
         if "concat" in parts and seed < args.first_seed + args.concat_seeds:
             favor = f"favor-{args.concat_kernel}"
-            concat_variants = {
-                favor: (h.ATTENTION[favor], False),
-                "exact": (h.ATTENTION["exact"], False),
-                "exact-small": (h.ATTENTION["exact"], True),
-            }
+            concat_variants = {favor: (h.ATTENTION[favor], False),
+                               "exact": (h.ATTENTION["exact"], False),
+                               "exact-small": (h.ATTENTION["exact"], True)}
             for variant, (attention, small) in concat_variants.items():
                 overrides = [
                     "experiment=small_mlm",
@@ -199,9 +171,8 @@ def baselines(store: Path, args: argparse.Namespace) -> dict[tuple[str, str], di
         for split in SPLITS:
             idx = st.indices(split)
             held = StoreSubset(st, idx[: args.eval_limit] if args.eval_limit else idx)
-            out[(objective, split)] = h.unigram_baseline(
-                train, held, objective, args.max_len, 0.15, args.eval_seed
-            )
+            out[(objective, split)] = h.unigram_baseline(train, held, objective, args.max_len,
+                                                         0.15, args.eval_seed)
     return out
 
 
@@ -219,31 +190,16 @@ def table2(rows: list[dict[str, Any]], base: dict[tuple[str, str], dict[str, Any
             sel = h.select(rows, part=part, variant=variant)
             if sel:
                 lines.append(
-                    [
-                        variant,
-                        part.upper(),
-                        h.cell([r["test_acc"] for r in sel], 100),
-                        h.cell([r["test_ppl"] for r in sel]),
-                        h.cell([r["ood_acc"] for r in sel], 100),
-                        h.cell([r["ood_ppl"] for r in sel]),
-                        h.cell([r["steps"] for r in sel], 1, 0),
-                        len(sel),
-                    ]
+                    [variant, part.upper(), h.cell([r["test_acc"] for r in sel], 100),
+                     h.cell([r["test_ppl"] for r in sel]),
+                     h.cell([r["ood_acc"] for r in sel], 100), h.cell([r["ood_ppl"] for r in sel]),
+                     h.cell([r["steps"] for r in sel], 1, 0), len(sel)]
                 )
         if (objective, "test") in base and h.select(rows, part=part):
             t, o = base[(objective, "test")], base[(objective, "ood")]
             lines.append(
-                [
-                    "unigram baseline",
-                    part.upper(),
-                    f"{100 * t['acc']:.2f}",
-                    f"{t['ppl']:.2f}",
-                    f"{100 * o['acc']:.2f}",
-                    f"{o['ppl']:.2f}",
-                    "-",
-                    "-",
-                ]
-            )
+                ["unigram baseline", part.upper(), f"{100 * t['acc']:.2f}", f"{t['ppl']:.2f}",
+                f"{100 * o['acc']:.2f}", f"{o['ppl']:.2f}", "-", "-"])
     return h.markdown_table([*header, "steps", "seeds"], lines, left=2)
 
 
@@ -267,77 +223,49 @@ def concat_table(rows: list[dict[str, Any]]) -> str:
     return h.markdown_table([*header, "wall (s)"], lines)
 
 
-def plot_curves(
-    rows: list[dict[str, Any]], parts: tuple[str, ...], path: Path, title: str
-) -> None:
+def plot_curves(rows: list[dict[str, Any]], parts: tuple[str, ...], path: Path,
+                title: str) -> None:
     """Validation accuracy against training CPU minutes, one line per run (like Fig. 6 / 7)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     sel = [r for r in rows if r["part"] in parts]
     if not sel:
         return
-    fig, axes = plt.subplots(1, len(parts), figsize=(5.5 * len(parts), 4), squeeze=False)
     colors = {"exact": "C0", "favor-softmax": "C1", "favor-relu": "C2", "exact-small": "C3"}
     first = min(x["seed"] for x in sel)
-    for ax, part in zip(axes[0], parts, strict=True):
-        for r in (r for r in sel if r["part"] == part):
-            pts = [(t / 60, a * 100) for t, a, _ in r["curve"] if math.isfinite(a)]
-            if not pts:
-                continue
-            label = r["variant"]
-            if part == "concat":
-                label += f" ({r['peak_rss_mib']:.0f} MiB peak)"
-            ax.plot(
-                *zip(*pts, strict=True),
-                marker="o",
-                ms=3,
-                color=colors.get(r["variant"], "C4"),
-                ls="-" if r["seed"] == first else "--",
-                label=label if r["seed"] == first else None,
-            )
-        ax.set_title(part.upper() if part != "concat" else "BID, concatenated", fontsize=9)
-        ax.set_xlabel("training CPU time [min]")
-        ax.set_ylabel("validation accuracy [%]")
-        ax.grid(True, alpha=0.3)
-        ax.legend(fontsize=7)
-    fig.suptitle(title, fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    with h.figure(path, len(parts), (5.5, 4), title) as axes:
+        for ax, part in zip(axes, parts, strict=True):
+            for r in (r for r in sel if r["part"] == part):
+                pts = [(t / 60, a * 100) for t, a, _ in r["curve"] if math.isfinite(a)]
+                if not pts:
+                    continue
+                label = r["variant"]
+                if part == "concat":
+                    label += f" ({r['peak_rss_mib']:.0f} MiB peak)"
+                ax.plot(*zip(*pts, strict=True), marker="o", ms=3,
+                        color=colors.get(r["variant"], "C4"),
+                        ls="-" if r["seed"] == first else "--",
+                        label=label if r["seed"] == first else None)
+            ax.set_title(part.upper() if part != "concat" else "BID, concatenated", fontsize=9)
+            ax.set(xlabel="training CPU time [min]", ylabel="validation accuracy [%]")
+            ax.grid(True, alpha=0.3)
+            ax.legend(fontsize=7)
 
 
-def report(
-    rows: list[dict[str, Any]],
-    base: dict[tuple[str, str], dict[str, Any]],
-    args: argparse.Namespace,
-) -> str:
+def report(rows: list[dict[str, Any]], base: dict[tuple[str, str], dict[str, Any]],
+           args: argparse.Namespace) -> str:
     out = args.out.resolve()
     h.write_csv(out / "runs.csv", rows, FIELDS)
     header = h.budget_line(args) + (" (quick: tiny models)" if args.quick else "")
     lines = []
     if any(r["part"] in ("uni", "bid") for r in rows):
-        lines += [
-            "## Single sequences (Table 2)",
-            "",
-            header + f"; max_len {args.max_len}, {args.max_tokens} tokens per batch. "
-            "Mean ± sample sd over seeds.",
-            "",
-            table2(rows, base),
-            "",
-        ]
+        lines += ["## Single sequences (Table 2)", "",
+                  header + f"; max_len {args.max_len}, {args.max_tokens} tokens per batch. "
+                  "Mean ± sample sd over seeds.",
+                  "", table2(rows, base), ""]
     if h.select(rows, part="concat"):
-        lines += [
-            f"## Concatenated, L = {args.concat_len} (Fig. 7 right)",
-            "",
-            header + f"; validation on the first {args.concat_val_batches} rows of the "
-            "concatenated valid split.",
-            "",
-            concat_table(rows),
-            "",
-        ]
+        lines += [f"## Concatenated, L = {args.concat_len} (Fig. 7 right)", "",
+                  header + f"; validation on the first {args.concat_val_batches} rows of the "
+                  "concatenated valid split.",
+                  "", concat_table(rows), ""]
     lines += ["## Commands", "", f"    {args.store_command}"]
     lines += [f"    {r['command']}" for r in rows]
     text = "\n".join(lines) + "\n"
@@ -354,44 +282,31 @@ def report(
 
 def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, h.Budget]:
     p = h.study_parser(
-        __doc__,
-        "Budgets are CPU time of each training process (time.process_time, validation "
-        "excluded) with --threads torch threads, so runs stay comparable on a shared "
-        "machine; --trainer gpu switches to wall clock. See the module docstring.",
-        out="outputs/paper_protein",
-        jobs=1,
-        minutes=10.0,
-        quick_help="smoke run: tiny models, the bundled demo FASTA, 3 CPU-seconds per run, 1 seed",
-    )
-    p.add_argument(
-        "--parts", default="uni,bid,concat", help="comma list of uni, bid, concat (default all)"
-    )
+        __doc__, "outputs/paper_protein", jobs=1, minutes=10.0,
+        epilog=", so runs stay comparable on a shared machine; --trainer gpu switches to wall "
+        "clock. See the module docstring.",
+        quick_help="smoke run: tiny models, the bundled demo FASTA, 3 CPU-seconds per run, 1 seed")
+    p.add_argument("--parts", default="uni,bid,concat",
+                   help="comma list of uni, bid, concat (default all)")
     p.add_argument("--identity", type=float, default=0.5, help="MMseqs2 identity of OOD groups")
     p.add_argument("--ood-frac", type=float, default=0.03, help="fraction of clusters held out")
     p.add_argument("--valid-frac", type=float, default=0.02)
     p.add_argument("--test-frac", type=float, default=0.02)
-    p.add_argument(
-        "--max-len", type=int, default=1024, help="single-sequence crop (with specials)"
-    )
+    p.add_argument("--max-len", type=int, default=1024,
+                   help="single-sequence crop (with specials)")
     p.add_argument("--max-tokens", type=int, default=4096, help="single-sequence batch budget")
     p.add_argument("--val-every", type=int, default=50, help="validate every N steps")
     p.add_argument("--val-batches", type=int, default=8, help="validation batches (single)")
     p.add_argument("--concat-len", type=int, default=8192, help="concatenated row length")
     p.add_argument("--concat-val-batches", type=int, default=3, help="validation rows (concat)")
     p.add_argument("--concat-val-every", type=int, default=4, help="validate every N (concat)")
-    p.add_argument(
-        "--concat-kernel", default="relu", choices=("softmax", "relu"), help="FAVOR+ kernel"
-    )
+    p.add_argument("--concat-kernel", default="relu", choices=("softmax", "relu"),
+                   help="FAVOR+ kernel")
     p.add_argument("--eval-seed", type=int, default=0, help="seed of the BID test/OOD masks")
-    p.add_argument(
-        "--eval-limit",
-        type=int,
-        default=0,
-        help="score only the first N records of test and ood (default 0: all)",
-    )
-    p.add_argument(
-        "--concat-seeds", type=int, default=None, help="seeds of the concatenated part (--seeds)"
-    )
+    p.add_argument("--eval-limit", type=int, default=0,
+                   help="score only the first N records of test and ood (default 0: all)")
+    p.add_argument("--concat-seeds", type=int, default=None,
+                   help="seeds of the concatenated part (--seeds)")
     args = p.parse_args(argv)
     quick = {"minutes": (10.0, 0.05), "max_len": (1024, 256), "concat_len": (8192, 512)}
     budget = h.finish_args(args, {**quick, "seeds": (2, 1)})

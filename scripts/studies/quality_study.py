@@ -55,35 +55,13 @@ DEFAULT_DATA = "../shared/data/sequences/*.fasta"
 #: Within this relative margin of exact's held-out perplexity counts as a pass (issue 4).
 TARGET_MARGIN = 0.05
 #: A tiny model and short crops for ``--quick`` (smoke runs of the whole pipeline).
-QUICK_OVERRIDES = [
-    "model.config.dim=64",
-    "model.config.depth=2",
-    "model.config.heads=4",
-    "model.config.ff_dim=128",
-    "model.config.nb_features=32",
-    "model.config.feature_redraw_interval=50",
-    "model.optim.warmup_steps=20",
-    "data.max_len=256",
-    "data.max_tokens=4096",
-    "data.limit_records=3000",
-    "data.num_workers=0",
-]
-CSV_FIELDS = (
-    "variant",
-    "attention",
-    "kernel",
-    "steps",
-    "train_minutes",
-    "split",
-    "records",
-    "tokens",
-    "loss",
-    "ppl",
-    "acc",
-    "ppl_vs_exact",
-    "checkpoint",
-    "command",
-)
+QUICK_OVERRIDES = ["model.config.dim=64", "model.config.depth=2", "model.config.heads=4",
+                   "model.config.ff_dim=128", "model.config.nb_features=32",
+                   "model.config.feature_redraw_interval=50", "model.optim.warmup_steps=20",
+                   "data.max_len=256", "data.max_tokens=4096", "data.limit_records=3000",
+                   "data.num_workers=0"]
+CSV_FIELDS = ("variant", "attention", "kernel", "steps", "train_minutes", "split", "records",
+              "tokens", "loss", "ppl", "acc", "ppl_vs_exact", "checkpoint", "command")
 
 
 def hms(minutes: float) -> str:
@@ -113,12 +91,8 @@ def shared_overrides(args: argparse.Namespace, budget: h.Budget) -> list[str]:
     overrides = [f"experiment={args.experiment}"]
     if args.trainer:
         overrides.append(f"trainer={args.trainer}")
-    overrides += [
-        *budget.overrides(),
-        f"trainer.val_check_interval={hms(args.val_every_min)}",
-        f"seed={args.seed}",
-        "trainer.enable_progress_bar=false",
-    ]
+    overrides += [*budget.overrides(), f"trainer.val_check_interval={hms(args.val_every_min)}",
+                  f"seed={args.seed}", "trainer.enable_progress_bar=false"]
     if args.data:
         overrides.append(f"data.path=[{','.join(data_paths(args.data))}]")
     if args.quick:
@@ -152,26 +126,17 @@ def heldout_split(cfg: Any, split: str, out_dir: Path) -> tuple[Path, Any, Any]:
 
 def plot(rows: list[dict[str, Any]], unigram_ppl: float, path: Path, title: str) -> None:
     """val/ppl against wall-clock training minutes, one line per variant, and the unigram."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    for r in rows:
-        pts = [(t / 60, ppl) for t, _, ppl in r.get("curve", ()) if math.isfinite(ppl)]
-        if pts:
-            ax.plot(*zip(*pts, strict=True), marker="o", label=r["variant"])
-    if math.isfinite(unigram_ppl):
-        ax.axhline(unigram_ppl, ls="--", color="gray", label="unigram (held-out)")
-    ax.set_xlabel("wall-clock training time [min]")
-    ax.set_ylabel("val/ppl (validation split)")
-    ax.grid(True, alpha=0.3)
-    ax.legend()
-    ax.set_title(textwrap.fill(title, 100), fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    with h.figure(path, size=(7, 4.5)) as (ax,):
+        for r in rows:
+            pts = [(t / 60, ppl) for t, _, ppl in r.get("curve", ()) if math.isfinite(ppl)]
+            if pts:
+                ax.plot(*zip(*pts, strict=True), marker="o", label=r["variant"])
+        if math.isfinite(unigram_ppl):
+            ax.axhline(unigram_ppl, ls="--", color="gray", label="unigram (held-out)")
+        ax.set(xlabel="wall-clock training time [min]", ylabel="val/ppl (validation split)")
+        ax.grid(True, alpha=0.3)
+        ax.legend()
+        ax.set_title(textwrap.fill(title, 100), fontsize=8)
 
 
 def verdict_line(rows: list[dict[str, Any]], exact: float) -> str:
@@ -207,12 +172,9 @@ def run_study(args: argparse.Namespace) -> int:
         run = h.Run(name, [*shared, *h.ATTENTION[name]], out / "runs" / name, {"variant": name})
         eval_dir = run.run_dir / f"eval_{args.split}"
         # fmt: off
-        cmd = h.cli(
-            "eval", str(run.checkpoint), str(fasta), "--max-len", str(max_len),
-            "--mlm-prob", f"{mlm_prob:g}", "--seed", str(args.eval_seed),
-            "--device", args.eval_device, "--no-progress", "--out-dir", str(eval_dir),
-            "--overwrite",
-        )
+        cmd = h.cli("eval", str(run.checkpoint), str(fasta), "--max-len", str(max_len),
+                    "--mlm-prob", f"{mlm_prob:g}", "--seed", str(args.eval_seed), "--device",
+                    args.eval_device, "--no-progress", "--out-dir", str(eval_dir), "--overwrite")
         # fmt: on
         run.after.append(("eval", cmd, eval_dir / "metrics.json"))
         runs.append(run)
@@ -220,13 +182,9 @@ def run_study(args: argparse.Namespace) -> int:
     def collect(run: h.Run) -> dict[str, Any]:
         metrics = json.loads((run.run_dir / f"eval_{args.split}" / "metrics.json").read_text())
         attention = "exact" if run.name == "exact" else "favor"
-        return {
-            **metrics["overall"],
-            "attention": attention,
-            "kernel": "-" if attention == "exact" else run.name.split("-", 1)[1],
-            "split": args.split,
-            "checkpoint": str(run.checkpoint),
-        }
+        return {**metrics["overall"], "attention": attention,
+                "kernel": "-" if attention == "exact" else run.name.split("-", 1)[1],
+                "split": args.split, "checkpoint": str(run.checkpoint)}
 
     rows = [r.result for r in h.run_all(runs, budget, args, collect)]
     uni = h.unigram_baseline(train_source, held, "mlm", max_len, mlm_prob, args.eval_seed)
@@ -266,25 +224,14 @@ def run_study(args: argparse.Namespace) -> int:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(
-        description=__doc__.split("\n\n")[0],
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-        epilog="Method and outputs: see the module docstring.",
-    )
+    p = h.parser(__doc__, "Method and outputs: see the module docstring.")
     p.add_argument("--out", type=Path, default=Path("outputs/quality_study"))
     p.add_argument("--experiment", default="small_mlm", help="base experiment config")
     p.add_argument("--minutes", type=float, default=30.0, help="wall-clock budget per variant")
-    p.add_argument(
-        "--val-every-min",
-        type=float,
-        default=0.0,
-        help="validation interval in minutes (time-based; default: minutes / 10)",
-    )
-    p.add_argument(
-        "--data",
-        default=DEFAULT_DATA,
-        help="FASTA path(s)/glob(s), comma separated ('' = the experiment's data.path)",
-    )
+    p.add_argument("--val-every-min", type=float, default=0.0,
+                   help="validation interval in minutes (time-based; default: minutes / 10)")
+    p.add_argument("--data", default=DEFAULT_DATA,
+                   help="FASTA path(s)/glob(s), comma separated ('' = the experiment's data.path)")
     p.add_argument("--seed", type=int, default=0, help="run seed (weights, data order, masks)")
     p.add_argument("--trainer", default="", help="trainer config (cpu, gpu, ...); '' = default")
     p.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="torch threads")
@@ -292,18 +239,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--split", default="test", choices=("valid", "test"), help="held-out split")
     p.add_argument("--eval-seed", type=int, default=0, help="seed of the held-out masks")
     p.add_argument("--eval-device", default="auto", help="device for the evaluation")
-    p.add_argument(
-        "--override",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="extra Hydra override for every variant (repeatable)",
-    )
-    p.add_argument(
-        "--skip-existing",
-        action="store_true",
-        help="reuse finished runs in --out (only evaluate and report)",
-    )
+    p.add_argument("--override", action="append", default=[], metavar="KEY=VALUE",
+                   help="extra Hydra override for every variant (repeatable)")
+    p.add_argument("--skip-existing", action="store_true",
+                   help="reuse finished runs in --out (only evaluate and report)")
     p.add_argument("--quick", action="store_true", help="1 minute per variant on a tiny model")
     args = p.parse_args(argv)
     if args.quick and args.minutes == p.get_default("minutes"):
