@@ -329,6 +329,8 @@ def peer_lines(rows: list[dict[str, Any]], floor_rows: list[dict[str, Any]],
                      f"{_fmt(g)} | {_ratio(f, g)} | {_ratio(f, e)} |")
     if note:
         lines.append(note)
+    if not floor_rows:  # the floor is measured with the per-token part
+        return lines
     lines += [
         "",
         "floor: weight bytes / copy bandwidth (STREAM-like, this run), ours FAVOR+ at batch 1, "

@@ -321,7 +321,8 @@ def ratios(rows: list[Row]) -> list[dict[str, Any]]:
 
 
 def format_tables(rows: list[Row], header: str) -> str:
-    """Markdown: the raw measurements, then the favor/exact ratios against the targets."""
+    """Markdown: the raw measurements, then the favor/exact ratios against the targets (where
+    both ran) and the memory's ratio to plain FAVOR+ (where it ran)."""
     lines = [
         header, "",
         "| objective | attention | L | B | status | steps | step s | tokens/s | peak MiB | note |",
@@ -330,12 +331,14 @@ def format_tables(rows: list[Row], header: str) -> str:
         lines.append(
             f"| {r.objective} | {r.attention} | {r.L} | {r.B} | {r.status} | {r.steps_timed} "
             f"| {r.step_time_s:.4g} | {r.tokens_per_s:.0f} | {r.peak_mem_mib:.0f} | {r.note} |")
-    lines += [
-        "",
-        "| objective | L | favor tok/s | exact tok/s | favor/exact speed | exact/favor memory "
-        "| target | verdict |",
-        "|---|---:|---:|---:|---:|---:|---|---|"]
-    for x in ratios(rows):
+    measured = [x for x in ratios(rows) if not math.isnan(x["speed_ratio"])]
+    if measured:  # favor and exact both run at some length
+        lines += [
+            "",
+            "| objective | L | favor tok/s | exact tok/s | favor/exact speed | exact/favor memory "
+            "| target | verdict |",
+            "|---|---:|---:|---:|---:|---:|---|---|"]
+    for x in measured:
         lines.append(
             f"| {x['objective']} | {x['L']} | {x['favor_tok_s']:.0f} | {x['exact_tok_s']:.0f} "
             f"| {x['speed_ratio']:.2f} | {x['mem_ratio']:.2f} | {x['target']} | {x['verdict']} |")

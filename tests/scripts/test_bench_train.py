@@ -65,3 +65,21 @@ def test_bench_train_quick(tmp_path: Path, run_script) -> None:
         ratios = list(csv.DictReader(fh))
     assert [(r["objective"], r["L"]) for r in ratios] == [("mlm", "64")]
     assert math.isfinite(float(ratios[0]["speed_ratio"]))
+
+
+def test_tables_show_only_the_ratios_that_were_measured(monkeypatch) -> None:
+    """A memory-only paired run (issue 40's command) has no exact rows: its tables give the
+    memory / FAVOR+ ratio and no favor/exact table of nan."""
+    monkeypatch.syspath_prepend(str(Path(__file__).parents[2] / "scripts" / "bench"))
+    import bench_train as bt
+
+    shape = dict(objective="clm", kernel="softmax", B=1, tokens_per_batch=64, depth=1, dim=8,
+                 heads=2, m=4, precision="32", device="cpu", threads=1, status="ok",
+                 steps_timed=3, step_time_s=0.64, tokens_per_s=100.0, peak_mem_mib=10.0)
+    rows = [bt.Row(attention="favor+memory", L=64, paired_speed=0.8, **shape)]
+    text = bt.format_tables(rows, "header")
+    assert "favor/exact speed" not in text and "nan" not in text
+    assert "| clm | 64 | 0.80 | >= 0.8x |" in text
+    rows.append(bt.Row(attention="exact", L=64, **{**shape, "tokens_per_s": 50.0}))
+    rows.append(bt.Row(attention="favor", L=64, **shape))
+    assert "| clm | 64 | 100 | 50 | 2.00 |" in bt.format_tables(rows, "header")
