@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-__version__ = "0.6.0"
+__version__ = "0.7.0"
 
 __all__ = ["ProteinLM", "UserError", "__version__", "linearize", "load", "read_embeddings"]
 
