@@ -30,6 +30,7 @@ import os
 import random
 import subprocess
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -364,6 +365,31 @@ def run_design(store: Path, run: Path, design: str, steps: int, extra: list[str]
     return run / "checkpoints" / "last.ckpt"
 
 
+def train_designs(args: argparse.Namespace, store: Path, out: Path, member_len: int,
+                  results: dict, evaluate: Callable[[Path], dict]) -> dict:  # fmt: skip
+    """Train each of ``--designs`` on the store's family rows (members of at most
+    ``member_len`` tokens) and ``evaluate`` its checkpoint; ``out/results.json`` keeps each
+    finished design, so a rerun trains and scores only the missing ones."""
+    extra = [
+        "data.layout=family", "data.family_method=search", "data.family_identity=0.3",
+        f"data.family_max_tokens={args.row_tokens}", f"data.max_len={member_len}",
+        f"data.max_tokens={args.row_tokens}", f"model.config.dim={args.dim}",
+        f"model.config.depth={args.depth}",
+        *([] if args.train_seed is None else [f"seed={args.train_seed}"]),
+    ]  # fmt: skip
+    path = out / "results.json"
+    if path.exists():
+        results = json.loads(path.read_text())
+    for design in args.designs.split(","):
+        if design in results["designs"]:
+            continue
+        ckpt = run_design(store, out / design, design, args.steps, extra)
+        results["designs"][design] = evaluate(ckpt)
+        print(f"{design}: {json.dumps(results['designs'][design])}", flush=True)
+        path.write_text(json.dumps(results, indent=1))
+    return results
+
+
 def context_ppl(lm, targets: list[str], contexts: list[list]) -> float:  # noqa: ANN001
     """Perplexity over the targets' residues and ``<eos>``, each read after its context (a
     list of ``data.msa.Member``; empty: alone), through ``lm.context`` and ``lm.score``."""
@@ -441,26 +467,10 @@ def shifted_study(args: argparse.Namespace) -> dict:
         h.call(h.cli("preprocess", str(out / "train.fasta"), "--out", str(store),
                      "--valid-frac", "0.03", "--test-frac", "0.01", "--overwrite",
                      "--no-progress"), 1, out / "preprocess.log")  # fmt: skip
-    member_len = args.max_len - MAX_SHIFT + 2
-    extra = [
-        "data.layout=family", "data.family_method=search", "data.family_identity=0.3",
-        f"data.family_max_tokens={args.row_tokens}", f"data.max_len={member_len}",
-        f"data.max_tokens={args.row_tokens}", f"model.config.dim={args.dim}",
-        f"model.config.depth={args.depth}",
-        *([] if args.train_seed is None else [f"seed={args.train_seed}"]),
-    ]  # fmt: skip
-    results: dict = {"steps": args.steps, "designs": {}}
-    path = out / "results.json"
-    if path.exists():
-        results = json.loads(path.read_text())
-    for design in args.designs.split(","):
-        if design in results["designs"]:
-            continue
-        ckpt = run_design(store, out / design, design, args.steps, extra)
-        results["designs"][design] = shifted_eval(ckpt, eval_fams, args.variants, args.seed)
-        print(f"{design}: {json.dumps(results['designs'][design])}", flush=True)
-        path.write_text(json.dumps(results, indent=1))
-    return results
+    return train_designs(
+        args, store, out, args.max_len - MAX_SHIFT + 2, {"steps": args.steps, "designs": {}},
+        lambda ckpt: shifted_eval(ckpt, eval_fams, args.variants, args.seed),
+    )
 
 
 def real_targets(store: Path, out: Path, n: int, max_residues: int, seed: int
@@ -574,28 +584,12 @@ def real_study(args: argparse.Namespace) -> dict:
                      "skip", "--workers", "1", "--no-progress"), 1,
                out / "preprocess.log")  # fmt: skip
     targets = real_targets(store, out, args.eval_families, args.max_len - 2, args.seed)
-    extra = [
-        "data.layout=family", "data.family_method=search", "data.family_identity=0.3",
-        f"data.family_max_tokens={args.row_tokens}", f"data.max_len={args.max_len}",
-        f"data.max_tokens={args.row_tokens}", f"model.config.dim={args.dim}",
-        f"model.config.depth={args.depth}",
-        *([] if args.train_seed is None else [f"seed={args.train_seed}"]),
-    ]  # fmt: skip
     results: dict = {"steps": args.steps, "targets": len(targets), "designs": {},
                      "target_residues": sum(len(t[1]) for t in targets)}  # fmt: skip
     log_line = f"{len(targets)} test proteins with >= {max(ALIGN_KS)} hits in training"
     print(log_line, flush=True)
-    path = out / "results.json"
-    if path.exists():
-        results = json.loads(path.read_text())
-    for design in args.designs.split(","):
-        if design in results["designs"]:
-            continue
-        ckpt = run_design(store, out / design, design, args.steps, extra)
-        results["designs"][design] = real_eval(ckpt, targets, on_best_hit(out, targets))
-        print(f"{design}: {json.dumps(results['designs'][design])}", flush=True)
-        path.write_text(json.dumps(results, indent=1))
-    return results
+    return train_designs(args, store, out, args.max_len, results,
+                         lambda ckpt: real_eval(ckpt, targets, on_best_hit(out, targets)))
 
 
 def align_table(results: dict, study: str) -> str:
