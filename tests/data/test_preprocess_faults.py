@@ -50,17 +50,23 @@ def _alive(pid: int) -> bool:
     return state != "Z"
 
 
-@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM])
-def test_killed_preprocess_leaves_no_workers_and_next_run_cleans_up(tmp_path, sig) -> None:
-    out = tmp_path / "store"
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
-    proc = subprocess.Popen([sys.executable, "-c", SLOW_RUN, str(DEMO), str(out)], env=env)
+def _started_workers(proc: subprocess.Popen) -> list[int]:
+    """The pids of ``proc``'s spawned workers, once at least two run (within a minute)."""
     deadline = time.monotonic() + 60
     workers: list[int] = []
     while time.monotonic() < deadline and len(workers) < 2:
         time.sleep(0.1)
         workers = [p for p in _children(proc.pid) if "spawn" in _cmdline(p)]
     assert len(workers) >= 2, "the workers never started"
+    return workers
+
+
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM])
+def test_killed_preprocess_leaves_no_workers_and_next_run_cleans_up(tmp_path, sig) -> None:
+    out = tmp_path / "store"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+    proc = subprocess.Popen([sys.executable, "-c", SLOW_RUN, str(DEMO), str(out)], env=env)
+    workers = _started_workers(proc)
     proc.send_signal(sig)
     proc.wait(timeout=30)
     time.sleep(0.2)
@@ -120,12 +126,7 @@ def test_sigterm_stops_preprocess_like_ctrl_c(tmp_path) -> None:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
     proc = subprocess.Popen([sys.executable, "-c", SLOW_CLI, str(DEMO), str(out)], env=env,
                             stderr=subprocess.PIPE, text=True)  # fmt: skip
-    deadline = time.monotonic() + 60
-    workers: list[int] = []
-    while time.monotonic() < deadline and len(workers) < 2:
-        time.sleep(0.1)
-        workers = [p for p in _children(proc.pid) if "spawn" in _cmdline(p)]
-    assert len(workers) >= 2, "the workers never started"
+    workers = _started_workers(proc)
     proc.send_signal(signal.SIGTERM)
     _, err = proc.communicate(timeout=30)
     assert proc.returncode == 143 and err.strip().splitlines()[-1] == "stopped by SIGTERM", err
