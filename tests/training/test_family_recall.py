@@ -16,7 +16,10 @@ import random
 import torch
 from hydra.utils import instantiate
 
+from protein_performer.data.dataset import InMemorySource, ProteinCollator
+from protein_performer.data.family import FamilyDataset
 from protein_performer.data.fasta import read_fasta
+from protein_performer.data.homology import Families
 from protein_performer.data.tokenizer import Alphabet
 from protein_performer.training.compose import compose_config
 from tests.paths import DEMO_DATA
@@ -76,13 +79,22 @@ def test_demo_clm_model_scores_a_member_better_with_its_family(tmp_path) -> None
     ][:260]
     train, held_out = _families(proteins[:200], rng), _families(proteins[200:], rng)
     optim = torch.optim.AdamW(model.param_groups(0.01), lr=float(cfg.model.optim.lr))
-    rows = torch.tensor([_row(f, alphabet) for f in train])  # all rows have one length
+    # the training rows as the data path makes them (members in a random order, each later
+    # one hidden from the memory with the composed data.family_memory_dropout)
+    rows = FamilyDataset(
+        InMemorySource([str(i) for i in range(len(train) * MEMBERS)],
+                       [alphabet.encode(seq) for f in train for seq in f]),
+        Families.from_lists([list(range(i, i + MEMBERS)) for i in range(0, len(train) * MEMBERS,
+                                                                          MEMBERS)]),
+        max_len=cfg.data.max_len, row_tokens=cfg.data.family_max_tokens,
+        memory_dropout=cfg.data.family_memory_dropout,
+    )  # fmt: skip
+    collate = ProteinCollator(alphabet)
     model.train()
-    for _ in range(STEPS):
-        batch = rows[torch.randint(len(rows), (BATCH,))]
-        logits = model(batch).logits[:, :-1]
-        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]),
-                                                 batch[:, 1:].reshape(-1))
+    for step in range(STEPS):
+        batch = collate([rows[(int(i), step)] for i in torch.randint(len(rows), (BATCH,))])
+        logits = model(batch["tokens"], coordinates=batch.get("coordinates")).logits
+        loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), batch["targets"].flatten())
         optim.zero_grad()
         loss.backward()
         optim.step()
