@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NamedTuple
 
+from protein_performer.data.hits import hit_coordinates
 from protein_performer.data.tokenizer import Alphabet
 from protein_performer.errors import UserError, shown
 
@@ -179,12 +180,11 @@ def read_homologs(path: str | os.PathLike[str]) -> tuple[Any, list]:
       the reference, each homolog residue carries its reference coordinate;
     * the FASTA ``protein-performer homologs`` writes: each hit placed on its query by the
       alignment in its header (``cigar=`` and the aligned ranges:
-      :func:`~protein_performer.data.homology.hit_coordinates`; all hits of one query; of
+      :func:`~protein_performer.data.hits.hit_coordinates`; all hits of one query; of
       several, none is placed);
     * any other FASTA: homologs without coordinates (upper-cased as every FASTA read).
     """
     from protein_performer.data.fasta import read_fasta
-    from protein_performer.data.homology import hit_coordinates
     from protein_performer.data.msa import (
         Member,
         a2m_members,
