@@ -143,7 +143,7 @@ def total_in_background(bar: Any, path: str | os.PathLike[str], kind: str) -> No
     scan in the background (:func:`input_totals`); not under torchrun/srun, where each rank
     does a share."""
     from protein_performer.io.progress import total_later
-    from protein_performer.io.sharding import detect_ranks
+    from protein_performer.io.ranks import detect_ranks
 
     if detect_ranks().distributed:
         return

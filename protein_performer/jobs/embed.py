@@ -222,14 +222,8 @@ def embed_fasta(
     this with the same arguments.
     """
     from protein_performer.io.progress import progress as progress_bar
-    from protein_performer.io.sharding import (
-        detect_ranks,
-        finished_parts,
-        parts_dir,
-        rank_label,
-        run_sharded,
-        windows,
-    )
+    from protein_performer.io.ranks import detect_ranks, rank_label
+    from protein_performer.io.sharding import finished_parts, parts_dir, run_sharded, windows
 
     path = Path(fasta).expanduser()
     dest = output_file(out)
