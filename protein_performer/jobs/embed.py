@@ -23,6 +23,7 @@ from typing import Any
 
 import numpy as np
 
+from protein_performer._version import __version__
 from protein_performer.data.inputs import InputRecord, input_records, total_in_background
 from protein_performer.errors import UserError, shown
 from protein_performer.inference.api import ProteinLM, precision_name
@@ -54,8 +55,6 @@ INCLUDE_CHOICES = (*HIDDEN_KINDS, "contacts")
 
 def file_attrs(lm: ProteinLM, layers: Sequence[int], include: Sequence[str]) -> dict[str, Any]:
     """The root attributes: what the embeddings came from and how they were made."""
-    from protein_performer import __version__
-
     return {
         "format": FORMAT_NAME,
         "format_version": FORMAT_VERSION,
