@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from protein_performer.errors import UserError
+from protein_performer.io.atomic import output_file
 from protein_performer.io.outputs import PARTS, sidecar
 from protein_performer.io.ranks import Ranks, detect_ranks
 
@@ -309,8 +310,6 @@ def run_sharded(
     within a window or a poll (:class:`Job`); the parts already finished stay for a resume,
     an empty parts directory goes.
     """
-    from protein_performer.io.atomic import output_file
-
     ranks = detect_ranks()
     pdir = parts or parts_dir(output_file(out))
     new = 0
