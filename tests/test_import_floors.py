@@ -10,7 +10,7 @@
       -> model/                             the architecture only
       -> data/
       -> io/                                atomic writes, safe checkpoints, columns, ranks
-      -> errors                             the low floor
+      -> errors, _version                   the low floor
     viz/ beside them: it draws figures from arrays (errors, io, numpy, matplotlib, BLOSUM62,
     plotly for the HTML report).
 
