@@ -19,7 +19,7 @@ import ast
 
 import pytest
 
-from tests.test_import_floors import PACKAGE, ROOT, module_name, package_modules
+from tests.test_import_floors import PACKAGE, ROOT, from_target, module_name, package_modules
 
 
 def _is_module(name: str) -> bool:
@@ -63,13 +63,7 @@ def import_edges(module: str, source: str, is_package: bool = False) -> list[tup
         if isinstance(node, ast.Import):
             targets = [alias.name for alias in node.names]
         elif isinstance(node, ast.ImportFrom):
-            if node.level:  # relative: resolve against this module's package
-                base = module.split(".")
-                base = base if is_package else base[:-1]
-                base = base[: len(base) - node.level + 1]
-                origin = ".".join([*base, node.module] if node.module else base)
-            else:
-                origin = node.module or ""
+            origin = from_target(module, node, is_package)
             targets = [
                 f"{origin}.{alias.name}" if _is_module(f"{origin}.{alias.name}") else origin
                 for alias in node.names
