@@ -97,7 +97,7 @@ class CompiledStep:
         self._key: list | None = None
         self._layout: tuple[tuple[tuple[int, ...], ...], ...] = ((), (), ())
         self._maps: tuple[FeatureMap, ...] = ()
-        self._fn = torch.compile(self._layers, dynamic=False) if mode == "compile" else None
+        self._fn = torch.compile(self._run, dynamic=False) if mode == "compile" else None
         self._compiled_for: set[int] | None = set() if mode == "compile" else None
         self._traced: dict[tuple[int, torch.device], Callable] = {}
 
@@ -205,18 +205,6 @@ class CompiledStep:
             yield flat[offset : offset + math.prod(shape)].view(shape)
             offset += size
 
-    def _layers(
-        self,
-        tokens: Tensor,
-        rows: Tensor,
-        pad: Tensor,
-        kvs: tuple[Tensor, ...],
-        mus: tuple[Tensor, ...],
-        flat: Tensor,
-    ) -> tuple[Tensor, tuple[Tensor, ...]]:
-        """:meth:`_run` on the weights of the flat buffer (the compiled graph's one input)."""
-        return self._run(tokens, rows, pad, kvs, mus, tuple(self._views(flat)))
-
     def _run(
         self,
         tokens: Tensor,
@@ -224,12 +212,14 @@ class CompiledStep:
         pad: Tensor,
         kvs: tuple[Tensor, ...],
         mus: tuple[Tensor, ...],
-        weights: tuple[Tensor, ...],
+        weights: Tensor | tuple[Tensor, ...],
     ) -> tuple[Tensor, tuple[Tensor, ...]]:
         """The traced step: embedding, every layer (the model's one-token forward, host checks
-        off), final norm and head; the sums ``kvs`` are updated in place."""
+        off), final norm and head; the sums ``kvs`` are updated in place. ``weights``: the
+        views of the flat buffer (traced, eager), or the buffer itself (the compiled graph's
+        one input, viewed inside the graph)."""
         config = self.model.config
-        w = iter(weights)
+        w = iter(self._views(weights) if isinstance(weights, Tensor) else weights)
         x = F.embedding(tokens, next(w))  # (B, D)
         if config.token_dropout:
             x = x * (1 - MASK_RATIO_TRAIN)
