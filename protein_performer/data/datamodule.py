@@ -35,7 +35,7 @@ from protein_performer.data.dataset import (
     check_max_len,
     fasta_splits,
 )
-from protein_performer.data.family import DEFAULT_MEMORY_DROPOUT
+from protein_performer.data.family import DEFAULT_MEMORY_DROPOUT, FamilyDataset
 from protein_performer.data.inputs import Input, open_input
 from protein_performer.data.loader import ResumableDataLoader
 from protein_performer.data.msa import FAMILY_COORDINATES
@@ -347,8 +347,6 @@ class ProteinDataModule(pl.LightningDataModule):
         return self._families[split]
 
     def _family_dataset(self, split: str) -> ProteinDataset:
-        from protein_performer.data.family import FamilyDataset
-
         assert self.sources is not None
         source = self.sources[split]
         assert isinstance(source, StoreSubset)
