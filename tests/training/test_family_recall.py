@@ -12,11 +12,14 @@ alarms under no effect), a tolerance that comes from the data, not from a tuned 
 
 from __future__ import annotations
 
+import inspect
 import random
 
 import torch
 from hydra.utils import instantiate
+from omegaconf import OmegaConf
 
+from protein_performer.data.datamodule import ProteinDataModule
 from protein_performer.data.dataset import InMemorySource, ProteinCollator
 from protein_performer.data.family import DEFAULT_MEMORY_DROPOUT, FamilyDataset
 from protein_performer.data.fasta import read_fasta
@@ -70,15 +73,20 @@ def test_single_sequence_experiments_train_plain_favor(tmp_path) -> None:
 
 def test_family_rows_compose_the_measured_memory_dropout(tmp_path) -> None:
     """family_clm and any data.layout=family run compose data.family_memory_dropout into the
-    datamodule: the measured default, off (0.25 cost one seed of two its recall on planted
-    families, docs/RESULTS.md), the same as the datamodule's own; a value turns it on."""
-    assert DEFAULT_MEMORY_DROPOUT == 0.0
-    for overrides, want in ((["experiment=family_clm"], 0.0),
-                            (["experiment=demo_clm", "data.layout=family"], 0.0),
-                            (["experiment=family_clm", "data.family_memory_dropout=0.25"], 0.25)):
-        cfg = compose_config([*overrides, f"data.path={tmp_path}"], output_dir=tmp_path)
+    datamodule: the measured default (0.1, docs/RESULTS.md), the same as the datamodule's own;
+    0 turns it off."""
+    assert DEFAULT_MEMORY_DROPOUT == 0.1
+    for overrides, want in ((["experiment=family_clm"], 0.1),
+                            (["experiment=demo_clm", "data.layout=family"], 0.1),
+                            (["experiment=family_clm", "data.family_memory_dropout=0"], 0.0)):
+        cfg = compose_config(overrides, output_dir=tmp_path)
         check_training_config(cfg)
-        assert instantiate(cfg.data).family_memory_dropout == want, overrides
+        kwargs = OmegaConf.to_container(cfg.data, resolve=True)
+        kwargs.pop("_target_")
+        bound = inspect.signature(ProteinDataModule).bind(**kwargs)  # every key a parameter
+        assert bound.arguments["family_memory_dropout"] == want, overrides
+    default = inspect.signature(ProteinDataModule).parameters["family_memory_dropout"].default
+    assert default == DEFAULT_MEMORY_DROPOUT
 
 
 def test_demo_clm_model_scores_a_member_better_with_its_family(tmp_path) -> None:
