@@ -185,13 +185,13 @@ class CompiledStep:
             s.mu if _plain(s.mu, B) else s.mu.float().expand(B, -1).contiguous() for s in inner
         )
         bufs = tuple(held)
-        # a graph per batch size and memory size (every layer's memory holds the same slots)
-        key = (B, *sorted({b.shape[2] for layer in bufs for w in layer for b in w}))
+        # a graph per batch size and wrapper buffer shapes (a memory's grow by doubling)
+        key = (B, *sorted({tuple(b.shape) for layer in bufs for w in layer for b in w}))
         if self._fn is not None and self._compiled_for is not None:
             if key not in self._compiled_for:  # the first token of a batch size waits for it
                 self._compiled_for.add(key)
                 note = "compiling the decoding step for batch size %d%s (once; tens of seconds)"
-                log.info(note, B, "".join(f", {n} memory slots" for n in key[1:]))
+                log.info(note, B, "".join(f", buffers {tuple(n)}" for n in key[1:]))
             logits, mu = self._fn(tokens, rows, pad, positions, kv, mu, bufs, flat)
         else:
             args = (tokens, rows, pad, positions, kv, mu, bufs, self._weight_views)

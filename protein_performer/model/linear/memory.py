@@ -238,15 +238,18 @@ def step_slots(need: int, max_positions: int) -> int:
 
 def _step_buffer(t: Tensor | None, shape: tuple[int, ...], dtype: torch.dtype,
                  device: torch.device, inplace: bool) -> Tensor:  # fmt: skip
-    """A memory tensor (B, H, slots, C) a step may write: ``t`` itself where the caller gave
-    it up (``inplace``) and it is that plain tensor, else a copy into zeros (a batch-1 state
-    broadcast over B, a buffer grown, a state the caller keeps)."""
-    plain = t is not None and t.shape == shape and t.dtype == dtype and t.is_contiguous()
-    if inplace and plain and t.device == device:
-        return t
+    """A memory tensor (B, S, H, C) a step may write, slot-major (a row's window of slots is
+    one block): ``t`` (B, H, P, C) itself where the caller gave it up (``inplace``) and it is
+    such a buffer's view (:meth:`PositionMemory.step_state`), else a copy into zeros (a
+    batch-1 state broadcast over B, a buffer grown, a state the caller keeps)."""
+    if t is not None:
+        t = t.transpose(1, 2)  # (B, P, H, C)
+        plain = t.shape == shape and t.dtype == dtype and t.is_contiguous()
+        if inplace and plain and t.device == device:
+            return t
     out = torch.zeros(shape, dtype=dtype, device=device)
     if t is not None:
-        out[:, :, : t.shape[2]] = t
+        out[:, : t.shape[1]] = t
     return out
 
 
@@ -258,11 +261,11 @@ def step_mix(out: Tensor, q: Tensor, k: Tensor, v: Tensor, positions: Tensor, ke
     False at a pad, which neither reads nor enters), the read as :meth:`PositionMemory._read`
     defines it; a function of tensors with no host check (a traced step's graph).
 
-    ``buffers``: the memory ``mem`` (B, H, S, C), slot p the sum of [k | v | 1] at position p
-    (S > every position that enters: :meth:`PositionMemory.step_buffers`), and, for a memory
-    that reads only the other members, the sums of the member being decoded (``part``, zero
-    where the token does not continue it); both updated in place. ``weights``: the offset
-    logits (H, 2W + 1), the gate's weights (H, d) and bias (H,).
+    ``buffers``: the memory ``mem`` (B, S, H, C), slot-major, slot p the sum of [k | v | 1]
+    at position p (S > every position that enters: :meth:`PositionMemory.step_buffers`),
+    and, for a memory that reads only the other members, the sums of the member being decoded
+    (``part``, zero where the token does not continue it); both updated in place.
+    ``weights``: the offset logits (H, 2W + 1), the gate's weights (H, d) and bias (H,).
 
     A token reads the 2W + 1 slots around its position: keys at p + D, values at p + D + 1
     (causal: the successor), from ``mem`` less ``part`` (the other members), or, reading its
@@ -270,21 +273,22 @@ def step_mix(out: Tensor, q: Tensor, k: Tensor, v: Tensor, positions: Tensor, ke
     and E tables hold at the band entries that read them)."""
     mem, part = buffers[0], (buffers[1] if len(buffers) > 1 else None)
     offsets, gate_weight, gate_bias = weights
-    B, H, S, C = mem.shape
+    B, S, H, C = mem.shape
     d, dv = q.shape[-1], v.shape[-1]
     W = (offsets.shape[-1] - 1) // 2
     valid = keep & (positions >= 0) & (positions < max_positions)  # (B,)
     near = positions[:, None] + torch.arange(-W, W + 2, device=positions.device)  # (B, 2W + 2)
-    inside = ((near >= 0) & (near < S)).to(q.dtype)[:, None, :, None]
-    at = near.clamp(0, S - 1)[:, None, :, None].expand(B, H, 2 * W + 2, C)
+    inside = ((near >= 0) & (near < S)).to(q.dtype)[:, :, None, None]
+    first = torch.arange(B, device=positions.device)[:, None] * S  # (B, 1): each row's slot 0
+    rows = (first + near.clamp(0, S - 1)).view(-1)
     add = torch.cat([k, v, torch.ones_like(v[..., :1])], -1) * valid.to(q.dtype)[:, None, None]
-    table = mem.gather(2, at)  # (B, H, 2W + 2, C): slots p - W .. p + W + 1
+    table = mem.view(B * S, H * C).index_select(0, rows).view(B, 2 * W + 2, H, C)
     if part is None:  # its own member up to t, itself included, in slot p
-        table[:, :, W] += add
+        table[:, W] += add
     else:
-        table = table - part.gather(2, at)
-    table = table * inside
-    count = table[..., -1:]  # (B, H, 2W + 2, 1)
+        table = table - part.view(B * S, H * C).index_select(0, rows).view(B, 2 * W + 2, H, C)
+    table = (table * inside).transpose(1, 2)  # (B, H, 2W + 2, C): slots p - W .. p + W + 1
+    count = table[..., -1:]
     keys = table[:, :, :-1, :d] / (count[:, :, :-1].clamp_min(1.0) * d**0.5)
     values = table[:, :, 1:, d : d + dv] / count[:, :, 1:].clamp_min(1.0)
     held = (count[:, :, :-1, 0] > 0.5) & (count[:, :, 1:, 0] > 0.5)  # (B, H, 2W + 1)
@@ -293,10 +297,10 @@ def step_mix(out: Tensor, q: Tensor, k: Tensor, v: Tensor, positions: Tensor, ke
     read = (weights_d[:, :, None] @ values)[:, :, 0]  # (B, H, dv)
     gate = torch.sigmoid((q * gate_weight).sum(-1) + gate_bias)  # (B, H)
     gate = gate * (held.any(-1) & valid[:, None]).to(q.dtype)  # nothing in reach: the core's
-    slot = positions.clamp(0, S - 1)[:, None, None, None].expand(B, H, 1, C)
-    mem.scatter_add_(2, slot, add[:, :, None])
+    slot = first[:, 0] + positions.clamp(0, S - 1)  # (B,)
+    mem.view(B * S, H * C).index_add_(0, slot, add.view(B, H * C))
     if part is not None:
-        part.scatter_add_(2, slot, add[:, :, None])
+        part.view(B * S, H * C).index_add_(0, slot, add.view(B, H * C))
     return torch.lerp(out, read, gate[..., None])
 
 
@@ -654,7 +658,7 @@ class PositionMemory(CoreWrapper):
     def step_buffers(self, state: MemoryState, positions: Tensor, keep: Tensor, inplace: bool,
                      dtype: torch.dtype) -> tuple[Tensor, ...]:  # fmt: skip
         """The host side of a step at ``positions`` (B,) (``keep`` (B,): False at a pad): the
-        tensors :func:`step_mix` writes, (mem,) or (mem, part), each (B, H, S, C) in ``dtype``,
+        tensors :func:`step_mix` writes, (mem,) or (mem, part), each (B, S, H, C) in ``dtype``,
         S from :func:`step_slots` (grown, by doubling, to hold every position that enters), the
         state's own where the caller gave it up (``inplace``) and they fit, else copies; the
         decoded member's sums zeroed in the rows whose token does not continue it (a ``<cls>``,
@@ -663,7 +667,7 @@ class PositionMemory(CoreWrapper):
         B, (H, C) = positions.shape[0], (mem.shape[1], mem.shape[3])
         entering = torch.where(keep & (positions < self.max_positions), positions, -1)
         need = max(mem.shape[2], int(entering.max()) + 1)
-        shape = (B, H, step_slots(need, self.max_positions), C)
+        shape = (B, step_slots(need, self.max_positions), H, C)
         device = positions.device
         mem = _step_buffer(mem, shape, dtype, device, inplace)
         if self.reads_own:
@@ -684,10 +688,12 @@ class PositionMemory(CoreWrapper):
 
     def step_state(self, inner: Any, buffers: tuple[Tensor, ...], positions: Tensor
                    ) -> MemoryState:  # fmt: skip
-        """The state after a step: the inner core's and the buffers :func:`step_mix` wrote."""
+        """The state after a step: the inner core's and the buffers :func:`step_mix` wrote, as
+        the (B, H, S, C) views a state holds (the next step takes them back as they are)."""
+        mem, *part = (t.transpose(1, 2) for t in buffers)
         if self.reads_own:
-            return MemoryState(inner, buffers[0])
-        return MemoryState(inner, buffers[0], buffers[1], positions)
+            return MemoryState(inner, mem)
+        return MemoryState(inner, mem, part[0], positions)
 
     def _step(self, out: Tensor, q: Tensor, k: Tensor, v: Tensor, positions: Tensor,
               keep: Tensor, state: MemoryState, inplace: bool) -> tuple[Tensor, MemoryState]:
