@@ -219,7 +219,7 @@ class CompiledStep:
             kv = tuple(t.clone() for t in kv)
             copies = (tokens, rows, pad, positions, kv, tuple(mu), bufs, weights)
             try:
-                with warnings.catch_warnings():  # shapes read as constants: one trace per B
+                with warnings.catch_warnings():  # shapes read as constants: one trace per key
                     warnings.simplefilter("ignore", torch.jit.TracerWarning)
                     fn = torch.jit.trace(self._run, copies, check_trace=False)
             except Exception as err:  # the tracer's failures have no common type

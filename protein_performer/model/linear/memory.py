@@ -33,7 +33,10 @@ its own; and up to it for ``reads_own``), and reading 2W + 1 neighbouring column
 product per tile of queries against the rows the tile reaches, a softmax under a mask, and the
 values back through the same tiles, with a hand-written backward (:class:`_Read`); the
 recurrent state is the last prefix, which is what it accumulates one token at a time, with the
-member it ended in kept apart.
+member it ended in kept apart. A decoding step (one token per row after a state) reads the
+2W + 2 slots around its position straight from that state (:func:`step_mix`, no tables), the
+state then held in buffers of :func:`step_slots` slots, grown by doubling on the host, so the
+model's step and the traced one (``model.decode``) are the same function of tensors.
 """
 
 from __future__ import annotations
@@ -78,7 +81,9 @@ class _Layout(NamedTuple):
 class MemoryState(NamedTuple):
     """The mixed core's state: the inner core's (``inner``) and the position memory
     ``mem`` (B, H, P, d + dv + 1), slot p holding the sum of [k | v | 1] at member position p;
-    P is the longest member held so far (it grows with the context, up to ``max_positions``).
+    P is the longest member held so far (it grows with the context, up to ``max_positions``;
+    after a decoding step rounded up by :func:`step_slots`, ``mem`` and ``part`` views of
+    slot-major buffers).
     A memory that reads only the other members also keeps the last member's own sums
     (``part``, its slots only, which ``mem`` includes) and the last token's position
     (``last`` (B,)): a call that continues that member must not read them."""
@@ -267,26 +272,34 @@ def step_mix(out: Tensor, q: Tensor, k: Tensor, v: Tensor, positions: Tensor, ke
     (``part``, zero where the token does not continue it); both updated in place.
     ``weights``: the offset logits (H, 2W + 1), the gate's weights (H, d) and bias (H,).
 
-    A token reads the 2W + 1 slots around its position: keys at p + D, values at p + D + 1
-    (causal: the successor), from ``mem`` less ``part`` (the other members), or, reading its
-    own member too, from ``mem`` with the token itself in slot p (what the parallel form's F
-    and E tables hold at the band entries that read them)."""
+    The token enters slot p first; it then reads the 2W + 1 slots around its position: keys at
+    p + D, values at p + D + 1 (causal: the successor), from ``mem`` less ``part`` (the other
+    members), or, reading its own member too, from ``mem`` itself, the token included (what
+    the parallel form's F and E tables hold at the band entries that read them)."""
     mem, part = buffers[0], (buffers[1] if len(buffers) > 1 else None)
     offsets, gate_weight, gate_bias = weights
     B, S, H, C = mem.shape
     d, dv = q.shape[-1], v.shape[-1]
     W = (offsets.shape[-1] - 1) // 2
     valid = keep & (positions >= 0) & (positions < max_positions)  # (B,)
+    row = torch.arange(B, device=positions.device)
+    add = torch.cat([k, v, torch.ones_like(v[..., :1])], -1) * valid.to(q.dtype)[:, None, None]
+    # the token enters slot p first, in place (an index_put before the reads is what a
+    # compiler keeps in place: written after them, inductor copied the whole buffer)
+    slot = (row, positions.clamp(0, S - 1))
+    mem.index_put_(slot, add, accumulate=True)
+    if part is not None:
+        part.index_put_(slot, add, accumulate=True)
     near = positions[:, None] + torch.arange(-W, W + 2, device=positions.device)  # (B, 2W + 2)
     inside = ((near >= 0) & (near < S)).to(q.dtype)[:, :, None, None]
-    first = torch.arange(B, device=positions.device)[:, None] * S  # (B, 1): each row's slot 0
-    rows = (first + near.clamp(0, S - 1)).view(-1)
-    add = torch.cat([k, v, torch.ones_like(v[..., :1])], -1) * valid.to(q.dtype)[:, None, None]
-    table = mem.view(B * S, H * C).index_select(0, rows).view(B, 2 * W + 2, H, C)
-    if part is None:  # its own member up to t, itself included, in slot p
-        table[:, W] += add
-    else:
-        table = table - part.view(B * S, H * C).index_select(0, rows).view(B, 2 * W + 2, H, C)
+    at = (row[:, None] * S + near.clamp(0, S - 1)).view(-1)  # rows of the (B S, H C) views
+
+    def window(t: Tensor) -> Tensor:  # (B, 2W + 2, H, C): one block of rows per batch row
+        return t.view(B * S, H * C).index_select(0, at).view(B, 2 * W + 2, H, C)
+
+    table = window(mem)  # its own member up to t (itself included) and the others
+    if part is not None:  # the other members alone
+        table = table - window(part)
     table = (table * inside).transpose(1, 2)  # (B, H, 2W + 2, C): slots p - W .. p + W + 1
     count = table[..., -1:]
     keys = table[:, :, :-1, :d] / (count[:, :, :-1].clamp_min(1.0) * d**0.5)
@@ -297,10 +310,6 @@ def step_mix(out: Tensor, q: Tensor, k: Tensor, v: Tensor, positions: Tensor, ke
     read = (weights_d[:, :, None] @ values)[:, :, 0]  # (B, H, dv)
     gate = torch.sigmoid((q * gate_weight).sum(-1) + gate_bias)  # (B, H)
     gate = gate * (held.any(-1) & valid[:, None]).to(q.dtype)  # nothing in reach: the core's
-    slot = first[:, 0] + positions.clamp(0, S - 1)  # (B,)
-    mem.view(B * S, H * C).index_add_(0, slot, add.view(B, H * C))
-    if part is not None:
-        part.view(B * S, H * C).index_add_(0, slot, add.view(B, H * C))
     return torch.lerp(out, read, gate[..., None])
 
 
