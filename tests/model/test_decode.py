@@ -178,9 +178,8 @@ def member_run(model: PerformerLM, step, context: torch.Tensor, new: torch.Tenso
     return torch.stack(out, 1), states
 
 
-@pytest.mark.parametrize("mode", ["eager", "trace"])
+@pytest.mark.parametrize(("mode", "inplace"), [("eager", True), ("trace", False), ("trace", True)])
 @pytest.mark.parametrize("reads_own", [False, True])
-@pytest.mark.parametrize("inplace", [False, True])
 def test_the_traced_step_runs_the_position_memory(mode: str, reads_own: bool, inplace: bool):
     """A family context (three homologs), then a new member decoded token by token that
     crosses a <cls> into a second one: eager or traced, the step gives model.step's numbers
