@@ -120,7 +120,7 @@ def cluster_sequences(
         ids = _write_numbered(paths, numbered, on_invalid)
         prefix = work / "clu"
         cmd = cluster_command(exe, [numbered], prefix, work / "tmp", identity, threads)
-        _run(cmd, ", ".join(map(os.fspath, paths)), timeout)
+        run_mmseqs(cmd, ", ".join(map(os.fspath, paths)), timeout)
         clusters: dict[str, str] = {}
         with open(f"{prefix}_cluster.tsv", encoding="utf-8") as fh:
             for line in fh:
@@ -347,7 +347,7 @@ def _stage(output: str) -> str:
     return stage
 
 
-def _run(cmd: list[str], what: str, timeout: float | None = None) -> None:
+def run_mmseqs(cmd: list[str], what: str, timeout: float | None = None) -> None:
     """Run MMseqs2 as every child process runs (its group stopped with the command, its
     scratch removed, a line per progress interval naming its step, ``timeout`` seconds)."""
     run_process(
@@ -433,7 +433,7 @@ def build_families(
         tmp = work / "tmp"
         if method == "cluster":
             prefix = work / "clu"
-            _run(cluster_command(exe, [fasta], prefix, tmp, identity, threads), "a split")
+            run_mmseqs(cluster_command(exe, [fasta], prefix, tmp, identity, threads), "a split")
             groups: dict[int, list[int]] = {}
             with open(f"{prefix}_cluster.tsv", encoding="ascii") as fh:
                 for line in fh:
@@ -445,7 +445,8 @@ def build_families(
         else:
             meta["max_seqs"] = FAMILY_MAX_SEQS
             hits_path = work / "hits.tsv"
-            _run(search_command(exe, fasta, fasta, hits_path, tmp, identity, threads), "a split")
+            cmd = search_command(exe, fasta, fasta, hits_path, tmp, identity, threads)
+            run_mmseqs(cmd, "a split")
             hits = _read_alignments(hits_path, _FAMILY_FORMAT)
             lists = []
             aligned: list[tuple[int, int, int, int, str] | None] = []
@@ -556,17 +557,15 @@ HOMOLOG_MIN_SEQ_ID = 0.3
 HOMOLOG_MAX_SEQS = 500
 
 
-#: What MMseqs2 reports per hit for ``homologs``: the scores, the aligned ranges (1-based,
-#: inclusive) and the alignment as a CIGAR string (``M`` both, ``I`` a query residue facing a
-#: gap, ``D`` a target residue facing one), which place each hit's residues on its query
-#: (``hit_coordinates``).
-_HOMOLOG_FORMAT = (
-    "query,target,fident,evalue,bits,qcov,tcov,qstart,qend,tstart,tend,qlen,tlen,cigar"
-)
-#: The header fields ``homologs`` appends to a hit's own header line, in order; the TSV's
-#: columns after ``query`` and ``target``.
+#: The header fields ``homologs`` appends to a hit's own header line, in order: the scores,
+#: the aligned ranges (1-based, inclusive) and the alignment as a CIGAR string (``M`` both,
+#: ``I`` a query residue facing a gap, ``D`` a target residue facing one), which place each
+#: hit's residues on its query (``hit_coordinates``).
 HIT_FIELDS = ("fident", "evalue", "bits", "qcov", "tcov", "qstart", "qend", "tstart", "tend",
               "qlen", "tlen", "cigar")  # fmt: skip
+#: What MMseqs2 reports per hit for ``homologs`` (``--format-output``): ``query``, ``target``
+#: and the :data:`HIT_FIELDS`.
+HOMOLOG_FORMAT = ",".join(("query", "target", *HIT_FIELDS))
 _CIGAR = re.compile(r"(\d+)([MID])")
 
 
@@ -755,9 +754,9 @@ def find_homologs(
         # The prefilter keeps max_seqs per query: one more, since the query may find itself.
         cmd = search_command(
             exe, q_fasta, t_fasta, out, work / "tmp", min_seq_id, threads, max_seqs + 1,
-            fields=_HOMOLOG_FORMAT,
+            fields=HOMOLOG_FORMAT,
         )  # fmt: skip
-        _run(cmd, f"{named[query]} against {named[db]}", timeout)
+        run_mmseqs(cmd, f"{named[query]} against {named[db]}", timeout)
         per_query = _read_alignments(out)
     wanted = {row[2] for rows in per_query.values() for row in rows}
     found: dict[int, tuple[str, str]] = {}
@@ -784,7 +783,7 @@ def find_homologs(
 
 
 def _read_alignments(
-    path: Path, fields: str = _HOMOLOG_FORMAT
+    path: Path, fields: str = HOMOLOG_FORMAT
 ) -> dict[int, list[tuple[float, float, int, dict[str, Any]]]]:
     """``{query ordinal: [(evalue, -bits, target ordinal, fields), ...]}`` of a search with
     ``fields``, best first (ties broken by target: never by MMseqs2's threads)."""

@@ -112,7 +112,7 @@ class CompiledStep:
         # each layer's wrappers around its FAVOR+ core, outermost first, and their weight counts
         self._wraps = tuple(tuple(layer.self_attn.core.cores()[:-1]) for layer in model.layers)
         self._wrap_sizes = tuple(tuple(len(w.step_weights()) for w in ws) for ws in self._wraps)
-        self._fn = torch.compile(self._layers, dynamic=False) if mode == "compile" else None
+        self._fn = torch.compile(self._run, dynamic=False) if mode == "compile" else None
         self._compiled_for: set[tuple] | None = set() if mode == "compile" else None
         self._traced: dict[tuple, Callable] = {}
 
@@ -243,20 +243,6 @@ class CompiledStep:
             yield flat[offset : offset + math.prod(shape)].view(shape)
             offset += size
 
-    def _layers(
-        self,
-        tokens: Tensor,
-        rows: Tensor,
-        pad: Tensor,
-        positions: Tensor,
-        kvs: tuple[Tensor, ...],
-        mus: tuple[Tensor, ...],
-        bufs: tuple,
-        flat: Tensor,
-    ) -> tuple[Tensor, tuple[Tensor, ...]]:
-        """:meth:`_run` on the weights of the flat buffer (the compiled graph's weights)."""
-        return self._run(tokens, rows, pad, positions, kvs, mus, bufs, tuple(self._views(flat)))
-
     def _run(
         self,
         tokens: Tensor,
@@ -266,13 +252,15 @@ class CompiledStep:
         kvs: tuple[Tensor, ...],
         mus: tuple[Tensor, ...],
         bufs: tuple,
-        weights: tuple[Tensor, ...],
+        weights: Tensor | tuple[Tensor, ...],
     ) -> tuple[Tensor, tuple[Tensor, ...]]:
         """The traced step: embedding, every layer (the model's one-token forward, host checks
         off; its wrappers' ``step_mix`` on their buffers ``bufs``), final norm and head; the
-        sums ``kvs`` and the buffers are updated in place."""
+        sums ``kvs`` and the buffers are updated in place. ``weights``: the views of the flat
+        buffer (traced, eager), or the buffer itself (the compiled graph's one input, viewed
+        inside the graph)."""
         config = self.model.config
-        w = iter(weights)
+        w = iter(self._views(weights) if isinstance(weights, Tensor) else weights)
         x = F.embedding(tokens, next(w))  # (B, D)
         if config.token_dropout:
             x = x * (1 - MASK_RATIO_TRAIN)

@@ -8,7 +8,6 @@ and finiteness.
 from __future__ import annotations
 
 import csv
-import json
 import math
 from pathlib import Path
 
@@ -151,10 +150,3 @@ def test_bench_pll_rate_quick(tmp_path: Path, run_script) -> None:
     assert "spearman" in proc.stdout
     rows = _rows(tmp_path / "per_protein.csv")
     assert len(rows) == 4 and all(_finite(r["exact"]) and _finite(r["rate_0.1"]) for r in rows)
-
-
-def test_bench_msa_read_quick(run_script) -> None:
-    out = run_script("bench/bench_msa_read.py", "--quick").stdout
-    row = json.loads(out.strip().splitlines()[-1])
-    assert (row["rows"], row["columns"], row["homologs"]) == (200, 100, 200)
-    assert row["residues"] > 0 and math.isfinite(row["best_s"])
