@@ -283,7 +283,7 @@ def step_mix(out: Tensor, q: Tensor, k: Tensor, v: Tensor, positions: Tensor, ke
     W = (offsets.shape[-1] - 1) // 2
     valid = keep & (positions >= 0) & (positions < max_positions)  # (B,)
     row = torch.arange(B, device=positions.device)
-    add = torch.cat([k, v, torch.ones_like(v[..., :1])], -1) * valid.to(q.dtype)[:, None, None]
+    add = torch.cat([k, v, torch.ones_like(v[..., :1])], -1) * valid[:, None, None]  # (B, H, C)
     # the token enters slot p first, in place (an index_put before the reads is what a
     # compiler keeps in place: written after them, inductor copied the whole buffer)
     slot = (row, positions.clamp(0, S - 1))
@@ -291,25 +291,24 @@ def step_mix(out: Tensor, q: Tensor, k: Tensor, v: Tensor, positions: Tensor, ke
     if part is not None:
         part.index_put_(slot, add, accumulate=True)
     near = positions[:, None] + torch.arange(-W, W + 2, device=positions.device)  # (B, 2W + 2)
-    inside = ((near >= 0) & (near < S)).to(q.dtype)[:, :, None, None]
     at = (row[:, None] * S + near.clamp(0, S - 1)).view(-1)  # rows of the (B S, H C) views
 
-    def window(t: Tensor) -> Tensor:  # (B, 2W + 2, H, C): one block of rows per batch row
+    def window(t: Tensor) -> Tensor:  # (B, 2W + 2, H, C): slots p - W .. p + W + 1
         return t.view(B * S, H * C).index_select(0, at).view(B, 2 * W + 2, H, C)
 
     table = window(mem)  # its own member up to t (itself included) and the others
     if part is not None:  # the other members alone
         table = table - window(part)
-    table = (table * inside).transpose(1, 2)  # (B, H, 2W + 2, C): slots p - W .. p + W + 1
-    count = table[..., -1:]
-    keys = table[:, :, :-1, :d] / (count[:, :, :-1].clamp_min(1.0) * d**0.5)
-    values = table[:, :, 1:, d : d + dv] / count[:, :, 1:].clamp_min(1.0)
-    held = (count[:, :, :-1, 0] > 0.5) & (count[:, :, 1:, 0] > 0.5)  # (B, H, 2W + 1)
-    scores = (keys @ q[..., None])[..., 0] + offsets
-    weights_d = scores.masked_fill(~held, -1e30).softmax(-1)  # (B, H, 2W + 1)
-    read = (weights_d[:, :, None] @ values)[:, :, 0]  # (B, H, dv)
+    count = table[..., -1]  # (B, 2W + 2, H)
+    # a slot outside 0 .. S - 1 holds nothing (its clamped row is weighed 0 below)
+    has = (count > 0.5) & ((near >= 0) & (near < S))[:, :, None]
+    held = has[:, :-1] & has[:, 1:]  # (B, 2W + 1, H): a key at p + D and a value at p + D + 1
+    n = count.clamp_min(1.0)  # sums to means
+    scores = (table[:, :-1, :, :d] * q[:, None]).sum(-1) / (n[:, :-1] * d**0.5) + offsets.T
+    weights_d = scores.masked_fill(~held, -1e30).softmax(1)  # (B, 2W + 1, H)
+    read = ((weights_d / n[:, 1:])[..., None] * table[:, 1:, :, d : d + dv]).sum(1)  # (B, H, dv)
     gate = torch.sigmoid((q * gate_weight).sum(-1) + gate_bias)  # (B, H)
-    gate = gate * (held.any(-1) & valid[:, None]).to(q.dtype)  # nothing in reach: the core's
+    gate = gate * (held.any(1) & valid[:, None])  # nothing in reach: the core's output
     return torch.lerp(out, read, gate[..., None])
 
 
