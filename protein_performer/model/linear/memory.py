@@ -456,10 +456,14 @@ class PositionMemory(CoreWrapper):
         size = M * B * H * R
         # member positions never repeat within a member; aligned coordinates may
         unique = keys is None
-        if M == 1 and not reads_own:  # one member a row reads none of these tokens' sums
+        # one member a row reads none of these tokens' sums: a candidate after a context reads
+        # the memory held alone, a lone sequence nothing (unless the offsets are trained: they
+        # get the zero gradient a read gives, never none)
+        trained = torch.is_grad_enabled() and self.offset_logits.requires_grad
+        if M == 1 and not reads_own and (held is not None or not trained):
             grids = [_place(z.reshape(-1, z.shape[-1]), lay.keyed, size, unique).view(
                 M, B, H, R, -1) for z in (k, v)] if want_state else []  # fmt: skip
-            if held is None or held.mem.shape[2] == 0:  # a lone sequence: nothing to read
+            if not trained and (held is None or held.mem.shape[2] == 0):
                 out = q.new_zeros(B, H, L, dv)
                 reach = q.new_zeros(B, 1, L, 1, dtype=torch.bool)
             else:  # a candidate after a context: the memory held, alone
@@ -628,8 +632,9 @@ class PositionMemory(CoreWrapper):
         given = [t for t in (positions, mask, coordinates) if t is not None]
         if not isinstance(positions, Tensor) or any(t.is_inference() for t in given):
             return None  # no version counter to tell a changed tensor: no sharing
+        # (a layout worked out under inference mode holds inference tensors: not for autograd)
         token = (tuple(t._version for t in given), shape, self.max_positions, self.window,
-                 self.causal, self.reads_own)  # fmt: skip
+                 self.causal, self.reads_own, torch.is_inference_mode_enabled())  # fmt: skip
         held = getattr(positions, "_memory_layout", None)
         if held is not None and held[0] is mask and held[1] is coordinates and held[2] == token:
             return held[3]
