@@ -433,7 +433,10 @@ class PositionMemory(CoreWrapper):
         (models before 0.7) F at offsets D <= 0, where its own keys j <= t sit, and E ahead.
         Reading the columns around each query is then a tile product per table, a softmax
         over the 2T columns each tile reaches (off the band: weight 0), and the values back
-        through the same tiles (:class:`_Read`): a few batched products whatever W."""
+        through the same tiles (:class:`_Read`): a few batched products whatever W. Rows of
+        one member that read only the other members (candidates after a context) read the
+        memory held alone, its columns copied once per row (:func:`_held_tables`), and read
+        nothing when it is empty (a lone sequence)."""
         B, H, L, d = q.shape
         W, causal, dv, reads_own = self.window, self.causal, v.shape[-1], self.reads_own
         C = d + dv + 1
