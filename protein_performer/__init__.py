@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-__version__ = "0.7.0"
+from protein_performer._version import __version__
 
 __all__ = ["ProteinLM", "UserError", "__version__", "linearize", "load", "read_embeddings"]
 

@@ -10,7 +10,7 @@
       -> model/                             the architecture only
       -> data/
       -> io/                                atomic writes, safe checkpoints, columns, ranks
-      -> errors                             the low floor
+      -> errors, _version                   the low floor
     viz/ beside them: it draws figures from arrays (errors, io, numpy, matplotlib, BLOSUM62,
     plotly for the HTML report).
 
@@ -31,7 +31,7 @@ from tests.paths import REPO
 PACKAGE = "protein_performer"
 ROOT = REPO / PACKAGE
 #: Top-level modules that form the low floor (below io/); conf/ holds the Hydra YAML, no code.
-LOW = {"errors", "conf"}
+LOW = {"errors", "conf", "_version"}
 _BASE = ["low", "io", "data", "model", "interop"]
 #: floor -> the floors it may import (its own included).
 ALLOWED: dict[str, set[str]] = {
@@ -83,6 +83,17 @@ def module_name(path: Path) -> str:
     return ".".join(parts)
 
 
+def from_target(module: str, node: ast.ImportFrom, is_package: bool = False) -> str:
+    """The module a ``from ... import`` in ``module`` names (a relative one resolved against
+    ``module``'s package)."""
+    if not node.level:
+        return node.module or ""
+    base = module.split(".")
+    base = base if is_package else base[:-1]
+    base = base[: len(base) - node.level + 1]
+    return ".".join([*base, node.module] if node.module else base)
+
+
 def imports(module: str, source: str, is_package: bool = False) -> list[tuple[int, str]]:
     """(line, imported module) for every import statement anywhere in ``source``."""
     found: list[tuple[int, str]] = []
@@ -90,13 +101,7 @@ def imports(module: str, source: str, is_package: bool = False) -> list[tuple[in
         if isinstance(node, ast.Import):
             found += [(node.lineno, alias.name) for alias in node.names]
         elif isinstance(node, ast.ImportFrom):
-            if node.level:  # relative: resolve against this module's package
-                base = module.split(".")
-                base = base if is_package else base[:-1]
-                base = base[: len(base) - node.level + 1]
-                target = ".".join([*base, node.module] if node.module else base)
-            else:
-                target = node.module or ""
+            target = from_target(module, node, is_package)
             found.append((node.lineno, target))
             # ``from protein_performer import inference`` (or ``from ...inference import api``)
             # names a submodule; ``__version__`` is the package's own attribute (its __init__

@@ -66,7 +66,8 @@ def join_ranks(args: argparse.Namespace) -> None:
 
     The process group lives as long as the command, so a rank that fails later (a bad
     checkpoint on one node) makes the others stop instead of waiting for it."""
-    from protein_performer.io.sharding import Job, detect_ranks
+    from protein_performer.io.ranks import detect_ranks
+    from protein_performer.io.sharding import Job
 
     ranks = detect_ranks()
     if not ranks.distributed:
@@ -79,7 +80,7 @@ def join_ranks(args: argparse.Namespace) -> None:
 def rank_line(records: int, did: str) -> bool:
     """On a rank other than 0 of a sharded job, say what this rank did (``rank 1: no records``
     on an idle one) and return True: rank 0 alone reports the merged output."""
-    from protein_performer.io.sharding import detect_ranks
+    from protein_performer.io.ranks import detect_ranks
 
     rank = detect_ranks().rank
     if rank == 0:

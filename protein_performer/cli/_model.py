@@ -24,7 +24,7 @@ def load_lm(args: argparse.Namespace) -> ProteinLM:
 
     from protein_performer.inference.api import load
     from protein_performer.io.progress import announce
-    from protein_performer.io.sharding import detect_ranks
+    from protein_performer.io.ranks import detect_ranks
     from protein_performer.io.threads import set_threads
 
     if args.threads is not None and args.threads < 1:

@@ -13,7 +13,7 @@ import os
 import sys
 from collections.abc import Sequence
 
-from protein_performer import __version__
+from protein_performer._version import __version__
 from protein_performer.errors import UserError
 
 #: Subcommand modules under ``protein_performer.cli``, in the order ``--help`` lists them.

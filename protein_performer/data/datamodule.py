@@ -35,7 +35,7 @@ from protein_performer.data.dataset import (
     check_max_len,
     fasta_splits,
 )
-from protein_performer.data.inputs import open_input
+from protein_performer.data.inputs import Input, open_input
 from protein_performer.data.loader import ResumableDataLoader
 from protein_performer.data.msa import FAMILY_COORDINATES
 from protein_performer.data.sampler import TokenBudgetBatchSampler
@@ -174,7 +174,8 @@ class ProteinDataModule(pl.LightningDataModule):
             )
         self.split_flag = split_flag
         self._families: dict[str, Any] = {}
-        if layout == "family" and (len(self.paths) != 1 or self.paths[0].is_file()):
+        self._inputs: list[Input] | None = None  # data.path opened once: :meth:`_open`
+        if layout == "family" and (len(self.paths) != 1 or self._store() is None):
             raise UserError(_FAMILY_NEEDS_STORE)
         self.alphabet = Alphabet()
         self.collator = ProteinCollator(self.alphabet)
@@ -192,17 +193,32 @@ class ProteinDataModule(pl.LightningDataModule):
         eos = self.alphabet.eos_idx
         return {k: ConcatSource(src, self.max_len - 2, eos) for k, src in sources.items()}
 
+    def _open(self) -> list[Input]:
+        """data.path through the one opener (:func:`~protein_performer.data.inputs.open_input`:
+        a directory is a store, anything else FASTA), once: the splits and the families read
+        the same store."""
+        if self._inputs is None:
+            missing = [p for p in self.paths if not p.exists()]
+            if missing and self.layout == "family":
+                raise UserError(_FAMILY_NEEDS_STORE)
+            if missing:
+                raise UserError(
+                    f"data.path {str(missing[0])!r} does not exist: give a store directory "
+                    "made by `protein-performer preprocess` or FASTA file(s)"
+                )
+            self._inputs = [open_input(p) for p in self.paths]
+        return self._inputs
+
+    def _store(self) -> TokenStore | None:
+        """The store data.path names, or None where it names FASTA file(s)."""
+        inputs = self._open()
+        return inputs[0].store if len(inputs) == 1 else None
+
     def _split_sources(self) -> dict[str, RecordSource]:
-        missing = [p for p in self.paths if not p.exists()]
-        if missing:
-            raise UserError(
-                f"data.path {str(missing[0])!r} does not exist: give a store directory made by "
-                "`protein-performer preprocess` or FASTA file(s)"
-            )
-        inputs = [open_input(p) for p in self.paths]
-        stores = [i for i in inputs if i.store is not None]
-        if stores and len(inputs) == 1:
-            return self._store_sources(stores[0].store)
+        store = self._store()
+        if store is not None:
+            return self._store_sources(store)
+        stores = [i for i in self._open() if i.store is not None]
         if stores:
             raise UserError(
                 f"data.path mixes a directory ({stores[0].path}) with other paths: give one "
@@ -246,7 +262,7 @@ class ProteinDataModule(pl.LightningDataModule):
             return
         total = sum(len(s) for s in self.sources.values())
         where = ", ".join(str(p) for p in self.paths)
-        if len(self.paths) == 1 and self.paths[0].is_dir():  # a store: data.*_frac unread
+        if self._store() is not None:  # a store: data.*_frac unread
             change = (
                 "smaller --valid-frac/--test-frac" if split == "train"
                 else f"larger --{_FRACTION_FOR[split].replace('_', '-')}"
@@ -308,12 +324,10 @@ class ProteinDataModule(pl.LightningDataModule):
     def _store_families(self, split: str) -> Any:
         from protein_performer.data.homology import store_families
         from protein_performer.data.preprocess import default_workers
-        from protein_performer.data.store import TokenStore
 
-        if not (len(self.paths) == 1 and self.paths[0].is_dir()):
-            raise UserError(_FAMILY_NEEDS_STORE)
+        store = self._store()
+        assert store is not None  # a family layout is refused without one at construction
         if split not in self._families:
-            store = TokenStore(self.paths[0])
             if "clusters" not in store.meta.get("split", {}):
                 log.warning(
                     "store %s was not split with --cluster-split: valid/test records may "

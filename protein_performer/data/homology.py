@@ -12,16 +12,18 @@ import hashlib
 import json
 import logging
 import os
-import re
 import shutil
 import zipfile
 from collections.abc import Iterable, Iterator, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from protein_performer.data.hits import HIT_FIELDS, HOMOLOG_FORMAT, Homolog, alignment_coordinates
+from protein_performer.data.hits import hit_coordinates as hit_coordinates  # its name here too
+from protein_performer.data.inputs import open_input
+from protein_performer.data.stdin import display_name
 from protein_performer.errors import UserError
 from protein_performer.io.json_safe import parse_json
 from protein_performer.io.processes import run_process, scratch_dir
@@ -120,7 +122,7 @@ def cluster_sequences(
         ids = _write_numbered(paths, numbered, on_invalid)
         prefix = work / "clu"
         cmd = cluster_command(exe, [numbered], prefix, work / "tmp", identity, threads)
-        _run(cmd, ", ".join(map(os.fspath, paths)), timeout)
+        run_mmseqs(cmd, ", ".join(map(os.fspath, paths)), timeout)
         clusters: dict[str, str] = {}
         with open(f"{prefix}_cluster.tsv", encoding="utf-8") as fh:
             for line in fh:
@@ -347,7 +349,7 @@ def _stage(output: str) -> str:
     return stage
 
 
-def _run(cmd: list[str], what: str, timeout: float | None = None) -> None:
+def run_mmseqs(cmd: list[str], what: str, timeout: float | None = None) -> None:
     """Run MMseqs2 as every child process runs (its group stopped with the command, its
     scratch removed, a line per progress interval naming its step, ``timeout`` seconds)."""
     run_process(
@@ -433,7 +435,7 @@ def build_families(
         tmp = work / "tmp"
         if method == "cluster":
             prefix = work / "clu"
-            _run(cluster_command(exe, [fasta], prefix, tmp, identity, threads), "a split")
+            run_mmseqs(cluster_command(exe, [fasta], prefix, tmp, identity, threads), "a split")
             groups: dict[int, list[int]] = {}
             with open(f"{prefix}_cluster.tsv", encoding="ascii") as fh:
                 for line in fh:
@@ -445,7 +447,8 @@ def build_families(
         else:
             meta["max_seqs"] = FAMILY_MAX_SEQS
             hits_path = work / "hits.tsv"
-            _run(search_command(exe, fasta, fasta, hits_path, tmp, identity, threads), "a split")
+            cmd = search_command(exe, fasta, fasta, hits_path, tmp, identity, threads)
+            run_mmseqs(cmd, "a split")
             hits = _read_alignments(hits_path, _FAMILY_FORMAT)
             lists = []
             aligned: list[tuple[int, int, int, int, str] | None] = []
@@ -556,139 +559,6 @@ HOMOLOG_MIN_SEQ_ID = 0.3
 HOMOLOG_MAX_SEQS = 500
 
 
-#: What MMseqs2 reports per hit for ``homologs``: the scores, the aligned ranges (1-based,
-#: inclusive) and the alignment as a CIGAR string (``M`` both, ``I`` a query residue facing a
-#: gap, ``D`` a target residue facing one), which place each hit's residues on its query
-#: (``hit_coordinates``).
-_HOMOLOG_FORMAT = (
-    "query,target,fident,evalue,bits,qcov,tcov,qstart,qend,tstart,tend,qlen,tlen,cigar"
-)
-#: The header fields ``homologs`` appends to a hit's own header line, in order; the TSV's
-#: columns after ``query`` and ``target``.
-HIT_FIELDS = ("fident", "evalue", "bits", "qcov", "tcov", "qstart", "qend", "tstart", "tend",
-              "qlen", "tlen", "cigar")  # fmt: skip
-_CIGAR = re.compile(r"(\d+)([MID])")
-
-
-@dataclass(frozen=True)
-class Homolog:
-    """One hit of one query: the database record's FASTA header line (without ``>``) and
-    sequence, the query's id, and what MMseqs2 reports of the alignment (identity ``fident``,
-    E-value, bit score, coverage of query and target, the aligned ranges ``qstart..qend`` of
-    the query and ``tstart..tend`` of the target, 1-based inclusive, both lengths, and the
-    alignment as MMseqs2's CIGAR string)."""
-
-    header: str
-    sequence: str
-    query: str
-    fident: float
-    evalue: float
-    bits: float
-    qcov: float
-    tcov: float
-    qstart: int
-    qend: int
-    tstart: int
-    tend: int
-    qlen: int
-    tlen: int
-    cigar: str = ""
-
-    def fields(self) -> list[str]:
-        """The :data:`HIT_FIELDS` as text (what the header and the TSV hold)."""
-        return [
-            f"{self.fident:.3f}", f"{self.evalue:.3g}", f"{self.bits:g}", f"{self.qcov:.3f}",
-            f"{self.tcov:.3f}", *(str(getattr(self, k)) for k in HIT_FIELDS[5:]),
-        ]  # fmt: skip
-
-    @property
-    def target(self) -> str:
-        return self.header.split(maxsplit=1)[0]
-
-    def header_line(self) -> str:
-        """The record's own header, then ``query=ID`` and the fields as ``key=value``."""
-        pairs = " ".join(f"{k}={v}" for k, v in zip(HIT_FIELDS, self.fields(), strict=True))
-        return f"{self.header} query={self.query} {pairs}"
-
-
-def hit_coordinates(description: str, length: int) -> tuple[str, np.ndarray] | None:
-    """(query id, coordinates (length,) int64) of a hit ``homologs`` wrote, from the
-    ``query=``, range and ``cigar=`` fields of its header (the last of each, after the
-    record's own description), else None (a header without them).
-
-    Coordinates are the query's residue numbers (1-based: member positions, ``<cls>`` at 0).
-    With the CIGAR string, a target residue facing a query residue takes its number, one
-    facing a query gap (an insertion) the nearer of the query residues around the gap, as an
-    MSA's insertions (``data.msa``). Without it (a header cut short), the aligned range
-    ``tstart..tend`` is stretched linearly onto ``qstart..qend``: exact at both ends, off
-    inside by the indels between (``scripts/studies/hit_coordinates.py`` measures how far).
-    One residue per query residue (``data.msa.one_per_column``: the facing one, else the
-    first); the others, and residues outside the aligned range, are unplaced (-1)."""
-    found: dict[str, str] = {}
-    for word in description.split():
-        key, eq, value = word.partition("=")
-        if eq and key in ("query", "qstart", "qend", "tstart", "tend", "cigar"):
-            found[key] = value
-    if not {"query", "qstart", "qend", "tstart", "tend"} <= set(found):
-        return None
-    try:
-        qs, qe, ts, te = (int(found[k]) for k in ("qstart", "qend", "tstart", "tend"))
-    except ValueError:
-        return None
-    coords = alignment_coordinates(found.get("cigar", ""), qs, qe, ts, te, length)
-    return None if coords is None else (found["query"], coords)
-
-
-def alignment_coordinates(
-    cigar: str, qs: int, qe: int, ts: int, te: int, length: int
-) -> np.ndarray | None:
-    """(length,) int64: a target of ``length`` residues placed on its query by one MMseqs2
-    alignment (the ranges and the CIGAR string, as :func:`hit_coordinates` describes), or None
-    when the ranges do not fit the target."""
-    if not (1 <= ts <= te <= length and 1 <= qs <= qe):
-        return None
-    from protein_performer.data.msa import one_per_column
-
-    coords = np.full(length, -1, dtype=np.int64)
-    exact = np.zeros(length, dtype=bool)
-    from_cigar = _cigar_coordinates(cigar, qs, qe, te - ts + 1)
-    if from_cigar is None:
-        t = np.arange(ts, te + 1)
-        scale = (qe - qs) / (te - ts) if te > ts else 0.0
-        coords[ts - 1 : te] = np.rint(qs + (t - ts) * scale).astype(np.int64)
-    else:
-        coords[ts - 1 : te], exact[ts - 1 : te] = from_cigar
-    return one_per_column(coords, exact)
-
-
-def _cigar_coordinates(
-    cigar: str, qs: int, qe: int, n: int
-) -> tuple[np.ndarray, np.ndarray] | None:
-    """(n,) the query residue number of each target residue of the aligned range, from a
-    CIGAR string (insertions to the nearer query residue around them, ties to the left), and
-    whether each faces that residue (``M``); None when there is none or it does not span the
-    ranges (then the ranges are stretched)."""
-    ops = _CIGAR.findall(cigar)
-    if not ops or "".join(f"{k}{op}" for k, op in ops) != cigar:
-        return None
-    out: list[float] = []
-    q = qs - 1  # the query residue last passed
-    for count, op in ops:
-        k = int(count)
-        if op == "M":
-            out += range(q + 1, q + k + 1)
-            q += k
-        elif op == "I":  # query residues facing gaps
-            q += k
-        else:  # target residues facing a query gap: between q and q + 1
-            out += [q + (j + 1) / (k + 1) for j in range(k)]
-    if len(out) != n or q != qe:
-        return None
-    at = np.asarray(out)
-    nearest = np.floor(at + 0.5 - 1e-9)  # x.5 (a tie) goes to the left
-    return np.clip(nearest, qs, qe).astype(np.int64), at == np.round(at)
-
-
 def _fasta_records(path: Path, on_invalid: str) -> Iterator[tuple[str, str]]:
     """(header line, sequence) of each valid record of a FASTA(.gz) file, streamed."""
     from protein_performer.data.fasta import InvalidReport, read_fasta_blocks
@@ -723,9 +593,6 @@ def find_homologs(
     query. The database is streamed twice (to MMseqs2, then for the hits' records), so its
     size costs disk, not memory. ``timeout``: seconds MMseqs2 may run (None: no limit).
     """
-    from protein_performer.data.inputs import open_input
-    from protein_performer.data.stdin import display_name
-
     if max_seqs < 1:
         raise UserError(f"--max-seqs must be at least 1, got {max_seqs}")
     if not 0.0 <= min_seq_id <= 1.0:
@@ -755,9 +622,9 @@ def find_homologs(
         # The prefilter keeps max_seqs per query: one more, since the query may find itself.
         cmd = search_command(
             exe, q_fasta, t_fasta, out, work / "tmp", min_seq_id, threads, max_seqs + 1,
-            fields=_HOMOLOG_FORMAT,
+            fields=HOMOLOG_FORMAT,
         )  # fmt: skip
-        _run(cmd, f"{named[query]} against {named[db]}", timeout)
+        run_mmseqs(cmd, f"{named[query]} against {named[db]}", timeout)
         per_query = _read_alignments(out)
     wanted = {row[2] for rows in per_query.values() for row in rows}
     found: dict[int, tuple[str, str]] = {}
@@ -784,7 +651,7 @@ def find_homologs(
 
 
 def _read_alignments(
-    path: Path, fields: str = _HOMOLOG_FORMAT
+    path: Path, fields: str = HOMOLOG_FORMAT
 ) -> dict[int, list[tuple[float, float, int, dict[str, Any]]]]:
     """``{query ordinal: [(evalue, -bits, target ordinal, fields), ...]}`` of a search with
     ``fields``, best first (ties broken by target: never by MMseqs2's threads)."""

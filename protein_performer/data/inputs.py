@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NamedTuple
 
+from protein_performer.data.hits import hit_coordinates
 from protein_performer.data.tokenizer import Alphabet
 from protein_performer.errors import UserError, shown
 
@@ -142,7 +143,7 @@ def total_in_background(bar: Any, path: str | os.PathLike[str], kind: str) -> No
     scan in the background (:func:`input_totals`); not under torchrun/srun, where each rank
     does a share."""
     from protein_performer.io.progress import total_later
-    from protein_performer.io.sharding import detect_ranks
+    from protein_performer.io.ranks import detect_ranks
 
     if detect_ranks().distributed:
         return
@@ -179,12 +180,11 @@ def read_homologs(path: str | os.PathLike[str]) -> tuple[Any, list]:
       the reference, each homolog residue carries its reference coordinate;
     * the FASTA ``protein-performer homologs`` writes: each hit placed on its query by the
       alignment in its header (``cigar=`` and the aligned ranges:
-      :func:`~protein_performer.data.homology.hit_coordinates`; all hits of one query; of
+      :func:`~protein_performer.data.hits.hit_coordinates`; all hits of one query; of
       several, none is placed);
     * any other FASTA: homologs without coordinates (upper-cased as every FASTA read).
     """
     from protein_performer.data.fasta import read_fasta
-    from protein_performer.data.homology import hit_coordinates
     from protein_performer.data.msa import (
         Member,
         a2m_members,

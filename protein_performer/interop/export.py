@@ -9,6 +9,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from protein_performer._version import __version__
 from protein_performer.interop.loading import load_model
 from protein_performer.interop.ours import (
     CONFIG_FILE,
@@ -42,8 +43,6 @@ def export_model(
     an unrelated non-empty directory is never deleted).
     """
     from safetensors.torch import save_file
-
-    from protein_performer import __version__
 
     loaded = (
         path_or_loaded

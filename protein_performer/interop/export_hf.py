@@ -25,6 +25,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from protein_performer._version import __version__
 from protein_performer.errors import UserError
 from protein_performer.interop.convert_esm import ESM2_VOCAB, hf_name
 from protein_performer.interop.export import write_json
@@ -97,8 +98,6 @@ def check_exportable(loaded: LoadedModel, as_exact: bool) -> None:
 
 def hf_config(loaded: LoadedModel) -> dict[str, Any]:
     """``EsmConfig`` fields (every one transformers writes) for the model."""
-    from protein_performer import __version__
-
     cfg = loaded.config
     draws = bool(drawn_keys(loaded.model))  # random features: their kernel and m say which
     return {

@@ -25,6 +25,8 @@ from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 
 from protein_performer.errors import UserError
+from protein_performer.io.atomic import exclusive_lock, lock_path
+from protein_performer.io.ranks import detect_ranks
 
 PathLike = str | os.PathLike[str]
 
@@ -71,9 +73,6 @@ def claim_output(
     what is written beside it (its lock, ``OUT.parts/`` and the ``sidecars`` suffixes, e.g.
     ``.linearize.pt``), the lock held (rank 0 of a sharded job holds it for the job), an
     existing ``out`` refused without ``overwrite`` unless ``exists_ok``. Yields the path."""
-    from protein_performer.io.atomic import exclusive_lock, lock_path
-    from protein_performer.io.sharding import detect_ranks
-
     path = Path(out).expanduser()
     inputs = list(inputs)
     for written in (path, lock_path(path), *(sidecar(path, s) for s in (PARTS, *sidecars))):

@@ -10,9 +10,10 @@ One design for ``embed``, ``score`` (and the resumable ``embed --resume``):
   into ``OUT``, which therefore holds the records in input order, exactly as a one-process run,
   and removes the parts.
 
-Ranks come from the launcher: ``torchrun`` (``RANK``/``WORLD_SIZE``/``LOCAL_RANK``) or SLURM
-(``srun``: ``SLURM_PROCID``/``SLURM_NTASKS``, through Lightning's ``SLURMEnvironment``, which
-also finds the main node). No MPI-built HDF5 is needed: every file has one writer.
+Ranks come from the launcher (:mod:`protein_performer.io.ranks`): ``torchrun``
+(``RANK``/``WORLD_SIZE``/``LOCAL_RANK``) or SLURM (``srun``: ``SLURM_PROCID``/``SLURM_NTASKS``,
+through Lightning's ``SLURMEnvironment``, which also finds the main node). No MPI-built HDF5
+is needed: every file has one writer.
 """
 
 from __future__ import annotations
@@ -23,13 +24,13 @@ import os
 import re
 import shutil
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
-import torch
-
 from protein_performer.errors import UserError
+from protein_performer.io.atomic import output_file
+from protein_performer.io.outputs import PARTS, sidecar
+from protein_performer.io.ranks import Ranks, detect_ranks
 
 log = logging.getLogger(__name__)
 
@@ -68,53 +69,6 @@ def windows(records: Iterable[R], toks_per_batch: int, length=len) -> Iterator[l
             window, size = [], 0
     if window:
         yield window
-
-
-@dataclass(frozen=True)
-class Ranks:
-    """This process's place in the job."""
-
-    rank: int = 0
-    world_size: int = 1
-    local_rank: int = 0
-
-    @property
-    def distributed(self) -> bool:
-        return self.world_size > 1
-
-    def device(self, device: str) -> str:
-        """``auto``/``cuda`` -> this rank's own GPU when several ranks share a node."""
-        if self.distributed and device in ("auto", "cuda") and torch.cuda.is_available():
-            return f"cuda:{self.local_rank}"
-        return device
-
-
-def detect_ranks() -> Ranks:
-    """Ranks from ``torchrun`` or SLURM; one process otherwise.
-
-    Under SLURM the main address and port come from Lightning's ``SLURMEnvironment`` (the first
-    node of the allocation), so ``srun protein-performer embed ...`` needs no launcher script.
-    """
-    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
-        return Ranks(
-            int(os.environ["RANK"]),
-            int(os.environ["WORLD_SIZE"]),
-            int(os.environ.get("LOCAL_RANK", 0)),
-        )
-    if int(os.environ.get("SLURM_NTASKS", "1")) > 1 and "SLURM_PROCID" in os.environ:
-        from lightning_fabric.plugins.environments import SLURMEnvironment
-
-        env = SLURMEnvironment()
-        os.environ.setdefault("MASTER_ADDR", env.main_address)
-        os.environ.setdefault("MASTER_PORT", str(env.main_port))
-        return Ranks(env.global_rank(), env.world_size(), env.local_rank())
-    return Ranks()
-
-
-def rank_label(what: str) -> str:
-    """``what``, or ``what[rank R/N]`` in a sharded job (progress lines of several ranks)."""
-    r = detect_ranks()
-    return f"{what}[rank {r.rank}/{r.world_size}]" if r.distributed else what
 
 
 #: The store key where the first rank that fails leaves its line (one per process group).
@@ -293,8 +247,6 @@ class _OtherRankError(UserError):
 
 def parts_dir(out: Path) -> Path:
     """``OUT.parts/``: the finished windows of a run that has not been merged yet."""
-    from protein_performer.io.outputs import PARTS, sidecar
-
     return sidecar(out, PARTS)
 
 
@@ -358,8 +310,6 @@ def run_sharded(
     within a window or a poll (:class:`Job`); the parts already finished stay for a resume,
     an empty parts directory goes.
     """
-    from protein_performer.io.atomic import output_file
-
     ranks = detect_ranks()
     pdir = parts or parts_dir(output_file(out))
     new = 0

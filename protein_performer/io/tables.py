@@ -18,7 +18,8 @@ from typing import IO, TypeVar
 
 from protein_performer.errors import UserError
 from protein_performer.io.atomic import atomic_output, text_output
-from protein_performer.io.sharding import detect_ranks, run_sharded
+from protein_performer.io.ranks import detect_ranks
+from protein_performer.io.sharding import run_sharded
 
 R = TypeVar("R")
 #: A cell starting with one of these is read as a formula by spreadsheets (OWASP, "CSV

@@ -63,7 +63,8 @@ def predict_contacts_fasta(
     (:mod:`protein_performer.io.sharding`).
     """
     from protein_performer.io.progress import progress as progress_bar
-    from protein_performer.io.sharding import rank_label, run_sharded, windows
+    from protein_performer.io.ranks import rank_label
+    from protein_performer.io.sharding import run_sharded, windows
 
     if dtype not in DTYPES:
         raise UserError(f"--dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")

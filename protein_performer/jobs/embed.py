@@ -23,6 +23,7 @@ from typing import Any
 
 import numpy as np
 
+from protein_performer._version import __version__
 from protein_performer.data.inputs import InputRecord, input_records, total_in_background
 from protein_performer.errors import UserError, shown
 from protein_performer.inference.api import ProteinLM, precision_name
@@ -54,8 +55,6 @@ INCLUDE_CHOICES = (*HIDDEN_KINDS, "contacts")
 
 def file_attrs(lm: ProteinLM, layers: Sequence[int], include: Sequence[str]) -> dict[str, Any]:
     """The root attributes: what the embeddings came from and how they were made."""
-    from protein_performer import __version__
-
     return {
         "format": FORMAT_NAME,
         "format_version": FORMAT_VERSION,
@@ -222,14 +221,8 @@ def embed_fasta(
     this with the same arguments.
     """
     from protein_performer.io.progress import progress as progress_bar
-    from protein_performer.io.sharding import (
-        detect_ranks,
-        finished_parts,
-        parts_dir,
-        rank_label,
-        run_sharded,
-        windows,
-    )
+    from protein_performer.io.ranks import detect_ranks, rank_label
+    from protein_performer.io.sharding import finished_parts, parts_dir, run_sharded, windows
 
     path = Path(fasta).expanduser()
     dest = output_file(out)

@@ -17,7 +17,8 @@ import numpy as np
 from protein_performer.data.inputs import InputRecord, input_records, total_in_background
 from protein_performer.inference.api import ProteinLM
 from protein_performer.io.progress import progress as progress_bar
-from protein_performer.io.sharding import rank_label, windows
+from protein_performer.io.ranks import rank_label
+from protein_performer.io.sharding import windows
 from protein_performer.io.tables import ShardedTable
 from protein_performer.model.task_heads import TaskHead
 

@@ -20,7 +20,8 @@ from protein_performer.inference.scoring import (
     check_pll_rate,
 )
 from protein_performer.io.progress import progress as progress_bar
-from protein_performer.io.sharding import rank_label, windows
+from protein_performer.io.ranks import rank_label
+from protein_performer.io.sharding import windows
 from protein_performer.io.tables import ShardedTable
 
 

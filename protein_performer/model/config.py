@@ -58,6 +58,10 @@ def _is_int(value: Any) -> bool:
 #: long-context models use bases up to about 1e7).
 MAX_ROTARY_BASE = 1e9
 MAX_LAYER_NORM_EPS = 0.1
+#: The largest causal FAVOR+ chunk accepted (``favor_chunk_size``, or pinned for the tuner:
+#: model/favor/tiles.py): a C x C product per head and chunk, so a chunk of 1e9 asked for
+#: hundreds of GB.
+MAX_CHUNK = 4096
 
 
 @dataclass
@@ -229,14 +233,9 @@ class PerformerConfig:
                 "feature_redraw_interval must be a non-negative integer (0 = never), "
                 f"got {self.feature_redraw_interval!r}"
             )
-        if self.favor_chunk_size is not None:
-            from protein_performer.model.favor.tiles import MAX_CHUNK
-
-            if not _is_int(self.favor_chunk_size) or not 0 < self.favor_chunk_size <= MAX_CHUNK:
-                fail(
-                    f"favor_chunk_size must be an integer in 1..{MAX_CHUNK} or null, "
-                    f"got {self.favor_chunk_size!r}"
-                )
+        chunk = self.favor_chunk_size
+        if chunk is not None and not (_is_int(chunk) and 0 < chunk <= MAX_CHUNK):
+            fail(f"favor_chunk_size must be an integer in 1..{MAX_CHUNK} or null, got {chunk!r}")
         if self.positions not in POSITIONS:
             fail(f"unknown positions {self.positions!r}; choose one of {', '.join(POSITIONS)}")
         if self.family_coordinates not in FAMILY_COORDINATES:

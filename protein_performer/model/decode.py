@@ -13,6 +13,12 @@ quarter off a step: issue 43). The attention math is the model's own
 (:func:`.favor.recurrent.step`, :func:`.rotary.rotate_rows`); the products read a copy of the
 weights, so eager, traced or compiled it gives ``PerformerLM.step``'s numbers to float
 rounding. A model it cannot run (:func:`unsupported`) keeps ``PerformerLM.step``.
+
+A wrapper that declares it (``CoreWrapper.traced``: the position memory) runs around a layer's
+FAVOR+ step through the functions the model's own step calls (``step_buffers`` on the host,
+``step_mix`` in the graph, ``step_state``); its state enters as buffers of a fixed size (the
+memory's slots, doubled on the host when a position needs more), so a graph serves a batch
+size and a buffer size, and a step traces or compiles again only when the memory grows.
 """
 
 from __future__ import annotations
@@ -21,6 +27,7 @@ import logging
 import math
 import warnings
 from collections.abc import Callable, Iterator, Sequence
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -37,17 +44,21 @@ log = logging.getLogger(__name__)
 def unsupported(model: PerformerLM) -> str | None:
     """Why :class:`CompiledStep` cannot run ``model`` (None: it can): it needs a causal
     float32 model whose every core offers a step map (``AttentionCore.step_map``: FAVOR+) with
-    an exp kernel's shared map, and plain projections."""
+    an exp kernel's shared map (wrappers around it: those that declare ``traced``), and plain
+    projections."""
     if not model.config.causal:
         return "a masked LM has no decoding step"
     if model.embed_tokens.weight.dtype != torch.float32:
         return f"{model.embed_tokens.weight.dtype} weights (float32 only)"
+    device = model.embed_tokens.weight.device
     for i, layer in enumerate(model.layers, start=1):
         attn = layer.self_attn
-        fmap = attn.core.step_map(model.embed_tokens.weight.device, torch.float32)
-        if fmap is None:
-            why = next((c.untraced for c in attn.core.cores() if c.untraced), "")
-            return (f"layer {i} has {attn.core.label or attn.core.name}, which has no traced "
+        fmap = attn.core.step_map(device, torch.float32)
+        if fmap is None:  # the innermost core without a step map (a wrapper's is its inner's)
+            core = next(c for c in reversed(attn.core.cores())
+                        if c.step_map(device, torch.float32) is None)  # fmt: skip
+            why = core.untraced
+            return (f"layer {i} has {core.label or core.name}, which has no traced "
                     f"step" + (f": {why}" if why else ""))  # fmt: skip
         if not (fmap.exp and fmap.Wa.dim() == 2):
             return f"layer {i}'s kernel {attn.core.kernel!r} has no exp step"
@@ -71,7 +82,8 @@ class CompiledStep:
     function, run as ``mode`` says (:data:`MODES`). Tokens are what generation feeds (never
     ``<mask>``: the token-dropout rule is the no-mask one).
 
-    One graph serves every position and prompt: the states enter contiguous (a prefill's
+    One graph serves every position and prompt (and, with a position memory, every memory of
+    one size: see the module docstring): the states enter contiguous (a prefill's
     stabilizer is a strided slice, and strides are part of a graph's guards) and positions as
     tensors. Every weight a step reads lives in one flat buffer, built once and rebuilt when a
     parameter changes, so a compiled graph's guards check one tensor, not a hundred (they cost
@@ -97,9 +109,12 @@ class CompiledStep:
         self._key: list | None = None
         self._layout: tuple[tuple[tuple[int, ...], ...], ...] = ((), (), ())
         self._maps: tuple[FeatureMap, ...] = ()
-        self._fn = torch.compile(self._layers, dynamic=False) if mode == "compile" else None
-        self._compiled_for: set[int] | None = set() if mode == "compile" else None
-        self._traced: dict[tuple[int, torch.device], Callable] = {}
+        # each layer's wrappers around its FAVOR+ core, outermost first, and their weight counts
+        self._wraps = tuple(tuple(layer.self_attn.core.cores()[:-1]) for layer in model.layers)
+        self._wrap_sizes = tuple(tuple(len(w.step_weights()) for w in ws) for ws in self._wraps)
+        self._fn = torch.compile(self._run, dynamic=False) if mode == "compile" else None
+        self._compiled_for: set[tuple] | None = set() if mode == "compile" else None
+        self._traced: dict[tuple, Callable] = {}
 
     def _weights(self, device: torch.device) -> Tensor:
         """The flat buffer (see :meth:`_views` for its order), rebuilt when any parameter's
@@ -119,6 +134,7 @@ class CompiledStep:
                 + [*_norm(layer.final_layer_norm), layer.fc1.weight.T, layer.fc1.bias]
                 + [layer.fc2.weight, layer.fc2.bias, fmap.Wa]
                 + ([] if fmap.bias is None else [fmap.bias])
+                + [t for w in attn.core.cores()[:-1] for t in w.step_weights()]
             )
             maps.append(fmap)
         head = model.lm_head
@@ -139,13 +155,14 @@ class CompiledStep:
         self,
         tokens: Tensor,
         positions: Tensor,
-        states: Sequence[FavorState],
+        states: Sequence[Any],
         pad: Tensor | None = None,
         inplace: bool = False,
-    ) -> tuple[Tensor, list[FavorState]]:
+    ) -> tuple[Tensor, list[Any]]:
         """tokens (B,) at positions (B,) after per-layer ``states`` -> logits (B, V) and the
         new states, as ``PerformerLM.step`` (``inplace``: the sums are updated in place where
-        they are plain (B, ...) float32 tensors; otherwise ``states`` are left as they were)."""
+        they are plain (B, ...) float32 tensors, a memory's where it has room; otherwise
+        ``states`` are left as they were)."""
         model = self.model
         device = tokens.device
         B = tokens.shape[0]
@@ -154,41 +171,62 @@ class CompiledStep:
         rows = model.layers[0].self_attn.rot_emb.step_rows(positions, device, torch.float32)
         pad = torch.zeros_like(tokens, dtype=torch.bool) if pad is None else pad.bool()
         flat = self._weights(device)
-        kv = tuple(_owned(s.kv, B, inplace) for s in states)
+        keep = ~pad
+        inner, held = [], []
+        for state, wraps in zip(states, self._wraps, strict=True):
+            bufs = []
+            for w in wraps:  # outermost first: each wrapper's buffers, then its inner state
+                bufs.append(w.step_buffers(state, positions, keep, inplace, torch.float32))
+                state = state.inner
+            inner.append(state)
+            held.append(tuple(bufs))
+        kv = tuple(_owned(s.kv, B, inplace) for s in inner)
         mu = tuple(
-            s.mu if _plain(s.mu, B) else s.mu.float().expand(B, -1).contiguous() for s in states
+            s.mu if _plain(s.mu, B) else s.mu.float().expand(B, -1).contiguous() for s in inner
         )
+        bufs = tuple(held)
+        # a graph per batch size and wrapper buffer shapes (a memory's grow by doubling)
+        key = (B, *sorted({tuple(b.shape) for layer in bufs for w in layer for b in w}))
         if self._fn is not None and self._compiled_for is not None:
-            if B not in self._compiled_for:  # the first token of a batch size waits for it
-                self._compiled_for.add(B)
-                note = "compiling the decoding step for batch size %d (once; tens of seconds)"
-                log.info(note, B)
-            logits, mu = self._fn(tokens, rows, pad, kv, mu, flat)
+            if key not in self._compiled_for:  # the first token of a batch size waits for it
+                self._compiled_for.add(key)
+                note = "compiling the decoding step for batch size %d%s (once; tens of seconds)"
+                log.info(note, B, "".join(f", buffers {tuple(n)}" for n in key[1:]))
+            logits, mu = self._fn(tokens, rows, pad, positions, kv, mu, bufs, flat)
         else:
-            args = (tokens, rows, pad, kv, mu, self._weight_views)
-            logits, mu = self._function(B, device, args)(*args)
-        return logits, [FavorState(a, b) for a, b in zip(kv, mu, strict=True)]
+            args = (tokens, rows, pad, positions, kv, mu, bufs, self._weight_views)
+            logits, mu = self._function((*key, device), args)(*args)
+        new: list[Any] = []
+        for a, b, layer, wraps in zip(kv, mu, bufs, self._wraps, strict=True):
+            state: Any = FavorState(a, b)
+            for w, own in zip(reversed(wraps), reversed(layer), strict=True):
+                state = w.step_state(state, own, positions)
+            new.append(state)
+        return logits, new
 
-    def _function(self, B: int, device: torch.device, args: tuple) -> Callable:
-        """The step's function for batch size ``B`` in the traced or eager mode: traced once per
-        batch size and device on ``args`` (the states are written as the first step would: the
-        trace runs on copies), eager where the trace fails (one log line) or in eager mode."""
-        fn = self._traced.get((B, device))
+    def _function(self, key: tuple, args: tuple) -> Callable:
+        """The step's function for ``key`` (batch size, memory sizes, device) in the traced or
+        eager mode: traced once per key on ``args`` (the states are written as the first step
+        would: the trace runs on copies), eager where the trace fails (one log line) or in
+        eager mode."""
+        fn = self._traced.get(key)
         if fn is not None:
             return fn
         fn = self._run
         if self.mode == "trace":
-            tokens, rows, pad, kv, mu, weights = args
-            copies = (tokens, rows, pad, tuple(t.clone() for t in kv), tuple(mu), weights)
+            tokens, rows, pad, positions, kv, mu, bufs, weights = args
+            bufs = tuple(tuple(tuple(t.clone() for t in w) for w in layer) for layer in bufs)
+            kv = tuple(t.clone() for t in kv)
+            copies = (tokens, rows, pad, positions, kv, tuple(mu), bufs, weights)
             try:
-                with warnings.catch_warnings():  # shapes read as constants: one trace per B
+                with warnings.catch_warnings():  # shapes read as constants: one trace per key
                     warnings.simplefilter("ignore", torch.jit.TracerWarning)
                     fn = torch.jit.trace(self._run, copies, check_trace=False)
             except Exception as err:  # the tracer's failures have no common type
                 first = str(err).splitlines()[0] if str(err) else type(err).__name__
                 log.info("tracing the decoding step failed (%s); it runs eagerly", first)
                 fn = self._run
-        self._traced[(B, device)] = fn
+        self._traced[key] = fn
         return fn
 
     def _shape_list(self) -> list[tuple[int, ...]]:
@@ -205,31 +243,24 @@ class CompiledStep:
             yield flat[offset : offset + math.prod(shape)].view(shape)
             offset += size
 
-    def _layers(
-        self,
-        tokens: Tensor,
-        rows: Tensor,
-        pad: Tensor,
-        kvs: tuple[Tensor, ...],
-        mus: tuple[Tensor, ...],
-        flat: Tensor,
-    ) -> tuple[Tensor, tuple[Tensor, ...]]:
-        """:meth:`_run` on the weights of the flat buffer (the compiled graph's one input)."""
-        return self._run(tokens, rows, pad, kvs, mus, tuple(self._views(flat)))
-
     def _run(
         self,
         tokens: Tensor,
         rows: Tensor,
         pad: Tensor,
+        positions: Tensor,
         kvs: tuple[Tensor, ...],
         mus: tuple[Tensor, ...],
-        weights: tuple[Tensor, ...],
+        bufs: tuple,
+        weights: Tensor | tuple[Tensor, ...],
     ) -> tuple[Tensor, tuple[Tensor, ...]]:
         """The traced step: embedding, every layer (the model's one-token forward, host checks
-        off), final norm and head; the sums ``kvs`` are updated in place."""
+        off; its wrappers' ``step_mix`` on their buffers ``bufs``), final norm and head; the
+        sums ``kvs`` and the buffers are updated in place. ``weights``: the views of the flat
+        buffer (traced, eager), or the buffer itself (the compiled graph's one input, viewed
+        inside the graph)."""
         config = self.model.config
-        w = iter(weights)
+        w = iter(self._views(weights) if isinstance(weights, Tensor) else weights)
         x = F.embedding(tokens, next(w))  # (B, D)
         if config.token_dropout:
             x = x * (1 - MASK_RATIO_TRAIN)
@@ -237,7 +268,9 @@ class CompiledStep:
         B, D = x.shape
         eps = config.layer_norm_eps
         new_mu = []
-        for fmap, kv, mu in zip(self._maps, kvs, mus, strict=True):
+        keep = ~pad
+        layers = zip(self._maps, kvs, mus, self._wraps, self._wrap_sizes, bufs, strict=True)
+        for fmap, kv, mu, wraps, sizes, held in layers:
             h = F.layer_norm(x, (D,), next(w), next(w), eps)
             qkv_w, qkv_b = next(w), next(w)
             qkv = torch.addmm(qkv_b, h, qkv_w).view(B, 3, config.heads, config.head_dim)
@@ -249,6 +282,10 @@ class CompiledStep:
             out, state = recurrent.step(
                 step_map, FavorState(kv, mu), qk[:, 0], qk[:, 1], qkv[:, 2], pad, True, False
             )
+            own = [tuple(next(w) for _ in range(n)) for n in sizes]
+            for wrap, params, buffers in zip(wraps[::-1], own[::-1], held[::-1], strict=True):
+                out = wrap.step_mix(out, qk[:, 0], qk[:, 1], qkv[:, 2], positions, keep,
+                                    buffers, params)  # fmt: skip
             x = x + _narrow(out_b, out.reshape(B, D), out_w)
             h = F.layer_norm(x, (D,), *ln2, eps)
             x = x + _narrow(b2, F.gelu(torch.addmm(b1, h, w1)), w2)

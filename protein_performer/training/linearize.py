@@ -1,7 +1,7 @@
 """Linearize a softmax protein LM: attention transfer, then an optional LoRA fine-tune.
 
 Why: swapping a trained model's softmax for linear attention and fine-tuning the whole model
-(the FAVOR+ recipe, ``scripts/studies/backcompat_experiment.py``) costs full-model steps and
+(the FAVOR+ recipe, ``scripts/studies/linearize_benchmark.py``) costs full-model steps and
 still leaves a gap. Attention transfer (Hedgehog, arXiv 2402.04347; LoLCATs, arXiv 2410.10254)
 trains only the linear attention's own parameters (the Hedgehog map, the sliding window's
 scale: a few thousand numbers a layer), layer by layer, to reproduce each softmax layer's

@@ -6,7 +6,7 @@ so the file opens from disk with no server and no internet. Plotly over Bokeh be
 heatmaps bring hover templates, zoom/pan, category axes whose residue labels thin out and
 reappear with zoom (the sequence letters) and colour bars without any JavaScript of ours;
 Bokeh's files are smaller per cell but need CustomJS for selectors and hover formatting
-(``scripts/bench_report_libs.py`` measures both). The only script of ours is the glue that
+(measured: docs/RESULTS.md, issue 25). The only script of ours is the glue that
 turns the two layer/head selectors into one ``Plotly.restyle`` of trace visibility: Plotly's
 own dropdowns cannot combine two choices.
 

@@ -31,6 +31,16 @@ random weights, the default FAVOR+ config (what `protein-performer generate` run
    bandwidth (a STREAM-like copy of ``--stream-mib`` MiB, measured in the same run, per thread
    count), for the 8M and the 35M shapes, against ours at batch 1, prompt 16. Aim: within 3x.
 
+6. A family (``--parts family``): a model with the position memory (``position_memory`` on,
+   member positions, what ``family_clm`` trains) reads a family context of ``--family``
+   homologs of ``--family-length`` residues once (``lm.context``), then generates ``--new``
+   tokens after it at batch 1, decoded by ``PerformerLM.step`` ("eager",
+   ``PROTEIN_PERFORMER_COMPILE_STEP=0``) and by the traced step (the default), with plain
+   FAVOR+ traced on the same context as the anchor; the runs alternate, ``--repeats`` of each
+   (median and best). Then the memory model's step per token after contexts of
+   ``--family-sizes`` homologs (round-robin, eager and traced), with its state's size: constant
+   in the context's length, the memory's slots sized by the longest member.
+
 ``--compile`` decodes ours through the compiled step (``PROTEIN_PERFORMER_COMPILE_STEP=1``,
 ``protein_performer.model.decode``): the first step of each batch size pays the compile, printed
 apart ("first step"); the per-token timings start after it, and the totals keep the best of
@@ -41,6 +51,7 @@ Examples::
     python scripts/bench/bench_generate.py --quick
     python scripts/bench/bench_generate.py --threads 1 --out docs/bench
     python scripts/bench/bench_generate.py --threads 1 --compile --out docs/bench
+    python scripts/bench/bench_generate.py --threads 1 --parts family --out /tmp/family
 """
 
 from __future__ import annotations
@@ -58,13 +69,14 @@ SHAPE = {"dim": 320, "depth": 6, "heads": 20, "ff_dim": 1280}
 SHAPES = {"8M": SHAPE, "35M": {"dim": 480, "depth": 12, "heads": 20, "ff_dim": 1920}}
 RESIDUES = "ACDEFGHIKLMNPQRSTVWY"
 #: The measurements of the docstring, 1-5, by name (``--parts``).
-PARTS = ("per-token", "totals", "performer-pytorch", "peers", "floor")
+PARTS = ("per-token", "totals", "performer-pytorch", "peers", "floor", "family")
 
 
-def _ours(attention: str = "favor", shape: dict[str, int] | None = None) -> Any:
+def _ours(attention: str = "favor", shape: dict[str, int] | None = None, **config: Any) -> Any:
     from protein_performer.inference.api import ProteinLM
 
-    return ProteinLM(common.random_lm(**(shape or SHAPE), objective="clm", attention=attention))
+    return ProteinLM(common.random_lm(**(shape or SHAPE), objective="clm", attention=attention,
+                                      **config))  # fmt: skip
 
 
 def per_token(lm: Any, positions: list[int], steps: int) -> list[dict[str, Any]]:
@@ -107,6 +119,148 @@ def per_token(lm: Any, positions: list[int], steps: int) -> list[dict[str, Any]]
                     "peak_mib": peaks[P] / 2**20, "state_kib": state_b / 2**10})
         print(f"  position {P}: {rows[-1]['ms_per_token']:.2f} ms/token", file=sys.stderr)
     return rows
+
+
+#: The position memory as family_clm trains it (member positions, 1,024 positions).
+MEMORY = {"position_memory": 1024, "positions": "member"}
+
+
+def _family(n: int, length: int, seed: int = 0) -> list[str]:
+    """``n`` homologs of ``length`` residues: one random sequence, 20% of sites resampled per
+    member (speed does not depend on the residues; the memory's slots on the lengths)."""
+    import random
+
+    rng = random.Random(seed)
+    base = [rng.choice(RESIDUES) for _ in range(length)]
+    return ["".join(rng.choice(RESIDUES) if rng.random() < 0.2 else c for c in base)
+            for _ in range(n)]  # fmt: skip
+
+
+def _decoding(kind: str) -> None:
+    """Pin the step generation decodes with: "eager" (model.step), "traced" (the default
+    below the compile threshold), "compiled"."""
+    env = "PROTEIN_PERFORMER_COMPILE_STEP"
+    os.environ[env] = {"eager": "0", "traced": "auto", "compiled": "1"}[kind]
+
+
+def family_totals(args: Any) -> list[dict[str, Any]]:
+    """ms per generated token after a family context (read once, not timed): the memory model
+    eager and traced (and compiled with ``--compile``), plain FAVOR+ traced, alternating."""
+    homologs = _family(args.family, args.family_length)
+    memory, favor = _ours(**MEMORY), _ours()
+    runs = [("memory", memory, "eager"), ("memory", memory, "traced"),
+            ("favor", favor, "traced")]  # fmt: skip
+    if args.compile:
+        runs.append(("memory", memory, "compiled"))
+    contexts = {id(lm): lm.context(homologs, warn=False) for lm in (memory, favor)}
+    n = args.new
+
+    def once(lm: Any, kind: str) -> float:
+        _decoding(kind)
+        t0 = time.perf_counter()
+        (seq,) = lm.generate(n=1, max_length=n, min_length=n, prompt="", seed=0, batch_size=1,
+                             context=contexts[id(lm)])  # fmt: skip
+        assert len(seq) == n
+        return time.perf_counter() - t0
+
+    for name, lm, kind in runs:  # warm-up: traces (compiles) and first allocations
+        t0 = time.perf_counter()
+        once(lm, kind)
+        print(f"  first run {name} {kind}: {time.perf_counter() - t0:.1f} s", file=sys.stderr)
+    times: dict[tuple[str, str], list[float]] = {(r[0], r[2]): [] for r in runs}
+    for _ in range(args.repeats):
+        for name, lm, kind in runs:
+            times[(name, kind)].append(1e3 * once(lm, kind) / n)
+            print(f"  {name} {kind}: {times[(name, kind)][-1]:.3f} ms/token", file=sys.stderr)
+    os.environ.pop("PROTEIN_PERFORMER_COMPILE_STEP", None)
+    return [{"model": name, "step": kind, "median_ms_per_token": statistics.median(ts),
+             "best_ms_per_token": min(ts), "repeats": len(ts)}
+            for (name, kind), ts in times.items()]  # fmt: skip
+
+
+def _state_bytes(states: Any) -> int:
+    """Bytes of every tensor in per-layer states (a memory's and its inner core's)."""
+    import torch
+
+    def walk(x: Any) -> int:
+        if isinstance(x, torch.Tensor):
+            return x.numel() * x.element_size()
+        return sum(walk(y) for y in x) if isinstance(x, tuple | list) else 0
+
+    return walk(states)
+
+
+def family_per_token(args: Any) -> list[dict[str, Any]]:
+    """The memory model's step per token (median of ``--steps``) after contexts of
+    ``--family-sizes`` homologs, eager and traced, round-robin over the sizes and steps."""
+    import torch
+
+    from protein_performer.inference.generation import decoding_step
+
+    lm = _ours(**MEMORY)
+    model = lm.model
+    tok = torch.tensor([5])
+    steps = {}
+    for kind in ("eager", "traced"):
+        _decoding(kind)
+        steps[kind] = decoding_step(model)
+    os.environ.pop("PROTEIN_PERFORMER_COMPILE_STEP", None)
+    states: dict[tuple[int, str], Any] = {}
+    times: dict[tuple[int, str], list[float]] = {}
+    with torch.inference_mode():
+        for k in args.family_sizes:
+            ctx = lm.context(_family(k, args.family_length, seed=k), warn=False)
+            for kind, step in steps.items():  # the new member's <cls>, then a warm step
+                _, s = step(torch.tensor([lm.alphabet.cls_idx]), torch.tensor([0]), ctx.states)
+                _, s = step(tok, torch.tensor([1]), s, inplace=True)
+                states[(k, kind)], times[(k, kind)] = s, []
+        for i in range(args.steps):
+            for k in args.family_sizes:
+                for kind, step in steps.items():
+                    t0 = time.perf_counter()
+                    _, states[(k, kind)] = step(tok, torch.tensor([2 + i]), states[(k, kind)],
+                                                inplace=True)  # fmt: skip
+                    times[(k, kind)].append(time.perf_counter() - t0)
+    rows = []
+    for k in args.family_sizes:
+        row: dict[str, Any] = {"homologs": k, "context_tokens": k * (args.family_length + 2)}
+        for kind in steps:
+            row[f"{kind}_ms_per_token"] = 1e3 * statistics.median(times[(k, kind)])
+        row["state_kib"] = _state_bytes(states[(k, "traced")]) / 2**10
+        row["memory_slots"] = states[(k, "traced")][0].mem.shape[2]
+        rows.append(row)
+        print(f"  {k} homologs: eager {row['eager_ms_per_token']:.2f}, traced "
+              f"{row['traced_ms_per_token']:.2f} ms/token", file=sys.stderr)
+    return rows
+
+
+def family_lines(args: Any, totals: list[dict[str, Any]], tokens: list[dict[str, Any]]
+                 ) -> list[str]:  # fmt: skip
+    """The family tables (and their CSVs, written here)."""
+    common.write_dicts_csv(totals, args.out / "generate_family.csv")
+    common.write_dicts_csv(tokens, args.out / "generate_family_per_token.csv")
+    lines = ["", f"after a family context of {args.family} x {args.family_length}-aa homologs, "
+             f"{args.new} new tokens, batch 1 (sampling included; {args.repeats} alternating "
+             "runs each):", "",
+             "| model | step | median ms / token | best ms / token |",
+             "|---|---|---|---|"]  # fmt: skip
+    for r in totals:
+        lines.append(f"| {r['model']} | {r['step']} | {r['median_ms_per_token']:.3f} | "
+                     f"{r['best_ms_per_token']:.3f} |")
+    by = {(r["model"], r["step"]): r["median_ms_per_token"] for r in totals}
+    anchor = by.get(("favor", "traced"))
+    for kind in ("eager", "traced", "compiled"):
+        if ("memory", kind) in by and anchor:
+            lines.append(f"\nmemory {kind} / FAVOR+ traced: {by[('memory', kind)] / anchor:.2f}x")
+    lines += ["", f"the memory model's step after growing contexts ({args.family_length}-aa "
+              f"homologs; median of {args.steps} steps):", "",
+              "| homologs | context tokens | eager ms / token | traced ms / token | state KiB "
+              "| memory slots |", "|---|---|---|---|---|---|"]  # fmt: skip
+    for r in tokens:
+        lines.append(f"| {r['homologs']} | {r['context_tokens']} | "
+                     f"{r['eager_ms_per_token']:.2f} | {r['traced_ms_per_token']:.2f} | "
+                     f"{r['state_kib']:.0f} | {r['memory_slots']} |")
+    return lines
 
 
 def ours_total(lm: Any, lengths: list[int], repeats: int) -> dict[int, float]:
@@ -400,6 +554,10 @@ def main() -> int:
     p.add_argument("--stream-mib", type=int, default=512, help="copy size for the bandwidth")
     p.add_argument("--parts", nargs="+", choices=PARTS, default=list(PARTS),
                    help="which measurements to run (default: all; the numbers above)")
+    p.add_argument("--family", type=int, default=4, help="homologs in the family context")
+    p.add_argument("--family-length", type=int, default=300, help="residues per homolog")
+    p.add_argument("--family-sizes", type=int, nargs="+", default=[1, 4, 16, 64],
+                   help="homologs per context for the memory's per-token step")
     p.add_argument("--compile", action="store_true",
                    help="decode ours through the compiled step (PROTEIN_PERFORMER_COMPILE_STEP=1)")
     common.add_final_args(p, "tiny lengths, seconds: a smoke run")
@@ -410,6 +568,7 @@ def main() -> int:
         args.repeats = 1
         args.peer_prompts, args.batches, args.peer_threads = [16, 64], [1, 2], [1]
         args.new, args.stream_mib = 8, 64
+        args.family, args.family_length, args.family_sizes = 2, 30, [1, 4]
     import torch
 
     if args.compile:
@@ -440,6 +599,10 @@ def main() -> int:
     if "floor" in parts:
         floor_rows = floors(args)
     torch.set_num_threads(args.threads)
+    if "family" in parts:
+        print("after a family context (position memory):", file=sys.stderr)
+        totals = family_totals(args)
+        lines += family_lines(args, totals, family_per_token(args))
     if peer_rows or floor_rows:
         lines += peer_lines(peer_rows, floor_rows, peer_note)
     for name, rows in (("generate_peers.csv", peer_rows), ("generate_floor.csv", floor_rows)):

@@ -28,15 +28,15 @@ import numpy as np
 
 from protein_performer.data.fasta import read_fasta
 from protein_performer.data.homology import (
-    _HOMOLOG_FORMAT,
+    HOMOLOG_FORMAT,
     HOMOLOG_MIN_SEQ_ID,
-    _run,
     find_mmseqs,
     hit_coordinates,
+    run_mmseqs,
     search_command,
 )
 
-FIELDS = _HOMOLOG_FORMAT + ",qaln,taln"  # the alignment itself: the truth compared with
+FIELDS = HOMOLOG_FORMAT + ",qaln,taln"  # the alignment itself: the truth compared with
 
 
 def facing(qstart: int, tstart: int, qaln: str, taln: str, tlen: int) -> np.ndarray:
@@ -71,7 +71,7 @@ def main() -> None:
         dbpath.write_text("".join(f">{i}\n{s}\n" for i, s in enumerate(seqs)))
         cmd = search_command(exe, qpath, dbpath, out, Path(work) / "tmp", HOMOLOG_MIN_SEQ_ID,
                              args.threads, args.max_seqs + 1, fields=FIELDS)  # fmt: skip
-        _run(cmd, "the study's queries")
+        run_mmseqs(cmd, "the study's queries")
         rows = [dict(zip(FIELDS.split(","), ln.rstrip("\n").split("\t"), strict=True))
                 for ln in out.read_text().splitlines()]  # fmt: skip
     errors: dict[str, list[np.ndarray]] = {"cigar": [], "stretched_ranges": [],

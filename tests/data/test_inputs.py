@@ -94,3 +94,30 @@ def test_every_reader_asks_open_input(tmp_path: Path) -> None:
     preprocess([fasta], store, valid_frac=0.0, test_frac=0.0, progress=False)
     with pytest.raises(UserError, match="data.path mixes a directory .*store"):
         ProteinDataModule([str(fasta), str(store)]).setup("fit")
+
+
+
+def test_a_family_datamodule_opens_its_store_once(tmp_path: Path, monkeypatch) -> None:
+    """Issue 44: the splits and each split's families read one store, opened once by
+    :func:`open_input` (the families opened it again per split). Empty splits: no MMseqs2 run."""
+    from protein_performer.data import store as store_module
+    from protein_performer.data.datamodule import ProteinDataModule
+
+    fasta = tmp_path / "in.fasta"
+    fasta.write_text(">a\nMKTAYIAKQRQISFVKSHFSRQ\n>b\nMKTAYIAKQRQISFVKSHFSRA\n")
+    store = tmp_path / "store"
+    preprocess([fasta], store, valid_frac=0.0, test_frac=0.0, progress=False)
+    opened = []
+    real_init = store_module.TokenStore.__init__
+
+    def counted(self, path) -> None:  # noqa: ANN001 - TokenStore's own signature
+        opened.append(path)
+        real_init(self, path)
+
+    monkeypatch.setattr(store_module.TokenStore, "__init__", counted)
+    dm = ProteinDataModule(str(store), objective="clm", layout="family")
+    sources = dm._load_sources()
+    for split in ("valid", "test"):
+        assert len(dm._store_families(split).offsets) == 1  # no family in an empty split
+    assert len(opened) == 1, opened
+    assert sources["train"].store is dm._store()

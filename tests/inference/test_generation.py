@@ -319,6 +319,28 @@ def test_the_traced_step_is_the_default_and_compiled_where_it_pays(monkeypatch, 
     assert notes == ["compiling the decoding step for batch size 2 (once; tens of seconds)"]
 
 
+def test_a_memory_model_decodes_through_the_traced_step_after_a_family(monkeypatch, caplog):
+    """Issue 40: a model with the position memory (family_clm's) generates after a family
+    context through the traced step, with no line about decoding eagerly, and draws
+    model.step's sequences."""
+    from protein_performer.inference import generation
+    from protein_performer.model.decode import CompiledStep
+
+    monkeypatch.delenv(generation.COMPILE_ENV, raising=False)
+    lm = causal_lm(position_memory=64, positions="member")
+    ctx = lm.context(["MKTAYIAKQRQISFVK", "MKSAYIAKQRQLSFVR", "MRTAYLAKQRQISFV"])
+    kw = {"n": 4, "max_length": 30, "prompt": "MK", "seed": 2, "batch_size": 2, "context": ctx}
+    with caplog.at_level("INFO", logger="protein_performer"):
+        traced = list(lm.iter_generate(**kw))
+    assert not [r for r in caplog.records if "eagerly" in r.getMessage()]
+    assert isinstance(generation.decoding_step(lm.model).traced, CompiledStep)
+    monkeypatch.setenv(generation.COMPILE_ENV, "0")
+    plain = list(lm.iter_generate(**kw))
+    assert [g.sequence for g in traced] == [g.sequence for g in plain]
+    for a, b in zip(traced, plain, strict=True):
+        np.testing.assert_allclose(a.token_log_probs, b.token_log_probs, rtol=1e-5, atol=1e-5)
+
+
 class _ClosedAfter:
     """A standard output whose reader goes away after ``n`` writes (``| head``)."""
 

@@ -19,7 +19,8 @@ import numpy as np
 import pytest
 
 from protein_performer.cli.main import main
-from protein_performer.io.sharding import Ranks, finished_parts, parts_dir, spread
+from protein_performer.io.ranks import Ranks
+from protein_performer.io.sharding import finished_parts, parts_dir, spread
 from protein_performer.jobs.embed import PART_RUN
 from protein_performer.jobs.embeddings_file import SEQ_DIGESTS, read_embeddings
 from tests.io.test_sharding import ENV, _free_port, write_fasta

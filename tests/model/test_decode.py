@@ -123,8 +123,10 @@ def test_models_it_cannot_run_are_named():
     assert "taylor linear attention, which" in unsupported(
         causal(attention="linear", kernel="taylor")
     )
-    assert "a position memory, which has no traced step: its state grows" in unsupported(
-        causal(position_memory=16))
+    assert unsupported(causal(position_memory=16)) is None  # the memory runs in the step
+    assert "layer 1 has exact attention, which" in unsupported(
+        causal(attention="exact", position_memory=16)
+    )
     assert "'relu'" in unsupported(causal(kernel="relu"))
     assert "masked LM" in unsupported(causal(objective="mlm"))
     assert unsupported(causal()) is None
@@ -133,6 +135,119 @@ def test_models_it_cannot_run_are_named():
     assert "layer 2's projections are replaced" in unsupported(wrapped)
     with pytest.raises(ValueError, match="no compiled step"):
         CompiledStep(causal(attention="exact"))
+
+
+def memory_model(reads_own: bool, seed: int = 0) -> PerformerLM:
+    """A causal model with the position memory, its offsets and gates drawn (at init the
+    gate is nearly shut), so the memory's read moves the logits."""
+    model = causal(seed, position_memory=200, memory_window=3, memory_reads_own=reads_own)
+    with torch.no_grad():
+        for layer in model.layers:
+            mem = layer.self_attn.core
+            mem.offset_logits.normal_()
+            mem.gate_weight.normal_()
+            mem.gate_bias.zero_()
+    return model
+
+
+def family(B: int, lengths: tuple[int, ...], seed: int) -> torch.Tensor:
+    """A family row per batch row: <cls> member <cls> member ... (residue tokens)."""
+    g = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(4, 24, (B, sum(lengths)), generator=g)
+    starts = torch.tensor([0, *lengths[:-1]]).cumsum(0)
+    tokens[:, starts] = 0  # <cls>
+    return tokens
+
+
+def member_run(model: PerformerLM, step, context: torch.Tensor, new: torch.Tensor,
+               pad_from: int | None = None, **kw):  # fmt: skip
+    """Logits (B, T, V) and states of stepping tokens ``new`` (B, T) after a prefill of the
+    family ``context`` (B, L), at member positions (restarting at a <cls>); row 1 a pad from
+    step ``pad_from``."""
+    B = new.shape[0]
+    out, pos = [], torch.zeros(B, dtype=torch.long)
+    with torch.inference_mode():
+        _, states = model.prefill(context)
+        for t in range(new.shape[1]):
+            pos = torch.where(new[:, t] == 0, 0, pos + 1) if t else pos
+            pad = None
+            if pad_from is not None and t >= pad_from:
+                pad = torch.arange(B) == 1
+            logits, states = step(new[:, t], pos, states, pad, **kw)
+            out.append(logits)
+    return torch.stack(out, 1), states
+
+
+@pytest.mark.parametrize(("mode", "inplace"), [("eager", True), ("trace", False), ("trace", True)])
+@pytest.mark.parametrize("reads_own", [False, True])
+def test_the_traced_step_runs_the_position_memory(mode: str, reads_own: bool, inplace: bool):
+    """A family context (three homologs), then a new member decoded token by token that
+    crosses a <cls> into a second one: eager or traced, the step gives model.step's numbers
+    and states, and both the whole row's forward (the memory that reads the other members,
+    of 0.7, and the one that reads its own too, of older checkpoints); the memory's read
+    moves the logits (the gate shut gives others)."""
+    model = memory_model(reads_own)
+    context = family(3, (11, 14, 9), seed=1)
+    new = family(3, (13, 8), seed=2)
+    want, want_states = member_run(model, model.step, context, new, 15)
+    got, states = member_run(model, CompiledStep(model, mode=mode), context, new, 15,
+                             inplace=inplace)  # fmt: skip
+    torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-6)
+    for a, b in zip(states, want_states, strict=True):
+        for x, y in zip(a, b, strict=True):
+            if isinstance(x, tuple):  # the inner FAVOR+ state
+                torch.testing.assert_close(x.kv, y.kv, atol=1e-6, rtol=1e-6)
+                torch.testing.assert_close(x.mu, y.mu, atol=1e-6, rtol=1e-6)
+            else:
+                torch.testing.assert_close(x, y, atol=1e-6, rtol=1e-6)
+    with torch.inference_mode():
+        whole = model(torch.cat([context, new], 1)).logits[:, context.shape[1] :]
+    torch.testing.assert_close(got[0], whole[0], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(got[1:, :15], whole[1:, :15], atol=1e-5, rtol=1e-5)
+    with torch.no_grad():
+        for layer in model.layers:
+            layer.self_attn.core.gate_bias.fill_(-1e4)
+    shut, _ = member_run(model, CompiledStep(model, mode=mode), context, new, 15)
+    assert (shut - got).abs().amax() > 1e-2
+
+
+def test_a_memory_that_outgrows_its_slots_is_traced_once_more():
+    """A long context of short members holds STEP_SLOTS slots (not its length); a member
+    decoded past them doubles the memory on the host and traces the step once more (a graph
+    per batch size and memory size), with model.step's numbers throughout."""
+    from protein_performer.model.linear.memory import STEP_SLOTS
+
+    model = memory_model(False)
+    context = family(1, (20,) * 12, seed=3)  # 240 tokens, members of 20
+    new = family(1, (STEP_SLOTS + 20,), seed=4)
+    traced = CompiledStep(model, mode="trace")
+    want, want_states = member_run(model, model.step, context, new, inplace=True)
+    got, states = member_run(model, traced, context, new, inplace=True)
+    torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-6)
+    slots = sorted({b[1] for k in traced._traced for b in k[1:-1]})  # buffers (B, S, H, C)
+    assert len(traced._traced) == 2 and slots == [STEP_SLOTS, 2 * STEP_SLOTS]
+    assert all(isinstance(f, torch.jit.ScriptFunction) for f in traced._traced.values())
+    assert [s.mem.shape[2] for s in states] == [s.mem.shape[2] for s in want_states]
+    assert states[0].mem.shape[2] == 2 * STEP_SLOTS < context.shape[1]
+
+
+@pytest.mark.slow  # dynamo traces the step once per memory size (seconds), no compiler
+def test_the_compiled_step_runs_the_memory_and_recompiles_per_memory_size(monkeypatch):
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    from protein_performer.model.linear.memory import STEP_SLOTS
+
+    counter, real = CompileCounterWithBackend("eager"), torch.compile
+    monkeypatch.setattr(torch, "compile", lambda fn, **kw: real(fn, backend=counter, **kw))
+    torch._dynamo.reset()
+    for reads_own in (False, True):
+        model = memory_model(reads_own)
+        context = family(2, (20, 17, 23), seed=5)
+        new = family(2, (STEP_SLOTS + 8, 5), seed=6)
+        want, _ = member_run(model, model.step, context, new, 40)
+        got, _ = member_run(model, CompiledStep(model), context, new, 40, inplace=True)
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    assert counter.frame_count == 4  # two memory sizes, each memory kind
 
 
 @pytest.mark.slow  # torch.compile: tens of seconds

@@ -8,7 +8,6 @@ and finiteness.
 from __future__ import annotations
 
 import csv
-import json
 import math
 from pathlib import Path
 
@@ -110,6 +109,16 @@ def test_bench_generate_quick(tmp_path: Path, run_script) -> None:
     assert all(_finite(r["ms_per_token"]) and float(r["ms_per_token"]) > 0 for r in rows)
     assert len({r["state_kib"] for r in rows}) == 1  # the RNN state does not grow
     assert "ours: 32 tokens / 16 tokens" in (tmp_path / "generate.md").read_text()
+    family = _rows(tmp_path / "generate_family.csv")  # a memory model after a family context
+    assert {(r["model"], r["step"]) for r in family} == {
+        ("memory", "eager"),
+        ("memory", "traced"),
+        ("favor", "traced"),
+    }
+    assert all(_finite(r["median_ms_per_token"]) for r in family)
+    grown = _rows(tmp_path / "generate_family_per_token.csv")
+    assert [int(r["homologs"]) for r in grown] == [1, 4]
+    assert len({r["state_kib"] for r in grown}) == 1  # the memory's slots: its longest member
 
 
 def test_bench_precision_quick(tmp_path: Path, run_script) -> None:
@@ -151,10 +160,3 @@ def test_bench_pll_rate_quick(tmp_path: Path, run_script) -> None:
     assert "spearman" in proc.stdout
     rows = _rows(tmp_path / "per_protein.csv")
     assert len(rows) == 4 and all(_finite(r["exact"]) and _finite(r["rate_0.1"]) for r in rows)
-
-
-def test_bench_msa_read_quick(run_script) -> None:
-    out = run_script("bench/bench_msa_read.py", "--quick").stdout
-    row = json.loads(out.strip().splitlines()[-1])
-    assert (row["rows"], row["columns"], row["homologs"]) == (200, 100, 200)
-    assert row["residues"] > 0 and math.isfinite(row["best_s"])

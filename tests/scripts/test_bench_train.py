@@ -1,8 +1,8 @@
-"""Smoke tests for the training benchmark and the quality study: CLIs and the CSV contract.
+"""Smoke tests for the training benchmark: its CLI and the CSV contract.
 
-Why: both scripts are run rarely and by hand (on a quiet machine or a GPU), so a broken CLI or a
+Why: the script is run rarely and by hand (on a quiet machine or a GPU), so a broken CLI or a
 renamed column would only surface then. Speed is not checked, only that the numbers exist and
-are finite. The quality study trains for minutes, so only its ``--help`` runs here.
+are finite.
 """
 
 from __future__ import annotations
@@ -17,9 +17,8 @@ import pytest
 pytestmark = pytest.mark.slow
 
 
-@pytest.mark.parametrize("script", ["bench/bench_train.py", "studies/quality_study.py"])
-def test_help(script: str, run_script) -> None:
-    assert "usage" in run_script(script, "--help").stdout
+def test_help(run_script) -> None:
+    assert "usage" in run_script("bench/bench_train.py", "--help").stdout
 
 
 def test_bench_train_quick(tmp_path: Path, run_script) -> None:

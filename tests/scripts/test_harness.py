@@ -51,7 +51,7 @@ def test_markdown_table_and_cells() -> None:
     ]
     assert h.cell([0.5], 100) == "50.00"  # one seed: no spread
     assert h.cell([1.0, math.nan]) == "1.00"  # NaN never becomes a number
-    # Any tag selects, ``rows`` (family_context's layout tag) included.
+    # Any tag selects, not only the harness's own (``rows`` here).
     assert h.select([{"rows": "a", "seed": 0}, {"rows": "b"}], rows="a") == [
         {"rows": "a", "seed": 0}
     ]

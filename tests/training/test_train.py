@@ -258,3 +258,28 @@ def test_wandb_without_an_account_is_one_error_line(tmp_path: Path) -> None:
         and "WANDB_MODE=offline" in errors[0]
     )
     assert "Traceback" not in proc.stderr
+
+
+def test_train_records_the_family_row_length_as_context_tokens(tmp_path: Path) -> None:
+    """``lm.context()`` defaults to what training read: train() copies data.family_max_tokens
+    into model.config.context_tokens for family rows; an explicit value and single rows keep
+    theirs."""
+    from protein_performer.training.train import _record_context_tokens
+
+    def recorded(*overrides: str) -> object:
+        cfg = compose_config([*overrides, f"data.path={tmp_path}"], output_dir=tmp_path)
+        _record_context_tokens(cfg)
+        return cfg.model.config.get("context_tokens")
+
+    assert recorded("experiment=family_clm", "data.family_max_tokens=2048") == 2048
+    assert recorded("experiment=family_clm", "model.config.context_tokens=512") == 512
+    assert recorded("experiment=small_clm") is None
+
+    def keyed(*overrides: str) -> object:
+        cfg = compose_config([*overrides, f"data.path={tmp_path}"], output_dir=tmp_path)
+        _record_context_tokens(cfg)
+        return cfg.model.config.get("family_coordinates")
+
+    # ... and what its homologs were keyed by, which a context then reads them by (issue 41)
+    assert keyed("experiment=family_clm", "data.family_coordinates=aligned") == "aligned"
+    assert keyed("experiment=family_clm") == "positions"

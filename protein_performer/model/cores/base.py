@@ -14,7 +14,9 @@ the config it needs (:meth:`AttentionCore.config_problem`), and declares
   finds family members where the positions restart);
 - :attr:`~AttentionCore.softmax`: how it relates to softmax attention (``"exact"``,
   ``"estimate"``: an unbiased estimate, ``"none"``), which says where its weights may go;
-- :meth:`~AttentionCore.step_map`: the feature map a traced decoding step can run, if any.
+- :meth:`~AttentionCore.step_map`: the feature map a traced decoding step can run, if any (a
+  wrapper that declares :attr:`~CoreWrapper.traced` runs in that step around its inner core's,
+  through its ``step_*`` methods).
 
 The one call is :meth:`AttentionCore.forward` ``(q, k, v, key_padding_mask, state, *,
 keep_state, inplace, positions) -> (out, state)``: the checks every core needs (a state needs a
@@ -257,9 +259,22 @@ class CoreWrapper(AttentionCore):
     def from_config(cls, config: Any, inner: AttentionCore | None = None) -> AttentionCore:
         raise NotImplementedError
 
+    #: Whether the traced decoding step (``model.decode``) can run this wrapper around its inner
+    #: core's step: it then offers ``step_weights()`` (the learned tensors the step reads, in
+    #: order), ``step_buffers(state, positions, keep, inplace, dtype)`` (host side: its own
+    #: state as tensors the step may write, inner state apart), ``step_mix(out, q, k, v,
+    #: positions, keep, buffers, weights)`` (a function of tensors, one token per row: the
+    #: inner core's output (B, H, dv) mixed with its own) and ``step_state(inner, buffers,
+    #: positions)`` (the state again).
+    traced: ClassVar[bool] = False
+
     @property
     def state_grows(self) -> bool:  # type: ignore[override]
         return self.inner.state_grows
+
+    def step_map(self, device: torch.device, dtype: torch.dtype) -> Any:
+        """The inner core's map where the traced step runs this wrapper (:attr:`traced`)."""
+        return self.inner.step_map(device, dtype) if self.traced else None
 
     def redraw(self, generator: torch.Generator | None = None) -> None:
         self.inner.redraw(generator=generator)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import importlib
 import pkgutil
 from collections.abc import Callable, Iterator, Mapping
+from pathlib import Path
 from typing import Any, TypeVar
 
 from protein_performer.model.cores.base import AttentionCore, CoreWrapper
@@ -46,12 +47,11 @@ def _load() -> None:
     if _loaded:
         return
     _loaded.append(True)
-    from protein_performer.model import cores
-
     for name in _BESIDE:
         importlib.import_module(f"protein_performer.model.{name}")
-    for info in pkgutil.iter_modules(cores.__path__):
-        importlib.import_module(f"{cores.__name__}.{info.name}")
+    # this folder read by its path, not through its package (which imports this module)
+    for info in pkgutil.iter_modules([str(Path(__file__).parent)]):
+        importlib.import_module(f"{__package__}.{info.name}")
 
 
 def names() -> tuple[str, ...]:

@@ -54,6 +54,7 @@ import torch
 
 from protein_performer.errors import UserError
 from protein_performer.io.atomic import exclusive_lock, write_text_atomic
+from protein_performer.model.config import MAX_CHUNK
 
 log = logging.getLogger(__name__)
 
@@ -63,9 +64,9 @@ DEFAULT_TILES = (128, 8192)
 TUNE_MIN_LENGTH = 2048
 #: Heads x tokens from which the tiles are tuned (a 4k-token, 8-head layer is 32,768).
 TUNE_MIN_TOKENS = 32768
-#: The largest chunk and segment accepted (pinned, in a config or in the cache): a C x C
-#: product per head and chunk, so a chunk of 1e9 asked for hundreds of GB.
-MAX_CHUNK, MAX_SEGMENT = 4096, 1 << 20
+#: The largest segment a pinned pair may give; its chunk is bounded as a config's
+#: (:data:`~protein_performer.model.config.MAX_CHUNK`).
+MAX_SEGMENT = 1 << 20
 CHUNKS = (64, 128, 256)
 SEGMENTS = (1024, 2048, 8192)
 _CANDIDATES = {DEFAULT_TILES, *((c, s) for c in CHUNKS for s in SEGMENTS)}

@@ -33,7 +33,10 @@ its own; and up to it for ``reads_own``), and reading 2W + 1 neighbouring column
 product per tile of queries against the rows the tile reaches, a softmax under a mask, and the
 values back through the same tiles, with a hand-written backward (:class:`_Read`); the
 recurrent state is the last prefix, which is what it accumulates one token at a time, with the
-member it ended in kept apart.
+member it ended in kept apart. A decoding step (one token per row after a state) reads the
+2W + 2 slots around its position straight from that state (:func:`step_mix`, no tables), the
+state then held in buffers of :func:`step_slots` slots, grown by doubling on the host, so the
+model's step and the traced one (``model.decode``) are the same function of tensors.
 """
 
 from __future__ import annotations
@@ -78,7 +81,9 @@ class _Layout(NamedTuple):
 class MemoryState(NamedTuple):
     """The mixed core's state: the inner core's (``inner``) and the position memory
     ``mem`` (B, H, P, d + dv + 1), slot p holding the sum of [k | v | 1] at member position p;
-    P is the longest member held so far (it grows with the context, up to ``max_positions``).
+    P is the longest member held so far (it grows with the context, up to ``max_positions``;
+    after a decoding step rounded up by :func:`step_slots`, ``mem`` and ``part`` views of
+    slot-major buffers).
     A memory that reads only the other members also keeps the last member's own sums
     (``part``, its slots only, which ``mem`` includes) and the last token's position
     (``last`` (B,)): a call that continues that member must not read them."""
@@ -251,6 +256,91 @@ def _band(T: int, W: int, device: torch.device) -> Tensor:
     return torch.where((j >= 0) & (j <= 2 * W), j, -1)
 
 
+#: The fewest slots a decoding step's memory holds (:func:`step_slots`).
+STEP_SLOTS = 64
+
+
+def step_slots(need: int, max_positions: int) -> int:
+    """The slots (positions) a decoding step's memory buffer holds to reach position
+    ``need - 1``: a power of two, at least :data:`STEP_SLOTS`, at most ``max_positions``.
+
+    Why: a member decoded past the longest one held would grow the memory by a slot a token
+    (a copy of it each time); doubling makes that a copy per doubling, and a traced step one
+    graph per size. At most twice the longest member held: still not the context's length."""
+    return min(max_positions, max(STEP_SLOTS, 1 << max(need - 1, 0).bit_length()))
+
+
+def _step_buffer(t: Tensor | None, shape: tuple[int, ...], dtype: torch.dtype,
+                 device: torch.device, inplace: bool) -> Tensor:  # fmt: skip
+    """A memory tensor (B, S, H, C) a step may write, slot-major (a row's window of slots is
+    one block): ``t`` (B, H, P, C) itself where the caller gave it up (``inplace``) and it is
+    such a buffer's view (:meth:`PositionMemory.step_state`), else a copy into zeros (a
+    batch-1 state broadcast over B, a buffer grown, a state the caller keeps)."""
+    if t is not None:
+        t = t.transpose(1, 2)  # (B, P, H, C)
+        plain = t.shape == shape and t.dtype == dtype and t.is_contiguous()
+        if inplace and plain and t.device == device:
+            return t
+    out = torch.zeros(shape, dtype=dtype, device=device)
+    if t is not None:
+        out[:, : t.shape[1]] = t
+    return out
+
+
+def step_mix(out: Tensor, q: Tensor, k: Tensor, v: Tensor, positions: Tensor, keep: Tensor,
+             buffers: tuple[Tensor, ...], weights: tuple[Tensor, ...], max_positions: int
+             ) -> Tensor:  # fmt: skip
+    """One token per row through the memory: the inner core's output ``out`` (B, H, dv) mixed
+    with the memory's read for q, k, v (B, H, ·) at member ``positions`` (B,) (``keep`` (B,):
+    False at a pad, which neither reads nor enters), the read as :meth:`PositionMemory._read`
+    defines it; a function of tensors with no host check (a traced step's graph).
+
+    ``buffers``: the memory ``mem`` (B, S, H, C), slot-major, slot p the sum of [k | v | 1]
+    at position p (S > every position that enters: :meth:`PositionMemory.step_buffers`),
+    and, for a memory that reads only the other members, the sums of the member being decoded
+    (``part``, zero where the token does not continue it); both updated in place.
+    ``weights``: the offset logits (H, 2W + 1), the gate's weights (H, d) and bias (H,).
+
+    The token enters slot p first; it then reads the 2W + 1 slots around its position: keys at
+    p + D, values at p + D + 1 (causal: the successor), from ``mem`` less ``part`` (the other
+    members), or, reading its own member too, from ``mem`` itself, the token included (what
+    the parallel form's F and E tables hold at the band entries that read them)."""
+    mem, part = buffers[0], (buffers[1] if len(buffers) > 1 else None)
+    offsets, gate_weight, gate_bias = weights
+    B, S, H, C = mem.shape
+    d, dv = q.shape[-1], v.shape[-1]
+    W = (offsets.shape[-1] - 1) // 2
+    valid = keep & (positions >= 0) & (positions < max_positions)  # (B,)
+    row = torch.arange(B, device=positions.device)
+    add = torch.cat([k, v, torch.ones_like(v[..., :1])], -1) * valid[:, None, None]  # (B, H, C)
+    # the token enters slot p first, in place (an index_put before the reads is what a
+    # compiler keeps in place: written after them, inductor copied the whole buffer)
+    slot = (row, positions.clamp(0, S - 1))
+    mem.index_put_(slot, add, accumulate=True)
+    if part is not None:
+        part.index_put_(slot, add, accumulate=True)
+    near = positions[:, None] + torch.arange(-W, W + 2, device=positions.device)  # (B, 2W + 2)
+    at = (row[:, None] * S + near.clamp(0, S - 1)).view(-1)  # rows of the (B S, H C) views
+
+    def window(t: Tensor) -> Tensor:  # (B, 2W + 2, H, C): slots p - W .. p + W + 1
+        return t.view(B * S, H * C).index_select(0, at).view(B, 2 * W + 2, H, C)
+
+    table = window(mem)  # its own member up to t (itself included) and the others
+    if part is not None:  # the other members alone
+        table = table - window(part)
+    count = table[..., -1]  # (B, 2W + 2, H)
+    # a slot outside 0 .. S - 1 holds nothing (its clamped row is weighed 0 below)
+    has = (count > 0.5) & ((near >= 0) & (near < S))[:, :, None]
+    held = has[:, :-1] & has[:, 1:]  # (B, 2W + 1, H): a key at p + D and a value at p + D + 1
+    n = count.clamp_min(1.0)  # sums to means
+    scores = (table[:, :-1, :, :d] * q[:, None]).sum(-1) / (n[:, :-1] * d**0.5) + offsets.T
+    weights_d = scores.masked_fill(~held, -1e30).softmax(1)  # (B, 2W + 1, H)
+    read = ((weights_d / n[:, 1:])[..., None] * table[:, 1:, :, d : d + dv]).sum(1)  # (B, H, dv)
+    gate = torch.sigmoid((q * gate_weight).sum(-1) + gate_bias)  # (B, H)
+    gate = gate * (held.any(1) & valid[:, None])  # nothing in reach: the core's output
+    return torch.lerp(out, read, gate[..., None])
+
+
 @register("memory")
 class PositionMemory(CoreWrapper):
     """Wraps an attention core (``inner``) with the member-position memory described above
@@ -260,8 +350,8 @@ class PositionMemory(CoreWrapper):
     order = 1  # around any core, the window included
     needs_positions = "member"
     label = "a position memory"
-    untraced = ("its state grows a slot per member position and keeps the member being "
-                "decoded apart, shapes and host checks the one-graph step does not hold")
+    # a decoding step is :func:`step_mix` (here and in ``model.decode``'s traced step)
+    traced = True
     # a bias per offset and the gate's weights and bias: logits, never decayed towards 0
     no_decay = ("offset_logits", "gate_weight", "gate_bias")
     # Aligned coordinates, when a call gives them (``coordinates`` (B, L): a family context's
@@ -606,6 +696,9 @@ class PositionMemory(CoreWrapper):
         )
         pos = as_positions(positions, B, L, q.device)
         keep = real_tokens(key_padding_mask, B, L, q.device)
+        if state is not None and L == 1 and coordinates is None:  # a decoding step
+            mixed, mem = self._step(out, q, k, v, pos[:, 0], keep[:, 0], state, inplace)
+            return mixed, (mem._replace(inner=inner_state) if keep_state else None)
         dtype = _compute_dtype(q)
         shared = None if state is not None else self._shared(
             positions, key_padding_mask, coordinates, (B, H, L, dtype, q.device))
@@ -625,6 +718,62 @@ class PositionMemory(CoreWrapper):
             mixed = torch.lerp(out.to(dtype), mem_out, gate)
         new = mem._replace(inner=inner_state) if keep_state and mem is not None else None
         return mixed.to(q.dtype), new
+
+    def step_weights(self) -> tuple[Tensor, ...]:
+        """The learned tensors :func:`step_mix` reads, in its order."""
+        return self.offset_logits, self.gate_weight, self.gate_bias
+
+    def step_buffers(self, state: MemoryState, positions: Tensor, keep: Tensor, inplace: bool,
+                     dtype: torch.dtype) -> tuple[Tensor, ...]:  # fmt: skip
+        """The host side of a step at ``positions`` (B,) (``keep`` (B,): False at a pad): the
+        tensors :func:`step_mix` writes, (mem,) or (mem, part), each (B, S, H, C) in ``dtype``,
+        S from :func:`step_slots` (grown, by doubling, to hold every position that enters), the
+        state's own where the caller gave it up (``inplace``) and they fit, else copies; the
+        decoded member's sums zeroed in the rows whose token does not continue it (a ``<cls>``,
+        a jump)."""
+        mem = state.mem
+        B, (H, C) = positions.shape[0], (mem.shape[1], mem.shape[3])
+        entering = torch.where(keep & (positions < self.max_positions), positions, -1)
+        need = max(mem.shape[2], int(entering.max()) + 1)
+        shape = (B, step_slots(need, self.max_positions), H, C)
+        device = positions.device
+        mem = _step_buffer(mem, shape, dtype, device, inplace)
+        if self.reads_own:
+            return (mem,)
+        part = _step_buffer(state.part, shape, dtype, device, inplace)
+        cont = (torch.zeros_like(keep) if state.last is None
+                else positions == state.last.to(positions) + 1)  # fmt: skip
+        # on CPU a look is cheap and skips a pass over the buffer; on a GPU it would be a sync
+        if device.type != "cpu" or not bool(cont.all()):
+            part.mul_(cont.to(dtype)[:, None, None, None])
+        return mem, part
+
+    def step_mix(self, out: Tensor, q: Tensor, k: Tensor, v: Tensor, positions: Tensor,
+                 keep: Tensor, buffers: tuple[Tensor, ...], weights: tuple[Tensor, ...]
+                 ) -> Tensor:  # fmt: skip
+        """:func:`step_mix` with this memory's ``max_positions``."""
+        return step_mix(out, q, k, v, positions, keep, buffers, weights, self.max_positions)
+
+    def step_state(self, inner: Any, buffers: tuple[Tensor, ...], positions: Tensor
+                   ) -> MemoryState:  # fmt: skip
+        """The state after a step: the inner core's and the buffers :func:`step_mix` wrote, as
+        the (B, H, S, C) views a state holds (the next step takes them back as they are)."""
+        mem, *part = (t.transpose(1, 2) for t in buffers)
+        if self.reads_own:
+            return MemoryState(inner, mem)
+        return MemoryState(inner, mem, part[0], positions)
+
+    def _step(self, out: Tensor, q: Tensor, k: Tensor, v: Tensor, positions: Tensor,
+              keep: Tensor, state: MemoryState, inplace: bool) -> tuple[Tensor, MemoryState]:
+        """:meth:`attend` of one token per row after ``state`` (a decoding step): the three
+        ``step_*`` calls the traced step makes too, on (B, H, 1, ·) tensors."""
+        dtype = _compute_dtype(q)
+        with torch.autocast(device_type=q.device.type, enabled=False):
+            buffers = self.step_buffers(state, positions, keep, inplace, dtype)
+            weights = tuple(t.to(dtype) for t in self.step_weights())
+            x, y, vv, o = (t.to(dtype).select(2, 0) for t in (q, k, v, out))
+            mixed = self.step_mix(o, x, y, vv, positions, keep, buffers, weights)
+        return mixed[:, :, None].to(q.dtype), self.step_state(None, buffers, positions)
 
     def _shared(self, positions: Tensor | int | None, mask: Tensor | None,
                 coordinates: Tensor | None, shape: tuple) -> dict | None:  # fmt: skip
