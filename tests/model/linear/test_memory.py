@@ -175,18 +175,25 @@ def test_memory_state_has_the_same_bytes_after_1k_and_64k_context_tokens():
         assert state_bytes(1024) == state_bytes(65536) == 4 * (100 * 9 + 15 * 5)
 
 
+def _causal_memory(seed: int, own: bool) -> PositionMemory:
+    """A causal memory over linear attention (2 heads of 6, P = 16, W = 3) whose offsets and
+    gate are drawn from ``seed`` (at 0 every offset would weigh alike)."""
+    torch.manual_seed(seed)
+    mem = PositionMemory(LinearAttention(2, 6, "taylor", causal=True), 2, 6, 16, window=3,
+                         reads_own=own)
+    with torch.no_grad():
+        mem.offset_logits.normal_()
+        mem.gate_weight.normal_()
+    return mem
+
+
 @pytest.mark.parametrize("own", [False, True])
 def test_a_long_causal_row_is_read_in_chunks_with_the_same_result(monkeypatch, own):
     """Chunks of the row with the memory carried between them (a long context's prefill)
     give the one-pass outputs and state."""
     from protein_performer.model.linear import memory as memory_module
 
-    torch.manual_seed(3)
-    mem = PositionMemory(LinearAttention(2, 6, "taylor", causal=True), 2, 6, 16, window=3,
-                         reads_own=own)
-    with torch.no_grad():
-        mem.offset_logits.normal_()
-        mem.gate_weight.normal_()
+    mem = _causal_memory(3, own)
     pos, mask = _rows(4)
     q, k, v = (torch.randn(2, 2, 41, 6) for _ in range(3))
     whole, state = mem(q, k, v, mask, positions=pos, keep_state=True)
@@ -273,12 +280,7 @@ def test_candidates_after_a_context_read_what_the_whole_rows_read(own):
     that reads only the other members reads the held memory alone) gives, row by row, the
     tail of the whole row context + candidate, also for a row that continues the context's
     last member and for a padded one."""
-    torch.manual_seed(11)
-    mem = PositionMemory(LinearAttention(2, 6, "taylor", causal=True), 2, 6, 16, window=3,
-                         reads_own=own)
-    with torch.no_grad():
-        mem.offset_logits.normal_()
-        mem.gate_weight.normal_()
+    mem = _causal_memory(11, own)
     pos, _ = _rows(6)
     ctx = pos[:1, :33]  # members of 9, 11 and 13 tokens
     q, k, v = (torch.randn(1, 2, 33, 6) for _ in range(3))
