@@ -201,6 +201,35 @@ def _place(src: Tensor, index: Tensor, rows: int, unique: bool) -> Tensor:
     return out.index_copy_(0, index, src) if unique else out.index_add_(0, index, src)
 
 
+def _held_tables(held: MemoryState, cont: Tensor | None, B: int, first: int, R: int, d: int,
+                 spare: int) -> tuple[list[Tensor], list[Tensor]]:  # fmt: skip
+    """The counts [(2, B, R)] and the key and value tables (B H R + ``spare``, c) of a read
+    whose B rows each hold one member that reads only the others: the memory ``held`` alone,
+    its slots ``first`` .. ``first`` + R - 1 (less the member it ended in where a row
+    continues it, ``cont``), as means (keys' over sqrt(d)), then the ``spare`` zero rows the
+    last tile reaches. Why apart: the general tables sum a grid of (members + 1) rows of
+    columns per batch row; a candidate after a context (one member, a batch-1 memory) needs
+    the memory's columns once per batch row, written in place."""
+    slots = _slots(held.mem, first, R)  # (1 or B, H, R, C)
+    H, C = slots.shape[1], slots.shape[-1]
+    count = slots[:, 0, :, -1]  # (1 or B, R)
+    if cont is not None:  # the member the memory ended in goes on: not for these rows
+        on = cont.to(slots.dtype)[:, None, None, None]  # (B, 1, 1, 1)
+        part = _slots(held.part, first, R)
+        count = count - part[:, 0, :, -1] * on[:, 0, 0]
+    count = count.expand(B, R)
+    tables = []
+    for lo, c, unit in ((0, d, d**0.5), (d, C - d - 1, 1.0)):
+        table = slots.new_empty(B * H * R + spare, c)
+        table[B * H * R :].zero_()
+        tab = table[: B * H * R].view(B, H, R, c).copy_(slots[..., lo : lo + c])
+        if cont is not None:
+            tab.addcmul_(part[..., lo : lo + c], on, value=-1.0)
+        tab.div_((count.clamp_min(1.0) * unit)[:, None, :, None])
+        tables.append(table)
+    return [count.expand(2, B, R)], tables  # (members + 1, B, R), as :meth:`_mask` reads them
+
+
 class _Take(torch.autograd.Function):
     """table[index]: each token's row of the read (the real tokens' rows are their own, so
     the gradient is a copy back, not a sum; padding's rows get no gradient, as its gate is
@@ -501,12 +530,17 @@ class PositionMemory(CoreWrapper):
         (models before 0.7) F at offsets D <= 0, where its own keys j <= t sit, and E ahead.
         Reading the columns around each query is then a tile product per table, a softmax
         over the 2T columns each tile reaches (off the band: weight 0), and the values back
-        through the same tiles (:class:`_Read`): a few batched products whatever W."""
+        through the same tiles (:class:`_Read`): a few batched products whatever W. Rows of
+        one member that read only the other members (candidates after a context) read the
+        memory held alone, its columns copied once per row (:func:`_held_tables`), and read
+        nothing when it is empty (a lone sequence)."""
         B, H, L, d = q.shape
         W, causal, dv, reads_own = self.window, self.causal, v.shape[-1], self.reads_own
         C = d + dv + 1
         cached = shared is not None and held is None and "layout" in shared
         lay = shared["layout"] if cached else self._layout(positions, keep, keys, H, q.dtype)
+        if shared is not None and held is None:
+            shared["layout"] = lay
         cont = self._continues(positions, held)
         if lay is None:  # nothing enters or reads: the memory stays as it was
             new = None
@@ -519,57 +553,66 @@ class PositionMemory(CoreWrapper):
                                       positions[:, -1])  # fmt: skip
             return q.new_zeros(B, H, L, dv), q.new_zeros(B, 1, L, 1, dtype=torch.bool), new
         base, top, M, P, T, R, own = lay.base, lay.top, lay.M, lay.P, lay.T, lay.R, lay.own
-        # the members before each row's (E) and, reading its own member, up to it (F)
-        before = torch.ones(M + 1, M + 1, dtype=q.dtype, device=q.device).tril(-1)
-        count = (before @ own.view(M + 1, B * R)).view(M + 1, B, R)
-        if held is not None:
-            slots = _slots(held.mem, base - W, R)  # (B or 1, H, R, C)
-            if cont is not None:  # the member the memory ended in goes on: not for row 0
-                going = _slots(held.part, base - W, R) * cont.to(q.dtype)[:, None, None, None]
-                slots = slots - going
-            count = count + slots[:, 0, :, -1]
-            if cont is not None:
-                count[1:] += going[:, 0, :, -1]
-        if not causal:  # every member of the row (or every other one), at every offset
-            total = own.sum(0, keepdim=True)
-            count = total.expand(M + 1, B, R) if reads_own else total - own
-        counts = [count + own, count] if causal and reads_own else [count]
-        if cached:
-            bias, reach, masks = shared["mask"]
-        else:
-            bias, reach, masks = self._mask(lay, counts, H)
-            if shared is not None and held is None:
-                shared["layout"], shared["mask"] = lay, (bias, reach, masks)
         size = M * B * H * R
         # member positions never repeat within a member; aligned coordinates may
         unique = lay.unique
-        x = _place(q.reshape(-1, d), lay.asked, size, unique).view(-1, T, d)
-        keys_t, values_t, grids = [], [], []
-        for i, (z, c, out_tables) in enumerate(((k, d, keys_t), (v, dv, values_t))):
-            Gz = _place(z.reshape(-1, c), lay.keyed, size + B * H * R, unique)
-            Gz = Gz.view(M + 1, B, H, R, c)
-            grids.append(Gz)
-            if causal:  # E: one product over the members (a cumsum is no faster)
-                Ez = (before @ Gz.view(M + 1, -1)).view(M + 1, B, H, R, c)
-                if held is not None:
-                    Ez = Ez + slots[None, :, :, :, i * d : i * d + c]
-                    if cont is not None:
-                        Ez[1:] += going[None, :, :, :, i * d : i * d + c]
-                tabs = [Ez + Gz, Ez] if reads_own else [Ez]
+        # one member a row reads none of these tokens' sums: a candidate after a context reads
+        # the memory held alone, a lone sequence nothing (unless the offsets are trained: they
+        # get the zero gradient a read gives, never none)
+        trained = torch.is_grad_enabled() and self.offset_logits.requires_grad
+        if M == 1 and not reads_own and (held is not None or not trained):
+            grids = [_place(z.reshape(-1, z.shape[-1]), lay.keyed, size, unique).view(
+                M, B, H, R, -1) for z in (k, v)] if want_state else []  # fmt: skip
+            if not trained and (held is None or held.mem.shape[2] == 0):
+                out = q.new_zeros(B, H, L, dv)
+                reach = q.new_zeros(B, 1, L, 1, dtype=torch.bool)
+            else:  # a candidate after a context: the memory held, alone
+                counts, tables = _held_tables(held, cont, B, base - W, R, d, T + 1)
+                mask = self._mask(lay, counts, H)
+                out, reach = self._tiles(q, lay, mask, tables, unique), mask[1]
+        else:
+            # the members before each row's (E) and, reading its own member, up to it (F)
+            before = torch.ones(M + 1, M + 1, dtype=q.dtype, device=q.device).tril(-1)
+            count = (before @ own.view(M + 1, B * R)).view(M + 1, B, R)
+            if held is not None:
+                slots = _slots(held.mem, base - W, R)  # (B or 1, H, R, C)
+                if cont is not None:  # the member the memory ended in goes on: not for row 0
+                    going = _slots(held.part, base - W, R) * cont.to(q.dtype)[:, None, None, None]
+                    slots = slots - going
+                count = count + slots[:, 0, :, -1]
+                if cont is not None:
+                    count[1:] += going[:, 0, :, -1]
+            if not causal:  # every member of the row (or every other one), at every offset
+                total = own.sum(0, keepdim=True)
+                count = total.expand(M + 1, B, R) if reads_own else total - own
+            counts = [count + own, count] if causal and reads_own else [count]
+            if cached and "mask" in shared:
+                mask = shared["mask"]
             else:
-                total = Gz.sum(0, keepdim=True)
-                tabs = [total.expand(M + 1, B, H, R, c) if reads_own else total - Gz]
-            # means; keys' carry the scores' 1 / sqrt(d)
-            unit = d**0.5 if i == 0 else 1.0
-            for tab, cnt in zip(tabs, counts, strict=True):
-                out_tables.append((tab / (cnt.clamp_min(1.0) * unit)[:, :, None, :, None]
-                                   ).view(-1, c))  # fmt: skip
-        band = _band(T, W, q.device)
-        offsets = F.pad(self.offset_logits.to(q.dtype), (0, 1))[:, band]  # (H, T, 2T)
-        read = _Read.apply(x, bias, offsets, (M * B, H, R // T, T, 2 * T), int(causal), masks,
-                           *keys_t, *values_t)  # fmt: skip
-        out = (_Take.apply(read.view(-1, dv), lay.asked) if unique else
-               read.view(-1, dv).index_select(0, lay.asked)).view(B, H, L, dv)  # fmt: skip
+                mask = self._mask(lay, counts, H)
+                if shared is not None and held is None:
+                    shared["mask"] = mask
+            keys_t, values_t, grids = [], [], []
+            for i, (z, c, out_tables) in enumerate(((k, d, keys_t), (v, dv, values_t))):
+                Gz = _place(z.reshape(-1, c), lay.keyed, size + B * H * R, unique)
+                Gz = Gz.view(M + 1, B, H, R, c)
+                grids.append(Gz)
+                if causal:  # E: one product over the members (a cumsum is no faster)
+                    Ez = (before @ Gz.view(M + 1, -1)).view(M + 1, B, H, R, c)
+                    if held is not None:
+                        Ez = Ez + slots[None, :, :, :, i * d : i * d + c]
+                        if cont is not None:
+                            Ez[1:] += going[None, :, :, :, i * d : i * d + c]
+                    tabs = [Ez + Gz, Ez] if reads_own else [Ez]
+                else:
+                    total = Gz.sum(0, keepdim=True)
+                    tabs = [total.expand(M + 1, B, H, R, c) if reads_own else total - Gz]
+                # means; keys' carry the scores' 1 / sqrt(d)
+                unit = d**0.5 if i == 0 else 1.0
+                for tab, cnt in zip(tabs, counts, strict=True):
+                    out_tables.append((tab / (cnt.clamp_min(1.0) * unit)[:, :, None, :, None]
+                                       ).view(-1, c))  # fmt: skip
+            out, reach = self._tiles(q, lay, mask, keys_t + values_t, unique), mask[1]
         if not want_state:
             return out, reach, None
         mem = None if held is None else held.mem
@@ -589,6 +632,23 @@ class PositionMemory(CoreWrapper):
             own[last, rows, W : W + P][:, None, :, None].expand(B, H, P, 1)], -1)
         part = self._last_part(positions, held, cont, F.pad(grown, (0, 0, base, 0)))
         return out, reach, MemoryState(None, new_mem, part, positions[:, -1])
+
+    def _tiles(self, q: Tensor, lay: _Layout, mask: tuple, tables: list[Tensor], unique: bool
+               ) -> Tensor:  # fmt: skip
+        """The read (B, H, L, dv) of the queries q (B, H, L, d) from the key tables, then the
+        value tables (rows of M B H R columns, then the zero rows the last tile reaches), under
+        ``mask`` (:meth:`_mask`): each token's query placed in its column, the tile products
+        (:class:`_Read`), each token's row back."""
+        B, H, L, d = q.shape
+        M, T, R, dv = lay.M, lay.T, lay.R, tables[-1].shape[-1]
+        x = _place(q.reshape(-1, d), lay.asked, M * B * H * R, unique).view(-1, T, d)
+        band = _band(T, self.window, q.device)
+        offsets = F.pad(self.offset_logits.to(q.dtype), (0, 1))[:, band]  # (H, T, 2T)
+        bias, _, masks = mask
+        read = _Read.apply(x, bias, offsets, (M * B, H, R // T, T, 2 * T), int(self.causal),
+                           masks, *tables)  # fmt: skip
+        return (_Take.apply(read.view(-1, dv), lay.asked) if unique else
+                read.view(-1, dv).index_select(0, lay.asked)).view(B, H, L, dv)  # fmt: skip
 
     def _read_chunks(self, q: Tensor, k: Tensor, v: Tensor, positions: Tensor, keep: Tensor,
                      held: MemoryState | None, want_state: bool, keys: Tensor | None = None,
@@ -731,8 +791,9 @@ class PositionMemory(CoreWrapper):
         given = [t for t in (positions, mask, coordinates) if t is not None]
         if not isinstance(positions, Tensor) or any(t.is_inference() for t in given):
             return None  # no version counter to tell a changed tensor: no sharing
+        # (a layout worked out under inference mode holds inference tensors: not for autograd)
         token = (tuple(t._version for t in given), shape, self.max_positions, self.window,
-                 self.causal, self.reads_own)  # fmt: skip
+                 self.causal, self.reads_own, torch.is_inference_mode_enabled())  # fmt: skip
         held = getattr(positions, "_memory_layout", None)
         if held is not None and held[0] is mask and held[1] is coordinates and held[2] == token:
             return held[3]

@@ -175,18 +175,25 @@ def test_memory_state_has_the_same_bytes_after_1k_and_64k_context_tokens():
         assert state_bytes(1024) == state_bytes(65536) == 4 * (100 * 9 + 15 * 5)
 
 
+def _causal_memory(seed: int, own: bool) -> PositionMemory:
+    """A causal memory over linear attention (2 heads of 6, P = 16, W = 3) whose offsets and
+    gate are drawn from ``seed`` (at 0 every offset would weigh alike)."""
+    torch.manual_seed(seed)
+    mem = PositionMemory(LinearAttention(2, 6, "taylor", causal=True), 2, 6, 16, window=3,
+                         reads_own=own)
+    with torch.no_grad():
+        mem.offset_logits.normal_()
+        mem.gate_weight.normal_()
+    return mem
+
+
 @pytest.mark.parametrize("own", [False, True])
 def test_a_long_causal_row_is_read_in_chunks_with_the_same_result(monkeypatch, own):
     """Chunks of the row with the memory carried between them (a long context's prefill)
     give the one-pass outputs and state."""
     from protein_performer.model.linear import memory as memory_module
 
-    torch.manual_seed(3)
-    mem = PositionMemory(LinearAttention(2, 6, "taylor", causal=True), 2, 6, 16, window=3,
-                         reads_own=own)
-    with torch.no_grad():
-        mem.offset_logits.normal_()
-        mem.gate_weight.normal_()
+    mem = _causal_memory(3, own)
     pos, mask = _rows(4)
     q, k, v = (torch.randn(2, 2, 41, 6) for _ in range(3))
     whole, state = mem(q, k, v, mask, positions=pos, keep_state=True)
@@ -320,3 +327,62 @@ def test_members_hidden_by_coordinates_neither_read_nor_are_read(causal, own, mo
     repeated = torch.where(pos > 3, pos - 1, pos)  # positions 3 and 4 share a column
     mem(q, k, v, mask, positions=pos, coordinates=repeated)
     assert uniques[-2:] == [True, False]
+
+
+@pytest.mark.parametrize("own", [False, True])
+def test_candidates_after_a_context_read_what_the_whole_rows_read(own):
+    """A batch of one-member candidates after a batch-1 context (the scoring path: the memory
+    that reads only the other members reads the held memory alone) gives, row by row, the
+    tail of the whole row context + candidate, also for a row that continues the context's
+    last member and for a padded one."""
+    mem = _causal_memory(11, own)
+    pos, _ = _rows(6)
+    ctx = pos[:1, :33]  # members of 9, 11 and 13 tokens
+    q, k, v = (torch.randn(1, 2, 33, 6) for _ in range(3))
+    _, state = mem(q, k, v, positions=ctx, keep_state=True)
+    starts = [0, 13, 0]  # row 1 continues the last member (positions 0 .. 12)
+    cand = torch.stack([torch.arange(8) + s for s in starts])
+    pad = torch.zeros(3, 8, dtype=torch.bool)
+    pad[2, 5:] = True
+    qc, kc, vc = (torch.randn(3, 2, 8, 6) for _ in range(3))
+    with torch.inference_mode():
+        batch, _ = mem(qc, kc, vc, pad, state, positions=cand)
+    for b in range(3):
+        n = int((~pad[b]).sum())
+        whole, _ = mem(torch.cat([q, qc[b : b + 1, :, :n]], 2),
+                       torch.cat([k, kc[b : b + 1, :, :n]], 2),
+                       torch.cat([v, vc[b : b + 1, :, :n]], 2),
+                       positions=torch.cat([ctx, cand[b : b + 1, :n]], 1))  # fmt: skip
+        torch.testing.assert_close(batch[b : b + 1, :, :n], whole[:, :, 33:],
+                                   atol=1e-5, rtol=1e-4)  # fmt: skip
+
+
+def test_a_lone_sequence_reads_nothing_and_trained_offsets_still_get_a_gradient():
+    """A row of one member with nothing held reads nothing (the inner core's output, not a
+    read under a mask); where the offsets are trained they get a zero gradient, never none
+    (an optimizer's momentum and DDP's reduction expect one every step)."""
+    torch.manual_seed(12)
+    mem = PositionMemory(ExactAttention(causal=True), 2, 6, max_positions=16, window=2)
+    q, k, v = (torch.randn(2, 2, 10, 6) for _ in range(3))
+    pos = torch.arange(10).repeat(2, 1)
+    inner = ExactAttention(causal=True)(q, k, v)[0]
+    with torch.inference_mode():
+        torch.testing.assert_close(mem(q, k, v, positions=pos)[0], inner)
+    mem(q, k, v, positions=pos.clone())[0].square().sum().backward()
+    assert mem.offset_logits.grad is not None
+    assert not mem.offset_logits.grad.any()
+
+
+def test_a_layout_shared_under_inference_mode_is_not_reused_for_gradients():
+    """The layout held by a positions tensor, worked out under inference mode (inference
+    tensors), is not what a later call that records gradients reads (it could not save them
+    for its backward)."""
+    torch.manual_seed(13)
+    mem = PositionMemory(ExactAttention(causal=True), 2, 6, max_positions=16, window=2)
+    q, k, v = (torch.randn(1, 2, 20, 6) for _ in range(3))
+    pos = (torch.arange(20) % 10)[None]  # two members
+    with torch.inference_mode():
+        first = mem(q, k, v, positions=pos)[0].clone()
+    again = mem(q, k, v, positions=pos)[0]
+    again.sum().backward()
+    torch.testing.assert_close(again.detach(), first)
