@@ -35,6 +35,7 @@ from protein_performer.data.dataset import (
     check_max_len,
     fasta_splits,
 )
+from protein_performer.data.family import DEFAULT_MEMORY_DROPOUT, FamilyDataset
 from protein_performer.data.inputs import Input, open_input
 from protein_performer.data.loader import ResumableDataLoader
 from protein_performer.data.msa import FAMILY_COORDINATES
@@ -92,6 +93,9 @@ class ProteinDataModule(pl.LightningDataModule):
     ``family_coordinates="aligned"`` keys each member's tokens in a position memory by its
     alignment to the family's first member (a family search's; member positions where there is
     none, as for ``cluster`` families) instead of its member positions.
+    ``family_memory_dropout`` hides each later member of a training row from a position memory
+    with that probability (valid/test rows never), so the weights also learn to predict alone
+    (:class:`~protein_performer.data.family.FamilyDataset`).
     ``split_flag`` names the caller's own option for the FASTA fractions in messages
     (``linearize``: ``--heldout-frac``).
     """
@@ -119,6 +123,7 @@ class ProteinDataModule(pl.LightningDataModule):
         family_identity: float = 0.3,
         split_flag: str | None = None,
         family_coordinates: str = "positions",
+        family_memory_dropout: float = DEFAULT_MEMORY_DROPOUT,
     ) -> None:
         super().__init__()
         self.paths = _as_paths(path)
@@ -166,6 +171,7 @@ class ProteinDataModule(pl.LightningDataModule):
                 f"{family_coordinates!r}"
             )
         self.family_coordinates = family_coordinates
+        self.family_memory_dropout = float(family_memory_dropout)
         if family_coordinates == "aligned" and layout == "family" and family_method != "search":
             log.warning(
                 "data.family_coordinates=aligned: %s families carry no alignments, so every "
@@ -341,8 +347,6 @@ class ProteinDataModule(pl.LightningDataModule):
         return self._families[split]
 
     def _family_dataset(self, split: str) -> ProteinDataset:
-        from protein_performer.data.family import FamilyDataset
-
         assert self.sources is not None
         source = self.sources[split]
         assert isinstance(source, StoreSubset)
@@ -358,6 +362,8 @@ class ProteinDataModule(pl.LightningDataModule):
             seed=self.seed,
             alphabet=self.alphabet,
             coordinates=self.family_coordinates,
+            # training rows only: a valid/test row is read as a context is, every member
+            memory_dropout=self.family_memory_dropout if split == "train" else 0.0,
         )
 
     # ---- loaders -----------------------------------------------------------------------------

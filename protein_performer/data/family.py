@@ -18,6 +18,16 @@ family context's aligned homologs take): a member that has an alignment to its f
 member (a family search's, :meth:`~protein_performer.data.homology.Families.coordinates`) sits
 at that member's residue numbers (``data.msa.row_keys``), one without (cluster families) at its
 own member positions. ``"positions"`` (the default): no coordinates, member positions for all.
+
+``memory_dropout`` p (``data.family_memory_dropout``, training rows only): each member after
+the first is, with probability p, hidden from a position memory (its coordinates are -1, so it
+neither reads the memory nor is filed in it; the attention core still reads the whole row).
+Why: a member with homologs before it is predicted mostly by the memory's read, so without
+this the shared weights learn to predict alone (k = 0, where the memory has nothing to read)
+only on each row's first member, and a memory model is worse alone than FAVOR+ trained on the
+same rows (docs/RESULTS.md). Rows then carry coordinates (member positions, or the aligned
+keys) whether or not a member was hidden, so a batch is keyed alike; a model without a memory
+ignores them. The members, crops and masks do not depend on p (the draw has its own stream).
 """
 
 from __future__ import annotations
@@ -29,12 +39,15 @@ import numpy as np
 from protein_performer.data.dataset import Crop, Objective, ProteinDataset, RecordSource
 from protein_performer.data.homology import Families
 from protein_performer.data.masking import IGNORE_INDEX, causal_targets, mlm_mask
-from protein_performer.data.msa import FAMILY_COORDINATES, row_keys
+from protein_performer.data.msa import FAMILY_COORDINATES, UNPLACED, row_keys
 from protein_performer.data.tokenizer import Alphabet
 from protein_performer.errors import UserError
 
 #: Default row budget: the Performer paper's concatenated rows, and PoET's context scale.
 DEFAULT_ROW_TOKENS = 8192
+#: Default ``memory_dropout`` of training rows (``data.family_memory_dropout``), measured on
+#: planted families: alone nearer FAVOR+, recall kept (docs/RESULTS.md).
+DEFAULT_MEMORY_DROPOUT = 0.1
 
 
 class FamilyDataset(ProteinDataset):
@@ -62,7 +75,13 @@ class FamilyDataset(ProteinDataset):
         seed: int = 0,
         alphabet: Alphabet | None = None,
         coordinates: str = "positions",
+        memory_dropout: float = 0.0,
     ) -> None:
+        if not 0.0 <= memory_dropout <= 1.0:
+            raise UserError(
+                f"data.family_memory_dropout must be a probability in [0, 1], got "
+                f"{memory_dropout}"
+            )
         if coordinates not in FAMILY_COORDINATES:
             raise UserError(
                 f"data.family_coordinates must be {' or '.join(FAMILY_COORDINATES)}, got "
@@ -85,6 +104,7 @@ class FamilyDataset(ProteinDataset):
         self.families = families
         self.row_tokens = int(row_tokens)
         self.aligned = coordinates == "aligned"
+        self.memory_dropout = float(memory_dropout)
 
     def __len__(self) -> int:
         return len(self.families)
@@ -105,7 +125,8 @@ class FamilyDataset(ProteinDataset):
     def _row(
         self, index: int, epoch: int
     ) -> tuple[np.ndarray, np.ndarray, list[int], np.ndarray | None]:
-        """:meth:`row`, and the row's coordinates (L,) when ``coordinates="aligned"``."""
+        """:meth:`row`, and the row's coordinates (L,) when ``coordinates="aligned"`` or a
+        member may be hidden from the memory (``memory_dropout``), else None."""
         rng = np.random.default_rng([self.seed, epoch, index])
         members = self.families[index]
         permuted = rng.permutation(len(members))
@@ -130,11 +151,12 @@ class FamilyDataset(ProteinDataset):
                 ignore.append(used + width - 2)  # last residue -> an early <eos>
             ignore.append(used + width - 1)  # <eos> -> the next <cls>
             parts.append(np.concatenate(([a.cls_idx], window, [a.eos_idx])))
+            placed = None
             if self.aligned:
                 placed = self.families.coordinates(where, len(residues))
                 if placed is not None:
                     placed = placed[start : start + len(window)]
-                keys.append(row_keys(placed, len(window)))
+            keys.append(row_keys(placed, len(window)))
             taken.append(m)
             used += width
             if self.row_tokens - used < 3:
@@ -142,7 +164,22 @@ class FamilyDataset(ProteinDataset):
         tokens = np.concatenate(parts)  # (L,)
         targets = causal_targets(tokens, a.pad_idx)
         targets[ignore] = IGNORE_INDEX
-        return tokens, targets, taken, np.concatenate(keys) if self.aligned else None
+        if not (self.aligned or self.memory_dropout):
+            return tokens, targets, taken, None
+        if self.memory_dropout:
+            hidden = self.hidden_members(index, epoch, len(keys))
+            keys = [np.full_like(k, UNPLACED) if h else k
+                    for k, h in zip(keys, hidden, strict=True)]  # fmt: skip
+        return tokens, targets, taken, np.concatenate(keys)
+
+    def hidden_members(self, index: int, epoch: int, members: int) -> np.ndarray:
+        """(members,) bool: which members of row ``index`` in ``epoch`` are hidden from a
+        position memory, each after the first with probability ``memory_dropout``; its own
+        stream of (seed, epoch, index), so the row's members do not depend on it."""
+        rng = np.random.default_rng([self.seed, epoch, index, 2])
+        hidden = rng.random(members) < self.memory_dropout
+        hidden[:1] = False  # the first reads nothing anyway: hiding it only drops context
+        return hidden
 
     def __getitem__(self, key: int | tuple[int, int]) -> dict[str, Any]:
         if isinstance(key, tuple):

@@ -36,6 +36,7 @@ DATA: dict[str, Rule] = {
     "family_max_tokens": Rule(int, 3),  # <cls> + one residue + <eos>
     "family_method": Rule(str, choices=("search", "cluster")),
     "family_identity": Rule(float, 0.0, 1.0, low_open=True),
+    "family_memory_dropout": _FRACTION,
 }
 
 OPTIM: dict[str, Rule] = {

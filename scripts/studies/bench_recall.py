@@ -133,7 +133,8 @@ def cli(*args: str, log: Path) -> None:
 def train(
     store: Path, run: Path, design: str, steps: int, extra: list[str], experiment: str
 ) -> Path:
-    """Train one design; returns its last checkpoint (reused when the run finished before)."""
+    """Train one design (``extra``: the data's overrides and :func:`run_overrides`); returns
+    its last checkpoint (reused when the run finished before)."""
     ckpt = run / "checkpoints" / "last.ckpt"
     if (run / "done").exists() and ckpt.exists():
         return ckpt
@@ -375,7 +376,7 @@ def train_designs(args: argparse.Namespace, store: Path, out: Path, member_len: 
         f"data.family_max_tokens={args.row_tokens}", f"data.max_len={member_len}",
         f"data.max_tokens={args.row_tokens}", f"model.config.dim={args.dim}",
         f"model.config.depth={args.depth}",
-        *([] if args.train_seed is None else [f"seed={args.train_seed}"]),
+        *run_overrides(args),
     ]  # fmt: skip
     path = out / "results.json"
     if path.exists():
@@ -388,6 +389,11 @@ def train_designs(args: argparse.Namespace, store: Path, out: Path, member_len: 
         print(f"{design}: {json.dumps(results['designs'][design])}", flush=True)
         path.write_text(json.dumps(results, indent=1))
     return results
+
+
+def run_overrides(args: argparse.Namespace) -> list[str]:
+    """What ``--train-seed`` and ``--override`` add to every training run's command line."""
+    return [*([] if args.train_seed is None else [f"seed={args.train_seed}"]), *args.override]
 
 
 def context_ppl(lm, targets: list[str], contexts: list[list]) -> float:  # noqa: ANN001
@@ -645,7 +651,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                     "(shifted)")
     ap.add_argument("--corpus", type=Path, default=CORPUS, help="ancestors' FASTA")
     ap.add_argument("--train-seed", type=int, default=None,
-                    help="the training runs' seed (shifted, real; default: the config's)")
+                    help="the training runs' seed (default: the config's, 42); the data "
+                    "(--seed) stay the same")
+    ap.add_argument("--override", action="append", default=[], metavar="KEY=VALUE",
+                    help="a Hydra override added to every training run (repeatable), e.g. "
+                    "data.family_memory_dropout=0")
     ap.add_argument("--dim", type=int, default=64)
     ap.add_argument("--depth", type=int, default=2, help="layers (shifted, real)")
     ap.add_argument("--quick", action="store_true",
@@ -694,7 +704,7 @@ def main(argv: list[str] | None = None) -> int:
                 log=sdir / "preprocess.log")
         for design in designs:
             jobs.append(("family", setting.name, design, store,
-                         family_args(member_len, row_tokens)))
+                         family_args(member_len, row_tokens) + run_overrides(args)))
     mqar_items = []
     experiment = "demo_clm" if args.objective == "clm" else "demo"
     if args.mqar_steps and args.objective == "clm":
@@ -710,7 +720,7 @@ def main(argv: list[str] | None = None) -> int:
         for design in designs:
             jobs.append(("mqar", "mqar", design, fasta,
                          ["data.max_len=256", "data.max_tokens=4096", "data.valid_frac=0.02",
-                          "data.test_frac=0.02"]))
+                          "data.test_frac=0.02", *run_overrides(args)]))
 
     def run(job):
         kind, group, design, data, extra = job

@@ -159,6 +159,39 @@ def test_bad_arguments_are_user_errors() -> None:
         FamilyDataset(src, Families.from_lists([[0, 3]]))
 
 
+def test_memory_dropout_hides_later_members_with_its_probability() -> None:
+    """data.family_memory_dropout=p: each member after the first has coordinates -1 (hidden from
+    a position memory) with probability p, the others their member positions; the rows'
+    members, crops and targets are those of p = 0 (the draw has its own stream), and p = 0 rows
+    carry no coordinates. 400 rows of 6 members: 2,000 draws of p = 0.3, so the share hidden
+    has a standard deviation of sqrt(0.3 * 0.7 / 2000) = 0.010; the bar is 4 of them."""
+    rng = np.random.default_rng(5)
+    seqs = ["".join(rng.choice(list(AMINO), int(rng.integers(5, 15)))) for _ in range(600)]
+    fam = Families.from_lists([list(range(i, i + 6)) for i in range(0, 600, 6)])
+    kw = {"objective": "clm", "max_len": 64, "row_tokens": 200, "seed": 3}
+    plain = FamilyDataset(_source(seqs), fam, **kw)
+    dropped = FamilyDataset(_source(seqs), fam, memory_dropout=0.3, **kw)
+    hidden = []
+    for index in range(len(fam)):
+        for epoch in range(4):
+            item, base = dropped[(index, epoch)], plain[(index, epoch)]
+            assert "coordinates" not in base
+            assert np.array_equal(item["tokens"], base["tokens"])
+            assert np.array_equal(item["targets"], base["targets"])
+            starts = np.flatnonzero(item["tokens"] == CLS)
+            for m, part in enumerate(np.split(item["coordinates"], starts[1:])):
+                gone = bool((part == -1).all())
+                assert gone or np.array_equal(part, np.arange(len(part)))
+                if m == 0:
+                    assert not gone  # the first reads nothing anyway
+                else:
+                    hidden.append(gone)
+    assert len(hidden) == 2000
+    assert abs(np.mean(hidden) - 0.3) < 4 * np.sqrt(0.3 * 0.7 / 2000)
+    with pytest.raises(UserError, match="family_memory_dropout must be a probability"):
+        FamilyDataset(_source(seqs), fam, memory_dropout=1.5)
+
+
 # ---- on a real store (MMseqs2) ---------------------------------------------------------------
 def _planted(path: Path, families: int = 24, members: int = 4, seed: int = 0) -> dict[str, int]:
     """Unrelated random families of near-duplicates (~5% substitutions): id -> family."""
@@ -209,11 +242,16 @@ def test_family_rows_never_hold_a_held_out_record(tmp_path: Path, method: str) -
         family_method=method,
         family_max_tokens=2048,
         num_workers=0,
+        family_memory_dropout=0.5,
     )
     dm.prepare_data()
     dm.setup("fit")
     train = dm.datasets["train"]
     assert isinstance(train, FamilyDataset)
+    # training rows hide members from a memory, valid rows never do (read as a context is)
+    assert train.memory_dropout == 0.5
+    assert dm.datasets["valid"].memory_dropout == 0.0
+    assert "coordinates" not in dm.datasets["valid"][0]
     source = dm.sources["train"]
     for i in range(len(train)):
         _, _, taken = train.row(i, 0)

@@ -32,6 +32,7 @@ BAD = [
     ("data.max_tokens=lots", "data.max_tokens='lots'"),
     ("data.pin_memory=maybe", "data.pin_memory='maybe'"),
     ("data.limit_records=0", "data.limit_records=0"),
+    ("data.family_memory_dropout=1.5", "data.family_memory_dropout=1.5"),
     ("model.optim.lr=-1", "model.optim.lr=-1"),
     ("model.optim.lr=nan", "model.optim.lr=nan"),
     ("model.optim.lr='1e-3'", "model.optim.lr='1e-3'"),

@@ -62,7 +62,9 @@ class _Layout(NamedTuple):
     that enter a position, positions ``base`` .. ``top`` held, M members a row, P positions,
     tiles of T, rows of R columns, each token's key row (``keyed``) and query row (``asked``)
     in the tables (B H L,), the tokens per column ``own`` (M + 1, B, R), each token's query
-    column in it (``slot`` (B, L)) and its member (B, L)."""
+    column in it (``slot`` (B, L)), its member (B, L), and whether no two tokens of a member
+    share a column (``unique``: keyed by member positions, or by coordinates that are those
+    or -1, as a training row's members hidden from the memory have)."""
 
     valid: Tensor
     base: int
@@ -76,6 +78,7 @@ class _Layout(NamedTuple):
     own: Tensor
     slot: Tensor
     member: Tensor
+    unique: bool
 
 
 class MemoryState(NamedTuple):
@@ -402,12 +405,16 @@ class PositionMemory(CoreWrapper):
         W = self.window
         device = positions.device
         member = member_layout(positions)
+        # coordinates that are the member positions wherever they place a token repeat no
+        # column within a member, as member positions do
+        moved = torch.zeros((), dtype=torch.long, device=device)
         if keys is not None:
+            moved = ((keys != positions) & (keys >= 0)).any().long()
             positions = keys
         valid = keep & (positions >= 0) & (positions < self.max_positions)
         low = torch.where(valid, positions, self.max_positions).min()
-        stats = torch.stack([low, torch.where(valid, positions, -1).max(), member.max()])
-        base, top, last = stats.tolist()
+        stats = torch.stack([low, torch.where(valid, positions, -1).max(), member.max(), moved])
+        base, top, last, repeats = stats.tolist()
         if top < 0:
             return None
         M, P = last + 1, top - base + 1
@@ -431,7 +438,7 @@ class PositionMemory(CoreWrapper):
         own = own.index_add_(0, torch.where(valid, slot + W, slot).view(-1),
                              valid.to(dtype).view(-1))  # fmt: skip
         return _Layout(valid, base, top, M, P, T, R, keyed, asked, own.view(M + 1, B, R), slot,
-                       member)  # fmt: skip
+                       member, not repeats)  # fmt: skip
 
     def _sources(self) -> tuple[int, tuple | None]:
         """The tables a read mixes (1, or 2: F and E for a causal memory that reads its own
@@ -548,7 +555,7 @@ class PositionMemory(CoreWrapper):
         base, top, M, P, T, R, own = lay.base, lay.top, lay.M, lay.P, lay.T, lay.R, lay.own
         size = M * B * H * R
         # member positions never repeat within a member; aligned coordinates may
-        unique = keys is None
+        unique = lay.unique
         # one member a row reads none of these tokens' sums: a candidate after a context reads
         # the memory held alone, a lone sequence nothing (unless the offsets are trained: they
         # get the zero gradient a read gives, never none)

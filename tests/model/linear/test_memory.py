@@ -275,6 +275,61 @@ def test_layers_share_one_layout_per_batch_and_a_changed_batch_gets_its_own(monk
 
 
 @pytest.mark.parametrize("own", [False, True])
+@pytest.mark.parametrize("causal", [True, False])
+def test_members_hidden_by_coordinates_neither_read_nor_are_read(causal, own, monkeypatch):
+    """A training row's members hidden from the memory (``data.family_memory_dropout``:
+    coordinates -1, the others' their member positions) get the core's output, and the others
+    read the memory as if the hidden ones were not there: values and float64 gradients against
+    the definition. Such coordinates keep the copying scatter (no key repeats in a member), and
+    coordinates equal to the member positions give what none give."""
+    from protein_performer.model.linear import memory as memory_module
+
+    torch.manual_seed(3)
+    mem = PositionMemory(ExactAttention(causal=causal), 2, 6, max_positions=11, window=2,
+                         reads_own=own).double()
+    with torch.no_grad():
+        mem.offset_logits.normal_()
+        mem.gate_weight.normal_()
+        mem.gate_bias.fill_(1.0)
+    pos, mask = _rows(7)
+    members = member_layout(pos)
+    hidden = (members == 1) | ((members == 2) & (torch.arange(2)[:, None] == 1))
+    keys = torch.where(hidden, -1, pos)
+    q, k, v = (torch.randn(2, 2, 41, 6, dtype=torch.float64, requires_grad=True)
+               for _ in range(3))
+    weight = torch.randn(2, 2, 41, 6, dtype=torch.float64) * ~mask[:, None, :, None]
+    inner = ExactAttention(causal=causal)(q, k, v, mask)[0]
+    inner = inner[0] if isinstance(inner, tuple) else inner
+    # hidden tokens are padding to the memory, and read nothing: the core's output
+    ref = _reference(mem, q, k, v, pos, mask | hidden, inner)
+    ref = torch.where(hidden[:, None, :, None], inner.double(), ref)
+    uniques = []
+    layout = memory_module.PositionMemory._layout
+
+    def noted(self, *args):
+        lay = layout(self, *args)
+        uniques.append(lay.unique)
+        return lay
+
+    monkeypatch.setattr(memory_module.PositionMemory, "_layout", noted)
+    out, _ = mem(q, k, v, mask, positions=pos, coordinates=keys)
+    assert uniques == [True]
+    torch.testing.assert_close(out[0], ref[0], atol=1e-9, rtol=1e-7)
+    torch.testing.assert_close(out[1, :, :36], ref[1, :, :36], atol=1e-9, rtol=1e-7)
+    params = [q, k, v, mem.offset_logits, mem.gate_weight, mem.gate_bias]
+    got = torch.autograd.grad((out * weight).sum(), params, retain_graph=True)
+    want = torch.autograd.grad((ref * weight).sum(), params)
+    for g, r in zip(got, want, strict=True):
+        torch.testing.assert_close(g, r, atol=1e-9, rtol=1e-7)
+    same, _ = mem(q, k, v, mask, positions=pos, coordinates=pos)
+    none, _ = mem(q, k, v, mask, positions=pos)
+    torch.testing.assert_close(same, none, atol=0, rtol=0)
+    repeated = torch.where(pos > 3, pos - 1, pos)  # positions 3 and 4 share a column
+    mem(q, k, v, mask, positions=pos, coordinates=repeated)
+    assert uniques[-2:] == [True, False]
+
+
+@pytest.mark.parametrize("own", [False, True])
 def test_candidates_after_a_context_read_what_the_whole_rows_read(own):
     """A batch of one-member candidates after a batch-1 context (the scoring path: the memory
     that reads only the other members reads the held memory alone) gives, row by row, the
