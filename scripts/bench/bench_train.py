@@ -104,6 +104,24 @@ def synthetic_batch(objective: str, B: int, L: int, seed: int, config: Any,
     return tokens, targets
 
 
+def hidden_coordinates(tokens: Any, cls_idx: int, p: float, seed: int) -> Any:
+    """The ``coordinates`` a training family row carries under ``data.family_memory_dropout``
+    p (:class:`~protein_performer.data.family.FamilyDataset`): member positions, and -1 on the
+    members after a row's first that are hidden from the memory, each with probability p; so
+    the memory's step is timed on the keys the default training run gives it."""
+    import torch
+
+    from protein_performer.data.msa import UNPLACED
+    from protein_performer.model.rotary import member_index, member_positions
+
+    member = member_index(tokens == cls_idx)
+    gen = torch.Generator().manual_seed(seed)
+    hidden = torch.rand(int(member.max()) + 1, generator=gen) < p
+    hidden[0] = False
+    positions = member_positions(tokens, cls_idx)
+    return torch.where(hidden[member], torch.full_like(positions, UNPLACED), positions)
+
+
 def run_case(case: dict[str, Any]) -> None:
     """Warm up, then time optimizer steps; one ``RESULT`` line after every timed step."""
     import torch
@@ -133,13 +151,17 @@ def run_case(case: dict[str, Any]) -> None:
         optimizer = torch.optim.AdamW(model.param_groups(0.01), lr=1e-4, betas=(0.9, 0.98))
         tokens, targets = synthetic_batch(case["objective"], B, L, case["seed"], config,
                                           case.get("member_len", 0))
+        coordinates = None
+        if attention == MEMORY and case.get("memory_dropout"):
+            coordinates = hidden_coordinates(tokens, config.cls_idx, case["memory_dropout"],
+                                             case["seed"]).to(device)
         tokens, targets = tokens.to(device), targets.to(device)
 
         def step() -> float:
             t0 = time.perf_counter()
             optimizer.zero_grad(set_to_none=True)
             with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
-                logits = model(tokens).logits
+                logits = model(tokens, coordinates=coordinates).logits
             # float32 loss under autocast, as the LightningModule does.
             loss = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(),
                                    ignore_index=IGNORE_INDEX)
@@ -258,6 +280,7 @@ def run_all(args: argparse.Namespace) -> list[Row]:
                         "seed": args.seed, "warmup": args.warmup, "steps": args.steps,
                         "budget_s": args.budget_s, "mem_limit_gib": mem_limit,
                         "member_len": args.member_len, "paired": args.paired,
+                        "memory_dropout": args.memory_dropout,
                         "memory_positions": args.memory_positions}
                 t0 = time.perf_counter()
                 results, note = common.spawn_case(__file__, case, args.timeout)
@@ -365,6 +388,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help=f"{MEMORY}: time plain FAVOR+ in the same process, steps alternating")
     p.add_argument("--member-len", type=int, default=0,
                    help="family rows: a member every N tokens (0: one protein a row)")
+    p.add_argument("--memory-dropout", type=float, default=0.0,
+                   help=f"{MEMORY} on family rows: hide each member after a row's first from "
+                        "the memory with this probability (data.family_memory_dropout; "
+                        "family_clm's default is 0.1)")
     p.add_argument("--memory-positions", type=int, default=1024,
                    help=f"{MEMORY}: the memory's position_memory (member positions it holds)")
     p.add_argument("--depth", type=int, default=6)

@@ -82,3 +82,19 @@ def test_tables_show_only_the_ratios_that_were_measured(monkeypatch) -> None:
     rows.append(bt.Row(attention="exact", L=64, **{**shape, "tokens_per_s": 50.0}))
     rows.append(bt.Row(attention="favor", L=64, **shape))
     assert "| clm | 64 | 100 | 50 | 2.00 |" in bt.format_tables(rows, "header")
+
+
+def test_hidden_coordinates_are_the_training_rows_keys(monkeypatch) -> None:
+    """--memory-dropout times the memory on the keys a default family_clm row carries: member
+    positions, -1 on hidden members, never the first; p = 0 hides none, p = 1 all the others."""
+    monkeypatch.syspath_prepend(str(Path(__file__).parents[2] / "scripts" / "bench"))
+    import bench_train as bt
+    import torch
+
+    cls = 0
+    tokens = torch.tensor([[cls, 5, 6, 7, cls, 5, 6, cls, 5, 6, 7, 8]])
+    positions = torch.tensor([[0, 1, 2, 3, 0, 1, 2, 0, 1, 2, 3, 4]])
+    assert torch.equal(bt.hidden_coordinates(tokens, cls, 0.0, seed=0), positions)
+    hidden = bt.hidden_coordinates(tokens, cls, 1.0, seed=0)
+    assert torch.equal(hidden[0, :4], positions[0, :4])
+    assert (hidden[0, 4:] == -1).all()
