@@ -54,15 +54,22 @@ def _reference(mem: PositionMemory, q, k, v, pos, mask, inner_out, members=None)
     return inner_out.double() + gate * (read - inner_out.double())
 
 
-@pytest.mark.parametrize("own", [False, True])
-@pytest.mark.parametrize("causal", [True, False])
-def test_memory_matches_its_definition(causal, own):
-    torch.manual_seed(0)
+def _random_memory(causal: bool, own: bool) -> PositionMemory:
+    """A small memory around exact attention (2 heads of 6, 11 positions, W = 2) with random
+    offsets and gate weights, so every term of the definition is exercised."""
     mem = PositionMemory(ExactAttention(causal=causal), 2, 6, max_positions=11, window=2,
                          reads_own=own)
     with torch.no_grad():
         mem.offset_logits.normal_()
         mem.gate_weight.normal_()
+    return mem
+
+
+@pytest.mark.parametrize("own", [False, True])
+@pytest.mark.parametrize("causal", [True, False])
+def test_memory_matches_its_definition(causal, own):
+    torch.manual_seed(0)
+    mem = _random_memory(causal, own)
     pos, mask = _rows(0)
     q, k, v = (torch.randn(2, 2, 41, 6) for _ in range(3))
     out, _ = mem(q, k, v, mask, positions=pos)
@@ -79,11 +86,7 @@ def test_memory_gradients_match_its_definition(causal, own):
     """The banded read's own backward against autograd through the definition: gradients of
     q, k, v and of the memory's learned offsets and gate (float64, both rows, padding too)."""
     torch.manual_seed(5)
-    mem = PositionMemory(ExactAttention(causal=causal), 2, 6, max_positions=11, window=2,
-                         reads_own=own).double()
-    with torch.no_grad():
-        mem.offset_logits.normal_()
-        mem.gate_weight.normal_()
+    mem = _random_memory(causal, own).double()
     pos, mask = _rows(6)
     q, k, v = (torch.randn(2, 2, 41, 6, dtype=torch.float64, requires_grad=True)
                for _ in range(3))
@@ -285,11 +288,8 @@ def test_members_hidden_by_coordinates_neither_read_nor_are_read(causal, own, mo
     from protein_performer.model.linear import memory as memory_module
 
     torch.manual_seed(3)
-    mem = PositionMemory(ExactAttention(causal=causal), 2, 6, max_positions=11, window=2,
-                         reads_own=own).double()
+    mem = _random_memory(causal, own).double()
     with torch.no_grad():
-        mem.offset_logits.normal_()
-        mem.gate_weight.normal_()
         mem.gate_bias.fill_(1.0)
     pos, mask = _rows(7)
     members = member_layout(pos)
