@@ -54,15 +54,19 @@ def _reference(mem: PositionMemory, q, k, v, pos, mask, inner_out, members=None)
     return inner_out.double() + gate * (read - inner_out.double())
 
 
-def _random_memory(causal: bool, own: bool) -> PositionMemory:
-    """A small memory around exact attention (2 heads of 6, 11 positions, W = 2) with random
-    offsets and gate weights, so every term of the definition is exercised."""
-    mem = PositionMemory(ExactAttention(causal=causal), 2, 6, max_positions=11, window=2,
-                         reads_own=own)
+def _randomized(mem: PositionMemory) -> PositionMemory:
+    """``mem`` with random offsets and gate weights (at 0 every offset would weigh alike), so
+    every term of the definition is exercised."""
     with torch.no_grad():
         mem.offset_logits.normal_()
         mem.gate_weight.normal_()
     return mem
+
+
+def _random_memory(causal: bool, own: bool) -> PositionMemory:
+    """A small memory around exact attention (2 heads of 6, 11 positions, W = 2)."""
+    return _randomized(PositionMemory(ExactAttention(causal=causal), 2, 6, max_positions=11,
+                                      window=2, reads_own=own))
 
 
 @pytest.mark.parametrize("own", [False, True])
@@ -180,14 +184,10 @@ def test_memory_state_has_the_same_bytes_after_1k_and_64k_context_tokens():
 
 def _causal_memory(seed: int, own: bool) -> PositionMemory:
     """A causal memory over linear attention (2 heads of 6, P = 16, W = 3) whose offsets and
-    gate are drawn from ``seed`` (at 0 every offset would weigh alike)."""
+    gate are drawn from ``seed``."""
     torch.manual_seed(seed)
-    mem = PositionMemory(LinearAttention(2, 6, "taylor", causal=True), 2, 6, 16, window=3,
-                         reads_own=own)
-    with torch.no_grad():
-        mem.offset_logits.normal_()
-        mem.gate_weight.normal_()
-    return mem
+    return _randomized(PositionMemory(LinearAttention(2, 6, "taylor", causal=True), 2, 6, 16,
+                                      window=3, reads_own=own))
 
 
 @pytest.mark.parametrize("own", [False, True])
