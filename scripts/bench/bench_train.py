@@ -46,7 +46,7 @@ import math
 import statistics
 import sys
 import time
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from typing import Any
 
 import _common as common
@@ -131,8 +131,7 @@ def run_case(case: dict[str, Any]) -> None:
     from protein_performer.model.config import PerformerConfig
     from protein_performer.model.performer import PerformerLM
 
-    if case.get("threads"):
-        torch.set_num_threads(int(case["threads"]))
+    limit = common.start_case(case)
     device = torch.device(case["device"])
     B, L = case["B"], case["L"]
     bf16 = case["precision"] == "bf16-mixed"
@@ -176,9 +175,7 @@ def run_case(case: dict[str, Any]) -> None:
     # --paired: plain FAVOR+ in the same process, its steps alternating with the memory's
     twin = side("favor") if case.get("paired") and case["attention"] == MEMORY else None
 
-    limit = int(case["mem_limit_gib"] * 2**30) if case.get("mem_limit_gib") else None
-    cuda = device.type == "cuda"
-    with common.PeakSampler(None if cuda else limit, interval_s=0.005) as sampler:
+    with common.PeakSampler(limit, interval_s=0.005) as sampler:
         peak_bytes = common.start_phase(sampler, device)
         try:
             t0 = time.perf_counter()
@@ -243,7 +240,6 @@ class Row:
     note: str = ""
 
 
-CSV_FIELDS = tuple(f.name for f in fields(Row))
 #: What a child's RESULT line carries into its row as measured.
 MEASURED = ("status", "steps_timed", "step_time_s", "step_time_min_s", "tokens_per_s",
             "peak_mem_mib", "final_loss")
@@ -259,8 +255,7 @@ def run_all(args: argparse.Namespace) -> list[Row]:
     lengths = sorted(int(x) for x in args.lengths.split(",") if x)
     objectives = [x for x in args.objectives.split(",") if x]
     attentions = [x for x in args.attentions.split(",") if x]
-    cpu_limit = common.default_mem_limit_gib() if args.device == "cpu" else 0
-    mem_limit = args.mem_limit_gib or cpu_limit
+    mem_limit = args.mem_limit_gib or common.default_mem_limit_gib()
     failed: dict[tuple[str, str], str] = {}
     rows: list[Row] = []
     for objective in objectives:
@@ -291,11 +286,7 @@ def run_all(args: argparse.Namespace) -> list[Row]:
                               paired_speed=result.get("paired_speed", math.nan),
                               note="; ".join(x for x in (result.get("note", ""), note) if x))
                 else:
-                    why = (result or {}).get("note") or note or "no result"
-                    if result is not None and result.get("status") == "oom":
-                        status = "oom"
-                    else:
-                        status = "timeout" if "timeout" in note else "error"
+                    status, why = common.failure(results, note)
                     row = Row(**base, status=status, note=why)
                     failed[series] = f"after {status} at L={L}"
                 rows.append(row)
@@ -434,7 +425,7 @@ def run_parent(args: argparse.Namespace) -> int:
     """Every case in its own process, then the CSV files and the markdown tables under --out."""
     rows = run_all(args)
     csv_path, md_path = args.out / "train.csv", args.out / "train.md"
-    common.write_rows_csv(rows, csv_path, CSV_FIELDS)
+    common.write_rows_csv(rows, csv_path, Row)
     common.write_dicts_csv(ratios(rows), args.out / "train_ratios.csv")
     header = (
         f"depth={args.depth} dim={args.dim} heads={args.heads} m={args.nb_features} "

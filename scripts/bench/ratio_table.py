@@ -47,13 +47,11 @@ def attention(rows: list[dict[str, str]]) -> list[tuple[str, str, float, float, 
         base = times.get(("sdpa", causal, L, mode))
         if impl in OURS and base:
             kind = "causal" if causal == "True" else "bidirectional"
-            note = f"useful FLOP fraction {float(r['useful_frac']):.2f}"
+            frac = f"useful FLOP fraction {float(r['useful_frac']):.2f}"
             backend = BACKENDS.get(r.get("backend", ""))
-            if backend:
-                note = f"{backend}; {note}"
-            case = f"{kind} {mode}, L={L}, {r['dtype']}{OURS[impl]}"
-            ours, theirs = float(r["time_s"]), float(base["time_s"])
-            out.append(("attention vs SDPA", case, ours, theirs, note))
+            out.append(("attention vs SDPA", f"{kind} {mode}, L={L}, {r['dtype']}{OURS[impl]}",
+                        float(r["time_s"]), float(base["time_s"]),
+                        f"{backend}; {frac}" if backend else frac))
     return out
 
 
@@ -79,8 +77,8 @@ def train(rows: list[dict[str, str]]) -> list[tuple[str, str, float, float, str]
         base = times.get(("exact", objective, L))
         if attn == "favor" and base:
             case = f"{objective}, L={L}, {r['precision']}"
-            ours, theirs = float(r["step_time_s"]), float(base["step_time_s"])
-            out.append(("train step vs exact twin", case, ours, theirs, ""))
+            out.append(("train step vs exact twin", case, float(r["step_time_s"]),
+                        float(base["step_time_s"]), ""))
     return out
 
 
