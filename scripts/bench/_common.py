@@ -124,7 +124,6 @@ class PeakSampler:
                 self.peak = rss
             if self._limit is not None and rss > self._limit:
                 emit({"status": "oom", "note": f"RSS {rss / 2**30:.2f} GiB over the limit"})
-                sys.stdout.flush()
                 os._exit(MEM_LIMIT_EXIT)
             time.sleep(self._interval)
 
@@ -207,11 +206,7 @@ def start_phase(sampler: PeakSampler, device: Any) -> Callable[[], int]:
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
         base = torch.cuda.memory_allocated(device)
-
-        def cuda_peak() -> int:
-            return torch.cuda.max_memory_allocated(device) - base
-
-        return cuda_peak
+        return lambda: torch.cuda.max_memory_allocated(device) - base
     sampler.reset()
     base = sampler.peak
     maxrss_before = maxrss_bytes()

@@ -122,13 +122,6 @@ def _build_fn(case: dict[str, Any], device: Any) -> tuple[Callable[..., Any], in
     raise ValueError(f"unknown impl {impl!r}")
 
 
-def _backend(case: dict[str, Any]) -> str:
-    """Which causal path ours ran: the Triton kernels' module is imported only where taken."""
-    if case["impl"] not in OURS or not case["causal"]:
-        return ""
-    return "triton" if TRITON_MODULE in sys.modules else "torch"
-
-
 def useful_flops(impl: str, causal: bool, L: int, B: int, H: int, d: int, m: int,
                  chunk: int | None, backward: bool) -> float:  # fmt: skip
     """Matmul FLOPs the algorithm inherently needs (formula in the module docstring)."""
@@ -150,8 +143,7 @@ def run_matmul_case(case: dict[str, Any]) -> None:
 
     device, dtype, n = torch.device(case["device"]), getattr(torch, case["dtype"]), case["n"]
     gen = torch.Generator(device="cpu").manual_seed(0)
-    a = torch.randn(n, n, generator=gen).to(device, dtype)
-    b = torch.randn(n, n, generator=gen).to(device, dtype)
+    a, b = (torch.randn(n, n, generator=gen).to(device, dtype) for _ in range(2))
     median, best, reps = common.time_phase(lambda: torch.mm(a, b), device, case["repeats"],
                                      case["budget_s"])  # fmt: skip
     common.emit({"status": "ok", "mode": "matmul", "time_s": median, "time_min_s": best,
@@ -202,7 +194,9 @@ def run_case(case: dict[str, Any]) -> None:
     del tiny, out
     if case["impl"] in OURS and case["causal"] and chunk is None:
         chunk = _tuned_chunks(fn, B, H, L, d, device, dtype)  # (nothing where Triton runs)
-    backend = _backend(case)
+    backend = ""  # which causal path ours ran: the Triton kernels' module is imported if taken
+    if case["impl"] in OURS and case["causal"]:
+        backend = "triton" if TRITON_MODULE in sys.modules else "torch"
     if backend == "triton":
         chunk = sys.modules[TRITON_MODULE].CHUNK
 
@@ -369,9 +363,7 @@ def plot(rows: list[Row], path: Path, title: str) -> None:
             ax_m.plot(xs, [max(p[2], 1e-3) for p in pts], ls, **style)
     for ax, ylabel in ((ax_t, "time [s]"), (ax_m, "peak memory delta [MiB]")):
         ax.set_xscale("log", base=2)
-        ax.set_yscale("log")
-        ax.set_xlabel("sequence length L")
-        ax.set_ylabel(ylabel)
+        ax.set(yscale="log", xlabel="sequence length L", ylabel=ylabel)
         ax.grid(True, which="both", alpha=0.3)
     ax_t.legend(fontsize=7, ncol=2)
     fig.suptitle(title, fontsize=9)
@@ -439,9 +431,9 @@ def format_tables(rows: list[Row], matmul_gflops: float) -> str:
              " x ours time | x ours mem |",
              "|---|---|---:|---|---|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
-        ref = _get(rows, "ours", r.causal, r.L, r.mode)
-        rt = _ratio(r.time_s, ref.time_s) if ref and r.status == "ok" else math.nan
-        rm = _ratio(r.peak_mem_mib, ref.peak_mem_mib) if ref and r.status == "ok" else math.nan
+        ref = _get(rows, "ours", r.causal, r.L, r.mode)  # a failed row's nan gives nan
+        rt, rm = (_ratio(getattr(r, k), getattr(ref, k)) if ref else math.nan
+                  for k in ("time_s", "peak_mem_mib"))
         lines.append(
             f"| {r.impl} | {'causal' if r.causal else 'bidir'} | {r.L} | {r.mode} | {r.status} "
             f"| {r.time_s:.4g} | {r.peak_mem_mib:.1f} | {r.achieved_gflops:.1f} "

@@ -113,6 +113,10 @@ def per_token(lm: Any, positions: list[int], steps: int) -> list[dict[str, Any]]
     return rows
 
 
+#: The variable that pins the step generation decodes with, and its value per kind: "eager"
+#: (model.step), "traced" (the default below the compile threshold), "compiled".
+COMPILE_ENV = "PROTEIN_PERFORMER_COMPILE_STEP"
+DECODING = {"eager": "0", "traced": "auto", "compiled": "1"}
 #: The position memory as family_clm trains it (member positions, 1,024 positions).
 MEMORY = {"position_memory": 1024, "positions": "member"}
 
@@ -128,13 +132,6 @@ def _family(n: int, length: int, seed: int = 0) -> list[str]:
             for _ in range(n)]  # fmt: skip
 
 
-def _decoding(kind: str) -> None:
-    """Pin the step generation decodes with: "eager" (model.step), "traced" (the default
-    below the compile threshold), "compiled"."""
-    env = "PROTEIN_PERFORMER_COMPILE_STEP"
-    os.environ[env] = {"eager": "0", "traced": "auto", "compiled": "1"}[kind]
-
-
 def family_totals(args: Any) -> list[dict[str, Any]]:
     """ms per generated token after a family context (read once, not timed): the memory model
     eager and traced (and compiled with ``--compile``), plain FAVOR+ traced, alternating."""
@@ -148,19 +145,17 @@ def family_totals(args: Any) -> list[dict[str, Any]]:
     n = args.new
 
     def once(lm: Any, kind: str) -> float:
-        _decoding(kind)
+        os.environ[COMPILE_ENV] = DECODING[kind]
         return _generate_s(lm, n, "", context=contexts[id(lm)])
 
     for name, lm, kind in runs:  # warm-up: traces (compiles) and first allocations
-        t0 = time.perf_counter()
-        once(lm, kind)
-        print(f"  first run {name} {kind}: {time.perf_counter() - t0:.1f} s", file=sys.stderr)
+        print(f"  first run {name} {kind}: {once(lm, kind):.1f} s", file=sys.stderr)
     times: dict[tuple[str, str], list[float]] = {(r[0], r[2]): [] for r in runs}
     for _ in range(args.repeats):
         for name, lm, kind in runs:
             times[(name, kind)].append(1e3 * once(lm, kind) / n)
             print(f"  {name} {kind}: {times[(name, kind)][-1]:.3f} ms/token", file=sys.stderr)
-    os.environ.pop("PROTEIN_PERFORMER_COMPILE_STEP", None)
+    os.environ.pop(COMPILE_ENV, None)
     return [{"model": name, "step": kind, "median_ms_per_token": statistics.median(ts),
              "best_ms_per_token": min(ts), "repeats": len(ts)}
             for (name, kind), ts in times.items()]  # fmt: skip
@@ -190,9 +185,9 @@ def family_per_token(args: Any) -> list[dict[str, Any]]:
     tok = torch.tensor([5])
     steps = {}
     for kind in ("eager", "traced"):
-        _decoding(kind)
+        os.environ[COMPILE_ENV] = DECODING[kind]
         steps[kind] = decoding_step(model)
-    os.environ.pop("PROTEIN_PERFORMER_COMPILE_STEP", None)
+    os.environ.pop(COMPILE_ENV, None)
     states: dict[tuple[int, str], Any] = {}
     times: dict[tuple[int, str], list[float]] = {}
     with torch.inference_mode():
@@ -321,21 +316,10 @@ def _gpt2(shape: dict[str, int], positions: int) -> Any:
     return GPT2LMHeadModel(cfg).eval()
 
 
-def weight_bytes(model: Any) -> int:
-    """Bytes of distinct parameters (a tied matrix once): what one token must read."""
-    seen, total = set(), 0
-    for p in model.parameters():
-        if p.data_ptr() not in seen:
-            seen.add(p.data_ptr())
-            total += p.numel() * p.element_size()
-    return total
-
-
-def copy_bandwidth(mib: int, threads: int, repeats: int = 5) -> float:
-    """STREAM-like copy bandwidth in bytes/s (read + written) at ``threads`` torch threads."""
+def copy_bandwidth(mib: int, repeats: int = 5) -> float:
+    """STREAM-like copy bandwidth in bytes/s (read + written) at the current torch threads."""
     import torch
 
-    torch.set_num_threads(threads)
     n = mib * 2**20 // 4
     a, b = torch.ones(n), torch.empty(n)
     return 2 * n * 4 / common.time_phase(lambda: b.copy_(a), a.device, repeats)[1]
@@ -427,9 +411,11 @@ def floors(args: Any) -> list[dict[str, Any]]:
         torch.set_num_threads(t)
         for name, lm in lms.items():
             _time_ours(lm, 16, 1, 4)  # warm-up
-            bw = copy_bandwidth(args.stream_mib, t)
+            bw = copy_bandwidth(args.stream_mib)
             ms = min(1e3 * _time_ours(lm, 16, 1, args.new) / args.new for _ in range(args.repeats))
-            wb = weight_bytes(lm.model)
+            # what one token must read: every distinct parameter (a tied matrix once)
+            params = {p.data_ptr(): p for p in lm.model.parameters()}.values()
+            wb = sum(p.numel() * p.element_size() for p in params)
             floor_ms = 1e3 * wb / bw
             rows.append({"shape": name, "threads": t, "weights_mib": wb / 2**20,
                          "copy_gb_s": bw / 1e9, "floor_ms_per_token": floor_ms,
@@ -498,9 +484,8 @@ def total_lines(ours: dict, est: dict, timed: dict, note: str) -> list[str]:
     for n in sorted(set(ours) | set(est) | set(timed)):
         o, e, t = ours.get(n), est.get(n), timed.get(n)
         ratio = (t or e) / o if o and (t or e) else None
-        lines.append(
-            f"| {n} | {'' if o is None else f'{o:.1f}'} | {'' if t is None else f'{t:.1f}'} | "
-            f"{'' if e is None else f'{e:.1f}'} | {'' if ratio is None else f'{ratio:.0f}x'} |")
+        lines.append(f"| {n} | {_fmt(o, '.1f')} | {_fmt(t, '.1f')} | {_fmt(e, '.1f')} | "
+                     f"{_fmt(ratio, '.0f')}{'' if ratio is None else 'x'} |")
     if ours:
         lo, hi = min(ours), max(ours)
         lines.append(f"\nours: {hi} tokens / {lo} tokens = {ours[hi] / ours[lo]:.2f}x "
@@ -548,7 +533,7 @@ def main() -> int:
     import torch
 
     if args.compile:
-        os.environ["PROTEIN_PERFORMER_COMPILE_STEP"] = "1"
+        os.environ[COMPILE_ENV] = DECODING["compiled"]
     torch.set_num_threads(args.threads)
     args.out.mkdir(parents=True, exist_ok=True)
     lm = common.random_clm()

@@ -58,6 +58,8 @@ EPILOG = "Method, memory definition and targets: see the module docstring."
 ATTENTIONS = ("favor", "exact")
 #: FAVOR+ with the position memory (issue 40), measured against plain FAVOR+ on family rows.
 MEMORY = "favor+memory"
+#: The memory's position_memory (member positions it holds), as family_clm trains it.
+MEMORY_POSITIONS = 1024
 #: Issue 40: family-row training with the memory at >= 0.8x the steps/s of plain FAVOR+.
 MEMORY_TARGET = 0.8
 OBJECTIVES = ("mlm", "clm")
@@ -145,7 +147,7 @@ def run_case(case: dict[str, Any]) -> None:
             nb_features=case["m"], objective=case["objective"],
             attention="favor" if attention == MEMORY else attention, kernel=case["kernel"],
             feature_redraw_interval=0,
-            position_memory=case["memory_positions"] if attention == MEMORY else 0).validate()
+            position_memory=MEMORY_POSITIONS if attention == MEMORY else 0).validate()
         model = PerformerLM(config).to(device).train()
         optimizer = torch.optim.AdamW(model.param_groups(0.01), lr=1e-4, betas=(0.9, 0.98))
         tokens, targets = synthetic_batch(case["objective"], B, L, case["seed"], config,
@@ -178,12 +180,10 @@ def run_case(case: dict[str, Any]) -> None:
     with common.PeakSampler(limit, interval_s=0.005) as sampler:
         peak_bytes = common.start_phase(sampler, device)
         try:
-            t0 = time.perf_counter()
             for _ in range(case["warmup"]):
                 step()
                 if twin is not None:
                     twin()
-            log.debug("warmup %.2fs", time.perf_counter() - t0)
             times: list[float] = []
             shares: list[float] = []  # per pair: the twin's step time over this one's
             while len(times) < case["steps"] and (not times or sum(times) < case["budget_s"]):
@@ -245,11 +245,6 @@ MEASURED = ("status", "steps_timed", "step_time_s", "step_time_min_s", "tokens_p
             "peak_mem_mib", "final_loss")
 
 
-def batch_size(tokens: int, L: int) -> int:
-    """Rows per batch for a token budget; at least one row (then the batch holds L tokens)."""
-    return max(1, tokens // L)
-
-
 def run_all(args: argparse.Namespace) -> list[Row]:
     """Every (objective, L, attention) case in its own process, favor/exact interleaved."""
     lengths = sorted(int(x) for x in args.lengths.split(",") if x)
@@ -261,7 +256,7 @@ def run_all(args: argparse.Namespace) -> list[Row]:
     for objective in objectives:
         for L in lengths:
             for attention in attentions:
-                B = batch_size(args.tokens, L)
+                B = max(1, args.tokens // L)  # at least one row (then it holds L tokens)
                 base = {"objective": objective, "attention": attention,
                         "kernel": args.kernel if attention != "exact" else "-", "L": L, "B": B,
                         "tokens_per_batch": B * L, "depth": args.depth, "dim": args.dim,
@@ -275,8 +270,7 @@ def run_all(args: argparse.Namespace) -> list[Row]:
                         "seed": args.seed, "warmup": args.warmup, "steps": args.steps,
                         "budget_s": args.budget_s, "mem_limit_gib": mem_limit,
                         "member_len": args.member_len, "paired": args.paired,
-                        "memory_dropout": args.memory_dropout,
-                        "memory_positions": args.memory_positions}
+                        "memory_dropout": args.memory_dropout}
                 t0 = time.perf_counter()
                 results, note = common.spawn_case(__file__, case, args.timeout)
                 result = results[-1] if results else None  # a child reports after every step
@@ -383,8 +377,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help=f"{MEMORY} on family rows: hide each member after a row's first from "
                         "the memory with this probability (data.family_memory_dropout; "
                         "family_clm's default is 0.1)")
-    p.add_argument("--memory-positions", type=int, default=1024,
-                   help=f"{MEMORY}: the memory's position_memory (member positions it holds)")
     p.add_argument("--depth", type=int, default=6)
     p.add_argument("--dim", type=int, default=320)
     p.add_argument("--heads", type=int, default=20)
