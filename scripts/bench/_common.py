@@ -7,7 +7,8 @@ imports from the installed (editable) package.
 
 The preamble: ``REPO`` (the checkout), ``SEQUENCES`` (the shared data sets beside it) and
 :func:`setup_logging` (INFO to stderr); what several benchmarks measure with or write: a seeded
-random model (:func:`random_lm`, :func:`random_export`), titin, CSV rows and the markdown report.
+random model (:func:`random_lm`, :func:`random_clm`, :func:`random_export`), titin, CSV rows and
+the markdown report.
 
 The benchmark protocol: the parent re-invokes the script with ``--case JSON`` once per case
 (peak memory is only meaningful in a fresh process, and a case that runs too long is killed by a
