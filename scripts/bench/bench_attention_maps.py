@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -46,14 +45,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def run_case(args: argparse.Namespace) -> dict:
-    """One measurement, in this process (called in a subprocess by main)."""
+def run_case(args: argparse.Namespace) -> None:
+    """One measurement, in this process (a fresh one: ``main`` spawns it); emits its result."""
     import numpy as np
     import torch
 
     from protein_performer.contacts.attention import attention_maps
-    from protein_performer.model.config import PerformerConfig
-    from protein_performer.model.performer import PerformerLM
 
     torch.set_num_threads(args.threads)
     kind, _, value = args.case.partition(":")
@@ -62,7 +59,7 @@ def run_case(args: argparse.Namespace) -> dict:
         seq = "".join(rng.choice(list("ACDEFGHIKLMNPQRSTVWY"), int(value)))
         window = None
     else:
-        seq = common.titin(args.fasta)
+        seq = common.titin(Path(args.fasta))
         if seq is None:
             raise SystemExit(f"error: {args.fasta}: no titin record")
         if value:
@@ -70,13 +67,9 @@ def run_case(args: argparse.Namespace) -> dict:
         start, end = args.window
         end = min(end, len(seq))
         window = (min(start, end - 1), end)
-    torch.manual_seed(0)
-    config = PerformerConfig(
-        dim=args.dim, depth=args.depth, heads=args.n_heads, ff_dim=4 * args.dim,
-        attention=args.attention,
-    )  # fmt: skip
     device = torch.device(args.device)
-    model = PerformerLM(config).eval().to(device)
+    model = common.random_lm(dim=args.dim, depth=args.depth, heads=args.n_heads,
+                             ff_dim=4 * args.dim, attention=args.attention).model.to(device)
     heads = None if args.heads == "all" else list(range(int(args.heads)))
     with common.PeakSampler(None) as sampler:
         peak = common.start_phase(sampler, device)
@@ -87,35 +80,32 @@ def run_case(args: argparse.Namespace) -> dict:
         seconds = time.perf_counter() - t0
         peak_mb = round(peak() / 2**20, 1)
     maps = got.maps[got.layers[0]]
-    out = {"case": args.case, "length": len(seq), "window": [got.start, got.end],
-           "map_shape": list(maps.shape), "map_mb": maps.numel() * maps.element_size() / 2**20,
-           "seconds": round(seconds, 3),
-           "heads": len(got.heads),
-           "layer": got.layers[0], "attention": args.attention, "device": str(device),
-           "threads": args.threads}
     cuda = device.type == "cuda"
-    out["cuda_peak_over_baseline_mb" if cuda else "peak_rss_over_baseline_mb"] = peak_mb
-    return out
+    common.emit({"case": args.case, "length": len(seq), "window": [got.start, got.end],
+                 "map_shape": list(maps.shape),
+                 "map_mb": maps.numel() * maps.element_size() / 2**20,
+                 "seconds": round(seconds, 3), "heads": len(got.heads), "layer": got.layers[0],
+                 "attention": args.attention, "device": str(device), "threads": args.threads,
+                 "cuda_peak_over_baseline_mb" if cuda else "peak_rss_over_baseline_mb": peak_mb})
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.case:
-        print(json.dumps(run_case(args)))
+        run_case(argparse.Namespace(**json.loads(args.case)))
         return 0
     lengths = args.lengths or ([256, 512] if args.quick else [1024, 4096])
     cases = [f"full:{n}" for n in lengths] + (["titin:2000"] if args.quick else ["titin:"])
     if args.quick:
         args.window = (1000, 1256)
-    passthrough = [a for a in (argv if argv is not None else sys.argv[1:]) if a != "--quick"]
     results = []
     for case in cases:
-        cmd = [sys.executable, __file__, *passthrough, "--case", case]
-        proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
-        if proc.returncode:
-            print(proc.stderr, file=sys.stderr)
-            return proc.returncode
-        res = json.loads(proc.stdout.strip().splitlines()[-1])
+        child = {**vars(args), "fasta": str(args.fasta), "json": None, "case": case}
+        got, note = common.spawn_case(__file__, child, timeout=7200)
+        if not got:
+            print(f"error: {case}: {note}", file=sys.stderr)
+            return 1
+        res = got[0]
         results.append(res)
         mem = res.get("cuda_peak_over_baseline_mb", res.get("peak_rss_over_baseline_mb"))
         print(f"{case:>12}  L={res['length']:>6}  window={res['window']}  map {res['map_shape']} "
