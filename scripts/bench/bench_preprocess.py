@@ -114,10 +114,8 @@ def parse_only(path: Path) -> tuple[float, float, int]:
 
 def _tree_rss(proc: subprocess.Popen, stop: threading.Event, peak: list[int]) -> None:
     """Sample the summed RSS of ``proc`` and its descendants until ``stop``; keep the max."""
-    try:
-        import psutil
-    except ImportError:
-        return
+    import psutil  # a benchmark dependency, as for every sampler of ``_common``
+
     try:
         root = psutil.Process(proc.pid)
     except psutil.Error:
