@@ -34,7 +34,7 @@ def main() -> int:
                    help=f"proteins (default: the package's {DEMO})")
     p.add_argument("--records", type=int, default=20, help="how many records to use")
     p.add_argument("--threads", type=int, default=2)
-    common.add_final_args(p, "3 short records: a smoke run")
+    p.add_argument("--quick", action="store_true", help="3 short records: a smoke run")
     args = p.parse_args()
     import numpy as np
 
