@@ -170,7 +170,8 @@ def _report(rows: list[dict[str, Any]], args: Any) -> list[str]:
     lengths = sorted({int(T) for _, _, T in ok})
     for threads in args.threads:
 
-        def get(impl: str, T: int, key: str, threads: int = threads) -> Any:  # noqa: ANN401
+        def get(impl: str, T: int, key: str, threads: int = threads) -> float | None:
+            """``key`` of the case (impl, threads, T) if it ran, else None."""
             return ok.get((impl, threads, T), {}).get(key)
 
         lines += [f"threads {threads}", "",
