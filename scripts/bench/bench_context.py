@@ -40,7 +40,6 @@ from typing import Any
 
 import _common as common
 
-SHAPE = {"dim": 320, "depth": 6, "heads": 20, "ff_dim": 1280}
 MEMBER = 300  # residues per context member and per candidate (--residues)
 #: --impls: name -> PerformerConfig fields over the default (FAVOR+ softmax)
 IMPLS: dict[str, dict[str, Any]] = {"favor": {}, "exact": {"attention": "exact"},
@@ -49,12 +48,6 @@ FIELDS = ("impl", "threads", "tokens", "status", "build_s", "ms_per_candidate",
           "cpu_ms_per_candidate",
           "rerun_ms_per_candidate", "candidates", "context_kib", "peak_rss_mib", "score_peak_mib",
           "note")
-
-
-def _lm(impl: str) -> Any:
-    from protein_performer.inference.api import ProteinLM
-
-    return ProteinLM(common.random_lm(**SHAPE, objective="clm", **IMPLS[impl]))
 
 
 def _sequences(n: int, seed: int, size: int = MEMBER, last: int | None = None) -> list[str]:
@@ -81,11 +74,10 @@ def run_case(case: dict[str, Any]) -> None:
     """Child: one (impl, threads, tokens) case; emits one RESULT line."""
     import torch
 
-    torch.set_num_threads(case["threads"])
+    limit = common.start_case(case)
     row: dict[str, Any] = {k: case.get(k) for k in ("impl", "threads", "tokens")}
-    limit = int(case["mem_limit_gib"] * 2**30) if case["mem_limit_gib"] else None
     with common.PeakSampler(limit) as sampler, torch.inference_mode():
-        lm = _lm(case["impl"])
+        lm = common.random_clm(**IMPLS[case["impl"]])
         size = case.get("residues", MEMBER)
         members = _family(case["tokens"], case["seed"], size)
         candidates = _sequences(case["candidates"], case["seed"] + 1, size)
@@ -139,6 +131,7 @@ def run_parent(args: Any) -> int:
                 n = args.exact_candidates if exact else args.candidates
                 reps = args.rerun_reps if not exact or tokens <= args.exact_rerun_max else 0
                 case = {"impl": impl, "threads": threads, "tokens": tokens, "candidates": n,
+                        "device": "cpu",
                         "rerun_reps": reps, "score_reps": args.score_reps, "seed": args.seed,
                         "residues": args.residues,
                         "mem_limit_gib": args.mem_limit_gib or common.default_mem_limit_gib()}
@@ -165,7 +158,8 @@ def _ratio(a: float | None, b: float | None) -> float | None:
 
 
 def _report(rows: list[dict[str, Any]], args: Any) -> list[str]:
-    lines = [f"{SHAPE}, causal, default config, {args.residues}-aa members and candidates", ""]
+    shape = f"{common.ESM2_8M}, causal, default config"
+    lines = [f"{shape}, {args.residues}-aa members and candidates", ""]
     ok = {(r["impl"], r["threads"], r["tokens"]): r for r in rows if r.get("status") == "ok"}
     lengths = sorted({int(T) for _, _, T in ok})
     for threads in args.threads:

@@ -60,8 +60,7 @@ import _common as common
 log = logging.getLogger("bench_embed")
 
 IMPLS = ("performer", "exact", "free", "hf", "esm")
-#: The ESM-2 8M shape, in PerformerConfig's names.
-ESM2_8M = {"depth": 6, "dim": 320, "heads": 20, "ff_dim": 1280}
+ESM2_8M = common.ESM2_8M
 PROTEINS = common.SEQUENCES / "swissprot_opal_train.fasta"
 EMBED_BUDGET = 4096  # protein-performer embed's default --toks-per-batch
 COLUMNS = ("impl", "case", "length", "device", "threads", "status", "time_s", "peak_mib", "note")
