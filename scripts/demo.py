@@ -7,7 +7,8 @@ so the run directory, checkpoints, metrics CSV and training-curve PNG are exactl
 own run gives. Step 2 embeds and scores the bundled demo proteins with that checkpoint (the
 code paths of ``protein-performer embed``/``score``/``export``); step 3 draws its attention maps
 and the attention-derived amino-acid similarity next to BLOSUM62 (``protein-performer
-visualize``). Every output lands in the training run's directory.
+visualize``). Every output lands in the training run's directory, and the script prints where.
+Extra arguments are Hydra overrides passed to ``protein-performer train experiment=demo``.
 """
 
 from __future__ import annotations
@@ -53,13 +54,12 @@ def train(overrides: list[str]) -> tuple[Path, Path]:
 
 
 def run_inference_demo(ckpt_path: str | os.PathLike[str], fasta: str | os.PathLike[str],
-                       out_dir: str | os.PathLike[str], device: str = "cpu",
-                       progress: bool = True) -> dict[str, Path]:
+                       out_dir: str | os.PathLike[str], progress: bool = True) -> dict[str, Path]:
     """Embed (mean + per-residue, last layer) and score every record of ``fasta``.
 
     Returns the written files: ``embeddings`` (HDF5), ``scores`` (CSV; pseudo-ppl for a masked
     LM, causal log-likelihood for a causal LM), and ``export`` (the model as config.json +
-    model.safetensors, what a user would share). CPU by default: the demo model is tiny.
+    model.safetensors, what a user would share). On the CPU: the demo model is tiny.
     """
     from protein_performer.inference.api import load
     from protein_performer.interop.export import export_model
@@ -68,7 +68,7 @@ def run_inference_demo(ckpt_path: str | os.PathLike[str], fasta: str | os.PathLi
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    lm = load(ckpt_path, device)
+    lm = load(ckpt_path, "cpu")
     emb = embed_fasta(
         lm,
         fasta,
@@ -88,14 +88,8 @@ def run_inference_demo(ckpt_path: str | os.PathLike[str], fasta: str | os.PathLi
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        description=(
-            "Train a tiny Performer protein LM on the bundled demo data (CPU, a few minutes), "
-            "then embed and score the demo proteins and plot attention maps with its "
-            "checkpoint; prints where every output is. Extra arguments are Hydra overrides "
-            "passed to `protein-performer train experiment=demo`."
-        ),
-        epilog="example: python scripts/demo.py trainer.max_steps=100",
-    )
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="example: python scripts/demo.py trainer.max_steps=100")  # fmt: skip
     parser.add_argument(
         "--threads", type=int, default=1, metavar="N",
         help="PyTorch CPU threads (default 1: this tiny model gains little from more, and on a "
