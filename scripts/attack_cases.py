@@ -43,9 +43,23 @@ class Case:
     args: Sequence[object]  # protein-performer's arguments (paths as they are spelled)
     want: str  # "error": exit 2 and one error line; "ok": exit 0
     says: str  # text the error line (or, for "ok", stderr) must hold
-    check: Check | None = None  # run after the command (any outcome)
+    check: Check | None = None  # more to check after the run
+    keeps: Sequence[Path] = ()  # files that must keep the bytes they have when the case is built
+    absent: Sequence[Path] = ()  # paths the command must not write
     shell_closes_stdout: bool = False
     stdin: bytes | None = None  # fed to the command's standard input (default: none, closed)
+
+    def __post_init__(self) -> None:
+        self.kept = {p: p.read_bytes() for p in self.keeps}
+
+    def problem(self) -> str | None:
+        """What the run left wrong besides its exit status and message, or None."""
+        changed = [str(p) for p, data in self.kept.items()
+                   if not p.is_file() or p.read_bytes() != data]  # fmt: skip
+        there = [str(p) for p in self.absent if p.exists() or p.is_symlink()]
+        if changed or there:
+            return f"changed: {', '.join(changed)}" if changed else f"written: {', '.join(there)}"
+        return self.check() if self.check else None
 
 
 def _write(path: Path, data: str | bytes) -> Path:
@@ -83,18 +97,14 @@ def _lying_dtype(model: Path, dest: Path) -> Path:
     return dest
 
 
-def _embedded(model: Path, fasta: Path, out: Path) -> Path:
-    _checks.setup("embed", model, fasta, out, "--no-progress")
-    return out
-
-
-def _crafted_h5(model: Path, fasta: Path, work: Path, how: str) -> Path:
-    """A finished embed output with its mean array made to read elsewhere or declare more."""
+def _crafted_h5(embedded: Path, how: str) -> Path:
+    """A copy of a finished embed output with its mean array made to read elsewhere or declare
+    more."""
     import h5py
     import numpy as np
 
-    out = _embedded(model, fasta, work / f"{how}.h5")
-    secret = _write(work / "secret.bin", np.arange(64, dtype=np.float32).tobytes())
+    out = Path(shutil.copy(embedded, embedded.with_name(f"{how}.h5")))
+    secret = _write(out.with_name("secret.bin"), np.arange(64, dtype=np.float32).tobytes())
     with h5py.File(out, "r+") as h5:
         name = f"mean/{int(h5.attrs['repr_layers'][-1])}"
         n, dim = h5[name].shape
@@ -174,16 +184,16 @@ def build(work: Path) -> list[Case]:
     hostile = _write(work / "hostile.fasta", f">{HOSTILE_ID}\n{SEQ}\n")
     dna = _write(work / "dna.fasta", ">d\nACGTACGTACGTNNACGT\n>r\nACGUACGUAGCU\n")
     labels = _write(work / "labels.csv", b"sequence,label\nMKT,1\nMA\xffG,2\n")
-    stale = _embedded(mlm, fasta, work / "stale.h5")
+    stale = work / "stale.h5"
+    _checks.setup("embed", mlm, fasta, stale, "--no-progress")
     view = torch.full((1,), float("nan")).expand(10**6, 10**6)
     torch.save({"state_dict": {"model.embed_tokens.weight": view}}, work / "view.ckpt")
     return [
         Case("report-script", ("visualize", mlm, hostile, "--device", "cpu",
              "--html", work / "r.html"), "ok", "", _report_check(work / "r.html")),
         *(
-            Case(f"h5-{how}", ("embed", mlm, fasta,
-                 _crafted_h5(mlm, fasta, work, how), "--resume", "--no-progress"),
-                 "error", says)
+            Case(f"h5-{how}", ("embed", mlm, fasta, _crafted_h5(stale, how), "--resume",
+                 "--no-progress"), "error", says)
             for how, says in (("external", "stored externally"), ("soft-link", "is a SoftLink"),
                               ("declared-1e9", "declares shape (1000000000"))
         ),
@@ -232,26 +242,6 @@ def build(work: Path) -> list[Case]:
 
 # --------------------------------------------------------------------------------------------
 # Issue 42, the output policy (locks, outputs vs inputs, sidecars, benchmark, cells, escapes).
-
-
-def _unchanged(*paths: Path) -> Check:
-    """A check that ``paths`` keep the bytes they had when the case was built."""
-    before = {p: p.read_bytes() for p in paths}
-
-    def check() -> str | None:
-        changed = [str(p) for p, data in before.items()
-                   if not p.is_file() or p.read_bytes() != data]  # fmt: skip
-        return f"changed: {', '.join(changed)}" if changed else None
-
-    return check
-
-
-def _absent(*paths: Path) -> Check:
-    def check() -> str | None:
-        there = [str(p) for p in paths if p.exists() or p.is_symlink()]
-        return f"written: {', '.join(there)}" if there else None
-
-    return check
 
 
 def _cells_check(path: Path, column: int, want: str) -> Check:
@@ -308,18 +298,18 @@ def policy_cases(work: Path, mlm: Path, clm: Path, fasta: Path) -> list[Case]:
     return [
         # A lock planted as a symlink to the user's file: refused, the file untouched.
         Case("lock-symlink", ("score", mlm, fasta, w / "shared" / "out.csv"), "error",
-             "symbolic link", _unchanged(victim)),
+             "symbolic link", keeps=[victim]),
         # DMS_id used as a path.
         *(
             Case(f"dms-id-{tag}", ("benchmark", "proteingym", _checks.reference_file(
                  w / f"ref-{tag}.csv", dms_id), pg, w / f"pg-{tag}", mlm), "error",
-                 "cannot name a file", _absent(w / "PWNED.csv", w / f"pg-{tag}"))
+                 "cannot name a file", absent=[w / "PWNED.csv", w / f"pg-{tag}"])
             for tag, dms_id in (("abs", str(w / "PWNED")), ("dotdot", "../../dms/assay"))
         ),
         # OUT_DIR == DMS_DIR, and OUT_DIR holding the DMS folder.
         *(
             Case(f"benchmark-out-{tag}", ("benchmark", "proteingym", ref, assay.parent, out,
-                 mlm, "--overwrite"), "error", "never replaces an input", _unchanged(assay))
+                 mlm, "--overwrite"), "error", "never replaces an input", keeps=[assay])
             for tag, out in (("equal", assay.parent), ("holding", w / "o2"))
         ),
         Case("benchmark-reuse-kill", ("benchmark", "proteingym", ref, pg, w / "pg-kill", mlm,
@@ -328,10 +318,10 @@ def policy_cases(work: Path, mlm: Path, clm: Path, fasta: Path) -> list[Case]:
              else "the table is not this model's scores"),
         Case("benchmark-target-seq", ("benchmark", "proteingym", changed, pg,
              w / "pg-target-seq", mlm), "error", "differs: target_seq_sha256",
-             _unchanged(w / "pg-target-seq" / table)),
+             keeps=[w / "pg-target-seq" / table]),
         Case("benchmark-model-name-mutant", ("benchmark", "proteingym", ref, pg, w / "pg-m",
              mlm, "--model-name", "mutant"), "error", "column the tables already have",
-             _absent(w / "pg-m")),
+             absent=[w / "pg-m"]),
         Case("benchmark-model-name-formula", ("benchmark", "proteingym", ref, pg, w / "pg-f",
              mlm, "--model-name", "=1+2", "--no-progress"), "ok", "",
              _cells_check(w / "pg-f" / table, 3, "'=1+2")),
@@ -344,23 +334,23 @@ def policy_cases(work: Path, mlm: Path, clm: Path, fasta: Path) -> list[Case]:
         # Outputs inside input directories.
         Case("embed-into-export", ("embed", mlm, fasta, mlm / "model.safetensors",
              "--overwrite"), "error", "inside the input directory",
-             _unchanged(mlm / "model.safetensors")),
+             keeps=[mlm / "model.safetensors"]),
         Case("score-into-store", ("score", mlm, store, store / "tokens.bin", "--overwrite"),
-             "error", "inside the input directory", _unchanged(store / "tokens.bin")),
+             "error", "inside the input directory", keeps=[store / "tokens.bin"]),
         Case("train-into-store", ("train", f"data.path={store}",
              f"paths.output_dir={store / 'run'}"), "error", "inside the input directory",
-             _absent(store / "run")),
+             absent=[store / "run"]),
         # --context: - reads standard input; a missing name is an error, never a sequence.
         Case("context-stdin", ("score", clm, fasta, w / "ctx.csv", "--context", "-",
              "--no-progress"), "ok", "read 2 of 2 homolog(s)", stdin=homologs),
         Case("context-missing-name", ("score", clm, fasta, w / "ctx2.csv", "--context",
-             "MKTAYIAK"), "error", "MKTAYIAK does not exist", _absent(w / "ctx2.csv")),
+             "MKTAYIAK"), "error", "MKTAYIAK does not exist", absent=[w / "ctx2.csv"]),
         # The OUT.context.json sidecar: never replaced without --overwrite; a run without
         # --context removes a stale one.
         Case("sidecar-exists", ("score-variants", clm, wt, dms, w / "sv.csv"), "error",
-             "sv.csv.context.json already exists", _unchanged(mine)),
+             "sv.csv.context.json already exists", keeps=[mine]),
         Case("sidecar-stale", ("score-variants", clm, wt, dms, w / "stale.csv",
-             "--overwrite", "--no-progress"), "ok", "", _absent(w / "stale.csv.context.json")),
+             "--overwrite", "--no-progress"), "ok", "", absent=[w / "stale.csv.context.json"]),
     ]  # fmt: skip
 
 
@@ -409,7 +399,7 @@ def lifecycle_cases(work: Path, mlm: Path, clm: Path, fasta: Path) -> list[Case]
         # tests/training/test_targets.py
         Case("config-target-open", (*train, "+callbacks.evil._target_=builtins.open",
              f"+callbacks.evil._args_=[{victim},w]"), "error", "callbacks.evil._target_",
-             _unchanged(victim)),
+             keeps=[victim]),
         Case("config-hydra-callback", (*train,
              "+hydra.callbacks.x._target_=pathlib.Path.write_text"), "error",
              "hydra.callbacks.x._target_"),
@@ -443,7 +433,7 @@ def lifecycle_cases(work: Path, mlm: Path, clm: Path, fasta: Path) -> list[Case]
              "error", "more than 1024"),
         # tests/training/test_runner.py
         Case("run-dir-is-a-file", (*train, f"paths.output_dir={afile}"), "error",
-             "is a file, not a directory", _unchanged(afile)),
+             "is a file, not a directory", keeps=[afile]),
     ]  # fmt: skip
 
 
@@ -466,7 +456,7 @@ def run_case(case: Case, timeout: float) -> dict[str, object]:
     else:
         ok = proc.returncode == 0 and case.says in err
         said = (err.strip().splitlines() or [""])[-1][:300]
-    problem = case.check() if ok and case.check else None
+    problem = case.problem() if ok else None
     ok, said = ok and problem is None, problem or said
     return {"case": case.name, "ok": ok, "rc": proc.returncode, "said": said}
 
