@@ -76,12 +76,8 @@ def _temps(output: Path, pid: int | None = None) -> list[str]:
     from protein_performer.io.atomic import temp_prefix
 
     prefix = f".{output.name}." if pid is None else temp_prefix(output, pid)
-    try:
-        names = [p.name for p in output.parent.iterdir()]
-    except OSError:
-        return []
-    return sorted(n for n in names
-                  if n.startswith(prefix) and ".tmp" in n and not n.endswith(".lock"))
+    found = output.parent.glob(f"{prefix}*.tmp*")  # nothing while the folder does not exist
+    return sorted(p.name for p in found if not p.name.endswith(".lock"))
 
 
 def _temp_size(output: Path, pid: int) -> int:
