@@ -23,15 +23,16 @@ import shutil
 import struct
 import subprocess
 import sys
-import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-#: The repository checkout this script belongs to.
-REPO = Path(__file__).resolve().parents[1]
+import _checks
+
 SEQ = "MKTAYIAKQRQISFVKSHFSRQLEERLGLIEVQAPILSRVGDGTQDNLSGAEKAVQ"
 HOSTILE_ID = "</script><script>alert(1)</script>"
+#: More to check after a case's run: what is wrong, or None.
+Check = Callable[[], str | None]
 
 
 @dataclass
@@ -39,57 +40,39 @@ class Case:
     """One command on crafted files and what it must do."""
 
     name: str
-    argv: list[str]
+    args: Sequence[object]  # protein-performer's arguments (paths as they are spelled)
     want: str  # "error": exit 2 and one error line; "ok": exit 0
     says: str  # text the error line (or, for "ok", stderr) must hold
-    check: Callable[[], str | None] | None = None  # more to check after the run (any outcome)
+    check: Check | None = None  # more to check after the run
+    keeps: Sequence[Path] = ()  # files that must keep the bytes they have when the case is built
+    absent: Sequence[Path] = ()  # paths the command must not write
     shell_closes_stdout: bool = False
     stdin: bytes | None = None  # fed to the command's standard input (default: none, closed)
 
+    def __post_init__(self) -> None:
+        self.kept = {p: p.read_bytes() for p in self.keeps}
 
-def _cli(*args: str | Path) -> list[str]:
-    """``protein-performer ARGS`` with this interpreter (paths as they are spelled)."""
-    return [sys.executable, "-m", "protein_performer.cli.main", *map(str, args)]
+    def problem(self) -> str | None:
+        """What the run left wrong besides its exit status and message, or None."""
+        changed = [str(p) for p, data in self.kept.items()
+                   if not p.is_file() or p.read_bytes() != data]  # fmt: skip
+        there = [str(p) for p in self.absent if p.exists() or p.is_symlink()]
+        if changed or there:
+            return f"changed: {', '.join(changed)}" if changed else f"written: {', '.join(there)}"
+        return self.check() if self.check else None
 
 
 def _write(path: Path, data: str | bytes) -> Path:
     """``path`` holding ``data`` (text or bytes)."""
-    if isinstance(data, bytes):
-        path.write_bytes(data)
-    else:
-        path.write_text(data)
+    (path.write_bytes if isinstance(data, bytes) else path.write_text)(data)
     return path
 
 
-def _tiny(work: Path, **config: object) -> object:
-    """A tiny seeded ``LoadedModel`` of ``PerformerConfig(dim=16, heads=2, ff_dim=32,
-    **config)``."""
-    import torch
-
-    from protein_performer.data.tokenizer import Alphabet
-    from protein_performer.interop.record import LoadedModel
+def _config(**edits: object) -> object:
+    """The tiny ``PerformerConfig(dim=16, depth=2, heads=2, ff_dim=32, **edits)``."""
     from protein_performer.model.config import PerformerConfig
-    from protein_performer.model.performer import PerformerLM
 
-    torch.manual_seed(0)
-    cfg = PerformerConfig(**{"dim": 16, "depth": 2, "heads": 2, "ff_dim": 32, **config})
-    return LoadedModel(PerformerLM(cfg).eval(), cfg, Alphabet(), work, torch.device("cpu"),
-                       "export")
-
-
-def _export(work: Path, name: str, **config: object) -> Path:
-    """:func:`_tiny` exported to ``work/name``."""
-    from protein_performer.interop.export import export_model
-
-    return export_model(_tiny(work, **config), work / name)
-
-
-def _models(work: Path) -> tuple[Path, Path]:
-    """Tiny MLM and CLM exports (seeded)."""
-    return tuple(  # type: ignore[return-value]
-        _export(work, objective, nb_features=8, objective=objective)
-        for objective in ("mlm", "clm")
-    )
+    return PerformerConfig(**{"dim": 16, "depth": 2, "heads": 2, "ff_dim": 32, **edits})
 
 
 def _edit_config(model: Path, dest: Path, **edits: object) -> Path:
@@ -114,19 +97,14 @@ def _lying_dtype(model: Path, dest: Path) -> Path:
     return dest
 
 
-def _embedded(model: Path, fasta: Path, out: Path) -> Path:
-    subprocess.run(_cli("embed", model, fasta, out, "--no-progress"),
-                   check=True, capture_output=True)  # fmt: skip
-    return out
-
-
-def _crafted_h5(model: Path, fasta: Path, work: Path, how: str) -> Path:
-    """A finished embed output with its mean array made to read elsewhere or declare more."""
+def _crafted_h5(embedded: Path, how: str) -> Path:
+    """A copy of a finished embed output with its mean array made to read elsewhere or declare
+    more."""
     import h5py
     import numpy as np
 
-    out = _embedded(model, fasta, work / f"{how}.h5")
-    secret = _write(work / "secret.bin", np.arange(64, dtype=np.float32).tobytes())
+    out = Path(shutil.copy(embedded, embedded.with_name(f"{how}.h5")))
+    secret = _write(out.with_name("secret.bin"), np.arange(64, dtype=np.float32).tobytes())
     with h5py.File(out, "r+") as h5:
         name = f"mean/{int(h5.attrs['repr_layers'][-1])}"
         n, dim = h5[name].shape
@@ -139,14 +117,6 @@ def _crafted_h5(model: Path, fasta: Path, work: Path, how: str) -> Path:
         else:  # a billion rows declared, none stored
             h5.create_dataset(name, (10**9, dim), np.float32, chunks=(64, dim))
     return out
-
-
-def _checkpoint(work: Path, name: str, state: dict) -> Path:
-    import torch
-
-    path = work / name
-    torch.save({"state_dict": state}, path)
-    return path
 
 
 def _zip_bomb(work: Path) -> Path:
@@ -178,7 +148,7 @@ def _regression(model: Path, work: Path, name: str, **edits: object) -> Path:
     return path
 
 
-def _report_check(path: Path) -> Callable[[], str | None]:
+def _report_check(path: Path) -> Check:
     def check() -> str | None:
         import re
 
@@ -191,7 +161,7 @@ def _report_check(path: Path) -> Callable[[], str | None]:
     return check
 
 
-def _png_check(out_dir: Path) -> Callable[[], str | None]:
+def _png_check(out_dir: Path) -> Check:
     def check() -> str | None:
         from PIL import Image
 
@@ -205,29 +175,32 @@ def _png_check(out_dir: Path) -> Callable[[], str | None]:
 
 def build(work: Path) -> list[Case]:
     """Every case's files under ``work``, and the cases."""
-    mlm, clm = _models(work)
+    import torch
+
+    mlm, clm = (_checks.tiny_export(work / o, _config(nb_features=8, objective=o))
+                for o in ("mlm", "clm"))
     fasta = _write(work / "in.fasta", f">a one\n{SEQ}\n>b two\n{SEQ[::-1]}\n")
     changed = _write(work / "changed.fasta", f">a one\n{SEQ[::-1]}\n>b two\n{SEQ}\n")
     hostile = _write(work / "hostile.fasta", f">{HOSTILE_ID}\n{SEQ}\n")
     dna = _write(work / "dna.fasta", ">d\nACGTACGTACGTNNACGT\n>r\nACGUACGUAGCU\n")
-    stale = _embedded(mlm, fasta, work / "stale.h5")
-    import torch
-
+    labels = _write(work / "labels.csv", b"sequence,label\nMKT,1\nMA\xffG,2\n")
+    stale = work / "stale.h5"
+    _checks.setup("embed", mlm, fasta, stale, "--no-progress")
     view = torch.full((1,), float("nan")).expand(10**6, 10**6)
-    cases = [
-        Case("report-script", _cli("visualize", mlm, hostile, "--device", "cpu",
+    torch.save({"state_dict": {"model.embed_tokens.weight": view}}, work / "view.ckpt")
+    return [
+        Case("report-script", ("visualize", mlm, hostile, "--device", "cpu",
              "--html", work / "r.html"), "ok", "", _report_check(work / "r.html")),
         *(
-            Case(f"h5-{how}", _cli("embed", mlm, fasta,
-                 _crafted_h5(mlm, fasta, work, how), "--resume", "--no-progress"),
-                 "error", says)
+            Case(f"h5-{how}", ("embed", mlm, fasta, _crafted_h5(stale, how), "--resume",
+                 "--no-progress"), "error", says)
             for how, says in (("external", "stored externally"), ("soft-link", "is a SoftLink"),
                               ("declared-1e9", "declares shape (1000000000"))
         ),
-        Case("resume-stale", _cli("embed", mlm, changed, stale, "--resume",
+        Case("resume-stale", ("embed", mlm, changed, stale, "--resume",
              "--no-progress"), "error", "with another sequence than"),
         *(
-            Case(f"regression-{name}", _cli("contacts", "predict", mlm, fasta,
+            Case(f"regression-{name}", ("contacts", "predict", mlm, fasta,
                  work / f"c-{name}.h5", "--regression",
                  _regression(mlm, work, name, **edit), "--no-progress"), "error", says)
             for name, edit, says in (
@@ -236,81 +209,42 @@ def build(work: Path) -> list[Case]:
                 ("1e308", {"coef": [1e308] * 4}, "at most"),
                 ("bad-heads", {"heads": [-1, 0]}, "out of range"))
         ),
-        Case("safetensors-dtype", _cli("embed", _lying_dtype(mlm, work / "lies"),
+        Case("safetensors-dtype", ("embed", _lying_dtype(mlm, work / "lies"),
              fasta, work / "l.h5"), "error", "torch.int32 vs model"),
-        Case("zero-stride-view", _cli("embed", _checkpoint(work, "view.ckpt",
-             {"model.embed_tokens.weight": view}), fasta, work / "v.h5"), "error",
+        Case("zero-stride-view", ("embed", work / "view.ckpt", fasta, work / "v.h5"), "error",
              "not finite"),
-        Case("zip-bomb", _cli("embed", _zip_bomb(work), fasta, work / "z.h5"),
+        Case("zip-bomb", ("embed", _zip_bomb(work), fasta, work / "z.h5"),
              "error", "inflate to"),
         *(
-            Case(f"config-{key}", _cli("embed", _edit_config(mlm, work / key, **{key: value}),
+            Case(f"config-{key}", ("embed", _edit_config(mlm, work / key, **{key: value}),
                  fasta, work / f"{key}.h5"), "error", key)
             for key, value in (("favor_chunk_size", 10**9), ("rotary_base", 1e308),
                                ("layer_norm_eps", 1e308))
         ),
-        Case("stdout-closed", _cli("generate", clm, "-", "--num", "1", "--max-length", "8"),
+        Case("stdout-closed", ("generate", clm, "-", "--num", "1", "--max-length", "8"),
              "error", "standard output is closed", shell_closes_stdout=True),
-        Case("dna-input", _cli("score", mlm, dna, work / "dna.csv",
+        Case("dna-input", ("score", mlm, dna, work / "dna.csv",
              "--no-progress"), "ok", "looks like DNA or RNA"),
-        Case("output-dir-slash", _cli("score", mlm, fasta, f"{work}/not_yet/"),
+        Case("output-dir-slash", ("score", mlm, fasta, f"{work}/not_yet/"),
              "error", "is a directory"),
+        Case("labels-not-utf8", ("finetune", f"base={mlm}", f"data.train={labels}",
+             f"paths.output_dir={work / 'ft'}"), "error", "is not UTF-8"),
+        *(
+            Case(f"png-id-{tag}", ("visualize", mlm, _write(work / f"id-{tag}.fasta",
+                 f">{rid}\n{SEQ}\n"), "--device", "cpu", "--out-dir", work / f"png-{tag}"),
+                 "ok", "", _png_check(work / f"png-{tag}"))
+            for tag, rid in (("mathtext", "$\\foo{$"), ("100kB", "x" * 100_000))
+        ),
+        *lifecycle_cases(work, mlm, clm, fasta),
+        *policy_cases(work, mlm, clm, fasta),
     ]  # fmt: skip
-    labels = _write(work / "labels.csv", b"sequence,label\nMKT,1\nMA\xffG,2\n")
-    cases.append(Case("labels-not-utf8", _cli("finetune", f"base={mlm}", f"data.train={labels}",
-                      f"paths.output_dir={work / 'ft'}"), "error", "is not UTF-8"))  # fmt: skip
-    for tag, rid in (("mathtext", "$\\foo{$"), ("100kB", "x" * 100_000)):
-        one = work / f"id-{tag}.fasta"
-        one.write_text(f">{rid}\n{SEQ}\n")
-        out = work / f"png-{tag}"
-        cases.append(Case(f"png-id-{tag}", _cli("visualize", mlm, one, "--device",
-                          "cpu", "--out-dir", out), "ok", "", _png_check(out)))  # fmt: skip
-    cases += lifecycle_cases(work, mlm, clm, fasta)
-    cases += policy_cases(work, mlm, clm, fasta)
-    return cases
 
 
 # --------------------------------------------------------------------------------------------
 # Issue 42, the output policy (locks, outputs vs inputs, sidecars, benchmark, cells, escapes).
 
 
-def _unchanged(*paths: Path) -> Callable[[], str | None]:
-    """A check that ``paths`` keep the bytes they had when the case was built."""
-    before = {p: p.read_bytes() for p in paths}
-
-    def check() -> str | None:
-        changed = [str(p) for p, data in before.items()
-                   if not p.is_file() or p.read_bytes() != data]  # fmt: skip
-        return f"changed: {', '.join(changed)}" if changed else None
-
-    return check
-
-
-def _absent(*paths: Path) -> Callable[[], str | None]:
-    def check() -> str | None:
-        there = [str(p) for p in paths if p.exists() or p.is_symlink()]
-        return f"written: {', '.join(there)}" if there else None
-
-    return check
-
-
-def reference_file(path: Path, dms_id: str, target_seq: str | None = None) -> Path:
-    """A one-assay ProteinGym reference (the repository's TEM-1 scan) with ``dms_id``."""
-    import csv
-
-    with open(REPO / "data" / "proteingym" / "reference_two_assays.csv", newline="") as fh:
-        row = next(csv.DictReader(fh))
-    row["DMS_id"] = dms_id
-    if target_seq is not None:
-        row["target_seq"] = target_seq
-    with open(path, "w", newline="") as fh:
-        writer = csv.DictWriter(fh, fieldnames=list(row))
-        writer.writeheader()
-        writer.writerow(row)
-    return path
-
-
-def _cells_check(path: Path, column: int, want: str) -> Callable[[], str | None]:
+def _cells_check(path: Path, column: int, want: str) -> Check:
     """A check that the table's cells in ``column`` start with ``'`` where they start with a
     formula prefix and the score column (the last) stays numbers."""
     import csv
@@ -335,107 +269,89 @@ def _cells_check(path: Path, column: int, want: str) -> Callable[[], str | None]
 def policy_cases(work: Path, mlm: Path, clm: Path, fasta: Path) -> list[Case]:
     """The issue-42 cases of the output policy (built under ``work/policy``)."""
     w = work / "policy"
-    w.mkdir()
-    pg = REPO / "data" / "proteingym"
-    cases: list[Case] = []
-    # A lock planted as a symlink to the user's file: refused, the file untouched.
+    (w / "shared").mkdir(parents=True)
+    pg = _checks.REPO / "data" / "proteingym"
     victim = _write(w / "victim.txt", "precious\n")
-    (w / "shared").mkdir()
     os.symlink(victim, w / "shared" / ".out.csv.lock")
-    cases.append(Case("lock-symlink", _cli("score", mlm, fasta, w / "shared" /
-                      "out.csv"), "error", "symbolic link", _unchanged(victim)))  # fmt: skip
-    # DMS_id used as a path.
-    for tag, dms_id in (("abs", str(w / "PWNED")), ("dotdot", "../../dms/assay")):
-        ref = reference_file(w / f"ref-{tag}.csv", dms_id)
-        cases.append(Case(f"dms-id-{tag}", _cli("benchmark", "proteingym", ref, pg,
-                          w / f"pg-{tag}", mlm), "error", "cannot name a file",
-                          _absent(w / "PWNED.csv", w / f"pg-{tag}")))  # fmt: skip
-    # OUT_DIR == DMS_DIR, and OUT_DIR holding the DMS folder.
-    o2 = w / "o2"
-    (o2 / "scores").mkdir(parents=True)
-    assay = o2 / "scores" / "BLAT_ECOLX_Stiffler_2015.csv"
-    shutil.copy(pg / assay.name, assay)
-    ref = reference_file(w / "ref.csv", "BLAT_ECOLX_Stiffler_2015")
-    for tag, out in (("equal", o2 / "scores"), ("holding", o2)):
-        cases.append(Case(f"benchmark-out-{tag}", _cli("benchmark", "proteingym", ref,
-                          o2 / "scores", out, mlm, "--overwrite"), "error",
-                          "never replaces an input", _unchanged(assay)))  # fmt: skip
+    (w / "o2" / "scores").mkdir(parents=True)
+    assay = Path(shutil.copy(pg / "BLAT_ECOLX_Stiffler_2015.csv", w / "o2" / "scores"))
+    ref = _checks.reference_file(w / "ref.csv", assay.stem)
     # A kill between scores/<id>.csv and its .json: another model's table under the run file.
-    run = _cli("benchmark", "proteingym", ref, pg, w / "pg", mlm,
-               "--no-progress")  # fmt: skip
-    subprocess.run(run, check=True, capture_output=True)
-    scores = w / "pg" / "scores" / "BLAT_ECOLX_Stiffler_2015.csv"
-    good = scores.read_bytes()
-    subprocess.run(_cli("benchmark", "proteingym", ref, pg, w / "pg-clm", clm,
-                        "--no-progress"), check=True, capture_output=True)  # fmt: skip
-    other = (w / "pg-clm" / "scores" / scores.name).read_bytes()
-    for tag, target in (("kill", None), ("target-seq", "M" + SEQ)):
-        dest = w / f"pg-{tag}"
-        shutil.copytree(w / "pg", dest)
-        if target is None:
-            (dest / "scores" / scores.name).write_bytes(other)
-            argv = [*run[:-3], str(dest), str(mlm), "--no-progress"]
-            cases.append(Case("benchmark-reuse-kill", argv, "ok", "a run stopped between them",
-                              lambda d=dest: None if (d / "scores" / scores.name).read_bytes()
-                              == good else "the table is not this model's scores"))  # fmt: skip
-        else:
-            changed = reference_file(w / "ref-changed.csv", "BLAT_ECOLX_Stiffler_2015", target)
-            cases.append(Case("benchmark-target-seq", _cli("benchmark", "proteingym",
-                              changed, pg, dest, mlm), "error",
-                              "differs: target_seq_sha256",
-                              _unchanged(dest / "scores" / scores.name)))  # fmt: skip
-    cases.append(Case("benchmark-model-name-mutant", _cli("benchmark", "proteingym", ref,
-                      pg, w / "pg-m", mlm, "--model-name", "mutant"), "error",
-                      "column the tables already have", _absent(w / "pg-m")))  # fmt: skip
-    cases.append(Case("benchmark-model-name-formula", _cli("benchmark", "proteingym", ref,
-                      pg, w / "pg-f", mlm, "--model-name", "=1+2",
-                      "--no-progress"), "ok", "",
-                      _cells_check(w / "pg-f" / "scores" / scores.name, 3, "'=1+2")))  # fmt: skip
-    # Formula ids in score's table (the negative scores stay numbers).
-    evil = w / "evil.fasta"
-    evil.write_text(f">=HYPERLINK(\"http://x\",\"y\")\n{SEQ}\n>+cmd|' /C calc'!A0\n{SEQ}\n")
-    cases.append(Case("csv-formula-ids", _cli("score", mlm, evil, w / "evil.csv",
-                      "--no-progress"), "ok", "", _cells_check(w / "evil.csv", 0,
-                      "'=HYPERLINK(\"http://x\",\"y\")")))  # fmt: skip
-    # Terminal escapes in an id listed by visualize --record.
+    _checks.setup("benchmark", "proteingym", ref, pg, w / "pg", mlm, "--no-progress")
+    _checks.setup("benchmark", "proteingym", ref, pg, w / "pg-clm", clm, "--no-progress")
+    table = Path("scores") / assay.name
+    good = (w / "pg" / table).read_bytes()
+    for tag in ("kill", "target-seq"):
+        shutil.copytree(w / "pg", w / f"pg-{tag}")
+    shutil.copy(w / "pg-clm" / table, w / "pg-kill" / table)
+    changed = _checks.reference_file(w / "ref-changed.csv", assay.stem, "M" + SEQ)
+    ids = ('=HYPERLINK("http://x","y")', "+cmd|' /C calc'!A0")
+    evil = _write(w / "evil.fasta", "".join(f">{rid}\n{SEQ}\n" for rid in ids))
     esc = _write(w / "esc.fasta", f">\x1b[2J\x1b]0;pwned\x07x\n{SEQ}\n")
-    cases.append(Case("record-id-escapes", _cli("visualize", mlm, esc, "--record",
-                      "nope", "--out-dir", w / "viz"), "error", "'\\x1b[2J"))  # fmt: skip
-    # Outputs inside input directories.
-    cases.append(Case("embed-into-export", _cli("embed", mlm, fasta,
-                      mlm / "model.safetensors", "--overwrite"), "error",
-                      "inside the input directory", _unchanged(mlm / "model.safetensors")))
-    store = w / "store"
-    subprocess.run(_cli("preprocess", fasta, "--out", store, "--no-progress"),
-                   check=True, capture_output=True)  # fmt: skip
-    cases.append(Case("score-into-store", _cli("score", mlm, store,
-                      store / "tokens.bin", "--overwrite"), "error",
-                      "inside the input directory", _unchanged(store / "tokens.bin")))
-    cases.append(Case("train-into-store", _cli("train", f"data.path={store}",
-                      f"paths.output_dir={store / 'run'}"), "error",
-                      "inside the input directory", _absent(store / "run")))  # fmt: skip
-    # --context: - reads standard input; a missing name is an error, never a sequence.
+    store = _store(w / "store", fasta)
     homologs = f">h1\n{SEQ}\n>h2\n{SEQ[::-1]}\n".encode()
-    cases.append(Case("context-stdin", _cli("score", clm, fasta, w / "ctx.csv",
-                      "--context", "-", "--no-progress"), "ok", "read 2 of 2 homolog(s)",
-                      stdin=homologs))  # fmt: skip
-    cases.append(Case("context-missing-name", _cli("score", clm, fasta,
-                      w / "ctx2.csv", "--context", "MKTAYIAK"), "error",
-                      "MKTAYIAK does not exist", _absent(w / "ctx2.csv")))  # fmt: skip
-    # The OUT.context.json sidecar: never replaced without --overwrite; a run without
-    # --context removes a stale one.
     wt = _write(w / "wt.fasta", f">wt\n{SEQ}\n")
     dms = _write(w / "dms.csv", "mutant\nK2R\nT3S\n")
     mine = _write(w / "sv.csv.context.json", "the user's own notes\n")
-    cases.append(Case("sidecar-exists", _cli("score-variants", clm, wt, dms,
-                      w / "sv.csv"), "error", "sv.csv.context.json already exists",
-                      _unchanged(mine)))  # fmt: skip
-    (w / "stale.csv").write_text("old\n")
-    (w / "stale.csv.context.json").write_text("{}\n")
-    cases.append(Case("sidecar-stale", _cli("score-variants", clm, wt, dms,
-                      w / "stale.csv", "--overwrite", "--no-progress"), "ok", "",
-                      _absent(w / "stale.csv.context.json")))  # fmt: skip
-    return cases
+    _write(w / "stale.csv", "old\n")
+    _write(w / "stale.csv.context.json", "{}\n")
+    return [
+        # A lock planted as a symlink to the user's file: refused, the file untouched.
+        Case("lock-symlink", ("score", mlm, fasta, w / "shared" / "out.csv"), "error",
+             "symbolic link", keeps=[victim]),
+        # DMS_id used as a path.
+        *(
+            Case(f"dms-id-{tag}", ("benchmark", "proteingym", _checks.reference_file(
+                 w / f"ref-{tag}.csv", dms_id), pg, w / f"pg-{tag}", mlm), "error",
+                 "cannot name a file", absent=[w / "PWNED.csv", w / f"pg-{tag}"])
+            for tag, dms_id in (("abs", str(w / "PWNED")), ("dotdot", "../../dms/assay"))
+        ),
+        # OUT_DIR == DMS_DIR, and OUT_DIR holding the DMS folder.
+        *(
+            Case(f"benchmark-out-{tag}", ("benchmark", "proteingym", ref, assay.parent, out,
+                 mlm, "--overwrite"), "error", "never replaces an input", keeps=[assay])
+            for tag, out in (("equal", assay.parent), ("holding", w / "o2"))
+        ),
+        Case("benchmark-reuse-kill", ("benchmark", "proteingym", ref, pg, w / "pg-kill", mlm,
+             "--no-progress"), "ok", "a run stopped between them",
+             lambda: None if (w / "pg-kill" / table).read_bytes() == good
+             else "the table is not this model's scores"),
+        Case("benchmark-target-seq", ("benchmark", "proteingym", changed, pg,
+             w / "pg-target-seq", mlm), "error", "differs: target_seq_sha256",
+             keeps=[w / "pg-target-seq" / table]),
+        Case("benchmark-model-name-mutant", ("benchmark", "proteingym", ref, pg, w / "pg-m",
+             mlm, "--model-name", "mutant"), "error", "column the tables already have",
+             absent=[w / "pg-m"]),
+        Case("benchmark-model-name-formula", ("benchmark", "proteingym", ref, pg, w / "pg-f",
+             mlm, "--model-name", "=1+2", "--no-progress"), "ok", "",
+             _cells_check(w / "pg-f" / table, 3, "'=1+2")),
+        # Formula ids in score's table (the negative scores stay numbers).
+        Case("csv-formula-ids", ("score", mlm, evil, w / "evil.csv", "--no-progress"), "ok",
+             "", _cells_check(w / "evil.csv", 0, "'=HYPERLINK(\"http://x\",\"y\")")),
+        # Terminal escapes in an id listed by visualize --record.
+        Case("record-id-escapes", ("visualize", mlm, esc, "--record", "nope", "--out-dir",
+             w / "viz"), "error", "'\\x1b[2J"),
+        # Outputs inside input directories.
+        Case("embed-into-export", ("embed", mlm, fasta, mlm / "model.safetensors",
+             "--overwrite"), "error", "inside the input directory",
+             keeps=[mlm / "model.safetensors"]),
+        Case("score-into-store", ("score", mlm, store, store / "tokens.bin", "--overwrite"),
+             "error", "inside the input directory", keeps=[store / "tokens.bin"]),
+        Case("train-into-store", ("train", f"data.path={store}",
+             f"paths.output_dir={store / 'run'}"), "error", "inside the input directory",
+             absent=[store / "run"]),
+        # --context: - reads standard input; a missing name is an error, never a sequence.
+        Case("context-stdin", ("score", clm, fasta, w / "ctx.csv", "--context", "-",
+             "--no-progress"), "ok", "read 2 of 2 homolog(s)", stdin=homologs),
+        Case("context-missing-name", ("score", clm, fasta, w / "ctx2.csv", "--context",
+             "MKTAYIAK"), "error", "MKTAYIAK does not exist", absent=[w / "ctx2.csv"]),
+        # The OUT.context.json sidecar: never replaced without --overwrite; a run without
+        # --context removes a stale one.
+        Case("sidecar-exists", ("score-variants", clm, wt, dms, w / "sv.csv"), "error",
+             "sv.csv.context.json already exists", keeps=[mine]),
+        Case("sidecar-stale", ("score-variants", clm, wt, dms, w / "stale.csv",
+             "--overwrite", "--no-progress"), "ok", "", absent=[w / "stale.csv.context.json"]),
+    ]  # fmt: skip
 
 
 # --------------------------------------------------------------------------------------------
@@ -443,13 +359,11 @@ def policy_cases(work: Path, mlm: Path, clm: Path, fasta: Path) -> list[Case]:
 # boundaries checked when opened, bounds, child processes); the output-policy half is its own
 # block. Each case is also a regression test in tests/ (named in the case's comment).
 # --------------------------------------------------------------------------------------------
-def _crafted_store(work: Path, fasta: Path, name: str, file: str, edit: Callable) -> Path:
-    """A preprocessed store with one of its files rewritten (sizes kept)."""
-    store = work / name
-    subprocess.run(_cli("preprocess", fasta, "--out", store, "--no-progress"),
-                   check=True, capture_output=True)  # fmt: skip
-    path = store / file
-    path.write_bytes(edit(path.read_bytes()))
+def _store(store: Path, fasta: Path, file: str = "", edit: Callable = bytes) -> Path:
+    """A preprocessed store of ``fasta``, its ``file`` (if named) rewritten by ``edit``."""
+    _checks.setup("preprocess", fasta, "--out", store, "--no-progress")
+    if file:
+        (store / file).write_bytes(edit((store / file).read_bytes()))
     return store
 
 
@@ -460,7 +374,7 @@ def _finetuned(work: Path, **lora: object) -> Path:
     from protein_performer.interop.finetuned import add_lora, finetuned_checkpoint
     from protein_performer.model.task_heads import HeadConfig, TaskHead
 
-    loaded = _tiny(work, depth=1, nb_features=8)
+    loaded = _checks.tiny_lm(work, _config(depth=1, nb_features=8))
     loaded.kind, loaded.lora = "finetuned", {"r": 2}
     loaded.adapters = add_lora(loaded.model, {"r": 2})
     loaded.task = TaskHead(HeadConfig(dim=16, hidden=4))
@@ -471,15 +385,11 @@ def _finetuned(work: Path, **lora: object) -> Path:
     return path
 
 
-def _intact(path: Path, text: str) -> Callable[[], str | None]:
-    return lambda: None if path.read_text() == text else f"{path} was changed"
-
-
 def lifecycle_cases(work: Path, mlm: Path, clm: Path, fasta: Path) -> list[Case]:
     """The lifecycle half of issue 42's cases."""
     victim = _write(work / "victim.txt", "keep me")
     afile = _write(work / "a-file", "not a directory")
-    exact = _export(work, "exact", depth=1, attention="exact")
+    exact = _checks.tiny_export(work / "exact", _config(depth=1, attention="exact"))
     homologs = _write(work / "homologs.fasta", f">h1\n{SEQ}\n>h2\n{SEQ[::-1]}\n")
     wt = _write(work / "wt.fasta", f">wt\n{SEQ}\n")
     mutations = _write(work / "mutations.csv", "mutant\nM1A\n")
@@ -487,70 +397,67 @@ def lifecycle_cases(work: Path, mlm: Path, clm: Path, fasta: Path) -> list[Case]
     train = ("train", "experiment=demo_clm", "trainer.max_steps=1", f"paths.root_dir={work}")
     return [
         # tests/training/test_targets.py
-        Case("config-target-open", _cli(*train, "+callbacks.evil._target_=builtins.open",
+        Case("config-target-open", (*train, "+callbacks.evil._target_=builtins.open",
              f"+callbacks.evil._args_=[{victim},w]"), "error", "callbacks.evil._target_",
-             _intact(victim, "keep me")),
-        Case("config-hydra-callback", _cli(*train,
+             keeps=[victim]),
+        Case("config-hydra-callback", (*train,
              "+hydra.callbacks.x._target_=pathlib.Path.write_text"), "error",
              "hydra.callbacks.x._target_"),
         # tests/data/test_store.py
-        Case("store-lying-id-offsets", _cli("stats", _crafted_store(
-             work, fasta, "lying-ids", "ids.offsets.bin", swap)), "error", "ids.offsets.bin"),
-        Case("store-newline-description", _cli("stats", _crafted_store(
-             work, fasta, "nl-desc", "descriptions.txt", lambda d: d.replace(b"one", b"\n>x"))),
+        Case("store-lying-id-offsets", ("stats", _store(
+             work / "lying-ids", fasta, "ids.offsets.bin", swap)), "error", "ids.offsets.bin"),
+        Case("store-newline-description", ("stats", _store(
+             work / "nl-desc", fasta, "descriptions.txt", lambda d: d.replace(b"one", b"\n>x"))),
              "error", "line break"),
         # tests/io/test_threads.py
-        Case("threads-100000", _cli("score", mlm, fasta, work / "t.csv",
+        Case("threads-100000", ("score", mlm, fasta, work / "t.csv",
              "--threads", "100000", "--no-progress"), "ok", "is more than the"),
         # tests/inference/test_generation.py
-        Case("generate-num-0", _cli("generate", clm, work / "g0.fasta", "--num", "0",
+        Case("generate-num-0", ("generate", clm, work / "g0.fasta", "--num", "0",
              "--max-length", "8"), "error", "--num must be at least 1"),
         # tests/interop/test_finetuned.py
-        Case("finetuned-lora-r-1e9", _cli("embed", _finetuned(work, r=10**9), fasta,
+        Case("finetuned-lora-r-1e9", ("embed", _finetuned(work, r=10**9), fasta,
              work / "ft.h5"), "error", "exceeds the model width"),
-        Case("finetuned-lora-r-text", _cli("embed", _finetuned(work, r="8"), fasta,
+        Case("finetuned-lora-r-text", ("embed", _finetuned(work, r="8"), fasta,
              work / "ft2.h5"), "error", "r must be a positive integer"),
         # tests/training/test_linearize.py
-        Case("linearize-lora-rank-1e8", _cli("linearize", exact, work / "lin1",
+        Case("linearize-lora-rank-1e8", ("linearize", exact, work / "lin1",
              "--data", fasta, "--lora-rank", "100000000", "--lora-steps", "1",
              "--no-progress"), "error", "exceeds the model width"),
-        Case("linearize-max-len-1e12", _cli("linearize", exact, work / "lin2",
+        Case("linearize-max-len-1e12", ("linearize", exact, work / "lin2",
              "--data", fasta, "--max-len", "1000000000000", "--no-progress"), "error",
              "max_len must be in"),
         # tests/inference/test_ensemble.py
-        Case("context-orders-1e8", _cli("score-variants", clm, wt, mutations,
+        Case("context-orders-1e8", ("score-variants", clm, wt, mutations,
              work / "o.csv", "--context", homologs, "--context-orders", "100000000"),
              "error", "more than 1024"),
         # tests/training/test_runner.py
-        Case("run-dir-is-a-file", _cli(*train, f"paths.output_dir={afile}"), "error",
-             "is a file, not a directory", _intact(afile, "not a directory")),
+        Case("run-dir-is-a-file", (*train, f"paths.output_dir={afile}"), "error",
+             "is a file, not a directory", keeps=[afile]),
     ]  # fmt: skip
 
 
 def run_case(case: Case, timeout: float) -> dict[str, object]:
     """Run one case; its row of the report."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore",
-           "PYTHONPATH": str(REPO)}  # fmt: skip
-    argv = case.argv
+    argv = _checks.cli(*case.args)
     if case.shell_closes_stdout:  # the command starts with file descriptor 1 closed
         argv = ["sh", "-c", 'exec "$@" >&-', "sh", *argv]
     try:
         proc = subprocess.run(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                              input=case.stdin, env=env, timeout=timeout)  # fmt: skip
+                              input=case.stdin, env=_checks.ENV, timeout=timeout)  # fmt: skip
     except subprocess.TimeoutExpired:
         return {"case": case.name, "ok": False, "rc": None, "said": f"timed out after {timeout} s"}
-    err = (proc.stderr or b"").decode("utf-8", errors="replace")
+    err = proc.stderr.decode("utf-8", errors="replace")
     errors = [line for line in err.splitlines() if line.startswith("error:")]
     if case.want == "error":
         ok = proc.returncode == 2 and len(errors) == 1 and case.says in errors[0]
         ok = ok and "Traceback" not in err
         said = errors[0] if errors else err.strip()[-300:]
-        problem = case.check() if ok and case.check else None
-        ok, said = ok and problem is None, problem or said
     else:
-        problem = case.check() if proc.returncode == 0 and case.check else None
-        ok = proc.returncode == 0 and case.says in err and problem is None
-        said = problem or (err.strip().splitlines() or [""])[-1][:300]
+        ok = proc.returncode == 0 and case.says in err
+        said = (err.strip().splitlines() or [""])[-1][:300]
+    problem = case.problem() if ok else None
+    ok, said = ok and problem is None, problem or said
     return {"case": case.name, "ok": ok, "rc": proc.returncode, "said": said}
 
 
@@ -560,8 +467,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", type=Path, default=None, help="work directory (default: a temp dir)")
     p.add_argument("--timeout", type=float, default=120.0, help="seconds per case (default 120)")
     args = p.parse_args(argv)
-    work = args.out or Path(tempfile.mkdtemp(prefix="pp_attack_"))
-    work.mkdir(parents=True, exist_ok=True)
+    work = _checks.work_dir(args.out, "pp_attack_")
     cases = build(work)
     if args.only:
         unknown = sorted(set(args.only) - {c.name for c in cases})
@@ -573,7 +479,7 @@ def main(argv: list[str] | None = None) -> int:
         row = run_case(case, args.timeout)
         rows.append(row)
         print(f"{'ok  ' if row['ok'] else 'FAIL'} {case.name:22s} exit {row['rc']}  {row['said']}")
-    (work / "report.json").write_text(json.dumps({"cases": rows}, indent=1))
+    _checks.write_report(work, {"cases": rows})
     failed = [r["case"] for r in rows if not r["ok"]]
     print(f"{len(rows) - len(failed)} of {len(rows)} case(s) ok; report: {work / 'report.json'}")
     return 1 if failed else 0

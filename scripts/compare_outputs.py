@@ -3,12 +3,12 @@
 the same tiny models and compare every output file, dataset by dataset.
 
 Three tiny random models (FAVOR+ MLM, FAVOR+ CLM, exact MLM) are exported once by the OLDER
-checkout (`--models`, with its package first on PYTHONPATH: newer versions read older exports,
-not the other way round). Each checkout's commands (`--run PYTHONPATH OUT`, the CLI of 0.3.0 and
-later) then embed, score, score variants, generate, fit and predict contacts, export to Hugging
-Face, evaluate and run the two-assay ProteinGym benchmark on the bundled data; `--compare A B`
-lists every file or HDF5 dataset that differs (HDF5 attributes are shown apart: they carry
-versions).
+checkout (`--models`, with its package, 0.4.0 or later, first on PYTHONPATH: newer versions read
+older exports, not the other way round). Each checkout's commands (`--run PYTHONPATH OUT`, the
+CLI of 0.3.0 and later) then embed, score, score variants, generate, fit and predict contacts,
+export to Hugging Face, evaluate and run the two-assay ProteinGym benchmark on the bundled data;
+`--compare A B` lists every file or HDF5 dataset that differs (HDF5 attributes are shown apart:
+they carry versions).
 
     PYTHONPATH=/path/to/old/checkout python scripts/compare_outputs.py --models /tmp/cmp/models
     python scripts/compare_outputs.py --run /path/to/old/checkout /tmp/cmp/old
@@ -20,87 +20,63 @@ from __future__ import annotations
 
 import argparse
 import hashlib
-import os
 import subprocess
 import sys
 from pathlib import Path
 
-#: The repository checkout this script belongs to.
-REPO = Path(__file__).resolve().parents[1]
+import _checks
 
-
-DEMO = REPO / "protein_performer" / "data" / "demo" / "some_proteins.fasta"
-DMS = REPO.parent / "shared" / "data" / "dms"
-STRUCTURES = REPO.parent / "shared" / "data" / "structures"
-PROTEINGYM = REPO / "data" / "proteingym"
+DEMO = _checks.REPO / "protein_performer" / "data" / "demo" / "some_proteins.fasta"
+DMS = _checks.REPO.parent / "shared" / "data" / "dms"
+STRUCTURES = _checks.REPO.parent / "shared" / "data" / "structures"
+PROTEINGYM = _checks.REPO / "data" / "proteingym"
 
 
 def make_models(out: Path) -> None:
-    """Export the three models with this checkout's code (seeded)."""
-    import importlib
-
-    import torch
-
-    from protein_performer.data.tokenizer import Alphabet
-
-    # Where each version keeps them: 0.4.0 (interop/ by job), 0.3.0 (interop/loading.py).
-    for record, export in (("interop.record", "interop.export"), ("interop.loading",) * 2):
-        try:
-            LoadedModel = importlib.import_module(f"protein_performer.{record}").LoadedModel
-            export_model = importlib.import_module(f"protein_performer.{export}").export_model
-            break
-        except (ImportError, AttributeError):
-            continue
+    """Export the three models with the package on the path (seeded; ``from_dict`` fills the
+    keys it is not given as that version's checkpoints without them read)."""
     from protein_performer.model.config import PerformerConfig
-    from protein_performer.model.performer import PerformerLM
 
     base = {"dim": 32, "depth": 2, "heads": 4, "ff_dim": 64}
     kinds = {"mlm": {}, "clm": {"objective": "clm"}, "exact": {"attention": "exact"}}
     for name, kw in kinds.items():
-        torch.manual_seed(0)
-        config = PerformerConfig.from_dict({**base, **kw})
-        model = PerformerLM(config).eval()
-        loaded = LoadedModel(model, config, Alphabet(), Path(name), torch.device("cpu"), "memory")
-        export_model(loaded, out / name)
+        _checks.tiny_export(out / name, PerformerConfig.from_dict({**base, **kw}))
 
 
-def commands(models: Path) -> list[list[str]]:
+def commands(models: Path) -> list[list[object]]:
     """The inference commands."""
-    m = {k: str(models / k) for k in ("mlm", "clm", "exact")}
-    fasta, wt, csv = (str(DEMO), str(DMS / "BLAT_ECOLX_wt_offset24.fasta"),
-                      str(DMS / "BLAT_ECOLX_Ranganathan2015.csv"))
-    pdbs = [str(p) for p in sorted(STRUCTURES.glob("*.pdb"))[:3]]
+    mlm, clm, exact = (models / k for k in ("mlm", "clm", "exact"))
     one = ["--threads", "1"]
-    variants = ["--offset", "24", "--label-col", "2500", "--limit-rows", "30", *one]
-    runs = [["embed", m["mlm"], fasta, "e.h5", "--repr-layers", "0", "-1", "--include", "mean"],
-            ["embed", m["exact"], fasta, "ex.h5", "--include", "mean", *one, "--no-progress"],
-            ["score", m["mlm"], fasta, "s.csv", "--strategy", "pseudo-ppl", *one, "--no-progress"],
-            ["score", m["clm"], fasta, "c.csv", "--strategy", "causal", *one, "--no-progress"],
-            ["score", m["clm"], fasta, "c.tsv", "--strategy", "causal", *one, "--no-progress"]]
-    runs[0] += ["per_tok", "bos", *one, "--no-progress"]
-    regression = ["--regression", "cdir/contact_regression.json", *one]
-    return [*runs,
-            ["score-variants", m["mlm"], wt, csv, "v.csv", *variants],
-            ["generate", m["clm"], "g.fasta", "--num", "3", "--max-length", "40", "--seed", "0",
+    quiet = [*one, "--no-progress"]
+    return [["embed", mlm, DEMO, "e.h5", "--repr-layers", "0", "-1", "--include", "mean",
+             "per_tok", "bos", *quiet],
+            ["embed", exact, DEMO, "ex.h5", "--include", "mean", *quiet],
+            ["score", mlm, DEMO, "s.csv", "--strategy", "pseudo-ppl", *quiet],
+            ["score", clm, DEMO, "c.csv", "--strategy", "causal", *quiet],
+            ["score", clm, DEMO, "c.tsv", "--strategy", "causal", *quiet],
+            ["score-variants", mlm, DMS / "BLAT_ECOLX_wt_offset24.fasta",
+             DMS / "BLAT_ECOLX_Ranganathan2015.csv", "v.csv", "--offset", "24", "--label-col",
+             "2500", "--limit-rows", "30", *one],
+            ["generate", clm, "g.fasta", "--num", "3", "--max-length", "40", "--seed", "0",
              *one],
-            ["contacts", "fit", m["mlm"], *pdbs, "--out-dir", "cdir"],
-            ["contacts", "predict", m["mlm"], fasta, "p.h5", *regression],
-            ["eval", m["mlm"], fasta, "--out-dir", "evaldir"],
-            ["benchmark", "proteingym", str(PROTEINGYM / "reference_two_assays.csv"),
-             str(PROTEINGYM), "pg", m["mlm"], *one, "--no-progress"],
-            ["export", m["mlm"], "hf", "--format", "hf", "--as-exact"]]  # fmt: skip
+            ["contacts", "fit", mlm, *sorted(STRUCTURES.glob("*.pdb"))[:3], "--out-dir", "cdir"],
+            ["contacts", "predict", mlm, DEMO, "p.h5", "--regression",
+             "cdir/contact_regression.json", *one],
+            ["eval", mlm, DEMO, "--out-dir", "evaldir"],
+            ["benchmark", "proteingym", PROTEINGYM / "reference_two_assays.csv", PROTEINGYM,
+             "pg", mlm, *quiet],
+            ["export", mlm, "hf", "--format", "hf", "--as-exact"]]  # fmt: skip
 
 
 def run(checkout: Path, out: Path, models: Path) -> int:
     """Run every command with ``checkout``'s package first on the path; returns the failures."""
     out.mkdir(parents=True, exist_ok=True)
-    env = {**os.environ, "PYTHONPATH": str(checkout.resolve()), "OMP_NUM_THREADS": "1"}
+    env = {**_checks.ENV, "PYTHONPATH": str(checkout.resolve())}
     failed = 0
     with open(out / "log.txt", "w") as log:
         for argv in commands(models):
-            cmd = [sys.executable, "-m", "protein_performer.cli.main", *argv]
-            rc = subprocess.run(cmd, cwd=out, env=env, stdout=log, stderr=log, check=False)
-            print(f"rc={rc.returncode}: {' '.join(argv[:2])}")
+            rc = subprocess.run(_checks.cli(*argv), cwd=out, env=env, stdout=log, stderr=log)
+            print(f"rc={rc.returncode}: {' '.join(map(str, argv[:2]))}")
             failed += rc.returncode != 0
     return failed
 
@@ -117,15 +93,11 @@ def _digest(value: object) -> str:
 def _h5(path: Path) -> tuple[dict[str, str], dict[str, str]]:
     import h5py
 
-    data: dict[str, str] = {}
+    names: list[str] = []
     with h5py.File(path, "r") as f:
-        f.visititems(
-            lambda name, obj: (
-                data.__setitem__(name, _digest(obj[()])) if isinstance(obj, h5py.Dataset) else None
-            )
-        )
-        attrs = {k: str(v) for k, v in f.attrs.items()}
-    return data, attrs
+        f.visit(names.append)
+        data = {n: _digest(f[n][()]) for n in names if isinstance(f[n], h5py.Dataset)}
+        return data, {k: str(v) for k, v in f.attrs.items()}
 
 
 def compare(a: Path, b: Path) -> int:

@@ -21,7 +21,7 @@ from protein_performer.inference.dms_metrics import (
     top_recall,
 )
 from protein_performer.jobs.proteingym import summary_columns
-from scripts.attack_cases import reference_file
+from scripts._checks import reference_file
 from tests.interop.test_loading import fit_checkpoint
 from tests.paths import REPO
 
