@@ -336,20 +336,14 @@ def budget_line(args: argparse.Namespace) -> str:
             f"thread(s), seeds {','.join(map(str, args.seeds))}")
 
 
-def mean_sd(values: Iterable[Any]) -> tuple[float, float]:
-    """Mean and sample sd of the finite numbers among ``values`` (NaN where there are none)."""
-    vals = [v for v in values if isinstance(v, (int, float)) and math.isfinite(v)]
-    if not vals:
-        return math.nan, math.nan
-    return statistics.fmean(vals), statistics.stdev(vals) if len(vals) > 1 else math.nan
-
-
 def cell(values: Iterable[Any], scale: float = 1.0, digits: int = 2) -> str:
-    """``mean ± sd`` over seeds (sd: sample standard deviation; absent for one seed)."""
-    m, s = mean_sd(v * scale for v in values)
-    if not math.isfinite(m):
+    """``mean ± sd`` over seeds of the finite numbers among ``values`` (sd: sample standard
+    deviation; absent for one seed; ``-`` for none)."""
+    vals = [v * scale for v in values if isinstance(v, (int, float)) and math.isfinite(v)]
+    if not vals:
         return "-"
-    return f"{m:.{digits}f}" + (f" ± {s:.{digits}f}" if math.isfinite(s) else "")
+    sd = f" ± {statistics.stdev(vals):.{digits}f}" if len(vals) > 1 else ""
+    return f"{statistics.fmean(vals):.{digits}f}" + sd
 
 
 def select(rows: list[dict[str, Any]], /, **match: Any) -> list[dict[str, Any]]:

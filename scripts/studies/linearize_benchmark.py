@@ -51,45 +51,37 @@ from protein_performer.data.masking import IGNORE_INDEX
 from protein_performer.training.linearize_options import LinearizeOptions
 
 log = logging.getLogger("linearize_benchmark")
-DEFAULT_DATA = [h.SEQUENCES / "uniprot_mmseqs_train.fasta",
-                h.SEQUENCES / "swissprot_opal_train.fasta"]
 FIELDS = ("method", "window", "steps", "trainable", "cpu_s", "ppl", "ratio", "reached_1.02x",
           "cpu_s_to_1.02x")
 TARGET, RECIPE_TARGET = 1.01, 1.02  # the issue: <= 1.01x for less than the recipe's 1.02x
 
 
-@torch.no_grad()
-def heldout_ppl(model: torch.nn.Module, loader: Any) -> float:
-    """exp(token-weighted mean NLL) over the loader's MLM targets, eval mode, same as val/ppl."""
-    was_training = model.training
-    model.eval()
-    device = next(model.parameters()).device
-    nll, count = 0.0, 0
-    for batch in loader:
-        tokens = batch["tokens"].to(device)
-        targets = batch["targets"].to(device)
-        logits = model(tokens, padding_mask=batch["padding_mask"].to(device)).logits
-        nll += F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(),
-                               ignore_index=IGNORE_INDEX, reduction="sum").item()
-        count += int((targets != IGNORE_INDEX).sum())
-    model.train(was_training)
-    if count == 0:
-        raise RuntimeError("the held-out split has no masked tokens: use more records")
-    return math.exp(nll / count)
-
-
 class EvalClock:
-    """``heldout_ppl`` with its CPU time kept apart, so rows count their fitting alone."""
+    """Held-out perplexity: exp(token-weighted mean NLL) over the loader's MLM targets, eval
+    mode, same as val/ppl; its CPU time kept apart (``seconds``), so rows count their fitting
+    alone."""
 
     def __init__(self) -> None:
         self.seconds = 0.0
 
+    @torch.no_grad()
     def __call__(self, model: torch.nn.Module, loader: Any) -> float:
-        start = time.process_time()
-        try:
-            return heldout_ppl(model, loader)
-        finally:
-            self.seconds += time.process_time() - start
+        start, was_training = time.process_time(), model.training
+        model.eval()
+        device = next(model.parameters()).device
+        nll, count = 0.0, 0
+        for batch in loader:
+            tokens = batch["tokens"].to(device)
+            targets = batch["targets"].to(device)
+            logits = model(tokens, padding_mask=batch["padding_mask"].to(device)).logits
+            nll += F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(),
+                                   ignore_index=IGNORE_INDEX, reduction="sum").item()
+            count += int((targets != IGNORE_INDEX).sum())
+        model.train(was_training)
+        self.seconds += time.process_time() - start
+        if count == 0:
+            raise RuntimeError("the held-out split has no masked tokens: use more records")
+        return math.exp(nll / count)
 
 
 def make_eval_callback(loader: Any, every: int, curve: list[dict],
@@ -200,7 +192,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--exact-steps", type=int, default=3000,
                    help="without --exact-ckpt: the exact model's training steps")
     p.add_argument("--exact-lr", type=float, default=1e-3, help="its learning rate")
-    p.add_argument("--data", type=Path, nargs="+", default=DEFAULT_DATA,
+    p.add_argument("--data", type=Path, nargs="+", default=[Path(f) for f in h.DEFAULT_DATA],
                    help="the FASTA file(s) the exact model was (or is) trained on")
     p.add_argument("--limit-records", type=int, default=None)
     p.add_argument("--heldout-frac", type=float, default=0.02)

@@ -98,9 +98,12 @@ def plan_runs(args: argparse.Namespace, store: Path, budget: h.Budget) -> list[h
     runs_dir = args.out.resolve() / "runs"
     shared = h.store_overrides(args, store, budget)
 
-    def run(part: str, variant: str, seed: int, overrides: list[str]) -> h.Run:
+    def run(part: str, variant: str, seed: int, attention: list[str], extra: list[str],
+            small: bool = False) -> h.Run:  # fmt: skip
         name = f"{part}-{variant}-s{seed}"
         tags = {"part": part, "objective": "clm" if part == "uni" else "mlm"}
+        overrides = [f"experiment={OBJECTIVES[part if part == 'uni' else 'bid']}", *shared,
+                     *attention, *model_overrides(args, small), *extra, f"seed={seed}"]
         r = h.Run(name, overrides, runs_dir / name, {**tags, "variant": variant, "seed": seed})
         if part != "concat":
             for split in SPLITS:
@@ -116,34 +119,24 @@ def plan_runs(args: argparse.Namespace, store: Path, budget: h.Budget) -> list[h
             if part not in parts and "single" not in parts:
                 continue
             for variant, attention in h.ATTENTION.items():
-                overrides = [f"experiment={OBJECTIVES[part]}", *shared, *attention,
-                             *model_overrides(args), "model.optim.warmup_steps=100",
-                             f"data.max_len={args.max_len}", f"data.max_tokens={args.max_tokens}",
-                             f"trainer.val_check_interval={args.val_every}",
-                             f"trainer.limit_val_batches={args.val_batches}", f"seed={seed}"]
-                runs.append(run(part, variant, seed, overrides))
+                runs.append(run(part, variant, seed, attention, [
+                    "model.optim.warmup_steps=100", f"data.max_len={args.max_len}",
+                    f"data.max_tokens={args.max_tokens}",
+                    f"trainer.val_check_interval={args.val_every}",
+                    f"trainer.limit_val_batches={args.val_batches}"]))
         if "concat" in parts and seed < args.first_seed + args.concat_seeds:
             favor = f"favor-{args.concat_kernel}"
             concat_variants = {favor: (h.ATTENTION[favor], False),
                                "exact": (h.ATTENTION["exact"], False),
                                "exact-small": (h.ATTENTION["exact"], True)}
             for variant, (attention, small) in concat_variants.items():
-                overrides = [
-                    "experiment=small_mlm",
-                    *shared,
-                    *attention,
-                    *model_overrides(args, small),
+                runs.append(run("concat", variant, seed, attention, [
                     # Few steps fit the budget at this length: a short warmup, so the
                     # slower models are not compared while their LR is still near zero.
-                    "model.optim.warmup_steps=5",
-                    "data.concat=true",
-                    f"data.max_len={args.concat_len}",
-                    f"data.max_tokens={args.concat_len}",
+                    "model.optim.warmup_steps=5", "data.concat=true",
+                    f"data.max_len={args.concat_len}", f"data.max_tokens={args.concat_len}",
                     f"trainer.val_check_interval={args.concat_val_every}",
-                    f"trainer.limit_val_batches={args.concat_val_batches}",
-                    f"seed={seed}",
-                ]
-                runs.append(run("concat", variant, seed, overrides))
+                    f"trainer.limit_val_batches={args.concat_val_batches}"], small))
     return runs
 
 
@@ -189,12 +182,10 @@ def table2(rows: list[dict[str, Any]], base: dict[tuple[str, str], dict[str, Any
         for variant in h.ATTENTION:
             sel = h.select(rows, part=part, variant=variant)
             if sel:
-                lines.append(
-                    [variant, part.upper(), h.cell([r["test_acc"] for r in sel], 100),
-                     h.cell([r["test_ppl"] for r in sel]),
-                     h.cell([r["ood_acc"] for r in sel], 100), h.cell([r["ood_ppl"] for r in sel]),
-                     h.cell([r["steps"] for r in sel], 1, 0), len(sel)]
-                )
+                lines.append([variant, part.upper(), *(
+                    h.cell([r[key] for r in sel], scale, digits) for key, scale, digits in
+                    (("test_acc", 100, 2), ("test_ppl", 1, 2), ("ood_acc", 100, 2),
+                     ("ood_ppl", 1, 2), ("steps", 1, 0))), len(sel)])  # fmt: skip
         if (objective, "test") in base and h.select(rows, part=part):
             t, o = base[(objective, "test")], base[(objective, "ood")]
             lines.append(
@@ -203,24 +194,19 @@ def table2(rows: list[dict[str, Any]], base: dict[tuple[str, str], dict[str, Any
     return h.markdown_table([*header, "steps", "seeds"], lines, left=2)
 
 
+#: The concatenated table's columns: (header, row key, scale, digits).
+CONCAT_COLUMNS = (("steps", "steps", 1, 0), ("val acc (%)", "val_acc", 100, 2),
+                  ("val ppl", "val_ppl", 1, 2), ("peak RSS (MiB)", "peak_rss_mib", 1, 0),
+                  ("train CPU (s)", "train_cpu_s", 1, 0), ("wall (s)", "wall_s", 1, 0))
+
+
 def concat_table(rows: list[dict[str, Any]]) -> str:
-    header = ["model", "steps", "val acc (%)", "val ppl", "peak RSS (MiB)", "train CPU (s)"]
     lines = []
     for variant in dict.fromkeys(r["variant"] for r in h.select(rows, part="concat")):
         sel = h.select(rows, part="concat", variant=variant)
-        lines.append(
-            [
-                variant,
-                h.cell([r["steps"] for r in sel], 1, 0),
-                h.cell([r["val_acc"] for r in sel], 100),
-                h.cell([r["val_ppl"] for r in sel]),
-                *(
-                    h.cell([r[k] for r in sel], 1, 0)
-                    for k in ("peak_rss_mib", "train_cpu_s", "wall_s")
-                ),
-            ]
-        )
-    return h.markdown_table([*header, "wall (s)"], lines)
+        lines.append([variant, *(h.cell([r[key] for r in sel], scale, digits)
+                                 for _, key, scale, digits in CONCAT_COLUMNS)])  # fmt: skip
+    return h.markdown_table(["model", *(c[0] for c in CONCAT_COLUMNS)], lines)
 
 
 def plot_curves(rows: list[dict[str, Any]], parts: tuple[str, ...], path: Path,
