@@ -100,9 +100,8 @@ def compare(exact_logps: list[torch.Tensor], favor: PerformerLM, token_batches: 
     return kl_sum / n, agree / n
 
 
-def contact_maps(model: PerformerLM, seqs: Sequence[str], reg: ContactRegression) -> list:
+def contact_maps(loaded: LoadedModel, seqs: Sequence[str], reg: ContactRegression) -> list:
     """Dense contact probabilities of every sequence under ``reg``."""
-    loaded = LoadedModel(model, model.config, Alphabet(), Path("swap"), torch.device("cpu"), "-")
     return [
         predict_contacts(loaded, s, reg, dense_max_length=len(s), checked=True).dense for s in seqs
     ]
@@ -210,7 +209,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             F.log_softmax(exact(t).logits.double(), dim=-1)[k]
             for t, k in zip(token_batches, masks, strict=True)
         ]
-    exact_contacts = contact_maps(exact, seqs, reg)
+    exact_contacts = contact_maps(held, seqs, reg)
 
     args.out_dir.mkdir(parents=True, exist_ok=True)
     rows: list[dict] = []
@@ -220,8 +219,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             for seed in range(args.seeds):
                 start = time.perf_counter()
                 favor = load_model(held, "cpu", attention="favor", kernel=kernel, nb_features=m,
-                                   seed=seed).model  # fmt: skip
-                kl, top1 = compare(exact_logps, favor, token_batches, masks)
+                                   seed=seed)  # fmt: skip
+                kl, top1 = compare(exact_logps, favor.model, token_batches, masks)
                 dp, overlap = contact_change(exact_contacts, contact_maps(favor, seqs, reg))
                 rows.append({"kernel": kernel, "m": m, "seed": seed, "kl": kl, "top1": top1,
                              "contact_dp": dp, "contact_overlap": overlap,

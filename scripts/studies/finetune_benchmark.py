@@ -130,30 +130,24 @@ def ridge_cv(x: np.ndarray, y: np.ndarray, fold_list: list[np.ndarray]) -> np.nd
     return pred
 
 
-def mode_lr_ratio(mode: str) -> float:
-    """The backbone (or adapter) LR over the head LR in ``conf/mode/MODE.yaml``."""
+def lr_overrides(mode: str, lr: float | None) -> list[str]:
+    """Overrides that set head LR ``lr`` and the backbone (or adapter) LR in the mode's default
+    ratio to it (``conf/mode/MODE.yaml``)."""
     from omegaconf import OmegaConf
 
-    conf = OmegaConf.load(ROOT / "protein_performer" / "conf" / "mode" / f"{mode}.yaml")
-    return float(conf.lr) / float(conf.head_lr)
-
-
-def lr_overrides(mode: str, lr: float | None) -> list[str]:
-    """Overrides that set head LR ``lr`` (and the mode's backbone LR in its default ratio)."""
     if lr is None:
         return []
-    return [f"mode.head_lr={lr:g}", f"mode.lr={lr * mode_lr_ratio(mode):g}"]
+    conf = OmegaConf.load(ROOT / "protein_performer" / "conf" / "mode" / f"{mode}.yaml")
+    return [f"mode.head_lr={lr:g}", f"mode.lr={lr * (float(conf.lr) / float(conf.head_lr)):g}"]
 
 
 def fold_table(path: Path, label: str, rows: list[tuple[str, str]], train: set[int],
                valid: set[int]) -> Path:
     """The labels table of one fold's ``finetune`` run: its train and valid rows of
     (sequence, label), with their split; the test rows stay out."""
-    with open(path, "w", newline="") as fh:
-        w = csv.writer(fh)
-        w.writerow(["sequence", label, "split"])
-        for i in sorted(train | valid):
-            w.writerow([*rows[i], "valid" if i in valid else "train"])
+    h.write_csv(path, [{"sequence": rows[i][0], label: rows[i][1],
+                        "split": "valid" if i in valid else "train"}
+                       for i in sorted(train | valid)], ["sequence", label, "split"])  # fmt: skip
     return path
 
 
@@ -423,8 +417,7 @@ def parse_lrs(text: str | None) -> list[float] | None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = h.parser(__doc__)
     p.add_argument(
         "--model", action="append", default=[], metavar="[NAME=]CKPT",
         help="pretrained model(s) to probe and fine-tune (repeatable); NAME labels the rows")
