@@ -73,11 +73,9 @@ BURIED, EXPOSED = "B", "E"
 def load_scan(dms: Path, column: str, limit: int | None,
               seed: int) -> tuple[list[str], np.ndarray, np.ndarray]:
     """Mutant sequences, labels and mutated positions (NaN labels left out)."""
-    wt = "".join(
-        line.strip()
-        for line in (dms / "BLAT_ECOLX_wt_offset24.fasta").read_text().splitlines()
-        if not line.startswith(">")
-    )
+    from protein_performer.data.fasta import read_fasta
+
+    wt = next(read_fasta(dms / "BLAT_ECOLX_wt_offset24.fasta")).sequence
     seqs, ys, pos = [], [], []
     with open(dms / "BLAT_ECOLX_Ranganathan2015.csv", encoding="utf-8-sig", newline="") as fh:
         for row in csv.DictReader(fh):

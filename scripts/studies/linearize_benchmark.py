@@ -301,10 +301,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         "" if recipe_cpu is None else round(recipe_cpu, 1))
 
     for w in args.windows:
-        options = dict(kernel=args.kernel, window=w, lr=args.transfer_lr,
-                       max_len=args.max_len, max_tokens=args.max_tokens,
-                       heldout_frac=args.heldout_frac, seed=args.seed,
-                       save_every=10**9)  # fmt: skip
         out = args.out_dir / f"{args.kernel}_w{w}"
         seen: dict[str, float] = {}
 
@@ -316,7 +312,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         result = lz.fit_linear(
             ckpt, out, [str(p) for p in args.data],
             lz.LinearizeOptions(steps=args.transfer_steps, lora_steps=args.lora_steps,
-                                lora_lr=args.lora_lr, kl_weight=args.kl_weight, **options),
+                                lora_lr=args.lora_lr, kl_weight=args.kl_weight,
+                                kernel=args.kernel, window=w, lr=args.transfer_lr,
+                                max_len=args.max_len, max_tokens=args.max_tokens,
+                                heldout_frac=args.heldout_frac, seed=args.seed,
+                                save_every=10**9),
             device="cpu", show_progress=False, after_transfer=transferred,
         )  # fmt: skip
         cpu = time.process_time() - start - (clock.seconds - before)

@@ -240,7 +240,10 @@ def report(rows: list[dict[str, Any]], base: dict[tuple[str, str], dict[str, Any
            args: argparse.Namespace) -> str:
     out = args.out.resolve()
     h.write_csv(out / "runs.csv", rows, FIELDS)
-    header = h.budget_line(args) + (" (quick: tiny models)" if args.quick else "")
+    clock = "wall-clock" if args.trainer == "gpu" else "CPU"
+    header = (f"{args.minutes:g} {clock} minutes of training per run, {args.threads} torch "
+              f"thread(s), seeds {','.join(map(str, args.seeds))}"
+              + (" (quick: tiny models)" if args.quick else ""))
     lines = []
     if any(r["part"] in ("uni", "bid") for r in rows):
         lines += ["## Single sequences (Table 2)", "",
@@ -267,11 +270,25 @@ def report(rows: list[dict[str, Any]], base: dict[tuple[str, str], dict[str, Any
 
 
 def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, h.Budget]:
-    p = h.study_parser(
-        __doc__, "outputs/paper_protein", jobs=1, minutes=10.0,
-        epilog=", so runs stay comparable on a shared machine; --trainer gpu switches to wall "
-        "clock. See the module docstring.",
-        quick_help="smoke run: tiny models, the bundled demo FASTA, 3 CPU-seconds per run, 1 seed")
+    p = h.parser(__doc__, "Budgets are CPU time of each training process (time.process_time, "
+                 "validation excluded) with --threads torch threads, so runs stay comparable on "
+                 "a shared machine; --trainer gpu switches to wall clock. See the module "
+                 "docstring.")
+    p.add_argument("--out", type=Path, default=Path("outputs/paper_protein"))
+    p.add_argument("--data", nargs="+", default=None, help="FASTA inputs (default: shared corpus)")
+    p.add_argument("--minutes", type=float, default=10.0,
+                   help="training CPU-minutes per run (10)")
+    p.add_argument("--seeds", type=int, default=2, help="seeds 0..N-1 per variant (default 2)")
+    p.add_argument("--first-seed", type=int, default=0,
+                   help="seeds run from here (default 0: 0..N-1)")
+    p.add_argument("--threads", type=int, default=1, help="torch threads per run (default 1)")
+    p.add_argument("--jobs", type=int, default=1, help="runs trained at once (1)")
+    p.add_argument("--trainer", default="cpu", help="trainer config: cpu (default) or gpu")
+    p.add_argument("--skip-existing", action="store_true", help="reuse finished runs")
+    p.add_argument("--report-only", action="store_true",
+                   help="train and evaluate nothing: report the runs in --out that finished")
+    p.add_argument("--quick", action="store_true", help="smoke run: tiny models, the bundled "
+                   "demo FASTA, 3 CPU-seconds per run, 1 seed")
     p.add_argument("--parts", default="uni,bid,concat",
                    help="comma list of uni, bid, concat (default all)")
     p.add_argument("--identity", type=float, default=0.5, help="MMseqs2 identity of OOD groups")
@@ -294,16 +311,24 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, h.Bud
     p.add_argument("--concat-seeds", type=int, default=None,
                    help="seeds of the concatenated part (--seeds)")
     args = p.parse_args(argv)
-    quick = {"minutes": (10.0, 0.05), "max_len": (1024, 256), "concat_len": (8192, 512)}
-    budget = h.finish_args(args, {**quick, "seeds": (2, 1)})
-    if args.concat_seeds is None:
-        args.concat_seeds = len(args.seeds)
-    if args.quick:
+    if args.quick:  # each of these only where left at its default
+        quick = {"minutes": (10.0, 0.05), "max_len": (1024, 256), "concat_len": (8192, 512),
+                 "seeds": (2, 1)}  # fmt: skip
+        for key, (default, value) in quick.items():
+            if getattr(args, key) == default:
+                setattr(args, key, value)
         args.max_tokens = min(args.max_tokens, 2048)
         args.val_every = min(args.val_every, 10)
         args.valid_frac, args.test_frac, args.ood_frac = 0.1, 0.1, 0.1
         args.identity = min(args.identity, 0.5)
-    return args, budget
+    # --data: given paths from here, the defaults in the repository
+    args.data = [str(Path(x).resolve()) for x in args.data or ()] or (
+        h.QUICK_DATA if args.quick else h.DEFAULT_DATA)
+    args.seeds = list(range(args.first_seed, args.first_seed + args.seeds))
+    if args.concat_seeds is None:
+        args.concat_seeds = len(args.seeds)
+    clock = "wall" if args.trainer == "gpu" else "cpu"  # CPU time says little about GPU work
+    return args, h.Budget(seconds=float(f"{args.minutes * 60:g}"), clock=clock)
 
 
 def main(argv: list[str] | None = None) -> int:
