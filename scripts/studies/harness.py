@@ -269,10 +269,11 @@ def parser(doc: str, epilog: str | None = None) -> argparse.ArgumentParser:
                                    formatter_class=argparse.RawDescriptionHelpFormatter)
 
 
-def fresh_outputs(out_dir: Path, earlier: Sequence[Path], overwrite: bool) -> None:
-    """Make ``out_dir``; an earlier run's outputs there (``earlier``) are refused unless
-    ``overwrite``, which removes them."""
-    if any(p.exists() for p in earlier):
+def fresh_outputs(out_dir: Path, overwrite: bool) -> None:
+    """Make ``out_dir``; an earlier run's outputs there are refused unless ``overwrite``, which
+    removes them."""
+    earlier = list(out_dir.glob("*"))
+    if earlier:
         if not overwrite:
             print(f"error: {out_dir} holds an earlier run; pass --overwrite", file=sys.stderr)
             raise SystemExit(2)

@@ -256,7 +256,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    h.fresh_outputs(args.out_dir, list(args.out_dir.glob("*")), args.overwrite)
+    h.fresh_outputs(args.out_dir, args.overwrite)
 
     import hydra
 

@@ -75,13 +75,6 @@ FIELDS = ("part", "objective", "variant", "seed", "steps", "train_cpu_s", "wall_
 # --------------------------------------------------------------------------------------------
 
 
-def model_overrides(args: argparse.Namespace, small: bool = False) -> list[str]:
-    model = h.QUICK_MODEL if args.quick else MODEL
-    if small:
-        model = [*model, *(QUICK_SMALL_EXACT if args.quick else SMALL_EXACT)]
-    return [f"model.config.{kv}" for kv in model]
-
-
 def eval_cmd(ckpt: Path, store: Path, split: str, out: Path,
              args: argparse.Namespace) -> list[str]:
     limit = ["--limit", str(args.eval_limit)] if args.eval_limit else []
@@ -102,8 +95,10 @@ def plan_runs(args: argparse.Namespace, store: Path, budget: h.Budget) -> list[h
             small: bool = False) -> h.Run:  # fmt: skip
         name = f"{part}-{variant}-s{seed}"
         tags = {"part": part, "objective": "clm" if part == "uni" else "mlm"}
+        model = [*(h.QUICK_MODEL if args.quick else MODEL),
+                 *((QUICK_SMALL_EXACT if args.quick else SMALL_EXACT) if small else [])]
         overrides = [f"experiment={OBJECTIVES[part if part == 'uni' else 'bid']}", *shared,
-                     *attention, *model_overrides(args, small), *extra, f"seed={seed}"]
+                     *attention, *(f"model.config.{kv}" for kv in model), *extra, f"seed={seed}"]
         r = h.Run(name, overrides, runs_dir / name, {**tags, "variant": variant, "seed": seed})
         if part != "concat":
             for split in SPLITS:
