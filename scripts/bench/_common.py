@@ -7,7 +7,8 @@ imports from the installed (editable) package.
 
 The preamble: ``REPO`` (the checkout), ``SEQUENCES`` (the shared data sets beside it) and
 :func:`setup_logging` (INFO to stderr); what several benchmarks measure with or write: a seeded
-random model (:func:`random_lm`, :func:`random_export`), titin, CSV rows and the markdown report.
+random model (:func:`random_lm`, :func:`random_clm`, :func:`random_export`), titin, CSV rows and
+the markdown report.
 
 The benchmark protocol: the parent re-invokes the script with ``--case JSON`` once per case
 (peak memory is only meaningful in a fresh process, and a case that runs too long is killed by a
@@ -21,13 +22,14 @@ import csv
 import gc
 import json
 import logging
+import math
 import os
 import subprocess
 import sys
 import threading
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import asdict
+from dataclasses import asdict, fields
 from pathlib import Path
 from typing import Any
 
@@ -71,12 +73,24 @@ def verdict(ok: bool) -> str:
 RESULT_MARK = "RESULT "
 #: Exit status of a child that :class:`PeakSampler` stopped at the memory limit.
 MEM_LIMIT_EXIT = 3
-MEM_LIMIT_HELP = "CPU: abort a case as 'oom' above this RSS (default 60%% of available)"
 
 
 # --------------------------------------------------------------------------------------------
 # Child side
 # --------------------------------------------------------------------------------------------
+
+
+def start_case(case: dict[str, Any]) -> int | None:
+    """What a child does first: its torch threads (``case["threads"]``, 0 or absent: torch's
+    default); returns the :class:`PeakSampler` limit in bytes, None on CUDA (its allocator
+    raises ``OutOfMemoryError`` itself) or without ``case["mem_limit_gib"]``."""
+    import torch
+
+    if case.get("threads"):
+        torch.set_num_threads(int(case["threads"]))
+    if case["device"] == "cpu" and case.get("mem_limit_gib"):
+        return int(case["mem_limit_gib"] * 2**30)
+    return None
 
 
 def emit(payload: dict[str, Any]) -> None:
@@ -111,7 +125,6 @@ class PeakSampler:
                 self.peak = rss
             if self._limit is not None and rss > self._limit:
                 emit({"status": "oom", "note": f"RSS {rss / 2**30:.2f} GiB over the limit"})
-                sys.stdout.flush()
                 os._exit(MEM_LIMIT_EXIT)
             time.sleep(self._interval)
 
@@ -149,6 +162,37 @@ def release_free_memory() -> None:
             ctypes.CDLL("libc.so.6").malloc_trim(0)
 
 
+def time_phase(step: Callable[[], Any], device: Any, repeats: int,
+               budget_s: float = math.inf) -> tuple[float, float, int]:
+    """(median, best, repeats) seconds of ``step``: one warm-up call, then up to ``repeats``
+    timed calls or until ``budget_s`` is spent (CUDA synchronized around each).
+
+    A warm-up longer than ``budget_s`` is itself the measurement (repeats = 0): at such sizes the
+    first-call overhead is negligible and a second run would double the cost of the longest cases.
+    """
+    import torch
+
+    def sync() -> None:
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
+    sync()
+    t0 = time.perf_counter()
+    step()  # warm-up: first call allocates, JIT-selects kernels, faults in pages
+    sync()
+    warm = time.perf_counter() - t0
+    if warm >= budget_s:
+        return warm, warm, 0
+    times: list[float] = []
+    while len(times) < repeats and (not times or sum(times) < budget_s):
+        t0 = time.perf_counter()
+        step()
+        sync()
+        times.append(time.perf_counter() - t0)
+    times.sort()
+    return times[len(times) // 2], times[0], len(times)
+
+
 def start_phase(sampler: PeakSampler, device: Any) -> Callable[[], int]:
     """Begin a measured phase; returns a function giving its peak memory in bytes so far.
 
@@ -163,11 +207,7 @@ def start_phase(sampler: PeakSampler, device: Any) -> Callable[[], int]:
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
         base = torch.cuda.memory_allocated(device)
-
-        def cuda_peak() -> int:
-            return torch.cuda.max_memory_allocated(device) - base
-
-        return cuda_peak
+        return lambda: torch.cuda.max_memory_allocated(device) - base
     sampler.reset()
     base = sampler.peak
     maxrss_before = maxrss_bytes()
@@ -208,15 +248,24 @@ def spawn_case(script: str | Path, case: dict[str, Any],
     return results, note
 
 
+def failure(results: list[dict[str, Any]], note: str) -> tuple[str, str]:
+    """Status and reason of a case that measured nothing: ``oom`` (a child's record says so),
+    ``timeout`` or ``error`` (from :func:`spawn_case`'s note)."""
+    oom = [r for r in results if r.get("status") == "oom"]
+    if oom:
+        return "oom", oom[0].get("note") or "no result"
+    return ("timeout" if "timeout" in note else "error"), note or "no result"
+
+
 def default_mem_limit_gib() -> float:
     import psutil
 
     return round(0.6 * psutil.virtual_memory().available / 2**30, 1)
 
 
-def write_rows_csv(rows: Iterable[Any], path: Path, fieldnames: Iterable[str]) -> None:
-    """Dataclass rows as CSV, the columns ``fieldnames`` in that order (other fields dropped)."""
-    write_dicts_csv([asdict(row) for row in rows], path, fieldnames)
+def write_rows_csv(rows: Iterable[Any], path: Path, row_type: type) -> None:
+    """Rows of the dataclass ``row_type`` as CSV, one column per field in declaration order."""
+    write_dicts_csv([asdict(row) for row in rows], path, [f.name for f in fields(row_type)])
 
 
 def write_dicts_csv(rows: list[dict[str, Any]], path: Path,
@@ -262,6 +311,18 @@ def random_export(path: Path, **config: Any) -> Path:
     return export_model(random_lm(**config), path)
 
 
+#: The ESM-2 8M shape: what the decoding benchmarks time (:func:`random_clm`).
+ESM2_8M = {"dim": 320, "depth": 6, "heads": 20, "ff_dim": 1280}
+
+
+def random_clm(shape: dict[str, int] = ESM2_8M, **config: Any) -> Any:
+    """The ``ProteinLM`` (what ``protein_performer.load`` returns) of a causal :func:`random_lm`
+    of ``shape``, with ``config`` over the default FAVOR+ config."""
+    from protein_performer.inference.api import ProteinLM
+
+    return ProteinLM(random_lm(**shape, objective="clm", **config))
+
+
 def bench_parser(doc: str, epilog: str, out: str) -> argparse.ArgumentParser:
     """A parser described by the first paragraph of ``doc``, with ``--out`` and ``--device``."""
     p = argparse.ArgumentParser(description=doc.split("\n\n")[0],
@@ -273,7 +334,8 @@ def bench_parser(doc: str, epilog: str, out: str) -> argparse.ArgumentParser:
 
 
 def add_mem_limit_arg(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--mem-limit-gib", type=float, default=0.0, help=MEM_LIMIT_HELP)
+    p.add_argument("--mem-limit-gib", type=float, default=0.0,
+                   help="CPU: abort a case as 'oom' above this RSS (default 60%% of available)")
 
 
 def add_final_args(p: argparse.ArgumentParser, quick_help: str) -> None:

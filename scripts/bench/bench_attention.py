@@ -47,21 +47,21 @@ Examples::
 
     python scripts/bench/bench_attention.py --help
     python scripts/bench/bench_attention.py --quick                 # tiny, seconds
-    python scripts/bench/bench_attention.py --max-len 16384 --timeout 300
+    python scripts/bench/bench_attention.py --lengths 512,2048,16384 --timeout 300
     python scripts/bench/bench_attention.py --device cuda --dtype bfloat16 --out .bench/gpu
 """
 
 from __future__ import annotations
 
 import argparse
-import json
+import importlib.util
 import logging
 import math
 import os
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -105,8 +105,8 @@ def _build_fn(case: dict[str, Any], device: Any) -> tuple[Callable[..., Any], in
             os.environ[CAUSAL_IMPL_ENV] = OURS[impl]
         if impl == "triton" and device.type == "cpu":  # before the kernels are decorated
             os.environ["TRITON_INTERPRET"] = "1"
-        attn = FavorAttention(dim_head=d, nb_features=m, causal=causal, kernel=case["kernel"],
-                              **case.get("ours_kwargs", {})).to(device)  # fmt: skip
+        attn = FavorAttention(dim_head=d, nb_features=m, causal=causal,
+                              kernel=case["kernel"]).to(device)  # fmt: skip
 
         def run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
             return attn(q, k, v)[0]  # the cores return (out, state)
@@ -120,13 +120,6 @@ def _build_fn(case: dict[str, Any], device: Any) -> tuple[Callable[..., Any], in
         attn = FastAttention(dim_heads=d, nb_features=m, causal=causal).to(device)
         return (lambda q, k, v: attn(q, k, v)[0]), case.get("flop_chunk", DEFAULT_CHUNK)
     raise ValueError(f"unknown impl {impl!r}")
-
-
-def _backend(case: dict[str, Any]) -> str:
-    """Which causal path ours ran: the Triton kernels' module is imported only where taken."""
-    if case["impl"] not in OURS or not case["causal"]:
-        return ""
-    return "triton" if TRITON_MODULE in sys.modules else "torch"
 
 
 def useful_flops(impl: str, causal: bool, L: int, B: int, H: int, d: int, m: int,
@@ -144,46 +137,14 @@ def useful_flops(impl: str, causal: bool, L: int, B: int, H: int, d: int, m: int
     return B * H * per
 
 
-def _sync(device: Any) -> None:
-    import torch
-
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def _time_phase(step: Callable[[], None], device: Any, repeats: int,
-                budget_s: float) -> tuple[float, float, int]:
-    """Warm up once, then repeat up to `repeats` times or until `budget_s` is spent.
-
-    A warm-up longer than `budget_s` is itself the measurement (repeats = 0): at such sizes the
-    first-call overhead is negligible and a second run would double the cost of the longest cases.
-    """
-    _sync(device)
-    t0 = time.perf_counter()
-    step()  # warm-up: first call allocates, JIT-selects kernels, faults in pages
-    _sync(device)
-    warm = time.perf_counter() - t0
-    if warm >= budget_s:
-        return warm, warm, 0
-    times: list[float] = []
-    while len(times) < repeats and (not times or sum(times) < budget_s):
-        t0 = time.perf_counter()
-        step()
-        _sync(device)
-        times.append(time.perf_counter() - t0)
-    times.sort()
-    return times[len(times) // 2], times[0], len(times)
-
-
 def run_matmul_case(case: dict[str, Any]) -> None:
     """Times an n×n @ n×n matmul in the benchmark dtype: the reference rate for useful FLOPs."""
     import torch
 
     device, dtype, n = torch.device(case["device"]), getattr(torch, case["dtype"]), case["n"]
     gen = torch.Generator(device="cpu").manual_seed(0)
-    a = torch.randn(n, n, generator=gen).to(device, dtype)
-    b = torch.randn(n, n, generator=gen).to(device, dtype)
-    median, best, reps = _time_phase(lambda: torch.mm(a, b), device, case["repeats"],
+    a, b = (torch.randn(n, n, generator=gen).to(device, dtype) for _ in range(2))
+    median, best, reps = common.time_phase(lambda: torch.mm(a, b), device, case["repeats"],
                                      case["budget_s"])  # fmt: skip
     common.emit({"status": "ok", "mode": "matmul", "time_s": median, "time_min_s": best,
                  "repeats": reps, "achieved_gflops": 2 * n**3 / median / 1e9})  # fmt: skip
@@ -214,8 +175,7 @@ def run_case(case: dict[str, Any]) -> None:
     """Runs one (impl, causal, L) case: forward then forward+backward, one RESULT line each."""
     import torch
 
-    if case.get("threads"):
-        torch.set_num_threads(int(case["threads"]))
+    limit = common.start_case(case)
     if case["impl"] == "matmul":
         run_matmul_case(case)
         return
@@ -226,7 +186,6 @@ def run_case(case: dict[str, Any]) -> None:
     gen = torch.Generator(device="cpu").manual_seed(case["seed"])
     q, k, v, g = (torch.randn(B, H, L, d, generator=gen).to(device, dtype) for _ in range(4))
     fn, chunk = _build_fn(case, device)
-    limit = int(case["mem_limit_gib"] * 2**30) if case.get("mem_limit_gib") else None
     # Library warm-up at a tiny size, so one-time costs (lazy kernels, autograd worker threads)
     # do not count as this case's memory or time.
     tiny = [torch.randn(B, H, 16, d).to(device, dtype).requires_grad_(True) for _ in range(3)]
@@ -235,7 +194,9 @@ def run_case(case: dict[str, Any]) -> None:
     del tiny, out
     if case["impl"] in OURS and case["causal"] and chunk is None:
         chunk = _tuned_chunks(fn, B, H, L, d, device, dtype)  # (nothing where Triton runs)
-    backend = _backend(case)
+    backend = ""  # which causal path ours ran: the Triton kernels' module is imported if taken
+    if case["impl"] in OURS and case["causal"]:
+        backend = "triton" if TRITON_MODULE in sys.modules else "torch"
     if backend == "triton":
         chunk = sys.modules[TRITON_MODULE].CHUNK
 
@@ -250,11 +211,12 @@ def run_case(case: dict[str, Any]) -> None:
             t.grad = None
         fn(qg, kg, vg).backward(g)
 
-    with common.PeakSampler(limit if device.type == "cpu" else None) as sampler:
+    with common.PeakSampler(limit) as sampler:
         for mode, step, backward in (("fwd", fwd, False), ("fwd+bwd", fwd_bwd, True)):
             peak_bytes = common.start_phase(sampler, device)
             try:
-                median, best, reps = _time_phase(step, device, case["repeats"], case["budget_s"])
+                median, best, reps = common.time_phase(step, device, case["repeats"],
+                                                       case["budget_s"])  # fmt: skip
             except torch.OutOfMemoryError as exc:
                 common.emit({"mode": mode, "status": "oom",
                              "note": str(exc).splitlines()[0][:200]})  # fmt: skip
@@ -302,27 +264,8 @@ class Row:
     note: str = ""
 
 
-CSV_FIELDS = tuple(f.name for f in fields(Row))
 #: What a child's RESULT line carries into its row as measured.
 MEASURED = ("time_s", "time_min_s", "repeats", "peak_mem_mib", "useful_gflop", "achieved_gflops")
-
-
-def _performer_available() -> bool:
-    try:
-        import performer_pytorch  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
-def _lengths(args: argparse.Namespace) -> list[int]:
-    if args.lengths:
-        return sorted(int(x) for x in args.lengths.split(","))
-    out, L = [], args.min_len
-    while args.max_len >= L:
-        out.append(L)
-        L *= 2
-    return out
 
 
 def run_all(args: argparse.Namespace) -> list[Row]:
@@ -331,16 +274,16 @@ def run_all(args: argparse.Namespace) -> list[Row]:
     unknown = sorted(set(impls) - set(IMPLS))
     if unknown:
         raise SystemExit(f"error: unknown --impls {','.join(unknown)}; choose from {IMPLS}")
-    if "performer" in impls and not _performer_available():
+    if "performer" in impls and importlib.util.find_spec("performer_pytorch") is None:
         log.warning("performer-pytorch is not installed: skipping it "
                     "(pip install performer-pytorch==1.1.4 to compare)")  # fmt: skip
         impls.remove("performer")
     shape = {"B": args.batch, "H": args.heads, "d": args.dim_head, "m": args.nb_features,
              "dtype": args.dtype, "device": args.device}  # fmt: skip
+    mem_limit = args.mem_limit_gib or common.default_mem_limit_gib()
     shared_case = {**shape, "seed": args.seed, "repeats": args.repeats, "budget_s": args.budget_s,
                    "threads": args.threads, "kernel": args.kernel,
-                   "mem_limit_gib": args.mem_limit_gib or common.default_mem_limit_gib(),
-                   "ours_kwargs": json.loads(args.ours_kwargs)}  # fmt: skip
+                   "mem_limit_gib": mem_limit}  # fmt: skip
     mm_case = {**shared_case, "impl": "matmul", "n": args.matmul_n}
     matmul_gflops = _matmul_rate(mm_case, args.timeout)
     rows: list[Row] = []
@@ -351,7 +294,7 @@ def run_all(args: argparse.Namespace) -> list[Row]:
             if impl in CAUSAL_ONLY and not causal:
                 continue  # the same path as ours
             failed_at: str | None = None
-            for L in _lengths(args):
+            for L in sorted(int(x) for x in args.lengths.split(",")):
                 base = {**shape, "impl": impl, "causal": causal, "L": L,
                         "matmul_gflops": matmul_gflops}  # fmt: skip
                 if failed_at is not None:
@@ -364,7 +307,6 @@ def run_all(args: argparse.Namespace) -> list[Row]:
                 t0 = time.perf_counter()
                 results, note = common.spawn_case(__file__, case, args.timeout)
                 done = {r["mode"]: r for r in results if "mode" in r}
-                oom = [r for r in results if r.get("status") == "oom"]
                 for ph in PHASES:
                     r = done.get(ph, {})
                     if r.get("status") == "ok":
@@ -376,8 +318,7 @@ def run_all(args: argparse.Namespace) -> list[Row]:
                                         chunk_size=r.get("chunk_size"),
                                         backend=r.get("backend", "")))  # fmt: skip
                     else:
-                        status = "oom" if oom else ("timeout" if "timeout" in note else "error")
-                        why = (oom[0].get("note", "") if oom else note) or "no result"
+                        status, why = common.failure(results, note)
                         rows.append(Row(**base, mode=ph, status=status, note=why))
                         failed_at = f"after {status} at L={L}"
                 log.info("%-9s %-13s L=%-6d %5.1fs  %s", impl, mode, L, time.perf_counter() - t0,
@@ -422,9 +363,7 @@ def plot(rows: list[Row], path: Path, title: str) -> None:
             ax_m.plot(xs, [max(p[2], 1e-3) for p in pts], ls, **style)
     for ax, ylabel in ((ax_t, "time [s]"), (ax_m, "peak memory delta [MiB]")):
         ax.set_xscale("log", base=2)
-        ax.set_yscale("log")
-        ax.set_xlabel("sequence length L")
-        ax.set_ylabel(ylabel)
+        ax.set(yscale="log", xlabel="sequence length L", ylabel=ylabel)
         ax.grid(True, which="both", alpha=0.3)
     ax_t.legend(fontsize=7, ncol=2)
     fig.suptitle(title, fontsize=9)
@@ -447,13 +386,12 @@ def _ratio(a: float | None, b: float | None) -> float:
 def targets(rows: list[Row]) -> list[tuple[str, str, float, bool | None]]:
     """The issue's targets: (description, target, measured, passed or None when unmeasured)."""
 
-    def t(impl: str, causal: bool, L: int) -> float | None:
+    def t(impl: str, causal: bool, L: int, key: str = "time_s") -> float | None:
         r = _get(rows, impl, causal, L)
-        return r.time_s if r else None
+        return getattr(r, key) if r else None
 
     def mem(impl: str, causal: bool, L: int) -> float | None:
-        r = _get(rows, impl, causal, L)
-        return r.peak_mem_mib if r else None
+        return t(impl, causal, L, "peak_mem_mib")
 
     worst = max((_ratio(mem("ours", True, L), mem("ours", False, L))
                  for L in sorted({r.L for r in rows if r.L >= 4096})),
@@ -493,9 +431,9 @@ def format_tables(rows: list[Row], matmul_gflops: float) -> str:
              " x ours time | x ours mem |",
              "|---|---|---:|---|---|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
-        ref = _get(rows, "ours", r.causal, r.L, r.mode)
-        rt = _ratio(r.time_s, ref.time_s) if ref and r.status == "ok" else math.nan
-        rm = _ratio(r.peak_mem_mib, ref.peak_mem_mib) if ref and r.status == "ok" else math.nan
+        ref = _get(rows, "ours", r.causal, r.L, r.mode)  # a failed row's nan gives nan
+        rt, rm = (_ratio(getattr(r, k), getattr(ref, k)) if ref else math.nan
+                  for k in ("time_s", "peak_mem_mib"))
         lines.append(
             f"| {r.impl} | {'causal' if r.causal else 'bidir'} | {r.L} | {r.mode} | {r.status} "
             f"| {r.time_s:.4g} | {r.peak_mem_mib:.1f} | {r.achieved_gflops:.1f} "
@@ -513,9 +451,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--impls", default=",".join(DEFAULT_IMPLS),
                    help=f"comma list from: {','.join(IMPLS)} (ours-torch, triton: causal only)")
     p.add_argument("--modes", default=",".join(MODES), help="comma list from: " + ",".join(MODES))
-    p.add_argument("--min-len", type=int, default=512)
-    p.add_argument("--max-len", type=int, default=65536)
-    p.add_argument("--lengths", default="", help="explicit comma list of L (overrides min/max)")
+    p.add_argument("--lengths", default=",".join(str(512 * 2**i) for i in range(8)),
+                   help="comma list of L (default 512, 1024, ..., 65536)")
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--heads", type=int, default=8)
     p.add_argument("--dim-head", type=int, default=64)
@@ -523,7 +460,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="FAVOR+ features m (default: the model's, d ln d rounded up to 16: "
                    "272 at d=64)")
     p.add_argument("--kernel", default="softmax", help="FavorAttention kernel for 'ours'")
-    p.add_argument("--ours-kwargs", default="{}", help="JSON of extra FavorAttention kwargs")
     p.add_argument("--repeats", type=int, default=5, help="timed repeats per phase (median)")
     p.add_argument("--budget-s", type=float, default=20.0,
                    help="stop repeating a phase once this much time was spent; a warm-up "
@@ -539,7 +475,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
         args.nb_features = default_nb_features(args.dim_head)
     if args.quick:
-        args.lengths = args.lengths or "256,512"
+        if args.lengths == p.get_default("lengths"):
+            args.lengths = "256,512"
         args.repeats, args.budget_s, args.matmul_n = 1, 1.0, min(args.matmul_n, 512)
         args.timeout = min(args.timeout, 120.0)
     return args
@@ -554,7 +491,7 @@ def run_parent(args: argparse.Namespace) -> int:
     rows = run_all(args)
     matmul = next((r.matmul_gflops for r in rows), math.nan)
     csv_path, png_path, md_path = (args.out / f"attention.{x}" for x in ("csv", "png", "md"))
-    common.write_rows_csv(rows, csv_path, CSV_FIELDS)
+    common.write_rows_csv(rows, csv_path, Row)
     title = (f"B={args.batch} H={args.heads} d={args.dim_head} m={args.nb_features} "
              f"{args.dtype} {args.device}, matmul {matmul:.0f} GFLOP/s")  # fmt: skip
     plot(rows, png_path, title)

@@ -40,7 +40,6 @@ from typing import Any
 
 import _common as common
 
-SHAPE = {"dim": 320, "depth": 6, "heads": 20, "ff_dim": 1280}
 MEMBER = 300  # residues per context member and per candidate (--residues)
 #: --impls: name -> PerformerConfig fields over the default (FAVOR+ softmax)
 IMPLS: dict[str, dict[str, Any]] = {"favor": {}, "exact": {"attention": "exact"},
@@ -49,12 +48,6 @@ FIELDS = ("impl", "threads", "tokens", "status", "build_s", "ms_per_candidate",
           "cpu_ms_per_candidate",
           "rerun_ms_per_candidate", "candidates", "context_kib", "peak_rss_mib", "score_peak_mib",
           "note")
-
-
-def _lm(impl: str) -> Any:
-    from protein_performer.inference.api import ProteinLM
-
-    return ProteinLM(common.random_lm(**SHAPE, objective="clm", **IMPLS[impl]))
 
 
 def _sequences(n: int, seed: int, size: int = MEMBER, last: int | None = None) -> list[str]:
@@ -81,11 +74,10 @@ def run_case(case: dict[str, Any]) -> None:
     """Child: one (impl, threads, tokens) case; emits one RESULT line."""
     import torch
 
-    torch.set_num_threads(case["threads"])
+    limit = common.start_case(case)
     row: dict[str, Any] = {k: case.get(k) for k in ("impl", "threads", "tokens")}
-    limit = int(case["mem_limit_gib"] * 2**30) if case["mem_limit_gib"] else None
     with common.PeakSampler(limit) as sampler, torch.inference_mode():
-        lm = _lm(case["impl"])
+        lm = common.random_clm(**IMPLS[case["impl"]])
         size = case.get("residues", MEMBER)
         members = _family(case["tokens"], case["seed"], size)
         candidates = _sequences(case["candidates"], case["seed"] + 1, size)
@@ -117,13 +109,11 @@ def run_case(case: dict[str, Any]) -> None:
 
 def _rerun(lm: Any, members: list[str], candidate: str, case: dict[str, Any]) -> float:
     """Best time of one causal forward over context + candidate (no reusable state)."""
+    import numpy as np
     import torch
 
-    a = lm.alphabet
-    ids: list[int] = []
-    for s in [*members, candidate]:
-        ids += [a.cls_idx, *a.encode(s).tolist(), a.eos_idx]
-    tokens = torch.tensor([ids])
+    rows = [lm.alphabet.encode_with_specials(s) for s in [*members, candidate]]
+    tokens = torch.as_tensor(np.concatenate(rows))[None]
     times = []
     for _ in range(case["rerun_reps"]):
         t0 = time.perf_counter()
@@ -141,6 +131,7 @@ def run_parent(args: Any) -> int:
                 n = args.exact_candidates if exact else args.candidates
                 reps = args.rerun_reps if not exact or tokens <= args.exact_rerun_max else 0
                 case = {"impl": impl, "threads": threads, "tokens": tokens, "candidates": n,
+                        "device": "cpu",
                         "rerun_reps": reps, "score_reps": args.score_reps, "seed": args.seed,
                         "residues": args.residues,
                         "mem_limit_gib": args.mem_limit_gib or common.default_mem_limit_gib()}
@@ -158,73 +149,72 @@ def run_parent(args: Any) -> int:
     return 0
 
 
-def _get(rows: list[dict], impl: str, threads: int, tokens: int, key: str) -> float | None:
-    for r in rows:
-        key_row = (r["impl"], r["threads"], r.get("tokens"))
-        if key_row == (impl, threads, tokens) and r.get("status") == "ok":
-            return r.get(key)
-    return None
-
-
 def _fmt(x: float | None, spec: str = ".1f") -> str:
     return "" if x is None else format(x, spec)
 
 
+def _ratio(a: float | None, b: float | None) -> float | None:
+    return a / b if a and b else None
+
+
 def _report(rows: list[dict[str, Any]], args: Any) -> list[str]:
-    lines = [f"{SHAPE}, causal, default config, {args.residues}-aa members and candidates", ""]
-    lengths = sorted({int(r["tokens"]) for r in rows if r.get("status") == "ok"})
+    shape = f"{common.ESM2_8M}, causal, default config"
+    lines = [f"{shape}, {args.residues}-aa members and candidates", ""]
+    ok = {(r["impl"], r["threads"], r["tokens"]): r for r in rows if r.get("status") == "ok"}
+    lengths = sorted({int(T) for _, _, T in ok})
     for threads in args.threads:
+
+        def get(impl: str, T: int, key: str, threads: int = threads) -> float | None:
+            """``key`` of the case (impl, threads, T) if it ran, else None."""
+            return ok.get((impl, threads, T), {}).get(key)
+
         lines += [f"threads {threads}", "",
                   "| context tokens | FAVOR+ build s | FAVOR+ ms/cand | exact build s | "
                   "exact (KV cache) ms/cand | exact / FAVOR+ | FAVOR+ concat ms/cand | "
                   "concat / FAVOR+ | exact concat ms/cand | FAVOR+ state KiB | exact cache KiB |",
                   "|---|---|---|---|---|---|---|---|---|---|---|"]
         for T in lengths:
-            f = {k: _get(rows, "favor", threads, T, k) for k in FIELDS}
-            e = {k: _get(rows, "exact", threads, T, k) for k in FIELDS}
-            fm, em, fr = f["ms_per_candidate"], e["ms_per_candidate"], f["rerun_ms_per_candidate"]
+            fm, em = get("favor", T, "ms_per_candidate"), get("exact", T, "ms_per_candidate")
+            fr = get("favor", T, "rerun_ms_per_candidate")
             lines.append(
-                f"| {T} | {_fmt(f['build_s'], '.2f')} | {_fmt(fm)} | {_fmt(e['build_s'], '.2f')} "
-                f"| {_fmt(em)} | {_fmt(em / fm if em and fm else None, '.1f')}x | {_fmt(fr)} | "
-                f"{_fmt(fr / fm if fr and fm else None, '.1f')}x | "
-                f"{_fmt(e['rerun_ms_per_candidate'])} | {_fmt(f['context_kib'], '.0f')} | "
-                f"{_fmt(e['context_kib'], '.0f')} |")
+                f"| {T} | {_fmt(get('favor', T, 'build_s'), '.2f')} | {_fmt(fm)} | "
+                f"{_fmt(get('exact', T, 'build_s'), '.2f')} | {_fmt(em)} | "
+                f"{_fmt(_ratio(em, fm), '.1f')}x | {_fmt(fr)} | {_fmt(_ratio(fr, fm), '.1f')}x | "
+                f"{_fmt(get('exact', T, 'rerun_ms_per_candidate'))} | "
+                f"{_fmt(get('favor', T, 'context_kib'), '.0f')} | "
+                f"{_fmt(get('exact', T, 'context_kib'), '.0f')} |")
         lines.append("")
         if lengths:
             lo, hi = lengths[0], lengths[-1]
             for impl in (i for i in args.impls if i != "exact"):  # the constant-state designs
-                a = _get(rows, impl, threads, lo, "ms_per_candidate")
-                b = _get(rows, impl, threads, hi, "ms_per_candidate")
+                a, b = get(impl, lo, "ms_per_candidate"), get(impl, hi, "ms_per_candidate")
                 if a and b:
                     lines.append(
                         f"{impl} per candidate at {hi} / at {lo}: {b / a:.2f}x (target <= 1.3x "
                         f"at 64k / 1k): {common.verdict(b / a <= 1.3)}; state "
-                        f"{_fmt(_get(rows, impl, threads, lo, 'context_kib'), '.0f')} KiB at "
-                        f"{lo}, {_fmt(_get(rows, impl, threads, hi, 'context_kib'), '.0f')} KiB "
-                        f"at {hi}")
+                        f"{_fmt(get(impl, lo, 'context_kib'), '.0f')} KiB at {lo}, "
+                        f"{_fmt(get(impl, hi, 'context_kib'), '.0f')} KiB at {hi}")
             for T in lengths:  # issue 40: the memory per candidate within 1.3x of FAVOR+
-                fm = _get(rows, "favor", threads, T, "ms_per_candidate")
-                mm = _get(rows, "favor+memory", threads, T, "ms_per_candidate")
-                fc = _get(rows, "favor", threads, T, "cpu_ms_per_candidate")
-                mc = _get(rows, "favor+memory", threads, T, "cpu_ms_per_candidate")
-                if fm and mm:
+                mm = _ratio(get("favor+memory", T, "ms_per_candidate"),
+                            get("favor", T, "ms_per_candidate"))
+                if mm:
+                    cpu = _ratio(get("favor+memory", T, "cpu_ms_per_candidate"),
+                                 get("favor", T, "cpu_ms_per_candidate"))
                     lines.append(
-                        f"favor+memory / FAVOR+ per candidate at {T}: {mm / fm:.2f}x (target "
-                        f"<= 1.3x): {common.verdict(mm / fm <= 1.3)}; in CPU time "
-                        f"{_fmt(mc / fc if mc and fc else None, '.2f')}x")
+                        f"favor+memory / FAVOR+ per candidate at {T}: {mm:.2f}x (target "
+                        f"<= 1.3x): {common.verdict(mm <= 1.3)}; in CPU time {_fmt(cpu, '.2f')}x")
             mid = 16384 if 16384 in lengths else max(t for t in lengths if t <= 16384)
-            fm = _get(rows, "favor", threads, mid, "ms_per_candidate")
-            em = _get(rows, "exact", threads, mid, "ms_per_candidate")
-            if fm and em:
-                lines.append(
-                    f"exact / FAVOR+ per candidate at {mid}: {em / fm:.1f}x (target >= 20x at "
-                    f"16k): {common.verdict(em / fm >= 20)}")
-            peak = _get(rows, "favor", threads, hi, "peak_rss_mib")
-            n = _get(rows, "favor", threads, hi, "candidates")
+            ef = _ratio(get("exact", mid, "ms_per_candidate"),
+                        get("favor", mid, "ms_per_candidate"))
+            if ef:
+                lines.append(f"exact / FAVOR+ per candidate at {mid}: {ef:.1f}x (target >= 20x at "
+                             f"16k): {common.verdict(ef >= 20)}")
+            peak = get("favor", hi, "peak_rss_mib")
             if peak:
                 lines.append(
-                    f"FAVOR+ peak RSS, {n} candidates at {hi} (build included): {peak:.0f} MiB "
-                    f"(target < 1024 MiB at 64k): {common.verdict(peak < 1024)}")
+                    f"FAVOR+ peak RSS, {get('favor', hi, 'candidates')} candidates at {hi} (build "
+                    f"included): {peak:.0f} MiB (target < 1024 MiB at 64k): "
+                    f"{common.verdict(peak < 1024)}")
         lines.append("")
     skipped = [r for r in rows if r.get("status") != "ok"]
     for r in skipped:

@@ -47,7 +47,6 @@ Examples::
 from __future__ import annotations
 
 import argparse
-import csv
 import json
 import logging
 import os
@@ -61,7 +60,7 @@ import _common as common
 log = logging.getLogger("bench_embed")
 
 IMPLS = ("performer", "exact", "free", "hf", "esm")
-ESM2_8M = {"layers": 6, "dim": 320, "heads": 20, "ffn": 1280}
+ESM2_8M = common.ESM2_8M
 PROTEINS = common.SEQUENCES / "swissprot_opal_train.fasta"
 EMBED_BUDGET = 4096  # protein-performer embed's default --toks-per-batch
 COLUMNS = ("impl", "case", "length", "device", "threads", "status", "time_s", "peak_mib", "note")
@@ -76,14 +75,8 @@ def _build(impl: str, length: int, nb_features: int | None = None) -> tuple[Any,
     Padded batches (``<pad>`` = 1 in every vocabulary here) mask their pads.
     """
     if impl in ("performer", "exact", "free"):
-        from protein_performer.model.config import PerformerConfig
-        from protein_performer.model.performer import PerformerLM
-
-        config = PerformerConfig(dim=ESM2_8M["dim"], depth=ESM2_8M["layers"],
-                                 heads=ESM2_8M["heads"], ff_dim=ESM2_8M["ffn"],
-                                 nb_features=nb_features,
-                                 attention="favor" if impl == "performer" else "exact")
-        model = PerformerLM(config)
+        model = common.random_lm(**ESM2_8M, nb_features=nb_features,
+                                 attention="favor" if impl == "performer" else "exact").model
         if impl == "free":
             import torch
 
@@ -95,20 +88,21 @@ def _build(impl: str, length: int, nb_features: int | None = None) -> tuple[Any,
 
             for layer in model.layers:
                 layer.self_attn.core = FreeCore()
-        return model, lambda t: model(t, repr_layers=[-1]).hidden_states[config.depth]
+        return model, lambda t: model(t, repr_layers=[-1]).hidden_states[ESM2_8M["depth"]]
     if impl == "esm":
         import esm  # fair-esm
 
         alphabet = esm.data.Alphabet.from_architecture("ESM-1b")
-        model = esm.model.esm2.ESM2(num_layers=ESM2_8M["layers"], embed_dim=ESM2_8M["dim"],
+        model = esm.model.esm2.ESM2(num_layers=ESM2_8M["depth"], embed_dim=ESM2_8M["dim"],
                                     attention_heads=ESM2_8M["heads"], alphabet=alphabet)
-        return model, lambda t: model(t, repr_layers=[ESM2_8M["layers"]])["representations"][6]
+        return model, lambda t: model(t, repr_layers=[ESM2_8M["depth"]])["representations"][6]
     if impl == "hf":
         from transformers import EsmConfig, EsmModel
 
         config = EsmConfig(vocab_size=33, hidden_size=ESM2_8M["dim"],
-                           num_hidden_layers=ESM2_8M["layers"],
-                           num_attention_heads=ESM2_8M["heads"], intermediate_size=ESM2_8M["ffn"],
+                           num_hidden_layers=ESM2_8M["depth"],
+                           num_attention_heads=ESM2_8M["heads"],
+                           intermediate_size=ESM2_8M["ff_dim"],
                            position_embedding_type="rotary",
                            max_position_embeddings=max(1026, length + 2), token_dropout=True,
                            mask_token_id=32, pad_token_id=1, emb_layer_norm_before=False)
@@ -315,7 +309,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--case", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.case:
-        print("RESULT " + json.dumps(run_case(json.loads(args.case))), flush=True)
+        common.emit(run_case(json.loads(args.case)))
         return 0
     common.setup_logging()
     if args.quick:
@@ -359,11 +353,7 @@ def main(argv: list[str] | None = None) -> int:
             "" if seq else f"no TITIN_HUMAN record in {args.titin}", sequence=seq, repeats=1)
 
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    with open(args.out, "w", newline="", encoding="utf-8") as fh:
-        writer = csv.DictWriter(fh, fieldnames=COLUMNS, extrasaction="ignore")
-        writer.writeheader()
-        for row in rows:
-            writer.writerow({k: row.get(k, "") for k in COLUMNS})
+    common.write_dicts_csv(rows, args.out, COLUMNS)
     print(f"{'impl':<10} {'case':>7} {'time':>10} {'peak':>10}  status")
     for r in rows:
         t = f"{r['time_s']:.3f} s" if r["status"] == "ok" else "-"

@@ -52,39 +52,68 @@ from typing import TYPE_CHECKING, Any
 import _common as common
 
 if TYPE_CHECKING:  # torch is imported lazily so that --help answers at once
-    import torch
     from torch import Tensor
 
 log = logging.getLogger("bench_favor_accuracy")
 
 KERNELS = ("softmax", "softmax_hyp", "softmax_opt", "trig", "relu")
 TAUS = (0.25, 0.5, 1.0, 2.0)
+#: An approximation of softmax attention: fn(q, k, v, seed) -> output; ``seed`` draws features.
+Method = Callable[["Tensor", "Tensor", "Tensor", int], "Tensor"]
 
 
-def make_qkv(L: int, d: int, tau: float, gen: torch.Generator) -> tuple[Tensor, Tensor, Tensor]:
-    """q, k scaled so the logits q.k/sqrt(d) have std tau; v standard normal. Shapes (1,1,L,d)."""
+def make_inputs(L: int, d: int, tau: float, seeds: int) -> list[tuple[Tensor, ...]]:
+    """Per seed: q, k scaled so the logits q.k/sqrt(d) have std tau, v standard normal (shapes
+    (1,1,L,d)), and exact softmax attention's output on them."""
     import torch
 
-    s = math.sqrt(tau)
-    q = torch.randn(1, 1, L, d, generator=gen) * s
-    k = torch.randn(1, 1, L, d, generator=gen) * s
-    v = torch.randn(1, 1, L, d, generator=gen)
-    return q, k, v
+    from protein_performer.model.exact import exact_attention
+
+    s, inputs = math.sqrt(tau), []
+    for seed in range(seeds):
+        gen = torch.Generator().manual_seed(seed)
+        q = torch.randn(1, 1, L, d, generator=gen) * s
+        k = torch.randn(1, 1, L, d, generator=gen) * s
+        v = torch.randn(1, 1, L, d, generator=gen)
+        inputs.append((q, k, v, exact_attention(q, k, v)))
+    return inputs
 
 
-def _favor(d: int, m: int, kernel: str, orthogonal: bool = True) -> torch.nn.Module:
-    """A bidirectional FavorAttention; ``orthogonal=False`` draws IID features."""
+def _ours(d: int, m: int, kernel: str, orthogonal: bool = True) -> Method:
+    """A bidirectional FavorAttention, its features redrawn per seed; ``orthogonal=False``
+    draws IID features."""
+    import torch
+
     from protein_performer.model.favor import FavorAttention
 
-    return FavorAttention(dim_head=d, nb_features=m, causal=False, kernel=kernel,
+    attn = FavorAttention(dim_head=d, nb_features=m, causal=False, kernel=kernel,
                           orthogonal=orthogonal)
 
+    def ours(q: Tensor, k: Tensor, v: Tensor, seed: int) -> Tensor:
+        attn.redraw(generator=torch.Generator().manual_seed(10_000 + seed))
+        return attn(q, k, v)[0]
 
-def _seeded_redraw(attn: torch.nn.Module, seed: int) -> None:
-    import torch
+    return ours
 
-    gen = torch.Generator().manual_seed(10_000 + seed)
-    attn.redraw(generator=gen)
+
+def _uniform(q: Tensor, k: Tensor, v: Tensor, seed: int) -> Tensor:
+    """The baseline that ignores q and k: every query outputs the mean of V."""
+    return v.mean(dim=-2, keepdim=True).expand_as(v)
+
+
+def _mse(out: Tensor, ref: Tensor) -> float:
+    return float((out - ref).pow(2).mean())
+
+
+def _rel_err(out: Tensor, ref: Tensor) -> float:
+    return float((out - ref).norm() / ref.norm())
+
+
+def _over_seeds(method: Method, inputs: list[tuple[Tensor, ...]],
+                error: Callable[[Tensor, Tensor], float]) -> tuple[float, float]:
+    """Mean and sample standard deviation (0 for one seed) of ``method``'s error per seed."""
+    xs = [error(method(q, k, v, seed), ref) for seed, (q, k, v, ref) in enumerate(inputs)]
+    return statistics.fmean(xs), statistics.stdev(xs) if len(xs) > 1 else 0.0
 
 
 def fig4_study(L: int, d: int, ms: Sequence[int], seeds: int,
@@ -94,63 +123,29 @@ def fig4_study(L: int, d: int, ms: Sequence[int], seeds: int,
     The uniform baseline (mean of V) is added as a flat reference: an estimator above it is
     worse than ignoring q and k altogether.
     """
-    import torch
-
-    from protein_performer.model.exact import exact_attention
-
+    cells: list[tuple[str, str, int, Method]] = [
+        (feat, draw, m, _ours(d, m, kernel, orth))
+        for kernel, feat in (("softmax", "positive"), ("trig", "trig"))
+        for orth, draw in ((True, "ORF"), (False, "IID")) for m in ms]
+    cells += [("uniform", "mean of V", m, _uniform) for m in ms]
     rows: list[dict[str, object]] = []
-
-    def add(tau: float, feat: str, draw: str, m: int, mses: list[float]) -> None:
-        mean, std = _mean_std(mses)
-        rows.append({"tau": tau, "features": feat, "draw": draw, "m": m, "mse_mean": mean,
-                     "mse_std": std, "seeds": seeds})
-        log.info("fig4 tau=%g %-8s %-7s m=%-4d mse %.3e +- %.1e", tau, feat, draw, m, mean, std)
-
     for tau in taus:
-        inputs = [make_qkv(L, d, tau, torch.Generator().manual_seed(s)) for s in range(seeds)]
-        with torch.no_grad():
-            refs = [exact_attention(q, k, v) for q, k, v in inputs]
-        uniform = [float((v.mean(-2, keepdim=True) - ref).pow(2).mean())
-                   for (_, _, v), ref in zip(inputs, refs, strict=True)]
-        for kernel, feat in (("softmax", "positive"), ("trig", "trig")):
-            for orth, draw in ((True, "ORF"), (False, "IID")):
-                for m in ms:
-                    attn = _favor(d, m, kernel, orth)
-                    mses = []
-                    for seed, ((q, k, v), ref) in enumerate(zip(inputs, refs, strict=True)):
-                        _seeded_redraw(attn, seed)
-                        with torch.no_grad():
-                            mses.append(float((attn(q, k, v)[0] - ref).pow(2).mean()))
-                    add(tau, feat, draw, m, mses)
-        for m in ms:
-            add(tau, "uniform", "mean of V", m, uniform)
+        inputs = make_inputs(L, d, tau, seeds)
+        for feat, draw, m, method in cells:
+            mean, std = _over_seeds(method, inputs, _mse)
+            rows.append({"tau": tau, "features": feat, "draw": draw, "m": m, "mse_mean": mean,
+                         "mse_std": std, "seeds": seeds})
+            log.info("fig4 tau=%g %-8s %-7s m=%-4d mse %.3e +- %.1e", tau, feat, draw, m, mean,
+                     std)
     return rows
 
 
-def _mean_std(xs: Sequence[float]) -> tuple[float, float]:
-    """Mean and sample standard deviation (0 for one seed)."""
-    return statistics.fmean(xs), statistics.stdev(xs) if len(xs) > 1 else 0.0
-
-
-def _rel_err(out: Tensor, ref: Tensor) -> float:
-    return float((out - ref).norm() / ref.norm())
-
-
-def _methods(d: int, m: int,
-             kernels: Sequence[str]) -> dict[str, Callable[[Tensor, Tensor, Tensor, int], Tensor]]:
-    """name -> fn(q, k, v, seed): every approximation compared in the tau sweep."""
+def tau_study(L: int, d: int, m: int, taus: Sequence[float], seeds: int,
+              kernels: Sequence[str]) -> list[dict[str, object]]:
+    """Relative error vs exact for each method and logit std; mean/std over seeds."""
     import torch
 
-    methods: dict[str, Callable[[Tensor, Tensor, Tensor, int], Tensor]] = {}
-    for kernel in kernels:
-        attn = _favor(d, m, kernel)
-
-        def ours(q: Tensor, k: Tensor, v: Tensor, seed: int,
-                 attn: torch.nn.Module = attn) -> Tensor:
-            _seeded_redraw(attn, seed)
-            return attn(q, k, v)[0]
-
-        methods[f"ours/{kernel}"] = ours
+    methods = {f"ours/{kernel}": _ours(d, m, kernel) for kernel in kernels}
     try:
         from performer_pytorch import FastAttention
     except ImportError:
@@ -163,36 +158,15 @@ def _methods(d: int, m: int,
             return FastAttention(dim_heads=d, nb_features=m)(q, k, v)
 
         methods["performer-pytorch"] = performer
-
-    def uniform(q: Tensor, k: Tensor, v: Tensor, seed: int) -> Tensor:
-        return v.mean(dim=-2, keepdim=True).expand_as(v)
-
-    methods["uniform (mean of V)"] = uniform
-    return methods
-
-
-def tau_study(L: int, d: int, m: int, taus: Sequence[float], seeds: int,
-              kernels: Sequence[str]) -> list[dict[str, object]]:
-    """Relative error vs exact for each method and logit std; mean/std over seeds."""
-    import torch
-
-    from protein_performer.model.exact import exact_attention
-
-    methods = _methods(d, m, kernels)
-    errs: dict[tuple[str, float], list[float]] = {}
-    for tau in taus:
-        for seed in range(seeds):
-            q, k, v = make_qkv(L, d, tau, torch.Generator().manual_seed(seed))
-            with torch.no_grad():
-                ref = exact_attention(q, k, v)
-                for name, fn in methods.items():
-                    errs.setdefault((name, tau), []).append(_rel_err(fn(q, k, v, seed), ref))
+    methods["uniform (mean of V)"] = _uniform
     rows = []
-    for (name, tau), xs in errs.items():
-        mean, std = _mean_std(xs)
-        rows.append({"method": name, "tau": tau, "rel_err_mean": mean, "rel_err_std": std,
-                     "seeds": seeds, "L": L, "d": d, "m": m})
-        log.info("tau %-4g %-22s rel err %.4f +- %.4f", tau, name, mean, std)
+    for tau in taus:
+        inputs = make_inputs(L, d, tau, seeds)
+        for name, method in methods.items():
+            mean, std = _over_seeds(method, inputs, _rel_err)
+            rows.append({"method": name, "tau": tau, "rel_err_mean": mean, "rel_err_std": std,
+                         "seeds": seeds, "L": L, "d": d, "m": m})
+            log.info("tau %-4g %-22s rel err %.4f +- %.4f", tau, name, mean, std)
     return rows
 
 
@@ -276,6 +250,11 @@ def plot(fig4: list[dict[str, object]], tau: list[dict[str, object]], path: Path
     plt.close(fig)
 
 
+def _list(kind: type) -> Callable[[str], list[Any]]:
+    """An argparse type: a comma list of ``kind`` values."""
+    return lambda text: [kind(x) for x in text.split(",") if x]
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -284,21 +263,22 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seeds", type=int, default=10, help="seeds per cell (paper: >= 10)")
     p.add_argument("--fig4-len", type=int, default=4096)
     p.add_argument("--fig4-dim", type=int, default=16)
-    p.add_argument("--fig4-taus", default="0.25,1",
+    p.add_argument("--fig4-taus", type=_list(float), default="0.25,1",
                    help="comma list of logit stds for the Fig. 4 inputs (one panel each)")
-    p.add_argument("--fig4-m", default="16,32,64,128,256,512", help="comma list of m")
+    p.add_argument("--fig4-m", type=_list(int), default="16,32,64,128,256,512",
+                   help="comma list of m")
     p.add_argument("--tau-len", type=int, default=1024)
     p.add_argument("--tau-dim", type=int, default=64)
     p.add_argument("--tau-m", type=int, default=256)
-    p.add_argument("--taus", default=",".join(f"{t:g}" for t in TAUS))
-    p.add_argument("--kernels", default=",".join(KERNELS))
+    p.add_argument("--taus", type=_list(float), default=",".join(f"{t:g}" for t in TAUS))
+    p.add_argument("--kernels", type=_list(str), default=",".join(KERNELS))
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch default)")
     p.add_argument("--quick", action="store_true",
                    help="tiny smoke configuration (L=256, 2 seeds, m in {16, 64})")
     args = p.parse_args(argv)
     if args.quick:
         args.seeds = min(args.seeds, 2)
-        args.fig4_len, args.tau_len, args.fig4_m = 256, 256, "16,64"
+        args.fig4_len, args.tau_len, args.fig4_m = 256, 256, [16, 64]
     return args
 
 
@@ -310,14 +290,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     args.out.mkdir(parents=True, exist_ok=True)
-    ms = [int(x) for x in args.fig4_m.split(",")]
-    taus = [float(x) for x in args.taus.split(",")]
-    kernels = [x for x in args.kernels.split(",") if x]
     fig4_cfg = f"L={args.fig4_len}, d={args.fig4_dim}, {args.seeds} seeds, mean ± std"
     tau_cfg = f"L={args.tau_len}, d={args.tau_dim}, m={args.tau_m}, {args.seeds} seeds"
-    fig4_taus = [float(x) for x in args.fig4_taus.split(",")]
-    fig4 = fig4_study(args.fig4_len, args.fig4_dim, ms, args.seeds, fig4_taus)
-    tau = tau_study(args.tau_len, args.tau_dim, args.tau_m, taus, args.seeds, kernels)
+    with torch.no_grad():
+        fig4 = fig4_study(args.fig4_len, args.fig4_dim, args.fig4_m, args.seeds, args.fig4_taus)
+        tau = tau_study(args.tau_len, args.tau_dim, args.tau_m, args.taus, args.seeds,
+                        args.kernels)
     common.write_dicts_csv(fig4, args.out / "fig4.csv")
     common.write_dicts_csv(tau, args.out / "tau.csv")
     table = markdown(fig4, tau, fig4_cfg, tau_cfg)

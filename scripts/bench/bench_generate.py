@@ -56,6 +56,7 @@ Examples::
 
 from __future__ import annotations
 
+import functools
 import os
 import statistics
 import sys
@@ -64,19 +65,12 @@ from typing import Any
 
 import _common as common
 
-SHAPE = {"dim": 320, "depth": 6, "heads": 20, "ff_dim": 1280}
+SHAPE = common.ESM2_8M
 #: ESM-2 shapes for the floor: 8M and 35M.
 SHAPES = {"8M": SHAPE, "35M": {"dim": 480, "depth": 12, "heads": 20, "ff_dim": 1920}}
 RESIDUES = "ACDEFGHIKLMNPQRSTVWY"
 #: The measurements of the docstring, 1-5, by name (``--parts``).
 PARTS = ("per-token", "totals", "performer-pytorch", "peers", "floor", "family")
-
-
-def _ours(attention: str = "favor", shape: dict[str, int] | None = None, **config: Any) -> Any:
-    from protein_performer.inference.api import ProteinLM
-
-    return ProteinLM(common.random_lm(**(shape or SHAPE), objective="clm", attention=attention,
-                                      **config))  # fmt: skip
 
 
 def per_token(lm: Any, positions: list[int], steps: int) -> list[dict[str, Any]]:
@@ -113,14 +107,16 @@ def per_token(lm: Any, positions: list[int], steps: int) -> list[dict[str, Any]]
                     peaks[P] = peak()
     rows = []
     for P in positions:
-        s = states[P]
-        state_b = sum(x.kv.numel() * x.kv.element_size() + x.mu.numel() * 4 for x in s)
         rows.append({"position": P, "ms_per_token": 1e3 * statistics.median(times[P]),
-                    "peak_mib": peaks[P] / 2**20, "state_kib": state_b / 2**10})
+                    "peak_mib": peaks[P] / 2**20, "state_kib": _state_bytes(states[P]) / 2**10})
         print(f"  position {P}: {rows[-1]['ms_per_token']:.2f} ms/token", file=sys.stderr)
     return rows
 
 
+#: The variable that pins the step generation decodes with, and its value per kind: "eager"
+#: (model.step), "traced" (the default below the compile threshold), "compiled".
+COMPILE_ENV = "PROTEIN_PERFORMER_COMPILE_STEP"
+DECODING = {"eager": "0", "traced": "auto", "compiled": "1"}
 #: The position memory as family_clm trains it (member positions, 1,024 positions).
 MEMORY = {"position_memory": 1024, "positions": "member"}
 
@@ -136,18 +132,11 @@ def _family(n: int, length: int, seed: int = 0) -> list[str]:
             for _ in range(n)]  # fmt: skip
 
 
-def _decoding(kind: str) -> None:
-    """Pin the step generation decodes with: "eager" (model.step), "traced" (the default
-    below the compile threshold), "compiled"."""
-    env = "PROTEIN_PERFORMER_COMPILE_STEP"
-    os.environ[env] = {"eager": "0", "traced": "auto", "compiled": "1"}[kind]
-
-
 def family_totals(args: Any) -> list[dict[str, Any]]:
     """ms per generated token after a family context (read once, not timed): the memory model
     eager and traced (and compiled with ``--compile``), plain FAVOR+ traced, alternating."""
     homologs = _family(args.family, args.family_length)
-    memory, favor = _ours(**MEMORY), _ours()
+    memory, favor = common.random_clm(**MEMORY), common.random_clm()
     runs = [("memory", memory, "eager"), ("memory", memory, "traced"),
             ("favor", favor, "traced")]  # fmt: skip
     if args.compile:
@@ -156,23 +145,17 @@ def family_totals(args: Any) -> list[dict[str, Any]]:
     n = args.new
 
     def once(lm: Any, kind: str) -> float:
-        _decoding(kind)
-        t0 = time.perf_counter()
-        (seq,) = lm.generate(n=1, max_length=n, min_length=n, prompt="", seed=0, batch_size=1,
-                             context=contexts[id(lm)])  # fmt: skip
-        assert len(seq) == n
-        return time.perf_counter() - t0
+        os.environ[COMPILE_ENV] = DECODING[kind]
+        return _generate_s(lm, n, "", context=contexts[id(lm)])
 
     for name, lm, kind in runs:  # warm-up: traces (compiles) and first allocations
-        t0 = time.perf_counter()
-        once(lm, kind)
-        print(f"  first run {name} {kind}: {time.perf_counter() - t0:.1f} s", file=sys.stderr)
+        print(f"  first run {name} {kind}: {once(lm, kind):.1f} s", file=sys.stderr)
     times: dict[tuple[str, str], list[float]] = {(r[0], r[2]): [] for r in runs}
     for _ in range(args.repeats):
         for name, lm, kind in runs:
             times[(name, kind)].append(1e3 * once(lm, kind) / n)
             print(f"  {name} {kind}: {times[(name, kind)][-1]:.3f} ms/token", file=sys.stderr)
-    os.environ.pop("PROTEIN_PERFORMER_COMPILE_STEP", None)
+    os.environ.pop(COMPILE_ENV, None)
     return [{"model": name, "step": kind, "median_ms_per_token": statistics.median(ts),
              "best_ms_per_token": min(ts), "repeats": len(ts)}
             for (name, kind), ts in times.items()]  # fmt: skip
@@ -197,14 +180,14 @@ def family_per_token(args: Any) -> list[dict[str, Any]]:
 
     from protein_performer.inference.generation import decoding_step
 
-    lm = _ours(**MEMORY)
+    lm = common.random_clm(**MEMORY)
     model = lm.model
     tok = torch.tensor([5])
     steps = {}
     for kind in ("eager", "traced"):
-        _decoding(kind)
+        os.environ[COMPILE_ENV] = DECODING[kind]
         steps[kind] = decoding_step(model)
-    os.environ.pop("PROTEIN_PERFORMER_COMPILE_STEP", None)
+    os.environ.pop(COMPILE_ENV, None)
     states: dict[tuple[int, str], Any] = {}
     times: dict[tuple[int, str], list[float]] = {}
     with torch.inference_mode():
@@ -265,13 +248,11 @@ def family_lines(args: Any, totals: list[dict[str, Any]], tokens: list[dict[str,
 
 def ours_total(lm: Any, lengths: list[int], repeats: int) -> dict[int, float]:
     """Best of ``repeats`` timings per length, lengths taken round-robin (load hits all)."""
+    print("total generation time:", file=sys.stderr)
     out = {n: float("inf") for n in lengths}
     for _ in range(repeats):
         for n in lengths:
-            t0 = time.perf_counter()
-            (seq,) = lm.generate(n=1, max_length=n + 1, min_length=n + 1, prompt="M", seed=0)
-            out[n] = min(out[n], time.perf_counter() - t0)
-            assert len(seq) == n + 1
+            out[n] = min(out[n], _generate_s(lm, n + 1, "M"))
             print(f"  ours: {n} tokens in {out[n]:.1f} s", file=sys.stderr)
     return out
 
@@ -300,13 +281,7 @@ def performer_pytorch(lengths: list[int], direct: list[int]) -> tuple[dict, dict
     with torch.inference_mode():
         for t in grid:
             x = torch.randint(4, 24, (1, t))
-            net(x)  # warm-up
-            reps = []
-            for _ in range(3 if t <= 1024 else 1):
-                t0 = time.perf_counter()
-                net(x)
-                reps.append(time.perf_counter() - t0)
-            fwd[t] = min(reps)
+            fwd[t] = common.time_phase(lambda x=x: net(x), x.device, 3 if t <= 1024 else 1)[1]
             print(f"  performer-pytorch forward at {t}: {1e3 * fwd[t]:.1f} ms", file=sys.stderr)
 
     import numpy as np
@@ -341,30 +316,24 @@ def _gpt2(shape: dict[str, int], positions: int) -> Any:
     return GPT2LMHeadModel(cfg).eval()
 
 
-def weight_bytes(model: Any) -> int:
-    """Bytes of distinct parameters (a tied matrix once): what one token must read."""
-    seen, total = set(), 0
-    for p in model.parameters():
-        if p.data_ptr() not in seen:
-            seen.add(p.data_ptr())
-            total += p.numel() * p.element_size()
-    return total
-
-
-def copy_bandwidth(mib: int, threads: int, repeats: int = 5) -> float:
-    """STREAM-like copy bandwidth in bytes/s (read + written) at ``threads`` torch threads."""
+def copy_bandwidth(mib: int, repeats: int = 5) -> float:
+    """STREAM-like copy bandwidth in bytes/s (read + written) at the current torch threads."""
     import torch
 
-    torch.set_num_threads(threads)
     n = mib * 2**20 // 4
     a, b = torch.ones(n), torch.empty(n)
-    b.copy_(a)
-    best = float("inf")
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        b.copy_(a)
-        best = min(best, time.perf_counter() - t0)
-    return 2 * n * 4 / best
+    return 2 * n * 4 / common.time_phase(lambda: b.copy_(a), a.device, repeats)[1]
+
+
+def _generate_s(lm: Any, length: int, prompt: str, batch: int = 1, **kw: Any) -> float:
+    """Seconds for ``lm.generate`` of ``batch`` sequences of exactly ``length`` residues after
+    ``prompt``, sampling included (``kw``: the family ``context``)."""
+    t0 = time.perf_counter()
+    seqs = lm.generate(n=batch, max_length=length, min_length=length, prompt=prompt, seed=0,
+                       batch_size=batch, **kw)  # fmt: skip
+    dt = time.perf_counter() - t0
+    assert all(len(q) == length for q in seqs)
+    return dt
 
 
 def _time_ours(lm: Any, prompt: int, batch: int, new: int) -> float:
@@ -374,12 +343,7 @@ def _time_ours(lm: Any, prompt: int, batch: int, new: int) -> float:
 
     rng = random.Random(prompt)
     text = "".join(rng.choice(RESIDUES) for _ in range(prompt - 1))
-    n = len(text) + new
-    t0 = time.perf_counter()
-    seqs = lm.generate(n=batch, max_length=n, min_length=n, prompt=text, seed=0, batch_size=batch)
-    dt = time.perf_counter() - t0
-    assert all(len(q) == n for q in seqs)
-    return dt
+    return _generate_s(lm, len(text) + new, text, batch)
 
 
 def _time_gpt2(model: Any, prompt: int, batch: int, new: int) -> float:
@@ -404,29 +368,25 @@ def peers(args: Any) -> tuple[list[dict[str, Any]], str]:
     runs back to back (machine load hits all alike), best of ``args.repeats``."""
     import torch
 
-    models = {"favor": _ours("favor"), "exact": _ours("exact")}
+    print("peers (interleaved):", file=sys.stderr)
+    timers = {"favor": functools.partial(_time_ours, common.random_clm()),
+              "exact": functools.partial(_time_ours, common.random_clm(attention="exact"))}
     gpt2 = _gpt2(SHAPE, max(args.peer_prompts) + args.new + 1)
     note = "" if gpt2 is not None else "transformers not installed: no GPT-2 column"
+    if gpt2 is not None:
+        timers["gpt2"] = functools.partial(_time_gpt2, gpt2)
     cells = [(t, p, b) for t in args.peer_threads for p in args.peer_prompts for b in args.batches]
     best: dict[tuple, float] = {}
     for t in args.peer_threads:  # warm-up: first calls allocate and pick kernels, and the
         torch.set_num_threads(t)  # longest prompt tunes the scan's tiles once (not timed)
         for p in sorted({16, max(args.peer_prompts)}):
-            for lm in models.values():
-                _time_ours(lm, p, 1, 4)
-            if gpt2 is not None:
-                _time_gpt2(gpt2, p, 1, 4)
+            for timer in timers.values():
+                timer(p, 1, 4)
     for _ in range(args.repeats):
         for t, p, b in cells:
             torch.set_num_threads(t)
-            runs: list[tuple[str, Any]] = [
-                (name, lambda lm=lm, p=p, b=b: _time_ours(lm, p, b, args.new))
-                for name, lm in models.items()
-            ]
-            if gpt2 is not None:
-                runs.append(("gpt2", lambda p=p, b=b: _time_gpt2(gpt2, p, b, args.new)))
-            for name, run in runs:
-                ms = 1e3 * run() / (b * args.new)
+            for name, timer in timers.items():
+                ms = 1e3 * timer(p, b, args.new) / (b * args.new)
                 key = (t, p, b, name)
                 best[key] = min(best.get(key, float("inf")), ms)
                 print(f"  threads {t} prompt {p} batch {b} {name}: {ms:.3f} ms/token",
@@ -446,14 +406,16 @@ def floors(args: Any) -> list[dict[str, Any]]:
     import torch
 
     rows = []
-    lms = {name: _ours("favor", shape) for name, shape in SHAPES.items()}
+    lms = {name: common.random_clm(shape) for name, shape in SHAPES.items()}
     for t in args.peer_threads:
         torch.set_num_threads(t)
         for name, lm in lms.items():
             _time_ours(lm, 16, 1, 4)  # warm-up
-            bw = copy_bandwidth(args.stream_mib, t)
+            bw = copy_bandwidth(args.stream_mib)
             ms = min(1e3 * _time_ours(lm, 16, 1, args.new) / args.new for _ in range(args.repeats))
-            wb = weight_bytes(lm.model)
+            # what one token must read: every distinct parameter (a tied matrix once)
+            params = {p.data_ptr(): p for p in lm.model.parameters()}.values()
+            wb = sum(p.numel() * p.element_size() for p in params)
             floor_ms = 1e3 * wb / bw
             rows.append({"shape": name, "threads": t, "weights_mib": wb / 2**20,
                          "copy_gb_s": bw / 1e9, "floor_ms_per_token": floor_ms,
@@ -515,16 +477,15 @@ def per_token_lines(args: Any, tokens: list[dict[str, Any]]) -> list[str]:
     return lines
 
 
-def total_lines(args: Any, ours: dict, est: dict, timed: dict, note: str) -> list[str]:
+def total_lines(ours: dict, est: dict, timed: dict, note: str) -> list[str]:
     """The totals table: ours against performer-pytorch's generate."""
     lines = ["", "| tokens | ours s | performer-pytorch s (timed) | (estimated) | ratio |",
              "|---|---|---|---|---|"]
     for n in sorted(set(ours) | set(est) | set(timed)):
         o, e, t = ours.get(n), est.get(n), timed.get(n)
         ratio = (t or e) / o if o and (t or e) else None
-        lines.append(
-            f"| {n} | {'' if o is None else f'{o:.1f}'} | {'' if t is None else f'{t:.1f}'} | "
-            f"{'' if e is None else f'{e:.1f}'} | {'' if ratio is None else f'{ratio:.0f}x'} |")
+        lines.append(f"| {n} | {_fmt(o, '.1f')} | {_fmt(t, '.1f')} | {_fmt(e, '.1f')} | "
+                     f"{_fmt(ratio, '.0f')}{'' if ratio is None else 'x'} |")
     if ours:
         lo, hi = min(ours), max(ours)
         lines.append(f"\nours: {hi} tokens / {lo} tokens = {ours[hi] / ours[lo]:.2f}x "
@@ -572,32 +533,23 @@ def main() -> int:
     import torch
 
     if args.compile:
-        os.environ["PROTEIN_PERFORMER_COMPILE_STEP"] = "1"
+        os.environ[COMPILE_ENV] = DECODING["compiled"]
     torch.set_num_threads(args.threads)
     args.out.mkdir(parents=True, exist_ok=True)
-    lm = _ours()
+    lm = common.random_clm()
     parts = set(args.parts)
     lines = [f"threads {args.threads}, {SHAPE}, FAVOR+ default config, batch 1"]
     if "per-token" in parts:
         print("per-token cost (RNN mode):", file=sys.stderr)
         lines += per_token_lines(args, per_token(lm, args.positions, args.steps))
-    ours = est = timed = {}
-    note = ""
-    if "totals" in parts:
-        print("total generation time:", file=sys.stderr)
-        ours = ours_total(lm, args.gen_lengths, args.repeats)
+    ours = ours_total(lm, args.gen_lengths, args.repeats) if "totals" in parts else {}
+    est, timed, note = ({}, {}, "")
     if "performer-pytorch" in parts:
         est, timed, note = performer_pytorch(args.pp_lengths, args.pp_generate)
     if ours or est:
-        lines += total_lines(args, ours, est, timed, note)
-    peer_rows: list[dict[str, Any]] = []
-    floor_rows: list[dict[str, Any]] = []
-    peer_note = ""
-    if "peers" in parts:
-        print("peers (interleaved):", file=sys.stderr)
-        peer_rows, peer_note = peers(args)
-    if "floor" in parts:
-        floor_rows = floors(args)
+        lines += total_lines(ours, est, timed, note)
+    peer_rows, peer_note = peers(args) if "peers" in parts else ([], "")
+    floor_rows = floors(args) if "floor" in parts else []
     torch.set_num_threads(args.threads)
     if "family" in parts:
         print("after a family context (position memory):", file=sys.stderr)

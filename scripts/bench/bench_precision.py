@@ -21,7 +21,8 @@ from pathlib import Path
 
 import _common as common
 
-DEMO = common.REPO / "protein_performer" / "data" / "demo"
+#: The bundled demo proteins (15 records, median 156 aa).
+DEMO = "data/demo/some_proteins.fasta"
 
 
 def main() -> int:
@@ -29,17 +30,19 @@ def main() -> int:
     p.add_argument("--ckpt", default=None, help="model to measure (default: random 8M shape)")
     p.add_argument("--objective", choices=("mlm", "clm"), default="clm",
                    help="for the random model")
-    p.add_argument("--fasta", type=Path, default=None, help="proteins (default: the demo FASTA)")
+    p.add_argument("--fasta", type=Path, default=None,
+                   help=f"proteins (default: the package's {DEMO})")
     p.add_argument("--records", type=int, default=20, help="how many records to use")
     p.add_argument("--threads", type=int, default=2)
-    common.add_final_args(p, "3 short records: a smoke run")
+    p.add_argument("--quick", action="store_true", help="3 short records: a smoke run")
     args = p.parse_args()
     import numpy as np
 
     import protein_performer as pp
+    from protein_performer.data.bundled import bundled_path
     from protein_performer.data.inputs import read_records
 
-    fasta = args.fasta or next(iter(sorted(DEMO.glob("*.fasta"))))
+    fasta = args.fasta or bundled_path(DEMO)
     n = 3 if args.quick else args.records
     records = [(r.id, r.sequence) for r in read_records(fasta)][:n]
     if args.quick:

@@ -46,7 +46,7 @@ import math
 import statistics
 import sys
 import time
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from typing import Any
 
 import _common as common
@@ -58,6 +58,8 @@ EPILOG = "Method, memory definition and targets: see the module docstring."
 ATTENTIONS = ("favor", "exact")
 #: FAVOR+ with the position memory (issue 40), measured against plain FAVOR+ on family rows.
 MEMORY = "favor+memory"
+#: The memory's position_memory (member positions it holds), as family_clm trains it.
+MEMORY_POSITIONS = 1024
 #: Issue 40: family-row training with the memory at >= 0.8x the steps/s of plain FAVOR+.
 MEMORY_TARGET = 0.8
 OBJECTIVES = ("mlm", "clm")
@@ -131,8 +133,7 @@ def run_case(case: dict[str, Any]) -> None:
     from protein_performer.model.config import PerformerConfig
     from protein_performer.model.performer import PerformerLM
 
-    if case.get("threads"):
-        torch.set_num_threads(int(case["threads"]))
+    limit = common.start_case(case)
     device = torch.device(case["device"])
     B, L = case["B"], case["L"]
     bf16 = case["precision"] == "bf16-mixed"
@@ -146,7 +147,7 @@ def run_case(case: dict[str, Any]) -> None:
             nb_features=case["m"], objective=case["objective"],
             attention="favor" if attention == MEMORY else attention, kernel=case["kernel"],
             feature_redraw_interval=0,
-            position_memory=case["memory_positions"] if attention == MEMORY else 0).validate()
+            position_memory=MEMORY_POSITIONS if attention == MEMORY else 0).validate()
         model = PerformerLM(config).to(device).train()
         optimizer = torch.optim.AdamW(model.param_groups(0.01), lr=1e-4, betas=(0.9, 0.98))
         tokens, targets = synthetic_batch(case["objective"], B, L, case["seed"], config,
@@ -176,17 +177,13 @@ def run_case(case: dict[str, Any]) -> None:
     # --paired: plain FAVOR+ in the same process, its steps alternating with the memory's
     twin = side("favor") if case.get("paired") and case["attention"] == MEMORY else None
 
-    limit = int(case["mem_limit_gib"] * 2**30) if case.get("mem_limit_gib") else None
-    cuda = device.type == "cuda"
-    with common.PeakSampler(None if cuda else limit, interval_s=0.005) as sampler:
+    with common.PeakSampler(limit, interval_s=0.005) as sampler:
         peak_bytes = common.start_phase(sampler, device)
         try:
-            t0 = time.perf_counter()
             for _ in range(case["warmup"]):
                 step()
                 if twin is not None:
                     twin()
-            log.debug("warmup %.2fs", time.perf_counter() - t0)
             times: list[float] = []
             shares: list[float] = []  # per pair: the twin's step time over this one's
             while len(times) < case["steps"] and (not times or sum(times) < case["budget_s"]):
@@ -243,15 +240,9 @@ class Row:
     note: str = ""
 
 
-CSV_FIELDS = tuple(f.name for f in fields(Row))
 #: What a child's RESULT line carries into its row as measured.
 MEASURED = ("status", "steps_timed", "step_time_s", "step_time_min_s", "tokens_per_s",
             "peak_mem_mib", "final_loss")
-
-
-def batch_size(tokens: int, L: int) -> int:
-    """Rows per batch for a token budget; at least one row (then the batch holds L tokens)."""
-    return max(1, tokens // L)
 
 
 def run_all(args: argparse.Namespace) -> list[Row]:
@@ -259,14 +250,13 @@ def run_all(args: argparse.Namespace) -> list[Row]:
     lengths = sorted(int(x) for x in args.lengths.split(",") if x)
     objectives = [x for x in args.objectives.split(",") if x]
     attentions = [x for x in args.attentions.split(",") if x]
-    cpu_limit = common.default_mem_limit_gib() if args.device == "cpu" else 0
-    mem_limit = args.mem_limit_gib or cpu_limit
+    mem_limit = args.mem_limit_gib or common.default_mem_limit_gib()
     failed: dict[tuple[str, str], str] = {}
     rows: list[Row] = []
     for objective in objectives:
         for L in lengths:
             for attention in attentions:
-                B = batch_size(args.tokens, L)
+                B = max(1, args.tokens // L)  # at least one row (then it holds L tokens)
                 base = {"objective": objective, "attention": attention,
                         "kernel": args.kernel if attention != "exact" else "-", "L": L, "B": B,
                         "tokens_per_batch": B * L, "depth": args.depth, "dim": args.dim,
@@ -280,8 +270,7 @@ def run_all(args: argparse.Namespace) -> list[Row]:
                         "seed": args.seed, "warmup": args.warmup, "steps": args.steps,
                         "budget_s": args.budget_s, "mem_limit_gib": mem_limit,
                         "member_len": args.member_len, "paired": args.paired,
-                        "memory_dropout": args.memory_dropout,
-                        "memory_positions": args.memory_positions}
+                        "memory_dropout": args.memory_dropout}
                 t0 = time.perf_counter()
                 results, note = common.spawn_case(__file__, case, args.timeout)
                 result = results[-1] if results else None  # a child reports after every step
@@ -291,11 +280,7 @@ def run_all(args: argparse.Namespace) -> list[Row]:
                               paired_speed=result.get("paired_speed", math.nan),
                               note="; ".join(x for x in (result.get("note", ""), note) if x))
                 else:
-                    why = (result or {}).get("note") or note or "no result"
-                    if result is not None and result.get("status") == "oom":
-                        status = "oom"
-                    else:
-                        status = "timeout" if "timeout" in note else "error"
+                    status, why = common.failure(results, note)
                     row = Row(**base, status=status, note=why)
                     failed[series] = f"after {status} at L={L}"
                 rows.append(row)
@@ -392,8 +377,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help=f"{MEMORY} on family rows: hide each member after a row's first from "
                         "the memory with this probability (data.family_memory_dropout; "
                         "family_clm's default is 0.1)")
-    p.add_argument("--memory-positions", type=int, default=1024,
-                   help=f"{MEMORY}: the memory's position_memory (member positions it holds)")
     p.add_argument("--depth", type=int, default=6)
     p.add_argument("--dim", type=int, default=320)
     p.add_argument("--heads", type=int, default=20)
@@ -434,7 +417,7 @@ def run_parent(args: argparse.Namespace) -> int:
     """Every case in its own process, then the CSV files and the markdown tables under --out."""
     rows = run_all(args)
     csv_path, md_path = args.out / "train.csv", args.out / "train.md"
-    common.write_rows_csv(rows, csv_path, CSV_FIELDS)
+    common.write_rows_csv(rows, csv_path, Row)
     common.write_dicts_csv(ratios(rows), args.out / "train_ratios.csv")
     header = (
         f"depth={args.depth} dim={args.dim} heads={args.heads} m={args.nb_features} "

@@ -35,6 +35,8 @@ def _rows(path: Path) -> list[dict[str, str]]:
 #: Our attention implementations (bench_attention.py --impls) and what the case label adds.
 OURS = {"ours": "", "ours-torch": ", torch scan", "triton": ", Triton kernel"}
 BACKENDS = {"triton": "Triton kernel", "torch": "torch scan"}
+#: The embedding baselines (bench_embed.py --impls) and their rows' names.
+EMBED_BASES = {"hf": "embed vs HF EsmModel", "exact": "embed vs our exact twin"}
 
 
 def attention(rows: list[dict[str, str]]) -> list[tuple[str, str, float, float, str]]:
@@ -47,41 +49,30 @@ def attention(rows: list[dict[str, str]]) -> list[tuple[str, str, float, float, 
         base = times.get(("sdpa", causal, L, mode))
         if impl in OURS and base:
             kind = "causal" if causal == "True" else "bidirectional"
-            note = f"useful FLOP fraction {float(r['useful_frac']):.2f}"
+            frac = f"useful FLOP fraction {float(r['useful_frac']):.2f}"
             backend = BACKENDS.get(r.get("backend", ""))
-            if backend:
-                note = f"{backend}; {note}"
-            case = f"{kind} {mode}, L={L}, {r['dtype']}{OURS[impl]}"
-            ours, theirs = float(r["time_s"]), float(base["time_s"])
-            out.append(("attention vs SDPA", case, ours, theirs, note))
+            out.append(("attention vs SDPA", f"{kind} {mode}, L={L}, {r['dtype']}{OURS[impl]}",
+                        float(r["time_s"]), float(base["time_s"]),
+                        f"{backend}; {frac}" if backend else frac))
     return out
 
 
 def embed(rows: list[dict[str, str]]) -> list[tuple[str, str, float, float, str]]:
     """transformers' EsmModel (SDPA) and our exact twin against ours, per case."""
     times = {(r["impl"], r["case"]): float(r["time_s"]) for r in rows}
-    out = []
-    for (impl, case), ours in times.items():
-        if impl != "performer":
-            continue
-        for base, name in (("hf", "embed vs HF EsmModel"), ("exact", "embed vs our exact twin")):
-            label = f"L={case}" if case.isdigit() else case
-            if (base, case) in times:
-                out.append((name, label, ours, times[base, case], ""))
-    return out
+    return [(name, f"L={case}" if case.isdigit() else case, ours, times[base, case], "")
+            for (impl, case), ours in times.items() if impl == "performer"
+            for base, name in EMBED_BASES.items()
+            if (base, case) in times]
 
 
 def train(rows: list[dict[str, str]]) -> list[tuple[str, str, float, float, str]]:
     """Our exact twin against FAVOR+: optimizer step time per (objective, L)."""
     times = {(r["attention"], r["objective"], r["L"]): r for r in rows}
-    out = []
-    for (attn, objective, L), r in times.items():
-        base = times.get(("exact", objective, L))
-        if attn == "favor" and base:
-            case = f"{objective}, L={L}, {r['precision']}"
-            ours, theirs = float(r["step_time_s"]), float(base["step_time_s"])
-            out.append(("train step vs exact twin", case, ours, theirs, ""))
-    return out
+    return [("train step vs exact twin", f"{objective}, L={L}, {r['precision']}",
+             float(r["step_time_s"]), float(times["exact", objective, L]["step_time_s"]), "")
+            for (attn, objective, L), r in times.items()
+            if attn == "favor" and ("exact", objective, L) in times]
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -154,9 +154,3 @@ def test_bench_context_quick(tmp_path: Path, run_script) -> None:
     favor = {r["context_kib"] for r in rows if r["impl"] == "favor"}
     assert len(favor) == 1  # the FAVOR+ context does not grow
 
-
-def test_bench_pll_rate_quick(tmp_path: Path, run_script) -> None:
-    proc = run_script("bench/bench_pll_rate.py", "--quick", "--out", str(tmp_path))
-    assert "spearman" in proc.stdout
-    rows = _rows(tmp_path / "per_protein.csv")
-    assert len(rows) == 4 and all(_finite(r["exact"]) and _finite(r["rate_0.1"]) for r in rows)
