@@ -26,19 +26,18 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import random
-import subprocess
 import sys
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Any
 
+import harness as h
 import numpy as np
 import torch
 
-REPO = Path(__file__).resolve().parents[2]
-CORPUS = REPO.parent / "shared" / "data" / "sequences" / "swissprot_opal_train.fasta"
+CORPUS = h.SEQUENCES / "swissprot_opal_train.fasta"
 AMINO = "ACDEFGHIKLMNPQRSTVWY"
 
 #: name -> model overrides. Family-row runs have the position memory on by default (data.max_len
@@ -67,16 +66,9 @@ DESIGNS: dict[str, list[str]] = {
 KS = (0, 1, 4, 7, 16)
 
 
-@dataclass(frozen=True)
-class Setting:
-    """One planted-family data set."""
-
-    identity: float
-    indel: float
-
-    @property
-    def name(self) -> str:
-        return f"id{round(self.identity * 100)}" + (f"-indel{self.indel:g}" if self.indel else "")
+def setting_name(identity: float, indel: float) -> str:
+    """A planted-family data set's name (``id70``, ``id70-indel0.03``)."""
+    return f"id{round(identity * 100)}" + (f"-indel{indel:g}" if indel else "")
 
 
 def read_corpus(path: Path, min_len: int, max_len: int, n: int, seed: int) -> list[str]:
@@ -93,6 +85,11 @@ def read_corpus(path: Path, min_len: int, max_len: int, n: int, seed: int) -> li
     return seqs[:n]
 
 
+def substitute(a: str, identity: float, rng: random.Random) -> str:
+    """Residue ``a`` kept with probability ``identity``, else another residue, uniformly."""
+    return a if rng.random() < identity else rng.choice(AMINO.replace(a, ""))
+
+
 def mutate(seq: str, identity: float, indel: float, rng: random.Random) -> str:
     """A member of ``seq``'s family: each position substituted with probability 1 - identity
     (another residue, uniformly), and with ``indel`` probability an insertion or a deletion."""
@@ -103,69 +100,66 @@ def mutate(seq: str, identity: float, indel: float, rng: random.Random) -> str:
             continue  # deletion
         if indel and r < indel:
             out.append(rng.choice(AMINO))  # insertion before the residue
-        out.append(a if rng.random() < identity else rng.choice(AMINO.replace(a, "")))
+        out.append(substitute(a, identity, rng))
     return "".join(out)
 
 
-def planted(ancestors: list[str], members: int, setting: Setting, seed: int) -> list[list[str]]:
+def planted(ancestors: list[str], members: int, identity: float, indel: float,
+            seed: int) -> list[list[str]]:  # fmt: skip
     rng = random.Random(seed)
-    return [[mutate(a, setting.identity, setting.indel, rng) for _ in range(members)]
+    return [[mutate(a, identity, indel, rng) for _ in range(members)]
             for a in ancestors]
 
 
-def write_fasta(families: list[list[str]], path: Path, tag: str) -> None:
-    with open(path, "w") as fh:
-        for f, fam in enumerate(families):
-            for m, seq in enumerate(fam):
-                fh.write(f">{tag}{f:05d}_m{m} family {tag}{f:05d}\n{seq}\n")
+def planted_store(families: list[list[str]], out: Path, tag: str) -> Path:
+    """``protein-performer preprocess`` of planted families (``out/train.fasta``, each header
+    naming its member's family) into ``out/store``, once."""
+    store = out / "store"
+    if not (store / "meta.json").exists():
+        (out / "train.fasta").write_text("".join(
+            f">{tag}{f:05d}_m{m} family {tag}{f:05d}\n{seq}\n"
+            for f, fam in enumerate(families) for m, seq in enumerate(fam)))
+        h.call(h.cli("preprocess", str(out / "train.fasta"), "--out", str(store),
+                     "--valid-frac", "0.03", "--test-frac", "0.01", "--overwrite",
+                     "--no-progress"), 1, out / "preprocess.log")  # fmt: skip
+    return store
 
 
-def cli(*args: str, log: Path) -> None:
-    env = {**os.environ, "WANDB_MODE": "offline", "OMP_NUM_THREADS": os.environ.get(
-        "OMP_NUM_THREADS", "1")}
-    cmd = [sys.executable, "-m", "protein_performer.cli.main", *args]
-    with open(log, "w") as fh:
-        done = subprocess.run(cmd, cwd=REPO, env=env, stdout=fh, stderr=subprocess.STDOUT)
-    if done.returncode:
-        raise SystemExit(f"error: {' '.join(cmd[2:5])} ... failed, see {log}")
+def train(store: Path, run: Path, design: list[str], steps: int, extra: list[str],
+          experiment: str = "demo_clm") -> Any:  # fmt: skip
+    """Train one design (``design``: its model overrides; ``extra``: the data's and
+    :func:`run_overrides`) through ``protein-performer train`` for ``steps`` optimizer steps
+    (the harness's call and step budget; a finished run is reused); returns its last
+    checkpoint, loaded by ``protein_performer.load`` for scoring."""
+    import protein_performer as pp
+
+    budget = h.Budget(steps=steps)
+    if not budget.met(run):
+        cmd = h.cli(
+            "train", f"experiment={experiment}", f"data.path={store}", *extra,
+            f"trainer.val_check_interval={steps}", "trainer.enable_progress_bar=false",
+            "trainer.num_sanity_val_steps=0", "data.num_workers=0",
+            "model.optim.warmup_steps=30", f"hydra.run.dir={run}", "logger=csv",
+            "overwrite=true", *design, *budget.overrides(),
+        )  # fmt: skip
+        h.call(cmd, 1, run.parent / f"{run.name}.train.log")
+    return pp.load(str(run / "checkpoints" / "last.ckpt"), device="cpu", threads=1)
 
 
-def train(
-    store: Path, run: Path, design: str, steps: int, extra: list[str], experiment: str
-) -> Path:
-    """Train one design (``extra``: the data's overrides and :func:`run_overrides`); returns
-    its last checkpoint (reused when the run finished before)."""
-    ckpt = run / "checkpoints" / "last.ckpt"
-    if (run / "done").exists() and ckpt.exists():
-        return ckpt
-    run.mkdir(parents=True, exist_ok=True)
-    cli(
-        "train", f"experiment={experiment}", f"data.path={store}", *extra,
-        f"trainer.max_steps={steps}", f"trainer.val_check_interval={steps}",
-        "trainer.enable_progress_bar=false", "model.optim.warmup_steps=30",
-        f"hydra.run.dir={run}", "logger=csv", "overwrite=true", *DESIGNS[design],
-        log=run / "train.log",
-    )
-    (run / "done").write_text("")
-    return ckpt
-
-
-def family_args(max_len: int, row_tokens: int) -> list[str]:
+def family_args(member_len: int, row_tokens: int, method: str) -> list[str]:
+    """Family rows (``data.family_method``) of members of at most ``member_len`` tokens."""
     return [
-        "data.layout=family", "data.family_method=cluster", "data.family_identity=0.3",
-        f"data.family_max_tokens={row_tokens}", f"data.max_len={max_len}",
+        "data.layout=family", f"data.family_method={method}", "data.family_identity=0.3",
+        f"data.family_max_tokens={row_tokens}", f"data.max_len={member_len}",
         f"data.max_tokens={row_tokens}",
     ]
 
 
 @torch.no_grad()
-def family_ppl(ckpt: Path, families: list[list[str]], ks: tuple[int, ...]) -> dict[int, float]:
+def family_ppl(lm: Any, families: list[list[str]], ks: tuple[int, ...]) -> dict[int, float]:
     """Perplexity of each family's last member with its first k members before it in the row
     (k = 0: alone). Causal: over the member's residues and its <eos>. Masked: over 15% of its
     residues (the same seeded positions for every k), masked together."""
-    import protein_performer as pp
-
-    lm = pp.load(str(ckpt), device="cpu", threads=1)
     model, alphabet = lm.model, lm.alphabet
     causal = model.config.causal
     nll = {k: 0.0 for k in ks}
@@ -216,11 +210,8 @@ def mqar_sequences(n: int, pairs: tuple[int, ...], seed: int) -> list[tuple[int,
 
 
 @torch.no_grad()
-def mqar_accuracy(ckpt: Path, items: list[tuple[int, str, list[int]]]) -> dict[int, float]:
+def mqar_accuracy(lm: Any, items: list[tuple[int, str, list[int]]]) -> dict[int, float]:
     """Share of queries whose value is the model's top prediction, per number of pairs."""
-    import protein_performer as pp
-
-    lm = pp.load(str(ckpt), device="cpu", threads=1)
     right: dict[int, int] = {}
     total: dict[int, int] = {}
     for p, seq, query_pos in items:
@@ -242,23 +233,21 @@ def closed_share(ppl: dict[str, float], exact: dict[str, float], k: str) -> floa
 def table(results: dict) -> str:
     lines = []
     for setting, rows in results["family"].items():
-        lines += [f"\n**Planted families, {setting}** ({results['steps']} steps each)\n",
-                  "| design | " + " | ".join(f"ppl k={k}" for k in KS)
-                  + " | share of exact's drop (k=0 -> 7) | share (k=0 -> 16) |",
-                  "|---|" + "---:|" * (len(KS) + 2)]
-        exact = rows.get("exact")
+        exact, body = rows.get("exact"), []
         for design, ppl in rows.items():
-            share = closed_share(ppl, exact, "7") if exact else float("nan")
-            share16 = closed_share(ppl, exact, "16") if exact else float("nan")
-            lines.append(f"| {design} | " + " | ".join(f"{ppl[str(k)]:.2f}" for k in KS)
-                         + f" | {share:.0%} | {share16:.0%} |")
+            shares = [closed_share(ppl, exact, k) if exact else float("nan") for k in ("7", "16")]
+            body.append([design, *(f"{ppl[str(k)]:.2f}" for k in KS),
+                         *(f"{share:.0%}" for share in shares)])  # fmt: skip
+        header = ["design", *(f"ppl k={k}" for k in KS), "share of exact's drop (k=0 -> 7)",
+                  "share (k=0 -> 16)"]
+        lines += [f"\n**Planted families, {setting}** ({results['steps']} steps each)\n",
+                  h.markdown_table(header, body)]
     if results.get("mqar"):
         pairs = sorted({int(p) for row in results["mqar"].values() for p in row})
         lines += [f"\n**MQAR** ({results['mqar_steps']} steps each): accuracy by pairs\n",
-                  "| design | " + " | ".join(f"{p} pairs" for p in pairs) + " |",
-                  "|---|" + "---:|" * len(pairs)]
-        for design, acc in results["mqar"].items():
-            lines.append(f"| {design} | " + " | ".join(f"{acc[str(p)]:.2f}" for p in pairs) + " |")
+                  h.markdown_table(["design", *(f"{p} pairs" for p in pairs)],
+                                   ([design, *(f"{acc[str(p)]:.2f}" for p in pairs)]
+                                    for design, acc in results["mqar"].items()))]  # fmt: skip
     return "\n".join(lines)
 
 
@@ -308,10 +297,8 @@ def shifted_family(ancestor: str, members: int, rng: random.Random) -> ShiftedFa
     out = []
     for _ in range(members):
         s = rng.randint(0, MAX_SHIFT)
-        seq = "".join(
-            a if rng.random() < identity[i] else rng.choice(AMINO.replace(a, ""))
-            for i, a in enumerate(ancestor[s : s + width], start=s)
-        )
+        seq = "".join(substitute(a, identity[i], rng)
+                      for i, a in enumerate(ancestor[s : s + width], start=s))
         out.append(Fragment(seq, s))
     return ShiftedFamily(ancestor, identity, tuple(out))
 
@@ -346,46 +333,21 @@ def variants(fam: ShiftedFamily, wt: Fragment, n: int, rng: random.Random
     return names, fitness
 
 
-def run_design(store: Path, run: Path, design: str, steps: int, extra: list[str],
-               threads: int = 1) -> Path:  # fmt: skip
-    """Train one of :data:`ALIGN_DESIGNS` through ``protein-performer train`` (the harness's
-    call and budget log); returns its last checkpoint, reused when that run finished."""
-    import harness as h
-
-    budget = h.Budget(steps=steps)
-    if budget.met(run):
-        return run / "checkpoints" / "last.ckpt"
-    cmd = h.cli(
-        "train", "experiment=demo_clm", f"data.path={store}", *extra,
-        f"trainer.val_check_interval={steps}", "trainer.enable_progress_bar=false",
-        "trainer.num_sanity_val_steps=0", "data.num_workers=0", "model.optim.warmup_steps=30",
-        f"hydra.run.dir={run}", "logger=csv", "overwrite=true", *ALIGN_DESIGNS[design],
-        *budget.overrides(),
-    )  # fmt: skip
-    h.call(cmd, threads, run.parent / f"{run.name}.train.log")
-    return run / "checkpoints" / "last.ckpt"
-
-
 def train_designs(args: argparse.Namespace, store: Path, out: Path, member_len: int,
-                  results: dict, evaluate: Callable[[Path], dict]) -> dict:  # fmt: skip
+                  results: dict, evaluate: Callable[[Any], dict]) -> dict:  # fmt: skip
     """Train each of ``--designs`` on the store's family rows (members of at most
     ``member_len`` tokens) and ``evaluate`` its checkpoint; ``out/results.json`` keeps each
     finished design, so a rerun trains and scores only the missing ones."""
-    extra = [
-        "data.layout=family", "data.family_method=search", "data.family_identity=0.3",
-        f"data.family_max_tokens={args.row_tokens}", f"data.max_len={member_len}",
-        f"data.max_tokens={args.row_tokens}", f"model.config.dim={args.dim}",
-        f"model.config.depth={args.depth}",
-        *run_overrides(args),
-    ]  # fmt: skip
+    extra = [*family_args(member_len, args.row_tokens, "search"), f"model.config.dim={args.dim}",
+             f"model.config.depth={args.depth}", *run_overrides(args)]
     path = out / "results.json"
     if path.exists():
         results = json.loads(path.read_text())
     for design in args.designs.split(","):
         if design in results["designs"]:
             continue
-        ckpt = run_design(store, out / design, design, args.steps, extra)
-        results["designs"][design] = evaluate(ckpt)
+        lm = train(store, out / design, ALIGN_DESIGNS[design], args.steps, extra)
+        results["designs"][design] = evaluate(lm)
         print(f"{design}: {json.dumps(results['designs'][design])}", flush=True)
         path.write_text(json.dumps(results, indent=1))
     return results
@@ -408,49 +370,34 @@ def context_ppl(lm, targets: list[str], contexts: list[list]) -> float:  # noqa:
     return math.exp(nll / count)
 
 
-def shifted_eval(ckpt: Path, fams: list[ShiftedFamily], n_variants: int, seed: int) -> dict:
+def shifted_eval(lm: Any, fams: list[ShiftedFamily], n_variants: int, seed: int) -> dict:
     """(b) each held-out family's last fragment after its first k, the homologs at member
     positions, placed on the scored fragment (as ``homologs`` places hits on its query) and
     placed on the first homolog (coordinates from the context alone); (c) the same fragment
     as the wild type of planted variants, its homologs placed on it: Spearman rho against the
     planted fitness, per k."""
-    import protein_performer as pp
     from protein_performer.data.msa import Member
 
-    lm = pp.load(str(ckpt), device="cpu", threads=1)
     out: dict = {"ppl": {}, "rho": {}}
     for k in ALIGN_KS:
         for place in ("positions", "on-target", "on-first"):
-            contexts = []
-            for f, fam in enumerate(fams):
-                target, ref = fam.members[-1], fam.members[0]
-                on = {"positions": None, "on-target": target, "on-first": ref}[place]
-                contexts.append([
-                    Member(f"m{f}_{i}", m.seq, None if on is None else placed_on(m, on))
-                    for i, m in enumerate(fam.members[:k])
-                ])
+            contexts = [[Member(f"m{f}_{i}", m.seq, None if place == "positions" else placed_on(
+                m, fam.members[-1 if place == "on-target" else 0]))
+                for i, m in enumerate(fam.members[:k])] for f, fam in enumerate(fams)]
             out["ppl"][f"{place}/k{k}"] = context_ppl(
                 lm, [fam.members[-1].seq for fam in fams], contexts)
-        for place in ("positions", "on-target"):
+            if place == "on-first":
+                continue
             pred: list[float] = []
             true: list[float] = []
-            for f, fam in enumerate(fams):
+            for f, (fam, members) in enumerate(zip(fams, contexts, strict=True)):
                 wt = fam.members[-1]
                 names, fitness = variants(fam, wt, n_variants, random.Random(seed * 1000 + f))
-                members = [Member(f"m{f}_{i}", m.seq,
-                                  None if place == "positions" else placed_on(m, wt))
-                           for i, m in enumerate(fam.members[:k])]  # fmt: skip
                 ctx = lm.context(members, max_tokens=None, warn=False) if members else None
                 pred += lm.score_variants(wt.seq, names, strategy="causal", context=ctx).tolist()
                 true += fitness
-            out["rho"][f"{place}/k{k}"] = spearman(pred, true)
+            out["rho"][f"{place}/k{k}"] = h.spearman(pred, true)
     return out
-
-
-def spearman(x: list[float], y: list[float]) -> float:
-    import harness as h
-
-    return h.spearman(x, y)
 
 
 def shifted_study(args: argparse.Namespace) -> dict:
@@ -464,57 +411,57 @@ def shifted_study(args: argparse.Namespace) -> dict:
     train_fams = [shifted_family(a, args.members, rng) for a in ancestors[: args.families]]
     eval_fams = [shifted_family(a, max(ALIGN_KS) + 1, rng)
                  for a in ancestors[args.families:]]  # fmt: skip
-    store = out / "store"
-    if not (store / "meta.json").exists():
-        write_fasta([[m.seq for m in f.members] for f in train_fams], out / "train.fasta",
-                    "SHIFT")  # fmt: skip
-        import harness as h
-
-        h.call(h.cli("preprocess", str(out / "train.fasta"), "--out", str(store),
-                     "--valid-frac", "0.03", "--test-frac", "0.01", "--overwrite",
-                     "--no-progress"), 1, out / "preprocess.log")  # fmt: skip
+    store = planted_store([[m.seq for m in f.members] for f in train_fams], out, "SHIFT")
     return train_designs(
         args, store, out, args.max_len - MAX_SHIFT + 2, {"steps": args.steps, "designs": {}},
-        lambda ckpt: shifted_eval(ckpt, eval_fams, args.variants, args.seed),
+        lambda lm: shifted_eval(lm, eval_fams, args.variants, args.seed),
     )
+
+
+def homologs(out: Path, names: tuple[str, str, str], queries: Iterable[str], db: Iterable[str],
+             *flags: str) -> list[tuple[str, np.ndarray, Any]]:  # fmt: skip
+    """``protein-performer homologs`` of the FASTA records ``queries`` against ``db`` (the files
+    ``out/NAME`` of ``names``: queries, database, hits; searched once), each hit as (its query,
+    its placement on the query by the CIGAR string of its header, its record)."""
+    from Bio import SeqIO
+
+    from protein_performer.data.homology import hit_coordinates
+
+    query_fasta, db_fasta, hits_fasta = (out / name for name in names)
+    if not hits_fasta.exists():
+        query_fasta.write_text("".join(queries))
+        db_fasta.write_text("".join(db))
+        h.call(h.cli("homologs", str(query_fasta), str(db_fasta), str(hits_fasta), *flags,
+                     "--threads", "1"), 1, out / f"{hits_fasta.stem}.log")  # fmt: skip
+    return [(*hit_coordinates(r.description, len(r.seq)), r)
+            for r in SeqIO.parse(hits_fasta, "fasta")]  # fmt: skip
 
 
 def real_targets(store: Path, out: Path, n: int, max_residues: int, seed: int
                  ) -> list[tuple[str, str, list]]:  # fmt: skip
     """(id, sequence, hits) of up to n test-split proteins of at most ``max_residues`` with at
-    least max(ALIGN_KS) hits in the training split: ``protein-performer homologs`` of the test
-    records against the training records (a FASTA of them), each hit a ``data.msa.Member``
-    placed on its query by the CIGAR string of its header (``homologs``' own placement)."""
-    import harness as h
+    least max(ALIGN_KS) hits in the training split: :func:`homologs` of the test records
+    against the training records, each hit a ``data.msa.Member`` placed on its query by
+    ``homologs``' own placement."""
+    from Bio import SeqIO
 
-    from protein_performer.data.homology import _decoder, hit_coordinates
+    from protein_performer.data.homology import _decoder
     from protein_performer.data.msa import Member
     from protein_performer.data.store import TokenStore
 
     st = TokenStore(store)
     lut = _decoder(st.meta["vocab"])
 
-    def text(i: int) -> str:
-        return lut[st.tokens(int(i))].tobytes().decode("ascii")
+    def record(i: int) -> str:
+        return f">{st.id(int(i))}\n{lut[st.tokens(int(i))].tobytes().decode('ascii')}\n"
 
-    train_fasta, query_fasta, hits_fasta = (out / f for f in ("db.fasta", "q.fasta", "hits.fasta"))
-    if not hits_fasta.exists():
-        with open(train_fasta, "w") as fh:
-            fh.writelines(f">{st.id(int(i))}\n{text(i)}\n" for i in st.indices("train"))
-        test = [int(i) for i in st.indices("test") if st.lengths[int(i)] <= max_residues]
-        with open(query_fasta, "w") as fh:
-            fh.writelines(f">{st.id(i)}\n{text(i)}\n" for i in test)
-        h.call(h.cli("homologs", str(query_fasta), str(train_fasta), str(hits_fasta),
-                     "--max-seqs", str(max(ALIGN_KS)), "--threads", "1"), 1,
-               out / "homologs.log")  # fmt: skip
-    from Bio import SeqIO
-
-    queries = {r.id: str(r.seq) for r in SeqIO.parse(query_fasta, "fasta")}
+    test = (record(i) for i in st.indices("test") if st.lengths[int(i)] <= max_residues)
+    placed = homologs(out, ("q.fasta", "db.fasta", "hits.fasta"), test,
+                      map(record, st.indices("train")), "--max-seqs", str(max(ALIGN_KS)))
+    queries = {r.id: str(r.seq) for r in SeqIO.parse(out / "q.fasta", "fasta")}
     hits: dict[str, list] = {}
-    for r in SeqIO.parse(hits_fasta, "fasta"):
-        placed = hit_coordinates(r.description, len(r.seq))
-        assert placed is not None, r.description
-        hits.setdefault(placed[0], []).append(Member(r.id, str(r.seq), placed[1]))
+    for query, coords, r in placed:
+        hits.setdefault(query, []).append(Member(r.id, str(r.seq), coords))
     found = [(q, queries[q], hs) for q, hs in hits.items() if len(hs) >= max(ALIGN_KS)]
     random.Random(seed).shuffle(found)
     return sorted(found[:n])
@@ -522,55 +469,31 @@ def real_targets(store: Path, out: Path, n: int, max_residues: int, seed: int
 
 def on_best_hit(out: Path, targets: list[tuple[str, str, list]]) -> list[list]:
     """Per target, its hits placed on its best hit (the context alone: no coordinate comes
-    from the target): ``protein-performer homologs`` of each best hit against all the hits,
-    each target keeping its own; the best hit at its own positions, a hit not found unplaced
-    (member positions)."""
-    import dataclasses
-
-    import harness as h
-
-    from protein_performer.data.homology import hit_coordinates
-
-    best, pool, placed_fasta = out / "best.fasta", out / "pool.fasta", out / "on_best.fasta"
-    if not placed_fasta.exists():
-        with open(best, "w") as fh:
-            fh.writelines(f">t{i}\n{hs[0].sequence}\n" for i, (_, _, hs) in enumerate(targets))
-        with open(pool, "w") as fh:
-            fh.writelines(f">t{i}h{j}\n{m.sequence}\n" for i, (_, _, hs) in enumerate(targets)
-                          for j, m in enumerate(hs[1:], 1))  # fmt: skip
-        h.call(h.cli("homologs", str(best), str(pool), str(placed_fasta), "--max-seqs", "500",
-                     "--keep-identical", "--threads", "1"), 1, out / "on_best.log")  # fmt: skip
-    from Bio import SeqIO
-
-    found: dict[tuple[str, str], object] = {}
-    for r in SeqIO.parse(placed_fasta, "fasta"):
-        query, coords = hit_coordinates(r.description, len(r.seq))  # type: ignore[misc]
-        found[(query, r.id)] = coords
-    return [[dataclasses.replace(m, coordinates=None if j == 0 else found.get((f"t{i}",
+    from the target): :func:`homologs` of each best hit against all the hits, each target
+    keeping its own; the best hit at its own positions, a hit not found unplaced (member
+    positions)."""
+    found = {(query, r.id): coords for query, coords, r in homologs(
+        out, ("best.fasta", "pool.fasta", "on_best.fasta"),
+        (f">t{i}\n{hs[0].sequence}\n" for i, (_, _, hs) in enumerate(targets)),
+        (f">t{i}h{j}\n{m.sequence}\n" for i, (_, _, hs) in enumerate(targets)
+         for j, m in enumerate(hs[1:], 1)), "--max-seqs", "500", "--keep-identical")}  # fmt: skip
+    return [[replace(m, coordinates=None if j == 0 else found.get((f"t{i}",
                                                                              f"t{i}h{j}")))
              for j, m in enumerate(hs)] for i, (_, _, hs) in enumerate(targets)]  # fmt: skip
 
 
-def real_eval(ckpt: Path, targets: list[tuple[str, str, list]], alone: list[list]) -> dict:
+def real_eval(lm: Any, targets: list[tuple[str, str, list]], alone: list[list]) -> dict:
     """(a) each target after its first k hits, best hit farthest (first in the row) or
     nearest (last), at member positions, placed on the target by ``homologs``' CIGAR, or
     placed on the best hit (``alone``: :func:`on_best_hit`, best hit first)."""
-    import dataclasses
-
-    import protein_performer as pp
-
-    lm = pp.load(str(ckpt), device="cpu", threads=1)
     out: dict = {"ppl": {}}
     seqs = [seq for _, seq, _ in targets]
     for k in ALIGN_KS:
         for order in ("best-first", "best-last"):
             for place in ("positions", "on-target"):
-                contexts = []
-                for _, _, hs in targets:
-                    chosen = hs[:k] if order == "best-first" else hs[:k][::-1]
-                    contexts.append([m if place == "on-target" else
-                                     dataclasses.replace(m, coordinates=None)
-                                     for m in chosen])  # fmt: skip
+                contexts = [[m if place == "on-target" else replace(m, coordinates=None)
+                             for m in (hs[:k] if order == "best-first" else hs[:k][::-1])]
+                            for _, _, hs in targets]  # fmt: skip
                 out["ppl"][f"{place}+{order}/k{k}"] = context_ppl(lm, seqs, contexts)
         out["ppl"][f"on-best-hit+best-first/k{k}"] = context_ppl(lm, seqs, [a[:k] for a in alone])
     return out
@@ -579,8 +502,6 @@ def real_eval(ckpt: Path, targets: list[tuple[str, str, list]], alone: list[list
 def real_study(args: argparse.Namespace) -> dict:
     """(a): the corpus split by 50%-identity clusters, MMseqs2 search families of its training
     split as family rows, test proteins scored after their ``homologs`` hits."""
-    import harness as h
-
     out = args.out.resolve()
     out.mkdir(parents=True, exist_ok=True)
     store = out / "store"
@@ -595,35 +516,26 @@ def real_study(args: argparse.Namespace) -> dict:
     log_line = f"{len(targets)} test proteins with >= {max(ALIGN_KS)} hits in training"
     print(log_line, flush=True)
     return train_designs(args, store, out, args.max_len, results,
-                         lambda ckpt: real_eval(ckpt, targets, on_best_hit(out, targets)))
+                         lambda lm: real_eval(lm, targets, on_best_hit(out, targets)))
 
 
-def align_table(results: dict, study: str) -> str:
+def align_table(results: dict) -> str:
     """Issue 41's tables: perplexity per k and placement, and (shifted) variant Spearman."""
-    lines = [f"({results['steps']} steps each)", ""]
+    lines = [f"({results['steps']} steps each)"]
     designs = results["designs"]
-    places = sorted({key.split("/")[0] for r in designs.values() for key in r["ppl"]})
-    lines += ["| design | homologs | " + " | ".join(f"ppl k={k}" for k in ALIGN_KS) + " |",
-              "|---|---|" + "---:|" * len(ALIGN_KS)]
-    for design, r in designs.items():
-        for place in places:
-            lines.append(f"| {design} | {place} | " + " | ".join(
-                f"{r['ppl'][f'{place}/k{k}']:.3f}" for k in ALIGN_KS) + " |")
-    if any(r.get("rho") for r in designs.values()):
-        lines += ["", "| design | homologs | " + " | ".join(f"rho k={k}" for k in ALIGN_KS)
-                  + " |", "|---|---|" + "---:|" * len(ALIGN_KS)]
-        for design, r in designs.items():
-            for place in sorted({key.split("/")[0] for key in r["rho"]}):
-                lines.append(f"| {design} | {place} | " + " | ".join(
-                    f"{r['rho'][f'{place}/k{k}']:.3f}" for k in ALIGN_KS) + " |")
+    for metric in ("ppl", "rho"):
+        places = sorted({key.split("/")[0] for r in designs.values() for key in r.get(metric, ())})
+        if places:
+            body = [[design, place, *(f"{r[metric][f'{place}/k{k}']:.3f}" for k in ALIGN_KS)]
+                    for design, r in designs.items() for place in places]  # fmt: skip
+            lines += ["", h.markdown_table(["design", "homologs",
+                                            *(f"{metric} k={k}" for k in ALIGN_KS)], body, 2)]
     return "\n".join(lines)
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                 formatter_class=argparse.RawDescriptionHelpFormatter,
-                                 epilog=__doc__.split("\n\n", 1)[1])
-    ap.add_argument("--out", type=Path, default=REPO / "runs" / "recall")
+    ap = h.parser(__doc__)
+    ap.add_argument("--out", type=Path, default=h.REPO / "runs" / "recall")
     ap.add_argument("--designs", default=",".join(DESIGNS), help="comma-separated, of: "
                     + ", ".join(DESIGNS))
     ap.add_argument("--settings", default="0.7:0,0.7:0.03",
@@ -673,7 +585,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.study in ("shifted", "real"):
         study = shifted_study if args.study == "shifted" else real_study
-        text = align_table(study(args), args.study)
+        text = align_table(study(args))
         (args.out / "table.md").write_text(text + "\n")
         print(text)
         return 0
@@ -681,31 +593,24 @@ def main(argv: list[str] | None = None) -> int:
     unknown = [d for d in designs if d not in DESIGNS]
     if unknown:
         raise SystemExit(f"error: unknown design(s) {unknown}; choose from {list(DESIGNS)}")
-    settings = [Setting(*map(float, s.split(":"))) for s in args.settings.split(",") if s]
+    settings = [tuple(map(float, s.split(":"))) for s in args.settings.split(",") if s]
     out = args.out.resolve()
     out.mkdir(parents=True, exist_ok=True)
     need = args.families + args.eval_families
     ancestors = read_corpus(CORPUS, args.min_len, args.max_len, need, args.seed)
-    row_tokens = 4096
-    member_len = int(args.max_len * 1.2) + 2
-    jobs = []
-    evals: dict[str, list[list[str]]] = {}
-    for setting in settings:
-        sdir = out / setting.name
-        sdir.mkdir(exist_ok=True)
-        train_fams = planted(ancestors[: args.families], args.members, setting, args.seed)
-        evals[setting.name] = planted(ancestors[args.families:], max(KS) + 1, setting,
-                                      args.seed + 1)
-        store = sdir / "store"
-        if not (store / "meta.json").exists():
-            write_fasta(train_fams, sdir / "train.fasta", "PLANT")
-            cli("preprocess", str(sdir / "train.fasta"), "--out", str(store), "--valid-frac",
-                "0.03", "--test-frac", "0.01", "--overwrite", "--no-progress",
-                log=sdir / "preprocess.log")
+    results: dict = {"steps": args.steps, "mqar_steps": args.mqar_steps, "family": {}, "mqar": {}}
+    jobs = []  # (where the result goes, run group, design, data, overrides, steps, evaluate)
+    for identity, indel in settings:
+        name = setting_name(identity, indel)
+        (out / name).mkdir(exist_ok=True)
+        train_fams = planted(ancestors[: args.families], args.members, identity, indel, args.seed)
+        evals = planted(ancestors[args.families:], max(KS) + 1, identity, indel, args.seed + 1)
+        store = planted_store(train_fams, out / name, "PLANT")
+        extra = [*family_args(int(args.max_len * 1.2) + 2, 4096, "cluster"), *run_overrides(args)]
         for design in designs:
-            jobs.append(("family", setting.name, design, store,
-                         family_args(member_len, row_tokens) + run_overrides(args)))
-    mqar_items = []
+            jobs.append((results["family"].setdefault(name, {}), name, design,
+                         store, extra, args.steps,
+                         lambda lm, evals=evals: family_ppl(lm, evals, KS)))  # fmt: skip
     experiment = "demo_clm" if args.objective == "clm" else "demo"
     if args.mqar_steps and args.objective == "clm":
         pairs = tuple(int(p) for p in args.mqar_pairs.split(","))
@@ -714,30 +619,22 @@ def main(argv: list[str] | None = None) -> int:
         train_items = mqar_sequences(3000 if not args.quick else 300, pairs, args.seed)
         mqar_items = mqar_sequences(200 if not args.quick else 40, pairs, args.seed + 1)
         fasta = mdir / "train.fasta"
-        with open(fasta, "w") as fh:
-            for i, (_, seq, _) in enumerate(train_items):
-                fh.write(f">MQAR{i:05d}\n{seq}\n")
+        fasta.write_text("".join(f">MQAR{i:05d}\n{seq}\n"
+                                 for i, (_, seq, _) in enumerate(train_items)))  # fmt: skip
         for design in designs:
-            jobs.append(("mqar", "mqar", design, fasta,
+            jobs.append((results["mqar"], "mqar", design, fasta,
                          ["data.max_len=256", "data.max_tokens=4096", "data.valid_frac=0.02",
-                          "data.test_frac=0.02", *run_overrides(args)]))
+                          "data.test_frac=0.02", *run_overrides(args)], args.mqar_steps,
+                         lambda lm: mqar_accuracy(lm, mqar_items)))  # fmt: skip
 
     def run(job):
-        kind, group, design, data, extra = job
-        steps = args.steps if kind == "family" else args.mqar_steps
-        ckpt = train(data, out / group / design, design, steps, extra, experiment)
-        if kind == "family":
-            return kind, group, design, {str(k): v for k, v in
-                                         family_ppl(ckpt, evals[group], KS).items()}
-        return kind, group, design, {str(k): v for k, v in mqar_accuracy(ckpt, mqar_items).items()}
+        where, group, design, data, extra, steps, evaluate = job
+        lm = train(data, out / group / design, DESIGNS[design], steps, extra, experiment)
+        return where, group, design, {str(k): v for k, v in evaluate(lm).items()}
 
-    results: dict = {"steps": args.steps, "mqar_steps": args.mqar_steps, "family": {}, "mqar": {}}
     with ThreadPoolExecutor(args.parallel) as pool:
-        for kind, group, design, value in pool.map(run, jobs):
-            if kind == "family":
-                results["family"].setdefault(group, {})[design] = value
-            else:
-                results["mqar"][design] = value
+        for where, group, design, value in pool.map(run, jobs):
+            where[design] = value
             print(f"{group} {design}: {value}", flush=True)
             (out / "results.json").write_text(json.dumps(results, indent=1))
     text = table(results)

@@ -33,7 +33,6 @@ Examples::
 from __future__ import annotations
 
 import argparse
-import csv
 import logging
 import math
 import statistics
@@ -60,6 +59,7 @@ log = logging.getLogger("esm_favor_swap")
 KERNELS = ("softmax", "softmax_hyp", "softmax_opt", "relu")
 FULL_M = tuple(2**i for i in range(6, 13))  # 64 .. 4096
 QUICK_M = (64, 256, 1024)
+FIELDS = ("kernel", "m", "seed", "kl", "top1", "contact_dp", "contact_overlap", "seconds")
 
 
 def random_esm2(dim: int, depth: int, heads: int, seed: int) -> PerformerLM:
@@ -78,24 +78,12 @@ def random_esm2(dim: int, depth: int, heads: int, seed: int) -> PerformerLM:
     return model.eval()
 
 
-def read_sequences(path: Path, max_records: int, max_len: int) -> list[str]:
-    from protein_performer.data.inputs import read_records
-
-    records = read_records(path, on_invalid="skip")[:max_records]
-    return [r.sequence[: max_len - 2] for r in records]
-
-
 def batches(seqs: Sequence[str], toks_per_batch: int) -> list[torch.Tensor]:
     """Padded ``<cls> seq <eos>`` batches, longest first, under a padded-token budget."""
     from protein_performer.data.sampler import budget_batches
 
     groups = budget_batches([len(s) + 2 for s in seqs], toks_per_batch)
     return [Alphabet().encode_batch([seqs[i] for i in group]) for group in groups]
-
-
-def residue_mask(tokens: torch.Tensor, alphabet: Alphabet) -> torch.Tensor:
-    special = torch.tensor(alphabet.special_idx)
-    return ~torch.isin(tokens, special)
 
 
 @torch.no_grad()
@@ -112,9 +100,8 @@ def compare(exact_logps: list[torch.Tensor], favor: PerformerLM, token_batches: 
     return kl_sum / n, agree / n
 
 
-def contact_maps(model: PerformerLM, seqs: Sequence[str], reg: ContactRegression) -> list:
+def contact_maps(loaded: LoadedModel, seqs: Sequence[str], reg: ContactRegression) -> list:
     """Dense contact probabilities of every sequence under ``reg``."""
-    loaded = LoadedModel(model, model.config, Alphabet(), Path("swap"), torch.device("cpu"), "-")
     return [
         predict_contacts(loaded, s, reg, dense_max_length=len(s), checked=True).dense for s in seqs
     ]
@@ -140,21 +127,16 @@ def contact_change(exact: list[np.ndarray], favor: list[np.ndarray]) -> tuple[fl
 def summarize(rows: list[dict], kernels: Sequence[str], ms: Sequence[int]) -> str:
     """Two markdown tables (KL, top-1), kernels as rows and m as columns, mean ± sd over seeds."""
 
-    def cell(kernel: str, m: int, key: str, digits: int) -> str:
-        return h.cell([r[key] for r in rows if r["kernel"] == kernel and r["m"] == m], 1, digits)
-
     lines = []
     for key, title, digits in (
         ("kl", "Mean KL(exact || favor) per residue (nats)", 4),
         ("top1", "Top-1 agreement with exact", 3),
         ("contact_dp", "Contact maps: mean |delta p| per pair (|i - j| >= 6)", 4),
         ("contact_overlap", "Contact maps: top-L/5 long-range (|i - j| >= 24) overlap", 3)):
-        lines += [f"### {title}", "", "| kernel | " + " | ".join(f"m={m}" for m in ms) + " |"]
-        lines.append("|---|" + "---|" * len(ms))
-        for kernel in kernels:
-            lines.append(
-                f"| {kernel} | " + " | ".join(cell(kernel, m, key, digits) for m in ms) + " |")
-        lines.append("")
+        body = [[kernel, *(h.cell([r[key] for r in h.select(rows, kernel=kernel, m=m)], 1, digits)
+                           for m in ms)] for kernel in kernels]  # fmt: skip
+        lines += [f"### {title}", "", h.markdown_table(["kernel", *(f"m={m}" for m in ms)], body,
+                                                        left=1 + len(ms)), ""]  # fmt: skip
     return "\n".join(lines)
 
 
@@ -216,44 +198,38 @@ def main(argv: Sequence[str] | None = None) -> int:
     else:
         reg = ContactRegression.from_dict(regression, source)
         reg_name = "the model's contact regression"
-    alphabet = Alphabet()
-    seqs = read_sequences(args.fasta, args.max_records, args.max_len)
+    from protein_performer.data.inputs import read_records
+
+    records = read_records(args.fasta, on_invalid="skip")[: args.max_records]
+    seqs = [r.sequence[: args.max_len - 2] for r in records]
     token_batches = batches(seqs, args.toks_per_batch)
-    masks = [residue_mask(t, alphabet) for t in token_batches]
+    masks = [~torch.isin(t, torch.tensor(Alphabet().special_idx)) for t in token_batches]
     with torch.no_grad():
         exact_logps = [
             F.log_softmax(exact(t).logits.double(), dim=-1)[k]
             for t, k in zip(token_batches, masks, strict=True)
         ]
-    exact_contacts = contact_maps(exact, seqs, reg)
+    exact_contacts = contact_maps(held, seqs, reg)
 
     args.out_dir.mkdir(parents=True, exist_ok=True)
     rows: list[dict] = []
     csv_path = args.out_dir / "swap.csv"
-    fields = ["kernel", "m", "seed", "kl", "top1", "contact_dp", "contact_overlap", "seconds"]
-    with open(csv_path, "w", newline="") as fh:
-        writer = csv.DictWriter(fh, fieldnames=fields)
-        writer.writeheader()
-        for kernel in args.kernels:
-            for m in args.ms:
-                for seed in range(args.seeds):
-                    start = time.perf_counter()
-                    favor = load_model(held, "cpu", attention="favor", kernel=kernel,
-                                       nb_features=m, seed=seed).model
-                    kl, top1 = compare(exact_logps, favor, token_batches, masks)
-                    dp, overlap = contact_change(exact_contacts, contact_maps(favor, seqs, reg))
-                    row = {"kernel": kernel, "m": m, "seed": seed, "kl": kl, "top1": top1,
-                           "contact_dp": dp, "contact_overlap": overlap,
-                           "seconds": round(time.perf_counter() - start, 3)}
-                    if not math.isfinite(kl):
-                        log.warning("%s m=%d seed=%d: non-finite KL", kernel, m, seed)
-                    rows.append(row)
-                    writer.writerow(row)
-                    fh.flush()
-                    log.info(
-                        "%-11s m=%-5d seed=%d KL=%.4g top1=%.3f contacts |dp|=%.4f overlap=%.3f",
-                        kernel, m, seed, kl, top1, dp, overlap,
-                    )  # fmt: skip
+    for kernel in args.kernels:
+        for m in args.ms:
+            for seed in range(args.seeds):
+                start = time.perf_counter()
+                favor = load_model(held, "cpu", attention="favor", kernel=kernel, nb_features=m,
+                                   seed=seed)  # fmt: skip
+                kl, top1 = compare(exact_logps, favor.model, token_batches, masks)
+                dp, overlap = contact_change(exact_contacts, contact_maps(favor, seqs, reg))
+                rows.append({"kernel": kernel, "m": m, "seed": seed, "kl": kl, "top1": top1,
+                             "contact_dp": dp, "contact_overlap": overlap,
+                             "seconds": round(time.perf_counter() - start, 3)})  # fmt: skip
+                if not math.isfinite(kl):
+                    log.warning("%s m=%d seed=%d: non-finite KL", kernel, m, seed)
+                log.info("%-11s m=%-5d seed=%d KL=%.4g top1=%.3f contacts |dp|=%.4f overlap=%.3f",
+                         kernel, m, seed, kl, top1, dp, overlap)  # fmt: skip
+    h.write_csv(csv_path, rows, FIELDS)
 
     n_res = sum(int(k.sum()) for k in masks)
     header = (

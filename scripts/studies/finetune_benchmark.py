@@ -55,6 +55,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 
 import harness as h
@@ -72,11 +73,9 @@ BURIED, EXPOSED = "B", "E"
 def load_scan(dms: Path, column: str, limit: int | None,
               seed: int) -> tuple[list[str], np.ndarray, np.ndarray]:
     """Mutant sequences, labels and mutated positions (NaN labels left out)."""
-    wt = "".join(
-        line.strip()
-        for line in (dms / "BLAT_ECOLX_wt_offset24.fasta").read_text().splitlines()
-        if not line.startswith(">")
-    )
+    from protein_performer.data.fasta import read_fasta
+
+    wt = next(read_fasta(dms / "BLAT_ECOLX_wt_offset24.fasta")).sequence
     seqs, ys, pos = [], [], []
     with open(dms / "BLAT_ECOLX_Ranganathan2015.csv", encoding="utf-8-sig", newline="") as fh:
         for row in csv.DictReader(fh):
@@ -129,30 +128,24 @@ def ridge_cv(x: np.ndarray, y: np.ndarray, fold_list: list[np.ndarray]) -> np.nd
     return pred
 
 
-def mode_lr_ratio(mode: str) -> float:
-    """The backbone (or adapter) LR over the head LR in ``conf/mode/MODE.yaml``."""
+def lr_overrides(mode: str, lr: float | None) -> list[str]:
+    """Overrides that set head LR ``lr`` and the backbone (or adapter) LR in the mode's default
+    ratio to it (``conf/mode/MODE.yaml``)."""
     from omegaconf import OmegaConf
 
-    conf = OmegaConf.load(ROOT / "protein_performer" / "conf" / "mode" / f"{mode}.yaml")
-    return float(conf.lr) / float(conf.head_lr)
-
-
-def lr_overrides(mode: str, lr: float | None) -> list[str]:
-    """Overrides that set head LR ``lr`` (and the mode's backbone LR in its default ratio)."""
     if lr is None:
         return []
-    return [f"mode.head_lr={lr:g}", f"mode.lr={lr * mode_lr_ratio(mode):g}"]
+    conf = OmegaConf.load(ROOT / "protein_performer" / "conf" / "mode" / f"{mode}.yaml")
+    return [f"mode.head_lr={lr:g}", f"mode.lr={lr * (float(conf.lr) / float(conf.head_lr)):g}"]
 
 
 def fold_table(path: Path, label: str, rows: list[tuple[str, str]], train: set[int],
                valid: set[int]) -> Path:
     """The labels table of one fold's ``finetune`` run: its train and valid rows of
     (sequence, label), with their split; the test rows stay out."""
-    with open(path, "w", newline="") as fh:
-        w = csv.writer(fh)
-        w.writerow(["sequence", label, "split"])
-        for i in sorted(train | valid):
-            w.writerow([*rows[i], "valid" if i in valid else "train"])
+    h.write_csv(path, [{"sequence": rows[i][0], label: rows[i][1],
+                        "split": "valid" if i in valid else "train"}
+                       for i in sorted(train | valid)], ["sequence", label, "split"])  # fmt: skip
     return path
 
 
@@ -221,24 +214,34 @@ def swept_cv(
     return pred, chosen
 
 
-def finetune_cv(base: str, mode: str, seqs: list[str], y: np.ndarray, fold_list: list[np.ndarray],
-                args: argparse.Namespace, work: Path) -> tuple[np.ndarray, list[dict]]:
-    """Out-of-fold predictions of ``finetune`` runs (one per fold and LR candidate), and the
-    LR each fold used (see :func:`swept_cv`)."""
+def finetune_cv(base: str, mode: str, rows: list[tuple[str, str]], label: str, extra: list[str],
+                decode: Callable, score: Callable[[list, list[int]], float],
+                fold_list: list[np.ndarray], args: argparse.Namespace, work: Path,
+                groups: np.ndarray | None = None) -> tuple[list, list[dict]]:  # fmt: skip
+    """Out-of-fold predictions of ``finetune`` runs (one per fold and LR candidate) on ``rows``
+    of (sequence, ``label``), each model's ``predict`` output turned into predictions by
+    ``decode(lm, output)``, and the LR each fold used (see :func:`swept_cv`)."""
     import protein_performer as pp
 
     def fit(f: int, train: set[int], valid: set[int], lr: float | None):  # noqa: ANN202
         tag = f"{mode}_fold{f}" + ("" if lr is None else f"_lr{lr:g}")
-        rows = [(seqs[i], f"{y[i]:.6f}") for i in range(len(seqs))]
-        table = fold_table(work / f"{tag}.csv", "label", rows, train, valid)
-        lm = pp.load(run_finetune(base, table, work / tag, mode, args, lr_overrides(mode, lr)),
-                     "cpu")  # fmt: skip
-        return lambda idx: lm.predict([seqs[i] for i in idx])
+        table = fold_table(work / f"{tag}.csv", label, rows, train, valid)
+        lm = pp.load(run_finetune(base, table, work / tag, mode, args,
+                                  [*extra, *lr_overrides(mode, lr)]), "cpu")  # fmt: skip
+        return lambda idx: decode(lm, lm.predict([rows[i][0] for i in idx]))
 
-    pred, chosen = swept_cv(
-        fit, lambda p, idx: h.spearman(np.asarray(p), y[idx]), len(y), fold_list, args.lrs,
-        args.select, args.seed,
-    )  # fmt: skip
+    return swept_cv(fit, score, len(rows), fold_list, args.lrs, args.select, args.seed, groups)
+
+
+def scan_cv(base: str, mode: str, seqs: list[str], y: np.ndarray, args: argparse.Namespace,
+            work: Path, kind: str, fold_list: list[np.ndarray]) -> tuple[np.ndarray, list[dict]]:
+    """:func:`finetune_cv` of the scan's labels on the ``kind`` folds, picking the LR by
+    Spearman."""
+    (work / kind).mkdir(parents=True)
+    pred, chosen = finetune_cv(
+        base, mode, [(s, f"{v:.6f}") for s, v in zip(seqs, y, strict=True)], "label", [],
+        lambda lm, out: out, lambda p, idx: h.spearman(np.asarray(p), y[idx]), fold_list, args,
+        work / kind)  # fmt: skip
     return np.asarray(pred, dtype=np.float64), chosen
 
 
@@ -309,31 +312,19 @@ def residue_cv(base: str, mode: str, chains: list[dict], fold_list: list[np.ndar
                args: argparse.Namespace, work: Path) -> tuple[list[str], list[dict]]:
     """Out-of-fold per-residue labels of ``finetune task=residue_classification`` runs; the LR
     (with ``--lrs``) is picked by MCC on held-out training chains."""
-    import protein_performer as pp
-
     truth = [c["labels"] for c in chains]
-    groups = np.array([c["group"] for c in chains])
+    extra = ["task=residue_classification", "data.labels=[burial]",
+             f"data.classes=[{BURIED},{EXPOSED}]"]  # fmt: skip
 
-    def fit(f: int, train: set[int], valid: set[int], lr: float | None):  # noqa: ANN202
-        tag = f"res_{mode}_fold{f}" + ("" if lr is None else f"_lr{lr:g}")
-        rows = [(c["sequence"], label) for c, label in zip(chains, truth, strict=True)]
-        table = fold_table(work / f"{tag}.csv", "burial", rows, train, valid)
-        extra = ["task=residue_classification", "data.labels=[burial]",
-                 f"data.classes=[{BURIED},{EXPOSED}]", *lr_overrides(mode, lr)]  # fmt: skip
-        lm = pp.load(run_finetune(base, table, work / tag, mode, args, extra), "cpu")
-        classes = lm.task_labels
-
-        def predict(idx: list[int]) -> list[str]:
-            probs = lm.predict([chains[i]["sequence"] for i in idx])
-            return ["".join(classes[k] for k in p.argmax(-1)) for p in probs]
-
-        return predict
+    def decode(lm, probs: list) -> list[str]:  # noqa: ANN001
+        return ["".join(lm.task_labels[k] for k in p.argmax(-1)) for p in probs]
 
     def score(pred: list[str], idx: list[int]) -> float:
         return residue_metrics(pred, [truth[i] for i in idx])["mcc"]
 
-    return swept_cv(fit, score, len(chains), fold_list, args.lrs, args.select, args.seed,
-                    groups)  # fmt: skip
+    return finetune_cv(base, mode, [(c["sequence"], c["labels"]) for c in chains], "burial",
+                       extra, decode, score, fold_list, args, work,
+                       np.array([c["group"] for c in chains]))  # fmt: skip
 
 
 def residue_check(models: list[tuple[str, str]], args: argparse.Namespace,
@@ -378,18 +369,6 @@ def lr_text(chosen: list[dict] | None) -> str:
     return ", ".join(f"{c['lr']:g}" for c in chosen)
 
 
-def per_fold(pred: np.ndarray, y: np.ndarray, fold_list: list[np.ndarray]) -> list[float]:
-    """Spearman within each test fold. The pooled out-of-fold Spearman also rewards (or
-    punishes) how well the folds' separate models agree on an offset and scale; this does not."""
-    return [h.spearman(pred[test], y[test]) for test in fold_list]
-
-
-def timed(fn: Callable[[], np.ndarray]) -> tuple[np.ndarray, float]:
-    start = time.process_time()
-    out = fn()
-    return out, time.process_time() - start
-
-
 def tiny_model(work: Path) -> str:
     import torch
 
@@ -404,70 +383,6 @@ def tiny_model(work: Path) -> str:
     loaded = LoadedModel(PerformerLM(config).eval(), config, Alphabet(), Path("tiny-random"),
                          torch.device("cpu"), "memory")
     return str(export_model(loaded, work / "tiny_random"))
-
-
-def _memory_child(length: int, checkpointing: bool, mode: str, queue) -> None:  # noqa: ANN001
-    """One forward + backward on one sequence of ``length`` residues (an ESM-2 8M-shape FAVOR+
-    model with a regression head) in a fresh process: the bytes autograd keeps for backward
-    (unique storages, what gradient checkpointing reduces) and the process's peak RSS."""
-    import resource
-
-    import torch
-
-    from protein_performer.data.tokenizer import Alphabet
-    from protein_performer.interop.finetuned import add_lora
-    from protein_performer.model.config import PerformerConfig
-    from protein_performer.model.performer import PerformerLM
-    from protein_performer.model.task_heads import (
-        HeadConfig,
-        TaskHead,
-        TaskModel,
-        set_gradient_checkpointing,
-    )
-
-    torch.set_num_threads(1)
-    torch.manual_seed(0)
-    backbone = PerformerLM(PerformerConfig())
-    if mode == "lora":
-        add_lora(backbone, {"r": 8, "lora_alpha": 16})
-    set_gradient_checkpointing(backbone, checkpointing)
-    model = TaskModel(backbone, TaskHead(HeadConfig(dim=backbone.config.dim))).train()
-    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    params |= {b.untyped_storage().data_ptr() for b in model.buffers()}
-    seen: dict[int, int] = {}
-
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        ptr = t.untyped_storage().data_ptr()
-        if ptr not in params:
-            seen[ptr] = t.untyped_storage().nbytes()
-        return t
-
-    tokens = Alphabet().encode_batch(["".join(AA[i % 20] for i in range(length))])
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        loss = model(tokens).sum()
-    loss.backward()
-    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
-    queue.put((sum(seen.values()) / 2**20, rss))
-
-
-def memory_table(lengths: list[int]) -> list[dict]:
-    """Memory of a fine-tuning step by length (lora / full, with and without checkpointing)."""
-    import multiprocessing as mp
-
-    ctx = mp.get_context("spawn")
-    rows = []
-    for mode in ("lora", "full"):
-        for checkpointing in (False, True):
-            for length in lengths:
-                queue = ctx.Queue()
-                proc = ctx.Process(target=_memory_child, args=(length, checkpointing, mode, queue))
-                proc.start()
-                saved, rss = queue.get()
-                proc.join()
-                rows.append({"mode": mode, "checkpointing": checkpointing, "length": length,
-                             "saved_mib": saved, "peak_rss_mib": rss,
-                             "saved_kib_per_residue": saved * 1024 / length})  # fmt: skip
-    return rows
 
 
 def parse_models(specs: list[str]) -> list[tuple[str, str]]:
@@ -494,8 +409,7 @@ def parse_lrs(text: str | None) -> list[float] | None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = h.parser(__doc__)
     p.add_argument(
         "--model", action="append", default=[], metavar="[NAME=]CKPT",
         help="pretrained model(s) to probe and fine-tune (repeatable); NAME labels the rows")
@@ -525,10 +439,6 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--quick", action="store_true",
                    help="CI size: 250 variants, 1 epoch, a tiny random model unless --model")
     p.add_argument("--out", type=Path, default=None, help="write the results as JSON here")
-    p.add_argument("--memory", type=int, nargs="*", default=None, metavar="L",
-                   help="also measure the peak memory of one fine-tuning step (8M shape) on one "
-                   "sequence of each length L (default 1000 4000), with and without "
-                   "gradient checkpointing")
     args = p.parse_args(argv)
     args.lrs = parse_lrs(args.lrs)
     default_methods = "frozen,lora" if args.residue else "onehot,frozen,lora,full"
@@ -565,37 +475,39 @@ def main(argv: list[str] | None = None) -> int:
         fold_sets = {k: folds(k, pos, args.folds, args.seed) for k in ("random", "position")}
         rows = []
 
-        def ridge_row(method: str, x: np.ndarray, cpu_s: float) -> dict:
-            """Ridge on features ``x``, both fold kinds; ``cpu_s`` the features' CPU time."""
-            row = {"method": method, "cpu_s": cpu_s}
+        def cv_row(method: str, cpu_s: float, predict: Callable) -> dict:
+            """Spearman of ``predict(kind, folds) -> (out-of-fold predictions, the LR per fold
+            or None)`` on both fold kinds; ``cpu_s``: what the features cost before."""
+            row: dict = {"method": method, "cpu_s": cpu_s}
             for kind, fl in fold_sets.items():
-                pred, t = timed(lambda fl=fl: ridge_cv(x, y, fl))
-                row[kind], row["cpu_s"] = h.spearman(pred, y), row["cpu_s"] + t
-                row[f"{kind}_per_fold"] = per_fold(pred, y, fl)
+                start = time.process_time()
+                pred, chosen = predict(kind, fl)
+                row["cpu_s"] += time.process_time() - start
+                # Also Spearman within each test fold: the pooled out-of-fold one also rewards
+                # (or punishes) how well the folds' models agree on an offset and scale.
+                row[kind] = h.spearman(pred, y)
+                row[f"{kind}_per_fold"] = [h.spearman(pred[test], y[test]) for test in fl]
+                if chosen is not None:
+                    row.setdefault("lrs", {})[kind] = chosen
             return row
 
+        def ridge(x: np.ndarray) -> Callable:
+            return lambda kind, fl: (ridge_cv(x, y, fl), None)
+
         if "onehot" in methods:
-            rows.append(ridge_row("one-hot ridge", one_hot(seqs), 0.0))
+            rows.append(cv_row("one-hot ridge", 0.0, ridge(one_hot(seqs))))
         for m, (label, base) in enumerate(models):
             if "frozen" in methods:
                 import protein_performer as pp
 
-                emb, t = timed(lambda base=base: pp.load(base, "cpu").embed(seqs))
-                rows.append(ridge_row(f"frozen ridge ({label})", emb, t))
+                start = time.process_time()
+                emb = pp.load(base, "cpu").embed(seqs)
+                rows.append(cv_row(f"frozen ridge ({label})", time.process_time() - start,
+                                   ridge(emb)))  # fmt: skip
             for mode in ("lora", "full"):
-                if mode not in methods:
-                    continue
-                row = {"method": f"{mode} ({label})", "cpu_s": 0.0, "lrs": {}}
-                for kind, fl in fold_sets.items():
-                    sub = work / f"m{m}_{mode}_{kind}"
-                    sub.mkdir()
-                    start = time.process_time()
-                    pred, chosen = finetune_cv(base, mode, seqs, y, fl, args, sub)
-                    row[kind] = h.spearman(pred, y)
-                    row[f"{kind}_per_fold"] = per_fold(pred, y, fl)
-                    row["cpu_s"] += time.process_time() - start
-                    row["lrs"][kind] = chosen
-                rows.append(row)
+                if mode in methods:
+                    rows.append(cv_row(f"{mode} ({label})", 0.0, partial(
+                        scan_cv, base, mode, seqs, y, args, work / f"m{m}_{mode}")))
     print(f"BLAT_ECOLX column {args.column}: {len(seqs)} variants, {args.folds}-fold CV, "
           f"{args.epochs} epoch(s) per fine-tune, torch threads {torch.get_num_threads()}, "
           f"load {os.getloadavg()[0]:.1f}")
@@ -609,17 +521,8 @@ def main(argv: list[str] | None = None) -> int:
     print(h.markdown_table(["method", "Spearman (random folds)", "Spearman (position folds)",
                             "mean per fold (random; position)",
                             "head LR per fold (random; position)", "CPU time"], table, left=6))
-    memory = None
-    if args.memory is not None:
-        memory = memory_table(args.memory or [1000, 4000])
-        print("\n" + h.markdown_table(
-            ["mode", "gradient checkpointing", "length", "kept for backward", "per residue",
-             "peak RSS"],
-            ([r["mode"], "on" if r["checkpointing"] else "off", r["length"],
-              f"{r['saved_mib']:.0f} MiB", f"{r['saved_kib_per_residue']:.0f} KiB",
-              f"{r['peak_rss_mib']:.0f} MiB"] for r in memory), left=6))  # fmt: skip
     if args.out:
-        write_json(args, {"n": len(seqs), "rows": rows, "memory": memory})
+        write_json(args, {"n": len(seqs), "rows": rows})
     return 0
 
 

@@ -269,10 +269,11 @@ def parser(doc: str, epilog: str | None = None) -> argparse.ArgumentParser:
                                    formatter_class=argparse.RawDescriptionHelpFormatter)
 
 
-def fresh_outputs(out_dir: Path, earlier: Sequence[Path], overwrite: bool) -> None:
-    """Make ``out_dir``; an earlier run's outputs there (``earlier``) are refused unless
-    ``overwrite``, which removes them."""
-    if any(p.exists() for p in earlier):
+def fresh_outputs(out_dir: Path, overwrite: bool) -> None:
+    """Make ``out_dir``; an earlier run's outputs there are refused unless ``overwrite``, which
+    removes them."""
+    earlier = list(out_dir.glob("*"))
+    if earlier:
         if not overwrite:
             print(f"error: {out_dir} holds an earlier run; pass --overwrite", file=sys.stderr)
             raise SystemExit(2)
@@ -284,72 +285,19 @@ def fresh_outputs(out_dir: Path, earlier: Sequence[Path], overwrite: bool) -> No
     out_dir.mkdir(parents=True, exist_ok=True)
 
 
-def study_parser(doc: str, out: str, jobs: int, quick_help: str, minutes: float,
-                 epilog: str = "") -> argparse.ArgumentParser:
-    """The flags every budgeted study has (training CPU-minutes per run: ``--minutes``); the
-    epilog says what the budget counts, then ``epilog``."""
-    p = parser(doc, "Budgets are CPU time of each training process (time.process_time, "
-               "validation excluded) with --threads torch threads" + epilog)
-    p.add_argument("--out", type=Path, default=Path(out))
-    p.add_argument("--data", nargs="+", default=None, help="FASTA inputs (default: shared corpus)")
-    p.add_argument("--minutes", type=float, default=minutes,
-                   help=f"training CPU-minutes per run ({minutes:g})")
-    p.add_argument("--seeds", type=int, default=2, help="seeds 0..N-1 per variant (default 2)")
-    p.add_argument("--first-seed", type=int, default=0,
-                   help="seeds run from here (default 0: 0..N-1)")
-    p.add_argument("--threads", type=int, default=1, help="torch threads per run (default 1)")
-    p.add_argument("--jobs", type=int, default=jobs, help=f"runs trained at once ({jobs})")
-    p.add_argument("--trainer", default="cpu", help="trainer config: cpu (default) or gpu")
-    p.add_argument("--skip-existing", action="store_true", help="reuse finished runs")
-    p.add_argument("--report-only", action="store_true",
-                   help="train and evaluate nothing: report the runs in --out that finished")
-    p.add_argument("--quick", action="store_true", help=quick_help)
-    return p
-
-
-def finish_args(args: argparse.Namespace, quick: dict[str, tuple[Any, Any]]) -> Budget:
-    """Apply ``--quick`` (``{key: (default, quick value)}``: only keys left at their default),
-    resolve ``--data`` (given paths from here, the defaults in the repository), turn ``--seeds``
-    into the list of seeds; returns the runs' budget (``--minutes`` of CPU time; of wall clock
-    on a GPU)."""
-    if args.quick:
-        for key, (default, value) in quick.items():
-            if getattr(args, key) == default:
-                setattr(args, key, value)
-    args.data = [str(Path(x).resolve()) for x in args.data or ()] or (
-        QUICK_DATA if args.quick else DEFAULT_DATA
-    )
-    args.seeds = list(range(args.first_seed, args.first_seed + args.seeds))
-    clock = "wall" if args.trainer == "gpu" else "cpu"
-    return Budget(seconds=float(f"{args.minutes * 60:g}"), clock=clock)
-
-
 # --------------------------------------------------------------------------------------------
 # Tables
 # --------------------------------------------------------------------------------------------
 
 
-def budget_line(args: argparse.Namespace) -> str:
-    """What each run of a :func:`finish_args` study got, for the report's header."""
-    clock = "wall-clock" if args.trainer == "gpu" else "CPU"
-    return (f"{args.minutes:g} {clock} minutes of training per run, {args.threads} torch "
-            f"thread(s), seeds {','.join(map(str, args.seeds))}")
-
-
-def mean_sd(values: Iterable[Any]) -> tuple[float, float]:
-    """Mean and sample sd of the finite numbers among ``values`` (NaN where there are none)."""
-    vals = [v for v in values if isinstance(v, (int, float)) and math.isfinite(v)]
-    if not vals:
-        return math.nan, math.nan
-    return statistics.fmean(vals), statistics.stdev(vals) if len(vals) > 1 else math.nan
-
-
 def cell(values: Iterable[Any], scale: float = 1.0, digits: int = 2) -> str:
-    """``mean ± sd`` over seeds (sd: sample standard deviation; absent for one seed)."""
-    m, s = mean_sd(v * scale for v in values)
-    if not math.isfinite(m):
+    """``mean ± sd`` over seeds of the finite numbers among ``values`` (sd: sample standard
+    deviation; absent for one seed; ``-`` for none)."""
+    vals = [v * scale for v in values if isinstance(v, (int, float)) and math.isfinite(v)]
+    if not vals:
         return "-"
-    return f"{m:.{digits}f}" + (f" ± {s:.{digits}f}" if math.isfinite(s) else "")
+    sd = f" ± {statistics.stdev(vals):.{digits}f}" if len(vals) > 1 else ""
+    return f"{statistics.fmean(vals):.{digits}f}" + sd
 
 
 def select(rows: list[dict[str, Any]], /, **match: Any) -> list[dict[str, Any]]:

@@ -51,45 +51,37 @@ from protein_performer.data.masking import IGNORE_INDEX
 from protein_performer.training.linearize_options import LinearizeOptions
 
 log = logging.getLogger("linearize_benchmark")
-DEFAULT_DATA = [h.SEQUENCES / "uniprot_mmseqs_train.fasta",
-                h.SEQUENCES / "swissprot_opal_train.fasta"]
 FIELDS = ("method", "window", "steps", "trainable", "cpu_s", "ppl", "ratio", "reached_1.02x",
           "cpu_s_to_1.02x")
 TARGET, RECIPE_TARGET = 1.01, 1.02  # the issue: <= 1.01x for less than the recipe's 1.02x
 
 
-@torch.no_grad()
-def heldout_ppl(model: torch.nn.Module, loader: Any) -> float:
-    """exp(token-weighted mean NLL) over the loader's MLM targets, eval mode, same as val/ppl."""
-    was_training = model.training
-    model.eval()
-    device = next(model.parameters()).device
-    nll, count = 0.0, 0
-    for batch in loader:
-        tokens = batch["tokens"].to(device)
-        targets = batch["targets"].to(device)
-        logits = model(tokens, padding_mask=batch["padding_mask"].to(device)).logits
-        nll += F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(),
-                               ignore_index=IGNORE_INDEX, reduction="sum").item()
-        count += int((targets != IGNORE_INDEX).sum())
-    model.train(was_training)
-    if count == 0:
-        raise RuntimeError("the held-out split has no masked tokens: use more records")
-    return math.exp(nll / count)
-
-
 class EvalClock:
-    """``heldout_ppl`` with its CPU time kept apart, so rows count their fitting alone."""
+    """Held-out perplexity: exp(token-weighted mean NLL) over the loader's MLM targets, eval
+    mode, same as val/ppl; its CPU time kept apart (``seconds``), so rows count their fitting
+    alone."""
 
     def __init__(self) -> None:
         self.seconds = 0.0
 
+    @torch.no_grad()
     def __call__(self, model: torch.nn.Module, loader: Any) -> float:
-        start = time.process_time()
-        try:
-            return heldout_ppl(model, loader)
-        finally:
-            self.seconds += time.process_time() - start
+        start, was_training = time.process_time(), model.training
+        model.eval()
+        device = next(model.parameters()).device
+        nll, count = 0.0, 0
+        for batch in loader:
+            tokens = batch["tokens"].to(device)
+            targets = batch["targets"].to(device)
+            logits = model(tokens, padding_mask=batch["padding_mask"].to(device)).logits
+            nll += F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(),
+                                   ignore_index=IGNORE_INDEX, reduction="sum").item()
+            count += int((targets != IGNORE_INDEX).sum())
+        model.train(was_training)
+        self.seconds += time.process_time() - start
+        if count == 0:
+            raise RuntimeError("the held-out split has no masked tokens: use more records")
+        return math.exp(nll / count)
 
 
 def make_eval_callback(loader: Any, every: int, curve: list[dict],
@@ -200,7 +192,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--exact-steps", type=int, default=3000,
                    help="without --exact-ckpt: the exact model's training steps")
     p.add_argument("--exact-lr", type=float, default=1e-3, help="its learning rate")
-    p.add_argument("--data", type=Path, nargs="+", default=DEFAULT_DATA,
+    p.add_argument("--data", type=Path, nargs="+", default=[Path(f) for f in h.DEFAULT_DATA],
                    help="the FASTA file(s) the exact model was (or is) trained on")
     p.add_argument("--limit-records", type=int, default=None)
     p.add_argument("--heldout-frac", type=float, default=0.02)
@@ -264,7 +256,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    h.fresh_outputs(args.out_dir, list(args.out_dir.glob("*")), args.overwrite)
+    h.fresh_outputs(args.out_dir, args.overwrite)
 
     import hydra
 
@@ -309,10 +301,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         "" if recipe_cpu is None else round(recipe_cpu, 1))
 
     for w in args.windows:
-        options = dict(kernel=args.kernel, window=w, lr=args.transfer_lr,
-                       max_len=args.max_len, max_tokens=args.max_tokens,
-                       heldout_frac=args.heldout_frac, seed=args.seed,
-                       save_every=10**9)  # fmt: skip
         out = args.out_dir / f"{args.kernel}_w{w}"
         seen: dict[str, float] = {}
 
@@ -324,7 +312,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         result = lz.fit_linear(
             ckpt, out, [str(p) for p in args.data],
             lz.LinearizeOptions(steps=args.transfer_steps, lora_steps=args.lora_steps,
-                                lora_lr=args.lora_lr, kl_weight=args.kl_weight, **options),
+                                lora_lr=args.lora_lr, kl_weight=args.kl_weight,
+                                kernel=args.kernel, window=w, lr=args.transfer_lr,
+                                max_len=args.max_len, max_tokens=args.max_tokens,
+                                heldout_frac=args.heldout_frac, seed=args.seed,
+                                save_every=10**9),
             device="cpu", show_progress=False, after_transfer=transferred,
         )  # fmt: skip
         cpu = time.process_time() - start - (clock.seconds - before)

@@ -75,13 +75,6 @@ FIELDS = ("part", "objective", "variant", "seed", "steps", "train_cpu_s", "wall_
 # --------------------------------------------------------------------------------------------
 
 
-def model_overrides(args: argparse.Namespace, small: bool = False) -> list[str]:
-    model = h.QUICK_MODEL if args.quick else MODEL
-    if small:
-        model = [*model, *(QUICK_SMALL_EXACT if args.quick else SMALL_EXACT)]
-    return [f"model.config.{kv}" for kv in model]
-
-
 def eval_cmd(ckpt: Path, store: Path, split: str, out: Path,
              args: argparse.Namespace) -> list[str]:
     limit = ["--limit", str(args.eval_limit)] if args.eval_limit else []
@@ -98,9 +91,14 @@ def plan_runs(args: argparse.Namespace, store: Path, budget: h.Budget) -> list[h
     runs_dir = args.out.resolve() / "runs"
     shared = h.store_overrides(args, store, budget)
 
-    def run(part: str, variant: str, seed: int, overrides: list[str]) -> h.Run:
+    def run(part: str, variant: str, seed: int, attention: list[str], extra: list[str],
+            small: bool = False) -> h.Run:  # fmt: skip
         name = f"{part}-{variant}-s{seed}"
         tags = {"part": part, "objective": "clm" if part == "uni" else "mlm"}
+        model = [*(h.QUICK_MODEL if args.quick else MODEL),
+                 *((QUICK_SMALL_EXACT if args.quick else SMALL_EXACT) if small else [])]
+        overrides = [f"experiment={OBJECTIVES[part if part == 'uni' else 'bid']}", *shared,
+                     *attention, *(f"model.config.{kv}" for kv in model), *extra, f"seed={seed}"]
         r = h.Run(name, overrides, runs_dir / name, {**tags, "variant": variant, "seed": seed})
         if part != "concat":
             for split in SPLITS:
@@ -116,34 +114,24 @@ def plan_runs(args: argparse.Namespace, store: Path, budget: h.Budget) -> list[h
             if part not in parts and "single" not in parts:
                 continue
             for variant, attention in h.ATTENTION.items():
-                overrides = [f"experiment={OBJECTIVES[part]}", *shared, *attention,
-                             *model_overrides(args), "model.optim.warmup_steps=100",
-                             f"data.max_len={args.max_len}", f"data.max_tokens={args.max_tokens}",
-                             f"trainer.val_check_interval={args.val_every}",
-                             f"trainer.limit_val_batches={args.val_batches}", f"seed={seed}"]
-                runs.append(run(part, variant, seed, overrides))
+                runs.append(run(part, variant, seed, attention, [
+                    "model.optim.warmup_steps=100", f"data.max_len={args.max_len}",
+                    f"data.max_tokens={args.max_tokens}",
+                    f"trainer.val_check_interval={args.val_every}",
+                    f"trainer.limit_val_batches={args.val_batches}"]))
         if "concat" in parts and seed < args.first_seed + args.concat_seeds:
             favor = f"favor-{args.concat_kernel}"
             concat_variants = {favor: (h.ATTENTION[favor], False),
                                "exact": (h.ATTENTION["exact"], False),
                                "exact-small": (h.ATTENTION["exact"], True)}
             for variant, (attention, small) in concat_variants.items():
-                overrides = [
-                    "experiment=small_mlm",
-                    *shared,
-                    *attention,
-                    *model_overrides(args, small),
+                runs.append(run("concat", variant, seed, attention, [
                     # Few steps fit the budget at this length: a short warmup, so the
                     # slower models are not compared while their LR is still near zero.
-                    "model.optim.warmup_steps=5",
-                    "data.concat=true",
-                    f"data.max_len={args.concat_len}",
-                    f"data.max_tokens={args.concat_len}",
+                    "model.optim.warmup_steps=5", "data.concat=true",
+                    f"data.max_len={args.concat_len}", f"data.max_tokens={args.concat_len}",
                     f"trainer.val_check_interval={args.concat_val_every}",
-                    f"trainer.limit_val_batches={args.concat_val_batches}",
-                    f"seed={seed}",
-                ]
-                runs.append(run("concat", variant, seed, overrides))
+                    f"trainer.limit_val_batches={args.concat_val_batches}"], small))
     return runs
 
 
@@ -189,12 +177,10 @@ def table2(rows: list[dict[str, Any]], base: dict[tuple[str, str], dict[str, Any
         for variant in h.ATTENTION:
             sel = h.select(rows, part=part, variant=variant)
             if sel:
-                lines.append(
-                    [variant, part.upper(), h.cell([r["test_acc"] for r in sel], 100),
-                     h.cell([r["test_ppl"] for r in sel]),
-                     h.cell([r["ood_acc"] for r in sel], 100), h.cell([r["ood_ppl"] for r in sel]),
-                     h.cell([r["steps"] for r in sel], 1, 0), len(sel)]
-                )
+                lines.append([variant, part.upper(), *(
+                    h.cell([r[key] for r in sel], scale, digits) for key, scale, digits in
+                    (("test_acc", 100, 2), ("test_ppl", 1, 2), ("ood_acc", 100, 2),
+                     ("ood_ppl", 1, 2), ("steps", 1, 0))), len(sel)])  # fmt: skip
         if (objective, "test") in base and h.select(rows, part=part):
             t, o = base[(objective, "test")], base[(objective, "ood")]
             lines.append(
@@ -203,24 +189,19 @@ def table2(rows: list[dict[str, Any]], base: dict[tuple[str, str], dict[str, Any
     return h.markdown_table([*header, "steps", "seeds"], lines, left=2)
 
 
+#: The concatenated table's columns: (header, row key, scale, digits).
+CONCAT_COLUMNS = (("steps", "steps", 1, 0), ("val acc (%)", "val_acc", 100, 2),
+                  ("val ppl", "val_ppl", 1, 2), ("peak RSS (MiB)", "peak_rss_mib", 1, 0),
+                  ("train CPU (s)", "train_cpu_s", 1, 0), ("wall (s)", "wall_s", 1, 0))
+
+
 def concat_table(rows: list[dict[str, Any]]) -> str:
-    header = ["model", "steps", "val acc (%)", "val ppl", "peak RSS (MiB)", "train CPU (s)"]
     lines = []
     for variant in dict.fromkeys(r["variant"] for r in h.select(rows, part="concat")):
         sel = h.select(rows, part="concat", variant=variant)
-        lines.append(
-            [
-                variant,
-                h.cell([r["steps"] for r in sel], 1, 0),
-                h.cell([r["val_acc"] for r in sel], 100),
-                h.cell([r["val_ppl"] for r in sel]),
-                *(
-                    h.cell([r[k] for r in sel], 1, 0)
-                    for k in ("peak_rss_mib", "train_cpu_s", "wall_s")
-                ),
-            ]
-        )
-    return h.markdown_table([*header, "wall (s)"], lines)
+        lines.append([variant, *(h.cell([r[key] for r in sel], scale, digits)
+                                 for _, key, scale, digits in CONCAT_COLUMNS)])  # fmt: skip
+    return h.markdown_table(["model", *(c[0] for c in CONCAT_COLUMNS)], lines)
 
 
 def plot_curves(rows: list[dict[str, Any]], parts: tuple[str, ...], path: Path,
@@ -254,7 +235,10 @@ def report(rows: list[dict[str, Any]], base: dict[tuple[str, str], dict[str, Any
            args: argparse.Namespace) -> str:
     out = args.out.resolve()
     h.write_csv(out / "runs.csv", rows, FIELDS)
-    header = h.budget_line(args) + (" (quick: tiny models)" if args.quick else "")
+    clock = "wall-clock" if args.trainer == "gpu" else "CPU"
+    header = (f"{args.minutes:g} {clock} minutes of training per run, {args.threads} torch "
+              f"thread(s), seeds {','.join(map(str, args.seeds))}"
+              + (" (quick: tiny models)" if args.quick else ""))
     lines = []
     if any(r["part"] in ("uni", "bid") for r in rows):
         lines += ["## Single sequences (Table 2)", "",
@@ -281,11 +265,25 @@ def report(rows: list[dict[str, Any]], base: dict[tuple[str, str], dict[str, Any
 
 
 def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, h.Budget]:
-    p = h.study_parser(
-        __doc__, "outputs/paper_protein", jobs=1, minutes=10.0,
-        epilog=", so runs stay comparable on a shared machine; --trainer gpu switches to wall "
-        "clock. See the module docstring.",
-        quick_help="smoke run: tiny models, the bundled demo FASTA, 3 CPU-seconds per run, 1 seed")
+    p = h.parser(__doc__, "Budgets are CPU time of each training process (time.process_time, "
+                 "validation excluded) with --threads torch threads, so runs stay comparable on "
+                 "a shared machine; --trainer gpu switches to wall clock. See the module "
+                 "docstring.")
+    p.add_argument("--out", type=Path, default=Path("outputs/paper_protein"))
+    p.add_argument("--data", nargs="+", default=None, help="FASTA inputs (default: shared corpus)")
+    p.add_argument("--minutes", type=float, default=10.0,
+                   help="training CPU-minutes per run (10)")
+    p.add_argument("--seeds", type=int, default=2, help="seeds 0..N-1 per variant (default 2)")
+    p.add_argument("--first-seed", type=int, default=0,
+                   help="seeds run from here (default 0: 0..N-1)")
+    p.add_argument("--threads", type=int, default=1, help="torch threads per run (default 1)")
+    p.add_argument("--jobs", type=int, default=1, help="runs trained at once (1)")
+    p.add_argument("--trainer", default="cpu", help="trainer config: cpu (default) or gpu")
+    p.add_argument("--skip-existing", action="store_true", help="reuse finished runs")
+    p.add_argument("--report-only", action="store_true",
+                   help="train and evaluate nothing: report the runs in --out that finished")
+    p.add_argument("--quick", action="store_true", help="smoke run: tiny models, the bundled "
+                   "demo FASTA, 3 CPU-seconds per run, 1 seed")
     p.add_argument("--parts", default="uni,bid,concat",
                    help="comma list of uni, bid, concat (default all)")
     p.add_argument("--identity", type=float, default=0.5, help="MMseqs2 identity of OOD groups")
@@ -308,16 +306,24 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, h.Bud
     p.add_argument("--concat-seeds", type=int, default=None,
                    help="seeds of the concatenated part (--seeds)")
     args = p.parse_args(argv)
-    quick = {"minutes": (10.0, 0.05), "max_len": (1024, 256), "concat_len": (8192, 512)}
-    budget = h.finish_args(args, {**quick, "seeds": (2, 1)})
-    if args.concat_seeds is None:
-        args.concat_seeds = len(args.seeds)
-    if args.quick:
+    if args.quick:  # each of these only where left at its default
+        quick = {"minutes": (10.0, 0.05), "max_len": (1024, 256), "concat_len": (8192, 512),
+                 "seeds": (2, 1)}  # fmt: skip
+        for key, (default, value) in quick.items():
+            if getattr(args, key) == default:
+                setattr(args, key, value)
         args.max_tokens = min(args.max_tokens, 2048)
         args.val_every = min(args.val_every, 10)
         args.valid_frac, args.test_frac, args.ood_frac = 0.1, 0.1, 0.1
         args.identity = min(args.identity, 0.5)
-    return args, budget
+    # --data: given paths from here, the defaults in the repository
+    args.data = [str(Path(x).resolve()) for x in args.data or ()] or (
+        h.QUICK_DATA if args.quick else h.DEFAULT_DATA)
+    args.seeds = list(range(args.first_seed, args.first_seed + args.seeds))
+    if args.concat_seeds is None:
+        args.concat_seeds = len(args.seeds)
+    clock = "wall" if args.trainer == "gpu" else "cpu"  # CPU time says little about GPU work
+    return args, h.Budget(seconds=float(f"{args.minutes * 60:g}"), clock=clock)
 
 
 def main(argv: list[str] | None = None) -> int:
