@@ -77,7 +77,7 @@ def hit_coordinates(description: str, length: int) -> tuple[str, np.ndarray] | N
     facing a query gap (an insertion) the nearer of the query residues around the gap, as an
     MSA's insertions (``data.msa``). Without it (a header cut short), the aligned range
     ``tstart..tend`` is stretched linearly onto ``qstart..qend``: exact at both ends, off
-    inside by the indels between (``scripts/studies/hit_coordinates.py`` measures how far).
+    inside by the indels between (docs/RESULTS.md, "Where do `homologs`' hits land", says how far).
     One residue per query residue (``data.msa.one_per_column``: the facing one, else the
     first); the others, and residues outside the aligned range, are unplaced (-1)."""
     found: dict[str, str] = {}
