@@ -3,4 +3,4 @@ floor: the files the package writes record it (exports, embeddings files) and th
 and none of them has to import the package's entry points (``__init__.py``), which sit above
 everything and import the API, jobs and training on first use."""
 
-__version__ = "0.8.0"
+__version__ = "0.8.1"
