@@ -181,7 +181,7 @@ class ProteinDataModule(pl.LightningDataModule):
         self.split_flag = split_flag
         self._families: dict[str, Any] = {}
         self._inputs: list[Input] | None = None  # data.path opened once: :meth:`_open`
-        if layout == "family" and (len(self.paths) != 1 or self._store() is None):
+        if layout == "family" and (len(self.paths) != 1 or not self.paths[0].is_dir()):
             raise UserError(_FAMILY_NEEDS_STORE)
         self.alphabet = Alphabet()
         self.collator = ProteinCollator(self.alphabet)
@@ -205,8 +205,6 @@ class ProteinDataModule(pl.LightningDataModule):
         the same store."""
         if self._inputs is None:
             missing = [p for p in self.paths if not p.exists()]
-            if missing and self.layout == "family":
-                raise UserError(_FAMILY_NEEDS_STORE)
             if missing:
                 raise UserError(
                     f"data.path {str(missing[0])!r} does not exist: give a store directory "
@@ -332,7 +330,7 @@ class ProteinDataModule(pl.LightningDataModule):
         from protein_performer.data.preprocess import default_workers
 
         store = self._store()
-        assert store is not None  # a family layout is refused without one at construction
+        assert store is not None  # a family layout is refused without a directory at construction
         if split not in self._families:
             if "clusters" not in store.meta.get("split", {}):
                 log.warning(

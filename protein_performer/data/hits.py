@@ -2,7 +2,8 @@
 written with, and how those fields place its residues on its query (the CIGAR string and the
 aligned ranges). Made by the search (:mod:`protein_performer.data.homology`, whose training
 families place their members the same way) and read back from a context file
-(:mod:`protein_performer.data.inputs`): both import it from here, so neither needs the other.
+(:mod:`protein_performer.data.inputs`): both import it from here, so inputs need not import
+homology.
 """
 
 from __future__ import annotations

@@ -21,7 +21,6 @@ from typing import Any
 import numpy as np
 
 from protein_performer.data.hits import HIT_FIELDS, HOMOLOG_FORMAT, Homolog, alignment_coordinates
-from protein_performer.data.hits import hit_coordinates as hit_coordinates  # its name here too
 from protein_performer.data.inputs import open_input
 from protein_performer.data.stdin import display_name
 from protein_performer.errors import UserError

@@ -425,7 +425,7 @@ def homologs(out: Path, names: tuple[str, str, str], queries: Iterable[str], db:
     its placement on the query by the CIGAR string of its header, its record)."""
     from Bio import SeqIO
 
-    from protein_performer.data.homology import hit_coordinates
+    from protein_performer.data.hits import hit_coordinates
 
     query_fasta, db_fasta, hits_fasta = (out / name for name in names)
     if not hits_fasta.exists():

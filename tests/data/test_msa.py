@@ -9,7 +9,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from protein_performer.data.homology import Homolog, hit_coordinates, write_homologs
+from protein_performer.data.hits import Homolog, hit_coordinates
+from protein_performer.data.homology import write_homologs
 from protein_performer.data.inputs import read_homologs
 from protein_performer.data.msa import UNPLACED, place
 from protein_performer.errors import UserError
