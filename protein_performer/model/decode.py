@@ -57,9 +57,7 @@ def unsupported(model: PerformerLM) -> str | None:
         if fmap is None:  # the innermost core without a step map (a wrapper's is its inner's)
             core = next(c for c in reversed(attn.core.cores())
                         if c.step_map(device, torch.float32) is None)  # fmt: skip
-            why = core.untraced
-            return (f"layer {i} has {core.label or core.name}, which has no traced "
-                    f"step" + (f": {why}" if why else ""))  # fmt: skip
+            return f"layer {i} has {core.label or core.name}, which has no traced step"
         if not (fmap.exp and fmap.Wa.dim() == 2):
             return f"layer {i}'s kernel {attn.core.kernel!r} has no exp step"
         plain = attn._fusable() and all(
@@ -124,7 +122,7 @@ class CompiledStep:
         if self._flat is not None and self._key == key:
             return self._flat
         layers, maps = [], []
-        for layer in model.layers:
+        for layer, wraps in zip(model.layers, self._wraps, strict=True):
             attn = layer.self_attn
             qkv_w, qkv_b = attn._qkv_weights()
             fmap = attn.core.step_map(device, torch.float32)
@@ -134,7 +132,7 @@ class CompiledStep:
                 + [*_norm(layer.final_layer_norm), layer.fc1.weight.T, layer.fc1.bias]
                 + [layer.fc2.weight, layer.fc2.bias, fmap.Wa]
                 + ([] if fmap.bias is None else [fmap.bias])
-                + [t for w in attn.core.cores()[:-1] for t in w.step_weights()]
+                + [t for w in wraps for t in w.step_weights()]
             )
             maps.append(fmap)
         head = model.lm_head
@@ -188,7 +186,7 @@ class CompiledStep:
         # a graph per batch size and wrapper buffer shapes (a memory's grow by doubling)
         key = (B, *sorted({tuple(b.shape) for layer in bufs for w in layer for b in w}))
         if self._fn is not None and self._compiled_for is not None:
-            if key not in self._compiled_for:  # the first token of a batch size waits for it
+            if key not in self._compiled_for:  # a batch and memory size's first token waits
                 self._compiled_for.add(key)
                 note = "compiling the decoding step for batch size %d%s (once; tens of seconds)"
                 log.info(note, B, "".join(f", buffers {tuple(n)}" for n in key[1:]))

@@ -102,9 +102,6 @@ class AttentionCore(nn.Module):
     softmax: ClassVar[str] = "none"
     #: Words for messages ("FAVOR+ attention", "a position memory").
     label: ClassVar[str] = ""
-    #: Why the traced decoding step (``model.decode``) cannot run this core, when it has no
-    #: :meth:`step_map`, for the one line that says so ("": no reason beyond that).
-    untraced: ClassVar[str] = ""
     #: Whether the core keys a memory by position and takes aligned ``coordinates`` as those
     #: keys (the position memory); the others are never handed them.
     reads_coordinates: ClassVar[bool] = False

@@ -748,8 +748,9 @@ class PositionMemory(CoreWrapper):
         if self.reads_own:
             return (mem,)
         part = _step_buffer(state.part, shape, dtype, device, inplace)
-        cont = (torch.zeros_like(keep) if state.last is None
-                else positions == state.last.to(positions) + 1)  # fmt: skip
+        cont = self._continues(positions[:, None], state)
+        if cont is None:  # no member held yet: nothing to continue
+            cont = torch.zeros_like(keep)
         # on CPU a look is cheap and skips a pass over the buffer; on a GPU it would be a sync
         if device.type != "cpu" or not bool(cont.all()):
             part.mul_(cont.to(dtype)[:, None, None, None])
