@@ -138,8 +138,7 @@ def run_case(case: dict[str, Any]) -> dict[str, Any]:
     """Measure one (impl, length) in this process; returns the result row."""
     import torch
 
-    if case.get("threads"):
-        torch.set_num_threads(int(case["threads"]))
+    common.start_case(case)  # its threads (no memory limit: the cases carry none)
     device = torch.device(case["device"])
     length = int(case["length"])
     model, forward = _build(case["impl"], max(length, 1024), case.get("nb_features"))

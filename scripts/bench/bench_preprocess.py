@@ -14,10 +14,10 @@ Targets (issue 2): ours >= 0.5x the parse-only MB/s, and peak RSS < 1 GB.
     python scripts/bench/bench_preprocess.py --size-gb 2               # the real measurement
     python scripts/bench/bench_preprocess.py --size-gb 2 --workers 1 2 # compare worker counts
 
-Peak RSS of the tree is reported two ways: ``sampled`` sums the RSS of the child and all its
-descendants every 20 ms (psutil) and keeps the maximum; ``bound`` is the child's own peak plus
-``workers`` times the largest worker peak (getrusage), an upper bound that sampling cannot miss.
-The RSS target is checked against the larger of the two. The exit status is 1 when a target
+Peak RSS of the tree, checked against the RSS target, is the larger of two measures:
+``sampled`` sums the RSS of the child and all its descendants every 20 ms (psutil) and keeps
+the maximum; ``bound`` is the child's own peak plus ``workers`` times the largest worker peak
+(getrusage), an upper bound that sampling cannot miss. The exit status is 1 when a target
 is missed, except with ``--quick``: at 20 MB the worker processes' start-up (about a second,
 more on a loaded machine) outweighs the parsing, so a smoke run says so and exits 0.
 """

@@ -445,15 +445,13 @@ def real_targets(store: Path, out: Path, n: int, max_residues: int, seed: int
     ``homologs``' own placement."""
     from Bio import SeqIO
 
-    from protein_performer.data.homology import _decoder
     from protein_performer.data.msa import Member
     from protein_performer.data.store import TokenStore
 
     st = TokenStore(store)
-    lut = _decoder(st.meta["vocab"])
 
     def record(i: int) -> str:
-        return f">{st.id(int(i))}\n{lut[st.tokens(int(i))].tobytes().decode('ascii')}\n"
+        return f">{st.id(int(i))}\n{st.sequence(int(i))}\n"
 
     test = (record(i) for i in st.indices("test") if st.lengths[int(i)] <= max_residues)
     placed = homologs(out, ("q.fasta", "db.fasta", "hits.fasta"), test,
