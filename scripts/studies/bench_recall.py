@@ -595,7 +595,7 @@ def main(argv: list[str] | None = None) -> int:
     out = args.out.resolve()
     out.mkdir(parents=True, exist_ok=True)
     need = args.families + args.eval_families
-    ancestors = read_corpus(CORPUS, args.min_len, args.max_len, need, args.seed)
+    ancestors = read_corpus(args.corpus, args.min_len, args.max_len, need, args.seed)
     results: dict = {"steps": args.steps, "mqar_steps": args.mqar_steps, "family": {}, "mqar": {}}
     jobs = []  # (where the result goes, run group, design, data, overrides, steps, evaluate)
     for identity, indel in settings:
